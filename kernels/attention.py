@@ -1,0 +1,45 @@
+"""Causal attention of a flat batch of query tokens against per-sequence KV caches.
+
+Legend: T query tokens (all sequences, flattened), B sequences, Q longest query chunk of a sequence,
+S cached keys per sequence (the longest context in the batch), N query heads, K key/value heads
+(N % K == 0, grouped-query attention), H head dim.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def cached_attention(
+    q_TNH: torch.Tensor,
+    k_BKSH: torch.Tensor,
+    v_BKSH: torch.Tensor,
+    seq_idx_T: torch.Tensor,
+    tok_idx_T: torch.Tensor,
+    positions_T: torch.Tensor,
+    max_q_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Reference attention for prefill, decode, or any mix of the two in one call.
+
+    Query token t belongs to sequence seq_idx_T[t], is the tok_idx_T[t]-th query of that sequence in
+    this call, and sits at absolute position positions_T[t]. Key j of sequence b (the cache row
+    k_BKSH[b, :, j]) is visible to a query at position p when j <= p and, with a sliding window w,
+    j > p - w (transformers' convention). The caches must already hold this call's keys.
+    Returns o_TNH in q's dtype.
+    """
+    B, S = k_BKSH.shape[0], k_BKSH.shape[2]
+    T, N, H = q_TNH.shape
+    q_BQNH = q_TNH.new_zeros(B, max_q_len, N, H)
+    q_BQNH[seq_idx_T, tok_idx_T] = q_TNH
+    # Padding rows see key 0 only, so no row of the softmax is empty (no NaN); they are dropped below.
+    qpos_BQ = torch.zeros(B, max_q_len, dtype=torch.long, device=q_TNH.device)
+    qpos_BQ[seq_idx_T, tok_idx_T] = positions_T
+    key_pos_S = torch.arange(S, device=q_TNH.device)
+    mask_BQS = key_pos_S[None, None, :] <= qpos_BQ[:, :, None]
+    if sliding_window:
+        mask_BQS &= key_pos_S[None, None, :] > (qpos_BQ[:, :, None] - sliding_window)
+    o_BNQH = F.scaled_dot_product_attention(
+        q_BQNH.transpose(1, 2), k_BKSH, v_BKSH, attn_mask=mask_BQS[:, None], scale=scale,
+        enable_gqa=N != k_BKSH.shape[1],
+    )
+    return o_BNQH.transpose(1, 2)[seq_idx_T, tok_idx_T]

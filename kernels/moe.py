@@ -1,0 +1,104 @@
+"""Mixture-of-experts computation: permute tokens by expert, grouped SwiGLU GEMM, weighted combine.
+
+Legend: T tokens, D hidden, K experts per token, E experts, I expert intermediate size,
+N = T*K token-expert pairs (rows after permutation).
+Weights: w13_EID2 is stored as (E, 2I, D): rows [0, I) are the gate projection (w1 / gate_proj),
+rows [I, 2I) the up projection (w3 / up_proj); w2_EDI is (E, D, I), the down projection.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Permutation:
+    """How token-expert pairs were sorted by expert; `unpermute` consumes it.
+
+    token_idx_N: source token of each sorted row. pair_idx_N: index into the flattened (T*K)
+    top-k arrays. counts_E: rows per expert (CPU list, so slicing needs no device sync later).
+    """
+
+    token_idx_N: torch.Tensor
+    pair_idx_N: torch.Tensor
+    counts_E: list[int]
+    num_tokens: int
+
+
+def permute(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, Permutation]:
+    """Copy each token once per chosen expert, grouped by expert id (stable within an expert).
+
+    Returns x_ND, whose rows for expert e are the contiguous slice
+    [sum(counts[:e]), sum(counts[:e+1])), and the Permutation to undo it.
+    """
+    T, K = topk_ids_TK.shape
+    flat_ids_N = topk_ids_TK.reshape(-1)
+    pair_idx_N = torch.argsort(flat_ids_N, stable=True)
+    token_idx_N = torch.div(pair_idx_N, K, rounding_mode="floor")
+    counts_E = torch.bincount(flat_ids_N, minlength=num_experts).tolist()
+    return x_TD.index_select(0, token_idx_N), Permutation(token_idx_N, pair_idx_N, counts_E, T)
+
+
+def grouped_swiglu(x_ND: torch.Tensor, counts_E: list[int], w13_EID2: torch.Tensor, w2_EDI: torch.Tensor) -> torch.Tensor:
+    """For each expert e, y = (silu(x W1^T) * (x W3^T)) W2^T over its contiguous slice of rows.
+
+    One matmul pair per active expert; experts with no rows cost nothing. Returns y_ND in x's dtype.
+    """
+    y_ND = torch.empty_like(x_ND)
+    start = 0
+    for e, n in enumerate(counts_E):
+        if n == 0:
+            continue
+        rows = slice(start, start + n)
+        gate_up = F.linear(x_ND[rows], w13_EID2[e])
+        gate, up = gate_up.chunk(2, dim=-1)
+        y_ND[rows] = F.linear(F.silu(gate) * up, w2_EDI[e])
+        start += n
+    return y_ND
+
+
+def unpermute(y_ND: torch.Tensor, perm: Permutation, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+    """Weight each row by its router weight and sum the K rows of each token: returns y_TD.
+
+    The product is taken in float32 when the weights are float32 (as Mixtral's reference does) and
+    the result is cast back to y's dtype.
+    """
+    w_N = topk_weights_TK.reshape(-1).index_select(0, perm.pair_idx_N)
+    weighted_ND = (y_ND * w_N[:, None]).to(y_ND.dtype)
+    out_TD = torch.zeros(perm.num_tokens, y_ND.shape[1], dtype=y_ND.dtype, device=y_ND.device)
+    return out_TD.index_add_(0, perm.token_idx_N, weighted_ND)
+
+
+def fused_moe(
+    x_TD: torch.Tensor,
+    w13_EID2: torch.Tensor,
+    w2_EDI: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+) -> torch.Tensor:
+    """Reference MoE: permute -> grouped SwiGLU GEMM -> weighted combine. Returns y_TD (x's dtype).
+
+    x_TD: activations; topk_ids_TK int64 in [0, E); topk_weights_TK float32 or x's dtype.
+    """
+    x_ND, perm = permute(x_TD, topk_ids_TK, w13_EID2.shape[0])
+    y_ND = grouped_swiglu(x_ND, perm.counts_E, w13_EID2, w2_EDI)
+    return unpermute(y_ND, perm, topk_weights_TK)
+
+
+def moe_gather_einsum(
+    x_TD: torch.Tensor,
+    w13_EID2: torch.Tensor,
+    w2_EDI: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+) -> torch.Tensor:
+    """The naive formulation (gpt-fast's ConditionalFeedForward): gather every chosen expert's
+    weights per token and contract with einsum. Kept as a second oracle and as the baseline of
+    bench/moe_cpu.py; it copies K full expert matrices per token, so it is slow for large T.
+    """
+    w13_TKID2 = w13_EID2[topk_ids_TK]
+    w2_TKDI = w2_EDI[topk_ids_TK]
+    gate_up_TKI2 = torch.einsum("td,tkfd->tkf", x_TD, w13_TKID2)
+    gate, up = gate_up_TKI2.chunk(2, dim=-1)
+    y_TKD = torch.einsum("tki,tkdi->tkd", F.silu(gate) * up, w2_TKDI)
+    return torch.einsum("tkd,tk->td", y_TKD.float(), topk_weights_TK.float()).to(x_TD.dtype)

@@ -1,0 +1,84 @@
+"""The built-in model and tiny random checkpoints, made locally (never downloaded).
+
+Until the training module ships a trained built-in model, `builtin_model_dir()` creates a small
+Mixtral-shaped checkpoint with random weights (fixed seed) on first use and says so in the log.
+Tokenizers are byte-level BPE trained with `tokenizers` on text every Python install carries
+(pydoc_data's topics), saved so that `AutoTokenizer.from_pretrained` loads them offline.
+"""
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger("shuttle")
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|end|>"]
+
+
+def corpus() -> list[str]:
+    """English text available offline on every machine: the Python documentation's topics."""
+    from pydoc_data.topics import topics
+    return [topics[k] for k in sorted(topics)]
+
+
+def train_tokenizer(out_dir: str | Path, vocab_size: int = 1024) -> None:
+    """Train a byte-level BPE tokenizer and save it (tokenizer.json + config) into out_dir."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                   pad_token="<|pad|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+
+
+def make_random_checkpoint(out_dir: str | Path, config, seed: int = 0, dtype: str = "float32",
+                           tokenizer_dir: str | Path | None = None) -> Path:
+    """Save a transformers model with random weights built from `config` (a transformers config
+    object), plus a tokenizer (copied from tokenizer_dir, or trained). Returns out_dir."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+    model.save_pretrained(str(out))
+    if tokenizer_dir is None:
+        train_tokenizer(out, vocab_size=config.vocab_size)
+    else:
+        for f in Path(tokenizer_dir).iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copy(f, out / f.name)
+    return out
+
+
+def builtin_model_dir() -> Path:
+    """Directory of the built-in model, created on first use (untrained: random weights, seed 0)."""
+    root = Path(os.environ.get("SHUTTLE_CACHE", Path.home() / ".cache" / "shuttle"))
+    out = root / "builtin-untrained-v1"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import MixtralConfig
+
+    log.warning("creating the built-in model in %s: it is UNTRAINED (random weights, seed 0) until the "
+                "training module ships a trained one; its text is gibberish", out)
+    tmp = root / f".tmp-builtin-{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    train_tokenizer(tmp, vocab_size=4096)
+    cfg = MixtralConfig(vocab_size=4096, hidden_size=384, intermediate_size=768, num_hidden_layers=6,
+                        num_attention_heads=6, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                        max_position_embeddings=2048, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
+    make_random_checkpoint(tmp, cfg, seed=0, dtype="bfloat16", tokenizer_dir=tmp)
+    tmp.rename(out)
+    return out

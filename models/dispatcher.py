@@ -1,0 +1,39 @@
+"""The seam between a MoE layer's router and its experts.
+
+Each MoE layer runs `router -> dispatcher.dispatch -> experts -> dispatcher.combine`. The
+LocalDispatcher computes the experts in this process and is the oracle; the M2N dispatcher sends
+the tokens to expert workers instead. `dispatch` returns a handle and `combine` waits on that handle
+only, so a caller may dispatch several micro-batches before combining any.
+
+Legend: T tokens, D hidden, K experts per token.
+"""
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from kernels.moe import fused_moe
+
+
+class Dispatcher(Protocol):
+    def dispatch(self, layer: int, experts: nn.Module | None, x_TD: torch.Tensor,
+                 topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> Any:
+        """Start the expert computation of layer `layer` for these tokens; returns a handle."""
+        ...
+
+    def combine(self, handle: Any) -> torch.Tensor:
+        """Wait for the handle's result: y_TD, the router-weighted sum of the chosen experts."""
+        ...
+
+
+class LocalDispatcher:
+    """Runs the layer's own experts in this process (no transport): the reference dispatcher."""
+
+    def dispatch(self, layer: int, experts: nn.Module | None, x_TD: torch.Tensor,
+                 topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+        if experts is None:
+            raise RuntimeError(f"layer {layer}: this model was built without experts; use a remote dispatcher")
+        return experts(x_TD, topk_ids_TK, topk_weights_TK)
+
+    def combine(self, handle: torch.Tensor) -> torch.Tensor:
+        return handle

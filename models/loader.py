@@ -1,0 +1,183 @@
+"""Load Hugging Face safetensors checkpoints into MoEForCausalLM.
+
+Only the tensors the built model asks for are read (an attention worker skips the experts), every
+tensor is checked before any is read, and each problem names the file and the tensor.
+Checkpoint experts are per-expert matrices (`experts.{e}.gate_proj|up_proj|down_proj` or Mixtral's
+`block_sparse_moe.experts.{e}.w1|w3|w2`); fused `experts.gate_up_proj` / `experts.down_proj` tensors
+are accepted too. In the model they are stacked: w13 (E, 2I, D) and w2 (E, D, I).
+"""
+import json
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from models.config import ModelConfig
+from models.moe_decoder import MoEForCausalLM
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_FUSED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq$)")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit its config; the message names the file and the tensor."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes: a parameter, optionally one expert row and a row range."""
+
+    param: str
+    expert: int | None = None
+    rows: tuple[int, int] | None = None
+
+
+class CheckpointReader:
+    """Index of the tensors of a checkpoint directory: name -> safetensors file."""
+
+    def __init__(self, model_dir: str | Path):
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: no 'weight_map' object")
+            self.files = {name: self.dir / f for name, f in weight_map.items()}
+            for f in sorted(set(self.files.values())):
+                if not f.is_file():
+                    raise CheckpointError(f"{f}: file listed in {index.name} does not exist")
+        else:
+            shards = sorted(self.dir.glob("*.safetensors"))
+            if not shards:
+                extra = " (only .bin weights found: convert them to safetensors)" if list(self.dir.glob("*.bin")) else ""
+                raise CheckpointError(f"{self.dir}: no *.safetensors files{extra}")
+            self.files = {}
+            for f in shards:
+                with safe_open(f, framework="pt") as h:
+                    for name in h.keys():
+                        self.files[name] = f
+
+    def read(self, wanted: dict[str, list[Target]], model_shape: dict[Target, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        """Check then read the `wanted` tensors, one file at a time."""
+        by_file: dict[Path, list[str]] = defaultdict(list)
+        for name in wanted:
+            by_file[self.files[name]].append(name)
+        out = {}
+        for f, names in by_file.items():
+            with safe_open(f, framework="pt") as h:
+                present = set(h.keys())
+                for name in names:
+                    if name not in present:
+                        raise CheckpointError(f"{f}: tensor '{name}' is listed in the index but not in the file")
+                    got = tuple(h.get_slice(name).get_shape())
+                    for t in wanted[name]:
+                        if got != model_shape[t]:
+                            raise CheckpointError(f"{f}: tensor '{name}' has shape {list(got)}, expected "
+                                                  f"{list(model_shape[t])} for {t.param}")
+                for name in names:
+                    out[name] = h.get_tensor(name)
+        return out
+
+
+def checkpoint_targets(name: str, cfg: ModelConfig) -> list[Target] | None:
+    """Map a checkpoint tensor name to its model targets; None when the name belongs to no parameter."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's module name on disk
+    I = cfg.moe_intermediate_size
+    if m := _EXPERT.match(name):
+        prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
+        if e >= cfg.num_experts:
+            return None
+        if kind in ("gate_proj", "w1"):
+            return [Target(f"{prefix}.mlp.experts.w13", e, (0, I))]
+        if kind in ("up_proj", "w3"):
+            return [Target(f"{prefix}.mlp.experts.w13", e, (I, 2 * I))]
+        return [Target(f"{prefix}.mlp.experts.w2", e)]
+    if m := _FUSED.match(name):
+        return [Target(f"{m.group(1)}.mlp.experts.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}")]
+    return [Target(name)]
+
+
+def _target_shape(t: Target, param_shape: torch.Size) -> tuple[int, ...]:
+    shape = tuple(param_shape)
+    if t.expert is not None:
+        shape = shape[1:]
+    if t.rows is not None:
+        shape = (t.rows[1] - t.rows[0],) + shape[1:]
+    return shape
+
+
+def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: torch.dtype | None = None,
+               device: torch.device | str = "cpu", with_experts: bool = True) -> MoEForCausalLM:
+    """Build MoEForCausalLM from a checkpoint directory, in `dtype` (default: the checkpoint's)."""
+    cfg = cfg or ModelConfig.from_pretrained(model_dir)
+    dtype = dtype or cfg.dtype
+    with torch.device("meta"):
+        full = dict(MoEForCausalLM(cfg, with_experts=True).named_parameters())
+        model = MoEForCausalLM(cfg, with_experts=with_experts).to(dtype)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    reader = CheckpointReader(model_dir)
+    wanted: dict[str, list[Target]] = {}
+    covered: dict[str, int] = defaultdict(int)  # param -> number of elements assigned
+    for name, f in reader.files.items():
+        targets = checkpoint_targets(name, cfg)
+        if _IGNORED.search(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        if targets is None or any(t.param not in full for t in targets):
+            raise CheckpointError(f"{f}: unexpected tensor '{name}' (no such parameter in {cfg.architecture} "
+                                  f"with this config.json)")
+        targets = [t for t in targets if t.param in params]  # skipped: parts this model was built without
+        if targets:
+            wanted[name] = targets
+            for t in targets:
+                covered[t.param] += _numel(_target_shape(t, params[t.param].shape))
+    for pname, p in params.items():
+        if pname == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if covered[pname] > p.numel():
+            raise CheckpointError(f"{reader.dir}: parameter {pname} is filled by more than one tensor "
+                                  f"(both per-expert and fused expert tensors?)")
+        if covered[pname] < p.numel():
+            expected = _expected_names(pname, cfg)
+            missing = [n for n in expected if n not in reader.files]
+            raise CheckpointError(f"{reader.dir}: missing tensor '{missing[0] if missing else pname}' "
+                                  f"for parameter {pname}" + (f" ({len(missing)} missing)" if len(missing) > 1 else ""))
+    model_shape = {t: _target_shape(t, params[t.param].shape) for ts in wanted.values() for t in ts}
+    tensors = reader.read(wanted, model_shape)
+    model.to_empty(device=device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, targets in wanted.items():
+            for t in targets:
+                dst = params[t.param]
+                if t.expert is not None:
+                    dst = dst[t.expert]
+                if t.rows is not None:
+                    dst = dst[t.rows[0]:t.rows[1]]
+                dst.copy_(tensors[name])
+    return model.eval()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _expected_names(param: str, cfg: ModelConfig) -> list[str]:
+    """Checkpoint names that would fill `param` (for error messages)."""
+    m = re.match(r"^(model\.layers\.\d+)\.mlp\.experts\.(w13|w2)$", param)
+    if not m:
+        return [param]
+    mod = "block_sparse_moe" if cfg.family == "mixtral" else "mlp"
+    names = ("w1", "w3") if m.group(2) == "w13" else ("w2",)
+    if cfg.family != "mixtral":
+        names = ("gate_proj", "up_proj") if m.group(2) == "w13" else ("down_proj",)
+    prefix = m.group(1)
+    return [f"{prefix}.{mod}.experts.{e}.{n}.weight" for e in range(cfg.num_experts) for n in names]

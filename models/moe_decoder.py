@@ -1,0 +1,161 @@
+"""The MoE decoder: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE in one definition, single device.
+
+Legend: T tokens (a flat batch of all sequences), D hidden, N query heads, K kv heads, H head dim,
+E experts, I expert intermediate size, V vocabulary.
+Family differences are ModelConfig fields (biases, q/k norm, shared expert, dense layers, windows);
+the KV cache and the expert dispatcher are injected, so serving and training share this code.
+Parameter names follow the Hugging Face checkpoints (see models/loader.py for the mapping).
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.moe import fused_moe
+from kernels.rmsnorm import rms_norm
+from kernels.rotary import RotaryEmbedding, apply_rotary
+from kernels.routing import topk_route
+from models.config import ModelConfig
+from models.dispatcher import Dispatcher, LocalDispatcher
+from models.kv_cache import AttentionBatch, KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        self.window, self.scale = cfg.sliding_windows[layer], cfg.head_dim ** -0.5
+        D = cfg.hidden_size
+        self.q_proj = nn.Linear(D, cfg.q_size, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(D, cfg.kv_size, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(D, cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, D, bias=cfg.o_bias)
+        if cfg.qk_norm == "per_head":  # Qwen3-MoE: over each head's H values
+            self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps), RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "full":  # OLMoE: over the whole projection
+            self.q_norm, self.k_norm = RMSNorm(cfg.q_size, cfg.rms_norm_eps), RMSNorm(cfg.kv_size, cfg.rms_norm_eps)
+
+    def forward(self, x_TD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                cache: KVCache, batch: AttentionBatch) -> torch.Tensor:
+        cfg, T = self.cfg, x_TD.shape[0]
+        q, k, v = self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)
+        if cfg.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.clip_qkv is not None:
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q_TNH = q.view(T, cfg.num_heads, cfg.head_dim)
+        k_TKH = k.view(T, cfg.num_kv_heads, cfg.head_dim)
+        v_TKH = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm == "per_head":
+            q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
+        q_TNH, k_TKH = apply_rotary(q_TNH, k_TKH, *cos_sin)
+        o_TNH = cache.attend(self.layer, q_TNH, k_TKH, v_TKH, batch, self.scale, self.window)
+        return self.o_proj(o_TNH.reshape(T, cfg.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: dense layers and Qwen2-MoE's shared expert."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
+
+
+class Experts(nn.Module):
+    """All experts of one layer as stacked weights: w13 (E, 2I, D) gate then up, w2 (E, D, I)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+    def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+        return fused_moe(x_TD, self.w13, self.w2, topk_weights_TK, topk_ids_TK)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, with_experts: bool):
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size) if with_experts else None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x_TD: torch.Tensor, dispatcher: Dispatcher) -> torch.Tensor:
+        weights_TK, ids_TK = topk_route(self.gate(x_TD), self.cfg.top_k, "softmax", self.cfg.norm_topk_prob)
+        if self.cfg.family != "mixtral":  # Qwen and OLMoE round the router weights to the activation dtype
+            weights_TK = weights_TK.to(x_TD.dtype)
+        handle = dispatcher.dispatch(self.layer, self.experts, x_TD, ids_TK, weights_TK)
+        y_TD = dispatcher.combine(handle)
+        if self.cfg.shared_expert_intermediate_size:
+            y_TD = y_TD + torch.sigmoid(self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
+        return y_TD
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, with_experts: bool):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.is_moe = cfg.moe_layers[layer]
+        self.mlp = SparseMoE(cfg, layer, with_experts) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x_TD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
+                batch: AttentionBatch, dispatcher: Dispatcher) -> torch.Tensor:
+        x_TD = x_TD + self.self_attn(self.input_layernorm(x_TD), cos_sin, cache, batch)
+        h_TD = self.post_attention_layernorm(x_TD)
+        return x_TD + (self.mlp(h_TD, dispatcher) if self.is_moe else self.mlp(h_TD))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, with_experts: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, with_experts) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MoEForCausalLM(nn.Module):
+    """input_ids_T + AttentionBatch -> hidden_TD; `logits` maps chosen rows to vocabulary scores.
+
+    with_experts=False builds everything but the expert weights (an attention worker's share).
+    """
+
+    def __init__(self, cfg: ModelConfig, with_experts: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        self.model = DecoderModel(cfg, with_experts)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.dispatcher: Dispatcher = LocalDispatcher()
+        self._rotary: RotaryEmbedding | None = None  # built on first use, on the weights' device
+
+    def forward(self, input_ids_T: torch.Tensor, batch: AttentionBatch, cache: KVCache) -> torch.Tensor:
+        x_TD = self.model.embed_tokens(input_ids_T)
+        if self._rotary is None:
+            self._rotary = RotaryEmbedding(self.cfg.rope, self.cfg.head_dim, x_TD.device)
+        cos_sin = self._rotary(batch.positions_T, x_TD.dtype)
+        for layer in self.model.layers:
+            x_TD = layer(x_TD, cos_sin, cache, batch, self.dispatcher)
+        return self.model.norm(x_TD)
+
+    def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits (float32) of the given rows."""
+        return self.lm_head(hidden_TD).float()
