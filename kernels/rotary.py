@@ -111,29 +111,38 @@ def inv_freq_and_scale(cfg: RopeConfig, dim: int, seq_len: int | None = None) ->
 
 class RotaryEmbedding:
     """cos/sin lookup by position. Tables are float32 and grow on demand (doubling); "dynamic"
-    scaling depends on the longest position in the batch, so it is recomputed per call instead.
+    scaling depends on the sequence's length, so it is computed per call instead.
     """
 
     def __init__(self, cfg: RopeConfig, head_dim: int, device: torch.device | str = "cpu"):
         self.cfg, self.dim, self.device = cfg, head_dim, torch.device(device)
         self._cos = self._sin = torch.empty(0, head_dim, device=self.device)
 
-    def _table(self, n: int, seq_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _table(self, positions: torch.Tensor, seq_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq, scale = inv_freq_and_scale(self.cfg, self.dim, seq_len)
-        freqs = torch.arange(n, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        freqs = positions.float().cpu()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1).to(self.device)
         return emb.cos() * scale, emb.sin() * scale
 
-    def __call__(self, positions_T: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (cos_TH, sin_TH) in `dtype` for the given int64 positions."""
+    def __call__(self, positions_T: torch.Tensor, dtype: torch.dtype,
+                 seq_lens_T: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (cos_TH, sin_TH) in `dtype` for the given int64 positions.
+
+        seq_lens_T: the length of each token's sequence; "dynamic" scaling depends on it, so each
+        sequence gets the frequencies of its own length, whatever else is in the batch.
+        """
+        if self.cfg.rope_type == "dynamic" and positions_T.numel():
+            seq_lens_T = positions_T + 1 if seq_lens_T is None else seq_lens_T
+            cos = torch.empty(positions_T.shape[0], self.dim, device=self.device)
+            sin = torch.empty_like(cos)
+            for n in seq_lens_T.unique().tolist():  # one group per distinct sequence length
+                sel = seq_lens_T == n
+                cos[sel], sin[sel] = self._table(positions_T[sel], n)
+            return cos.to(dtype), sin.to(dtype)
         max_pos = int(positions_T.max()) + 1 if positions_T.numel() else 1
-        if self.cfg.rope_type == "dynamic":
-            cos, sin = self._table(max_pos, max_pos)
-        else:
-            if max_pos > self._cos.shape[0]:
-                self._cos, self._sin = self._table(max(max_pos, 2 * self._cos.shape[0], 256), None)
-            cos, sin = self._cos, self._sin
-        return cos[positions_T].to(dtype), sin[positions_T].to(dtype)
+        if max_pos > self._cos.shape[0]:
+            self._cos, self._sin = self._table(torch.arange(max(max_pos, 2 * self._cos.shape[0], 256)), None)
+        return self._cos[positions_T].to(dtype), self._sin[positions_T].to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ Tokenizers are byte-level BPE trained with `tokenizers` on text every Python ins
 """
 import logging
 import os
+import shutil
 from pathlib import Path
 
 log = logging.getLogger("shuttle")
@@ -45,8 +46,6 @@ def make_random_checkpoint(out_dir: str | Path, config, seed: int = 0, dtype: st
                            tokenizer_dir: str | Path | None = None) -> Path:
     """Save a transformers model with random weights built from `config` (a transformers config
     object), plus a tokenizer (copied from tokenizer_dir, or trained). Returns out_dir."""
-    import shutil
-
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -56,7 +55,7 @@ def make_random_checkpoint(out_dir: str | Path, config, seed: int = 0, dtype: st
     model.save_pretrained(str(out))
     if tokenizer_dir is None:
         train_tokenizer(out, vocab_size=config.vocab_size)
-    else:
+    elif Path(tokenizer_dir).resolve() != out.resolve():
         for f in Path(tokenizer_dir).iterdir():
             if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
                 shutil.copy(f, out / f.name)
@@ -74,11 +73,15 @@ def builtin_model_dir() -> Path:
     log.warning("creating the built-in model in %s: it is UNTRAINED (random weights, seed 0) until the "
                 "training module ships a trained one; its text is gibberish", out)
     tmp = root / f".tmp-builtin-{os.getpid()}"
-    tmp.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     train_tokenizer(tmp, vocab_size=4096)
     cfg = MixtralConfig(vocab_size=4096, hidden_size=384, intermediate_size=768, num_hidden_layers=6,
                         num_attention_heads=6, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
                         max_position_embeddings=2048, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
     make_random_checkpoint(tmp, cfg, seed=0, dtype="bfloat16", tokenizer_dir=tmp)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process made it first
+        shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -20,7 +20,7 @@ class AttentionBatch:
 
     seq_idx_T: row of the batch (0..B-1) the token belongs to. tok_idx_T: its index among its
     sequence's tokens in this call. positions_T: absolute position (int64). slots_B: cache row of
-    each sequence. max_q_len: longest chunk of one sequence in this call. max_kv_len: longest
+    each sequence. kv_lens_B: each sequence's context length (cached plus new) after this call. max_q_len: longest chunk of one sequence in this call. max_kv_len: longest
     context (cached plus new) of one sequence after this call.
     """
 
@@ -28,6 +28,7 @@ class AttentionBatch:
     tok_idx_T: torch.Tensor
     positions_T: torch.Tensor
     slots_B: torch.Tensor
+    kv_lens_B: torch.Tensor
     max_q_len: int
     max_kv_len: int
 
@@ -39,9 +40,10 @@ class AttentionBatch:
         starts = torch.cumsum(q, 0) - q
         tok_idx = torch.arange(int(q.sum())) - starts[seq_idx]
         positions = torch.tensor(ctx_lens, dtype=torch.long)[seq_idx] + tok_idx
-        kv = max(c + n for c, n in zip(ctx_lens, q_lens))
+        kv_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
         return cls(seq_idx.to(device), tok_idx.to(device), positions.to(device),
-                   torch.tensor(slots, dtype=torch.long, device=device), max(q_lens), kv)
+                   torch.tensor(slots, dtype=torch.long, device=device),
+                   torch.tensor(kv_lens, dtype=torch.long, device=device), max(q_lens), max(kv_lens))
 
 
 class KVCache(Protocol):

@@ -151,7 +151,7 @@ class MoEForCausalLM(nn.Module):
         x_TD = self.model.embed_tokens(input_ids_T)
         if self._rotary is None:
             self._rotary = RotaryEmbedding(self.cfg.rope, self.cfg.head_dim, x_TD.device)
-        cos_sin = self._rotary(batch.positions_T, x_TD.dtype)
+        cos_sin = self._rotary(batch.positions_T, x_TD.dtype, batch.kv_lens_B[batch.seq_idx_T])
         for layer in self.model.layers:
             x_TD = layer(x_TD, cos_sin, cache, batch, self.dispatcher)
         return self.model.norm(x_TD)

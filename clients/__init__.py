@@ -1,0 +1,1 @@
+"""Clients of Shuttle's wire formats (gRPC client, load-test tool); built by the server issue."""

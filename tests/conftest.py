@@ -1,0 +1,70 @@
+"""Shared fixtures: a locally trained tokenizer and tiny random checkpoints of every family.
+
+Checkpoints are built with transformers' own classes (fixed seeds, never a hub) and saved with
+save_pretrained, so their files are exactly what real checkpoints of that family look like.
+"""
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.builtin import make_random_checkpoint, train_tokenizer
+
+VOCAB = 512
+BASE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=512, initializer_range=0.1, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0,
+            pad_token_id=1)
+FAMILIES = {
+    "mixtral": ("MixtralConfig", dict(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=80, moe_intermediate_size=24, num_experts=8,
+                                         num_experts_per_tok=2, shared_expert_intermediate_size=40)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=80, moe_intermediate_size=24, num_experts=8,
+                                         num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2)),
+}
+
+
+def hf_config(family: str, **overrides):
+    import transformers
+
+    cls_name, extra = FAMILIES[family]
+    return getattr(transformers, cls_name)(**{**BASE, **extra, **overrides})
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer(d, vocab_size=VOCAB)
+    return d
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory, tokenizer_dir):
+    """make_checkpoint(family, dtype="float32", seed=0, **config_overrides) -> checkpoint dir (cached)."""
+    cache: dict[str, Path] = {}
+
+    def make(family: str, dtype: str = "float32", seed: int = 0, **overrides) -> Path:
+        key = hashlib.sha1(json.dumps([family, dtype, seed, overrides], sort_keys=True, default=str).encode()).hexdigest()[:12]
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{family}-{key}")
+            cache[key] = make_random_checkpoint(out, hf_config(family, **overrides), seed=seed, dtype=dtype,
+                                                tokenizer_dir=tokenizer_dir)
+        return cache[key]
+
+    return make
+
+
+def hf_model(model_dir: Path, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+
+
+PROMPTS = [
+    [5, 17, 33, 100, 250, 7, 9, 11, 13, 200, 301, 45, 46, 47],
+    [400, 3],
+    [77, 78, 79, 80, 81, 82, 83],
+    [12],
+]

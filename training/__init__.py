@@ -1,0 +1,1 @@
+"""Companion training module: trains models.MoEForCausalLM with the same kernels; built by the training issue."""
