@@ -67,6 +67,18 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def max_model_len(self) -> int:
+        """Longest context served: max_position_embeddings, extended by linear, dynamic and yarn
+        scaling (as vLLM derives it)."""
+        r = self.rope
+        if r.rope_type in ("linear", "dynamic") and r.factor:
+            return max(self.max_position_embeddings, int(self.max_position_embeddings * r.factor))
+        if r.rope_type == "yarn" and r.factor:
+            base = r.original_max_position_embeddings or self.max_position_embeddings
+            return max(self.max_position_embeddings, int(base * r.factor))
+        return self.max_position_embeddings
+
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
         path = Path(model_dir) / "config.json"

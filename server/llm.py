@@ -102,13 +102,13 @@ class LLM:
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})")
-        if len(ids) >= self.cfg.max_position_embeddings:
+        if len(ids) >= self.cfg.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the context of "
-                             f"{self.cfg.max_position_embeddings} tokens")
+                             f"{self.cfg.max_model_len} tokens")
         return ids
 
     def _run(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[CompletionOutput]:
-        max_ctx = self.cfg.max_position_embeddings
+        max_ctx = self.cfg.max_model_len
         limits = [min(p.max_tokens, max_ctx - len(ids)) for ids, p in zip(prompts, params)]
         self.runner.allocate_cache(len(prompts), max(len(ids) + n for ids, n in zip(prompts, limits)))
         gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]

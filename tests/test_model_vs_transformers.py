@@ -16,8 +16,8 @@ VARIANTS = [
     ("mixtral", {"num_key_value_heads": 4, "num_experts_per_tok": 1}),
     ("mixtral", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
     # head_dim given: transformers' dynamic/yarn init fails on Mixtral's head_dim=None.
-    ("mixtral", {"max_position_embeddings": 8, "head_dim": 16,
-                 "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}),
+    ("mixtral", {"max_position_embeddings": 8, "head_dim": 16,  # prompts and generation pass 8: scaling kicks in
+                 "rope_parameters": {"rope_type": "dynamic", "factor": 8.0, "rope_theta": 10000.0}}),
     ("mixtral", {"head_dim": 16, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                      "original_max_position_embeddings": 64}}),
     ("mixtral", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0,
