@@ -132,14 +132,14 @@ class LLM:
         tok = out.token_ids[-1]
         if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             out.finish_reason, out.stop_reason = "stop", (None if tok in self.eos_token_ids else tok)
-        if self.tokenizer is not None:
+        elif len(out.token_ids) >= limit:
+            out.finish_reason = "length"
+        if self.tokenizer is not None and (p.stop or out.finish_reason):  # detokenize only when needed
             out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
             hits = [(out.text.find(s), s) for s in p.stop if s in out.text]
             if hits:
                 pos, s = min(hits)
                 out.text, out.finish_reason, out.stop_reason = out.text[:pos], "stop", s
-        if out.finish_reason is None and len(out.token_ids) >= limit:
-            out.finish_reason = "length"
         return out.finish_reason is not None
 
 
