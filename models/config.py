@@ -45,6 +45,7 @@ class ModelConfig:
     num_experts: int
     top_k: int
     norm_topk_prob: bool
+    router_weights_fp32: bool  # Mixtral weighs expert outputs with float32 router weights; others round first
     moe_layers: tuple[bool, ...]
     sliding_windows: tuple[int | None, ...]
     qkv_bias: bool
@@ -159,6 +160,7 @@ def _parse(raw: dict[str, Any], src: str) -> ModelConfig:
         num_experts=num_experts,
         top_k=top_k,
         norm_topk_prob=True if family == "mixtral" else bool(get("norm_topk_prob", False)),
+        router_weights_fp32=family == "mixtral",
         moe_layers=moe_layers,
         sliding_windows=_sliding_windows(raw, family, layers, src),
         qkv_bias=bool(get("qkv_bias", True)) if family == "qwen2_moe" else bool(get("attention_bias", False)),

@@ -98,7 +98,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, dispatcher: Dispatcher) -> torch.Tensor:
         weights_TK, ids_TK = topk_route(self.gate(x_TD), self.cfg.top_k, "softmax", self.cfg.norm_topk_prob)
-        if self.cfg.family != "mixtral":  # Qwen and OLMoE round the router weights to the activation dtype
+        if not self.cfg.router_weights_fp32:
             weights_TK = weights_TK.to(x_TD.dtype)
         handle = dispatcher.dispatch(self.layer, self.experts, x_TD, ids_TK, weights_TK)
         y_TD = dispatcher.combine(handle)

@@ -72,6 +72,8 @@ class LLM:
         """Complete each prompt (text, or a list of token ids). Returns one RequestOutput per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        if not prompts:
+            return []
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
