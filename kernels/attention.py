@@ -8,6 +8,15 @@ import torch
 import torch.nn.functional as F
 
 
+def _visible(qpos: torch.Tensor, S: int, sliding_window: int | None) -> torch.Tensor:
+    """mask[..., j]: key j is visible from a query at position qpos (causal, optional window)."""
+    key_pos = torch.arange(S, device=qpos.device)
+    mask = key_pos <= qpos[..., None]
+    if sliding_window:
+        mask &= key_pos > (qpos[..., None] - sliding_window)
+    return mask
+
+
 def cached_attention(
     q_TNH: torch.Tensor,
     k_BKSH: torch.Tensor,
@@ -36,10 +45,7 @@ def cached_attention(
     # Padding rows see key 0 only, so no row of the softmax is empty (no NaN); they are dropped below.
     qpos_BQ = torch.zeros(B, max_q_len, dtype=torch.long, device=q_TNH.device)
     qpos_BQ[seq_idx_T, tok_idx_T] = positions_T
-    key_pos_S = torch.arange(S, device=q_TNH.device)
-    mask_BQS = key_pos_S[None, None, :] <= qpos_BQ[:, :, None]
-    if sliding_window:
-        mask_BQS &= key_pos_S[None, None, :] > (qpos_BQ[:, :, None] - sliding_window)
+    mask_BQS = _visible(qpos_BQ, S, sliding_window)
     o_BNQH = F.scaled_dot_product_attention(
         q_BQNH.transpose(1, 2), k_BKSH, v_BKSH, attn_mask=mask_BQS[:, None], scale=scale,
         enable_gqa=N != k_BKSH.shape[1],
@@ -63,10 +69,7 @@ def _decode_attention(q_TNH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.T
     scores_BKGS = torch.matmul(q_BKGH, k_BKSH.transpose(-1, -2)).float() * scale
     qpos_B = torch.zeros(B, dtype=torch.long, device=q_TNH.device)
     qpos_B[seq_idx_T] = positions_T
-    key_pos_S = torch.arange(S, device=q_TNH.device)
-    mask_BS = key_pos_S[None, :] <= qpos_B[:, None]
-    if sliding_window:
-        mask_BS &= key_pos_S[None, :] > (qpos_B[:, None] - sliding_window)
+    mask_BS = _visible(qpos_B, S, sliding_window)
     probs_BKGS = scores_BKGS.masked_fill(~mask_BS[:, None, None, :], float("-inf")).softmax(-1)
     o_BKGH = torch.matmul(probs_BKGS.to(v_BKSH.dtype), v_BKSH)
     return o_BKGH.reshape(B, N, H)[seq_idx_T]

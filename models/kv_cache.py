@@ -31,6 +31,7 @@ class AttentionBatch:
     kv_lens_B: torch.Tensor
     max_q_len: int
     max_kv_len: int
+    first_slot: int | None = None  # set when slots_B is first_slot, first_slot+1, ...: caches can slice, not gather
 
     @classmethod
     def build(cls, q_lens: list[int], ctx_lens: list[int], slots: list[int], device: torch.device | str = "cpu") -> "AttentionBatch":
@@ -41,9 +42,11 @@ class AttentionBatch:
         tok_idx = torch.arange(int(q.sum())) - starts[seq_idx]
         positions = torch.tensor(ctx_lens, dtype=torch.long)[seq_idx] + tok_idx
         kv_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
         return cls(seq_idx.to(device), tok_idx.to(device), positions.to(device),
                    torch.tensor(slots, dtype=torch.long, device=device),
-                   torch.tensor(kv_lens, dtype=torch.long, device=device), max(q_lens), max(kv_lens))
+                   torch.tensor(kv_lens, dtype=torch.long, device=device), max(q_lens), max(kv_lens),
+                   slots[0] if contiguous else None)
 
 
 class KVCache(Protocol):
@@ -70,9 +73,8 @@ class DenseKVCache:
         slot_T = batch.slots_B[batch.seq_idx_T]
         self.k[layer][slot_T, :, batch.positions_T] = k_TKH
         self.v[layer][slot_T, :, batch.positions_T] = v_TKH
-        S, B = batch.max_kv_len, batch.slots_B.numel()
-        first = int(batch.slots_B[0])
-        if torch.equal(batch.slots_B, torch.arange(first, first + B, device=batch.slots_B.device)):
+        S, B, first = batch.max_kv_len, batch.slots_B.numel(), batch.first_slot
+        if first is not None:
             k_BKSH, v_BKSH = self.k[layer][first:first + B, :, :S], self.v[layer][first:first + B, :, :S]  # views
         else:
             k_BKSH, v_BKSH = self.k[layer][batch.slots_B, :, :S], self.v[layer][batch.slots_B, :, :S]

@@ -116,8 +116,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: tor
     cfg = cfg or ModelConfig.from_pretrained(model_dir)
     dtype = dtype or cfg.dtype
     with torch.device("meta"):
-        full = dict(MoEForCausalLM(cfg, with_experts=True).named_parameters())
         model = MoEForCausalLM(cfg, with_experts=with_experts).to(dtype)
+        full = dict((model if with_experts else MoEForCausalLM(cfg, with_experts=True)).named_parameters())
     params = dict(model.named_parameters(remove_duplicate=False))
     reader = CheckpointReader(model_dir)
     wanted: dict[str, list[Target]] = {}
