@@ -32,6 +32,11 @@ VARIANTS = [
     ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 6, "decoder_sparse_step": 2}),
     ("olmoe", {}),
     ("olmoe", {"clip_qkv": 0.5, "norm_topk_prob": True, "attention_bias": True, "num_experts_per_tok": 8}),
+    # odd sizes: 3 heads, one kv head, 5 experts, top-3
+    ("qwen2_moe", {"hidden_size": 72, "num_attention_heads": 3, "num_key_value_heads": 1, "num_experts": 5,
+                   "num_experts_per_tok": 3, "moe_intermediate_size": 20, "shared_expert_intermediate_size": 36}),
+    ("olmoe", {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 3, "num_experts": 7,
+               "intermediate_size": 24}),
 ]
 IDS = [f"{f}-{'-'.join(k for k in o) or 'base'}-{i}" for i, (f, o) in enumerate(VARIANTS)]
 
@@ -54,7 +59,7 @@ def test_logits_equal_transformers(make_checkpoint, family, overrides):
             assert (got - expected).abs().max().item() < 1e-4 * scale, f"prompt {p}"
 
 
-GREEDY = [0, 1, 5, 6, 8, 9, 11, 12, 14, 15, 16]  # every family, windows, dynamic and yarn rope, dense layers
+GREEDY = [0, 1, 5, 6, 8, 9, 11, 12, 14, 15, 16, 17, 18]  # every family, windows, dynamic and yarn rope, dense layers
 
 
 @pytest.mark.parametrize("family,overrides", [VARIANTS[i] for i in GREEDY], ids=[IDS[i] for i in GREEDY])
