@@ -37,7 +37,7 @@ def cached_attention(
     Returns o_TNH in q's dtype.
     """
     B, S = k_BKSH.shape[0], k_BKSH.shape[2]
-    T, N, H = q_TNH.shape
+    N, H = q_TNH.shape[1:]
     if max_q_len == 1:
         return _decode_attention(q_TNH, k_BKSH, v_BKSH, seq_idx_T, positions_T, scale, sliding_window)
     q_BQNH = q_TNH.new_zeros(B, max_q_len, N, H)
@@ -62,10 +62,10 @@ def _decode_attention(q_TNH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.T
     eager attention does).
     """
     B, K, S, H = k_BKSH.shape
-    T, N, _ = q_TNH.shape
-    q_BKGH = q_TNH.new_zeros(B, N, H)
-    q_BKGH[seq_idx_T] = q_TNH
-    q_BKGH = q_BKGH.view(B, K, N // K, H)
+    N = q_TNH.shape[1]
+    q_BNH = q_TNH.new_zeros(B, N, H)
+    q_BNH[seq_idx_T] = q_TNH
+    q_BKGH = q_BNH.view(B, K, N // K, H)
     scores_BKGS = torch.matmul(q_BKGH, k_BKSH.transpose(-1, -2)).float() * scale
     qpos_B = torch.zeros(B, dtype=torch.long, device=q_TNH.device)
     qpos_B[seq_idx_T] = positions_T

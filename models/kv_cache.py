@@ -20,8 +20,8 @@ class AttentionBatch:
 
     seq_idx_T: row of the batch (0..B-1) the token belongs to. tok_idx_T: its index among its
     sequence's tokens in this call. positions_T: absolute position (int64). slots_B: cache row of
-    each sequence. kv_lens_B: each sequence's context length (cached plus new) after this call. max_q_len: longest chunk of one sequence in this call. max_kv_len: longest
-    context (cached plus new) of one sequence after this call.
+    each sequence. kv_lens_B: each sequence's context length (cached plus new) after this call.
+    max_q_len: longest chunk of one sequence in this call. max_kv_len: max of kv_lens_B.
     """
 
     seq_idx_T: torch.Tensor
