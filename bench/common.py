@@ -32,10 +32,13 @@ def _fmt(v: object) -> str:
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
-def save(name: str, payload: dict) -> Path:
+def save(name: str, payload: dict, device: str = "cpu") -> Path:
+    """Write bench/results/NAME.json: the machine (CPU, torch, threads, the device named) plus payload."""
     RESULTS.mkdir(parents=True, exist_ok=True)
+    if device != "cpu" and torch.cuda.is_available():
+        device = torch.cuda.get_device_name()
     payload = {"machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-                           "threads": torch.get_num_threads(), "device": "cpu"}, **payload}
+                           "threads": torch.get_num_threads(), "device": device}, **payload}
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path

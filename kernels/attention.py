@@ -73,3 +73,31 @@ def _decode_attention(q_TNH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.T
     probs_BKGS = scores_BKGS.masked_fill(~mask_BS[:, None, None, :], float("-inf")).softmax(-1)
     o_BKGH = torch.matmul(probs_BKGS.to(v_BKSH.dtype), v_BKSH)
     return o_BKGH.reshape(B, N, H)[seq_idx_T]
+
+
+def paged_decode_attention(
+    q_BNH: torch.Tensor,
+    k_cache_PSKH: torch.Tensor,
+    v_cache_PSKH: torch.Tensor,
+    block_table_BM: torch.Tensor,
+    seq_lens_B: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Reference decode attention over a paged KV cache: one query token per sequence.
+
+    q_BNH: the query of sequence b, at position seq_lens_B[b] - 1. k_cache_PSKH / v_cache_PSKH:
+    P pages of S token slots each, (P, S, K, H); token j of sequence b sits in page
+    block_table_BM[b, j // S], slot j % S. block_table_BM: int32/int64 page ids (entries past a
+    sequence's last page are ignored and may hold anything in [0, P) or -1). seq_lens_B: int32/int64
+    context length of each sequence including its new token (>= 1), whose key and value must already
+    be in the cache. Visibility as in cached_attention (window: keys j > p - w). Returns o_BNH.
+    """
+    B, M = block_table_BM.shape
+    S, K, H = k_cache_PSKH.shape[1:]
+    pages = -(-int(seq_lens_B.max()) // S) if B else 0
+    table_BM = block_table_BM[:, :pages].long().clamp(min=0)
+    k_BKSH = k_cache_PSKH[table_BM].reshape(B, pages * S, K, H).transpose(1, 2)
+    v_BKSH = v_cache_PSKH[table_BM].reshape(B, pages * S, K, H).transpose(1, 2)
+    seq_idx_B = torch.arange(B, device=q_BNH.device)
+    return _decode_attention(q_BNH, k_BKSH, v_BKSH, seq_idx_B, seq_lens_B.long() - 1, scale, sliding_window)

@@ -156,3 +156,11 @@ def apply_rotary(
     """Rotate q and k (neox layout: the two halves of the head dim pair up). Returns new tensors."""
     cos, sin = cos_TH[:, None, :], sin_TH[:, None, :]
     return q_TNH * cos + _rotate_half(q_TNH) * sin, k_TKH * cos + _rotate_half(k_TKH) * sin
+
+
+def apply_rotary_(
+    q_TNH: torch.Tensor, k_TKH: torch.Tensor, cos_TH: torch.Tensor, sin_TH: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rotary, written back into q and k (which may be strided views). Returns (q, k)."""
+    q_rot, k_rot = apply_rotary(q_TNH, k_TKH, cos_TH, sin_TH)
+    return q_TNH.copy_(q_rot), k_TKH.copy_(k_rot)

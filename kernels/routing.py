@@ -12,8 +12,8 @@ def topk_route(
 
     logits_TE: router logits, any float dtype. scoring: "softmax" (probabilities over all E experts)
     or "sigmoid" (independent scores). renormalize: divide the chosen K scores by their sum.
-    Returns (topk_weights_TK float32, topk_ids_TK int64); ties go to the lower expert id as in
-    torch.topk.
+    Returns (topk_weights_TK float32, topk_ids_TK int64). Among exactly tied scores torch.topk's
+    choice is unspecified (the Triton kernel takes the lowest ids).
     """
     if scoring == "softmax":
         scores_TE = torch.softmax(logits_TE.float(), dim=-1)

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kernels.ops import select_ops
+
 from models.config import ModelConfig
 from models.moe_decoder import MoEForCausalLM
 
@@ -111,13 +113,18 @@ def _target_shape(t: Target, param_shape: torch.Size) -> tuple[int, ...]:
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: torch.dtype | None = None,
-               device: torch.device | str = "cpu", with_experts: bool = True) -> MoEForCausalLM:
-    """Build MoEForCausalLM from a checkpoint directory, in `dtype` (default: the checkpoint's)."""
+               device: torch.device | str = "cpu", with_experts: bool = True,
+               kernels: str | None = None) -> MoEForCausalLM:
+    """Build MoEForCausalLM from a checkpoint directory, in `dtype` (default: the checkpoint's).
+
+    kernels: "torch" or "triton" to override the device's default ops (see kernels.ops).
+    """
     cfg = cfg or ModelConfig.from_pretrained(model_dir)
     dtype = dtype or cfg.dtype
+    ops = select_ops(device, kernels)
     with torch.device("meta"):
-        model = MoEForCausalLM(cfg, with_experts=with_experts).to(dtype)
-        full = dict((model if with_experts else MoEForCausalLM(cfg, with_experts=True)).named_parameters())
+        model = MoEForCausalLM(cfg, with_experts=with_experts, ops=ops).to(dtype)
+        full = dict((model if with_experts else MoEForCausalLM(cfg, with_experts=True, ops=ops)).named_parameters())
     params = dict(model.named_parameters(remove_duplicate=False))
     reader = CheckpointReader(model_dir)
     wanted: dict[str, list[Target]] = {}

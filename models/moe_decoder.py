@@ -4,34 +4,40 @@ Legend: T tokens (a flat batch of all sequences), D hidden, N query heads, K kv 
 E experts, I expert intermediate size, V vocabulary.
 Family differences are ModelConfig fields (biases, q/k norm, shared expert, dense layers, windows);
 the KV cache and the expert dispatcher are injected, so serving and training share this code.
+The compute ops (torch references or Triton kernels) come from one KernelOps table chosen at
+construction. Layers pass (hidden, residual) pairs so each norm fuses the residual add.
 Parameter names follow the Hugging Face checkpoints (see models/loader.py for the mapping).
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.moe import fused_moe
-from kernels.rmsnorm import rms_norm
-from kernels.rotary import RotaryEmbedding, apply_rotary
-from kernels.routing import topk_route
+from kernels.ops import KernelOps, select_ops
+from kernels.rotary import RotaryEmbedding
 from models.config import ModelConfig
 from models.dispatcher import Dispatcher, LocalDispatcher
 from models.kv_cache import AttentionBatch, KVCache
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops: KernelOps):
         super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+        self.weight, self.eps, self.ops = nn.Parameter(torch.ones(dim)), eps, ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); the first layer has no residual yet."""
+        if residual is None:
+            return self(x), x
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, ops: KernelOps):
         super().__init__()
-        self.layer, self.cfg = layer, cfg
+        self.layer, self.cfg, self.ops = layer, cfg, ops
         self.window, self.scale = cfg.sliding_windows[layer], cfg.head_dim ** -0.5
         D = cfg.hidden_size
         self.q_proj = nn.Linear(D, cfg.q_size, bias=cfg.qkv_bias)
@@ -39,9 +45,11 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(D, cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, D, bias=cfg.o_bias)
         if cfg.qk_norm == "per_head":  # Qwen3-MoE: over each head's H values
-            self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps), RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm, self.k_norm = (RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops),
+                                        RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops))
         elif cfg.qk_norm == "full":  # OLMoE: over the whole projection
-            self.q_norm, self.k_norm = RMSNorm(cfg.q_size, cfg.rms_norm_eps), RMSNorm(cfg.kv_size, cfg.rms_norm_eps)
+            self.q_norm, self.k_norm = (RMSNorm(cfg.q_size, cfg.rms_norm_eps, ops),
+                                        RMSNorm(cfg.kv_size, cfg.rms_norm_eps, ops))
 
     def forward(self, x_TD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 cache: KVCache, batch: AttentionBatch) -> torch.Tensor:
@@ -56,7 +64,7 @@ class Attention(nn.Module):
         v_TKH = v.view(T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm == "per_head":
             q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
-        q_TNH, k_TKH = apply_rotary(q_TNH, k_TKH, *cos_sin)
+        q_TNH, k_TKH = self.ops.apply_rotary_(q_TNH, k_TKH, *cos_sin)
         o_TNH = cache.attend(self.layer, q_TNH, k_TKH, v_TKH, batch, self.scale, self.window)
         return self.o_proj(o_TNH.reshape(T, cfg.q_size))
 
@@ -77,27 +85,29 @@ class MLP(nn.Module):
 class Experts(nn.Module):
     """All experts of one layer as stacked weights: w13 (E, 2I, D) gate then up, w2 (E, D, I)."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int):
+    def __init__(self, num_experts: int, hidden: int, inter: int, ops: KernelOps):
         super().__init__()
+        self.ops = ops
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
-        return fused_moe(x_TD, self.w13, self.w2, topk_weights_TK, topk_ids_TK)
+        return self.ops.fused_moe(x_TD, self.w13, self.w2, topk_weights_TK, topk_ids_TK)
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, with_experts: bool):
+    def __init__(self, cfg: ModelConfig, layer: int, with_experts: bool, ops: KernelOps):
         super().__init__()
-        self.layer, self.cfg = layer, cfg
+        self.layer, self.cfg, self.ops = layer, cfg, ops
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size) if with_experts else None
+        self.experts = (Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, ops)
+                        if with_experts else None)
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x_TD: torch.Tensor, dispatcher: Dispatcher) -> torch.Tensor:
-        weights_TK, ids_TK = topk_route(self.gate(x_TD), self.cfg.top_k, "softmax", self.cfg.norm_topk_prob)
+        weights_TK, ids_TK = self.ops.topk_route(self.gate(x_TD), self.cfg.top_k, "softmax", self.cfg.norm_topk_prob)
         if not self.cfg.router_weights_fp32:
             weights_TK = weights_TK.to(x_TD.dtype)
         handle = dispatcher.dispatch(self.layer, self.experts, x_TD, ids_TK, weights_TK)
@@ -108,39 +118,44 @@ class SparseMoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, with_experts: bool):
+    def __init__(self, cfg: ModelConfig, layer: int, with_experts: bool, ops: KernelOps):
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, ops)
         self.is_moe = cfg.moe_layers[layer]
-        self.mlp = SparseMoE(cfg, layer, with_experts) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = (SparseMoE(cfg, layer, with_experts, ops) if self.is_moe
+                    else MLP(cfg.hidden_size, cfg.intermediate_size))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def forward(self, x_TD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
-                batch: AttentionBatch, dispatcher: Dispatcher) -> torch.Tensor:
-        x_TD = x_TD + self.self_attn(self.input_layernorm(x_TD), cos_sin, cache, batch)
-        h_TD = self.post_attention_layernorm(x_TD)
-        return x_TD + (self.mlp(h_TD, dispatcher) if self.is_moe else self.mlp(h_TD))
+    def forward(self, x_TD: torch.Tensor, residual_TD: torch.Tensor | None, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                cache: KVCache, batch: AttentionBatch, dispatcher: Dispatcher) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (mlp output, residual): the residual stream is x + residual."""
+        h_TD, residual_TD = self.input_layernorm.add_and_norm(x_TD, residual_TD)
+        h_TD = self.self_attn(h_TD, cos_sin, cache, batch)
+        h_TD, residual_TD = self.post_attention_layernorm.add_and_norm(h_TD, residual_TD)
+        return (self.mlp(h_TD, dispatcher) if self.is_moe else self.mlp(h_TD)), residual_TD
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, with_experts: bool):
+    def __init__(self, cfg: ModelConfig, with_experts: bool, ops: KernelOps):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, with_experts) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, with_experts, ops) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
 
 class MoEForCausalLM(nn.Module):
     """input_ids_T + AttentionBatch -> hidden_TD; `logits` maps chosen rows to vocabulary scores.
 
     with_experts=False builds everything but the expert weights (an attention worker's share).
+    ops: the compute ops (default: chosen for the current default device, see kernels.ops).
     """
 
-    def __init__(self, cfg: ModelConfig, with_experts: bool = True):
+    def __init__(self, cfg: ModelConfig, with_experts: bool = True, ops: KernelOps | None = None):
         super().__init__()
         self.cfg = cfg
-        self.model = DecoderModel(cfg, with_experts)
+        self.ops = ops or select_ops(torch.get_default_device())
+        self.model = DecoderModel(cfg, with_experts, self.ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -152,9 +167,10 @@ class MoEForCausalLM(nn.Module):
         if self._rotary is None:
             self._rotary = RotaryEmbedding(self.cfg.rope, self.cfg.head_dim, x_TD.device)
         cos_sin = self._rotary(batch.positions_T, x_TD.dtype, batch.kv_lens_B[batch.seq_idx_T])
+        residual_TD = None
         for layer in self.model.layers:
-            x_TD = layer(x_TD, cos_sin, cache, batch, self.dispatcher)
-        return self.model.norm(x_TD)
+            x_TD, residual_TD = layer(x_TD, residual_TD, cos_sin, cache, batch, self.dispatcher)
+        return self.model.norm.add_and_norm(x_TD, residual_TD)[0]
 
     def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits (float32) of the given rows."""

@@ -5,10 +5,17 @@ save_pretrained, so their files are exactly what real checkpoints of that family
 """
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton decides when a kernel is decorated (imported) whether to compile or interpret it, so this
+# must come before any kernels/*_triton.py import: without CUDA, every Triton kernel is interpreted.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 from models.builtin import make_random_checkpoint, train_tokenizer
 
@@ -68,3 +75,18 @@ PROMPTS = [
     [77, 78, 79, 80, 81, 82, 83],
     [12],
 ]
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """While active, torch.empty / torch.empty_like return tensors filled with NaN (floating) or -7
+    (integer), so an output element a kernel forgot to write fails the comparison."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def fill(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            return t.fill_(float("nan"))
+        return t if t.dtype == torch.bool else t.fill_(-7)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(real_empty_like(*a, **k)))

@@ -1,0 +1,72 @@
+"""One table of compute ops per device, chosen once at construction (never inside `forward`).
+
+On CUDA the Triton kernels are used; everywhere else the torch references. The environment variable
+SHUTTLE_KERNELS ("torch" or "triton") overrides the choice for tests and benchmarks; this module is
+the only place that reads it. Triton modules are imported only when chosen, because Triton decides
+at import (decoration) time whether to compile or to interpret (TRITON_INTERPRET=1).
+
+Every entry has the signature of its torch reference:
+  rms_norm(x_TD, w_D, eps) -> y_TD
+  fused_add_rms_norm(x_TD, residual_TD, w_D, eps) -> (y_TD, new_residual_TD)   new_residual = x + residual
+  apply_rotary_(q_TNH, k_TKH, cos_TH, sin_TH) -> (q_TNH, k_TKH), rotated in place
+  topk_route(logits_TE, top_k, scoring, renormalize) -> (weights_TK float32, ids_TK int64)
+  fused_moe(x_TD, w13_EID2, w2_EDI, weights_TK, ids_TK) -> y_TD
+  paged_decode_attention(q_BNH, k_cache_PSKH, v_cache_PSKH, block_table_BM, seq_lens_B, scale, window) -> o_BNH
+"""
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+BACKENDS = ("torch", "triton")
+ENV_VAR = "SHUTTLE_KERNELS"
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    backend: str
+    rms_norm: Callable
+    fused_add_rms_norm: Callable
+    apply_rotary_: Callable
+    topk_route: Callable
+    fused_moe: Callable
+    paged_decode_attention: Callable
+
+
+def choose_backend(device: torch.device | str, backend: str | None = None) -> str:
+    """The backend for `device`: an explicit `backend`, else $SHUTTLE_KERNELS, else triton on CUDA."""
+    backend = backend or os.environ.get(ENV_VAR) or None
+    if backend is None:
+        return "triton" if torch.device(device).type == "cuda" else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r} (from {ENV_VAR} or the caller); "
+                         f"expected one of {', '.join(BACKENDS)}")
+    return backend
+
+
+def torch_ops() -> KernelOps:
+    from kernels.attention import paged_decode_attention
+    from kernels.moe import fused_moe
+    from kernels.rmsnorm import fused_add_rms_norm, rms_norm
+    from kernels.rotary import apply_rotary_
+    from kernels.routing import topk_route
+
+    return KernelOps("torch", rms_norm, fused_add_rms_norm, apply_rotary_, topk_route, fused_moe,
+                     paged_decode_attention)
+
+
+def triton_ops() -> KernelOps:
+    from kernels.attention_triton import paged_decode_attention
+    from kernels.moe_triton import fused_moe
+    from kernels.rmsnorm_triton import fused_add_rms_norm, rms_norm
+    from kernels.rotary_triton import apply_rotary_
+    from kernels.routing_triton import topk_route
+
+    return KernelOps("triton", rms_norm, fused_add_rms_norm, apply_rotary_, topk_route, fused_moe,
+                     paged_decode_attention)
+
+
+def select_ops(device: torch.device | str, backend: str | None = None) -> KernelOps:
+    """The op table for `device` (see choose_backend)."""
+    return triton_ops() if choose_backend(device, backend) == "triton" else torch_ops()
