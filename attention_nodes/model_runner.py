@@ -1,53 +1,69 @@
-"""ModelRunner: the model, its KV cache and one batched forward-and-sample step.
+"""ModelRunner: the model, its paged KV cache, and one forward pass over a scheduled batch.
 
-An attention worker's compute core. It sees token ids only (never text): the server detokenizes
-and checks stop strings.
+An attention worker's compute core. It sees token ids only (never text).
 """
-from pathlib import Path
+import logging
 
 import torch
 
-from attention_nodes.sampling_params import SamplingParams
-from kernels.sampling import sample
+from attention_nodes.config import EngineConfig
+from attention_nodes.scheduler import ScheduledBatch
 from models.config import ModelConfig
-from models.kv_cache import AttentionBatch, DenseKVCache
+from models.kv_cache import AttentionBatch, PagedKVCache
 from models.loader import load_model
+
+log = logging.getLogger("shuttle")
+CPU_DEFAULT_KV_GIB = 2.0
+CUDA_MEMORY_FRACTION = 0.85  # of the memory left free after the weights
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"):
-        self.cfg = ModelConfig.from_pretrained(model_dir)
-        self.device = torch.device(device)
-        self.model = load_model(model_dir, self.cfg, dtype=dtype, device=self.device)
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig | None = None):
+        self.model_cfg = model_cfg or ModelConfig.from_pretrained(cfg.model)
+        self.device = torch.device(cfg.device)
+        self.model = load_model(cfg.model, self.model_cfg, dtype=cfg.dtype, device=self.device, kernels=cfg.kernels)
         self.dtype = self.model.lm_head.weight.dtype
-        self.cache: DenseKVCache | None = None
+        self.block_size = cfg.cache.block_size
+        m = self.model_cfg
+        self.num_blocks = self._num_blocks(cfg)
+        self.cache = PagedKVCache(m.num_layers, self.num_blocks, self.block_size, m.num_kv_heads, m.head_dim,
+                                  self.dtype, self.device, decode_attention=self.model.ops.paged_decode_attention)
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB), kernels: %s", self.num_blocks, self.block_size,
+                 self.num_blocks * self._block_bytes() / 2 ** 30, self.model.ops.backend)
 
-    def allocate_cache(self, num_slots: int, max_len: int) -> None:
-        cfg = self.cfg
-        self.cache = DenseKVCache(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim,
-                                  self.dtype, self.device)
+    def _block_bytes(self) -> int:
+        m = self.model_cfg
+        return PagedKVCache.bytes_per_block(m.num_layers, self.block_size, m.num_kv_heads, m.head_dim, self.dtype)
+
+    def _num_blocks(self, cfg: EngineConfig) -> int:
+        """cache.num_blocks, else cache.kv_cache_gib, else (CPU) enough for every sequence at full
+        context capped at 2 GiB, or (CUDA) a fraction of the free memory."""
+        if cfg.cache.num_blocks is not None:
+            return cfg.cache.num_blocks
+        per_block = self._block_bytes()
+        if cfg.cache.kv_cache_gib is not None:
+            budget = cfg.cache.kv_cache_gib * 2 ** 30
+        elif self.device.type == "cuda":
+            budget = torch.cuda.mem_get_info(self.device)[0] * CUDA_MEMORY_FRACTION
+        else:
+            full = cfg.scheduler.max_num_seqs * -(-self.model_cfg.max_model_len // self.block_size) * per_block
+            budget = min(full, CPU_DEFAULT_KV_GIB * 2 ** 30)
+        blocks = int(budget // per_block)
+        if blocks < 1:
+            raise ValueError(f"the KV cache budget of {budget / 2 ** 30:.3f} GiB holds no block of {per_block} bytes")
+        return blocks
 
     @torch.inference_mode()
-    def forward(self, chunks: list[list[int]], ctx_lens: list[int], slots: list[int],
-                all_logits: bool = False) -> torch.Tensor:
-        """Run sequence b's new tokens chunks[b] (after ctx_lens[b] cached ones) through the model.
-
-        Returns float32 logits of the last token of each chunk (B, V), or of every token (T, V)
-        when all_logits is set.
-        """
-        assert self.cache is not None, "allocate_cache first"
-        batch = AttentionBatch.build([len(c) for c in chunks], ctx_lens, slots, self.device)
-        ids_T = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=self.device)
-        hidden_TD = self.model(ids_T, batch, self.cache)
-        if not all_logits:
-            last_B = torch.cumsum(torch.tensor([len(c) for c in chunks], device=self.device), 0) - 1
-            hidden_TD = hidden_TD[last_B]
-        return self.model.logits(hidden_TD)
-
-    def sample(self, logits_BV: torch.Tensor, params: list[SamplingParams],
-               generators: list[torch.Generator | None]) -> list[int]:
-        dev = logits_BV.device
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
-        return sample(logits_BV, temperature, top_p, top_k, generators).tolist()
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Compute the batch's scheduled tokens; returns float32 logits (R, V) of the last token of
+        each sequence whose batch.sample flag is set, in batch order."""
+        q_lens, ctx_lens, ids = batch.num_new_tokens, [], []
+        for seq, n in zip(batch.seqs, q_lens):
+            ctx_lens.append(seq.num_computed_tokens)
+            ids.extend(seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n])
+        attn = AttentionBatch.build_paged(q_lens, ctx_lens, [s.block_table for s in batch.seqs], self.block_size,
+                                          self.device)
+        hidden_TD = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), attn, self.cache)
+        ends = torch.tensor(q_lens).cumsum(0) - 1
+        rows = ends[torch.tensor(batch.sample, dtype=torch.bool)]
+        return self.model.logits(hidden_TD[rows.to(self.device)])

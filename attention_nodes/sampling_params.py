@@ -1,13 +1,34 @@
 """SamplingParams: how one request is decoded (the OpenAI and vLLM parameters)."""
+import math
 from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20  # most alternatives a request may ask for, as OpenAI and vLLM's default
 
 
 @dataclass
 class SamplingParams:
-    """max_tokens: tokens to generate at most. temperature: 0 is greedy. top_p in (0, 1].
-    top_k: 0 or -1 disables. seed: makes sampling reproducible whatever else is in the batch.
-    stop: strings that end the text (not returned). stop_token_ids: extra ids that end it.
+    """How one request is decoded. Errors are ValueErrors that name the field and the bad value.
+
+    max_tokens: tokens to generate at most (>= 1).
+    temperature: 0 is greedy; higher flattens the distribution (>= 0).
+    top_p: keep the smallest set of most likely tokens whose probability reaches top_p, in (0, 1].
+    top_k: keep the k most likely tokens; 0 or -1 disables.
+    seed: makes sampling reproducible whatever else is in the batch; None draws from the global RNG.
+    stop: strings that end the text (not returned unless include_stop_str_in_output).
+    stop_token_ids: extra ids that end the text.
     ignore_eos: keep going past the end-of-sequence token.
+    n: output sequences per prompt (>= 1).
+    min_p: drop tokens whose probability is below min_p times the most likely one's, in [0, 1].
+    presence_penalty: subtracted once from the logit of every token already generated, in [-2, 2].
+    frequency_penalty: subtracted from a token's logit per time it was generated, in [-2, 2].
+    repetition_penalty: divides positive (multiplies negative) logits of tokens in the prompt or
+        the output (> 0; 1 disables).
+    logprobs: how many most likely alternatives to return with each chosen token's logprob, 0 to
+        MAX_LOGPROBS; None returns no logprobs.
+    include_stop_str_in_output: keep the matched stop string at the end of the text.
+    skip_special_tokens: leave special tokens out of the detokenized text.
+    min_tokens: the end-of-sequence and stop_token_ids are banned until this many tokens were
+        generated (>= 0, at most max_tokens).
     """
 
     max_tokens: int = 16
@@ -18,6 +39,15 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -35,3 +65,45 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        self._check_vllm_fields()
+
+    def _check_vllm_fields(self) -> None:
+        """Type and range checks of the fields beyond the original OpenAI core."""
+        _check_int("n", self.n, low=1)
+        _check_float("min_p", self.min_p, low=0.0, high=1.0)
+        _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        _check_bool("skip_special_tokens", self.skip_special_tokens)
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    """Raise ValueError unless value is an int (bools refused) in [low, high] (high None: no bound)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < low or (high is not None and value > high):
+        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bounds}, got {value!r}")
+
+
+def _check_float(name: str, value: object, low: float, high: float | None = None, low_open: bool = False) -> None:
+    """Raise ValueError unless value is a finite int or float (bools refused) within the bounds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    above = value > low if low_open else value >= low
+    if not (math.isfinite(value) and above and (high is None or value <= high)):
+        upper = f"{high}]" if high is not None else "inf)"
+        bounds = f"{'(' if low_open else '['}{low}, {upper}"
+        raise ValueError(f"{name} must be a finite number in {bounds}, got {value!r}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    """Raise ValueError unless value is a bool."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r} ({type(value).__name__})")

@@ -1,4 +1,4 @@
-"""The attention batch description and a dense per-sequence KV cache.
+"""The attention batch description, a dense per-sequence KV cache and the engine's paged one.
 
 Legend: T tokens of the flat batch, B sequences, L layers, K key/value heads, S cache length,
 H head dim, N query heads.
@@ -7,11 +7,11 @@ The model never sees how keys are stored: each attention layer calls `cache.atte
 cache (the engine's) or no cache at all can be injected in place of this one.
 """
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
-from kernels.attention import cached_attention
+from kernels.attention import cached_attention, paged_decode_attention
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,8 @@ class AttentionBatch:
     max_q_len: int
     max_kv_len: int
     first_slot: int | None = None  # set when slots_B is first_slot, first_slot+1, ...: caches can slice, not gather
+    block_table_BM: torch.Tensor | None = None  # paged caches: page ids of each sequence, -1 past its end
+    slot_mapping_T: torch.Tensor | None = None  # paged caches: page * page_size + offset of each token
 
     @classmethod
     def build(cls, q_lens: list[int], ctx_lens: list[int], slots: list[int], device: torch.device | str = "cpu") -> "AttentionBatch":
@@ -47,6 +49,25 @@ class AttentionBatch:
                    torch.tensor(slots, dtype=torch.long, device=device),
                    torch.tensor(kv_lens, dtype=torch.long, device=device), max(q_lens), max(kv_lens),
                    slots[0] if contiguous else None)
+
+
+    @classmethod
+    def build_paged(cls, q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
+                    device: torch.device | str = "cpu") -> "AttentionBatch":
+        """Batch over a paged cache: sequence b's tokens live in the pages block_tables[b]."""
+        q = torch.tensor(q_lens, dtype=torch.long)
+        B = len(q_lens)
+        seq_idx = torch.repeat_interleave(torch.arange(B), q)
+        starts = torch.cumsum(q, 0) - q
+        tok_idx = torch.arange(int(q.sum())) - starts[seq_idx]
+        positions = torch.tensor(ctx_lens, dtype=torch.long)[seq_idx] + tok_idx
+        M = max(len(t) for t in block_tables)
+        table = torch.tensor([t + [-1] * (M - len(t)) for t in block_tables], dtype=torch.long)
+        slots = table[seq_idx, positions // block_size] * block_size + positions % block_size
+        kv_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+        return cls(seq_idx.to(device), tok_idx.to(device), positions.to(device), torch.arange(B, device=device),
+                   torch.tensor(kv_lens, dtype=torch.long, device=device), max(q_lens), max(kv_lens), 0,
+                   table.to(device=device, dtype=torch.int32), slots.to(device))
 
 
 class KVCache(Protocol):
@@ -78,5 +99,44 @@ class DenseKVCache:
             k_BKSH, v_BKSH = self.k[layer][first:first + B, :, :S], self.v[layer][first:first + B, :, :S]  # views
         else:
             k_BKSH, v_BKSH = self.k[layer][batch.slots_B, :, :S], self.v[layer][batch.slots_B, :, :S]
+        return cached_attention(q_TNH, k_BKSH, v_BKSH, batch.seq_idx_T, batch.tok_idx_T, batch.positions_T,
+                                batch.max_q_len, scale, sliding_window)
+
+
+class PagedKVCache:
+    """Fixed-size pages shared by all sequences: k[l] and v[l] are (P pages, S slots, K, H).
+
+    Which pages a sequence owns is the block manager's business (attention_nodes/block_manager.py);
+    the batch carries the block tables and each token's slot. Decode-only steps use the paged decode
+    attention op given at construction (the Triton kernel on CUDA); steps with prefill gather each
+    sequence's pages and run the reference attention.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu",
+                 decode_attention: Callable = paged_decode_attention):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.block_size, self.decode_attention = block_size, decode_attention
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    def attend(self, layer: int, q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor,
+               batch: AttentionBatch, scale: float, sliding_window: int | None) -> torch.Tensor:
+        assert batch.block_table_BM is not None and batch.slot_mapping_T is not None, "build the batch with build_paged"
+        k_pages, v_pages = self.k[layer], self.v[layer]
+        K, H = k_pages.shape[2:]
+        k_pages.view(-1, K, H).index_copy_(0, batch.slot_mapping_T, k_TKH)
+        v_pages.view(-1, K, H).index_copy_(0, batch.slot_mapping_T, v_TKH)
+        if batch.max_q_len == 1:  # one token per sequence, in sequence order
+            return self.decode_attention(q_TNH, k_pages, v_pages, batch.block_table_BM, batch.kv_lens_B, scale,
+                                         sliding_window)
+        B, pages = batch.block_table_BM.shape[0], -(-batch.max_kv_len // self.block_size)
+        table_BM = batch.block_table_BM[:, :pages].long().clamp(min=0)
+        k_BKSH = k_pages[table_BM].reshape(B, pages * self.block_size, K, H).transpose(1, 2)
+        v_BKSH = v_pages[table_BM].reshape(B, pages * self.block_size, K, H).transpose(1, 2)
         return cached_attention(q_TNH, k_BKSH, v_BKSH, batch.seq_idx_T, batch.tok_idx_T, batch.positions_T,
                                 batch.max_q_len, scale, sliding_window)

@@ -15,19 +15,23 @@ def _generate(args: argparse.Namespace) -> int:
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
-        llm = LLM(args.model, dtype=args.dtype, device=args.device)
+                                top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
+                                ignore_eos=args.ignore_eos, n=args.n)
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                  enable_prefix_caching=not args.no_prefix_caching)
         outputs = llm.generate(args.prompt, params)
     except (ValueError, FileNotFoundError) as e:
         print(f"shuttle generate: error: {e}", file=sys.stderr)
         return 2
     for out in outputs:
-        c = out.outputs[0]
-        if args.json:
-            print(json.dumps({"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
-                              "token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason}))
-        else:
-            print(f"{out.prompt}{c.text}\n")
+        for c in out.outputs:
+            if args.json:
+                print(json.dumps({"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids, "index": c.index,
+                                  "token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason}))
+            else:
+                print(f"{out.prompt}{c.text}\n")
     return 0
 
 
@@ -41,11 +45,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--n", type=int, default=1, help="samples per prompt")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="a stop string; repeat for several")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
-    g.add_argument("--device", default="cpu")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    g.add_argument("--kernels", default=None, choices=["torch", "triton"], help="override the device's kernels")
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
+    g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(func=_generate)
     return parser

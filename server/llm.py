@@ -5,38 +5,23 @@
     out = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
     print(out[0].outputs[0].text)
 
-All prompts of a call are decoded together: one prefill of every prompt, then one batched decode
-step per token while any request is unfinished. (The continuous-batching engine replaces this loop.)
+It runs the continuous-batching engine (attention_nodes/engine.py) in this process until every
+request of the call has finished; text, stop strings and output shapes are handled here.
 """
-from dataclasses import dataclass, field
-from pathlib import Path
-import json
+import itertools
 import logging
+from pathlib import Path
 
 import torch
 
-from attention_nodes.model_runner import ModelRunner
+from attention_nodes.config import CacheConfig, EngineConfig, SchedulerConfig
+from attention_nodes.engine import LLMEngine, default_eos_ids
 from attention_nodes.sampling_params import SamplingParams
-from models.config import DTYPES
+from models.config import DTYPES, ModelConfig
+from server.outputs import CompletionOutput, RequestOutput, RequestTracker
 
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "resolve_dtype", "engine_config"]
 log = logging.getLogger("shuttle")
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop" (eos, stop id or stop string) or "length"
-    stop_reason: int | str | None = None
-
-
-@dataclass
-class RequestOutput:
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
-    finished: bool = True
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -51,25 +36,54 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPES[name]
 
 
+def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "auto", device: str | None = None,
+                  kernels: str | None = None, *, max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
+                  enable_chunked_prefill: bool = True, block_size: int = 16, num_kv_blocks: int | None = None,
+                  kv_cache_gib: float | None = None, enable_prefix_caching: bool = True, seed: int = 0) -> EngineConfig:
+    """EngineConfig from the keyword arguments of LLM and the command line (None model: built-in)."""
+    if model is None:
+        from models.builtin import builtin_model_dir
+        model = builtin_model_dir()
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    return EngineConfig(str(model), resolve_dtype(dtype), device, kernels, seed,
+                        SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+                        CacheConfig(block_size, num_kv_blocks, kv_cache_gib, enable_prefix_caching))
+
+
 class LLM:
     """model: a checkpoint directory (config.json, *.safetensors, tokenizer files); None for the
-    built-in model. dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16".
+    built-in model. dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16". device:
+    "cpu" or "cuda" (default: cuda when present). The keyword arguments size the scheduler and the
+    KV cache (see engine_config).
     """
 
     def __init__(self, model: str | Path | None = None, dtype: str | torch.dtype | None = "auto",
-                 device: str = "cpu"):
-        if model is None:
-            from models.builtin import builtin_model_dir
-            model = builtin_model_dir()
-        self.model_dir = Path(model)
-        self.runner = ModelRunner(self.model_dir, resolve_dtype(dtype), device)
-        self.cfg = self.runner.cfg
+                 device: str | None = None, kernels: str | None = None, **engine_kwargs):
+        cfg = engine_config(model, dtype, device, kernels, **engine_kwargs)
+        self.model_dir = Path(cfg.model)
+        self.cfg = ModelConfig.from_pretrained(self.model_dir)
         self.tokenizer = _load_tokenizer(self.model_dir)
-        self.eos_token_ids = _eos_ids(self.model_dir, self.cfg.eos_token_ids, self.tokenizer)
+        eos = default_eos_ids(self.model_dir, self.cfg)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.engine = LLMEngine(cfg, eos)
+        self._ids = itertools.count()
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self.engine.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: set[int]) -> None:
+        self.engine.set_eos_token_ids(ids)
+
+    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Complete each prompt (text, or a list of token ids). Returns one RequestOutput per prompt."""
+        """Complete each prompt (text, or a list of token ids). Returns one RequestOutput per prompt,
+        in order. All of a call's requests run together on the engine."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if not prompts:
@@ -78,10 +92,27 @@ class LLM:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
-        texts = [p if isinstance(p, str) else None for p in prompts]
-        ids = [self._encode(p) for p in prompts]
-        outs = self._run(ids, params_list)
-        return [RequestOutput(t, p, [o]) for t, p, o in zip(texts, ids, outs)]
+        encoded = [self._encode(p, sp) for p, sp in zip(prompts, params_list)]  # all checked before any runs
+        trackers: list[RequestTracker] = []
+        try:
+            for prompt, ids, sp in zip(prompts, encoded, params_list):
+                rid = f"llm-{next(self._ids)}"
+                self.engine.add_request(rid, ids, sp)
+                trackers.append(RequestTracker(rid, prompt if isinstance(prompt, str) else None, ids, sp,
+                                               self.tokenizer))
+            self._run({t.output.request_id: t for t in trackers})
+        except BaseException:
+            for t in trackers:
+                self.engine.abort_request(t.output.request_id)
+            raise
+        return [t.output for t in trackers]
+
+    def _run(self, trackers: dict[str, RequestTracker]) -> None:
+        while any(not t.output.finished for t in trackers.values()):
+            for delta in self.engine.step():
+                stop = trackers[delta.request_id].apply(delta)
+                if stop is not None:
+                    self.engine.stop_sequence(delta.request_id, delta.index, stop)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -92,13 +123,10 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in convs]
         return self.generate(prompts, sampling_params)
 
-    def _encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{self.model_dir}: no tokenizer files; pass token ids instead of text")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
+    def _encode(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        if self.tokenizer is None and (isinstance(prompt, str) or params.stop):
+            raise ValueError(f"{self.model_dir}: no tokenizer files; pass token ids and no stop strings")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt is empty")
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size]
@@ -109,41 +137,6 @@ class LLM:
                              f"{self.cfg.max_model_len} tokens")
         return ids
 
-    def _run(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[CompletionOutput]:
-        max_ctx = self.cfg.max_model_len
-        limits = [min(p.max_tokens, max_ctx - len(ids)) for ids, p in zip(prompts, params)]
-        self.runner.allocate_cache(len(prompts), max(len(ids) + n for ids, n in zip(prompts, limits)))
-        gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
-        outs = [CompletionOutput(0, "", [], None) for _ in prompts]
-        active = list(range(len(prompts)))
-        chunks, ctx = [list(p) for p in prompts], [0] * len(prompts)
-        while active:
-            logits = self.runner.forward([chunks[i] for i in active], [ctx[i] for i in active], active)
-            new = self.runner.sample(logits, [params[i] for i in active], [gens[i] for i in active])
-            still = []
-            for i, tok in zip(active, new):
-                ctx[i] += len(chunks[i])
-                chunks[i] = [tok]
-                outs[i].token_ids.append(tok)
-                if not self._finished(outs[i], params[i], limits[i]):
-                    still.append(i)
-            active = still
-        return outs
-
-    def _finished(self, out: CompletionOutput, p: SamplingParams, limit: int) -> bool:
-        tok = out.token_ids[-1]
-        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            out.finish_reason, out.stop_reason = "stop", (None if tok in self.eos_token_ids else tok)
-        elif len(out.token_ids) >= limit:
-            out.finish_reason = "length"
-        if self.tokenizer is not None and (p.stop or out.finish_reason):  # detokenize only when needed
-            out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            hits = [(out.text.find(s), s) for s in p.stop if s in out.text]
-            if hits:
-                pos, s = min(hits)
-                out.text, out.finish_reason, out.stop_reason = out.text[:pos], "stop", s
-        return out.finish_reason is not None
-
 
 def _load_tokenizer(model_dir: Path):
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -151,17 +144,3 @@ def _load_tokenizer(model_dir: Path):
         return None
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-
-
-def _eos_ids(model_dir: Path, from_config: tuple[int, ...], tokenizer) -> set[int]:
-    """End-of-sequence ids: generation_config.json (as transformers' generate uses), else config.json,
-    plus the tokenizer's."""
-    ids = set(from_config)
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        if eos is not None:
-            ids = set(eos if isinstance(eos, list) else [eos])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids

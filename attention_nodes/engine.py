@@ -1,0 +1,179 @@
+"""LLMEngine: continuous batching over a paged KV cache, token ids in, token ids out.
+
+    engine.add_request("r1", prompt_token_ids, SamplingParams(max_tokens=32))
+    while engine.has_unfinished_requests():
+        for delta in engine.step():          # schedule -> execute -> update
+            ...                              # new tokens of one sequence, and why it finished
+
+Every step the scheduler admits and retires sequences, so requests join and leave at any step.
+Stop conditions on token ids (eos, stop_token_ids, max_tokens, the context length) end sequences
+here; stop strings are text, so the server checks them and calls `stop_sequence`.
+"""
+import itertools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from attention_nodes.block_manager import BlockManager
+from attention_nodes.config import EngineConfig
+from attention_nodes.model_runner import ModelRunner
+from attention_nodes.sampler import Sampler, SamplingRow
+from attention_nodes.sampling_params import SamplingParams
+from attention_nodes.scheduler import Scheduler
+from attention_nodes.sequence import Sequence
+from models.config import ModelConfig
+
+
+@dataclass
+class TokenLogprobs:
+    """The chosen token's log-probability (from the raw logits), its rank (1 = most likely) and the
+    `logprobs` most likely alternatives as (token id, log-probability), best first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SequenceDelta:
+    """What one sequence produced in one step (only what changed)."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose prefill the prefix cache skipped
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, eos_token_ids: set[int] | None = None):
+        self.cfg = cfg
+        self.model_cfg = ModelConfig.from_pretrained(cfg.model)
+        self.runner = ModelRunner(cfg, self.model_cfg)
+        self.blocks = BlockManager(self.runner.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg.scheduler, self.blocks)
+        self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else default_eos_ids(cfg.model, self.model_cfg))
+        self.sampler = Sampler(self.model_cfg.vocab_size, self.eos_token_ids)
+        self.requests: dict[str, list[Sequence]] = {}
+        self._arrival = itertools.count()
+        self.num_steps = self.num_prefill_tokens = self.num_generated_tokens = 0
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request: params.n sequences sharing the prompt (and, through the prefix cache, its
+        blocks). Raises ValueError for an id in use, token ids outside the vocabulary, or a prompt
+        that leaves no room in the context."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = list(prompt_token_ids)
+        vocab, max_len = self.model_cfg.vocab_size, self.model_cfg.max_model_len
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) >= max_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is {max_len} tokens, "
+                             f"which leaves no room to generate")
+        max_tokens = min(params.max_tokens, max_len - len(ids))
+        seqs = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
+            seqs.append(Sequence(request_id, i, list(ids), len(ids), params, max_tokens, next(self._arrival), gen))
+        for seq in seqs:
+            self.scheduler.add(seq)  # checks the cache can ever hold it
+        self.requests[request_id] = seqs
+
+    def abort_request(self, request_id: str) -> list[SequenceDelta]:
+        """Retire every unfinished sequence of the request now; their blocks are free on return."""
+        return [self._finish(seq, "abort") for seq in self.requests.pop(request_id, []) if not seq.is_finished]
+
+    def stop_sequence(self, request_id: str, index: int, stop_reason: str) -> None:
+        """End one sequence because the server found a stop string in its text."""
+        seqs = self.requests.get(request_id)
+        if seqs and not seqs[index].is_finished:
+            self._finish(seqs[index], "stop", stop_reason)
+            self._forget_if_done(request_id)
+
+    def set_eos_token_ids(self, ids: set[int]) -> None:
+        """Replace the end-of-sequence ids (stop conditions and min_tokens bans)."""
+        self.eos_token_ids = set(ids)
+        self.sampler = Sampler(self.model_cfg.vocab_size, self.eos_token_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step -----------------------------------------------------------------------------
+    def step(self) -> list[SequenceDelta]:
+        """schedule -> execute -> update. Returns the deltas of the sequences that sampled a token."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        logits_RV = self.runner.execute(batch)
+        self.scheduler.finish_computed(batch)
+        sampled = [seq for seq, s in zip(batch.seqs, batch.sample) if s]
+        out = self.sampler(logits_RV, [SamplingRow(s.params, s.token_ids[:s.num_prompt_tokens], s.output_token_ids,
+                                                   s.generator) for s in sampled])
+        self.num_steps += 1
+        self.num_prefill_tokens += sum(n for n, s in zip(batch.num_new_tokens, batch.seqs) if n > 1)
+        deltas = []
+        for r, seq in enumerate(sampled):
+            tok = out.token_ids[r]
+            seq.token_ids.append(tok)
+            self.num_generated_tokens += 1
+            lp = None
+            if out.logprobs is not None and seq.params.logprobs is not None:
+                lp = [TokenLogprobs(tok, out.logprobs[r], out.ranks[r], out.top_logprobs[r])]
+            reason, stop_reason = self._stop_reason(seq, tok)
+            if reason:
+                self.scheduler.finish(seq, reason, stop_reason)
+            deltas.append(SequenceDelta(seq.request_id, seq.index, [tok], lp, reason, stop_reason,
+                                        seq.num_cached_prompt_tokens))
+            self._forget_if_done(seq.request_id)
+        return deltas
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> tuple[str | None, int | None]:
+        p = seq.params
+        if seq.num_output_tokens > p.min_tokens:  # the sampler banned these ids before that
+            if tok in self.eos_token_ids and not p.ignore_eos:
+                return "stop", None
+            if tok in p.stop_token_ids:
+                return "stop", tok
+        if seq.num_output_tokens >= seq.max_tokens:
+            return "length", None
+        return None, None
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> SequenceDelta:
+        self.scheduler.finish(seq, reason, stop_reason)
+        return SequenceDelta(seq.request_id, seq.index, [], None, reason, stop_reason)
+
+    def _forget_if_done(self, request_id: str) -> None:
+        seqs = self.requests.get(request_id)
+        if seqs is not None and all(s.is_finished for s in seqs):
+            del self.requests[request_id]
+
+    # -- introspection --------------------------------------------------------------------------
+    def stats(self) -> dict:
+        b = self.blocks
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "num_blocks": b.num_blocks, "free_blocks": b.num_free_blocks,
+                "kv_cache_usage": 1 - b.num_free_blocks / b.num_blocks, "prefix_cache_queries": b.prefix_queries,
+                "prefix_cache_hits": b.prefix_hits, "preemptions": self.scheduler.num_preemptions,
+                "steps": self.num_steps, "generated_tokens": self.num_generated_tokens}
+
+
+def default_eos_ids(model_dir: str | Path, model_cfg: ModelConfig) -> set[int]:
+    """End-of-sequence ids as transformers' generate uses them: generation_config.json, else config.json."""
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            return set(eos if isinstance(eos, list) else [eos])
+    return set(model_cfg.eos_token_ids)

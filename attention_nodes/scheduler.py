@@ -1,0 +1,123 @@
+"""The scheduler: which sequences run in the next step, and how many of their tokens.
+
+One step mixes decodes (one new token each) with prefill chunks of newly admitted or partly
+prefilled sequences, within a token budget and a sequence cap. Running sequences go first, oldest
+first; when the cache has no block left for one of them, the newest running sequence is preempted
+(its blocks freed, its tokens recomputed later: prompt and output so far, through the prefix cache
+where its blocks survived). Waiting sequences are admitted in arrival order while blocks and budget
+last, and never in a step that had to preempt.
+"""
+from collections import deque
+from dataclasses import dataclass
+
+from attention_nodes.block_manager import BlockManager
+from attention_nodes.config import SchedulerConfig
+from attention_nodes.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """seqs[b] computes num_new_tokens[b] tokens, token_ids[b][num_computed:num_computed+n], this step.
+    sample[b]: the chunk reaches the end of the sequence's tokens, so a next token is sampled."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    sample: list[bool]
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager):
+        self.cfg, self.blocks = cfg, blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        need = self.blocks.blocks_for(seq.num_prompt_tokens + seq.max_tokens)
+        if need > self.blocks.num_blocks:
+            raise ValueError(f"request {seq.request_id}: {seq.num_prompt_tokens} prompt tokens plus max_tokens "
+                             f"{seq.max_tokens} need {need} KV blocks, but the cache has {self.blocks.num_blocks}")
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch([], [], [])
+        budget = self.cfg.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while self.blocks.blocks_needed(seq, seq.num_computed_tokens + n) > self.blocks.num_free_blocks:
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.num_preempted += 1
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            self.blocks.grow(seq, seq.num_computed_tokens + n)
+            self._add(batch, seq, n)
+            budget -= n
+            i += 1
+        if not batch.num_preempted:
+            budget = self._admit(batch, budget)
+        return batch
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = self.blocks.match_prefix(seq)
+            n = seq.num_tokens - len(prefix) * self.blocks.block_size
+            if n > budget and not self.cfg.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            total = len(prefix) * self.blocks.block_size + n
+            if self.blocks.blocks_needed(seq, total, prefix) > self.blocks.num_free_blocks:
+                break
+            self.waiting.popleft()
+            self.blocks.share_prefix(seq, prefix)
+            self.blocks.grow(seq, total)
+            if seq.num_output_tokens == 0:  # first admission (not a recomputation): count the prompt
+                self.blocks.prefix_queries += seq.num_tokens
+                self.blocks.prefix_hits += seq.num_computed_tokens
+                seq.num_cached_prompt_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add(batch, seq, n)
+            budget -= n
+        return budget
+
+    def _add(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+        batch.sample.append(seq.num_computed_tokens + n == seq.num_tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free_sequence(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish_computed(self, batch: ScheduledBatch) -> None:
+        """After the forward pass: the scheduled tokens now have their keys and values cached."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.blocks.register_computed(seq)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Retire a sequence (finished or aborted) wherever it is; its blocks are freed now."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.blocks.free_sequence(seq)
+        seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop_reason

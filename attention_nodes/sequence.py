@@ -1,0 +1,56 @@
+"""A sequence: one output stream of a request (a request with n samples has n sequences), as the
+scheduler and the block manager see it. Token ids only; text belongs to the server.
+"""
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from attention_nodes.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """token_ids holds the prompt then the generated tokens. The first num_computed_tokens of them
+    have their keys and values in the cache blocks of block_table; the rest are computed by the next
+    steps (a prompt or its remaining chunk, the newest sampled token, or everything after a
+    preemption)."""
+
+    request_id: str
+    index: int  # which of the request's n samples
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens capped by the context length
+    arrival: int  # admission order (lower is older)
+    generator: torch.Generator | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading full blocks registered in the prefix cache
+    last_block_hash: int | None = None
+    num_cached_prompt_tokens: int = 0  # prefill tokens skipped thanks to the prefix cache
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,193 @@
+"""AsyncLLM: the engine behind an asyncio interface, for the HTTP and gRPC servers.
+
+    llm = AsyncLLM(model_dir)
+    async for out in llm.generate(prompt, SamplingParams(max_tokens=64), request_id="r1"):
+        print(out.outputs[0].delta_text, end="")      # streamed as each step produces it
+    await llm.abort("r2")                              # its KV blocks are free when this returns
+
+The engine runs steps in one background thread (torch releases the GIL inside its ops, so the event
+loop stays responsive); requests and aborts reach it through a queue that it drains between steps,
+and each request's outputs come back through its own asyncio queue. A consumer that stops iterating
+(a client that disconnects) aborts its request. If the engine thread fails, every waiting request
+gets the error and later calls raise EngineDeadError: nothing waits forever.
+"""
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator
+
+import torch
+
+from attention_nodes.engine import LLMEngine
+from attention_nodes.sampling_params import SamplingParams
+from server.llm import LLM
+from server.outputs import RequestOutput, RequestTracker
+
+log = logging.getLogger("shuttle")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Add:
+    tracker: RequestTracker
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    out: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    done: asyncio.Event
+    loop: asyncio.AbstractEventLoop
+
+
+class AsyncLLM:
+    """Same arguments as LLM. `generate` yields RequestOutputs (cumulative text plus the step's delta)."""
+
+    def __init__(self, model: str | Path | None = None, dtype: str | torch.dtype | None = "auto",
+                 device: str | None = None, kernels: str | None = None, **engine_kwargs):
+        self._llm = LLM(model, dtype, device, kernels, **engine_kwargs)  # tokenizer, validation, engine
+        self.engine: LLMEngine = self._llm.engine
+        self.tokenizer, self.model_config = self._llm.tokenizer, self._llm.cfg
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests: dict[str, tuple[RequestTracker, asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._ids = itertools.count()
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="shuttle-engine", daemon=True)
+        self._thread.start()
+
+    # -- the asyncio side ---------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its output after every step that changed it, the last one with
+        finished=True. Raises ValueError for a bad request (before anything runs)."""
+        self._check_alive()
+        request_id = request_id or f"req-{next(self._ids)}"
+        ids = self._llm._encode(prompt, params)
+        tracker = RequestTracker(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer)
+        out: asyncio.Queue = asyncio.Queue()
+        self._send(_Add(tracker, ids, params, out, asyncio.get_running_loop()))
+        finished = False
+        try:
+            while not finished:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; when this returns its sequences are retired and their blocks are free."""
+        if self._error is not None:
+            return
+        done = asyncio.Event()
+        self._send(_Abort(request_id, done, asyncio.get_running_loop()))
+        await done.wait()
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def _send(self, msg: object) -> None:
+        self._inbox.put(msg)
+        self._wake.set()
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine stopped: {self._error!r}")
+        if self._stopping:
+            raise EngineDeadError("the engine is shut down")
+
+    # -- the engine thread --------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                changed = {}
+                for delta in self.engine.step():
+                    tracker, q, loop = self._requests[delta.request_id]
+                    stop = tracker.apply(delta)
+                    if stop is not None:
+                        self.engine.stop_sequence(delta.request_id, delta.index, stop)
+                    changed[delta.request_id] = (tracker, q, loop)
+                for rid, (tracker, q, loop) in changed.items():
+                    self._emit(rid, tracker, q, loop)
+        except BaseException as e:  # report to every waiter; never leave one hanging
+            log.exception("engine thread failed")
+            self._error = e
+            for _, q, loop in self._requests.values():
+                loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"the engine stopped: {e!r}"))
+            self._requests.clear()
+            self._fail_inbox(e)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(msg, _Add):
+                rid = msg.tracker.output.request_id
+                try:
+                    self.engine.add_request(rid, msg.prompt_token_ids, msg.params)
+                except ValueError as e:
+                    msg.loop.call_soon_threadsafe(msg.out.put_nowait, e)
+                    continue
+                self._requests[rid] = (msg.tracker, msg.out, msg.loop)
+            else:
+                for delta in self.engine.abort_request(msg.request_id):
+                    entry = self._requests.get(msg.request_id)
+                    if entry:
+                        entry[0].apply(delta)
+                entry = self._requests.get(msg.request_id)
+                if entry:
+                    self._emit(msg.request_id, *entry)
+                msg.loop.call_soon_threadsafe(msg.done.set)
+
+    def _emit(self, rid: str, tracker: RequestTracker, q: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> None:
+        snapshot = _snapshot(tracker.output)
+        if snapshot.finished:
+            self._requests.pop(rid, None)
+        loop.call_soon_threadsafe(q.put_nowait, snapshot)
+
+    def _fail_inbox(self, e: BaseException) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(msg, _Add):
+                msg.loop.call_soon_threadsafe(msg.out.put_nowait, EngineDeadError(f"the engine stopped: {e!r}"))
+            else:
+                msg.loop.call_soon_threadsafe(msg.done.set)
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """A copy the consumer may keep while the engine thread goes on updating the original."""
+    import copy
+
+    return copy.copy(out) if False else RequestOutput(
+        out.prompt, out.prompt_token_ids, [copy.copy(o) for o in out.outputs], out.finished, out.request_id,
+        out.num_cached_tokens)

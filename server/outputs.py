@@ -1,0 +1,88 @@
+"""What the server returns for a request (vLLM's shapes), and the per-request state that turns the
+engine's token deltas into text: incremental detokenization and stop strings.
+"""
+from dataclasses import dataclass, field
+
+from attention_nodes.engine import SequenceDelta
+from attention_nodes.sampling_params import SamplingParams
+from server.detokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request. text and token_ids are cumulative; delta_text and delta_token_ids
+    hold what the latest step added (for streaming). logprobs: per generated token, a dict from
+    token id to Logprob holding the chosen token and the top alternatives."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" (eos, stop id or stop string), "length" or "abort"
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+    request_id: str = ""
+    num_cached_tokens: int = 0  # prompt tokens whose prefill the prefix cache skipped
+
+
+class RequestTracker:
+    """Collects one request's deltas. `apply` returns a stop string when one ended a sequence's
+    text, so the caller can stop that sequence in the engine."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 tokenizer):
+        self.params, self.tokenizer = params, tokenizer
+        self.output = RequestOutput(prompt, list(prompt_token_ids), finished=False, request_id=request_id)
+        self.detoks: list[IncrementalDetokenizer | None] = []
+        for i in range(params.n):
+            self.output.outputs.append(CompletionOutput(i, "", [], None, logprobs=[] if params.logprobs is not None else None))
+            self.detoks.append(None if tokenizer is None else IncrementalDetokenizer(
+                tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output))
+
+    def apply(self, delta: SequenceDelta) -> str | None:
+        out, detok = self.output.outputs[delta.index], self.detoks[delta.index]
+        out.delta_token_ids, out.delta_text = [], ""
+        if out.finished:  # a stop string ended it already
+            return None
+        out.token_ids += delta.new_token_ids
+        self.output.num_cached_tokens = max(self.output.num_cached_tokens, delta.num_cached_tokens)
+        out.delta_token_ids = list(delta.new_token_ids)
+        if out.logprobs is not None and delta.new_logprobs:
+            for lp in delta.new_logprobs:
+                entry = {tid: Logprob(v, i + 1, self._piece(tid)) for i, (tid, v) in enumerate(lp.top)}
+                entry[lp.token_id] = Logprob(lp.logprob, lp.rank, self._piece(lp.token_id))
+                out.logprobs.append(entry)
+        stop = detok.add_tokens(delta.new_token_ids) if detok is not None and delta.new_token_ids else None
+        if stop is not None:
+            out.finish_reason, out.stop_reason = "stop", stop
+        elif delta.finish_reason:
+            out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
+        if detok is not None:
+            out.delta_text = detok.take_delta(out.finished)
+            out.text = detok.text
+        self.output.finished = all(o.finished for o in self.output.outputs)
+        return stop
+
+    def _piece(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
