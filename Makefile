@@ -26,6 +26,7 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup
+	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/generate.py
 	$(BIN)/python bench/moe_cpu.py
 

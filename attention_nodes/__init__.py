@@ -1,5 +1,8 @@
 """Attention workers: embedding, attention, norms, router, LM head, KV cache and sampling.
 
-Today: ModelRunner (the model, a dense KV cache, one batched forward and sample). The engine
-(scheduler, paged cache) and the ping-pong over M2N come with the engine and disaggregation issues.
+The engine (engine.py: LLMEngine) runs schedule -> execute -> update each step: the Scheduler
+(scheduler.py) picks sequences and token counts within the budget, the BlockManager
+(block_manager.py) hands out paged KV blocks with prefix caching, the ModelRunner (model_runner.py)
+runs the model over the paged cache, and the Sampler (sampler.py) picks tokens. The ping-pong of
+micro-batches over M2N comes with the disaggregation issue.
 """

@@ -9,6 +9,7 @@ import torch
 from attention_nodes.config import EngineConfig
 from attention_nodes.scheduler import ScheduledBatch
 from models.config import ModelConfig
+from models.cpu_inference import pack_for_cpu_inference
 from models.kv_cache import AttentionBatch, PagedKVCache
 from models.loader import load_model
 
@@ -23,13 +24,16 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.model = load_model(cfg.model, self.model_cfg, dtype=cfg.dtype, device=self.device, kernels=cfg.kernels)
         self.dtype = self.model.lm_head.weight.dtype
+        self.weight_bytes = _weight_bytes(self.model)
+        self.packed = self.device.type == "cpu" and self.model.ops.backend == "torch" and pack_for_cpu_inference(self.model)
         self.block_size = cfg.cache.block_size
         m = self.model_cfg
         self.num_blocks = self._num_blocks(cfg)
         self.cache = PagedKVCache(m.num_layers, self.num_blocks, self.block_size, m.num_kv_heads, m.head_dim,
                                   self.dtype, self.device, decode_attention=self.model.ops.paged_decode_attention)
-        log.info("KV cache: %d blocks of %d tokens (%.2f GiB), kernels: %s", self.num_blocks, self.block_size,
-                 self.num_blocks * self._block_bytes() / 2 ** 30, self.model.ops.backend)
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB), kernels: %s%s", self.num_blocks, self.block_size,
+                 self.num_blocks * self._block_bytes() / 2 ** 30, self.model.ops.backend,
+                 " (weights packed for oneDNN)" if self.packed else "")
 
     def _block_bytes(self) -> int:
         m = self.model_cfg
@@ -67,3 +71,12 @@ class ModelRunner:
         ends = torch.tensor(q_lens).cumsum(0) - 1
         rows = ends[torch.tensor(batch.sample, dtype=torch.bool)]
         return self.model.logits(hidden_TD[rows.to(self.device)])
+
+
+def _weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of the embedding table, the experts and everything else (before any packing)."""
+    out = {"embedding": 0, "experts": 0, "other": 0}
+    for name, p in model.named_parameters():
+        kind = "embedding" if "embed_tokens" in name else "experts" if ".experts." in name else "other"
+        out[kind] += p.numel() * p.element_size()
+    return out

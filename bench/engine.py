@@ -114,12 +114,11 @@ def decode_step_time(llm: LLM, B: int, prompt_len: int, new_tokens: int) -> floa
 def step_weight_bytes(llm: LLM, B: int) -> float:
     """Bytes of weights one decode step of B tokens reads: all but the embedding table, with only the
     experts that B random tokens x top-k are expected to hit."""
-    cfg, model = llm.cfg, llm.engine.runner.model
-    total = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
-    expert = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    cfg, sizes = llm.cfg, llm.engine.runner.weight_bytes
     E, K = cfg.num_experts, cfg.top_k
     active = E * (1 - (1 - K / E) ** B)  # expected distinct experts hit
-    return total - expert + expert * active / E
+    lm_head = sizes["embedding"] if cfg.tie_word_embeddings else 0  # tied: the head reads the table
+    return sizes["other"] + lm_head + sizes["experts"] * active / E
 
 
 def decode_roofline(ckpt: Path, batches: list[int], new_tokens: int, bw: float) -> list[dict]:

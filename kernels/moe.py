@@ -102,3 +102,27 @@ def moe_gather_einsum(
     gate, up = gate_up_TKI2.chunk(2, dim=-1)
     y_TKD = torch.einsum("tki,tkdi->tkd", F.silu(gate) * up, w2_TKDI)
     return torch.einsum("tkd,tk->td", y_TKD.float(), topk_weights_TK.float()).to(x_TD.dtype)
+
+
+def fused_moe_packed(
+    x_TD: torch.Tensor,
+    w13_packed_E: list[torch.Tensor],
+    w2_packed_E: list[torch.Tensor],
+    topk_weights_TK: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+) -> torch.Tensor:
+    """fused_moe with each expert's weights pre-packed for oneDNN (kernels/cpu_linear.py): CPU
+    inference only. w13_packed_E[e] packs w13[e] (2I, D); w2_packed_E[e] packs w2[e] (D, I)."""
+    from kernels.cpu_linear import packed_linear
+
+    x_ND, perm = permute(x_TD, topk_ids_TK, len(w13_packed_E))
+    y_ND = torch.empty_like(x_ND)
+    start = 0
+    for e, n in enumerate(perm.counts_E):
+        if n == 0:
+            continue
+        rows = slice(start, start + n)
+        gate, up = packed_linear(x_ND[rows], w13_packed_E[e]).chunk(2, dim=-1)
+        y_ND[rows] = packed_linear(F.silu(gate) * up, w2_packed_E[e])
+        start += n
+    return unpermute(y_ND, perm, topk_weights_TK)

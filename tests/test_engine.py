@@ -158,3 +158,19 @@ def test_request_validation(make_checkpoint):
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("x", [5, 6], SamplingParams(max_tokens=2))
     assert engine.blocks.num_free_blocks == 8
+
+
+@pytest.mark.gpu
+def test_engine_on_triton_kernels_equals_torch_kernels(make_checkpoint):
+    """The engine with every Triton kernel (paged decode attention included; interpreted on the CPU)."""
+    from tests.conftest import TRITON_DEVICE
+
+    ckpt = make_checkpoint("qwen2_moe")
+    reqs = [(i, p, SamplingParams(max_tokens=5, **GREEDY)) for i, p in enumerate(prompts(3, seed=8, lo=3, hi=20))]
+    outs = []
+    for kernels in ("torch", "triton"):
+        engine = LLMEngine(EngineConfig(str(ckpt), device=TRITON_DEVICE, kernels=kernels,
+                                        cache=CacheConfig(block_size=4, num_blocks=64)))
+        assert engine.runner.model.ops.backend == kernels
+        outs.append(run_staggered(engine, reqs))
+    assert outs[0] == outs[1]

@@ -92,6 +92,6 @@ def test_bfloat16_checkpoint_close_to_transformers(make_checkpoint):
 def test_dtype_override_runs_float32_checkpoint_in_bfloat16(make_checkpoint):
     d = make_checkpoint("mixtral")
     llm = LLM(d, dtype="bfloat16")
-    assert llm.engine.runner.model.lm_head.weight.dtype == torch.bfloat16
+    assert llm.engine.runner.dtype == torch.bfloat16
     out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
