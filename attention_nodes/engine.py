@@ -60,14 +60,18 @@ class LLMEngine:
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else default_eos_ids(cfg.model, self.model_cfg))
         self.sampler = Sampler(self.model_cfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
+        # Samples 1..n-1 of a request wait here until sample 0 has computed (and the prefix cache
+        # registered) the prompt's blocks, so they share those blocks instead of each prefilling them.
+        self._held: dict[str, list[Sequence]] = {}
         self._arrival = itertools.count()
         self.num_steps = self.num_prefill_tokens = self.num_generated_tokens = 0
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request: params.n sequences sharing the prompt (and, through the prefix cache, its
-        blocks). Raises ValueError for an id in use, token ids outside the vocabulary, or a prompt
-        that leaves no room in the context."""
+        full blocks: samples after the first are scheduled once the first has computed them).
+        Raises ValueError for an id in use, token ids outside the vocabulary, or a prompt that leaves
+        no room in the context."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = list(prompt_token_ids)
@@ -87,12 +91,17 @@ class LLMEngine:
             if params.seed is not None:
                 gen = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
             seqs.append(Sequence(request_id, i, list(ids), len(ids), params, max_tokens, next(self._arrival), gen))
-        for seq in seqs:
-            self.scheduler.add(seq)  # checks the cache can ever hold it
+        self.scheduler.add(seqs[0])  # checks the cache can ever hold it (the others are the same size)
+        if len(seqs) > 1 and self.cfg.cache.enable_prefix_caching and len(ids) > self.blocks.block_size:
+            self._held[request_id] = seqs[1:]
+        else:
+            for seq in seqs[1:]:
+                self.scheduler.add(seq)
         self.requests[request_id] = seqs
 
     def abort_request(self, request_id: str) -> list[SequenceDelta]:
         """Retire every unfinished sequence of the request now; their blocks are free on return."""
+        self._release_held(request_id)  # so the scheduler can retire them too
         return [self._finish(seq, "abort") for seq in self.requests.pop(request_id, []) if not seq.is_finished]
 
     def stop_sequence(self, request_id: str, index: int, stop_reason: str) -> None:
@@ -113,6 +122,8 @@ class LLMEngine:
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> list[SequenceDelta]:
         """schedule -> execute -> update. Returns the deltas of the sequences that sampled a token."""
+        for rid in [rid for rid in self._held if self._prompt_computed(rid)]:
+            self._release_held(rid)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -154,6 +165,14 @@ class LLMEngine:
         self.scheduler.finish(seq, reason, stop_reason)
         return SequenceDelta(seq.request_id, seq.index, [], None, reason, stop_reason)
 
+    def _prompt_computed(self, request_id: str) -> bool:
+        first = self.requests[request_id][0]
+        return first.is_finished or first.num_computed_tokens >= first.num_prompt_tokens
+
+    def _release_held(self, request_id: str) -> None:
+        for seq in self._held.pop(request_id, []):
+            self.scheduler.add(seq)
+
     def _forget_if_done(self, request_id: str) -> None:
         seqs = self.requests.get(request_id)
         if seqs is not None and all(s.is_finished for s in seqs):
@@ -162,7 +181,8 @@ class LLMEngine:
     # -- introspection --------------------------------------------------------------------------
     def stats(self) -> dict:
         b = self.blocks
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+        waiting = len(self.scheduler.waiting) + sum(map(len, self._held.values()))
+        return {"running": len(self.scheduler.running), "waiting": waiting,
                 "num_blocks": b.num_blocks, "free_blocks": b.num_free_blocks,
                 "kv_cache_usage": 1 - b.num_free_blocks / b.num_blocks, "prefix_cache_queries": b.prefix_queries,
                 "prefix_cache_hits": b.prefix_hits, "preemptions": self.scheduler.num_preemptions,

@@ -9,16 +9,16 @@ The engine runs steps in one background thread (torch releases the GIL inside it
 loop stays responsive); requests and aborts reach it through a queue that it drains between steps,
 and each request's outputs come back through its own asyncio queue. A consumer that stops iterating
 (a client that disconnects) aborts its request. If the engine thread fails, every waiting request
-gets the error and later calls raise EngineDeadError: nothing waits forever.
+gets the error and later calls raise EngineDeadError, as after shutdown(): nothing waits forever.
 """
 import asyncio
 import itertools
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import torch
 
@@ -63,6 +63,8 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._error: BaseException | None = None
         self._stopping = False
+        self._closed = False  # set (under _lock) as the engine thread exits: no message is taken after
+        self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="shuttle-engine", daemon=True)
         self._thread.start()
@@ -77,12 +79,14 @@ class AsyncLLM:
         ids = self._llm._encode(prompt, params)
         tracker = RequestTracker(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer)
         out: asyncio.Queue = asyncio.Queue()
-        self._send(_Add(tracker, ids, params, out, asyncio.get_running_loop()))
+        if not self._send(_Add(tracker, ids, params, out, asyncio.get_running_loop())):
+            raise self._dead_error()
         finished = False
         try:
             while not finished:
                 item = await out.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the request was refused or the engine is gone: nothing to abort
                     raise item
                 finished = item.finished
                 yield item
@@ -92,11 +96,9 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; when this returns its sequences are retired and their blocks are free."""
-        if self._error is not None:
-            return
         done = asyncio.Event()
-        self._send(_Abort(request_id, done, asyncio.get_running_loop()))
-        await done.wait()
+        if self._send(_Abort(request_id, done, asyncio.get_running_loop())):
+            await done.wait()  # else the engine thread is gone and holds no blocks for anyone
 
     def stats(self) -> dict:
         return self.engine.stats()
@@ -106,15 +108,23 @@ class AsyncLLM:
         self._wake.set()
         self._thread.join(timeout=30)
 
-    def _send(self, msg: object) -> None:
-        self._inbox.put(msg)
+    def _send(self, msg: object) -> bool:
+        """Queue msg for the engine thread; False when that thread has exited and will never read it."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._inbox.put(msg)
         self._wake.set()
+        return True
+
+    def _dead_error(self) -> EngineDeadError:
+        if self._error is not None:
+            return EngineDeadError(f"the engine stopped: {self._error!r}")
+        return EngineDeadError("the engine is shut down")
 
     def _check_alive(self) -> None:
-        if self._error is not None:
-            raise EngineDeadError(f"the engine stopped: {self._error!r}")
-        if self._stopping:
-            raise EngineDeadError("the engine is shut down")
+        if self._error is not None or self._stopping:
+            raise self._dead_error()
 
     # -- the engine thread --------------------------------------------------------------------
     def _loop(self) -> None:
@@ -134,13 +144,11 @@ class AsyncLLM:
                     changed[delta.request_id] = (tracker, q, loop)
                 for rid, (tracker, q, loop) in changed.items():
                     self._emit(rid, tracker, q, loop)
-        except BaseException as e:  # report to every waiter; never leave one hanging
+        except BaseException as e:
             log.exception("engine thread failed")
             self._error = e
-            for _, q, loop in self._requests.values():
-                loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"the engine stopped: {e!r}"))
-            self._requests.clear()
-            self._fail_inbox(e)
+        finally:  # failed or shut down: report to every waiter; never leave one hanging
+            self._close()
 
     def _drain_inbox(self) -> None:
         while True:
@@ -153,7 +161,7 @@ class AsyncLLM:
                 try:
                     self.engine.add_request(rid, msg.prompt_token_ids, msg.params)
                 except ValueError as e:
-                    msg.loop.call_soon_threadsafe(msg.out.put_nowait, e)
+                    _post(msg.loop, msg.out.put_nowait, e)
                     continue
                 self._requests[rid] = (msg.tracker, msg.out, msg.loop)
             else:
@@ -164,30 +172,48 @@ class AsyncLLM:
                 entry = self._requests.get(msg.request_id)
                 if entry:
                     self._emit(msg.request_id, *entry)
-                msg.loop.call_soon_threadsafe(msg.done.set)
+                _post(msg.loop, msg.done.set)
 
     def _emit(self, rid: str, tracker: RequestTracker, q: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> None:
         snapshot = _snapshot(tracker.output)
-        if snapshot.finished:
+        delivered = _post(loop, q.put_nowait, snapshot)
+        if snapshot.finished or not delivered:
             self._requests.pop(rid, None)
-        loop.call_soon_threadsafe(q.put_nowait, snapshot)
+        if not delivered:  # its consumer's event loop is closed: nobody will read it
+            self.engine.abort_request(rid)
 
-    def _fail_inbox(self, e: BaseException) -> None:
+    def _close(self) -> None:
+        """Take no more messages, then fail the running requests and answer the queued messages."""
+        with self._lock:
+            self._closed = True
+        for _, q, loop in self._requests.values():
+            _post(loop, q.put_nowait, self._dead_error())
+        self._requests.clear()
         while True:
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
             if isinstance(msg, _Add):
-                msg.loop.call_soon_threadsafe(msg.out.put_nowait, EngineDeadError(f"the engine stopped: {e!r}"))
+                _post(msg.loop, msg.out.put_nowait, self._dead_error())
             else:
-                msg.loop.call_soon_threadsafe(msg.done.set)
+                _post(msg.loop, msg.done.set)
+
+
+def _post(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: object) -> bool:
+    """Run callback(*args) in loop's thread; False when that loop is closed (its consumer is gone).
+    A client's closed loop must not kill the engine thread that serves everyone else."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:
-    """A copy the consumer may keep while the engine thread goes on updating the original."""
-    import copy
-
-    return copy.copy(out) if False else RequestOutput(
-        out.prompt, out.prompt_token_ids, [copy.copy(o) for o in out.outputs], out.finished, out.request_id,
-        out.num_cached_tokens)
+    """A copy the consumer may keep while the engine thread goes on updating the original (whose
+    token_ids and logprobs lists grow in place)."""
+    outputs = [replace(o, token_ids=list(o.token_ids), logprobs=None if o.logprobs is None else list(o.logprobs))
+               for o in out.outputs]
+    return RequestOutput(out.prompt, out.prompt_token_ids, outputs, out.finished, out.request_id,
+                         out.num_cached_tokens)
