@@ -11,9 +11,13 @@ Part 1, mixed-length workload (float32 checkpoint, hidden 512, 4 layers, 8 exper
   Throughput counts only the requested output tokens.
 Part 2, decode in bfloat16 on a Mixtral-shaped checkpoint of ~425M parameters (hidden 1024, 8 layers,
   16 heads, 4 KV heads, 8 experts of 2048, top-2), 32-token prompts, 64 new tokens, batch 1/16/64:
-  decode step time of the engine and of transformers' generate; the roofline is the weight bytes a
+  decode step time of the engine and of transformers' generate. Memory floor: the weight bytes a
   decode step must read (the active experts' and every other layer's weights, the LM head) over the
-  copy bandwidth measured in this run (bytes read plus written per second of a 1 GiB copy).
+  copy bandwidth measured in this run (bytes read plus written per second of a 1 GiB copy); compute
+  floor: the step's matmul FLOPs over a 2048^3 bf16 matmul's rate measured in this run. "mem_roof"
+  is memory floor / measured step; "read_roof" the same with the bandwidth of a pure read (a sum over
+  1 GiB), which on some machines is well below the copy rate; "roof" is max(read floor, compute
+  floor) / measured step.
 Writes bench/results/engine.json.
 """
 import argparse
@@ -50,6 +54,38 @@ def copy_bandwidth() -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
     return 2 * src.numel() * 4 / best
+
+
+def read_bandwidth() -> float:
+    """Bytes read per second by summing a 1 GiB tensor (best of 5): what streaming weights can reach."""
+    src = torch.ones(1 << 28, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - t0)
+    return src.numel() * 4 / best
+
+
+def matmul_rate(dtype: torch.dtype = torch.bfloat16) -> float:
+    """FLOP/s of a 2048^3 matmul in dtype (best of 5): the compute ceiling of this machine."""
+    a = torch.randn(2048, 2048, dtype=dtype)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 2048 ** 3 / best
+
+
+def step_flops(llm: LLM, B: int, context: int) -> float:
+    """Matmul FLOPs of one decode step of B tokens: every non-expert weight, K experts per token, and
+    attention over `context` keys."""
+    cfg, sizes = llm.cfg, llm.engine.runner.weight_bytes
+    elem = llm.engine.runner.dtype.itemsize
+    per_token = sizes["other"] / elem + sizes["experts"] / elem * cfg.top_k / cfg.num_experts
+    attention = 4 * context * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    return 2 * B * per_token + B * attention
 
 
 def hf_generate(hf, batch: list[list[int]], new_tokens: int) -> None:
@@ -121,7 +157,8 @@ def step_weight_bytes(llm: LLM, B: int) -> float:
     return sizes["other"] + lm_head + sizes["experts"] * active / E
 
 
-def decode_roofline(ckpt: Path, batches: list[int], new_tokens: int, bw: float) -> list[dict]:
+def decode_roofline(ckpt: Path, batches: list[int], new_tokens: int, bw: float, read_bw: float,
+                    rate: float) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     llm = LLM(ckpt, max_num_seqs=max(batches), max_num_batched_tokens=4096)
@@ -138,10 +175,13 @@ def decode_roofline(ckpt: Path, batches: list[int], new_tokens: int, bw: float) 
         hf_generate(hf, prompts, new_tokens)
         theirs = (time.perf_counter() - t1 - (t1 - t0)) / (new_tokens - 1)
         floor = step_weight_bytes(llm, B) / bw
+        compute = step_flops(llm, B, 32 + new_tokens // 2) / rate
         rows.append({"batch": B, "shuttle_step_ms": 1e3 * ours, "transformers_step_ms": 1e3 * theirs,
                      "shuttle_tok_s": B / ours, "transformers_tok_s": B / theirs, "speedup": theirs / ours,
-                     "roofline_step_ms": 1e3 * floor, "shuttle_roofline": floor / ours,
-                     "transformers_roofline": floor / theirs})
+                     "mem_floor_ms": 1e3 * floor, "compute_floor_ms": 1e3 * compute,
+                     "shuttle_mem_roof": floor / ours, "transformers_mem_roof": floor / theirs,
+                     "shuttle_read_roof": floor * bw / read_bw / ours,
+                     "shuttle_roof": max(floor * bw / read_bw, compute) / ours})
     return rows
 
 
@@ -153,18 +193,20 @@ def main() -> None:
     torch.manual_seed(0)
     random.seed(0)
     n, new_tokens = (16, 16) if args.quick else (64, 64)
-    bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e9:.1f} GB/s (read + write), {torch.get_num_threads()} threads")
+    bw, read_bw, rate = copy_bandwidth(), read_bandwidth(), matmul_rate()
+    print(f"copy bandwidth {bw / 1e9:.1f} GB/s (read + write), read {read_bw / 1e9:.1f} GB/s, "
+          f"bf16 matmul {rate / 1e9:.0f} GFLOP/s, {torch.get_num_threads()} threads")
     with tempfile.TemporaryDirectory() as tmp:
         small = mixtral(Path(tmp) / "small", "float32", 512, 1024, 4, 8, 2)
         mixed = mixed_workload(small, n, 16)
         print_table(mixed, ["mode", "seconds", "useful_tokens", "tok_per_s", "vs_continuous"])
         big = mixtral(Path(tmp) / "big", "bfloat16", 1024, 2048, 8, 16, 4)
-        decode = decode_roofline(big, args.batches, new_tokens, bw)
+        decode = decode_roofline(big, args.batches, new_tokens, bw, read_bw, rate)
         print_table(decode, ["batch", "shuttle_step_ms", "transformers_step_ms", "shuttle_tok_s", "transformers_tok_s",
-                             "speedup", "roofline_step_ms", "shuttle_roofline", "transformers_roofline"])
+                             "speedup", "mem_floor_ms", "compute_floor_ms", "shuttle_mem_roof",
+                             "transformers_mem_roof", "shuttle_read_roof", "shuttle_roof"])
     if not args.quick:
-        path = save("engine", {"copy_GBps": bw / 1e9, "mixed_workload": mixed, "decode_bf16_425M": decode,
+        path = save("engine", {"copy_GBps": bw / 1e9, "read_GBps": read_bw / 1e9, "bf16_matmul_GFLOPs": rate / 1e9, "mixed_workload": mixed, "decode_bf16_425M": decode,
                                "date": time.strftime("%Y-%m-%d")})
         print(f"wrote {path}")
 
