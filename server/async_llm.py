@@ -150,12 +150,16 @@ class AsyncLLM:
         finally:  # failed or shut down: report to every waiter; never leave one hanging
             self._close()
 
-    def _drain_inbox(self) -> None:
+    def _pending(self):
+        """The queued messages, oldest first, until the inbox is empty."""
         while True:
             try:
-                msg = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_inbox(self) -> None:
+        for msg in self._pending():
             if isinstance(msg, _Add):
                 rid = msg.tracker.output.request_id
                 try:
@@ -189,11 +193,7 @@ class AsyncLLM:
         for _, q, loop in self._requests.values():
             _post(loop, q.put_nowait, self._dead_error())
         self._requests.clear()
-        while True:
-            try:
-                msg = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for msg in self._pending():
             if isinstance(msg, _Add):
                 _post(msg.loop, msg.out.put_nowait, self._dead_error())
             else:
