@@ -56,6 +56,10 @@ class LLMEngine:
         self.model_cfg = ModelConfig.from_pretrained(cfg.model)
         self.runner = ModelRunner(cfg, self.model_cfg)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
+        if not cfg.scheduler.enable_chunked_prefill and cfg.scheduler.max_num_batched_tokens < self.model_cfg.max_model_len:
+            raise ValueError(f"without chunked prefill, scheduler.max_num_batched_tokens "
+                             f"({cfg.scheduler.max_num_batched_tokens}) must be at least the context length "
+                             f"({self.model_cfg.max_model_len}), or a long (or recomputed) sequence could never run")
         self.scheduler = Scheduler(cfg.scheduler, self.blocks)
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else default_eos_ids(cfg.model, self.model_cfg))
         self.sampler = Sampler(self.model_cfg.vocab_size, self.eos_token_ids)
@@ -89,7 +93,7 @@ class LLMEngine:
         for i in range(params.n):
             gen = None
             if params.seed is not None:
-                gen = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
+                gen = torch.Generator(device=self.runner.device).manual_seed((params.seed + i) % 2 ** 64)
             seqs.append(Sequence(request_id, i, list(ids), len(ids), params, max_tokens, next(self._arrival), gen))
         self.scheduler.add(seqs[0])  # checks the cache can ever hold it (the others are the same size)
         if len(seqs) > 1 and self.cfg.cache.enable_prefix_caching and len(ids) > self.blocks.block_size:
@@ -126,12 +130,15 @@ class LLMEngine:
             self._release_held(rid)
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            if self.scheduler.has_work():  # an invariant broke: fail loudly rather than spin for ever
+                raise RuntimeError(f"the scheduler can run none of {len(self.scheduler.waiting)} waiting sequences "
+                                   f"({self.blocks.num_free_blocks} free KV blocks)")
             return []
         logits_RV = self.runner.execute(batch)
         self.scheduler.finish_computed(batch)
         sampled = [seq for seq, s in zip(batch.seqs, batch.sample) if s]
-        out = self.sampler(logits_RV, [SamplingRow(s.params, s.token_ids[:s.num_prompt_tokens], s.output_token_ids,
-                                                   s.generator) for s in sampled])
+        out = self.sampler(logits_RV, [SamplingRow(s.params, self._prompt_if_needed(s), s.output_token_ids, s.generator)
+                                       for s in sampled])
         self.num_steps += 1
         self.num_prefill_tokens += sum(n for n, s in zip(batch.num_new_tokens, batch.seqs) if n > 1)
         deltas = []
@@ -165,6 +172,11 @@ class LLMEngine:
         self.scheduler.finish(seq, reason, stop_reason)
         return SequenceDelta(seq.request_id, seq.index, [], None, reason, stop_reason)
 
+    @staticmethod
+    def _prompt_if_needed(seq: Sequence) -> list[int]:
+        """The prompt, for the repetition penalty only (no copy per step otherwise)."""
+        return seq.token_ids[:seq.num_prompt_tokens] if seq.params.repetition_penalty != 1 else []
+
     def _prompt_computed(self, request_id: str) -> bool:
         first = self.requests[request_id][0]
         return first.is_finished or first.num_computed_tokens >= first.num_prompt_tokens
@@ -181,7 +193,7 @@ class LLMEngine:
     # -- introspection --------------------------------------------------------------------------
     def stats(self) -> dict:
         b = self.blocks
-        waiting = len(self.scheduler.waiting) + sum(map(len, self._held.values()))
+        waiting = len(self.scheduler.waiting) + sum(map(len, list(self._held.values())))  # may run off-thread
         return {"running": len(self.scheduler.running), "waiting": waiting,
                 "num_blocks": b.num_blocks, "free_blocks": b.num_free_blocks,
                 "kv_cache_usage": 1 - b.num_free_blocks / b.num_blocks, "prefix_cache_queries": b.prefix_queries,

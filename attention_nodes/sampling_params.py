@@ -52,19 +52,23 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.stop is None:
+            self.stop = []
+        if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = list(self.stop)
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_float("temperature", self.temperature, low=0.0)
+        _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        _check_int("top_k", self.top_k, low=-1)
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=-(2 ** 63), high=2 ** 63 - 1)
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids[]", t, low=0)
+        self.stop_token_ids = list(self.stop_token_ids)
+        _check_bool("ignore_eos", self.ignore_eos)
         self._check_vllm_fields()
 
     def _check_vllm_fields(self) -> None:

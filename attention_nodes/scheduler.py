@@ -48,6 +48,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        """The next step's sequences and token counts; grows their block tables to fit (preempting
+        the newest running sequences when blocks run out) and admits waiting ones."""
         batch = ScheduledBatch([], [], [])
         budget = self.cfg.max_num_batched_tokens
         i = 0
@@ -84,10 +86,11 @@ class Scheduler:
             self.waiting.popleft()
             self.blocks.share_prefix(seq, prefix)
             self.blocks.grow(seq, total)
-            if seq.num_output_tokens == 0:  # first admission (not a recomputation): count the prompt
+            if seq.num_admissions == 0:  # not a recomputation: count the prompt
                 self.blocks.prefix_queries += seq.num_tokens
                 self.blocks.prefix_hits += seq.num_computed_tokens
                 seq.num_cached_prompt_tokens = seq.num_computed_tokens
+            seq.num_admissions += 1
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add(batch, seq, n)

@@ -36,6 +36,7 @@ class Sequence:
     num_hashed_blocks: int = 0  # leading full blocks registered in the prefix cache
     last_block_hash: int | None = None
     num_cached_prompt_tokens: int = 0  # prefill tokens skipped thanks to the prefix cache
+    num_admissions: int = 0  # times scheduled from waiting (more than one after a preemption)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
 

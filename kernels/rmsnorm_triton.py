@@ -23,7 +23,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, r_out_ptr, T, D, stride_x, stri
         tl.store(r_out_ptr + rows[:, None] * stride_ro + cols[None, :], x, mask=mask)
         x = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-    normed = (x * inv_rms[:, None]).to(y_ptr.dtype.element_ty).to(tl.float32)
+    normed = (x * inv_rms[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], normed * w[None, :], mask=mask)
 
@@ -39,7 +39,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     T = x2.shape[0]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)  # as weight * normed
     r_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     if T == 0:
         return y, r_out

@@ -34,6 +34,9 @@ class AttentionBatch:
     first_slot: int | None = None  # set when slots_B is first_slot, first_slot+1, ...: caches can slice, not gather
     block_table_BM: torch.Tensor | None = None  # paged caches: page ids of each sequence, -1 past its end
     slot_mapping_T: torch.Tensor | None = None  # paged caches: page * page_size + offset of each token
+    # Steps that mix decodes with prefill chunks: (tokens of the one-token sequences, those sequences,
+    # tokens of the others, an AttentionBatch of the others alone), so each part takes its own path.
+    parts: "tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionBatch] | None" = None
 
     @classmethod
     def build(cls, q_lens: list[int], ctx_lens: list[int], slots: list[int], device: torch.device | str = "cpu") -> "AttentionBatch":
@@ -65,9 +68,18 @@ class AttentionBatch:
         table = torch.tensor([t + [-1] * (M - len(t)) for t in block_tables], dtype=torch.long)
         slots = table[seq_idx, positions // block_size] * block_size + positions % block_size
         kv_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+        parts = None
+        if 1 < max(q_lens) and min(q_lens) == 1:
+            decode_seqs = [b for b, n in enumerate(q_lens) if n == 1]
+            prefill_seqs = [b for b, n in enumerate(q_lens) if n > 1]
+            is_decode_T = torch.tensor(q_lens)[seq_idx] == 1
+            parts = (torch.nonzero(is_decode_T)[:, 0].to(device), torch.tensor(decode_seqs, device=device),
+                     torch.nonzero(~is_decode_T)[:, 0].to(device),
+                     cls.build_paged([q_lens[b] for b in prefill_seqs], [ctx_lens[b] for b in prefill_seqs],
+                                     [block_tables[b] for b in prefill_seqs], block_size, device))
         return cls(seq_idx.to(device), tok_idx.to(device), positions.to(device), torch.arange(B, device=device),
                    torch.tensor(kv_lens, dtype=torch.long, device=device), max(q_lens), max(kv_lens), 0,
-                   table.to(device=device, dtype=torch.int32), slots.to(device))
+                   table.to(device=device, dtype=torch.int32), slots.to(device), parts)
 
 
 class KVCache(Protocol):
@@ -134,6 +146,19 @@ class PagedKVCache:
         if batch.max_q_len == 1:  # one token per sequence, in sequence order
             return self.decode_attention(q_TNH, k_pages, v_pages, batch.block_table_BM, batch.kv_lens_B, scale,
                                          sliding_window)
+        if batch.parts is not None:  # decodes through the decode op; only prefilling sequences are gathered
+            decode_T, decode_B, prefill_T, prefill = batch.parts
+            o_TNH = torch.empty_like(q_TNH)
+            o_TNH[decode_T] = self.decode_attention(q_TNH[decode_T], k_pages, v_pages, batch.block_table_BM[decode_B],
+                                                    batch.kv_lens_B[decode_B], scale, sliding_window)
+            o_TNH[prefill_T] = self._gathered(q_TNH[prefill_T], k_pages, v_pages, prefill, scale, sliding_window)
+            return o_TNH
+        return self._gathered(q_TNH, k_pages, v_pages, batch, scale, sliding_window)
+
+    def _gathered(self, q_TNH: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: AttentionBatch,
+                  scale: float, sliding_window: int | None) -> torch.Tensor:
+        """Reference attention over each sequence's pages copied into one (B, K, S, H) tensor."""
+        K, H = k_pages.shape[2:]
         B, pages = batch.block_table_BM.shape[0], -(-batch.max_kv_len // self.block_size)
         table_BM = batch.block_table_BM[:, :pages].long().clamp(min=0)
         k_BKSH = k_pages[table_BM].reshape(B, pages * self.block_size, K, H).transpose(1, 2)

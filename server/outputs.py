@@ -61,6 +61,8 @@ class RequestTracker:
                 include_stop_str_in_output=params.include_stop_str_in_output))
 
     def apply(self, delta: SequenceDelta) -> str | None:
+        """Add one engine delta to its sequence's output (tokens, logprobs, text, finish reason).
+        Returns the stop string that ended the text, if one did (the caller stops the sequence)."""
         out, detok = self.output.outputs[delta.index], self.detoks[delta.index]
         out.delta_token_ids, out.delta_text = [], ""
         if out.finished:  # a stop string ended it already

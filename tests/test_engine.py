@@ -81,11 +81,21 @@ def test_chunked_prefill_and_budget(make_checkpoint):
         assert got[f"r{i}"] == hf_greedy(ckpt, p, 6)
 
 
-def test_unchunked_long_prompt_waits_for_room(make_checkpoint):
-    engine = make_engine(make_checkpoint("mixtral"), max_num_batched_tokens=16, chunked=False)
-    engine.add_request("long", list(range(2, 30)), SamplingParams(max_tokens=2, **GREEDY))
-    assert engine.step() == []  # 28 prompt tokens never fit a 16-token step unchunked
-    assert engine.scheduler.waiting
+def test_unchunked_prefill_needs_a_context_sized_budget_and_waits_for_room(make_checkpoint):
+    ckpt = make_checkpoint("mixtral")  # context 512
+    with pytest.raises(ValueError, match="chunked prefill"):
+        make_engine(ckpt, max_num_batched_tokens=16, chunked=False)  # a 28-token prompt could never run
+    engine = make_engine(ckpt, max_num_batched_tokens=512, chunked=False, block_size=16, num_blocks=64)
+    long = prompts(2, seed=9, lo=300, hi=300)
+    for i, p in enumerate(long):
+        engine.add_request(f"l{i}", p, SamplingParams(max_tokens=2, **GREEDY))
+    engine.step()  # only the first 300-token prompt fits this step's 512 tokens whole
+    assert [s.request_id for s in engine.scheduler.running] == ["l0"] and len(engine.scheduler.waiting) == 1
+    out = {"l0": [], "l1": []}
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            out[d.request_id] += d.new_token_ids
+    assert out["l1"] == hf_greedy(ckpt, long[1], 2)
 
 
 def test_prefix_cache_hit_equals_miss_and_counts_skipped_tokens(make_checkpoint):

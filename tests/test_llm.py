@@ -78,10 +78,14 @@ def test_chat_uses_the_checkpoint_template(llm):
 
 
 def test_bad_requests(llm):
-    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
         SamplingParams(max_tokens=0)
-    with pytest.raises(ValueError, match="top_p must be in"):
+    with pytest.raises(ValueError, match="top_p must be a finite number in"):
         SamplingParams(top_p=0)
+    for bad in (dict(stop_token_ids=None), dict(stop_token_ids=["a"]), dict(seed=True), dict(ignore_eos="no"),
+                dict(max_tokens=True), dict(temperature=float("nan")), dict(stop=5)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([[1, 2, 10**6]])
     with pytest.raises(ValueError, match="prompt is empty"):

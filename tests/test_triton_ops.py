@@ -107,3 +107,12 @@ def test_topk_route_rejects_bad_arguments():
         routing_triton.topk_route(torch.randn(2, 4, device=DEV), 5)
     with pytest.raises(ValueError, match="scoring"):
         routing_triton.topk_route(torch.randn(2, 4, device=DEV), 2, "relu")
+
+
+def test_rms_norm_float32_weight_promotes_like_the_reference(poison):
+    from kernels import rmsnorm_triton
+
+    x, w = torch.randn(5, 40, device=DEV).to(torch.float16), torch.randn(40, device=DEV)
+    got, want = rmsnorm_triton.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
