@@ -78,17 +78,8 @@ class LLMEngine:
         no room in the context."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = list(prompt_token_ids)
-        vocab, max_len = self.model_cfg.vocab_size, self.model_cfg.max_model_len
-        if not ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(ids) >= max_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is {max_len} tokens, "
-                             f"which leaves no room to generate")
-        max_tokens = min(params.max_tokens, max_len - len(ids))
+        ids = self.check_prompt(prompt_token_ids)
+        max_tokens = min(params.max_tokens, self.model_cfg.max_model_len - len(ids))
         seqs = []
         for i in range(params.n):
             gen = None
@@ -102,6 +93,20 @@ class LLMEngine:
             for seq in seqs[1:]:
                 self.scheduler.add(seq)
         self.requests[request_id] = seqs
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> list[int]:
+        """The prompt as a list; ValueError if it is empty, has ids outside the vocabulary, or leaves
+        no room to generate in the model's context."""
+        ids = list(prompt_token_ids)
+        vocab, max_len = self.model_cfg.vocab_size, self.model_cfg.max_model_len
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) >= max_len:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the context of {max_len} tokens")
+        return ids
 
     def abort_request(self, request_id: str) -> list[SequenceDelta]:
         """Retire every unfinished sequence of the request now; their blocks are free on return."""

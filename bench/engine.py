@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import print_table, save  # noqa: E402
+from bench.common import best_of, print_table, save  # noqa: E402
 from models.builtin import make_random_checkpoint  # noqa: E402
 from server import LLM, SamplingParams  # noqa: E402
 
@@ -48,34 +48,19 @@ def copy_bandwidth() -> float:
     """Bytes read plus written per second by a 1 GiB tensor copy (best of 5)."""
     src = torch.ones(1 << 28, dtype=torch.float32)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.numel() * 4 / best
+    return 2 * src.numel() * 4 / best_of(lambda: dst.copy_(src), 5)
 
 
 def read_bandwidth() -> float:
     """Bytes read per second by summing a 1 GiB tensor (best of 5): what streaming weights can reach."""
     src = torch.ones(1 << 28, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        src.sum()
-        best = min(best, time.perf_counter() - t0)
-    return src.numel() * 4 / best
+    return src.numel() * 4 / best_of(src.sum, 5)
 
 
 def matmul_rate(dtype: torch.dtype = torch.bfloat16) -> float:
     """FLOP/s of a 2048^3 matmul in dtype (best of 5): the compute ceiling of this machine."""
     a = torch.randn(2048, 2048, dtype=dtype)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        a @ a
-        best = min(best, time.perf_counter() - t0)
-    return 2 * 2048 ** 3 / best
+    return 2 * 2048 ** 3 / best_of(lambda: a @ a, 5)
 
 
 def step_flops(llm: LLM, B: int, context: int) -> float:

@@ -75,6 +75,15 @@ def _decode_attention(q_TNH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.T
     return o_BKGH.reshape(B, N, H)[seq_idx_T]
 
 
+def gather_pages(cache_PSKH: torch.Tensor, block_table_BM: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Copy the first num_tokens token slots of each sequence's pages into one (B, K, S', H) view,
+    S' = num_tokens rounded up to whole pages. Table entries of -1 read page 0 (masked later)."""
+    B, S = block_table_BM.shape[0], cache_PSKH.shape[1]
+    pages = -(-num_tokens // S)
+    table_BM = block_table_BM[:, :pages].long().clamp(min=0)
+    return cache_PSKH[table_BM].reshape(B, pages * S, *cache_PSKH.shape[2:]).transpose(1, 2)
+
+
 def paged_decode_attention(
     q_BNH: torch.Tensor,
     k_cache_PSKH: torch.Tensor,
@@ -93,11 +102,9 @@ def paged_decode_attention(
     context length of each sequence including its new token (>= 1), whose key and value must already
     be in the cache. Visibility as in cached_attention (window: keys j > p - w). Returns o_BNH.
     """
-    B, M = block_table_BM.shape
-    S, K, H = k_cache_PSKH.shape[1:]
-    pages = -(-int(seq_lens_B.max()) // S) if B else 0
-    table_BM = block_table_BM[:, :pages].long().clamp(min=0)
-    k_BKSH = k_cache_PSKH[table_BM].reshape(B, pages * S, K, H).transpose(1, 2)
-    v_BKSH = v_cache_PSKH[table_BM].reshape(B, pages * S, K, H).transpose(1, 2)
+    B = block_table_BM.shape[0]
+    longest = int(seq_lens_B.max()) if B else 0
+    k_BKSH = gather_pages(k_cache_PSKH, block_table_BM, longest)
+    v_BKSH = gather_pages(v_cache_PSKH, block_table_BM, longest)
     seq_idx_B = torch.arange(B, device=q_BNH.device)
     return _decode_attention(q_BNH, k_BKSH, v_BKSH, seq_idx_B, seq_lens_B.long() - 1, scale, sliding_window)

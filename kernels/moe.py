@@ -6,6 +6,7 @@ Weights: w13_EID2 is stored as (E, 2I, D): rows [0, I) are the gate projection (
 rows [I, 2I) the up projection (w3 / up_proj); w2_EDI is (E, D, I), the down projection.
 """
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +40,13 @@ def permute(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int) -> 
     return x_TD.index_select(0, token_idx_N), Permutation(token_idx_N, pair_idx_N, counts_E, T)
 
 
-def grouped_swiglu(x_ND: torch.Tensor, counts_E: list[int], w13_EID2: torch.Tensor, w2_EDI: torch.Tensor) -> torch.Tensor:
+def grouped_swiglu(x_ND: torch.Tensor, counts_E: list[int], w13_EID2: torch.Tensor, w2_EDI: torch.Tensor,
+                   linear: Callable = F.linear) -> torch.Tensor:
     """For each expert e, y = (silu(x W1^T) * (x W3^T)) W2^T over its contiguous slice of rows.
 
     One matmul pair per active expert; experts with no rows cost nothing. Returns y_ND in x's dtype.
+    w13_EID2 / w2_EDI may also be per-expert sequences of any weight `linear` accepts (e.g. the
+    oneDNN-packed weights of kernels/cpu_linear.py with linear=packed_linear).
     """
     y_ND = torch.empty_like(x_ND)
     start = 0
@@ -50,9 +54,8 @@ def grouped_swiglu(x_ND: torch.Tensor, counts_E: list[int], w13_EID2: torch.Tens
         if n == 0:
             continue
         rows = slice(start, start + n)
-        gate_up = F.linear(x_ND[rows], w13_EID2[e])
-        gate, up = gate_up.chunk(2, dim=-1)
-        y_ND[rows] = F.linear(F.silu(gate) * up, w2_EDI[e])
+        gate, up = linear(x_ND[rows], w13_EID2[e]).chunk(2, dim=-1)
+        y_ND[rows] = linear(F.silu(gate) * up, w2_EDI[e])
         start += n
     return y_ND
 
@@ -116,13 +119,5 @@ def fused_moe_packed(
     from kernels.cpu_linear import packed_linear
 
     x_ND, perm = permute(x_TD, topk_ids_TK, len(w13_packed_E))
-    y_ND = torch.empty_like(x_ND)
-    start = 0
-    for e, n in enumerate(perm.counts_E):
-        if n == 0:
-            continue
-        rows = slice(start, start + n)
-        gate, up = packed_linear(x_ND[rows], w13_packed_E[e]).chunk(2, dim=-1)
-        y_ND[rows] = packed_linear(F.silu(gate) * up, w2_packed_E[e])
-        start += n
+    y_ND = grouped_swiglu(x_ND, perm.counts_E, w13_packed_E, w2_packed_E, linear=packed_linear)
     return unpermute(y_ND, perm, topk_weights_TK)

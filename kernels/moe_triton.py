@@ -103,19 +103,26 @@ def _block_of(pid, num_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
 
 
 @triton.jit
+def _row_block(sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
+    """Row block pid_m of the sorted pairs: (its expert, -1 for a block past the padded end; its
+    BLOCK_M pair ids; which of them are real pairs rather than the sentinel)."""
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    expert = tl.where(pid_m * BLOCK_M >= tl.load(num_post_padded_ptr), -1, expert)
+    pair_M = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return expert, pair_M, pair_M < num_pairs
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
                     num_pairs, num_rows, D, I, stride_xt, stride_xd, stride_we, stride_wi, stride_wd,
                     stride_hn, stride_hi, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """h[p, n] = silu(x[p // K] . w13[e, n]) * (x[p // K] . w13[e, I + n]) for the block's pairs p."""
     pid_m, pid_n = _block_of(tl.program_id(0), num_rows, I, BLOCK_M, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
-        return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    expert, pair_M, row_ok = _row_block(sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, pid_m, num_pairs,
+                                        BLOCK_M)
     if expert == -1:
         return
-    pair_M = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_ok = pair_M < num_pairs
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
@@ -146,13 +153,10 @@ def _down_kernel(h_ptr, w_ptr, y_ptr, weights_ptr, sorted_ids_ptr, expert_ids_pt
                  DOT_PRECISION: tl.constexpr):
     """y[p, d] = weight[p] * (h[p] . w2[e, d]) for the block's pairs p (weight product in float32)."""
     pid_m, pid_n = _block_of(tl.program_id(0), num_rows, D, BLOCK_M, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
-        return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    expert, pair_M, row_ok = _row_block(sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, pid_m, num_pairs,
+                                        BLOCK_M)
     if expert == -1:
         return
-    pair_M = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_ok = pair_M < num_pairs
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = offs_n < D
     offs_k = tl.arange(0, BLOCK_K)

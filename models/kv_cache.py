@@ -11,7 +11,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from kernels.attention import cached_attention, paged_decode_attention
+from kernels.attention import cached_attention, gather_pages, paged_decode_attention
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,7 @@ class AttentionBatch:
     @classmethod
     def build(cls, q_lens: list[int], ctx_lens: list[int], slots: list[int], device: torch.device | str = "cpu") -> "AttentionBatch":
         """Batch of B sequences; sequence b adds q_lens[b] tokens after ctx_lens[b] cached ones."""
-        q = torch.tensor(q_lens, dtype=torch.long)
-        seq_idx = torch.repeat_interleave(torch.arange(len(q_lens)), q)
-        starts = torch.cumsum(q, 0) - q
-        tok_idx = torch.arange(int(q.sum())) - starts[seq_idx]
-        positions = torch.tensor(ctx_lens, dtype=torch.long)[seq_idx] + tok_idx
-        kv_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+        seq_idx, tok_idx, positions, kv_lens = _token_layout(q_lens, ctx_lens)
         contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
         return cls(seq_idx.to(device), tok_idx.to(device), positions.to(device),
                    torch.tensor(slots, dtype=torch.long, device=device),
@@ -58,16 +53,11 @@ class AttentionBatch:
     def build_paged(cls, q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
                     device: torch.device | str = "cpu") -> "AttentionBatch":
         """Batch over a paged cache: sequence b's tokens live in the pages block_tables[b]."""
-        q = torch.tensor(q_lens, dtype=torch.long)
         B = len(q_lens)
-        seq_idx = torch.repeat_interleave(torch.arange(B), q)
-        starts = torch.cumsum(q, 0) - q
-        tok_idx = torch.arange(int(q.sum())) - starts[seq_idx]
-        positions = torch.tensor(ctx_lens, dtype=torch.long)[seq_idx] + tok_idx
+        seq_idx, tok_idx, positions, kv_lens = _token_layout(q_lens, ctx_lens)
         M = max(len(t) for t in block_tables)
         table = torch.tensor([t + [-1] * (M - len(t)) for t in block_tables], dtype=torch.long)
         slots = table[seq_idx, positions // block_size] * block_size + positions % block_size
-        kv_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
         parts = None
         if 1 < max(q_lens) and min(q_lens) == 1:
             decode_seqs = [b for b, n in enumerate(q_lens) if n == 1]
@@ -80,6 +70,16 @@ class AttentionBatch:
         return cls(seq_idx.to(device), tok_idx.to(device), positions.to(device), torch.arange(B, device=device),
                    torch.tensor(kv_lens, dtype=torch.long, device=device), max(q_lens), max(kv_lens), 0,
                    table.to(device=device, dtype=torch.int32), slots.to(device), parts)
+
+
+def _token_layout(q_lens: list[int], ctx_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """(seq_idx_T, tok_idx_T, positions_T) on the CPU and kv_lens of a flat batch (see AttentionBatch)."""
+    q = torch.tensor(q_lens, dtype=torch.long)
+    seq_idx = torch.repeat_interleave(torch.arange(len(q_lens)), q)
+    starts = torch.cumsum(q, 0) - q
+    tok_idx = torch.arange(int(q.sum())) - starts[seq_idx]
+    positions = torch.tensor(ctx_lens, dtype=torch.long)[seq_idx] + tok_idx
+    return seq_idx, tok_idx, positions, [c + n for c, n in zip(ctx_lens, q_lens)]
 
 
 class KVCache(Protocol):
@@ -130,7 +130,7 @@ class PagedKVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.block_size, self.decode_attention = block_size, decode_attention
+        self.decode_attention = decode_attention
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -158,10 +158,7 @@ class PagedKVCache:
     def _gathered(self, q_TNH: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: AttentionBatch,
                   scale: float, sliding_window: int | None) -> torch.Tensor:
         """Reference attention over each sequence's pages copied into one (B, K, S, H) tensor."""
-        K, H = k_pages.shape[2:]
-        B, pages = batch.block_table_BM.shape[0], -(-batch.max_kv_len // self.block_size)
-        table_BM = batch.block_table_BM[:, :pages].long().clamp(min=0)
-        k_BKSH = k_pages[table_BM].reshape(B, pages * self.block_size, K, H).transpose(1, 2)
-        v_BKSH = v_pages[table_BM].reshape(B, pages * self.block_size, K, H).transpose(1, 2)
+        k_BKSH = gather_pages(k_pages, batch.block_table_BM, batch.max_kv_len)
+        v_BKSH = gather_pages(v_pages, batch.block_table_BM, batch.max_kv_len)
         return cached_attention(q_TNH, k_BKSH, v_BKSH, batch.seq_idx_T, batch.tok_idx_T, batch.positions_T,
                                 batch.max_q_len, scale, sliding_window)

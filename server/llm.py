@@ -126,16 +126,7 @@ class LLM:
     def _encode(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         if self.tokenizer is None and (isinstance(prompt, str) or params.stop):
             raise ValueError(f"{self.model_dir}: no tokenizer files; pass token ids and no stop strings")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})")
-        if len(ids) >= self.cfg.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the context of "
-                             f"{self.cfg.max_model_len} tokens")
-        return ids
+        return self.engine.check_prompt(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
 
 
 def _load_tokenizer(model_dir: Path):
