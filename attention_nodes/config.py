@@ -42,6 +42,37 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over processes. colocated: the experts run in the attention process
+    with no transport (the reference). Otherwise `attention_workers` data-parallel attention
+    processes and `expert_workers` expert processes exchange tokens over M2N (`transport`: shm on
+    one host, tcp across hosts), each step split into `micro_batches` (1 to 4) that ping-pong
+    between the pools. placement: a JSON file {"expert": [workers]} (default: contiguous blocks).
+    torch_threads: torch threads per worker process (None: torch's default)."""
+
+    colocated: bool = True
+    attention_workers: int = 1
+    expert_workers: int = 1
+    micro_batches: int = 1
+    transport: str = "shm"
+    placement: str | None = None
+    torch_threads: int | None = None
+    trace_dir: str | None = None  # each worker writes DIR/<worker>.trace.json (Chrome trace) when it stops
+
+    def __post_init__(self) -> None:
+        for name in ("attention_workers", "expert_workers", "micro_batches"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"parallel.{name} must be a positive integer, got {v!r}")
+        if self.micro_batches > 4:
+            raise ValueError(f"parallel.micro_batches must be 1 to 4, got {self.micro_batches}")
+        if self.transport not in ("shm", "tcp"):
+            raise ValueError(f"parallel.transport must be shm or tcp, got {self.transport!r}")
+        if self.torch_threads is not None and (not isinstance(self.torch_threads, int) or self.torch_threads < 1):
+            raise ValueError(f"parallel.torch_threads must be a positive integer, got {self.torch_threads!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """model: checkpoint directory. dtype: None for the checkpoint's. device: "cpu" or "cuda".
     kernels: "torch" or "triton" to override the device's default (see kernels.ops)."""
@@ -53,3 +84,4 @@ class EngineConfig:
     seed: int = 0  # for requests without a seed
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

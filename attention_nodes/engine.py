@@ -24,6 +24,7 @@ from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import Scheduler
 from attention_nodes.sequence import Sequence
 from models.config import ModelConfig
+from models.dispatcher import Dispatcher
 
 
 @dataclass
@@ -51,10 +52,11 @@ class SequenceDelta:
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig, eos_token_ids: set[int] | None = None):
+    def __init__(self, cfg: EngineConfig, eos_token_ids: set[int] | None = None, dispatcher: Dispatcher | None = None):
+        """dispatcher: the experts' transport (None: the experts run in this process)."""
         self.cfg = cfg
         self.model_cfg = ModelConfig.from_pretrained(cfg.model)
-        self.runner = ModelRunner(cfg, self.model_cfg)
+        self.runner = ModelRunner(cfg, self.model_cfg, dispatcher, cfg.parallel.micro_batches)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
         if not cfg.scheduler.enable_chunked_prefill and cfg.scheduler.max_num_batched_tokens < self.model_cfg.max_model_len:
             raise ValueError(f"without chunked prefill, scheduler.max_num_batched_tokens "
@@ -97,16 +99,7 @@ class LLMEngine:
     def check_prompt(self, prompt_token_ids: list[int]) -> list[int]:
         """The prompt as a list; ValueError if it is empty, has ids outside the vocabulary, or leaves
         no room to generate in the model's context."""
-        ids = list(prompt_token_ids)
-        vocab, max_len = self.model_cfg.vocab_size, self.model_cfg.max_model_len
-        if not ids:
-            raise ValueError("prompt is empty")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(ids) >= max_len:
-            raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the context of {max_len} tokens")
-        return ids
+        return check_prompt(prompt_token_ids, self.model_cfg)
 
     def abort_request(self, request_id: str) -> list[SequenceDelta]:
         """Retire every unfinished sequence of the request now; their blocks are free on return."""
@@ -214,3 +207,19 @@ def default_eos_ids(model_dir: str | Path, model_cfg: ModelConfig) -> set[int]:
         if eos is not None:
             return set(eos if isinstance(eos, list) else [eos])
     return set(model_cfg.eos_token_ids)
+
+
+def check_prompt(prompt_token_ids: list[int], model_cfg: ModelConfig) -> list[int]:
+    """The prompt as a list; ValueError if it is empty, has ids outside the vocabulary, or leaves no
+    room to generate in the model's context."""
+    ids = list(prompt_token_ids)
+    vocab, max_len = model_cfg.vocab_size, model_cfg.max_model_len
+    if not ids:
+        raise ValueError("prompt is empty")
+    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    if len(ids) >= max_len:
+        raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the context of {max_len} tokens")
+    return ids
+

@@ -9,6 +9,7 @@ import torch
 from attention_nodes.config import EngineConfig
 from attention_nodes.scheduler import ScheduledBatch
 from models.config import ModelConfig
+from models.dispatcher import Dispatcher
 from models.cpu_inference import pack_for_cpu_inference
 from models.kv_cache import AttentionBatch, PagedKVCache
 from models.loader import load_model
@@ -19,10 +20,22 @@ CUDA_MEMORY_FRACTION = 0.85  # of the memory left free after the weights
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig | None = None):
+    """dispatcher: where the experts run (None: in this process, the colocated reference; else the
+    model is built without experts and an M2NSender reaches the expert workers). micro_batches:
+    how many disjoint groups of sequences each step is split into, to ping-pong with the experts."""
+
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig | None = None, dispatcher: Dispatcher | None = None,
+                 micro_batches: int = 1):
         self.model_cfg = model_cfg or ModelConfig.from_pretrained(cfg.model)
         self.device = torch.device(cfg.device)
-        self.model = load_model(cfg.model, self.model_cfg, dtype=cfg.dtype, device=self.device, kernels=cfg.kernels)
+        self.model = load_model(cfg.model, self.model_cfg, dtype=cfg.dtype, device=self.device, kernels=cfg.kernels,
+                                with_experts=dispatcher is None)
+        if dispatcher is not None:
+            self.model.dispatcher = dispatcher
+        if not 1 <= micro_batches <= 4:
+            raise ValueError(f"micro_batches must be 1 to 4, got {micro_batches}")
+        self.micro_batches = micro_batches
+        self.num_executed = 0
         self.dtype = self.model.lm_head.weight.dtype
         self.weight_bytes = _weight_bytes(self.model)
         self.packed = self.device.type == "cpu" and self.model.ops.backend == "torch" and pack_for_cpu_inference(self.model)
@@ -61,16 +74,53 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Compute the batch's scheduled tokens; returns float32 logits (R, V) of the last token of
         each sequence whose batch.sample flag is set, in batch order."""
-        q_lens, ctx_lens, ids = batch.num_new_tokens, [], []
-        for seq, n in zip(batch.seqs, q_lens):
+        inputs = [None if not group else self._prepare(batch, group)
+                  for group in split_micro_batches(batch.num_new_tokens, self.micro_batches)]
+        hidden = self._forward(inputs)
+        rows = [h[i] for h, inp in zip(hidden, inputs) if inp is not None for i in [inp[2]]]
+        return self.model.logits(torch.cat(rows))
+
+    @torch.inference_mode()
+    def idle_step(self) -> None:
+        """Take part in a step with no sequences (attention workers run steps in lock-step)."""
+        self._forward([None] * self.micro_batches)
+
+    def _forward(self, inputs: list) -> list[torch.Tensor]:
+        dispatcher = self.model.dispatcher
+        dispatcher.begin_step()
+        try:
+            return self.model.forward_micro_batches([None if i is None else i[:2] for i in inputs], self.cache)
+        finally:
+            dispatcher.end_step()
+            self.num_executed += 1
+
+    def _prepare(self, batch: ScheduledBatch, group: range) -> tuple[torch.Tensor, AttentionBatch, torch.Tensor]:
+        """(input ids, AttentionBatch, rows to sample) of the sequences `group` of the batch."""
+        seqs, q_lens = batch.seqs[group.start:group.stop], batch.num_new_tokens[group.start:group.stop]
+        ctx_lens, ids = [], []
+        for seq, n in zip(seqs, q_lens):
             ctx_lens.append(seq.num_computed_tokens)
             ids.extend(seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n])
-        attn = AttentionBatch.build_paged(q_lens, ctx_lens, [s.block_table for s in batch.seqs], self.block_size,
+        attn = AttentionBatch.build_paged(q_lens, ctx_lens, [s.block_table for s in seqs], self.block_size,
                                           self.device)
-        hidden_TD = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), attn, self.cache)
         ends = torch.tensor(q_lens).cumsum(0) - 1
-        rows = ends[torch.tensor(batch.sample, dtype=torch.bool)]
-        return self.model.logits(hidden_TD[rows.to(self.device)])
+        rows = ends[torch.tensor(batch.sample[group.start:group.stop], dtype=torch.bool)]
+        return torch.tensor(ids, dtype=torch.long, device=self.device), attn, rows.to(self.device)
+
+
+def split_micro_batches(num_tokens: list[int], m: int) -> list[range]:
+    """Split sequences (in order) into m contiguous groups of about equal token counts; groups may
+    be empty when there are fewer sequences than m."""
+    total, groups, start, acc = sum(num_tokens), [], 0, 0
+    for i in range(m):
+        end = start
+        target = total * (i + 1) / m
+        while end < len(num_tokens) and (i == m - 1 or acc + num_tokens[end] / 2 <= target):
+            acc += num_tokens[end]
+            end += 1
+        groups.append(range(start, end))
+        start = end
+    return groups
 
 
 def _weight_bytes(model: torch.nn.Module) -> dict[str, int]:

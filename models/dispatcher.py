@@ -17,12 +17,21 @@ from kernels.moe import fused_moe
 
 class Dispatcher(Protocol):
     def dispatch(self, layer: int, experts: nn.Module | None, x_TD: torch.Tensor,
-                 topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> Any:
-        """Start the expert computation of layer `layer` for these tokens; returns a handle."""
+                 topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, mb: int = 0) -> Any:
+        """Start the expert computation of layer `layer` for these tokens of micro-batch `mb`;
+        returns a handle. experts: the layer's local Experts module (None on an attention worker)."""
         ...
 
     def combine(self, handle: Any) -> torch.Tensor:
         """Wait for the handle's result: y_TD, the router-weighted sum of the chosen experts."""
+        ...
+
+    def begin_step(self) -> None:
+        """A forward pass (one engine step, all its micro-batches) begins."""
+        ...
+
+    def end_step(self) -> None:
+        """That forward pass has combined everything it dispatched."""
         ...
 
 
@@ -30,10 +39,16 @@ class LocalDispatcher:
     """Runs the layer's own experts in this process (no transport): the reference dispatcher."""
 
     def dispatch(self, layer: int, experts: nn.Module | None, x_TD: torch.Tensor,
-                 topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+                 topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, mb: int = 0) -> torch.Tensor:
         if experts is None:
             raise RuntimeError(f"layer {layer}: this model was built without experts; use a remote dispatcher")
         return experts(x_TD, topk_ids_TK, topk_weights_TK)
 
     def combine(self, handle: torch.Tensor) -> torch.Tensor:
         return handle
+
+    def begin_step(self) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass

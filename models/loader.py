@@ -18,7 +18,7 @@ from safetensors import safe_open
 from kernels.ops import select_ops
 
 from models.config import ModelConfig
-from models.moe_decoder import MoEForCausalLM
+from models.moe_decoder import Experts, MoEForCausalLM
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _FUSED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
@@ -168,6 +168,61 @@ def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: tor
                     dst = dst[t.rows[0]:t.rows[1]]
                 dst.copy_(tensors[name])
     return model.eval()
+
+
+def load_experts(model_dir: str | Path, expert_ids: list[int], cfg: ModelConfig | None = None,
+                 dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+                 kernels: str | None = None) -> dict[int, Experts]:
+    """An expert worker's share: for every MoE layer, an Experts module holding the global experts
+    `expert_ids` in that order (local index i is expert expert_ids[i]). Reads only their tensors
+    (a fused checkpoint tensor is read whole, then sliced). Returns {layer: Experts}."""
+    cfg = cfg or ModelConfig.from_pretrained(model_dir)
+    dtype, ops = dtype or cfg.dtype, select_ops(device, kernels)
+    if not expert_ids or len(set(expert_ids)) != len(expert_ids) or not all(0 <= e < cfg.num_experts for e in expert_ids):
+        raise ValueError(f"expert ids {expert_ids} must be distinct and in [0, {cfg.num_experts})")
+    local = {e: i for i, e in enumerate(expert_ids)}
+    layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
+    with torch.device("meta"):
+        experts = {i: Experts(len(expert_ids), cfg.hidden_size, cfg.moe_intermediate_size, ops).to(dtype) for i in layers}
+    params = _expert_params(experts)
+    full_shape = {n: (cfg.num_experts,) + tuple(p.shape[1:]) for n, p in params.items()}
+    reader = CheckpointReader(model_dir)
+    wanted: dict[str, list[Target]] = {}
+    model_shape: dict[Target, tuple[int, ...]] = {}
+    covered: dict[str, int] = defaultdict(int)
+    for name in reader.files:
+        for t in checkpoint_targets(name, cfg) or []:
+            if t.param not in params or (t.expert is not None and t.expert not in local):
+                continue
+            t = Target(t.param, None if t.expert is None else local[t.expert], t.rows)
+            wanted.setdefault(name, []).append(t)
+            model_shape[t] = full_shape[t.param] if t.expert is None else _target_shape(t, params[t.param].shape)
+            covered[t.param] += params[t.param].numel() if t.expert is None else _numel(model_shape[t])
+    for pname, p in params.items():
+        if covered[pname] != p.numel():
+            missing = [n for n in _expected_names(pname, cfg) if n not in reader.files]
+            raise CheckpointError(f"{reader.dir}: missing tensor '{missing[0] if missing else pname}' for "
+                                  f"parameter {pname} (experts {expert_ids})")
+    tensors = reader.read(wanted, model_shape)
+    index = torch.tensor(expert_ids)
+    for m in experts.values():
+        m.to_empty(device=device)
+    params = _expert_params(experts)
+    with torch.no_grad():
+        for name, targets in wanted.items():
+            for t in targets:
+                dst = params[t.param]
+                src = tensors[name] if t.expert is not None else tensors[name].index_select(0, index)
+                if t.expert is not None:
+                    dst = dst[t.expert]
+                if t.rows is not None:
+                    dst = dst[t.rows[0]:t.rows[1]]
+                dst.copy_(src)
+    return {i: m.eval() for i, m in experts.items()}
+
+
+def _expert_params(experts: dict[int, Experts]) -> dict[str, torch.nn.Parameter]:
+    return {f"model.layers.{i}.mlp.experts.{n}": p for i, m in experts.items() for n, p in m.named_parameters()}
 
 
 def _numel(shape: tuple[int, ...]) -> int:

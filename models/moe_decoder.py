@@ -106,15 +106,34 @@ class SparseMoE(nn.Module):
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
-    def forward(self, x_TD: torch.Tensor, dispatcher: Dispatcher) -> torch.Tensor:
+    def start(self, x_TD: torch.Tensor, dispatcher: Dispatcher, mb: int = 0) -> tuple:
+        """Route and dispatch (non-blocking for remote dispatchers); the shared expert runs while
+        the routed experts work. `finish` turns the returned state into y_TD."""
         weights_TK, ids_TK = self.ops.topk_route(self.gate(x_TD), self.cfg.top_k, "softmax", self.cfg.norm_topk_prob)
         if not self.cfg.router_weights_fp32:
             weights_TK = weights_TK.to(x_TD.dtype)
-        handle = dispatcher.dispatch(self.layer, self.experts, x_TD, ids_TK, weights_TK)
-        y_TD = dispatcher.combine(handle)
+        handle = dispatcher.dispatch(self.layer, self.experts, x_TD, ids_TK, weights_TK, mb=mb)
+        shared_TD = None
         if self.cfg.shared_expert_intermediate_size:
-            y_TD = y_TD + torch.sigmoid(self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
-        return y_TD
+            shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
+        return dispatcher, handle, shared_TD
+
+    def start_empty(self, x_TD: torch.Tensor, dispatcher: Dispatcher, mb: int) -> tuple:
+        """An empty micro-batch still takes its (empty) turn, so remote experts see every slot."""
+        K = self.cfg.top_k
+        ids_TK = torch.empty((0, K), dtype=torch.long, device=x_TD.device)
+        weights_TK = torch.empty((0, K), dtype=torch.float32 if self.cfg.router_weights_fp32 else x_TD.dtype,
+                                 device=x_TD.device)
+        return dispatcher, dispatcher.dispatch(self.layer, self.experts, x_TD, ids_TK, weights_TK, mb=mb), None
+
+    @staticmethod
+    def finish(state: tuple) -> torch.Tensor:
+        dispatcher, handle, shared_TD = state
+        y_TD = dispatcher.combine(handle)
+        return y_TD if shared_TD is None else y_TD + shared_TD
+
+    def forward(self, x_TD: torch.Tensor, dispatcher: Dispatcher) -> torch.Tensor:
+        return self.finish(self.start(x_TD, dispatcher))
 
 
 class DecoderLayer(nn.Module):
@@ -127,13 +146,26 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def forward(self, x_TD: torch.Tensor, residual_TD: torch.Tensor | None, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                cache: KVCache, batch: AttentionBatch, dispatcher: Dispatcher) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual) -> (mlp output, residual): the residual stream is x + residual."""
+    def attention(self, x_TD: torch.Tensor, residual_TD: torch.Tensor | None, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                  cache: KVCache, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (the MLP's input, residual): the residual stream is x + residual."""
         h_TD, residual_TD = self.input_layernorm.add_and_norm(x_TD, residual_TD)
         h_TD = self.self_attn(h_TD, cos_sin, cache, batch)
-        h_TD, residual_TD = self.post_attention_layernorm.add_and_norm(h_TD, residual_TD)
-        return (self.mlp(h_TD, dispatcher) if self.is_moe else self.mlp(h_TD)), residual_TD
+        return self.post_attention_layernorm.add_and_norm(h_TD, residual_TD)
+
+    def start_mlp(self, h_TD: torch.Tensor, dispatcher: Dispatcher, mb: int, empty: bool = False) -> tuple:
+        """Begin the MLP; `SparseMoE.finish` of the result gives its output. Dense layers compute now."""
+        if not self.is_moe:
+            return _Done(), h_TD if empty else self.mlp(h_TD), None
+        return self.mlp.start_empty(h_TD, dispatcher, mb) if empty else self.mlp.start(h_TD, dispatcher, mb)
+
+
+class _Done:
+    """The 'dispatcher' of a dense layer's already computed output."""
+
+    @staticmethod
+    def combine(y_TD: torch.Tensor) -> torch.Tensor:
+        return y_TD
 
 
 class DecoderModel(nn.Module):
@@ -163,14 +195,44 @@ class MoEForCausalLM(nn.Module):
         self._rotary: RotaryEmbedding | None = None  # built on first use, on the weights' device
 
     def forward(self, input_ids_T: torch.Tensor, batch: AttentionBatch, cache: KVCache) -> torch.Tensor:
-        x_TD = self.model.embed_tokens(input_ids_T)
-        if self._rotary is None:
-            self._rotary = RotaryEmbedding(self.cfg.rope, self.cfg.head_dim, x_TD.device)
-        cos_sin = self._rotary(batch.positions_T, x_TD.dtype, batch.kv_lens_B[batch.seq_idx_T])
-        residual_TD = None
+        return self.forward_micro_batches([(input_ids_T, batch)], cache)[0]
+
+    def forward_micro_batches(self, inputs: list[tuple[torch.Tensor, AttentionBatch] | None],
+                              cache: KVCache) -> list[torch.Tensor]:
+        """Ping-pong over micro-batches (disjoint sets of sequences): at each layer, micro-batch i's
+        experts run (through the dispatcher) while attention computes micro-batch i+1; each MoE
+        output is combined only when that micro-batch's next layer needs it. None is an empty
+        micro-batch: it computes nothing but still takes its turn at every MoE layer.
+        Returns hidden_TD per micro-batch ((0, D) for an empty one)."""
+        D = self.cfg.hidden_size
+        xs, residuals, cos_sins = [], [], []
+        for inp in inputs:
+            if inp is None:
+                emb = self.model.embed_tokens.weight
+                xs.append(torch.empty((0, D), dtype=emb.dtype, device=emb.device))
+                cos_sins.append(None)
+            else:
+                ids_T, batch = inp
+                xs.append(self.model.embed_tokens(ids_T))
+                if self._rotary is None:
+                    self._rotary = RotaryEmbedding(self.cfg.rope, self.cfg.head_dim, xs[-1].device)
+                cos_sins.append(self._rotary(batch.positions_T, xs[-1].dtype, batch.kv_lens_B[batch.seq_idx_T]))
+            residuals.append(None)
+        pending: list[tuple | None] = [None] * len(inputs)
         for layer in self.model.layers:
-            x_TD, residual_TD = layer(x_TD, residual_TD, cos_sin, cache, batch, self.dispatcher)
-        return self.model.norm.add_and_norm(x_TD, residual_TD)[0]
+            for i, inp in enumerate(inputs):
+                if pending[i] is not None:
+                    xs[i] = SparseMoE.finish(pending[i])
+                if inp is None:
+                    pending[i] = layer.start_mlp(xs[i], self.dispatcher, i, empty=True)
+                    continue
+                h_TD, residuals[i] = layer.attention(xs[i], residuals[i], cos_sins[i], cache, inp[1])
+                pending[i] = layer.start_mlp(h_TD, self.dispatcher, i)
+        outs = []
+        for i, inp in enumerate(inputs):
+            x_TD = SparseMoE.finish(pending[i])
+            outs.append(x_TD if inp is None else self.model.norm.add_and_norm(x_TD, residuals[i])[0])
+        return outs
 
     def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits (float32) of the given rows."""

@@ -1,6 +1,12 @@
 """The `shuttle` command.
 
     shuttle generate --model DIR --prompt TEXT [--prompt TEXT ...] [--max-tokens N] [--json]
+                     [--attention-workers N --expert-workers M --micro-batches K --transport shm|tcp]
+    shuttle serve --role attention|expert --rendezvous HOST:PORT      (a worker of a multi-host pool)
+
+`shuttle generate` runs everything in one process unless a pool flag is given; then it spawns the
+attention and expert worker pools on this host (or, with --rendezvous, waits there for workers
+started on other hosts with `shuttle serve --role ...`).
 """
 import argparse
 import json
@@ -20,9 +26,13 @@ def _generate(args: argparse.Namespace) -> int:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                  enable_prefix_caching=not args.no_prefix_caching)
-        outputs = llm.generate(args.prompt, params)
-    except (ValueError, FileNotFoundError) as e:
+                  enable_prefix_caching=not args.no_prefix_caching, rendezvous=args.rendezvous,
+                  **_pool_kwargs(args, disaggregate_by_default=False))
+        try:
+            outputs = llm.generate(args.prompt, params)
+        finally:
+            llm.shutdown()
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"shuttle generate: error: {e}", file=sys.stderr)
         return 2
     for out in outputs:
@@ -33,6 +43,45 @@ def _generate(args: argparse.Namespace) -> int:
             else:
                 print(f"{out.prompt}{c.text}\n")
     return 0
+
+
+POOL_FLAGS = ("attention_workers", "expert_workers", "micro_batches", "transport", "placement")
+
+
+def _pool_kwargs(args: argparse.Namespace, disaggregate_by_default: bool) -> dict:
+    given = any(getattr(args, f) is not None for f in POOL_FLAGS)
+    colocated = args.colocated or not (disaggregate_by_default or given or args.rendezvous)
+    if args.colocated and (given or args.rendezvous):
+        raise ValueError("--colocated runs the experts in-process; it takes no pool flag or --rendezvous")
+    return dict(colocated=colocated, attention_workers=args.attention_workers or 1,
+                expert_workers=args.expert_workers or 1, micro_batches=args.micro_batches or 1,
+                transport=args.transport or "shm", placement=args.placement, torch_threads=args.torch_threads)
+
+
+def _add_pool_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("worker pools (disaggregated experts)")
+    g.add_argument("--attention-workers", type=int, default=None, help="attention worker processes (default 1)")
+    g.add_argument("--expert-workers", type=int, default=None, help="expert worker processes (default 1)")
+    g.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step, 1 to 4 (default 1)")
+    g.add_argument("--transport", choices=["shm", "tcp"], default=None, help="M2N backend (default shm)")
+    g.add_argument("--placement", default=None, help='JSON file {"expert": [workers]} (default: contiguous blocks)')
+    g.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
+    g.add_argument("--colocated", action="store_true", help="experts inside the attention process, no transport")
+    g.add_argument("--rendezvous", default=None, metavar="HOST:PORT",
+                   help="meet workers started elsewhere with `shuttle serve --role ...` (TCPStore address)")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if args.role in ("attention", "expert"):
+        if not args.rendezvous:
+            print("shuttle serve: error: --role attention|expert needs --rendezvous HOST:PORT", file=sys.stderr)
+            return 2
+        from server.pools import run_role
+        run_role(args.role, args.rendezvous, args.host, args.torch_threads)
+        return 0
+    print("shuttle serve: error: the HTTP/gRPC front end is not built yet; run workers with --role "
+          "attention|expert, and the front with `shuttle generate --rendezvous HOST:PORT`", file=sys.stderr)
+    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    _add_pool_flags(g)
     g.set_defaults(func=_generate)
+    s = sub.add_parser("serve", help="run a worker of a multi-host deployment")
+    s.add_argument("--role", choices=["attention", "expert", "server"], default="server")
+    s.add_argument("--host", default=None, help="this host's address for the tcp transport")
+    _add_pool_flags(s)
+    s.set_defaults(func=_serve)
     return parser
 
 

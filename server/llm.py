@@ -9,12 +9,13 @@ It runs the continuous-batching engine (attention_nodes/engine.py) in this proce
 request of the call has finished; text, stop strings and output shapes are handled here.
 """
 import itertools
+from dataclasses import replace
 import logging
 from pathlib import Path
 
 import torch
 
-from attention_nodes.config import CacheConfig, EngineConfig, SchedulerConfig
+from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from attention_nodes.engine import LLMEngine, default_eos_ids
 from attention_nodes.sampling_params import SamplingParams
 from models.config import DTYPES, ModelConfig
@@ -39,8 +40,13 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "auto", device: str | None = None,
                   kernels: str | None = None, *, max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
                   enable_chunked_prefill: bool = True, block_size: int = 16, num_kv_blocks: int | None = None,
-                  kv_cache_gib: float | None = None, enable_prefix_caching: bool = True, seed: int = 0) -> EngineConfig:
-    """EngineConfig from the keyword arguments of LLM and the command line (None model: built-in)."""
+                  kv_cache_gib: float | None = None, enable_prefix_caching: bool = True, seed: int = 0,
+                  colocated: bool = True, attention_workers: int = 1, expert_workers: int = 1, micro_batches: int = 1,
+                  transport: str = "shm", placement: str | None = None,
+                  torch_threads: int | None = None) -> EngineConfig:
+    """EngineConfig from the keyword arguments of LLM and the command line (None model: built-in).
+    colocated=False runs attention_workers and expert_workers as separate processes (see
+    attention_nodes.config.ParallelConfig)."""
     if model is None:
         from models.builtin import builtin_model_dir
         model = builtin_model_dir()
@@ -50,18 +56,23 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
         raise ValueError(f"device must be cpu or cuda, got {device!r}")
     return EngineConfig(str(model), resolve_dtype(dtype), device, kernels, seed,
                         SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
-                        CacheConfig(block_size, num_kv_blocks, kv_cache_gib, enable_prefix_caching))
+                        CacheConfig(block_size, num_kv_blocks, kv_cache_gib, enable_prefix_caching),
+                        ParallelConfig(colocated, attention_workers, expert_workers, micro_batches, transport, placement,
+                                       torch_threads))
 
 
 class LLM:
     """model: a checkpoint directory (config.json, *.safetensors, tokenizer files); None for the
     built-in model. dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16". device:
     "cpu" or "cuda" (default: cuda when present). The keyword arguments size the scheduler and the
-    KV cache (see engine_config).
+    KV cache and choose the deployment (see engine_config): by default everything runs in this
+    process; colocated=False starts attention and expert worker pools (server/pools.py), or meets
+    pools started elsewhere when rendezvous="HOST:PORT" is given. Call shutdown() to stop them.
     """
 
     def __init__(self, model: str | Path | None = None, dtype: str | torch.dtype | None = "auto",
-                 device: str | None = None, kernels: str | None = None, **engine_kwargs):
+                 device: str | None = None, kernels: str | None = None, rendezvous: str | None = None,
+                 **engine_kwargs):
         cfg = engine_config(model, dtype, device, kernels, **engine_kwargs)
         self.model_dir = Path(cfg.model)
         self.cfg = ModelConfig.from_pretrained(self.model_dir)
@@ -69,7 +80,11 @@ class LLM:
         eos = default_eos_ids(self.model_dir, self.cfg)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.engine = LLMEngine(cfg, eos)
+        if cfg.parallel.colocated and rendezvous is None:
+            self.engine = LLMEngine(cfg, eos)
+        else:
+            from server.pools import PoolEngine
+            self.engine = PoolEngine(replace(cfg, parallel=replace(cfg.parallel, colocated=False)), eos, rendezvous)
         self._ids = itertools.count()
 
     @property
@@ -113,6 +128,11 @@ class LLM:
                 stop = trackers[delta.request_id].apply(delta)
                 if stop is not None:
                     self.engine.stop_sequence(delta.request_id, delta.index, stop)
+
+    def shutdown(self) -> None:
+        """Stop the worker pools (nothing to do when the engine runs in this process)."""
+        if hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

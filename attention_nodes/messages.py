@@ -1,0 +1,107 @@
+"""Control plane between the server (front) and attention workers: typed messages, msgpack frames.
+
+server -> worker: AddRequest (once per request), Abort, StopSequence, Shutdown.
+worker -> server: Ready (once, after loading), Deltas (each step: only what changed), Failed.
+A frame is a 4-byte big-endian length and a msgpack array [tag, field values...]. Token ids,
+never text, cross this boundary.
+"""
+import dataclasses
+import socket
+import struct
+from dataclasses import dataclass
+
+import msgpack
+
+from attention_nodes.engine import SequenceDelta, TokenLogprobs
+from attention_nodes.sampling_params import SamplingParams
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict  # SamplingParams fields
+
+
+@dataclass
+class Abort:
+    request_id: str
+
+
+@dataclass
+class StopSequence:
+    request_id: str
+    index: int
+    stop_reason: str
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class Ready:
+    rank: int
+    num_kv_blocks: int
+
+
+@dataclass
+class Deltas:
+    deltas: list[list]  # SequenceDelta fields, logprobs as lists (see encode_delta)
+
+
+@dataclass
+class Failed:
+    rank: int
+    message: str
+
+
+_TYPES = [AddRequest, Abort, StopSequence, Shutdown, Ready, Deltas, Failed]
+_TAG = {t: i for i, t in enumerate(_TYPES)}
+_LEN = struct.Struct(">I")
+
+
+def encode(msg) -> bytes:
+    body = msgpack.packb([_TAG[type(msg)], *(getattr(msg, f.name) for f in dataclasses.fields(msg))])
+    return _LEN.pack(len(body)) + body
+
+
+def decode(body: bytes):
+    tag, *values = msgpack.unpackb(body, strict_map_key=False)
+    return _TYPES[tag](*values)
+
+
+def send(sock: socket.socket, msg) -> None:
+    sock.sendall(encode(msg))
+
+
+def recv(stream) -> object | None:
+    """Read one message from a buffered binary stream (socket.makefile("rb")); None at EOF."""
+    head = stream.read(_LEN.size)
+    if len(head) < _LEN.size:
+        return None
+    (n,) = _LEN.unpack(head)
+    body = stream.read(n)
+    if len(body) < n:
+        return None
+    return decode(body)
+
+
+def params_to_wire(params: SamplingParams) -> dict:
+    return dataclasses.asdict(params)
+
+
+def params_from_wire(d: dict) -> SamplingParams:
+    return SamplingParams(**d)
+
+
+def encode_delta(d: SequenceDelta) -> list:
+    logprobs = None if d.new_logprobs is None else [[t.token_id, t.logprob, t.rank, t.top] for t in d.new_logprobs]
+    return [d.request_id, d.index, d.new_token_ids, logprobs, d.finish_reason, d.stop_reason, d.num_cached_tokens]
+
+
+def decode_delta(v: list) -> SequenceDelta:
+    rid, index, ids, logprobs, finish, stop, cached = v
+    lps = None if logprobs is None else [TokenLogprobs(t, lp, r, [tuple(x) for x in top]) for t, lp, r, top in logprobs]
+    return SequenceDelta(rid, index, ids, lps, finish, stop, cached)

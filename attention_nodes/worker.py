@@ -1,0 +1,134 @@
+"""The attention worker process: one engine (scheduler, paged KV cache, everything but the experts)
+whose MoE layers reach the expert workers through M2N, and a control connection to the server.
+
+Attention workers run steps in lock-step: each loop iteration is exactly one model step (an idle
+worker takes an empty one), because every expert worker gathers all attention workers' chunks of a
+slot before it computes. When a step gathered no token anywhere and this worker has no work, it
+parks: it waits for a request from the server or a WAKE from an expert worker, instead of spinning
+empty steps.
+"""
+import logging
+import queue
+import socket
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch.distributed import TCPStore
+
+from attention_nodes import messages as wire
+from attention_nodes.config import EngineConfig
+from attention_nodes.engine import LLMEngine
+from m2n_comm.m2n import M2NSender, Placement
+from m2n_comm.trace import Tracer
+from m2n_comm.transport import TransportConfig, open_endpoint
+from models.config import ModelConfig
+
+log = logging.getLogger("shuttle.attention")
+PARK_POLL_S = 0.002  # while parked: how often to look for a WAKE between waits on the server
+
+
+@dataclass(frozen=True)
+class AttentionWorkerSpec:
+    """Everything an attention worker needs to start (sent once, when the process is spawned)."""
+
+    engine: EngineConfig
+    rank: int
+    eos_token_ids: list[int]
+    placement: Placement
+    transport: TransportConfig
+    store_addr: tuple[str, int]
+    control_addr: tuple[str, int]
+    session: str
+
+
+def run_attention_worker(spec: AttentionWorkerSpec) -> None:
+    """Process entry point: connect to the server, load, serve until Shutdown or the server leaves.
+    Any failure is reported to the server as Failed (naming the cause) before the process exits."""
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s a{spec.rank}: %(message)s")
+    par = spec.engine.parallel
+    if par.torch_threads:
+        torch.set_num_threads(par.torch_threads)
+    ctl = socket.create_connection(spec.control_addr)
+    ctl.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    inbox: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_control, args=(ctl, inbox), daemon=True).start()
+    endpoint = tracer = None
+    try:
+        model_cfg = ModelConfig.from_pretrained(spec.engine.model)
+        store = TCPStore(*spec.store_addr, is_master=False, wait_for_workers=False)
+        experts = [f"e{w}" for w in range(par.expert_workers)]
+        endpoint = open_endpoint(spec.transport, store, spec.session, f"a{spec.rank}", experts, par.micro_batches)
+        tracer = Tracer(f"a{spec.rank}", enabled=par.trace_dir is not None)
+        sender = M2NSender(endpoint, spec.placement, experts, model_cfg.hidden_size, model_cfg.top_k, tracer=tracer)
+        engine = LLMEngine(spec.engine, set(spec.eos_token_ids), dispatcher=sender)
+        wire.send(ctl, wire.Ready(spec.rank, engine.runner.num_blocks))
+        _serve(engine, sender, inbox, ctl)
+    except BaseException as e:
+        log.exception("attention worker %d failed", spec.rank)
+        try:
+            wire.send(ctl, wire.Failed(spec.rank, f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
+        raise SystemExit(1)
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+        if tracer is not None and par.trace_dir:
+            tracer.dump(par.trace_dir)
+        ctl.close()
+
+
+def _read_control(ctl: socket.socket, inbox: queue.Queue) -> None:
+    stream = ctl.makefile("rb")
+    try:
+        while (msg := wire.recv(stream)) is not None:
+            inbox.put(msg)
+    except OSError:
+        pass
+    inbox.put(None)  # the server is gone
+
+
+def _serve(engine: LLMEngine, sender: M2NSender, inbox: queue.Queue, ctl: socket.socket) -> None:
+    runner = engine.runner
+    while True:
+        try:
+            while True:
+                if not _apply(engine, inbox.get_nowait(), ctl):
+                    return
+        except queue.Empty:
+            pass
+        if engine.has_unfinished_requests() or not sender.peers_idle:
+            executed = runner.num_executed
+            deltas = engine.step()
+            if runner.num_executed == executed:  # nothing was schedulable: still take this step's turn
+                runner.idle_step()
+            if deltas:
+                wire.send(ctl, wire.Deltas([wire.encode_delta(d) for d in deltas]))
+            continue
+        try:  # parked
+            if not _apply(engine, inbox.get(timeout=PARK_POLL_S), ctl):
+                return
+        except queue.Empty:
+            if sender.poll_wake():
+                runner.idle_step()
+
+
+def _apply(engine: LLMEngine, msg, ctl: socket.socket) -> bool:
+    """Carry out one control message; False when the worker should stop."""
+    if msg is None or isinstance(msg, wire.Shutdown):
+        return False
+    deltas = []
+    if isinstance(msg, wire.AddRequest):
+        try:
+            engine.add_request(msg.request_id, msg.prompt_token_ids, wire.params_from_wire(msg.params))
+        except ValueError as e:  # the server checks requests first; report rather than die
+            log.error("request %s rejected: %s", msg.request_id, e)
+            deltas = [wire.SequenceDelta(msg.request_id, 0, [], None, "abort")]
+    elif isinstance(msg, wire.Abort):
+        deltas = engine.abort_request(msg.request_id)
+    elif isinstance(msg, wire.StopSequence):
+        engine.stop_sequence(msg.request_id, msg.index, msg.stop_reason)
+    if deltas:
+        wire.send(ctl, wire.Deltas([wire.encode_delta(d) for d in deltas]))
+    return True

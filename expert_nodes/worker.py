@@ -1,0 +1,87 @@
+"""The expert worker process: holds the experts placed on it (every MoE layer) and serves M2N slots.
+
+For each step, MoE layer and micro-batch, in the order attention workers dispatch them: gather every
+attention worker's chunk (an empty chunk is a valid chunk), run the local experts on all gathered
+tokens at once, and send each attention worker its rows back (m2n_comm.m2n.M2NReceiver).
+"""
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch.distributed import TCPStore
+
+from m2n_comm.m2n import M2NReceiver, Placement, run_local_experts
+from m2n_comm.trace import Tracer
+from m2n_comm.transport import PeerDeadError, TransportConfig, open_endpoint
+from models.config import ModelConfig
+from models.loader import load_experts
+
+log = logging.getLogger("shuttle.expert")
+
+
+@dataclass(frozen=True)
+class ExpertWorkerSpec:
+    """Everything an expert worker needs to start (sent once, when the process is spawned)."""
+
+    model: str
+    dtype: torch.dtype | None
+    device: str
+    kernels: str | None
+    rank: int
+    attention_workers: int
+    micro_batches: int
+    placement: Placement
+    transport: TransportConfig
+    store_addr: tuple[str, int]
+    session: str
+    torch_threads: int | None = None
+    trace_dir: str | None = None
+
+
+def run_expert_worker(spec: ExpertWorkerSpec) -> None:
+    """Process entry point: load, connect, serve until the attention workers go away."""
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s e{spec.rank}: %(message)s")
+    if spec.torch_threads:
+        torch.set_num_threads(spec.torch_threads)
+    cfg = ModelConfig.from_pretrained(spec.model)
+    moe_layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
+    device = torch.device(spec.device)
+    experts = load_experts(spec.model, spec.placement.experts_on(spec.rank), cfg, spec.dtype, device, spec.kernels)
+    experts = _pack_for_cpu(experts) if device.type == "cpu" else experts
+    store = TCPStore(*spec.store_addr, is_master=False, wait_for_workers=False)
+    peers = [f"a{i}" for i in range(spec.attention_workers)]
+    endpoint = open_endpoint(spec.transport, store, spec.session, f"e{spec.rank}", peers, spec.micro_batches)
+    log.info("serving experts %s of %d MoE layers", spec.placement.experts_on(spec.rank), len(moe_layers))
+    tracer = Tracer(f"e{spec.rank}", enabled=spec.trace_dir is not None)
+    receiver = M2NReceiver(endpoint, peers, moe_layers, spec.micro_batches, device, tracer=tracer)
+    try:
+        with torch.inference_mode():
+            while True:
+                for layer in moe_layers:
+                    for mb in range(spec.micro_batches):
+                        batch = receiver.recv(layer, mb)
+                        receiver.reply(batch, run_local_experts(experts[layer], batch))
+    except PeerDeadError:
+        if not _shutting_down(store, spec.session):
+            raise
+    finally:
+        endpoint.close()
+        if spec.trace_dir:
+            tracer.dump(spec.trace_dir)
+
+
+def _shutting_down(store: TCPStore, session: str) -> bool:
+    try:
+        return store.check([f"{session}/shutdown"])
+    except Exception:  # the store went away with the server: nothing left to serve
+        return True
+
+
+def _pack_for_cpu(experts: dict) -> dict:
+    from kernels.cpu_linear import packing_available
+    from models.cpu_inference import PackedExperts
+
+    some = next(iter(experts.values()))
+    if not packing_available() or some.w13.dtype not in (torch.float32, torch.bfloat16):
+        return experts
+    return {layer: PackedExperts(m) for layer, m in experts.items()}

@@ -1,0 +1,311 @@
+"""M2N dispatch and combine over the slot transport (m2n_comm/transport.py).
+
+Legend: T tokens of one micro-batch on one attention worker, D hidden, K experts per token,
+E experts, W expert workers; R rows gathered on an expert worker from all attention workers.
+
+    sender = M2NSender(endpoint, placement, expert_peers, hidden, top_k)   # attention worker
+    sender.begin_step()
+    handle = sender.dispatch(layer, experts=None, x_TD, topk_ids_TK, topk_weights_TK, mb=i)
+    y_TD = sender.combine(handle)                                           # waits on this handle only
+    sender.end_step()
+
+    receiver = M2NReceiver(endpoint, attention_peers, moe_layers, num_micro_batches)   # expert worker
+    batch = receiver.recv(layer, mb)     # every attention worker's chunk for the slot, concatenated
+    receiver.reply(batch, y_RD)          # each attention worker gets its rows back
+
+Slots: micro-batch i uses slot i in both directions, so m micro-batches are in flight at once and
+a slot is reused only after its previous answer was combined. A chunk for expert worker w holds
+the tokens with at least one expert on w: x (T_w, D), local expert ids (T_w, K) int32 with -1 for
+experts elsewhere, router weights (T_w, K). The answer is y (T_w, D): the weighted sum over the
+tokens' experts on w; the attention worker adds the answers of all expert workers.
+
+Lock-step and idling: every attention worker takes part in every step (an idle one sends empty
+chunks), and each answer carries the number of tokens the expert worker gathered for the slot. When
+a whole step gathered nothing anywhere, attention workers with no work park (`poll_wake`) instead
+of spinning empty steps; an expert worker that saw an empty step sends WAKE (slot 0) to the other
+attention workers as soon as one of them starts the next step. A stray WAKE is skipped.
+"""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from m2n_comm.trace import Tracer
+from m2n_comm.transport import KIND_DATA, KIND_WAKE, Endpoint, MessageMeta
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which expert workers hold which experts. copies[e]: the workers holding expert e (a hot
+    expert may have several; the attention side splits its tokens between them by token index)."""
+
+    num_experts: int
+    num_workers: int
+    copies: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if len(self.copies) != self.num_experts:
+            raise ValueError(f"placement lists {len(self.copies)} experts, the model has {self.num_experts}")
+        for e, ws in enumerate(self.copies):
+            if not ws or len(set(ws)) != len(ws) or not all(0 <= w < self.num_workers for w in ws):
+                raise ValueError(f"placement of expert {e}: workers {list(ws)} must be distinct and in "
+                                 f"[0, {self.num_workers})")
+        for w in range(self.num_workers):
+            if not self.experts_on(w):
+                raise ValueError(f"placement leaves expert worker {w} without experts")
+
+    @classmethod
+    def balanced(cls, num_experts: int, num_workers: int, replicas: dict[int, int] | None = None) -> "Placement":
+        """Contiguous blocks of experts per worker; replicas[e] = c places c copies of expert e on
+        consecutive workers starting at its home."""
+        if not 1 <= num_workers <= num_experts:
+            raise ValueError(f"{num_workers} expert workers for {num_experts} experts: need 1 <= workers <= experts")
+        copies = []
+        for e in range(num_experts):
+            home, c = e * num_workers // num_experts, (replicas or {}).get(e, 1)
+            if not 1 <= c <= num_workers:
+                raise ValueError(f"expert {e}: {c} copies, need 1 to {num_workers}")
+            copies.append(tuple((home + j) % num_workers for j in range(c)))
+        return cls(num_experts, num_workers, tuple(copies))
+
+    @classmethod
+    def from_file(cls, path: str | Path, num_experts: int, num_workers: int) -> "Placement":
+        """JSON {"expert id": [worker, ...], ...}; experts not listed are placed as in `balanced`."""
+        raw = json.loads(Path(path).read_text())
+        base = cls.balanced(num_experts, num_workers).copies
+        try:
+            copies = tuple(tuple(int(w) for w in raw.get(str(e), base[e])) for e in range(num_experts))
+        except (TypeError, ValueError, AttributeError) as err:
+            raise ValueError(f"{path}: expected {{\"expert\": [workers]}}: {err}") from None
+        return cls(num_experts, num_workers, copies)
+
+    def experts_on(self, worker: int) -> list[int]:
+        """Global ids of the experts on `worker`, ascending (local id = position in this list)."""
+        return [e for e, ws in enumerate(self.copies) if worker in ws]
+
+
+@dataclass
+class Handle:
+    """What `combine` needs: the slot, and the rows of x sent to each expert worker."""
+
+    step: int
+    layer: int
+    mb: int
+    num_tokens: int
+    rows_W: list[torch.Tensor]  # (T_w,) int64 indices into the micro-batch, on x's device
+    dtype: torch.dtype
+    device: torch.device
+
+
+class M2NSender:
+    """An attention worker's side; implements models.dispatcher.Dispatcher (the `experts`
+    argument is ignored: the experts live on the expert workers)."""
+
+    def __init__(self, endpoint: Endpoint, placement: Placement, expert_peers: list[str], hidden: int,
+                 top_k: int, data_timeout_s: float | None = 300.0, tracer: Tracer | None = None):
+        if len(expert_peers) != placement.num_workers:
+            raise ValueError(f"{len(expert_peers)} expert peers for a placement over {placement.num_workers} workers")
+        self.ep, self.placement, self.peers = endpoint, placement, expert_peers
+        self.hidden, self.top_k, self.timeout = hidden, top_k, data_timeout_s
+        E, C = placement.num_experts, max(len(ws) for ws in placement.copies)
+        self._ncopies_E = torch.tensor([len(ws) for ws in placement.copies])
+        self._copy_EC = torch.tensor([list(ws) + [ws[0]] * (C - len(ws)) for ws in placement.copies])
+        self._local_WE = torch.full((placement.num_workers, E), -1, dtype=torch.int32)
+        for w in range(placement.num_workers):
+            for i, e in enumerate(placement.experts_on(w)):
+                self._local_WE[w, e] = i
+        self._device: torch.device | None = None
+        self.step = 0
+        self._step_tokens = 0
+        self.peers_idle = True  # the last step gathered no token anywhere (all expert workers agree)
+        # Time between dispatcher calls within a step is the attention side's compute.
+        self.tracer = tracer or Tracer(endpoint.me)
+        self._last_ns = 0
+
+    def _tables(self, device: torch.device) -> None:
+        if self._device != device:
+            self._ncopies_E, self._copy_EC, self._local_WE = (t.to(device) for t in
+                                                              (self._ncopies_E, self._copy_EC, self._local_WE))
+            self._device = device
+
+    def begin_step(self) -> None:
+        self.step += 1
+        self._step_tokens = 0
+        self._last_ns = Tracer.now()
+
+    def end_step(self) -> None:
+        self.peers_idle = self._step_tokens == 0
+        self.tracer.span("attention", "attention", self._last_ns)
+
+    def _compute_done(self, layer: int, mb: int) -> int:
+        now = Tracer.now()
+        self.tracer.span(f"attn L{layer} mb{mb}", "attention", self._last_ns, now)
+        return now
+
+    def dispatch(self, layer: int, experts, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
+                 topk_weights_TK: torch.Tensor, mb: int = 0) -> Handle:
+        """Send each expert worker the tokens routed to it (slot `mb`); returns at once."""
+        start = self._compute_done(layer, mb)
+        T, dev = x_TD.shape[0], x_TD.device
+        self._tables(dev)
+        ids_TK = topk_ids_TK.long()
+        if T:
+            copy_TK = torch.arange(T, device=dev)[:, None] % self._ncopies_E[ids_TK]
+            worker_TK = self._copy_EC[ids_TK, copy_TK]
+        rows_W = []
+        meta = MessageMeta(KIND_DATA, self.step, layer, mb)
+        for w, peer in enumerate(self.peers):
+            if T:
+                mine_TK = worker_TK == w
+                rows = mine_TK.any(dim=1).nonzero().squeeze(1)
+                local_TK = torch.where(mine_TK, self._local_WE[w][ids_TK], -1).index_select(0, rows)
+                parts = [x_TD.index_select(0, rows), local_TK, topk_weights_TK.index_select(0, rows)]
+            else:
+                rows = torch.empty(0, dtype=torch.long, device=dev)
+                parts = [x_TD, torch.empty((0, self.top_k), dtype=torch.int32), topk_weights_TK]
+            rows_W.append(rows)
+            self.ep.send(peer, mb, meta, [p.cpu() for p in parts], timeout=self.timeout)
+        self._last_ns = Tracer.now()
+        self.tracer.span(f"dispatch L{layer} mb{mb}", "transfer", start, self._last_ns, {"tokens": T})
+        return Handle(self.step, layer, mb, T, rows_W, x_TD.dtype, dev)
+
+    def combine(self, handle: Handle) -> torch.Tensor:
+        """Wait for every expert worker's answer to this handle's slot; returns y_TD."""
+        start = self._compute_done(handle.layer, handle.mb)
+        y_TD = torch.zeros((handle.num_tokens, self.hidden), dtype=handle.dtype, device=handle.device)
+        for peer, rows in zip(self.peers, handle.rows_W):
+            msg = self._recv_data(peer, handle.mb)
+            m = msg.meta
+            if (m.step, m.layer, m.mb) != (handle.step, handle.layer, handle.mb):
+                raise RuntimeError(f"M2N protocol error: expert worker {peer!r} answered step {m.step} layer "
+                                   f"{m.layer} mb {m.mb}, expected {handle.step}/{handle.layer}/{handle.mb}")
+            y_RD = msg.tensors[0]
+            if y_RD.shape[0] != rows.shape[0]:
+                raise RuntimeError(f"M2N protocol error: {peer!r} returned {y_RD.shape[0]} rows for {rows.shape[0]}")
+            if rows.numel():
+                y_TD.index_add_(0, rows, y_RD.to(handle.device, handle.dtype))
+            self._step_tokens += m.aux
+            self.ep.release(peer, handle.mb)
+        self._last_ns = Tracer.now()
+        self.tracer.span(f"combine L{handle.layer} mb{handle.mb}", "wait", start, self._last_ns)
+        return y_TD
+
+    def _recv_data(self, peer: str, slot: int):
+        while True:
+            msg = self.ep.recv(peer, slot, timeout=self.timeout)
+            if msg.meta.kind != KIND_WAKE:
+                return msg
+            self.ep.release(peer, slot)  # a stray WAKE (this worker was not parked)
+
+    def poll_wake(self) -> bool:
+        """While parked: True (and the WAKE consumed) when an expert worker says a step began."""
+        for peer in self.peers:
+            if self.ep.poll(peer, 0):
+                msg = self.ep.recv(peer, 0, timeout=self.timeout)
+                if msg.meta.kind != KIND_WAKE:
+                    raise RuntimeError(f"M2N protocol error: {peer!r} sent kind {msg.meta.kind} to a parked worker")
+                self.ep.release(peer, 0)
+                return True
+        for peer in self.peers:
+            self.ep.check_alive(peer)
+        return False
+
+
+@dataclass
+class ExpertBatch:
+    """All attention workers' tokens of one (step, layer, mb) slot, concatenated in peer order.
+    x_RD (model dtype), local_ids_RK int64 (-1: an expert on another worker), weights_RK;
+    counts: rows from each attention worker."""
+
+    step: int
+    layer: int
+    mb: int
+    x_RD: torch.Tensor
+    local_ids_RK: torch.Tensor
+    weights_RK: torch.Tensor
+    counts: list[int]
+
+
+class M2NReceiver:
+    """An expert worker's side. Slots must be received in the step's order: for each MoE layer,
+    micro-batches 0..m-1 (the order in which attention workers dispatch them)."""
+
+    def __init__(self, endpoint: Endpoint, attention_peers: list[str], moe_layers: list[int], num_micro_batches: int,
+                 device: torch.device | str = "cpu", data_timeout_s: float | None = 300.0,
+                 tracer: Tracer | None = None):
+        self.ep, self.peers, self.moe_layers, self.m = endpoint, attention_peers, moe_layers, num_micro_batches
+        self.tracer = tracer or Tracer(endpoint.me)
+        self._recv_done_ns = 0
+        self.device, self.timeout = torch.device(device), data_timeout_s
+        self.step = 0
+        self._idle = True  # the last step gathered nothing: attention workers may be parked
+        self._step_tokens = 0
+
+    def recv(self, layer: int, mb: int) -> ExpertBatch:
+        start = Tracer.now()
+        first = layer == self.moe_layers[0] and mb == 0
+        if first and self._idle:
+            self._wake_parked()
+        msgs = [self.ep.recv(p, mb, timeout=None if first else self.timeout) for p in self.peers]
+        step = msgs[0].meta.step
+        for p, msg in zip(self.peers, msgs):
+            m = msg.meta
+            if m.kind != KIND_DATA or (m.step, m.layer, m.mb) != (step, layer, mb) or (not first and step != self.step):
+                raise RuntimeError(f"M2N protocol error: attention worker {p!r} sent kind {m.kind} step {m.step} "
+                                   f"layer {m.layer} mb {m.mb}; expected step {step if first else self.step} "
+                                   f"layer {layer} mb {mb}")
+        if first:
+            self.step, self._step_tokens = step, 0
+        x, ids, w = (torch.cat([msg.tensors[i] for msg in msgs]) for i in range(3))
+        counts = [msg.tensors[0].shape[0] for msg in msgs]
+        for p in self.peers:
+            self.ep.release(p, mb)
+        if self.device.type == "cuda":
+            x, ids, w = (t.pin_memory().to(self.device, non_blocking=True) for t in (x, ids, w))
+        self._step_tokens += x.shape[0]
+        self._recv_done_ns = Tracer.now()
+        self.tracer.span(f"recv L{layer} mb{mb}", "wait", start, self._recv_done_ns, {"tokens": x.shape[0]})
+        return ExpertBatch(step, layer, mb, x, ids.long(), w, counts)
+
+    def _wake_parked(self) -> None:
+        """After an empty step, wait (indefinitely, checking liveness) for the attention worker that
+        starts the next step, and wake the others."""
+        keys = [(p, 0) for p in self.peers]
+        while (first := self.ep.wait_any(keys, timeout=1.0)) is None:
+            pass
+        for p in self.peers:
+            if p != first[0]:
+                self.ep.send(p, 0, MessageMeta(KIND_WAKE, self.step + 1), [], timeout=self.timeout)
+
+    def reply(self, batch: ExpertBatch, y_RD: torch.Tensor) -> None:
+        """Send each attention worker its rows of y_RD (the weighted sum over its local experts)."""
+        start = Tracer.now()
+        self.tracer.span(f"experts L{batch.layer} mb{batch.mb}", "expert", self._recv_done_ns, start,
+                         {"tokens": y_RD.shape[0]})
+        y_RD = y_RD.cpu()
+        meta = MessageMeta(KIND_DATA, batch.step, batch.layer, batch.mb, aux=sum(batch.counts))
+        for p, part in zip(self.peers, torch.split(y_RD, batch.counts)):
+            self.ep.send(p, batch.mb, meta, [part], timeout=self.timeout)
+        if batch.layer == self.moe_layers[-1] and batch.mb == self.m - 1:
+            self._idle = self._step_tokens == 0
+        self.tracer.span(f"reply L{batch.layer} mb{batch.mb}", "transfer", start)
+
+
+def run_local_experts(experts, batch: ExpertBatch) -> torch.Tensor:
+    """y_RD = sum over each row's local experts of weight * expert(x): the (row, k) pairs whose
+    expert is here run through the Experts module as one-expert tokens, then add up per row."""
+    R, K = batch.local_ids_RK.shape
+    flat_ids = batch.local_ids_RK.reshape(-1)
+    pairs = (flat_ids >= 0).nonzero().squeeze(1)
+    row_P = torch.div(pairs, K, rounding_mode="floor")
+    y_P = experts(batch.x_RD.index_select(0, row_P), flat_ids[pairs][:, None],
+                  batch.weights_RK.reshape(-1)[pairs][:, None])
+    return torch.zeros_like(batch.x_RD).index_add_(0, row_P, y_P)
+
+
+def slot_bytes_for(hidden: int, top_k: int, dtype: torch.dtype, max_tokens: int) -> int:
+    """Capacity of one slot for micro-batches of up to `max_tokens` tokens: x or y rows, int32 ids
+    and float32 weights, plus room for the header."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    return max_tokens * (hidden * max(elt, 4) + 8 * top_k) + 4096

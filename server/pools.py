@@ -1,0 +1,332 @@
+"""Disaggregated deployment: start (or meet) the attention and expert worker pools, and drive them
+through an engine-shaped front, so LLM (and later the HTTP server) use them as they use LLMEngine.
+
+    engine = PoolEngine(engine_cfg, eos_token_ids)          # spawns the pools on this host
+    engine.add_request("r1", prompt_ids, SamplingParams())  # to the least loaded attention worker
+    deltas = engine.step()                                  # whatever the workers produced since
+
+On one host the pools are spawned processes. Across hosts every host runs `shuttle serve --role
+attention|expert --rendezvous HOST:PORT` and the front runs with `rendezvous=HOST:PORT`: the
+deployment is published in a torch.distributed TCPStore there and each worker takes the next rank.
+A worker that fails or exits is reported (WorkerFailedError naming it), never waited on for ever.
+"""
+import json
+import logging
+import multiprocessing as mp
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+import weakref
+from dataclasses import asdict
+
+import torch
+from torch.distributed import TCPStore
+
+from attention_nodes import messages as wire
+from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from attention_nodes.engine import SequenceDelta, check_prompt
+from attention_nodes.sampling_params import SamplingParams
+from attention_nodes.worker import AttentionWorkerSpec, run_attention_worker
+from expert_nodes.worker import ExpertWorkerSpec, run_expert_worker
+from m2n_comm.m2n import Placement, slot_bytes_for
+from m2n_comm.transport import TransportConfig
+from models.config import DTYPES, ModelConfig
+
+log = logging.getLogger("shuttle")
+START_TIMEOUT_S = 300.0  # loading big checkpoints takes a while; dead workers are noticed sooner
+
+
+class WorkerFailedError(RuntimeError):
+    """A worker process failed or exited; the message names it and says why."""
+
+
+class PoolEngine:
+    """The engine interface of LLMEngine (add_request, abort_request, stop_sequence, step,
+    has_unfinished_requests, check_prompt) over attention workers in other processes.
+    rendezvous: "HOST:PORT" to wait for workers started elsewhere with --role; None spawns the
+    pools here."""
+
+    def __init__(self, cfg: EngineConfig, eos_token_ids: set[int], rendezvous: str | None = None):
+        par = cfg.parallel
+        self.cfg, self.model_cfg = cfg, ModelConfig.from_pretrained(cfg.model)
+        if not any(self.model_cfg.moe_layers):
+            raise ValueError(f"{cfg.model}: the model has no MoE layer to disaggregate; run it colocated")
+        self.eos_token_ids = set(eos_token_ids)
+        self.placement = (Placement.from_file(par.placement, self.model_cfg.num_experts, par.expert_workers)
+                          if par.placement else Placement.balanced(self.model_cfg.num_experts, par.expert_workers))
+        host, port = _split(rendezvous) if rendezvous else ("127.0.0.1", 0)
+        self.session = f"shuttle-{os.getpid()}-{secrets.token_hex(4)}"
+        self._store = TCPStore(host, port, is_master=True, wait_for_workers=False)
+        self._listener = socket.create_server((host, 0))
+        dtype = cfg.dtype or self.model_cfg.dtype
+        self.transport = TransportConfig(par.transport, slot_bytes_for(
+            self.model_cfg.hidden_size, self.model_cfg.top_k, dtype, cfg.scheduler.max_num_batched_tokens), host=host)
+        self._procs: list[mp.process.BaseProcess] = []
+        self._events: queue.Queue = queue.Queue()
+        self._socks: list[socket.socket] = []
+        self._owner: dict[str, int] = {}            # request id -> attention worker
+        self._load = [0] * par.attention_workers    # tokens queued per worker (prompt + max_tokens)
+        self._cost: dict[str, int] = {}
+        self._live: dict[str, set[int]] = {}        # request id -> indices of unfinished sequences
+        self._conn_rank: dict[int, int] = {}       # control connection -> attention worker rank
+        self._finalizer = weakref.finalize(self, _shutdown, self._socks, self._procs, self._store, self.session)
+        if rendezvous:
+            self._publish()
+        else:
+            self._spawn()
+        self._connect()
+
+    # -- start -------------------------------------------------------------------------------------
+    def _spawn(self) -> None:
+        par, ctx = self.cfg.parallel, mp.get_context("spawn")
+        store_addr = ("127.0.0.1", self._store.port)
+        for w in range(par.expert_workers):
+            spec = ExpertWorkerSpec(self.cfg.model, self.cfg.dtype, self.cfg.device, self.cfg.kernels, w,
+                                    par.attention_workers, par.micro_batches, self.placement, self.transport,
+                                    store_addr, self.session, par.torch_threads, par.trace_dir)
+            self._procs.append(ctx.Process(target=run_expert_worker, args=(spec,), name=f"e{w}", daemon=True))
+        for a in range(par.attention_workers):
+            spec = AttentionWorkerSpec(self.cfg, a, sorted(self.eos_token_ids), self.placement, self.transport,
+                                       store_addr, self._listener.getsockname()[:2], self.session)
+            self._procs.append(ctx.Process(target=run_attention_worker, args=(spec,), name=f"a{a}", daemon=True))
+        for p in self._procs:
+            p.start()
+
+    def _publish(self) -> None:
+        """For workers on other hosts: the deployment, as JSON, under a well-known key."""
+        spec = {"engine": engine_config_to_json(self.cfg), "eos": sorted(self.eos_token_ids),
+                "placement": [list(ws) for ws in self.placement.copies], "transport": asdict(self.transport),
+                "control": list(self._listener.getsockname()[:2]), "session": self.session}
+        self._store.set("shuttle/deployment", json.dumps(spec))
+        log.info("waiting for %d attention and %d expert workers at %s:%d", self.cfg.parallel.attention_workers,
+                 self.cfg.parallel.expert_workers, *self._listener.getsockname()[:2])
+
+    def _connect(self) -> None:
+        """Accept every attention worker's control connection and wait for its Ready."""
+        n, deadline = self.cfg.parallel.attention_workers, time.monotonic() + START_TIMEOUT_S
+        self._listener.settimeout(0.5)
+        conns: list[socket.socket] = []
+        while len(conns) < n:
+            self._check_procs()
+            if time.monotonic() > deadline:
+                raise WorkerFailedError(f"only {len(conns)} of {n} attention workers connected in {START_TIMEOUT_S:.0f} s")
+            try:
+                conns.append(self._listener.accept()[0])
+            except socket.timeout:
+                continue
+        for i, c in enumerate(conns):
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=_read_events, args=(c, i, self._events), daemon=True).start()
+        ready: dict[int, socket.socket] = {}
+        while len(ready) < n:
+            conn, msg = self._next_event(deadline - time.monotonic())
+            if not isinstance(msg, wire.Ready):
+                raise WorkerFailedError(f"attention worker sent {type(msg).__name__} before Ready")
+            ready[msg.rank] = conns[conn]
+        self._socks.extend(ready[r] for r in range(n))
+        self._conn_rank = {i: next(r for r, s in ready.items() if s is c) for i, c in enumerate(conns)}
+
+    # -- requests ----------------------------------------------------------------------------------
+    def check_prompt(self, prompt_token_ids: list[int]) -> list[int]:
+        return check_prompt(prompt_token_ids, self.model_cfg)
+
+    def set_eos_token_ids(self, ids: set[int]) -> None:
+        raise RuntimeError("the end-of-sequence ids of running worker pools are fixed when they start")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue the request on the attention worker with the fewest queued tokens."""
+        if request_id in self._owner:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.check_prompt(prompt_token_ids)
+        w = min(range(len(self._load)), key=self._load.__getitem__)
+        cost = (len(ids) + params.max_tokens) * params.n
+        self._owner[request_id], self._cost[request_id], self._live[request_id] = w, cost, set(range(params.n))
+        self._load[w] += cost
+        wire.send(self._socks[w], wire.AddRequest(request_id, ids, wire.params_to_wire(params)))
+
+    def abort_request(self, request_id: str) -> list[SequenceDelta]:
+        """Ask the owning worker to abort; the finish deltas arrive through `step`."""
+        if request_id in self._owner:
+            try:
+                self._send(self._owner[request_id], wire.Abort(request_id))
+            except WorkerFailedError:
+                pass  # the worker is gone, and its requests with it; the caller is told elsewhere
+        return []
+
+    def stop_sequence(self, request_id: str, index: int, stop_reason: str) -> None:
+        if request_id in self._owner:
+            self._send(self._owner[request_id], wire.StopSequence(request_id, index, stop_reason))
+            self._finished(request_id, index)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._owner)
+
+    def step(self, timeout: float | None = None) -> list[SequenceDelta]:
+        """Deltas the workers sent since the last call; waits for at least one message (up to
+        `timeout` seconds) while requests are in flight."""
+        out: list[SequenceDelta] = []
+        if not self._owner:
+            return out
+        _, msg = self._next_event(timeout)
+        while msg is not None:
+            for v in msg.deltas:
+                d = wire.decode_delta(v)
+                if d.request_id in self._live and d.index in self._live[d.request_id]:
+                    out.append(d)
+                    if d.finish_reason is not None:
+                        self._finished(d.request_id, d.index)
+            try:
+                _, msg = self._event(self._events.get_nowait())
+            except queue.Empty:
+                msg = None
+        return out
+
+    def _finished(self, request_id: str, index: int) -> None:
+        live = self._live.get(request_id)
+        if live is None:
+            return
+        live.discard(index)
+        if not live:
+            w = self._owner.pop(request_id)
+            self._load[w] -= self._cost.pop(request_id)
+            del self._live[request_id]
+
+    # -- events and failures -----------------------------------------------------------------------
+    def _next_event(self, timeout: float | None) -> tuple[int, object]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return self._event(self._events.get(timeout=0.5))
+            except queue.Empty:
+                self._check_procs()
+                if deadline is not None and time.monotonic() > deadline:
+                    return -1, None
+
+    def _event(self, item: tuple[int, object]) -> tuple[int, object]:
+        conn, msg = item
+        if isinstance(msg, wire.Failed):
+            raise WorkerFailedError(f"attention worker a{msg.rank} failed: {msg.message}{self._exited()}")
+        if msg is None:
+            self._check_procs(wait=2.0)
+            raise WorkerFailedError(f"attention worker a{self._conn_rank.get(conn, conn)} closed its connection")
+        return conn, msg
+
+    def _exited(self, grace_s: float = 1.0) -> str:
+        """The workers that exited, giving a killed one a moment to be reaped: a failure often
+        reaches us through a survivor before the root cause's exit is visible."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and not any(p.exitcode is not None and p.exitcode < 0 for p in self._procs):
+            time.sleep(0.05)
+        gone = [f"{p.name} (exit code {p.exitcode})" for p in self._procs if p.exitcode is not None]
+        return f"; exited: {', '.join(gone)}" if gone else ""
+
+    def _check_procs(self, wait: float = 0.0) -> None:
+        for p in self._procs:
+            if wait and p.exitcode is None:
+                p.join(wait)
+            if p.exitcode is not None:
+                try:  # a Failed message says more than the exit code
+                    while True:
+                        self._event(self._events.get_nowait())
+                except queue.Empty:
+                    pass
+                raise WorkerFailedError(f"worker {p.name} exited with code {p.exitcode}")
+
+    def _send(self, rank: int, msg) -> None:
+        try:
+            wire.send(self._socks[rank], msg)
+        except OSError as e:
+            raise WorkerFailedError(f"attention worker a{rank} is unreachable: {e}") from None
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _read_events(sock: socket.socket, conn: int, events: queue.Queue) -> None:
+    stream = sock.makefile("rb")
+    try:
+        while (msg := wire.recv(stream)) is not None:
+            events.put((conn, msg))
+    except OSError:
+        pass
+    events.put((conn, None))
+
+
+def _shutdown(socks: list[socket.socket], procs: list, store: TCPStore, session: str) -> None:
+    """Stop the pools: attention workers first (Shutdown), then expert workers, which see their
+    peers leave and the shutdown key set; anything still alive after a grace period is killed."""
+    try:
+        store.set(f"{session}/shutdown", "1")
+    except Exception:
+        pass
+    for s in socks:
+        try:
+            wire.send(s, wire.Shutdown())
+        except OSError:
+            pass
+    deadline = time.monotonic() + 10.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+            p.join(5.0)
+    for s in socks:
+        s.close()
+
+
+def _split(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"rendezvous must be HOST:PORT, got {addr!r}")
+    return host, int(port)
+
+
+def engine_config_to_json(cfg: EngineConfig) -> dict:
+    d = asdict(cfg)
+    d["dtype"] = None if cfg.dtype is None else str(cfg.dtype).removeprefix("torch.")
+    return d
+
+
+def engine_config_from_json(d: dict) -> EngineConfig:
+    return EngineConfig(d["model"], None if d["dtype"] is None else DTYPES[d["dtype"]], d["device"], d["kernels"],
+                        d["seed"], SchedulerConfig(**d["scheduler"]), CacheConfig(**d["cache"]),
+                        ParallelConfig(**d["parallel"]))
+
+
+def run_role(role: str, rendezvous: str, host: str | None = None, torch_threads: int | None = None) -> None:
+    """Run one worker of a deployment whose front waits at `rendezvous` (HOST:PORT): read the
+    deployment from the store, take the next rank of `role` ("attention" or "expert"), serve.
+    host: this machine's address for the tcp transport (default: the one that reaches the store)."""
+    store_host, port = _split(rendezvous)
+    store = TCPStore(store_host, port, is_master=False, wait_for_workers=False)
+    d = json.loads(store.get("shuttle/deployment"))
+    cfg = engine_config_from_json(d["engine"])
+    transport = TransportConfig(**{**d["transport"], "host": host or _local_address(store_host, port)})
+    placement = Placement(len(d["placement"]), cfg.parallel.expert_workers,
+                          tuple(tuple(ws) for ws in d["placement"]))
+    rank = store.add(f"shuttle/rank/{role}", 1) - 1
+    par = cfg.parallel
+    if role == "attention":
+        if rank >= par.attention_workers:
+            raise ValueError(f"the deployment has {par.attention_workers} attention workers; this would be one more")
+        run_attention_worker(AttentionWorkerSpec(cfg, rank, d["eos"], placement, transport, (store_host, port),
+                                                 tuple(d["control"]), d["session"]))
+    elif role == "expert":
+        if rank >= par.expert_workers:
+            raise ValueError(f"the deployment has {par.expert_workers} expert workers; this would be one more")
+        run_expert_worker(ExpertWorkerSpec(cfg.model, cfg.dtype, cfg.device, cfg.kernels, rank, par.attention_workers,
+                                           par.micro_batches, placement, transport, (store_host, port), d["session"],
+                                           torch_threads or par.torch_threads, par.trace_dir))
+    else:
+        raise ValueError(f"role must be attention or expert, got {role!r}")
+
+
+def _local_address(host: str, port: int) -> str:
+    """The address of this machine's interface that routes to host:port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return s.getsockname()[0]

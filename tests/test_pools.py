@@ -1,0 +1,122 @@
+"""Disaggregated pools end to end: attention and expert workers as real processes over M2N.
+
+Greedy token ids must equal the colocated engine's (float32), for every pool shape of the issue, on
+both transports, with requests of different lengths joining mid-run; a killed worker is reported.
+"""
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig
+from attention_nodes.engine import LLMEngine
+from attention_nodes.sampling_params import SamplingParams
+from m2n_comm.m2n import Placement
+from server.llm import LLM
+from server.pools import PoolEngine, WorkerFailedError
+
+PROMPTS = [[5, 17, 33, 100, 250, 7, 9, 11, 13, 200, 301, 45, 46, 47], [400, 3], [77, 78, 79, 80, 81, 82, 83],
+           [12], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110], [33] * 5]
+JOIN_AT = {0: [0, 1, 2], 2: [3, 4], 5: [5]}  # step call -> prompts that arrive then
+PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+POOLS = [(1, 1, 1), (1, 1, 2), (1, 2, 3), (2, 1, 2), (2, 2, 2), (2, 3, 4)]
+_reference: dict[str, dict[str, list[int]]] = {}
+
+
+def engine_cfg(ckpt, par: ParallelConfig) -> EngineConfig:
+    return EngineConfig(str(ckpt), cache=CacheConfig(num_blocks=64), parallel=par)
+
+
+def run_staggered(engine, rounds: int = 1) -> dict[str, list[int]]:
+    """Requests join at different steps; `rounds` > 1 repeats after the pools went idle (parked)."""
+    out: dict[str, list[int]] = {}
+    for r in range(rounds):
+        calls = 0
+        while calls == 0 or engine.has_unfinished_requests():
+            for i in JOIN_AT.get(calls, []):
+                engine.add_request(f"{r}-{i}", PROMPTS[i], PARAMS)
+            for d in engine.step():
+                out.setdefault(d.request_id, []).extend(d.new_token_ids)
+            calls += 1
+    return out
+
+
+def reference(make_checkpoint, family: str) -> dict[str, list[int]]:
+    if family not in _reference:
+        engine = LLMEngine(engine_cfg(make_checkpoint(family), ParallelConfig()), {0})
+        _reference[family] = run_staggered(engine, rounds=2)
+    return _reference[family]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("pools", POOLS, ids=lambda p: "a%d-e%d-m%d" % p)
+def test_greedy_equals_colocated(make_checkpoint, family, pools, transport):
+    n_a, n_e, m = pools
+    par = ParallelConfig(False, n_a, n_e, m, transport, torch_threads=1)
+    engine = PoolEngine(engine_cfg(make_checkpoint(family), par), {0})
+    try:
+        got = run_staggered(engine, rounds=2)
+    finally:
+        engine.shutdown()
+    want = reference(make_checkpoint, family)
+    assert got == want
+    assert len(got) == 2 * len(PROMPTS) and all(len(v) == PARAMS.max_tokens for v in got.values())
+
+
+@pytest.mark.slow
+def test_replicated_hot_expert_and_llm_api(make_checkpoint, tmp_path):
+    """A placement file puts expert 0 on both expert workers (its tokens are split between the
+    copies); LLM.generate over the pools equals LLM.generate colocated."""
+    ckpt = make_checkpoint("mixtral")
+    placement = tmp_path / "placement.json"
+    placement.write_text(json.dumps({"0": [0, 1], "5": [1, 0]}))
+    assert Placement.from_file(placement, 8, 2).copies[0] == (0, 1)
+    prompts = [p for p in PROMPTS]
+    want = [o.outputs[0].token_ids for o in LLM(ckpt, num_kv_blocks=64).generate(prompts, PARAMS)]
+    llm = LLM(ckpt, num_kv_blocks=64, colocated=False, expert_workers=2, micro_batches=2, placement=str(placement),
+              torch_threads=1)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
+    finally:
+        llm.shutdown()
+    assert got == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["e1", "a1"])
+def test_killed_worker_is_reported(make_checkpoint, victim):
+    """SIGKILL one worker mid-run: the front raises WorkerFailedError naming it within 5 s."""
+    par = ParallelConfig(False, 2, 2, 2, "shm", torch_threads=1)
+    engine = PoolEngine(engine_cfg(make_checkpoint("mixtral"), par), {0})
+    try:
+        long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        for i in range(4):
+            engine.add_request(str(i), PROMPTS[i], long)
+        for _ in range(3):
+            engine.step()
+        proc = next(p for p in engine._procs if p.name == victim)
+        os.kill(proc.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerFailedError) as err:
+            while time.monotonic() - start < 30:
+                engine.step(timeout=1.0)
+        elapsed = time.monotonic() - start
+    finally:
+        engine.shutdown()
+    assert elapsed < 5.0, f"reported after {elapsed:.1f} s"
+    assert victim in str(err.value)
+
+
+def test_placement_checks():
+    assert Placement.balanced(8, 3).copies == ((0,), (0,), (0,), (1,), (1,), (1,), (2,), (2,))
+    assert Placement.balanced(4, 2, {1: 2}).experts_on(1) == [1, 2, 3]
+    with pytest.raises(ValueError, match="without experts"):
+        Placement(2, 2, ((0,), (0,)))
+    with pytest.raises(ValueError, match="expert workers for 2 experts"):
+        Placement.balanced(2, 3)
+    with pytest.raises(ValueError, match="micro_batches"):
+        ParallelConfig(micro_batches=5)
