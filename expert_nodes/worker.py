@@ -39,16 +39,30 @@ class ExpertWorkerSpec:
 
 
 def run_expert_worker(spec: ExpertWorkerSpec) -> None:
-    """Process entry point: load, connect, serve until the attention workers go away."""
+    """Process entry point: load, connect, serve until the attention workers go away. A failure is
+    published in the store (key SESSION/failed/eN) so the server can name its cause."""
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s e{spec.rank}: %(message)s")
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
+    store = TCPStore(*spec.store_addr, is_master=False, wait_for_workers=False)
+    try:
+        _serve(spec, store)
+    except BaseException as e:
+        if not (isinstance(e, PeerDeadError) and _shutting_down(store, spec.session)):
+            log.exception("expert worker %d failed", spec.rank)
+            try:
+                store.set(f"{spec.session}/failed/e{spec.rank}", f"{type(e).__name__}: {e}")
+            except Exception:
+                pass
+            raise SystemExit(1)
+
+
+def _serve(spec: ExpertWorkerSpec, store: TCPStore) -> None:
     cfg = ModelConfig.from_pretrained(spec.model)
     moe_layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
     device = torch.device(spec.device)
     experts = load_experts(spec.model, spec.placement.experts_on(spec.rank), cfg, spec.dtype, device, spec.kernels)
     experts = _pack_for_cpu(experts) if device.type == "cpu" else experts
-    store = TCPStore(*spec.store_addr, is_master=False, wait_for_workers=False)
     peers = [f"a{i}" for i in range(spec.attention_workers)]
     endpoint = open_endpoint(spec.transport, store, spec.session, f"e{spec.rank}", peers, spec.micro_batches)
     log.info("serving experts %s of %d MoE layers", spec.placement.experts_on(spec.rank), len(moe_layers))
@@ -61,9 +75,6 @@ def run_expert_worker(spec: ExpertWorkerSpec) -> None:
                     for mb in range(spec.micro_batches):
                         batch = receiver.recv(layer, mb)
                         receiver.reply(batch, run_local_experts(experts[layer], batch))
-    except PeerDeadError:
-        if not _shutting_down(store, spec.session):
-            raise
     finally:
         endpoint.close()
         if spec.trace_dir:

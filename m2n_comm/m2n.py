@@ -85,6 +85,46 @@ class Placement:
         return [e for e, ws in enumerate(self.copies) if worker in ws]
 
 
+class HostStaging:
+    """Pinned host buffers for moving GPU tensors to and from the transport: allocated on first use
+    at the size asked for and grown only when a larger message comes (page-locked memory lets the
+    copy run at full PCIe speed). CPU tensors pass through untouched."""
+
+    def __init__(self):
+        self._buf: torch.Tensor | None = None
+
+    def to_host(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if all(t.device.type == "cpu" for t in tensors):
+            return tensors
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        if self._buf is None or self._buf.numel() < sum(sizes):
+            self._buf = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
+        out, offset = [], 0
+        for t, n in zip(tensors, sizes):
+            host = self._buf[offset:offset + n].view(t.dtype).view(t.shape)
+            host.copy_(t, non_blocking=True)
+            out.append(host)
+            offset += n
+        torch.cuda.current_stream(tensors[0].device).synchronize()
+        return out
+
+    def to_device(self, tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """Host tensors (e.g. views of a transport slot) to `device`, through pinned memory."""
+        if device.type == "cpu":
+            return tensors
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        if self._buf is None or self._buf.numel() < sum(sizes):
+            self._buf = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
+        out, offset = [], 0
+        for t, n in zip(tensors, sizes):
+            host = self._buf[offset:offset + n].view(t.dtype).view(t.shape)
+            host.copy_(t)
+            out.append(host.to(device, non_blocking=True))
+            offset += n
+        torch.cuda.current_stream(device).synchronize()  # the pinned buffer is reused by the next call
+        return out
+
+
 @dataclass
 class Handle:
     """What `combine` needs: the slot, and the rows of x sent to each expert worker."""
@@ -116,6 +156,7 @@ class M2NSender:
             for i, e in enumerate(placement.experts_on(w)):
                 self._local_WE[w, e] = i
         self._device: torch.device | None = None
+        self._staging = HostStaging()
         self.step = 0
         self._step_tokens = 0
         self.peers_idle = True  # the last step gathered no token anywhere (all expert workers agree)
@@ -165,7 +206,7 @@ class M2NSender:
                 rows = torch.empty(0, dtype=torch.long, device=dev)
                 parts = [x_TD, torch.empty((0, self.top_k), dtype=torch.int32), topk_weights_TK]
             rows_W.append(rows)
-            self.ep.send(peer, mb, meta, [p.cpu() for p in parts], timeout=self.timeout)
+            self.ep.send(peer, mb, meta, self._staging.to_host(parts), timeout=self.timeout)
         self._last_ns = Tracer.now()
         self.tracer.span(f"dispatch L{layer} mb{mb}", "transfer", start, self._last_ns, {"tokens": T})
         return Handle(self.step, layer, mb, T, rows_W, x_TD.dtype, dev)
@@ -184,7 +225,7 @@ class M2NSender:
             if y_RD.shape[0] != rows.shape[0]:
                 raise RuntimeError(f"M2N protocol error: {peer!r} returned {y_RD.shape[0]} rows for {rows.shape[0]}")
             if rows.numel():
-                y_TD.index_add_(0, rows, y_RD.to(handle.device, handle.dtype))
+                y_TD.index_add_(0, rows, self._staging.to_device([y_RD], handle.device)[0].to(handle.dtype))
             self._step_tokens += m.aux
             self.ep.release(peer, handle.mb)
         self._last_ns = Tracer.now()
@@ -237,6 +278,7 @@ class M2NReceiver:
         self.ep, self.peers, self.moe_layers, self.m = endpoint, attention_peers, moe_layers, num_micro_batches
         self.tracer = tracer or Tracer(endpoint.me)
         self._recv_done_ns = 0
+        self._in, self._out = HostStaging(), HostStaging()
         self.device, self.timeout = torch.device(device), data_timeout_s
         self.step = 0
         self._idle = True  # the last step gathered nothing: attention workers may be parked
@@ -261,8 +303,7 @@ class M2NReceiver:
         counts = [msg.tensors[0].shape[0] for msg in msgs]
         for p in self.peers:
             self.ep.release(p, mb)
-        if self.device.type == "cuda":
-            x, ids, w = (t.pin_memory().to(self.device, non_blocking=True) for t in (x, ids, w))
+        x, ids, w = self._in.to_device([x, ids, w], self.device)
         self._step_tokens += x.shape[0]
         self._recv_done_ns = Tracer.now()
         self.tracer.span(f"recv L{layer} mb{mb}", "wait", start, self._recv_done_ns, {"tokens": x.shape[0]})
@@ -283,7 +324,7 @@ class M2NReceiver:
         start = Tracer.now()
         self.tracer.span(f"experts L{batch.layer} mb{batch.mb}", "expert", self._recv_done_ns, start,
                          {"tokens": y_RD.shape[0]})
-        y_RD = y_RD.cpu()
+        y_RD = self._out.to_host([y_RD])[0]
         meta = MessageMeta(KIND_DATA, batch.step, batch.layer, batch.mb, aux=sum(batch.counts))
         for p, part in zip(self.peers, torch.split(y_RD, batch.counts)):
             self.ep.send(p, batch.mb, meta, [part], timeout=self.timeout)

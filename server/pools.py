@@ -221,7 +221,12 @@ class PoolEngine:
         while time.monotonic() < deadline and not any(p.exitcode is not None and p.exitcode < 0 for p in self._procs):
             time.sleep(0.05)
         gone = [f"{p.name} (exit code {p.exitcode})" for p in self._procs if p.exitcode is not None]
-        return f"; exited: {', '.join(gone)}" if gone else ""
+        causes = []
+        for w in range(self.cfg.parallel.expert_workers):
+            key = f"{self.session}/failed/e{w}"
+            if self._store.check([key]):
+                causes.append(f"expert worker e{w} failed: {self._store.get(key).decode()}")
+        return "".join(f"; {c}" for c in causes) + (f"; exited: {', '.join(gone)}" if gone else "")
 
     def _check_procs(self, wait: float = 0.0) -> None:
         for p in self._procs:
