@@ -76,20 +76,21 @@ class ModelRunner:
         each sequence whose batch.sample flag is set, in batch order."""
         inputs = [None if not group else self._prepare(batch, group)
                   for group in split_micro_batches(batch.num_new_tokens, self.micro_batches)]
-        hidden = self._forward(inputs)
-        rows = [h[i] for h, inp in zip(hidden, inputs) if inp is not None for i in [inp[2]]]
-        return self.model.logits(torch.cat(rows))
+        # Each micro-batch's LM head runs as soon as its last layer is combined (overlapping the
+        # experts of the next micro-batch's last layer).
+        logits = self._forward(inputs, lambda i, h_TD: self.model.logits(h_TD[inputs[i][2]]))
+        return torch.cat([lg for lg, inp in zip(logits, inputs) if inp is not None])
 
     @torch.inference_mode()
     def idle_step(self) -> None:
         """Take part in a step with no sequences (attention workers run steps in lock-step)."""
         self._forward([None] * self.micro_batches)
 
-    def _forward(self, inputs: list) -> list[torch.Tensor]:
+    def _forward(self, inputs: list, head=None) -> list[torch.Tensor]:
         dispatcher = self.model.dispatcher
         dispatcher.begin_step()
         try:
-            return self.model.forward_micro_batches([None if i is None else i[:2] for i in inputs], self.cache)
+            return self.model.forward_micro_batches([None if i is None else i[:2] for i in inputs], self.cache, head)
         finally:
             dispatcher.end_step()
             self.num_executed += 1

@@ -5,9 +5,10 @@
 On this machine's 2 cores: 1 attention worker and 1 expert worker (1 torch thread each, shm
 transport) decode with m = 1, 2, 3 micro-batches, against the colocated engine (experts in the
 attention process, 2 torch threads) on the same checkpoint and requests. The model (float32, hidden
-1024, 4 layers, 16 heads, 16 kv heads, 8 experts of 1024, top-2) and the batch (64 sequences,
-48-token prompts, 48 new tokens, EOS ignored) are chosen so that one micro-batch's attention and
-expert times are of the same order (the busy fractions below show it).
+512, 8 layers, 8 heads, 2 kv heads, 4 experts of 640, top-2, vocabulary 4096) and the batch (128
+sequences, 32-token prompts, 32 new tokens, EOS ignored) are chosen so that one micro-batch's
+attention and expert times are of the same order (the busy fractions below show it), with enough
+tokens per expert that splitting the batch does not multiply the expert weights' memory traffic.
 Decode throughput counts the tokens generated after every sequence has its first token, over that
 window. Busy fractions: the share of the window each worker spent computing (attention: between its
 M2N calls; expert: between recv and reply), from the workers' traces.
@@ -34,11 +35,11 @@ from models.builtin import make_random_checkpoint  # noqa: E402
 from server.pools import PoolEngine  # noqa: E402
 
 
-def checkpoint(out: Path) -> Path:
+def checkpoint(out: Path, args: argparse.Namespace) -> Path:
     from transformers import MixtralConfig
 
-    cfg = MixtralConfig(vocab_size=4096, hidden_size=1024, intermediate_size=1024, num_hidden_layers=4,
-                        num_attention_heads=16, num_key_value_heads=16, num_local_experts=8, num_experts_per_tok=2,
+    cfg = MixtralConfig(vocab_size=4096, hidden_size=512, intermediate_size=args.inter, num_hidden_layers=args.layers,
+                        num_attention_heads=8, num_key_value_heads=args.kv_heads, num_local_experts=args.experts, num_experts_per_tok=2,
                         max_position_embeddings=1024, bos_token_id=0, eos_token_id=0)
     return make_random_checkpoint(out, cfg, seed=0, dtype="float32", tokenizer_dir=None)
 
@@ -83,17 +84,21 @@ def run_pools(ckpt: Path, m: int, args, trace_dir: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a smaller batch, for a smoke run")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--prompt-len", type=int, default=48)
-    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--transport", default="shm", choices=["shm", "tcp"])
     ap.add_argument("--trace", default=None, help="Chrome trace file of the m=2 run's last steps")
     ap.add_argument("--trace-ms", type=float, default=150.0, help="how much of the end of the run to trace")
+    ap.add_argument("--experts", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--inter", type=int, default=640)
     args = ap.parse_args()
     if args.quick:
-        args.batch, args.new_tokens = 16, 16
+        args.batch, args.new_tokens = 32, 16
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = checkpoint(Path(tmp) / "ckpt")
+        ckpt = checkpoint(Path(tmp) / "ckpt", args)
         torch.set_num_threads(2)
         colocated = LLMEngine(EngineConfig(str(ckpt), cache=CacheConfig(num_blocks=1024)), {0})
         decode_throughput(colocated, 8, args.prompt_len, 4)

@@ -200,8 +200,12 @@ class M2NSender:
             if T:
                 mine_TK = worker_TK == w
                 rows = mine_TK.any(dim=1).nonzero().squeeze(1)
-                local_TK = torch.where(mine_TK, self._local_WE[w][ids_TK], -1).index_select(0, rows)
-                parts = [x_TD.index_select(0, rows), local_TK, topk_weights_TK.index_select(0, rows)]
+                local_TK = torch.where(mine_TK, self._local_WE[w][ids_TK], -1).to(torch.int32)
+                if rows.numel() == T:  # every token has an expert here: no gather needed
+                    parts = [x_TD, local_TK, topk_weights_TK]
+                else:
+                    parts = [x_TD.index_select(0, rows), local_TK.index_select(0, rows),
+                             topk_weights_TK.index_select(0, rows)]
             else:
                 rows = torch.empty(0, dtype=torch.long, device=dev)
                 parts = [x_TD, torch.empty((0, self.top_k), dtype=torch.int32), topk_weights_TK]

@@ -8,6 +8,8 @@ The compute ops (torch references or Triton kernels) come from one KernelOps tab
 construction. Layers pass (hidden, residual) pairs so each norm fuses the residual add.
 Parameter names follow the Hugging Face checkpoints (see models/loader.py for the mapping).
 """
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -197,13 +199,14 @@ class MoEForCausalLM(nn.Module):
     def forward(self, input_ids_T: torch.Tensor, batch: AttentionBatch, cache: KVCache) -> torch.Tensor:
         return self.forward_micro_batches([(input_ids_T, batch)], cache)[0]
 
-    def forward_micro_batches(self, inputs: list[tuple[torch.Tensor, AttentionBatch] | None],
-                              cache: KVCache) -> list[torch.Tensor]:
+    def forward_micro_batches(self, inputs: list[tuple[torch.Tensor, AttentionBatch] | None], cache: KVCache,
+                              head: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Ping-pong over micro-batches (disjoint sets of sequences): at each layer, micro-batch i's
         experts run (through the dispatcher) while attention computes micro-batch i+1; each MoE
         output is combined only when that micro-batch's next layer needs it. None is an empty
         micro-batch: it computes nothing but still takes its turn at every MoE layer.
-        Returns hidden_TD per micro-batch ((0, D) for an empty one)."""
+        Returns hidden_TD per micro-batch ((0, D) for an empty one), or head(i, hidden_TD) when a
+        head is given: it runs on micro-batch i while the experts finish micro-batch i+1."""
         D = self.cfg.hidden_size
         xs, residuals, cos_sins = [], [], []
         for inp in inputs:
@@ -231,7 +234,10 @@ class MoEForCausalLM(nn.Module):
         outs = []
         for i, inp in enumerate(inputs):
             x_TD = SparseMoE.finish(pending[i])
-            outs.append(x_TD if inp is None else self.model.norm.add_and_norm(x_TD, residuals[i])[0])
+            if inp is not None:
+                x_TD = self.model.norm.add_and_norm(x_TD, residuals[i])[0]
+                x_TD = x_TD if head is None else head(i, x_TD)
+            outs.append(x_TD)
         return outs
 
     def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
