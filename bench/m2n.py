@@ -140,8 +140,9 @@ def run_group(kind: str, M: int, sizes: list[int], quick: bool) -> list[tuple]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer rounds, M = N in {1, 2}")
+    ap.add_argument("--mn", type=int, action="append", help="M = N to run (repeat; default 1, 2, 4)")
     args = ap.parse_args()
-    mns = [1, 2] if args.quick else [1, 2, 4]
+    mns = args.mn or ([1, 2] if args.quick else [1, 2, 4])
     table = {}
     for M in mns:
         for kind in ("shm", "tcp", "gloo"):

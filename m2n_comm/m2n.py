@@ -133,7 +133,7 @@ class Handle:
     layer: int
     mb: int
     num_tokens: int
-    rows_W: list[torch.Tensor]  # (T_w,) int64 indices into the micro-batch, on x's device
+    rows_W: list[torch.Tensor | None]  # (T_w,) int64 indices into the micro-batch on x's device; None: all
     dtype: torch.dtype
     device: torch.device
 
@@ -156,6 +156,8 @@ class M2NSender:
             for i, e in enumerate(placement.experts_on(w)):
                 self._local_WE[w, e] = i
         self._device: torch.device | None = None
+        # One expert worker holding every expert: all tokens go there with their ids unchanged.
+        self._single = placement.num_workers == 1
         self._staging = HostStaging()
         self.step = 0
         self._step_tokens = 0
@@ -191,12 +193,16 @@ class M2NSender:
         T, dev = x_TD.shape[0], x_TD.device
         self._tables(dev)
         ids_TK = topk_ids_TK.long()
-        if T:
+        if T and not self._single:
             copy_TK = torch.arange(T, device=dev)[:, None] % self._ncopies_E[ids_TK]
             worker_TK = self._copy_EC[ids_TK, copy_TK]
         rows_W = []
         meta = MessageMeta(KIND_DATA, self.step, layer, mb)
-        for w, peer in enumerate(self.peers):
+        if self._single:
+            rows_W.append(None)
+            parts = [x_TD, topk_ids_TK.to(torch.int32), topk_weights_TK]
+            self.ep.send(self.peers[0], mb, meta, self._staging.to_host(parts), timeout=self.timeout)
+        for w, peer in enumerate([] if self._single else self.peers):
             if T:
                 mine_TK = worker_TK == w
                 rows = mine_TK.any(dim=1).nonzero().squeeze(1)
@@ -218,7 +224,7 @@ class M2NSender:
     def combine(self, handle: Handle) -> torch.Tensor:
         """Wait for every expert worker's answer to this handle's slot; returns y_TD."""
         start = self._compute_done(handle.layer, handle.mb)
-        y_TD = torch.zeros((handle.num_tokens, self.hidden), dtype=handle.dtype, device=handle.device)
+        y_TD = None
         for peer, rows in zip(self.peers, handle.rows_W):
             msg = self._recv_data(peer, handle.mb)
             m = msg.meta
@@ -226,12 +232,21 @@ class M2NSender:
                 raise RuntimeError(f"M2N protocol error: expert worker {peer!r} answered step {m.step} layer "
                                    f"{m.layer} mb {m.mb}, expected {handle.step}/{handle.layer}/{handle.mb}")
             y_RD = msg.tensors[0]
-            if y_RD.shape[0] != rows.shape[0]:
-                raise RuntimeError(f"M2N protocol error: {peer!r} returned {y_RD.shape[0]} rows for {rows.shape[0]}")
-            if rows.numel():
-                y_TD.index_add_(0, rows, self._staging.to_device([y_RD], handle.device)[0].to(handle.dtype))
+            n = handle.num_tokens if rows is None else rows.shape[0]
+            if y_RD.shape[0] != n:
+                raise RuntimeError(f"M2N protocol error: {peer!r} returned {y_RD.shape[0]} rows for {n}")
+            y_RD = self._staging.to_device([y_RD], handle.device)[0].to(handle.dtype)
+            if rows is None:  # the only answer: copy it out of the slot
+                y_TD = y_RD.clone() if y_RD.device.type == "cpu" else y_RD
+            else:
+                if y_TD is None:
+                    y_TD = torch.zeros((handle.num_tokens, self.hidden), dtype=handle.dtype, device=handle.device)
+                if n:
+                    y_TD.index_add_(0, rows, y_RD)
             self._step_tokens += m.aux
             self.ep.release(peer, handle.mb)
+        if y_TD is None:  # several workers, none of which got a token
+            y_TD = torch.zeros((handle.num_tokens, self.hidden), dtype=handle.dtype, device=handle.device)
         self._last_ns = Tracer.now()
         self.tracer.span(f"combine L{handle.layer} mb{handle.mb}", "wait", start, self._last_ns)
         return y_TD
@@ -261,7 +276,8 @@ class M2NSender:
 class ExpertBatch:
     """All attention workers' tokens of one (step, layer, mb) slot, concatenated in peer order.
     x_RD (model dtype), local_ids_RK int64 (-1: an expert on another worker), weights_RK;
-    counts: rows from each attention worker."""
+    counts: rows from each attention worker. With one attention worker the tensors are views of
+    the receive slot, valid until `reply`."""
 
     step: int
     layer: int
@@ -303,10 +319,13 @@ class M2NReceiver:
                                    f"layer {layer} mb {mb}")
         if first:
             self.step, self._step_tokens = step, 0
-        x, ids, w = (torch.cat([msg.tensors[i] for msg in msgs]) for i in range(3))
+        if len(msgs) == 1:  # computed straight from the slot, which reply() releases
+            x, ids, w = msgs[0].tensors
+        else:
+            x, ids, w = (torch.cat([msg.tensors[i] for msg in msgs]) for i in range(3))
+            for p in self.peers:
+                self.ep.release(p, mb)
         counts = [msg.tensors[0].shape[0] for msg in msgs]
-        for p in self.peers:
-            self.ep.release(p, mb)
         x, ids, w = self._in.to_device([x, ids, w], self.device)
         self._step_tokens += x.shape[0]
         self._recv_done_ns = Tracer.now()
@@ -329,6 +348,8 @@ class M2NReceiver:
         self.tracer.span(f"experts L{batch.layer} mb{batch.mb}", "expert", self._recv_done_ns, start,
                          {"tokens": y_RD.shape[0]})
         y_RD = self._out.to_host([y_RD])[0]
+        if len(self.peers) == 1:
+            self.ep.release(self.peers[0], batch.mb)
         meta = MessageMeta(KIND_DATA, batch.step, batch.layer, batch.mb, aux=sum(batch.counts))
         for p, part in zip(self.peers, torch.split(y_RD, batch.counts)):
             self.ep.send(p, batch.mb, meta, [part], timeout=self.timeout)

@@ -155,6 +155,9 @@ class ShmEndpoint(EndpointBase):
         self._fence_lock.acquire()
         self._fence_lock.release()
 
+    def _spin_pause(self) -> None:
+        os.sched_yield()  # spinning costs nothing while another process waits for this core
+
     def _ring(self, pi: int) -> None:
         if self._remote[pi].words[SLEEPING]:
             try:

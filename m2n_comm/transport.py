@@ -142,7 +142,9 @@ class TransportConfig:
     dead_after_s: float = 3.0
     connect_timeout_s: float = 60.0
     host: str = "127.0.0.1"  # tcp: the address this endpoint listens on and publishes
-    spin_s: float = 50e-6    # shm: how long a wait busy-polls before it blocks (seconds)
+    # How long a wait polls (yielding the core between polls) before it blocks: waking a blocked
+    # process costs ~50-100 us here, more than a whole small round trip.
+    spin_s: float = 1e-3
 
     def __post_init__(self) -> None:
         if self.backend not in ("shm", "tcp"):
