@@ -48,7 +48,12 @@ def run_expert_worker(spec: ExpertWorkerSpec) -> None:
     try:
         _serve(spec, store)
     except BaseException as e:
-        if not (isinstance(e, PeerDeadError) and _shutting_down(store, spec.session)):
+        if isinstance(e, PeerDeadError) and _shutting_down(store, spec.session):
+            try:
+                store.set(f"{spec.session}/done/e{spec.rank}", "1")
+            except Exception:
+                pass
+        else:
             log.exception("expert worker %d failed", spec.rank)
             try:
                 store.set(f"{spec.session}/failed/e{spec.rank}", f"{type(e).__name__}: {e}")

@@ -72,7 +72,8 @@ class PoolEngine:
         self._cost: dict[str, int] = {}
         self._live: dict[str, set[int]] = {}        # request id -> indices of unfinished sequences
         self._conn_rank: dict[int, int] = {}       # control connection -> attention worker rank
-        self._finalizer = weakref.finalize(self, _shutdown, self._socks, self._procs, self._store, self.session)
+        self._finalizer = weakref.finalize(self, _shutdown, self._socks, self._procs, self._store, self.session,
+                                           par.expert_workers if rendezvous else 0)
         if rendezvous:
             self._publish()
         else:
@@ -260,9 +261,11 @@ def _read_events(sock: socket.socket, conn: int, events: queue.Queue) -> None:
     events.put((conn, None))
 
 
-def _shutdown(socks: list[socket.socket], procs: list, store: TCPStore, session: str) -> None:
+def _shutdown(socks: list[socket.socket], procs: list, store: TCPStore, session: str, remote_experts: int) -> None:
     """Stop the pools: attention workers first (Shutdown), then expert workers, which see their
-    peers leave and the shutdown key set; anything still alive after a grace period is killed."""
+    peers leave and the shutdown key set; anything still alive after a grace period is killed.
+    Workers on other hosts are given the same grace period to say they are done, so the store
+    (which lives in this process) outlives their last look at it."""
     try:
         store.set(f"{session}/shutdown", "1")
     except Exception:
@@ -275,6 +278,9 @@ def _shutdown(socks: list[socket.socket], procs: list, store: TCPStore, session:
     deadline = time.monotonic() + 10.0
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
+    done = [f"{session}/done/e{w}" for w in range(remote_experts)]
+    while done and time.monotonic() < deadline and not store.check(done):
+        time.sleep(0.05)
     for p in procs:
         if p.exitcode is None:
             p.kill()

@@ -120,3 +120,55 @@ def test_placement_checks():
         Placement.balanced(2, 3)
     with pytest.raises(ValueError, match="micro_batches"):
         ParallelConfig(micro_batches=5)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (pinned host staging)")
+def test_host_staging_round_trip_on_cuda():
+    import torch
+
+    from m2n_comm.m2n import HostStaging
+
+    staging = HostStaging()
+    x = torch.randn(5, 7, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, 9, (5, 2), device="cuda", dtype=torch.int32)
+    host = staging.to_host([x, ids])
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in host)
+    back = HostStaging().to_device(host, torch.device("cuda"))
+    assert torch.equal(back[0], x) and torch.equal(back[1], ids)
+
+
+@pytest.mark.slow
+def test_roles_meet_at_a_rendezvous(make_checkpoint):
+    """The multi-host path on one host: the front waits at HOST:PORT, `shuttle serve --role` workers
+    join it over tcp, and the output equals the colocated engine's."""
+    import socket
+    import subprocess
+    import sys
+
+    ckpt = make_checkpoint("qwen2_moe")
+    want = [o.outputs[0].token_ids for o in LLM(ckpt, num_kv_blocks=64).generate(PROMPTS[:3], PARAMS)]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workers = []
+
+    def start_workers():
+        time.sleep(1.0)  # the front's store must be listening first
+        for role in ("expert", "expert", "attention"):
+            workers.append(subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--role", role,
+                                             "--rendezvous", f"127.0.0.1:{port}", "--torch-threads", "1"],
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+
+    import threading
+    t = threading.Thread(target=start_workers)
+    t.start()
+    llm = LLM(ckpt, num_kv_blocks=64, colocated=False, expert_workers=2, micro_batches=2, transport="tcp",
+              rendezvous=f"127.0.0.1:{port}")
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], PARAMS)]
+    finally:
+        llm.shutdown()
+        t.join()
+    codes = [w.wait(timeout=30) for w in workers]
+    assert got == want
+    assert codes == [0, 0, 0], [w.stderr.read().decode()[-2000:] for w in workers]
