@@ -1,2 +1,2 @@
-"""Expert workers: hold the experts of every MoE layer placed on them and serve M2N slots.
-Built by the disaggregation issue; the expert math lives in kernels.moe and models.moe_decoder.Experts."""
+"""Expert workers: hold the experts of every MoE layer placed on them and serve M2N slots
+(worker.py). The expert math is kernels.moe / models.moe_decoder.Experts, the same as colocated."""
