@@ -93,18 +93,20 @@ class HostStaging:
     def __init__(self):
         self._buf: torch.Tensor | None = None
 
-    def to_host(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        if all(t.device.type == "cpu" for t in tensors):
-            return tensors
+    def _host_views(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Views of the pinned buffer shaped like `tensors`, back to back (grown when too small)."""
         sizes = [t.numel() * t.element_size() for t in tensors]
         if self._buf is None or self._buf.numel() < sum(sizes):
             self._buf = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
-        out, offset = [], 0
-        for t, n in zip(tensors, sizes):
-            host = self._buf[offset:offset + n].view(t.dtype).view(t.shape)
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [self._buf[o:o + n].view(t.dtype).view(t.shape) for t, o, n in zip(tensors, offsets, sizes)]
+
+    def to_host(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if all(t.device.type == "cpu" for t in tensors):
+            return tensors
+        out = self._host_views(tensors)
+        for host, t in zip(out, tensors):
             host.copy_(t, non_blocking=True)
-            out.append(host)
-            offset += n
         torch.cuda.current_stream(tensors[0].device).synchronize()
         return out
 
@@ -112,15 +114,10 @@ class HostStaging:
         """Host tensors (e.g. views of a transport slot) to `device`, through pinned memory."""
         if device.type == "cpu":
             return tensors
-        sizes = [t.numel() * t.element_size() for t in tensors]
-        if self._buf is None or self._buf.numel() < sum(sizes):
-            self._buf = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
-        out, offset = [], 0
-        for t, n in zip(tensors, sizes):
-            host = self._buf[offset:offset + n].view(t.dtype).view(t.shape)
+        out = []
+        for host, t in zip(self._host_views(tensors), tensors):
             host.copy_(t)
             out.append(host.to(device, non_blocking=True))
-            offset += n
         torch.cuda.current_stream(device).synchronize()  # the pinned buffer is reused by the next call
         return out
 
