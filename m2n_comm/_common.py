@@ -9,6 +9,7 @@ Sequence numbers: the n-th message a sender writes into one slot has seq n (from
 acknowledges it by publishing release = n, and the sender writes message n + 1 only after that.
 """
 import atexit
+from abc import ABC, abstractmethod
 import json
 import os
 import time
@@ -152,7 +153,7 @@ def _close_at_exit(ref: "weakref.ref[EndpointBase]") -> None:
         ep.close()
 
 
-class EndpointBase:
+class EndpointBase(ABC):
     """The public Endpoint methods (see m2n_comm.transport.Endpoint) over the backend hooks.
 
     One thread at a time may wait on an endpoint (the M2N layer's loop); the backends' own threads
@@ -301,34 +302,42 @@ class EndpointBase:
     # -- backend hooks ----------------------------------------------------------------------------
     _rx_payload: list[torch.Tensor]  # per key: my receive slot's payload, 1-D uint8 of self.capacity bytes
 
+    @abstractmethod
     def _has_message(self, i: int) -> bool:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _take(self, i: int) -> tuple[int, MessageMeta, list[TensorDesc]]:
         """The waiting message's seq, meta and tensor descriptors; marks it taken."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _slot_free(self, i: int) -> bool:
         """True when the peer released my last message in this slot."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _write(self, i: int, meta: MessageMeta, descs: list[TensorDesc], flats: list[torch.Tensor], end: int) -> None:
         """Hand message self._sent[i] over to the peer (payload of `end` bytes)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _release(self, i: int, seq: int) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _dead_reason(self, pi: int, thorough: bool) -> str | None:
         """Why peer `pi` counts as dead, or None. thorough=False: only checks that cost no syscall."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _block(self, ready: Callable[[], T], seconds: float) -> T | None:
         """Sleep until woken (something arrived or was released) or `seconds` pass; then ready()."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _close_backend(self) -> None:
-        raise NotImplementedError
+        ...
 
 
 def process_gone(pid: int) -> str | None:

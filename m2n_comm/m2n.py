@@ -190,33 +190,34 @@ class M2NSender:
         T, dev = x_TD.shape[0], x_TD.device
         self._tables(dev)
         ids_TK = topk_ids_TK.long()
+        worker_TK = None
         if T and not self._single:
             copy_TK = torch.arange(T, device=dev)[:, None] % self._ncopies_E[ids_TK]
             worker_TK = self._copy_EC[ids_TK, copy_TK]
-        rows_W = []
         meta = MessageMeta(KIND_DATA, self.step, layer, mb)
-        if self._single:
-            rows_W.append(None)
-            parts = [x_TD, topk_ids_TK.to(torch.int32), topk_weights_TK]
-            self.ep.send(self.peers[0], mb, meta, self._staging.to_host(parts), timeout=self.timeout)
-        for w, peer in enumerate([] if self._single else self.peers):
-            if T:
-                mine_TK = worker_TK == w
-                rows = mine_TK.any(dim=1).nonzero().squeeze(1)
-                local_TK = torch.where(mine_TK, self._local_WE[w][ids_TK], -1).to(torch.int32)
-                if rows.numel() == T:  # every token has an expert here: no gather needed
-                    parts = [x_TD, local_TK, topk_weights_TK]
-                else:
-                    parts = [x_TD.index_select(0, rows), local_TK.index_select(0, rows),
-                             topk_weights_TK.index_select(0, rows)]
-            else:
-                rows = torch.empty(0, dtype=torch.long, device=dev)
-                parts = [x_TD, torch.empty((0, self.top_k), dtype=torch.int32), topk_weights_TK]
+        rows_W = []
+        for w, peer in enumerate(self.peers):
+            rows, parts = self._chunk(w, x_TD, ids_TK, topk_weights_TK, worker_TK)
             rows_W.append(rows)
             self.ep.send(peer, mb, meta, self._staging.to_host(parts), timeout=self.timeout)
         self._last_ns = Tracer.now()
         self.tracer.span(f"dispatch L{layer} mb{mb}", "transfer", start, self._last_ns, {"tokens": T})
         return Handle(self.step, layer, mb, T, rows_W, x_TD.dtype, dev)
+
+    def _chunk(self, w: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+               worker_TK: torch.Tensor | None) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """(rows of the micro-batch sent to worker w, None for all of them; [x, local ids, weights])."""
+        if self._single:  # the only worker holds every expert: ids are already local
+            return None, [x_TD, ids_TK.to(torch.int32), weights_TK]
+        if worker_TK is None:  # no tokens
+            return (torch.empty(0, dtype=torch.long, device=x_TD.device),
+                    [x_TD, torch.empty((0, self.top_k), dtype=torch.int32), weights_TK])
+        mine_TK = worker_TK == w
+        rows = mine_TK.any(dim=1).nonzero().squeeze(1)
+        local_TK = torch.where(mine_TK, self._local_WE[w][ids_TK], -1).to(torch.int32)
+        if rows.numel() == x_TD.shape[0]:  # every token has an expert here: no gather needed
+            return rows, [x_TD, local_TK, weights_TK]
+        return rows, [x_TD.index_select(0, rows), local_TK.index_select(0, rows), weights_TK.index_select(0, rows)]
 
     def combine(self, handle: Handle) -> torch.Tensor:
         """Wait for every expert worker's answer to this handle's slot; returns y_TD."""

@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch

@@ -12,7 +12,6 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from kernels.moe import fused_moe
 
 
 class Dispatcher(Protocol):

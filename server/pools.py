@@ -22,7 +22,6 @@ import time
 import weakref
 from dataclasses import asdict
 
-import torch
 from torch.distributed import TCPStore
 
 from attention_nodes import messages as wire
