@@ -118,6 +118,13 @@ class LLMEngine:
         self.eos_token_ids = set(ids)
         self.sampler = Sampler(self.model_cfg.vocab_size, self.eos_token_ids)
 
+    def wake(self) -> None:
+        """Interface of the pool front (server/pools.py): end a waiting `step`. This engine's steps
+        never wait."""
+
+    def check_health(self) -> None:
+        """Interface of the pool front: raise if a worker died. This engine has no workers."""
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -196,7 +203,13 @@ class LLMEngine:
                 "num_blocks": b.num_blocks, "free_blocks": b.num_free_blocks,
                 "kv_cache_usage": 1 - b.num_free_blocks / b.num_blocks, "prefix_cache_queries": b.prefix_queries,
                 "prefix_cache_hits": b.prefix_hits, "preemptions": self.scheduler.num_preemptions,
-                "steps": self.num_steps, "generated_tokens": self.num_generated_tokens}
+                "steps": self.num_steps, "generated_tokens": self.num_generated_tokens,
+                "expert_tokens": self._expert_tokens()}
+
+    def _expert_tokens(self) -> dict[int, int]:
+        """Tokens routed to each expert so far (colocated: counted here; else the expert workers count)."""
+        counts = getattr(self.runner.model.dispatcher, "expert_tokens_E", None)
+        return {} if counts is None else dict(enumerate(counts.tolist()))
 
 
 def default_eos_ids(model_dir: str | Path, model_cfg: ModelConfig) -> set[int]:

@@ -1,7 +1,8 @@
 """Control plane between the server (front) and attention workers: typed messages, msgpack frames.
 
 server -> worker: AddRequest (once per request), Abort, StopSequence, Shutdown.
-worker -> server: Ready (once, after loading), Deltas (each step: only what changed), Failed.
+worker -> server: Ready (once, after loading), Deltas (each step: only what changed), Stats (at
+most a few times a second while busy, and once on going idle), Failed.
 A frame is a 4-byte big-endian length and a msgpack array [tag, field values...]. Token ids,
 never text, cross this boundary.
 """
@@ -52,12 +53,18 @@ class Deltas:
 
 
 @dataclass
+class Stats:
+    rank: int
+    stats: dict  # LLMEngine.stats() plus busy_ns (attention compute) and uptime_ns, for /metrics
+
+
+@dataclass
 class Failed:
     rank: int
     message: str
 
 
-_TYPES = [AddRequest, Abort, StopSequence, Shutdown, Ready, Deltas, Failed]
+_TYPES = [AddRequest, Abort, StopSequence, Shutdown, Ready, Deltas, Failed, Stats]
 _TAG = {t: i for i, t in enumerate(_TYPES)}
 _LEN = struct.Struct(">I")
 

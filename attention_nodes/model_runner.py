@@ -9,7 +9,7 @@ import torch
 from attention_nodes.config import EngineConfig
 from attention_nodes.scheduler import ScheduledBatch
 from models.config import ModelConfig
-from models.dispatcher import Dispatcher
+from models.dispatcher import Dispatcher, LocalDispatcher
 from models.cpu_inference import pack_for_cpu_inference
 from models.kv_cache import AttentionBatch, PagedKVCache
 from models.loader import load_model
@@ -30,8 +30,7 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.model = load_model(cfg.model, self.model_cfg, dtype=cfg.dtype, device=self.device, kernels=cfg.kernels,
                                 with_experts=dispatcher is None)
-        if dispatcher is not None:
-            self.model.dispatcher = dispatcher
+        self.model.dispatcher = dispatcher or LocalDispatcher(self.model_cfg.num_experts)  # counts expert load
         if not 1 <= micro_batches <= 4:
             raise ValueError(f"micro_batches must be 1 to 4, got {micro_batches}")
         self.micro_batches = micro_batches

@@ -11,6 +11,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from models.config import ModelConfig
 
 log = logging.getLogger("shuttle.attention")
 PARK_POLL_S = 0.002  # while parked: how often to look for a WAKE between waits on the server
+STATS_EVERY_S = 0.25  # while busy: how often to report Stats to the server
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ def run_attention_worker(spec: AttentionWorkerSpec) -> None:
         sender = M2NSender(endpoint, spec.placement, experts, model_cfg.hidden_size, model_cfg.top_k, tracer=tracer)
         engine = LLMEngine(spec.engine, set(spec.eos_token_ids), dispatcher=sender)
         wire.send(ctl, wire.Ready(spec.rank, engine.runner.num_blocks))
-        _serve(engine, sender, inbox, ctl)
+        _serve(spec.rank, engine, sender, inbox, ctl)
     except BaseException as e:
         log.exception("attention worker %d failed", spec.rank)
         try:
@@ -89,13 +91,14 @@ def _read_control(ctl: socket.socket, inbox: queue.Queue) -> None:
     inbox.put(None)  # the server is gone
 
 
-def _serve(engine: LLMEngine, sender: M2NSender, inbox: queue.Queue, ctl: socket.socket) -> None:
-    runner = engine.runner
+def _serve(rank: int, engine: LLMEngine, sender: M2NSender, inbox: queue.Queue, ctl: socket.socket) -> None:
+    runner, stats = engine.runner, _StatsReporter(rank, engine, sender, ctl)
     while True:
         try:
             while True:
                 if not _apply(engine, inbox.get_nowait(), ctl):
                     return
+                stats.stale = True
         except queue.Empty:
             pass
         if engine.has_unfinished_requests() or not sender.peers_idle:
@@ -105,13 +108,40 @@ def _serve(engine: LLMEngine, sender: M2NSender, inbox: queue.Queue, ctl: socket
                 runner.idle_step()
             if deltas:
                 wire.send(ctl, wire.Deltas([wire.encode_delta(d) for d in deltas]))
+            stats.stepped()
             continue
+        stats.parked()
         try:  # parked
             if not _apply(engine, inbox.get(timeout=PARK_POLL_S), ctl):
                 return
+            stats.stale = True
         except queue.Empty:
             if sender.poll_wake():
                 runner.idle_step()
+
+
+class _StatsReporter:
+    """Sends Stats every STATS_EVERY_S while the worker steps, and once more when it parks, so the
+    server also sees the state after the last step (the freed blocks of the last request)."""
+
+    def __init__(self, rank: int, engine: LLMEngine, sender: M2NSender, ctl: socket.socket):
+        self.rank, self.engine, self.sender, self.ctl = rank, engine, sender, ctl
+        self.start_ns, self.last, self.stale = time.monotonic_ns(), 0.0, True
+
+    def stepped(self) -> None:
+        self.stale = True
+        if time.monotonic() - self.last >= STATS_EVERY_S:
+            self.send()
+
+    def parked(self) -> None:
+        if self.stale:
+            self.send()
+
+    def send(self) -> None:
+        stats = {**self.engine.stats(), "busy_ns": self.sender.tracer.totals.get("attention", 0),
+                 "uptime_ns": time.monotonic_ns() - self.start_ns}
+        wire.send(self.ctl, wire.Stats(self.rank, stats))
+        self.last, self.stale = time.monotonic(), False
 
 
 def _apply(engine: LLMEngine, msg, ctl: socket.socket) -> bool:

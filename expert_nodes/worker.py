@@ -3,8 +3,12 @@
 For each step, MoE layer and micro-batch, in the order attention workers dispatch them: gather every
 attention worker's chunk (an empty chunk is a valid chunk), run the local experts on all gathered
 tokens at once, and send each attention worker its rows back (m2n_comm.m2n.M2NReceiver).
+Every second while busy, and after each idle step, it publishes its load (busy time, tokens per
+expert) in the store under SESSION/stats/eN, for the server's /metrics.
 """
+import json
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +21,7 @@ from models.config import ModelConfig
 from models.loader import load_experts
 
 log = logging.getLogger("shuttle.expert")
+STATS_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -73,17 +78,41 @@ def _serve(spec: ExpertWorkerSpec, store: TCPStore) -> None:
     log.info("serving experts %s of %d MoE layers", spec.placement.experts_on(spec.rank), len(moe_layers))
     tracer = Tracer(f"e{spec.rank}", enabled=spec.trace_dir is not None)
     receiver = M2NReceiver(endpoint, peers, moe_layers, spec.micro_batches, device, tracer=tracer)
+    load = _Load(spec, store, tracer)
     try:
         with torch.inference_mode():
             while True:
                 for layer in moe_layers:
                     for mb in range(spec.micro_batches):
                         batch = receiver.recv(layer, mb)
+                        load.count(batch.local_ids_RK)
                         receiver.reply(batch, run_local_experts(experts[layer], batch))
+                load.step_done(receiver.idle)
     finally:
         endpoint.close()
         if spec.trace_dir:
             tracer.dump(spec.trace_dir)
+
+
+class _Load:
+    """Tokens per local expert (summed over layers) and busy time, published in the store."""
+
+    def __init__(self, spec: ExpertWorkerSpec, store: TCPStore, tracer: Tracer):
+        self.experts = spec.placement.experts_on(spec.rank)
+        self.key, self.store, self.tracer = f"{spec.session}/stats/e{spec.rank}", store, tracer
+        self.tokens_E = torch.zeros(len(self.experts), dtype=torch.long)
+        self.start_ns, self.last = time.monotonic_ns(), 0.0
+
+    def count(self, local_ids_RK: torch.Tensor) -> None:
+        ids = local_ids_RK.reshape(-1)
+        self.tokens_E += torch.bincount(ids[ids >= 0].cpu(), minlength=len(self.experts))
+
+    def step_done(self, idle: bool) -> None:
+        if idle or time.monotonic() - self.last >= STATS_EVERY_S:
+            self.store.set(self.key, json.dumps({
+                "busy_ns": self.tracer.totals.get("expert", 0), "uptime_ns": time.monotonic_ns() - self.start_ns,
+                "experts": self.experts, "tokens": self.tokens_E.tolist()}))
+            self.last = time.monotonic()
 
 
 def _shutting_down(store: TCPStore, session: str) -> bool:

@@ -330,6 +330,11 @@ class M2NReceiver:
         self.tracer.span(f"recv L{layer} mb{mb}", "wait", start, self._recv_done_ns, {"tokens": x.shape[0]})
         return ExpertBatch(step, layer, mb, x, ids.long(), w, counts)
 
+    @property
+    def idle(self) -> bool:
+        """The last complete step gathered no token from any attention worker."""
+        return self._idle
+
     def _wake_parked(self) -> None:
         """After an empty step, wait (indefinitely, checking liveness) for the attention worker that
         starts the next step, and wake the others."""

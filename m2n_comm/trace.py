@@ -2,7 +2,8 @@
 
 Workers record what they spend time on (attention compute, expert compute, sending, waiting) as
 complete events on the system-wide monotonic clock, so traces of several processes line up.
-Disabled tracers cost one attribute check per call.
+Disabled tracers record no event, but every tracer keeps the total time per category (`totals`,
+nanoseconds), which workers report as their busy time (the server's /metrics busy fractions).
 """
 import json
 import time
@@ -13,14 +14,17 @@ class Tracer:
     def __init__(self, process: str, enabled: bool = False):
         self.process, self.enabled = process, enabled
         self.events: list[tuple[str, str, int, int, dict | None]] = []  # name, category, start ns, end ns, args
+        self.totals: dict[str, int] = {}  # category -> nanoseconds spent in it, recorded even when disabled
 
     @staticmethod
     def now() -> int:
         return time.monotonic_ns()
 
     def span(self, name: str, cat: str, start_ns: int, end_ns: int | None = None, args: dict | None = None) -> None:
+        end_ns = end_ns if end_ns is not None else time.monotonic_ns()
+        self.totals[cat] = self.totals.get(cat, 0) + end_ns - start_ns
         if self.enabled:
-            self.events.append((name, cat, start_ns, end_ns if end_ns is not None else time.monotonic_ns(), args))
+            self.events.append((name, cat, start_ns, end_ns, args))
 
     def chrome_events(self) -> list[dict]:
         return [{"name": n, "cat": c, "ph": "X", "ts": s / 1e3, "dur": (e - s) / 1e3, "pid": self.process, "tid": c,

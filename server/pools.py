@@ -71,6 +71,7 @@ class PoolEngine:
         self._cost: dict[str, int] = {}
         self._live: dict[str, set[int]] = {}        # request id -> indices of unfinished sequences
         self._conn_rank: dict[int, int] = {}       # control connection -> attention worker rank
+        self._worker_stats: dict[int, dict] = {}    # attention worker rank -> its latest Stats
         self._finalizer = weakref.finalize(self, _shutdown, self._socks, self._procs, self._store, self.session,
                                            par.expert_workers if rendezvous else 0)
         if rendezvous:
@@ -119,7 +120,7 @@ class PoolEngine:
                 continue
         for i, c in enumerate(conns):
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=_read_events, args=(c, i, self._events), daemon=True).start()
+            threading.Thread(target=_read_events, args=(c, i, self._events, self._worker_stats), daemon=True).start()
         ready: dict[int, socket.socket] = {}
         while len(ready) < n:
             conn, msg = self._next_event(deadline - time.monotonic())
@@ -172,7 +173,7 @@ class PoolEngine:
             return out
         _, msg = self._next_event(timeout)
         while msg is not None:
-            for v in msg.deltas:
+            for v in msg.deltas if isinstance(msg, wire.Deltas) else ():  # else a wake()
                 d = wire.decode_delta(v)
                 if d.request_id in self._live and d.index in self._live[d.request_id]:
                     out.append(d)
@@ -183,6 +184,44 @@ class PoolEngine:
             except queue.Empty:
                 msg = None
         return out
+
+    def wake(self) -> None:
+        """Make a `step` that is waiting for the workers return now (thread-safe): the caller has
+        new requests or aborts to send."""
+        self._events.put((-1, _WAKE))
+
+    def check_health(self) -> None:
+        """Raise WorkerFailedError if a worker failed or exited, also while no request is in flight
+        (then queued deltas belong to finished requests and are dropped). Call it from the thread
+        that calls `step`."""
+        if not self._owner:
+            try:
+                while True:
+                    self._event(self._events.get_nowait())
+            except queue.Empty:
+                pass
+        self._check_procs()
+
+    def stats(self) -> dict:
+        """The attention workers' latest Stats added up (as LLMEngine.stats), each worker's busy
+        time, and the expert workers' load (published in the store)."""
+        workers = [dict(self._worker_stats[r], rank=r) for r in sorted(self._worker_stats)]
+        total = {k: sum(w.get(k, 0) for w in workers) for k in
+                 ("running", "waiting", "num_blocks", "free_blocks", "prefix_cache_queries", "prefix_cache_hits",
+                  "preemptions", "generated_tokens")}
+        total["steps"] = max((w.get("steps", 0) for w in workers), default=0)
+        total["kv_cache_usage"] = 1 - total["free_blocks"] / total["num_blocks"] if total["num_blocks"] else 0.0
+        busy = [{"pool": "attention", "worker": f"a{w['rank']}", "busy_ns": w["busy_ns"], "uptime_ns": w["uptime_ns"]}
+                for w in workers]
+        experts: dict[int, int] = {}
+        for w in range(self.cfg.parallel.expert_workers):
+            key = f"{self.session}/stats/e{w}"
+            if self._store.check([key]):
+                e = json.loads(self._store.get(key))
+                busy.append({"pool": "expert", "worker": f"e{w}", "busy_ns": e["busy_ns"], "uptime_ns": e["uptime_ns"]})
+                for expert, n in zip(e["experts"], e["tokens"]):
+                    experts[expert] = experts.get(expert, 0) + n
+        return {**total, "expert_tokens": dict(sorted(experts.items())), "busy": busy}
 
     def _finished(self, request_id: str, index: int) -> None:
         live = self._live.get(request_id)
@@ -250,11 +289,18 @@ class PoolEngine:
         self._finalizer()
 
 
-def _read_events(sock: socket.socket, conn: int, events: queue.Queue) -> None:
+_WAKE = object()  # an event that only ends a waiting step
+
+
+def _read_events(sock: socket.socket, conn: int, events: queue.Queue, stats: dict[int, dict]) -> None:
+    """A control connection's reader: Stats are kept (latest per worker), the rest is queued."""
     stream = sock.makefile("rb")
     try:
         while (msg := wire.recv(stream)) is not None:
-            events.put((conn, msg))
+            if isinstance(msg, wire.Stats):
+                stats[msg.rank] = msg.stats
+            else:
+                events.put((conn, msg))
     except OSError:
         pass
     events.put((conn, None))
