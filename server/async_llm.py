@@ -10,6 +10,11 @@ loop stays responsive); requests and aborts reach it through a queue that it dra
 and each request's outputs come back through its own asyncio queue. A consumer that stops iterating
 (a client that disconnects) aborts its request. If the engine thread fails, every waiting request
 gets the error and later calls raise EngineDeadError, as after shutdown(): nothing waits forever.
+The engine is LLMEngine in this process or, with colocated=False, the worker pools' front
+(server/pools.py); a worker that dies is noticed within a second even while no request runs.
+
+max_waiting bounds the requests that wait for their first token (QueueFullError beyond it), and an
+observer (server/metrics.py) is told each request's timings: both are for the servers.
 """
 import asyncio
 import itertools
@@ -18,7 +23,8 @@ import queue
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import AsyncIterator, Callable
+import time
+from typing import AsyncIterator, Callable, Protocol
 
 import torch
 
@@ -32,6 +38,20 @@ log = logging.getLogger("shuttle")
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+class QueueFullError(RuntimeError):
+    """More than max_waiting requests are waiting for their first token; retry later."""
+
+
+class RequestObserver(Protocol):
+    """Told about every request's progress (times from time.monotonic(), seconds)."""
+
+    def on_output(self, arrival: float, previous: float | None, now: float, new_tokens: int) -> None:
+        """A step produced new_tokens for a request (previous: the time of its last output)."""
+
+    def on_finished(self, output: RequestOutput, arrival: float, first: float | None, now: float) -> None:
+        """The request ended (finished, aborted or failed); first: the time of its first token."""
 
 
 @dataclass
@@ -54,10 +74,17 @@ class AsyncLLM:
     """Same arguments as LLM. `generate` yields RequestOutputs (cumulative text plus the step's delta)."""
 
     def __init__(self, model: str | Path | None = None, dtype: str | torch.dtype | None = "auto",
-                 device: str | None = None, kernels: str | None = None, **engine_kwargs):
+                 device: str | None = None, kernels: str | None = None, *, max_waiting: int | None = None,
+                 observer: RequestObserver | None = None, **engine_kwargs):
+        if max_waiting is not None and max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self._llm = LLM(model, dtype, device, kernels, **engine_kwargs)  # tokenizer, validation, engine
         self.engine: LLMEngine = self._llm.engine
-        self.tokenizer, self.model_config = self._llm.tokenizer, self._llm.cfg
+        self.max_waiting, self.observer = max_waiting, observer
+        self.num_waiting = 0  # requests that have no output yet (asyncio side, under _lock)
+        self._busy_ns, self._start_ns = 0, time.monotonic_ns()
+        self.tokenizer, self.model_config, self.model_dir = self._llm.tokenizer, self._llm.cfg, self._llm.model_dir
+        self.render_chat = self._llm.render_chat
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, tuple[RequestTracker, asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._ids = itertools.count()
@@ -73,26 +100,58 @@ class AsyncLLM:
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its output after every step that changed it, the last one with
-        finished=True. Raises ValueError for a bad request (before anything runs)."""
-        self._check_alive()
+        finished=True. Raises ValueError for a bad request (before anything runs), QueueFullError
+        when max_waiting requests already wait for their first token."""
+        self.check_alive()
         request_id = request_id or f"req-{next(self._ids)}"
         ids = self._llm._encode(prompt, params)
         tracker = RequestTracker(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer)
         out: asyncio.Queue = asyncio.Queue()
+        self._admit()
+        arrival, first, last, waiting = time.monotonic(), None, None, True
         if not self._send(_Add(tracker, ids, params, out, asyncio.get_running_loop())):
+            self._admitted()
             raise self._dead_error()
         finished = False
         try:
             while not finished:
                 item = await out.get()
+                if waiting:
+                    waiting = self._admitted()
                 if isinstance(item, BaseException):
                     finished = True  # the request was refused or the engine is gone: nothing to abort
                     raise item
-                finished = item.finished
+                now, finished = time.monotonic(), item.finished
+                new = sum(len(o.delta_token_ids) for o in item.outputs)
+                if new and self.observer:
+                    self.observer.on_output(arrival, last, now, new)
+                first, last = first or (now if new else None), now if new else last
                 yield item
         finally:
+            if waiting:
+                self._admitted()
             if not finished:
                 await self.abort(request_id)
+            if self.observer:
+                self.observer.on_finished(tracker.output, arrival, first, time.monotonic())
+
+    def check_capacity(self, n: int = 1) -> None:
+        """Raise QueueFullError unless n more requests may wait now (EngineDeadError if dead)."""
+        self.check_alive()
+        if self.max_waiting is not None and self.num_waiting + n > self.max_waiting:
+            raise QueueFullError(f"{self.num_waiting} requests are waiting for their first token "
+                                 f"(max_waiting={self.max_waiting}); retry later")
+
+    def _admit(self) -> None:
+        with self._lock:
+            self.check_capacity()
+            self.num_waiting += 1
+
+    def _admitted(self) -> bool:
+        """The request left the waiting queue (it has output, or ended); returns False."""
+        with self._lock:
+            self.num_waiting -= 1
+        return False
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; when this returns its sequences are retired and their blocks are free."""
@@ -101,12 +160,21 @@ class AsyncLLM:
             await done.wait()  # else the engine thread is gone and holds no blocks for anyone
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        """The engine's counters (LLMEngine.stats keys, expert_tokens) and `busy`: per worker, its
+        busy and up time in ns (colocated: the engine thread's time inside steps)."""
+        s = self.engine.stats()
+        if "busy" not in s:
+            s["busy"] = [{"pool": "colocated", "worker": "engine", "busy_ns": self._busy_ns,
+                          "uptime_ns": time.monotonic_ns() - self._start_ns}]
+        return s
 
     def shutdown(self) -> None:
+        """Stop the engine thread (failing what still waits), then the worker pools if any."""
         self._stopping = True
         self._wake.set()
+        self.engine.wake()
         self._thread.join(timeout=30)
+        self._llm.shutdown()
 
     def _send(self, msg: object) -> bool:
         """Queue msg for the engine thread; False when that thread has exited and will never read it."""
@@ -115,6 +183,7 @@ class AsyncLLM:
                 return False
             self._inbox.put(msg)
         self._wake.set()
+        self.engine.wake()
         return True
 
     def _dead_error(self) -> EngineDeadError:
@@ -122,7 +191,8 @@ class AsyncLLM:
             return EngineDeadError(f"the engine stopped: {self._error!r}")
         return EngineDeadError("the engine is shut down")
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """Raise EngineDeadError if the engine failed (a dead worker included) or was shut down."""
         if self._error is not None or self._stopping:
             raise self._dead_error()
 
@@ -132,11 +202,14 @@ class AsyncLLM:
             while not self._stopping:
                 self._drain_inbox()
                 if not self.engine.has_unfinished_requests():
+                    self.engine.check_health()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                changed = {}
-                for delta in self.engine.step():
+                changed, start = {}, time.monotonic_ns()
+                deltas = self.engine.step()
+                self._busy_ns += time.monotonic_ns() - start
+                for delta in deltas:
                     tracker, q, loop = self._requests[delta.request_id]
                     stop = tracker.apply(delta)
                     if stop is not None:
@@ -180,6 +253,8 @@ class AsyncLLM:
 
     def _emit(self, rid: str, tracker: RequestTracker, q: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> None:
         snapshot = _snapshot(tracker.output)
+        for o in tracker.output.outputs:  # a sample that gets no token next step (done, preempted) has no delta
+            o.delta_text, o.delta_token_ids = "", []
         delivered = _post(loop, q.put_nowait, snapshot)
         if snapshot.finished or not delivered:
             self._requests.pop(rid, None)

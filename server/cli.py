@@ -1,16 +1,21 @@
 """The `shuttle` command.
 
+    shuttle serve [--model DIR] [--host H] [--port P] [--api-key KEY] [--grpc-port P] [pool flags]
+    shuttle serve --role attention|expert --rendezvous HOST:PORT      (a worker of a multi-host pool)
     shuttle generate --model DIR --prompt TEXT [--prompt TEXT ...] [--max-tokens N] [--json]
                      [--attention-workers N --expert-workers M --micro-batches K --transport shm|tcp]
-    shuttle serve --role attention|expert --rendezvous HOST:PORT      (a worker of a multi-host pool)
+    shuttle bench serve --base-url URL [--backend openai|openai-chat|grpc] [--num-prompts N] ...
 
-`shuttle generate` runs everything in one process unless a pool flag is given; then it spawns the
-attention and expert worker pools on this host (or, with --rendezvous, waits there for workers
-started on other hosts with `shuttle serve --role ...`).
+`shuttle serve` runs the OpenAI-compatible HTTP server (and gRPC with --grpc-port) in front of
+disaggregated worker pools on this host (1 attention and 1 expert worker unless told otherwise;
+--colocated runs the experts in-process), or, with --rendezvous, in front of workers started on
+other hosts with `shuttle serve --role ...`. `shuttle generate` runs everything in one process
+unless a pool flag is given. The API key may also come from the SHUTTLE_API_KEY variable.
 """
 import argparse
 import json
 import logging
+import os
 import sys
 
 from attention_nodes.sampling_params import SamplingParams
@@ -23,10 +28,7 @@ def _generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
                                 ignore_eos=args.ignore_eos, n=args.n)
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels,
-                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                  enable_prefix_caching=not args.no_prefix_caching, rendezvous=args.rendezvous,
+        llm = LLM(args.model, rendezvous=args.rendezvous, **_engine_kwargs(args),
                   **_pool_kwargs(args, disaggregate_by_default=False))
         try:
             outputs = llm.generate(args.prompt, params)
@@ -43,6 +45,24 @@ def _generate(args: argparse.Namespace) -> int:
             else:
                 print(f"{out.prompt}{c.text}\n")
     return 0
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(dtype=args.dtype, device=args.device, kernels=args.kernels, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching)
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
+    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--kernels", default=None, choices=["torch", "triton"], help="override the device's kernels")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="sequences per step, per attention worker")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
+    p.add_argument("--no-prefix-caching", action="store_true")
 
 
 POOL_FLAGS = ("attention_workers", "expert_workers", "micro_batches", "transport", "placement")
@@ -79,16 +99,49 @@ def _serve(args: argparse.Namespace) -> int:
         from server.pools import run_role
         run_role(args.role, args.rendezvous, args.host, args.torch_threads)
         return 0
-    print("shuttle serve: error: the HTTP/gRPC front end is not built yet; run workers with --role "
-          "attention|expert, and the front with `shuttle generate --rendezvous HOST:PORT`", file=sys.stderr)
-    return 2
+    from server.api_server import ServerConfig, serve
+    from server.async_llm import AsyncLLM
+    from server.metrics import ServerMetrics
+
+    name = args.served_model_name or (args.model.rstrip("/") if args.model else "shuttle-builtin")
+    cfg = ServerConfig(args.host or "127.0.0.1", args.port, args.api_key or os.environ.get("SHUTTLE_API_KEY") or None,
+                       name, args.grpc_port, args.max_body_bytes, args.log_requests)
+    metrics = ServerMetrics(name)
+    try:
+        llm = AsyncLLM(args.model, rendezvous=args.rendezvous, max_waiting=args.max_waiting, observer=metrics,
+                       **_engine_kwargs(args), **_pool_kwargs(args, disaggregate_by_default=True))
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"shuttle serve: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        serve(llm, cfg, metrics)
+    finally:
+        llm.shutdown()
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shuttle", description="Shuttle: MoE serving with disaggregated experts")
     sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="the OpenAI-compatible server (or, with --role, a worker of a deployment)")
+    _add_engine_flags(s)
+    s.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1); with --role: this "
+                                                 "host's address for the tcp transport")
+    s.add_argument("--port", type=int, default=8000, help="HTTP port")
+    s.add_argument("--grpc-port", type=int, default=None, help="also serve gRPC on this port (0: any free one)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set SHUTTLE_API_KEY)")
+    s.add_argument("--served-model-name", default=None, help="the model's id in the API (default: --model as "
+                                                             "given, or shuttle-builtin)")
+    s.add_argument("--max-waiting", type=int, default=1024, help="requests that may wait for their first token; "
+                                                                  "beyond, 503 with Retry-After")
+    s.add_argument("--max-body-bytes", type=int, default=32 * 2 ** 20, help="larger request bodies get 413")
+    s.add_argument("--log-requests", action="store_true", help="log every HTTP request")
+    s.add_argument("--role", choices=["attention", "expert", "server"], default="server",
+                   help="server (default): the API front; attention|expert: a worker joining --rendezvous")
+    _add_pool_flags(s)
+    s.set_defaults(func=_serve)
     g = sub.add_parser("generate", help="complete prompts offline and print the results")
-    g.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
+    _add_engine_flags(g)
     g.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -99,22 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="a stop string; repeat for several")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    g.add_argument("--kernels", default=None, choices=["torch", "triton"], help="override the device's kernels")
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
-    g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     _add_pool_flags(g)
     g.set_defaults(func=_generate)
-    s = sub.add_parser("serve", help="run a worker of a multi-host deployment")
-    s.add_argument("--role", choices=["attention", "expert", "server"], default="server")
-    s.add_argument("--host", default=None, help="this host's address for the tcp transport")
-    _add_pool_flags(s)
-    s.set_defaults(func=_serve)
+    b = sub.add_parser("bench", help="benchmarks: `shuttle bench serve` load-tests any OpenAI-compatible server")
+    from clients.bench_serve import add_parser as add_bench_serve
+    add_bench_serve(b.add_subparsers(dest="bench_command", required=True))
     return parser
 
 

@@ -138,10 +138,25 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Apply the checkpoint's chat template to each conversation and generate a reply."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        rendered = [self.render_chat(c) for c in convs]
+        outs = self.generate([ids for _, ids in rendered], sampling_params)
+        for out, (text, _) in zip(outs, rendered):
+            out.prompt = text
+        return outs
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, **template_kwargs) -> tuple[str, list[int]]:
+        """The conversation rendered by the checkpoint's chat template, as text and token ids (the
+        template writes any special tokens itself, so none are added). ValueError if there is no
+        template or it rejects the conversation."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"{self.model_dir}: the tokenizer has no chat template")
-        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in convs]
-        return self.generate(prompts, sampling_params)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message, **template_kwargs)
+        except Exception as e:  # jinja's TemplateError (raise_exception in templates), bad kwargs
+            raise ValueError(f"the chat template rejected the conversation: {e}") from None
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     def _encode(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         if self.tokenizer is None and (isinstance(prompt, str) or params.stop):

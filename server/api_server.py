@@ -1,0 +1,252 @@
+"""The OpenAI-compatible HTTP server (FastAPI on uvicorn and uvloop), and gRPC beside it.
+
+    shuttle serve [--model DIR] [--port 8000] [--api-key KEY] [--grpc-port 50051] [pool flags]
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both stream as server-sent
+events with stream=true), GET /health, GET /metrics (Prometheus), GET /version. Every error is
+OpenAI's {"error": {"message", "type", "param", "code"}} with its status: 400 bad values, 401 bad
+key, 404 unknown model or route, 413 oversized body, 503 (with Retry-After) when more than
+max_waiting requests wait for their first token, 500 when the engine failed. A client that
+disconnects aborts its request, streaming or not, which frees its KV blocks.
+"""
+import asyncio
+import json
+import logging
+import secrets
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.async_llm import AsyncLLM, EngineDeadError, QueueFullError
+from server.metrics import CONTENT_TYPE, ServerMetrics
+from server.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, parse
+from server.openai_serving import OpenAIServing
+
+log = logging.getLogger("shuttle")
+VERSION = "0.1.0"
+OPEN_PATHS = ("/health", "/version")  # answered without the API key (load balancers' probes)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """host/port: where HTTP listens. api_key: required as `Authorization: Bearer KEY` on every
+    route but OPEN_PATHS (None: no key). grpc_port: also serve gRPC there (None: no gRPC; 0: any
+    free port). max_body_bytes: larger requests get 413."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str = "shuttle"
+    grpc_port: int | None = None
+    max_body_bytes: int = 32 * 2 ** 20
+    log_requests: bool = False
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _Guard:
+    """ASGI middleware in front of every route: API key, body size, and the request counter."""
+
+    def __init__(self, app, cfg: ServerConfig, metrics: ServerMetrics):
+        self.app, self.cfg, self.metrics = app, cfg, metrics
+        self._key = None if cfg.api_key is None else f"Bearer {cfg.api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self._key is not None and scope["path"] not in OPEN_PATHS and \
+                not secrets.compare_digest(headers.get(b"authorization", b""), self._key):
+            return await self._error(send, scope, OpenAIError("Incorrect API key provided: pass it as "
+                                                              "'Authorization: Bearer KEY'.", status=401,
+                                                              headers={"WWW-Authenticate": "Bearer"}))
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.cfg.max_body_bytes:
+            return await self._error(send, scope, self._too_large())
+        status, received = [0], [0]
+
+        async def counted_receive():
+            msg = await receive()
+            received[0] += len(msg.get("body", b""))
+            if received[0] > self.cfg.max_body_bytes:  # a chunked body without Content-Length
+                raise _BodyTooLarge()
+            return msg
+
+        async def recorded_send(msg) -> None:
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, counted_receive, recorded_send)
+        except _BodyTooLarge:
+            if not status[0]:
+                await self._error(send, scope, self._too_large())
+        finally:
+            if status[0]:
+                self.metrics.http_requests.labels(_route(scope["path"]), str(status[0])).inc()
+
+    def _too_large(self) -> OpenAIError:
+        return OpenAIError(f"the request body is larger than {self.cfg.max_body_bytes} bytes", status=413)
+
+    async def _error(self, send, scope, e: OpenAIError) -> None:
+        body = json.dumps(e.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers += [(k.lower().encode(), v.encode()) for k, v in (e.headers or {}).items()]
+        await send({"type": "http.response.start", "status": e.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        self.metrics.http_requests.labels(_route(scope["path"]), str(e.status)).inc()
+
+
+def _route(path: str) -> str:
+    """The path as a metric label; unknown paths are one label, so scanners cannot grow the series."""
+    known = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/version")
+    return path if path in known else "other"
+
+
+class _SSEResponse(StreamingResponse):
+    """A stream that is cancelled as soon as the client disconnects, even while no chunk is due
+    (a request still waiting for its first token), so its request is aborted at once."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        stream = asyncio.create_task(self.stream_response(send))
+        gone = asyncio.create_task(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({stream, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (stream, gone):
+                t.cancel()
+            await asyncio.gather(stream, gone, return_exceptions=True)
+        if stream.done() and not stream.cancelled() and stream.exception() is not None:
+            raise stream.exception()
+
+
+async def _unless_disconnected(request: Request, work) -> dict | None:
+    """Await `work`; cancel it (its requests abort) if the client disconnects first."""
+    task = asyncio.create_task(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.create_task(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    if not task.done() or task.cancelled():
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+    return task.result()
+
+
+def build_app(llm: AsyncLLM, cfg: ServerConfig, metrics: ServerMetrics) -> FastAPI:
+    """The FastAPI application over a running AsyncLLM (which `shuttle serve` made with `metrics`
+    as its observer). With cfg.grpc_port set, the gRPC server runs in the same event loop."""
+    serving = OpenAIServing(llm, cfg.served_model_name)
+    metrics.bind(llm.stats)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        grpc_server = None
+        if cfg.grpc_port is not None:
+            from server.grpc_server import start_grpc_server
+            grpc_server, port = await start_grpc_server(llm, cfg.host, cfg.grpc_port)
+            app.state.grpc_port = port
+            log.info("gRPC on %s:%d (reflection on)", cfg.host, port)
+        yield
+        if grpc_server is not None:
+            await grpc_server.stop(grace=1.0)
+
+    app = FastAPI(title="Shuttle", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(_Guard, cfg=cfg, metrics=metrics)
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            llm.check_alive()
+        except EngineDeadError as e:
+            raise OpenAIError(str(e), status=503, code="engine_dead") from None
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": VERSION}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body = await asyncio.get_running_loop().run_in_executor(None, metrics.render)  # reads the store
+        return Response(body, media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return serving.models()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = parse(CompletionRequest, await request.body())
+        job = serving.completion_job(req)
+        return await _respond(request, serving, llm, job, req.stream, req)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = parse(ChatCompletionRequest, await request.body())
+        job = serving.chat_job(req)
+        return await _respond(request, serving, llm, job, req.stream, req)
+
+    return app
+
+
+async def _respond(request: Request, serving: OpenAIServing, llm: AsyncLLM, job, stream: bool, req) -> Response:
+    try:
+        llm.check_capacity(len(job.prompts))
+    except QueueFullError as e:
+        raise OpenAIError(str(e), status=503, code="queue_full", headers={"Retry-After": "1"}) from None
+    except EngineDeadError as e:
+        raise OpenAIError(str(e), status=503, code="engine_dead") from None
+    if stream:
+        return _SSEResponse(serving.stream(job, req.include_usage,
+                                           req.stream_options is not None and req.stream_options.continuous_usage_stats),
+                            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    body = await _unless_disconnected(request, serving.full_response(job))
+    if body is None:
+        return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+    return JSONResponse(body)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        err = OpenAIError(f"{request.method} {request.url.path}: {e.detail}", status=e.status_code,
+                          code="not_found" if e.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        err = OpenAIError(f"internal error: {type(e).__name__}: {e}", status=500, code="internal_error")
+        return JSONResponse(err.body(), status_code=500)
+
+
+def serve(llm: AsyncLLM, cfg: ServerConfig, metrics: ServerMetrics) -> None:
+    """Run the HTTP (and gRPC) server until SIGINT/SIGTERM; the caller shuts the engine down."""
+    import uvicorn
+
+    app = build_app(llm, cfg, metrics)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, loop="uvloop", http="httptools",
+                            log_level="info", access_log=cfg.log_requests, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run()
+

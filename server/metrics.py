@@ -1,0 +1,123 @@
+"""Prometheus metrics of the server (GET /metrics), with prometheus_client.
+
+Request metrics (counts, tokens, TTFT / TPOT / ITL / end-to-end latency histograms) are recorded
+as requests run, by ServerMetrics acting as AsyncLLM's observer, so the HTTP and gRPC fronts count
+alike. Engine state (running and waiting requests, KV cache use, tokens per expert, each pool's
+busy fraction) is read from AsyncLLM.stats() when scraped. A pool worker's busy fraction is the
+share of the time since the previous scrape that it spent computing (attention workers: attention,
+norms, router, LM head; expert workers: the experts), from the busy time the workers report.
+"""
+import time
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from server.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0)
+TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                 0.75, 1.0, 2.5, 5.0)
+
+
+class ServerMetrics:
+    """The registry behind /metrics; pass it to AsyncLLM as `observer`, then call `bind(stats)`."""
+
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self._label = model_name
+        self.http_requests = Counter("shuttle_http_requests", "HTTP requests by route and status code",
+                                     ["route", "status"], registry=r)
+        self.requests = Counter("shuttle_request_success", "Finished requests by finish reason",
+                                ["model_name", "finished_reason"], registry=r)
+        self.prompt_tokens = Counter("shuttle_prompt_tokens", "Prompt tokens of finished requests", ["model_name"],
+                                     registry=r).labels(**labels)
+        self.generation_tokens = Counter("shuttle_generation_tokens", "Generated tokens", ["model_name"],
+                                         registry=r).labels(**labels)
+        self.ttft = Histogram("shuttle_time_to_first_token_seconds", "Time to first token", ["model_name"],
+                              buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.tpot = Histogram("shuttle_time_per_output_token_seconds", "Mean time per output token after the "
+                              "first, per request", ["model_name"], buckets=TOKEN_BUCKETS, registry=r).labels(**labels)
+        self.itl = Histogram("shuttle_inter_token_latency_seconds", "Time between two outputs of a request",
+                             ["model_name"], buckets=TOKEN_BUCKETS, registry=r).labels(**labels)
+        self.e2e = Histogram("shuttle_e2e_request_latency_seconds", "Arrival to last token", ["model_name"],
+                             buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
+
+    def bind(self, stats: Callable[[], dict]) -> None:
+        """Export the engine's state, read from `stats` (AsyncLLM.stats) at each scrape."""
+        self.registry.register(_EngineCollector(stats, self._label))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # -- RequestObserver ------------------------------------------------------------------------------
+    def on_output(self, arrival: float, previous: float | None, now: float, new_tokens: int) -> None:
+        self.generation_tokens.inc(new_tokens)
+        if previous is None:
+            self.ttft.observe(now - arrival)
+        else:
+            self.itl.observe(now - previous)
+
+    def on_finished(self, output: RequestOutput, arrival: float, first: float | None, now: float) -> None:
+        reasons = [o.finish_reason or "abort" for o in output.outputs]
+        self.requests.labels(self._label, reasons[0] if len(set(reasons)) == 1 else "mixed").inc()
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.e2e.observe(now - arrival)
+        generated = max((len(o.token_ids) for o in output.outputs), default=0)
+        if first is not None and generated > 1:
+            self.tpot.observe((now - first) / (generated - 1))
+
+
+class _EngineCollector(Collector):
+    """Engine gauges and counters, computed when Prometheus scrapes."""
+
+    def __init__(self, stats: Callable[[], dict], model_name: str):
+        self.stats, self.model_name = stats, model_name
+        self._previous: dict[str, tuple[int, float]] = {}  # worker -> (busy ns, scrape time)
+
+    def collect(self) -> Iterator[Metric]:
+        s, m = self.stats(), [self.model_name]
+        for name, doc, value in (("num_requests_running", "Requests in the running batch", s["running"]),
+                                 ("num_requests_waiting", "Requests waiting to be scheduled", s["waiting"]),
+                                 ("kv_cache_usage_perc", "Share of the KV cache blocks in use (0 to 1)",
+                                  s["kv_cache_usage"]),
+                                 ("kv_cache_blocks", "KV cache blocks in all attention workers", s["num_blocks"]),
+                                 ("kv_cache_free_blocks", "Free KV cache blocks", s["free_blocks"])):
+            g = GaugeMetricFamily(f"shuttle_{name}", doc, labels=["model_name"])
+            g.add_metric(m, value)
+            yield g
+        for name, doc, key in (("prefix_cache_queries", "Prompt blocks looked up in the prefix cache",
+                                "prefix_cache_queries"),
+                               ("prefix_cache_hits", "Prompt blocks found in the prefix cache", "prefix_cache_hits"),
+                               ("num_preemptions", "Sequences preempted for lack of KV blocks", "preemptions")):
+            c = CounterMetricFamily(f"shuttle_{name}", doc, labels=["model_name"])
+            c.add_metric(m, s.get(key, 0))
+            yield c
+        experts = CounterMetricFamily("shuttle_expert_tokens", "Tokens routed to each expert, summed over "
+                                      "MoE layers", labels=["model_name", "expert"])
+        for e, n in s.get("expert_tokens", {}).items():
+            experts.add_metric([self.model_name, str(e)], n)
+        yield experts
+        yield from self._busy(s.get("busy", []))
+
+    def _busy(self, workers: list[dict]) -> Iterator[Metric]:
+        busy_s = CounterMetricFamily("shuttle_pool_busy_seconds", "Time each worker spent computing",
+                                     labels=["pool", "worker"])
+        fraction = GaugeMetricFamily("shuttle_pool_busy_fraction", "Share of the time since the previous scrape "
+                                     "that each worker spent computing (0 to 1)", labels=["pool", "worker"])
+        now = time.monotonic()
+        for w in workers:
+            busy_s.add_metric([w["pool"], w["worker"]], w["busy_ns"] / 1e9)
+            before = self._previous.get(w["worker"])
+            if before is None:  # first scrape: over the worker's whole life
+                f = w["busy_ns"] / max(w["uptime_ns"], 1)
+            else:
+                f = (w["busy_ns"] - before[0]) / 1e9 / max(now - before[1], 1e-9)
+            fraction.add_metric([w["pool"], w["worker"]], min(max(f, 0.0), 1.0))
+            self._previous[w["worker"]] = (w["busy_ns"], now)
+        yield busy_s
+        yield fraction

@@ -1,0 +1,196 @@
+"""The OpenAI API's requests, as parsed and checked by the HTTP server, and its error shape.
+
+Requests are parsed from the raw JSON body in pydantic's strict JSON mode: a number must be a JSON
+number (an integer field refuses 1.5, no field takes "5"), a flag a JSON boolean. Unknown fields
+are ignored, as OpenAI and vLLM do. vLLM's extra sampling parameters (top_k, min_p,
+repetition_penalty, ignore_eos, stop_token_ids, min_tokens, ...) are accepted beside OpenAI's, so
+clients written for vLLM work unchanged. Ranges are checked by SamplingParams, whose errors name
+the field; every problem becomes an OpenAIError (HTTP 400 unless said otherwise).
+"""
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from attention_nodes.sampling_params import SamplingParams
+
+
+class OpenAIError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}} with `status`."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.headers = message, status, param, headers
+        self.code = code or {400: "invalid_value", 401: "invalid_api_key", 404: "not_found",
+                             413: "request_too_large", 503: "service_unavailable"}.get(status)
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
+
+
+class _Sampling(_Request):
+    """The sampling fields both endpoints share (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def check_supported(self) -> None:
+        if self.logit_bias:
+            raise OpenAIError("logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """SamplingParams (defaults where a field is null); its ValueError names the bad field."""
+        set_ = {k: v for k, v in dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                      min_p=self.min_p, presence_penalty=self.presence_penalty,
+                                      frequency_penalty=self.frequency_penalty,
+                                      repetition_penalty=self.repetition_penalty).items() if v is not None}
+        try:
+            return SamplingParams(max_tokens=max_tokens, n=self.n, seed=self.seed, stop=self.stop,
+                                  stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
+                                  logprobs=logprobs, min_tokens=self.min_tokens,
+                                  include_stop_str_in_output=self.include_stop_str_in_output,
+                                  skip_special_tokens=self.skip_special_tokens, **set_)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=str(e).split(" ", 1)[0].removesuffix("[]")) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise OpenAIError("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise OpenAIError("best_of other than n is not supported", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise OpenAIError("echo with logprobs (prompt logprobs) is not supported", param="echo")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise OpenAIError("prompt must not be empty", param="prompt")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt of the batch: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        text = self.content if isinstance(self.content, str) or self.content is None else \
+            "".join(p.text for p in self.content)
+        return {"role": self.role, "content": text or "", **({"name": self.name} if self.name else {})}
+
+
+class ResponseFormat(_Request):
+    type: str
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if not self.messages:
+            raise OpenAIError("messages must not be empty", param="messages")
+        if self.tools:
+            raise OpenAIError("tools (function calling) are not supported", param="tools")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise OpenAIError(f"response_format {self.response_format.type!r} is not supported; only 'text'",
+                              param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise OpenAIError("continue_final_message and add_generation_prompt cannot both be true",
+                              param="continue_final_message")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def parse(cls: type[_Request], body: bytes) -> Any:
+    """The request model from a raw JSON body; OpenAIError (400) naming the first bad field."""
+    try:
+        req = cls.model_validate_json(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc = ".".join(str(x) for x in err["loc"] if not _union_tag(str(x)))
+        if err["type"] == "json_invalid":
+            raise OpenAIError(f"the body is not valid JSON: {err['msg']}", param=None) from None
+        if err["type"] == "model_type":
+            raise OpenAIError("the body must be a JSON object", param=None) from None
+        raise OpenAIError(f"{loc or 'body'}: {err['msg']} (got {_short(err.get('input'))})", param=loc or None) from None
+    req.check_supported()
+    return req
+
+
+def _union_tag(part: str) -> bool:
+    """pydantic names the member of a union it tried in the error's location ('str', 'list[int]')."""
+    return part in ("str", "int", "float", "bool", "dict", "list") or "[" in part or part.startswith("function-")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

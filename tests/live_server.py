@@ -1,0 +1,83 @@
+"""A real `shuttle serve` process on a free port, for end-to-end tests.
+
+    with LiveServer(["--model", str(ckpt), "--grpc-port", "0"]) as srv:
+        httpx.get(f"{srv.url}/health")
+
+It waits until /health answers (failing with the server's log if the process exits or takes too
+long), and on exit stops the server with SIGTERM (SIGKILL after a grace period), which also stops
+its worker pools.
+"""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+START_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="shuttle-serve-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                     cwd=Path(__file__).resolve().parents[1], start_new_session=True)
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"shuttle serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"shuttle serve was not ready in {START_TIMEOUT_S:.0f} s:\n{self.log()}")
+
+    @property
+    def grpc_port(self) -> int:
+        m = re.search(r"gRPC on [\d.]+:(\d+)", self.log())
+        assert m, f"the server logged no gRPC port:\n{self.log()}"
+        return int(m.group(1))
+
+    def children(self) -> list[int]:
+        """Pids of the server's worker processes (multiprocessing spawn children)."""
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
+        return [int(p) for p in out if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+
+    def log(self) -> str:
+        self._log.flush()
+        return Path(self._log.name).read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+    def __enter__(self) -> "LiveServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
