@@ -1,12 +1,12 @@
 # Two commands for a fresh machine (Python 3.11+, pip; no GPU needed):
-#   make run    set up .venv and generate text with the built-in model
+#   make run    set up .venv and serve the built-in model (OpenAI API on :8000, gRPC on :50051)
 #   make test   set up .venv and run the whole test suite
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= The for statement
 
-.PHONY: setup run test bench clean
+.PHONY: setup run generate test bench clean
 
 $(BIN)/shuttle: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,9 @@ $(BIN)/shuttle: pyproject.toml
 setup: $(BIN)/shuttle
 
 run: setup
+	$(BIN)/shuttle serve --port 8000 --grpc-port 50051
+
+generate: setup
 	$(BIN)/shuttle generate --prompt "$(PROMPT)" --max-tokens 32
 
 test: setup
