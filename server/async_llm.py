@@ -160,9 +160,11 @@ class AsyncLLM:
             await done.wait()  # else the engine thread is gone and holds no blocks for anyone
 
     def stats(self) -> dict:
-        """The engine's counters (LLMEngine.stats keys, expert_tokens) and `busy`: per worker, its
-        busy and up time in ns (colocated: the engine thread's time inside steps)."""
+        """The engine's counters (LLMEngine.stats keys, expert_tokens), `queued` (requests still
+        waiting for their first token: what max_waiting bounds) and `busy`: per worker, its busy
+        and up time in ns (colocated: the engine thread's time inside steps)."""
         s = self.engine.stats()
+        s["queued"] = self.num_waiting
         if "busy" not in s:
             s["busy"] = [{"pool": "colocated", "worker": "engine", "busy_ns": self._busy_ns,
                           "uptime_ns": time.monotonic_ns() - self._start_ns}]

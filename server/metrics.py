@@ -83,6 +83,8 @@ class _EngineCollector(Collector):
         s, m = self.stats(), [self.model_name]
         for name, doc, value in (("num_requests_running", "Requests in the running batch", s["running"]),
                                  ("num_requests_waiting", "Requests waiting to be scheduled", s["waiting"]),
+                                 ("num_requests_queued", "Requests waiting for their first token (bounded by "
+                                  "--max-waiting)", s.get("queued", 0)),
                                  ("kv_cache_usage_perc", "Share of the KV cache blocks in use (0 to 1)",
                                   s["kv_cache_usage"]),
                                  ("kv_cache_blocks", "KV cache blocks in all attention workers", s["num_blocks"]),

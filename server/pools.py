@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 import weakref
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from torch.distributed import TCPStore
 
@@ -82,7 +82,14 @@ class PoolEngine:
 
     # -- start -------------------------------------------------------------------------------------
     def _spawn(self) -> None:
+        """Start the pools as processes of this host. Unless torch_threads is given, the cores are
+        shared out between the workers: both pools compute at once, and torch's default (every
+        core in every process) oversubscribes the CPU, which slows OpenMP several-fold."""
         par, ctx = self.cfg.parallel, mp.get_context("spawn")
+        if par.torch_threads is None:
+            par = replace(par, torch_threads=max(1, len(os.sched_getaffinity(0)) //
+                                                 (par.attention_workers + par.expert_workers)))
+        cfg = replace(self.cfg, parallel=par)
         store_addr = ("127.0.0.1", self._store.port)
         for w in range(par.expert_workers):
             spec = ExpertWorkerSpec(self.cfg.model, self.cfg.dtype, self.cfg.device, self.cfg.kernels, w,
@@ -90,7 +97,7 @@ class PoolEngine:
                                     store_addr, self.session, par.torch_threads, par.trace_dir)
             self._procs.append(ctx.Process(target=run_expert_worker, args=(spec,), name=f"e{w}", daemon=True))
         for a in range(par.attention_workers):
-            spec = AttentionWorkerSpec(self.cfg, a, sorted(self.eos_token_ids), self.placement, self.transport,
+            spec = AttentionWorkerSpec(cfg, a, sorted(self.eos_token_ids), self.placement, self.transport,
                                        store_addr, self._listener.getsockname()[:2], self.session)
             self._procs.append(ctx.Process(target=run_attention_worker, args=(spec,), name=f"a{a}", daemon=True))
         for p in self._procs:

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from server import LLM, SamplingParams
-from server.async_llm import AsyncLLM, EngineDeadError
+from server.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from tests.conftest import PROMPTS
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -183,6 +183,42 @@ def test_bad_requests_raise_before_anything_runs(serve, llm, monkeypatch):
     assert first[-1].outputs[0].finish_reason == "length"
     assert first[-1].outputs[0].token_ids == greedy_ids(llm, PROMPTS[0], 30)
     assert other[-1].outputs[0].token_ids == greedy_ids(llm, PROMPTS[3], 5)
+
+
+def test_max_waiting_bounds_the_requests_without_output(serve, llm, monkeypatch):
+    """One sequence runs at a time; one request may wait for its first token; a third is refused
+    until the waiting one starts. An observer sees every request's timings."""
+    seen = []
+
+    class Observer:
+        def on_output(self, arrival, previous, now, new_tokens):
+            seen.append(("output", previous is None, new_tokens))
+
+        def on_finished(self, output, arrival, first, now):
+            seen.append(("finished", output.outputs[0].finish_reason, first is not None))
+
+    a = serve(max_num_seqs=1, max_waiting=1, observer=Observer())
+    slow_steps(a, monkeypatch)
+
+    async def main():
+        running = a.generate(PROMPTS[0], LONG, request_id="running")
+        await anext(running)
+        waiting = asyncio.create_task(collect(a, PROMPTS[1], SamplingParams(max_tokens=3, **GREEDY)))
+        await until(lambda: a.stats()["queued"] == 1, what="the second request queued")
+        with pytest.raises(QueueFullError, match="max_waiting=1"):
+            await collect(a, PROMPTS[2], SamplingParams(max_tokens=3))
+        await a.abort("running")  # the waiting request gets the sequence slot
+        await running.aclose()
+        done = await waiting
+        assert a.stats()["queued"] == 0
+        return done, await collect(a, PROMPTS[2], SamplingParams(max_tokens=3, **GREEDY))
+
+    done, third = run(main())
+    assert done[-1].outputs[0].token_ids == greedy_ids(llm, PROMPTS[1], 3)
+    assert third[-1].outputs[0].token_ids == greedy_ids(llm, PROMPTS[2], 3)
+    assert seen.count(("finished", "length", True)) == 2 and ("finished", "abort", True) in seen
+    assert sum(n for kind, first, n in [x for x in seen if x[0] == "output"]) >= 6
+    assert sum(1 for x in seen if x[:2] == ("output", True)) == 3  # a first output per request
 
 
 def test_shutdown_fails_waiting_requests_and_refuses_new_ones(serve, monkeypatch):

@@ -45,8 +45,8 @@ def llm(ckpt) -> LLM:
     return LLM(ckpt)
 
 
-def metric(server: LiveServer, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics").text
+def metric(server: LiveServer, name: str, headers: dict | None = None) -> float:
+    text = httpx.get(f"{server.url}/metrics", headers=headers).text
     m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
     assert m, f"{name} not in /metrics"
     return float(m.group(1))
@@ -237,8 +237,10 @@ def test_grpc_beside_http(server, llm):
 
 
 def test_api_key_and_full_queue(ckpt):
-    """A colocated server with a key, one sequence at a time and room for one waiting request."""
-    with LiveServer(["--model", str(ckpt), "--colocated", "--max-num-seqs", "1", "--max-waiting", "1"],
+    """A colocated server with a key and no room for waiting requests (--max-waiting 0: each request
+    waits for its first token, so every one is refused; tests/test_async_llm.py checks the bound
+    itself with a queue of one)."""
+    with LiveServer(["--model", str(ckpt), "--colocated", "--max-waiting", "0"],
                     env={"SHUTTLE_API_KEY": "sekret"}) as srv:
         assert httpx.get(f"{srv.url}/health").status_code == 200  # probes need no key
         err = _error(httpx.get(f"{srv.url}/v1/models"), 401)
@@ -249,21 +251,16 @@ def test_api_key_and_full_queue(ckpt):
         auth = {"Authorization": "Bearer sekret"}
         assert httpx.get(f"{srv.url}/v1/models", headers=auth).status_code == 200
         _error(httpx.get(f"{srv.url}/metrics"), 401)
-        long = {"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "stream": True}
-        with httpx.Client(timeout=60, headers=auth) as http, \
-                http.stream("POST", f"{srv.url}/v1/completions", json=long) as running:
-            next(running.iter_lines())  # running: it holds the only sequence slot
-            with http.stream("POST", f"{srv.url}/v1/completions", json=long) as waiting:
-                assert waiting.status_code == 200  # queued: the one waiting place
-                deadline = time.monotonic() + 10
-                while True:
-                    full = http.post(f"{srv.url}/v1/completions", json={**long, "stream": False})
-                    if full.status_code == 503 or time.monotonic() > deadline:
-                        break
-                err = _error(full, 503)
-                assert full.headers["retry-after"] == "1" and err["code"] == "queue_full"
-        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sekret", max_retries=0)
-        assert client.completions.create(model=str(ckpt), prompt="x", max_tokens=2).usage.completion_tokens >= 1
+        assert metric(srv, "shuttle_num_requests_queued", auth) == 0
+        for stream in (False, True):
+            full = httpx.post(f"{srv.url}/v1/completions", headers=auth,
+                              json={"prompt": PROMPT, "max_tokens": 4, "stream": stream})
+            err = _error(full, 503)
+            assert full.headers["retry-after"] == "1" and err["code"] == "queue_full"
+        with pytest.raises(openai.APIStatusError) as e:
+            openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sekret", max_retries=0).chat.completions.create(
+                model=str(ckpt), messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert e.value.status_code == 503
 
 
 def test_a_dead_worker_is_reported_not_hung(ckpt):
