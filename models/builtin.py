@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Iterable
 
 log = logging.getLogger("shuttle")
 
@@ -25,8 +26,9 @@ def corpus() -> list[str]:
     return [topics[k] for k in sorted(topics)]
 
 
-def train_tokenizer(out_dir: str | Path, vocab_size: int = 1024) -> None:
-    """Train a byte-level BPE tokenizer and save it (tokenizer.json + config) into out_dir."""
+def train_tokenizer(out_dir: str | Path, vocab_size: int = 1024, texts: Iterable[str] | None = None) -> None:
+    """Train a byte-level BPE tokenizer on `texts` (default: corpus()) and save it (tokenizer.json +
+    config) into out_dir."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -35,7 +37,7 @@ def train_tokenizer(out_dir: str | Path, vocab_size: int = 1024) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus(), trainer)
+    tok.train_from_iterator(corpus() if texts is None else texts, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
                                    pad_token="<|pad|>")
     fast.chat_template = CHAT_TEMPLATE

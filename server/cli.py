@@ -5,6 +5,7 @@
     shuttle generate --model DIR --prompt TEXT [--prompt TEXT ...] [--max-tokens N] [--json]
                      [--attention-workers N --expert-workers M --micro-batches K --transport shm|tcp]
     shuttle bench serve --base-url URL [--backend openai|openai-chat|grpc] [--num-prompts N] ...
+    shuttle train (--recipe builtin | --family F ... | --init-from DIR) --data FILES --out DIR [--nproc-per-node N]
 
 `shuttle serve` runs the OpenAI-compatible HTTP server (and gRPC with --grpc-port) in front of
 disaggregated worker pools on this host (1 attention and 1 expert worker unless told otherwise;
@@ -155,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     _add_pool_flags(g)
     g.set_defaults(func=_generate)
+    from training.cli import add_parser as add_train_parser
+    add_train_parser(sub)
     b = sub.add_parser("bench", help="benchmarks: `shuttle bench serve` load-tests any OpenAI-compatible server")
     from clients.bench_serve import add_parser as add_bench_serve
     add_bench_serve(b.add_subparsers(dest="bench_command", required=True))

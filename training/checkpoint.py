@@ -1,0 +1,200 @@
+"""Checkpoints: the model in the Hugging Face layout the server loads, plus what exact resumption
+needs, written so that a crash at any moment leaves the newest complete checkpoint usable.
+
+    OUT/checkpoints/step-00000100/   config.json, generation_config.json, tokenizer files,
+                                     model.safetensors (one rank) or model-0000r-of-0000n.safetensors
+                                     + model.safetensors.index.json (expert parallel: rank r writes its
+                                     experts, rank 0 also everything else),
+                                     trainer/meta.json, trainer/rank-0000r.pt (optimiser, schedule, RNG,
+                                     data position), trainer/master/ (float32 weights, when the model
+                                     files are saved in a lower precision)
+    OUT/checkpoints/latest           the name of the newest complete checkpoint
+
+A checkpoint is written into checkpoints/.tmp-step-..., renamed when complete, and only then is
+`latest` replaced (os.replace of a temporary file), so `latest` always names a complete checkpoint.
+Tensor names are the checkpoints' own (models/loader.py maps them): per-expert matrices, Mixtral's
+`block_sparse_moe` module.
+"""
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from models.moe_decoder import MoEForCausalLM
+from training.data import TOKENIZER_FILES
+from training.parallel import ParallelContext
+
+_STACKED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(w13|w2)$")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def hf_tensors(model: MoEForCausalLM, expert_ids: tuple[int, ...], dtype: torch.dtype, replicated: bool = True,
+               experts: bool = True) -> dict[str, torch.Tensor]:
+    """The model's parameters under their checkpoint names, in `dtype`: stacked experts split into
+    per-expert matrices (global ids expert_ids), tied lm_head left out. replicated / experts: which
+    part to include."""
+    cfg, mixtral = model.cfg, model.cfg.family == "mixtral"
+    I = cfg.moe_intermediate_size
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    out = {}
+    for name, p in model.named_parameters():  # a tied lm_head is listed once, as embed_tokens
+        t = p.detach().to(dtype)
+        if m := _STACKED.match(name):
+            if not experts:
+                continue
+            prefix = f"{m.group(1)}.{'block_sparse_moe' if mixtral else 'mlp'}.experts"
+            for i, e in enumerate(expert_ids):
+                if m.group(2) == "w13":
+                    out[f"{prefix}.{e}.{names[0]}.weight"] = t[i, :I].clone()
+                    out[f"{prefix}.{e}.{names[1]}.weight"] = t[i, I:].clone()
+                else:
+                    out[f"{prefix}.{e}.{names[2]}.weight"] = t[i].clone()
+        elif replicated:
+            out[name.replace(".mlp.gate.", ".block_sparse_moe.gate.") if mixtral else name] = t.contiguous().clone()
+    return out
+
+
+def write_model(directory: Path, model: MoEForCausalLM, ctx: ParallelContext, dtype: torch.dtype) -> None:
+    """Every rank calls this: safetensors files of the whole model into `directory` (which exists).
+    One rank: model.safetensors. Expert parallel: ranks 0..ep-1 each write their experts' shard (rank
+    0 also the rest) and rank 0 the index."""
+    expert_ids = ctx.expert_ids(model.cfg.num_experts)
+    if ctx.ep_size == 1:
+        if ctx.is_main:
+            save_file(hf_tensors(model, expert_ids, dtype), str(directory / "model.safetensors"), {"format": "pt"})
+        return
+    entries: list[tuple[str, str, int]] = []
+    if ctx.rank < ctx.ep_size:  # the first expert-parallel group holds every expert once
+        fname = f"model-{ctx.rank + 1:05d}-of-{ctx.ep_size:05d}.safetensors"
+        tensors = hf_tensors(model, expert_ids, dtype, replicated=ctx.is_main)
+        save_file(tensors, str(directory / fname), {"format": "pt"})
+        entries = [(n, fname, t.numel() * t.element_size()) for n, t in tensors.items()]
+    gathered: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, entries)
+    if ctx.is_main:
+        weight_map = {n: f for part in gathered for n, f, _ in part}
+        total = sum(size for part in gathered for _, _, size in part)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def write_config_files(directory: Path, raw_config: dict[str, Any], dtype_name: str,
+                       tokenizer_dir: Path | None) -> None:
+    """config.json (the family's transformers format, with the saved dtype), generation_config.json
+    and the tokenizer files."""
+    raw = dict(raw_config)
+    raw["dtype"] = dtype_name
+    if "torch_dtype" in raw:
+        raw["torch_dtype"] = dtype_name
+    (directory / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    gen = {k: raw.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if raw.get(k) is not None}
+    (directory / "generation_config.json").write_text(json.dumps({"_from_model_config": True, **gen}, indent=2) + "\n")
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (tokenizer_dir / name).is_file():
+                shutil.copyfile(tokenizer_dir / name, directory / name)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(out: Path, step: int, model: MoEForCausalLM, ctx: ParallelContext, raw_config: dict[str, Any],
+                    tokenizer_dir: Path | None, save_dtype: str, trainer_state: dict[str, Any],
+                    meta: dict[str, Any], keep: int) -> Path:
+    """Every rank calls this (collectively). Writes OUT/checkpoints/step-N atomically, then points
+    `latest` at it and deletes all but the `keep` newest. Returns the checkpoint directory."""
+    root = out / "checkpoints"
+    name = f"step-{step:08d}"
+    tmp, final = root / f".tmp-{name}", root / name
+    if ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "trainer").mkdir(parents=True)
+    ctx.barrier()
+    write_model(tmp, model, ctx, DTYPES[save_dtype])
+    if save_dtype != "float32":  # resumption needs the float32 master weights
+        if ctx.is_main:
+            (tmp / "trainer" / "master").mkdir()
+        ctx.barrier()
+        write_model(tmp / "trainer" / "master", model, ctx, torch.float32)
+    torch.save(trainer_state, tmp / "trainer" / f"rank-{ctx.rank:05d}.pt")
+    ctx.barrier()
+    if ctx.is_main:
+        write_config_files(tmp, raw_config, save_dtype, tokenizer_dir)
+        (tmp / "trainer" / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        old = root / f".old-{name}"
+        pointer = root / "latest"
+        assert not (pointer.is_file() and pointer.read_text().strip() == name), f"{name} is latest: never rewritten"
+        if final.exists():  # re-saved after a restart from an older checkpoint
+            final.rename(old)
+        tmp.rename(final)
+        _write_atomic(root / "latest", name + "\n")
+        shutil.rmtree(old, ignore_errors=True)
+        _prune(root, keep, name)
+    ctx.barrier()
+    return final
+
+
+def _prune(root: Path, keep: int, latest: str) -> None:
+    done = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for p in done[:-keep]:
+        if p.name != latest:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The checkpoint `latest` names, None when there is none yet; stale temporary directories of an
+    interrupted write are ignored (the next save replaces them)."""
+    pointer = out / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return None
+    path = out / "checkpoints" / pointer.read_text().strip()
+    if not (path / "trainer" / "meta.json").is_file():
+        raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete checkpoint")
+    return path
+
+
+def weights_dir(checkpoint: Path) -> Path:
+    """Where a checkpoint's float32 weights are: trainer/master, else the model files themselves."""
+    master = checkpoint / "trainer" / "master"
+    return master if master.is_dir() else checkpoint
+
+
+def load_trainer_state(checkpoint: Path, ctx: ParallelContext) -> dict[str, Any]:
+    meta = json.loads((checkpoint / "trainer" / "meta.json").read_text())
+    if (meta["world_size"], meta["ep_size"]) != (ctx.world_size, ctx.ep_size):
+        raise ValueError(f"{checkpoint} was written by {meta['world_size']} ranks with expert parallel "
+                         f"{meta['ep_size']}; resume with the same, or start a new run from it with --init-from")
+    return torch.load(checkpoint / "trainer" / f"rank-{ctx.rank:05d}.pt", map_location="cpu", weights_only=False)
+
+
+def export_model(directory: Path, model: MoEForCausalLM, ctx: ParallelContext, raw_config: dict[str, Any],
+                 tokenizer_dir: Path | None, save_dtype: str) -> None:
+    """The final model as a servable checkpoint in `directory` itself (collective). Files are written
+    into a temporary directory and then moved in one by one; old model files are removed first."""
+    tmp = directory / ".tmp-export"
+    if ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    ctx.barrier()
+    write_model(tmp, model, ctx, DTYPES[save_dtype])
+    ctx.barrier()
+    if ctx.is_main:
+        write_config_files(tmp, raw_config, save_dtype, tokenizer_dir)
+        for old in list(directory.glob("model*.safetensors")) + list(directory.glob("model.safetensors.index.json")):
+            old.unlink()
+        for f in tmp.iterdir():
+            os.replace(f, directory / f.name)
+        tmp.rmdir()
+    ctx.barrier()

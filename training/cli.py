@@ -1,0 +1,192 @@
+"""`shuttle train` (also `python -m training`): train a new MoE model or continue a checkpoint.
+
+    shuttle train --family mixtral --hidden-size 256 --num-layers 4 --num-experts 8 --top-k 2 \\
+                  --data corpus.jsonl --out runs/a --max-steps 2000
+    shuttle train --init-from CHECKPOINT_DIR --data more.txt --out runs/b --max-steps 500
+    torchrun --nproc-per-node 2 --max-restarts 1 -m training --init-from CKPT --data d.jsonl --out runs/c ...
+    shuttle train --nproc-per-node 2 --max-restarts 1 ...    (starts the ranks itself, as torchrun does)
+    shuttle train --recipe builtin --out models/builtin --max-minutes 60
+
+Each process of a torchrun job runs this command with the same arguments. A run writes OUT/checkpoints/
+(HF checkpoints with trainer state; `latest` names the newest), OUT/train_log.jsonl, OUT/heartbeat/ and
+at the end the final model itself into OUT. Running the same command again resumes from `latest`.
+"""
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from training.config import DTYPES, FAMILIES, TrainConfig
+
+log = logging.getLogger("shuttle.train")
+# shape flags of a new model: flag dest -> TrainConfig.model_flags key
+_SHAPE = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+          "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim", "intermediate_size": "intermediate_size",
+          "expert_intermediate_size": "expert_intermediate_size",
+          "shared_expert_intermediate_size": "shared_expert_intermediate_size", "num_experts": "num_experts",
+          "top_k": "num_experts_per_tok", "vocab_size": "vocab_size",
+          "max_position_embeddings": "max_position_embeddings", "tie_word_embeddings": "tie_word_embeddings",
+          "initializer_range": "initializer_range"}
+_LAUNCH = ("nproc_per_node", "max_restarts", "recipe", "set", "debug_delay", "no_resume", "no_progress", "command",
+           "func")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Every flag defaults to 'not given' (argparse.SUPPRESS), so a recipe's values apply unless overridden."""
+    S = argparse.SUPPRESS
+    m = p.add_argument_group("model (exactly one of --init-from, --config, --family)")
+    m.add_argument("--init-from", default=S, metavar="DIR", help="continue this Hugging Face checkpoint")
+    m.add_argument("--config", dest="model_config", default=S, metavar="FILE", help="a new model from this config.json")
+    m.add_argument("--family", choices=sorted(FAMILIES), default=S, help="a new model of this family")
+    for flag, typ in (("hidden-size", int), ("num-layers", int), ("num-heads", int), ("num-kv-heads", int),
+                      ("head-dim", int), ("intermediate-size", int), ("expert-intermediate-size", int),
+                      ("shared-expert-intermediate-size", int), ("num-experts", int), ("top-k", int),
+                      ("vocab-size", int), ("max-position-embeddings", int), ("initializer-range", float)):
+        m.add_argument(f"--{flag}", type=typ, default=S)
+    m.add_argument("--tie-word-embeddings", action="store_true", default=S)
+    m.add_argument("--set", action="append", default=S, metavar="FIELD=JSON",
+                   help="any other config.json field of a new model, e.g. --set rope_theta=10000")
+    d = p.add_argument_group("data")
+    d.add_argument("--data", nargs="+", default=S, metavar="FILE", help=".jsonl (a 'text' field per line) or text")
+    d.add_argument("--eval-data", nargs="+", default=S, metavar="FILE", help="held-out files for the eval loss")
+    d.add_argument("--text-field", default=S, help="JSONL field holding the text (default text)")
+    d.add_argument("--tokenizer", default=S, metavar="DIR", help="default: the checkpoint's, else trained on --data")
+    d.add_argument("--seq-len", type=int, default=S, help="tokens per training sequence (default 256)")
+    o = p.add_argument_group("optimisation")
+    for flag, typ, help_ in (("micro-batch-size", int, "sequences per rank and micro-step (default 8)"),
+                             ("grad-accum", int, "micro-steps per optimiser step (default 1)"),
+                             ("max-steps", int, "optimiser steps (the schedule's length)"),
+                             ("max-minutes", float, "time budget; without --max-steps it sizes the schedule"),
+                             ("lr", float, "peak learning rate (default 3e-4)"),
+                             ("min-lr", float, "learning rate at the end of the cosine (default lr/10)"),
+                             ("warmup-steps", int, "linear warmup steps (default 100)"),
+                             ("weight-decay", float, "AdamW weight decay of matrices (default 0.1)"),
+                             ("beta1", float, None), ("beta2", float, None),
+                             ("grad-clip", float, "max global gradient norm, 0 for none (default 1.0)"),
+                             ("aux-loss-coef", float, "MoE load-balancing loss coefficient (default 0: off)"),
+                             ("z-loss-coef", float, "router z-loss coefficient (default 0: off)"),
+                             ("seed", int, "initialisation and data order (default 0)")):
+        o.add_argument(f"--{flag}", type=typ, default=S, help=help_)
+    o.add_argument("--dtype", choices=DTYPES, default=S, help="autocast dtype; weights stay float32 (default float32)")
+    r = p.add_argument_group("parallelism")
+    r.add_argument("--expert-parallel", type=int, default=S, help="ranks sharing one copy of the experts "
+                   "(default: all ranks when they divide the experts)")
+    r.add_argument("--device", choices=["cpu", "cuda"], default=S, help="default: cuda when present")
+    r.add_argument("--nproc-per-node", type=int, default=S, help="start this many ranks here (torchrun's launcher)")
+    r.add_argument("--max-restarts", type=int, default=S, help="with --nproc-per-node: restarts after a failure")
+    c = p.add_argument_group("output")
+    c.add_argument("--out", type=Path, default=S, metavar="DIR", help="run directory (required)")
+    for flag, typ, help_ in (("save-every", int, "checkpoint every N steps (default: only at the end)"),
+                             ("keep-checkpoints", int, "checkpoints kept (default 2)"),
+                             ("log-every", int, "log line, straggler check every N steps (default 10)"),
+                             ("eval-every", int, "held-out loss every N steps (default: at the end)"),
+                             ("eval-batches", int, "global batches of held-out data per evaluation (default 4)"),
+                             ("straggler-factor", float, "name a rank slower than the median by this (default 1.5)"),
+                             ("peak-tflops", float, "the device's peak for MFU (default: measured)")):
+        c.add_argument(f"--{flag}", type=typ, default=S, help=help_)
+    c.add_argument("--save-dtype", choices=DTYPES, default=S, help="model files' dtype (default: the config's)")
+    c.add_argument("--no-resume", action="store_true", default=S, help="ignore OUT/checkpoints/latest")
+    c.add_argument("--no-progress", action="store_true", default=S, help="no progress bar")
+    p.add_argument("--recipe", choices=["builtin"], default=S, help="the built-in model's recipe (training/builtin.py)")
+    p.add_argument("--debug-delay", default=S, help=argparse.SUPPRESS)  # RANK:SECONDS, a slow rank for tests
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `train` sub-command to a parser's subparsers; its `func` returns an exit code."""
+    p = subparsers.add_parser("train", help="train or continue an MoE model (under torchrun for several ranks)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run_from_args)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    given = {k: v for k, v in vars(args).items() if k not in _LAUNCH}
+    flags = {_SHAPE[k]: given.pop(k) for k in list(given) if k in _SHAPE}
+    for item in getattr(args, "set", []):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected FIELD=JSON")
+        try:
+            flags[key] = json.loads(value)
+        except ValueError:
+            flags[key] = value  # a bare string
+    if flags:
+        given["model_flags"] = flags
+    if hasattr(args, "debug_delay"):
+        rank, _, seconds = args.debug_delay.partition(":")
+        given["debug_delay"] = (int(rank), float(seconds))
+    given["resume"] = not getattr(args, "no_resume", False)
+    given["progress"] = not getattr(args, "no_progress", False)
+    for key in ("data", "eval_data"):
+        if key in given:
+            given[key] = tuple(given[key])
+    if getattr(args, "recipe", None) == "builtin":
+        from training.builtin import recipe_config
+        return recipe_config(given)
+    if "out" not in given:
+        raise ValueError("--out DIR is required")
+    return TrainConfig(**given)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """The `train` sub-command: 0 on success, 2 on a usage error, 1 when a launched rank failed."""
+    from training.parallel import launched_by_torchrun
+
+    try:
+        cfg = config_from_args(args)
+        nproc = getattr(args, "nproc_per_node", 1)
+        if nproc > 1 and not launched_by_torchrun():
+            return launch(cfg, nproc, getattr(args, "max_restarts", 0))
+        run(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"shuttle train: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Train (this rank's share), then, for a recipe, write its model card. Returns the summary."""
+    from training.trainer import train
+
+    summary = train(cfg)
+    if cfg.recipe == "builtin" and summary["rank"] == 0:
+        from training.builtin import write_model_card
+        write_model_card(cfg, summary)
+    return summary
+
+
+def _launched_entry(cfg: TrainConfig) -> dict:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return run(cfg)
+
+
+def launch(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
+    """Start nproc ranks on this host with torchrun's launcher (restarting them all up to
+    max_restarts times after a failure), each running `run(cfg)`."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"shuttle-train-{os.getpid()}",
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
+                          monitor_interval=1, start_method="spawn")
+    try:
+        elastic_launch(config, _launched_entry)(cfg)
+    except ChildFailedError as e:
+        log.error("training failed: %s", e)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    p = argparse.ArgumentParser(prog="python -m training", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run_from_args)
+    args = p.parse_args(argv)
+    return args.func(args)

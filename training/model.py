@@ -1,0 +1,158 @@
+"""The training view of models.MoEForCausalLM: its op table, a cache-less causal attention injected
+in place of the serving KV cache, weight initialisation, and the forward that scores rows of tokens.
+
+Legend: B rows (sequences), L tokens per row, T = B*L tokens, N query heads, K kv heads, H head dim,
+E experts, V vocabulary.
+
+Nothing here branches inside the model: training differs from serving only by what is injected (this
+attention instead of a KV cache, an all-to-all dispatcher instead of the local one, see parallel.py)
+and by the op table chosen at construction. cpu_inference's oneDNN packing is never applied.
+"""
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.attention import cached_attention
+from kernels.ops import KernelOps, torch_ops
+from models.config import ModelConfig
+from models.kv_cache import AttentionBatch
+from models.loader import load_experts, load_model
+from models.moe_decoder import Experts, MoEForCausalLM
+
+
+def training_ops() -> KernelOps:
+    """The ops training runs: the torch references, whose autograd gives the backward. No Triton
+    kernel of kernels/ defines a backward, so the references train on every device; a kernel that
+    gains one is chosen here, once, like everything else at construction."""
+    return torch_ops()
+
+
+class CausalAttention:
+    """A KVCache that stores nothing: each sequence of the batch attends causally to its own tokens
+    of this call (every sequence starts at position 0). Rows of equal length take one
+    scaled_dot_product_attention over a (B, N, L, H) view; other layouts the reference attention."""
+
+    def attend(self, layer: int, q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor,
+               batch: AttentionBatch, scale: float, sliding_window: int | None) -> torch.Tensor:
+        T, N, H = q_TNH.shape
+        B, L, K = batch.kv_lens_B.numel(), batch.max_q_len, k_TKH.shape[1]
+        if batch.max_kv_len != L:
+            raise ValueError("CausalAttention keeps no cache: every sequence must start at position 0")
+        k_TKH, v_TKH = k_TKH.to(q_TNH.dtype), v_TKH.to(q_TNH.dtype)
+        if T == B * L:  # all rows full: a plain (B, L) layout, no gather
+            q, k, v = (t.view(B, L, -1, H).transpose(1, 2) for t in (q_TNH, k_TKH, v_TKH))
+            if K != N:
+                k, v = k.repeat_interleave(N // K, dim=1), v.repeat_interleave(N // K, dim=1)
+            mask = None
+            if sliding_window and sliding_window < L:  # key j visible from query i: i - w < j <= i
+                i, j = torch.arange(L, device=q.device)[:, None], torch.arange(L, device=q.device)[None, :]
+                mask = (j <= i) & (j > i - sliding_window)
+            o_BNLH = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+            return o_BNLH.transpose(1, 2).reshape(T, N, H)
+        k_BSKH = k_TKH.new_zeros(B, L, K, H).index_put((batch.seq_idx_T, batch.tok_idx_T), k_TKH)
+        v_BSKH = v_TKH.new_zeros(B, L, K, H).index_put((batch.seq_idx_T, batch.tok_idx_T), v_TKH)
+        return cached_attention(q_TNH, k_BSKH.transpose(1, 2), v_BSKH.transpose(1, 2), batch.seq_idx_T,
+                                batch.tok_idx_T, batch.positions_T, L, scale, sliding_window)
+
+
+def rows_batch(B: int, L: int, device: torch.device | str) -> AttentionBatch:
+    """The AttentionBatch of B rows of L tokens, each its own sequence from position 0."""
+    return AttentionBatch.build([L] * B, [0] * B, list(range(B)), device)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which experts this process holds: global ids expert_ids (local index i is expert_ids[i])."""
+
+    expert_ids: tuple[int, ...]
+
+
+def build_model(cfg: ModelConfig, shard: Shard, device: torch.device, init_from: Path | None = None,
+                seed: int = 0, initializer_range: float = 0.02, pad_token_id: int | None = None) -> MoEForCausalLM:
+    """A float32 model for training: loaded from `init_from` (a Hugging Face checkpoint directory)
+    or freshly initialised. Every MoE layer holds only the experts in `shard`; a model with all
+    experts is the one serving loads."""
+    all_experts = shard.expert_ids == tuple(range(cfg.num_experts))
+    backend = training_ops().backend
+    if init_from is not None:
+        model = load_model(init_from, cfg, dtype=torch.float32, device=device, with_experts=all_experts,
+                           kernels=backend)
+        if not all_experts:
+            local = load_experts(init_from, list(shard.expert_ids), cfg, torch.float32, device, kernels=backend)
+            for i, experts in local.items():
+                model.model.layers[i].mlp.experts = experts
+        return model.train()
+    with torch.device("meta"):  # no default init: init_weights writes every tensor
+        model = MoEForCausalLM(cfg, with_experts=all_experts, ops=training_ops())
+        if not all_experts:
+            for layer in model.model.layers:
+                if layer.is_moe:
+                    layer.mlp.experts = Experts(len(shard.expert_ids), cfg.hidden_size, cfg.moe_intermediate_size,
+                                                model.ops)
+    model.to_empty(device=device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    init_weights(model, shard, seed, initializer_range, pad_token_id)
+    return model.train()
+
+
+def init_weights(model: MoEForCausalLM, shard: Shard, seed: int, std: float, pad_token_id: int | None) -> None:
+    """transformers' _init_weights: linear, embedding, router and expert weights ~ normal(0, std),
+    biases 0, norms 1, the padding token's embedding 0. Each tensor (each expert) draws from its own
+    generator seeded by (seed, name, expert id), so the weights do not depend on how experts are
+    sharded over ranks."""
+
+    def normal(shape: tuple[int, ...], *key: object) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(zlib.crc32(":".join(map(str, (seed, *key))).encode()))
+        return torch.randn(shape, generator=gen) * std
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            elif ".mlp.experts." in name:  # (E_local, ...): one draw per global expert
+                for i, e in enumerate(shard.expert_ids):
+                    p[i].copy_(normal(tuple(p.shape[1:]), name, e))
+            else:
+                p.copy_(normal(tuple(p.shape), name))
+        if pad_token_id is not None and 0 <= pad_token_id < model.cfg.vocab_size:
+            model.model.embed_tokens.weight[pad_token_id].zero_()
+
+
+def is_expert_param(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+class RouterLogits:
+    """Collects every MoE layer's router logits (T, E) during a forward through forward hooks on the
+    routers, so the losses can use them without the model returning them."""
+
+    def __init__(self, model: MoEForCausalLM):
+        self._logits: list[torch.Tensor] = []
+        self._handles = [layer.mlp.gate.register_forward_hook(self._hook)
+                         for layer in model.model.layers if layer.is_moe]
+
+    def _hook(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        self._logits.append(output)
+
+    def take(self) -> list[torch.Tensor]:
+        """The logits collected since the last call, one (T, E) tensor per MoE layer, in layer order."""
+        out, self._logits = self._logits, []
+        return out
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def forward_logits(model: MoEForCausalLM, ids_BL: torch.Tensor) -> torch.Tensor:
+    """Logits (T, V) float32 of B rows of token ids, each row a sequence of its own, no KV cache."""
+    B, L = ids_BL.shape
+    hidden_TD = model(ids_BL.reshape(-1), rows_batch(B, L, ids_BL.device), CausalAttention())
+    return model.logits(hidden_TD)
