@@ -1,17 +1,14 @@
-"""The built-in model and tiny random checkpoints, made locally (never downloaded).
+"""The built-in model, and tiny random checkpoints made locally (never downloaded) for tests.
 
-Until the training module ships a trained built-in model, `builtin_model_dir()` creates a small
-Mixtral-shaped checkpoint with random weights (fixed seed) on first use and says so in the log.
+`builtin_model_dir()` is the trained checkpoint committed in models/builtin/ (see its model card).
 Tokenizers are byte-level BPE trained with `tokenizers` on text every Python install carries
 (pydoc_data's topics), saved so that `AutoTokenizer.from_pretrained` loads them offline.
 """
-import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Iterable
 
-log = logging.getLogger("shuttle")
+BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -65,25 +62,9 @@ def make_random_checkpoint(out_dir: str | Path, config, seed: int = 0, dtype: st
 
 
 def builtin_model_dir() -> Path:
-    """Directory of the built-in model, created on first use (untrained: random weights, seed 0)."""
-    root = Path(os.environ.get("SHUTTLE_CACHE", Path.home() / ".cache" / "shuttle"))
-    out = root / "builtin-untrained-v1"
-    if (out / "config.json").is_file():
-        return out
-    from transformers import MixtralConfig
-
-    log.warning("creating the built-in model in %s: it is UNTRAINED (random weights, seed 0) until the "
-                "training module ships a trained one; its text is gibberish", out)
-    tmp = root / f".tmp-builtin-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    train_tokenizer(tmp, vocab_size=4096)
-    cfg = MixtralConfig(vocab_size=4096, hidden_size=384, intermediate_size=768, num_hidden_layers=6,
-                        num_attention_heads=6, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
-                        max_position_embeddings=2048, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
-    make_random_checkpoint(tmp, cfg, seed=0, dtype="bfloat16", tokenizer_dir=tmp)
-    try:
-        tmp.rename(out)
-    except OSError:  # another process made it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    """The built-in model: the checkpoint committed in models/builtin/, trained by this project's
+    training module (`shuttle train --recipe builtin`; its README.md is the model card)."""
+    if not (BUILTIN_DIR / "config.json").is_file():
+        raise FileNotFoundError(f"{BUILTIN_DIR}: the built-in model is missing; pass --model DIR, or train it "
+                                f"(`shuttle train --recipe builtin`, see {BUILTIN_DIR}/README.md in the repository)")
+    return BUILTIN_DIR
