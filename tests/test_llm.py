@@ -222,7 +222,8 @@ def test_cli_reports_bad_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_builtin_model(tmp_path):
-    r = _shuttle("generate", "--prompt", "Hello", "--max-tokens", "4", "--json", env={"SHUTTLE_CACHE": str(tmp_path)})
+def test_cli_builtin_model():
+    """Without --model, generate runs the committed built-in model (tests/test_builtin.py checks its text)."""
+    r = _shuttle("generate", "--prompt", "Hello", "--max-tokens", "4", "--json")
     assert r.returncode == 0, r.stderr
-    assert "UNTRAINED" in r.stderr and len(json.loads(r.stdout.splitlines()[-1])["token_ids"]) <= 4
+    assert len(json.loads(r.stdout.splitlines()[-1])["token_ids"]) <= 4
