@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.common import print_table, save  # noqa: E402
 from training.builtin import MODEL  # noqa: E402
+from training.config import SHAPE_FLAGS  # noqa: E402
 from training.metrics import read_log  # noqa: E402
 
 
@@ -43,7 +44,7 @@ def run(tmp: Path, data: Path, ranks: int, dtype: str, device: str, args: argpar
     out = tmp / f"{device}-{ranks}-{dtype}"
     model = MODEL if not args.quick else {**MODEL, "num_hidden_layers": 2, "hidden_size": 128,
                                           "expert_intermediate_size": 128, "num_attention_heads": 4}
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in _shape_flags(model).items()]
+    flags = [f"{SHAPE_FLAGS[k][0]}={v}" if k in SHAPE_FLAGS else f"--set={k}={json.dumps(v)}" for k, v in model.items()]
     cmd = ["-m", "training", "--family", "mixtral", *flags, "--data", str(data), "--out", str(out),
            "--max-steps", str(args.steps), "--seq-len", str(args.seq_len),
            "--micro-batch-size", str(args.global_batch // ranks), "--dtype", dtype, "--device", device,
@@ -67,12 +68,6 @@ def run(tmp: Path, data: Path, ranks: int, dtype: str, device: str, args: argpar
             "last_loss": steps[-1]["lm_loss"], "wall_s": time.perf_counter() - t0}
 
 
-def _shape_flags(model: dict) -> dict:
-    names = {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
-             "num_key_value_heads": "num_kv_heads", "num_experts_per_tok": "top_k"}
-    return {names.get(k, k): v for k, v in model.items()}
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=8, help="optimiser steps per configuration (first 2 not counted)")
@@ -82,6 +77,16 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--quick", action="store_true", help="a 2-layer, hidden-128 model (a smoke run)")
     args = p.parse_args()
+    if args.steps < 3:
+        p.error(f"--steps must be >= 3 (the first 2 are not timed), got {args.steps}")
+    if args.seq_len < 2:
+        p.error(f"--seq-len must be >= 2, got {args.seq_len}")
+    for n in args.ranks:
+        if n < 1 or args.global_batch % n:
+            p.error(f"--ranks {n}: must be >= 1 and divide --global-batch {args.global_batch}")
+    for dtype in args.dtypes:
+        if dtype not in ("float32", "bfloat16"):
+            p.error(f"--dtypes {dtype!r}: expected float32 or bfloat16")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

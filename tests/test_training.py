@@ -63,9 +63,15 @@ def _our_losses(model, cfg: ModelConfig, ids, labels) -> tuple[torch.Tensor, tor
     return lm, aux
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
-def test_loss_equals_transformers(make_checkpoint, family):
-    cfg, ours, ref = _ours_and_ref(make_checkpoint(family))
+# every family the server loads, and tied input/output embeddings
+CASES = [("mixtral", {}), ("qwen2_moe", {}), ("qwen3_moe", {}), ("olmoe", {}),
+         ("mixtral", {"tie_word_embeddings": True})]
+CASE_IDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "mixtral-tied"]
+
+
+@pytest.mark.parametrize("family,overrides", CASES, ids=CASE_IDS)
+def test_loss_equals_transformers(make_checkpoint, family, overrides):
+    cfg, ours, ref = _ours_and_ref(make_checkpoint(family, **overrides))
     ids, labels = _batch(cfg.vocab_size)
     with torch.no_grad():
         lm, aux = _our_losses(ours, cfg, ids, labels)
@@ -76,9 +82,10 @@ def test_loss_equals_transformers(make_checkpoint, family):
     assert abs((lm + COEF * aux).item() - with_aux.loss.item()) < 1e-5 * with_aux.loss.item()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
-def test_gradients_equal_transformers(make_checkpoint, family):
-    cfg, ours, ref = _ours_and_ref(make_checkpoint(family))
+@pytest.mark.parametrize("family,overrides", CASES, ids=CASE_IDS)
+def test_gradients_equal_transformers(make_checkpoint, family, overrides):
+    cfg, ours, ref = _ours_and_ref(make_checkpoint(family, **overrides))
+    assert cfg.tie_word_embeddings == bool(overrides)
     ids, labels = _batch(cfg.vocab_size, seed=1)
     lm, aux = _our_losses(ours, cfg, ids, labels)
     (lm + COEF * aux).backward()
@@ -249,6 +256,21 @@ def test_cli_flags_map_to_the_config(tmp_path):
     assert raw["num_experts"] == 4 and raw["architectures"] == ["Qwen2MoeForCausalLM"] and raw["norm_topk_prob"]
 
 
+def test_set_and_shape_flag_errors():
+    from training.cli import parse_set
+
+    assert parse_set(["rope_theta=10000", 'hidden_act="silu"']) == {"rope_theta": 10000, "hidden_act": "silu"}
+    with pytest.raises(ValueError, match="--set 'hidden_act=silu': 'silu' is not valid JSON"):
+        parse_set(["hidden_act=silu"])
+    with pytest.raises(ValueError, match="expected FIELD=JSON"):
+        parse_set(["rope_theta"])
+    with pytest.raises(ValueError, match="--shared-expert-intermediate-size does not apply to --family mixtral"):
+        new_model_config("mixtral", {"shared_expert_intermediate_size": 16})
+    with pytest.raises(ValueError, match="--intermediate-size: olmoe sizes its experts"):
+        new_model_config("olmoe", {"intermediate_size": 16})
+    assert new_model_config("qwen3_moe", {"head_dim": 24})["head_dim"] == 24
+
+
 # ---- runs ----------------------------------------------------------------------------------------
 
 def _cfg(out: Path, data: Path, **kw) -> TrainConfig:
@@ -300,6 +322,52 @@ def test_new_model_with_trained_tokenizer_and_bfloat16_files(corpus, tmp_path):
     assert raw["eos_token_id"] == 0 and tok["eos_token"] == "<|endoftext|>"
     master = latest_checkpoint(tmp_path / "run") / "trainer" / "master" / "model.safetensors"
     assert master.is_file()  # float32 weights for exact resumption
+
+
+def test_float16_files_and_the_tokenizer_outlive_pruned_checkpoints(make_checkpoint, corpus, tmp_path):
+    """A resumed run's tokenizer came from a checkpoint that pruning deletes: later checkpoints and
+    the exported model still carry it (OUT/tokenizer)."""
+    out = tmp_path / "run"
+    kw = dict(init_from=str(make_checkpoint("mixtral")), save_every=1, keep_checkpoints=1, save_dtype="float16")
+    train(_cfg(out, corpus, max_steps=2, **kw))
+    train(_cfg(out, corpus, max_steps=5, **kw))  # resumes at 2; step-2 (its tokenizer's source) is pruned
+    assert [p.name for p in (out / "checkpoints").glob("step-*")] == ["step-00000005"]
+    for d in (out, latest_checkpoint(out)):
+        assert (d / "tokenizer.json").read_bytes() == (make_checkpoint("mixtral") / "tokenizer.json").read_bytes()
+        assert load_model(d).lm_head.weight.dtype == torch.float16
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float16"
+
+
+def test_new_model_needs_a_tokenizer_with_eos(corpus, tmp_path, tokenizer_dir):
+    import shutil
+
+    tok = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, tok)
+    tok_cfg = json.loads((tok / "tokenizer_config.json").read_text())
+    tok_cfg.pop("eos_token")
+    (tok / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    cfg = _cfg(tmp_path / "run", corpus, family="mixtral", tokenizer=str(tok), max_steps=1,
+               model_flags={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                            "num_key_value_heads": 1, "expert_intermediate_size": 16, "num_experts": 2,
+                            "num_experts_per_tok": 1, "vocab_size": 512})
+    with pytest.raises(ValueError, match=f"the tokenizer in {tok} defines no eos_token"):
+        train(cfg)
+
+
+def test_a_step_with_a_non_finite_gradient_is_skipped(make_checkpoint, corpus, tmp_path):
+    trainer = Trainer(_cfg(tmp_path / "run", corpus, init_from=str(make_checkpoint("mixtral"))), ParallelContext())
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    param = next(trainer.model.parameters())
+    hook = param.register_hook(lambda g: g * float("inf"))  # an overflow somewhere in backward
+    stats = trainer.train_step(trainer.loader.next_step())
+    hook.remove()
+    assert stats["skipped"] and not torch.isfinite(torch.tensor(stats["grad_norm"]))
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    assert not trainer.optimizer.state and trainer.step == 1 and trainer.skipped_steps == 1
+    stats = trainer.train_step(trainer.loader.next_step())  # the next step trains as usual
+    assert not stats["skipped"] and trainer.step == 2
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
 
 
 def test_crash_mid_write_leaves_latest_valid(make_checkpoint, corpus, tmp_path, monkeypatch):
@@ -416,7 +484,9 @@ def test_builtin_recipe_runs_and_writes_a_model_card(tmp_path):
     lines = (out / "data" / "train.jsonl").read_text().splitlines()
     names = {json.loads(line)["name"] for line in lines}
     assert "module:json.decoder" in names or "module:json.decoder" in (out / "data" / "eval.jsonl").read_text()
-    assert any(n.startswith("topic:") for n in names) and not any(".test." in n for n in names)
+    assert any(n.startswith("topic:") for n in names)
+    test_parts = {"test", "tests", "idle_test"}  # no test package's docstrings (builtin._SKIP_DIRS)
+    assert not any(test_parts & set(n.removeprefix("module:").split(".")) for n in names if n.startswith("module:"))
     assert 0 < len((out / "data" / "eval.jsonl").read_text().splitlines()) < len(lines) / 20
     load_model(out)
     full = ModelConfig.from_dict(new_model_config("mixtral", MODEL))
@@ -459,3 +529,7 @@ def test_killed_rank_resumes_the_loss_curve(make_checkpoint, corpus, tmp_path, t
     assert len(got) == 12
     for step, (w, g) in enumerate(zip(want, got), 1):
         assert abs(w[0] - g[0]) < 1e-6 * w[0], f"step {step}: {g} vs uninterrupted {w}"
+    assert (out / "tokenizer.json").is_file() and (latest_checkpoint(out) / "tokenizer.json").is_file()
+    resumed, uninterrupted = load_model(out), load_model(two_rank_run)  # the final weights too
+    for (n, p), q in zip(resumed.named_parameters(), uninterrupted.parameters()):
+        assert (p - q).abs().max() < 1e-5, n

@@ -61,6 +61,7 @@ def documents() -> list[tuple[str, str]]:
 
 
 def is_held_out(name: str) -> bool:
+    """Whether a document (by name) is in the held-out set: a stable hash, EVAL_PERCENT of them."""
     return zlib.crc32(name.encode()) % 100 < EVAL_PERCENT
 
 

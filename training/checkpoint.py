@@ -10,8 +10,9 @@ needs, written so that a crash at any moment leaves the newest complete checkpoi
                                      files are saved in a lower precision)
     OUT/checkpoints/latest           the name of the newest complete checkpoint
 
-A checkpoint is written into checkpoints/.tmp-step-..., renamed when complete, and only then is
-`latest` replaced (os.replace of a temporary file), so `latest` always names a complete checkpoint.
+A checkpoint is written into checkpoints/.tmp-step-..., its files and directories are fsynced, it is
+renamed when complete, and only then is `latest` replaced (os.replace of a fsynced temporary file),
+so `latest` always names a complete checkpoint, after a power loss too.
 Tensor names are the checkpoints' own (models/loader.py maps them): per-expert matrices, Mixtral's
 `block_sparse_moe` module.
 """
@@ -26,12 +27,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from models.config import DTYPES
 from models.moe_decoder import MoEForCausalLM
 from training.data import TOKENIZER_FILES
 from training.parallel import ParallelContext
 
 _STACKED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(w13|w2)$")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def hf_tensors(model: MoEForCausalLM, expert_ids: tuple[int, ...], dtype: torch.dtype, replicated: bool = True,
@@ -108,6 +109,27 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Every file and directory under root on disk (rename is atomic, but only over data that is)."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
 
 
 def save_checkpoint(out: Path, step: int, model: MoEForCausalLM, ctx: ParallelContext, raw_config: dict[str, Any],
@@ -136,9 +158,11 @@ def save_checkpoint(out: Path, step: int, model: MoEForCausalLM, ctx: ParallelCo
         old = root / f".old-{name}"
         pointer = root / "latest"
         assert not (pointer.is_file() and pointer.read_text().strip() == name), f"{name} is latest: never rewritten"
+        _fsync_tree(tmp)
         if final.exists():  # re-saved after a restart from an older checkpoint
             final.rename(old)
         tmp.rename(final)
+        _fsync_dir(root)
         _write_atomic(root / "latest", name + "\n")
         shutil.rmtree(old, ignore_errors=True)
         _prune(root, keep, name)
@@ -172,6 +196,8 @@ def weights_dir(checkpoint: Path) -> Path:
 
 
 def load_trainer_state(checkpoint: Path, ctx: ParallelContext) -> dict[str, Any]:
+    """This rank's optimiser, schedule, RNG and data state from a checkpoint written by the same
+    rank layout (a ValueError otherwise)."""
     meta = json.loads((checkpoint / "trainer" / "meta.json").read_text())
     if (meta["world_size"], meta["ep_size"]) != (ctx.world_size, ctx.ep_size):
         raise ValueError(f"{checkpoint} was written by {meta['world_size']} ranks with expert parallel "

@@ -19,17 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from training.config import DTYPES, FAMILIES, TrainConfig
+from training.config import AUTOCAST_DTYPES, FAMILIES, SAVE_DTYPES, SHAPE_FLAGS, TrainConfig
 
 log = logging.getLogger("shuttle.train")
-# shape flags of a new model: flag dest -> TrainConfig.model_flags key
-_SHAPE = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-          "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim", "intermediate_size": "intermediate_size",
-          "expert_intermediate_size": "expert_intermediate_size",
-          "shared_expert_intermediate_size": "shared_expert_intermediate_size", "num_experts": "num_experts",
-          "top_k": "num_experts_per_tok", "vocab_size": "vocab_size",
-          "max_position_embeddings": "max_position_embeddings", "tie_word_embeddings": "tie_word_embeddings",
-          "initializer_range": "initializer_range"}
 _LAUNCH = ("nproc_per_node", "max_restarts", "recipe", "set", "debug_delay", "no_resume", "no_progress", "command",
            "func")
 
@@ -41,12 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--init-from", default=S, metavar="DIR", help="continue this Hugging Face checkpoint")
     m.add_argument("--config", dest="model_config", default=S, metavar="FILE", help="a new model from this config.json")
     m.add_argument("--family", choices=sorted(FAMILIES), default=S, help="a new model of this family")
-    for flag, typ in (("hidden-size", int), ("num-layers", int), ("num-heads", int), ("num-kv-heads", int),
-                      ("head-dim", int), ("intermediate-size", int), ("expert-intermediate-size", int),
-                      ("shared-expert-intermediate-size", int), ("num-experts", int), ("top-k", int),
-                      ("vocab-size", int), ("max-position-embeddings", int), ("initializer-range", float)):
-        m.add_argument(f"--{flag}", type=typ, default=S)
-    m.add_argument("--tie-word-embeddings", action="store_true", default=S)
+    for key, (flag, typ) in SHAPE_FLAGS.items():  # dest: the TrainConfig.model_flags key
+        if typ is bool:
+            m.add_argument(flag, dest=key, action="store_true", default=S)
+        else:
+            m.add_argument(flag, dest=key, type=typ, default=S, metavar=typ.__name__.upper())
     m.add_argument("--set", action="append", default=S, metavar="FIELD=JSON",
                    help="any other config.json field of a new model, e.g. --set rope_theta=10000")
     d = p.add_argument_group("data")
@@ -70,13 +61,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                              ("z-loss-coef", float, "router z-loss coefficient (default 0: off)"),
                              ("seed", int, "initialisation and data order (default 0)")):
         o.add_argument(f"--{flag}", type=typ, default=S, help=help_)
-    o.add_argument("--dtype", choices=DTYPES, default=S, help="autocast dtype; weights stay float32 (default float32)")
+    o.add_argument("--dtype", choices=AUTOCAST_DTYPES, default=S, help="autocast dtype; weights stay float32 (default float32)")
     r = p.add_argument_group("parallelism")
     r.add_argument("--expert-parallel", type=int, default=S, help="ranks sharing one copy of the experts "
                    "(default: all ranks when they divide the experts)")
     r.add_argument("--device", choices=["cpu", "cuda"], default=S, help="default: cuda when present")
     r.add_argument("--nproc-per-node", type=int, default=S, help="start this many ranks here (torchrun's launcher)")
     r.add_argument("--max-restarts", type=int, default=S, help="with --nproc-per-node: restarts after a failure")
+    r.add_argument("--collective-timeout-s", type=float, default=S, help="seconds a collective may wait for the "
+                   "other ranks before it fails the job, which --max-restarts then restarts from the last "
+                   "checkpoint; rank 0 warns of a rank without a finished step for a fifth of this (default 600)")
     c = p.add_argument_group("output")
     c.add_argument("--out", type=Path, default=S, metavar="DIR", help="run directory (required)")
     for flag, typ, help_ in (("save-every", int, "checkpoint every N steps (default: only at the end)"),
@@ -87,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                              ("straggler-factor", float, "name a rank slower than the median by this (default 1.5)"),
                              ("peak-tflops", float, "the device's peak for MFU (default: measured)")):
         c.add_argument(f"--{flag}", type=typ, default=S, help=help_)
-    c.add_argument("--save-dtype", choices=DTYPES, default=S, help="model files' dtype (default: the config's)")
+    c.add_argument("--save-dtype", choices=SAVE_DTYPES, default=S, help="model files' dtype (default: the config's)")
     c.add_argument("--no-resume", action="store_true", default=S, help="ignore OUT/checkpoints/latest")
     c.add_argument("--no-progress", action="store_true", default=S, help="no progress bar")
     p.add_argument("--recipe", choices=["builtin"], default=S, help="the built-in model's recipe (training/builtin.py)")
@@ -104,21 +98,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig of parsed `train` arguments (only the flags given; a recipe fills the rest).
+    Raises ValueError naming the flag for a malformed --set or --debug-delay, or any invalid value."""
     given = {k: v for k, v in vars(args).items() if k not in _LAUNCH}
-    flags = {_SHAPE[k]: given.pop(k) for k in list(given) if k in _SHAPE}
-    for item in getattr(args, "set", []):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r}: expected FIELD=JSON")
-        try:
-            flags[key] = json.loads(value)
-        except ValueError:
-            flags[key] = value  # a bare string
+    flags = {k: given.pop(k) for k in list(given) if k in SHAPE_FLAGS}
+    flags.update(parse_set(getattr(args, "set", [])))
     if flags:
         given["model_flags"] = flags
     if hasattr(args, "debug_delay"):
         rank, _, seconds = args.debug_delay.partition(":")
-        given["debug_delay"] = (int(rank), float(seconds))
+        try:
+            given["debug_delay"] = (int(rank), float(seconds))
+        except ValueError:
+            raise ValueError(f"--debug-delay {args.debug_delay!r}: expected RANK:SECONDS") from None
     given["resume"] = not getattr(args, "no_resume", False)
     given["progress"] = not getattr(args, "no_progress", False)
     for key in ("data", "eval_data"):
@@ -132,14 +124,30 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**given)
 
 
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """--set FIELD=JSON items as {field: value}; a value that is not JSON (strings need quotes:
+    --set 'hidden_act="silu"') is an error naming the item."""
+    fields: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected FIELD=JSON")
+        try:
+            fields[key] = json.loads(value)
+        except ValueError:
+            raise ValueError(f"--set {item!r}: {value!r} is not valid JSON (quote strings: "
+                             f"--set '{key}=\"{value}\"')") from None
+    return fields
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """The `train` sub-command: 0 on success, 2 on a usage error, 1 when a launched rank failed."""
-    from training.parallel import launched_by_torchrun
+    from training.parallel import LaunchEnv
 
     try:
         cfg = config_from_args(args)
         nproc = getattr(args, "nproc_per_node", 1)
-        if nproc > 1 and not launched_by_torchrun():
+        if nproc > 1 and not LaunchEnv.from_environ().by_torchrun:
             return launch(cfg, nproc, getattr(args, "max_restarts", 0))
         run(cfg)
     except (ValueError, FileNotFoundError) as e:
@@ -170,7 +178,10 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    from training.parallel import LaunchEnv
+
+    if LaunchEnv.from_environ().omp_num_threads is None:  # the ranks share this host's cores
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"shuttle-train-{os.getpid()}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
                           monitor_interval=1, start_method="spawn")
@@ -183,6 +194,7 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m training ARGS`: parse and run; the exit code of run_from_args."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     p = argparse.ArgumentParser(prog="python -m training", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -7,17 +7,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models.config import ARCHITECTURES
+from models.config import ARCHITECTURES, DTYPES
 
 FAMILIES = {family: arch for arch, family in ARCHITECTURES.items()}
-DTYPES = ("float32", "bfloat16")
-# Shape flags (TrainConfig.model_flags keys) -> the config.json field of each family (default: same name).
+SAVE_DTYPES = tuple(DTYPES)  # model files: any dtype the loader reads (models.config.DTYPES)
+AUTOCAST_DTYPES = ("float32", "bfloat16")  # float16 autocast would need loss scaling, which we do not do
+# Shape flags of a new model: TrainConfig.model_flags key -> (command-line flag, type).
+SHAPE_FLAGS: dict[str, tuple[str, type]] = {
+    "hidden_size": ("--hidden-size", int), "num_hidden_layers": ("--num-layers", int),
+    "num_attention_heads": ("--num-heads", int), "num_key_value_heads": ("--num-kv-heads", int),
+    "head_dim": ("--head-dim", int), "intermediate_size": ("--intermediate-size", int),
+    "expert_intermediate_size": ("--expert-intermediate-size", int),
+    "shared_expert_intermediate_size": ("--shared-expert-intermediate-size", int),
+    "num_experts": ("--num-experts", int), "num_experts_per_tok": ("--top-k", int), "vocab_size": ("--vocab-size", int),
+    "max_position_embeddings": ("--max-position-embeddings", int),
+    "initializer_range": ("--initializer-range", float), "tie_word_embeddings": ("--tie-word-embeddings", bool)}
+# Shape flags -> the config.json field of each family (default: same name; None: the family has none).
 _FIELD = {
     "num_experts": {"mixtral": "num_local_experts"},
     "expert_intermediate_size": {"mixtral": "intermediate_size", "olmoe": "intermediate_size",
                                  "*": "moe_intermediate_size"},
     "intermediate_size": {"mixtral": None, "olmoe": None},  # these families size experts with it
 }
+_READ_IF_PRESENT = {"head_dim"}  # fields every family's transformers model reads when config.json has them
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,7 @@ class TrainConfig:
     peak_tflops: float | None = None  # default: measured by a matmul at start
     recipe: str | None = None
     debug_delay: tuple[int, float] | None = None  # (rank, seconds): that rank sleeps every step (tests)
+    collective_timeout_s: float = 600.0  # a collective waiting longer for the other ranks fails the job
 
     def __post_init__(self) -> None:
         sources = [f for f, v in (("--init-from", self.init_from), ("--config", self.model_config),
@@ -97,10 +110,12 @@ class TrainConfig:
             raise ValueError(f"--lr must be > 0 and --min-lr in [0, lr] (got lr={self.lr}, min_lr={self.min_lr})")
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ValueError(f"--max-minutes must be > 0, got {self.max_minutes}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
-        if self.save_dtype is not None and self.save_dtype not in DTYPES:
-            raise ValueError(f"--save-dtype {self.save_dtype!r}: expected one of {', '.join(DTYPES)}")
+        if self.dtype not in AUTOCAST_DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r}: expected one of {', '.join(AUTOCAST_DTYPES)}")
+        if self.save_dtype is not None and self.save_dtype not in SAVE_DTYPES:
+            raise ValueError(f"--save-dtype {self.save_dtype!r}: expected one of {', '.join(SAVE_DTYPES)}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"--collective-timeout-s must be > 0, got {self.collective_timeout_s}")
         if not 0 <= self.beta1 < 1 or not 0 <= self.beta2 < 1:
             raise ValueError(f"--beta1/--beta2 must be in [0, 1) (got {self.beta1}, {self.beta2})")
         if self.straggler_factor <= 1:
@@ -108,21 +123,31 @@ class TrainConfig:
 
     @property
     def final_lr(self) -> float:
+        """The learning rate at the end of the cosine: --min-lr, default lr / 10."""
         return self.lr / 10 if self.min_lr is None else self.min_lr
+
+
+def flag_name(key: str) -> str:
+    """The command-line flag that sets a TrainConfig.model_flags key (`--set KEY` for any other field)."""
+    return SHAPE_FLAGS[key][0] if key in SHAPE_FLAGS else f"--set {key}"
 
 
 def new_model_config(family: str, flags: dict[str, Any]) -> dict[str, Any]:
     """config.json of a new model of `family`: transformers' defaults for the family, with the shape
-    flags (TrainConfig.model_flags) mapped to the family's field names."""
+    flags (TrainConfig.model_flags) mapped to the family's field names. A shape flag the family's
+    transformers config does not define is an error naming the flag (transformers would ignore it)."""
     import transformers
 
+    defaults = transformers.AutoConfig.for_model(family)
     fields: dict[str, Any] = {}
     for flag, value in flags.items():
         names = _FIELD.get(flag, {})
         name = names.get(family, names.get("*", flag))
         if name is None:
-            raise ValueError(f"--{flag.replace('_', '-')}: {family} sizes its experts with --expert-intermediate-size "
+            raise ValueError(f"{flag_name(flag)}: {family} sizes its experts with --expert-intermediate-size "
                              f"and has no separate dense intermediate size")
+        if flag in SHAPE_FLAGS and name not in _READ_IF_PRESENT and not hasattr(defaults, name):
+            raise ValueError(f"{flag_name(flag)} does not apply to --family {family} (its config has no {name})")
         fields[name] = value
     try:
         config = transformers.AutoConfig.for_model(family, **fields)
@@ -134,6 +159,8 @@ def new_model_config(family: str, flags: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
+    """A config.json as a dict: `path` is the file or a checkpoint directory holding it. Errors name
+    the file (missing, or not JSON)."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"

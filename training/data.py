@@ -127,6 +127,7 @@ class BatchLayout:
         return self.micro_batch * self.grad_accum * self.world
 
     def positions(self, start: int, micro_step: int) -> range:
+        """Stream positions of this rank's rows in micro-step `micro_step` of the step starting at `start`."""
         first = start + micro_step * self.world * self.micro_batch + self.rank * self.micro_batch
         return range(first, first + self.micro_batch)
 
@@ -176,6 +177,7 @@ class ShuffledLoader:
 
     @property
     def epoch(self) -> float:
+        """Passes over the training samples so far (fractional)."""
         return self.position / len(self.samples)
 
 

@@ -40,8 +40,9 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float 
     """FLOP/s of a square matmul on this device in `dtype` (the CPU's achievable peak with this
     process's threads): the best of repeated 1024^3 (CPU) or 8192^3 (GPU) products."""
     n = 8192 if device.type == "cuda" else 1024
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(0)  # leaves the global RNG (resumed runs) alone
+    a = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    b = torch.randn(n, n, device=device, generator=gen).to(dtype)
     best, deadline = float("inf"), time.perf_counter() + seconds
     torch.matmul(a, b)  # warm-up
     while time.perf_counter() < deadline or best == float("inf"):
@@ -71,6 +72,7 @@ class Heartbeat:
         self.path = self.dir / f"rank-{rank}.json"
 
     def beat(self, step: int, step_seconds: float) -> None:
+        """Record a finished step (replaces the rank's file atomically)."""
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"rank": self.rank, "pid": os.getpid(), "step": step, "time": time.time(),
                                    "step_seconds": step_seconds}))

@@ -126,6 +126,7 @@ def init_weights(model: MoEForCausalLM, shard: Shard, seed: int, std: float, pad
 
 
 def is_expert_param(name: str) -> bool:
+    """Whether a parameter (by name) is a stacked expert matrix, sharded under expert parallelism."""
     return ".mlp.experts." in name
 
 

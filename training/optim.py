@@ -38,5 +38,6 @@ def build_optimizer(named_params: list[tuple[str, nn.Parameter]], lr: float, wei
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The learning rate of every parameter group (the schedule sets it before each step)."""
     for group in optimizer.param_groups:
         group["lr"] = lr

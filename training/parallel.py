@@ -51,6 +51,7 @@ class ParallelContext:
         return self.world_size > 1
 
     def expert_ids(self, num_experts: int) -> tuple[int, ...]:
+        """Global ids of the experts this rank holds (a contiguous range)."""
         n = num_experts // self.ep_size
         return tuple(range(self.ep_rank * n, (self.ep_rank + 1) * n))
 
@@ -59,20 +60,47 @@ class ParallelContext:
             dist.barrier()
 
 
-def launched_by_torchrun() -> bool:
-    """Whether this process is a rank that torchrun (or its launcher API) started."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What torchrun (or its launcher API) tells a rank through the environment; the one place the
+    training module reads it."""
+
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    restart_count: int = 0  # TORCHELASTIC_RESTART_COUNT: restarts of the job so far
+    by_torchrun: bool = False  # this process is a rank torchrun started
+    omp_num_threads: int | None = None  # OMP_NUM_THREADS when set
+
+    @classmethod
+    def from_environ(cls, env: Any = None) -> "LaunchEnv":
+        """Read from `env` (default os.environ); a malformed number is a ValueError naming the variable."""
+        env = os.environ if env is None else env
+
+        def integer(name: str, default: int | None) -> int | None:
+            value = env.get(name)
+            if value in (None, ""):
+                return default
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+        return cls(world_size=integer("WORLD_SIZE", 1), rank=integer("RANK", 0),
+                   local_rank=integer("LOCAL_RANK", 0), restart_count=integer("TORCHELASTIC_RESTART_COUNT", 0),
+                   by_torchrun="TORCHELASTIC_RUN_ID" in env or "WORLD_SIZE" in env,
+                   omp_num_threads=integer("OMP_NUM_THREADS", None))
 
 
 def init_distributed(device: str | None, expert_parallel: int | None, num_experts: int,
-                     timeout_s: float = 1800.0) -> ParallelContext:
+                     timeout_s: float = 600.0) -> ParallelContext:
     """Join the job torchrun started (its RANK / WORLD_SIZE / LOCAL_RANK variables; without them a
     single process) and build the expert-parallel groups. expert_parallel: ranks that share one copy
     of the experts (default: all of them, when the experts divide evenly; else 1, pure data parallel).
+    timeout_s: how long a collective waits for the other ranks before it fails (and the job with it).
     """
-    env = os.environ
-    world, rank, local = int(env.get("WORLD_SIZE", 1)), int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0))
-    restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
+    env = LaunchEnv.from_environ()
+    world, rank, local, restarts = env.world_size, env.rank, env.local_rank, env.restart_count
     kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(f"cuda:{local}") if kind == "cuda" else torch.device(kind)
     if dev.type == "cuda":
@@ -159,6 +187,8 @@ class AllToAllDispatcher:
 
     def dispatch(self, layer: int, experts: nn.Module | None, x_TD: torch.Tensor,
                  topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, mb: int = 0) -> _Handle:
+        """Send each (token, expert) pair to its expert's rank, run the local experts on what arrives,
+        send the outputs back (two all-to-alls with autograd); combine() weights and sums them."""
         if experts is None:
             raise RuntimeError(f"layer {layer}: no local experts to run")
         x_ND, perm = permute(x_TD, topk_ids_TK, self.num_experts)  # sorted by expert, hence by rank

@@ -5,13 +5,14 @@ In order: the run's own latest checkpoint (resumption), --init-from CHECKPOINT, 
 one, and its special token ids are the tokenizer's.
 """
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from training.checkpoint import latest_checkpoint, weights_dir
 from training.config import TrainConfig, new_model_config, read_config_json
-from training.data import load_tokenizer, train_new_tokenizer
+from training.data import TOKENIZER_FILES, load_tokenizer, train_new_tokenizer
 from training.parallel import ParallelContext
 
 NEW_MODEL_VOCAB = 4096  # vocabulary of a new model's tokenizer when --vocab-size is not given
@@ -19,6 +20,8 @@ NEW_MODEL_VOCAB = 4096  # vocabulary of a new model's tokenizer when --vocab-siz
 
 @dataclass(frozen=True)
 class ModelSource:
+    """Where a run starts from (see model_source)."""
+
     raw_config: dict[str, Any]  # config.json, the family's transformers format
     weights: Path | None  # a checkpoint directory to load float32 weights from; None: initialise
     resume_from: Path | None  # the run's own checkpoint, with trainer state
@@ -41,27 +44,47 @@ def model_source(cfg: TrainConfig) -> ModelSource:
 
 
 def resolve_tokenizer(cfg: TrainConfig, source: ModelSource, ctx: ParallelContext) -> tuple[Path, dict[str, Any]]:
-    """(tokenizer directory, config dict with the tokenizer's special ids for a new model). Trains
-    one on the data into OUT/tokenizer (rank 0, once) when a new model names none."""
+    """(OUT/tokenizer, config dict with the tokenizer's special ids for a new model). The run's
+    tokenizer is copied there once (rank 0) from --tokenizer, the starting checkpoint or, on resume,
+    the run's checkpoint, so that later checkpoints carry it after older ones are pruned; a new model
+    naming none gets one trained on the data there. A new model's tokenizer must define an eos token
+    (it separates the documents); its bos and pad ids replace the family's defaults."""
     raw = dict(source.raw_config)
-    if source.resume_from is not None:
-        return source.resume_from, raw
-    if cfg.tokenizer:
-        tokenizer_dir = Path(cfg.tokenizer)
-    elif source.weights is not None:
-        tokenizer_dir = source.weights
-    else:
-        tokenizer_dir = cfg.out / "tokenizer"
-        if ctx.is_main and not (tokenizer_dir / "tokenizer.json").is_file():
-            train_new_tokenizer(list(cfg.data), tokenizer_dir, int(raw["vocab_size"]), cfg.text_field)
-        ctx.barrier()
-    size = load_tokenizer(tokenizer_dir).get_vocab_size()
+    out_dir = cfg.out / "tokenizer"
+    origin = (source.resume_from or (Path(cfg.tokenizer) if cfg.tokenizer else None) or source.weights)
+    if ctx.is_main:
+        if origin is not None:
+            _copy_tokenizer(origin, out_dir)
+        elif not (out_dir / "tokenizer.json").is_file():
+            train_new_tokenizer(list(cfg.data), out_dir, int(raw["vocab_size"]), cfg.text_field)
+    ctx.barrier()
+    size = load_tokenizer(out_dir).get_vocab_size()
     if size > int(raw["vocab_size"]):
-        raise ValueError(f"the tokenizer in {tokenizer_dir} has {size} tokens, more than the model's vocab_size "
+        raise ValueError(f"the tokenizer in {origin or out_dir} has {size} tokens, more than the model's vocab_size "
                          f"{raw['vocab_size']}")
     if source.weights is None:
-        raw.update(special_token_ids(tokenizer_dir))
-    return tokenizer_dir, raw
+        ids = special_token_ids(out_dir)
+        if "eos_token_id" not in ids:
+            raise ValueError(f"the tokenizer in {origin or out_dir} defines no eos_token (in tokenizer_config.json) "
+                             f"that is in its vocabulary; a new model needs one to separate documents")
+        raw.update({f"{kind}_token_id": ids.get(f"{kind}_token_id") for kind in ("bos", "eos", "pad")})
+    return out_dir, raw
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    """The tokenizer files of `src` into `dst`, replacing what was there (atomically per file)."""
+    if not (src / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{src / 'tokenizer.json'}: file not found (the run's tokenizer)")
+    dst.mkdir(parents=True, exist_ok=True)
+    if src.resolve() == dst.resolve():
+        return
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            tmp = dst / f".{name}.tmp"
+            shutil.copyfile(src / name, tmp)
+            tmp.replace(dst / name)
+        else:
+            (dst / name).unlink(missing_ok=True)
 
 
 def special_token_ids(tokenizer_dir: Path) -> dict[str, int]:

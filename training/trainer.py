@@ -8,6 +8,7 @@ position, so the loss curve continues where it left off.
 """
 import json
 import logging
+import math
 import random
 import statistics
 import threading
@@ -60,13 +61,13 @@ class Trainer:
         self.sharded = [p for n, p in named if ctx.ep_size > 1 and is_expert_param(n)]
         self.replicated = [p for n, p in named if not (ctx.ep_size > 1 and is_expert_param(n))]
         self.optimizer = build_optimizer(named, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
-        self.step, self.max_steps, self.elapsed = 0, cfg.max_steps, 0.0
+        self.step, self.max_steps, self.elapsed, self.skipped_steps = 0, cfg.max_steps, 0.0, 0
+        self.tokens_per_step = self.layout.global_batch * cfg.seq_len
+        self.flops_per_token = train_flops_per_token(self.model_cfg, cfg.seq_len)
+        self.peak_flops = self._peak_flops()  # before the RNG state is restored, though it uses its own
         if source.resume_from is not None:
             self._restore(source.resume_from)
         self.schedule = CosineSchedule(cfg.lr, cfg.final_lr, cfg.warmup_steps, self.max_steps or UNSIZED)
-        self.tokens_per_step = self.layout.global_batch * cfg.seq_len
-        self.flops_per_token = train_flops_per_token(self.model_cfg, cfg.seq_len)
-        self.peak_flops = self._peak_flops()
         self.log = JsonlLog(cfg.out / "train_log.jsonl", ctx.is_main)
         self.heartbeat = Heartbeat(cfg.out, ctx.rank)
         self.resumed_from = source.resume_from
@@ -97,6 +98,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.loader.load_state_dict(state["loader"])
         self.step, self.max_steps, self.elapsed = state["step"], state["max_steps"], state["elapsed"]
+        self.skipped_steps = state.get("skipped_steps", 0)
         if self.cfg.max_steps is not None and self.cfg.max_steps != self.max_steps:
             self.max_steps = self.cfg.max_steps  # a longer (or shorter) run from here: the cosine re-spans
         rng = state["rng"]
@@ -138,9 +140,11 @@ class Trainer:
         with self.clock():
             return all_reduce_sum(t)
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
         """Forward/backward every micro-batch, reduce, clip, step. Returns the step's mean losses over
-        the global batch, grad norm, lr and this rank's wall and work seconds."""
+        the global batch, grad norm, lr and this rank's wall and work seconds. A step whose gradient
+        norm is not finite (the same on every rank) leaves the weights and optimiser state as they
+        were ("skipped": True); its data is consumed and the step counts, as in Megatron-LM."""
         t0, comm0 = time.perf_counter(), self.clock.seconds
         lr = self.schedule(self.step)
         set_lr(self.optimizer, lr)
@@ -158,14 +162,20 @@ class Trainer:
             reduce_gradients(self.replicated, self.sharded, self.ctx)
             norm = clip_grad_norm_(self.replicated, self.sharded, self.cfg.grad_clip, self.ctx)
             sums = all_reduce_sum(sums) / (len(micro_batches) * self.ctx.world_size)
-        self.optimizer.step()
+        skipped = not math.isfinite(norm)
+        if skipped:
+            self.skipped_steps += 1
+            log.warning("step %d: gradient norm %s, the update is skipped (%d skipped so far)", self.step + 1, norm,
+                        self.skipped_steps)
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         seconds = time.perf_counter() - t0
         total, lm, aux, z = sums.tolist()
         return {"loss": total, "lm_loss": lm, "aux_loss": aux if self.cfg.aux_loss_coef else None,
                 "z_loss": z if self.cfg.z_loss_coef else None, "grad_norm": norm, "lr": lr, "seconds": seconds,
-                "work_seconds": seconds - (self.clock.seconds - comm0)}
+                "work_seconds": seconds - (self.clock.seconds - comm0), "skipped": skipped}
 
     def _debug_delay(self) -> None:
         if self.cfg.debug_delay and self.cfg.debug_delay[0] == self.ctx.rank:
@@ -198,7 +208,8 @@ class Trainer:
                      "peak %.2f TFLOP/s", "resuming" if self.resumed_from else "starting", self.step, ctx.world_size,
                      ctx.ep_size, self.tokens_per_step, self.flops_per_token / 1e9, self.peak_flops / 1e12)
         bar = self._progress_bar()
-        watch = _HeartbeatWatch(self.heartbeat.dir, ctx.world_size) if ctx.is_main and ctx.distributed else None
+        watch = (_HeartbeatWatch(self.heartbeat.dir, ctx.world_size, stale_s=cfg.collective_timeout_s / 5)
+                 if ctx.is_main and ctx.distributed else None)
         window: list[dict] = []
         last_saved, eval_loss = None, None
         try:
@@ -283,11 +294,14 @@ class Trainer:
         return loss
 
     def save(self, start: float) -> None:
+        """Checkpoint (collective): the model files plus this rank's optimiser, schedule, RNG and data
+        state; `start` is when this process's run began (for the total training time)."""
         elapsed = self.elapsed + time.time() - start
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
                "cuda": torch.cuda.get_rng_state(self.ctx.device) if self.ctx.device.type == "cuda" else None}
         state = {"optimizer": self.optimizer.state_dict(), "loader": self.loader.state_dict(), "step": self.step,
-                 "max_steps": self.max_steps, "schedule": self.schedule.state_dict(), "rng": rng, "elapsed": elapsed}
+                 "max_steps": self.max_steps, "schedule": self.schedule.state_dict(), "rng": rng, "elapsed": elapsed,
+                 "skipped_steps": self.skipped_steps}
         meta = {"step": self.step, "world_size": self.ctx.world_size, "ep_size": self.ctx.ep_size,
                 "samples_seen": self.loader.position, "tokens_seen": self.loader.position * self.cfg.seq_len,
                 "time": time.time(), "train_config": _jsonable(asdict(self.cfg))}
@@ -302,7 +316,8 @@ class Trainer:
                    "step": self.step, "steps_this_run": steps, "seconds_this_run": seconds,
                    "train_seconds_total": self.elapsed + seconds, "tokens_seen": self.loader.position * self.cfg.seq_len,
                    "tokens_per_s": steps * self.tokens_per_step / seconds if steps else None,
-                   "eval_loss": eval_loss, "peak_tflops": self.peak_flops / 1e12}
+                   "eval_loss": eval_loss, "peak_tflops": self.peak_flops / 1e12,
+                   "skipped_steps": self.skipped_steps}
         if summary["tokens_per_s"]:
             summary["mfu"] = summary["tokens_per_s"] * self.flops_per_token / self.peak_flops
         return summary
@@ -319,7 +334,7 @@ class _HeartbeatWatch:
     """Rank 0's watcher thread: warns when a rank's heartbeat file goes stale (a hung or dead rank),
     even while rank 0 itself waits in a collective for it."""
 
-    def __init__(self, directory: Path, world_size: int, stale_s: float = 120.0, period_s: float = 10.0):
+    def __init__(self, directory: Path, world_size: int, stale_s: float, period_s: float = 10.0):
         self.dir, self.world, self.stale_s, self.period_s = directory, world_size, stale_s, period_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="heartbeat-watch", daemon=True)
@@ -352,7 +367,7 @@ def _jsonable(d: dict) -> dict:
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run (this rank's share of) a training job; returns its summary."""
-    ctx = init_distributed(cfg.device, cfg.expert_parallel, _num_experts(cfg))
+    ctx = init_distributed(cfg.device, cfg.expert_parallel, _num_experts(cfg), cfg.collective_timeout_s)
     try:
         return Trainer(cfg, ctx).run()
     finally:
