@@ -6,6 +6,7 @@ save_pretrained, so their files are exactly what real checkpoints of that family
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,15 @@ def poison(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(real_empty_like(*a, **k)))
+
+
+def slow_steps(a, monkeypatch, seconds: float = 0.005) -> None:
+    """Make every engine step of the AsyncLLM `a` take at least `seconds`, so that a long request
+    is surely still running when the test acts on it."""
+    step = a.engine.step
+
+    def slow():
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(a.engine, "step", slow)

@@ -13,7 +13,7 @@ import pytest
 
 from server import LLM, SamplingParams
 from server.async_llm import AsyncLLM, EngineDeadError, QueueFullError
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, slow_steps
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 TIMEOUT = 10.0  # seconds a test's coroutine may take
@@ -45,18 +45,6 @@ def serve(ckpt):
         for a in started:
             a.shutdown()
     assert not [t for t in threading.enumerate() if t.name == "shuttle-engine"], "an engine thread outlived shutdown"
-
-
-def slow_steps(a: AsyncLLM, monkeypatch, seconds: float = 0.005) -> None:
-    """Make every engine step take at least `seconds`, so a long request is surely still running
-    when the test acts on it."""
-    step = a.engine.step
-
-    def slow():
-        time.sleep(seconds)
-        return step()
-
-    monkeypatch.setattr(a.engine, "step", slow)
 
 
 def run(coro):

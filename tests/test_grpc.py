@@ -30,7 +30,7 @@ from clients.proto.regenerate import PROTO, ROOT, regenerate
 from server import LLM, SamplingParams
 from server.async_llm import AsyncLLM
 from server.grpc_server import MAX_BATCH, start_grpc_server
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, slow_steps
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 TIMEOUT = 20.0  # seconds a call or a test's coroutine may take
@@ -97,18 +97,6 @@ def leaves_the_engine_idle(request):
     yield
     if "served" in request.fixturenames:
         wait_idle(request.getfixturevalue("served").llm)
-
-
-def slow_steps(a: AsyncLLM, monkeypatch, seconds: float = 0.005) -> None:
-    """Make every engine step take at least `seconds`, so a long request is surely still running
-    when the test acts on it."""
-    step = a.engine.step
-
-    def slow():
-        time.sleep(seconds)
-        return step()
-
-    monkeypatch.setattr(a.engine, "step", slow)
 
 
 def run(coro):
