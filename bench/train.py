@@ -27,15 +27,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.common import print_table, save  # noqa: E402
+from models.builtin import corpus  # noqa: E402
 from training.builtin import MODEL  # noqa: E402
 from training.config import SHAPE_FLAGS  # noqa: E402
 from training.metrics import read_log  # noqa: E402
 
 
 def write_data(path: Path) -> Path:
-    from pydoc_data.topics import topics
-
-    path.write_text("".join(json.dumps({"text": topics[k]}) + "\n" for k in sorted(topics)))
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in corpus()))
     return path
 
 
@@ -74,7 +73,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step over all ranks")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
     p.add_argument("--quick", action="store_true", help="a 2-layer, hidden-128 model (a smoke run)")
     args = p.parse_args()
     if args.steps < 3:
@@ -84,9 +83,6 @@ def main() -> None:
     for n in args.ranks:
         if n < 1 or args.global_batch % n:
             p.error(f"--ranks {n}: must be >= 1 and divide --global-batch {args.global_batch}")
-    for dtype in args.dtypes:
-        if dtype not in ("float32", "bfloat16"):
-            p.error(f"--dtypes {dtype!r}: expected float32 or bfloat16")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,7 +2,7 @@
 
 Nothing here touches the network: `calculate_metrics` is a pure function of a list of
 `RequestRecord`s and the benchmark's wall time, so it is tested on hand-built records. The table
-(`format_table`), the JSON result (`build_result`) and the figure (`plot_results`) all read the
+(`format_table`), the JSON result (`metrics_dict`) and the figure (`plot_results`) all read the
 `BenchmarkMetrics` it returns. Times in records are seconds; reported latencies are milliseconds.
 """
 from __future__ import annotations
@@ -87,6 +87,13 @@ def request_tpot(r: RequestRecord) -> float:
     return (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
 
 
+def latency_values(ok: list[RequestRecord]) -> dict[str, list[float]]:
+    """Seconds of each latency metric over successful records: TTFT, TPOT (requests of more than
+    one token), every inter-token gap, E2EL."""
+    return {"ttft": [r.ttft for r in ok], "tpot": [request_tpot(r) for r in ok if r.output_tokens > 1],
+            "itl": [g for r in ok for g in r.itl], "e2el": [r.latency for r in ok]}
+
+
 def calculate_metrics(outputs: list[RequestRecord], duration: float, percentiles: Sequence[float] = (50, 90, 99),
                       goodput_slos_ms: dict[str, float] | None = None, num_gpus: int = 1) -> BenchmarkMetrics:
     """Aggregate per-request records over a benchmark that lasted `duration` seconds.
@@ -100,8 +107,7 @@ def calculate_metrics(outputs: list[RequestRecord], duration: float, percentiles
     ok = [r for r in outputs if r.success]
     total_in = sum(r.prompt_tokens for r in ok)
     total_out = sum(r.output_tokens for r in ok)
-    values = {"ttft": [r.ttft for r in ok], "tpot": [request_tpot(r) for r in ok if r.output_tokens > 1],
-              "itl": [g for r in ok for g in r.itl], "e2el": [r.latency for r in ok]}
+    values = latency_values(ok)
     goodput = None
     if goodput_slos_ms:
         goodput = sum(_meets_slos(r, goodput_slos_ms) for r in ok) / duration
@@ -255,8 +261,7 @@ def plot_results(records: list[RequestRecord], path: str | Path, title: str = ""
     fig = Figure(figsize=(15, 8), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, 3)
-    values = {"ttft": [r.ttft for r in ok], "tpot": [request_tpot(r) for r in ok if r.output_tokens > 1],
-              "itl": [g for r in ok for g in r.itl], "e2el": [r.latency for r in ok]}
+    values = latency_values(ok)
     for ax, name in zip(axes.flat, METRICS):
         ms = np.asarray(values[name]) * 1000.0
         ax.hist(ms, bins=min(50, max(ms.size, 1)), color="tab:blue")

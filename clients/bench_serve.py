@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import codecs
+import dataclasses
 import json
 import math
 import os
@@ -314,9 +315,7 @@ class GrpcBackend:
         return rec.finish()
 
     async def close(self) -> None:
-        close = getattr(self._client, "close", None)
-        if close is not None and asyncio.iscoroutine(result := close()):
-            await result
+        await self._client.close()
 
 
 def _grpc_error(e: Exception) -> str:
@@ -374,7 +373,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     backend = make_backend(args)
     try:
         model = await backend.start(args.model)
-        probe = await backend.send(BenchRequest(requests[0].prompt, requests[0].messages, 1, requests[0].est_input_len))
+        probe = await backend.send(dataclasses.replace(requests[0], output_len=1))
         if not probe.success:
             raise BenchError(f"the test request to {args.base_url} failed: {probe.error}")
         kind = "Poisson process" if args.burstiness == 1.0 else "Gamma distribution"

@@ -29,6 +29,7 @@ from typing import AsyncIterator, Iterator
 
 import grpc
 
+from clients.proto import MAX_MESSAGE_BYTES
 from clients.proto import shuttle_pb2 as pb
 from clients.proto import shuttle_pb2_grpc as pb_grpc
 
@@ -37,7 +38,6 @@ __all__ = ["GrpcClient", "AsyncGrpcClient", "GrpcClientError", "GenerateResult",
 
 SAMPLING_PARAMS = tuple(pb.SamplingParams.DESCRIPTOR.fields_by_name)  # the keyword parameters accepted
 _REPEATED_PARAMS = ("stop", "stop_token_ids")
-MAX_MESSAGE_BYTES = 64 << 20  # as the server: batches of long prompts exceed gRPC's default 4 MiB
 _OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}

@@ -26,6 +26,7 @@ import grpc
 from grpc_reflection.v1alpha import reflection
 
 from attention_nodes.sampling_params import SamplingParams
+from clients.proto import MAX_MESSAGE_BYTES
 from clients.proto import shuttle_pb2 as pb
 from clients.proto import shuttle_pb2_grpc as pb_grpc
 from server.async_llm import AsyncLLM, EngineDeadError, QueueFullError
@@ -36,7 +37,6 @@ log = logging.getLogger("shuttle")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "shuttle.v1.Generation"
 MAX_BATCH = 4096  # prompts in one BatchGenerate call
-MAX_MESSAGE_BYTES = 64 << 20  # a batch of long prompts, or logprobs of long outputs, exceed gRPC's 4 MiB
 # The proto3 `optional` scalars of pb.SamplingParams, named as SamplingParams' fields: set or default.
 _OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "n",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "min_tokens",

@@ -32,6 +32,7 @@ from clients.bench_metrics import (RequestRecord, calculate_metrics, concurrency
                                    parse_goodput)
 from clients.bench_serve import (HttpBackend, SSEDecoder, StreamRecorder, add_parser, arrival_times, bench_serve,
                                  build_parser, main, run_bench)
+from tests.live_server import free_port
 
 # ---------------------------------------------------------------- calculate_metrics
 
@@ -473,9 +474,7 @@ def test_end_to_end_without_usage(fake_server, tmp_path: Path, capsys):
 
 
 def test_unreachable_server_is_one_line(capsys):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens there
     assert main(["--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "2", "--disable-tqdm"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("shuttle bench serve: error: cannot reach the server at") and "\n" not in err

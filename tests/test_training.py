@@ -34,10 +34,10 @@ COEF = 0.02
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """The Python documentation's topics, one JSONL document each."""
-    from pydoc_data.topics import topics
+    from models.builtin import corpus
 
     path = tmp_path_factory.mktemp("data") / "topics.jsonl"
-    path.write_text("".join(json.dumps({"text": topics[k]}) + "\n" for k in sorted(topics)))
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in corpus()))
     return path
 
 

@@ -10,3 +10,7 @@ After editing shuttle.proto, regenerate them from the repository root (needs grp
 
 tests/test_grpc.py fails while the committed modules differ from what protoc makes of the .proto.
 """
+
+# The largest message either side sends or accepts (server and clients agree): a batch of long
+# prompts, or logprobs of long outputs, exceed gRPC's default of 4 MiB.
+MAX_MESSAGE_BYTES = 64 << 20
