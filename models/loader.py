@@ -20,6 +20,7 @@ from kernels.ops import select_ops
 from models.config import ModelConfig
 from models.moe_decoder import Experts, MoEForCausalLM
 
+STACKED_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(w13|w2)$")  # the model's stacked tensors
 _EXPERT = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _FUSED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq$)")
@@ -232,14 +233,20 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def expert_checkpoint_names(family: str) -> tuple[str, tuple[str, str, str]]:
+    """(module, (gate, up, down)) of a family's per-expert checkpoint tensors, as in
+    `model.layers.{i}.{module}.experts.{e}.{gate}.weight`."""
+    if family == "mixtral":
+        return "block_sparse_moe", ("w1", "w3", "w2")
+    return "mlp", ("gate_proj", "up_proj", "down_proj")
+
+
 def _expected_names(param: str, cfg: ModelConfig) -> list[str]:
     """Checkpoint names that would fill `param` (for error messages)."""
-    m = re.match(r"^(model\.layers\.\d+)\.mlp\.experts\.(w13|w2)$", param)
+    m = STACKED_EXPERTS.match(param)
     if not m:
         return [param]
-    mod = "block_sparse_moe" if cfg.family == "mixtral" else "mlp"
-    names = ("w1", "w3") if m.group(2) == "w13" else ("w2",)
-    if cfg.family != "mixtral":
-        names = ("gate_proj", "up_proj") if m.group(2) == "w13" else ("down_proj",)
+    mod, (gate, up, down) = expert_checkpoint_names(cfg.family)
+    names = (gate, up) if m.group(2) == "w13" else (down,)
     prefix = m.group(1)
     return [f"{prefix}.{mod}.experts.{e}.{n}.weight" for e in range(cfg.num_experts) for n in names]

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from training.config import TrainConfig
+from training.data import read_documents
 
 MODEL = {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 6, "num_key_value_heads": 2,
          "expert_intermediate_size": 320, "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 4096,
@@ -71,12 +72,13 @@ def write_corpus(directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     docs = documents()
     for split, held_out in (("train", False), ("eval", True)):
+        text = "".join(json.dumps({"name": name, "text": t}) + "\n" for name, t in docs if is_held_out(name) == held_out)
+        path = directory / f"{split}.jsonl"
+        if path.is_file() and path.read_text() == text:
+            continue  # unchanged: keep its mtime, so the tokenized-data cache (keyed on it) still hits
         tmp = directory / f".{split}.jsonl.tmp{os.getpid()}"
-        with tmp.open("w") as f:
-            for name, text in docs:
-                if is_held_out(name) == held_out:
-                    f.write(json.dumps({"name": name, "text": text}) + "\n")
-        os.replace(tmp, directory / f"{split}.jsonl")
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
 
 def recipe_config(given: dict[str, Any]) -> TrainConfig:
@@ -150,8 +152,7 @@ def write_model_card(cfg: TrainConfig, summary: dict[str, Any]) -> Path:
         "", f"Written {time.strftime('%Y-%m-%d %H:%M:%S')}. Recipe: training/builtin.py.", ""]
     path = out / "README.md"
     path.write_text("\n".join(lines))
-    (out / "recipe.json").write_text(json.dumps({k: str(v) if isinstance(v, Path) else v
-                                                 for k, v in asdict(cfg).items()}, indent=2, default=str) + "\n")
+    (out / "recipe.json").write_text(json.dumps(asdict(cfg), indent=2, default=str) + "\n")
     return path
 
 
@@ -159,10 +160,9 @@ def _corpus_stats(cfg: TrainConfig) -> dict[str, Any]:
     stats: dict[str, Any] = {"python": sys.version.split()[0]}
     for split, files in (("train", cfg.data), ("eval", cfg.eval_data)):
         docs = chars = 0
-        for f in files:
-            for line in Path(f).read_text().splitlines():
-                docs += 1
-                chars += len(json.loads(line)["text"])
+        for text in read_documents(list(files), cfg.text_field):
+            docs += 1
+            chars += len(text)
         stats[split] = {"documents": docs, "characters": chars}
     return stats
 

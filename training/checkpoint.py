@@ -18,7 +18,6 @@ Tensor names are the checkpoints' own (models/loader.py maps them): per-expert m
 """
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -28,11 +27,11 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from models.config import DTYPES
+from models.loader import STACKED_EXPERTS, expert_checkpoint_names
 from models.moe_decoder import MoEForCausalLM
 from training.data import TOKENIZER_FILES
 from training.parallel import ParallelContext
 
-_STACKED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(w13|w2)$")
 
 
 def hf_tensors(model: MoEForCausalLM, expert_ids: tuple[int, ...], dtype: torch.dtype, replicated: bool = True,
@@ -40,16 +39,16 @@ def hf_tensors(model: MoEForCausalLM, expert_ids: tuple[int, ...], dtype: torch.
     """The model's parameters under their checkpoint names, in `dtype`: stacked experts split into
     per-expert matrices (global ids expert_ids), tied lm_head left out. replicated / experts: which
     part to include."""
-    cfg, mixtral = model.cfg, model.cfg.family == "mixtral"
+    cfg = model.cfg
     I = cfg.moe_intermediate_size
-    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    module, names = expert_checkpoint_names(cfg.family)
     out = {}
     for name, p in model.named_parameters():  # a tied lm_head is listed once, as embed_tokens
         t = p.detach().to(dtype)
-        if m := _STACKED.match(name):
+        if m := STACKED_EXPERTS.match(name):
             if not experts:
                 continue
-            prefix = f"{m.group(1)}.{'block_sparse_moe' if mixtral else 'mlp'}.experts"
+            prefix = f"{m.group(1)}.{module}.experts"
             for i, e in enumerate(expert_ids):
                 if m.group(2) == "w13":
                     out[f"{prefix}.{e}.{names[0]}.weight"] = t[i, :I].clone()
@@ -57,7 +56,7 @@ def hf_tensors(model: MoEForCausalLM, expert_ids: tuple[int, ...], dtype: torch.
                 else:
                     out[f"{prefix}.{e}.{names[2]}.weight"] = t[i].clone()
         elif replicated:
-            out[name.replace(".mlp.gate.", ".block_sparse_moe.gate.") if mixtral else name] = t.contiguous().clone()
+            out[name.replace(".mlp.gate.", f".{module}.gate.")] = t.contiguous().clone()  # Mixtral: block_sparse_moe
     return out
 
 
@@ -154,7 +153,7 @@ def save_checkpoint(out: Path, step: int, model: MoEForCausalLM, ctx: ParallelCo
     ctx.barrier()
     if ctx.is_main:
         write_config_files(tmp, raw_config, save_dtype, tokenizer_dir)
-        (tmp / "trainer" / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        (tmp / "trainer" / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")  # Paths as text
         old = root / f".old-{name}"
         pointer = root / "latest"
         assert not (pointer.is_file() and pointer.read_text().strip() == name), f"{name} is latest: never rewritten"

@@ -116,7 +116,7 @@ def init_weights(model: MoEForCausalLM, shard: Shard, seed: int, std: float, pad
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
-            elif ".mlp.experts." in name:  # (E_local, ...): one draw per global expert
+            elif is_expert_param(name):  # (E_local, ...): one draw per global expert
                 for i, e in enumerate(shard.expert_ids):
                     p[i].copy_(normal(tuple(p.shape[1:]), name, e))
             else:

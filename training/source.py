@@ -101,11 +101,3 @@ def special_token_ids(tokenizer_dir: Path) -> dict[str, int]:
             ids[f"{kind}_token_id"] = tok.token_to_id(token)
     return ids
 
-
-def eos_token_id(raw: dict[str, Any]) -> int:
-    """The id appended after each document: the config's (first) eos_token_id."""
-    eos = raw.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) and eos else eos
-    if not isinstance(eos, int):
-        raise ValueError("the model's config.json has no eos_token_id to separate documents with")
-    return eos

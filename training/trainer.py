@@ -31,7 +31,7 @@ from training.model import RouterLogits, Shard, build_model, forward_logits, is_
 from training.optim import CosineSchedule, build_optimizer, set_lr
 from training.parallel import (AllToAllDispatcher, CommClock, ParallelContext, all_gather_floats, all_reduce_sum,
                                broadcast_object, clip_grad_norm_, init_distributed, reduce_gradients)
-from training.source import eos_token_id, model_source, resolve_tokenizer
+from training.source import ModelSource, model_source, resolve_tokenizer
 
 log = logging.getLogger("shuttle.train")
 CALIBRATION_STEPS = 5  # --max-minutes without --max-steps: steps timed to size the schedule
@@ -41,10 +41,10 @@ UNSIZED = 10 ** 9  # schedule length until calibrated (the cosine stays at its t
 class Trainer:
     """One rank's share of a run. Build, then `run()`; see the module docstring."""
 
-    def __init__(self, cfg: TrainConfig, ctx: ParallelContext):
+    def __init__(self, cfg: TrainConfig, ctx: ParallelContext, source: ModelSource | None = None):
         self.cfg, self.ctx, self.clock = cfg, ctx, CommClock()
         cfg.out.mkdir(parents=True, exist_ok=True)
-        source = model_source(cfg)
+        source = source or model_source(cfg)
         self.tokenizer_dir, self.raw_config = resolve_tokenizer(cfg, source, ctx)
         self.model_cfg = ModelConfig.from_dict(self.raw_config, source="config.json")
         self.save_dtype = cfg.save_dtype or str(self.model_cfg.dtype).replace("torch.", "")
@@ -75,7 +75,9 @@ class Trainer:
     # ---- setup -----------------------------------------------------------------------------------
     def _data(self) -> tuple[ShuffledLoader, list]:
         cfg, ctx, cache = self.cfg, self.ctx, self.cfg.out / "cache"
-        eos = eos_token_id(self.raw_config)
+        if not self.model_cfg.eos_token_ids:
+            raise ValueError("the model's config.json has no eos_token_id to separate documents with")
+        eos = self.model_cfg.eos_token_ids[0]
         paths = [None, None]
         if ctx.is_main:  # one rank tokenizes; the others map the cached array
             paths = [tokenize_files(list(cfg.data), self.tokenizer_dir, eos, cache, cfg.text_field),
@@ -304,7 +306,7 @@ class Trainer:
                  "skipped_steps": self.skipped_steps}
         meta = {"step": self.step, "world_size": self.ctx.world_size, "ep_size": self.ctx.ep_size,
                 "samples_seen": self.loader.position, "tokens_seen": self.loader.position * self.cfg.seq_len,
-                "time": time.time(), "train_config": _jsonable(asdict(self.cfg))}
+                "time": time.time(), "train_config": asdict(self.cfg)}
         path = save_checkpoint(self.cfg.out, self.step, self.model, self.ctx, self.raw_config, self.tokenizer_dir,
                                self.save_dtype, state, meta, self.cfg.keep_checkpoints)
         self.log.write(event="checkpoint", step=self.step, path=str(path))
@@ -360,21 +362,14 @@ class _HeartbeatWatch:
         self._stop.set()
 
 
-def _jsonable(d: dict) -> dict:
-    return {k: (str(v) if not isinstance(v, (int, float, str, bool, list, tuple, dict, type(None))) else v)
-            for k, v in d.items()}
-
-
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run (this rank's share of) a training job; returns its summary."""
-    ctx = init_distributed(cfg.device, cfg.expert_parallel, _num_experts(cfg), cfg.collective_timeout_s)
+    source = model_source(cfg)
+    num_experts = ModelConfig.from_dict(source.raw_config, source="config.json").num_experts
+    ctx = init_distributed(cfg.device, cfg.expert_parallel, num_experts, cfg.collective_timeout_s)
     try:
-        return Trainer(cfg, ctx).run()
+        return Trainer(cfg, ctx, source).run()
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
-
-def _num_experts(cfg: TrainConfig) -> int:
-    raw = model_source(cfg).raw_config
-    return int(raw.get("num_local_experts") or raw.get("num_experts") or 1)
