@@ -255,8 +255,7 @@ class AsyncLLM:
 
     def _emit(self, rid: str, tracker: RequestTracker, q: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> None:
         snapshot = _snapshot(tracker.output)
-        for o in tracker.output.outputs:  # a sample that gets no token next step (done, preempted) has no delta
-            o.delta_text, o.delta_token_ids = "", []
+        tracker.clear_deltas()
         delivered = _post(loop, q.put_nowait, snapshot)
         if snapshot.finished or not delivered:
             self._requests.pop(rid, None)

@@ -123,9 +123,15 @@ class LLM:
         return [t.output for t in trackers]
 
     def _run(self, trackers: dict[str, RequestTracker]) -> None:
+        stepped: list[RequestTracker] = []
         while any(not t.output.finished for t in trackers.values()):
+            for t in stepped:  # outputs' deltas hold one step (nobody streams them here)
+                t.clear_deltas()
+            stepped.clear()
             for delta in self.engine.step():
-                stop = trackers[delta.request_id].apply(delta)
+                tracker = trackers[delta.request_id]
+                stop = tracker.apply(delta)
+                stepped.append(tracker)
                 if stop is not None:
                     self.engine.stop_sequence(delta.request_id, delta.index, stop)
 

@@ -18,7 +18,7 @@ class Logprob:
 @dataclass
 class CompletionOutput:
     """One sample of a request. text and token_ids are cumulative; delta_text and delta_token_ids
-    hold what the latest step added (for streaming). logprobs: per generated token, a dict from
+    hold what was added since the previous output was handed on (for streaming). logprobs: per generated token, a dict from
     token id to Logprob holding the chosen token and the top alternatives."""
 
     index: int
@@ -47,7 +47,9 @@ class RequestOutput:
 
 class RequestTracker:
     """Collects one request's deltas. `apply` returns a stop string when one ended a sequence's
-    text, so the caller can stop that sequence in the engine."""
+    text, so the caller can stop that sequence in the engine. The outputs' delta fields gather
+    every delta applied since `clear_deltas` (one engine step can hold several deltas of a
+    sequence: PoolEngine returns all that the workers sent since the last step)."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  tokenizer):
@@ -64,12 +66,11 @@ class RequestTracker:
         """Add one engine delta to its sequence's output (tokens, logprobs, text, finish reason).
         Returns the stop string that ended the text, if one did (the caller stops the sequence)."""
         out, detok = self.output.outputs[delta.index], self.detoks[delta.index]
-        out.delta_token_ids, out.delta_text = [], ""
         if out.finished:  # a stop string ended it already
             return None
         out.token_ids += delta.new_token_ids
         self.output.num_cached_tokens = max(self.output.num_cached_tokens, delta.num_cached_tokens)
-        out.delta_token_ids = list(delta.new_token_ids)
+        out.delta_token_ids = out.delta_token_ids + list(delta.new_token_ids)  # a new list: snapshots keep theirs
         if out.logprobs is not None and delta.new_logprobs:
             for lp in delta.new_logprobs:
                 entry = {tid: Logprob(v, i + 1, self._piece(tid)) for i, (tid, v) in enumerate(lp.top)}
@@ -81,10 +82,16 @@ class RequestTracker:
         elif delta.finish_reason:
             out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
         if detok is not None:
-            out.delta_text = detok.take_delta(out.finished)
+            out.delta_text += detok.take_delta(out.finished)
             out.text = detok.text
         self.output.finished = all(o.finished for o in self.output.outputs)
         return stop
+
+    def clear_deltas(self) -> None:
+        """Start the next output's deltas (after this one was handed on); a sample that gets no
+        token in the next step (finished, preempted) then has an empty delta, not a stale one."""
+        for o in self.output.outputs:
+            o.delta_text, o.delta_token_ids = "", []
 
     def _piece(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])

@@ -102,6 +102,20 @@ def test_streamed_deltas_add_up_to_the_final_output(serve, llm):
     assert outs[-1].prompt == prompt and outs[-1].prompt_token_ids == llm.tokenizer.encode(prompt)
 
 
+def test_several_deltas_of_a_sequence_in_one_step_all_stream(serve, llm, monkeypatch):
+    """PoolEngine.step returns every delta the workers sent since the last step, so one step can
+    hold several deltas of the same sequence: each output must carry all of them."""
+    a, prompt = serve(), "The for statement"
+    step = a.engine.step
+    monkeypatch.setattr(a.engine, "step", lambda: step() + step())  # two engine steps' deltas at once
+    outs = run(collect(a, prompt, SamplingParams(max_tokens=12, logprobs=2, **GREEDY)))
+    final = outs[-1].outputs[0]
+    assert "".join(o.outputs[0].delta_text for o in outs) == final.text
+    assert [t for o in outs for t in o.outputs[0].delta_token_ids] == final.token_ids
+    assert any(len(o.outputs[0].delta_token_ids) > 1 for o in outs)
+    assert final.token_ids == greedy_ids(llm, prompt, 12) and len(final.logprobs) == 12
+
+
 def test_concurrent_requests_equal_each_alone(serve, llm):
     a = serve()
     prompts = [PROMPTS[0], PROMPTS[1], "A class definition defines a class object", PROMPTS[3]]
