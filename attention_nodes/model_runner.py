@@ -30,7 +30,7 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.model = load_model(cfg.model, self.model_cfg, dtype=cfg.dtype, device=self.device, kernels=cfg.kernels,
                                 with_experts=dispatcher is None)
-        self.model.dispatcher = dispatcher or LocalDispatcher(self.model_cfg.num_experts)  # counts expert load
+        self.model.dispatcher = dispatcher or LocalDispatcher(self.model_cfg.num_experts, self.device)  # counts load
         if not 1 <= micro_batches <= 4:
             raise ValueError(f"micro_batches must be 1 to 4, got {micro_batches}")
         self.micro_batches = micro_batches

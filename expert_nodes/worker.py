@@ -18,6 +18,7 @@ from m2n_comm.m2n import M2NReceiver, Placement, run_local_experts
 from m2n_comm.trace import Tracer
 from m2n_comm.transport import PeerDeadError, TransportConfig, open_endpoint
 from models.config import ModelConfig
+from models.dispatcher import count_expert_tokens_
 from models.loader import load_experts
 
 log = logging.getLogger("shuttle.expert")
@@ -78,7 +79,7 @@ def _serve(spec: ExpertWorkerSpec, store: TCPStore) -> None:
     log.info("serving experts %s of %d MoE layers", spec.placement.experts_on(spec.rank), len(moe_layers))
     tracer = Tracer(f"e{spec.rank}", enabled=spec.trace_dir is not None)
     receiver = M2NReceiver(endpoint, peers, moe_layers, spec.micro_batches, device, tracer=tracer)
-    load = _Load(spec, store, tracer)
+    load = _Load(spec, store, tracer, device)
     try:
         with torch.inference_mode():
             while True:
@@ -97,15 +98,14 @@ def _serve(spec: ExpertWorkerSpec, store: TCPStore) -> None:
 class _Load:
     """Tokens per local expert (summed over layers) and busy time, published in the store."""
 
-    def __init__(self, spec: ExpertWorkerSpec, store: TCPStore, tracer: Tracer):
+    def __init__(self, spec: ExpertWorkerSpec, store: TCPStore, tracer: Tracer, device: torch.device):
         self.experts = spec.placement.experts_on(spec.rank)
         self.key, self.store, self.tracer = f"{spec.session}/stats/e{spec.rank}", store, tracer
-        self.tokens_E = torch.zeros(len(self.experts), dtype=torch.long)
+        self.tokens_E = torch.zeros(len(self.experts), dtype=torch.long, device=device)
         self.start_ns, self.last = time.monotonic_ns(), 0.0
 
     def count(self, local_ids_RK: torch.Tensor) -> None:
-        ids = local_ids_RK.reshape(-1)
-        self.tokens_E += torch.bincount(ids[ids >= 0].cpu(), minlength=len(self.experts))
+        count_expert_tokens_(self.tokens_E, local_ids_RK)  # -1: an empty slot
 
     def step_done(self, idle: bool) -> None:
         if idle or time.monotonic() - self.last >= STATS_EVERY_S:

@@ -33,22 +33,27 @@ class Dispatcher(Protocol):
         ...
 
 
+def count_expert_tokens_(counts_E: torch.Tensor, ids: torch.Tensor) -> None:
+    """counts_E[e] += how many entries of ids are e; negative ids (empty slots) are skipped. Stays on
+    the device without synchronising (torch.bincount on CUDA reads the ids' range on the host)."""
+    ids = ids.reshape(-1).to(counts_E.device)  # (a no-op where they share the device, as they should)
+    counts_E.index_add_(0, ids.clamp(min=0), (ids >= 0).to(counts_E.dtype))
+
+
 class LocalDispatcher:
     """Runs the layer's own experts in this process (no transport): the reference dispatcher.
     num_experts > 0 keeps expert_tokens_E: (token, expert) pairs routed to each expert so far,
-    summed over layers (int64, on the experts' device: counting never synchronises)."""
+    summed over layers (int64, on `device`, the experts' device: counting never synchronises)."""
 
-    def __init__(self, num_experts: int = 0):
-        self.expert_tokens_E = torch.zeros(num_experts, dtype=torch.long) if num_experts else None
+    def __init__(self, num_experts: int = 0, device: torch.device | str = "cpu"):
+        self.expert_tokens_E = torch.zeros(num_experts, dtype=torch.long, device=device) if num_experts else None
 
     def dispatch(self, layer: int, experts: nn.Module | None, x_TD: torch.Tensor,
                  topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, mb: int = 0) -> torch.Tensor:
         if experts is None:
             raise RuntimeError(f"layer {layer}: this model was built without experts; use a remote dispatcher")
         if self.expert_tokens_E is not None:
-            if self.expert_tokens_E.device != topk_ids_TK.device:
-                self.expert_tokens_E = self.expert_tokens_E.to(topk_ids_TK.device)
-            self.expert_tokens_E += torch.bincount(topk_ids_TK.reshape(-1), minlength=self.expert_tokens_E.numel())
+            count_expert_tokens_(self.expert_tokens_E, topk_ids_TK)
         return experts(x_TD, topk_ids_TK, topk_weights_TK)
 
     def combine(self, handle: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from server.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, parse
-from server.openai_serving import OpenAIServing
+from server.openai_serving import OpenAIServing, as_openai_error
 
 log = logging.getLogger("shuttle")
 VERSION = "0.1.0"
@@ -210,7 +210,7 @@ async def _respond(request: Request, serving: OpenAIServing, llm: AsyncLLM, job,
     try:
         llm.check_capacity(len(job.prompts))
     except QueueFullError as e:
-        raise OpenAIError(str(e), status=503, code="queue_full", headers={"Retry-After": "1"}) from None
+        raise as_openai_error(e) from None
     except EngineDeadError as e:
         raise OpenAIError(str(e), status=503, code="engine_dead") from None
     if stream:

@@ -127,7 +127,7 @@ class OpenAIServing:
             while done < len(tasks):
                 i, item = await q.get()
                 if isinstance(item, BaseException):
-                    raise _as_openai_error(item)
+                    raise as_openai_error(item)
                 done += item.finished
                 yield i, item
         finally:
@@ -243,7 +243,7 @@ def _chat_logprobs(token_ids: list[int], logprobs: list[dict], k: int) -> dict:
                         for tid, entry in zip(token_ids, logprobs)]}
 
 
-def _as_openai_error(e: BaseException) -> BaseException:
+def as_openai_error(e: BaseException) -> BaseException:
     """The error a request's generation raised, as the API reports it."""
     if isinstance(e, OpenAIError):
         return e

@@ -202,11 +202,7 @@ class PoolEngine:
         (then queued deltas belong to finished requests and are dropped). Call it from the thread
         that calls `step`."""
         if not self._owner:
-            try:
-                while True:
-                    self._event(self._events.get_nowait())
-            except queue.Empty:
-                pass
+            self._drain_events()
         self._check_procs()
 
     def stats(self) -> dict:
@@ -279,12 +275,16 @@ class PoolEngine:
             if wait and p.exitcode is None:
                 p.join(wait)
             if p.exitcode is not None:
-                try:  # a Failed message says more than the exit code
-                    while True:
-                        self._event(self._events.get_nowait())
-                except queue.Empty:
-                    pass
+                self._drain_events()  # a Failed message says more than the exit code
                 raise WorkerFailedError(f"worker {p.name} exited with code {p.exitcode}")
+
+    def _drain_events(self) -> None:
+        """Handle every event already queued (raises as _event does for a Failed message)."""
+        try:
+            while True:
+                self._event(self._events.get_nowait())
+        except queue.Empty:
+            pass
 
     def _send(self, rank: int, msg) -> None:
         try:

@@ -61,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                              ("z-loss-coef", float, "router z-loss coefficient (default 0: off)"),
                              ("seed", int, "initialisation and data order (default 0)")):
         o.add_argument(f"--{flag}", type=typ, default=S, help=help_)
-    o.add_argument("--dtype", choices=AUTOCAST_DTYPES, default=S, help="autocast dtype; weights stay float32 (default float32)")
+    o.add_argument("--dtype", choices=AUTOCAST_DTYPES, default=S,
+                   help="autocast dtype; weights stay float32 (default float32)")
     r = p.add_argument_group("parallelism")
     r.add_argument("--expert-parallel", type=int, default=S, help="ranks sharing one copy of the experts "
                    "(default: all ranks when they divide the experts)")
