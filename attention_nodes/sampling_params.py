@@ -3,6 +3,7 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for, as OpenAI and vLLM's default
+MAX_N = 128  # most samples per prompt, as OpenAI's limit
 
 
 @dataclass
@@ -17,7 +18,7 @@ class SamplingParams:
     stop: strings that end the text (not returned unless include_stop_str_in_output).
     stop_token_ids: extra ids that end the text.
     ignore_eos: keep going past the end-of-sequence token.
-    n: output sequences per prompt (>= 1).
+    n: output sequences per prompt, 1 to MAX_N.
     min_p: drop tokens whose probability is below min_p times the most likely one's, in [0, 1].
     presence_penalty: subtracted once from the logit of every token already generated, in [-2, 2].
     frequency_penalty: subtracted from a token's logit per time it was generated, in [-2, 2].
@@ -73,7 +74,7 @@ class SamplingParams:
 
     def _check_vllm_fields(self) -> None:
         """Type and range checks of the fields beyond the original OpenAI core."""
-        _check_int("n", self.n, low=1)
+        _check_int("n", self.n, low=1, high=MAX_N)
         _check_float("min_p", self.min_p, low=0.0, high=1.0)
         _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)

@@ -22,12 +22,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from server.metrics import CONTENT_TYPE, ServerMetrics
-from server.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, parse
+from server.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
+                                    TokenizeChatRequest, TokenizeCompletionRequest, TokenizeRequest, parse)
+from server.openai_schemas import (AUTH_ERRORS, ERRORS_400, ChatCompletionResponse, ChatCompletionStreamResponse,
+                                   CompletionResponse, CompletionStreamResponse, ErrorResponse, Health, ModelList,
+                                   TokenizeResponse, DetokenizeResponse, Version, generation_responses, install_openapi, request_body)
 from server.openai_serving import OpenAIServing, as_openai_error
 
 log = logging.getLogger("shuttle")
 VERSION = "0.1.0"
-OPEN_PATHS = ("/health", "/version")  # answered without the API key (load balancers' probes)
+# answered without the API key: load balancers' probes, and the API's description
+OPEN_PATHS = ("/health", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect")
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,8 @@ class _Guard:
 
 def _route(path: str) -> str:
     """The path as a metric label; unknown paths are one label, so scanners cannot grow the series."""
-    known = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/version")
+    known = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/version", "/tokenize",
+             "/detokenize")
     return path if path in known else "other"
 
 
@@ -166,11 +172,15 @@ def build_app(llm: AsyncLLM, cfg: ServerConfig, metrics: ServerMetrics) -> FastA
         if grpc_server is not None:
             await grpc_server.stop(grace=1.0)
 
-    app = FastAPI(title="Shuttle", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="Shuttle", version=VERSION, lifespan=lifespan, redoc_url=None,
+                  description="OpenAI-compatible API of the Shuttle MoE serving engine (vLLM's extras included).")
     app.add_middleware(_Guard, cfg=cfg, metrics=metrics)
     _add_error_handlers(app)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, CompletionStreamResponse,
+                          ChatCompletionStreamResponse, TokenizeRequest, DetokenizeRequest])
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses={200: {"model": Health},
+                                                         503: {"model": ErrorResponse, "description": "engine dead"}})
     async def health() -> Response:
         try:
             llm.check_alive()
@@ -178,32 +188,57 @@ def build_app(llm: AsyncLLM, cfg: ServerConfig, metrics: ServerMetrics) -> FastA
             raise OpenAIError(str(e), status=503, code="engine_dead") from None
         return JSONResponse({"status": "ok"})
 
-    @app.get("/version")
+    @app.get("/version", response_model=Version)
     async def version() -> dict:
         return {"version": VERSION}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={
+        200: {"description": "Prometheus text exposition format",
+              "content": {"text/plain": {"schema": {"type": "string"}}}}, **AUTH_ERRORS})
     async def prometheus() -> Response:
         body = await asyncio.get_running_loop().run_in_executor(None, metrics.render)  # reads the store
         return Response(body, media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return serving.models()
+    @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **AUTH_ERRORS})
+    async def models() -> JSONResponse:
+        return JSONResponse(serving.models())
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None, openapi_extra=request_body(CompletionRequest),
+              responses=generation_responses(CompletionResponse, CompletionStreamResponse))
     async def completions(request: Request) -> Response:
         req = parse(CompletionRequest, await request.body())
         job = serving.completion_job(req)
         return await _respond(request, serving, llm, job, req.stream, req)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None, openapi_extra=request_body(ChatCompletionRequest),
+              responses=generation_responses(ChatCompletionResponse, ChatCompletionStreamResponse))
     async def chat_completions(request: Request) -> Response:
         req = parse(ChatCompletionRequest, await request.body())
         job = serving.chat_job(req)
         return await _respond(request, serving, llm, job, req.stream, req)
 
+    @app.post("/tokenize", response_model=None, openapi_extra=request_body(TokenizeRequest),
+              responses={200: {"model": TokenizeResponse}, **ERRORS_400})
+    async def tokenize(request: Request) -> JSONResponse:
+        body = await request.body()
+        chat = _has_key(body, "messages")
+        return JSONResponse(serving.tokenize(parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)))
+
+    @app.post("/detokenize", response_model=None, openapi_extra=request_body(DetokenizeRequest),
+              responses={200: {"model": DetokenizeResponse}, **ERRORS_400})
+    async def detokenize(request: Request) -> JSONResponse:
+        return JSONResponse(serving.detokenize(parse(DetokenizeRequest, await request.body())))
+
     return app
+
+
+def _has_key(body: bytes, key: str) -> bool:
+    """Whether the body is a JSON object with `key` (which of a route's request shapes it is)."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return False  # parse() reports it
+    return isinstance(obj, dict) and key in obj
 
 
 async def _respond(request: Request, serving: OpenAIServing, llm: AsyncLLM, job, stream: bool, req) -> Response:

@@ -9,7 +9,7 @@ the field; every problem becomes an OpenAIError (HTTP 400 unless said otherwise)
 """
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, RootModel, ValidationError
 
 from attention_nodes.sampling_params import SamplingParams
 
@@ -31,6 +31,9 @@ class OpenAIError(Exception):
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    def check_supported(self) -> None:
+        """Raise OpenAIError for a combination of values the fields' types cannot refuse."""
 
 
 class StreamOptions(_Request):
@@ -170,7 +173,44 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def parse(cls: type[_Request], body: bytes) -> Any:
+class TokenizeCompletionRequest(_Request):
+    """vLLM's /tokenize of a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Request):
+    """vLLM's /tokenize of a conversation, rendered by the chat template."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        if not self.messages:
+            raise OpenAIError("messages must not be empty", param="messages")
+
+
+class TokenizeRequest(RootModel[TokenizeCompletionRequest | TokenizeChatRequest]):
+    """A prompt or a conversation (vLLM's /tokenize takes either)."""
+
+    def check_supported(self) -> None:
+        if isinstance(self.root, TokenizeChatRequest):
+            self.root.check_supported()
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse(cls: type[BaseModel], body: bytes) -> Any:
     """The request model from a raw JSON body; OpenAIError (400) naming the first bad field."""
     try:
         req = cls.model_validate_json(body)

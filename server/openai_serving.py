@@ -15,7 +15,8 @@ from typing import AsyncIterator
 
 from attention_nodes.sampling_params import SamplingParams
 from server.async_llm import AsyncLLM, QueueFullError
-from server.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from server.openai_protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+                                    OpenAIError, TokenizeChatRequest, TokenizeCompletionRequest)
 from server.outputs import CompletionOutput, RequestOutput
 
 DONE = "data: [DONE]\n\n"
@@ -50,6 +51,30 @@ class OpenAIServing:
                                             "owned_by": "shuttle", "root": str(self.llm.model_dir),
                                             "max_model_len": self.max_model_len}]}
 
+    def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
+        """vLLM's /tokenize: the prompt's (or the rendered conversation's) token ids."""
+        self.check_model(req.model)
+        if self.llm.tokenizer is None:
+            raise OpenAIError("this model has no tokenizer", param="prompt")
+        if isinstance(req, TokenizeChatRequest):
+            ids = self._render(req.messages, req.add_generation_prompt, req.continue_final_message,
+                               req.chat_template_kwargs)
+        else:
+            ids = self.llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        strs = self.llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict:
+        """vLLM's /detokenize: the text of token ids (special tokens kept)."""
+        self.check_model(req.model)
+        vocab = self.llm.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+        if self.llm.tokenizer is None:
+            raise OpenAIError("this model has no tokenizer", param="tokens")
+        return {"prompt": self.llm.tokenizer.decode(req.tokens)}
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise OpenAIError(f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
@@ -67,16 +92,22 @@ class OpenAIServing:
 
     def chat_job(self, req: ChatCompletionRequest) -> _Job:
         self.check_model(req.model)
-        messages = [m.as_template_input() for m in req.messages]
-        try:
-            _, ids = self.llm.render_chat(messages, req.add_generation_prompt, req.continue_final_message,
-                                          **(req.chat_template_kwargs or {}))
-        except ValueError as e:
-            raise OpenAIError(str(e), param="messages") from None
+        ids = self._render(req.messages, req.add_generation_prompt, req.continue_final_message,
+                           req.chat_template_kwargs)
         ids = self._check_prompt(ids, "messages")
         params = req.sampling_params(self._max_tokens(req.requested_max_tokens(), len(ids), "max_tokens"),
                                      req.requested_logprobs())
         return _Job("chat.completion", f"chatcmpl-{secrets.token_hex(12)}", self.model_name, [ids], params)
+
+    def _render(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
+                template_kwargs: dict | None, **extra) -> list[int]:
+        """The conversation's token ids, rendered by the chat template; 400 if the template refuses."""
+        try:
+            _, ids = self.llm.render_chat([m.as_template_input() for m in messages], add_generation_prompt,
+                                          continue_final_message, **{**(template_kwargs or {}), **extra})
+        except ValueError as e:
+            raise OpenAIError(str(e), param="messages") from None
+        return ids
 
     def _encode(self, prompt: str | list[int], param: str) -> list[int]:
         if isinstance(prompt, str):

@@ -1,0 +1,249 @@
+"""The API's responses as pydantic models, and the OpenAPI document built from them and the requests.
+
+These models document the wire format (`/openapi.json`, `/docs`) and are what schemathesis checks
+every response against; server/openai_serving.py builds the same shapes as plain dicts (cheaper per
+streamed chunk), so a field added there must be added here too. Requests are parsed by hand from
+the raw body (server/openai_protocol.py: strict JSON, OpenAI-shaped errors), so their schemas are
+attached to the routes with `request_body`, not through FastAPI's parameter binding.
+"""
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, Field
+from pydantic.json_schema import models_json_schema
+
+REF = "#/components/schemas/{model}"
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error: OpenAI's shape."""
+
+    error: ErrorBody
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    root: str | None = None
+    max_model_len: int = Field(description="the context length in tokens (prompt plus completion)")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens whose prefill the prefix cache skipped")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Per token of the text (the prompt's first when echoed): its text, log-probability (null for
+    the first prompt token, which has none), the top alternatives and the offset in the text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None, description="vLLM's prompt_logprobs: per prompt token {token id: logprob}; null for the first")
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionStreamResponse(BaseModel):
+    """One server-sent event of a streamed completion (`data: {...}`); the stream ends with `data: [DONE]`."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON object, in a string")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a tool call: the first delta of a call has its id, type and name; later ones
+    append to its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    """One server-sent event of a streamed chat completion; the stream ends with `data: [DONE]`."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class Version(BaseModel):
+    version: str
+
+
+def _error(description: str) -> dict:
+    return {"model": ErrorResponse, "description": description}
+
+
+ERRORS = {400: _error("invalid request: the message and `param` name what is wrong"),
+          401: _error("missing or wrong API key"), 404: _error("unknown model"),
+          413: _error("request body too large"), 500: _error("the engine failed"),
+          503: _error("too many requests waiting (with Retry-After), or the engine is dead")}
+AUTH_ERRORS = {k: ERRORS[k] for k in (401, 500)}
+ERRORS_400 = {k: ERRORS[k] for k in (400, 401, 404, 413, 500)}
+
+
+def generation_responses(full: type[BaseModel], chunk: type[BaseModel]) -> dict:
+    """The responses of a generation route: JSON, or server-sent events of `chunk` when stream is true."""
+    events = {"schema": {"type": "string", "description": f"server-sent events `data: <{chunk.__name__}>`, "
+                                                          "ending with `data: [DONE]`"}}
+    return {200: {"model": full, "content": {"text/event-stream": events}}, **ERRORS}
+
+
+def request_body(model: type[BaseModel]) -> dict:
+    """openapi_extra for a route that parses `model` from the raw body itself."""
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}}}}
+
+
+def install_openapi(app: FastAPI, extra_models: list[type[BaseModel]]) -> None:
+    """app.openapi() also carries the schemas of `extra_models` (the request bodies and stream
+    chunks, which no route parameter references) under components/schemas."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            _, defs = models_json_schema([(m, "validation") for m in extra_models], ref_template=REF)
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for name, schema in defs.get("$defs", {}).items():
+                schemas.setdefault(name, schema)
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
