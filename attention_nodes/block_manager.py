@@ -46,8 +46,9 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of seq's tokens (full blocks only, and never
-        all of them: the last token must be computed to get its logits). No side effects."""
-        if not self.enable_prefix_caching:
+        all of them: the last token must be computed to get its logits). No side effects. None for
+        a sequence that needs its prompt's logprobs: those come from computing every position."""
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
         hits, h, bs = [], None, self.block_size
         for i in range((seq.num_tokens - 1) // bs):

@@ -18,11 +18,12 @@ import torch
 
 from attention_nodes.block_manager import BlockManager
 from attention_nodes.config import EngineConfig
-from attention_nodes.model_runner import ModelRunner
+from attention_nodes.model_runner import ModelRunner, PromptLogits
 from attention_nodes.sampler import Sampler, SamplingRow
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import Scheduler
 from attention_nodes.sequence import Sequence
+from kernels.sampling import compute_logprobs
 from models.config import ModelConfig
 from models.dispatcher import Dispatcher
 
@@ -49,6 +50,7 @@ class SequenceDelta:
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # prompt tokens whose prefill the prefix cache skipped
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.. (params.prompt_logprobs), once
 
 
 class LLMEngine:
@@ -81,6 +83,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.check_prompt(prompt_token_ids)
+        check_params(params, self.model_cfg)
         max_tokens = min(params.max_tokens, self.model_cfg.max_model_len - len(ids))
         seqs = []
         for i in range(params.n):
@@ -139,7 +142,9 @@ class LLMEngine:
                 raise RuntimeError(f"the scheduler can run none of {len(self.scheduler.waiting)} waiting sequences "
                                    f"({self.blocks.num_free_blocks} free KV blocks)")
             return []
-        logits_RV = self.runner.execute(batch)
+        logits_RV, prompt_logits = self.runner.execute(batch)
+        if prompt_logits:
+            self._prompt_logprobs(batch, prompt_logits)
         self.scheduler.finish_computed(batch)
         sampled = [seq for seq, s in zip(batch.seqs, batch.sample) if s]
         out = self.sampler(logits_RV, [SamplingRow(s.params, self._prompt_if_needed(s), s.output_token_ids, s.generator)
@@ -157,10 +162,32 @@ class LLMEngine:
             reason, stop_reason = self._stop_reason(seq, tok)
             if reason:
                 self.scheduler.finish(seq, reason, stop_reason)
+            prompt_lps, seq.pending_prompt_logprobs = seq.pending_prompt_logprobs or None, []
             deltas.append(SequenceDelta(seq.request_id, seq.index, [tok], lp, reason, stop_reason,
-                                        seq.num_cached_prompt_tokens))
+                                        seq.num_cached_prompt_tokens, prompt_lps))
             self._forget_if_done(seq.request_id)
         return deltas
+
+    def _prompt_logprobs(self, batch, spans: list[PromptLogits]) -> None:
+        """Logprobs of the prompt tokens whose preceding position this step computed (one
+        log-softmax over all spans' rows); kept on the sequence until its next delta."""
+        targets, k = [], 0
+        for span in spans:
+            seq = batch.seqs[span.seq_index]
+            targets += seq.token_ids[span.start + 1:span.start + 1 + span.count]
+            k = max(k, seq.params.prompt_logprobs)
+        logits_NV = torch.cat([span.logits_NV for span in spans])[:, :self.model_cfg.vocab_size]
+        chosen, rank, top_lps, top_ids = (t.tolist() for t in compute_logprobs(
+            logits_NV, torch.tensor(targets, device=logits_NV.device), k))
+        row = 0
+        for span in spans:
+            seq = batch.seqs[span.seq_index]
+            kk = seq.params.prompt_logprobs
+            for r in range(row, row + span.count):
+                seq.pending_prompt_logprobs.append(
+                    TokenLogprobs(targets[r], chosen[r], rank[r], list(zip(top_ids[r][:kk], top_lps[r][:kk]))))
+            seq.num_prompt_logprobs = span.start + span.count
+            row += span.count
 
     def _stop_reason(self, seq: Sequence, tok: int) -> tuple[str | None, int | None]:
         p = seq.params
@@ -220,6 +247,14 @@ def default_eos_ids(model_dir: str | Path, model_cfg: ModelConfig) -> set[int]:
         if eos is not None:
             return set(eos if isinstance(eos, list) else [eos])
     return set(model_cfg.eos_token_ids)
+
+
+def check_params(params: SamplingParams, model_cfg: ModelConfig) -> None:
+    """ValueError naming the field if params name token ids outside the model's vocabulary."""
+    vocab = model_cfg.vocab_size
+    bad = [t for t in (params.logit_bias or {}) if t >= vocab]
+    if bad:
+        raise ValueError(f"logit_bias has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
 
 
 def check_prompt(prompt_token_ids: list[int], model_cfg: ModelConfig) -> list[int]:

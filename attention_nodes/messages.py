@@ -103,12 +103,20 @@ def params_from_wire(d: dict) -> SamplingParams:
     return SamplingParams(**d)
 
 
+def _encode_logprobs(lps: list[TokenLogprobs] | None) -> list | None:
+    return None if lps is None else [[t.token_id, t.logprob, t.rank, t.top] for t in lps]
+
+
+def _decode_logprobs(v: list | None) -> list[TokenLogprobs] | None:
+    return None if v is None else [TokenLogprobs(t, lp, r, [tuple(x) for x in top]) for t, lp, r, top in v]
+
+
 def encode_delta(d: SequenceDelta) -> list:
-    logprobs = None if d.new_logprobs is None else [[t.token_id, t.logprob, t.rank, t.top] for t in d.new_logprobs]
-    return [d.request_id, d.index, d.new_token_ids, logprobs, d.finish_reason, d.stop_reason, d.num_cached_tokens]
+    return [d.request_id, d.index, d.new_token_ids, _encode_logprobs(d.new_logprobs), d.finish_reason, d.stop_reason,
+            d.num_cached_tokens, _encode_logprobs(d.prompt_logprobs)]
 
 
 def decode_delta(v: list) -> SequenceDelta:
-    rid, index, ids, logprobs, finish, stop, cached = v
-    lps = None if logprobs is None else [TokenLogprobs(t, lp, r, [tuple(x) for x in top]) for t, lp, r, top in logprobs]
-    return SequenceDelta(rid, index, ids, lps, finish, stop, cached)
+    rid, index, ids, logprobs, finish, stop, cached, prompt_logprobs = v
+    return SequenceDelta(rid, index, ids, _decode_logprobs(logprobs), finish, stop, cached,
+                         _decode_logprobs(prompt_logprobs))

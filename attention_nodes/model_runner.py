@@ -3,6 +3,7 @@
 An attention worker's compute core. It sees token ids only (never text).
 """
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +18,21 @@ from models.loader import load_model
 log = logging.getLogger("shuttle")
 CPU_DEFAULT_KV_GIB = 2.0
 CUDA_MEMORY_FRACTION = 0.85  # of the memory left free after the weights
+
+
+@dataclass
+class PromptLogits:
+    """Logits of prompt positions start .. start + count - 1 of the batch's sequence seq_index
+    (position p's logits give the logprob of prompt token p + 1). logits_NV: float32 (count, V)."""
+
+    seq_index: int
+    start: int
+    logits_NV: torch.Tensor | None = None
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if self.logits_NV is not None:
+            self.count = self.logits_NV.shape[0]
 
 
 class ModelRunner:
@@ -70,15 +86,26 @@ class ModelRunner:
         return blocks
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Compute the batch's scheduled tokens; returns float32 logits (R, V) of the last token of
-        each sequence whose batch.sample flag is set, in batch order."""
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[PromptLogits]]:
+        """Compute the batch's scheduled tokens. Returns float32 logits (R, V) of the last token of
+        each sequence whose batch.sample flag is set, in batch order, and the logits of the prompt
+        positions of this step for the sequences that need their prompt's logprobs."""
         inputs = [None if not group else self._prepare(batch, group)
                   for group in split_micro_batches(batch.num_new_tokens, self.micro_batches)]
         # Each micro-batch's LM head runs as soon as its last layer is combined (overlapping the
         # experts of the next micro-batch's last layer).
         logits = self._forward(inputs, lambda i, h_TD: self.model.logits(h_TD[inputs[i][2]]))
-        return torch.cat([lg for lg, inp in zip(logits, inputs) if inp is not None])
+        sampled, prompt = [], []
+        for lg, inp in zip(logits, inputs):
+            if inp is None:
+                continue
+            n_sampled = len(inp[2]) - sum(span.count for span in inp[3])
+            sampled.append(lg[:n_sampled])
+            offset = n_sampled
+            for span in inp[3]:
+                prompt.append(PromptLogits(span.seq_index, span.start, lg[offset:offset + span.count]))
+                offset += span.count
+        return torch.cat(sampled), prompt
 
     @torch.inference_mode()
     def idle_step(self) -> None:
@@ -94,18 +121,27 @@ class ModelRunner:
             dispatcher.end_step()
             self.num_executed += 1
 
-    def _prepare(self, batch: ScheduledBatch, group: range) -> tuple[torch.Tensor, AttentionBatch, torch.Tensor]:
-        """(input ids, AttentionBatch, rows to sample) of the sequences `group` of the batch."""
+    def _prepare(self, batch: ScheduledBatch, group: range) -> tuple[torch.Tensor, AttentionBatch, torch.Tensor, list]:
+        """(input ids, AttentionBatch, rows to compute logits of, prompt spans) of the sequences
+        `group` of the batch: the rows are the sampled sequences' last tokens, then the prompt
+        positions of each PromptLogits span (sequences that need their prompt's logprobs)."""
         seqs, q_lens = batch.seqs[group.start:group.stop], batch.num_new_tokens[group.start:group.stop]
-        ctx_lens, ids = [], []
-        for seq, n in zip(seqs, q_lens):
+        ctx_lens, ids, spans, prompt_rows, offset = [], [], [], [], 0
+        for i, (seq, n) in enumerate(zip(seqs, q_lens)):
             ctx_lens.append(seq.num_computed_tokens)
             ids.extend(seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n])
+            if seq.needs_prompt_logprobs:  # positions whose next token is a prompt token
+                start = max(seq.num_computed_tokens, seq.num_prompt_logprobs)
+                count = min(seq.num_computed_tokens + n, seq.num_prompt_tokens - 1) - start
+                if count > 0:
+                    spans.append(PromptLogits(group.start + i, start, count=count))
+                    prompt_rows.append(torch.arange(count) + offset + start - seq.num_computed_tokens)
+            offset += n
         attn = AttentionBatch.build_paged(q_lens, ctx_lens, [s.block_table for s in seqs], self.block_size,
                                           self.device)
         ends = torch.tensor(q_lens).cumsum(0) - 1
-        rows = ends[torch.tensor(batch.sample[group.start:group.stop], dtype=torch.bool)]
-        return torch.tensor(ids, dtype=torch.long, device=self.device), attn, rows.to(self.device)
+        rows = torch.cat([ends[torch.tensor(batch.sample[group.start:group.stop], dtype=torch.bool)], *prompt_rows])
+        return torch.tensor(ids, dtype=torch.long, device=self.device), attn, rows.to(self.device), spans
 
 
 def split_micro_batches(num_tokens: list[int], m: int) -> list[range]:

@@ -1,6 +1,6 @@
 """Sampler: turns one step's sequences into tensors once and picks their next tokens.
 
-Per step, as vLLM: raw logits (logprobs are taken from these) -> min_tokens bans -> penalties ->
+Per step, as vLLM: raw logits (logprobs are taken from these) -> min_tokens bans -> logit_bias -> penalties ->
 greedy argmax, or temperature -> top-k / min-p / top-p -> draw. Work no row needs is skipped: no
 penalty tensors when every row is neutral, argmax only for an all-greedy batch, no sort without
 a filter, no logprobs unless a row asked.
@@ -61,7 +61,7 @@ class Sampler:
             raise ValueError(f"logits must be ({len(rows)}, >= {self.vocab_size}) for {len(rows)} rows, "
                              f"got {tuple(logits_BV.shape)}")
         raw_BV = logits_BV[:, :self.vocab_size].float()
-        logits_BV = self._penalise(self._ban_early_stops(raw_BV, rows), rows)
+        logits_BV = self._penalise(self._bias(self._ban_early_stops(raw_BV, rows), rows), rows)
         token_ids_B = self._pick(logits_BV, rows)
         return self._output(raw_BV, token_ids_B, rows)
 
@@ -80,6 +80,21 @@ class Sampler:
         device = logits_BV.device
         return logits_BV.index_put((torch.tensor(row_idx, device=device), torch.tensor(tok_idx, device=device)),
                                    torch.tensor(float("-inf"), device=device))
+
+    def _bias(self, logits_BV: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Add each row's logit_bias (one index_put over the whole batch)."""
+        row_idx, tok_idx, values = [], [], []
+        for b, row in enumerate(rows):
+            for tok, bias in (row.params.logit_bias or {}).items():
+                if tok < self.vocab_size:
+                    row_idx.append(b)
+                    tok_idx.append(tok)
+                    values.append(bias)
+        if not row_idx:
+            return logits_BV
+        device = logits_BV.device
+        return logits_BV.index_put((torch.tensor(row_idx, device=device), torch.tensor(tok_idx, device=device)),
+                                   torch.tensor(values, dtype=logits_BV.dtype, device=device), accumulate=True)
 
     def _penalise(self, logits_BV: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Apply presence / frequency / repetition penalties to the rows whose values are not neutral."""

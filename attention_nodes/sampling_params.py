@@ -30,6 +30,11 @@ class SamplingParams:
     skip_special_tokens: leave special tokens out of the detokenized text.
     min_tokens: the end-of-sequence and stop_token_ids are banned until this many tokens were
         generated (>= 0, at most max_tokens).
+    logit_bias: token id -> value in [-100, 100] added to its logit before sampling (-100 bans the
+        token in practice, +100 forces it); ids beyond the vocabulary are refused by the engine.
+    prompt_logprobs: also return the log-probability of every prompt token after the first (and
+        this many most likely alternatives, 0 to MAX_LOGPROBS); None returns none. The first
+        sample computes them, so its prompt skips the prefix cache.
     """
 
     max_tokens: int = 16
@@ -49,6 +54,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,6 +93,15 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, low=0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a map of token id to bias, got {self.logit_bias!r}")
+            for tid, bias in self.logit_bias.items():
+                _check_int("logit_bias", tid, low=0)
+                _check_float(f"logit_bias[{tid}]", bias, low=-100.0, high=100.0)
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:

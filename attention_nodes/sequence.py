@@ -39,6 +39,15 @@ class Sequence:
     num_admissions: int = 0  # times scheduled from waiting (more than one after a preemption)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+    num_prompt_logprobs: int = 0  # prompt positions whose next token's logprob was computed
+    pending_prompt_logprobs: list = field(default_factory=list)  # engine.TokenLogprobs, sent with the next delta
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """The first sample computes the prompt's logprobs (the others would read the same ones),
+        until every prompt token after the first has one; until then no prefix-cache hit."""
+        return self.params.prompt_logprobs is not None and self.index == 0 and \
+            self.num_prompt_logprobs < self.num_prompt_tokens - 1
 
     @property
     def num_tokens(self) -> int:

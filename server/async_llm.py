@@ -292,4 +292,4 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
     outputs = [replace(o, token_ids=list(o.token_ids), logprobs=None if o.logprobs is None else list(o.logprobs))
                for o in out.outputs]
     return RequestOutput(out.prompt, out.prompt_token_ids, outputs, out.finished, out.request_id,
-                         out.num_cached_tokens)
+                         out.num_cached_tokens, None if out.prompt_logprobs is None else list(out.prompt_logprobs))

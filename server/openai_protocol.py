@@ -64,14 +64,15 @@ class _Sampling(_Request):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise OpenAIError("logit_bias is not supported", param="logit_bias")
+        if self.logit_bias and not all(k.isdigit() and k.isascii() for k in self.logit_bias):
+            raise OpenAIError("logit_bias keys must be token ids (strings of digits)", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams (defaults where a field is null); its ValueError names the bad field."""
         set_ = {k: v for k, v in dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                       min_p=self.min_p, presence_penalty=self.presence_penalty,
@@ -82,9 +83,12 @@ class _Sampling(_Request):
                                   stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
                                   logprobs=logprobs, min_tokens=self.min_tokens,
                                   include_stop_str_in_output=self.include_stop_str_in_output,
-                                  skip_special_tokens=self.skip_special_tokens, **set_)
+                                  skip_special_tokens=self.skip_special_tokens,
+                                  logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()} or None,
+                                  prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                                  **set_)
         except ValueError as e:
-            raise OpenAIError(str(e), param=str(e).split(" ", 1)[0].removesuffix("[]")) from None
+            raise OpenAIError(str(e), param=str(e).split(" ", 1)[0].split("[")[0]) from None
 
     @property
     def include_usage(self) -> bool:
@@ -105,10 +109,12 @@ class CompletionRequest(_Sampling):
             raise OpenAIError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise OpenAIError("best_of other than n is not supported", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise OpenAIError("echo with logprobs (prompt logprobs) is not supported", param="echo")
         if isinstance(self.prompt, list) and not self.prompt:
             raise OpenAIError("prompt must not be empty", param="prompt")
+
+    def echo_logprobs(self) -> int | None:
+        """With echo and logprobs, the prompt's tokens come with logprobs too (OpenAI's legacy API)."""
+        return self.logprobs if self.echo and self.logprobs is not None else None
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt of the batch: text, or token ids."""

@@ -146,6 +146,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None, description="vLLM's prompt_logprobs of the rendered conversation, when asked for")
 
 
 class FunctionCallDelta(BaseModel):

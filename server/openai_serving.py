@@ -13,13 +13,15 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from attention_nodes.engine import check_params
 from attention_nodes.sampling_params import SamplingParams
 from server.async_llm import AsyncLLM, QueueFullError
 from server.openai_protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                     OpenAIError, TokenizeChatRequest, TokenizeCompletionRequest)
-from server.outputs import CompletionOutput, RequestOutput
+from server.outputs import CompletionOutput, Logprob, RequestOutput
 
 DONE = "data: [DONE]\n\n"
+MIN_LOGPROB = -9999.0
 
 
 @dataclass
@@ -32,6 +34,8 @@ class _Job:
     prompts: list[list[int]]
     params: SamplingParams
     echo: list[str] | None = None  # completions with echo: each prompt's text
+    echo_logprobs: bool = False  # completions with echo and logprobs: the prompt's logprobs lead
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the response
     created: int = field(default_factory=lambda: int(time.time()))
 
     def index(self, prompt: int, sample: int) -> int:
@@ -85,10 +89,12 @@ class OpenAIServing:
         self.check_model(req.model)
         prompts = [self._encode(p, "prompt") for p in req.prompts()]
         max_tokens = min(self._max_tokens(req.max_tokens, len(ids), "max_tokens") for ids in prompts)
-        params = req.sampling_params(max_tokens, req.logprobs)
+        params = req.sampling_params(max_tokens, req.logprobs, _max_or_none(req.prompt_logprobs, req.echo_logprobs()))
+        self._check_params(params)
         echo = [self._decode(ids) if not isinstance(p, str) else p for p, ids in zip(req.prompts(), prompts)] \
             if req.echo else None
-        return _Job("text_completion", f"cmpl-{secrets.token_hex(12)}", self.model_name, prompts, params, echo)
+        return _Job("text_completion", f"cmpl-{secrets.token_hex(12)}", self.model_name, prompts, params, echo,
+                    req.echo_logprobs() is not None, req.prompt_logprobs is not None)
 
     def chat_job(self, req: ChatCompletionRequest) -> _Job:
         self.check_model(req.model)
@@ -97,7 +103,9 @@ class OpenAIServing:
         ids = self._check_prompt(ids, "messages")
         params = req.sampling_params(self._max_tokens(req.requested_max_tokens(), len(ids), "max_tokens"),
                                      req.requested_logprobs())
-        return _Job("chat.completion", f"chatcmpl-{secrets.token_hex(12)}", self.model_name, [ids], params)
+        self._check_params(params)
+        return _Job("chat.completion", f"chatcmpl-{secrets.token_hex(12)}", self.model_name, [ids], params,
+                    prompt_logprobs=req.prompt_logprobs is not None)
 
     def _render(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
                 template_kwargs: dict | None, **extra) -> list[int]:
@@ -108,6 +116,12 @@ class OpenAIServing:
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from None
         return ids
+
+    def _check_params(self, params: SamplingParams) -> None:
+        try:
+            check_params(params, self.llm.model_config)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=str(e).split(" ", 1)[0]) from None
 
     def _encode(self, prompt: str | list[int], param: str) -> list[int]:
         if isinstance(prompt, str):
@@ -173,9 +187,12 @@ class OpenAIServing:
         choices = []
         for i in range(len(job.prompts)):
             for c in final[i].outputs:
-                choices.append(self._choice(job, i, c, c.text, c.token_ids, c.logprobs or [], full=True))
-        return {"id": job.id, "object": job.kind, "created": job.created, "model": job.model, "choices": choices,
+                choices.append(self._choice(job, final[i], c, c.text, c.token_ids, c.logprobs or [], full=True))
+        body = {"id": job.id, "object": job.kind, "created": job.created, "model": job.model, "choices": choices,
                 "usage": _usage(job, final.values())}
+        if job.prompt_logprobs and job.kind == "chat.completion":  # vLLM: beside the choices
+            body["prompt_logprobs"] = _prompt_logprobs(final[0].prompt_logprobs)
+        return body
 
     async def stream(self, job: _Job, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
         """Server-sent events of the job; the caller cancels it when the client goes away."""
@@ -199,7 +216,7 @@ class OpenAIServing:
                     started.add(index)
                     if c.finished:
                         ended.add(index)
-                    choices.append(self._choice(job, i, c, text, c.delta_token_ids, lps, full=False, first=first))
+                    choices.append(self._choice(job, out, c, text, c.delta_token_ids, lps, full=False, first=first))
                 for choice in choices:  # one choice per chunk, as OpenAI and vLLM send them
                     chunk = {"id": job.id, "object": chunk_kind, "created": job.created, "model": job.model,
                              "choices": [choice]}
@@ -213,10 +230,16 @@ class OpenAIServing:
             yield _sse(e.body())
         yield DONE
 
-    def _choice(self, job: _Job, prompt: int, c: CompletionOutput, text: str, token_ids: list[int],
+    def _choice(self, job: _Job, out: RequestOutput, c: CompletionOutput, text: str, token_ids: list[int],
                 logprobs: list, full: bool, first: bool = False) -> dict:
+        """One choice of a response (full) or of a chunk (its deltas; first: the choice's first chunk)."""
+        prompt = int(out.request_id.rsplit("-", 1)[1])
         index = job.index(prompt, c.index)
         lp = None
+        if job.echo_logprobs and (full or first):  # the echoed prompt's tokens lead the logprobs
+            head = {out.prompt_token_ids[0]: Logprob(None, None, self._decode(out.prompt_token_ids[:1]))}
+            token_ids = out.prompt_token_ids + token_ids
+            logprobs = [head] + (out.prompt_logprobs or [None])[1:] + logprobs
         if job.params.logprobs is not None:
             lp = _chat_logprobs(token_ids, logprobs, job.params.logprobs) if job.kind == "chat.completion" else \
                 _completion_logprobs(token_ids, logprobs, job.params.logprobs)
@@ -229,8 +252,16 @@ class OpenAIServing:
                     "stop_reason": c.stop_reason}
         if full and job.echo is not None:
             text = job.echo[prompt] + text
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                  "stop_reason": c.stop_reason}
+        if job.prompt_logprobs and (full or first):
+            choice["prompt_logprobs"] = _prompt_logprobs(out.prompt_logprobs)
+        return choice
+
+
+def _max_or_none(*values: int | None) -> int | None:
+    given = [v for v in values if v is not None]
+    return max(given) if given else None
 
 
 def _sse(obj: dict) -> str:
@@ -252,14 +283,31 @@ def _ranked(entry: dict, k: int) -> list:
                   key=lambda kv: kv[1].rank)[:k]
 
 
+def _finite(logprob: float) -> float:
+    """JSON has no -Infinity: a banned token's logprob is reported as vLLM does."""
+    return max(logprob, MIN_LOGPROB)
+
+
+def _prompt_logprobs(entries: list[dict | None] | None) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token {token id: {logprob, rank, decoded_token}}, null first."""
+    return [None if e is None else {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in e.items()}
+            for e in entries or []]
+
+
 def _completion_logprobs(token_ids: list[int], logprobs: list[dict], k: int) -> dict:
+    """OpenAI's legacy logprobs; a Logprob of None (the echoed prompt's first token) gives nulls."""
     tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
     for tid, entry in zip(token_ids, logprobs):
         chosen = entry[tid]
         text = chosen.decoded_token or ""
         tokens.append(text)
-        token_lps.append(chosen.logprob)
-        tops.append({(lp.decoded_token or ""): lp.logprob for _, lp in _ranked(entry, k)} if k else None)
+        if chosen.logprob is None:  # the first prompt token: nothing predicts it
+            token_lps.append(None)
+            tops.append(None)
+        else:
+            token_lps.append(_finite(chosen.logprob))
+            tops.append({(lp.decoded_token or ""): _finite(lp.logprob) for _, lp in _ranked(entry, k)} if k else None)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -268,7 +316,7 @@ def _completion_logprobs(token_ids: list[int], logprobs: list[dict], k: int) -> 
 def _chat_logprobs(token_ids: list[int], logprobs: list[dict], k: int) -> dict:
     def item(lp) -> dict:
         text = lp.decoded_token or ""
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": _finite(lp.logprob), "bytes": list(text.encode("utf-8"))}
 
     return {"content": [{**item(entry[tid]), "top_logprobs": [item(lp) for _, lp in _ranked(entry, k)]}
                         for tid, entry in zip(token_ids, logprobs)]}

@@ -10,7 +10,7 @@ from server.detokenizer import IncrementalDetokenizer
 
 @dataclass
 class Logprob:
-    logprob: float
+    logprob: float | None  # None only for an echoed prompt's first token, which nothing predicts
     rank: int | None = None  # 1 = the most likely token
     decoded_token: str | None = None
 
@@ -43,6 +43,9 @@ class RequestOutput:
     finished: bool = True
     request_id: str = ""
     num_cached_tokens: int = 0  # prompt tokens whose prefill the prefix cache skipped
+    # with params.prompt_logprobs: per prompt token, its Logprob and the top alternatives' (None
+    # for the first token, which nothing predicts), as vLLM's RequestOutput.prompt_logprobs
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class RequestTracker:
@@ -72,10 +75,11 @@ class RequestTracker:
         self.output.num_cached_tokens = max(self.output.num_cached_tokens, delta.num_cached_tokens)
         out.delta_token_ids = out.delta_token_ids + list(delta.new_token_ids)  # a new list: snapshots keep theirs
         if out.logprobs is not None and delta.new_logprobs:
-            for lp in delta.new_logprobs:
-                entry = {tid: Logprob(v, i + 1, self._piece(tid)) for i, (tid, v) in enumerate(lp.top)}
-                entry[lp.token_id] = Logprob(lp.logprob, lp.rank, self._piece(lp.token_id))
-                out.logprobs.append(entry)
+            out.logprobs += [self._entry(lp) for lp in delta.new_logprobs]
+        if delta.prompt_logprobs:
+            if self.output.prompt_logprobs is None:
+                self.output.prompt_logprobs = [None]
+            self.output.prompt_logprobs += [self._entry(lp) for lp in delta.prompt_logprobs]
         stop = detok.add_tokens(delta.new_token_ids) if detok is not None and delta.new_token_ids else None
         if stop is not None:
             out.finish_reason, out.stop_reason = "stop", stop
@@ -92,6 +96,12 @@ class RequestTracker:
         token in the next step (finished, preempted) then has an empty delta, not a stale one."""
         for o in self.output.outputs:
             o.delta_text, o.delta_token_ids = "", []
+
+    def _entry(self, lp) -> dict[int, Logprob]:
+        """One position's engine.TokenLogprobs as {token id: Logprob}: the top alternatives, then the chosen one."""
+        entry = {tid: Logprob(v, i + 1, self._piece(tid)) for i, (tid, v) in enumerate(lp.top)}
+        entry[lp.token_id] = Logprob(lp.logprob, lp.rank, self._piece(lp.token_id))
+        return entry
 
     def _piece(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
