@@ -127,6 +127,6 @@ def _pack_for_cpu(experts: dict) -> dict:
     from models.cpu_inference import PackedExperts
 
     some = next(iter(experts.values()))
-    if not packing_available() or some.w13.dtype not in (torch.float32, torch.bfloat16):
+    if not packing_available(some.w13.dtype):
         return experts
     return {layer: PackedExperts(m) for layer, m in experts.items()}

@@ -15,7 +15,7 @@ from typing import AsyncIterator
 
 from attention_nodes.engine import check_params
 from attention_nodes.sampling_params import SamplingParams
-from server.async_llm import AsyncLLM, QueueFullError
+from server.async_llm import Admission, AsyncLLM, QueueFullError
 from server.openai_protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                     OpenAIError, TokenizeChatRequest, TokenizeCompletionRequest)
 from server.outputs import CompletionOutput, Logprob, RequestOutput
@@ -37,6 +37,7 @@ class _Job:
     echo_logprobs: bool = False  # completions with echo and logprobs: the prompt's logprobs lead
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the response
     created: int = field(default_factory=lambda: int(time.time()))
+    admission: Admission | None = None  # the prompts' places in the waiting queue, reserved up front
 
     def index(self, prompt: int, sample: int) -> int:
         return prompt * self.params.n + sample
@@ -160,7 +161,8 @@ class OpenAIServing:
 
         async def run(i: int) -> None:
             try:
-                async for out in self.llm.generate(job.prompts[i], job.params, request_id=f"{job.id}-{i}"):
+                async for out in self.llm.generate(job.prompts[i], job.params, request_id=f"{job.id}-{i}",
+                                                 admission=job.admission):
                     q.put_nowait((i, out))
             except BaseException as e:
                 q.put_nowait((i, e))
