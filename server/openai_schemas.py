@@ -222,10 +222,16 @@ ERRORS_400 = {k: ERRORS[k] for k in (400, 401, 404, 413, 500)}
 
 
 def generation_responses(full: type[BaseModel], chunk: type[BaseModel]) -> dict:
-    """The responses of a generation route: JSON, or server-sent events of `chunk` when stream is true."""
-    events = {"schema": {"type": "string", "description": f"server-sent events `data: <{chunk.__name__}>`, "
-                                                          "ending with `data: [DONE]`"}}
-    return {200: {"model": full, "content": {"text/event-stream": events}}, **ERRORS}
+    """The responses of a generation route: JSON, or server-sent events of `chunk` when stream is
+    true. The event-stream schema describes one event (OpenAPI 3.1): its data is a chunk as JSON,
+    an error body, or the closing [DONE]."""
+    chunk_data = {"type": "string", "contentMediaType": "application/json",
+                  "contentSchema": {"anyOf": [{"$ref": REF.format(model=chunk.__name__)},
+                                              {"$ref": REF.format(model="ErrorResponse")}]}}
+    event = {"type": "object", "required": ["data"], "description": f"`data: <{chunk.__name__} as JSON>` per "
+             "event, an error body if the engine fails mid-stream, and `data: [DONE]` last",
+             "properties": {"data": {"anyOf": [{"const": "[DONE]"}, chunk_data]}}}
+    return {200: {"model": full, "content": {"text/event-stream": {"schema": event}}}, **ERRORS}
 
 
 def request_body(model: type[BaseModel]) -> dict:

@@ -2,8 +2,11 @@
 operation of a live `shuttle serve` and checks each response (no server error, status code, content
 type and body all as documented). Bounded in examples and time so the module takes about a minute.
 """
+import json
+
 import httpx
 import hypothesis
+import jsonschema
 import pytest
 import schemathesis
 from schemathesis.checks import not_a_server_error
@@ -63,6 +66,22 @@ def test_every_operation_answers_as_documented(api_schema, method, path):
         case.call_and_validate(checks=CHECKS, timeout=30)
 
     check()
+
+
+@pytest.mark.parametrize("path,body,name", [
+    ("/v1/completions", {"prompt": "a", "n": 2, "logprobs": 2, "echo": True}, "CompletionStreamResponse"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2,
+                              "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "ChatCompletionStreamResponse")])
+def test_stream_chunks_match_their_schema(server, path, body, name):
+    """schemathesis sees each event's data as a string; the chunks inside are checked here."""
+    doc = httpx.get(f"{server.url}/openapi.json").json()
+    validator = jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", **doc})
+    with httpx.stream("POST", f"{server.url}{path}", json={**body, "stream": True, "max_tokens": 4}) as r:
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) > 3
+    for data in events[:-1]:
+        validator.validate(json.loads(data))
 
 
 def test_the_fuzz_reached_generation(server):
