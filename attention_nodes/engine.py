@@ -23,6 +23,7 @@ from attention_nodes.sampler import Sampler, SamplingRow
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import Scheduler
 from attention_nodes.sequence import Sequence
+from attention_nodes.structured import GrammarCache
 from kernels.sampling import compute_logprobs
 from models.config import ModelConfig
 from models.dispatcher import Dispatcher
@@ -67,6 +68,7 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg.scheduler, self.blocks)
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else default_eos_ids(cfg.model, self.model_cfg))
         self.sampler = Sampler(self.model_cfg.vocab_size, self.eos_token_ids)
+        self._grammars: GrammarCache | None = None  # made with the first structured request
         self.requests: dict[str, list[Sequence]] = {}
         # Samples 1..n-1 of a request wait here until sample 0 has computed (and the prefix cache
         # registered) the prompt's blocks, so they share those blocks instead of each prefilling them.
@@ -90,7 +92,8 @@ class LLMEngine:
             gen = None
             if params.seed is not None:
                 gen = torch.Generator(device=self.runner.device).manual_seed((params.seed + i) % 2 ** 64)
-            seqs.append(Sequence(request_id, i, list(ids), len(ids), params, max_tokens, next(self._arrival), gen))
+            seqs.append(Sequence(request_id, i, list(ids), len(ids), params, max_tokens, next(self._arrival), gen,
+                                 grammar=self._matcher(params)))
         self.scheduler.add(seqs[0])  # checks the cache can ever hold it (the others are the same size)
         if len(seqs) > 1 and self.cfg.cache.enable_prefix_caching and len(ids) > self.blocks.block_size:
             self._held[request_id] = seqs[1:]
@@ -98,6 +101,19 @@ class LLMEngine:
             for seq in seqs[1:]:
                 self.scheduler.add(seq)
         self.requests[request_id] = seqs
+
+    def _matcher(self, params: SamplingParams):
+        """A grammar matcher for a structured request (None otherwise); ValueError for a bad spec."""
+        if params.structured_outputs is None:
+            return None
+        if self._grammars is None:
+            from transformers import AutoTokenizer
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(self.cfg.model), local_files_only=True)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"structured_outputs need the checkpoint's tokenizer: {e}") from None
+            self._grammars = GrammarCache(tokenizer, self.model_cfg.vocab_size, self.eos_token_ids)
+        return self._grammars.matcher(params.structured_outputs)
 
     def check_prompt(self, prompt_token_ids: list[int]) -> list[int]:
         """The prompt as a list; ValueError if it is empty, has ids outside the vocabulary, or leaves
@@ -120,6 +136,7 @@ class LLMEngine:
         """Replace the end-of-sequence ids (stop conditions and min_tokens bans)."""
         self.eos_token_ids = set(ids)
         self.sampler = Sampler(self.model_cfg.vocab_size, self.eos_token_ids)
+        self._grammars = None  # a finished grammar allows the end-of-sequence ids
 
     def wake(self) -> None:
         """Interface of the pool front (server/pools.py): end a waiting `step`. This engine's steps
@@ -147,8 +164,8 @@ class LLMEngine:
             self._prompt_logprobs(batch, prompt_logits)
         self.scheduler.finish_computed(batch)
         sampled = [seq for seq, s in zip(batch.seqs, batch.sample) if s]
-        out = self.sampler(logits_RV, [SamplingRow(s.params, self._prompt_if_needed(s), s.output_token_ids, s.generator)
-                                       for s in sampled])
+        out = self.sampler(logits_RV, [SamplingRow(s.params, self._prompt_if_needed(s), s.output_token_ids, s.generator,
+                                                   s.grammar) for s in sampled])
         self.num_steps += 1
         self.num_prefill_tokens += sum(n for n, s in zip(batch.num_new_tokens, batch.seqs) if n > 1)
         deltas = []
@@ -191,6 +208,10 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence, tok: int) -> tuple[str | None, int | None]:
         p = seq.params
+        if seq.grammar is not None:
+            seq.grammar.accept_token(tok)
+            if seq.grammar.is_terminated():  # the grammar is complete and took its end token
+                return "stop", None
         if seq.num_output_tokens > p.min_tokens:  # the sampler banned these ids before that
             if tok in self.eos_token_ids and not p.ignore_eos:
                 return "stop", None

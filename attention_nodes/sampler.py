@@ -1,6 +1,6 @@
 """Sampler: turns one step's sequences into tensors once and picks their next tokens.
 
-Per step, as vLLM: raw logits (logprobs are taken from these) -> min_tokens bans -> logit_bias -> penalties ->
+Per step, as vLLM: raw logits (logprobs are taken from these) -> min_tokens bans -> logit_bias -> penalties -> grammar masks (structured outputs) ->
 greedy argmax, or temperature -> top-k / min-p / top-p -> draw. Work no row needs is skipped: no
 penalty tensors when every row is neutral, argmax only for an all-greedy batch, no sort without
 a filter, no logprobs unless a row asked.
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from attention_nodes.sampling_params import SamplingParams
+from attention_nodes.structured import apply_grammar_masks
 from kernels.sampling import apply_penalties, compute_logprobs, sample, token_counts
 
 
@@ -24,6 +25,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated so far (penalties, min_tokens)
     generator: torch.Generator | None = None
+    grammar: object | None = None  # xgrammar GrammarMatcher: only tokens it allows may be picked
 
 
 @dataclass
@@ -62,6 +64,10 @@ class Sampler:
                              f"got {tuple(logits_BV.shape)}")
         raw_BV = logits_BV[:, :self.vocab_size].float()
         logits_BV = self._penalise(self._bias(self._ban_early_stops(raw_BV, rows), rows), rows)
+        if any(r.grammar is not None for r in rows):
+            if logits_BV is raw_BV:  # masked in place: keep the raw logits for logprobs
+                logits_BV = logits_BV.clone()
+            apply_grammar_masks(logits_BV, [r.grammar for r in rows], self.vocab_size)
         token_ids_B = self._pick(logits_BV, rows)
         return self._output(raw_BV, token_ids_B, rows)
 

@@ -2,6 +2,8 @@
 import math
 from dataclasses import dataclass, field
 
+from attention_nodes.structured import KINDS, StructuredOutputs
+
 MAX_LOGPROBS = 20  # most alternatives a request may ask for, as OpenAI and vLLM's default
 MAX_N = 128  # most samples per prompt, as OpenAI's limit
 
@@ -35,6 +37,9 @@ class SamplingParams:
     prompt_logprobs: also return the log-probability of every prompt token after the first (and
         this many most likely alternatives, 0 to MAX_LOGPROBS); None returns none. The first
         sample computes them, so its prompt skips the prefix cache.
+    structured_outputs: a grammar the output must match (attention_nodes/structured.py); a dict
+        {"kind", "spec"} is taken too (the wire form). Its spec is checked when the engine
+        compiles it (StructuredOutputs.check checks it up front).
     """
 
     max_tokens: int = 16
@@ -56,6 +61,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -102,6 +108,12 @@ class SamplingParams:
                 _check_int("logit_bias", tid, low=0)
                 _check_float(f"logit_bias[{tid}]", bias, low=-100.0, high=100.0)
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs) or self.structured_outputs.kind not in KINDS:
+                raise ValueError(f"structured_outputs must be a StructuredOutputs of kind {'/'.join(KINDS)}, "
+                                 f"got {self.structured_outputs!r}")
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:

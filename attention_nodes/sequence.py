@@ -39,6 +39,7 @@ class Sequence:
     num_admissions: int = 0  # times scheduled from waiting (more than one after a preemption)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+    grammar: object | None = None  # xgrammar GrammarMatcher of params.structured_outputs
     num_prompt_logprobs: int = 0  # prompt positions whose next token's logprob was computed
     pending_prompt_logprobs: list = field(default_factory=list)  # engine.TokenLogprobs, sent with the next delta
 

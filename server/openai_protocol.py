@@ -7,11 +7,13 @@ repetition_penalty, ignore_eos, stop_token_ids, min_tokens, ...) are accepted be
 clients written for vLLM work unchanged. Ranges are checked by SamplingParams, whose errors name
 the field; every problem becomes an OpenAIError (HTTP 400 unless said otherwise).
 """
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, RootModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 
 from attention_nodes.sampling_params import SamplingParams
+from attention_nodes.structured import StructuredOutputs
 
 
 class OpenAIError(Exception):
@@ -41,6 +43,30 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
+class JsonSchemaFormat(_Request):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: text (no constraint), any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Request):
+    """vLLM's structured_outputs: exactly one of the constraints."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Sampling(_Request):
     """The sampling fields both endpoints share (OpenAI's, then vLLM's extras)."""
 
@@ -65,6 +91,12 @@ class _Sampling(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names of structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         if self.logit_bias and not all(k.isdigit() and k.isascii() for k in self.logit_bias):
@@ -72,7 +104,43 @@ class _Sampling(_Request):
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    def structured(self) -> tuple[StructuredOutputs, str] | None:
+        """The output constraint the request asks for, and the field that asked; 400 if several do
+        or the constraint is invalid (the message says what is wrong)."""
+        found = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append((StructuredOutputs("json_object"), "response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise OpenAIError("response_format json_schema needs json_schema.schema", param="response_format")
+            found.append((StructuredOutputs("json", json.dumps(rf.json_schema.schema_)), "response_format"))
+        so = self.structured_outputs
+        if so is not None:
+            given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                         ("grammar", so.grammar), ("json_object", so.json_object or None))
+                     if v is not None]
+            if len(given) != 1:
+                raise OpenAIError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object",
+                                  param="structured_outputs")
+            found.append((_spec(*given[0]), "structured_outputs"))
+        for kind, name in (("json", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice"),
+                           ("grammar", "guided_grammar")):
+            if getattr(self, name) is not None:
+                found.append((_spec(kind, getattr(self, name)), name))
+        if len(found) > 1:
+            raise OpenAIError(f"only one output constraint may be given, got {', '.join(f for _, f in found)}",
+                              param=found[1][1])
+        if not found:
+            return None
+        try:
+            found[0][0].check()
+        except ValueError as e:
+            raise OpenAIError(str(e), param=found[0][1]) from None
+        return found[0]
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                        structured: StructuredOutputs | None = None) -> SamplingParams:
         """SamplingParams (defaults where a field is null); its ValueError names the bad field."""
         set_ = {k: v for k, v in dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                       min_p=self.min_p, presence_penalty=self.presence_penalty,
@@ -86,7 +154,7 @@ class _Sampling(_Request):
                                   skip_special_tokens=self.skip_special_tokens,
                                   logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()} or None,
                                   prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
-                                  **set_)
+                                  structured_outputs=structured, **set_)
         except ValueError as e:
             raise OpenAIError(str(e), param=str(e).split(" ", 1)[0].split("[")[0]) from None
 
@@ -140,17 +208,12 @@ class ChatMessage(_Request):
         return {"role": self.role, "content": text or "", **({"name": self.name} if self.name else {})}
 
 
-class ResponseFormat(_Request):
-    type: str
-
-
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     add_generation_prompt: bool = True
@@ -163,9 +226,6 @@ class ChatCompletionRequest(_Sampling):
             raise OpenAIError("messages must not be empty", param="messages")
         if self.tools:
             raise OpenAIError("tools (function calling) are not supported", param="tools")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise OpenAIError(f"response_format {self.response_format.type!r} is not supported; only 'text'",
-                              param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
@@ -214,6 +274,15 @@ class TokenizeRequest(RootModel[TokenizeCompletionRequest | TokenizeChatRequest]
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
+
+
+def _spec(kind: str, value: Any) -> StructuredOutputs:
+    """StructuredOutputs from a request field's value (schemas and choices travel as JSON text)."""
+    if kind == "json_object":
+        return StructuredOutputs("json_object")
+    if kind == "choice" or (kind == "json" and not isinstance(value, str)):
+        return StructuredOutputs(kind, json.dumps(value))
+    return StructuredOutputs(kind, value)
 
 
 def parse(cls: type[BaseModel], body: bytes) -> Any:

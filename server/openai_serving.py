@@ -90,7 +90,9 @@ class OpenAIServing:
         self.check_model(req.model)
         prompts = [self._encode(p, "prompt") for p in req.prompts()]
         max_tokens = min(self._max_tokens(req.max_tokens, len(ids), "max_tokens") for ids in prompts)
-        params = req.sampling_params(max_tokens, req.logprobs, _max_or_none(req.prompt_logprobs, req.echo_logprobs()))
+        structured = req.structured()
+        params = req.sampling_params(max_tokens, req.logprobs, _max_or_none(req.prompt_logprobs, req.echo_logprobs()),
+                                     structured[0] if structured else None)
         self._check_params(params)
         echo = [self._decode(ids) if not isinstance(p, str) else p for p, ids in zip(req.prompts(), prompts)] \
             if req.echo else None
@@ -102,8 +104,9 @@ class OpenAIServing:
         ids = self._render(req.messages, req.add_generation_prompt, req.continue_final_message,
                            req.chat_template_kwargs)
         ids = self._check_prompt(ids, "messages")
+        structured = req.structured()
         params = req.sampling_params(self._max_tokens(req.requested_max_tokens(), len(ids), "max_tokens"),
-                                     req.requested_logprobs())
+                                     req.requested_logprobs(), structured=structured[0] if structured else None)
         self._check_params(params)
         return _Job("chat.completion", f"chatcmpl-{secrets.token_hex(12)}", self.model_name, [ids], params,
                     prompt_logprobs=req.prompt_logprobs is not None)
