@@ -24,6 +24,7 @@ generator is garbage-collected.
 
 Imports only grpc and the wire format (clients.proto), never the server.
 """
+import json
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterator
 
@@ -135,11 +136,30 @@ def sampling_params(params: dict[str, object]) -> pb.SamplingParams:
         try:
             if name in _REPEATED_PARAMS:
                 getattr(msg, name).extend([value] if isinstance(value, str) else value)
+            elif name == "logit_bias":
+                msg.logit_bias.update({int(k): float(v) for k, v in value.items()})  # type: ignore[union-attr]
+            elif name == "structured_outputs":
+                msg.structured_outputs.CopyFrom(structured_outputs(value))  # type: ignore[arg-type]
             else:
                 setattr(msg, name, value)
         except (TypeError, ValueError) as e:
             raise type(e)(f"sampling parameter {name}={value!r}: {e}") from None
     return msg
+
+
+def structured_outputs(spec: dict[str, object]) -> pb.StructuredOutputs:
+    """The wire form of vLLM's structured_outputs dict: exactly one of json (a schema: dict or JSON
+    text), json_object (true), regex, choice (a list of strings), grammar (EBNF)."""
+    given = {k: v for k, v in spec.items() if v is not None and v is not False}
+    if len(given) != 1 or not set(given) <= {"json", "json_object", "regex", "choice", "grammar"}:
+        raise ValueError(f"structured_outputs takes exactly one of json, json_object, regex, choice, grammar; "
+                         f"got {sorted(spec)}")
+    (kind, value), = given.items()
+    if kind == "json" and not isinstance(value, str):
+        value = json.dumps(value)
+    if kind == "choice":
+        return pb.StructuredOutputs(choice=pb.Choices(choices=list(value)))  # type: ignore[call-overload]
+    return pb.StructuredOutputs(**{kind: value})
 
 
 def _prompt_fields(prompt: Prompt) -> dict[str, object]:

@@ -18,6 +18,7 @@ server can start it inside its own loop and share one AsyncLLM. Server reflectio
 """
 import asyncio
 import functools
+import json
 import logging
 from contextlib import aclosing
 from typing import Awaitable, Callable
@@ -26,6 +27,7 @@ import grpc
 from grpc_reflection.v1alpha import reflection
 
 from attention_nodes.sampling_params import SamplingParams
+from attention_nodes.structured import StructuredOutputs
 from clients.proto import MAX_MESSAGE_BYTES
 from clients.proto import shuttle_pb2 as pb
 from clients.proto import shuttle_pb2_grpc as pb_grpc
@@ -167,7 +169,22 @@ def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
         kwargs["stop"] = list(msg.stop)
     if msg.stop_token_ids:
         kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    if msg.logit_bias:
+        kwargs["logit_bias"] = dict(msg.logit_bias)
+    if msg.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_outputs(msg.structured_outputs)
     return SamplingParams(**kwargs)
+
+
+def structured_outputs(msg: pb.StructuredOutputs) -> StructuredOutputs:
+    """The wire constraint, checked (ValueError saying what is wrong: INVALID_ARGUMENT)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_outputs: set one of json, json_object, regex, choice, grammar")
+    spec = StructuredOutputs(kind, json.dumps(list(msg.choice.choices)) if kind == "choice" else
+                             "" if kind == "json_object" else getattr(msg, kind))
+    spec.check()
+    return spec
 
 
 def _prompt(msg: pb.GenerateRequest | pb.Prompt) -> str | list[int]:

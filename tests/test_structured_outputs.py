@@ -7,11 +7,13 @@ import asyncio
 import json
 import re
 
+import grpc
 import httpx
 import jsonschema
 import openai
 import pytest
 
+from clients.grpc_client import GrpcClient
 from tests.json_schemas import schemas
 from tests.live_server import LiveServer
 
@@ -99,3 +101,19 @@ def test_invalid_constraints_are_400(server, body, param, says):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and says in err["message"], err
+
+
+def test_over_grpc(server):
+    """The same constraints through the gRPC service: a schema, a choice, logit_bias, and a bad regex."""
+    schema = schemas(50)[3]
+    with GrpcClient(f"127.0.0.1:{server.grpc_port}") as c:
+        r = c.generate(PROMPT, max_tokens=MAX_TOKENS, temperature=0.8, seed=2, structured_outputs={"json": schema})
+        jsonschema.validate(json.loads(r.completions[0].text), schema)
+        r = c.generate(PROMPT, max_tokens=8, structured_outputs={"choice": ["spam", "eggs"]}, logit_bias={0: -100})
+        assert r.completions[0].text in ("spam", "eggs")
+        chunks = "".join(ch.text for ch in c.generate_stream(PROMPT, max_tokens=16, temperature=0,
+                                                             structured_outputs={"regex": "[0-9]{4}"}))
+        assert re.fullmatch("[0-9]{4}", chunks)
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(PROMPT, max_tokens=4, structured_outputs={"regex": "(unclosed"})
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "parenthesis" in err.value.details()

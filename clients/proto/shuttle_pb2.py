@@ -24,39 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63lients/proto/shuttle.proto\x12\nshuttle.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xac\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x0e\n\x01n\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x04\n\x02_nB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\r\n\x0b_min_tokensB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokens\"\x9f\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.shuttle.v1.TokenIdsH\x00\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.shuttle.v1.SamplingParamsB\x08\n\x06prompt\"F\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x15\n\rdecoded_token\x18\x03 \x01(\t\"\x89\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x15\n\rdecoded_token\x18\x03 \x01(\t\x12\x11\n\x04rank\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12#\n\x03top\x18\x05 \x03(\x0b\x32\x16.shuttle.v1.TopLogprobB\x07\n\x05_rank\"\xc0\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x1a\n\rfinish_reason\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0bstop_reason\x18\x05 \x01(\tH\x01\x88\x01\x01\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.shuttle.v1.TokenLogprobB\x10\n\x0e_finish_reasonB\x0e\n\x0c_stop_reason\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\x8f\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x16.shuttle.v1.Completion\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.shuttle.v1.Usage\"\x95\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x16.shuttle.v1.Completion\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.shuttle.v1.Usage\"M\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.shuttle.v1.TokenIdsH\x00\x42\x08\n\x06prompt\"\x84\x01\n\x14\x42\x61tchGenerateRequest\x12#\n\x07prompts\x18\x01 \x03(\x0b\x32\x12.shuttle.v1.Prompt\x12\x33\n\x0fsampling_params\x18\x02 \x01(\x0b\x32\x1a.shuttle.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x86\x01\n\x15\x42\x61tchGenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x30\n\x08response\x18\x02 \x01(\x0b\x32\x1c.shuttle.v1.GenerateResponseH\x00\x12\"\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.shuttle.v1.ErrorH\x00\x42\x08\n\x06result2\x80\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.shuttle.v1.GenerateRequest\x1a\x1c.shuttle.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.shuttle.v1.GenerateRequest\x1a\".shuttle.v1.GenerateStreamResponse0\x01\x12V\n\rBatchGenerate\x12 .shuttle.v1.BatchGenerateRequest\x1a!.shuttle.v1.BatchGenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63lients/proto/shuttle.proto\x12\nshuttle.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd8\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x0e\n\x01n\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12=\n\nlogit_bias\x18\x12 \x03(\x0b\x32).shuttle.v1.SamplingParams.LogitBiasEntry\x12\x39\n\x12structured_outputs\x18\x13 \x01(\x0b\x32\x1d.shuttle.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x04\n\x02_nB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\r\n\x0b_min_tokensB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokens\"\x8d\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.shuttle.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x9f\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.shuttle.v1.TokenIdsH\x00\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.shuttle.v1.SamplingParamsB\x08\n\x06prompt\"F\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x15\n\rdecoded_token\x18\x03 \x01(\t\"\x89\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x15\n\rdecoded_token\x18\x03 \x01(\t\x12\x11\n\x04rank\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12#\n\x03top\x18\x05 \x03(\x0b\x32\x16.shuttle.v1.TopLogprobB\x07\n\x05_rank\"\xc0\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x1a\n\rfinish_reason\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0bstop_reason\x18\x05 \x01(\tH\x01\x88\x01\x01\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.shuttle.v1.TokenLogprobB\x10\n\x0e_finish_reasonB\x0e\n\x0c_stop_reason\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\x8f\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x16.shuttle.v1.Completion\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.shuttle.v1.Usage\"\x95\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x16.shuttle.v1.Completion\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.shuttle.v1.Usage\"M\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.shuttle.v1.TokenIdsH\x00\x42\x08\n\x06prompt\"\x84\x01\n\x14\x42\x61tchGenerateRequest\x12#\n\x07prompts\x18\x01 \x03(\x0b\x32\x12.shuttle.v1.Prompt\x12\x33\n\x0fsampling_params\x18\x02 \x01(\x0b\x32\x1a.shuttle.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x86\x01\n\x15\x42\x61tchGenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x30\n\x08response\x18\x02 \x01(\x0b\x32\x1c.shuttle.v1.GenerateResponseH\x00\x12\"\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.shuttle.v1.ErrorH\x00\x42\x08\n\x06result2\x80\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.shuttle.v1.GenerateRequest\x1a\x1c.shuttle.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.shuttle.v1.GenerateRequest\x1a\".shuttle.v1.GenerateStreamResponse0\x01\x12V\n\rBatchGenerate\x12 .shuttle.v1.BatchGenerateRequest\x1a!.shuttle.v1.BatchGenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'clients.proto.shuttle_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIDS']._serialized_start=43
   _globals['_TOKENIDS']._serialized_end=66
   _globals['_SAMPLINGPARAMS']._serialized_start=69
-  _globals['_SAMPLINGPARAMS']._serialized_end=753
-  _globals['_GENERATEREQUEST']._serialized_start=756
-  _globals['_GENERATEREQUEST']._serialized_end=915
-  _globals['_TOPLOGPROB']._serialized_start=917
-  _globals['_TOPLOGPROB']._serialized_end=987
-  _globals['_TOKENLOGPROB']._serialized_start=990
-  _globals['_TOKENLOGPROB']._serialized_end=1127
-  _globals['_COMPLETION']._serialized_start=1130
-  _globals['_COMPLETION']._serialized_end=1322
-  _globals['_USAGE']._serialized_start=1324
-  _globals['_USAGE']._serialized_end=1426
-  _globals['_GENERATERESPONSE']._serialized_start=1429
-  _globals['_GENERATERESPONSE']._serialized_end=1572
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1575
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1724
-  _globals['_PROMPT']._serialized_start=1726
-  _globals['_PROMPT']._serialized_end=1803
-  _globals['_BATCHGENERATEREQUEST']._serialized_start=1806
-  _globals['_BATCHGENERATEREQUEST']._serialized_end=1938
-  _globals['_ERROR']._serialized_start=1940
-  _globals['_ERROR']._serialized_end=1978
-  _globals['_BATCHGENERATERESPONSE']._serialized_start=1981
-  _globals['_BATCHGENERATERESPONSE']._serialized_end=2115
-  _globals['_GENERATION']._serialized_start=2118
-  _globals['_GENERATION']._serialized_end=2374
+  _globals['_SAMPLINGPARAMS']._serialized_end=925
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=637
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=685
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=928
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1069
+  _globals['_CHOICES']._serialized_start=1071
+  _globals['_CHOICES']._serialized_end=1097
+  _globals['_GENERATEREQUEST']._serialized_start=1100
+  _globals['_GENERATEREQUEST']._serialized_end=1259
+  _globals['_TOPLOGPROB']._serialized_start=1261
+  _globals['_TOPLOGPROB']._serialized_end=1331
+  _globals['_TOKENLOGPROB']._serialized_start=1334
+  _globals['_TOKENLOGPROB']._serialized_end=1471
+  _globals['_COMPLETION']._serialized_start=1474
+  _globals['_COMPLETION']._serialized_end=1666
+  _globals['_USAGE']._serialized_start=1668
+  _globals['_USAGE']._serialized_end=1770
+  _globals['_GENERATERESPONSE']._serialized_start=1773
+  _globals['_GENERATERESPONSE']._serialized_end=1916
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1919
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2068
+  _globals['_PROMPT']._serialized_start=2070
+  _globals['_PROMPT']._serialized_end=2147
+  _globals['_BATCHGENERATEREQUEST']._serialized_start=2150
+  _globals['_BATCHGENERATEREQUEST']._serialized_end=2282
+  _globals['_ERROR']._serialized_start=2284
+  _globals['_ERROR']._serialized_end=2322
+  _globals['_BATCHGENERATERESPONSE']._serialized_start=2325
+  _globals['_BATCHGENERATERESPONSE']._serialized_end=2459
+  _globals['_GENERATION']._serialized_start=2462
+  _globals['_GENERATION']._serialized_end=2718
 # @@protoc_insertion_point(module_scope)
