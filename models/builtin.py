@@ -10,8 +10,15 @@ from typing import Iterable
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 
+# Tools (when given) and earlier tool calls render in the Hermes/Qwen style that `--tool-call-parser
+# hermes` reads back; without them the template is the plain role/content one.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if tools %}<|system|>\nTools you may call, each as <tool_call>{\"name\": NAME, \"arguments\": {...}}"
+    "</tool_call>:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|end|>\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{% if m['tool_calls'] is defined and m['tool_calls'] %}{% for c in m['tool_calls'] %}<tool_call>"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}</tool_call>"
+    "{% endfor %}{% endif %}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|end|>"]

@@ -106,7 +106,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     name = args.served_model_name or (args.model.rstrip("/") if args.model else "shuttle-builtin")
     cfg = ServerConfig(args.host or "127.0.0.1", args.port, args.api_key or os.environ.get("SHUTTLE_API_KEY") or None,
-                       name, args.grpc_port, args.max_body_bytes, args.log_requests)
+                       name, args.grpc_port, args.max_body_bytes, args.log_requests, args.tool_call_parser)
     metrics = ServerMetrics(name)
     try:
         llm = AsyncLLM(args.model, rendezvous=args.rendezvous, max_waiting=args.max_waiting, observer=metrics,
@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                   "beyond, 503 with Retry-After")
     s.add_argument("--max-body-bytes", type=int, default=32 * 2 ** 20, help="larger request bodies get 413")
     s.add_argument("--log-requests", action="store_true", help="log every HTTP request")
+    s.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                   help="parse tool calls from the model's text under tool_choice auto (hermes: the "
+                        "<tool_call>{...}</tool_call> style of Qwen and Hermes templates)")
     s.add_argument("--role", choices=["attention", "expert", "server"], default="server",
                    help="server (default): the API front; attention|expert: a worker joining --rendezvous")
     _add_pool_flags(s)

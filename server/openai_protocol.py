@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.structured import StructuredOutputs
+from server.tool_calls import PARSERS, ToolMode
 
 
 class OpenAIError(Exception):
@@ -197,15 +198,68 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Request):
+    """A tool call of an earlier assistant turn, sent back in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this result answers
 
     def as_template_input(self) -> dict[str, Any]:
+        """The message as chat templates read it (tool call arguments as objects, as HF templates expect)."""
         text = self.content if isinstance(self.content, str) or self.content is None else \
             "".join(p.text for p in self.content)
-        return {"role": self.role, "content": text or "", **({"name": self.name} if self.name else {})}
+        msg: dict[str, Any] = {"role": self.role, "content": text or ""}
+        if self.name:
+            msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        return msg
+
+
+def _json_or_text(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+class FunctionDef(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -214,8 +268,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -224,13 +279,37 @@ class ChatCompletionRequest(_Sampling):
         super().check_supported()
         if not self.messages:
             raise OpenAIError("messages must not be empty", param="messages")
-        if self.tools:
-            raise OpenAIError("tools (function calling) are not supported", param="tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
             raise OpenAIError("continue_final_message and add_generation_prompt cannot both be true",
                               param="continue_final_message")
+
+    def tool_mode(self, parser: str | None) -> ToolMode | None:
+        """How the tools are used (None: they are not); 400 for a choice the request cannot have."""
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        if choice == "none":
+            return None
+        if not self.tools:
+            raise OpenAIError("tool_choice needs tools", param="tool_choice")
+        functions: dict[str, dict] = {}
+        for i, t in enumerate(self.tools):
+            params = t.function.parameters if t.function.parameters is not None else {"type": "object"}
+            try:
+                StructuredOutputs("json", json.dumps(params)).check()
+            except ValueError as e:
+                raise OpenAIError(f"tools[{i}].function.parameters: {e}", param="tools") from None
+            functions[t.function.name] = params
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in functions:
+                raise OpenAIError(f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                                  f"({', '.join(functions)})", param="tool_choice")
+            return ToolMode("named", functions, choice.function.name)
+        if choice == "auto" and parser is None:
+            raise OpenAIError('"auto" tool choice needs the server started with --tool-call-parser '
+                              f"({', '.join(PARSERS)}); use tool_choice \"required\" or a named function",
+                              param="tool_choice")
+        return ToolMode(choice, functions, parallel=self.parallel_tool_calls is not False)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

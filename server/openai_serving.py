@@ -19,6 +19,7 @@ from server.async_llm import Admission, AsyncLLM, QueueFullError
 from server.openai_protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                     OpenAIError, TokenizeChatRequest, TokenizeCompletionRequest)
 from server.outputs import CompletionOutput, Logprob, RequestOutput
+from server.tool_calls import PARSERS, ToolMode, ToolStreamer
 
 DONE = "data: [DONE]\n\n"
 MIN_LOGPROB = -9999.0
@@ -36,6 +37,7 @@ class _Job:
     echo: list[str] | None = None  # completions with echo: each prompt's text
     echo_logprobs: bool = False  # completions with echo and logprobs: the prompt's logprobs lead
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the response
+    tools: ToolMode | None = None  # chat with tools: the text becomes tool_calls
     created: int = field(default_factory=lambda: int(time.time()))
     admission: Admission | None = None  # the prompts' places in the waiting queue, reserved up front
 
@@ -47,8 +49,11 @@ class OpenAIServing:
     """The logic behind the OpenAI routes; the FastAPI layer (server/api_server.py) only parses,
     authenticates and turns OpenAIError into responses."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str):
-        self.llm, self.model_name = llm, model_name
+    def __init__(self, llm: AsyncLLM, model_name: str, tool_call_parser: str | None = None):
+        """tool_call_parser: how tool calls are read from the text under tool_choice auto (tool_calls.PARSERS)."""
+        if tool_call_parser is not None and tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
+        self.llm, self.model_name, self.tool_call_parser = llm, model_name, tool_call_parser
         self.max_model_len = llm.model_config.max_model_len
 
     def models(self) -> dict:
@@ -101,15 +106,22 @@ class OpenAIServing:
 
     def chat_job(self, req: ChatCompletionRequest) -> _Job:
         self.check_model(req.model)
+        tools = req.tool_mode(self.tool_call_parser)
+        extra = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else {}
         ids = self._render(req.messages, req.add_generation_prompt, req.continue_final_message,
-                           req.chat_template_kwargs)
+                           req.chat_template_kwargs, **extra)
         ids = self._check_prompt(ids, "messages")
         structured = req.structured()
+        if tools is not None and tools.constraint() is not None:
+            if structured is not None:
+                raise OpenAIError(f"tool_choice {tools.mode} is itself an output constraint: drop {structured[1]}",
+                                  param=structured[1])
+            structured = (tools.constraint(), "tool_choice")
         params = req.sampling_params(self._max_tokens(req.requested_max_tokens(), len(ids), "max_tokens"),
                                      req.requested_logprobs(), structured=structured[0] if structured else None)
         self._check_params(params)
         return _Job("chat.completion", f"chatcmpl-{secrets.token_hex(12)}", self.model_name, [ids], params,
-                    prompt_logprobs=req.prompt_logprobs is not None)
+                    prompt_logprobs=req.prompt_logprobs is not None, tools=tools)
 
     def _render(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
                 template_kwargs: dict | None, **extra) -> list[int]:
@@ -203,6 +215,7 @@ class OpenAIServing:
         """Server-sent events of the job; the caller cancels it when the client goes away."""
         chunk_kind = "chat.completion.chunk" if job.kind == "chat.completion" else "text_completion"
         started, ended = set(), set()  # choices that sent their first chunk, their finish_reason
+        streamers: dict[int, ToolStreamer] = {}  # chat with tools: each choice's text -> tool_calls deltas
         final: dict[int, RequestOutput] = {}
         try:
             async for i, out in self._outputs(job):
@@ -221,7 +234,9 @@ class OpenAIServing:
                     started.add(index)
                     if c.finished:
                         ended.add(index)
-                    choices.append(self._choice(job, out, c, text, c.delta_token_ids, lps, full=False, first=first))
+                    streamer = streamers.setdefault(index, ToolStreamer(job.tools)) if job.tools else None
+                    choices.append(self._choice(job, out, c, text, c.delta_token_ids, lps, full=False, first=first,
+                                                streamer=streamer))
                 for choice in choices:  # one choice per chunk, as OpenAI and vLLM send them
                     chunk = {"id": job.id, "object": chunk_kind, "created": job.created, "model": job.model,
                              "choices": [choice]}
@@ -236,7 +251,7 @@ class OpenAIServing:
         yield DONE
 
     def _choice(self, job: _Job, out: RequestOutput, c: CompletionOutput, text: str, token_ids: list[int],
-                logprobs: list, full: bool, first: bool = False) -> dict:
+                logprobs: list, full: bool, first: bool = False, streamer: ToolStreamer | None = None) -> dict:
         """One choice of a response (full) or of a chunk (its deltas; first: the choice's first chunk)."""
         prompt = int(out.request_id.rsplit("-", 1)[1])
         index = job.index(prompt, c.index)
@@ -249,12 +264,7 @@ class OpenAIServing:
             lp = _chat_logprobs(token_ids, logprobs, job.params.logprobs) if job.kind == "chat.completion" else \
                 _completion_logprobs(token_ids, logprobs, job.params.logprobs)
         if job.kind == "chat.completion":
-            if full:
-                return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason}
+            return self._chat_choice(job, index, c, text, lp, full, first, streamer)
         if full and job.echo is not None:
             text = job.echo[prompt] + text
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
@@ -262,6 +272,34 @@ class OpenAIServing:
         if job.prompt_logprobs and (full or first):
             choice["prompt_logprobs"] = _prompt_logprobs(out.prompt_logprobs)
         return choice
+
+
+    @staticmethod
+    def _chat_choice(job: _Job, index: int, c: CompletionOutput, text: str, lp: dict | None, full: bool, first: bool,
+                     streamer: ToolStreamer | None) -> dict:
+        finish = c.finish_reason
+        if job.tools is None:
+            if full:
+                return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                        "finish_reason": finish, "stop_reason": c.stop_reason}
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason}
+        if full:
+            content, calls = job.tools.parse(text)
+            if calls and finish == "stop" and job.tools.mode != "named":
+                finish = "tool_calls"  # as OpenAI: a named function's call ends with "stop"
+            return {"index": index, "message": {"role": "assistant", "content": content, "tool_calls": calls},
+                    "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason}
+        delta: dict = {"role": "assistant"} if first else {}
+        for piece in streamer.feed(text, c.finished):
+            if "content" in piece:
+                delta["content"] = delta.get("content", "") + piece["content"]
+            delta.setdefault("tool_calls", []).extend(piece.get("tool_calls", []))
+        if finish == "stop" and streamer.calls and job.tools.mode != "named":
+            finish = "tool_calls"
+        if not delta.get("tool_calls"):
+            delta.pop("tool_calls", None)
+        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason}
 
 
 def _max_or_none(*values: int | None) -> int | None:

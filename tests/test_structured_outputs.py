@@ -24,7 +24,7 @@ PROMPT = 'A JSON object such as {"name": "spam"}:'  # a prompt under which greed
 
 @pytest.fixture(scope="module")
 def server():
-    with LiveServer(["--grpc-port", "0"]) as srv:
+    with LiveServer(["--grpc-port", "0", "--tool-call-parser", "hermes"]) as srv:
         yield srv
 
 
@@ -117,3 +117,79 @@ def test_over_grpc(server):
         with pytest.raises(grpc.RpcError) as err:
             c.generate(PROMPT, max_tokens=4, structured_outputs={"regex": "(unclosed"})
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "parenthesis" in err.value.details()
+
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                            "unit": {"enum": ["C", "F"]}}, "required": ["city"],
+           "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+       "required": ["a", "b"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "parameters": ADD}}]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+
+
+def _tool_calls(client: openai.OpenAI, stream: bool, **kw) -> tuple[list[tuple[str, str]], str | None, str | None]:
+    """(name, arguments) of each call, the content and the finish reason, streamed or not."""
+    kw = dict(model="shuttle-builtin", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+              tools=TOOLS, max_tokens=96, **kw)
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        m = r.choices[0].message
+        return [(c.function.name, c.function.arguments) for c in m.tool_calls or []], m.content, r.choices[0].finish_reason
+    calls: dict[int, list] = {}
+    content, finish = "", None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        for c in d.tool_calls or []:
+            entry = calls.setdefault(c.index, ["", ""])
+            entry[0] += (c.function.name or "") if c.function else ""
+            entry[1] += (c.function.arguments or "") if c.function else ""
+            assert c.id is None or c.id.startswith("call_")
+        finish = chunk.choices[0].finish_reason or finish
+    return [tuple(calls[i]) for i in sorted(calls)], content or None, finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_required_and_named_tool_calls_validate(server, stream, temperature):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+    # sampled, a small model may add calls to the array until max_tokens: parallel_tool_calls=False caps it at one
+    calls, _, finish = _tool_calls(client, stream, tool_choice="required", temperature=temperature, seed=5,
+                                   parallel_tool_calls=temperature == 0)
+    assert calls and finish == "tool_calls"
+    for name, args in calls:
+        jsonschema.validate(json.loads(args), SCHEMAS[name])
+    calls, content, finish = _tool_calls(client, stream, temperature=temperature, seed=5,
+                                         tool_choice={"type": "function", "function": {"name": "add"}})
+    assert [name for name, _ in calls] == ["add"] and finish == "stop" and not content
+    jsonschema.validate(json.loads(calls[0][1]), ADD)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_call_is_parsed(server, stream):
+    """tool_choice auto: the text the model writes (held to a tool call by a regex here, since the
+    small model was never taught to call tools) is parsed by --tool-call-parser hermes."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+    regex = r'Checking\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}</tool_call>'
+    calls, content, finish = _tool_calls(client, stream, extra_body={"structured_outputs": {"regex": regex}})
+    assert content.strip() == "Checking." and finish == "tool_calls"
+    assert calls[0][0] == "get_weather" and json.loads(calls[0][1])["city"] in ("Paris", "Rome")
+    plain, content, finish = _tool_calls(client, stream, tool_choice="none", temperature=0)
+    assert plain == [] and finish in ("stop", "length")
+
+
+def test_tool_results_are_accepted_back(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+    r = client.chat.completions.create(model="shuttle-builtin", max_tokens=8, tools=TOOLS, tool_choice="none", messages=[
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}])
+    assert r.choices[0].message.role == "assistant" and r.usage.prompt_tokens > 40
+    bad = httpx.post(f"{server.url}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"

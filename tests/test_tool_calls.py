@@ -1,0 +1,83 @@
+"""Tool calling: the hermes parser on fixed text (whole and streamed in pieces), the tool_choice
+rules of a request, and the built-in chat template rendering tools and earlier calls. The end-to-end
+runs against a live server are in tests/test_structured_outputs.py (they share its server)."""
+import json
+
+import pytest
+
+from server.openai_protocol import ChatCompletionRequest, OpenAIError
+from server.tool_calls import ToolMode, ToolStreamer, parse_hermes
+
+TEXT = ('Let me look that up. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+         {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+
+def test_hermes_parses_calls_and_content():
+    content, calls = parse_hermes(TEXT)
+    assert content == "Let me look that up."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    assert parse_hermes("no calls here") == ("no calls here", [])
+    assert parse_hermes("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 1000])
+def test_hermes_streamed_in_pieces_gives_the_same(step):
+    streamer = ToolStreamer(ToolMode("auto", {}))
+    deltas = []
+    for i in range(0, len(TEXT), step):
+        deltas += streamer.feed(TEXT[i:i + step], finished=i + step >= len(TEXT))
+    content = "".join(d.get("content", "") for d in deltas)
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert content.strip() == "Let me look that up." and "<" not in content
+    assert [c["index"] for c in calls] == [0, 1]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}, {"a": 1, "b": 2}]
+
+
+def test_streamed_text_without_calls_is_all_sent():
+    streamer = ToolStreamer(ToolMode("auto", {}))
+    pieces = streamer.feed("a <tool", False) + streamer.feed("box> b", True)
+    assert "".join(p["content"] for p in pieces) == "a <toolbox> b"
+
+
+def _request(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, **kw})
+
+
+def test_tool_choice_rules():
+    assert _request(tool_choice="none").tool_mode("hermes") is None
+    assert _request().tool_mode("hermes").mode == "auto"
+    named = _request(tool_choice={"type": "function", "function": {"name": "add"}}).tool_mode(None)
+    assert named.mode == "named" and json.loads(named.constraint().spec)["properties"]["a"] == {"type": "integer"}
+    required = _request(tool_choice="required").tool_mode(None)
+    assert json.loads(required.constraint().spec)["minItems"] == 1
+    for kw, match in [({}, "--tool-call-parser"), ({"tool_choice": {"type": "function", "function": {"name": "x"}}},
+                                                   "not among the tools")]:
+        with pytest.raises(OpenAIError, match=match):
+            _request(**kw).tool_mode(None)
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]
+    with pytest.raises(OpenAIError, match=r"tools\[0\]"):
+        _request(tools=bad, tool_choice="required").tool_mode(None)
+
+
+def test_builtin_template_renders_tools_and_calls():
+    from transformers import AutoTokenizer
+
+    from models.builtin import BUILTIN_DIR
+
+    tok = AutoTokenizer.from_pretrained(str(BUILTIN_DIR))
+    msgs = [m.as_template_input() for m in _request(messages=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]).messages]
+    text = tok.apply_chat_template(msgs, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert '"name": "get_weather"' in text and '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}' in text
+    assert "<|tool|>\nsunny<|end|>" in text
+    plain = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert plain == "<|user|>\nhi<|end|>\n<|assistant|>\n"
