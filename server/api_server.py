@@ -10,9 +10,11 @@ max_waiting requests wait for their first token, 500 when the engine failed. A c
 disconnects aborts its request, streaming or not, which frees its KV blocks.
 """
 import asyncio
+import errno
 import json
 import logging
 import secrets
+import socket
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -287,12 +289,29 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(err.body(), status_code=500)
 
 
-def serve(llm: AsyncLLM, cfg: ServerConfig, metrics: ServerMetrics) -> None:
-    """Run the HTTP (and gRPC) server until SIGINT/SIGTERM; the caller shuts the engine down."""
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port, bound before the model loads so a busy port fails at
+    once; OSError whose message names the address and says why."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a TIME_WAIT port is free
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        reason = "already in use" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+        raise OSError(f"cannot listen on {host}:{port}: {reason} (pick another --port or stop what holds it)") from None
+    return sock
+
+
+def serve(llm: AsyncLLM, cfg: ServerConfig, metrics: ServerMetrics, sock: socket.socket | None = None) -> None:
+    """Run the HTTP (and gRPC) server until SIGINT/SIGTERM; the caller shuts the engine down.
+    sock: the socket from bind() to serve on (None: bind cfg.host:cfg.port now)."""
     import uvicorn
 
     app = build_app(llm, cfg, metrics)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, loop="uvloop", http="httptools",
                             log_level="info", access_log=cfg.log_requests, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=[sock if sock is not None else bind(cfg.host, cfg.port)])
 

@@ -100,7 +100,7 @@ def _serve(args: argparse.Namespace) -> int:
         from server.pools import run_role
         run_role(args.role, args.rendezvous, args.host, args.torch_threads)
         return 0
-    from server.api_server import ServerConfig, serve
+    from server.api_server import ServerConfig, bind, serve
     from server.async_llm import AsyncLLM
     from server.metrics import ServerMetrics
 
@@ -108,14 +108,22 @@ def _serve(args: argparse.Namespace) -> int:
     cfg = ServerConfig(args.host or "127.0.0.1", args.port, args.api_key or os.environ.get("SHUTTLE_API_KEY") or None,
                        name, args.grpc_port, args.max_body_bytes, args.log_requests, args.tool_call_parser)
     metrics = ServerMetrics(name)
+    try:  # the ports first: a busy one should fail now, not after the pools started and the model loaded
+        sock = bind(cfg.host, cfg.port)
+        if cfg.grpc_port:
+            bind(cfg.host, cfg.grpc_port).close()
+    except OSError as e:
+        print(f"shuttle serve: error: {e}", file=sys.stderr)
+        return 2
     try:
         llm = AsyncLLM(args.model, rendezvous=args.rendezvous, max_waiting=args.max_waiting, observer=metrics,
                        **_engine_kwargs(args), **_pool_kwargs(args, disaggregate_by_default=True))
     except (ValueError, FileNotFoundError, RuntimeError) as e:
+        sock.close()
         print(f"shuttle serve: error: {e}", file=sys.stderr)
         return 2
     try:
-        serve(llm, cfg, metrics)
+        serve(llm, cfg, metrics, sock)
     finally:
         llm.shutdown()
     return 0

@@ -38,6 +38,11 @@ log = logging.getLogger("shuttle")
 START_TIMEOUT_S = 300.0  # loading big checkpoints takes a while; dead workers are noticed sooner
 
 
+MAIN_GUARD_EXIT = 3  # a spawned worker found its script starting pools while being imported
+MAIN_GUARD_HINT = ("the worker pools are separate processes that re-import your script: start them under "
+                   "`if __name__ == \"__main__\":` (put the LLM(...) / AsyncLLM(...) call and what uses it in that block)")
+
+
 class WorkerFailedError(RuntimeError):
     """A worker process failed or exited; the message names it and says why."""
 
@@ -49,6 +54,11 @@ class PoolEngine:
     pools here."""
 
     def __init__(self, cfg: EngineConfig, eos_token_ids: set[int], rendezvous: str | None = None):
+        if getattr(mp.current_process(), "_inheriting", False):
+            # We are a spawned worker re-importing a script that starts pools at its top level:
+            # leave quietly with a code the parent turns into the fix (multiprocessing's own
+            # RuntimeError here is a page of bootstrapping traceback per worker).
+            raise SystemExit(MAIN_GUARD_EXIT)
         par = cfg.parallel
         self.cfg, self.model_cfg = cfg, ModelConfig.from_pretrained(cfg.model)
         if not any(self.model_cfg.moe_layers):
@@ -274,6 +284,8 @@ class PoolEngine:
         for p in self._procs:
             if wait and p.exitcode is None:
                 p.join(wait)
+            if p.exitcode == MAIN_GUARD_EXIT:
+                raise WorkerFailedError(MAIN_GUARD_HINT)
             if p.exitcode is not None:
                 self._drain_events()  # a Failed message says more than the exit code
                 raise WorkerFailedError(f"worker {p.name} exited with code {p.exitcode}")

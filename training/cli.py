@@ -147,6 +147,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     try:
         cfg = config_from_args(args)
+        check_model_config(cfg)
         nproc = getattr(args, "nproc_per_node", 1)
         if nproc > 1 and not LaunchEnv.from_environ().by_torchrun:
             return launch(cfg, nproc, getattr(args, "max_restarts", 0))
@@ -155,6 +156,16 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"shuttle train: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def check_model_config(cfg: TrainConfig) -> None:
+    """Build the run's ModelConfig once here, before any rank starts, so an impossible shape (say
+    --hidden-size 96 with 32 heads: head_dim 3) is one line from this command, not a failure
+    report of every rank. ValueError naming the field."""
+    from models.config import ModelConfig
+    from training.source import model_source
+
+    ModelConfig.from_dict(model_source(cfg).raw_config, source="the model's configuration")
 
 
 def run(cfg: TrainConfig) -> dict:
