@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.sampling import apply_token_bitmask_
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 COMPILED_CACHE_SIZE = 256  # compiled grammars kept per process (least recently used dropped)
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -138,6 +140,5 @@ def apply_grammar_masks(logits_BV: torch.Tensor, matchers: list, vocab_size: int
     bitmask_BW = xgr.allocate_token_bitmask(len(matchers), vocab_size)
     for b in rows:  # xgrammar walks each matcher's state (C++); the mask is then applied to all rows at once
         matchers[b].fill_next_token_bitmask(bitmask_BW, b)
-    xgr.apply_token_bitmask_inplace(logits_BV, bitmask_BW.to(logits_BV.device, non_blocking=True),
-                                    vocab_size=vocab_size, indices=rows)
+    apply_token_bitmask_(logits_BV[:, :vocab_size], bitmask_BW, rows)
     return logits_BV

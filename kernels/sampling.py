@@ -163,3 +163,22 @@ def compute_logprobs(
     rank_B = (logprobs_BV > chosen_B[:, None]).sum(dim=-1) + 1
     top_logprobs_BL, top_ids_BL = logprobs_BV.topk(min(num_top, logprobs_BV.shape[-1]), dim=-1)
     return chosen_B, rank_B, top_logprobs_BL, top_ids_BL
+
+
+def apply_token_bitmask_(logits_BV: torch.Tensor, bitmask_BW: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Set to -inf, in place, every logit whose bit is 0 in its row of a packed token bitmask.
+
+    logits_BV float: V columns (the vocabulary; bits beyond V are ignored). bitmask_BW int32, W =
+    ceil(V / 32): bit j of word w allows token 32 w + j (xgrammar's layout). rows: the rows to mask
+    (the others are left alone). One unpack and one masked fill for all rows: xgrammar's own CPU
+    kernel took about 11 ms for 32 x 4096 on our 2-core machine, this about 0.3 ms.
+    """
+    if not rows:
+        return logits_BV
+    V, device = logits_BV.shape[1], logits_BV.device
+    rows_R = torch.tensor(rows, device=device)
+    words_RW = bitmask_BW.to(device, non_blocking=True)[rows_R]
+    bits_RW32 = (words_RW[:, :, None] >> torch.arange(32, dtype=torch.int32, device=device)) & 1
+    allowed_RV = bits_RW32.flatten(1)[:, :V].bool()
+    logits_BV[rows_R] = logits_BV[rows_R].masked_fill(~allowed_RV, float("-inf"))
+    return logits_BV

@@ -79,3 +79,37 @@ def test_through_the_pools(ckpt, llm):
     g = [plp[t].logprob for plp, t in zip(got[0].prompt_logprobs[1:], PROMPT[1:])]
     w = [plp[t].logprob for plp, t in zip(want[0].prompt_logprobs[1:], PROMPT[1:])]
     torch.testing.assert_close(torch.tensor(g), torch.tensor(w), atol=1e-4, rtol=0)
+
+
+def test_token_bitmask_equals_xgrammars():
+    import xgrammar as xgr
+
+    from kernels.sampling import apply_token_bitmask_
+
+    g = torch.Generator().manual_seed(0)
+    for V in (31, 32, 1000, 4096):
+        logits = torch.randn(5, V, generator=g)
+        bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (5, (V + 31) // 32), dtype=torch.int32, generator=g)
+        want = logits.clone()
+        xgr.apply_token_bitmask_inplace(want, bitmask, vocab_size=V, indices=[0, 2, 3])
+        got = apply_token_bitmask_(logits.clone(), bitmask, [0, 2, 3])
+        assert torch.equal(got, want)
+
+
+def test_structured_rows_keep_to_their_grammar(llm):
+    """A batch mixing a choice, a regex and a free row: each constrained row matches; the free row is
+    what it is alone (the masks touch only their rows)."""
+    import re
+
+    from attention_nodes.structured import StructuredOutputs
+
+    free = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    outs = llm.generate(["The list", "The dict", "The set"], [
+        SamplingParams(max_tokens=8, temperature=1.0, seed=0, structured_outputs=StructuredOutputs("choice", '["ab", "cd"]')),
+        SamplingParams(max_tokens=8, temperature=1.0, seed=0, structured_outputs={"kind": "regex", "spec": "[0-9]{3}"}),
+        free])
+    assert outs[0].outputs[0].text in ("ab", "cd") and outs[0].outputs[0].finish_reason == "stop"
+    assert re.fullmatch("[0-9]{3}", outs[1].outputs[0].text)
+    assert outs[2].outputs[0].token_ids == llm.generate(["The set"], free)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="structured_outputs regex"):
+        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputs("regex", "(")))
