@@ -221,3 +221,71 @@ def test_config_errors_name_the_field(make_checkpoint, field, value, match):
     raw = json.loads((make_checkpoint("deepseek_v3") / "config.json").read_text())
     with pytest.raises(ConfigError, match=match):
         ModelConfig.from_dict({**raw, field: value})
+
+
+def _quantize_checkpoint(src, dst, block=(128, 128)) -> dict:
+    """Copy a checkpoint with every 2-D linear weight (attention, experts, shared experts, dense MLPs;
+    not the embeddings, router, norms or lm_head, as DeepSeek publishes them) stored as float8_e4m3fn
+    plus a weight_scale_inv per block. Returns the dequantised float32 weights by name."""
+    from safetensors.torch import load_file, save_file
+
+    from kernels.quant import dequantize_fp8_blocks, quantize_fp8_blocks
+
+    shutil.copytree(src, dst)
+    f = next(dst.glob("*.safetensors"))
+    tensors, dequantised = load_file(f), {}
+    for name in [n for n, t in tensors.items() if t.dim() == 2 and "proj" in n]:
+        q, scale = quantize_fp8_blocks(tensors[name], block)
+        tensors[name], tensors[name + "_scale_inv"] = q, scale
+        dequantised[name] = dequantize_fp8_blocks(q, scale, block)
+    save_file(tensors, f, metadata={"format": "pt"})
+    raw = json.loads((dst / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    (dst / "config.json").write_text(json.dumps(raw))
+    return dequantised
+
+
+def test_fp8_block_quantised_checkpoint_loads_as_its_dequantised_weights(make_checkpoint, tmp_path):
+    # hidden 200, experts of 132 (transformers needs rows of 16-byte multiples): full and partial 128-blocks
+    src = make_checkpoint("deepseek_v3", hidden_size=200, moe_intermediate_size=132, intermediate_size=136)
+    dequantised = _quantize_checkpoint(src, tmp_path / "fp8")
+    assert any(t.shape[0] % 128 and t.shape[1] % 128 for t in dequantised.values())
+    fp8, plain = load_model(tmp_path / "fp8"), load_model(src)
+    assert ModelConfig.from_pretrained(tmp_path / "fp8").fp8_block == (128, 128)
+    params = dict(fp8.named_parameters())
+    w = params["model.layers.0.self_attn.q_a_proj.weight"]
+    assert torch.equal(w, dequantised["model.layers.0.self_attn.q_a_proj.weight"])
+    assert (w - dict(plain.named_parameters())["model.layers.0.self_attn.q_a_proj.weight"]).abs().max() > 0
+    experts = params["model.layers.1.mlp.experts.w13"]
+    assert torch.equal(experts[3, 132:], dequantised["model.layers.1.mlp.experts.3.up_proj.weight"])
+    # the served model equals transformers on the dequantised float checkpoint
+    from safetensors.torch import load_file, save_file
+    deq = tmp_path / "dequantised"
+    shutil.copytree(src, deq)
+    f = next(deq.glob("*.safetensors"))
+    save_file({**load_file(f), **dequantised}, f, metadata={"format": "pt"})
+    ref = hf_model(deq)
+    batch, blocks = paged_batch(PROMPTS)
+    cache = make_paged_cache(fp8.cfg, blocks, 4, torch.float32, "cpu", torch_ops())
+    with torch.no_grad():
+        got = fp8.logits(fp8(torch.tensor([t for p in PROMPTS for t in p]), batch, cache))
+        want = torch.cat([ref(torch.tensor([p])).logits[0] for p in PROMPTS])
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+    # expert workers read their experts' FP8 tensors the same way
+    from models.loader import load_experts
+    mine = load_experts(tmp_path / "fp8", [3, 5])
+    assert torch.equal(mine[1].w13[0, 132:], dequantised["model.layers.1.mlp.experts.3.up_proj.weight"])
+
+
+def test_fp8_weight_without_its_scale_is_an_error_naming_both(make_checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _quantize_checkpoint(make_checkpoint("deepseek_v3"), tmp_path / "fp8")
+    f = next((tmp_path / "fp8").glob("*.safetensors"))
+    tensors = load_file(f)
+    del tensors["model.layers.1.self_attn.kv_b_proj.weight_scale_inv"]
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.safetensors: FP8 tensor 'model\.layers\.1\.self_attn\.kv_b_proj"
+                                         r"\.weight' has no 'model\.layers\.1\.self_attn\.kv_b_proj\.weight_scale_inv'"):
+        load_model(tmp_path / "fp8")
