@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-from models.builtin import make_random_checkpoint, train_tokenizer
+from models.builtin import make_random_checkpoint, randomize_correction_bias, train_tokenizer
 
 VOCAB = 512
 BASE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -75,19 +75,6 @@ def make_checkpoint(tmp_path_factory, tokenizer_dir):
         return cache[key]
 
     return make
-
-
-def randomize_correction_bias(model_dir: Path, seed: int) -> None:
-    """transformers initialises DeepSeek-V3's e_score_correction_bias to zeros; trained checkpoints
-    have large ones (it steers which experts are chosen), so tests rewrite it with random values."""
-    from safetensors.torch import load_file, save_file
-
-    gen = torch.Generator().manual_seed(seed)
-    for f in sorted(model_dir.glob("*.safetensors")):
-        tensors = load_file(f)
-        for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
-            tensors[name] = torch.rand(tensors[name].shape, generator=gen) * 0.2
-        save_file(tensors, f, metadata={"format": "pt"})
 
 
 def hf_model(model_dir: Path, dtype: torch.dtype = torch.float32):

@@ -289,3 +289,19 @@ def test_fp8_weight_without_its_scale_is_an_error_naming_both(make_checkpoint, t
     with pytest.raises(ValueError, match=r"model\.safetensors: FP8 tensor 'model\.layers\.1\.self_attn\.kv_b_proj"
                                          r"\.weight' has no 'model\.layers\.1\.self_attn\.kv_b_proj\.weight_scale_inv'"):
         load_model(tmp_path / "fp8")
+
+
+def test_kv_capacity_in_tokens_follows_the_latent_bytes(make_checkpoint):
+    """A KV budget holds budget / (block_size x kv_bytes_per_token) blocks: the latent rows' bytes,
+    not per-head keys and values; engine stats (and /metrics' shuttle_kv_cache_tokens) report it."""
+    d = make_checkpoint("deepseek_v3")
+    llm = LLM(d, kv_cache_gib=0.001, block_size=8)
+    cfg, runner = llm.cfg, llm.engine.runner
+    per_token = cfg.kv_bytes_per_token(torch.float32)
+    assert per_token == cfg.num_layers * 26 * 4
+    assert runner.num_blocks == int(0.001 * 2 ** 30 // (8 * per_token))
+    stats = llm.engine.stats()
+    assert stats["kv_cache_tokens"] == runner.num_blocks * 8
+    m = cfg.mla
+    per_head = cfg.num_layers * cfg.num_heads * (m.qk_head_dim + m.v_head_dim) * 4  # what MHA caches would take
+    assert stats["kv_cache_tokens"] > 0.9 * 0.001 * 2 ** 30 / per_token > 4 * 0.001 * 2 ** 30 / per_head  # 4.6x at this tiny shape
