@@ -19,7 +19,8 @@ from torch import nn
 
 from kernels.ops import KernelOps
 from models.config import ModelConfig
-from models.kv_cache import AttentionBatch
+from models.kv_cache import AttentionBatch, LatentKVCache
+from models.norm import RMSNorm
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
 
@@ -42,8 +43,6 @@ class MLAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int, ops: KernelOps):
         super().__init__()
-        from models.moe_decoder import RMSNorm  # (the norm lives with the decoder; no cycle at import)
-
         assert cfg.mla is not None
         self.layer, self.cfg, self.m, self.ops = layer, cfg, cfg.mla, ops
         m, D, N = cfg.mla, cfg.hidden_size, cfg.num_heads
@@ -58,7 +57,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = KVUpProjection(m.kv_lora_rank, N * (m.qk_nope_head_dim + m.v_head_dim))
         self.o_proj = nn.Linear(N * m.v_head_dim, D, bias=cfg.o_bias)
 
-    def forward(self, x_TD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], cache,
+    def forward(self, x_TD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], cache: LatentKVCache,
                 batch: AttentionBatch) -> torch.Tensor:
         m, T, N = self.m, x_TD.shape[0], self.cfg.num_heads
         q = self.q_proj(x_TD) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD)))

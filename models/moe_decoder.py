@@ -21,21 +21,7 @@ from models.config import ModelConfig
 from models.dispatcher import Dispatcher, LocalDispatcher
 from models.kv_cache import AttentionBatch, KVCache
 from models.mla import MLAttention
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ops: KernelOps):
-        super().__init__()
-        self.weight, self.eps, self.ops = nn.Parameter(torch.ones(dim)), eps, ops
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x, self.weight, self.eps)
-
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual); the first layer has no residual yet."""
-        if residual is None:
-            return self(x), x
-        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+from models.norm import RMSNorm
 
 
 class Attention(nn.Module):

@@ -2,13 +2,14 @@
 dense first layers, MTP layers, against transformers; the engine (preemption, prefix hits) and pools."""
 import json
 import logging
+import math
 import random
 import shutil
 
 import pytest
 import torch
 
-from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from attention_nodes.config import CacheConfig, EngineConfig, SchedulerConfig
 from attention_nodes.engine import LLMEngine
 from kernels.ops import torch_ops
 from models.config import ConfigError, ModelConfig
@@ -86,6 +87,9 @@ def test_the_cache_holds_latents_and_absorbed_decode_equals_expanded(make_checkp
                                 "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
                                 "v_head_dim": 128, "n_group": 8, "topk_group": 4})
     assert v3.kv_values_per_token_layer == 576 and v3.kv_bytes_per_token(torch.bfloat16) == 61 * 576 * 2
+    # the planner's attention cost: each cached token costs every head its scores over 576 values and
+    # a weighted sum of 512 latents (multiply-adds x 2), per layer
+    assert v3.attention_flops_per_token(100) - v3.attention_flops_per_token(0) == 2 * 61 * 128 * 100 * (576 + 512)
 
     # one layer: the absorbed decode (the cache's decode path) equals the expanded attention
     model = load_model(d)
@@ -305,3 +309,34 @@ def test_kv_capacity_in_tokens_follows_the_latent_bytes(make_checkpoint):
     m = cfg.mla
     per_head = cfg.num_layers * cfg.num_heads * (m.qk_head_dim + m.v_head_dim) * 4  # what MHA caches would take
     assert stats["kv_cache_tokens"] > 0.9 * 0.001 * 2 ** 30 / per_token > 4 * 0.001 * 2 ** 30 / per_head  # 4.6x at this tiny shape
+
+
+def test_published_deepseek_v3_and_kimi_k2_config_json():
+    """config.json as DeepSeek-V3 / Kimi K2 publish it (transformers 4 spelling, yarn, FP8, MTP)."""
+    v3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+          "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+          "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128,
+          "n_shared_experts": 1, "n_routed_experts": 256, "ep_size": 1, "routed_scaling_factor": 2.5,
+          "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+          "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+          "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+          "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+          "rope_theta": 10000, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                                "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                                "type": "yarn"},
+          "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+          "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": [128, 128]}}
+    cfg = ModelConfig.from_dict(v3)
+    r = cfg.router
+    assert (r.scoring, r.num_groups, r.topk_groups, r.group_score, r.scaling, r.renormalize, r.correction_bias) == \
+        ("sigmoid", 8, 4, "top2_sum", 2.5, True, True)
+    assert cfg.moe_layers[:4] == (False, False, False, True) and cfg.shared_expert_intermediate_size == 2048
+    assert cfg.fp8_block == (128, 128) and cfg.num_mtp_layers == 1 and cfg.dtype == torch.bfloat16
+    assert cfg.mla.softmax_scale == pytest.approx(192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2)
+    assert cfg.rope.rope_type == "yarn" and cfg.head_dim == 64 and cfg.max_model_len == 163840
+    kimi = {**v3, "model_type": "kimi_k2", "n_group": 1, "topk_group": 1, "num_nextn_predict_layers": 0,
+            "n_routed_experts": 384, "num_attention_heads": 64, "num_key_value_heads": 64, "routed_scaling_factor": 2.827, "first_k_dense_replace": 1}
+    cfg = ModelConfig.from_dict(kimi)
+    assert cfg.family == "deepseek_v3" and cfg.router.num_groups == 1 and cfg.num_experts == 384
+    assert cfg.num_mtp_layers == 0 and cfg.kv_values_per_token_layer == 576
