@@ -98,7 +98,7 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w_NXC[:, :m.qk_nope_head_dim], w_NXC[:, m.qk_nope_head_dim:].transpose(1, 2)
         if torch.is_grad_enabled() and w.requires_grad:
             return w_uk, w_uv
-        key = (w.data_ptr(), w._version, w.dtype)
+        key = (w.data_ptr(), 0 if w.is_inference() else w._version, w.dtype)  # (inference tensors have no version)
         if getattr(self, "_absorbed_key", None) != key:
             self._absorbed, self._absorbed_key = (w_uk.contiguous(), w_uv.contiguous()), key
         return self._absorbed
