@@ -340,3 +340,22 @@ def test_published_deepseek_v3_and_kimi_k2_config_json():
     cfg = ModelConfig.from_dict(kimi)
     assert cfg.family == "deepseek_v3" and cfg.router.num_groups == 1 and cfg.num_experts == 384
     assert cfg.num_mtp_layers == 0 and cfg.kv_values_per_token_layer == 576
+
+
+def test_a_new_deepseek_model_for_training():
+    """shuttle train --family deepseek_v3 --num-experts 8 --set kv_lora_rank=16 ...: the config.json
+    written is one the server reads, and the fresh model runs (the correction bias starts at 0)."""
+    from training.config import new_model_config
+    from training.model import Shard, build_model, forward_logits
+
+    raw = new_model_config("deepseek_v3", {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                           "num_key_value_heads": 2, "expert_intermediate_size": 16, "num_experts": 8,
+                                           "num_experts_per_tok": 2, "vocab_size": 64, "kv_lora_rank": 16,
+                                           "q_lora_rank": 12, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8,
+                                           "v_head_dim": 8, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1})
+    assert raw["n_routed_experts"] == 8 and raw["architectures"] == ["DeepseekV3ForCausalLM"]
+    cfg = ModelConfig.from_dict(raw)
+    model = build_model(cfg, Shard(tuple(range(8))), torch.device("cpu"), seed=1)
+    assert model.model.layers[1].mlp.gate.e_score_correction_bias.abs().sum() == 0
+    logits = forward_logits(model, torch.randint(0, 64, (2, 5)))
+    assert logits.shape == (10, 64) and torch.isfinite(logits).all()
