@@ -15,6 +15,7 @@ over its token slots) and transformers' DynamicCache (bytes of every layer's ten
 Writes bench/results/deepseek.json. Machine load changes absolute numbers; compare the ratios.
 """
 import argparse
+import os
 import random
 import sys
 import tempfile
@@ -96,13 +97,15 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     random.seed(0)
+    load_before = os.getloadavg()[0]  # the machine is shared: a busy one slows both sides
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = checkpoint(Path(tmp) / "ds3", args.quick)
         rows, kv = run(ckpt, args.batches, args.new_tokens)
+    kv["load_avg_1min"] = [load_before, os.getloadavg()[0]]
     print_table(rows, ["batch", "shuttle_step_ms", "transformers_step_ms", "shuttle_tok_s", "transformers_tok_s",
                        "speedup"])
     for k, v in kv.items():
-        print(f"{k}: {v:.0f}")
+        print(f"{k}: {v}")
     if not args.quick:
         path = save("deepseek", {"shape": SHAPE, "new_tokens": args.new_tokens, "decode_bf16": rows, **kv,
                                  "date": time.strftime("%Y-%m-%d")})

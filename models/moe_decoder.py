@@ -105,11 +105,10 @@ class Router(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         """Keep the correction bias in float32 whatever dtype the model is cast to (transformers
         keeps it in float32 too: bf16 would merge close expert scores)."""
-        bias = self.e_score_correction_bias
         out = super()._apply(fn, recurse)
-        if bias is not None and self.e_score_correction_bias.dtype != torch.float32 and \
-                self.e_score_correction_bias.is_floating_point():
-            self.e_score_correction_bias.data = self.e_score_correction_bias.data.float()
+        bias = self.e_score_correction_bias
+        if bias is not None and bias.is_floating_point() and bias.dtype != torch.float32:
+            bias.data = bias.data.float()
         return out
 
 
