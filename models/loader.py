@@ -160,6 +160,9 @@ def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: tor
         full = dict((model if with_experts else MoEForCausalLM(cfg, with_experts=True, ops=ops)).named_parameters())
     params = dict(model.named_parameters(remove_duplicate=False))
     reader = CheckpointReader(model_dir, cfg.fp8_block)
+    for weight, f in reader.scales.items():
+        if weight not in reader.files:
+            raise CheckpointError(f"{f}: unexpected tensor '{weight}{SCALE_SUFFIX}' (no FP8 weight '{weight}')")
     wanted: dict[str, list[Target]] = {}
     covered: dict[str, int] = defaultdict(int)  # param -> number of elements assigned
     mtp = []

@@ -293,6 +293,11 @@ def test_fp8_weight_without_its_scale_is_an_error_naming_both(make_checkpoint, t
     with pytest.raises(ValueError, match=r"model\.safetensors: FP8 tensor 'model\.layers\.1\.self_attn\.kv_b_proj"
                                          r"\.weight' has no 'model\.layers\.1\.self_attn\.kv_b_proj\.weight_scale_inv'"):
         load_model(tmp_path / "fp8")
+    tensors["model.layers.1.self_attn.kv_b_proj.weight_scale_inv"] = torch.ones(1, 1)
+    tensors["model.layers.1.mlp.gates.weight_scale_inv"] = torch.ones(1, 1)  # a scale without its weight
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.1\.mlp\.gates\.weight_scale_inv'"):
+        load_model(tmp_path / "fp8")
 
 
 def test_kv_capacity_in_tokens_follows_the_latent_bytes(make_checkpoint):
