@@ -26,7 +26,7 @@ VARIANTS = [
                      "topk_group": 1, "n_shared_experts": 3, "num_experts_per_tok": 3, "norm_topk_prob": False}),
     ("deepseek_v3", {"rope_interleave": False, "n_group": 1, "topk_group": 1, "hidden_size": 40,
                      "num_attention_heads": 5, "num_key_value_heads": 5, "attention_bias": True}),  # Kimi-K2-like
-    ("deepseek_v2", {}),  # greedy, q_lora_rank None, 6 experts
+    ("deepseek_v2", {"mlp_bias": True}),  # greedy, q_lora_rank None, 6 experts, biased dense and shared MLPs
     ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 2, "q_lora_rank": 16,
                      "rope_parameters": YARN, "routed_scaling_factor": 1.5, "first_k_dense_replace": 2}),
 ]
@@ -58,6 +58,19 @@ def test_logits_equal_transformers(make_checkpoint, family, overrides):
             got = logits[start:start + len(p)]
             start += len(p)
             assert (got - expected).abs().max().item() < 1e-4 * expected.abs().max().item(), f"prompt {p}"
+
+
+def test_bfloat16_checkpoint_close_to_transformers(make_checkpoint):
+    """bf16 weights, the correction bias kept float32 (as transformers keeps it), the latent cache in bf16."""
+    d = make_checkpoint("deepseek_v3", dtype="bfloat16")
+    ours, ref = load_model(d), hf_model(d, torch.bfloat16)
+    assert ours.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+    batch, blocks = paged_batch(PROMPTS[:1])
+    cache = make_paged_cache(ours.cfg, blocks, 4, torch.bfloat16, "cpu", torch_ops())
+    with torch.no_grad():
+        got = ours.logits(ours(torch.tensor(PROMPTS[0]), batch, cache))
+        expected = ref(torch.tensor([PROMPTS[0]])).logits[0].float()
+    assert (got - expected).abs().max().item() < 3e-2 * expected.abs().max().item()
 
 
 @pytest.mark.parametrize("family,overrides", [VARIANTS[i] for i in (1, 4)], ids=[IDS[i] for i in (1, 4)])
