@@ -33,6 +33,7 @@ bench: setup
 	$(BIN)/python bench/generate.py
 	$(BIN)/python bench/moe_cpu.py
 	$(BIN)/python bench/structured.py
+	$(BIN)/python bench/deepseek.py
 
 soak: setup
 	# 30 minutes of load above capacity with disconnects and bad input (CI runs 3 minutes of it:

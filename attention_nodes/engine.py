@@ -249,6 +249,7 @@ class LLMEngine:
         waiting = len(self.scheduler.waiting) + sum(map(len, list(self._held.values())))  # may run off-thread
         return {"running": len(self.scheduler.running), "waiting": waiting,
                 "num_blocks": b.num_blocks, "free_blocks": b.num_free_blocks,
+                "kv_cache_tokens": b.num_blocks * b.block_size,  # capacity (MLA's latent cache holds more per byte)
                 "kv_cache_usage": 1 - b.num_free_blocks / b.num_blocks, "prefix_cache_queries": b.prefix_queries,
                 "prefix_cache_hits": b.prefix_hits, "preemptions": self.scheduler.num_preemptions,
                 "steps": self.num_steps, "generated_tokens": self.num_generated_tokens,

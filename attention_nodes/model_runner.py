@@ -12,7 +12,7 @@ from attention_nodes.scheduler import ScheduledBatch
 from models.config import ModelConfig
 from models.dispatcher import Dispatcher, LocalDispatcher
 from models.cpu_inference import pack_for_cpu_inference
-from models.kv_cache import AttentionBatch, PagedKVCache
+from models.kv_cache import AttentionBatch, cache_bytes_per_block, make_paged_cache
 from models.loader import load_model
 
 log = logging.getLogger("shuttle")
@@ -55,17 +55,17 @@ class ModelRunner:
         self.weight_bytes = _weight_bytes(self.model)
         self.packed = self.device.type == "cpu" and self.model.ops.backend == "torch" and pack_for_cpu_inference(self.model)
         self.block_size = cfg.cache.block_size
-        m = self.model_cfg
         self.num_blocks = self._num_blocks(cfg)
-        self.cache = PagedKVCache(m.num_layers, self.num_blocks, self.block_size, m.num_kv_heads, m.head_dim,
-                                  self.dtype, self.device, decode_attention=self.model.ops.paged_decode_attention)
-        log.info("KV cache: %d blocks of %d tokens (%.2f GiB), kernels: %s%s", self.num_blocks, self.block_size,
-                 self.num_blocks * self._block_bytes() / 2 ** 30, self.model.ops.backend,
+        self.cache = make_paged_cache(self.model_cfg, self.num_blocks, self.block_size, self.dtype, self.device,
+                                      self.model.ops)
+        log.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %d bytes per token%s), kernels: %s%s",
+                 self.num_blocks, self.block_size, self.num_blocks * self.block_size,
+                 self.num_blocks * self._block_bytes() / 2 ** 30, self.model_cfg.kv_bytes_per_token(self.dtype),
+                 ": MLA latents" if self.model_cfg.mla else "", self.model.ops.backend,
                  " (weights packed for oneDNN)" if self.packed else "")
 
     def _block_bytes(self) -> int:
-        m = self.model_cfg
-        return PagedKVCache.bytes_per_block(m.num_layers, self.block_size, m.num_kv_heads, m.head_dim, self.dtype)
+        return cache_bytes_per_block(self.model_cfg, self.block_size, self.dtype)
 
     def _num_blocks(self, cfg: EngineConfig) -> int:
         """cache.num_blocks, else cache.kv_cache_gib, else (CPU) enough for every sequence at full

@@ -71,8 +71,8 @@ def _decode_attention(q_TNH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.T
     qpos_B[seq_idx_T] = positions_T
     mask_BS = _visible(qpos_B, S, sliding_window)
     probs_BKGS = scores_BKGS.masked_fill(~mask_BS[:, None, None, :], float("-inf")).softmax(-1)
-    o_BKGH = torch.matmul(probs_BKGS.to(v_BKSH.dtype), v_BKSH)
-    return o_BKGH.reshape(B, N, H)[seq_idx_T]
+    o_BKGV = torch.matmul(probs_BKGS.to(v_BKSH.dtype), v_BKSH)
+    return o_BKGV.reshape(B, N, -1)[seq_idx_T]  # (values may be narrower than keys: MLA)
 
 
 def gather_pages(cache_PSKH: torch.Tensor, block_table_BM: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -108,3 +108,27 @@ def paged_decode_attention(
     v_BKSH = gather_pages(v_cache_PSKH, block_table_BM, longest)
     seq_idx_B = torch.arange(B, device=q_BNH.device)
     return _decode_attention(q_BNH, k_BKSH, v_BKSH, seq_idx_B, seq_lens_B.long() - 1, scale, sliding_window)
+
+
+def paged_latent_decode_attention(
+    q_BNW: torch.Tensor,
+    cache_PSW: torch.Tensor,
+    block_table_BM: torch.Tensor,
+    seq_lens_B: torch.Tensor,
+    scale: float,
+    latent_dim: int,
+) -> torch.Tensor:
+    """Reference decode attention of MLA in the latent space (absorbed weights): one query per sequence.
+
+    q_BNW: each head's query in the cache's space, W = latent_dim + rope dim ([W_uk^T q_nope, q_pe]).
+    cache_PSW: P pages of S token slots, each row [latent (latent_dim), roped key]; token j of
+    sequence b sits in page block_table_BM[b, j // S], slot j % S. Keys are the whole rows, values
+    their first latent_dim entries (one kv head shared by all N query heads). seq_lens_B: context
+    length including the new token. Softmax in float32, as in paged_decode_attention.
+    Returns o_BNC (C = latent_dim), the attention-weighted latents.
+    """
+    B = block_table_BM.shape[0]
+    longest = int(seq_lens_B.max()) if B else 0
+    kv_B1SW = gather_pages(cache_PSW[:, :, None, :], block_table_BM, longest)
+    seq_idx_B = torch.arange(B, device=q_BNW.device)
+    return _decode_attention(q_BNW, kv_B1SW, kv_B1SW[..., :latent_dim], seq_idx_B, seq_lens_B.long() - 1, scale, None)

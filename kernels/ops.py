@@ -12,6 +12,7 @@ Every entry has the signature of its torch reference:
   topk_route(logits_TE, top_k, scoring, renormalize) -> (weights_TK float32, ids_TK int64)
   fused_moe(x_TD, w13_EID2, w2_EDI, weights_TK, ids_TK) -> y_TD
   paged_decode_attention(q_BNH, k_cache_PSKH, v_cache_PSKH, block_table_BM, seq_lens_B, scale, window) -> o_BNH
+  paged_latent_decode_attention(q_BNW, cache_PSW, block_table_BM, seq_lens_B, scale, latent_dim) -> o_BNC  (MLA)
 """
 import os
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ class KernelOps:
     topk_route: Callable
     fused_moe: Callable
     paged_decode_attention: Callable
+    paged_latent_decode_attention: Callable
 
 
 def choose_backend(device: torch.device | str, backend: str | None = None) -> str:
@@ -46,25 +48,26 @@ def choose_backend(device: torch.device | str, backend: str | None = None) -> st
 
 
 def torch_ops() -> KernelOps:
-    from kernels.attention import paged_decode_attention
+    from kernels.attention import paged_decode_attention, paged_latent_decode_attention
     from kernels.moe import fused_moe
     from kernels.rmsnorm import fused_add_rms_norm, rms_norm
     from kernels.rotary import apply_rotary_
     from kernels.routing import topk_route
 
     return KernelOps("torch", rms_norm, fused_add_rms_norm, apply_rotary_, topk_route, fused_moe,
-                     paged_decode_attention)
+                     paged_decode_attention, paged_latent_decode_attention)
 
 
 def triton_ops() -> KernelOps:
     from kernels.attention_triton import paged_decode_attention
+    from kernels.mla_triton import paged_latent_decode_attention
     from kernels.moe_triton import fused_moe
     from kernels.rmsnorm_triton import fused_add_rms_norm, rms_norm
     from kernels.rotary_triton import apply_rotary_
     from kernels.routing_triton import topk_route
 
     return KernelOps("triton", rms_norm, fused_add_rms_norm, apply_rotary_, topk_route, fused_moe,
-                     paged_decode_attention)
+                     paged_decode_attention, paged_latent_decode_attention)
 
 
 def select_ops(device: torch.device | str, backend: str | None = None) -> KernelOps:

@@ -1,27 +1,98 @@
-"""Router scoring and top-k expert selection.
+"""Router scoring and top-k expert selection: one configurable router for every family.
 
-Legend: T tokens, E experts, K experts chosen per token.
+Legend: T tokens, E experts, K experts chosen per token, G expert groups.
+
+What the families need (see RouterConfig): softmax (Mixtral, Qwen, OLMoE, DeepSeek-V2) or sigmoid
+scores (DeepSeek-V3, Kimi K2); a per-expert correction bias added only to choose experts, never to
+weigh them (V3's e_score_correction_bias); grouped top-k, where only the topk_groups best of G equal
+groups of experts may be chosen, a group scored by its best expert (V2's group_limited_greedy) or
+by the sum of its best two (V3); renormalisation of the chosen scores; a final scaling factor.
 """
+from dataclasses import dataclass
+
 import torch
+
+SCORINGS = ("softmax", "sigmoid")
+GROUP_SCORES = ("max", "top2_sum")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How a MoE layer picks and weighs its experts (the arguments of topk_route, plus how the
+    model computes the logits and applies the weights).
+
+    top_k: experts per token. scoring: "softmax" or "sigmoid". renormalize: divide the chosen scores
+    by their sum. num_groups / topk_groups: experts form num_groups equal groups and only the
+    topk_groups best groups are eligible (1 / 1: no grouping). group_score: "max" or "top2_sum".
+    scaling: multiplies the final weights (routed_scaling_factor). correction_bias: the router has a
+    per-expert bias added to the scores for selection only. logits_fp32: the router matmul runs in
+    float32 (DeepSeek). weights_fp32: expert outputs are weighed by float32 weights (Mixtral,
+    DeepSeek); otherwise the weights are rounded to the activations' dtype first.
+    """
+
+    top_k: int
+    scoring: str = "softmax"
+    renormalize: bool = False
+    num_groups: int = 1
+    topk_groups: int = 1
+    group_score: str = "max"
+    scaling: float = 1.0
+    correction_bias: bool = False
+    logits_fp32: bool = False
+    weights_fp32: bool = False
+
+    def route_kwargs(self) -> dict:
+        """The keyword arguments of topk_route past (logits, top_k, scoring, renormalize)."""
+        return dict(num_groups=self.num_groups, topk_groups=self.topk_groups, group_score=self.group_score,
+                    scaling=self.scaling)
+
+
+def check_route_args(E: int, top_k: int, scoring: str, num_groups: int, topk_groups: int, group_score: str) -> None:
+    """Raise ValueError naming the argument that cannot route E experts."""
+    if scoring not in SCORINGS:
+        raise ValueError(f"unknown router scoring {scoring!r}; expected 'softmax' or 'sigmoid'")
+    if group_score not in GROUP_SCORES:
+        raise ValueError(f"unknown group_score {group_score!r}; expected one of {', '.join(GROUP_SCORES)}")
+    if num_groups < 1 or E % num_groups:
+        raise ValueError(f"topk_route: num_groups={num_groups} must divide the {E} experts")
+    if not 1 <= topk_groups <= num_groups:
+        raise ValueError(f"topk_route: topk_groups={topk_groups} must be in [1, num_groups={num_groups}]")
+    if not 1 <= top_k <= topk_groups * (E // num_groups):
+        raise ValueError(f"topk_route: top_k={top_k} must be in [1, {topk_groups * (E // num_groups)}] "
+                         f"(the experts of the {topk_groups} eligible groups of {E // num_groups})")
 
 
 def topk_route(
-    logits_TE: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = False
+    logits_TE: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = False, *,
+    correction_bias_E: torch.Tensor | None = None, num_groups: int = 1, topk_groups: int = 1,
+    group_score: str = "max", scaling: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick K experts per token.
+    """Pick K experts per token (see RouterConfig for the arguments).
 
-    logits_TE: router logits, any float dtype. scoring: "softmax" (probabilities over all E experts)
-    or "sigmoid" (independent scores). renormalize: divide the chosen K scores by their sum.
-    Returns (topk_weights_TK float32, topk_ids_TK int64). Among exactly tied scores torch.topk's
-    choice is unspecified (the Triton kernel takes the lowest ids).
+    logits_TE: router logits, any float dtype. correction_bias_E: float32 bias added to the scores
+    to choose experts (and groups); the weights are the unbiased scores. Returns
+    (topk_weights_TK float32, topk_ids_TK int64). Among exactly tied scores torch.topk's choice is
+    unspecified (the Triton kernel takes the lowest ids).
     """
-    if scoring == "softmax":
-        scores_TE = torch.softmax(logits_TE.float(), dim=-1)
-    elif scoring == "sigmoid":
-        scores_TE = torch.sigmoid(logits_TE.float())
-    else:
-        raise ValueError(f"unknown router scoring {scoring!r}; expected 'softmax' or 'sigmoid'")
-    topk_weights_TK, topk_ids_TK = torch.topk(scores_TE, top_k, dim=-1)
+    E = logits_TE.shape[-1]
+    check_route_args(E, top_k, scoring, num_groups, topk_groups, group_score)
+    logits = logits_TE.float()
+    scores_TE = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    choice_TE = scores_TE if correction_bias_E is None else scores_TE + correction_bias_E.float()
+    if num_groups > 1:
+        T = choice_TE.shape[0]
+        grouped_TGS = choice_TE.view(T, num_groups, E // num_groups)
+        if group_score == "max":
+            group_TG = grouped_TGS.max(dim=-1).values
+        else:
+            group_TG = grouped_TGS.topk(min(2, E // num_groups), dim=-1).values.sum(dim=-1)
+        keep_TG = torch.zeros_like(group_TG, dtype=torch.bool)
+        keep_TG.scatter_(1, group_TG.topk(topk_groups, dim=-1).indices, True)
+        choice_TE = choice_TE.masked_fill(~keep_TG.repeat_interleave(E // num_groups, dim=1), float("-inf"))
+    topk_ids_TK = torch.topk(choice_TE, top_k, dim=-1).indices
+    topk_weights_TK = scores_TE.gather(1, topk_ids_TK)
     if renormalize:
         topk_weights_TK = topk_weights_TK / topk_weights_TK.sum(dim=-1, keepdim=True)
+    if scaling != 1.0:
+        topk_weights_TK = topk_weights_TK * scaling
     return topk_weights_TK, topk_ids_TK

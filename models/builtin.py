@@ -68,6 +68,21 @@ def make_random_checkpoint(out_dir: str | Path, config, seed: int = 0, dtype: st
     return out
 
 
+def randomize_correction_bias(model_dir: str | Path, seed: int = 0, scale: float = 0.2) -> None:
+    """transformers initialises DeepSeek-V3's e_score_correction_bias to zeros; trained checkpoints
+    have non-zero ones (they steer which experts are chosen), so tests and benchmarks rewrite them
+    with uniform [0, scale) values in place."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors = load_file(f)
+        for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
+            tensors[name] = torch.rand(tensors[name].shape, generator=gen) * scale
+        save_file(tensors, f, metadata={"format": "pt"})
+
+
 def builtin_model_dir() -> Path:
     """The built-in model: the checkpoint committed in models/builtin/, trained by this project's
     training module (`shuttle train --recipe builtin`; its README.md is the model card)."""

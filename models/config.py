@@ -2,8 +2,12 @@
 
 Both writers are understood: transformers 4 (`torch_dtype`, top-level `rope_theta`, `rope_scaling`)
 and transformers 5 (`dtype`, `rope_parameters`, `layer_types`). Errors name the file and the field.
+DeepSeek-V2/V3 (and Kimi K2, which declares the V3 architecture) add Multi-head Latent Attention
+(MLAConfig), grouped routing (kernels.routing.RouterConfig), ungated shared experts and dense
+layers before first_k_dense_replace.
 """
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +15,7 @@ from typing import Any
 import torch
 
 from kernels.rotary import ROPE_TYPES, RopeConfig
+from kernels.routing import RouterConfig
 
 # architectures entry -> family; each family's semantics follow transformers' definition of it.
 ARCHITECTURES = {
@@ -18,13 +23,44 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+# model_type -> architectures entry, for a config.json that lists no known architecture
+MODEL_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+               "kimi_k2": "DeepseekV3ForCausalLM"}
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_THETA = {"mixtral": 1e6}
 
 
 class ConfigError(ValueError):
     """A config.json that Shuttle cannot serve; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head Latent Attention (DeepSeek-V2/V3). Queries: q_proj, or q_a_proj -> q_a_layernorm ->
+    q_b_proj when q_lora_rank is set; keys and values come from one kv_lora_rank latent per token
+    (plus one qk_rope_head_dim roped key shared by all heads), which is what the KV cache stores.
+    softmax_scale: (qk_nope_head_dim + qk_rope_head_dim) ** -0.5, times yarn's mscale(mscale_all_dim)**2."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the rope dims pair up as (0, 1), (2, 3), ... instead of the two halves
+    softmax_scale: float
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_width(self) -> int:
+        """Values cached per token and layer: the latent and the roped key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -42,14 +78,14 @@ class ModelConfig:
     intermediate_size: int  # dense MLP layers (mlp_only_layers, decoder_sparse_step)
     moe_intermediate_size: int
     shared_expert_intermediate_size: int  # 0: no shared expert
+    shared_expert_gate: bool  # Qwen2-MoE gates its shared expert with a sigmoid; DeepSeek's are ungated
     num_experts: int
-    top_k: int
-    norm_topk_prob: bool
-    router_weights_fp32: bool  # Mixtral weighs expert outputs with float32 router weights; others round first
+    router: RouterConfig
     moe_layers: tuple[bool, ...]
     sliding_windows: tuple[int | None, ...]
-    qkv_bias: bool
+    qkv_bias: bool  # MLA: q_a_proj and kv_a_proj_with_mqa
     o_bias: bool
+    mlp_bias: bool  # dense MLPs and shared experts (DeepSeek-V2's mlp_bias)
     qk_norm: str  # "none", "per_head" (Qwen3-MoE) or "full" (OLMoE: over the whole projection)
     clip_qkv: float | None
     rms_norm_eps: float
@@ -59,6 +95,42 @@ class ModelConfig:
     dtype: torch.dtype  # the checkpoint's dtype
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    mla: MLAConfig | None = None
+    num_mtp_layers: int = 0  # multi-token-prediction layers stored after the last layer (not served)
+    fp8_block: tuple[int, int] | None = None  # FP8 block-quantised weights: (rows, cols) per weight_scale_inv
+
+    @property
+    def top_k(self) -> int:
+        return self.router.top_k
+
+    @property
+    def kv_values_per_token_layer(self) -> int:
+        """Values the KV cache keeps per token and layer: keys and values of every kv head, or MLA's
+        latent plus its roped key (576 for DeepSeek-V3's shape instead of 2 x 128 x 128 = 32,768)."""
+        if self.mla is not None:
+            return self.mla.cache_width
+        return 2 * self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """KV cache bytes per token over all layers (what a KV budget divides by; the planner's input)."""
+        return self.num_layers * self.kv_values_per_token_layer * dtype.itemsize
+
+    def attention_flops_per_token(self, context: int) -> int:
+        """FLOPs (multiply-adds x 2) of one decoded token's attention over all layers, projections
+        included, against `context` cached tokens: MLA decodes in the latent space (the absorbed
+        query and output projections, then scores over latent + roped key and a weighted sum of
+        latents), other families attend with per-head keys and values. The planner's T_a input."""
+        D, N = self.hidden_size, self.num_heads
+        if self.mla is None:
+            proj = D * (self.q_size + 2 * self.kv_size) + self.q_size * D
+            attend = N * context * 2 * self.head_dim
+        else:
+            m = self.mla
+            q = D * N * m.qk_head_dim if m.q_lora_rank is None else D * m.q_lora_rank + m.q_lora_rank * N * m.qk_head_dim
+            absorb = N * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim)
+            proj = q + D * m.cache_width + absorb + N * m.v_head_dim * D
+            attend = N * context * (m.cache_width + m.kv_lora_rank)
+        return 2 * self.num_layers * (proj + attend)
 
     @property
     def q_size(self) -> int:
@@ -110,7 +182,7 @@ def _parse(raw: dict[str, Any], src: str) -> ModelConfig:
         return value
 
     archs = raw.get("architectures") or []
-    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    arch = next((a for a in archs if a in ARCHITECTURES), MODEL_TYPES.get(raw.get("model_type")))
     if arch is None:
         raise ConfigError(
             f"{src}: architectures {archs} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
@@ -122,19 +194,27 @@ def _parse(raw: dict[str, Any], src: str) -> ModelConfig:
 
     hidden, layers, heads = int(need("hidden_size")), int(need("num_hidden_layers")), int(need("num_attention_heads"))
     kv_heads = int(get("num_key_value_heads", heads))
-    head_dim = int(get("head_dim", hidden // heads))
+    mla = _mla(raw, src) if family in MLA_FAMILIES else None
+    head_dim = mla.qk_rope_head_dim if mla else int(get("head_dim", hidden // heads))  # MLA: the rotary dim
     if heads % kv_heads:
         raise ConfigError(f"{src}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
     if head_dim % 2:
         raise ConfigError(f"{src}: head_dim ({head_dim}) must be even for rotary embeddings")
-    num_experts = int(need("num_local_experts", "num_experts"))
+    num_experts = int(need("num_local_experts", "num_experts", "n_routed_experts"))
     top_k = int(need("num_experts_per_tok"))
     if not 1 <= top_k <= num_experts:
         raise ConfigError(f"{src}: num_experts_per_tok ({top_k}) must be in [1, num_experts={num_experts}]")
+    router = _router(raw, family, num_experts, top_k, src)
 
+    shared_inter = int(get("shared_expert_intermediate_size", 0)) if family == "qwen2_moe" else 0
     if family == "mixtral":
         moe_layers = (True,) * layers
         moe_inter = int(need("intermediate_size"))
+    elif mla:  # DeepSeek: dense MLPs before first_k_dense_replace, MoE after (as transformers builds them)
+        first_dense = int(get("first_k_dense_replace", 0))
+        moe_layers = tuple(i >= first_dense for i in range(layers))
+        moe_inter = int(need("moe_intermediate_size"))
+        shared_inter = moe_inter * int(get("n_shared_experts", 2 if family == "deepseek_v2" else 1))
     else:
         step = int(get("decoder_sparse_step", 1))
         mlp_only = set(get("mlp_only_layers", []))
@@ -145,6 +225,7 @@ def _parse(raw: dict[str, Any], src: str) -> ModelConfig:
     if dtype_name not in DTYPES:
         raise ConfigError(f"{src}: dtype {dtype_name!r} is not supported; supported: {', '.join(DTYPES)}")
     eos = get("eos_token_id", [])
+    rope = _rope(raw, family, max_pos, src)
     return ModelConfig(
         architecture=arch,
         family=family,
@@ -156,31 +237,117 @@ def _parse(raw: dict[str, Any], src: str) -> ModelConfig:
         head_dim=head_dim,
         intermediate_size=int(get("intermediate_size", moe_inter)),
         moe_intermediate_size=moe_inter,
-        shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", 0)) if family == "qwen2_moe" else 0,
+        shared_expert_intermediate_size=shared_inter,
+        shared_expert_gate=family == "qwen2_moe",
         num_experts=num_experts,
-        top_k=top_k,
-        norm_topk_prob=True if family == "mixtral" else bool(get("norm_topk_prob", False)),
-        router_weights_fp32=family == "mixtral",
+        router=router,
         moe_layers=moe_layers,
         sliding_windows=_sliding_windows(raw, family, layers, src),
         qkv_bias=bool(get("qkv_bias", True)) if family == "qwen2_moe" else bool(get("attention_bias", False)),
-        o_bias=family in ("qwen3_moe", "olmoe") and bool(get("attention_bias", False)),
+        o_bias=family in ("qwen3_moe", "olmoe", *MLA_FAMILIES) and bool(get("attention_bias", False)),
+        mlp_bias=family == "deepseek_v2" and bool(get("mlp_bias", False)),
         qk_norm={"qwen3_moe": "per_head", "olmoe": "full"}.get(family, "none"),
         clip_qkv=get("clip_qkv") if family == "olmoe" else None,
         rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-        rope=_rope(raw, family, max_pos, src),
+        rope=rope,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
         dtype=DTYPES[dtype_name],
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),),
         bos_token_id=get("bos_token_id"),
+        mla=_with_scale(mla, rope) if mla else None,
+        num_mtp_layers=int(get("num_nextn_predict_layers", 0, "num_mtp_layers")) if family == "deepseek_v3" else 0,
+        fp8_block=_fp8_block(raw.get("quantization_config"), src),
     )
+
+
+def _fp8_block(quant: Any, src: str) -> tuple[int, int] | None:
+    """quantization_config of FP8 block-quantised checkpoints (quant_method fp8, weight_block_size)."""
+    if not quant:
+        return None
+    if not isinstance(quant, dict):
+        raise ConfigError(f"{src}: quantization_config must be an object")
+    method = quant.get("quant_method")
+    if method != "fp8":
+        raise ConfigError(f"{src}: quantization_config.quant_method={method!r} is not supported (only 'fp8' with "
+                          f"weight_block_size)")
+    block = quant.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ConfigError(f"{src}: quantization_config.weight_block_size must be two positive ints, got {block!r} "
+                          f"(per-tensor FP8 scales are not supported)")
+    fmt = quant.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(f"{src}: quantization_config.fmt={fmt!r} is not supported (only 'e4m3')")
+    return int(block[0]), int(block[1])
+
+
+def _router(raw: dict[str, Any], family: str, num_experts: int, top_k: int, src: str) -> RouterConfig:
+    """The router of a family as transformers defines it (DeepSeek fields as V2/V3 configs spell them)."""
+    if family not in MLA_FAMILIES:
+        return RouterConfig(top_k, "softmax", renormalize=family == "mixtral" or bool(raw.get("norm_topk_prob", False)),
+                            weights_fp32=family == "mixtral")
+    v3 = family == "deepseek_v3"
+    scoring = raw.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    known = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
+    if scoring not in ("softmax", "sigmoid"):
+        raise ConfigError(f"{src}: scoring_func={scoring!r} is not supported; supported: softmax, sigmoid")
+    if method not in known:
+        raise ConfigError(f"{src}: topk_method={method!r} is not supported by {family}; supported: {', '.join(known)}")
+    grouped = v3 or method == "group_limited_greedy"
+    groups = int(raw.get("n_group") or 1) if grouped else 1
+    topk_groups = int(raw.get("topk_group") or 1) if grouped else 1
+    if num_experts % groups:
+        raise ConfigError(f"{src}: n_group ({groups}) must divide n_routed_experts ({num_experts})")
+    if not 1 <= topk_groups <= groups:
+        raise ConfigError(f"{src}: topk_group ({topk_groups}) must be in [1, n_group={groups}]")
+    if top_k > topk_groups * (num_experts // groups):
+        raise ConfigError(f"{src}: num_experts_per_tok ({top_k}) exceeds the {topk_groups * (num_experts // groups)} "
+                          f"experts of topk_group={topk_groups} groups of {num_experts // groups}")
+    # transformers' V2 router never renormalises (norm_topk_prob is read by V3 only)
+    return RouterConfig(top_k, scoring, renormalize=v3 and bool(raw.get("norm_topk_prob", True)), num_groups=groups,
+                        topk_groups=topk_groups, group_score="top2_sum" if v3 else "max",
+                        scaling=float(raw.get("routed_scaling_factor") or (2.5 if v3 else 1.0)),
+                        correction_bias=v3, logits_fp32=True, weights_fp32=True)
+
+
+def _mla(raw: dict[str, Any], src: str) -> MLAConfig:
+    """MLA shapes (the softmax scale is filled in by _with_scale once the rope is known)."""
+    def need(key: str) -> int:
+        if raw.get(key) is None:
+            raise ConfigError(f"{src}: required field '{key}' is missing")
+        value = int(raw[key])
+        if value <= 0:
+            raise ConfigError(f"{src}: {key} must be positive, got {value}")
+        return value
+
+    rope_dim = need("qk_rope_head_dim")
+    if rope_dim % 2:
+        raise ConfigError(f"{src}: qk_rope_head_dim ({rope_dim}) must be even for rotary embeddings")
+    q_lora = raw.get("q_lora_rank")
+    if q_lora is not None and int(q_lora) <= 0:
+        raise ConfigError(f"{src}: q_lora_rank must be positive or null, got {q_lora}")
+    # V2 always pairs rope dims interleaved; V3 configs say so (rope_interleave, default true)
+    interleave = raw.get("model_type") == "deepseek_v2" or "DeepseekV2ForCausalLM" in (raw.get("architectures") or [])
+    return MLAConfig(q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=need("kv_lora_rank"),
+                     qk_nope_head_dim=need("qk_nope_head_dim"), qk_rope_head_dim=rope_dim, v_head_dim=need("v_head_dim"),
+                     rope_interleave=interleave or bool(raw.get("rope_interleave", True)), softmax_scale=0.0)
+
+
+def _with_scale(mla: MLAConfig, rope: RopeConfig) -> MLAConfig:
+    """transformers' yarn_apply_mscale: with a scaled rope and mscale_all_dim, the softmax scale is
+    multiplied by mscale(factor, mscale_all_dim) squared."""
+    scale = mla.qk_head_dim ** -0.5
+    if rope.rope_type != "default" and rope.mscale_all_dim and rope.factor and rope.factor > 1:
+        m = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
+        scale *= m * m
+    return MLAConfig(**{**mla.__dict__, "softmax_scale": scale})
 
 
 def _sliding_windows(raw: dict[str, Any], family: str, layers: int, src: str) -> tuple[int | None, ...]:
     """Per-layer window, following each family's transformers definition."""
     window = raw.get("sliding_window") or None
-    if family == "olmoe":
+    if family in ("olmoe", *MLA_FAMILIES):
         return (None,) * layers
     if family == "mixtral":
         return (window,) * layers

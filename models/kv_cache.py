@@ -7,11 +7,14 @@ The model never sees how keys are stored: each attention layer calls `cache.atte
 cache (the engine's) or no cache at all can be injected in place of this one.
 """
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
-from kernels.attention import cached_attention, gather_pages, paged_decode_attention
+if TYPE_CHECKING:
+    from kernels.ops import KernelOps
+    from models.config import ModelConfig
+from kernels.attention import cached_attention, gather_pages, paged_decode_attention, paged_latent_decode_attention
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,29 @@ class KVCache(Protocol):
         ...
 
 
+class LatentProjections(Protocol):
+    """What an MLA layer lends its cache (models/mla.py: MLAttention): W = latent C + rope R."""
+
+    def expand(self, cached_XW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached rows -> (keys (X, N, P+R), values (X, N, V))."""
+        ...
+
+    def absorb_query(self, q_nope_TNP: torch.Tensor, q_pe_TNR: torch.Tensor) -> torch.Tensor:
+        """Queries -> the cache's space (T, N, W)."""
+        ...
+
+    def output(self, o_latent_TNC: torch.Tensor) -> torch.Tensor:
+        """Attention-weighted latents (T, N, C) -> values (T, N, V)."""
+        ...
+
+
+class LatentKVCache(Protocol):
+    def attend_latent(self, layer: int, q_nope_TNP: torch.Tensor, q_pe_TNR: torch.Tensor, cached_TW: torch.Tensor,
+                      batch: AttentionBatch, scale: float, mla: LatentProjections) -> torch.Tensor:
+        """Store this call's MLA rows [latent, roped key] (T, W), then return o_TNV."""
+        ...
+
+
 class DenseKVCache:
     """One contiguous (K, S, H) region per sequence slot and layer: k[l] is (slots, K, S, H)."""
 
@@ -162,3 +188,71 @@ class PagedKVCache:
         v_BKSH = gather_pages(v_pages, batch.block_table_BM, batch.max_kv_len)
         return cached_attention(q_TNH, k_BKSH, v_BKSH, batch.seq_idx_T, batch.tok_idx_T, batch.positions_T,
                                 batch.max_q_len, scale, sliding_window)
+
+
+class PagedLatentCache:
+    """The paged cache of Multi-head Latent Attention: kv[l] is (P pages, S slots, W) where each row
+    is a token's normalised latent and its roped key (W = kv_lora_rank + qk_rope_head_dim), one
+    "kv head" shared by all query heads instead of K keys and values per head.
+
+    Decode-only steps attend in the latent space with the layer's absorbed projections through
+    the decode op given at construction (paged_latent_decode_attention; the Triton kernel on CUDA);
+    sequences with several new tokens (prefill chunks) gather their pages and expand the latents
+    into per-head keys and values (cheaper per cached token when many queries share them).
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, width: int, latent_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu",
+                 decode_attention: Callable = paged_latent_decode_attention):
+        self.kv = [torch.zeros((num_blocks, block_size, width), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.latent_dim, self.decode_attention = latent_dim, decode_attention
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, width: int, dtype: torch.dtype) -> int:
+        return num_layers * block_size * width * dtype.itemsize
+
+    def attend_latent(self, layer: int, q_nope_TNP: torch.Tensor, q_pe_TNR: torch.Tensor, cached_TW: torch.Tensor,
+                      batch: AttentionBatch, scale: float, mla: LatentProjections) -> torch.Tensor:
+        assert batch.block_table_BM is not None and batch.slot_mapping_T is not None, "build the batch with build_paged"
+        pages = self.kv[layer]
+        pages.view(-1, pages.shape[-1]).index_copy_(0, batch.slot_mapping_T, cached_TW.to(pages.dtype))
+        if batch.max_q_len == 1:
+            return self._absorbed(q_nope_TNP, q_pe_TNR, pages, batch.block_table_BM, batch.kv_lens_B, scale, mla)
+        if batch.parts is not None:
+            decode_T, decode_B, prefill_T, prefill = batch.parts
+            o_d = self._absorbed(q_nope_TNP[decode_T], q_pe_TNR[decode_T], pages, batch.block_table_BM[decode_B],
+                                 batch.kv_lens_B[decode_B], scale, mla)
+            o_TNV = o_d.new_empty(q_nope_TNP.shape[0], *o_d.shape[1:])
+            o_TNV[decode_T] = o_d
+            o_TNV[prefill_T] = self._expanded(q_nope_TNP[prefill_T], q_pe_TNR[prefill_T], pages, prefill, scale, mla)
+            return o_TNV
+        return self._expanded(q_nope_TNP, q_pe_TNR, pages, batch, scale, mla)
+
+    def _absorbed(self, q_nope_TNP: torch.Tensor, q_pe_TNR: torch.Tensor, pages: torch.Tensor, table_BM: torch.Tensor,
+                  lens_B: torch.Tensor, scale: float, mla: LatentProjections) -> torch.Tensor:
+        q_TNW = mla.absorb_query(q_nope_TNP, q_pe_TNR).to(pages.dtype)
+        return mla.output(self.decode_attention(q_TNW, pages, table_BM, lens_B, scale, self.latent_dim))
+
+    @staticmethod
+    def _expanded(q_nope_TNP: torch.Tensor, q_pe_TNR: torch.Tensor, pages: torch.Tensor, batch: AttentionBatch,
+                  scale: float, mla: LatentProjections) -> torch.Tensor:
+        cached_BSW = gather_pages(pages[:, :, None, :], batch.block_table_BM, batch.max_kv_len)[:, 0]
+        k_BSNH, v_BSNV = mla.expand(cached_BSW)
+        return cached_attention(torch.cat((q_nope_TNP, q_pe_TNR), dim=-1), k_BSNH.transpose(1, 2),
+                                v_BSNV.transpose(1, 2), batch.seq_idx_T, batch.tok_idx_T, batch.positions_T,
+                                batch.max_q_len, scale, None)
+
+
+def make_paged_cache(cfg: "ModelConfig", num_blocks: int, block_size: int, dtype: torch.dtype,
+                     device: torch.device | str, ops: "KernelOps") -> "PagedKVCache | PagedLatentCache":
+    """The engine's paged cache for a model: latent rows for MLA, per-head keys and values otherwise."""
+    if cfg.mla is not None:
+        return PagedLatentCache(cfg.num_layers, num_blocks, block_size, cfg.mla.cache_width, cfg.mla.kv_lora_rank,
+                                dtype, device, decode_attention=ops.paged_latent_decode_attention)
+    return PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device,
+                        decode_attention=ops.paged_decode_attention)
+
+
+def cache_bytes_per_block(cfg: "ModelConfig", block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block of block_size tokens takes over all layers (from ModelConfig.kv_bytes_per_token)."""
+    return block_size * cfg.kv_bytes_per_token(dtype)

@@ -5,8 +5,12 @@ tensor is checked before any is read, and each problem names the file and the te
 Checkpoint experts are per-expert matrices (`experts.{e}.gate_proj|up_proj|down_proj` or Mixtral's
 `block_sparse_moe.experts.{e}.w1|w3|w2`); fused `experts.gate_up_proj` / `experts.down_proj` tensors
 are accepted too. In the model they are stacked: w13 (E, 2I, D) and w2 (E, D, I).
+FP8 block-quantised weights (quantization_config quant_method fp8) are dequantised to the model's
+dtype as they are read, each with its `weight_scale_inv`. Multi-token-prediction layers (DeepSeek's
+num_nextn_predict_layers, stored as the layers past num_hidden_layers) are skipped with one log line.
 """
 import json
+import logging
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -16,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from kernels.ops import select_ops
+from kernels.quant import FP8_DTYPES, dequantize_fp8_blocks, fp8_block_scale_shape
 
 from models.config import ModelConfig
 from models.moe_decoder import Experts, MoEForCausalLM
@@ -24,6 +29,9 @@ STACKED_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(w13|w2)$") 
 _EXPERT = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _FUSED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq$)")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` scales the FP8 `X.weight`
+log = logging.getLogger("shuttle")
 
 
 class CheckpointError(ValueError):
@@ -42,8 +50,8 @@ class Target:
 class CheckpointReader:
     """Index of the tensors of a checkpoint directory: name -> safetensors file."""
 
-    def __init__(self, model_dir: str | Path):
-        self.dir = Path(model_dir)
+    def __init__(self, model_dir: str | Path, fp8_block: tuple[int, int] | None = None):
+        self.dir, self.fp8_block = Path(model_dir), fp8_block
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text()).get("weight_map")
@@ -63,6 +71,9 @@ class CheckpointReader:
                 with safe_open(f, framework="pt") as h:
                     for name in h.keys():
                         self.files[name] = f
+        # FP8 scales are read with their weights, never as tensors of their own
+        self.scales = {n[:-len(SCALE_SUFFIX)]: f for n, f in self.files.items() if n.endswith(SCALE_SUFFIX)}
+        self.files = {n: f for n, f in self.files.items() if not n.endswith(SCALE_SUFFIX)}
 
     def read(self, wanted: dict[str, list[Target]], model_shape: dict[Target, tuple[int, ...]]) -> dict[str, torch.Tensor]:
         """Check then read the `wanted` tensors, one file at a time."""
@@ -83,7 +94,28 @@ class CheckpointReader:
                                                   f"{list(model_shape[t])} for {t.param}")
                 for name in names:
                     out[name] = h.get_tensor(name)
+                    if out[name].dtype in FP8_DTYPES:
+                        out[name] = self._dequantize(f, name, out[name])
         return out
+
+    def _dequantize(self, f: Path, name: str, w: torch.Tensor) -> torch.Tensor:
+        """An FP8 weight times its per-block weight_scale_inv, as float32."""
+        scale_name = name + SCALE_SUFFIX
+        if self.fp8_block is None:
+            raise CheckpointError(f"{f}: tensor '{name}' is {w.dtype} but config.json has no FP8 quantization_config "
+                                  f"(quant_method fp8 with weight_block_size)")
+        if name not in self.scales:
+            raise CheckpointError(f"{f}: FP8 tensor '{name}' has no '{scale_name}' in the checkpoint")
+        if w.dim() != 2:
+            raise CheckpointError(f"{f}: FP8 tensor '{name}' has shape {list(w.shape)}; only 2-D block-quantised "
+                                  f"weights are supported")
+        with safe_open(self.scales[name], framework="pt") as h:
+            scale = h.get_tensor(scale_name)
+        want = fp8_block_scale_shape(tuple(w.shape), self.fp8_block)
+        if tuple(scale.shape) != want:
+            raise CheckpointError(f"{self.scales[name]}: tensor '{scale_name}' has shape {list(scale.shape)}, expected "
+                                  f"{list(want)} for {list(w.shape)} in blocks of {list(self.fp8_block)}")
+        return dequantize_fp8_blocks(w, scale, self.fp8_block)
 
 
 def checkpoint_targets(name: str, cfg: ModelConfig) -> list[Target] | None:
@@ -127,12 +159,19 @@ def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: tor
         model = MoEForCausalLM(cfg, with_experts=with_experts, ops=ops).to(dtype)
         full = dict((model if with_experts else MoEForCausalLM(cfg, with_experts=True, ops=ops)).named_parameters())
     params = dict(model.named_parameters(remove_duplicate=False))
-    reader = CheckpointReader(model_dir)
+    reader = CheckpointReader(model_dir, cfg.fp8_block)
+    for weight, f in reader.scales.items():
+        if weight not in reader.files:
+            raise CheckpointError(f"{f}: unexpected tensor '{weight}{SCALE_SUFFIX}' (no FP8 weight '{weight}')")
     wanted: dict[str, list[Target]] = {}
     covered: dict[str, int] = defaultdict(int)  # param -> number of elements assigned
+    mtp = []
     for name, f in reader.files.items():
         targets = checkpoint_targets(name, cfg)
         if _IGNORED.search(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        if is_mtp_tensor(name, cfg):
+            mtp.append(name)
             continue
         if targets is None or any(t.param not in full for t in targets):
             raise CheckpointError(f"{f}: unexpected tensor '{name}' (no such parameter in {cfg.architecture} "
@@ -153,6 +192,9 @@ def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: tor
             missing = [n for n in expected if n not in reader.files]
             raise CheckpointError(f"{reader.dir}: missing tensor '{missing[0] if missing else pname}' "
                                   f"for parameter {pname}" + (f" ({len(missing)} missing)" if len(missing) > 1 else ""))
+    if mtp:
+        log.info("%s: skipped %d tensors of %d multi-token-prediction layer(s) (num_nextn_predict_layers; not "
+                 "served)", reader.dir, len(mtp), cfg.num_mtp_layers)
     model_shape = {t: _target_shape(t, params[t.param].shape) for ts in wanted.values() for t in ts}
     tensors = reader.read(wanted, model_shape)
     model.to_empty(device=device)
@@ -187,7 +229,7 @@ def load_experts(model_dir: str | Path, expert_ids: list[int], cfg: ModelConfig 
         experts = {i: Experts(len(expert_ids), cfg.hidden_size, cfg.moe_intermediate_size, ops).to(dtype) for i in layers}
     params = _expert_params(experts)
     full_shape = {n: (cfg.num_experts,) + tuple(p.shape[1:]) for n, p in params.items()}
-    reader = CheckpointReader(model_dir)
+    reader = CheckpointReader(model_dir, cfg.fp8_block)
     wanted: dict[str, list[Target]] = {}
     model_shape: dict[Target, tuple[int, ...]] = {}
     covered: dict[str, int] = defaultdict(int)
@@ -220,6 +262,13 @@ def load_experts(model_dir: str | Path, expert_ids: list[int], cfg: ModelConfig 
                     dst = dst[t.rows[0]:t.rows[1]]
                 dst.copy_(src)
     return {i: m.eval() for i, m in experts.items()}
+
+
+def is_mtp_tensor(name: str, cfg: ModelConfig) -> bool:
+    """Whether a checkpoint tensor belongs to a multi-token-prediction layer (layer index in
+    [num_layers, num_layers + num_mtp_layers)), which serving does not use."""
+    m = _LAYER.match(name)
+    return m is not None and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + cfg.num_mtp_layers
 
 
 def _expert_params(experts: dict[int, Experts]) -> dict[str, torch.nn.Parameter]:

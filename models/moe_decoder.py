@@ -1,8 +1,9 @@
-"""The MoE decoder: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE in one definition, single device.
+"""The MoE decoder: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3 in one definition, single device.
 
 Legend: T tokens (a flat batch of all sequences), D hidden, N query heads, K kv heads, H head dim,
 E experts, I expert intermediate size, V vocabulary.
-Family differences are ModelConfig fields (biases, q/k norm, shared expert, dense layers, windows);
+Family differences are ModelConfig fields (biases, q/k norm, shared experts, dense layers, windows,
+the router's RouterConfig, MLA's MLAConfig: DeepSeek's attention lives in models/mla.py);
 the KV cache and the expert dispatcher are injected, so serving and training share this code.
 The compute ops (torch references or Triton kernels) come from one KernelOps table chosen at
 construction. Layers pass (hidden, residual) pairs so each norm fuses the residual add.
@@ -19,21 +20,8 @@ from kernels.rotary import RotaryEmbedding
 from models.config import ModelConfig
 from models.dispatcher import Dispatcher, LocalDispatcher
 from models.kv_cache import AttentionBatch, KVCache
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ops: KernelOps):
-        super().__init__()
-        self.weight, self.eps, self.ops = nn.Parameter(torch.ones(dim)), eps, ops
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x, self.weight, self.eps)
-
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual); the first layer has no residual yet."""
-        if residual is None:
-            return self(x), x
-        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+from models.mla import MLAttention
+from models.norm import RMSNorm
 
 
 class Attention(nn.Module):
@@ -72,13 +60,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: dense layers and Qwen2-MoE's shared expert."""
+    """SwiGLU feed-forward: dense layers and shared experts."""
 
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
@@ -97,34 +85,69 @@ class Experts(nn.Module):
         return self.ops.fused_moe(x_TD, self.w13, self.w2, topk_weights_TK, topk_ids_TK)
 
 
+class Router(nn.Module):
+    """The router's weight (E, D), and DeepSeek-V3's e_score_correction_bias (E, float32, added to
+    the scores to choose experts only; not trained by gradients, as transformers keeps it a buffer).
+    Returns the logits (T, E); kernels.routing.topk_route turns them into choices (RouterConfig)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.logits_fp32 = cfg.router.logits_fp32
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
+                                        if cfg.router.correction_bias else None)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        if self.logits_fp32:
+            return F.linear(x_TD.float(), self.weight.float())
+        return F.linear(x_TD, self.weight)
+
+    def _apply(self, fn, recurse: bool = True):
+        """Keep the correction bias in float32 whatever dtype the model is cast to (transformers
+        keeps it in float32 too: bf16 would merge close expert scores)."""
+        out = super()._apply(fn, recurse)
+        bias = self.e_score_correction_bias
+        if bias is not None and bias.is_floating_point() and bias.dtype != torch.float32:
+            bias.data = bias.data.float()
+        return out
+
+
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, with_experts: bool, ops: KernelOps):
         super().__init__()
         self.layer, self.cfg, self.ops = layer, cfg, ops
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.gate = Router(cfg)
         self.experts = (Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, ops)
                         if with_experts else None)
+        self.shared_name = None  # named as in the checkpoints: Qwen2-MoE's gated shared_expert, DeepSeek's shared_experts
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+            self.shared_name = "shared_expert" if cfg.shared_expert_gate else "shared_experts"
+            self.add_module(self.shared_name, MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.mlp_bias))
+            if cfg.shared_expert_gate:
+                self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def start(self, x_TD: torch.Tensor, dispatcher: Dispatcher, mb: int = 0) -> tuple:
         """Route and dispatch (non-blocking for remote dispatchers); the shared expert runs while
         the routed experts work. `finish` turns the returned state into y_TD."""
-        weights_TK, ids_TK = self.ops.topk_route(self.gate(x_TD), self.cfg.top_k, "softmax", self.cfg.norm_topk_prob)
-        if not self.cfg.router_weights_fp32:
+        r = self.cfg.router
+        weights_TK, ids_TK = self.ops.topk_route(self.gate(x_TD), r.top_k, r.scoring, r.renormalize,
+                                                 correction_bias_E=self.gate.e_score_correction_bias,
+                                                 **r.route_kwargs())
+        if not r.weights_fp32:
             weights_TK = weights_TK.to(x_TD.dtype)
         handle = dispatcher.dispatch(self.layer, self.experts, x_TD, ids_TK, weights_TK, mb=mb)
         shared_TD = None
-        if self.cfg.shared_expert_intermediate_size:
-            shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
+        if self.shared_name is not None:
+            shared_TD = getattr(self, self.shared_name)(x_TD)
+            if self.cfg.shared_expert_gate:
+                shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
         return dispatcher, handle, shared_TD
 
     def start_empty(self, x_TD: torch.Tensor, dispatcher: Dispatcher, mb: int) -> tuple:
         """An empty micro-batch still takes its (empty) turn, so remote experts see every slot."""
         K = self.cfg.top_k
         ids_TK = torch.empty((0, K), dtype=torch.long, device=x_TD.device)
-        weights_TK = torch.empty((0, K), dtype=torch.float32 if self.cfg.router_weights_fp32 else x_TD.dtype,
+        weights_TK = torch.empty((0, K), dtype=torch.float32 if self.cfg.router.weights_fp32 else x_TD.dtype,
                                  device=x_TD.device)
         return dispatcher, dispatcher.dispatch(self.layer, self.experts, x_TD, ids_TK, weights_TK, mb=mb), None
 
@@ -141,10 +164,10 @@ class SparseMoE(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, with_experts: bool, ops: KernelOps):
         super().__init__()
-        self.self_attn = Attention(cfg, layer, ops)
+        self.self_attn = Attention(cfg, layer, ops) if cfg.mla is None else MLAttention(cfg, layer, ops)
         self.is_moe = cfg.moe_layers[layer]
         self.mlp = (SparseMoE(cfg, layer, with_experts, ops) if self.is_moe
-                    else MLP(cfg.hidden_size, cfg.intermediate_size))
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 

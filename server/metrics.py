@@ -88,7 +88,9 @@ class _EngineCollector(Collector):
                                  ("kv_cache_usage_perc", "Share of the KV cache blocks in use (0 to 1)",
                                   s["kv_cache_usage"]),
                                  ("kv_cache_blocks", "KV cache blocks in all attention workers", s["num_blocks"]),
-                                 ("kv_cache_free_blocks", "Free KV cache blocks", s["free_blocks"])):
+                                 ("kv_cache_free_blocks", "Free KV cache blocks", s["free_blocks"]),
+                                 ("kv_cache_tokens", "KV cache capacity in tokens in all attention workers",
+                                  s.get("kv_cache_tokens", 0))):
             g = GaugeMetricFamily(f"shuttle_{name}", doc, labels=["model_name"])
             g.add_metric(m, value)
             yield g

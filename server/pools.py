@@ -220,7 +220,8 @@ class PoolEngine:
         time, and the expert workers' load (published in the store)."""
         workers = [dict(self._worker_stats[r], rank=r) for r in sorted(self._worker_stats)]
         total = {k: sum(w.get(k, 0) for w in workers) for k in
-                 ("running", "waiting", "num_blocks", "free_blocks", "prefix_cache_queries", "prefix_cache_hits",
+                 ("running", "waiting", "num_blocks", "free_blocks", "kv_cache_tokens", "prefix_cache_queries",
+                  "prefix_cache_hits",
                   "preemptions", "generated_tokens")}
         total["steps"] = max((w.get("steps", 0) for w in workers), default=0)
         total["kv_cache_usage"] = 1 - total["free_blocks"] / total["num_blocks"] if total["num_blocks"] else 0.0

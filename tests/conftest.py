@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-from models.builtin import make_random_checkpoint, train_tokenizer
+from models.builtin import make_random_checkpoint, randomize_correction_bias, train_tokenizer
 
 VOCAB = 512
 BASE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -31,6 +31,17 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=80, moe_intermediate_size=24, num_experts=8,
                                          num_experts_per_tok=2)),
     "olmoe": ("OlmoeConfig", dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2)),
+    # MLA with odd sizes (q_lora_rank 24, latent 20, rope 6, nope 10, v 14), 3 layers (the first dense)
+    "deepseek_v3": ("DeepseekV3Config", dict(num_hidden_layers=3, num_key_value_heads=4, intermediate_size=48,
+                                             moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2,
+                                             n_group=4, topk_group=2, first_k_dense_replace=1, n_shared_experts=2,
+                                             kv_lora_rank=20, q_lora_rank=24, qk_rope_head_dim=6,
+                                             qk_nope_head_dim=10, v_head_dim=14, routed_scaling_factor=2.5)),
+    "deepseek_v2": ("DeepseekV2Config", dict(num_hidden_layers=3, num_key_value_heads=4, intermediate_size=48,
+                                             moe_intermediate_size=24, n_routed_experts=6, num_experts_per_tok=2,
+                                             first_k_dense_replace=1, n_shared_experts=1, kv_lora_rank=20,
+                                             q_lora_rank=None, qk_rope_head_dim=6, qk_nope_head_dim=10,
+                                             v_head_dim=14, routed_scaling_factor=1.0)),
 }
 
 
@@ -59,6 +70,8 @@ def make_checkpoint(tmp_path_factory, tokenizer_dir):
             out = tmp_path_factory.mktemp(f"{family}-{key}")
             cache[key] = make_random_checkpoint(out, hf_config(family, **overrides), seed=seed, dtype=dtype,
                                                 tokenizer_dir=tokenizer_dir)
+            if family == "deepseek_v3":
+                randomize_correction_bias(out, seed)
         return cache[key]
 
     return make

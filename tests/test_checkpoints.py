@@ -86,8 +86,8 @@ def test_unknown_architecture_lists_supported(make_checkpoint, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["architectures"] = ["LlamaForCausalLM"]
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match=r"LlamaForCausalLM.*supported: MixtralForCausalLM, OlmoeForCausalLM, "
-                                          r"Qwen2MoeForCausalLM, Qwen3MoeForCausalLM"):
+    with pytest.raises(ConfigError, match=r"LlamaForCausalLM.*supported: DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, "
+                                          r"MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM"):
         ModelConfig.from_pretrained(d)
 
 

@@ -146,3 +146,41 @@ def test_sampling_follows_the_distribution_and_seeds_are_batch_independent():
     gens = [None, torch.Generator().manual_seed(1), None, torch.Generator().manual_seed(7)]
     mixed = sample(batch, torch.ones(4), torch.ones(4), torch.zeros(4, dtype=torch.long), gens)
     assert alone == [alone[0]] * 3 and mixed[3].item() == alone[0]
+
+
+@pytest.mark.parametrize("version,kw", [
+    ("V3", dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, norm_topk_prob=True,
+                routed_scaling_factor=2.5)),
+    ("V3", dict(n_routed_experts=12, num_experts_per_tok=3, n_group=1, topk_group=1, norm_topk_prob=False,
+                routed_scaling_factor=1.0)),
+    ("V2", dict(n_routed_experts=12, num_experts_per_tok=3, topk_method="greedy", routed_scaling_factor=1.5)),
+    ("V2", dict(n_routed_experts=12, num_experts_per_tok=3, n_group=3, topk_group=2,
+                topk_method="group_limited_greedy", routed_scaling_factor=1.0)),
+])
+def test_routing_equals_transformers_deepseek_routers(version, kw):
+    """topk_route with a DeepSeek RouterConfig chooses the same experts with the same weights as
+    transformers' DeepseekV3TopkRouter / DeepseekV2TopkRouter (a non-zero correction bias for V3)."""
+    import transformers
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
+
+    from models.config import _router
+
+    cfg = getattr(transformers, f"Deepseek{version}Config")(hidden_size=32, num_attention_heads=4, **kw)
+    hf = (v3.DeepseekV3TopkRouter if version == "V3" else v2.DeepseekV2TopkRouter)(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        hf.weight.normal_()
+        bias = None
+        if version == "V3":
+            hf.e_score_correction_bias.uniform_(0, 0.3)
+            bias = hf.e_score_correction_bias
+        x = torch.randn(40, 32)
+        _, want_w, want_ids = hf(x)
+    r = _router({**cfg.to_dict(), "model_type": f"deepseek_{version.lower()}"}, f"deepseek_{version.lower()}",
+                kw["n_routed_experts"], kw["num_experts_per_tok"], "test")
+    w, ids = topk_route(x @ hf.weight.T, r.top_k, r.scoring, r.renormalize, correction_bias_E=bias,
+                        **r.route_kwargs())
+    order, want_order = ids.sort(-1), want_ids.sort(-1)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(w.gather(1, order.indices), want_w.gather(1, want_order.indices))

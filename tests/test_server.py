@@ -220,6 +220,7 @@ def test_metrics_cover_the_pools(server, client):
                  "shuttle_prompt_tokens_total", "shuttle_generation_tokens_total", "shuttle_num_requests_waiting",
                  'shuttle_http_requests_total{route="/v1/completions",status="200"}'):
         assert name in text, name
+    assert metric(server, "shuttle_kv_cache_tokens") == 16 * metric(server, "shuttle_kv_cache_blocks")  # block_size
     experts = [float(v) for v in re.findall(r'^shuttle_expert_tokens_total\{expert="\d+".*\} (\S+)$', text, re.M)]
     assert len(experts) == 8 and sum(experts) > 0
     for pool, worker in (("attention", "a0"), ("expert", "e0")):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from models.config import ModelConfig
-from models.kv_cache import AttentionBatch, DenseKVCache
+from models.kv_cache import AttentionBatch, DenseKVCache, make_paged_cache
 from models.loader import load_model
 from tests.conftest import hf_model
 from training.checkpoint import latest_checkpoint, load_trainer_state
@@ -97,6 +97,31 @@ def test_gradients_equal_transformers(make_checkpoint, family, overrides):
         mine = name
         for theirs, ours_name in in_memory.items():
             mine = mine.replace(theirs, ours_name)
+        rel = ((grads[mine] - p.grad).norm() / p.grad.norm()).item()
+        assert rel < 1e-4, f"{name}: relative gradient error {rel:.2e}"
+        checked += 1
+    assert checked == len(grads)
+
+
+MLA_CASES = [("deepseek_v3", {}), ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 3,
+                                                  "topk_group": 2, "q_lora_rank": 16})]
+
+
+@pytest.mark.parametrize("family,overrides", MLA_CASES, ids=["deepseek_v3", "deepseek_v2"])
+def test_deepseek_loss_and_gradients_equal_transformers(make_checkpoint, family, overrides):
+    """MLA, grouped routing with the correction bias, ungated shared experts, a dense first layer.
+    transformers' DeepSeek models have no auxiliary loss: the language-model loss is compared."""
+    cfg, ours, ref = _ours_and_ref(make_checkpoint(family, **overrides))
+    ids, labels = _batch(cfg.vocab_size, seed=2)
+    lm = lm_loss(forward_logits(ours, ids), labels.reshape(-1))
+    theirs = ref(ids, labels=ids).loss
+    assert abs(lm.item() - theirs.item()) < 1e-5 * theirs.item()
+    lm.backward()
+    theirs.backward()
+    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    checked = 0
+    for name, p in ref.named_parameters():
+        mine = name.replace("mlp.experts.gate_up_proj", "mlp.experts.w13").replace("mlp.experts.down_proj", "mlp.experts.w2")
         rel = ((grads[mine] - p.grad).norm() / p.grad.norm()).item()
         assert rel < 1e-4, f"{name}: relative gradient error {rel:.2e}"
         checked += 1
@@ -305,6 +330,24 @@ def test_saved_checkpoint_serves_the_training_models_logits(make_checkpoint, cor
     with torch.no_grad():
         first = forward_logits(trainer.model, torch.tensor([[5, 6, 7]]))[-1].argmax().item()
     assert out[0].outputs[0].token_ids[0] == first
+
+
+def test_trained_deepseek_checkpoint_serves_the_training_models_logits(make_checkpoint, corpus, tmp_path):
+    ckpt = make_checkpoint("deepseek_v3")
+    trainer = Trainer(_cfg(tmp_path / "run", corpus, init_from=str(ckpt), max_steps=2), ParallelContext())
+    trainer.run()
+    ids, _ = _batch(512, B=2, L=11, seed=5)
+    with torch.no_grad():
+        want = forward_logits(trainer.model, ids)
+        served = load_model(tmp_path / "run")
+        cache = make_paged_cache(served.cfg, 6, 4, torch.float32, "cpu", served.ops)
+        batch = AttentionBatch.build_paged([11, 11], [0, 0], [[0, 1, 2], [3, 4, 5]], 4)
+        got = served.logits(served(ids.reshape(-1), batch, cache))
+        assert (got - want).abs().max() < 1e-5 * want.abs().max()
+        ref = hf_model(tmp_path / "run")
+        assert (ref(ids).logits.reshape(-1, 512) - want).abs().max() < 1e-4 * want.abs().max()
+    bias = served.model.layers[1].mlp.gate.e_score_correction_bias
+    assert bias.dtype == torch.float32 and bias.abs().sum() > 0  # kept (not trained by gradients)
 
 
 def test_new_model_with_trained_tokenizer_and_bfloat16_files(corpus, tmp_path):

@@ -116,3 +116,20 @@ def test_rms_norm_float32_weight_promotes_like_the_reference(poison):
     got, want = rmsnorm_triton.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6)
     assert got.dtype == want.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scoring,group_score,renormalize,scaling", [
+    ("sigmoid", "top2_sum", True, 2.5),  # DeepSeek-V3 / Kimi K2
+    ("softmax", "max", False, 1.0),  # DeepSeek-V2 group_limited_greedy
+    ("sigmoid", "max", False, 0.5),
+])
+@pytest.mark.parametrize("T,E,K,G,TG", [(1, 8, 2, 4, 2), (9, 12, 3, 3, 1), (33, 64, 6, 8, 3), (5, 6, 2, 1, 1)])
+def test_topk_route_grouped_with_correction_bias(poison, T, E, K, G, TG, scoring, group_score, renormalize, scaling):
+    from kernels import routing_triton
+
+    logits, bias = torch.randn(T, E, device=DEV), torch.randn(E, device=DEV) * 0.3
+    kw = dict(correction_bias_E=bias, num_groups=G, topk_groups=TG, group_score=group_score, scaling=scaling)
+    w, ids = routing_triton.topk_route(logits, K, scoring, renormalize, **kw)
+    w_ref, ids_ref = topk_route(logits, K, scoring, renormalize, **kw)
+    assert torch.equal(ids, ids_ref), f"seed {torch.initial_seed()}"
+    torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)

@@ -44,7 +44,8 @@ def hf_tensors(model: MoEForCausalLM, expert_ids: tuple[int, ...], dtype: torch.
     module, names = expert_checkpoint_names(cfg.family)
     out = {}
     for name, p in model.named_parameters():  # a tied lm_head is listed once, as embed_tokens
-        t = p.detach().to(dtype)
+        # DeepSeek-V3's correction bias stays float32 (transformers keeps it so: it orders close scores)
+        t = p.detach().to(torch.float32 if name.endswith("e_score_correction_bias") else dtype)
         if m := STACKED_EXPERTS.match(name):
             if not experts:
                 continue

@@ -24,7 +24,8 @@ SHAPE_FLAGS: dict[str, tuple[str, type]] = {
     "initializer_range": ("--initializer-range", float), "tie_word_embeddings": ("--tie-word-embeddings", bool)}
 # Shape flags -> the config.json field of each family (default: same name; None: the family has none).
 _FIELD = {
-    "num_experts": {"mixtral": "num_local_experts"},
+    "num_experts": {"mixtral": "num_local_experts", "deepseek_v2": "n_routed_experts",
+                    "deepseek_v3": "n_routed_experts"},
     "expert_intermediate_size": {"mixtral": "intermediate_size", "olmoe": "intermediate_size",
                                  "*": "moe_intermediate_size"},
     "intermediate_size": {"mixtral": None, "olmoe": None},  # these families size experts with it

@@ -19,7 +19,7 @@ from torch import nn
 from kernels.attention import cached_attention
 from kernels.ops import KernelOps, torch_ops
 from models.config import ModelConfig
-from models.kv_cache import AttentionBatch
+from models.kv_cache import AttentionBatch, LatentProjections
 from models.loader import load_experts, load_model
 from models.moe_decoder import Experts, MoEForCausalLM
 
@@ -44,7 +44,7 @@ class CausalAttention:
             raise ValueError("CausalAttention keeps no cache: every sequence must start at position 0")
         k_TKH, v_TKH = k_TKH.to(q_TNH.dtype), v_TKH.to(q_TNH.dtype)
         if T == B * L:  # all rows full: a plain (B, L) layout, no gather
-            q, k, v = (t.view(B, L, -1, H).transpose(1, 2) for t in (q_TNH, k_TKH, v_TKH))
+            q, k, v = (t.view(B, L, *t.shape[1:]).transpose(1, 2) for t in (q_TNH, k_TKH, v_TKH))
             if K != N:
                 k, v = k.repeat_interleave(N // K, dim=1), v.repeat_interleave(N // K, dim=1)
             mask = None
@@ -52,11 +52,18 @@ class CausalAttention:
                 i, j = torch.arange(L, device=q.device)[:, None], torch.arange(L, device=q.device)[None, :]
                 mask = (j <= i) & (j > i - sliding_window)
             o_BNLH = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
-            return o_BNLH.transpose(1, 2).reshape(T, N, H)
+            return o_BNLH.transpose(1, 2).reshape(T, N, -1)  # (values may be narrower than keys: MLA)
         k_BSKH = k_TKH.new_zeros(B, L, K, H).index_put((batch.seq_idx_T, batch.tok_idx_T), k_TKH)
-        v_BSKH = v_TKH.new_zeros(B, L, K, H).index_put((batch.seq_idx_T, batch.tok_idx_T), v_TKH)
+        v_BSKH = v_TKH.new_zeros(B, L, *v_TKH.shape[1:]).index_put((batch.seq_idx_T, batch.tok_idx_T), v_TKH)
         return cached_attention(q_TNH, k_BSKH.transpose(1, 2), v_BSKH.transpose(1, 2), batch.seq_idx_T,
                                 batch.tok_idx_T, batch.positions_T, L, scale, sliding_window)
+
+    def attend_latent(self, layer: int, q_nope_TNP: torch.Tensor, q_pe_TNR: torch.Tensor, cached_TW: torch.Tensor,
+                      batch: AttentionBatch, scale: float, mla: LatentProjections) -> torch.Tensor:
+        """MLA without a cache: expand this call's latents into per-head keys and values (as
+        transformers computes them), then attend like any other layer."""
+        k_TNH, v_TNV = mla.expand(cached_TW)
+        return self.attend(layer, torch.cat((q_nope_TNP, q_pe_TNR), dim=-1), k_TNH, v_TNV, batch, scale, None)
 
 
 def rows_batch(B: int, L: int, device: torch.device | str) -> AttentionBatch:
@@ -114,7 +121,7 @@ def init_weights(model: MoEForCausalLM, shard: Shard, seed: int, std: float, pad
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith(".bias"):
+            elif name.endswith(".bias") or name.endswith("e_score_correction_bias"):
                 p.zero_()
             elif is_expert_param(name):  # (E_local, ...): one draw per global expert
                 for i, e in enumerate(shard.expert_ids):

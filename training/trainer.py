@@ -57,7 +57,7 @@ class Trainer:
         if ctx.ep_size > 1:
             self.model.dispatcher = AllToAllDispatcher(ctx, self.model_cfg.num_experts, self.clock)
         self.router = RouterLogits(self.model) if cfg.aux_loss_coef or cfg.z_loss_coef else None
-        named = list(self.model.named_parameters())
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]  # not V3's correction bias
         self.sharded = [p for n, p in named if ctx.ep_size > 1 and is_expert_param(n)]
         self.replicated = [p for n, p in named if not (ctx.ep_size > 1 and is_expert_param(n))]
         self.optimizer = build_optimizer(named, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
