@@ -202,11 +202,13 @@ class TcpEndpoint(EndpointBase):
             return None
         try:
             h = json.loads(bytes(buf[LEN.size: LEN.size + hlen]))
-            name, num_slots, slot_bytes, token = h["name"], h["num_slots"], h["slot_bytes"], h["token"]
-        except (ValueError, KeyError, TypeError) as e:
-            return self._refuse(s, pending, addr, f"malformed HELLO: {e}")
-        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.cfg.token.encode()):
-            return self._refuse(s, pending, addr, f"wrong or missing deployment token (claimed to be {name!r})")
+            name, num_slots, slot_bytes, token = h["name"], h["num_slots"], h["slot_bytes"], h.get("token")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            return self._refuse(s, pending, addr, f"malformed HELLO: {type(e).__name__}: {e}")
+        if not isinstance(token, str):
+            return self._refuse(s, pending, addr, f"missing deployment token (claimed to be {name!r})")
+        if not hmac.compare_digest(token.encode(), self.cfg.token.encode()):
+            return self._refuse(s, pending, addr, f"wrong deployment token (claimed to be {name!r})")
         pi = self._index.get(name) if isinstance(name, str) else None
         if pi is None:
             why = f"{name!r} is not a peer of {self.me!r}"
