@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= The for statement
 
-.PHONY: setup run generate test bench clean
+.PHONY: setup run generate test bench soak clean
 
 $(BIN)/shuttle: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,11 @@ bench: setup
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/generate.py
 	$(BIN)/python bench/moe_cpu.py
+
+soak: setup
+	# 30 minutes of load above capacity with disconnects and bad input (CI runs 3 minutes of it:
+	# tests/test_soak.py); writes bench/results/soak.json
+	$(BIN)/python bench/soak.py --duration-s 1800
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

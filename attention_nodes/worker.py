@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from setproctitle import setproctitle
 from torch.distributed import TCPStore
 
 from attention_nodes import messages as wire
@@ -48,6 +49,7 @@ def run_attention_worker(spec: AttentionWorkerSpec) -> None:
     """Process entry point: connect to the server, load, serve until Shutdown or the server leaves.
     Any failure is reported to the server as Failed (naming the cause) before the process exits."""
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s a{spec.rank}: %(message)s")
+    setproctitle(f"shuttle-attention-a{spec.rank}")  # what ps and top show
     par = spec.engine.parallel
     if par.torch_threads:
         torch.set_num_threads(par.torch_threads)

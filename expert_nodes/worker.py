@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from setproctitle import setproctitle
 from torch.distributed import TCPStore
 
 from m2n_comm.m2n import M2NReceiver, Placement, run_local_experts
@@ -48,6 +49,7 @@ def run_expert_worker(spec: ExpertWorkerSpec) -> None:
     """Process entry point: load, connect, serve until the attention workers go away. A failure is
     published in the store (key SESSION/failed/eN) so the server can name its cause."""
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s e{spec.rank}: %(message)s")
+    setproctitle(f"shuttle-expert-e{spec.rank}")  # what ps and top show
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
     store = TCPStore(*spec.store_addr, is_master=False, wait_for_workers=False)
@@ -127,6 +129,6 @@ def _pack_for_cpu(experts: dict) -> dict:
     from models.cpu_inference import PackedExperts
 
     some = next(iter(experts.values()))
-    if not packing_available() or some.w13.dtype not in (torch.float32, torch.bfloat16):
+    if not packing_available(some.w13.dtype):
         return experts
     return {layer: PackedExperts(m) for layer, m in experts.items()}

@@ -14,8 +14,15 @@ from torch import nn
 BATCH_HINT = 16  # rows oneDNN picks its blocking for; any row count works
 
 
-def packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+def packing_available(dtype: torch.dtype) -> bool:
+    """Whether weights of `dtype` can be packed on this CPU: float32 wherever oneDNN is built in;
+    bfloat16 only where the CPU has oneDNN's bf16 path (AVX-512 BF16/AMX or AVX-NE-CONVERT), which
+    e.g. an AVX2-only EPYC lacks: there the reorder raises, and plain F.linear is the fallback."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def pack_weight(w_OI: torch.Tensor) -> torch.Tensor:

@@ -26,9 +26,9 @@ class PackedExperts(nn.Module):
 
 def pack_for_cpu_inference(model: MoEForCausalLM) -> bool:
     """Swap linears and experts for packed ones in place. Returns False (and changes nothing) where
-    oneDNN packing is unavailable or the weights are not float32/bfloat16 on the CPU."""
+    the weights are not on the CPU or oneDNN cannot pack their dtype here (see packing_available)."""
     w = model.lm_head.weight
-    if not packing_available() or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+    if w.device.type != "cpu" or not packing_available(w.dtype):
         return False
     tied = model.cfg.tie_word_embeddings
     for parent in list(model.modules()):

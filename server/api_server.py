@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.async_llm import AsyncLLM, EngineDeadError, QueueFullError
@@ -122,6 +123,8 @@ class _SSEResponse(StreamingResponse):
             for t in (stream, gone):
                 t.cancel()
             await asyncio.gather(stream, gone, return_exceptions=True)
+            if self.background is not None:  # however the stream ended (here: the admission's release)
+                await self.background()
         if stream.done() and not stream.cancelled() and stream.exception() is not None:
             raise stream.exception()
 
@@ -207,8 +210,10 @@ def build_app(llm: AsyncLLM, cfg: ServerConfig, metrics: ServerMetrics) -> FastA
 
 
 async def _respond(request: Request, serving: OpenAIServing, llm: AsyncLLM, job, stream: bool, req) -> Response:
+    # The places in the waiting queue are taken now: a stream answers 200 before its requests
+    # start, and a check here followed by a refusal there would turn a 503 into an error event.
     try:
-        llm.check_capacity(len(job.prompts))
+        job.admission = llm.reserve(len(job.prompts))
     except QueueFullError as e:
         raise as_openai_error(e) from None
     except EngineDeadError as e:
@@ -216,8 +221,12 @@ async def _respond(request: Request, serving: OpenAIServing, llm: AsyncLLM, job,
     if stream:
         return _SSEResponse(serving.stream(job, req.include_usage,
                                            req.stream_options is not None and req.stream_options.continuous_usage_stats),
-                            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    body = await _unless_disconnected(request, serving.full_response(job))
+                            media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                            background=BackgroundTask(job.admission.release))
+    try:
+        body = await _unless_disconnected(request, serving.full_response(job))
+    finally:
+        job.admission.release()
     if body is None:
         return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
     return JSONResponse(body)

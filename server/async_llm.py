@@ -44,6 +44,30 @@ class QueueFullError(RuntimeError):
     """More than max_waiting requests are waiting for their first token; retry later."""
 
 
+class Admission:
+    """Room for n requests in the waiting queue, taken in one check (AsyncLLM.reserve): a response
+    that has to commit to success before its requests start (an HTTP stream sends 200 first)
+    reserves the room up front, so a race with other requests cannot fail it half-way. Each
+    `generate(..., admission=...)` takes one unit; `release` gives back what was not taken
+    (idempotent), and must run however the response ends."""
+
+    def __init__(self, llm: "AsyncLLM", n: int):
+        self._llm, self._left = llm, n
+
+    def take(self) -> bool:
+        """Move one reserved unit to a starting request; False when none is left."""
+        with self._llm._lock:
+            if self._left == 0:
+                return False
+            self._left -= 1
+            return True
+
+    def release(self) -> None:
+        with self._llm._lock:
+            self._llm.num_waiting -= self._left
+            self._left = 0
+
+
 class RequestObserver(Protocol):
     """Told about every request's progress (times from time.monotonic(), seconds)."""
 
@@ -97,17 +121,19 @@ class AsyncLLM:
         self._thread.start()
 
     # -- the asyncio side ---------------------------------------------------------------------
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       admission: Admission | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its output after every step that changed it, the last one with
         finished=True. Raises ValueError for a bad request (before anything runs), QueueFullError
-        when max_waiting requests already wait for their first token."""
+        when max_waiting requests already wait for their first token (unless it takes its place
+        from `admission`, reserved earlier)."""
         self.check_alive()
         request_id = request_id or f"req-{next(self._ids)}"
         ids = self._llm._encode(prompt, params)
         tracker = RequestTracker(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer)
         out: asyncio.Queue = asyncio.Queue()
-        self._admit()
+        if admission is None or not admission.take():
+            self._admit()
         arrival, first, last, waiting = time.monotonic(), None, None, True
         if not self._send(_Add(tracker, ids, params, out, asyncio.get_running_loop())):
             self._admitted()
@@ -141,6 +167,14 @@ class AsyncLLM:
         if self.max_waiting is not None and self.num_waiting + n > self.max_waiting:
             raise QueueFullError(f"{self.num_waiting} requests are waiting for their first token "
                                  f"(max_waiting={self.max_waiting}); retry later")
+
+    def reserve(self, n: int = 1) -> Admission:
+        """Check that n more requests may wait and hold their places (QueueFullError if not,
+        EngineDeadError if dead); see Admission."""
+        with self._lock:
+            self.check_capacity(n)
+            self.num_waiting += n
+        return Admission(self, n)
 
     def _admit(self) -> None:
         with self._lock:

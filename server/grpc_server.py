@@ -29,7 +29,7 @@ from attention_nodes.sampling_params import SamplingParams
 from clients.proto import MAX_MESSAGE_BYTES
 from clients.proto import shuttle_pb2 as pb
 from clients.proto import shuttle_pb2_grpc as pb_grpc
-from server.async_llm import AsyncLLM, EngineDeadError, QueueFullError
+from server.async_llm import Admission, AsyncLLM, EngineDeadError, QueueFullError
 from server.outputs import CompletionOutput, Logprob, RequestOutput
 
 __all__ = ["GenerationServicer", "start_grpc_server", "sampling_params", "MAX_BATCH", "SERVICE_NAME"]
@@ -97,9 +97,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if n > MAX_BATCH:
             raise ValueError(f"a batch holds at most {MAX_BATCH} prompts, got {n}")
         params = sampling_params(request.sampling_params)
-        self.llm.check_capacity(n)  # all of the batch waits at once: refuse it whole, not half-run
+        admission = self.llm.reserve(n)  # all of the batch waits at once: refuse it whole, not half-run
         prefix = request.request_id
-        tasks = [asyncio.create_task(self._batch_item(i, p, params, f"{prefix}-{i}" if prefix else None))
+        tasks = [asyncio.create_task(self._batch_item(i, p, params, f"{prefix}-{i}" if prefix else None, admission))
                  for i, p in enumerate(request.prompts)]
         try:
             for next_done in asyncio.as_completed(tasks):
@@ -108,23 +108,25 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            admission.release()
 
-    async def _batch_item(self, index: int, prompt: pb.Prompt, params: SamplingParams,
-                          request_id: str | None) -> pb.BatchGenerateResponse:
-        """One prompt of a batch, run to the end; a bad prompt (or, after a race with other calls, a
-        full queue) becomes an error for its index."""
+    async def _batch_item(self, index: int, prompt: pb.Prompt, params: SamplingParams, request_id: str | None,
+                          admission: Admission) -> pb.BatchGenerateResponse:
+        """One prompt of a batch, run to the end (in its place reserved for the batch); a bad prompt
+        becomes an error for its index."""
         try:
-            final = await self._run(_prompt(prompt), params, request_id)
+            final = await self._run(_prompt(prompt), params, request_id, admission)
         except (ValueError, QueueFullError) as e:
             code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, ValueError) else grpc.StatusCode.RESOURCE_EXHAUSTED
             error = pb.Error(code=code.value[0], message=str(e))
             return pb.BatchGenerateResponse(index=index, error=error)
         return pb.BatchGenerateResponse(index=index, response=response(final, params))
 
-    async def _run(self, prompt: str | list[int], params: SamplingParams, request_id: str | None) -> RequestOutput:
+    async def _run(self, prompt: str | list[int], params: SamplingParams, request_id: str | None,
+                   admission: Admission | None = None) -> RequestOutput:
         """The request's final output (ValueError for a bad request, EngineDeadError if the engine is gone)."""
         final = None
-        async with aclosing(self.llm.generate(prompt, params, request_id)) as outs:
+        async with aclosing(self.llm.generate(prompt, params, request_id, admission)) as outs:
             async for final in outs:
                 pass
         assert final is not None and final.finished, "AsyncLLM.generate ended without a finished output"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from attention_nodes.sampling_params import SamplingParams
-from server.async_llm import AsyncLLM, QueueFullError
+from server.async_llm import Admission, AsyncLLM, QueueFullError
 from server.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from server.outputs import CompletionOutput, RequestOutput
 
@@ -32,6 +32,7 @@ class _Job:
     params: SamplingParams
     echo: list[str] | None = None  # completions with echo: each prompt's text
     created: int = field(default_factory=lambda: int(time.time()))
+    admission: Admission | None = None  # the prompts' places in the waiting queue, reserved up front
 
     def index(self, prompt: int, sample: int) -> int:
         return prompt * self.params.n + sample
@@ -115,7 +116,8 @@ class OpenAIServing:
 
         async def run(i: int) -> None:
             try:
-                async for out in self.llm.generate(job.prompts[i], job.params, request_id=f"{job.id}-{i}"):
+                async for out in self.llm.generate(job.prompts[i], job.params, request_id=f"{job.id}-{i}",
+                                                 admission=job.admission):
                     q.put_nowait((i, out))
             except BaseException as e:
                 q.put_nowait((i, e))

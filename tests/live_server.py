@@ -58,10 +58,12 @@ class LiveServer:
         assert m, f"the server logged no gRPC port:\n{self.log()}"
         return int(m.group(1))
 
-    def children(self) -> list[int]:
-        """Pids of the server's worker processes (multiprocessing spawn children)."""
+    def children(self) -> dict[str, int]:
+        """The server's worker processes (multiprocessing spawn children) by process title
+        ("shuttle-attention-a0", "shuttle-expert-e0", ...) -> pid."""
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
-        return [int(p) for p in out if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+        titles = {int(p): Path(f"/proc/{p}/cmdline").read_text(errors="replace").split("\0")[0] for p in out}
+        return {t: p for p, t in titles.items() if t.startswith("shuttle-")}
 
     def log(self) -> str:
         self._log.flush()

@@ -223,6 +223,30 @@ def test_max_waiting_bounds_the_requests_without_output(serve, llm, monkeypatch)
     assert sum(1 for x in seen if x[:2] == ("output", True)) == 3  # a first output per request
 
 
+def test_reserved_places_are_kept_against_later_requests(serve, llm):
+    """A response that reserved its places (an HTTP stream, which answers 200 before its requests
+    start) is never refused by requests that arrived in between; release gives back the rest."""
+    a = serve(max_waiting=2)
+
+    async def main():
+        admission = a.reserve(2)
+        with pytest.raises(QueueFullError, match="max_waiting=2"):
+            a.check_capacity()  # a later request is refused: the queue is held for the reservation
+        with pytest.raises(QueueFullError):
+            a.reserve(1)
+        out = await collect(a, PROMPTS[0], SamplingParams(max_tokens=3, **GREEDY), admission=admission)
+        assert a.num_waiting == 1  # the started request's place was taken; the other is still held
+        admission.release()
+        admission.release()  # idempotent
+        assert a.num_waiting == 0
+        return out, await collect(a, PROMPTS[1], SamplingParams(max_tokens=3, **GREEDY), admission=admission)
+
+    out, after = run(main())  # an exhausted admission admits like no admission
+    assert out[-1].outputs[0].token_ids == greedy_ids(llm, PROMPTS[0], 3)
+    assert after[-1].outputs[0].token_ids == greedy_ids(llm, PROMPTS[1], 3)
+    assert a.num_waiting == 0
+
+
 def test_shutdown_fails_waiting_requests_and_refuses_new_ones(serve, monkeypatch):
     a = serve()
     slow_steps(a, monkeypatch)
