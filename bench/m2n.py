@@ -1,7 +1,7 @@
 """M2N dispatch + combine latency and throughput, against torch.distributed send/recv on gloo and a
 bare blocking-socket ping-pong of the same bytes.
 
-    python bench/m2n.py [--quick] [--mn 1 --mn 2] [--kinds shm,tcp,gloo,socket]
+    python bench/m2n.py [--quick] [--repeats 3] [--mn 1 --mn 2] [--kinds shm,tcp,gloo,socket] [--spin-s 0.001]
 
 M senders (attention workers) and N receivers (expert workers), M = N in {1, 2} (default), each a spawned
 process on this host. One round: every sender dispatches a payload to every receiver through
@@ -37,7 +37,7 @@ SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
 
 def rounds_for(size: int, quick: bool) -> int:
     n = 400 if size <= 64 << 10 else 150 if size <= 1 << 20 else 40
-    return max(10, n // 4) if quick else n
+    return max(10, n // 4) if quick else n // 3  # per pass (--repeats passes, 3 by default)
 
 
 def m2n_worker(role: str, rank: int, M: int, backend: str, port: int, sizes: list[int], quick: bool, out,
@@ -211,21 +211,31 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer rounds; nothing written")
     ap.add_argument("--mn", type=int, action="append", help="M = N to run (repeat; default 1, 2)")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved passes over all kinds, rounds pooled")
     ap.add_argument("--spin-s", type=float, default=1e-3, help="TransportConfig.spin_s of the M2N endpoints")
     ap.add_argument("--kinds", default="shm,tcp,gloo,socket", help="comma-separated: shm, tcp, gloo, socket")
     args = ap.parse_args()
     mns = args.mn or [1, 2]
     kinds = args.kinds.split(",")
-    table, phases = {}, {}
-    for M in mns:
-        for kind in kinds:
-            for name, _, size, times, ph in run_group(kind, M, SIZES, args.quick, args.spin_s):
-                ts = sorted(times)
-                med, p99 = statistics.median(ts), ts[min(len(ts) - 1, int(0.99 * len(ts)))]
-                table[(name, M, size)] = {"median_us": med * 1e6, "p99_us": p99 * 1e6,
-                                          "gbps": 2 * M * M * size / med / 1e9, "rounds": len(ts)}
-                if ph:
-                    phases[(name, M, size)] = ph
+    # Every kind runs `repeats` times, interleaved (shm, tcp, gloo, socket, shm, ...), and the rounds
+    # of all passes are pooled: load from other processes drifts over minutes, and this spreads it
+    # over every column instead of favouring whichever ran in a quiet moment.
+    samples: dict[tuple, list[float]] = {}
+    phases: dict[tuple, list[dict]] = {}
+    for _ in range(args.repeats):
+        for M in mns:
+            for kind in kinds:
+                for name, _, size, times, ph in run_group(kind, M, SIZES, args.quick, args.spin_s):
+                    samples.setdefault((name, M, size), []).extend(times)
+                    if ph:
+                        phases.setdefault((name, M, size), []).append(ph)
+    table = {}
+    for (name, M, size), times in samples.items():
+        ts = sorted(times)
+        med, p99 = statistics.median(ts), ts[min(len(ts) - 1, int(0.99 * len(ts)))]
+        table[(name, M, size)] = {"median_us": med * 1e6, "p99_us": p99 * 1e6,
+                                  "gbps": 2 * M * M * size / med / 1e9, "rounds": len(ts)}
+    phases = {k: {f: statistics.fmean(p[f] for p in v) for f in v[0]} for k, v in phases.items()}
     rows = [summary_row(table, M, size, kinds) for M in mns for size in SIZES]
     cols = ["M=N", "payload"] + [c for k in kinds if k in ("gloo", "socket") for c in (f"{k} med us", f"{k} p99 us")]
     for b in (k for k in kinds if k in BACKENDS):
