@@ -117,6 +117,31 @@ def run_receiver(store, session: str, backend: str, me: str, senders: list[str],
         ep.close()
 
 
+FLOOD_SLOT_BYTES = SLOT_HEADER_BYTES + (8 << 20)
+
+
+def flood(ep, peer: str, seed: int) -> int:
+    """Fill all of `peer`'s slots with 8 MiB messages before taking any of its own: both ends do
+    this at once, so each send outgrows the socket buffers while the peer is sending too."""
+    for k in range(NUM_SLOTS):
+        x = torch.arange(2 << 20, dtype=torch.int32) * (seed + k)
+        ep.send(peer, k, MessageMeta(KIND_DATA, step=k), [x], timeout=60)
+    ok = 0
+    for k in range(NUM_SLOTS):
+        m = ep.recv(peer, k, timeout=60)
+        ok += m.meta.step == k and bool(torch.equal(m.tensors[0], torch.arange(2 << 20, dtype=torch.int32) * (1 - seed + k)))
+        ep.release(peer, k)
+    return ok
+
+
+def run_flood(store, session: str, backend: str) -> int:
+    ep = open_endpoint(config(backend, slot_bytes=FLOOD_SLOT_BYTES), store, session, "b", ["a"], NUM_SLOTS)
+    try:
+        return flood(ep, "a", 0)
+    finally:
+        ep.close()
+
+
 def run_wait_any_peer(store, session: str, backend: str) -> bool:
     """Peer "b" of test_wait_any_and_timeouts: on each "go" from "a", sends into slot 2, then slot 0."""
     ep = open_endpoint(config(backend), store, session, "b", ["a"], NUM_SLOTS)
@@ -466,6 +491,21 @@ def test_config_and_constructor_errors(store):
         with pytest.raises(TransportTimeout, match=r"\['nobody'\]"):
             open_endpoint(config(backend, connect_timeout_s=0.3), store, session(), "a", ["nobody"], 2)
         assert time.monotonic() - t0 < 3.0
+
+
+def test_both_ends_send_more_than_the_socket_buffers(store, pool):
+    """tcp: 32 MiB each way at once, before either end receives. A send blocked on a full socket
+    keeps reading its own inbound one, so neither end waits for ever on the other (shm has no
+    socket buffers to outgrow)."""
+    backend = "tcp"
+    sess, (w,) = session(), pool.get(1)
+    w.start("run_flood", session=sess, backend=backend)
+    ep = open_endpoint(config(backend, slot_bytes=FLOOD_SLOT_BYTES), store, sess, "a", ["b"], NUM_SLOTS)
+    try:
+        assert flood(ep, "b", 1) == NUM_SLOTS
+        assert w.result() == NUM_SLOTS
+    finally:
+        ep.close()
 
 
 def test_tcp_refuses_peers_without_the_token(store, pool, caplog):
