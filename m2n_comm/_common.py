@@ -171,12 +171,12 @@ class EndpointBase(ABC):
     """The public Endpoint methods (see m2n_comm.transport.Endpoint) over the backend hooks.
 
     One thread at a time may wait on an endpoint (the M2N layer's loop); the backends' own threads
-    (heartbeat, tcp reader) only touch state they own or state guarded as noted there."""
+    (heartbeat) only touch state they own or state guarded as noted there (tcp: `_rx_lock`)."""
 
     _spin_s: float = 0.0  # busy-poll before blocking; set by backends where polling is cheap
 
     def _spin_pause(self) -> None:
-        """Called between polls while spinning (tcp: lets the reader thread have the GIL)."""
+        """Called between polls while spinning (shm, tcp: yield the core; tcp also reads its sockets)."""
 
     def __init__(self, cfg: TransportConfig, session: str, me: str, peers: Sequence[str], num_slots: int):
         if not isinstance(me, str) or not me or not isinstance(session, str) or not session:

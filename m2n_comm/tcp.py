@@ -18,9 +18,10 @@ No reader thread on the hot path: the one thread that waits on the endpoint (the
 its sockets itself while it waits ("progress"): it polls them non-blockingly for cfg.spin_s, then
 blocks in poll(2) on them. A payload is received straight into its slot with recv_into (only the
 bytes that came in the same read as the header go through a small scratch buffer), and a send is
-one sendmsg of the header and memoryviews of the tensors (scatter-gather, no copy). A thread hop
-from a reader to the waiter cost a GIL hand-off and an eventfd wake-up per message (see
-bench/m2n.py's per-phase table). A send that cannot complete (the peer's buffer is full) keeps
+one sendmsg of the header and memoryviews of the tensors (scatter-gather, no copy). The previous
+design (a uvloop reader thread handing each message to the waiter: a GIL hand-off and an eventfd
+wake-up per message, msgpack headers) was 1.4-2x slower up to 256 KiB in a same-load A/B of
+bench/m2n.py's tcp column; `phases` shows where a round goes now. A send that cannot complete (the peer's buffer is full) keeps
 reading our own sockets while it waits, so two peers sending each other large messages cannot
 deadlock. While the owner thread is busy elsewhere, the heartbeat thread drains the sockets
 (`_rx_lock` decides who reads), so slots fill and credits arrive in the background too.
