@@ -1,7 +1,8 @@
 """Control plane between the server (front) and attention workers: typed messages, msgpack frames.
 
 server -> worker: AddRequest (once per request), Abort, StopSequence, Shutdown.
-worker -> server: Ready (once, after loading), Deltas (each step: only what changed), Stats (at
+worker -> server: Hello (first, with the deployment token: the server drops a connection without
+it), Ready (once, after loading), Deltas (each step: only what changed), Stats (at
 most a few times a second while busy, and once on going idle), Failed.
 A frame is a 4-byte big-endian length and a msgpack array [tag, field values...]. Token ids,
 never text, cross this boundary.
@@ -64,7 +65,12 @@ class Failed:
     message: str
 
 
-_TYPES = [AddRequest, Abort, StopSequence, Shutdown, Ready, Deltas, Failed, Stats]
+@dataclass
+class Hello:
+    token: str  # the deployment's token (TransportConfig.token)
+
+
+_TYPES = [AddRequest, Abort, StopSequence, Shutdown, Ready, Deltas, Failed, Stats, Hello]
 _TAG = {t: i for i, t in enumerate(_TYPES)}
 _LEN = struct.Struct(">I")
 
@@ -76,6 +82,8 @@ def encode(msg) -> bytes:
 
 def decode(body: bytes):
     tag, *values = msgpack.unpackb(body, strict_map_key=False)
+    if not isinstance(tag, int) or not 0 <= tag < len(_TYPES):
+        raise ValueError(f"control message with unknown tag {tag!r}")
     return _TYPES[tag](*values)
 
 

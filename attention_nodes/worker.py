@@ -55,6 +55,7 @@ def run_attention_worker(spec: AttentionWorkerSpec) -> None:
         torch.set_num_threads(par.torch_threads)
     ctl = socket.create_connection(spec.control_addr)
     ctl.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    wire.send(ctl, wire.Hello(spec.transport.token))
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_read_control, args=(ctl, inbox), daemon=True).start()
     endpoint = tracer = None

@@ -1,14 +1,19 @@
-"""M2N dispatch + combine latency and throughput, against torch.distributed send/recv on gloo.
+"""M2N dispatch + combine latency and throughput, against torch.distributed send/recv on gloo and a
+bare blocking-socket ping-pong of the same bytes.
 
-    python bench/m2n.py [--quick]
+    python bench/m2n.py [--quick] [--repeats 3] [--mn 1 --mn 2] [--kinds shm,tcp,gloo,socket] [--spin-s 0.001]
 
-M senders (attention workers) and N receivers (expert workers), M = N in {1, 2, 4}, each a spawned
+M senders (attention workers) and N receivers (expert workers), M = N in {1, 2} (default), each a spawned
 process on this host. One round: every sender dispatches a payload to every receiver through
 M2NSender.dispatch (tokens of hidden 2048 in bfloat16, 4 KiB each, routed to one expert on each
 receiver, so each (sender, receiver) pair carries the payload plus 8 bytes of routing per token);
 each receiver gathers all senders' chunks (M2NReceiver.recv) and replies with the same rows
 (reply); each sender's combine waits for all replies. gloo runs the same traffic with isend/irecv
-of the same bytes (the payload plus routing, as one uint8 tensor per pair and direction).
+of the same bytes (the payload plus routing, as one uint8 tensor per pair and direction); "socket" sends the same
+bytes over one blocking TCP_NODELAY socket per pair (sendall, then recv_into a preallocated buffer):
+the floor a Python process reaches on this kernel. For tcp, sender 0's endpoint counts where its
+time went (TcpEndpoint.phases: building frames, sendmsg, recv_into, header parsing, blocked in
+poll), reported per round next to the round time.
 Latency: sender 0's round time (median, p99). Throughput: bytes moved per second in both
 directions by all pairs, from the median round. Payloads 4 KiB to 4 MiB per pair.
 Writes bench/results/m2n.json.
@@ -32,10 +37,11 @@ SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
 
 def rounds_for(size: int, quick: bool) -> int:
     n = 400 if size <= 64 << 10 else 150 if size <= 1 << 20 else 40
-    return max(10, n // 4) if quick else n
+    return max(10, n // 4) if quick else n // 3  # per pass (--repeats passes, 3 by default)
 
 
-def m2n_worker(role: str, rank: int, M: int, backend: str, port: int, sizes: list[int], quick: bool, out) -> None:
+def m2n_worker(role: str, rank: int, M: int, backend: str, port: int, sizes: list[int], quick: bool, out,
+               spin_s: float = 1e-3) -> None:
     from torch.distributed import TCPStore
 
     from m2n_comm.m2n import M2NReceiver, M2NSender, Placement
@@ -43,7 +49,7 @@ def m2n_worker(role: str, rank: int, M: int, backend: str, port: int, sizes: lis
 
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
-    cfg = TransportConfig(backend, slot_bytes=max(sizes) // (2 * HIDDEN) * (2 * HIDDEN + 8 * M) + (1 << 16))
+    cfg = TransportConfig(backend, slot_bytes=max(sizes) // (2 * HIDDEN) * (2 * HIDDEN + 8 * M) + (1 << 16), spin_s=spin_s)
     senders, receivers = [f"a{i}" for i in range(M)], [f"e{j}" for j in range(M)]
     me, peers = (f"a{rank}", receivers) if role == "a" else (f"e{rank}", senders)
     ep = open_endpoint(cfg, store, f"bench-{backend}-{M}", me, peers, 1)
@@ -69,9 +75,12 @@ def m2n_worker(role: str, rank: int, M: int, backend: str, port: int, sizes: lis
                 tx.end_step()
                 if i >= 5:
                     times.append(time.perf_counter() - t0)
+                if i == 4:
+                    before = dict(getattr(ep, "phases", {}))
             assert torch.allclose(y.float(), x.float() * M, rtol=2e-2), "M2N returned wrong rows"
             if rank == 0:
-                out.put(("m2n-" + backend, M, size, times))
+                phases = {k: (v - before[k]) / len(times) for k, v in getattr(ep, "phases", {}).items()}
+                out.put(("m2n-" + backend, M, size, times, phases))
     finally:
         ep.close()
 
@@ -107,12 +116,69 @@ def gloo_worker(role: str, rank: int, M: int, port: int, sizes: list[int], quick
                 if i >= 5:
                     times.append(time.perf_counter() - t0)
             if role == "a" and rank == 0:
-                out.put(("gloo", M, size, times))
+                out.put(("gloo", M, size, times, {}))
     finally:
         dist.destroy_process_group()
 
 
-def run_group(kind: str, M: int, sizes: list[int], quick: bool) -> list[tuple]:
+def socket_worker(role: str, rank: int, M: int, port: int, sizes: list[int], quick: bool, out) -> None:
+    """The floor: blocking sockets, one per (sender, receiver) pair, the same bytes as gloo."""
+    import socket
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+    socks = []
+    if role == "e":
+        srv = socket.create_server(("127.0.0.1", 0))
+        store.set(f"sock-{M}-e{rank}", str(srv.getsockname()[1]))
+        conns = {}
+        for _ in range(M):
+            c, _ = srv.accept()
+            conns[int(c.recv(1)[0])] = c
+        socks = [conns[j] for j in range(M)]
+        srv.close()
+    else:
+        for j in range(M):
+            c = socket.create_connection(("127.0.0.1", int(store.get(f"sock-{M}-e{j}"))))
+            c.sendall(bytes([rank]))
+            socks.append(c)
+    for c in socks:
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def recv_exact(c, view) -> None:
+        got = 0
+        while got < len(view):
+            got += c.recv_into(view[got:])
+
+    try:
+        for size in sizes:
+            nbytes = size // (2 * HIDDEN) * (2 * HIDDEN + 8 * M)
+            payload = memoryview(bytearray(nbytes))
+            bufs = [memoryview(bytearray(nbytes)) for _ in range(M)]
+            times = []
+            for i in range(rounds_for(size, quick) + 5):
+                t0 = time.perf_counter()
+                if role == "a":
+                    for c in socks:
+                        c.sendall(payload)
+                    for c, b in zip(socks, bufs):
+                        recv_exact(c, b)
+                else:
+                    for c, b in zip(socks, bufs):
+                        recv_exact(c, b)
+                    for c, b in zip(socks, bufs):
+                        c.sendall(b)
+                if i >= 5:
+                    times.append(time.perf_counter() - t0)
+            if role == "a" and rank == 0:
+                out.put(("socket", M, size, times, {}))
+    finally:
+        for c in socks:
+            c.close()
+
+
+def run_group(kind: str, M: int, sizes: list[int], quick: bool, spin_s: float = 1e-3) -> list[tuple]:
     from torch.distributed import TCPStore
 
     ctx = mp.get_context("spawn")
@@ -121,11 +187,11 @@ def run_group(kind: str, M: int, sizes: list[int], quick: bool) -> list[tuple]:
     procs = []
     for role in ("e", "a"):
         for r in range(M):
-            if kind == "gloo":
+            if kind in ("gloo", "socket"):
                 args = (role, r, M, store.port, sizes, quick, out)
-                procs.append(ctx.Process(target=gloo_worker, args=args))
+                procs.append(ctx.Process(target=gloo_worker if kind == "gloo" else socket_worker, args=args))
             else:
-                args = (role, r, M, kind, store.port, sizes, quick, out)
+                args = (role, r, M, kind, store.port, sizes, quick, out, spin_s)
                 procs.append(ctx.Process(target=m2n_worker, args=args))
     for p in procs:
         p.start()
@@ -137,38 +203,76 @@ def run_group(kind: str, M: int, sizes: list[int], quick: bool) -> list[tuple]:
     return results
 
 
+BACKENDS = ("shm", "tcp")
+PHASE_COLS = {"pack_ns": "pack", "send_ns": "sendmsg", "recv_ns": "recv", "parse_ns": "parse", "block_ns": "blocked"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="fewer rounds, M = N in {1, 2}")
-    ap.add_argument("--mn", type=int, action="append", help="M = N to run (repeat; default 1, 2, 4)")
+    ap.add_argument("--quick", action="store_true", help="fewer rounds; nothing written")
+    ap.add_argument("--mn", type=int, action="append", help="M = N to run (repeat; default 1, 2)")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved passes over all kinds, rounds pooled")
+    ap.add_argument("--spin-s", type=float, default=1e-3, help="TransportConfig.spin_s of the M2N endpoints")
+    ap.add_argument("--kinds", default="shm,tcp,gloo,socket", help="comma-separated: shm, tcp, gloo, socket")
     args = ap.parse_args()
-    mns = args.mn or ([1, 2] if args.quick else [1, 2, 4])
+    mns = args.mn or [1, 2]
+    kinds = args.kinds.split(",")
+    # Every kind runs `repeats` times, interleaved (shm, tcp, gloo, socket, shm, ...), and the rounds
+    # of all passes are pooled: load from other processes drifts over minutes, and this spreads it
+    # over every column instead of favouring whichever ran in a quiet moment.
+    samples: dict[tuple, list[float]] = {}
+    phases: dict[tuple, list[dict]] = {}
+    for _ in range(args.repeats):
+        for M in mns:
+            for kind in kinds:
+                for name, _, size, times, ph in run_group(kind, M, SIZES, args.quick, args.spin_s):
+                    samples.setdefault((name, M, size), []).extend(times)
+                    if ph:
+                        phases.setdefault((name, M, size), []).append(ph)
     table = {}
-    for M in mns:
-        for kind in ("shm", "tcp", "gloo"):
-            for name, _, size, times in run_group(kind, M, SIZES, args.quick):
-                ts = sorted(times)
-                med, p99 = statistics.median(ts), ts[min(len(ts) - 1, int(0.99 * len(ts)))]
-                table[(name, M, size)] = {"median_us": med * 1e6, "p99_us": p99 * 1e6,
-                                          "gbps": 2 * M * M * size / med / 1e9, "rounds": len(ts)}
-    rows = []
-    for M in mns:
-        for size in SIZES:
-            g = table[("gloo", M, size)]
-            row = {"M=N": M, "payload": f"{size >> 10} KiB", "gloo med us": g["median_us"], "gloo p99 us": g["p99_us"]}
-            for b in ("shm", "tcp"):
-                r = table[(f"m2n-{b}", M, size)]
-                row[f"{b} med us"], row[f"{b} p99 us"], row[f"{b} GB/s"] = r["median_us"], r["p99_us"], r["gbps"]
-                row[f"{b} med cut"] = 1 - r["median_us"] / g["median_us"]
-                row[f"{b} p99 cut"] = 1 - r["p99_us"] / g["p99_us"]
-            rows.append(row)
-    cols = ["M=N", "payload", "gloo med us", "gloo p99 us"]
-    for b in ("shm", "tcp"):
-        cols += [f"{b} med us", f"{b} p99 us", f"{b} GB/s", f"{b} med cut", f"{b} p99 cut"]
+    for (name, M, size), times in samples.items():
+        ts = sorted(times)
+        med, p99 = statistics.median(ts), ts[min(len(ts) - 1, int(0.99 * len(ts)))]
+        table[(name, M, size)] = {"median_us": med * 1e6, "p99_us": p99 * 1e6,
+                                  "gbps": 2 * M * M * size / med / 1e9, "rounds": len(ts)}
+    phases = {k: {f: statistics.fmean(p[f] for p in v) for f in v[0]} for k, v in phases.items()}
+    rows = [summary_row(table, M, size, kinds) for M in mns for size in SIZES]
+    cols = ["M=N", "payload"] + [c for k in kinds if k in ("gloo", "socket") for c in (f"{k} med us", f"{k} p99 us")]
+    for b in (k for k in kinds if k in BACKENDS):
+        cols += [f"{b} med us", f"{b} p99 us", f"{b} GB/s"] + ([f"{b} med/gloo", f"{b} p99/gloo"] if "gloo" in kinds else [])
+    if "tcp" in kinds and "socket" in kinds:
+        cols.append("tcp med/socket")
     print_table(rows, cols)
+    prow = []
+    for (name, M, size), ph in phases.items():
+        if name == "m2n-tcp":
+            r = {"M=N": M, "payload": f"{size >> 10} KiB", "round us": table[(name, M, size)]["median_us"]}
+            r.update({f"{c} us": ph[k] / 1e3 for k, c in PHASE_COLS.items()})
+            r.update(sends=ph["sends"], recvs=ph["recvs"], blocks=ph["blocks"])
+            prow.append(r)
+    if prow:
+        print("\ntcp endpoint of sender 0, per round (mean over rounds; the median round for reference):")
+        print_table(prow, list(prow[0]))
     if not args.quick:
-        payload = {"rows": rows, "raw": [{"kind": k[0], "M": k[1], "size": k[2], **v} for k, v in table.items()]}
+        payload = {"rows": rows, "tcp_phases_per_round": prow,
+                   "raw": [{"kind": k[0], "M": k[1], "size": k[2], **v} for k, v in table.items()]}
         print(f"wrote {save('m2n', payload)}")
+
+
+def summary_row(table: dict, M: int, size: int, kinds: list[str]) -> dict:
+    row: dict = {"M=N": M, "payload": f"{size >> 10} KiB"}
+    for k in ("gloo", "socket"):
+        if k in kinds:
+            row[f"{k} med us"], row[f"{k} p99 us"] = table[(k, M, size)]["median_us"], table[(k, M, size)]["p99_us"]
+    for b in (k for k in kinds if k in BACKENDS):
+        r = table[(f"m2n-{b}", M, size)]
+        row[f"{b} med us"], row[f"{b} p99 us"], row[f"{b} GB/s"] = r["median_us"], r["p99_us"], r["gbps"]
+        if "gloo" in kinds:
+            row[f"{b} med/gloo"] = r["median_us"] / row["gloo med us"]
+            row[f"{b} p99/gloo"] = r["p99_us"] / row["gloo p99 us"]
+    if "tcp" in kinds and "socket" in kinds:
+        row["tcp med/socket"] = row["tcp med us"] / row["socket med us"]
+    return row
 
 
 if __name__ == "__main__":

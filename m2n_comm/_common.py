@@ -9,6 +9,7 @@ Sequence numbers: the n-th message a sender writes into one slot has seq n (from
 acknowledges it by publishing release = n, and the sender writes message n + 1 only after that.
 """
 import atexit
+import ctypes
 from abc import ABC, abstractmethod
 import json
 import os
@@ -37,26 +38,39 @@ class TensorDesc(NamedTuple):
     nbytes: int
 
 
-def describe(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorDesc], list[torch.Tensor], int]:
-    """Check the tensors a caller sends; returns their descriptors, each one's bytes as a flat uint8
-    view of a contiguous copy (no copy when already contiguous), and the payload size in bytes."""
+def describe(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorDesc], list[memoryview], int]:
+    """Check the tensors a caller sends; returns their descriptors, each one's bytes as a memoryview
+    of a contiguous copy (the tensor's own memory when already contiguous; the view keeps its
+    tensor alive), and the payload size in bytes. No torch op for contiguous tensors: reshaping and
+    viewing cost more per message than the syscall that sends it (bench/m2n.py's phases)."""
     if len(tensors) > MAX_TENSORS:
         raise ValueError(f"a message carries at most {MAX_TENSORS} tensors, got {len(tensors)}")
     flats, specs = [], []
     for j, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"tensor {j} is a {type(t).__name__}, not a torch.Tensor")
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             raise ValueError(f"tensor {j} is on {t.device}; the transport sends CPU tensors")
         code = DTYPE_CODES.get(t.dtype)
         if code is None:
             raise ValueError(f"tensor {j} has dtype {t.dtype}; supported: {', '.join(map(str, DTYPE_CODES))}")
-        if t.dim() > MAX_DIMS:
-            raise ValueError(f"tensor {j} has {t.dim()} dims (shape {tuple(t.shape)}); at most {MAX_DIMS}")
-        flats.append(t.detach().contiguous().reshape(-1).view(torch.uint8))
-        specs.append((code, tuple(t.shape)))
+        shape = tuple(t.shape)
+        if len(shape) > MAX_DIMS:
+            raise ValueError(f"tensor {j} has {len(shape)} dims (shape {shape}); at most {MAX_DIMS}")
+        flats.append(tensor_bytes(t if t.is_contiguous() else t.contiguous()))
+        specs.append((code, shape))
     descs, end = layout(specs)
     return descs, flats, end
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a flat memoryview (format "B") of its memory."""
+    n = t.nbytes
+    if not n:
+        return memoryview(b"")
+    arr = (ctypes.c_ubyte * n).from_address(t.data_ptr())
+    arr.keep = t  # the memory lives as long as the view
+    return memoryview(arr).cast("B")
 
 
 def layout(specs: Sequence[tuple[int, Sequence[int]]]) -> tuple[list[TensorDesc], int]:
@@ -157,12 +171,12 @@ class EndpointBase(ABC):
     """The public Endpoint methods (see m2n_comm.transport.Endpoint) over the backend hooks.
 
     One thread at a time may wait on an endpoint (the M2N layer's loop); the backends' own threads
-    (heartbeat, tcp reader) only touch state they own or state guarded as noted there."""
+    (heartbeat) only touch state they own or state guarded as noted there (tcp: `_rx_lock`)."""
 
     _spin_s: float = 0.0  # busy-poll before blocking; set by backends where polling is cheap
 
     def _spin_pause(self) -> None:
-        """Called between polls while spinning (tcp: lets the reader thread have the GIL)."""
+        """Called between polls while spinning (shm, tcp: yield the core; tcp also reads its sockets)."""
 
     def __init__(self, cfg: TransportConfig, session: str, me: str, peers: Sequence[str], num_slots: int):
         if not isinstance(me, str) or not me or not isinstance(session, str) or not session:
@@ -220,8 +234,14 @@ class EndpointBase(ABC):
                 return r
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            for pi in peer_idx:
-                self._raise_if_dead(pi, thorough=True)
+            try:
+                for pi in peer_idx:
+                    self._raise_if_dead(pi, thorough=True)
+            except PeerDeadError:
+                r = ready()  # what a peer sent before it died is still delivered (tcp reads it in the check)
+                if r:
+                    return r
+                raise
             if self._closed:
                 raise RuntimeError(f"M2N endpoint {self.me!r} was closed while waiting for {what}")
             left = BLOCK_S if deadline is None else min(BLOCK_S, deadline - time.monotonic())
@@ -317,7 +337,7 @@ class EndpointBase(ABC):
         ...
 
     @abstractmethod
-    def _write(self, i: int, meta: MessageMeta, descs: list[TensorDesc], flats: list[torch.Tensor], end: int) -> None:
+    def _write(self, i: int, meta: MessageMeta, descs: list[TensorDesc], flats: list[memoryview], end: int) -> None:
         """Hand message self._sent[i] over to the peer (payload of `end` bytes)."""
         ...
 

@@ -181,7 +181,7 @@ class ShmEndpoint(EndpointBase):
         base = self._word_at(self._remote_base[pi] + slot)
         return self._remote[pi].words[base + RELEASE] == self._sent[i]
 
-    def _write(self, i: int, meta: MessageMeta, descs: list[TensorDesc], flats: list[torch.Tensor], end: int) -> None:
+    def _write(self, i: int, meta: MessageMeta, descs: list[TensorDesc], flats: list[memoryview], end: int) -> None:
         pi, slot = divmod(i, self.num_slots)
         seg, k = self._remote[pi], self._remote_base[pi] + slot
         base, start = self._word_at(k), self._payload_at(k)
@@ -189,7 +189,7 @@ class ShmEndpoint(EndpointBase):
         for d, flat in zip(descs, flats):
             if d.nbytes:  # numpy's copy is one memcpy; torch's copy_ would wake its OpenMP pool, whose
                 # spinning threads starve the other processes on a small machine (8 ms round trips)
-                np.copyto(seg.array[start + d.offset: start + d.offset + d.nbytes], flat.numpy())
+                np.copyto(seg.array[start + d.offset: start + d.offset + d.nbytes], np.frombuffer(flat, np.uint8))
         seg.words[base + SEQ] = self._sent[i]  # publish last: the receiver reads the payload only after this
         self._fence()
         self._ring(pi)

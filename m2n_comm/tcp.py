@@ -3,29 +3,37 @@
 Connections: one TCP connection per direction. Each endpoint listens on cfg.host (ephemeral port,
 published in the store) and connects to every peer; its outgoing connection carries everything it
 writes to that peer (DATA, RELEASE for the peer's messages, HEARTBEAT) and nothing comes back on it.
-So every socket has one writer and one reader: sends are plain blocking `sendmsg` calls from the
-caller's thread (header plus memoryviews of the tensors: no copy and no thread hop; handing the
-write to the loop with call_soon_threadsafe would add a copy and a loop wake-up, and was not
-measured), while a uvloop event loop in a daemon thread only reads.
+The first frame on a connection is HELLO; a HELLO without the deployment's token (cfg.token) is
+refused and logged with the address it came from, so a stranger who reaches the port can neither
+join nor inject anything. The listener closes once every peer is in.
 
-Frames: u32 little-endian header length, a msgpack header, then for DATA the payload:
-    HELLO     [1, name, num_slots, slot_bytes]       first frame on a connection
-    DATA      [2, slot, seq, kind, step, layer, mb, aux, [[dtype code, shape], ...]] + payload bytes
-    RELEASE   [3, slot, seq]                         receiver -> sender: slot free again (the credit)
-    HEARTBEAT [4]                                    every heartbeat_s
-The payload has the shm layout (tensors at payload_offsets, zero padding between), so the reader
-copies nothing: an asyncio.BufferedProtocol receives the payload straight into the slot's buffer
-(only the bytes that arrived together with the header go through a small scratch buffer).
+Frames (little-endian, fixed layout: no serializer on the hot path):
+    HELLO     u32 length + JSON {name, num_slots, slot_bytes, token}      first frame only
+    DATA      u32 type, u32 slot, i64 seq, HEADER_WORDS i64 header words (_common.header_words),
+              then the payload (tensors at payload_offsets, zero padding between: the shm layout)
+    RELEASE   u32 type, u32 slot, i64 seq            receiver -> sender: slot free again (the credit)
+    HEARTBEAT u32 type, u32 0, i64 0                 every heartbeat_s when nothing else was sent
 
-Waiting: the caller polls for cfg.spin_s, yielding the GIL between polls (time.sleep(0)) so the
-reader thread can deliver, then blocks on an eventfd the reader rings (see `_sleeping`).
+No reader thread on the hot path: the one thread that waits on the endpoint (the M2N loop) reads
+its sockets itself while it waits ("progress"): it polls them non-blockingly for cfg.spin_s, then
+blocks in poll(2) on them. A payload is received straight into its slot with recv_into (only the
+bytes that came in the same read as the header go through a small scratch buffer), and a send is
+one sendmsg of the header and memoryviews of the tensors (scatter-gather, no copy). The previous
+design (a uvloop reader thread handing each message to the waiter: a GIL hand-off and an eventfd
+wake-up per message, msgpack headers) was 1.4-2x slower up to 256 KiB in a same-load A/B of
+bench/m2n.py's tcp column; `phases` shows where a round goes now. A send that cannot complete (the peer's buffer is full) keeps
+reading our own sockets while it waits, so two peers sending each other large messages cannot
+deadlock. While the owner thread is busy elsewhere, the heartbeat thread drains the sockets
+(`_rx_lock` decides who reads), so slots fill and credits arrive in the background too.
 
 Liveness: any bytes from a peer count as a sign of life; EOF or a reset marks the peer dead at once
 (a killed process's kernel closes its sockets), silence over dead_after_s marks it dead when
-checked. A failed send marks it dead too. Each peer has its own sockets, so a dead one does not
-disturb the others.
+checked (after reading what is pending, so a long compute is never mistaken for silence). A failed
+send marks it dead too. Each peer has its own sockets, so a dead one does not disturb the others.
 """
-import asyncio
+import hmac
+import json
+import logging
 import os
 import select
 import socket
@@ -34,32 +42,53 @@ import threading
 import time
 from typing import Callable, TypeVar
 
-import msgpack
 import torch
-import uvloop
 
-from m2n_comm._common import (EndpointBase, TensorDesc, check_peer_info, check_specs, publish, wait_published)
+from m2n_comm._common import (HEADER_WORDS, EndpointBase, TensorDesc, check_peer_info, header_words, parse_words,
+                              publish, wait_published)
 from m2n_comm.transport import MessageMeta, PeerDeadError, TransportConfig, TransportTimeout
 
 T = TypeVar("T")
+log = logging.getLogger("shuttle.m2n")
 
-HELLO, DATA, RELEASE, HEARTBEAT = 1, 2, 3, 4
+DATA, RELEASE, HEARTBEAT = 2, 3, 4
+FRAME = struct.Struct("<IIq")                          # type, slot, seq
+DATA_HDR = struct.Struct("<IIq" + "q" * HEADER_WORDS)  # the same, then the message header words
 LEN = struct.Struct("<I")
-MAX_HEADER = 4096          # a longer header is a protocol error
-SCRATCH_BYTES = 1 << 16    # reader's buffer for headers (and payload bytes that came with them)
+MAX_HELLO = 4096
+SCRATCH_BYTES = 1 << 16    # per connection: frame headers and payload bytes that came with them
 ZEROS = memoryview(bytes(64))
+PHASES = ("pack_ns", "send_ns", "recv_ns", "parse_ns", "block_ns", "sends", "recvs", "blocks")
 
 
-def frame(header: list) -> bytes:
-    h = msgpack.packb(header)
-    return LEN.pack(len(h)) + h
+def hello_frame(me: str, num_slots: int, slot_bytes: int, token: str) -> bytes:
+    body = json.dumps(dict(name=me, num_slots=num_slots, slot_bytes=slot_bytes, token=token)).encode()
+    return LEN.pack(len(body)) + body
+
+
+class _Conn:
+    """Receive state of one inbound connection (owned by whoever holds the endpoint's _rx_lock)."""
+
+    __slots__ = ("sock", "pi", "buf", "start", "end", "target", "filled", "key", "entry", "open")
+
+    def __init__(self, sock: socket.socket, pi: int, leftover: bytes):
+        self.sock, self.pi, self.open = sock, pi, True
+        self.buf = memoryview(bytearray(SCRATCH_BYTES))
+        self.buf[:len(leftover)] = leftover
+        self.start, self.end = 0, len(leftover)
+        self.target: memoryview | None = None  # the payload being received straight into its slot
+        self.filled = self.key = 0
+        self.entry: tuple = ()
 
 
 class TcpEndpoint(EndpointBase):
     """One process's end of the tcp links to `peers`: num_slots receive buffers of cfg.slot_bytes
     per peer, a listening socket published via `store` (keys under `session`) and one outgoing
     connection per peer; returns once every peer connected to it and it to every peer
-    (TransportTimeout after connect_timeout_s naming the missing ones)."""
+    (TransportTimeout after connect_timeout_s naming the missing ones).
+
+    `phases` counts where time went (nanoseconds, and counts): pack_ns building frames, send_ns in
+    sendmsg, recv_ns in recv_into, parse_ns parsing and validating headers, block_ns blocked in poll."""
 
     def __init__(self, cfg: TransportConfig, store, session: str, me: str, peers: list[str], num_slots: int):
         super().__init__(cfg, session, me, peers, num_slots)
@@ -68,29 +97,21 @@ class TcpEndpoint(EndpointBase):
         self._rx = torch.empty(n * self.capacity, dtype=torch.uint8)
         self._rx_payload = [self._rx[k * self.capacity:(k + 1) * self.capacity] for k in range(n)]
         self._rx_views = [memoryview(p.numpy()) for p in self._rx_payload]
-        self._cond = threading.Condition()  # guards the fields below, which the reader thread writes
-        # Waking the caller: it sets _sleeping, re-checks, and polls an eventfd the reader writes only
-        # while _sleeping is set (the GIL orders the two). Measured about 10 us faster per round trip
-        # than threading.Condition.wait, which allocates a lock per wait.
-        self._sleeping = False
-        self._efd = os.eventfd(0, os.EFD_NONBLOCK)
-        self._poller = select.poll()
-        self._poller.register(self._efd, select.POLLIN)
         self._arrived: list[tuple[int, MessageMeta, list[TensorDesc]] | None] = [None] * n
-        self._rx_seq = [0] * n               # reader: last seq received per key
+        self._rx_seq = [0] * n               # last seq received per key
         self._released = [0] * n             # per key: seq of my last message the peer released
         self._dead: dict[int, str] = {}
         self._heard = [time.monotonic()] * npeers
-        self._hello: set[int] = set()
-        self._errors: list[str] = []          # bad HELLOs, reported by the connect wait
+        self._last_sent = [0.0] * npeers
+        self._conns: list[_Conn] = []
+        self._specs: dict[tuple, list[TensorDesc]] = {}  # header words after the meta -> their checked layout
+        self._poller = select.poll()
+        self._rx_lock = threading.Lock()      # who reads the inbound sockets: the waiter or the heartbeat thread
         self._out: list[socket.socket | None] = [None] * npeers
         self._send_locks = [threading.Lock() for _ in range(npeers)]  # caller vs heartbeat thread
         self._stop = threading.Event()
-        self._inbound: set[asyncio.BaseTransport] = set()
-        self._loop = uvloop.new_event_loop()
-        self._reader = threading.Thread(target=self._loop.run_forever, name=f"m2n-tcp-reader-{me}", daemon=True)
-        self._reader.start()
-        self._server = None
+        self.phases = dict.fromkeys(PHASES, 0)
+        self._listener: socket.socket | None = None
         # Beat from the start (to the peers connected so far): a peer that finished connecting first
         # already checks that it hears from us.
         self._heart = threading.Thread(target=self._beat, name=f"m2n-tcp-heartbeat-{me}", daemon=True)
@@ -104,192 +125,362 @@ class TcpEndpoint(EndpointBase):
     # -- start ------------------------------------------------------------------------------------
     def _connect(self, store) -> None:
         deadline = time.monotonic() + self.cfg.connect_timeout_s
-        make = self._loop.create_server(lambda: _Inbound(self), self.cfg.host, 0)
-        self._server = asyncio.run_coroutine_threadsafe(make, self._loop).result(self.cfg.connect_timeout_s)
-        port = self._server.sockets[0].getsockname()[1]
+        self._listener = socket.create_server((self.cfg.host, 0), backlog=max(16, 2 * len(self.peers)))
+        self._listener.setblocking(False)
+        port = self._listener.getsockname()[1]
         info = dict(host=self.cfg.host, port=port, num_slots=self.num_slots, slot_bytes=self.slot_bytes,
                     peers=self.peers)
         publish(store, self.session, self.me, "tcp", info)
         infos = wait_published(store, self.session, self.peers, "tcp", deadline)
-        hello = frame([HELLO, self.me, self.num_slots, self.slot_bytes])
+        hello = hello_frame(self.me, self.num_slots, self.slot_bytes, self.cfg.token)
         for pi, p in enumerate(self.peers):
             check_peer_info(self.me, p, infos[p], self.num_slots, self.slot_bytes)
             left = max(0.1, deadline - time.monotonic())
             try:
                 sock = socket.create_connection((infos[p]["host"], infos[p]["port"]), timeout=left)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.sendall(hello)
             except OSError as e:
                 raise TransportTimeout(f"M2N connect: cannot reach {p!r} at {infos[p]['host']}:{infos[p]['port']}: {e}")
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(0.05)  # sends block in slices, so liveness is checked while a peer is slow
+            sock.setblocking(False)
             self._out[pi] = sock
-            self._sendall(pi, [hello])
-        with self._cond:
-            while len(self._hello) < len(self.peers) and not self._errors and time.monotonic() < deadline:
-                self._cond.wait(0.05)
-        if self._errors:
-            raise ValueError(f"M2N connect of {self.me!r}: {'; '.join(self._errors)}")
-        missing = [p for pi, p in enumerate(self.peers) if pi not in self._hello]
-        if missing:
-            raise TransportTimeout(f"M2N connect: peers {missing} did not connect to {self.me!r} in time")
+        self._accept_peers(deadline)
+        self._listener.close()
+        self._listener = None
 
-    # -- called by the reader (loop thread) ---------------------------------------------------------
-    def _on_hello(self, proto: "_Inbound", header: list) -> int | None:
-        _, name, num_slots, slot_bytes = header
-        pi = self._index.get(name)
-        why = (f"{name!r} is not a peer of {self.me!r}" if pi is None else
-               f"{name!r} has num_slots={num_slots}, slot_bytes={slot_bytes}; {self.me!r} has "
-               f"{self.num_slots}, {self.slot_bytes}" if (num_slots, slot_bytes) != (self.num_slots, self.slot_bytes)
-               else f"{name!r} connected twice" if pi in self._hello else None)
-        with self._cond:
-            if why is None:
-                self._hello.add(pi)
-                self._heard[pi] = time.monotonic()
-            else:
-                self._errors.append(why)
-            self._cond.notify_all()
-        self._wake()
-        return pi if why is None else None
-
-    def _on_data(self, pi: int, header: list) -> tuple[int, int, tuple] | None:
-        """Check a DATA header; returns (key, payload bytes, the entry for _on_data_done) for the
-        reader to fill, or None after marking the peer dead for a protocol violation."""
-        slot, seq, kind, step, layer, mb, aux, specs = header[1:]
-        if not (isinstance(slot, int) and 0 <= slot < self.num_slots):
-            return self._mark_dead(pi, f"protocol error: DATA for slot {slot!r}")
-        i = pi * self.num_slots + slot
-        if seq != self._rx_seq[i] + 1 or self._arrived[i] is not None:
-            return self._mark_dead(pi, f"protocol error: seq {seq} into slot {slot} after {self._rx_seq[i]} "
-                                       f"({'not released' if self._arrived[i] is not None else 'out of order'})")
+    def _accept_peers(self, deadline: float) -> None:
+        """Accept connections until every peer said HELLO with the deployment's token. A stranger
+        (wrong or missing token, garbage, silence) is logged and dropped without stopping us; a
+        peer with the right token but a wrong name or slot geometry is a configuration error."""
+        pending: dict[socket.socket, tuple[bytearray, str, float]] = {}
+        conns: dict[int, _Conn] = {}
         try:
-            descs, end = check_specs(specs, self.capacity)
-        except ValueError as e:
-            return self._mark_dead(pi, f"protocol error: {e}")
-        self._rx_seq[i] = seq
-        return i, end, (seq, MessageMeta(kind, step, layer, mb, aux), descs)
+            while len(conns) < len(self.peers):
+                if time.monotonic() >= deadline:
+                    missing = [p for pi, p in enumerate(self.peers) if pi not in conns]
+                    raise TransportTimeout(f"M2N connect: peers {missing} did not connect to {self.me!r} in time")
+                readable = select.select([self._listener, *pending], [], [], 0.05)[0]
+                for s in readable:
+                    if s is self._listener:
+                        try:
+                            c, addr = self._listener.accept()
+                        except BlockingIOError:
+                            continue
+                        c.setblocking(False)
+                        pending[c] = (bytearray(), f"{addr[0]}:{addr[1]}", time.monotonic() + 5.0)
+                        continue
+                    got = self._read_hello(s, pending, conns)
+                    if got is not None:
+                        conns[got.pi] = got
+                for s, (_, addr, until) in list(pending.items()):
+                    if time.monotonic() > until:
+                        self._refuse(s, pending, addr, "no HELLO within 5 s")
+        finally:
+            for s in pending:
+                s.close()
+        for pi in range(len(self.peers)):
+            self._conns.append(conns[pi])
+            self._poller.register(conns[pi].sock, select.POLLIN)
+            self._heard[pi] = time.monotonic()
 
-    def _on_data_done(self, i: int, entry: tuple) -> None:
-        with self._cond:
-            self._arrived[i] = entry
-            self._cond.notify_all()
-        self._wake()
+    def _read_hello(self, s: socket.socket, pending: dict, conns: dict) -> "_Conn | None":
+        buf, addr, _ = pending[s]
+        try:
+            data = s.recv(MAX_HELLO + LEN.size)
+        except BlockingIOError:
+            return None
+        except OSError as e:
+            return self._refuse(s, pending, addr, f"connection failed before HELLO: {e}")
+        if not data:
+            return self._refuse(s, pending, addr, "closed before HELLO")
+        buf += data
+        if len(buf) < LEN.size:
+            return None
+        hlen = LEN.unpack_from(buf)[0]
+        if hlen > MAX_HELLO:
+            return self._refuse(s, pending, addr, f"HELLO of {hlen} bytes")
+        if len(buf) < LEN.size + hlen:
+            return None
+        try:
+            h = json.loads(bytes(buf[LEN.size: LEN.size + hlen]))
+            name, num_slots, slot_bytes, token = h["name"], h["num_slots"], h["slot_bytes"], h.get("token")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            return self._refuse(s, pending, addr, f"malformed HELLO: {type(e).__name__}: {e}")
+        if not isinstance(token, str):
+            return self._refuse(s, pending, addr, f"missing deployment token (claimed to be {name!r})")
+        if not hmac.compare_digest(token.encode(), self.cfg.token.encode()):
+            return self._refuse(s, pending, addr, f"wrong deployment token (claimed to be {name!r})")
+        pi = self._index.get(name) if isinstance(name, str) else None
+        if pi is None:
+            why = f"{name!r} is not a peer of {self.me!r}"
+        elif (num_slots, slot_bytes) != (self.num_slots, self.slot_bytes):
+            why = f"{name!r} has num_slots={num_slots}, slot_bytes={slot_bytes}; {self.me!r} has " \
+                  f"{self.num_slots}, {self.slot_bytes}"
+        else:
+            why = f"{name!r} connected twice" if pi in conns else None
+        if why is not None:
+            self._refuse(s, pending, addr, why)
+            raise ValueError(f"M2N connect of {self.me!r}: {why}")
+        del pending[s]
+        return _Conn(s, pi, bytes(buf[LEN.size + hlen:]))
 
-    def _on_release(self, pi: int, header: list) -> None:
-        _, slot, seq = header
-        i = pi * self.num_slots + slot
-        with self._cond:
-            self._released[i] = seq
-            self._cond.notify_all()
-        self._wake()
+    def _refuse(self, s: socket.socket, pending: dict, addr: str, why: str) -> None:
+        log.warning("M2N endpoint %r (session %s) refused a connection from %s: %s", self.me, self.session, addr, why)
+        del pending[s]
+        s.close()
+        return None
 
-    def _wake(self) -> None:
-        """Wake a caller blocked in _block (after the state it waits for changed)."""
-        if self._sleeping:
-            os.eventfd_write(self._efd, 1)
+    # -- reading (progress) -------------------------------------------------------------------------
+    def _progress(self) -> None:
+        """Read whatever arrived on every inbound connection, without blocking."""
+        with self._rx_lock:
+            for c in self._conns:
+                if c.open:
+                    self._pump(c)
+
+    def _pump(self, c: _Conn) -> None:
+        """Read connection `c` until the socket is drained: payloads straight into their slots."""
+        ph, clock = self.phases, time.perf_counter_ns
+        while True:
+            if c.target is not None:
+                view, want = c.target[c.filled:], len(c.target) - c.filled
+            else:
+                view, want = c.buf[c.end:], SCRATCH_BYTES - c.end
+            t0 = clock()
+            try:
+                n = c.sock.recv_into(view, want)
+            except BlockingIOError:
+                ph["recv_ns"] += clock() - t0
+                return
+            except OSError as e:
+                return self._drop(c, f"connection lost: {e}")
+            t1 = clock()
+            ph["recv_ns"] += t1 - t0
+            ph["recvs"] += 1
+            if n == 0:
+                return self._drop(c, "its connection was closed (process exited or endpoint closed)")
+            self._heard[c.pi] = time.monotonic()
+            if c.target is not None:
+                c.filled += n
+                if c.filled == len(c.target):
+                    c.target = None
+                    self._arrived[c.key] = c.entry
+            else:
+                c.end += n
+                self._parse(c)
+                ph["parse_ns"] += clock() - t1
+                if not c.open:
+                    return
+            if n < want:
+                return  # the socket is drained: another recv would only say EAGAIN
+
+    def _parse(self, c: _Conn) -> None:
+        """Handle the complete frames in c's scratch buffer; a DATA payload that did not arrive
+        whole becomes c.target (the rest is read straight into the slot)."""
+        buf = c.buf
+        while c.end - c.start >= FRAME.size:
+            typ, slot, seq = FRAME.unpack_from(buf, c.start)
+            if not 0 <= slot < self.num_slots:
+                return self._drop(c, f"protocol error: frame type {typ} for slot {slot}")
+            i = c.pi * self.num_slots + slot
+            if typ == DATA:
+                if c.end - c.start < DATA_HDR.size:
+                    break
+                if seq != self._rx_seq[i] + 1 or self._arrived[i] is not None:
+                    state = "not released" if self._arrived[i] is not None else "out of order"
+                    return self._drop(c, f"protocol error: seq {seq} into slot {slot} after {self._rx_seq[i]} ({state})")
+                words = DATA_HDR.unpack_from(buf, c.start)
+                descs = self._specs.get(words[8:])  # the same shapes as a recent message: checked already
+                if descs is None:
+                    try:
+                        descs = parse_words(words[3:], self.capacity)[1]
+                    except ValueError as e:
+                        return self._drop(c, f"protocol error: {e}")
+                    if len(self._specs) > 256:
+                        self._specs.clear()
+                    self._specs[words[8:]] = descs
+                meta = MessageMeta(*words[3:8])
+                self._rx_seq[i] = seq
+                c.start += DATA_HDR.size
+                nbytes = descs[-1].offset + descs[-1].nbytes if descs else 0
+                target = self._rx_views[i][:nbytes]
+                have = min(nbytes, c.end - c.start)
+                target[:have] = buf[c.start: c.start + have]
+                c.start += have
+                if have < nbytes:  # the scratch buffer is empty now; the rest goes to the slot
+                    c.target, c.filled, c.key, c.entry = target, have, i, (seq, meta, descs)
+                    c.start = c.end = 0
+                    return
+                self._arrived[i] = (seq, meta, descs)
+            elif typ == RELEASE:
+                self._released[i] = seq
+                c.start += FRAME.size
+            elif typ == HEARTBEAT:
+                c.start += FRAME.size
+            else:
+                return self._drop(c, f"protocol error: frame type {typ}")
+        rest = c.end - c.start  # keep a partial frame at the front of the scratch buffer
+        if rest and c.start:
+            buf[:rest] = bytes(buf[c.start: c.end])
+        c.start, c.end = 0, rest
+
+    def _drop(self, c: _Conn, why: str) -> None:
+        self._mark_dead(c.pi, why)
+        if c.open:
+            c.open = False
+            try:
+                self._poller.unregister(c.sock)
+            except (KeyError, ValueError):
+                pass
+            c.sock.close()
 
     def _mark_dead(self, pi: int, why: str) -> None:
-        with self._cond:
-            self._dead.setdefault(pi, why)
-            self._cond.notify_all()
-        self._wake()
-        return None
+        self._dead.setdefault(pi, why)
 
     # -- hooks ----------------------------------------------------------------------------------------
     def _has_message(self, i: int) -> bool:
         return self._arrived[i] is not None
 
+    def poll(self, peer: str, slot: int) -> bool:
+        i = self._key(peer, slot)
+        if self._arrived[i] is None:
+            self._progress()
+        return self._arrived[i] is not None
+
     def _take(self, i: int) -> tuple[int, MessageMeta, list[TensorDesc]]:
-        entry, self._arrived[i] = self._arrived[i], None  # the reader writes this key again only after release
+        entry, self._arrived[i] = self._arrived[i], None  # nothing writes this key again before release
         return entry
 
     def _slot_free(self, i: int) -> bool:
         return self._released[i] == self._sent[i]
 
-    def _write(self, i: int, meta: MessageMeta, descs: list[TensorDesc], flats: list[torch.Tensor], end: int) -> None:
+    def _write(self, i: int, meta: MessageMeta, descs: list[TensorDesc], flats: list[memoryview], end: int) -> None:
+        t0 = time.perf_counter_ns()
         pi, slot = divmod(i, self.num_slots)
-        specs = [[d.code, list(d.shape)] for d in descs]
-        parts = [frame([DATA, slot, self._sent[i], meta.kind, meta.step, meta.layer, meta.mb, meta.aux, specs])]
+        parts: list = [DATA_HDR.pack(DATA, slot, self._sent[i], *header_words(meta, descs))]
         pos = 0
         for d, flat in zip(descs, flats):
             if d.offset > pos:
                 parts.append(ZEROS[:d.offset - pos])
             if d.nbytes:
-                parts.append(memoryview(flat.numpy()))
+                parts.append(flat)
             pos = d.offset + d.nbytes
-        self._sendall(pi, parts)
+        self.phases["pack_ns"] += time.perf_counter_ns() - t0
+        self._sendall(pi, parts, drain=True)
 
     def _release(self, i: int, seq: int) -> None:
         pi, slot = divmod(i, self.num_slots)
         try:
-            self._sendall(pi, [frame([RELEASE, slot, seq])])
+            self._sendall(pi, [FRAME.pack(RELEASE, slot, seq)], drain=True)
         except PeerDeadError:
             pass  # nobody waits for this credit any more; the next wait on the peer reports it
 
     def _dead_reason(self, pi: int, thorough: bool) -> str | None:
         why = self._dead.get(pi)
-        if why is None:
+        if why is None and thorough:
+            self._progress()  # what is pending counts as heard: a long compute is not silence
+            why = self._dead.get(pi)
             age = time.monotonic() - self._heard[pi]
-            if age > self.cfg.dead_after_s:
+            if why is None and age > self.cfg.dead_after_s:
                 why = f"nothing heard for {age:.1f} s (dead_after_s={self.cfg.dead_after_s})"
         return why
 
     def _spin_pause(self) -> None:
-        time.sleep(0)  # drops the GIL: a caller spinning with it would keep the reader from running
+        os.sched_yield()  # spinning costs nothing while another process waits for this core
+        self._progress()
 
     def _block(self, ready: Callable[[], T], seconds: float) -> T | None:
-        self._sleeping = True
-        try:
+        # Held while blocked, so the heartbeat thread cannot read (and so swallow) what wakes us.
+        with self._rx_lock:
+            self._progress_locked()
             r = ready()
             if r:
                 return r
+            t0 = time.perf_counter_ns()
             self._poller.poll(max(1, round(seconds * 1000)))
-        finally:
-            self._sleeping = False
-        try:
-            os.eventfd_read(self._efd)
-        except BlockingIOError:
-            pass
+            self.phases["block_ns"] += time.perf_counter_ns() - t0
+            self.phases["blocks"] += 1
+            self._progress_locked()
         return ready()
 
-    # -- sending ----------------------------------------------------------------------------------------
-    def _sendall(self, pi: int, parts: list) -> None:
-        with self._send_locks[pi]:
-            self._send_locked(pi, parts)
+    def _progress_locked(self) -> None:
+        for c in self._conns:
+            if c.open:
+                self._pump(c)
 
-    def _send_locked(self, pi: int, parts: list) -> None:
-        """Write whole frames (byte-like parts) to peer `pi` holding its send lock. Blocks; a frame
-        once started is always finished or the peer is declared dead: half a frame breaks the stream."""
+    # -- sending ----------------------------------------------------------------------------------------
+    def _sendall(self, pi: int, parts: list, drain: bool) -> None:
+        with self._send_locks[pi]:
+            self._send_locked(pi, parts, drain)
+
+    def _send_locked(self, pi: int, parts: list, drain: bool) -> None:
+        """Write whole frames (byte-like parts) to peer `pi` holding its send lock. A frame once
+        started is always finished or the peer is declared dead: half a frame breaks the stream.
+        drain: read our inbound sockets while the peer's buffer is full (the owner thread only)."""
         sock = self._out[pi]
         if sock is None:
             raise PeerDeadError(self.peers[pi], "its connection was closed")
-        while parts:
+        ph, clock = self.phases, time.perf_counter_ns
+        while True:
+            t0 = clock()
             try:
                 n = sock.sendmsg(parts)
-            except TimeoutError:
-                self._raise_if_dead(pi, thorough=True)
-                continue
+            except BlockingIOError:
+                n = 0
             except OSError as e:
                 self._mark_dead(pi, f"send failed: {e}")
                 raise PeerDeadError(self.peers[pi], f"send failed: {e}") from e
+            ph["send_ns"] += clock() - t0
+            ph["sends"] += 1
             while parts and n >= len(parts[0]):
                 n -= len(parts[0])
                 parts.pop(0)
+            if not parts:
+                self._last_sent[pi] = time.monotonic()
+                return
             if n:
                 parts[0] = memoryview(parts[0])[n:]
+            self._wait_writable(pi, sock, drain)
+
+    def _wait_writable(self, pi: int, sock: socket.socket, drain: bool) -> None:
+        """Wait (up to 50 ms) for room on peer pi's socket, reading ours meanwhile when `drain`;
+        raises PeerDeadError when the peer is dead or silent."""
+        if drain:
+            p = select.poll()
+            p.register(sock, select.POLLOUT)
+            for c in self._conns:
+                if c.open:
+                    p.register(c.sock, select.POLLIN)
+            p.poll(50)
+            self._progress()
+            self._raise_if_dead(pi, thorough=True)
+        else:
+            select.select([], [sock], [], 0.05)
+            if pi in self._dead or self._closed:
+                raise PeerDeadError(self.peers[pi], self._dead.get(pi, "endpoint closed"))
 
     def _beat(self) -> None:
-        beat = frame([HEARTBEAT])
+        beat = FRAME.pack(HEARTBEAT, 0, 0)
         while not self._stop.wait(self.cfg.heartbeat_s):
             for pi, sock in enumerate(self._out):
-                if sock is None or pi in self._dead or not self._send_locks[pi].acquire(blocking=False):
-                    continue  # a send in progress is a sign of life already
+                if (sock is None or pi in self._dead or time.monotonic() - self._last_sent[pi] < self.cfg.heartbeat_s
+                        or not self._send_locks[pi].acquire(blocking=False)):
+                    continue  # a frame sent recently, or a send in progress, is a sign of life already
                 try:
                     # Only when there is room: a peer that stopped reading must not stall our beats to others.
                     if select.select([], [sock], [], 0)[1]:
-                        self._send_locked(pi, [beat])
+                        self._send_locked(pi, [beat], drain=False)
                 except (PeerDeadError, OSError, ValueError):
                     pass
                 finally:
                     self._send_locks[pi].release()
+            if self._rx_lock.acquire(blocking=False):  # the owner thread is elsewhere: read for it
+                try:
+                    self._progress_locked()
+                except Exception:
+                    pass
+                finally:
+                    self._rx_lock.release()
 
     # -- teardown -----------------------------------------------------------------------------------
     def _close_backend(self) -> None:
@@ -305,126 +496,11 @@ class TcpEndpoint(EndpointBase):
                     except OSError:
                         pass
                     sock.close()
-
-        async def shutdown() -> None:
-            if self._server is not None:
-                self._server.close()
-            for t in list(self._inbound):
-                t.close()
-
-        if self._loop.is_running():
-            try:
-                asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(2.0)
-            except Exception:
-                pass
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._reader.join(2.0)
-        with self._cond:
-            self._cond.notify_all()
-        self._wake()
-        if not self._reader.is_alive():
-            self._loop.close()
-            os.close(self._efd)  # only once the reader, which writes it, is gone
+        with self._rx_lock:
+            for c in self._conns:
+                if c.open:
+                    c.open = False
+                    c.sock.close()
+        if self._listener is not None:
+            self._listener.close()
         self._rx_payload, self._rx_views = [], []
-
-
-class _Inbound(asyncio.BufferedProtocol):
-    """Reads one peer's incoming connection in the loop thread: headers through a scratch buffer,
-    each DATA payload straight into its slot's buffer."""
-
-    def __init__(self, ep: TcpEndpoint):
-        self.ep, self.pi, self.transport = ep, None, None
-        self.scratch = memoryview(bytearray(SCRATCH_BYTES))
-        self.start = self.end = 0
-        self.target: memoryview | None = None  # the payload being received directly, its key and entry
-        self.key = self.filled = 0
-        self.entry: tuple = ()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-        self.ep._inbound.add(transport)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self.target is not None:
-            return self.target[self.filled:]
-        return self.scratch[self.end:]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if self.pi is not None:
-            self.ep._heard[self.pi] = time.monotonic()
-        if self.target is not None:
-            self.filled += nbytes
-            if self.filled == len(self.target):
-                self.target = None
-                self.ep._on_data_done(self.key, self.entry)
-            return
-        self.end += nbytes
-        try:
-            self.parse()
-        except Exception as e:  # garbage on the wire: drop this peer, keep the others
-            self.fail(f"protocol error: {type(e).__name__}: {e}")
-
-    def parse(self) -> None:
-        while self.end - self.start >= LEN.size:
-            hlen = LEN.unpack_from(self.scratch, self.start)[0]
-            if hlen > MAX_HEADER:
-                return self.fail(f"protocol error: header of {hlen} bytes")
-            body = self.start + LEN.size
-            if self.end - body < hlen:
-                break
-            header = msgpack.unpackb(self.scratch[body: body + hlen])
-            self.start = body + hlen
-            if not self.dispatch(header):
-                return
-        rest = self.end - self.start  # keep a partial header at the front of the scratch buffer
-        if rest:
-            self.scratch[:rest] = bytes(self.scratch[self.start: self.end])
-        self.start, self.end = 0, rest
-
-    def dispatch(self, header: list) -> bool:
-        """Handle one frame header; False when reading must stop (peer dropped, or payload pending)."""
-        if self.pi is None:
-            if header[0] != HELLO or (pi := self.ep._on_hello(self, header)) is None:
-                self.transport.close()
-                return False
-            self.pi = pi
-        elif header[0] == DATA:
-            got = self.ep._on_data(self.pi, header)
-            if got is None:
-                self.transport.close()
-                return False
-            return self.payload(*got)
-        elif header[0] == RELEASE:
-            self.ep._on_release(self.pi, header)
-        elif header[0] != HEARTBEAT:
-            self.fail(f"protocol error: frame type {header[0]!r}")
-            return False
-        return True
-
-    def payload(self, key: int, nbytes: int, entry: tuple) -> bool:
-        """Copy what already arrived of the payload; read the rest straight into the slot."""
-        target = self.ep._rx_views[key][:nbytes]
-        have = min(nbytes, self.end - self.start)
-        target[:have] = self.scratch[self.start: self.start + have]
-        self.start += have
-        if have == nbytes:
-            self.ep._on_data_done(key, entry)
-            return True
-        self.target, self.key, self.entry, self.filled = target, key, entry, have  # the scratch buffer is empty now
-        self.start = self.end = 0
-        return False
-
-    def fail(self, why: str) -> None:
-        if self.pi is not None:
-            self.ep._mark_dead(self.pi, why)
-        self.transport.close()
-
-    def eof_received(self) -> bool:
-        if self.pi is not None:
-            self.ep._mark_dead(self.pi, "its connection was closed (process exited or endpoint closed)")
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.ep._inbound.discard(self.transport)
-        if self.pi is not None:
-            self.ep._mark_dead(self.pi, f"connection lost: {exc or 'EOF'}")

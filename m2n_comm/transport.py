@@ -17,7 +17,7 @@ passes. Nothing waits forever.
 Backends: shm (one host, m2n_comm/shm.py), tcp (any hosts, m2n_comm/tcp.py). An RDMA backend maps
 `send` to write-with-immediate into the registered slot and `recv` to polling its completion queue.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import torch
@@ -145,6 +145,9 @@ class TransportConfig:
     # How long a wait polls (yielding the core between polls) before it blocks: waking a blocked
     # process costs ~50-100 us here, more than a whole small round trip.
     spin_s: float = 1e-3
+    # The deployment's shared secret: a tcp peer must present it in its HELLO (PoolEngine makes one per
+    # deployment and hands it to every worker). "" only for endpoints opened by hand (tests, benches).
+    token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.backend not in ("shm", "tcp"):
@@ -155,6 +158,8 @@ class TransportConfig:
             raise ValueError(f"need 0 < heartbeat_s ({self.heartbeat_s}) < dead_after_s ({self.dead_after_s})")
         if not 0 <= self.spin_s < 0.1:
             raise ValueError(f"spin_s must be in [0, 0.1) seconds, got {self.spin_s}")
+        if not isinstance(self.token, str):
+            raise ValueError(f"token must be a str, got {type(self.token).__name__}")
         if self.connect_timeout_s <= 0:
             raise ValueError(f"connect_timeout_s must be positive, got {self.connect_timeout_s}")
 

@@ -10,6 +10,7 @@ attention|expert --rendezvous HOST:PORT` and the front runs with `rendezvous=HOS
 deployment is published in a torch.distributed TCPStore there and each worker takes the next rank.
 A worker that fails or exits is reported (WorkerFailedError naming it), never waited on for ever.
 """
+import hmac
 import json
 import logging
 import multiprocessing as mp
@@ -71,8 +72,11 @@ class PoolEngine:
         self._store = TCPStore(host, port, is_master=True, wait_for_workers=False)
         self._listener = socket.create_server((host, 0))
         dtype = cfg.dtype or self.model_cfg.dtype
+        # The deployment token: every worker gets it (spawn args, or the rendezvous store) and the
+        # control listener and the tcp data plane refuse peers without it.
         self.transport = TransportConfig(par.transport, slot_bytes_for(
-            self.model_cfg.hidden_size, self.model_cfg.top_k, dtype, cfg.scheduler.max_num_batched_tokens), host=host)
+            self.model_cfg.hidden_size, self.model_cfg.top_k, dtype, cfg.scheduler.max_num_batched_tokens), host=host,
+            token=secrets.token_hex(16))
         self._procs: list[mp.process.BaseProcess] = []
         self._events: queue.Queue = queue.Queue()
         self._socks: list[socket.socket] = []
@@ -132,9 +136,11 @@ class PoolEngine:
             if time.monotonic() > deadline:
                 raise WorkerFailedError(f"only {len(conns)} of {n} attention workers connected in {START_TIMEOUT_S:.0f} s")
             try:
-                conns.append(self._listener.accept()[0])
+                conn, addr = self._listener.accept()
             except socket.timeout:
                 continue
+            if _admitted(conn, addr, self.transport.token):
+                conns.append(conn)
         for i, c in enumerate(conns):
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=_read_events, args=(c, i, self._events, self._worker_stats), daemon=True).start()
@@ -310,6 +316,45 @@ class PoolEngine:
 
 
 _WAKE = object()  # an event that only ends a waiting step
+
+
+HELLO_TIMEOUT_S = 5.0  # a connection that does not say Hello within this is dropped
+
+
+def _admitted(conn: socket.socket, addr: tuple, token: str) -> bool:
+    """Read a new control connection's first message: Hello with the deployment token, or the
+    connection is closed and the attempt logged (a stranger must not inject requests or results)."""
+    conn.settimeout(HELLO_TIMEOUT_S)
+    why = None
+    try:
+        head = _recv_exact(conn, 4)
+        n = int.from_bytes(head, "big")
+        if n > 4096:
+            why = f"first message of {n} bytes"
+        else:
+            msg = wire.decode(_recv_exact(conn, n))
+            if not isinstance(msg, wire.Hello):
+                why = f"{type(msg).__name__} before Hello (missing token)"
+            elif not isinstance(msg.token, str) or not hmac.compare_digest(msg.token.encode(), token.encode()):
+                why = "wrong deployment token"
+    except Exception as e:  # timeout, reset, garbage: all the same to us
+        why = f"no valid Hello: {type(e).__name__}: {e}"
+    if why is None:
+        conn.settimeout(None)
+        return True
+    log.warning("control listener refused a connection from %s:%s: %s", addr[0], addr[1], why)
+    conn.close()
+    return False
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("closed")
+        buf += chunk
+    return buf
 
 
 def _read_events(sock: socket.socket, conn: int, events: queue.Queue, stats: dict[int, dict]) -> None:

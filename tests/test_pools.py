@@ -6,10 +6,14 @@ both transports, with requests of different lengths joining mid-run; a killed wo
 import json
 import os
 import signal
+import socket
 import time
 
 import pytest
 
+from torch.distributed import TCPStore
+
+from attention_nodes import messages as wire
 from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig
 from attention_nodes.engine import LLMEngine
 from attention_nodes.sampling_params import SamplingParams
@@ -138,10 +142,11 @@ def test_host_staging_round_trip_on_cuda():
 
 
 @pytest.mark.slow
-def test_roles_meet_at_a_rendezvous(make_checkpoint):
+def test_roles_meet_at_a_rendezvous(make_checkpoint, caplog):
     """The multi-host path on one host: the front waits at HOST:PORT, `shuttle serve --role` workers
-    join it over tcp, and the output equals the colocated engine's."""
-    import socket
+    join it over tcp (with the deployment token from the store), and the output equals the colocated
+    engine's. Two strangers who reach the control listener first (wrong token; no Hello) are
+    dropped and logged."""
     import subprocess
     import sys
 
@@ -152,8 +157,16 @@ def test_roles_meet_at_a_rendezvous(make_checkpoint):
         port = s.getsockname()[1]
     workers = []
 
+    strangers = []
+
     def start_workers():
         time.sleep(1.0)  # the front's store must be listening first
+        # Strangers reach the control listener before the real attention worker: refused.
+        store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+        control = tuple(json.loads(store.get("shuttle/deployment"))["control"])
+        for msg in (wire.Hello("guess"), wire.Ready(0, 64)):
+            strangers.append(socket.create_connection(control))
+            strangers[-1].sendall(wire.encode(msg))
         for role in ("expert", "expert", "attention"):
             workers.append(subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--role", role,
                                              "--rendezvous", f"127.0.0.1:{port}", "--torch-threads", "1"],
@@ -162,6 +175,7 @@ def test_roles_meet_at_a_rendezvous(make_checkpoint):
     import threading
     t = threading.Thread(target=start_workers)
     t.start()
+    caplog.set_level("WARNING", logger="shuttle")
     llm = LLM(ckpt, num_kv_blocks=64, colocated=False, expert_workers=2, micro_batches=2, transport="tcp",
               rendezvous=f"127.0.0.1:{port}")
     try:
@@ -170,5 +184,32 @@ def test_roles_meet_at_a_rendezvous(make_checkpoint):
         llm.shutdown()
         t.join()
     codes = [w.wait(timeout=30) for w in workers]
+    for c in strangers:
+        c.settimeout(10)
+        assert c.recv(1) == b""  # closed by the front
+        c.close()
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert any("wrong deployment token" in r for r in refused), refused
+    assert any("Ready before Hello (missing token)" in r for r in refused), refused
     assert got == want
     assert codes == [0, 0, 0], [w.stderr.read().decode()[-2000:] for w in workers]
+
+
+def test_control_listener_admits_only_the_token():
+    """server.pools._admitted, the control listener's gate: Hello with the token passes; a wrong
+    token, a missing one (another message first), garbage and silence are refused."""
+    from server import pools
+
+    pools.HELLO_TIMEOUT_S, saved = 0.5, pools.HELLO_TIMEOUT_S
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as srv:
+            cases = [(wire.encode(wire.Hello("tok")), True), (wire.encode(wire.Hello("tik")), False),
+                     (wire.encode(wire.Ready(0, 1)), False), (b"\x00\x00\x00\x03abc", False), (b"", False)]
+            for data, want in cases:
+                with socket.create_connection(srv.getsockname()) as c:
+                    c.sendall(data)
+                    conn, addr = srv.accept()
+                    assert pools._admitted(conn, addr, "tok") is want, data
+                    conn.close()
+    finally:
+        pools.HELLO_TIMEOUT_S = saved

@@ -50,9 +50,9 @@ def make_tensors(seed: int, dtype: torch.dtype, tokens: int, dim: int = 64) -> l
 
 
 # ---- scenario functions (run in workers; each returns something picklable) ------------------------
-def run_echo(store, session: str, backend: str, me: str, peer: str, count: int) -> int:
+def run_echo(store, session: str, backend: str, me: str, peer: str, count: int, token: str = "") -> int:
     """Echo `count` messages from `peer` back in the slot they came in, from the received views."""
-    ep = open_endpoint(config(backend), store, session, me, [peer], NUM_SLOTS)
+    ep = open_endpoint(config(backend, token=token), store, session, me, [peer], NUM_SLOTS)
     try:
         for k in range(count):
             key = ep.wait_any([(peer, s) for s in range(NUM_SLOTS)], timeout=30)
@@ -113,6 +113,31 @@ def run_receiver(store, session: str, backend: str, me: str, senders: list[str],
         for s in senders:
             ep.send(s, 0, MessageMeta(KIND_DATA), [])
         return dict(received=sum(nxt.values()), full_batches=full_batches)
+    finally:
+        ep.close()
+
+
+FLOOD_SLOT_BYTES = SLOT_HEADER_BYTES + (8 << 20)
+
+
+def flood(ep, peer: str, seed: int) -> int:
+    """Fill all of `peer`'s slots with 8 MiB messages before taking any of its own: both ends do
+    this at once, so each send outgrows the socket buffers while the peer is sending too."""
+    for k in range(NUM_SLOTS):
+        x = torch.arange(2 << 20, dtype=torch.int32) * (seed + k)
+        ep.send(peer, k, MessageMeta(KIND_DATA, step=k), [x], timeout=60)
+    ok = 0
+    for k in range(NUM_SLOTS):
+        m = ep.recv(peer, k, timeout=60)
+        ok += m.meta.step == k and bool(torch.equal(m.tensors[0], torch.arange(2 << 20, dtype=torch.int32) * (1 - seed + k)))
+        ep.release(peer, k)
+    return ok
+
+
+def run_flood(store, session: str, backend: str) -> int:
+    ep = open_endpoint(config(backend, slot_bytes=FLOOD_SLOT_BYTES), store, session, "b", ["a"], NUM_SLOTS)
+    try:
+        return flood(ep, "a", 0)
     finally:
         ep.close()
 
@@ -466,6 +491,76 @@ def test_config_and_constructor_errors(store):
         with pytest.raises(TransportTimeout, match=r"\['nobody'\]"):
             open_endpoint(config(backend, connect_timeout_s=0.3), store, session(), "a", ["nobody"], 2)
         assert time.monotonic() - t0 < 3.0
+
+
+def test_both_ends_send_more_than_the_socket_buffers(store, pool):
+    """tcp: 32 MiB each way at once, before either end receives. A send blocked on a full socket
+    keeps reading its own inbound one, so neither end waits for ever on the other (shm has no
+    socket buffers to outgrow)."""
+    backend = "tcp"
+    sess, (w,) = session(), pool.get(1)
+    w.start("run_flood", session=sess, backend=backend)
+    ep = open_endpoint(config(backend, slot_bytes=FLOOD_SLOT_BYTES), store, sess, "a", ["b"], NUM_SLOTS)
+    try:
+        assert flood(ep, "b", 1) == NUM_SLOTS
+        assert w.result() == NUM_SLOTS
+    finally:
+        ep.close()
+
+
+def test_tcp_refuses_peers_without_the_token(store, pool, caplog):
+    """Strangers reach "a"'s listener before the real "b": one claims to be "b" with a wrong token,
+    one says HELLO without a token, one sends garbage. Each is dropped and logged with its address;
+    the real "b" (right token) still gets in and the two talk."""
+    import json
+    import socket
+    import struct
+
+    sess, (w,) = session(), pool.get(1)
+    token = "s3cret-" + sess
+    made = {}
+    t = threading.Thread(target=lambda: made.setdefault("ep", open_endpoint(
+        config("tcp", token=token), store, sess, "a", ["b"], NUM_SLOTS)))
+    with caplog.at_level("WARNING", logger="shuttle.m2n"):
+        t.start()
+        key, deadline = f"shuttle-m2n/{sess}/a/tcp", time.monotonic() + 30
+        while not store.check([key]) and time.monotonic() < deadline:  # get() would block the store
+            time.sleep(0.01)  # client, which the thread's open_endpoint shares
+        info = json.loads(store.get(key))
+        strangers = []
+        for hello in (dict(name="b", num_slots=NUM_SLOTS, slot_bytes=SLOT_BYTES, token="guess"),
+                      dict(name="b", num_slots=NUM_SLOTS, slot_bytes=SLOT_BYTES)):
+            body = json.dumps(hello).encode()
+            strangers.append(socket.create_connection((info["host"], info["port"])))
+            strangers[-1].sendall(struct.pack("<I", len(body)) + body)
+        strangers.append(socket.create_connection((info["host"], info["port"])))
+        strangers[-1].sendall(b"\xff" * 64)
+        w.start("run_echo", session=sess, backend="tcp", me="b", peer="a", count=3, token=token)
+        t.join(30)
+    for s in strangers:  # dropped: EOF (or a reset)
+        s.settimeout(10)
+        try:
+            assert s.recv(1) == b""
+        except ConnectionResetError:
+            pass
+    ep = made["ep"]
+    try:
+        for k in range(3):
+            sent = make_tensors(k, torch.float32, k + 1)
+            ep.send("b", 0, MessageMeta(KIND_DATA, step=k), sent)
+            m = ep.recv("b", 0, timeout=10)
+            assert m.meta.step == k and all(map(same, m.tensors, sent))
+            ep.release("b", 0)
+        assert w.result() == 3
+    finally:
+        ep.close()
+    refused = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert len(refused) == 3, refused
+    assert "wrong deployment token (claimed to be 'b')" in refused[0] and "127.0.0.1:" in refused[0]
+    assert "missing deployment token (claimed to be 'b')" in refused[1]
+    assert "HELLO of 4294967295 bytes" in refused[2]
+    for s in strangers:
+        s.close()
 
 
 @pytest.mark.slow
