@@ -5,6 +5,9 @@
     shuttle generate --model DIR --prompt TEXT [--prompt TEXT ...] [--max-tokens N] [--json]
                      [--attention-workers N --expert-workers M --micro-batches K --transport shm|tcp]
     shuttle bench serve --base-url URL [--backend openai|openai-chat|grpc] [--num-prompts N] ...
+    shuttle profile [--model DIR] [--torch-threads 1,2] [--transport shm,tcp] [--quick] --out PROFILE.json
+    shuttle simulate --profile PROFILE.json (--colocated | --attention-workers A ...) --num-prompts N ...
+    shuttle plan --model DIR|NAME --hardware KIND[=PRICE][,...] --tbt-slo-ms X --max-devices N --out PLAN.json
     shuttle train (--recipe builtin | --family F ... | --init-from DIR) --data FILES --out DIR [--nproc-per-node N]
 
 `shuttle serve` runs the OpenAI-compatible HTTP server (and gRPC with --grpc-port) in front of
@@ -156,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     _add_pool_flags(g)
     g.set_defaults(func=_generate)
+    from planner.cli import add_parsers as add_planner_parsers
+    add_planner_parsers(sub)
     from training.cli import add_parser as add_train_parser
     add_train_parser(sub)
     b = sub.add_parser("bench", help="benchmarks: `shuttle bench serve` load-tests any OpenAI-compatible server")
