@@ -77,6 +77,110 @@ def format_profile(p: dict) -> str:
     return "\n".join(lines)
 
 
+def load_profile(path: str, model: str | None = None) -> dict:
+    """A profile written by `shuttle profile`; with `model`, check it was measured on that model."""
+    try:
+        p = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise PlannerError(f"--profile {path}: file not found (write one with shuttle profile --out {path})") from None
+    except json.JSONDecodeError as e:
+        raise PlannerError(f"--profile {path}: not valid JSON ({e})") from None
+    if not isinstance(p, dict) or p.get("kind") != "measured" or not all(k in p for k in ("fits", "transfer", "model")):
+        raise PlannerError(f"--profile {path}: not a profile written by shuttle profile")
+    if model is not None:
+        from planner.shapes import shape_from
+
+        shape = shape_from(model)
+        if shape.config_hash != p["model"]["config_hash"]:
+            raise PlannerError(f"--profile {path} was measured on model {p['model']['name']} (config "
+                               f"{p['model']['config_hash']}), not on {model} (config {shape.config_hash}); "
+                               f"profile this model with shuttle profile --model {model}")
+    return p
+
+
+def _placement_shares(path: str | None, num_experts: int, workers: int) -> tuple[tuple, tuple] | tuple[None, None]:
+    """(share of (token, expert) pairs, experts held) per expert worker from a placement file."""
+    if path is None:
+        return None, None
+    from m2n_comm.m2n import Placement
+
+    try:
+        pl = Placement.from_file(path, num_experts, workers)
+    except (OSError, json.JSONDecodeError) as e:
+        raise PlannerError(f"--placement {path}: {e}") from None
+    except ValueError as e:
+        raise PlannerError(f"--placement {path}: {e}") from None
+    share = [0.0] * workers
+    for ws in pl.copies:
+        for w in ws:
+            share[w] += 1.0 / len(ws) / num_experts
+    return tuple(share), tuple(float(len(pl.experts_on(w))) for w in range(workers))
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from planner.perf import ProfilePerf
+    from planner.simulate import Deployment, SimModel, Simulator, Workload
+
+    if args.profile is None:
+        raise PlannerError("--profile PROFILE.json is required (write one with shuttle profile)")
+    profile = load_profile(args.profile)
+    mod = SimModel.from_profile(profile)
+    pools = any(v is not None for v in (args.attention_workers, args.expert_workers, args.micro_batches))
+    if args.colocated and pools:
+        raise PlannerError("--colocated takes no --attention-workers/--expert-workers/--micro-batches")
+    if args.transport not in profile["transfer"] and not args.colocated:
+        raise PlannerError(f"--transport {args.transport}: the profile measured only "
+                           f"{', '.join(profile['transfer']) or 'no backend'}")
+    n_e = args.expert_workers or 1
+    share, local = _placement_shares(args.placement, mod.num_experts, n_e)
+    cores = args.cores if args.cores is not None else profile["host"]["cores"]
+    try:
+        dep = Deployment(args.colocated, args.attention_workers or 1, n_e, args.micro_batches or 1,
+                         args.torch_threads, cores or None, args.transport, args.max_num_seqs,
+                         args.max_num_batched_tokens, expert_share=share, local_experts=local)
+        wl = Workload(args.num_prompts, args.input_len, args.output_len, args.max_concurrency,
+                      args.request_rate, args.seed)
+        if min(wl.num_prompts, wl.input_len, wl.output_len) < 1:
+            raise ValueError("--num-prompts, --input-len and --output-len must be positive")
+    except ValueError as e:
+        raise PlannerError(str(e)) from None
+    sim = Simulator(ProfilePerf(profile), mod, dep, trace_steps=args.trace_steps if args.trace else 0)
+    result = sim.run(wl)
+    result["deployment"] = {"colocated": dep.colocated, "attention_workers": dep.attention_workers,
+                            "expert_workers": dep.expert_workers, "micro_batches": dep.micro_batches,
+                            "torch_threads": dep.threads, "cores": dep.cores, "transport": dep.transport}
+    print(format_metrics(result, f"simulated: {_describe(dep)} on {profile['host']['cpu']}"))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}")
+    if args.trace:
+        Path(args.trace).write_text(json.dumps({"traceEvents": sim.chrome_trace(), "displayTimeUnit": "ms"}))
+        print(f"wrote {args.trace} (the first {args.trace_steps} steps)")
+    return 0
+
+
+def _describe(dep) -> str:
+    if dep.colocated:
+        return f"colocated, {dep.threads} thread(s)"
+    return (f"{dep.attention_workers} attention + {dep.expert_workers} expert workers, m={dep.micro_batches}, "
+            f"{dep.threads} thread(s) each, {dep.transport}")
+
+
+def format_metrics(r: dict, title: str) -> str:
+    est = " (estimated)" if r.get("estimated") else ""
+    lines = [f"============ {title} ============",
+             f"Successful requests: {r['completed']}", f"Duration (s): {r['duration']:.2f}",
+             f"Output token throughput (tok/s): {r['output_throughput']:.2f}{est}"]
+    for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")):
+        lines.append(f"{label} ms: mean {r[f'mean_{name}_ms']:.2f}  median {r[f'median_{name}_ms']:.2f}  "
+                     f"p99 {r[f'p99_{name}_ms']:.2f}{est}")
+    busy = f"attention pool busy {r['attention_busy']:.0%}"
+    if r.get("expert_busy") is not None:
+        busy += f", expert pool busy {r['expert_busy']:.0%}"
+    lines.append(f"{busy}, {r['steps']} steps")
+    return "\n".join(lines)
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure this host's worker, expert and M2N costs for the planner")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
@@ -87,6 +191,29 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="a smaller grid and fewer repeats (about a third)")
     p.add_argument("--out", required=True, help="the profile JSON to write")
     p.set_defaults(func=_run(_profile, "profile"))
+    s = sub.add_parser("simulate", help="simulate a deployment serving a workload, from a profile")
+    s.add_argument("--profile", default=None, help="PROFILE.json from shuttle profile")
+    s.add_argument("--colocated", action="store_true", help="experts in the attention process")
+    s.add_argument("--attention-workers", type=int, default=None)
+    s.add_argument("--expert-workers", type=int, default=None)
+    s.add_argument("--micro-batches", type=int, default=None)
+    s.add_argument("--torch-threads", type=int, default=None, help="per process (default: cores / processes)")
+    s.add_argument("--placement", default=None, help='JSON file {"expert": [workers]} (default: contiguous blocks)')
+    s.add_argument("--cores", type=int, default=None, help="cores the processes share (default: the profiled host's; "
+                                                          "0: each process has its own device)")
+    s.add_argument("--transport", default="shm", help="M2N backend (one the profile measured)")
+    s.add_argument("--max-num-seqs", type=int, default=128)
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    s.add_argument("--num-prompts", type=int, default=64)
+    s.add_argument("--input-len", type=int, default=64)
+    s.add_argument("--output-len", type=int, default=32)
+    s.add_argument("--max-concurrency", type=int, default=None)
+    s.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (default: all at once)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", default=None, metavar="FILE", help="write the metrics (bench serve's keys) as JSON")
+    s.add_argument("--trace", default=None, metavar="FILE", help="a Chrome trace of the first steps")
+    s.add_argument("--trace-steps", type=int, default=20)
+    s.set_defaults(func=_run(_simulate, "simulate"))
 
 
 def _run(fn, name: str):
