@@ -181,6 +181,76 @@ def format_metrics(r: dict, title: str) -> str:
     return "\n".join(lines)
 
 
+def _hardware_pairs(args: argparse.Namespace):
+    from planner.hardware import HOST, parse_hardware
+
+    if not (args.hardware or (args.attention_hardware and args.expert_hardware)):
+        raise PlannerError("--hardware KIND[=PRICE][,KIND...] is required (or both --attention-hardware and "
+                           "--expert-hardware)")
+    kinds = parse_hardware(args.hardware) if args.hardware else []
+    att = parse_hardware(args.attention_hardware) if args.attention_hardware else kinds
+    exp = parse_hardware(args.expert_hardware) if args.expert_hardware else kinds
+    pairs = [(a, e) for a in att for e in exp]
+    if any(HOST in (a.name, e.name) for a, e in pairs) and not all(a.name == e.name == HOST for a, e in pairs):
+        raise PlannerError("the host kind plans this machine alone; plan catalogue kinds in a separate run")
+    return pairs
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from planner.hardware import HOST, load_catalogue
+    from planner.perf import ProfilePerf, RooflinePerf
+    from planner.plan import HostSearch, format_plans, plan_file, search_host
+    from planner.search import search
+    from planner.shapes import shape_from
+    from planner.simulate import SimModel
+
+    if args.tbt_slo_ms <= 0 or args.max_devices < 1:
+        raise PlannerError("--tbt-slo-ms must be positive and --max-devices at least 1")
+    shape = shape_from(args.model)
+    pairs = _hardware_pairs(args)
+    host = pairs[0][0].name == HOST
+    workload = {"input_len": args.input_len, "output_len": args.output_len}
+    if host:
+        if args.profile is None:
+            raise PlannerError("planning for this host needs --profile PROFILE.json (from shuttle profile)")
+        profile = load_profile(args.profile, args.model)
+        cores = profile["host"]["cores"]
+        if args.max_devices > cores:
+            raise PlannerError(f"--max-devices {args.max_devices} is bigger than this host ({cores} cores, one "
+                               f"device per core); plan catalogue kinds for more")
+        hs = HostSearch(args.max_devices, args.input_len, args.output_len,
+                        batches=(16, 64, 256) if args.quick else (16, 32, 64, 128, 256))
+        cands, why = search_host(ProfilePerf(profile), SimModel.from_profile(profile), hs,
+                                 pairs[0][0].price_per_hour, args.tbt_slo_ms / 1e3, args.top)
+    else:
+        _, eff = load_catalogue()
+        ctx = args.input_len + args.output_len / 2
+        cands, why = search(lambda a, e: RooflinePerf(shape, a, e, eff), shape, pairs, args.max_devices,
+                            args.tbt_slo_ms / 1e3, ctx, args.input_len + args.output_len, args.top)
+    if not cands:
+        raise PlannerError(_infeasible(why, args))
+    print(format_plans(cands))
+    hw = {k.name: k for pair in pairs for k in pair}
+    plan = plan_file(cands[0], hw, shape, str(args.model), args.tbt_slo_ms, workload)
+    if args.out:
+        Path(args.out).write_text(json.dumps(plan, indent=1))
+        print(f"wrote the best plan to {args.out}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"plans": [c.to_dict() for c in cands], "best": plan}, indent=1))
+    return 0
+
+
+def _infeasible(why: dict, args: argparse.Namespace) -> str:
+    if not why["memory_ok"] or why["fastest"] is None:
+        return (f"no deployment of at most {args.max_devices} devices holds {args.model} in memory; "
+                f"allow more devices or larger ones")
+    f = why["fastest"]
+    est = " (estimated)" if f.estimated else ""
+    return (f"no plan meets {args.tbt_slo_ms:g} ms TBT on {args.max_devices} devices; the best reaches "
+            f"{f.tbt_s * 1e3:.1f} ms{est} ({f.attention_workers} attention {f.attention_hw} + {f.expert_workers} "
+            f"expert {f.expert_hw}, m={f.micro_batches}, batch {f.batch})")
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure this host's worker, expert and M2N costs for the planner")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
@@ -214,6 +284,22 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--trace", default=None, metavar="FILE", help="a Chrome trace of the first steps")
     s.add_argument("--trace-steps", type=int, default=20)
     s.set_defaults(func=_run(_simulate, "simulate"))
+    q = sub.add_parser("plan", help="search deployments (MegaScale-Infer Algorithm 1) for throughput per cost")
+    q.add_argument("--model", required=True, help="checkpoint directory, config.json, or a shipped shape "
+                                                  "(mixtral-8x22b, dbrx, qwen3-235b-a22b, deepseek-v3)")
+    q.add_argument("--hardware", default=None, help="KIND[=PRICE][,KIND...]: catalogue kinds, or host (this machine)")
+    q.add_argument("--attention-hardware", default=None, help="kind(s) for the attention pool")
+    q.add_argument("--expert-hardware", default=None, help="kind(s) for the expert pool")
+    q.add_argument("--profile", default=None, help="this host's profile (for --hardware host)")
+    q.add_argument("--tbt-slo-ms", type=float, required=True, help="time-between-tokens SLO")
+    q.add_argument("--max-devices", type=int, required=True, help="devices in one deployment (host: cores)")
+    q.add_argument("--input-len", type=int, default=512, help="workload: prompt tokens")
+    q.add_argument("--output-len", type=int, default=256, help="workload: output tokens")
+    q.add_argument("--top", type=int, default=5)
+    q.add_argument("--quick", action="store_true", help="host: fewer batch sizes")
+    q.add_argument("--json", default=None, metavar="FILE", help="write the top plans as JSON")
+    q.add_argument("--out", default=None, help="PLAN.json: the best plan")
+    q.set_defaults(func=_run(_plan, "plan"))
 
 
 def _run(fn, name: str):
