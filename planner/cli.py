@@ -121,8 +121,11 @@ def _simulate(args: argparse.Namespace) -> int:
     from planner.perf import ProfilePerf
     from planner.simulate import Deployment, SimModel, Simulator, Workload
 
+    if args.plan is not None:
+        return _simulate_plan(args)
     if args.profile is None:
-        raise PlannerError("--profile PROFILE.json is required (write one with shuttle profile)")
+        raise PlannerError("--profile PROFILE.json (from shuttle profile) or --plan PLAN.json (from shuttle plan) "
+                           "is required")
     profile = load_profile(args.profile)
     mod = SimModel.from_profile(profile)
     pools = any(v is not None for v in (args.attention_workers, args.expert_workers, args.micro_batches))
@@ -156,6 +159,40 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.trace:
         Path(args.trace).write_text(json.dumps({"traceEvents": sim.chrome_trace(), "displayTimeUnit": "ms"}))
         print(f"wrote {args.trace} (the first {args.trace_steps} steps)")
+    return 0
+
+
+def _simulate_plan(args: argparse.Namespace) -> int:
+    """Simulate a plan of catalogue devices (roofline models: estimated) on the workload flags."""
+    from planner.hardware import HardwareKind, load_catalogue
+    from planner.perf import RooflinePerf
+    from planner.shapes import shape_from
+    from planner.simulate import Deployment, SimModel, Simulator, Workload
+
+    try:
+        plan = json.loads(Path(args.plan).read_text())
+        hw = {k: HardwareKind(**plan["hardware"][k]) for k in ("attention", "expert")}
+        d = plan["deployment"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise PlannerError(f"--plan {args.plan}: not a plan written by shuttle plan ({e})") from None
+    if hw["attention"].name == "host":
+        raise PlannerError(f"--plan {args.plan} is a plan of this host: simulate it with --profile and its flags")
+    shape = shape_from(plan["model"]["path"])
+    _, eff = load_catalogue()
+    mod = SimModel(shape.num_layers, shape.num_moe_layers, shape.num_experts, shape.top_k, shape.hidden_size,
+                   shape.dtype_bytes)
+    dep = Deployment(d["colocated"], d["attention_workers"], d["expert_workers"], d["micro_batches"],
+                     transport="rdma", max_num_seqs=d["max_num_seqs"],
+                     max_num_batched_tokens=max(args.max_num_batched_tokens, d["max_num_seqs"]))
+    wl = Workload(args.num_prompts, args.input_len, args.output_len, args.max_concurrency, args.request_rate, args.seed)
+    sim = Simulator(RooflinePerf(shape, hw["attention"], hw["expert"], eff), mod, dep,
+                    trace_steps=args.trace_steps if args.trace else 0)
+    result = sim.run(wl)
+    print(format_metrics(result, f"simulated: {_describe(dep)} ({hw['attention'].name} / {hw['expert'].name})"))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.trace:
+        Path(args.trace).write_text(json.dumps({"traceEvents": sim.chrome_trace(), "displayTimeUnit": "ms"}))
     return 0
 
 
@@ -263,6 +300,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run(_profile, "profile"))
     s = sub.add_parser("simulate", help="simulate a deployment serving a workload, from a profile")
     s.add_argument("--profile", default=None, help="PROFILE.json from shuttle profile")
+    s.add_argument("--plan", default=None, help="PLAN.json from shuttle plan on catalogue kinds (estimated)")
     s.add_argument("--colocated", action="store_true", help="experts in the attention process")
     s.add_argument("--attention-workers", type=int, default=None)
     s.add_argument("--expert-workers", type=int, default=None)

@@ -9,6 +9,7 @@ Plan file (JSON):
      "predicted": {"throughput", "tbt_ms", "cost_per_hour", ...}, "estimated": bool, "slo": {...}, "workload": {...}}
 """
 from dataclasses import dataclass
+from pathlib import Path
 
 from planner.hardware import HOST, HardwareKind
 from planner.search import Candidate
@@ -112,3 +113,49 @@ def format_plans(cands: list[Candidate]) -> str:
     if any(c.estimated for c in cands):
         lines.append("~ estimated: roofline models of catalogue devices (planner/hardware.json), not measurements")
     return "\n".join(lines)
+
+
+def plan_engine_kwargs(path: str | Path, model: str | None = None) -> dict:
+    """LLM / engine_config keyword arguments that run the plan file's deployment on this host:
+    model (the plan's unless given), device and expert_device, the pool layout, threads and batch.
+    ValueError, naming what is wrong, for a file that is not a plan, a plan of another model, or a
+    plan this host cannot hold (more worker processes than cores, or CUDA devices it lacks)."""
+    import json
+    import os
+
+    import torch
+
+    from planner.shapes import shape_from
+
+    try:
+        plan = json.loads(Path(path).read_text())
+        dep = plan["deployment"]
+        keys = ("colocated", "attention_workers", "expert_workers", "micro_batches", "max_num_seqs", "transport")
+        missing = [k for k in keys if k not in dep]
+    except FileNotFoundError:
+        raise ValueError(f"plan {path}: file not found") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"plan {path}: not a plan written by shuttle plan ({e})") from None
+    if missing:
+        raise ValueError(f"plan {path}: deployment lacks {', '.join(missing)}")
+    model = model or plan["model"]["path"]
+    if shape_from(model).config_hash != plan["model"]["config_hash"]:
+        raise ValueError(f"plan {path} is for model {plan['model']['name']} (config {plan['model']['config_hash']}), "
+                         f"not {model}")
+    devices = {dep.get("attention_device", "cpu"), dep.get("expert_device", "cpu")}
+    if any(d.startswith("cuda") for d in devices) and not torch.cuda.is_available():
+        raise ValueError(f"plan {path} runs on {plan['hardware']['attention']['name']} / "
+                         f"{plan['hardware']['expert']['name']} CUDA devices; this host has none")
+    procs = 1 if dep["colocated"] else dep["attention_workers"] + dep["expert_workers"]
+    threads = dep.get("torch_threads") or 1
+    cores = len(os.sched_getaffinity(0))
+    if "cpu" in devices and procs * (threads if dep["colocated"] else 1) > cores:
+        raise ValueError(f"plan {path} needs {procs} worker process(es) x {threads} thread(s); this host has "
+                         f"{cores} cores: it is bigger than this host")
+    if any(d.startswith("cuda") for d in devices) and procs > torch.cuda.device_count():
+        raise ValueError(f"plan {path} needs {procs} devices; this host has {torch.cuda.device_count()}")
+    return {"model": model, "device": dep.get("attention_device", "cpu"), "expert_device": dep.get("expert_device"),
+            "colocated": bool(dep["colocated"]), "attention_workers": int(dep["attention_workers"]),
+            "expert_workers": int(dep["expert_workers"]), "micro_batches": int(dep["micro_batches"]),
+            "transport": dep["transport"], "torch_threads": dep.get("torch_threads"),
+            "max_num_seqs": int(dep["max_num_seqs"])}
