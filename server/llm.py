@@ -93,6 +93,8 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         if cfg.parallel.colocated and rendezvous is None:
+            if cfg.parallel.torch_threads:  # the engine computes in this process: its threads are ours
+                torch.set_num_threads(cfg.parallel.torch_threads)
             self.engine = LLMEngine(cfg, eos)
         else:
             from server.pools import PoolEngine

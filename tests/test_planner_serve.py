@@ -77,3 +77,16 @@ def test_plans_this_host_cannot_run_are_refused(model_and_reference, tmp_path, c
         assert message in capsys.readouterr().err
     assert main(["generate", "--model", str(model), "--plan", big, "--micro-batches", "2", "--prompt", "x"]) == 2
     assert "--plan sets the deployment" in capsys.readouterr().err
+
+
+def test_colocated_honours_torch_threads(model_and_reference):
+    """A colocated plan (or --torch-threads) sets the threads of the process the engine runs in."""
+    import torch
+
+    model, _, _ = model_and_reference
+    before = torch.get_num_threads()
+    try:
+        LLM(model, torch_threads=1).shutdown()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
