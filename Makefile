@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= The for statement
 
-.PHONY: setup run generate test bench soak clean
+.PHONY: setup run generate test bench soak profile bench-planner clean
 
 $(BIN)/shuttle: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,15 @@ soak: setup
 	# 30 minutes of load above capacity with disconnects and bad input (CI runs 3 minutes of it:
 	# tests/test_soak.py); writes bench/results/soak.json
 	$(BIN)/python bench/soak.py --duration-s 1800
+
+profile: setup
+	# this host's planner profile of the built-in model (shuttle profile --quick for a smoke run)
+	$(BIN)/shuttle profile --out bench/results/profile.json
+
+bench-planner: setup
+	# predicted against measured deployments on this host, and the cluster table against the paper
+	$(BIN)/python bench/planner.py
+	$(BIN)/python bench/planner_cluster.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -58,6 +58,7 @@ class ParallelConfig:
     placement: str | None = None
     torch_threads: int | None = None
     trace_dir: str | None = None  # each worker writes DIR/<worker>.trace.json (Chrome trace) when it stops
+    expert_device: str | None = None  # the expert pool's device (None: the engine's device)
 
     def __post_init__(self) -> None:
         for name in ("attention_workers", "expert_workers", "micro_batches"):
@@ -68,6 +69,8 @@ class ParallelConfig:
             raise ValueError(f"parallel.micro_batches must be 1 to 4, got {self.micro_batches}")
         if self.transport not in ("shm", "tcp"):
             raise ValueError(f"parallel.transport must be shm or tcp, got {self.transport!r}")
+        if self.expert_device is not None and self.expert_device != "cpu" and not self.expert_device.startswith("cuda"):
+            raise ValueError(f"parallel.expert_device must be cpu or cuda, got {self.expert_device!r}")
         if self.torch_threads is not None and (not isinstance(self.torch_threads, int) or self.torch_threads < 1):
             raise ValueError(f"parallel.torch_threads must be a positive integer, got {self.torch_threads!r}")
 

@@ -5,6 +5,9 @@
     shuttle generate --model DIR --prompt TEXT [--prompt TEXT ...] [--max-tokens N] [--json]
                      [--attention-workers N --expert-workers M --micro-batches K --transport shm|tcp]
     shuttle bench serve --base-url URL [--backend openai|openai-chat|grpc] [--num-prompts N] ...
+    shuttle profile [--model DIR] [--torch-threads 1,2] [--transport shm,tcp] [--quick] --out PROFILE.json
+    shuttle simulate --profile PROFILE.json (--colocated | --attention-workers A ...) --num-prompts N ...
+    shuttle plan --model DIR|NAME --hardware KIND[=PRICE][,...] --tbt-slo-ms X --max-devices N --out PLAN.json
     shuttle train (--recipe builtin | --family F ... | --init-from DIR) --data FILES --out DIR [--nproc-per-node N]
 
 `shuttle serve` runs the OpenAI-compatible HTTP server (and gRPC with --grpc-port) in front of
@@ -29,8 +32,8 @@ def _generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
                                 ignore_eos=args.ignore_eos, n=args.n)
-        llm = LLM(args.model, rendezvous=args.rendezvous, **_engine_kwargs(args),
-                  **_pool_kwargs(args, disaggregate_by_default=False))
+        kwargs = _deployment_kwargs(args, disaggregate_by_default=False)
+        llm = LLM(kwargs.pop("model", args.model), rendezvous=args.rendezvous, **kwargs)
         try:
             outputs = llm.generate(args.prompt, params)
         finally:
@@ -48,8 +51,26 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _deployment_kwargs(args: argparse.Namespace, disaggregate_by_default: bool) -> dict:
+    """Engine and pool keyword arguments of LLM/AsyncLLM from the flags, or from --plan (the plan's
+    deployment and batch; ValueError if pool flags are given too, or the host cannot run it)."""
+    if args.plan is None:
+        return {**_engine_kwargs(args), **_pool_kwargs(args, disaggregate_by_default)}
+    given = [f"--{f.replace('_', '-')}" for f in POOL_FLAGS + ("torch_threads", "expert_device")
+             if getattr(args, f) is not None] + (["--colocated"] if args.colocated else [])
+    if given or args.rendezvous:
+        raise ValueError(f"--plan sets the deployment; it takes no {', '.join(given) or '--rendezvous'}")
+    from planner.plan import plan_engine_kwargs
+
+    planned = plan_engine_kwargs(args.plan, args.model)
+    kwargs = {**_engine_kwargs(args), **planned}
+    if args.attention_device or args.device:
+        kwargs["device"] = args.attention_device or args.device
+    return kwargs
+
+
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(dtype=args.dtype, device=args.device, kernels=args.kernels, max_num_seqs=args.max_num_seqs,
+    return dict(dtype=args.dtype, device=args.attention_device or args.device, kernels=args.kernels, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching)
 
@@ -76,7 +97,8 @@ def _pool_kwargs(args: argparse.Namespace, disaggregate_by_default: bool) -> dic
         raise ValueError("--colocated runs the experts in-process; it takes no pool flag or --rendezvous")
     return dict(colocated=colocated, attention_workers=args.attention_workers or 1,
                 expert_workers=args.expert_workers or 1, micro_batches=args.micro_batches or 1,
-                transport=args.transport or "shm", placement=args.placement, torch_threads=args.torch_threads)
+                transport=args.transport or "shm", placement=args.placement, torch_threads=args.torch_threads,
+                expert_device=args.expert_device)
 
 
 def _add_pool_flags(p: argparse.ArgumentParser) -> None:
@@ -88,6 +110,10 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--placement", default=None, help='JSON file {"expert": [workers]} (default: contiguous blocks)')
     g.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
     g.add_argument("--colocated", action="store_true", help="experts inside the attention process, no transport")
+    g.add_argument("--attention-device", default=None, help="the attention pool's device (cpu, cuda; as --device)")
+    g.add_argument("--expert-device", default=None, help="the expert pool's device (default: the attention pool's)")
+    g.add_argument("--plan", default=None, metavar="PLAN.json",
+                   help="run the deployment of a plan from shuttle plan (pools, micro-batches, threads, batch)")
     g.add_argument("--rendezvous", default=None, metavar="HOST:PORT",
                    help="meet workers started elsewhere with `shuttle serve --role ...` (TCPStore address)")
 
@@ -104,7 +130,13 @@ def _serve(args: argparse.Namespace) -> int:
     from server.async_llm import AsyncLLM
     from server.metrics import ServerMetrics
 
-    name = args.served_model_name or (args.model.rstrip("/") if args.model else "shuttle-builtin")
+    try:
+        kwargs = _deployment_kwargs(args, disaggregate_by_default=True)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"shuttle serve: error: {e}", file=sys.stderr)
+        return 2
+    model = kwargs.pop("model", args.model)
+    name = args.served_model_name or (str(model).rstrip("/") if model else "shuttle-builtin")
     cfg = ServerConfig(args.host or "127.0.0.1", args.port, args.api_key or os.environ.get("SHUTTLE_API_KEY") or None,
                        name, args.grpc_port, args.max_body_bytes, args.log_requests, args.tool_call_parser)
     metrics = ServerMetrics(name)
@@ -116,8 +148,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"shuttle serve: error: {e}", file=sys.stderr)
         return 2
     try:
-        llm = AsyncLLM(args.model, rendezvous=args.rendezvous, max_waiting=args.max_waiting, observer=metrics,
-                       **_engine_kwargs(args), **_pool_kwargs(args, disaggregate_by_default=True))
+        llm = AsyncLLM(model, rendezvous=args.rendezvous, max_waiting=args.max_waiting, observer=metrics, **kwargs)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         sock.close()
         print(f"shuttle serve: error: {e}", file=sys.stderr)
@@ -167,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     _add_pool_flags(g)
     g.set_defaults(func=_generate)
+    from planner.cli import add_parsers as add_planner_parsers
+    add_planner_parsers(sub)
     from training.cli import add_parser as add_train_parser
     add_train_parser(sub)
     b = sub.add_parser("bench", help="benchmarks: `shuttle bench serve` load-tests any OpenAI-compatible server")

@@ -43,10 +43,11 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                   kv_cache_gib: float | None = None, enable_prefix_caching: bool = True, seed: int = 0,
                   colocated: bool = True, attention_workers: int = 1, expert_workers: int = 1, micro_batches: int = 1,
                   transport: str = "shm", placement: str | None = None,
-                  torch_threads: int | None = None) -> EngineConfig:
+                  torch_threads: int | None = None, expert_device: str | None = None) -> EngineConfig:
     """EngineConfig from the keyword arguments of LLM and the command line (None model: built-in).
     colocated=False runs attention_workers and expert_workers as separate processes (see
-    attention_nodes.config.ParallelConfig)."""
+    attention_nodes.config.ParallelConfig); `device` is then the attention pool's, expert_device
+    the expert pool's (default: the same)."""
     if model is None:
         from models.builtin import builtin_model_dir
         model = builtin_model_dir()
@@ -58,7 +59,7 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                         SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
                         CacheConfig(block_size, num_kv_blocks, kv_cache_gib, enable_prefix_caching),
                         ParallelConfig(colocated, attention_workers, expert_workers, micro_batches, transport, placement,
-                                       torch_threads))
+                                       torch_threads, expert_device=expert_device))
 
 
 class LLM:
@@ -67,12 +68,23 @@ class LLM:
     "cpu" or "cuda" (default: cuda when present). The keyword arguments size the scheduler and the
     KV cache and choose the deployment (see engine_config): by default everything runs in this
     process; colocated=False starts attention and expert worker pools (server/pools.py), or meets
-    pools started elsewhere when rendezvous="HOST:PORT" is given. Call shutdown() to stop them.
+    pools started elsewhere when rendezvous="HOST:PORT" is given. plan: a plan file from `shuttle
+    plan` choosing the deployment (keyword arguments given here override it; a plan this host
+    cannot run is refused with ValueError). Call shutdown() to stop them.
     """
 
     def __init__(self, model: str | Path | None = None, dtype: str | torch.dtype | None = "auto",
                  device: str | None = None, kernels: str | None = None, rendezvous: str | None = None,
-                 **engine_kwargs):
+                 plan: str | Path | None = None, **engine_kwargs):
+        if plan is not None:
+            from planner.plan import plan_engine_kwargs
+
+            planned = plan_engine_kwargs(plan, None if model is None else str(model))
+            model = model if model is not None else planned.pop("model")
+            planned.pop("model", None)
+            device = device if device is not None else planned.pop("device")
+            planned.pop("device", None)
+            engine_kwargs = {**planned, **engine_kwargs}
         cfg = engine_config(model, dtype, device, kernels, **engine_kwargs)
         self.model_dir = Path(cfg.model)
         self.cfg = ModelConfig.from_pretrained(self.model_dir)
@@ -81,6 +93,8 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         if cfg.parallel.colocated and rendezvous is None:
+            if cfg.parallel.torch_threads:  # the engine computes in this process: its threads are ours
+                torch.set_num_threads(cfg.parallel.torch_threads)
             self.engine = LLMEngine(cfg, eos)
         else:
             from server.pools import PoolEngine

@@ -106,7 +106,7 @@ class PoolEngine:
         cfg = replace(self.cfg, parallel=par)
         store_addr = ("127.0.0.1", self._store.port)
         for w in range(par.expert_workers):
-            spec = ExpertWorkerSpec(self.cfg.model, self.cfg.dtype, self.cfg.device, self.cfg.kernels, w,
+            spec = ExpertWorkerSpec(self.cfg.model, self.cfg.dtype, par.expert_device or self.cfg.device, self.cfg.kernels, w,
                                     par.attention_workers, par.micro_batches, self.placement, self.transport,
                                     store_addr, self.session, par.torch_threads, par.trace_dir)
             self._procs.append(ctx.Process(target=run_expert_worker, args=(spec,), name=f"e{w}", daemon=True))

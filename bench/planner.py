@@ -1,0 +1,185 @@
+"""The planner's predictions against measured runs on this host, side by side.
+
+    python bench/planner.py [--quick] [--dtype bfloat16] [--only NAME,...]
+
+For each model shape (built locally with random weights: "mixtral" about 400M parameters, 8
+experts of 2048, top-2; "fine" the same size in 32 experts of 512, top-4; --quick: about 25M):
+1. `shuttle profile` measures this host with that model (one command, --quick with --quick);
+2. every deployment below is predicted by the simulator (what `shuttle simulate` prints) and
+   measured with `shuttle bench serve` against a real `shuttle serve` of the same deployment and
+   the same workload (random prompts, EOS ignored, max concurrency = the batch);
+3. `shuttle plan --hardware host` picks a deployment (before any measurement); it is measured too,
+   through `shuttle serve --plan`, and compared with the best measured one.
+The table gives output throughput and mean TPOT, predicted and measured, and their errors; the
+summary: median absolute throughput error and how many are within 10% (throughput) and 15% (TPOT)
+over the deployments that do not oversubscribe the cores. Writes bench/results/planner.json.
+The machine is shared: re-run on a quiet one before trusting a number (the profile's residuals,
+printed first, say how noisy the measurements were).
+"""
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import print_table, save  # noqa: E402
+from clients.bench_serve import run_bench  # noqa: E402
+from tests.live_server import LiveServer  # noqa: E402
+
+# name -> (shuttle serve flags, batch = max_num_seqs = max concurrency)
+DEPLOYMENTS = {
+    "colocated 1 thread": (["--colocated", "--torch-threads", "1"], 64),
+    "colocated 2 threads": (["--colocated", "--torch-threads", "2"], 64),
+    "1+1 m=1": (["--micro-batches", "1"], 64),
+    "1+1 m=2": (["--micro-batches", "2"], 64),
+    "1+1 m=3": (["--micro-batches", "3"], 64),
+    "1+1 m=2 batch 16": (["--micro-batches", "2"], 16),
+    "1+1 m=2 batch 256": (["--micro-batches", "2"], 256),
+    "1+1 m=2 tcp": (["--micro-batches", "2", "--transport", "tcp"], 64),
+    "2+1 m=2 (oversubscribed)": (["--attention-workers", "2", "--micro-batches", "2"], 64),
+    "1+2 m=2 (oversubscribed)": (["--expert-workers", "2", "--micro-batches", "2"], 64),
+}
+SECOND_SHAPE = ("colocated 2 threads", "1+1 m=1", "1+1 m=2")
+SHAPES = {  # name -> (hidden, layers, experts, expert intermediate, top-k)
+    "mixtral": (1024, 8, 8, 2048, 2), "fine": (1024, 8, 32, 512, 4),
+}
+QUICK_SHAPES = {"mixtral": (384, 4, 8, 512, 2), "fine": (384, 4, 32, 128, 4)}
+
+
+def checkpoint(out: Path, shape: tuple, dtype: str) -> Path:
+    from transformers import MixtralConfig
+
+    from models.builtin import make_random_checkpoint
+
+    hidden, layers, experts, inter, top_k = shape
+    cfg = MixtralConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                        num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
+                        num_local_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=2048,
+                        bos_token_id=0, eos_token_id=0)
+    return make_random_checkpoint(out, cfg, seed=0, dtype=dtype)
+
+
+def parse(flags: list[str], batch: int, cores: int):
+    from planner.simulate import Deployment
+
+    def val(name: str, default):
+        return type(default)(flags[flags.index(name) + 1]) if name in flags else default
+
+    colocated = "--colocated" in flags
+    return Deployment(colocated, val("--attention-workers", 1), val("--expert-workers", 1), val("--micro-batches", 1),
+                      val("--torch-threads", 0) or None, cores, val("--transport", "shm"), max_num_seqs=batch)
+
+
+def measure(ckpt: Path, flags: list[str], batch: int, args) -> dict:
+    n = max(args.min_prompts, 2 * batch) if batch < 256 else batch
+    with LiveServer(["--model", str(ckpt), "--max-num-seqs", str(batch), *flags]) as srv:
+        return run_bench(["--base-url", srv.url, "--num-prompts", str(n), "--input-len", str(args.input_len),
+                          "--output-len", str(args.output_len), "--max-concurrency", str(batch), "--ignore-eos",
+                          "--disable-tqdm", "--seed", "0"])
+
+
+def predict(profile: dict, dep, measured: dict, args) -> dict:
+    from planner.perf import ProfilePerf
+    from planner.simulate import SimModel, Simulator, Workload
+
+    # The same requests: as many, as long (bench serve's random prompts tokenize to about input-len).
+    prompt_len = round(measured["total_input_tokens"] / max(measured["completed"], 1))
+    wl = Workload(measured["completed"], prompt_len, args.output_len, dep.max_num_seqs)
+    return Simulator(ProfilePerf(profile), SimModel.from_profile(profile), dep).run(wl)
+
+
+def run_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> tuple[list[dict], dict]:
+    ckpt = checkpoint(tmp / name, shape, args.dtype)
+    prof_path = tmp / f"{name}.profile.json"
+    cmd = [sys.executable, "-m", "server.cli", "profile", "--model", str(ckpt), "--out", str(prof_path),
+           "--torch-threads", "1,2", "--transport", "shm,tcp", *(["--quick"] if args.quick else [])]
+    subprocess.run(cmd, check=True)
+    profile = json.loads(prof_path.read_text())
+    cores = profile["host"]["cores"]
+    plan, plan_path = plan_pick(ckpt, prof_path, args)
+    deployments = {**deployments, "the plan's pick (serve --plan)": (["--plan", str(plan_path)],
+                                                                    plan["deployment"]["max_num_seqs"])}
+    rows = []
+    for dname, (flags, batch) in deployments.items():
+        dep = plan_deployment(plan, cores) if "--plan" in flags else parse(flags, batch, cores)
+        m = measure(ckpt, flags, batch, args)
+        p = predict(profile, dep, m, args)
+        over = dep.processes * dep.threads > cores if not dep.colocated else dep.threads > cores
+        over = over or "oversubscribed" in dname
+        rows.append({"model": name, "deployment": dname, "oversubscribed": over,
+                     "pred_tok_s": p["output_throughput"], "meas_tok_s": m["output_throughput"],
+                     "tok_s_err": p["output_throughput"] / m["output_throughput"] - 1,
+                     "pred_tpot_ms": p["mean_tpot_ms"], "meas_tpot_ms": m["mean_tpot_ms"],
+                     "tpot_err": p["mean_tpot_ms"] / m["mean_tpot_ms"] - 1,
+                     "pred_ttft_ms": p["mean_ttft_ms"], "meas_ttft_ms": m["mean_ttft_ms"],
+                     "pred_attn_busy": p["attention_busy"], "pred_expert_busy": p["expert_busy"]})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows, {"profile": {k: profile[k] for k in ("host", "fits", "transfer", "seconds")}, "plan": plan}
+
+
+def plan_pick(ckpt: Path, prof_path: Path, args) -> dict:
+    out = prof_path.with_suffix(".plan.json")
+    cmd = [sys.executable, "-m", "server.cli", "plan", "--model", str(ckpt), "--hardware", "host", "--profile",
+           str(prof_path), "--max-devices", "2", "--tbt-slo-ms", "100000", "--input-len", str(args.input_len),
+           "--output-len", str(args.output_len), "--out", str(out), *(["--quick"] if args.quick else [])]
+    subprocess.run(cmd, check=True)
+    return json.loads(out.read_text()), out
+
+
+def plan_deployment(plan: dict, cores: int):
+    from planner.simulate import Deployment
+
+    d = plan["deployment"]
+    return Deployment(d["colocated"], d["attention_workers"], d["expert_workers"], d["micro_batches"],
+                      d["torch_threads"], cores, d["transport"], max_num_seqs=d["max_num_seqs"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small models, short outputs: about 10 minutes")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--min-prompts", type=int, default=32)
+    p.add_argument("--only", default=None, help="comma-separated deployment names (of the first shape)")
+    args = p.parse_args()
+    if args.quick:
+        args.output_len, args.min_prompts = 16, 16
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    first = {k: v for k, v in DEPLOYMENTS.items() if not args.only or k in args.only.split(",")}
+    rows, extra = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, shape) in enumerate(shapes.items()):
+            deps = first if i == 0 else {k: DEPLOYMENTS[k] for k in SECOND_SHAPE}
+            r, extra[name] = run_shape(name, shape, deps, Path(tmp), args)
+            rows += r
+    summary = summarize(rows, extra)
+    print_table(rows, ["model", "deployment", "pred_tok_s", "meas_tok_s", "tok_s_err", "pred_tpot_ms", "meas_tpot_ms",
+                       "tpot_err", "pred_attn_busy", "pred_expert_busy"])
+    print(json.dumps(summary, indent=1))
+    path = save("planner", {"config": vars(args), "rows": rows, "summary": summary, "shapes": extra})
+    print(f"wrote {path}")
+
+
+def summarize(rows: list[dict], extra: dict) -> dict:
+    fair = [r for r in rows if not r["oversubscribed"]]
+    out = {"deployments": len(rows), "not_oversubscribed": len(fair),
+           "median_abs_tok_s_err": statistics.median(abs(r["tok_s_err"]) for r in fair) if fair else None,
+           "within_10pct_tok_s": sum(abs(r["tok_s_err"]) <= 0.10 for r in fair),
+           "within_15pct_tpot": sum(abs(r["tpot_err"]) <= 0.15 for r in fair),
+           "oversubscribed_tok_s_err": {r["deployment"]: r["tok_s_err"] for r in rows if r["oversubscribed"]}}
+    for name, e in extra.items():
+        mine = [r for r in rows if r["model"] == name]
+        best = max(mine, key=lambda r: r["meas_tok_s"])
+        pick = next(r for r in mine if r["deployment"].startswith("the plan's pick"))
+        out[f"plan_{name}"] = {"picked": e["plan"]["deployment"], "picked_measured_tok_s": pick["meas_tok_s"],
+                               "best_measured": best["deployment"], "best_measured_tok_s": best["meas_tok_s"],
+                               "picked_vs_best": pick["meas_tok_s"] / best["meas_tok_s"]}
+    return out
+
+
+if __name__ == "__main__":
+    main()

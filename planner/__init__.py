@@ -1,0 +1,1 @@
+"""The deployment planner: profile the real workers, simulate the ping-pong pipeline, search plans."""

@@ -1,0 +1,109 @@
+"""Performance models: the times the simulator and the plan search ask for, from a measured profile
+(ProfilePerf) or from a catalogue device's spec sheet (RooflinePerf, an estimate).
+
+All times are seconds. Per layer and micro-batch: `attention(tokens, kv_reads)` on an attention
+worker (kv_reads: context tokens read, summed over the micro-batch's query tokens), `experts(pairs,
+active)` on an expert worker (pairs: gathered (token, expert) pairs; active: its experts receiving
+at least one). Per micro-batch and step: `head(rows, tokens)` (embedding, final norm, LM head on
+the sampled rows). Per step: `step(seqs)` (scheduling, sampling, control messages). Per message:
+`transfer(nbytes, backend)`. Arguments may be numpy arrays (vectorised over workers).
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.fit import Fit
+from planner.hardware import Efficiency, HardwareKind
+from planner.shapes import ModelShape
+
+
+class ProfilePerf:
+    """Times from `shuttle profile` fits. Thread counts that were not profiled use the nearest
+    profiled one, scaled by (profiled / wanted) threads (ideal scaling: an assumption, stated)."""
+
+    estimated = False
+
+    def __init__(self, profile: dict):
+        self.profile = profile
+        self.fits = {int(t): {k: Fit.from_dict(f) for k, f in fits.items()} for t, fits in profile["fits"].items()}
+        self.transfers = {b: Fit.from_dict(f) for b, f in profile["transfer"].items()}
+
+    def _fit(self, name: str, threads: int) -> tuple[Fit, float]:
+        t = min(self.fits, key=lambda k: (abs(k - threads), -k))
+        return self.fits[t][name], t / threads if t != threads else 1.0
+
+    def attention(self, tokens, kv_reads, threads: int = 1):
+        f, s = self._fit("attention", threads)
+        return np.where(np.asarray(tokens) > 0, f(tokens=tokens, kv_reads=kv_reads) * s, 0.0)
+
+    def head(self, rows, tokens, threads: int = 1):
+        f, s = self._fit("head", threads)
+        return np.where(np.asarray(tokens) > 0, f(rows=rows, tokens=tokens) * s, 0.0)
+
+    def step(self, seqs, threads: int = 1):
+        f, s = self._fit("step", threads)
+        return f(seqs=seqs) * s
+
+    def experts(self, pairs, active, threads: int = 1):
+        f, s = self._fit("experts", threads)
+        return np.where(np.asarray(pairs) > 0, f(pairs=pairs, active=active) * s, 0.0)
+
+    def transfer(self, nbytes, backend: str = "shm"):
+        if backend not in self.transfers:
+            raise ValueError(f"the profile has no M2N measurement for {backend!r} (it has "
+                             f"{', '.join(self.transfers) or 'none'}); run shuttle profile --transport {backend}")
+        return self.transfers[backend](bytes=nbytes)
+
+
+@dataclass
+class RooflinePerf:
+    """Estimated times on catalogue devices: each op takes max(FLOPs / (peak x eff), bytes /
+    (bandwidth x eff)) plus a fixed per-layer overhead; a transfer takes bytes / (NIC x eff) plus a
+    message latency. Attention reads the layer's non-expert weights once per micro-batch and the
+    KV cache of every context token it attends to; experts read each active expert's weights once."""
+
+    shape: ModelShape
+    attention_hw: HardwareKind
+    expert_hw: HardwareKind
+    eff: Efficiency
+    estimated = True
+
+    def _roof(self, hw: HardwareKind, flops, nbytes):
+        return np.maximum(flops / (hw.bf16_tflops * 1e12 * self.eff.flops),
+                          nbytes / (hw.memory_bandwidth_gbs * 1e9 * self.eff.memory_bandwidth))
+
+    def attention(self, tokens, kv_reads, threads: int = 1):
+        s = self.shape
+        tokens, kv_reads = np.asarray(tokens, dtype=float), np.asarray(kv_reads, dtype=float)
+        per_layer_w = (s.non_expert_params() - 2 * s.vocab_size * s.hidden_size) / s.num_layers * s.dtype_bytes
+        flops = tokens * s.attention_flops_per_token() + kv_reads * s.context_flops_per_token()
+        nbytes = per_layer_w + kv_reads * s.kv_bytes_per_token() / s.num_layers
+        t = self._roof(self.attention_hw, flops, nbytes) + self.eff.layer_overhead_us * 1e-6
+        return np.where(tokens > 0, t, 0.0)
+
+    def head(self, rows, tokens, threads: int = 1):
+        s = self.shape
+        rows = np.asarray(rows, dtype=float)
+        t = self._roof(self.attention_hw, rows * 2.0 * s.hidden_size * s.vocab_size,
+                       s.hidden_size * s.vocab_size * s.dtype_bytes) + self.eff.layer_overhead_us * 1e-6
+        return np.where(np.asarray(tokens) > 0, t, 0.0)
+
+    def step(self, seqs, threads: int = 1):
+        return self.eff.step_overhead_us * 1e-6 + 0.0 * np.asarray(seqs, dtype=float)
+
+    def experts(self, pairs, active, threads: int = 1):
+        s = self.shape
+        pairs, active = np.asarray(pairs, dtype=float), np.asarray(active, dtype=float)
+        t = self._roof(self.expert_hw, pairs * s.expert_flops_per_pair(), active * s.expert_params() * s.dtype_bytes)
+        return np.where(pairs > 0, t + self.eff.layer_overhead_us * 1e-6, 0.0)
+
+    def transfer(self, nbytes, backend: str = "rdma"):
+        nic = min(self.attention_hw.nic_gbps, self.expert_hw.nic_gbps) * 1e9 / 8 * self.eff.network
+        return np.asarray(nbytes, dtype=float) / nic + self.eff.message_latency_us * 1e-6
+
+
+def expected_active(tokens, local_experts, num_experts: int, top_k: int):
+    """Expected experts among `local_experts` that receive at least one of `tokens` tokens, each
+    routed to top_k distinct experts uniformly at random."""
+    miss = (1.0 - top_k / num_experts) ** np.asarray(tokens, dtype=float)
+    return np.asarray(local_experts, dtype=float) * (1.0 - miss)

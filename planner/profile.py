@@ -1,0 +1,271 @@
+"""`shuttle profile`: measure the real workers' costs on this host and fit the planner's models.
+
+    profile = run_profile(ProfileOptions(model="models/builtin", threads=(1, 2), transports=("shm", "tcp")))
+
+What is timed, with the real code (each point the median of `repeats` runs after a warm-up):
+- attention side, per layer and micro-batch: ModelRunner.execute of a scheduled batch on a model
+  built without experts, its dispatcher replaced by one that returns zeros and stamps the time of
+  every dispatch (so the gaps between stamps are one layer's attention, norms, router and dense MLP).
+  Decode batches of b sequences reading c tokens of context each, and prefill chunks of n tokens.
+  Fit: T_a = k1 tokens + k2 + kc kv_reads (kv_reads: context tokens read, summed over query tokens).
+- outside the layers, per step: embedding, final norm and LM head on the sampled rows (timed on
+  their own), the Sampler, Scheduler.schedule + finish_computed, and encoding the step's Deltas.
+  Fits: head = h1 rows + h2 tokens + h0; step = s1 seqs + s0.
+- expert side, per layer and micro-batch: run_local_experts (what an expert worker runs between
+  recv and reply) on the first MoE layer's experts, packed as the worker packs them, for R gathered
+  tokens routed uniformly at random over a chosen number of experts.
+  Fit: T_e = k3 pairs + k4 + k5 active_experts (pairs: (token, expert) pairs).
+- M2N, per backend: planner.profile_m2n (a real M2NSender / M2NReceiver pair in two processes).
+Each thread count is measured in this process with torch.set_num_threads.
+"""
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from attention_nodes.block_manager import BlockManager
+from attention_nodes.config import CacheConfig, EngineConfig, SchedulerConfig
+from attention_nodes.messages import Deltas, encode, encode_delta
+from attention_nodes.model_runner import ModelRunner
+from attention_nodes.sampler import Sampler, SamplingRow
+from attention_nodes.sampling_params import SamplingParams
+from attention_nodes.scheduler import ScheduledBatch, Scheduler
+from attention_nodes.sequence import Sequence
+from m2n_comm.m2n import ExpertBatch, run_local_experts
+from models.config import ModelConfig
+from models.loader import load_experts
+from planner.fit import Fit, fit_linear
+from planner.hardware import describe_host
+from planner.shapes import shape_from
+
+log = logging.getLogger("shuttle.profile")
+PROFILE_VERSION = 1
+ATTN_TERMS = ("tokens", "const", "kv_reads")
+HEAD_TERMS = ("rows", "tokens", "const")
+STEP_TERMS = ("seqs", "const")
+EXPERT_TERMS = ("pairs", "const", "active")
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    model: str
+    dtype: torch.dtype | None = None
+    threads: tuple[int, ...] = (1, 2)
+    transports: tuple[str, ...] = ("shm",)
+    repeats: int = 3
+    quick: bool = False
+    batches: tuple[int, ...] = (1, 16, 64, 256)
+    contexts: tuple[int, ...] = (16, 256, 1024)
+    prefill: tuple[int, ...] = (32, 128, 512)
+    expert_tokens: tuple[int, ...] = (1, 8, 64, 256, 1024)
+    max_kv_reads: int = 32768
+
+    @classmethod
+    def quick_options(cls, **kw) -> "ProfileOptions":
+        """A smaller grid (about a third of the points) and fewer repeats, for a smoke run."""
+        return cls(repeats=3, quick=True, batches=(1, 16, 64, 256), contexts=(16, 512), prefill=(32, 256),
+                   expert_tokens=(1, 16, 64, 256), max_kv_reads=16384, **kw)
+
+
+def median_time(fn, repeats: int) -> float:
+    """Median wall time of `repeats` calls after one warm-up call, in seconds."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class _StampingDispatcher:
+    """Stands in for the experts: returns zeros, and records when each layer's dispatch came."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def dispatch(self, layer, experts, x_TD, topk_ids_TK, topk_weights_TK, mb=0):
+        self.stamps.append(time.perf_counter())
+        return torch.zeros_like(x_TD)
+
+    def combine(self, handle):
+        return handle
+
+    def begin_step(self) -> None:
+        self.stamps = [time.perf_counter()]
+
+    def end_step(self) -> None:
+        self.stamps.append(time.perf_counter())
+
+
+def _batch(q_lens: list[int], ctx_lens: list[int], block_size: int, num_blocks: int) -> ScheduledBatch:
+    """Sequences computing q_lens[b] tokens after ctx_lens[b] cached ones. Every sequence reads the
+    same blocks (the values do not matter for timing), so a large batch needs no large cache."""
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    seqs = []
+    for i, (q, c) in enumerate(zip(q_lens, ctx_lens)):
+        seq = Sequence(str(i), 0, [1] * (q + c), q + c, params, 1, i)
+        seq.num_computed_tokens = c
+        seq.block_table = [b % num_blocks for b in range(-(-(q + c) // block_size))]
+        seqs.append(seq)
+    return ScheduledBatch(seqs, list(q_lens), [True] * len(seqs))
+
+
+def _kv_reads(q_lens: list[int], ctx_lens: list[int]) -> int:
+    """Context tokens read by all query tokens (causal: the i-th new token reads c + i + 1)."""
+    return sum(q * c + q * (q + 1) // 2 for q, c in zip(q_lens, ctx_lens))
+
+
+def measure_attention(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
+    """Attention-side samples: per-layer time and head time of decode and prefill
+    batches, for every thread count."""
+    max_ctx = max(c for c in opts.contexts if c < cfg.max_model_len) if opts.contexts else 16
+    pre = [n for n in opts.prefill if n < cfg.max_model_len]
+    block_size = 16
+    num_blocks = -(-(max(max_ctx + 1, *pre, 1)) // block_size) + 1
+    disp = _StampingDispatcher()
+    runner = ModelRunner(EngineConfig(opts.model, dtype=opts.dtype, cache=CacheConfig(block_size, num_blocks)),
+                         cfg, disp, 1)
+    L = cfg.num_layers
+    # Large batches at long context cost seconds per point (the CPU's paged attention reads every
+    # token): bounded by max_kv_reads, which still spans the fit's range.
+    shapes = [([1] * b, [c] * b) for b in opts.batches for c in opts.contexts
+              if c < cfg.max_model_len and b * c <= opts.max_kv_reads]
+    shapes += [([n], [0]) for n in pre]
+    samples = []
+    for threads in opts.threads:
+        torch.set_num_threads(threads)
+        for q_lens, ctx_lens in shapes:
+            layer_times = []
+
+            def run():
+                runner.execute(_batch(q_lens, ctx_lens, block_size, num_blocks))
+                s = disp.stamps
+                gaps = [b - a for a, b in zip(s[1:-2], s[2:-1])]  # layers 1..L-1 (layer 0 adds embedding)
+                layer_times.append(statistics.median(gaps) if gaps else (s[-2] - s[0]))
+
+            median_time(run, opts.repeats)
+            head = _head_time(runner, q_lens, opts.repeats)
+            samples.append({"threads": threads, "tokens": sum(q_lens), "seqs": len(q_lens), "rows": len(q_lens),
+                            "kv_reads": _kv_reads(q_lens, ctx_lens), "layer_s": statistics.median(layer_times[1:]),
+                            "head_s": head})
+    return samples
+
+
+def _head_time(runner: ModelRunner, q_lens: list[int], repeats: int) -> float:
+    """Embedding of the step's tokens, final norm and LM head of its sampled rows (one per sequence)."""
+    model = runner.model
+    ids = torch.ones(sum(q_lens), dtype=torch.long)
+    rows = torch.tensor(q_lens).cumsum(0) - 1
+
+    @torch.inference_mode()
+    def head():
+        x = model.model.embed_tokens(ids)
+        model.logits(model.model.norm(x[rows]))
+
+    return median_time(head, repeats)
+
+
+def measure_step(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
+    """Per-step costs outside the forward: sampling, scheduling and the Deltas message."""
+    sampler = Sampler(cfg.vocab_size, set(cfg.eos_token_ids))
+    params = SamplingParams(max_tokens=10 ** 6, temperature=0.0, ignore_eos=True)
+    samples = []
+    for threads in opts.threads:
+        torch.set_num_threads(threads)
+        for b in opts.batches:
+            logits = torch.randn(b, cfg.vocab_size)
+            rows = [SamplingRow(params, [], [1, 2, 3]) for _ in range(b)]
+            blocks = BlockManager(b * 4 + 4, 16, False)
+            sched = Scheduler(SchedulerConfig(max_num_seqs=max(b, 1), max_num_batched_tokens=max(b, 16)), blocks)
+            for i in range(b):
+                sched.add(Sequence(str(i), 0, [1] * 8, 8, params, 24, i))
+            sched.finish_computed(sched.schedule())  # now b running sequences decode one token each
+
+            def step():
+                batch = sched.schedule()
+                sched.finish_computed(batch)
+                for seq in batch.seqs:
+                    seq.token_ids.append(1)
+                    if seq.num_computed_tokens >= 30:  # keep the cache from filling: rewind
+                        blocks.free_sequence(seq)
+                        seq.token_ids[:] = [1] * 8
+                        blocks.grow(seq, 8)
+                        seq.num_computed_tokens = 7
+                out = sampler(logits, rows)
+                encode(Deltas([encode_delta(_delta(i, t)) for i, t in enumerate(out.token_ids)]))
+
+            samples.append({"threads": threads, "seqs": b, "step_s": median_time(step, opts.repeats * 4)})
+    return samples
+
+
+def _delta(i: int, tok: int):
+    from attention_nodes.engine import SequenceDelta
+    return SequenceDelta(str(i), 0, [tok], None, None)
+
+
+def measure_experts(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
+    """Expert-side samples: run_local_experts on the first MoE layer's experts, over gathered token
+    counts and numbers of experts receiving tokens."""
+    from expert_nodes.worker import _pack_for_cpu
+
+    layer = cfg.moe_layers.index(True)
+    experts = _pack_for_cpu(load_experts(opts.model, list(range(cfg.num_experts)), cfg, opts.dtype))[layer]
+    dtype = opts.dtype or cfg.dtype
+    E, K, g = cfg.num_experts, cfg.top_k, torch.Generator().manual_seed(0)
+    samples = []
+    for threads in opts.threads:
+        torch.set_num_threads(threads)
+        for R in opts.expert_tokens:
+            for active in sorted({min(E, max(K, R * K)), K}):
+                ids_RK = torch.stack([torch.randperm(active, generator=g)[:K] for _ in range(R)])
+                x = torch.randn(R, cfg.hidden_size, generator=g).to(dtype)
+                w = torch.full((R, K), 1.0 / K)
+                batch = ExpertBatch(0, layer, 0, x, ids_RK, w, [R])
+                t = median_time(lambda: run_local_experts(experts, batch), opts.repeats)
+                samples.append({"threads": threads, "tokens": R, "pairs": R * K,
+                                "active": int(ids_RK.unique().numel()), "expert_s": t})
+    return samples
+
+
+def fit_samples(samples: dict[str, list[dict]], threads: int) -> dict[str, Fit]:
+    """The per-thread-count fits of the attention, head, step and expert samples."""
+    def pick(kind: str) -> list[dict]:
+        return [s for s in samples[kind] if s["threads"] == threads]
+
+    a, s, e = pick("attention"), pick("step"), pick("experts")
+    return {"attention": fit_linear(a, [r["layer_s"] for r in a], ATTN_TERMS),
+            "head": fit_linear(a, [r["head_s"] for r in a], HEAD_TERMS),
+            "step": fit_linear(s, [r["step_s"] for r in s], STEP_TERMS),
+            "experts": fit_linear(e, [r["expert_s"] for r in e], EXPERT_TERMS)}
+
+
+def run_profile(opts: ProfileOptions) -> dict:
+    """Measure everything and return the profile (JSON-ready)."""
+    from planner.profile_m2n import measure_transfer
+
+    cfg = ModelConfig.from_pretrained(opts.model)
+    shape = shape_from(opts.model)
+    t0 = time.monotonic()
+    old_threads = torch.get_num_threads()
+    try:
+        samples = {"attention": measure_attention(opts, cfg), "step": measure_step(opts, cfg),
+                   "experts": measure_experts(opts, cfg)}
+    finally:
+        torch.set_num_threads(old_threads)
+    fits = {str(t): {k: f.to_dict() for k, f in fit_samples(samples, t).items()} for t in opts.threads}
+    dtype = opts.dtype or cfg.dtype
+    transfer = {}
+    for backend in opts.transports:
+        tsamples = measure_transfer(opts.model, backend, dtype, quick=opts.quick)
+        samples[f"transfer_{backend}"] = tsamples
+        transfer[backend] = fit_linear(tsamples, [s["oneway_s"] for s in tsamples], ("bytes", "const")).to_dict()
+    return {"version": PROFILE_VERSION, "kind": "measured", "model": {
+                "path": str(opts.model), "name": shape.name, "config_hash": shape.config_hash,
+                "dtype": str(dtype).replace("torch.", ""), "num_layers": cfg.num_layers,
+                "num_moe_layers": sum(cfg.moe_layers), "num_experts": cfg.num_experts, "top_k": cfg.top_k,
+                "hidden_size": cfg.hidden_size},
+            "host": describe_host(), "threads": list(opts.threads), "fits": fits, "transfer": transfer,
+            "samples": samples, "seconds": round(time.monotonic() - t0, 1)}

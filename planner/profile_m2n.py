@@ -1,0 +1,84 @@
+"""M2N transfer time against bytes, measured with the real transport between two processes.
+
+This process is the attention side (an M2NSender); a spawned process is one expert worker (an
+M2NReceiver that replies with the rows it got). One round is dispatch + combine of T tokens of the
+model's hidden size and dtype with top-k routing; one transfer is taken as half the median round
+(both directions carry about the same bytes), after warm-up rounds. Both sides use one torch
+thread, as the pools' workers do on a 2-core host.
+"""
+import multiprocessing as mp
+import statistics
+import time
+
+import torch
+
+TOKENS = (1, 16, 64, 256, 1024)
+WARMUP = 5
+
+
+def _rounds(quick: bool) -> int:
+    return 15 if quick else 40
+
+
+def _echo(backend: str, port: int, hidden: int, top_k: int, slot_bytes: int, total: int) -> None:
+    from torch.distributed import TCPStore
+
+    from m2n_comm.m2n import M2NReceiver
+    from m2n_comm.transport import TransportConfig, open_endpoint
+
+    torch.set_num_threads(1)
+    store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+    ep = open_endpoint(TransportConfig(backend, slot_bytes=slot_bytes), store, "profile", "e0", ["a0"], 1)
+    try:
+        rx = M2NReceiver(ep, ["a0"], [0], 1)
+        for _ in range(total):
+            batch = rx.recv(0, 0)
+            rx.reply(batch, batch.x_RD)
+    finally:
+        ep.close()
+
+
+def measure_transfer(model: str, backend: str, dtype: torch.dtype, quick: bool = False) -> list[dict]:
+    """Samples {tokens, bytes, oneway_s} for the model's hidden size over `backend` (shm or tcp)."""
+    from torch.distributed import TCPStore
+
+    from m2n_comm.m2n import M2NSender, Placement, slot_bytes_for
+    from m2n_comm.transport import TransportConfig, open_endpoint
+    from models.config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(model)
+    D, K = cfg.hidden_size, cfg.top_k
+    slot = slot_bytes_for(D, K, dtype, max(TOKENS))
+    rounds = _rounds(quick)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=_echo, args=(backend, store.port, D, K, slot, len(TOKENS) * (rounds + WARMUP)),
+                       daemon=True)
+    proc.start()
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ep = open_endpoint(TransportConfig(backend, slot_bytes=slot), store, "profile", "a0", ["e0"], 1)
+    elt = torch.empty((), dtype=dtype).element_size()
+    samples = []
+    try:
+        tx = M2NSender(ep, Placement.balanced(cfg.num_experts, 1), ["e0"], D, K)
+        for T in TOKENS:
+            x = torch.randn(T, D).to(dtype)
+            ids = torch.arange(K).repeat(T, 1)
+            w = torch.full((T, K), 1.0 / K)
+            times = []
+            for i in range(rounds + WARMUP):
+                t0 = time.perf_counter()
+                tx.begin_step()
+                tx.combine(tx.dispatch(0, None, x, ids, w, mb=0))
+                tx.end_step()
+                if i >= WARMUP:
+                    times.append(time.perf_counter() - t0)
+            samples.append({"tokens": T, "bytes": T * (D * elt + 8 * K), "oneway_s": statistics.median(times) / 2})
+    finally:
+        ep.close()
+        torch.set_num_threads(old)
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+    return samples

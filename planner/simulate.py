@@ -1,0 +1,275 @@
+"""`shuttle simulate`: a discrete-event simulation of a deployment serving a workload.
+
+    sim = Simulator(perf, SimModel.from_profile(profile), Deployment(attention_workers=1, expert_workers=1,
+                    micro_batches=2, cores=2))
+    metrics = sim.run(Workload(num_prompts=64, input_len=64, output_len=32, max_concurrency=32))
+
+What is real and what is modelled:
+- Scheduling is the real code: every attention worker has its own attention_nodes Scheduler and
+  BlockManager (continuous batching, chunked prefill, prefix caching, preemption), driven on a
+  simulated clock; requests go to the worker with the fewest queued tokens, as PoolEngine does;
+  each step is split into micro-batches by the real split_micro_batches.
+- A step's time comes from a per-layer event recurrence (`_pipeline`): on every attention worker,
+  for each layer and micro-batch i, attention starts when the worker is free and micro-batch i's
+  previous MoE output is back; its tokens reach each expert worker one transfer later; an expert
+  worker runs slot (layer, i) when the chunks of *all* attention workers have arrived (gathering,
+  hence lock-step) and its previous slot is done; the answers come back one transfer later. Then
+  each micro-batch's LM head, and the step's scheduling, sampling and control work.
+  Colocated: attention and experts in sequence in one process, no transfer.
+- Cores: with `cores` set (one host), a step lasts at least the CPU work of all its processes
+  divided by the cores (processes x threads beyond the cores share them).
+"""
+import heapq
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from attention_nodes.block_manager import BlockManager
+from attention_nodes.config import SchedulerConfig
+from attention_nodes.model_runner import split_micro_batches
+from attention_nodes.sampling_params import SamplingParams
+from attention_nodes.scheduler import ScheduledBatch, Scheduler
+from attention_nodes.sequence import Sequence
+from planner.perf import expected_active
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class SimModel:
+    """What the simulator needs of the model."""
+
+    num_layers: int
+    num_moe_layers: int
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    dtype_bytes: int
+
+    @classmethod
+    def from_profile(cls, p: dict) -> "SimModel":
+        m = p["model"]
+        return cls(m["num_layers"], m["num_moe_layers"], m["num_experts"], m["top_k"], m["hidden_size"],
+                   DTYPE_BYTES[m["dtype"]])
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """colocated, or attention_workers + expert_workers exchanging micro_batches over `transport`.
+    torch_threads per process (None: like shuttle serve: cores / processes, at least 1; colocated:
+    every core). cores: the host's cores shared by all processes (None: each process has its own
+    device). expert_share: the share of (token, expert) pairs each expert worker receives and
+    local_experts: how many experts each holds (None: an even placement)."""
+
+    colocated: bool = False
+    attention_workers: int = 1
+    expert_workers: int = 1
+    micro_batches: int = 1
+    torch_threads: int | None = None
+    cores: int | None = None
+    transport: str = "shm"
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_blocks: int | None = None
+    expert_share: tuple[float, ...] | None = None
+    local_experts: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("attention_workers", "expert_workers", "micro_batches", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.micro_batches > 4:
+            raise ValueError(f"micro_batches must be 1 to 4, got {self.micro_batches}")
+        if self.colocated and self.attention_workers != 1:
+            raise ValueError("a colocated deployment has one engine (attention_workers=1)")
+
+    @property
+    def processes(self) -> int:
+        return 1 if self.colocated else self.attention_workers + self.expert_workers
+
+    @property
+    def threads(self) -> int:
+        if self.torch_threads:
+            return self.torch_threads
+        if self.cores is None:
+            return 1
+        return self.cores if self.colocated else max(1, self.cores // self.processes)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Like shuttle bench serve's random dataset: fixed lengths, EOS ignored; all requests at once
+    unless request_rate (per second, Poisson) is given; at most max_concurrency in flight."""
+
+    num_prompts: int
+    input_len: int
+    output_len: int
+    max_concurrency: int | None = None
+    request_rate: float = float("inf")
+    seed: int = 0
+
+
+class _Worker:
+    def __init__(self, dep: Deployment, num_blocks: int):
+        self.blocks = BlockManager(num_blocks, dep.block_size, True)
+        self.sched = Scheduler(SchedulerConfig(dep.max_num_seqs, dep.max_num_batched_tokens), self.blocks)
+        self.queued_tokens = 0
+
+
+class Simulator:
+    def __init__(self, perf, model: SimModel, dep: Deployment, trace_steps: int = 0):
+        self.perf, self.model, self.dep = perf, model, dep
+        E, n_e = model.num_experts, dep.expert_workers
+        local = np.array(dep.local_experts if dep.local_experts else [E / n_e] * n_e, dtype=float)
+        self.local_e = local
+        self.share_e = np.array(dep.expert_share if dep.expert_share else local / local.sum(), dtype=float)
+        # Chance that a token has at least one of its K experts on worker e (it is sent there).
+        self.p_send_e = 1.0 - (1.0 - np.minimum(self.share_e, 1.0)) ** model.top_k if n_e > 1 else np.ones(1)
+        self.trace_steps, self.events = trace_steps, []
+        self.busy = {"attention": 0.0, "experts": 0.0}
+
+    # -- one step -------------------------------------------------------------------------------
+    def _shape(self, batches: list[ScheduledBatch]) -> tuple[np.ndarray, ...]:
+        """Per worker and micro-batch: tokens, context tokens read, sampled rows; per worker: seqs."""
+        W, m = len(batches), self.dep.micro_batches
+        tok, kv, rows = np.zeros((W, m)), np.zeros((W, m)), np.zeros((W, m))
+        seqs = np.zeros(W)
+        for w, b in enumerate(batches):
+            seqs[w] = len(b.seqs)
+            for i, g in enumerate(split_micro_batches(b.num_new_tokens, m)):
+                for j in g:
+                    q, c = b.num_new_tokens[j], b.seqs[j].num_computed_tokens
+                    tok[w, i] += q
+                    kv[w, i] += q * c + q * (q + 1) / 2
+                    rows[w, i] += b.sample[j]
+        return tok, kv, rows, seqs
+
+    def step_time(self, t0: float, batches: list[ScheduledBatch], step: int = 0) -> float:
+        """Simulated end time of a step that starts at t0 with these batches (one per attention worker)."""
+        tok, kv, rows, seqs = self._shape(batches)
+        th, mod, dep = self.dep.threads, self.model, self.dep
+        A = self.perf.attention(tok, kv, th)
+        H = self.perf.head(rows, tok, th)
+        S = self.perf.step(seqs, th)
+        trace = step < self.trace_steps
+        if dep.colocated:
+            X = self.perf.experts(tok * mod.top_k, expected_active(tok, mod.num_experts, mod.num_experts, mod.top_k), th)
+            work = S + (mod.num_layers * A + mod.num_moe_layers * X + H).sum(1)
+            self.busy["attention"] += float(work.sum())
+            if trace:
+                self.events.append(("step", "attention", "a0", t0, t0 + float(work[0])))
+            return t0 + float(work.max())
+        end, busy_a, busy_e = self._pipeline(t0, tok, A, H, S, trace)
+        self.busy["attention"] += busy_a
+        self.busy["experts"] += busy_e
+        if dep.cores:  # the CPU cannot do more than `cores` threads' worth of work
+            end = max(end, t0 + (busy_a + busy_e) * th / dep.cores)
+        return end
+
+    def _pipeline(self, t0: float, tok: np.ndarray, A: np.ndarray, H: np.ndarray, S: np.ndarray,
+                  trace: bool) -> tuple[float, float, float]:
+        """The per-layer event recurrence of one disaggregated step (see the module docstring).
+        Returns (end time, attention busy seconds, expert busy seconds)."""
+        mod, dep, th = self.model, self.dep, self.dep.threads
+        W, m = tok.shape
+        T_i = tok.sum(0)
+        pairs = self.share_e[:, None] * T_i[None, :] * mod.top_k
+        X = self.perf.experts(pairs, expected_active(T_i[None, :], self.local_e[:, None], mod.num_experts, mod.top_k), th)
+        sent_WEm = tok[:, None, :] * self.p_send_e[None, :, None]
+        row = mod.hidden_size * mod.dtype_bytes
+        c_out = self.perf.transfer(sent_WEm * (row + 8 * mod.top_k), dep.transport)
+        c_back = self.perf.transfer(sent_WEm * row, dep.transport)
+        free_a = t0 + S
+        free_e = np.full(dep.expert_workers, t0)
+        ready = np.repeat(free_a[:, None], m, axis=1)
+        first_moe = mod.num_layers - mod.num_moe_layers
+        for layer in range(mod.num_layers):
+            for i in range(m):
+                start = np.maximum(free_a, ready[:, i])
+                free_a = start + A[:, i]
+                if trace:
+                    self._trace_spans("attention", f"attn L{layer} mb{i}", "a", start, free_a)
+                if layer < first_moe:
+                    ready[:, i] = free_a
+                    continue
+                start_e = np.maximum(free_e, (free_a[:, None] + c_out[:, :, i]).max(0))
+                free_e = start_e + X[:, i]
+                if trace:
+                    self._trace_spans("expert", f"experts L{layer} mb{i}", "e", start_e, free_e)
+                ready[:, i] = (free_e[None, :] + c_back[:, :, i]).max(1)
+        for i in range(m):
+            free_a = np.maximum(free_a, ready[:, i]) + H[:, i]
+        busy_a = float((mod.num_layers * A.sum(1) + H.sum(1) + S).sum())
+        return float(free_a.max()), busy_a, float(mod.num_moe_layers * X.sum())
+
+    def _trace_spans(self, cat: str, name: str, prefix: str, start: np.ndarray, end: np.ndarray) -> None:
+        for k, (s, e) in enumerate(zip(start, end)):
+            if e > s:
+                self.events.append((name, cat, f"{prefix}{k}", float(s), float(e)))
+
+    def chrome_trace(self) -> list[dict]:
+        """Recorded spans in the format of the workers' --trace files (microseconds)."""
+        return [{"name": n, "cat": c, "ph": "X", "ts": s * 1e6, "dur": (e - s) * 1e6, "pid": p, "tid": c}
+                for n, c, p, s, e in self.events]
+
+    # -- a whole workload ------------------------------------------------------------------------
+    def run(self, wl: Workload) -> dict:
+        """Serve the workload; returns shuttle bench serve's metrics plus each pool's busy fraction."""
+        from planner.metrics import summarize
+
+        dep, rng = self.dep, np.random.default_rng(wl.seed)
+        if np.isfinite(wl.request_rate):
+            arrivals = np.cumsum(rng.exponential(1.0 / wl.request_rate, wl.num_prompts))
+        else:
+            arrivals = np.zeros(wl.num_prompts)
+        per_seq = -(-(wl.input_len + wl.output_len) // dep.block_size)
+        blocks = dep.num_blocks or dep.max_num_seqs * per_seq + 1
+        workers = [_Worker(dep, blocks) for _ in range(dep.attention_workers)]
+        cap = wl.max_concurrency or wl.num_prompts
+        free_slots = [0.0] * cap  # a heap of the times concurrency slots free up
+        pending = deque(range(wl.num_prompts))
+        send, times = np.zeros(wl.num_prompts), [[] for _ in range(wl.num_prompts)]
+        owner: dict[int, tuple[int, int]] = {}  # id(seq) -> (request, worker)
+        inbox: list[tuple[float, int]] = []  # (send time, request) not yet seen by the engine
+        params = SamplingParams(max_tokens=wl.output_len, temperature=0.0, ignore_eos=True)
+        t, step, done = 0.0, 0, 0
+        while done < wl.num_prompts:
+            while pending and free_slots:  # a free slot goes to the next request, from its arrival
+                r = pending.popleft()
+                send[r] = max(arrivals[r], heapq.heappop(free_slots))
+                heapq.heappush(inbox, (send[r], r))
+            while inbox and inbox[0][0] <= t:
+                _, r = heapq.heappop(inbox)
+                ids = rng.integers(2, 1 << 30, wl.input_len).tolist()
+                w = min(range(len(workers)), key=lambda k: workers[k].queued_tokens)
+                seq = Sequence(str(r), 0, ids, len(ids), params, wl.output_len, r)
+                workers[w].sched.add(seq)
+                workers[w].queued_tokens += wl.input_len + wl.output_len
+                owner[id(seq)] = (r, w)
+            if not any(wk.sched.has_work() for wk in workers):
+                t = max(t, inbox[0][0])
+                continue
+            batches = [wk.sched.schedule() for wk in workers]
+            t = self.step_time(t, batches, step)
+            step += 1
+            for wk, b in zip(workers, batches):
+                wk.sched.finish_computed(b)
+                for seq, sampled in zip(b.seqs, b.sample):
+                    if not sampled:
+                        continue
+                    r, w = owner[id(seq)]
+                    seq.token_ids.append(1)
+                    times[r].append(t)
+                    if seq.num_output_tokens >= seq.max_tokens:
+                        wk.sched.finish(seq, "length")
+                        wk.queued_tokens -= wl.input_len + wl.output_len
+                        heapq.heappush(free_slots, t)
+                        done += 1
+        out = summarize(send, times, wl.input_len)
+        out.update(attention_busy=self.busy["attention"] / max(out["duration"], 1e-12) / dep.attention_workers,
+                   expert_busy=(self.busy["experts"] / max(out["duration"], 1e-12) / dep.expert_workers
+                                if not dep.colocated else None),
+                   steps=step, estimated=bool(getattr(self.perf, "estimated", False)))
+        return out

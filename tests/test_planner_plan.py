@@ -1,0 +1,112 @@
+"""shuttle plan: the search's choices follow MegaScale-Infer's rules on catalogue devices, it scales
+to 1,024 devices, it says what bound an infeasible request, and every CLI error exits 2."""
+import json
+import time
+
+import pytest
+
+from planner.hardware import load_catalogue, parse_hardware
+from planner.perf import RooflinePerf
+from planner.search import evaluate, search
+from planner.shapes import shape_from
+
+
+def run_search(model: str, kinds: str, devices: int, slo_ms: float = 200.0, top: int = 3, **kw):
+    shape, pairs = shape_from(model), [(k, k) for k in parse_hardware(kinds)]
+    _, eff = load_catalogue()
+    return search(lambda a, e: RooflinePerf(shape, a, e, eff), shape, kw.get("pairs", pairs), devices,
+                  slo_ms / 1e3, 640.0, 768, top)
+
+
+def test_closed_form_matches_the_simulator_recurrence():
+    """The search's TBT for a full pipeline equals the per-layer recurrence of planner.simulate."""
+    shape = shape_from("mixtral-8x22b")
+    hw = parse_hardware("A100-80GB")[0]
+    _, eff = load_catalogue()
+    perf = RooflinePerf(shape, hw, hw, eff)
+    r = evaluate(perf, shape, hw, hw, 24, 640.0, 768, batches=(128,))
+    i = next(j for j in range(len(r["n_a"])) if (r["n_a"][j], r["n_e"][j], r["m"][j]) == (4, 8, 3))
+    t_a, t_e, t_c = r["t_a"][i], r["t_e"][i], r["t_c"][i]
+    L = shape.num_layers
+    pipeline = (t_a + t_e + 2 * t_c) + max(t_a, t_e) * (3 * L - 1)
+    assert 3 * max(t_a, t_e) >= t_a + t_e + 2 * t_c  # the full-pipeline case
+    extra = 3 * perf.head(128 / 3, 128 / 3) + perf.step(128)
+    assert r["tbt"][i] == pytest.approx(pipeline + extra, rel=1e-9)
+
+
+def test_plan_prefers_overlap_and_balances_pools():
+    best, _ = run_search("mixtral-8x22b", "A100-80GB", 64)
+    assert best and best[0].micro_batches >= 2 and best[0].estimated
+    assert 0.5 < best[0].expert_util <= 1.0
+
+
+def test_heterogeneous_beats_homogeneous_h20_per_cost():
+    shape = shape_from("mixtral-8x22b")
+    h20, l40s = parse_hardware("H20,L40S")
+    homo, _ = run_search("mixtral-8x22b", "H20", 64, pairs=[(h20, h20)])
+    hetero, _ = run_search("mixtral-8x22b", "H20", 64, pairs=[(h20, l40s)])
+    assert hetero[0].per_cost > homo[0].per_cost, (shape.name, hetero[0], homo[0])
+
+
+def test_search_of_1024_devices_is_fast():
+    t0 = time.monotonic()
+    best, _ = run_search("dbrx", "H100", 1024)
+    assert best and time.monotonic() - t0 < 60
+
+
+def test_plan_command_writes_a_plan_and_reports_infeasible(tmp_path, capsys):
+    from server.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "dbrx", "--hardware", "A100-80GB=1.5", "--tbt-slo-ms", "200",
+                 "--max-devices", "32", "--out", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["estimated"] and plan["hardware"]["attention"]["price_per_hour"] == 1.5
+    assert plan["deployment"]["attention_workers"] + plan["deployment"]["expert_workers"] <= 32
+    assert "estimated" in capsys.readouterr().out
+    assert main(["plan", "--model", "dbrx", "--hardware", "A100-80GB", "--tbt-slo-ms", "2",
+                 "--max-devices", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "no plan meets 2 ms TBT on 16 devices; the best reaches" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--hardware", "TPU-v9"], "unknown hardware kind 'TPU-v9'"),
+    (["--hardware", "H100=cheap"], "not a number"),
+    (["--hardware", "L20", "--max-devices", "1"], "holds"),
+    (["--hardware", "host", "--profile", "PROFILE"], "measured on model"),
+    (["--hardware", "host", "--profile", "PROFILE", "--model", "MODEL", "--max-devices", "64"], "bigger than this host"),
+])
+def test_plan_errors_exit_2(argv, message, tmp_path, capsys, make_checkpoint):
+    from server.cli import main
+
+    model = make_checkpoint("mixtral")
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"kind": "measured", "fits": {}, "transfer": {}, "host": {"cores": 2},
+                                "model": {"name": "x", "config_hash": shape_from(model).config_hash}}))
+    argv = [a.replace("PROFILE", str(prof)).replace("MODEL", str(model)) for a in argv]
+    base = {"--model": "dbrx", "--tbt-slo-ms": "100", "--max-devices": "8"}
+    for k, v in base.items():
+        if k not in argv:
+            argv += [k, v]
+    assert main(["plan", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_host_plan_is_the_best_simulated_deployment(tmp_path, make_checkpoint):
+    from server.cli import main
+    from tests.test_planner_simulate import profile
+
+    model = make_checkpoint("mixtral")
+    p = profile(a=1.0, a_tok=0.01, e=1.0, e_pair=0.005, c=0.05, layers=2)
+    p["model"]["config_hash"] = shape_from(model).config_hash
+    prof, out, js = tmp_path / "p.json", tmp_path / "plan.json", tmp_path / "all.json"
+    prof.write_text(json.dumps(p))
+    assert main(["plan", "--model", str(model), "--hardware", "host", "--profile", str(prof), "--tbt-slo-ms", "1000",
+                 "--max-devices", "2", "--input-len", "16", "--output-len", "8", "--quick", "--top", "50",
+                 "--out", str(out), "--json", str(js)]) == 0
+    plans = json.loads(js.read_text())["plans"]
+    best = json.loads(out.read_text())
+    assert best["predicted"]["throughput"] == max(c["throughput"] for c in plans)
+    assert not best["estimated"] and best["deployment"]["attention_device"] == "cpu"
+    assert {c["micro_batches"] for c in plans if c["attention_workers"]} == {1, 2, 3, 4}

@@ -1,0 +1,71 @@
+"""The planner's fits and profile: fits recover known constants from synthetic timings; the
+profile command measures the real code (a tiny model, a tiny grid) and names the hardware."""
+import json
+
+import numpy as np
+import pytest
+
+from planner.fit import Fit, fit_linear
+from planner.shapes import shape_from
+
+
+def test_fit_recovers_constants_with_noise():
+    rng = np.random.default_rng(0)
+    rows = [{"tokens": b, "kv_reads": b * c} for b in (1, 4, 16, 64, 256) for c in (16, 128, 1024)]
+    k1, k2, kc = 40e-6, 300e-6, 2e-8
+    y = [(k1 * r["tokens"] + k2 + kc * r["kv_reads"]) * rng.uniform(0.97, 1.03) for r in rows]
+    f = fit_linear(rows, y, ("tokens", "const", "kv_reads"))
+    assert f.coef == pytest.approx((k1, k2, kc), rel=0.06)
+    assert f.median_abs_residual < 0.03 and f.max_abs_residual < 0.08
+    assert f(tokens=10, kv_reads=1000) == pytest.approx(k1 * 10 + k2 + kc * 1000, rel=0.05)
+    assert Fit.from_dict(json.loads(json.dumps(f.to_dict()))) == f
+
+
+def test_fit_is_nonnegative_and_robust_to_an_outlier():
+    rows = [{"pairs": p, "active": a} for p in (2, 8, 32, 128, 512) for a in (2, 8)]
+    y = [5e-6 * r["pairs"] + 100e-6 for r in rows]  # no dependence on active experts
+    y[3] *= 1.5  # one noisy point
+    f = fit_linear(rows, y, ("pairs", "const", "active"))
+    assert all(c >= 0 for c in f.coef)
+    assert f.coef[0] == pytest.approx(5e-6, rel=0.1) and f.coef[1] == pytest.approx(100e-6, rel=0.15)
+    assert f.median_abs_residual < 0.05 and f.max_abs_residual > 0.2  # the outlier is reported
+
+
+def test_fit_needs_enough_points():
+    with pytest.raises(ValueError, match="at least 3 samples"):
+        fit_linear([{"a": 1}], [1.0], ("a", "const", "b"))
+
+
+def test_shipped_shapes_match_published_sizes():
+    expected = {"mixtral-8x22b": 141e9, "dbrx": 132e9, "qwen3-235b-a22b": 235e9, "deepseek-v3": 671e9}
+    for name, params in expected.items():
+        s = shape_from(name)
+        assert s.total_params() == pytest.approx(params, rel=0.02), name
+    ds = shape_from("deepseek-v3")
+    assert ds.attention == "mla" and ds.kv_bytes_per_token() == 61 * (512 + 64) * 2
+    assert shape_from("mixtral-8x22b").kv_bytes_per_token() == 56 * 2 * 8 * 128 * 2
+
+
+def test_profile_command_measures_and_names_the_host(tmp_path, make_checkpoint):
+    from server.cli import main
+
+    tiny_checkpoint = make_checkpoint("mixtral")
+    out = tmp_path / "p.json"
+    assert main(["profile", "--model", str(tiny_checkpoint), "--torch-threads", "1", "--transport", "shm",
+                 "--quick", "--out", str(out)]) == 0
+    p = json.loads(out.read_text())
+    assert p["host"]["cores"] >= 1 and p["host"]["cpu"] and "bf16_packed" in p["host"]
+    assert p["model"]["config_hash"] == shape_from(tiny_checkpoint).config_hash
+    fits = p["fits"]["1"]
+    for name in ("attention", "head", "step", "experts"):
+        assert fits[name]["samples"] >= 3 and sum(fits[name]["coef"]) > 0
+    assert p["transfer"]["shm"]["coef"][1] > 0
+
+
+def test_profile_errors_exit_2(tmp_path, capsys):
+    from server.cli import main
+
+    assert main(["profile", "--model", str(tmp_path), "--out", str(tmp_path / "p.json")]) == 2
+    assert "config.json" in capsys.readouterr().err
+    assert main(["profile", "--transport", "rdma", "--out", str(tmp_path / "p.json")]) == 2
+    assert "rdma" in capsys.readouterr().err

@@ -1,0 +1,125 @@
+"""The simulator on a tiny deterministic profile: hand-computed step times for one micro-batch,
+m overlapping micro-batches, lock-step across attention workers, and a whole workload."""
+import json
+
+import pytest
+
+from attention_nodes.sampling_params import SamplingParams
+from attention_nodes.scheduler import ScheduledBatch
+from attention_nodes.sequence import Sequence
+from planner.perf import ProfilePerf
+from planner.simulate import Deployment, SimModel, Simulator, Workload
+
+MS = 1e-3
+
+
+def fit(terms, coef):
+    return {"terms": list(terms), "coef": list(coef), "median_abs_residual": 0.0, "max_abs_residual": 0.0,
+            "samples": 9}
+
+
+def profile(a=1.0, a_tok=0.0, e=2.0, e_pair=0.0, h=0.0, s=0.0, c=0.0, layers=4, experts=8, top_k=2):
+    """Times in milliseconds: attention a + a_tok*tokens per layer and micro-batch, experts e +
+    e_pair*pairs, head h, step s, one transfer c (any size)."""
+    fits = {"attention": fit(("tokens", "const", "kv_reads"), (a_tok * MS, a * MS, 0.0)),
+            "head": fit(("rows", "tokens", "const"), (0.0, 0.0, h * MS)),
+            "step": fit(("seqs", "const"), (0.0, s * MS)),
+            "experts": fit(("pairs", "const", "active"), (e_pair * MS, e * MS, 0.0))}
+    return {"version": 1, "kind": "measured", "fits": {"1": fits},
+            "transfer": {"shm": fit(("bytes", "const"), (0.0, c * MS))},
+            "model": {"name": "toy", "config_hash": "x", "dtype": "float32", "num_layers": layers,
+                      "num_moe_layers": layers, "num_experts": experts, "top_k": top_k, "hidden_size": 16},
+            "host": {"cpu": "toy", "cores": 2}}
+
+
+def batch(tokens_per_seq: list[int]) -> ScheduledBatch:
+    """Decode-like sequences (one new token each unless told) with no context."""
+    seqs = [Sequence(str(i), 0, [1] * n, n, SamplingParams(), 4, i) for i, n in enumerate(tokens_per_seq)]
+    return ScheduledBatch(seqs, list(tokens_per_seq), [True] * len(seqs))
+
+
+def sim(p: dict, **dep) -> Simulator:
+    return Simulator(ProfilePerf(p), SimModel.from_profile(p), Deployment(**dep))
+
+
+def test_one_micro_batch_is_the_sum_of_its_parts():
+    p = profile(a=1.0, e=2.0, h=0.5, s=0.25, c=0.1, layers=4)
+    t = sim(p).step_time(0.0, [batch([1, 1])])
+    assert t == pytest.approx((0.25 + 4 * (1.0 + 0.1 + 2.0 + 0.1) + 0.5) * MS)
+    colocated = sim(p, colocated=True).step_time(0.0, [batch([1, 1])])
+    assert colocated == pytest.approx((0.25 + 4 * (1.0 + 2.0) + 0.5) * MS)
+
+
+@pytest.mark.parametrize("m,a,e,c", [(2, 1.0, 1.0, 0.0), (3, 1.0, 2.0, 0.25), (4, 2.0, 1.5, 0.5)])
+def test_m_micro_batches_overlap_as_megascale_infer_says(m, a, e, c):
+    """With m >= 2(1 + T_c / max(T_a, T_e)) both pools stay busy and one step takes
+    (T_a + T_e + 2 T_c) + max(T_a, T_e)(mL - 1)."""
+    L = 4
+    t = sim(profile(a=a, e=e, c=c, layers=L), micro_batches=m).step_time(0.0, [batch([1] * m)])
+    assert t == pytest.approx((a + e + 2 * c + max(a, e) * (m * L - 1)) * MS)
+
+
+def test_too_few_micro_batches_leave_bubbles():
+    # m=2 with T_c = T_a = T_e: m < 2(1 + 1) = 4, so each layer waits for the round trip.
+    t = sim(profile(a=1.0, e=1.0, c=1.0, layers=3), micro_batches=2).step_time(0.0, [batch([1, 1])])
+    per_layer_round = 1.0 + 1.0 + 1.0 + 1.0  # attention, transfer, experts, transfer of mb 0
+    assert t == pytest.approx((3 * per_layer_round + 1.0) * MS)  # mb 1's last answer lands a T_a later
+
+
+def test_lock_step_across_attention_workers_waits_for_the_slowest_and_gathers():
+    # worker 0: 1 token, worker 1: 3 tokens; attention 1 + 1 per token; experts 1 + 0.5 per pair (K=2).
+    p = profile(a=1.0, a_tok=1.0, e=1.0, e_pair=0.5, c=0.0, layers=2, top_k=2)
+    t = sim(p, attention_workers=2).step_time(0.0, [batch([1]), batch([1, 1, 1])])
+    slow_attention, gathered_experts = 1.0 + 3.0, 1.0 + 0.5 * (1 + 3) * 2
+    assert t == pytest.approx(2 * (slow_attention + gathered_experts) * MS)
+    # An idle worker still takes its turn but costs nothing, so 1 busy worker + 1 idle = 1 alone.
+    alone = sim(p).step_time(0.0, [batch([1, 1, 1])])
+    assert sim(p, attention_workers=2).step_time(0.0, [batch([1, 1, 1]), batch([])]) == pytest.approx(alone)
+
+
+def test_cores_bound_oversubscribed_steps():
+    p = profile(a=1.0, e=1.0, layers=2)
+    free = sim(p, attention_workers=2, micro_batches=1).step_time(0.0, [batch([1]), batch([1])])
+    shared = sim(p, attention_workers=2, cores=1, torch_threads=1).step_time(0.0, [batch([1]), batch([1])])
+    assert free == pytest.approx(2 * (1.0 + 1.0) * MS)
+    assert shared == pytest.approx(2 * (2 * 1.0 + 1.0) * MS)  # 6 ms of CPU work on one core
+
+
+def test_workload_metrics_use_bench_serve_names():
+    # Every step costs the same 4 layers x (1 + 2) ms colocated: 4 requests prefill in one step,
+    # then decode 3 more tokens each.
+    p = profile(a=1.0, e=2.0, layers=4)
+    r = sim(p, colocated=True).run(Workload(num_prompts=4, input_len=8, output_len=4))
+    step = 12 * MS
+    assert r["completed"] == 4 and r["total_output_tokens"] == 16 and r["steps"] == 4
+    assert r["duration"] == pytest.approx(4 * step)
+    assert r["output_throughput"] == pytest.approx(16 / (4 * step))
+    assert r["mean_ttft_ms"] == pytest.approx(12.0) and r["mean_tpot_ms"] == pytest.approx(12.0)
+    assert r["median_itl_ms"] == pytest.approx(12.0) and r["mean_e2el_ms"] == pytest.approx(48.0)
+    # At most 2 in flight: two waves of 4 steps.
+    r2 = sim(p, colocated=True).run(Workload(num_prompts=4, input_len=8, output_len=4, max_concurrency=2))
+    assert r2["duration"] == pytest.approx(8 * step) and r2["mean_ttft_ms"] == pytest.approx(12.0)  # from its send
+
+
+def test_simulate_command_json_trace_and_errors(tmp_path, capsys):
+    from server.cli import main
+
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps(profile()))
+    out, trace = tmp_path / "r.json", tmp_path / "t.json"
+    assert main(["simulate", "--profile", str(prof), "--attention-workers", "1", "--expert-workers", "1",
+                 "--micro-batches", "2", "--num-prompts", "8", "--input-len", "8", "--output-len", "4",
+                 "--json", str(out), "--trace", str(trace)]) == 0
+    r = json.loads(out.read_text())
+    for key in ("output_throughput", "mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "mean_e2el_ms",
+                "attention_busy", "expert_busy"):
+        assert key in r
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["cat"] for e in events} == {"attention", "expert"} and {e["pid"] for e in events} == {"a0", "e0"}
+    capsys.readouterr()
+    assert main(["simulate", "--profile", str(tmp_path / "none.json")]) == 2
+    assert "file not found" in capsys.readouterr().err
+    assert main(["simulate", "--profile", str(prof), "--transport", "tcp"]) == 2
+    assert "tcp" in capsys.readouterr().err
+    assert main(["simulate", "--profile", str(prof), "--micro-batches", "5"]) == 2
+    assert "micro_batches" in capsys.readouterr().err
