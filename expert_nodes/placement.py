@@ -26,7 +26,7 @@ from models.loader import load_experts
 from models.moe_decoder import Experts
 
 log = logging.getLogger("shuttle.expert")
-WATCH_EVERY_S = 0.1  # how often the watcher looks for a new placement version
+WATCH_EVERY_S = 0.05  # how often the watcher looks for a new placement version
 
 
 class HeldExperts:

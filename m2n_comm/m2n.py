@@ -216,7 +216,8 @@ class M2NSender:
         return Handle(self.step, layer, mb, T, rows_W, x_TD.dtype, dev)
 
     def _chunk(self, w: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
-               worker_TK: torch.Tensor | None, local_WE: torch.Tensor) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+               worker_TK: torch.Tensor | None,
+               local_WE: torch.Tensor) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """(rows of the micro-batch sent to worker w, None for all of them; [x, local ids, weights])."""
         if self._single:  # the only worker holds every expert: ids are already local
             return None, [x_TD, ids_TK.to(torch.int32), weights_TK]

@@ -93,7 +93,8 @@ class ExpertPlacement:
             raise ValueError(f"every layer's placement must have the same experts and workers, got {sorted(shapes)}")
 
     @classmethod
-    def uniform(cls, placement: Placement, moe_layers: list[int] | tuple[int, ...], version: int = 0) -> "ExpertPlacement":
+    def uniform(cls, placement: Placement, moe_layers: list[int] | tuple[int, ...],
+                version: int = 0) -> "ExpertPlacement":
         """The same map in every MoE layer (what --placement FILE and the default give)."""
         return cls(tuple(moe_layers), (placement,) * len(moe_layers), version)
 

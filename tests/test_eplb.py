@@ -2,7 +2,6 @@
 the placement-version handshake over real M2N endpoints, the front's re-placement state machine,
 /metrics, and one end-to-end run whose greedy output must equal the colocated engine's while the
 experts are re-placed live every few steps."""
-import itertools
 import json
 import random
 import threading
@@ -226,40 +225,62 @@ def test_placement_control_phases(monkeypatch):
 
 
 # -- end to end -------------------------------------------------------------------------------------
-def rotating_policy():
-    """Force a different placement at every interval: expert 0..7 rotated over 2 workers, with one
-    expert per layer replicated in turn."""
-    turn = itertools.count(1)
+def rotation(current: ExpertPlacement, turn: int) -> ExpertPlacement:
+    """A different placement per turn: experts alternate over 2 workers with an offset that changes
+    per turn and layer, and one expert per turn is on both workers (a replica)."""
+    layers = tuple(Placement(8, 2, tuple(((e + turn + i) % 2,) if e != turn % 8 else (0, 1) for e in range(8)))
+                   for i in range(len(current.layers)))
+    return ExpertPlacement(current.moe_layers, layers, current.version + 1)
 
-    def policy(load_LE, current: ExpertPlacement) -> ExpertPlacement:
-        t = next(turn)
-        layers = tuple(Placement(8, 2, tuple(((e + t + i) % 2,) if e != t % 8 else (0, 1) for e in range(8)))
-                       for i in range(len(current.layers)))
-        return ExpertPlacement(current.moe_layers, layers, current.version + 1)
-    return policy
+
+def run_replacing(engine, prompts, params, replace: bool) -> dict[str, list[int]]:
+    """Run the prompts to the end; with `replace`, start the next placement as soon as the previous
+    one is in use, so re-placements happen while every request is mid-generation."""
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+        ctl = getattr(engine, "placements", None)
+        if replace and ctl.pending is None:
+            ctl.apply(rotation(ctl.current, ctl.current.version + 1))
+    return out
 
 
 @pytest.mark.slow
 def test_greedy_output_equal_while_replacing_live(make_checkpoint):
-    """2 expert workers, a re-placement forced every 2 steps during generation (new copies loaded on
-    the workers, old ones freed): greedy ids equal the colocated engine's before, during and after."""
-    from server.llm import LLM
+    """2 attention and 2 expert workers; a new placement is started whenever the previous one is in
+    use (new copies loaded on the workers, old ones freed, both attention workers switching at one
+    step): greedy ids equal the colocated engine's during the re-placements and after them."""
+    from attention_nodes.config import CacheConfig, EngineConfig
+    from attention_nodes.engine import LLMEngine
+    from server.pools import PoolEngine
 
-    ckpt = make_checkpoint("mixtral")
+    ckpt = str(make_checkpoint("mixtral"))
     prompts = [[5, 17, 33, 100, 250, 7, 9], [400, 3], [77, 78, 79, 80, 81], [12, 13]]
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in LLM(ckpt, num_kv_blocks=64).generate(prompts, params)]
-    llm = LLM(ckpt, num_kv_blocks=64, colocated=False, expert_workers=2, micro_batches=2, torch_threads=1,
-              eplb=True, eplb_interval=2, num_redundant_experts=1)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the reference, in this process: OpenMP threads on a busy host cost 10x
     try:
-        llm.engine.placements.policy = rotating_policy()
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        changes_during = llm.engine.placements.applied
-        stats = llm.engine.stats()
-        got_after = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        want = run_replacing(LLMEngine(EngineConfig(ckpt, cache=CacheConfig(num_blocks=64)), {0}), prompts, params,
+                             False)
     finally:
-        llm.shutdown()
+        torch.set_num_threads(threads)
+    par = ParallelConfig(False, 2, 2, 2, torch_threads=1, eplb=True, num_redundant_experts=1)
+    engine = PoolEngine(EngineConfig(ckpt, cache=CacheConfig(num_blocks=64), parallel=par), {0})
+    try:
+        got = run_replacing(engine, prompts, params, replace=True)
+        changes = engine.placements.applied
+        for n in range(50):  # the last one completes with the next steps
+            if engine.placements.pending is None:
+                break
+            run_replacing(engine, [[n + 1]], SamplingParams(max_tokens=2, ignore_eos=True), replace=False)
+        got_after = run_replacing(engine, prompts, params, replace=False)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
     assert got == want and got_after == want
-    assert changes_during >= 2, f"only {changes_during} live re-placements during generation"
-    assert stats["placement_version"] >= 2
+    assert changes >= 2, f"only {changes} live re-placements during generation"
+    assert stats["placement_version"] == engine.placements.current.version >= 2
     assert sum(stats["expert_worker_tokens"].values()) == sum(map(sum, stats["expert_layer_tokens"].values()))
