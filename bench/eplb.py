@@ -19,7 +19,8 @@ One micro-batch by default (--micro-batches): on a 2-core host the expert worker
 parallel while the attention worker waits, which is where balancing pays; with m=2 the three
 workers contend for two cores. Reported per deployment: the expert workers' (token, expert) pairs
 over the timed rounds and their max/mean (1.0 = balanced), the median output tokens per second of
-the rounds, and the placement version in use. Writes bench/results/eplb.json.
+the rounds, the seconds each expert worker spent computing experts in them (against the rounds'
+wall time), and the placement version in use. Writes bench/results/eplb.json.
 """
 import argparse
 import os
@@ -89,6 +90,11 @@ def worker_pairs(engine: PoolEngine) -> list[int]:
     return last
 
 
+def expert_busy_s(engine: PoolEngine) -> list[float]:
+    """Seconds each expert worker has spent computing experts so far (as published)."""
+    return [w["busy_ns"] / 1e9 for w in engine.stats()["busy"] if w["pool"] == "expert"]
+
+
 def start(ckpt: Path, eplb: bool, args: argparse.Namespace) -> PoolEngine:
     par = ParallelConfig(False, 1, 2, args.micro_batches, "shm", torch_threads=1, eplb=eplb,
                          eplb_interval=args.interval, num_redundant_experts=args.redundant if eplb else 0)
@@ -110,6 +116,7 @@ def measure(ckpt: Path, args: argparse.Namespace) -> list[dict]:
     engines = {False: start(ckpt, False, args), True: start(ckpt, True, args)}
     try:
         warm = {eplb: warm_up(e, eplb, args) for eplb, e in engines.items()}
+        busy0 = {eplb: expert_busy_s(e) for eplb, e in engines.items()}
         rates: dict[bool, list[float]] = {False: [], True: []}
         tokens = {}
         for r in range(args.rounds):
@@ -119,9 +126,11 @@ def measure(ckpt: Path, args: argparse.Namespace) -> list[dict]:
         out = []
         for eplb, e in engines.items():
             pairs = [a - b for a, b in zip(worker_pairs(e), warm[eplb])]
+            busy = [a - b for a, b in zip(expert_busy_s(e), busy0[eplb])]
             out.append({"eplb": eplb, "tokens_per_round": tokens[eplb], "tok_s_rounds": rates[eplb],
                         "tok_s": statistics.median(rates[eplb]), "warmup_pairs": warm[eplb], "pairs": pairs,
                         "imbalance": imbalance(pairs), "warmup_imbalance": imbalance(warm[eplb]),
+                        "expert_busy_s": busy, "rounds_s": sum(tokens[eplb] / r for r in rates[eplb]),
                         "placement_version": e.placements.current.version,
                         "placement": [[list(ws) for ws in p.copies] for p in e.placements.current.layers]})
         return out
@@ -152,12 +161,14 @@ def main() -> None:
     base = runs[0]["tok_s"]
     rows = [{"run": "static placement" if not r["eplb"] else f"--eplb, R={args.redundant}",
              "placement v": r["placement_version"], "e0 pairs": r["pairs"][0], "e1 pairs": r["pairs"][1],
-             "max/mean": r["imbalance"], "warm-up max/mean": r["warmup_imbalance"], "tok/s": r["tok_s"],
+             "max/mean": r["imbalance"], "warm-up max/mean": r["warmup_imbalance"],
+             "e0 busy s": r["expert_busy_s"][0], "e1 busy s": r["expert_busy_s"][1],
+             "timed s": r["rounds_s"], "tok/s": r["tok_s"],
              "vs static": r["tok_s"] / base} for r in runs]
     print(f"decode, batch {args.batch}, prompt {args.prompt}, {args.new} new tokens; 1 attention + 2 expert workers, "
           f"m={args.micro_batches}; tok/s: median of {args.rounds} alternating rounds")
-    print_table(rows, ["run", "placement v", "e0 pairs", "e1 pairs", "max/mean", "warm-up max/mean", "tok/s",
-                       "vs static"])
+    print_table(rows, ["run", "placement v", "e0 pairs", "e1 pairs", "max/mean", "warm-up max/mean", "e0 busy s",
+                       "e1 busy s", "timed s", "tok/s", "vs static"])
     if not args.quick:
         load = os.getloadavg()[0]
         print(f"load average {load:.1f} at the end (other jobs on this machine share its cores)")

@@ -107,16 +107,23 @@ class PlacementControl:
 
 
 def eplb_policy(load_LE: list[list[float]], current: ExpertPlacement, num_redundant: int) -> ExpertPlacement | None:
-    """MegaScale-Infer's greedy per layer from the window's loads, if it lowers the busiest worker's
-    predicted load (summed over layers) by at least MIN_GAIN; else None (no churn for nothing)."""
+    """MegaScale-Infer's greedy per layer from the window's loads, if it lowers the predicted expert
+    time of a step by at least MIN_GAIN; else None (no churn for nothing). A step's expert time is
+    the sum over layers of the busiest worker's tokens in that layer: every layer waits for its
+    slowest expert worker."""
     if not any(any(row) for row in load_LE):
         return None
     new = rebalance(load_LE, current, num_redundant)
-    before, after = predicted_worker_load(current, load_LE), predicted_worker_load(new, load_LE)
-    if max(after) > (1 - MIN_GAIN) * max(before):
+    if step_cost(new, load_LE) > (1 - MIN_GAIN) * step_cost(current, load_LE):
         return None
+    before, after = predicted_worker_load(current, load_LE), predicted_worker_load(new, load_LE)
     log.info("EPLB: expert-worker load max/mean %.2f -> %.2f (predicted)", imbalance(before), imbalance(after))
     return new
+
+
+def step_cost(placement: ExpertPlacement, load_LE: list[list[float]]) -> float:
+    """Sum over MoE layers of the most tokens any expert worker computes in that layer."""
+    return sum(max(p.worker_loads(load)) for p, load in zip(placement.layers, load_LE))
 
 
 def predicted_worker_load(placement: ExpertPlacement, load_LE: list[list[float]]) -> list[float]:

@@ -17,7 +17,7 @@ from attention_nodes.sampling_params import SamplingParams
 from m2n_comm.m2n import M2NReceiver, M2NSender
 from m2n_comm.placement import ExpertPlacement, Placement, check_redundancy, greedy_placement, worker_slots
 from m2n_comm.transport import TransportConfig, open_endpoint
-from server.eplb import PlacementControl, eplb_policy, predicted_worker_load
+from server.eplb import PlacementControl, eplb_policy, predicted_worker_load, step_cost
 
 
 # -- the greedy placement ---------------------------------------------------------------------------
@@ -76,6 +76,9 @@ def test_eplb_policy_moves_only_when_it_pays():
     new = eplb_policy(skewed, current, num_redundant=1)
     assert new.version == 1 and new.of(1).copies[0] == (0, 1)
     assert max(predicted_worker_load(new, skewed)) < max(predicted_worker_load(current, skewed))
+    # per layer, the busiest worker's tokens: 95 + 2 before (w0 holds 0, 1); after, layer 1's w0 holds
+    # half of expert 0 and experts 1, 3 (45 + 5 + 2), layer 3's w0 half of 0 and two more (2.5)
+    assert step_cost(current, skewed) == 97 and step_cost(new, skewed) == 54.5
     assert eplb_policy([[1, 1, 1, 1], [1, 1, 1, 1]], current, 0) is None  # balanced already
     assert ExpertPlacement.from_json(new.to_json(), 2) == new
 
