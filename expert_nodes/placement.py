@@ -33,9 +33,11 @@ class HeldExperts:
     """{version: (ExpertPlacement, {layer: experts module})} of one expert worker. `modules(v)` and
     `global_ids(v)` serve the step's version; `step_done` adopts and frees versions."""
 
-    def __init__(self, placement: ExpertPlacement, modules: dict[int, nn.Module], rank: int, load_fn):
-        """load_fn(ids_by_layer) -> {layer: module}: this worker's loader (dtype, device, packing)."""
-        self.rank, self.load_fn, self.num_workers = rank, load_fn, placement.num_workers
+    def __init__(self, placement: ExpertPlacement, modules: dict[int, nn.Module], rank: int, load_fn,
+                 device: torch.device | str = "cpu"):
+        """load_fn(ids_by_layer) -> {layer: module}: this worker's loader (dtype, device, packing).
+        device: where the routed ids arrive (the global-id tables live there)."""
+        self.rank, self.load_fn, self.num_workers, self.device = rank, load_fn, placement.num_workers, device
         self.versions = {placement.version: (placement, modules)}
         self._global = {placement.version: self._global_ids(placement)}
         self._loaded: dict[int, tuple[ExpertPlacement, dict]] = {}  # built by the watcher, not adopted yet
@@ -43,7 +45,7 @@ class HeldExperts:
         self.active = placement.version
 
     def _global_ids(self, placement: ExpertPlacement) -> dict[int, torch.Tensor]:
-        return {layer: torch.tensor(ids) for layer, ids in placement.experts_on(self.rank).items()}
+        return {layer: torch.tensor(ids, device=self.device) for layer, ids in placement.experts_on(self.rank).items()}
 
     def modules(self, version: int) -> dict[int, nn.Module]:
         return self.versions[version][1]

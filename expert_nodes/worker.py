@@ -78,7 +78,7 @@ def _serve(spec: ExpertWorkerSpec, store: TCPStore) -> None:
     device = torch.device(spec.device)
     pack = _pack_for_cpu if device.type == "cpu" else (lambda m: m)
     load = loader_for(spec.model, cfg, spec.dtype, device, spec.kernels, pack)
-    held = HeldExperts(spec.placement, load(spec.placement.experts_on(spec.rank)), spec.rank, load)
+    held = HeldExperts(spec.placement, load(spec.placement.experts_on(spec.rank)), spec.rank, load, device)
     peers = [f"a{i}" for i in range(spec.attention_workers)]
     endpoint = open_endpoint(spec.transport, store, spec.session, f"e{spec.rank}", peers, spec.micro_batches)
     log.info("serving %d MoE layers, placement version %d", len(moe_layers), spec.placement.version)
@@ -126,7 +126,7 @@ class _Load:
         """Add one slot's (token, expert) pairs: local ids (-1: an expert elsewhere) -> global ids."""
         ids = local_ids_RK.reshape(-1)
         here = ids >= 0
-        flat = self.row[layer] * self.E + global_ids.to(ids.device)[ids.clamp(min=0)]
+        flat = self.row[layer] * self.E + global_ids[ids.clamp(min=0)]  # both on the expert device
         self.tokens_LE.index_add_(0, flat.to(self.tokens_LE.device), here.to(self.tokens_LE.dtype))
 
     def step_done(self, idle: bool) -> None:

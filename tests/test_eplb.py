@@ -117,6 +117,40 @@ def test_metrics_show_worker_load_imbalance_and_bounded_hot_experts():
     assert 'shuttle_expert_load_imbalance{model_name="tiny"} 1.0' in m.render().decode()
 
 
+# -- an expert worker's versions ---------------------------------------------------------------------
+def test_held_experts_reuse_held_copies_and_load_only_new_ones():
+    from expert_nodes.placement import HeldExperts
+    from kernels.ops import select_ops
+    from models.moe_decoder import Experts
+
+    def experts(ids: list[int]) -> Experts:  # expert e's weights are all e (so we can tell them apart)
+        m = Experts(len(ids), 4, 3, select_ops("cpu"))
+        with torch.no_grad():
+            for i, e in enumerate(ids):
+                m.w13[i].fill_(e), m.w2[i].fill_(e)
+        return m
+
+    loads = []
+
+    def load_fn(ids_by_layer):
+        loads.append(ids_by_layer)
+        return {layer: experts(ids) for layer, ids in ids_by_layer.items()}
+
+    v0 = ExpertPlacement.uniform(Placement.balanced(4, 2), [0, 2])  # worker 1: experts 2, 3
+    held = HeldExperts(v0, load_fn(v0.experts_on(1)), rank=1, load_fn=load_fn)
+    layer0 = Placement(4, 2, ((0, 1), (0,), (1,), (0,)))  # worker 1 in layer 0: 0 (new) and 2 (held)
+    v1 = ExpertPlacement((0, 2), (layer0, v0.layers[1]), 1)
+    held.build(v1)
+    assert loads[-1] == {0: [0]}  # only the new copy is read; layer 2 is unchanged
+    rx = types.SimpleNamespace(version=0, held={0})
+    held.step_done(rx)
+    assert rx.held == {0, 1} and held.modules(1)[2] is held.modules(0)[2]
+    assert held.modules(1)[0].w13[:, 0, 0].tolist() == [0.0, 2.0]
+    assert held.global_ids(1, 0).tolist() == [0, 2]
+    rx.version = 1  # the attention workers switched: version 0 is freed
+    assert held.step_done(rx) and rx.held == {1} and set(held.versions) == {1}
+
+
 # -- the version handshake over real endpoints ------------------------------------------------------
 D, K, E = 8, 2, 4
 
