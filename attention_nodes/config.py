@@ -48,7 +48,10 @@ class ParallelConfig:
     processes and `expert_workers` expert processes exchange tokens over M2N (`transport`: shm on
     one host, tcp across hosts), each step split into `micro_batches` (1 to 4) that ping-pong
     between the pools. placement: a JSON file {"expert": [workers]} (default: contiguous blocks).
-    torch_threads: torch threads per worker process (None: torch's default)."""
+    torch_threads: torch threads per worker process (None: torch's default).
+    max_worker_restarts: how many times the front restarts a dead or silent worker within
+    `restart_window_s` seconds before it gives the deployment up (0: never; workers started
+    elsewhere with --role are never restarted from the front)."""
 
     colocated: bool = True
     attention_workers: int = 1
@@ -59,6 +62,8 @@ class ParallelConfig:
     torch_threads: int | None = None
     trace_dir: str | None = None  # each worker writes DIR/<worker>.trace.json (Chrome trace) when it stops
     expert_device: str | None = None  # the expert pool's device (None: the engine's device)
+    max_worker_restarts: int = 3
+    restart_window_s: float = 600.0
 
     def __post_init__(self) -> None:
         for name in ("attention_workers", "expert_workers", "micro_batches"):
@@ -71,6 +76,12 @@ class ParallelConfig:
             raise ValueError(f"parallel.transport must be shm or tcp, got {self.transport!r}")
         if self.expert_device is not None and self.expert_device != "cpu" and not self.expert_device.startswith("cuda"):
             raise ValueError(f"parallel.expert_device must be cpu or cuda, got {self.expert_device!r}")
+        if not isinstance(self.max_worker_restarts, int) or isinstance(self.max_worker_restarts, bool) \
+                or self.max_worker_restarts < 0:
+            raise ValueError(f"parallel.max_worker_restarts must be an integer >= 0, got {self.max_worker_restarts!r}")
+        if not isinstance(self.restart_window_s, (int, float)) or not self.restart_window_s > 0:
+            raise ValueError(f"parallel.restart_window_s must be a positive number of seconds, "
+                             f"got {self.restart_window_s!r}")
         if self.torch_threads is not None and (not isinstance(self.torch_threads, int) or self.torch_threads < 1):
             raise ValueError(f"parallel.torch_threads must be a positive integer, got {self.torch_threads!r}")
 

@@ -5,6 +5,12 @@ attention worker's chunk (an empty chunk is a valid chunk), run the local expert
 tokens at once, and send each attention worker its rows back (m2n_comm.m2n.M2NReceiver).
 Every second while busy, and after each idle step, it publishes its load (busy time, tokens per
 expert) in the store under SESSION/stats/eN, for the server's /metrics.
+
+Epochs: when an attention worker dies or goes silent (or closes its endpoint because the server
+reset the data plane), the expert worker reports the peer under SESSION/broken/g<epoch>/eN, closes
+its endpoint and waits for the server to publish the next epoch (SESSION/epoch); then it opens its
+endpoint again under that epoch's session, with its experts still loaded. A restarted expert
+worker loads only its own experts and joins the current epoch.
 """
 import json
 import logging
@@ -17,13 +23,14 @@ from torch.distributed import TCPStore
 
 from m2n_comm.m2n import M2NReceiver, Placement, run_local_experts
 from m2n_comm.trace import Tracer
-from m2n_comm.transport import PeerDeadError, TransportConfig, open_endpoint
+from m2n_comm.transport import PeerDeadError, TransportConfig, TransportTimeout, data_session, open_endpoint
 from models.config import ModelConfig
 from models.dispatcher import count_expert_tokens_
 from models.loader import load_experts
 
 log = logging.getLogger("shuttle.expert")
 STATS_EVERY_S = 1.0
+EPOCH_POLL_S = 0.05  # while the data plane is down: how often to look for the server's next epoch
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ class ExpertWorkerSpec:
     session: str
     torch_threads: int | None = None
     trace_dir: str | None = None
+    epoch: int = 0  # the data plane epoch to join first
 
 
 def run_expert_worker(spec: ExpertWorkerSpec) -> None:
@@ -55,12 +63,10 @@ def run_expert_worker(spec: ExpertWorkerSpec) -> None:
     store = TCPStore(*spec.store_addr, is_master=False, wait_for_workers=False)
     try:
         _serve(spec, store)
+        _done(store, spec)
     except BaseException as e:
         if isinstance(e, PeerDeadError) and _shutting_down(store, spec.session):
-            try:
-                store.set(f"{spec.session}/done/e{spec.rank}", "1")
-            except Exception:
-                pass
+            _done(store, spec)
         else:
             log.exception("expert worker %d failed", spec.rank)
             try:
@@ -71,30 +77,72 @@ def run_expert_worker(spec: ExpertWorkerSpec) -> None:
 
 
 def _serve(spec: ExpertWorkerSpec, store: TCPStore) -> None:
+    """Load the experts once, then serve one data-plane epoch after another until shutdown."""
     cfg = ModelConfig.from_pretrained(spec.model)
     moe_layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
     device = torch.device(spec.device)
     experts = load_experts(spec.model, spec.placement.experts_on(spec.rank), cfg, spec.dtype, device, spec.kernels)
     experts = _pack_for_cpu(experts) if device.type == "cpu" else experts
-    peers = [f"a{i}" for i in range(spec.attention_workers)]
-    endpoint = open_endpoint(spec.transport, store, spec.session, f"e{spec.rank}", peers, spec.micro_batches)
     log.info("serving experts %s of %d MoE layers", spec.placement.experts_on(spec.rank), len(moe_layers))
     tracer = Tracer(f"e{spec.rank}", enabled=spec.trace_dir is not None)
-    receiver = M2NReceiver(endpoint, peers, moe_layers, spec.micro_batches, device, tracer=tracer)
     load = _Load(spec, store, tracer, device)
+    epoch: int | None = spec.epoch
     try:
-        with torch.inference_mode():
-            while True:
-                for layer in moe_layers:
-                    for mb in range(spec.micro_batches):
-                        batch = receiver.recv(layer, mb)
-                        load.count(batch.local_ids_RK)
-                        receiver.reply(batch, run_local_experts(experts[layer], batch))
-                load.step_done(receiver.idle)
+        while epoch is not None:
+            try:
+                _serve_epoch(spec, store, epoch, experts, moe_layers, device, tracer, load)
+            except (PeerDeadError, TransportTimeout) as e:
+                if _shutting_down(store, spec.session):
+                    raise
+                log.warning("data plane of epoch %d broke: %s", epoch, e)
+            epoch = _next_epoch(store, spec.session, epoch)
     finally:
-        endpoint.close()
         if spec.trace_dir:
             tracer.dump(spec.trace_dir)
+
+
+def _serve_epoch(spec: ExpertWorkerSpec, store: TCPStore, epoch: int, experts: dict, moe_layers: list[int],
+                 device: torch.device, tracer: Tracer, load: "_Load") -> None:
+    peers = [f"a{i}" for i in range(spec.attention_workers)]
+    endpoint = open_endpoint(spec.transport, store, data_session(spec.session, epoch), f"e{spec.rank}", peers,
+                             spec.micro_batches)
+    receiver = M2NReceiver(endpoint, peers, moe_layers, spec.micro_batches, device, tracer=tracer)
+    try:
+        _serve_steps(spec, receiver, experts, moe_layers, load)
+    except (PeerDeadError, TransportTimeout) as e:
+        # Reported before the endpoint closes: the attention workers see the close and report it
+        # too, and the server must learn from us which peer is to blame.
+        if not _shutting_down(store, spec.session):
+            store.set(f"{spec.session}/broken/g{epoch}/e{spec.rank}",
+                      json.dumps({"peer": getattr(e, "peer", ""), "why": str(e)}))
+        raise
+    finally:
+        endpoint.close()
+
+
+def _serve_steps(spec: ExpertWorkerSpec, receiver: M2NReceiver, experts: dict, moe_layers: list[int],
+                 load: "_Load") -> None:
+    with torch.inference_mode():
+        while True:
+            for layer in moe_layers:
+                for mb in range(spec.micro_batches):
+                    batch = receiver.recv(layer, mb)
+                    load.count(batch.local_ids_RK)
+                    receiver.reply(batch, run_local_experts(experts[layer], batch))
+            load.step_done(receiver.idle)
+
+
+def _next_epoch(store: TCPStore, session: str, epoch: int) -> int | None:
+    """Wait for the server to publish an epoch after `epoch`; None when the deployment shuts down."""
+    key = f"{session}/epoch"
+    while True:
+        if _shutting_down(store, session):
+            return None
+        if store.check([key]):
+            nxt = int(store.get(key))
+            if nxt > epoch:
+                return nxt
+        time.sleep(EPOCH_POLL_S)
 
 
 class _Load:
@@ -115,6 +163,13 @@ class _Load:
                 "busy_ns": self.tracer.totals.get("expert", 0), "uptime_ns": time.monotonic_ns() - self.start_ns,
                 "experts": self.experts, "tokens": self.tokens_E.tolist()}))
             self.last = time.monotonic()
+
+
+def _done(store: TCPStore, spec: ExpertWorkerSpec) -> None:
+    try:
+        store.set(f"{spec.session}/done/e{spec.rank}", "1")
+    except Exception:
+        pass
 
 
 def _shutting_down(store: TCPStore, session: str) -> bool:

@@ -163,6 +163,11 @@ class M2NSender:
         self.tracer = tracer or Tracer(endpoint.me)
         self._last_ns = 0
 
+    def reconnect(self, endpoint: Endpoint) -> None:
+        """Use a new endpoint (the data plane's next epoch, after a failure): steps count from 0
+        again on every attention worker, and the expert workers start idle."""
+        self.ep, self.step, self.peers_idle, self._step_tokens = endpoint, 0, True, 0
+
     def _tables(self, device: torch.device) -> None:
         if self._device != device:
             self._ncopies_E, self._copy_EC, self._local_WE = (t.to(device) for t in

@@ -186,13 +186,17 @@ def build_app(llm: AsyncLLM, cfg: ServerConfig, metrics: ServerMetrics) -> FastA
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, CompletionStreamResponse,
                           ChatCompletionStreamResponse, TokenizeRequest, DetokenizeRequest])
 
-    @app.get("/health", response_model=None, responses={200: {"model": Health},
-                                                         503: {"model": ErrorResponse, "description": "engine dead"}})
+    @app.get("/health", response_model=None, responses={
+        200: {"model": Health, "description": "a generation step can run"},
+        503: {"model": ErrorResponse, "description": "engine dead, or workers restarting (with Retry-After)"}})
     async def health() -> Response:
         try:
             llm.check_alive()
         except EngineDeadError as e:
             raise OpenAIError(str(e), status=503, code="engine_dead") from None
+        if not llm.ready:  # workers are being restarted: requests wait meanwhile
+            raise OpenAIError("workers are restarting; requests wait until they are back", status=503,
+                              code="engine_not_ready", headers={"Retry-After": "1"})
         return JSONResponse({"status": "ok"})
 
     @app.get("/version", response_model=Version)
