@@ -5,7 +5,7 @@ continues exactly as the undisturbed run, greedy or seeded, with penalties and n
 End to end: ONE real `shuttle serve` (2 attention + 2 expert workers) driven by the official
 `openai` client with streams under load; an expert worker SIGKILLed, an attention worker
 SIGKILLed, an expert worker SIGSTOPped (silent): every request succeeds with the undisturbed
-greedy text, the first token after the fault comes within 30 s, /health says 503 with Retry-After
+text (greedy; one prompt samples with a seed), the first token after the fault comes within 30 s, /health says 503 with Retry-After
 while the workers restart (and a request sent then waits and succeeds), 200 after. The fourth
 fault is past --max-worker-restarts 3: the clear failure of an unsupervised deployment.
 `make fault-test` runs the full-size version (200 requests at concurrency 32).
@@ -27,6 +27,7 @@ from tests.live_server import LiveServer
 
 PROMPTS = ["The for statement", "A list is", "def main():", "import os", "While the loop", "Errors are",
            "class Foo:", "The value of"]
+SEEDED = {"The value of": {"temperature": 0.9, "top_p": 0.95, "seed": 7}}  # the others are greedy
 MAX_TOKENS = int(os.environ.get("SHUTTLE_FAULT_MAX_TOKENS", "32"))
 NUM_REQUESTS = int(os.environ.get("SHUTTLE_FAULT_REQUESTS", "12"))
 CONCURRENCY = int(os.environ.get("SHUTTLE_FAULT_CONCURRENCY", "6"))
@@ -79,16 +80,18 @@ def server(make_checkpoint):
                      "--micro-batches", "2", "--max-worker-restarts", "3", "--num-kv-blocks", "256"]) as srv:
         srv.model = str(ckpt)
         srv.client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # the undisturbed greedy text
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # the undisturbed text
             srv.reference = dict(zip(PROMPTS, pool.map(lambda p: _complete(srv, p), PROMPTS)))
         yield srv
 
 
 def _complete(srv, prompt: str, stamps: list[float] | None = None) -> str:
-    """One streamed greedy completion through the openai client; `stamps` gets each chunk's time."""
+    """One streamed completion (greedy, or seeded for SEEDED prompts) through the openai client;
+    `stamps` gets each chunk's time."""
     text = []
-    for chunk in srv.client.completions.create(model=srv.model, prompt=prompt, max_tokens=MAX_TOKENS,
-                                               temperature=0, stream=True, extra_body={"ignore_eos": True}):
+    sampling = SEEDED.get(prompt, {"temperature": 0})
+    for chunk in srv.client.completions.create(model=srv.model, prompt=prompt, max_tokens=MAX_TOKENS, stream=True,
+                                               extra_body={"ignore_eos": True}, **sampling):
         if chunk.choices and chunk.choices[0].text:
             text.append(chunk.choices[0].text)
             if stamps is not None:
@@ -164,7 +167,7 @@ def _check_recovered(srv, out: dict) -> None:
     failed = {i: r for i, r in results.items() if isinstance(r, Exception)}
     assert not failed, f"{len(failed)} requests failed: {list(failed.values())[:3]}\n{srv.log()[-3000:]}"
     wrong = [i for i, text in results.items() if text != srv.reference[PROMPTS[i % len(PROMPTS)]]]
-    assert not wrong, f"streams {wrong} differ from the undisturbed greedy text"
+    assert not wrong, f"streams {wrong} differ from the undisturbed text"
     assert out["first_after_s"] is not None and out["first_after_s"] < 30, out["first_after_s"]
     assert (503, "engine_not_ready") in watch.codes and watch.retry_after == {"1"}, watch.codes
     assert watch.codes[-1] == 200, watch.codes[-5:]
