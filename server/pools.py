@@ -356,8 +356,8 @@ class PoolEngine:
         if msg is _WAKE:
             return []
         if conn in self._pending:
-            if isinstance(msg, wire.Ready) and msg.epoch == self.epoch:
-                self._joined(conn, self._pending.pop(conn), msg.rank)
+            if isinstance(msg, wire.Ready):
+                self._joined(conn, self._pending.pop(conn), msg.rank, msg.epoch)
             elif isinstance(msg, wire.Failed):
                 raise _Broken(f"attention worker a{msg.rank} failed: {msg.message}{self._exited()}", {f"a{msg.rank}"})
             return []  # a starting worker that dies is found by _check_procs
@@ -378,8 +378,9 @@ class PoolEngine:
             return self._deltas(msg)
         return []
 
-    def _joined(self, conn: int, sock: socket.socket, rank: int) -> None:
-        """A (re)started attention worker's connection becomes the current one of its rank."""
+    def _joined(self, conn: int, sock: socket.socket, rank: int, epoch: int) -> None:
+        """A (re)started attention worker's connection becomes the current one of its rank; one
+        started for an epoch that another failure has ended since is sent on to the current one."""
         old = self._socks[rank]
         for c in [c for c, r in self._conn_rank.items() if r == rank]:
             del self._conn_rank[c]
@@ -387,8 +388,11 @@ class PoolEngine:
         if old is not None:
             old.close()
         self._socks[rank] = sock
-        self._conn_rank[conn], self._conn_epoch[conn] = rank, self.epoch
-        self._waiting.discard(rank)
+        self._conn_rank[conn], self._conn_epoch[conn] = rank, epoch
+        if epoch == self.epoch:
+            self._waiting.discard(rank)
+        else:
+            self._send(rank, wire.Reset(self.epoch))
 
     def _deltas(self, msg: wire.Deltas) -> list[SequenceDelta]:
         out = []

@@ -5,9 +5,10 @@ continues exactly as the undisturbed run, greedy or seeded, with penalties and n
 End to end: ONE real `shuttle serve` (2 attention + 2 expert workers) driven by the official
 `openai` client with streams under load; an expert worker SIGKILLed, an attention worker
 SIGKILLed, an expert worker SIGSTOPped (silent): every request succeeds with the undisturbed
-text (greedy; one prompt samples with a seed), the first token after the fault comes within 30 s, /health says 503 with Retry-After
-while the workers restart (and a request sent then waits and succeeds), 200 after. The fourth
-fault is past --max-worker-restarts 3: the clear failure of an unsupervised deployment.
+text (greedy; one prompt samples with a seed), tokens flow again within 30 s of the fault,
+/health says 503 with Retry-After while the workers restart (and a request sent then waits and
+succeeds), 200 after; a worker killed while idle is restarted too. The fifth fault is past --max-worker-restarts 4: the clear
+failure of an unsupervised deployment.
 `make fault-test` runs the full-size version (200 requests at concurrency 32).
 """
 import os
@@ -77,7 +78,7 @@ def test_resume_continues_exactly(engine, params):
 def server(make_checkpoint):
     ckpt = make_checkpoint("mixtral")
     with LiveServer(["--model", str(ckpt), "--attention-workers", "2", "--expert-workers", "2",
-                     "--micro-batches", "2", "--max-worker-restarts", "3", "--num-kv-blocks", "256"]) as srv:
+                     "--micro-batches", "2", "--max-worker-restarts", "4", "--num-kv-blocks", "256"]) as srv:
         srv.model = str(ckpt)
         srv.client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
         with ThreadPoolExecutor(len(PROMPTS)) as pool:  # the undisturbed text
@@ -158,8 +159,12 @@ def _fault_under_load(srv, victim: str, sig: int) -> dict:
         watch.late["thread"].join(120)
     watch.stop.set()
     watch.join(5)
-    after = [t - killed_at for t in stamps if t > killed_at]
-    return {"results": results, "first_after_s": min(after) if after else None, "watch": watch}
+    after = sorted(t for t in stamps if t > killed_at)
+    # Tokens already in flight may still arrive just after the fault: the outage is the longest
+    # pause in the token flow from the fault on (detection, restart, recompute).
+    pause = max((b - a for a, b in zip([killed_at] + after, after)), default=None)
+    return {"results": results, "first_after_s": after[0] - killed_at if after else None, "pause_s": pause,
+            "watch": watch}
 
 
 def _check_recovered(srv, out: dict) -> None:
@@ -168,7 +173,7 @@ def _check_recovered(srv, out: dict) -> None:
     assert not failed, f"{len(failed)} requests failed: {list(failed.values())[:3]}\n{srv.log()[-3000:]}"
     wrong = [i for i, text in results.items() if text != srv.reference[PROMPTS[i % len(PROMPTS)]]]
     assert not wrong, f"streams {wrong} differ from the undisturbed text"
-    assert out["first_after_s"] is not None and out["first_after_s"] < 30, out["first_after_s"]
+    assert out["pause_s"] is not None and out["pause_s"] < 30, out["pause_s"]
     assert (503, "engine_not_ready") in watch.codes and watch.retry_after == {"1"}, watch.codes
     assert watch.codes[-1] == 200, watch.codes[-5:]
     assert watch.late.get("text") == srv.reference[PROMPTS[0]], watch.late  # sent while restarting: waited
@@ -184,15 +189,29 @@ def test_fault_under_load_loses_no_request(server, victim, sig):
     after = server.children()
     assert sorted(after) == sorted(before) and after[victim] != before[victim]  # a new process, same title
     assert all(after[t] == before[t] for t in before if t != victim)  # the others were not restarted
-    print(f"{victim} {signal.Signals(sig).name}: first token {out['first_after_s']:.2f} s after the fault")
+    print(f"{victim} {signal.Signals(sig).name}: first token {out['first_after_s']:.2f} s after the fault, "
+          f"longest pause in the token flow {out['pause_s']:.2f} s")
+
+
+@pytest.mark.slow
+def test_idle_fault_is_restarted(server):
+    """A worker killed while nothing runs is restarted too: /health goes 503 at once (the process is
+    gone), 200 once the new one joined, and the next request gets the undisturbed text."""
+    os.kill(server.children()["shuttle-expert-e1"], signal.SIGKILL)
+    codes, deadline = [], time.monotonic() + 90
+    while (not codes or codes[-1] != 200 or 503 not in codes) and time.monotonic() < deadline:
+        codes.append(httpx.get(f"{server.url}/health", timeout=5).status_code)
+        time.sleep(0.05)
+    assert 503 in codes[:10] and codes[-1] == 200, codes  # 503 within about half a second
+    assert _complete(server, PROMPTS[2]) == server.reference[PROMPTS[2]]
 
 
 @pytest.mark.slow
 def test_past_max_restarts_fails_clearly(server):
-    """The fourth fault (restart budget 3 spent above): streams end with an error event naming the
+    """The fifth fault (restart budget 4 spent above): streams end with an error event naming the
     worker, /health turns 503 engine_dead, new requests are refused: no hang."""
     metrics = httpx.get(f"{server.url}/metrics").text
-    assert f'shuttle_worker_restarts_total{{model_name="{server.model}"}} 3.0' in metrics
+    assert f'shuttle_worker_restarts_total{{model_name="{server.model}"}} 4.0' in metrics
     victim = server.children()["shuttle-expert-e0"]
     start = time.monotonic()
     with pytest.raises(openai.APIError) as err:
