@@ -11,6 +11,7 @@ succeeds), 200 after; a worker killed while idle is restarted too. The fifth fau
 failure of an unsupervised deployment.
 `make fault-test` runs the full-size version (200 requests at concurrency 32).
 """
+import collections
 import os
 import signal
 import threading
@@ -21,9 +22,10 @@ import httpx
 import openai
 import pytest
 
-from attention_nodes.config import CacheConfig, EngineConfig
+from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig
 from attention_nodes.engine import LLMEngine
 from attention_nodes.sampling_params import SamplingParams
+from server.pools import PoolEngine, WorkerFailedError, _Broken
 from tests.live_server import LiveServer
 
 PROMPTS = ["The for statement", "A list is", "def main():", "import os", "While the loop", "Errors are",
@@ -227,3 +229,39 @@ def test_past_max_restarts_fails_clearly(server):
     with pytest.raises(openai.APIStatusError) as refused:
         server.client.completions.create(model=server.model, prompt="x", max_tokens=2)
     assert refused.value.status_code == 503
+
+
+# -- unit: the restart budget ------------------------------------------------------------------------
+class _NoStore:
+    def check(self, keys) -> bool:
+        return False
+
+
+def _front(remote: bool = False, max_restarts: int = 2, window_s: float = 600.0):
+    """A PoolEngine with only what the restart budget reads (no processes)."""
+    eng = PoolEngine.__new__(PoolEngine)
+    eng.cfg = EngineConfig("unused", parallel=ParallelConfig(False, 1, 1, max_worker_restarts=max_restarts,
+                                                             restart_window_s=window_s))
+    eng._remote, eng._procs, eng._store, eng.num_restarts, eng.session = remote, [], _NoStore(), 0, "s"
+    eng._restarts = collections.deque()
+    return eng
+
+
+def test_restart_budget_and_remote_workers(monkeypatch):
+    """--max-worker-restarts counts within --restart-window-s; 0 and --role workers fail at once."""
+    eng = _front(max_restarts=2, window_s=100.0)
+    now = [1000.0]
+    monkeypatch.setattr("server.pools.time.monotonic", lambda: now[0])
+    eng._count_restart(_Broken("worker e0 exited with code -9"), {"e0"})
+    now[0] += 50
+    eng._count_restart(_Broken("worker e0 exited with code -9"), {"e0"})
+    with pytest.raises(WorkerFailedError, match=r"e0 exited.*giving up: 2 restarts within the last 100 s.*"
+                                                r"--max-worker-restarts 2"):
+        eng._count_restart(_Broken("worker e0 exited with code -9"), {"e0"})
+    now[0] += 60  # the first restart left the window
+    eng._count_restart(_Broken("worker a0 exited with code 1"), {"a0"})
+    assert eng.num_restarts == 3
+    with pytest.raises(WorkerFailedError, match="not restarted by the server"):
+        _front(remote=True)._count_restart(_Broken("attention worker a0: M2N peer 'e1' is dead"), {"e1"})
+    with pytest.raises(WorkerFailedError, match="^worker e0 exited"):
+        _front(max_restarts=0)._count_restart(_Broken("worker e0 exited with code -9"), {"e0"})
