@@ -94,7 +94,7 @@ class LLMEngine:
         if resume is not None and len(resume) != params.n:
             raise ValueError(f"resume lists {len(resume)} samples, the request has n={params.n}")
         max_tokens = min(params.max_tokens, self.model_cfg.max_model_len - len(ids))
-        seqs = [self._sequence(request_id, i, ids, params, max_tokens, None if resume is None else resume[i])
+        seqs = [self._sequence(request_id, i, ids, params, max_tokens, [] if resume is None else resume[i])
                 for i in range(params.n)]
         if resume is not None:
             for seq in seqs:
@@ -112,7 +112,7 @@ class LLMEngine:
         self.requests[request_id] = seqs
 
     def _sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams, max_tokens: int,
-                  done: list[int] | None = None) -> Sequence:
+                  done: list[int] | None) -> Sequence:
         """Sample `index` of a request; done: output tokens it already produced ([] for a new one; None: finished)."""
         gen = None
         if params.seed is not None:

@@ -6,7 +6,9 @@ Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both st
 events with stream=true), GET /health, GET /metrics (Prometheus), GET /version. Every error is
 OpenAI's {"error": {"message", "type", "param", "code"}} with its status: 400 bad values, 401 bad
 key, 404 unknown model or route, 413 oversized body, 503 (with Retry-After) when more than
-max_waiting requests wait for their first token, 500 when the engine failed. A client that
+max_waiting requests wait for their first token, 500 when the engine failed. /health is 200 only
+when a generation step can run (503 engine_not_ready with Retry-After while failed workers restart,
+503 engine_dead once the engine is gone). A client that
 disconnects aborts its request, streaming or not, which frees its KV blocks.
 """
 import asyncio
