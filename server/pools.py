@@ -497,8 +497,7 @@ class PoolEngine:
 
     def _count_restart(self, b: _Broken, suspects: set[str]) -> None:
         par = self.cfg.parallel
-        silent = sorted(p.name for p in self._procs if p.name in suspects and p.exitcode is None)
-        why = b.why + self._exited(0.0) + (f"; silent: {', '.join(silent)}" if silent else "")
+        why = b.why + self._exited(0.0) + (f"; failed: {', '.join(sorted(suspects))}" if suspects else "")
         if self._remote:
             raise WorkerFailedError(f"{why}; workers started with `shuttle serve --role` on other hosts are not "
                                     f"restarted by the server: restart the deployment")
