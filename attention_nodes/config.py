@@ -50,7 +50,10 @@ class ParallelConfig:
     between the pools. placement: a JSON file {"expert": [workers]} (default: contiguous blocks).
     torch_threads: torch threads per worker process (None: torch's default). eplb: re-place the
     experts live from their measured load every `eplb_interval` steps, with `num_redundant_experts`
-    extra copies per MoE layer (server/eplb.py)."""
+    extra copies per MoE layer (server/eplb.py).
+    max_worker_restarts: how many times the front restarts a dead or silent worker within
+    `restart_window_s` seconds before it gives the deployment up (0: never; workers started
+    elsewhere with --role are never restarted from the front)."""
 
     colocated: bool = True
     attention_workers: int = 1
@@ -64,6 +67,8 @@ class ParallelConfig:
     eplb: bool = False
     eplb_interval: int = 3000
     num_redundant_experts: int = 0
+    max_worker_restarts: int = 3
+    restart_window_s: float = 600.0
 
     def __post_init__(self) -> None:
         for name in ("attention_workers", "expert_workers", "micro_batches"):
@@ -82,6 +87,12 @@ class ParallelConfig:
             raise ValueError(f"parallel.num_redundant_experts must be >= 0, got {self.num_redundant_experts!r}")
         if self.num_redundant_experts and not self.eplb:
             raise ValueError("parallel.num_redundant_experts: redundant copies are placed by EPLB; add --eplb")
+        if not isinstance(self.max_worker_restarts, int) or isinstance(self.max_worker_restarts, bool) \
+                or self.max_worker_restarts < 0:
+            raise ValueError(f"parallel.max_worker_restarts must be an integer >= 0, got {self.max_worker_restarts!r}")
+        if not isinstance(self.restart_window_s, (int, float)) or not self.restart_window_s > 0:
+            raise ValueError(f"parallel.restart_window_s must be a positive number of seconds, "
+                             f"got {self.restart_window_s!r}")
         if self.torch_threads is not None and (not isinstance(self.torch_threads, int) or self.torch_threads < 1):
             raise ValueError(f"parallel.torch_threads must be a positive integer, got {self.torch_threads!r}")
 

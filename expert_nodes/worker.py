@@ -6,6 +6,12 @@ tokens at once, and send each attention worker its rows back (m2n_comm.m2n.M2NRe
 Every second while busy, and after each idle step, it publishes its load (busy time, tokens per
 (MoE layer, expert)) in the store under SESSION/stats/eN, for the server's /metrics and EPLB.
 Placement versions (live re-placement) are prepared by a watcher thread: expert_nodes/placement.py.
+
+Epochs: when an attention worker dies or goes silent (or closes its endpoint because the server
+reset the data plane), the expert worker reports the peer under SESSION/broken/g<epoch>/eN, closes
+its endpoint and waits for the server to publish the next epoch (SESSION/epoch); then it opens its
+endpoint again under that epoch's session, with its experts (every placement version it holds)
+still loaded. A restarted expert worker loads only its own experts and joins the current epoch.
 """
 import json
 import logging
@@ -21,11 +27,12 @@ from expert_nodes.placement import HeldExperts, loader_for, watch_placements
 from m2n_comm.m2n import M2NReceiver, run_local_experts
 from m2n_comm.placement import ExpertPlacement
 from m2n_comm.trace import Tracer
-from m2n_comm.transport import PeerDeadError, TransportConfig, open_endpoint
+from m2n_comm.transport import PeerDeadError, TransportConfig, TransportTimeout, data_session, open_endpoint
 from models.config import ModelConfig
 
 log = logging.getLogger("shuttle.expert")
 STATS_EVERY_S = 1.0
+EPOCH_POLL_S = 0.05  # while the data plane is down: how often to look for the server's next epoch
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class ExpertWorkerSpec:
     session: str
     torch_threads: int | None = None
     trace_dir: str | None = None
+    epoch: int = 0  # the data plane epoch to join first
 
 
 def run_expert_worker(spec: ExpertWorkerSpec) -> None:
@@ -57,12 +65,10 @@ def run_expert_worker(spec: ExpertWorkerSpec) -> None:
     store = TCPStore(*spec.store_addr, is_master=False, wait_for_workers=False)
     try:
         _serve(spec, store)
+        _done(store, spec)
     except BaseException as e:
         if isinstance(e, PeerDeadError) and _shutting_down(store, spec.session):
-            try:
-                store.set(f"{spec.session}/done/e{spec.rank}", "1")
-            except Exception:
-                pass
+            _done(store, spec)
         else:
             log.exception("expert worker %d failed", spec.rank)
             try:
@@ -73,38 +79,80 @@ def run_expert_worker(spec: ExpertWorkerSpec) -> None:
 
 
 def _serve(spec: ExpertWorkerSpec, store: TCPStore) -> None:
+    """Load the experts once, then serve one data-plane epoch after another until shutdown."""
     cfg = ModelConfig.from_pretrained(spec.model)
     moe_layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
     device = torch.device(spec.device)
     pack = _pack_for_cpu if device.type == "cpu" else (lambda m: m)
-    load = loader_for(spec.model, cfg, spec.dtype, device, spec.kernels, pack)
-    held = HeldExperts(spec.placement, load(spec.placement.experts_on(spec.rank)), spec.rank, load, device)
-    peers = [f"a{i}" for i in range(spec.attention_workers)]
-    endpoint = open_endpoint(spec.transport, store, spec.session, f"e{spec.rank}", peers, spec.micro_batches)
+    load_fn = loader_for(spec.model, cfg, spec.dtype, device, spec.kernels, pack)
+    held = HeldExperts(spec.placement, load_fn(spec.placement.experts_on(spec.rank)), spec.rank, load_fn, device)
     log.info("serving %d MoE layers, placement version %d", len(moe_layers), spec.placement.version)
     tracer = Tracer(f"e{spec.rank}", enabled=spec.trace_dir is not None)
-    receiver = M2NReceiver(endpoint, peers, moe_layers, spec.micro_batches, device, tracer=tracer)
-    receiver.held = set(held.versions)
+    load = _Load(spec, store, tracer, device, cfg.num_experts, moe_layers)
     stop = threading.Event()
     threading.Thread(target=watch_placements, args=(held, spec.store_addr, spec.session, stop), daemon=True,
                      name="placement-watcher").start()
-    stats = _Load(spec, store, tracer, device, cfg.num_experts, moe_layers)
+    epoch: int | None = spec.epoch
     try:
-        with torch.inference_mode():
-            while True:
-                for layer in moe_layers:
-                    for mb in range(spec.micro_batches):
-                        batch = receiver.recv(layer, mb)
-                        stats.count(layer, held.global_ids(batch.version, layer), batch.local_ids_RK)
-                        receiver.reply(batch, run_local_experts(held.modules(batch.version)[layer], batch))
-                if held.step_done(receiver):
-                    store.set(f"{spec.session}/placement/active/e{spec.rank}", str(held.active))
-                stats.step_done(receiver.idle)
+        while epoch is not None:
+            try:
+                _serve_epoch(spec, store, epoch, held, moe_layers, device, tracer, load)
+            except (PeerDeadError, TransportTimeout) as e:
+                if _shutting_down(store, spec.session):
+                    raise
+                log.warning("data plane of epoch %d broke: %s", epoch, e)
+            epoch = _next_epoch(store, spec.session, epoch)
     finally:
         stop.set()
-        endpoint.close()
         if spec.trace_dir:
             tracer.dump(spec.trace_dir)
+
+
+def _serve_epoch(spec: ExpertWorkerSpec, store: TCPStore, epoch: int, held: HeldExperts, moe_layers: list[int],
+                 device: torch.device, tracer: Tracer, load: "_Load") -> None:
+    peers = [f"a{i}" for i in range(spec.attention_workers)]
+    endpoint = open_endpoint(spec.transport, store, data_session(spec.session, epoch), f"e{spec.rank}", peers,
+                             spec.micro_batches)
+    receiver = M2NReceiver(endpoint, peers, moe_layers, spec.micro_batches, device, tracer=tracer)
+    receiver.held = set(held.versions)
+    try:
+        _serve_steps(spec, store, receiver, held, moe_layers, load)
+    except (PeerDeadError, TransportTimeout) as e:
+        # Reported before the endpoint closes: the attention workers see the close and report it
+        # too, and the server must learn from us which peer is to blame.
+        if not _shutting_down(store, spec.session):
+            store.set(f"{spec.session}/broken/g{epoch}/e{spec.rank}",
+                      json.dumps({"peer": getattr(e, "peer", ""), "why": str(e)}))
+        raise
+    finally:
+        endpoint.close()
+
+
+def _serve_steps(spec: ExpertWorkerSpec, store: TCPStore, receiver: M2NReceiver, held: HeldExperts,
+                 moe_layers: list[int], load: "_Load") -> None:
+    with torch.inference_mode():
+        while True:
+            for layer in moe_layers:
+                for mb in range(spec.micro_batches):
+                    batch = receiver.recv(layer, mb)
+                    load.count(layer, held.global_ids(batch.version, layer), batch.local_ids_RK)
+                    receiver.reply(batch, run_local_experts(held.modules(batch.version)[layer], batch))
+            if held.step_done(receiver):
+                store.set(f"{spec.session}/placement/active/e{spec.rank}", str(held.active))
+            load.step_done(receiver.idle)
+
+
+def _next_epoch(store: TCPStore, session: str, epoch: int) -> int | None:
+    """Wait for the server to publish an epoch after `epoch`; None when the deployment shuts down."""
+    key = f"{session}/epoch"
+    while True:
+        if _shutting_down(store, session):
+            return None
+        if store.check([key]):
+            nxt = int(store.get(key))
+            if nxt > epoch:
+                return nxt
+        time.sleep(EPOCH_POLL_S)
 
 
 class _Load:
@@ -136,6 +184,13 @@ class _Load:
                 "busy_ns": self.tracer.totals.get("expert", 0), "uptime_ns": time.monotonic_ns() - self.start_ns,
                 **self.meta}))
             self.last = time.monotonic()
+
+
+def _done(store: TCPStore, spec: ExpertWorkerSpec) -> None:
+    try:
+        store.set(f"{spec.session}/done/e{spec.rank}", "1")
+    except Exception:
+        pass
 
 
 def _shutting_down(store: TCPStore, session: str) -> bool:

@@ -173,6 +173,12 @@ class M2NSender:
         if placement.version > self.routes.version:
             self._pending = _Routes(placement)
 
+    def reconnect(self, endpoint: Endpoint) -> None:
+        """Use a new endpoint (the data plane's next epoch, after a failure): steps count from 0
+        again on every attention worker, and the expert workers start idle."""
+        self.ep, self.step, self.peers_idle, self._step_tokens = endpoint, 0, True, 0
+        self._agreed = self._next_agreed = 0  # placement offers are made again in the new epoch
+
     def begin_step(self) -> None:
         if self._pending is not None and self._agreed >= self._pending.version:
             self.routes, self._pending = self._pending, None

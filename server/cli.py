@@ -72,7 +72,8 @@ def _deployment_kwargs(args: argparse.Namespace, disaggregate_by_default: bool) 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.attention_device or args.device, kernels=args.kernels, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching)
+                num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
+                max_worker_restarts=args.max_worker_restarts, restart_window_s=args.restart_window_s)
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -123,6 +124,11 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-redundant-experts", type=int, default=None, metavar="R",
                    help="with --eplb: extra expert copies per MoE layer for the hottest experts (default 0)")
     g.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
+    g.add_argument("--max-worker-restarts", type=int, default=3, metavar="N",
+                   help="restart a dead or silent worker at most N times within --restart-window-s; past that "
+                        "the deployment fails (0: never restart; default 3)")
+    g.add_argument("--restart-window-s", type=float, default=600.0, metavar="S",
+                   help="the window --max-worker-restarts counts restarts in (seconds, default 600)")
     g.add_argument("--colocated", action="store_true", help="experts inside the attention process, no transport")
     g.add_argument("--attention-device", default=None, help="the attention pool's device (cpu, cuda; as --device)")
     g.add_argument("--expert-device", default=None, help="the expert pool's device (default: the attention pool's)")
@@ -137,7 +143,7 @@ def _serve(args: argparse.Namespace) -> int:
         if not args.rendezvous:
             print("shuttle serve: error: --role attention|expert needs --rendezvous HOST:PORT", file=sys.stderr)
             return 2
-        from server.pools import run_role
+        from server.roles import run_role
         run_role(args.role, args.rendezvous, args.host, args.torch_threads)
         return 0
     from server.api_server import ServerConfig, bind, serve

@@ -101,6 +101,20 @@ class PlacementControl:
                 self.current, self.pending, self._phase = self.pending, None, ""
                 self.applied += 1
 
+    def moved(self) -> bool:
+        """True once a re-placement was applied or is under way (workers may hold other versions)."""
+        return self.current.version > 0 or self.pending is not None
+
+    def restarted(self) -> None:
+        """The front restarted every worker with `current` (after a failure): a re-placement under
+        way is given up (its version number is spent) and EPLB's window starts again, since step
+        and token counts restart from zero in new workers."""
+        if self.pending is not None:
+            log.warning("placement version %d abandoned: the workers were restarted", self.pending.version)
+            self.current = ExpertPlacement(self.current.moe_layers, self.current.layers, self.pending.version)
+            self.pending, self._phase = None, ""
+        self._window_start = (0, None)
+
     def stats(self) -> dict:
         return {"placement_version": self.current.version, "placement_changes": self.applied,
                 "placement_pending": self.pending is not None}

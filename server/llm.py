@@ -44,7 +44,8 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                   colocated: bool = True, attention_workers: int = 1, expert_workers: int = 1, micro_batches: int = 1,
                   transport: str = "shm", placement: str | None = None,
                   torch_threads: int | None = None, expert_device: str | None = None, eplb: bool = False,
-                  eplb_interval: int = 3000, num_redundant_experts: int = 0) -> EngineConfig:
+                  eplb_interval: int = 3000, num_redundant_experts: int = 0, max_worker_restarts: int = 3,
+                  restart_window_s: float = 600.0) -> EngineConfig:
     """EngineConfig from the keyword arguments of LLM and the command line (None model: built-in).
     colocated=False runs attention_workers and expert_workers as separate processes (see
     attention_nodes.config.ParallelConfig); `device` is then the attention pool's, expert_device
@@ -61,7 +62,8 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                         CacheConfig(block_size, num_kv_blocks, kv_cache_gib, enable_prefix_caching),
                         ParallelConfig(colocated, attention_workers, expert_workers, micro_batches, transport, placement,
                                        torch_threads, expert_device=expert_device, eplb=eplb,
-                                       eplb_interval=eplb_interval, num_redundant_experts=num_redundant_experts))
+                                       eplb_interval=eplb_interval, num_redundant_experts=num_redundant_experts,
+                                       max_worker_restarts=max_worker_restarts, restart_window_s=restart_window_s))
 
 
 class LLM:

@@ -105,7 +105,8 @@ class _EngineCollector(Collector):
         for name, doc, key in (("prefix_cache_queries", "Prompt blocks looked up in the prefix cache",
                                 "prefix_cache_queries"),
                                ("prefix_cache_hits", "Prompt blocks found in the prefix cache", "prefix_cache_hits"),
-                               ("num_preemptions", "Sequences preempted for lack of KV blocks", "preemptions")):
+                               ("num_preemptions", "Sequences preempted for lack of KV blocks", "preemptions"),
+                               ("worker_restarts", "Worker processes restarted after a failure", "worker_restarts")):
             c = CounterMetricFamily(f"shuttle_{name}", doc, labels=["model_name"])
             c.add_metric(m, s.get(key, 0))
             yield c

@@ -269,7 +269,7 @@ def test_api_key_and_full_queue(ckpt):
 
 
 def test_a_dead_worker_is_reported_not_hung(ckpt):
-    with LiveServer(["--model", str(ckpt)]) as srv:
+    with LiveServer(["--model", str(ckpt), "--max-worker-restarts", "0"]) as srv:  # restarts: test_supervision.py
         workers = srv.children()  # readable process titles, for ps and top
         assert sorted(workers) == ["shuttle-attention-a0", "shuttle-expert-e0"], workers
         body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
