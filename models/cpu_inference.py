@@ -13,15 +13,19 @@ from models.moe_decoder import Experts, MoEForCausalLM
 
 
 class PackedExperts(nn.Module):
-    """Experts with per-expert packed w13 (2I, D) and w2 (D, I)."""
+    """Experts with per-expert packed w13 (2I, D) and w2 (D, I), their biases (if any) and activation."""
 
     def __init__(self, experts: Experts):
         super().__init__()
         self.w13_packed = [pack_weight(w) for w in experts.w13.detach()]
         self.w2_packed = [pack_weight(w) for w in experts.w2.detach()]
+        self.b13 = None if experts.b13 is None else experts.b13.detach()
+        self.b2 = None if experts.b2 is None else experts.b2.detach()
+        self.act = experts.act
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
-        return fused_moe_packed(x_TD, self.w13_packed, self.w2_packed, topk_weights_TK, topk_ids_TK)
+        return fused_moe_packed(x_TD, self.w13_packed, self.w2_packed, topk_weights_TK, topk_ids_TK,
+                                b13_EI2=self.b13, b2_ED=self.b2, act=self.act)
 
 
 def pack_for_cpu_inference(model: MoEForCausalLM) -> bool:
