@@ -309,9 +309,9 @@ def load_experts(model_dir: str | Path, expert_ids: list[int], cfg: ModelConfig 
         for t in checkpoint_targets(name, cfg) or []:
             if t.param not in params or (t.expert is not None and t.expert not in local):
                 continue
-            t = Target(t.param, None if t.expert is None else local[t.expert], t.rows)
+            t = Target(t.param, None if t.expert is None else local[t.expert], t.rows, t.layout)
             wanted.setdefault(name, []).append(t)
-            model_shape[t] = full_shape[t.param] if t.expert is None else _target_shape(t, params[t.param].shape)
+            model_shape[t] = _target_shape(t, full_shape[t.param] if t.expert is None else params[t.param].shape)
             covered[t.param] += params[t.param].numel() if t.expert is None else _numel(model_shape[t])
     for pname, p in params.items():
         if covered[pname] != p.numel():

@@ -52,3 +52,137 @@ def test_logits_equal_transformers(make_checkpoint, family, overrides):
     d = make_checkpoint(family, **overrides)
     model = load_model(d, kernels="torch")
     assert_close_to_transformers(our_logits(model, PROMPTS), hf_model(d), PROMPTS)
+
+
+# --- Triton (interpreted on the CPU) equals the torch references for the new options ---
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window,num_splits", [(None, 1), (5, 1), (None, 3), (7, 2)])
+def test_triton_decode_attention_with_sinks(poison, window, num_splits):
+    from kernels.attention import paged_decode_attention as reference
+    from kernels.attention_triton import paged_decode_attention
+    from tests.test_triton_attention import paged_inputs
+
+    torch.manual_seed(window or 0)
+    inputs = paged_inputs([1, 4, 5, 23, 9], N=6, K=2, H=20, S=4)
+    sinks = torch.randn(6, device=inputs["q_BNH"].device) * 2
+    args = {k: v for k, v in inputs.items() if not k.endswith("_clean")}
+    got = paged_decode_attention(**args, sliding_window=window, sinks_N=sinks, num_splits=num_splits)
+    ref_args = {**args, "k_cache_PSKH": inputs["k_clean"], "v_cache_PSKH": inputs["v_clean"]}
+    want = reference(**ref_args, sliding_window=window, sinks_N=sinks)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    without = reference(**ref_args, sliding_window=window)
+    assert (want - without).abs().max() > 1e-2  # the sinks matter at this scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["silu", "gpt-oss"])
+def test_triton_moe_with_biases_and_clamped_swiglu(poison, act):
+    from kernels.moe import SILU, SwiGLU, fused_moe as reference
+    from kernels.moe_triton import MoEConfig, fused_moe
+    from tests.conftest import TRITON_DEVICE as dev
+
+    torch.manual_seed(1)
+    T, D, I, E, K = 13, 40, 24, 5, 3
+    x = torch.randn(T, D, device=dev)
+    w13, w2 = torch.randn(E, 2 * I, D, device=dev) / D ** 0.5, torch.randn(E, D, I, device=dev) / I ** 0.5
+    b13, b2 = torch.randn(E, 2 * I, device=dev) * 0.3, torch.randn(E, D, device=dev) * 0.3
+    weights, ids = torch.randn(T, E, device=dev).softmax(-1).topk(K, dim=-1)
+    f = SILU if act == "silu" else SwiGLU(1.702, 0.7, 1.0)  # a limit that clamps about a third of the values
+    kw = dict(b13_EI2=b13, b2_ED=b2, act=f)
+    want = reference(x, w13, w2, weights, ids, **kw)
+    got = fused_moe(x, w13, w2, weights, ids, **kw, config=MoEConfig(16, 32, 32, GROUP_M=1))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    assert (want - reference(x, w13, w2, weights, ids)).abs().max() > 1e-2
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_gpt_oss_model_on_triton_ops_matches_torch_ops(make_checkpoint):
+    """Prefill then a decode step over the paged cache on both op tables: sinks and windows in
+    the decode kernel, the biased router, expert biases and the clamped SwiGLU in the MoE kernel."""
+    from tests.conftest import TRITON_DEVICE as dev
+
+    ckpt = make_checkpoint("gpt_oss")
+    outs = []
+    for backend in ("torch", "triton"):
+        model = load_model(ckpt, device=dev, kernels=backend)
+        cache = make_paged_cache(model.cfg, 32, 4, torch.float32, dev, model.ops)
+        tables = [list(range(8 * b, 8 * b + 8)) for b in range(len(PROMPTS))]
+        prompts = PROMPTS[:3]  # 14 tokens pass the window of 5
+        lens = [len(p) for p in prompts]
+        batch = AttentionBatch.build_paged(lens, [0] * len(prompts), tables[:3], 4, dev)
+        got = [model.logits(model(torch.tensor([t for p in prompts for t in p], device=dev), batch, cache))]
+        batch = AttentionBatch.build_paged([1] * len(prompts), lens, tables[:3], 4, dev)
+        got.append(model.logits(model(torch.tensor([3, 5, 7], device=dev), batch, cache)))
+        outs.append(got)
+    for want, got in zip(*outs):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+# --- greedy tokens through LLM, the engine (preemption, prefix hits) and pools ---
+
+_SHARED = [311, 42, 97, 5, 260, 188, 73, 402, 19, 144, 230, 61]  # 3 full blocks of 4 the prompts share
+GREEDY_PROMPTS = [_SHARED + [7, 300, 12], _SHARED + [99], _SHARED + [450, 3, 8, 21, 77, 6, 140], [400, 3]]
+_EXPECTED: dict = {}
+
+
+def expected_greedy(make_checkpoint, family: str) -> tuple:
+    """(checkpoint, transformers' greedy 32 tokens for each of GREEDY_PROMPTS), computed once."""
+    if family not in _EXPECTED:
+        d = make_checkpoint(family)
+        ref = hf_model(d)
+        ref.generation_config.eos_token_id = None
+        _EXPECTED[family] = d, [ref.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False,
+                                             pad_token_id=1)[0, len(p):].tolist() for p in GREEDY_PROMPTS]
+    return _EXPECTED[family]
+
+
+def run_engine(eng, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from server import SamplingParams
+
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    out = {f"r{i}": [] for i in range(len(prompts))}
+    while eng.has_unfinished_requests():
+        for d in eng.step():
+            out[d.request_id] += d.new_token_ids
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+GREEDY = pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2", "gpt_oss"])
+PARAMS = dict(max_tokens=32, temperature=0, ignore_eos=True)
+
+
+@GREEDY
+def test_greedy_llm_and_engine_with_preemption_and_prefix_hits(make_checkpoint, family):
+    from attention_nodes.config import CacheConfig, EngineConfig, SchedulerConfig
+    from attention_nodes.engine import LLMEngine
+    from server import LLM, SamplingParams
+
+    d, want = expected_greedy(make_checkpoint, family)
+    outs = LLM(d).generate(GREEDY_PROMPTS, SamplingParams(**PARAMS))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    # 24 blocks of 4 for 4 sequences of up to 51 tokens: preemptions; chunks of 16 prefill tokens
+    eng = LLMEngine(EngineConfig(str(d), device="cpu", scheduler=SchedulerConfig(max_num_seqs=4,
+                                                                                max_num_batched_tokens=16),
+                                 cache=CacheConfig(4, 24, None, True)))
+    assert run_engine(eng, GREEDY_PROMPTS, 32) == want
+    assert eng.scheduler.num_preemptions > 0 and eng.blocks.prefix_hits > 0
+
+
+@pytest.mark.slow
+@GREEDY
+def test_pools_equal_transformers(make_checkpoint, family):
+    """2 attention workers (attention, sinks, router), 2 expert workers (the experts with their
+    biases and activation), 2 micro-batches."""
+    from server import LLM, SamplingParams
+
+    d, want = expected_greedy(make_checkpoint, family)
+    llm = LLM(d, num_kv_blocks=96, colocated=False, attention_workers=2, expert_workers=2, micro_batches=2,
+              torch_threads=1)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(GREEDY_PROMPTS, SamplingParams(**PARAMS))]
+    finally:
+        llm.shutdown()
+    assert got == want
