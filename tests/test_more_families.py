@@ -186,3 +186,83 @@ def test_pools_equal_transformers(make_checkpoint, family):
     finally:
         llm.shutdown()
     assert got == want
+
+
+# --- MXFP4 checkpoints ---
+
+def _write_mxfp4(src, dst) -> dict:
+    """Copy a gpt-oss checkpoint with every expert matrix stored as MXFP4 (`_blocks` + `_scales`,
+    out-major as published) and quantization_config mxfp4. Returns the dequantised (E, D, O)-layout
+    float32 tensors by their plain names."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kernels.quant import dequantize_mxfp4, quantize_mxfp4
+
+    shutil.copytree(src, dst)
+    f = dst / "model.safetensors"
+    tensors, plain = load_file(f), {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = quantize_mxfp4(tensors.pop(name).transpose(1, 2))  # (E, O, D/32, 16), (E, O, D/32)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        plain[name] = dequantize_mxfp4(blocks, scales).transpose(1, 2).contiguous()
+    save_file(tensors, f, metadata={"format": "pt"})
+    raw = json.loads((dst / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(raw))
+    return plain
+
+
+def test_mxfp4_checkpoint_loads_as_its_dequantised_weights(make_checkpoint, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from models.loader import load_experts
+
+    src = make_checkpoint("gpt_oss", intermediate_size=32)  # MXFP4 blocks are 32 values along D and I
+    plain = _write_mxfp4(src, tmp_path / "mxfp4")
+    q = load_file(tmp_path / "mxfp4" / "model.safetensors")
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    theirs = convert_moe_packed_tensors(q[name + "_blocks"], q[name + "_scales"], dtype=torch.float32)
+    assert torch.equal(theirs, plain[name])  # our dequantisation is transformers'
+    assert ModelConfig.from_pretrained(tmp_path / "mxfp4").mxfp4
+    mx = load_model(tmp_path / "mxfp4")
+    deq = tmp_path / "dequantised"
+    shutil.copytree(src, deq)
+    save_file({**load_file(deq / "model.safetensors"), **plain}, deq / "model.safetensors", metadata={"format": "pt"})
+    ref = load_model(deq)
+    for (n, a), (_, b) in zip(mx.named_parameters(), ref.named_parameters()):
+        assert torch.equal(a, b), n
+    assert (dict(load_model(src).named_parameters())["model.layers.1.mlp.experts.w13"]
+            - dict(mx.named_parameters())["model.layers.1.mlp.experts.w13"]).abs().max() > 0  # it was quantised
+    assert_close_to_transformers(our_logits(mx, PROMPTS), hf_model(deq), PROMPTS)
+    mine = load_experts(tmp_path / "mxfp4", [3, 1])  # an expert worker's share
+    assert torch.equal(mine[2].w2[0], ref.model.layers[2].mlp.experts.w2[3])
+
+
+def test_mxfp4_errors_name_the_file_and_tensor(make_checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from models.loader import CheckpointError
+
+    _write_mxfp4(make_checkpoint("gpt_oss", intermediate_size=32), tmp_path / "mxfp4")
+    f = tmp_path / "mxfp4" / "model.safetensors"
+    tensors = load_file(f)
+    scales = tensors.pop("model.layers.0.mlp.experts.down_proj_scales")
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: MXFP4 tensor 'model\.layers\.0\.mlp\.experts"
+                                              r"\.down_proj_blocks' has no 'model\.layers\.0\.mlp\.experts\.down_proj_scales'"):
+        load_model(tmp_path / "mxfp4")
+    tensors["model.layers.0.mlp.experts.down_proj_scales"] = scales
+    name = "model.layers.0.mlp.experts.gate_up_proj_scales"
+    tensors[name] = tensors[name][:, :, :1].contiguous()
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.experts"
+                                              r"\.gate_up_proj_scales' has shape \[5, 64, 1\] torch\.uint8, "
+                                              r"expected uint8 \[5, 64, 2\]"):
+        load_model(tmp_path / "mxfp4")
