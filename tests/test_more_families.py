@@ -266,3 +266,48 @@ def test_mxfp4_errors_name_the_file_and_tensor(make_checkpoint, tmp_path):
                                               r"\.gate_up_proj_scales' has shape \[5, 64, 1\] torch\.uint8, "
                                               r"expected uint8 \[5, 64, 2\]"):
         load_model(tmp_path / "mxfp4")
+
+
+# --- training: the loss equals transformers', the trained checkpoint serves ---
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    import json
+
+    from models.builtin import corpus as texts
+
+    path = tmp_path_factory.mktemp("data") / "topics.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts()[:40]))
+    return path
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2", "gpt_oss"])
+def test_train_loss_equals_transformers_and_the_result_serves(make_checkpoint, corpus, tmp_path, family):
+    from training.losses import IGNORE, lm_loss
+    from training.model import Shard, build_model, forward_logits
+    from training.parallel import ParallelContext
+    from training.trainer import Trainer
+    from training.config import TrainConfig
+
+    ckpt = make_checkpoint(family)
+    cfg = ModelConfig.from_pretrained(ckpt)
+    ours = build_model(cfg, Shard(tuple(range(cfg.num_experts))), torch.device("cpu"), init_from=ckpt)
+    ids = torch.randint(2, cfg.vocab_size, (3, 19), generator=torch.Generator().manual_seed(0))
+    labels = torch.cat([ids[:, 1:], torch.full((3, 1), IGNORE)], dim=1)
+    with torch.no_grad():
+        lm = lm_loss(forward_logits(ours, ids), labels.reshape(-1))
+        theirs = hf_model(ckpt).train()(ids, labels=ids).loss
+    assert abs(lm.item() - theirs.item()) < 1e-5 * theirs.item()
+    run = tmp_path / "run"  # what `shuttle train --init-from CKPT --data corpus.jsonl ...` runs
+    trainer = Trainer(TrainConfig(out=run, data=(str(corpus),), init_from=str(ckpt), seq_len=32, micro_batch_size=2,
+                                  max_steps=2, lr=3e-3, warmup_steps=1, log_every=1, progress=False),
+                      ParallelContext())
+    trainer.run()
+    with torch.no_grad():
+        want = forward_logits(trainer.model, ids)
+        assert (want - forward_logits(ours, ids)).abs().max() > 1e-3  # it trained
+        served = load_model(run)
+        got = our_logits(served, ids.tolist())
+        assert (got - want).abs().max() < 1e-5 * want.abs().max()
+        ref = hf_model(run)  # transformers reads the saved files as its own
+        assert (ref(ids).logits.reshape(got.shape) - want).abs().max() < 1e-4 * want.abs().max()
