@@ -311,3 +311,69 @@ def test_train_loss_equals_transformers_and_the_result_serves(make_checkpoint, c
         assert (got - want).abs().max() < 1e-5 * want.abs().max()
         ref = hf_model(run)  # transformers reads the saved files as its own
         assert (ref(ids).logits.reshape(got.shape) - want).abs().max() < 1e-4 * want.abs().max()
+
+
+# --- each family's chat template through /v1/chat/completions ---
+
+# Templates in each family's style (the published ones' markers and variables, on the tiny tokenizer)
+TEMPLATES = {
+    "glm4_moe": "[gMASK]<sop>{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>\n{% if not (enable_thinking | default(true)) %}"
+                "<think></think>{% endif %}{% endif %}",
+    "minimax_m2": "]~!b[{% for m in messages %}]~b]{{ 'ai' if m.role == 'assistant' else m.role }}\n{{ m.content }}"
+                  "[e~[\n{% endfor %}{% if add_generation_prompt %}]~b]ai\n<think>\n{% endif %}",
+    "gpt_oss": "<|start|>system<|message|>Knowledge cutoff: 2024-06\nCurrent date: {{ strftime_now('%Y-%m-%d') }}"
+               "\n\nReasoning: {{ reasoning_effort | default('medium') }}<|end|>{% for m in messages %}<|start|>"
+               "{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
+               "{% if add_generation_prompt %}<|start|>assistant{% endif %}",
+}
+KWARGS = {"glm4_moe": {"enable_thinking": False}, "minimax_m2": {}, "gpt_oss": {"reasoning_effort": "high"}}
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2", "gpt_oss"])
+def test_chat_template_through_chat_completions(make_checkpoint, tmp_path, family):
+    """The official openai client against the server's app (in process): the prompt is the
+    checkpoint's template rendered with the request's chat_template_kwargs, the reply is the greedy
+    continuation of exactly those tokens."""
+    import asyncio
+    import shutil
+
+    import httpx
+    import openai
+    from transformers import AutoTokenizer
+
+    from server import SamplingParams
+    from server.api_server import ServerConfig, build_app
+    from server.async_llm import AsyncLLM
+    from server.metrics import ServerMetrics
+
+    d = tmp_path / family
+    shutil.copytree(make_checkpoint(family), d)
+    tok = AutoTokenizer.from_pretrained(d)
+    tok.chat_template = TEMPLATES[family]
+    tok.save_pretrained(d)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a list?"}]
+    text = AutoTokenizer.from_pretrained(d).apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                                **KWARGS[family])
+    assert text.endswith({"glm4_moe": "<think></think>", "minimax_m2": "<think>\n",
+                          "gpt_oss": "<|start|>assistant"}[family]) and ("high" in text) == (family == "gpt_oss")
+    metrics = ServerMetrics(family)
+    llm = AsyncLLM(d, observer=metrics)
+    try:
+        ids = tok.encode(text, add_special_tokens=False)
+
+        async def ask():
+            async for out in llm.generate(ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)):
+                want = out
+            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(llm, ServerConfig(), metrics)))
+            client = openai.AsyncOpenAI(base_url="http://shuttle/v1", api_key="none", http_client=http)
+            r = await client.chat.completions.create(
+                model="shuttle", messages=messages, max_tokens=8, temperature=0,
+                extra_body={"ignore_eos": True, "chat_template_kwargs": KWARGS[family]})
+            return want, r
+
+        want, r = asyncio.run(ask())
+    finally:
+        llm.shutdown()
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 8
+    assert r.choices[0].message.content == want.outputs[0].text and want.outputs[0].text
