@@ -338,7 +338,7 @@ def _fp8_block(quant: Any, src: str) -> tuple[int, int] | None:
         raise ConfigError(f"{src}: quantization_config.weight_block_size must be two positive ints, got {block!r} "
                           f"(per-tensor FP8 scales are not supported)")
     fmt = quant.get("fmt", "e4m3")
-    if fmt != "e4m3":
+    if fmt not in ("e4m3", "float8_e4m3fn"):  # (DeepSeek spells it e4m3, MiniMax-M2 float8_e4m3fn)
         raise ConfigError(f"{src}: quantization_config.fmt={fmt!r} is not supported (only 'e4m3')")
     return int(block[0]), int(block[1])
 

@@ -52,8 +52,9 @@ FAMILIES = {
     "minimax_m2": ("MiniMaxM2Config", dict(head_dim=20, rotary_dim=12, intermediate_size=24, num_local_experts=8,
                                            num_experts_per_tok=2)),
     # gpt-oss: 3 layers alternating sliding (window 5) and full, sinks, q/k/v/o and expert biases,
-    # the clamped SwiGLU with a limit low enough to clamp, yarn rope, 5 experts top-3, head_dim 20
-    "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=3, head_dim=20, intermediate_size=24, num_local_experts=5,
+    # the clamped SwiGLU with a limit low enough to clamp, yarn rope, 5 experts top-3, head_dim 20;
+    # experts of 32 (MXFP4 packs 32 values per block along D and I)
+    "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=3, head_dim=20, intermediate_size=32, num_local_experts=5,
                                      num_experts_per_tok=3, sliding_window=5, swiglu_limit=0.6)),
 }
 BIASED = ("glm4_moe", "minimax_m2", "gpt_oss")  # families whose biases and sinks are made non-zero
