@@ -48,7 +48,9 @@ class ParallelConfig:
     processes and `expert_workers` expert processes exchange tokens over M2N (`transport`: shm on
     one host, tcp across hosts), each step split into `micro_batches` (1 to 4) that ping-pong
     between the pools. placement: a JSON file {"expert": [workers]} (default: contiguous blocks).
-    torch_threads: torch threads per worker process (None: torch's default)."""
+    torch_threads: torch threads per worker process (None: torch's default). eplb: re-place the
+    experts live from their measured load every `eplb_interval` steps, with `num_redundant_experts`
+    extra copies per MoE layer (server/eplb.py)."""
 
     colocated: bool = True
     attention_workers: int = 1
@@ -59,6 +61,9 @@ class ParallelConfig:
     torch_threads: int | None = None
     trace_dir: str | None = None  # each worker writes DIR/<worker>.trace.json (Chrome trace) when it stops
     expert_device: str | None = None  # the expert pool's device (None: the engine's device)
+    eplb: bool = False
+    eplb_interval: int = 3000
+    num_redundant_experts: int = 0
 
     def __post_init__(self) -> None:
         for name in ("attention_workers", "expert_workers", "micro_batches"):
@@ -71,6 +76,12 @@ class ParallelConfig:
             raise ValueError(f"parallel.transport must be shm or tcp, got {self.transport!r}")
         if self.expert_device is not None and self.expert_device != "cpu" and not self.expert_device.startswith("cuda"):
             raise ValueError(f"parallel.expert_device must be cpu or cuda, got {self.expert_device!r}")
+        if not isinstance(self.eplb_interval, int) or isinstance(self.eplb_interval, bool) or self.eplb_interval < 1:
+            raise ValueError(f"parallel.eplb_interval must be a positive number of steps, got {self.eplb_interval!r}")
+        if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
+            raise ValueError(f"parallel.num_redundant_experts must be >= 0, got {self.num_redundant_experts!r}")
+        if self.num_redundant_experts and not self.eplb:
+            raise ValueError("parallel.num_redundant_experts: redundant copies are placed by EPLB; add --eplb")
         if self.torch_threads is not None and (not isinstance(self.torch_threads, int) or self.torch_threads < 1):
             raise ValueError(f"parallel.torch_threads must be a positive integer, got {self.torch_threads!r}")
 

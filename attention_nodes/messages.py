@@ -1,6 +1,7 @@
 """Control plane between the server (front) and attention workers: typed messages, msgpack frames.
 
-server -> worker: AddRequest (once per request), Abort, StopSequence, Shutdown.
+server -> worker: AddRequest (once per request), Abort, StopSequence, Shutdown, SetPlacement (a new
+expert placement version, once every expert worker holds it).
 worker -> server: Hello (first, with the deployment token: the server drops a connection without
 it), Ready (once, after loading), Deltas (each step: only what changed), Stats (at
 most a few times a second while busy, and once on going idle), Failed.
@@ -70,7 +71,12 @@ class Hello:
     token: str  # the deployment's token (TransportConfig.token)
 
 
-_TYPES = [AddRequest, Abort, StopSequence, Shutdown, Ready, Deltas, Failed, Stats, Hello]
+@dataclass
+class SetPlacement:
+    placement: str  # m2n_comm.placement.ExpertPlacement.to_json(): route with it once every expert worker agrees
+
+
+_TYPES = [AddRequest, Abort, StopSequence, Shutdown, Ready, Deltas, Failed, Stats, Hello, SetPlacement]
 _TAG = {t: i for i, t in enumerate(_TYPES)}
 _LEN = struct.Struct(">I")
 

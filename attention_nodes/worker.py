@@ -21,7 +21,8 @@ from torch.distributed import TCPStore
 from attention_nodes import messages as wire
 from attention_nodes.config import EngineConfig
 from attention_nodes.engine import LLMEngine
-from m2n_comm.m2n import M2NSender, Placement
+from m2n_comm.m2n import M2NSender
+from m2n_comm.placement import ExpertPlacement
 from m2n_comm.trace import Tracer
 from m2n_comm.transport import TransportConfig, open_endpoint
 from models.config import ModelConfig
@@ -38,7 +39,7 @@ class AttentionWorkerSpec:
     engine: EngineConfig
     rank: int
     eos_token_ids: list[int]
-    placement: Placement
+    placement: ExpertPlacement
     transport: TransportConfig
     store_addr: tuple[str, int]
     control_addr: tuple[str, int]
@@ -99,7 +100,7 @@ def _serve(rank: int, engine: LLMEngine, sender: M2NSender, inbox: queue.Queue, 
     while True:
         try:
             while True:
-                if not _apply(engine, inbox.get_nowait(), ctl):
+                if not _apply(engine, sender, inbox.get_nowait(), ctl):
                     return
                 stats.stale = True
         except queue.Empty:
@@ -115,7 +116,7 @@ def _serve(rank: int, engine: LLMEngine, sender: M2NSender, inbox: queue.Queue, 
             continue
         stats.parked()
         try:  # parked
-            if not _apply(engine, inbox.get(timeout=PARK_POLL_S), ctl):
+            if not _apply(engine, sender, inbox.get(timeout=PARK_POLL_S), ctl):
                 return
             stats.stale = True
         except queue.Empty:
@@ -142,15 +143,19 @@ class _StatsReporter:
 
     def send(self) -> None:
         stats = {**self.engine.stats(), "busy_ns": self.sender.tracer.totals.get("attention", 0),
+                 "placement_version": self.sender.placement_version,
                  "uptime_ns": time.monotonic_ns() - self.start_ns}
         wire.send(self.ctl, wire.Stats(self.rank, stats))
         self.last, self.stale = time.monotonic(), False
 
 
-def _apply(engine: LLMEngine, msg, ctl: socket.socket) -> bool:
+def _apply(engine: LLMEngine, sender: M2NSender, msg, ctl: socket.socket) -> bool:
     """Carry out one control message; False when the worker should stop."""
     if msg is None or isinstance(msg, wire.Shutdown):
         return False
+    if isinstance(msg, wire.SetPlacement):  # between steps, as the sender requires
+        sender.set_placement(ExpertPlacement.from_json(msg.placement, len(sender.peers)))
+        return True
     deltas = []
     if isinstance(msg, wire.AddRequest):
         try:

@@ -4,10 +4,12 @@ For each step, MoE layer and micro-batch, in the order attention workers dispatc
 attention worker's chunk (an empty chunk is a valid chunk), run the local experts on all gathered
 tokens at once, and send each attention worker its rows back (m2n_comm.m2n.M2NReceiver).
 Every second while busy, and after each idle step, it publishes its load (busy time, tokens per
-expert) in the store under SESSION/stats/eN, for the server's /metrics.
+(MoE layer, expert)) in the store under SESSION/stats/eN, for the server's /metrics and EPLB.
+Placement versions (live re-placement) are prepared by a watcher thread: expert_nodes/placement.py.
 """
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -15,12 +17,12 @@ import torch
 from setproctitle import setproctitle
 from torch.distributed import TCPStore
 
-from m2n_comm.m2n import M2NReceiver, Placement, run_local_experts
+from expert_nodes.placement import HeldExperts, loader_for, watch_placements
+from m2n_comm.m2n import M2NReceiver, run_local_experts
+from m2n_comm.placement import ExpertPlacement
 from m2n_comm.trace import Tracer
 from m2n_comm.transport import PeerDeadError, TransportConfig, open_endpoint
 from models.config import ModelConfig
-from models.dispatcher import count_expert_tokens_
-from models.loader import load_experts
 
 log = logging.getLogger("shuttle.expert")
 STATS_EVERY_S = 1.0
@@ -37,7 +39,7 @@ class ExpertWorkerSpec:
     rank: int
     attention_workers: int
     micro_batches: int
-    placement: Placement
+    placement: ExpertPlacement
     transport: TransportConfig
     store_addr: tuple[str, int]
     session: str
@@ -74,46 +76,65 @@ def _serve(spec: ExpertWorkerSpec, store: TCPStore) -> None:
     cfg = ModelConfig.from_pretrained(spec.model)
     moe_layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
     device = torch.device(spec.device)
-    experts = load_experts(spec.model, spec.placement.experts_on(spec.rank), cfg, spec.dtype, device, spec.kernels)
-    experts = _pack_for_cpu(experts) if device.type == "cpu" else experts
+    pack = _pack_for_cpu if device.type == "cpu" else (lambda m: m)
+    load = loader_for(spec.model, cfg, spec.dtype, device, spec.kernels, pack)
+    held = HeldExperts(spec.placement, load(spec.placement.experts_on(spec.rank)), spec.rank, load, device)
     peers = [f"a{i}" for i in range(spec.attention_workers)]
     endpoint = open_endpoint(spec.transport, store, spec.session, f"e{spec.rank}", peers, spec.micro_batches)
-    log.info("serving experts %s of %d MoE layers", spec.placement.experts_on(spec.rank), len(moe_layers))
+    log.info("serving %d MoE layers, placement version %d", len(moe_layers), spec.placement.version)
     tracer = Tracer(f"e{spec.rank}", enabled=spec.trace_dir is not None)
     receiver = M2NReceiver(endpoint, peers, moe_layers, spec.micro_batches, device, tracer=tracer)
-    load = _Load(spec, store, tracer, device)
+    receiver.held = set(held.versions)
+    stop = threading.Event()
+    threading.Thread(target=watch_placements, args=(held, spec.store_addr, spec.session, stop), daemon=True,
+                     name="placement-watcher").start()
+    stats = _Load(spec, store, tracer, device, cfg.num_experts, moe_layers)
     try:
         with torch.inference_mode():
             while True:
                 for layer in moe_layers:
                     for mb in range(spec.micro_batches):
                         batch = receiver.recv(layer, mb)
-                        load.count(batch.local_ids_RK)
-                        receiver.reply(batch, run_local_experts(experts[layer], batch))
-                load.step_done(receiver.idle)
+                        stats.count(layer, held.global_ids(batch.version, layer), batch.local_ids_RK)
+                        receiver.reply(batch, run_local_experts(held.modules(batch.version)[layer], batch))
+                if held.step_done(receiver):
+                    store.set(f"{spec.session}/placement/active/e{spec.rank}", str(held.active))
+                stats.step_done(receiver.idle)
     finally:
+        stop.set()
         endpoint.close()
         if spec.trace_dir:
             tracer.dump(spec.trace_dir)
 
 
 class _Load:
-    """Tokens per local expert (summed over layers) and busy time, published in the store."""
+    """Tokens per (MoE layer, global expert) this worker computed, and its busy time, published in
+    the store: SESSION/stats/eN (JSON: busy_ns, uptime_ns, moe_layers, num_experts) and
+    SESSION/stats/eN/tokens (the (L, E) int64 counts as raw little-endian bytes: 58 x 256 DeepSeek
+    layers are 119 KB, cheap once a second)."""
 
-    def __init__(self, spec: ExpertWorkerSpec, store: TCPStore, tracer: Tracer, device: torch.device):
-        self.experts = spec.placement.experts_on(spec.rank)
+    def __init__(self, spec: ExpertWorkerSpec, store: TCPStore, tracer: Tracer, device: torch.device,
+                 num_experts: int, moe_layers: list[int]):
         self.key, self.store, self.tracer = f"{spec.session}/stats/e{spec.rank}", store, tracer
-        self.tokens_E = torch.zeros(len(self.experts), dtype=torch.long, device=device)
+        self.meta = {"moe_layers": moe_layers, "num_experts": num_experts}
+        self.row = {layer: i for i, layer in enumerate(moe_layers)}
+        self.E = num_experts
+        self.tokens_LE = torch.zeros(len(moe_layers) * num_experts, dtype=torch.long, device=device)
         self.start_ns, self.last = time.monotonic_ns(), 0.0
 
-    def count(self, local_ids_RK: torch.Tensor) -> None:
-        count_expert_tokens_(self.tokens_E, local_ids_RK)  # -1: an empty slot
+    def count(self, layer: int, global_ids: torch.Tensor, local_ids_RK: torch.Tensor) -> None:
+        """Add one slot's (token, expert) pairs: local ids (-1: an expert elsewhere) -> global ids."""
+        ids = local_ids_RK.reshape(-1)
+        here = ids >= 0
+        flat = self.row[layer] * self.E + global_ids[ids.clamp(min=0)]  # both on the expert device
+        self.tokens_LE.index_add_(0, flat.to(self.tokens_LE.device), here.to(self.tokens_LE.dtype))
 
     def step_done(self, idle: bool) -> None:
         if idle or time.monotonic() - self.last >= STATS_EVERY_S:
+            self.store.set(f"{self.key}/tokens", self.tokens_LE.cpu().numpy().astype("<i8").tobytes())
             self.store.set(self.key, json.dumps({
                 "busy_ns": self.tracer.totals.get("expert", 0), "uptime_ns": time.monotonic_ns() - self.start_ns,
-                "experts": self.experts, "tokens": self.tokens_E.tolist()}))
+                **self.meta}))
             self.last = time.monotonic()
 
 

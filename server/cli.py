@@ -63,7 +63,7 @@ def _deployment_kwargs(args: argparse.Namespace, disaggregate_by_default: bool) 
     from planner.plan import plan_engine_kwargs
 
     planned = plan_engine_kwargs(args.plan, args.model)
-    kwargs = {**_engine_kwargs(args), **planned}
+    kwargs = {**_engine_kwargs(args), **planned, **_eplb_kwargs(args)}
     if args.attention_device or args.device:
         kwargs["device"] = args.attention_device or args.device
     return kwargs
@@ -88,17 +88,25 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 POOL_FLAGS = ("attention_workers", "expert_workers", "micro_batches", "transport", "placement")
+EPLB_FLAGS = ("eplb", "eplb_interval", "num_redundant_experts")
+
+
+def _eplb_kwargs(args: argparse.Namespace) -> dict:
+    if (args.eplb_interval is not None or args.num_redundant_experts is not None) and not args.eplb:
+        raise ValueError("--eplb-interval and --num-redundant-experts take effect with --eplb")
+    return dict(eplb=bool(args.eplb), eplb_interval=args.eplb_interval or 3000,
+                num_redundant_experts=args.num_redundant_experts or 0)
 
 
 def _pool_kwargs(args: argparse.Namespace, disaggregate_by_default: bool) -> dict:
-    given = any(getattr(args, f) is not None for f in POOL_FLAGS)
+    given = any(getattr(args, f) is not None for f in POOL_FLAGS + EPLB_FLAGS)
     colocated = args.colocated or not (disaggregate_by_default or given or args.rendezvous)
     if args.colocated and (given or args.rendezvous):
         raise ValueError("--colocated runs the experts in-process; it takes no pool flag or --rendezvous")
     return dict(colocated=colocated, attention_workers=args.attention_workers or 1,
                 expert_workers=args.expert_workers or 1, micro_batches=args.micro_batches or 1,
                 transport=args.transport or "shm", placement=args.placement, torch_threads=args.torch_threads,
-                expert_device=args.expert_device)
+                expert_device=args.expert_device, **_eplb_kwargs(args))
 
 
 def _add_pool_flags(p: argparse.ArgumentParser) -> None:
@@ -108,6 +116,12 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step, 1 to 4 (default 1)")
     g.add_argument("--transport", choices=["shm", "tcp"], default=None, help="M2N backend (default shm)")
     g.add_argument("--placement", default=None, help='JSON file {"expert": [workers]} (default: contiguous blocks)')
+    g.add_argument("--eplb", action="store_true", default=None,
+                   help="expert load balancing: re-place the experts live from their measured load")
+    g.add_argument("--eplb-interval", type=int, default=None, metavar="STEPS",
+                   help="with --eplb: steps between re-placements (default 3000)")
+    g.add_argument("--num-redundant-experts", type=int, default=None, metavar="R",
+                   help="with --eplb: extra expert copies per MoE layer for the hottest experts (default 0)")
     g.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
     g.add_argument("--colocated", action="store_true", help="experts inside the attention process, no transport")
     g.add_argument("--attention-device", default=None, help="the attention pool's device (cpu, cuda; as --device)")

@@ -31,9 +31,11 @@ from attention_nodes.engine import SequenceDelta, check_prompt
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.worker import AttentionWorkerSpec, run_attention_worker
 from expert_nodes.worker import ExpertWorkerSpec, run_expert_worker
-from m2n_comm.m2n import Placement, slot_bytes_for
+from m2n_comm.m2n import slot_bytes_for
+from m2n_comm.placement import ExpertPlacement, Placement, check_redundancy
 from m2n_comm.transport import TransportConfig
 from models.config import DTYPES, ModelConfig
+from server.eplb import PlacementControl, read_expert_load
 
 log = logging.getLogger("shuttle")
 START_TIMEOUT_S = 300.0  # loading big checkpoints takes a while; dead workers are noticed sooner
@@ -65,8 +67,7 @@ class PoolEngine:
         if not any(self.model_cfg.moe_layers):
             raise ValueError(f"{cfg.model}: the model has no MoE layer to disaggregate; run it colocated")
         self.eos_token_ids = set(eos_token_ids)
-        self.placement = (Placement.from_file(par.placement, self.model_cfg.num_experts, par.expert_workers)
-                          if par.placement else Placement.balanced(self.model_cfg.num_experts, par.expert_workers))
+        self.placement = self._initial_placement()
         host, port = _split(rendezvous) if rendezvous else ("127.0.0.1", 0)
         self.session = f"shuttle-{os.getpid()}-{secrets.token_hex(4)}"
         self._store = TCPStore(host, port, is_master=True, wait_for_workers=False)
@@ -93,6 +94,36 @@ class PoolEngine:
         else:
             self._spawn()
         self._connect()
+        self.placements = PlacementControl(self._store, self.session, self.placement, self._send_placement,
+                                           par.eplb_interval if par.eplb else 0, par.num_redundant_experts)
+
+    def _initial_placement(self) -> ExpertPlacement:
+        """--placement FILE or contiguous blocks, the same in every MoE layer (version 0)."""
+        par, E = self.cfg.parallel, self.model_cfg.num_experts
+        if par.eplb:
+            if par.expert_workers < 2:
+                raise ValueError("--eplb moves experts between expert workers: it needs --expert-workers 2 or more")
+            check_redundancy(E, par.expert_workers, par.num_redundant_experts)
+        p = (Placement.from_file(par.placement, E, par.expert_workers) if par.placement
+             else Placement.balanced(E, par.expert_workers))
+        return ExpertPlacement.uniform(p, [i for i, moe in enumerate(self.model_cfg.moe_layers) if moe])
+
+    # -- expert placement --------------------------------------------------------------------------
+    def apply_placement(self, placement: ExpertPlacement) -> None:
+        """Start applying a new expert placement live (version = the current one + 1): expert workers
+        load the new copies, then every attention worker switches at the same step boundary.
+        `step` advances it; `self.placements.current` is the placement in use (server/eplb.py)."""
+        self.placements.apply(placement)
+
+    def _send_placement(self, placement: ExpertPlacement) -> None:
+        msg = wire.SetPlacement(placement.to_json())
+        for rank in range(len(self._socks)):
+            self._send(rank, msg)
+
+    def _poll_placement(self) -> None:
+        steps = max((w.get("steps", 0) for w in self._worker_stats.values()), default=0)
+        self.placements.poll(steps, lambda: read_expert_load(self._store, self.session,
+                                                             self.cfg.parallel.expert_workers)[0])
 
     # -- start -------------------------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -120,7 +151,7 @@ class PoolEngine:
     def _publish(self) -> None:
         """For workers on other hosts: the deployment, as JSON, under a well-known key."""
         spec = {"engine": engine_config_to_json(self.cfg), "eos": sorted(self.eos_token_ids),
-                "placement": [list(ws) for ws in self.placement.copies], "transport": asdict(self.transport),
+                "placement": self.placement.to_json(), "transport": asdict(self.transport),
                 "control": list(self._listener.getsockname()[:2]), "session": self.session}
         self._store.set("shuttle/deployment", json.dumps(spec))
         log.info("waiting for %d attention and %d expert workers at %s:%d", self.cfg.parallel.attention_workers,
@@ -192,6 +223,7 @@ class PoolEngine:
         """Deltas the workers sent since the last call; waits for at least one message (up to
         `timeout` seconds) while requests are in flight."""
         out: list[SequenceDelta] = []
+        self._poll_placement()
         if not self._owner:
             return out
         _, msg = self._next_event(timeout)
@@ -233,15 +265,17 @@ class PoolEngine:
         total["kv_cache_usage"] = 1 - total["free_blocks"] / total["num_blocks"] if total["num_blocks"] else 0.0
         busy = [{"pool": "attention", "worker": f"a{w['rank']}", "busy_ns": w["busy_ns"], "uptime_ns": w["uptime_ns"]}
                 for w in workers]
-        experts: dict[int, int] = {}
         for w in range(self.cfg.parallel.expert_workers):
             key = f"{self.session}/stats/e{w}"
             if self._store.check([key]):
                 e = json.loads(self._store.get(key))
                 busy.append({"pool": "expert", "worker": f"e{w}", "busy_ns": e["busy_ns"], "uptime_ns": e["uptime_ns"]})
-                for expert, n in zip(e["experts"], e["tokens"]):
-                    experts[expert] = experts.get(expert, 0) + n
-        return {**total, "expert_tokens": dict(sorted(experts.items())), "busy": busy}
+        load_LE, per_worker = read_expert_load(self._store, self.session, self.cfg.parallel.expert_workers)
+        experts = {} if load_LE is None else dict(enumerate(load_LE.sum(axis=0).tolist()))
+        layers = {} if load_LE is None else dict(zip(self.placement.moe_layers, load_LE.tolist()))
+        return {**total, "expert_tokens": experts, "expert_layer_tokens": layers,
+                "expert_worker_tokens": {f"e{w}": n for w, n in enumerate(per_worker)}, "busy": busy,
+                **self.placements.stats()}
 
     def _finished(self, request_id: str, index: int) -> None:
         live = self._live.get(request_id)
@@ -427,8 +461,7 @@ def run_role(role: str, rendezvous: str, host: str | None = None, torch_threads:
     d = json.loads(store.get("shuttle/deployment"))
     cfg = engine_config_from_json(d["engine"])
     transport = TransportConfig(**{**d["transport"], "host": host or _local_address(store_host, port)})
-    placement = Placement(len(d["placement"]), cfg.parallel.expert_workers,
-                          tuple(tuple(ws) for ws in d["placement"]))
+    placement = ExpertPlacement.from_json(d["placement"], cfg.parallel.expert_workers)
     rank = store.add(f"shuttle/rank/{role}", 1) - 1
     par = cfg.parallel
     if role == "attention":
