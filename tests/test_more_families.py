@@ -424,3 +424,20 @@ def test_published_config_json_of_each_family():
                        ({**glm, "quantization_config": {"quant_method": "mxfp4"}}, "mxfp4' is supported for gpt-oss")]:
         with pytest.raises(ConfigError, match=match):
             ModelConfig.from_dict(raw)
+
+
+def test_regrouped_experts_keep_biases_and_activation(make_checkpoint):
+    """EPLB's regroup (expert_nodes/placement.py) of gpt-oss experts, packed for the CPU or stacked,
+    equals loading those experts directly."""
+    from expert_nodes.placement import regroup
+    from models.cpu_inference import PackedExperts
+    from models.loader import load_experts
+
+    d = make_checkpoint("gpt_oss")
+    every, want = load_experts(d, list(range(5))), load_experts(d, [3, 1])
+    x = torch.randn(6, 64)
+    ids, weights = torch.tensor([[0, 1]] * 6), torch.full((6, 2), 0.5)
+    with torch.no_grad():
+        expected = want[1](x, ids, weights)
+        for m in (every[1], PackedExperts(every[1])):
+            torch.testing.assert_close(regroup([(m, 3), (m, 1)])(x, ids, weights), expected)
