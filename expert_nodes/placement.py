@@ -98,15 +98,21 @@ def regroup(parts: list[tuple[nn.Module, int]]) -> nn.Module:
     the packed weights; stacked Experts are copied into new stacks."""
     from models.cpu_inference import PackedExperts
 
-    if all(isinstance(m, PackedExperts) for m, _ in parts):
-        return PackedExperts.from_packed([m.w13_packed[i] for m, i in parts], [m.w2_packed[i] for m, i in parts])
     first = parts[0][0]
+
+    def rows(attr: str) -> torch.Tensor | None:  # expert biases (gpt-oss), regrouped like the weights
+        return None if getattr(first, attr) is None else torch.stack([getattr(m, attr).detach()[i] for m, i in parts])
+
+    if all(isinstance(m, PackedExperts) for m, _ in parts):
+        return PackedExperts.from_packed([m.w13_packed[i] for m, i in parts], [m.w2_packed[i] for m, i in parts],
+                                         rows("b13"), rows("b2"), first.act)
     if not all(isinstance(m, Experts) for m, _ in parts):
         raise TypeError(f"cannot regroup experts of types {sorted({type(m).__name__ for m, _ in parts})}")
     with torch.device("meta"):
-        out = Experts(len(parts), first.w13.shape[2], first.w2.shape[2], first.ops)
-    out.w13 = nn.Parameter(torch.stack([m.w13.detach()[i] for m, i in parts]), requires_grad=False)
-    out.w2 = nn.Parameter(torch.stack([m.w2.detach()[i] for m, i in parts]), requires_grad=False)
+        out = Experts(len(parts), first.w13.shape[2], first.w2.shape[2], first.ops, first.b13 is not None, first.act)
+    for attr in ("w13", "w2", "b13", "b2"):
+        if getattr(first, attr) is not None:
+            setattr(out, attr, nn.Parameter(rows(attr), requires_grad=False))
     return out.eval()
 
 

@@ -9,6 +9,9 @@ One program per (sequence, kv head, split) handles all G query heads of its kv h
 value is read once per group; the G rows are padded to BLOCK_G >= 16 because tl.dot needs every
 block dim >= 16. Keys are gathered token by token through the block table (page j // S, slot j % S),
 so a tile of BLOCK_S tokens may span several small pages and S need not be a power of two.
+Attention sinks (gpt-oss, one logit per query head) join the softmax's denominator only: with one
+split as exp2(sink - m) next to the running sum, with several in the combine kernel next to the splits'
+weights, so no split needs to know about them.
 """
 import math
 
@@ -25,11 +28,12 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr,
+def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr, sinks_ptr,
                   sq_b, sq_n, sq_h, sk_p, sk_s, sk_k, sk_h, sv_p, sv_s, sv_k, sv_h, st_b, st_m,
                   so_b, so_n, so_c, so_h, qk_scale, window,
                   G: tl.constexpr, H: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                  BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  HAS_SINKS: tl.constexpr):
     """Attention of G query heads over one split of one sequence's visible keys (online softmax)."""
     b = tl.program_id(0).to(tl.int64)  # int64: b * stride may pass 2**31 on big batches
     kv = tl.program_id(1)
@@ -78,6 +82,9 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr,
         m_i = m_new
 
     # Normalise by this split's own sum; an empty split (l_i == 0) writes 0 and weight lse = -inf.
+    if HAS_SINKS and NUM_SPLITS == 1:  # the sink's exp joins the only split's sum (log2 domain)
+        sink = tl.load(sinks_ptr + heads, mask=g_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = l_i + tl.exp2(sink - m_i)
     out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
     tl.store(out_ptr + b * so_b + heads[:, None] * so_n + split * so_c + offs_h[None, :] * so_h,
              out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & h_ok[None, :])
@@ -88,10 +95,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr,
 
 
 @triton.jit
-def _combine_kernel(part_ptr, lse_ptr, o_ptr, so_b, so_n, so_h,
+def _combine_kernel(part_ptr, lse_ptr, o_ptr, sinks_ptr, so_b, so_n, so_h,
                     H: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_C: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
-    """o[b, n] = sum_c w_c * part[b, n, c] with w_c = softmax_c(lse[b, n, c]) (log2 domain)."""
+                    BLOCK_H: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """o[b, n] = sum_c w_c * part[b, n, c] with w_c = softmax_c(lse[b, n, c]) (log2 domain); a sink
+    adds exp2(sink) to the softmax's denominator."""
     b = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1)
     row = b * tl.num_programs(1) + n
@@ -99,10 +107,14 @@ def _combine_kernel(part_ptr, lse_ptr, o_ptr, so_b, so_n, so_h,
     offs_h = tl.arange(0, BLOCK_H)
     c_ok = offs_c < NUM_SPLITS
     lse = tl.load(lse_ptr + row * NUM_SPLITS + offs_c, mask=c_ok, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, axis=0))  # at least one split is non-empty, so the max is finite
+    top = tl.max(lse, axis=0)  # at least one split is non-empty, so the max is finite
+    w = tl.exp2(lse - top)
     part = tl.load(part_ptr + (row * NUM_SPLITS + offs_c[:, None]) * H + offs_h[None, :],
                    mask=c_ok[:, None] & (offs_h[None, :] < H), other=0.0)
-    out = tl.sum(w[:, None] * part, axis=0) / tl.sum(w, axis=0)
+    denominator = tl.sum(w, axis=0)
+    if HAS_SINKS:
+        denominator += tl.exp2(tl.load(sinks_ptr + n).to(tl.float32) * 1.4426950408889634 - top)
+    out = tl.sum(w[:, None] * part, axis=0) / denominator
     tl.store(o_ptr + b * so_b + n * so_n + offs_h * so_h, out.to(o_ptr.dtype.element_ty), mask=offs_h < H)
 
 
@@ -150,6 +162,7 @@ def paged_decode_attention(
     seq_lens_B: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    sinks_N: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
@@ -160,12 +173,16 @@ def paged_decode_attention(
     a bigger cache); block_table_BM int32/int64, entries past a sequence's last page are never read;
     seq_lens_B int32/int64, each in [1, M * S] (not checked: that would sync with the GPU).
     sliding_window: keys j > p - w are visible (None or 0: all keys j <= p).
+    sinks_N: optional (N,) per-head sink logits, any float dtype (an extra softmax column, dropped).
     num_splits: split each sequence's visible keys into this many parts whose partial results are
     combined by a second kernel (flash decoding); None picks num_splits_heuristic, bounding the
     longest context by M * S (and the window) rather than reading seq_lens back from the GPU.
     """
     _validate(q_BNH, k_cache_PSKH, v_cache_PSKH, block_table_BM, seq_lens_B, sliding_window, num_splits)
     (B, N, H), (S, K) = q_BNH.shape, k_cache_PSKH.shape[1:3]
+    if sinks_N is not None and (tuple(sinks_N.shape) != (N,) or sinks_N.device != q_BNH.device):
+        raise ValueError(f"sinks must be ({N},) on {q_BNH.device}; got {tuple(sinks_N.shape)} on {sinks_N.device}")
+    sinks = q_BNH if sinks_N is None else sinks_N.contiguous()  # (a placeholder pointer without sinks)
     o_BNH = torch.empty((B, N, H), dtype=q_BNH.dtype, device=q_BNH.device)
     if B == 0:
         return o_BNH
@@ -183,11 +200,13 @@ def paged_decode_attention(
         lse = torch.empty((B, N, num_splits), dtype=torch.float32, device=q_BNH.device)
         out_strides = out.stride()
     _split_kernel[(B, K, num_splits)](
-        q_BNH, k_cache_PSKH, v_cache_PSKH, block_table_BM, seq_lens_B, out, lse,
+        q_BNH, k_cache_PSKH, v_cache_PSKH, block_table_BM, seq_lens_B, out, lse, sinks,
         *q_BNH.stride(), *k_cache_PSKH.stride(), *v_cache_PSKH.stride(), *block_table_BM.stride(),
         *out_strides, scale * math.log2(math.e), window,  # log2(e) folded in so the kernel uses exp2
-        G=G, H=H, PAGE=S, BLOCK_G=BLOCK_G, BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S, NUM_SPLITS=num_splits)
+        G=G, H=H, PAGE=S, BLOCK_G=BLOCK_G, BLOCK_H=BLOCK_H, BLOCK_S=BLOCK_S, NUM_SPLITS=num_splits,
+        HAS_SINKS=sinks_N is not None)
     if num_splits > 1:
-        _combine_kernel[(B, N)](out, lse, o_BNH, *o_BNH.stride(), H=H, NUM_SPLITS=num_splits,
-                                BLOCK_C=triton.next_power_of_2(num_splits), BLOCK_H=BLOCK_H)
+        _combine_kernel[(B, N)](out, lse, o_BNH, sinks, *o_BNH.stride(), H=H, NUM_SPLITS=num_splits,
+                                BLOCK_C=triton.next_power_of_2(num_splits), BLOCK_H=BLOCK_H,
+                                HAS_SINKS=sinks_N is not None)
     return o_BNH

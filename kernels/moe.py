@@ -4,12 +4,40 @@ Legend: T tokens, D hidden, K experts per token, E experts, I expert intermediat
 N = T*K token-expert pairs (rows after permutation).
 Weights: w13_EID2 is stored as (E, 2I, D): rows [0, I) are the gate projection (w1 / gate_proj),
 rows [I, 2I) the up projection (w3 / up_proj); w2_EDI is (E, D, I), the down projection.
+Optional biases (gpt-oss): b13_EI2 (E, 2I) in w13's row order, b2_ED (E, D), added to each projection
+before the activation / before the router weight. The activation is a SwiGLU (see SwiGLU): plain
+silu(gate) * up by default, gpt-oss's clamped variant with its alpha, limit and up + 1.
 """
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class SwiGLU:
+    """The expert activation h = g * sigmoid(alpha * g) * (u + up_offset), where g = min(gate, limit)
+    and u = clamp(up, -limit, limit) when limit is set. The default (alpha 1, no limit, offset 0)
+    is silu(gate) * up (Mixtral, Qwen, DeepSeek, ...); gpt-oss uses alpha 1.702, limit 7, offset 1."""
+
+    alpha: float = 1.0
+    limit: float | None = None
+    up_offset: float = 0.0
+
+    @property
+    def is_silu(self) -> bool:
+        return self.alpha == 1.0 and self.limit is None and self.up_offset == 0.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.is_silu:
+            return F.silu(gate) * up
+        if self.limit is not None:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return gate * torch.sigmoid(gate * self.alpha) * (up + self.up_offset)
+
+
+SILU = SwiGLU()
 
 
 @dataclass(frozen=True)
@@ -41,8 +69,10 @@ def permute(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int) -> 
 
 
 def grouped_swiglu(x_ND: torch.Tensor, counts_E: list[int], w13_EID2: torch.Tensor, w2_EDI: torch.Tensor,
-                   linear: Callable = F.linear) -> torch.Tensor:
-    """For each expert e, y = (silu(x W1^T) * (x W3^T)) W2^T over its contiguous slice of rows.
+                   linear: Callable = F.linear, b13_EI2: torch.Tensor | None = None,
+                   b2_ED: torch.Tensor | None = None, act: SwiGLU = SILU) -> torch.Tensor:
+    """For each expert e, y = act(x W1^T + b1, x W3^T + b3) W2^T + b2 over its contiguous slice of rows
+    (no biases and act = SILU: (silu(x W1^T) * (x W3^T)) W2^T).
 
     One matmul pair per active expert; experts with no rows cost nothing. Returns y_ND in x's dtype.
     w13_EID2 / w2_EDI may also be per-expert sequences of any weight `linear` accepts (e.g. the
@@ -50,12 +80,12 @@ def grouped_swiglu(x_ND: torch.Tensor, counts_E: list[int], w13_EID2: torch.Tens
     """
     y_ND = torch.empty_like(x_ND)
     start = 0
-    for e, n in enumerate(counts_E):
+    for e, n in enumerate(counts_E):  # (a loop over experts, not tokens)
         if n == 0:
             continue
         rows = slice(start, start + n)
-        gate, up = linear(x_ND[rows], w13_EID2[e]).chunk(2, dim=-1)
-        y_ND[rows] = linear(F.silu(gate) * up, w2_EDI[e])
+        gate, up = linear(x_ND[rows], w13_EID2[e], None if b13_EI2 is None else b13_EI2[e]).chunk(2, dim=-1)
+        y_ND[rows] = linear(act(gate, up), w2_EDI[e], None if b2_ED is None else b2_ED[e])
         start += n
     return y_ND
 
@@ -78,13 +108,18 @@ def fused_moe(
     w2_EDI: torch.Tensor,
     topk_weights_TK: torch.Tensor,
     topk_ids_TK: torch.Tensor,
+    *,
+    b13_EI2: torch.Tensor | None = None,
+    b2_ED: torch.Tensor | None = None,
+    act: SwiGLU = SILU,
 ) -> torch.Tensor:
     """Reference MoE: permute -> grouped SwiGLU GEMM -> weighted combine. Returns y_TD (x's dtype).
 
     x_TD: activations; topk_ids_TK int64 in [0, E); topk_weights_TK float32 or x's dtype.
+    b13_EI2 (E, 2I) / b2_ED (E, D): optional biases in the weights' dtype; act: the SwiGLU variant.
     """
     x_ND, perm = permute(x_TD, topk_ids_TK, w13_EID2.shape[0])
-    y_ND = grouped_swiglu(x_ND, perm.counts_E, w13_EID2, w2_EDI)
+    y_ND = grouped_swiglu(x_ND, perm.counts_E, w13_EID2, w2_EDI, b13_EI2=b13_EI2, b2_ED=b2_ED, act=act)
     return unpermute(y_ND, perm, topk_weights_TK)
 
 
@@ -113,11 +148,17 @@ def fused_moe_packed(
     w2_packed_E: list[torch.Tensor],
     topk_weights_TK: torch.Tensor,
     topk_ids_TK: torch.Tensor,
+    *,
+    b13_EI2: torch.Tensor | None = None,
+    b2_ED: torch.Tensor | None = None,
+    act: SwiGLU = SILU,
 ) -> torch.Tensor:
     """fused_moe with each expert's weights pre-packed for oneDNN (kernels/cpu_linear.py): CPU
-    inference only. w13_packed_E[e] packs w13[e] (2I, D); w2_packed_E[e] packs w2[e] (D, I)."""
+    inference only. w13_packed_E[e] packs w13[e] (2I, D); w2_packed_E[e] packs w2[e] (D, I);
+    biases and act as in fused_moe (the bias is added by oneDNN's linear)."""
     from kernels.cpu_linear import packed_linear
 
     x_ND, perm = permute(x_TD, topk_ids_TK, len(w13_packed_E))
-    y_ND = grouped_swiglu(x_ND, perm.counts_E, w13_packed_E, w2_packed_E, linear=packed_linear)
+    y_ND = grouped_swiglu(x_ND, perm.counts_E, w13_packed_E, w2_packed_E, linear=packed_linear, b13_EI2=b13_EI2,
+                          b2_ED=b2_ED, act=act)
     return unpermute(y_ND, perm, topk_weights_TK)

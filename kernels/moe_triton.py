@@ -4,6 +4,8 @@ GEMM w2 x router weight -> sum over K. Same signature as kernels/moe.py::fused_m
 Legend: T tokens, D hidden, K experts per token (top-k), E experts, I expert intermediate size,
 N = T*K token-expert pairs ("pair" p = t*K + k indexes the flattened top-k arrays).
 w13_EID2 is (E, 2I, D): rows [0, I) gate (w1), rows [I, 2I) up (w3); w2_EDI is (E, D, I).
+Optional biases b13_EI2 (E, 2I) and b2_ED (E, D) and the SwiGLU variant (kernels.moe.SwiGLU: alpha,
+clamp limit, up offset; gpt-oss) are applied in float32 on the accumulators.
 
 Pairs are sorted by expert and each expert's slice is padded to a multiple of BLOCK_M, so every
 BLOCK_M-row block of the sorted list belongs to one expert: one program multiplies one row block by
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from kernels.moe import SILU, SwiGLU
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -113,11 +117,14 @@ def _row_block(sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, pid_m, num_p
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+def _gate_up_kernel(x_ptr, w_ptr, b_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
                     num_pairs, num_rows, D, I, stride_xt, stride_xd, stride_we, stride_wi, stride_wd,
-                    stride_hn, stride_hi, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """h[p, n] = silu(x[p // K] . w13[e, n]) * (x[p // K] . w13[e, I + n]) for the block's pairs p."""
+                    stride_be, stride_bi, stride_hn, stride_hi, alpha, limit, up_offset, TOP_K: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr):
+    """h[p, n] = act(g, u) with g = x[p // K] . w13[e, n] (+ b13[e, n]), u = x[p // K] . w13[e, I + n]
+    (+ b13[e, I + n]) for the block's pairs p; act(g, u) = g * sigmoid(alpha g) * (u + up_offset) after
+    clamping g <= limit and |u| <= limit when CLAMP (alpha 1, offset 0: silu(g) * u)."""
     pid_m, pid_n = _block_of(tl.program_id(0), num_rows, I, BLOCK_M, BLOCK_N, GROUP_M)
     expert, pair_M, row_ok = _row_block(sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, pid_m, num_pairs,
                                         BLOCK_M)
@@ -140,18 +147,26 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, num_pos
         x_ptrs += BLOCK_K * stride_xd
         gate_ptrs += BLOCK_K * stride_wd
         up_ptrs += BLOCK_K * stride_wd
-    h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    if HAS_BIAS:
+        b_ptrs = b_ptr + expert * stride_be + offs_n * stride_bi
+        acc_gate += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(b_ptrs + I * stride_bi, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if CLAMP:
+        acc_gate = tl.minimum(acc_gate, limit)
+        acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+    h = acc_gate * tl.sigmoid(acc_gate * alpha) * (acc_up + up_offset)
     h_ptrs = h_ptr + pair_M[:, None] * stride_hn + offs_n[None, :] * stride_hi
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _down_kernel(h_ptr, w_ptr, y_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+def _down_kernel(h_ptr, w_ptr, b_ptr, y_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
                  num_pairs, num_rows, I, D, stride_hn, stride_hi, stride_we, stride_wd, stride_wi,
-                 stride_yn, stride_yd, MUL_ROUTED_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 stride_be, stride_bd, stride_yn, stride_yd, MUL_ROUTED_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    """y[p, d] = weight[p] * (h[p] . w2[e, d]) for the block's pairs p (weight product in float32)."""
+                 DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y[p, d] = weight[p] * (h[p] . w2[e, d] (+ b2[e, d])) for the block's pairs p (weight product in
+    float32)."""
     pid_m, pid_n = _block_of(tl.program_id(0), num_rows, D, BLOCK_M, BLOCK_N, GROUP_M)
     expert, pair_M, row_ok = _row_block(sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, pid_m, num_pairs,
                                         BLOCK_M)
@@ -170,6 +185,8 @@ def _down_kernel(h_ptr, w_ptr, y_ptr, weights_ptr, sorted_ids_ptr, expert_ids_pt
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         h_ptrs += BLOCK_K * stride_hi
         w_ptrs += BLOCK_K * stride_wi
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert * stride_be + offs_n * stride_bd, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if MUL_ROUTED_WEIGHT:
         acc = acc * tl.load(weights_ptr + pair_M, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     y_ptrs = y_ptr + pair_M[:, None] * stride_yn + offs_n[None, :] * stride_yd
@@ -202,8 +219,10 @@ def _check_args(x_TD: torch.Tensor, w13_EID2: torch.Tensor, w2_EDI: torch.Tensor
 
 
 def fused_moe(x_TD: torch.Tensor, w13_EID2: torch.Tensor, w2_EDI: torch.Tensor, topk_weights_TK: torch.Tensor,
-              topk_ids_TK: torch.Tensor, *, config: MoEConfig | None = None) -> torch.Tensor:
+              topk_ids_TK: torch.Tensor, *, b13_EI2: torch.Tensor | None = None, b2_ED: torch.Tensor | None = None,
+              act: SwiGLU = SILU, config: MoEConfig | None = None) -> torch.Tensor:
     """y_TD = sum_k weight[t, k] * W2_e (silu(W1_e x_t) * (W3_e x_t)), e = ids[t, k]; x's dtype.
+    With biases and act: sum_k weight[t, k] * (W2_e act(W1_e x_t + b1_e, W3_e x_t + b3_e) + b2_e).
 
     x_TD float32/float16/bfloat16 (any strides); w13_EID2 (E, 2I, D) and w2_EDI (E, D, I) in x's
     dtype; topk_weights_TK float32 or x's dtype; topk_ids_TK int64/int32 in [0, E). float32 inputs
@@ -211,6 +230,12 @@ def fused_moe(x_TD: torch.Tensor, w13_EID2: torch.Tensor, w2_EDI: torch.Tensor, 
     config: tile sizes; default_config(...) when None. Raises ValueError on mismatched arguments.
     """
     _check_args(x_TD, w13_EID2, w2_EDI, topk_weights_TK, topk_ids_TK)
+    if (b13_EI2 is None) != (b2_ED is None):
+        raise ValueError("fused_moe: give both biases (b13 and b2) or neither")
+    if b13_EI2 is not None and (tuple(b13_EI2.shape) != tuple(w13_EID2.shape[:2])
+                                or tuple(b2_ED.shape) != (w2_EDI.shape[0], w2_EDI.shape[1])):
+        raise ValueError(f"fused_moe: biases must be b13 (E, 2I) = {tuple(w13_EID2.shape[:2])} and b2 (E, D) = "
+                         f"{tuple(w2_EDI.shape[:2])}, got {tuple(b13_EI2.shape)}, {tuple(b2_ED.shape)}")
     (T, D), (E, I2, _), K = x_TD.shape, w13_EID2.shape, topk_ids_TK.shape[1]
     I, N, dev, dtype = I2 // 2, T * K, x_TD.device, x_TD.dtype
     if N == 0:
@@ -223,11 +248,16 @@ def fused_moe(x_TD: torch.Tensor, w13_EID2: torch.Tensor, w2_EDI: torch.Tensor, 
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     h_NI = torch.empty((N, I), dtype=dtype, device=dev)
     grid = (triton.cdiv(num_rows, cfg.BLOCK_M) * triton.cdiv(I, cfg.BLOCK_N),)
-    _gate_up_kernel[grid](x_TD, w13_EID2, h_NI, sorted_ids, expert_ids, num_post_padded, N, num_rows, D, I,
-                          *x_TD.stride(), *w13_EID2.stride(), *h_NI.stride(), TOP_K=K, **common)
+    has_bias = b13_EI2 is not None
+    b13, b2 = (b13_EI2, b2_ED) if has_bias else (w13_EID2, w2_EDI)  # (never read without HAS_BIAS)
+    _gate_up_kernel[grid](x_TD, w13_EID2, b13, h_NI, sorted_ids, expert_ids, num_post_padded, N, num_rows, D, I,
+                          *x_TD.stride(), *w13_EID2.stride(), *b13.stride()[:2], *h_NI.stride(), float(act.alpha),
+                          float(act.limit or 0.0), float(act.up_offset), TOP_K=K, HAS_BIAS=has_bias,
+                          CLAMP=act.limit is not None, **common)
     y_ND = torch.empty((N, D), dtype=dtype, device=dev)
     weights_N = topk_weights_TK.reshape(-1).contiguous()  # indexed by pair id in the kernel
     grid = (triton.cdiv(num_rows, cfg.BLOCK_M) * triton.cdiv(D, cfg.BLOCK_N),)
-    _down_kernel[grid](h_NI, w2_EDI, y_ND, weights_N, sorted_ids, expert_ids, num_post_padded, N, num_rows, I, D,
-                       *h_NI.stride(), *w2_EDI.stride(), *y_ND.stride(), MUL_ROUTED_WEIGHT=True, **common)
+    _down_kernel[grid](h_NI, w2_EDI, b2, y_ND, weights_N, sorted_ids, expert_ids, num_post_padded, N, num_rows, I,
+                       D, *h_NI.stride(), *w2_EDI.stride(), *b2.stride()[:2], *y_ND.stride(), MUL_ROUTED_WEIGHT=True,
+                       HAS_BIAS=has_bias, **common)
     return y_ND.view(T, K, D).sum(dim=1)  # rows of token t are pairs t*K .. t*K+K-1, adjacent

@@ -10,8 +10,10 @@ Every entry has the signature of its torch reference:
   fused_add_rms_norm(x_TD, residual_TD, w_D, eps) -> (y_TD, new_residual_TD)   new_residual = x + residual
   apply_rotary_(q_TNH, k_TKH, cos_TH, sin_TH) -> (q_TNH, k_TKH), rotated in place
   topk_route(logits_TE, top_k, scoring, renormalize) -> (weights_TK float32, ids_TK int64)
-  fused_moe(x_TD, w13_EID2, w2_EDI, weights_TK, ids_TK) -> y_TD
-  paged_decode_attention(q_BNH, k_cache_PSKH, v_cache_PSKH, block_table_BM, seq_lens_B, scale, window) -> o_BNH
+  fused_moe(x_TD, w13_EID2, w2_EDI, weights_TK, ids_TK, *, b13_EI2=None, b2_ED=None, act=SILU) -> y_TD
+      (expert biases and the SwiGLU variant of kernels.moe.SwiGLU: gpt-oss)
+  paged_decode_attention(q_BNH, k_cache_PSKH, v_cache_PSKH, block_table_BM, seq_lens_B, scale, window,
+                         sinks_N=None) -> o_BNH   (sinks: one extra softmax logit per query head, gpt-oss)
   paged_latent_decode_attention(q_BNW, cache_PSW, block_table_BM, seq_lens_B, scale, latent_dim) -> o_BNC  (MLA)
 """
 import os

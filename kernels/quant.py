@@ -36,3 +36,42 @@ def quantize_fp8_blocks(w_OI: torch.Tensor, block: tuple[int, int] = (128, 128),
     scale_inv = amax / torch.finfo(dtype).max
     q = (blocks / scale_inv[:, None, :, None]).view_as(padded)[:O, :I].to(dtype)
     return q, scale_inv
+
+
+# --- MXFP4 (OCP microscaling FP4: gpt-oss's published expert weights) ---
+# Each block of 32 values along the input dim is 16 bytes of E2M1 nibbles (element 2i in the low
+# nibble of byte i, 2i+1 in the high one) and one uint8 E8M0 scale: value = FP4 * 2 ** (scale - 127).
+MXFP4_BLOCK = 32
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_shape(blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The dequantised shape (..., G * 32) of blocks (..., G, 16)."""
+    return (*blocks_shape[:-2], blocks_shape[-2] * blocks_shape[-1] * 2)
+
+
+def dequantize_mxfp4(blocks_XGB: torch.Tensor, scales_XG: torch.Tensor,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """blocks (..., G, 16) uint8 and scales (..., G) uint8 -> (..., G * 32) in `dtype`: a table
+    lookup per nibble and one ldexp per block (vectorised over every block at once)."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks_XGB.device)
+    b = blocks_XGB.to(torch.uint8)
+    vals = torch.stack((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), dim=-1)  # (..., G, 16, 2)
+    vals = torch.ldexp(vals.flatten(-2), (scales_XG.to(torch.int32) - 127)[..., None].float())
+    return vals.flatten(-2).to(dtype)
+
+
+def quantize_mxfp4(w_XI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse, for tests and tools: w (..., I), I a multiple of 32 -> (blocks (..., I/32, 16)
+    uint8, scales (..., I/32) uint8). Each block's scale is the smallest power of two that maps its
+    largest magnitude into FP4's range (6); values round to the nearest FP4 value."""
+    if w_XI.shape[-1] % MXFP4_BLOCK:
+        raise ValueError(f"quantize_mxfp4: the last dim ({w_XI.shape[-1]}) must be a multiple of {MXFP4_BLOCK}")
+    x = w_XI.float().unflatten(-1, (-1, MXFP4_BLOCK))  # (..., G, 32)
+    amax = x.abs().amax(-1).clamp(min=2.0 ** -126)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    scaled = x / torch.exp2(exp)[..., None]
+    idx = (scaled[..., None] - lut).abs().argmin(-1).to(torch.uint8)  # nearest FP4 value's code
+    blocks = idx[..., 0::2] | (idx[..., 1::2] << 4)
+    return blocks, (exp + 127).to(torch.uint8)

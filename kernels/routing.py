@@ -2,11 +2,14 @@
 
 Legend: T tokens, E experts, K experts chosen per token, G expert groups.
 
-What the families need (see RouterConfig): softmax (Mixtral, Qwen, OLMoE, DeepSeek-V2) or sigmoid
-scores (DeepSeek-V3, Kimi K2); a per-expert correction bias added only to choose experts, never to
-weigh them (V3's e_score_correction_bias); grouped top-k, where only the topk_groups best of G equal
+What the families need (see RouterConfig): softmax (Mixtral, Qwen, OLMoE, DeepSeek-V2, gpt-oss) or
+sigmoid scores (DeepSeek-V3, Kimi K2, GLM-4.5, MiniMax-M2); a per-expert correction bias added only
+to choose experts, never to weigh them (V3's, GLM's and MiniMax-M2's e_score_correction_bias); grouped top-k, where only the topk_groups best of G equal
 groups of experts may be chosen, a group scored by its best expert (V2's group_limited_greedy) or
-by the sum of its best two (V3); renormalisation of the chosen scores; a final scaling factor.
+by the sum of its best two (V3, GLM); renormalisation of the chosen scores; a final scaling factor.
+gpt-oss softmaxes its top-k logits only: that is softmax scoring with renormalisation (the same
+ranking, and softmax(all)[chosen] / sum of those = softmax(chosen)); its logits have a bias
+(RouterConfig.bias, a parameter of the model's router).
 """
 from dataclasses import dataclass
 
@@ -27,7 +30,8 @@ class RouterConfig:
     scaling: multiplies the final weights (routed_scaling_factor). correction_bias: the router has a
     per-expert bias added to the scores for selection only. logits_fp32: the router matmul runs in
     float32 (DeepSeek). weights_fp32: expert outputs are weighed by float32 weights (Mixtral,
-    DeepSeek); otherwise the weights are rounded to the activations' dtype first.
+    DeepSeek); otherwise the weights are rounded to the activations' dtype first. bias: the router's
+    linear layer has a bias, added to the logits (gpt-oss).
     """
 
     top_k: int
@@ -40,6 +44,7 @@ class RouterConfig:
     correction_bias: bool = False
     logits_fp32: bool = False
     weights_fp32: bool = False
+    bias: bool = False
 
     def route_kwargs(self) -> dict:
         """The keyword arguments of topk_route past (logits, top_k, scoring, renormalize)."""

@@ -83,6 +83,26 @@ def randomize_correction_bias(model_dir: str | Path, seed: int = 0, scale: float
         save_file(tensors, f, metadata={"format": "pt"})
 
 
+def randomize_biases(model_dir: str | Path, seed: int = 0, scale: float = 0.1, sink_scale: float = 1.0) -> None:
+    """transformers initialises linear biases (and gpt-oss's expert biases) to zeros; tests rewrite
+    every `*bias` tensor with normal(0, scale) values and gpt-oss's attention `sinks` with
+    normal(0, sink_scale) ones, so a model that forgot one of them differs. Correction biases get
+    randomize_correction_bias's uniform values."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors = load_file(f)
+        for name, t in tensors.items():
+            if name.endswith("e_score_correction_bias"):
+                tensors[name] = torch.rand(t.shape, generator=gen) * 0.2
+            elif name.endswith(("bias", "sinks")):
+                s = sink_scale if name.endswith("sinks") else scale
+                tensors[name] = (torch.randn(t.shape, generator=gen) * s).to(t.dtype)
+        save_file(tensors, f, metadata={"format": "pt"})
+
+
 def builtin_model_dir() -> Path:
     """The built-in model: the checkpoint committed in models/builtin/, trained by this project's
     training module (`shuttle train --recipe builtin`; its README.md is the model card)."""

@@ -4,7 +4,11 @@ Both writers are understood: transformers 4 (`torch_dtype`, top-level `rope_thet
 and transformers 5 (`dtype`, `rope_parameters`, `layer_types`). Errors name the file and the field.
 DeepSeek-V2/V3 (and Kimi K2, which declares the V3 architecture) add Multi-head Latent Attention
 (MLAConfig), grouped routing (kernels.routing.RouterConfig), ungated shared experts and dense
-layers before first_k_dense_replace.
+layers before first_k_dense_replace. GLM-4.5/4.6/4.7 is DeepSeek-V3's MoE block behind grouped-query
+attention with q/k/v biases, optional per-head q/k norm and partial rotary; MiniMax-M2 routes like
+V3 without groups, norms q and k over the whole projection and ropes part of each head; gpt-oss
+has attention sinks, alternating sliding-window layers, biased router and experts, a clamped
+SwiGLU and yarn rope, and is published with MXFP4 experts (quantization_config mxfp4).
 """
 import json
 import math
@@ -14,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kernels.moe import SILU, SwiGLU
 from kernels.rotary import ROPE_TYPES, RopeConfig
 from kernels.routing import RouterConfig
 
@@ -25,11 +30,17 @@ ARCHITECTURES = {
     "OlmoeForCausalLM": "olmoe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeForCausalLM": "glm4_moe",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # model_type -> architectures entry, for a config.json that lists no known architecture
 MODEL_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-               "kimi_k2": "DeepseekV3ForCausalLM"}
+               "kimi_k2": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+               "minimax_m2": "MiniMaxM2ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
+V3_ROUTER_FAMILIES = ("deepseek_v3", "glm4_moe")  # sigmoid + correction bias + groups of top-2 sums
+PARTIAL_ROTARY_FAMILIES = {"glm4_moe": 0.5, "minimax_m2": 1.0}  # family -> default partial_rotary_factor
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_THETA = {"mixtral": 1e6}
 
@@ -98,6 +109,16 @@ class ModelConfig:
     mla: MLAConfig | None = None
     num_mtp_layers: int = 0  # multi-token-prediction layers stored after the last layer (not served)
     fp8_block: tuple[int, int] | None = None  # FP8 block-quantised weights: (rows, cols) per weight_scale_inv
+    rotary_dim: int | None = None  # partial rotary (GLM, MiniMax-M2): rope the first rotary_dim of each head
+    attention_sinks: bool = False  # gpt-oss: one learned sink logit per query head (self_attn.sinks)
+    expert_bias: bool = False  # gpt-oss: experts have biases (w13 and w2 rows)
+    expert_act: SwiGLU = SILU  # the experts' activation (gpt-oss: clamped, alpha 1.702, up + 1)
+    mxfp4: bool = False  # quantization_config.quant_method mxfp4: expert weights as *_blocks + *_scales
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims of each head that are rotated (the first ones; the rest pass through)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def top_k(self) -> int:
@@ -207,11 +228,11 @@ def _parse(raw: dict[str, Any], src: str) -> ModelConfig:
     router = _router(raw, family, num_experts, top_k, src)
 
     shared_inter = int(get("shared_expert_intermediate_size", 0)) if family == "qwen2_moe" else 0
-    if family == "mixtral":
+    if family in ("mixtral", "minimax_m2", "gpt_oss"):
         moe_layers = (True,) * layers
         moe_inter = int(need("intermediate_size"))
-    elif mla:  # DeepSeek: dense MLPs before first_k_dense_replace, MoE after (as transformers builds them)
-        first_dense = int(get("first_k_dense_replace", 0))
+    elif mla or family == "glm4_moe":  # dense MLPs before first_k_dense_replace, MoE after (as transformers builds them)
+        first_dense = int(get("first_k_dense_replace", 1 if family == "glm4_moe" else 0))
         moe_layers = tuple(i >= first_dense for i in range(layers))
         moe_inter = int(need("moe_intermediate_size"))
         shared_inter = moe_inter * int(get("n_shared_experts", 2 if family == "deepseek_v2" else 1))
@@ -226,6 +247,9 @@ def _parse(raw: dict[str, Any], src: str) -> ModelConfig:
         raise ConfigError(f"{src}: dtype {dtype_name!r} is not supported; supported: {', '.join(DTYPES)}")
     eos = get("eos_token_id", [])
     rope = _rope(raw, family, max_pos, src)
+    rotary_dim = _rotary_dim(raw, family, head_dim, src)
+    oss = family == "gpt_oss"
+    bias = bool(get("attention_bias", oss))  # gpt-oss's default is True
     return ModelConfig(
         architecture=arch,
         family=family,
@@ -243,10 +267,11 @@ def _parse(raw: dict[str, Any], src: str) -> ModelConfig:
         router=router,
         moe_layers=moe_layers,
         sliding_windows=_sliding_windows(raw, family, layers, src),
-        qkv_bias=bool(get("qkv_bias", True)) if family == "qwen2_moe" else bool(get("attention_bias", False)),
-        o_bias=family in ("qwen3_moe", "olmoe", *MLA_FAMILIES) and bool(get("attention_bias", False)),
+        qkv_bias=bool(get("qkv_bias", True)) if family == "qwen2_moe" else bias,
+        o_bias=family in ("qwen3_moe", "olmoe", "gpt_oss", *MLA_FAMILIES) and bias,  # GLM: q/k/v only
         mlp_bias=family == "deepseek_v2" and bool(get("mlp_bias", False)),
-        qk_norm={"qwen3_moe": "per_head", "olmoe": "full"}.get(family, "none"),
+        qk_norm=("per_head" if get("use_qk_norm", False) else "none") if family == "glm4_moe" else
+                {"qwen3_moe": "per_head", "olmoe": "full", "minimax_m2": "full"}.get(family, "none"),
         clip_qkv=get("clip_qkv") if family == "olmoe" else None,
         rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
         rope=rope,
@@ -256,9 +281,44 @@ def _parse(raw: dict[str, Any], src: str) -> ModelConfig:
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),),
         bos_token_id=get("bos_token_id"),
         mla=_with_scale(mla, rope) if mla else None,
-        num_mtp_layers=int(get("num_nextn_predict_layers", 0, "num_mtp_layers")) if family == "deepseek_v3" else 0,
+        num_mtp_layers=(int(get("num_nextn_predict_layers", 0, "num_mtp_layers"))
+                        if family in V3_ROUTER_FAMILIES else 0),
         fp8_block=_fp8_block(raw.get("quantization_config"), src),
+        rotary_dim=rotary_dim,
+        attention_sinks=oss,
+        expert_bias=oss,
+        expert_act=SwiGLU(float(get("swiglu_alpha", 1.702)), float(get("swiglu_limit", 7.0)), 1.0) if oss else SILU,
+        mxfp4=_is_mxfp4(raw.get("quantization_config"), family, src),
     )
+
+
+def _rotary_dim(raw: dict[str, Any], family: str, head_dim: int, src: str) -> int | None:
+    """Partial rotary: partial_rotary_factor in rope_parameters (transformers 5) or at the top level,
+    else MiniMax-M2's rotary_dim, else the family's default (GLM: 0.5, as transformers assumes).
+    None when every dim is rotated."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if family not in PARTIAL_ROTARY_FAMILIES:
+        if factor is not None and float(factor) != 1.0:
+            raise ConfigError(f"{src}: partial_rotary_factor != 1 is not supported by {family}")
+        return None
+    if factor is None and family == "minimax_m2" and raw.get("rotary_dim") is not None:
+        factor = int(raw["rotary_dim"]) / head_dim
+    factor = PARTIAL_ROTARY_FAMILIES[family] if factor is None else float(factor)
+    dim = int(head_dim * factor)  # (transformers' rounding)
+    if not 0 < factor <= 1 or dim % 2 or dim == 0:
+        raise ConfigError(f"{src}: partial_rotary_factor {factor} gives {dim} rotary dims of head_dim {head_dim}; "
+                          f"need an even number in [2, head_dim]")
+    return None if dim == head_dim else dim
+
+
+def _is_mxfp4(quant: Any, family: str, src: str) -> bool:
+    """quantization_config.quant_method mxfp4 (gpt-oss's published format: experts as *_blocks / *_scales)."""
+    if not isinstance(quant, dict) or quant.get("quant_method") != "mxfp4":
+        return False
+    if family != "gpt_oss":
+        raise ConfigError(f"{src}: quantization_config.quant_method='mxfp4' is supported for gpt-oss checkpoints only")
+    return True
 
 
 def _fp8_block(quant: Any, src: str) -> tuple[int, int] | None:
@@ -268,25 +328,31 @@ def _fp8_block(quant: Any, src: str) -> tuple[int, int] | None:
     if not isinstance(quant, dict):
         raise ConfigError(f"{src}: quantization_config must be an object")
     method = quant.get("quant_method")
+    if method == "mxfp4":
+        return None  # (see _is_mxfp4)
     if method != "fp8":
         raise ConfigError(f"{src}: quantization_config.quant_method={method!r} is not supported (only 'fp8' with "
-                          f"weight_block_size)")
+                          f"weight_block_size, and 'mxfp4' for gpt-oss)")
     block = quant.get("weight_block_size")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise ConfigError(f"{src}: quantization_config.weight_block_size must be two positive ints, got {block!r} "
                           f"(per-tensor FP8 scales are not supported)")
     fmt = quant.get("fmt", "e4m3")
-    if fmt != "e4m3":
+    if fmt not in ("e4m3", "float8_e4m3fn"):  # (DeepSeek spells it e4m3, MiniMax-M2 float8_e4m3fn)
         raise ConfigError(f"{src}: quantization_config.fmt={fmt!r} is not supported (only 'e4m3')")
     return int(block[0]), int(block[1])
 
 
 def _router(raw: dict[str, Any], family: str, num_experts: int, top_k: int, src: str) -> RouterConfig:
     """The router of a family as transformers defines it (DeepSeek fields as V2/V3 configs spell them)."""
-    if family not in MLA_FAMILIES:
+    if family == "minimax_m2":  # sigmoid, chosen with the correction bias, always renormalised
+        return RouterConfig(top_k, "sigmoid", renormalize=True, correction_bias=True, weights_fp32=True)
+    if family == "gpt_oss":  # softmax of the top-k biased logits, weights in the activations' dtype
+        return RouterConfig(top_k, "softmax", renormalize=True, bias=True)
+    if family not in (*MLA_FAMILIES, "glm4_moe"):
         return RouterConfig(top_k, "softmax", renormalize=family == "mixtral" or bool(raw.get("norm_topk_prob", False)),
                             weights_fp32=family == "mixtral")
-    v3 = family == "deepseek_v3"
+    v3 = family in V3_ROUTER_FAMILIES
     scoring = raw.get("scoring_func") or ("sigmoid" if v3 else "softmax")
     method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
     known = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
@@ -307,7 +373,7 @@ def _router(raw: dict[str, Any], family: str, num_experts: int, top_k: int, src:
     # transformers' V2 router never renormalises (norm_topk_prob is read by V3 only)
     return RouterConfig(top_k, scoring, renormalize=v3 and bool(raw.get("norm_topk_prob", True)), num_groups=groups,
                         topk_groups=topk_groups, group_score="top2_sum" if v3 else "max",
-                        scaling=float(raw.get("routed_scaling_factor") or (2.5 if v3 else 1.0)),
+                        scaling=float(raw.get("routed_scaling_factor") or (2.5 if family == "deepseek_v3" else 1.0)),
                         correction_bias=v3, logits_fp32=True, weights_fp32=True)
 
 
@@ -347,8 +413,15 @@ def _with_scale(mla: MLAConfig, rope: RopeConfig) -> MLAConfig:
 def _sliding_windows(raw: dict[str, Any], family: str, layers: int, src: str) -> tuple[int | None, ...]:
     """Per-layer window, following each family's transformers definition."""
     window = raw.get("sliding_window") or None
-    if family in ("olmoe", *MLA_FAMILIES):
+    if family in ("olmoe", "glm4_moe", "minimax_m2", *MLA_FAMILIES):
         return (None,) * layers
+    if family == "gpt_oss":  # layer_types, by default sliding and full alternating from layer 0
+        types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                           for i in range(layers)]
+        if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+            raise ConfigError(f"{src}: layer_types must list num_hidden_layers={layers} entries of "
+                              f"'sliding_attention' / 'full_attention', got {types}")
+        return tuple(window if t == "sliding_attention" else None for t in types)
     if family == "mixtral":
         return (window,) * layers
     use = bool(raw.get("use_sliding_window", False))
@@ -380,8 +453,6 @@ def _rope(raw: dict[str, Any], family: str, max_pos: int, src: str) -> RopeConfi
     for key in needed.get(rope_type, []):
         if params.get(key) is None:
             raise ConfigError(f"{src}: rope_parameters.{key} is required for rope type {rope_type!r}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ConfigError(f"{src}: rope_parameters.partial_rotary_factor != 1 is not supported by {family}")
     orig = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
 
     def opt(key: str) -> float | None:

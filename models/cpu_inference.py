@@ -8,27 +8,34 @@ import torch
 from torch import nn
 
 from kernels.cpu_linear import PackedLinear, pack_weight, packing_available
-from kernels.moe import fused_moe_packed
+from kernels.moe import SILU, SwiGLU, fused_moe_packed
 from models.moe_decoder import Experts, MoEForCausalLM
 
 
 class PackedExperts(nn.Module):
-    """Experts with per-expert packed w13 (2I, D) and w2 (D, I)."""
+    """Experts with per-expert packed w13 (2I, D) and w2 (D, I), their biases (if any) and activation."""
 
     def __init__(self, experts: Experts | None = None):
         super().__init__()
         self.w13_packed = [] if experts is None else [pack_weight(w) for w in experts.w13.detach()]
         self.w2_packed = [] if experts is None else [pack_weight(w) for w in experts.w2.detach()]
+        self.b13 = None if experts is None or experts.b13 is None else experts.b13.detach()
+        self.b2 = None if experts is None or experts.b2 is None else experts.b2.detach()
+        self.act = SILU if experts is None else experts.act
 
     @classmethod
-    def from_packed(cls, w13_packed: list, w2_packed: list) -> "PackedExperts":
-        """Experts made of already packed per-expert weights (shared, not copied)."""
+    def from_packed(cls, w13_packed: list, w2_packed: list, b13_EI2: torch.Tensor | None = None,
+                    b2_ED: torch.Tensor | None = None, act: SwiGLU = SILU) -> "PackedExperts":
+        """Experts made of already packed per-expert weights (shared, not copied), with their biases
+        (rows in the same order) and activation."""
         out = cls()
         out.w13_packed, out.w2_packed = list(w13_packed), list(w2_packed)
+        out.b13, out.b2, out.act = b13_EI2, b2_ED, act
         return out
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
-        return fused_moe_packed(x_TD, self.w13_packed, self.w2_packed, topk_weights_TK, topk_ids_TK)
+        return fused_moe_packed(x_TD, self.w13_packed, self.w2_packed, topk_weights_TK, topk_ids_TK,
+                                b13_EI2=self.b13, b2_ED=self.b2, act=self.act)
 
 
 def pack_for_cpu_inference(model: MoEForCausalLM) -> bool:

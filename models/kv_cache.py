@@ -87,8 +87,10 @@ def _token_layout(q_lens: list[int], ctx_lens: list[int]) -> tuple[torch.Tensor,
 
 class KVCache(Protocol):
     def attend(self, layer: int, q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor,
-               batch: AttentionBatch, scale: float, sliding_window: int | None) -> torch.Tensor:
-        """Store this call's keys and values, then return attention output o_TNH."""
+               batch: AttentionBatch, scale: float, sliding_window: int | None,
+               sinks_N: torch.Tensor | None = None) -> torch.Tensor:
+        """Store this call's keys and values, then return attention output o_TNH. sinks_N: per-head
+        sink logits (gpt-oss; see kernels/attention.py), None for none."""
         ...
 
 
@@ -126,7 +128,8 @@ class DenseKVCache:
         self.max_len = max_len
 
     def attend(self, layer: int, q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor,
-               batch: AttentionBatch, scale: float, sliding_window: int | None) -> torch.Tensor:
+               batch: AttentionBatch, scale: float, sliding_window: int | None,
+               sinks_N: torch.Tensor | None = None) -> torch.Tensor:
         if batch.max_kv_len > self.max_len:
             raise ValueError(f"context of {batch.max_kv_len} tokens exceeds the KV cache length {self.max_len}")
         slot_T = batch.slots_B[batch.seq_idx_T]
@@ -138,7 +141,7 @@ class DenseKVCache:
         else:
             k_BKSH, v_BKSH = self.k[layer][batch.slots_B, :, :S], self.v[layer][batch.slots_B, :, :S]
         return cached_attention(q_TNH, k_BKSH, v_BKSH, batch.seq_idx_T, batch.tok_idx_T, batch.positions_T,
-                                batch.max_q_len, scale, sliding_window)
+                                batch.max_q_len, scale, sliding_window, sinks_N)
 
 
 class PagedKVCache:
@@ -163,7 +166,8 @@ class PagedKVCache:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
     def attend(self, layer: int, q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor,
-               batch: AttentionBatch, scale: float, sliding_window: int | None) -> torch.Tensor:
+               batch: AttentionBatch, scale: float, sliding_window: int | None,
+               sinks_N: torch.Tensor | None = None) -> torch.Tensor:
         assert batch.block_table_BM is not None and batch.slot_mapping_T is not None, "build the batch with build_paged"
         k_pages, v_pages = self.k[layer], self.v[layer]
         K, H = k_pages.shape[2:]
@@ -171,23 +175,24 @@ class PagedKVCache:
         v_pages.view(-1, K, H).index_copy_(0, batch.slot_mapping_T, v_TKH)
         if batch.max_q_len == 1:  # one token per sequence, in sequence order
             return self.decode_attention(q_TNH, k_pages, v_pages, batch.block_table_BM, batch.kv_lens_B, scale,
-                                         sliding_window)
+                                         sliding_window, sinks_N)
         if batch.parts is not None:  # decodes through the decode op; only prefilling sequences are gathered
             decode_T, decode_B, prefill_T, prefill = batch.parts
             o_TNH = torch.empty_like(q_TNH)
             o_TNH[decode_T] = self.decode_attention(q_TNH[decode_T], k_pages, v_pages, batch.block_table_BM[decode_B],
-                                                    batch.kv_lens_B[decode_B], scale, sliding_window)
-            o_TNH[prefill_T] = self._gathered(q_TNH[prefill_T], k_pages, v_pages, prefill, scale, sliding_window)
+                                                    batch.kv_lens_B[decode_B], scale, sliding_window, sinks_N)
+            o_TNH[prefill_T] = self._gathered(q_TNH[prefill_T], k_pages, v_pages, prefill, scale, sliding_window,
+                                              sinks_N)
             return o_TNH
-        return self._gathered(q_TNH, k_pages, v_pages, batch, scale, sliding_window)
+        return self._gathered(q_TNH, k_pages, v_pages, batch, scale, sliding_window, sinks_N)
 
     def _gathered(self, q_TNH: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: AttentionBatch,
-                  scale: float, sliding_window: int | None) -> torch.Tensor:
+                  scale: float, sliding_window: int | None, sinks_N: torch.Tensor | None) -> torch.Tensor:
         """Reference attention over each sequence's pages copied into one (B, K, S, H) tensor."""
         k_BKSH = gather_pages(k_pages, batch.block_table_BM, batch.max_kv_len)
         v_BKSH = gather_pages(v_pages, batch.block_table_BM, batch.max_kv_len)
         return cached_attention(q_TNH, k_BKSH, v_BKSH, batch.seq_idx_T, batch.tok_idx_T, batch.positions_T,
-                                batch.max_q_len, scale, sliding_window)
+                                batch.max_q_len, scale, sliding_window, sinks_N)
 
 
 class PagedLatentCache:

@@ -6,7 +6,12 @@ Checkpoint experts are per-expert matrices (`experts.{e}.gate_proj|up_proj|down_
 `block_sparse_moe.experts.{e}.w1|w3|w2`); fused `experts.gate_up_proj` / `experts.down_proj` tensors
 are accepted too. In the model they are stacked: w13 (E, 2I, D) and w2 (E, D, I).
 FP8 block-quantised weights (quantization_config quant_method fp8) are dequantised to the model's
-dtype as they are read, each with its `weight_scale_inv`. Multi-token-prediction layers (DeepSeek's
+dtype as they are read, each with its `weight_scale_inv`. gpt-oss stores its experts fused and
+transposed (`experts.gate_up_proj` (E, D, 2I) with gate and up interleaved, `down_proj` (E, I, D),
+biases `gate_up_proj_bias` / `down_proj_bias`) and its router as `mlp.router`; MXFP4 checkpoints hold
+each expert matrix as `X_blocks` + `X_scales` (out-major (E, O, D/32, 16) uint8 nibbles and E8M0
+scales), dequantised on read into the same (E, D, 2I) / (E, I, D) tensors. A Target's layout says how
+a tensor is rearranged into the model's stacked form. Multi-token-prediction layers (DeepSeek's
 num_nextn_predict_layers, stored as the layers past num_hidden_layers) are skipped with one log line.
 """
 import json
@@ -20,17 +25,18 @@ import torch
 from safetensors import safe_open
 
 from kernels.ops import select_ops
-from kernels.quant import FP8_DTYPES, dequantize_fp8_blocks, fp8_block_scale_shape
+from kernels.quant import FP8_DTYPES, dequantize_fp8_blocks, dequantize_mxfp4, fp8_block_scale_shape, mxfp4_shape
 
 from models.config import ModelConfig
 from models.moe_decoder import Experts, MoEForCausalLM
 
 STACKED_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(w13|w2)$")  # the model's stacked tensors
 _EXPERT = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
-_FUSED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_FUSED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq$)")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` scales the FP8 `X.weight`
+MXFP4_SUFFIXES = ("_blocks", "_scales")  # `X_blocks` + `X_scales` hold the MXFP4 tensor `X`
 log = logging.getLogger("shuttle")
 
 
@@ -40,11 +46,15 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class Target:
-    """Where one checkpoint tensor goes: a parameter, optionally one expert row and a row range."""
+    """Where one checkpoint tensor goes: a parameter, optionally one expert row and a row range.
+    layout: "" as stored; "T": the last two dims transposed (gpt-oss's down_proj (E, I, D) -> w2);
+    "iT": transposed, then the interleaved gate/up rows (0, 2, ... then 1, 3, ...) split into gate
+    then up (gate_up_proj (E, D, 2I) -> w13); "i": the last dim de-interleaved (gate_up_proj_bias)."""
 
     param: str
     expert: int | None = None
     rows: tuple[int, int] | None = None
+    layout: str = ""
 
 
 class CheckpointReader:
@@ -74,6 +84,30 @@ class CheckpointReader:
         # FP8 scales are read with their weights, never as tensors of their own
         self.scales = {n[:-len(SCALE_SUFFIX)]: f for n, f in self.files.items() if n.endswith(SCALE_SUFFIX)}
         self.files = {n: f for n, f in self.files.items() if not n.endswith(SCALE_SUFFIX)}
+        self.mxfp4 = self._pair_mxfp4()
+
+    def _pair_mxfp4(self) -> dict[str, tuple[Path, Path]]:
+        """MXFP4 tensors `X` stored as `X_blocks` + `X_scales` (experts of gpt-oss): each pair becomes
+        one entry `X` of self.files (the blocks' file) and of the returned {X: (blocks file, scales file)}."""
+        pairs: dict[str, tuple[Path, Path]] = {}
+        for name, f in list(self.files.items()):
+            if not name.endswith("_blocks") or ".experts." not in name:
+                continue
+            base = name[:-len("_blocks")]
+            if base + "_scales" not in self.files:
+                raise CheckpointError(f"{f}: MXFP4 tensor '{name}' has no '{base}_scales' in the checkpoint")
+            pairs[base] = (f, self.files.pop(base + "_scales"))
+            del self.files[name]
+            self.files[base] = f
+        return pairs
+
+    def shape(self, h, name: str) -> tuple[int, ...]:
+        """A tensor's shape as the model sees it (an MXFP4 pair: dequantised and transposed to the
+        (E, D, O) layout of gpt-oss's float checkpoints)."""
+        if name in self.mxfp4:
+            e, o, *rest = mxfp4_shape(tuple(h.get_slice(name + "_blocks").get_shape()))
+            return (e, *rest, o)
+        return tuple(h.get_slice(name).get_shape())
 
     def read(self, wanted: dict[str, list[Target]], model_shape: dict[Target, tuple[int, ...]]) -> dict[str, torch.Tensor]:
         """Check then read the `wanted` tensors, one file at a time."""
@@ -85,18 +119,34 @@ class CheckpointReader:
             with safe_open(f, framework="pt") as h:
                 present = set(h.keys())
                 for name in names:
-                    if name not in present:
+                    if (name + "_blocks" if name in self.mxfp4 else name) not in present:
                         raise CheckpointError(f"{f}: tensor '{name}' is listed in the index but not in the file")
-                    got = tuple(h.get_slice(name).get_shape())
+                    got = self.shape(h, name)
                     for t in wanted[name]:
                         if got != model_shape[t]:
                             raise CheckpointError(f"{f}: tensor '{name}' has shape {list(got)}, expected "
                                                   f"{list(model_shape[t])} for {t.param}")
                 for name in names:
+                    if name in self.mxfp4:
+                        out[name] = self._dequantize_mxfp4(f, name, h.get_tensor(name + "_blocks"))
+                        continue
                     out[name] = h.get_tensor(name)
                     if out[name].dtype in FP8_DTYPES:
                         out[name] = self._dequantize(f, name, out[name])
         return out
+
+    def _dequantize_mxfp4(self, f: Path, name: str, blocks: torch.Tensor) -> torch.Tensor:
+        """`name`_blocks (E, O, G, 16) uint8 with `name`_scales (E, O, G) -> float32 (E, G * 32, O)."""
+        scale_file = self.mxfp4[name][1]
+        if blocks.dtype != torch.uint8 or blocks.dim() != 4 or blocks.shape[-1] != 16:
+            raise CheckpointError(f"{f}: MXFP4 tensor '{name}_blocks' must be uint8 (E, O, G, 16), got "
+                                  f"{blocks.dtype} {list(blocks.shape)}")
+        with safe_open(scale_file, framework="pt") as h:
+            scales = h.get_tensor(name + "_scales")
+        if tuple(scales.shape) != tuple(blocks.shape[:-1]) or scales.dtype != torch.uint8:
+            raise CheckpointError(f"{scale_file}: tensor '{name}_scales' has shape {list(scales.shape)} "
+                                  f"{scales.dtype}, expected uint8 {list(blocks.shape[:-1])} for '{name}_blocks'")
+        return dequantize_mxfp4(blocks, scales).transpose(1, 2)
 
     def _dequantize(self, f: Path, name: str, w: torch.Tensor) -> torch.Tensor:
         """An FP8 weight times its per-block weight_scale_inv, as float32."""
@@ -120,7 +170,11 @@ class CheckpointReader:
 
 def checkpoint_targets(name: str, cfg: ModelConfig) -> list[Target] | None:
     """Map a checkpoint tensor name to its model targets; None when the name belongs to no parameter."""
-    name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's module name on disk
+    name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's (and MiniMax-M2's) module name on disk
+    if name.endswith(".mlp.e_score_correction_bias"):  # MiniMax-M2 keeps it beside the gate
+        name = name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
+    if cfg.family == "gpt_oss":
+        name = name.replace(".mlp.router.", ".mlp.gate.")
     I = cfg.moe_intermediate_size
     if m := _EXPERT.match(name):
         prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
@@ -132,16 +186,34 @@ def checkpoint_targets(name: str, cfg: ModelConfig) -> list[Target] | None:
             return [Target(f"{prefix}.mlp.experts.w13", e, (I, 2 * I))]
         return [Target(f"{prefix}.mlp.experts.w2", e)]
     if m := _FUSED.match(name):
-        return [Target(f"{m.group(1)}.mlp.experts.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}")]
+        gate_up, bias = m.group(2) == "gate_up_proj", m.group(3) is not None
+        param = f"{m.group(1)}.mlp.experts.{('b' if bias else 'w') + ('13' if gate_up else '2')}"
+        if cfg.family != "gpt_oss":  # transformers 5's in-memory layout: (E, 2I, D) gate then up, (E, D, I)
+            return [Target(param)]
+        return [Target(param, layout=("i" if gate_up else "") if bias else ("iT" if gate_up else "T"))]
     return [Target(name)]
 
 
+def apply_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A checkpoint tensor rearranged into the model's form (see Target.layout)."""
+    if "T" in layout:
+        t = t.transpose(-1, -2)
+    if "i" in layout:
+        dim = -2 if "T" in layout else -1
+        order = torch.cat((torch.arange(0, t.shape[dim], 2), torch.arange(1, t.shape[dim], 2)))
+        t = t.index_select(dim, order.to(t.device))
+    return t
+
+
 def _target_shape(t: Target, param_shape: torch.Size) -> tuple[int, ...]:
+    """The shape the checkpoint tensor must have to fill target t of a parameter of param_shape."""
     shape = tuple(param_shape)
     if t.expert is not None:
         shape = shape[1:]
     if t.rows is not None:
         shape = (t.rows[1] - t.rows[0],) + shape[1:]
+    if "T" in t.layout:
+        shape = (*shape[:-2], shape[-1], shape[-2])
     return shape
 
 
@@ -209,7 +281,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: tor
                     dst = dst[t.expert]
                 if t.rows is not None:
                     dst = dst[t.rows[0]:t.rows[1]]
-                dst.copy_(tensors[name])
+                dst.copy_(apply_layout(tensors[name], t.layout))
     return model.eval()
 
 
@@ -231,8 +303,7 @@ def load_experts(model_dir: str | Path, expert_ids: list[int] | dict[int, list[i
             raise ValueError(f"layer {layer}: expert ids {ids} must be distinct and in [0, {cfg.num_experts})")
     local = {layer: {e: i for i, e in enumerate(ids)} for layer, ids in by_layer.items()}
     with torch.device("meta"):
-        experts = {i: Experts(len(ids), cfg.hidden_size, cfg.moe_intermediate_size, ops).to(dtype)
-                   for i, ids in by_layer.items()}
+        experts = {i: Experts.of(cfg, len(ids), ops).to(dtype) for i, ids in by_layer.items()}
     params = _expert_params(experts)
     full_shape = {n: (cfg.num_experts,) + tuple(p.shape[1:]) for n, p in params.items()}
     reader = CheckpointReader(model_dir, cfg.fp8_block)
@@ -246,9 +317,9 @@ def load_experts(model_dir: str | Path, expert_ids: list[int] | dict[int, list[i
             mine = local[int(_LAYER.match(t.param).group(1))]
             if t.expert is not None and t.expert not in mine:
                 continue
-            t = Target(t.param, None if t.expert is None else mine[t.expert], t.rows)
+            t = Target(t.param, None if t.expert is None else mine[t.expert], t.rows, t.layout)
             wanted.setdefault(name, []).append(t)
-            model_shape[t] = full_shape[t.param] if t.expert is None else _target_shape(t, params[t.param].shape)
+            model_shape[t] = _target_shape(t, full_shape[t.param] if t.expert is None else params[t.param].shape)
             covered[t.param] += params[t.param].numel() if t.expert is None else _numel(model_shape[t])
     for pname, p in params.items():
         if covered[pname] != p.numel():
@@ -263,11 +334,11 @@ def load_experts(model_dir: str | Path, expert_ids: list[int] | dict[int, list[i
         for name, targets in wanted.items():
             for t in targets:
                 dst = params[t.param]
+                src = apply_layout(tensors[name], t.layout)
                 if t.expert is not None:
-                    src, dst = tensors[name], dst[t.expert]
+                    dst = dst[t.expert]
                 else:  # a fused tensor of every expert: this layer's experts, in order
-                    index = torch.tensor(by_layer[int(_LAYER.match(t.param).group(1))])
-                    src = tensors[name].index_select(0, index)
+                    src = src.index_select(0, torch.tensor(by_layer[int(_LAYER.match(t.param).group(1))]))
                 if t.rows is not None:
                     dst = dst[t.rows[0]:t.rows[1]]
                 dst.copy_(src)
@@ -295,7 +366,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 def expert_checkpoint_names(family: str) -> tuple[str, tuple[str, str, str]]:
     """(module, (gate, up, down)) of a family's per-expert checkpoint tensors, as in
     `model.layers.{i}.{module}.experts.{e}.{gate}.weight`."""
-    if family == "mixtral":
+    if family in ("mixtral", "minimax_m2"):
         return "block_sparse_moe", ("w1", "w3", "w2")
     return "mlp", ("gate_proj", "up_proj", "down_proj")
 
@@ -308,4 +379,6 @@ def _expected_names(param: str, cfg: ModelConfig) -> list[str]:
     mod, (gate, up, down) = expert_checkpoint_names(cfg.family)
     names = (gate, up) if m.group(2) == "w13" else (down,)
     prefix = m.group(1)
+    if cfg.family == "gpt_oss":  # fused on disk
+        return [f"{prefix}.mlp.experts.{'gate_up_proj' if m.group(2) == 'w13' else 'down_proj'}"]
     return [f"{prefix}.{mod}.experts.{e}.{n}.weight" for e in range(cfg.num_experts) for n in names]

@@ -1,9 +1,15 @@
-"""The MoE decoder: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3 in one definition, single device.
+"""The MoE decoder: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4.5, MiniMax-M2 and
+gpt-oss in one definition, single device.
 
 Legend: T tokens (a flat batch of all sequences), D hidden, N query heads, K kv heads, H head dim,
-E experts, I expert intermediate size, V vocabulary.
-Family differences are ModelConfig fields (biases, q/k norm, shared experts, dense layers, windows,
-the router's RouterConfig, MLA's MLAConfig: DeepSeek's attention lives in models/mla.py);
+R rotary dims of a head (R <= H), E experts, I expert intermediate size, V vocabulary.
+Family differences are ModelConfig fields: q/k/v and o biases (qkv_bias, o_bias), q/k norm per head
+or over the whole projection (qk_norm), partial rotary (rotary_dim: the first R dims of each head are
+roped, the rest pass), per-head attention sinks (attention_sinks), per-layer sliding windows
+(sliding_windows), shared experts (gated or not), dense layers, the router (RouterConfig: scoring,
+correction bias, groups, renormalisation, scaling, a biased router), expert biases and the expert
+activation (expert_bias, expert_act: kernels.moe.SwiGLU), MLA (MLAConfig: DeepSeek's attention lives
+in models/mla.py);
 the KV cache and the expert dispatcher are injected, so serving and training share this code.
 The compute ops (torch references or Triton kernels) come from one KernelOps table chosen at
 construction. Layers pass (hidden, residual) pairs so each norm fuses the residual add.
@@ -15,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.moe import SILU, SwiGLU
 from kernels.ops import KernelOps, select_ops
 from kernels.rotary import RotaryEmbedding
 from models.config import ModelConfig
@@ -28,7 +35,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ops: KernelOps):
         super().__init__()
         self.layer, self.cfg, self.ops = layer, cfg, ops
-        self.window, self.scale = cfg.sliding_windows[layer], cfg.head_dim ** -0.5
+        self.window, self.scale, self.rope_dim = cfg.sliding_windows[layer], cfg.head_dim ** -0.5, cfg.rope_dim
         D = cfg.hidden_size
         self.q_proj = nn.Linear(D, cfg.q_size, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(D, cfg.kv_size, bias=cfg.qkv_bias)
@@ -40,6 +47,8 @@ class Attention(nn.Module):
         elif cfg.qk_norm == "full":  # OLMoE: over the whole projection
             self.q_norm, self.k_norm = (RMSNorm(cfg.q_size, cfg.rms_norm_eps, ops),
                                         RMSNorm(cfg.kv_size, cfg.rms_norm_eps, ops))
+        # gpt-oss: one logit per query head joins every softmax as an extra column (N,)
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attention_sinks else None
 
     def forward(self, x_TD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 cache: KVCache, batch: AttentionBatch) -> torch.Tensor:
@@ -54,8 +63,13 @@ class Attention(nn.Module):
         v_TKH = v.view(T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm == "per_head":
             q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
-        q_TNH, k_TKH = self.ops.apply_rotary_(q_TNH, k_TKH, *cos_sin)
-        o_TNH = cache.attend(self.layer, q_TNH, k_TKH, v_TKH, batch, self.scale, self.window)
+        R = self.rope_dim
+        if R == cfg.head_dim:
+            q_TNH, k_TKH = self.ops.apply_rotary_(q_TNH, k_TKH, *cos_sin)
+        else:  # partial rotary: rotate the first R dims of each head in place (strided views)
+            q_TNH, k_TKH = q_TNH.contiguous(), k_TKH.contiguous()
+            self.ops.apply_rotary_(q_TNH[..., :R], k_TKH[..., :R], *cos_sin)
+        o_TNH = cache.attend(self.layer, q_TNH, k_TKH, v_TKH, batch, self.scale, self.window, self.sinks)
         return self.o_proj(o_TNH.reshape(T, cfg.q_size))
 
 
@@ -73,34 +87,48 @@ class MLP(nn.Module):
 
 
 class Experts(nn.Module):
-    """All experts of one layer as stacked weights: w13 (E, 2I, D) gate then up, w2 (E, D, I)."""
+    """All experts of one layer as stacked weights: w13 (E, 2I, D) gate then up, w2 (E, D, I); with
+    bias=True also b13 (E, 2I) and b2 (E, D) (gpt-oss). act: the SwiGLU variant (kernels.moe)."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, ops: KernelOps):
+    def __init__(self, num_experts: int, hidden: int, inter: int, ops: KernelOps, bias: bool = False,
+                 act: SwiGLU = SILU):
         super().__init__()
-        self.ops = ops
+        self.ops, self.act = ops, act
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.b13 = nn.Parameter(torch.empty(num_experts, 2 * inter)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, num_experts: int, ops: KernelOps) -> "Experts":
+        """num_experts experts of the shape and kind `cfg` describes."""
+        return cls(num_experts, cfg.hidden_size, cfg.moe_intermediate_size, ops, cfg.expert_bias, cfg.expert_act)
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
-        return self.ops.fused_moe(x_TD, self.w13, self.w2, topk_weights_TK, topk_ids_TK)
+        if self.b13 is None and self.act.is_silu:
+            return self.ops.fused_moe(x_TD, self.w13, self.w2, topk_weights_TK, topk_ids_TK)
+        return self.ops.fused_moe(x_TD, self.w13, self.w2, topk_weights_TK, topk_ids_TK, b13_EI2=self.b13,
+                                  b2_ED=self.b2, act=self.act)
 
 
 class Router(nn.Module):
-    """The router's weight (E, D), and DeepSeek-V3's e_score_correction_bias (E, float32, added to
-    the scores to choose experts only; not trained by gradients, as transformers keeps it a buffer).
-    Returns the logits (T, E); kernels.routing.topk_route turns them into choices (RouterConfig)."""
+    """The router's weight (E, D), gpt-oss's bias (E), and the e_score_correction_bias of DeepSeek-V3,
+    GLM and MiniMax-M2 (E, float32, added to the scores to choose experts only; not trained by
+    gradients, as transformers keeps it a buffer). Returns the logits (T, E);
+    kernels.routing.topk_route turns them into choices (RouterConfig)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.logits_fp32 = cfg.router.logits_fp32
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router.bias else None
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
                                         if cfg.router.correction_bias else None)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         if self.logits_fp32:
-            return F.linear(x_TD.float(), self.weight.float())
-        return F.linear(x_TD, self.weight)
+            return F.linear(x_TD.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        return F.linear(x_TD, self.weight, self.bias)
 
     def _apply(self, fn, recurse: bool = True):
         """Keep the correction bias in float32 whatever dtype the model is cast to (transformers
@@ -117,8 +145,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.layer, self.cfg, self.ops = layer, cfg, ops
         self.gate = Router(cfg)
-        self.experts = (Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, ops)
-                        if with_experts else None)
+        self.experts = Experts.of(cfg, cfg.num_experts, ops) if with_experts else None
         self.shared_name = None  # named as in the checkpoints: Qwen2-MoE's gated shared_expert, DeepSeek's shared_experts
         if cfg.shared_expert_intermediate_size:
             self.shared_name = "shared_expert" if cfg.shared_expert_gate else "shared_experts"
@@ -241,7 +268,7 @@ class MoEForCausalLM(nn.Module):
                 ids_T, batch = inp
                 xs.append(self.model.embed_tokens(ids_T))
                 if self._rotary is None:
-                    self._rotary = RotaryEmbedding(self.cfg.rope, self.cfg.head_dim, xs[-1].device)
+                    self._rotary = RotaryEmbedding(self.cfg.rope, self.cfg.rope_dim, xs[-1].device)
                 cos_sins.append(self._rotary(batch.positions_T, xs[-1].dtype, batch.kv_lens_B[batch.seq_idx_T]))
             residuals.append(None)
         pending: list[tuple | None] = [None] * len(inputs)

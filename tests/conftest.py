@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-from models.builtin import make_random_checkpoint, randomize_correction_bias, train_tokenizer
+from models.builtin import make_random_checkpoint, randomize_biases, randomize_correction_bias, train_tokenizer
 
 VOCAB = 512
 BASE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -42,7 +42,22 @@ FAMILIES = {
                                              first_k_dense_replace=1, n_shared_experts=1, kv_lora_rank=20,
                                              q_lora_rank=None, qk_rope_head_dim=6, qk_nope_head_dim=10,
                                              v_head_dim=14, routed_scaling_factor=1.0)),
+    # GLM-4.5: 3 layers (the first dense), q/k/v biases, per-head q/k norm, 10 of 20 head dims roped,
+    # V3 routing in 4 groups of 2 (top 2 groups), one shared expert
+    "glm4_moe": ("Glm4MoeConfig", dict(num_hidden_layers=3, head_dim=20, intermediate_size=48,
+                                       moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2,
+                                       n_group=4, topk_group=2, first_k_dense_replace=1, n_shared_experts=1,
+                                       routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True)),
+    # MiniMax-M2: q/k norm over the projections, rotary_dim 12 of head_dim 20, sigmoid + bias routing
+    "minimax_m2": ("MiniMaxM2Config", dict(head_dim=20, rotary_dim=12, intermediate_size=24, num_local_experts=8,
+                                           num_experts_per_tok=2)),
+    # gpt-oss: 3 layers alternating sliding (window 5) and full, sinks, q/k/v/o and expert biases,
+    # the clamped SwiGLU with a limit low enough to clamp, yarn rope, 5 experts top-3, head_dim 20;
+    # experts of 32 (MXFP4 packs 32 values per block along D and I)
+    "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=3, head_dim=20, intermediate_size=32, num_local_experts=5,
+                                     num_experts_per_tok=3, sliding_window=5, swiglu_limit=0.6)),
 }
+BIASED = ("glm4_moe", "minimax_m2", "gpt_oss")  # families whose biases and sinks are made non-zero
 
 
 def hf_config(family: str, **overrides):
@@ -72,6 +87,8 @@ def make_checkpoint(tmp_path_factory, tokenizer_dir):
                                                 tokenizer_dir=tokenizer_dir)
             if family == "deepseek_v3":
                 randomize_correction_bias(out, seed)
+            elif family in BIASED:
+                randomize_biases(out, seed)
         return cache[key]
 
     return make

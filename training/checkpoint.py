@@ -14,10 +14,12 @@ A checkpoint is written into checkpoints/.tmp-step-..., its files and directorie
 renamed when complete, and only then is `latest` replaced (os.replace of a fsynced temporary file),
 so `latest` always names a complete checkpoint, after a power loss too.
 Tensor names are the checkpoints' own (models/loader.py maps them): per-expert matrices, Mixtral's
-`block_sparse_moe` module.
+and MiniMax-M2's `block_sparse_moe` module; gpt-oss's fused, transposed, gate/up-interleaved experts
+and its `mlp.router`.
 """
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,14 @@ def hf_tensors(model: MoEForCausalLM, expert_ids: tuple[int, ...], dtype: torch.
     for name, p in model.named_parameters():  # a tied lm_head is listed once, as embed_tokens
         # DeepSeek-V3's correction bias stays float32 (transformers keeps it so: it orders close scores)
         t = p.detach().to(torch.float32 if name.endswith("e_score_correction_bias") else dtype)
+        if cfg.family == "gpt_oss" and (m := _GPT_OSS_EXPERTS.match(name)):
+            if experts:
+                out[f"{m.group(1)}.mlp.experts.{_GPT_OSS_NAMES[m.group(2)]}"] = _gpt_oss_layout(t, m.group(2))
+            continue
+        if name.endswith(".mlp.gate.e_score_correction_bias") and cfg.family == "minimax_m2":
+            if replicated:
+                out[name.replace(".mlp.gate.", ".block_sparse_moe.")] = t.clone()
+            continue
         if m := STACKED_EXPERTS.match(name):
             if not experts:
                 continue
@@ -57,8 +67,26 @@ def hf_tensors(model: MoEForCausalLM, expert_ids: tuple[int, ...], dtype: torch.
                 else:
                     out[f"{prefix}.{e}.{names[2]}.weight"] = t[i].clone()
         elif replicated:
-            out[name.replace(".mlp.gate.", f".{module}.gate.")] = t.contiguous().clone()  # Mixtral: block_sparse_moe
+            gate = ".mlp.router." if cfg.family == "gpt_oss" else f".{module}.gate."  # Mixtral: block_sparse_moe
+            out[name.replace(".mlp.gate.", gate)] = t.contiguous().clone()
     return out
+
+
+_GPT_OSS_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(w13|w2|b13|b2)$")
+_GPT_OSS_NAMES = {"w13": "gate_up_proj", "w2": "down_proj", "b13": "gate_up_proj_bias", "b2": "down_proj_bias"}
+
+
+def _gpt_oss_layout(t: torch.Tensor, param: str) -> torch.Tensor:
+    """A stacked expert tensor in gpt-oss's checkpoint layout (the inverse of models.loader.apply_layout):
+    w13 (E, 2I, D) -> gate_up_proj (E, D, 2I) with gate and up interleaved, w2 -> down_proj (E, I, D),
+    b13 (E, 2I) interleaved, b2 as is."""
+    if param in ("w13", "b13"):
+        E, I2 = t.shape[:2]
+        gate, up = t[:, :I2 // 2], t[:, I2 // 2:]
+        t = torch.stack((gate, up), dim=2).reshape(t.shape)  # rows gate0, up0, gate1, up1, ...
+    if param in ("w13", "w2"):
+        t = t.transpose(1, 2)
+    return t.contiguous().clone()
 
 
 def write_model(directory: Path, model: MoEForCausalLM, ctx: ParallelContext, dtype: torch.dtype) -> None:
@@ -66,6 +94,9 @@ def write_model(directory: Path, model: MoEForCausalLM, ctx: ParallelContext, dt
     One rank: model.safetensors. Expert parallel: ranks 0..ep-1 each write their experts' shard (rank
     0 also the rest) and rank 0 the index."""
     expert_ids = ctx.expert_ids(model.cfg.num_experts)
+    if ctx.ep_size > 1 and model.cfg.family == "gpt_oss":
+        raise ValueError("gpt-oss checkpoints store each layer's experts as one fused tensor: save them from one "
+                         "expert-parallel rank (--expert-parallel 1)")
     if ctx.ep_size == 1:
         if ctx.is_main:
             save_file(hf_tensors(model, expert_ids, dtype), str(directory / "model.safetensors"), {"format": "pt"})

@@ -25,10 +25,13 @@ SHAPE_FLAGS: dict[str, tuple[str, type]] = {
 # Shape flags -> the config.json field of each family (default: same name; None: the family has none).
 _FIELD = {
     "num_experts": {"mixtral": "num_local_experts", "deepseek_v2": "n_routed_experts",
-                    "deepseek_v3": "n_routed_experts"},
+                    "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts",
+                    "minimax_m2": "num_local_experts", "gpt_oss": "num_local_experts"},
     "expert_intermediate_size": {"mixtral": "intermediate_size", "olmoe": "intermediate_size",
+                                 "minimax_m2": "intermediate_size", "gpt_oss": "intermediate_size",
                                  "*": "moe_intermediate_size"},
-    "intermediate_size": {"mixtral": None, "olmoe": None},  # these families size experts with it
+    # these families size experts with it
+    "intermediate_size": {"mixtral": None, "olmoe": None, "minimax_m2": None, "gpt_oss": None},
 }
 _READ_IF_PRESENT = {"head_dim"}  # fields every family's transformers model reads when config.json has them
 

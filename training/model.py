@@ -34,16 +34,18 @@ def training_ops() -> KernelOps:
 class CausalAttention:
     """A KVCache that stores nothing: each sequence of the batch attends causally to its own tokens
     of this call (every sequence starts at position 0). Rows of equal length take one
-    scaled_dot_product_attention over a (B, N, L, H) view; other layouts the reference attention."""
+    scaled_dot_product_attention over a (B, N, L, H) view; other layouts (and attention sinks, which
+    it has no column for) the reference attention."""
 
     def attend(self, layer: int, q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor,
-               batch: AttentionBatch, scale: float, sliding_window: int | None) -> torch.Tensor:
+               batch: AttentionBatch, scale: float, sliding_window: int | None,
+               sinks_N: torch.Tensor | None = None) -> torch.Tensor:
         T, N, H = q_TNH.shape
         B, L, K = batch.kv_lens_B.numel(), batch.max_q_len, k_TKH.shape[1]
         if batch.max_kv_len != L:
             raise ValueError("CausalAttention keeps no cache: every sequence must start at position 0")
         k_TKH, v_TKH = k_TKH.to(q_TNH.dtype), v_TKH.to(q_TNH.dtype)
-        if T == B * L:  # all rows full: a plain (B, L) layout, no gather
+        if T == B * L and sinks_N is None:  # all rows full: a plain (B, L) layout, no gather
             q, k, v = (t.view(B, L, *t.shape[1:]).transpose(1, 2) for t in (q_TNH, k_TKH, v_TKH))
             if K != N:
                 k, v = k.repeat_interleave(N // K, dim=1), v.repeat_interleave(N // K, dim=1)
@@ -56,7 +58,7 @@ class CausalAttention:
         k_BSKH = k_TKH.new_zeros(B, L, K, H).index_put((batch.seq_idx_T, batch.tok_idx_T), k_TKH)
         v_BSKH = v_TKH.new_zeros(B, L, *v_TKH.shape[1:]).index_put((batch.seq_idx_T, batch.tok_idx_T), v_TKH)
         return cached_attention(q_TNH, k_BSKH.transpose(1, 2), v_BSKH.transpose(1, 2), batch.seq_idx_T,
-                                batch.tok_idx_T, batch.positions_T, L, scale, sliding_window)
+                                batch.tok_idx_T, batch.positions_T, L, scale, sliding_window, sinks_N)
 
     def attend_latent(self, layer: int, q_nope_TNP: torch.Tensor, q_pe_TNR: torch.Tensor, cached_TW: torch.Tensor,
                       batch: AttentionBatch, scale: float, mla: LatentProjections) -> torch.Tensor:
@@ -98,8 +100,7 @@ def build_model(cfg: ModelConfig, shard: Shard, device: torch.device, init_from:
         if not all_experts:
             for layer in model.model.layers:
                 if layer.is_moe:
-                    layer.mlp.experts = Experts(len(shard.expert_ids), cfg.hidden_size, cfg.moe_intermediate_size,
-                                                model.ops)
+                    layer.mlp.experts = Experts.of(cfg, len(shard.expert_ids), model.ops)
     model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -121,7 +122,7 @@ def init_weights(model: MoEForCausalLM, shard: Shard, seed: int, std: float, pad
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith(".bias") or name.endswith("e_score_correction_bias"):
+            elif name.endswith((".bias", "e_score_correction_bias", ".experts.b13", ".experts.b2")):
                 p.zero_()
             elif is_expert_param(name):  # (E_local, ...): one draw per global expert
                 for i, e in enumerate(shard.expert_ids):
