@@ -22,13 +22,19 @@ import torch
 from m2n_comm.transport import (KIND_DATA, SLOT_HEADER_BYTES, MessageMeta, PeerDeadError, TransportConfig,
                                 TransportTimeout, message_nbytes, open_endpoint)
 
-BACKENDS = ["shm", "tcp"]
+# nixl runs over UCX's tcp and over its shared-memory transports (UCX_TLS, read by UCX in each process).
+UCX_TLS = {"nixl-tcp": "tcp", "nixl-shm": "sm,self"}
+BACKENDS = ["shm", "tcp", *UCX_TLS]
 SLOT_BYTES = SLOT_HEADER_BYTES + (16 << 10)   # 16 KiB of payload per slot
 NUM_SLOTS = 4
 RESULT_TIMEOUT_S = 60.0
 
 
 def config(backend: str, **kw) -> TransportConfig:
+    """The test transport config of `backend` (a BACKENDS name; nixl-* also sets this process's UCX_TLS)."""
+    if backend in UCX_TLS:
+        os.environ.update(UCX_TLS=UCX_TLS[backend], UCX_NET_DEVICES="lo")
+        backend = "nixl"
     base = dict(backend=backend, slot_bytes=SLOT_BYTES, heartbeat_s=0.1, dead_after_s=1.0, connect_timeout_s=30.0)
     return TransportConfig(**{**base, **kw})
 
@@ -508,10 +514,12 @@ def test_both_ends_send_more_than_the_socket_buffers(store, pool):
         ep.close()
 
 
-def test_tcp_refuses_peers_without_the_token(store, pool, caplog):
-    """Strangers reach "a"'s listener before the real "b": one claims to be "b" with a wrong token,
-    one says HELLO without a token, one sends garbage. Each is dropped and logged with its address;
-    the real "b" (right token) still gets in and the two talk."""
+@pytest.mark.parametrize("backend", ["tcp", "nixl-tcp"])
+def test_refuses_peers_without_the_token(backend, store, pool, caplog):
+    """Strangers reach "a"'s listener (tcp: the data plane; nixl: the metadata exchange) before the
+    real "b": one claims to be "b" with a wrong token, one says HELLO without a token, one sends
+    garbage. Each is dropped and logged with its address; the real "b" (right token) still gets in
+    and the two talk."""
     import json
     import socket
     import struct
@@ -520,10 +528,10 @@ def test_tcp_refuses_peers_without_the_token(store, pool, caplog):
     token = "s3cret-" + sess
     made = {}
     t = threading.Thread(target=lambda: made.setdefault("ep", open_endpoint(
-        config("tcp", token=token), store, sess, "a", ["b"], NUM_SLOTS)))
+        config(backend, token=token), store, sess, "a", ["b"], NUM_SLOTS)))
     with caplog.at_level("WARNING", logger="shuttle.m2n"):
         t.start()
-        key, deadline = f"shuttle-m2n/{sess}/a/tcp", time.monotonic() + 30
+        key, deadline = f"shuttle-m2n/{sess}/a/{backend.split('-')[0]}", time.monotonic() + 30
         while not store.check([key]) and time.monotonic() < deadline:  # get() would block the store
             time.sleep(0.01)  # client, which the thread's open_endpoint shares
         info = json.loads(store.get(key))
@@ -535,7 +543,7 @@ def test_tcp_refuses_peers_without_the_token(store, pool, caplog):
             strangers[-1].sendall(struct.pack("<I", len(body)) + body)
         strangers.append(socket.create_connection((info["host"], info["port"])))
         strangers[-1].sendall(b"\xff" * 64)
-        w.start("run_echo", session=sess, backend="tcp", me="b", peer="a", count=3, token=token)
+        w.start("run_echo", session=sess, backend=backend, me="b", peer="a", count=3, token=token)
         t.join(30)
     for s in strangers:  # dropped: EOF (or a reset)
         s.settimeout(10)
