@@ -3,6 +3,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from m2n_comm.transport import BACKENDS
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -46,7 +48,7 @@ class ParallelConfig:
     """How the model is split over processes. colocated: the experts run in the attention process
     with no transport (the reference). Otherwise `attention_workers` data-parallel attention
     processes and `expert_workers` expert processes exchange tokens over M2N (`transport`: shm on
-    one host, tcp across hosts), each step split into `micro_batches` (1 to 4) that ping-pong
+    one host, tcp across hosts, nixl across hosts with RDMA), each step split into `micro_batches` (1 to 4) that ping-pong
     between the pools. placement: a JSON file {"expert": [workers]} (default: contiguous blocks).
     torch_threads: torch threads per worker process (None: torch's default)."""
 
@@ -67,8 +69,8 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{name} must be a positive integer, got {v!r}")
         if self.micro_batches > 4:
             raise ValueError(f"parallel.micro_batches must be 1 to 4, got {self.micro_batches}")
-        if self.transport not in ("shm", "tcp"):
-            raise ValueError(f"parallel.transport must be shm or tcp, got {self.transport!r}")
+        if self.transport not in BACKENDS:
+            raise ValueError(f"parallel.transport must be one of {', '.join(BACKENDS)}, got {self.transport!r}")
         if self.expert_device is not None and self.expert_device != "cpu" and not self.expert_device.startswith("cuda"):
             raise ValueError(f"parallel.expert_device must be cpu or cuda, got {self.expert_device!r}")
         if self.torch_threads is not None and (not isinstance(self.torch_threads, int) or self.torch_threads < 1):

@@ -3,7 +3,7 @@
     shuttle serve [--model DIR] [--host H] [--port P] [--api-key KEY] [--grpc-port P] [pool flags]
     shuttle serve --role attention|expert --rendezvous HOST:PORT      (a worker of a multi-host pool)
     shuttle generate --model DIR --prompt TEXT [--prompt TEXT ...] [--max-tokens N] [--json]
-                     [--attention-workers N --expert-workers M --micro-batches K --transport shm|tcp]
+                     [--attention-workers N --expert-workers M --micro-batches K --transport shm|tcp|nixl]
     shuttle bench serve --base-url URL [--backend openai|openai-chat|grpc] [--num-prompts N] ...
     shuttle profile [--model DIR] [--torch-threads 1,2] [--transport shm,tcp] [--quick] --out PROFILE.json
     shuttle simulate --profile PROFILE.json (--colocated | --attention-workers A ...) --num-prompts N ...
@@ -23,6 +23,7 @@ import os
 import sys
 
 from attention_nodes.sampling_params import SamplingParams
+from m2n_comm.transport import BACKENDS
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -106,7 +107,8 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-workers", type=int, default=None, help="attention worker processes (default 1)")
     g.add_argument("--expert-workers", type=int, default=None, help="expert worker processes (default 1)")
     g.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step, 1 to 4 (default 1)")
-    g.add_argument("--transport", choices=["shm", "tcp"], default=None, help="M2N backend (default shm)")
+    g.add_argument("--transport", choices=list(BACKENDS), default=None,
+                   help="M2N backend (default shm): shm on one host, tcp or nixl (UCX: RDMA where present) across hosts")
     g.add_argument("--placement", default=None, help='JSON file {"expert": [workers]} (default: contiguous blocks)')
     g.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
     g.add_argument("--colocated", action="store_true", help="experts inside the attention process, no transport")

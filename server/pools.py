@@ -32,6 +32,7 @@ from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.worker import AttentionWorkerSpec, run_attention_worker
 from expert_nodes.worker import ExpertWorkerSpec, run_expert_worker
 from m2n_comm.m2n import Placement, slot_bytes_for
+from m2n_comm.nixl import import_nixl
 from m2n_comm.transport import TransportConfig
 from models.config import DTYPES, ModelConfig
 
@@ -61,6 +62,11 @@ class PoolEngine:
             # RuntimeError here is a page of bootstrapping traceback per worker).
             raise SystemExit(MAIN_GUARD_EXIT)
         par = cfg.parallel
+        if par.transport == "nixl":
+            try:
+                import_nixl()  # here, not in every worker: say how to install it before anything starts
+            except ImportError as e:
+                raise RuntimeError(f"--transport nixl: {e}") from None
         self.cfg, self.model_cfg = cfg, ModelConfig.from_pretrained(cfg.model)
         if not any(self.model_cfg.moe_layers):
             raise ValueError(f"{cfg.model}: the model has no MoE layer to disaggregate; run it colocated")

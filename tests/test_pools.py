@@ -72,6 +72,17 @@ def test_greedy_equals_colocated(make_checkpoint, family, pools, transport):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("ucx_tls,pools", [("tcp", (1, 1, 1)), ("sm,self", (1, 1, 1)), ("sm,self", (1, 2, 3)),
+                                           ("sm,self", (2, 2, 2))], ids=["tcp-a1-e1-m1", "shm-a1-e1-m1",
+                                                                        "shm-a1-e2-m3", "shm-a2-e2-m2"])
+def test_greedy_equals_colocated_on_nixl(make_checkpoint, monkeypatch, ucx_tls, pools):
+    """The nixl transport, with UCX over tcp and over shared memory (the workers inherit UCX_TLS)."""
+    monkeypatch.setenv("UCX_TLS", ucx_tls)
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    test_greedy_equals_colocated(make_checkpoint, "mixtral", pools, "nixl")
+
+
+@pytest.mark.slow
 def test_replicated_hot_expert_and_llm_api(make_checkpoint, tmp_path):
     """A placement file puts expert 0 on both expert workers (its tokens are split between the
     copies); LLM.generate over the pools equals LLM.generate colocated."""
