@@ -1,4 +1,5 @@
 """Engine configuration: small frozen dataclasses, checked when built, composed in EngineConfig."""
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,25 @@ class CacheConfig:
             raise ValueError(f"cache.kv_cache_gib must be positive, got {self.kv_cache_gib!r}")
 
 
+def ray_resources(value: object, where: str) -> tuple[tuple[str, float], ...]:
+    """Ray resources as sorted (name, amount) pairs, from a dict, JSON object text or pairs;
+    ValueError naming `where` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{where} must be a JSON object of Ray resources such as {{\"H20\": 1}}: {e}") from None
+    try:
+        pairs = sorted((value or {}).items() if isinstance(value, dict) else (tuple(p) for p in value))
+    except (TypeError, ValueError):
+        pairs = None
+    ok = pairs is not None and all(len(p) == 2 and isinstance(p[0], str) and p[0] and isinstance(p[1], (int, float))
+                                   and not isinstance(p[1], bool) and p[1] >= 0 for p in pairs)
+    if not ok:
+        raise ValueError(f"{where} must map Ray resource names to amounts >= 0 (e.g. {{\"H20\": 1}}), got {value!r}")
+    return tuple((k, float(v)) for k, v in pairs)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is split over processes. colocated: the experts run in the attention process
@@ -61,6 +81,13 @@ class ParallelConfig:
     torch_threads: int | None = None
     trace_dir: str | None = None  # each worker writes DIR/<worker>.trace.json (Chrome trace) when it stops
     expert_device: str | None = None  # the expert pool's device (None: the engine's device)
+    # How the pools start (server/launchers.py): "spawn" (processes of this host) or "ray" (Ray
+    # actors on the cluster at ray_address, each pool on nodes carrying its resources: (name, amount)
+    # pairs, e.g. (("H20", 1.0),); a dict or JSON object text is accepted and normalised).
+    launcher: str = "spawn"
+    ray_address: str | None = None
+    attention_resources: tuple[tuple[str, float], ...] = ()
+    expert_resources: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("attention_workers", "expert_workers", "micro_batches"):
@@ -75,6 +102,12 @@ class ParallelConfig:
             raise ValueError(f"parallel.expert_device must be cpu or cuda, got {self.expert_device!r}")
         if self.torch_threads is not None and (not isinstance(self.torch_threads, int) or self.torch_threads < 1):
             raise ValueError(f"parallel.torch_threads must be a positive integer, got {self.torch_threads!r}")
+        if self.launcher not in ("spawn", "ray"):
+            raise ValueError(f"parallel.launcher must be spawn or ray, got {self.launcher!r}")
+        for name in ("attention_resources", "expert_resources"):
+            object.__setattr__(self, name, ray_resources(getattr(self, name), f"parallel.{name}"))
+        if self.launcher != "ray" and (self.ray_address or self.attention_resources or self.expert_resources):
+            raise ValueError("parallel.ray_address and the pools' resources need parallel.launcher='ray'")
 
 
 @dataclass(frozen=True)

@@ -43,11 +43,14 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                   kv_cache_gib: float | None = None, enable_prefix_caching: bool = True, seed: int = 0,
                   colocated: bool = True, attention_workers: int = 1, expert_workers: int = 1, micro_batches: int = 1,
                   transport: str = "shm", placement: str | None = None,
-                  torch_threads: int | None = None, expert_device: str | None = None) -> EngineConfig:
+                  torch_threads: int | None = None, expert_device: str | None = None, launcher: str = "spawn",
+                  ray_address: str | None = None, attention_resources: object = (),
+                  expert_resources: object = ()) -> EngineConfig:
     """EngineConfig from the keyword arguments of LLM and the command line (None model: built-in).
     colocated=False runs attention_workers and expert_workers as separate processes (see
     attention_nodes.config.ParallelConfig); `device` is then the attention pool's, expert_device
-    the expert pool's (default: the same)."""
+    the expert pool's (default: the same). launcher="ray" starts them as Ray actors on the cluster
+    at ray_address, each pool on nodes carrying its resources (dicts such as {"H20": 1})."""
     if model is None:
         from models.builtin import builtin_model_dir
         model = builtin_model_dir()
@@ -59,7 +62,9 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                         SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
                         CacheConfig(block_size, num_kv_blocks, kv_cache_gib, enable_prefix_caching),
                         ParallelConfig(colocated, attention_workers, expert_workers, micro_batches, transport, placement,
-                                       torch_threads, expert_device=expert_device))
+                                       torch_threads, expert_device=expert_device, launcher=launcher,
+                                       ray_address=ray_address, attention_resources=attention_resources,
+                                       expert_resources=expert_resources))
 
 
 class LLM:

@@ -5,7 +5,8 @@ through an engine-shaped front, so LLM (and later the HTTP server) use them as t
     engine.add_request("r1", prompt_ids, SamplingParams())  # to the least loaded attention worker
     deltas = engine.step()                                  # whatever the workers produced since
 
-On one host the pools are spawned processes. Across hosts every host runs `shuttle serve --role
+On one host the pools are spawned processes; on a Ray cluster, Ray actors placed by each pool's
+resources (server/launchers.py). Without Ray, across hosts every host runs `shuttle serve --role
 attention|expert --rendezvous HOST:PORT` and the front runs with `rendezvous=HOST:PORT`: the
 deployment is published in a torch.distributed TCPStore there and each worker takes the next rank.
 A worker that fails or exits is reported (WorkerFailedError naming it), never waited on for ever.
@@ -33,6 +34,7 @@ from attention_nodes.worker import AttentionWorkerSpec, run_attention_worker
 from expert_nodes.worker import ExpertWorkerSpec, run_expert_worker
 from m2n_comm.m2n import Placement, slot_bytes_for
 from m2n_comm.nixl import import_nixl
+from server.launchers import make_launcher
 from m2n_comm.transport import TransportConfig
 from models.config import DTYPES, ModelConfig
 
@@ -73,7 +75,10 @@ class PoolEngine:
         self.eos_token_ids = set(eos_token_ids)
         self.placement = (Placement.from_file(par.placement, self.model_cfg.num_experts, par.expert_workers)
                           if par.placement else Placement.balanced(self.model_cfg.num_experts, par.expert_workers))
-        host, port = _split(rendezvous) if rendezvous else ("127.0.0.1", 0)
+        if rendezvous and par.launcher != "spawn":
+            raise ValueError(f"--launcher {par.launcher} starts the workers itself; it takes no --rendezvous")
+        self._launcher = None if rendezvous else make_launcher(par)
+        host, port = _split(rendezvous) if rendezvous else (self._launcher.host, 0)
         self.session = f"shuttle-{os.getpid()}-{secrets.token_hex(4)}"
         self._store = TCPStore(host, port, is_master=True, wait_for_workers=False)
         self._listener = socket.create_server((host, 0))
@@ -93,7 +98,7 @@ class PoolEngine:
         self._conn_rank: dict[int, int] = {}       # control connection -> attention worker rank
         self._worker_stats: dict[int, dict] = {}    # attention worker rank -> its latest Stats
         self._finalizer = weakref.finalize(self, _shutdown, self._socks, self._procs, self._store, self.session,
-                                           par.expert_workers if rendezvous else 0)
+                                           par.expert_workers if rendezvous else 0, self._launcher)
         if rendezvous:
             self._publish()
         else:
@@ -105,21 +110,21 @@ class PoolEngine:
         """Start the pools as processes of this host. Unless torch_threads is given, the cores are
         shared out between the workers: both pools compute at once, and torch's default (every
         core in every process) oversubscribes the CPU, which slows OpenMP several-fold."""
-        par, ctx = self.cfg.parallel, mp.get_context("spawn")
+        par = self.cfg.parallel
         if par.torch_threads is None:
             par = replace(par, torch_threads=max(1, len(os.sched_getaffinity(0)) //
                                                  (par.attention_workers + par.expert_workers)))
         cfg = replace(self.cfg, parallel=par)
-        store_addr = ("127.0.0.1", self._store.port)
+        store_addr = (self._launcher.host, self._store.port)
         for w in range(par.expert_workers):
             spec = ExpertWorkerSpec(self.cfg.model, self.cfg.dtype, par.expert_device or self.cfg.device, self.cfg.kernels, w,
                                     par.attention_workers, par.micro_batches, self.placement, self.transport,
                                     store_addr, self.session, par.torch_threads, par.trace_dir)
-            self._procs.append(ctx.Process(target=run_expert_worker, args=(spec,), name=f"e{w}", daemon=True))
+            self._procs.append(self._launcher.worker(f"e{w}", "expert", run_expert_worker, spec))
         for a in range(par.attention_workers):
             spec = AttentionWorkerSpec(cfg, a, sorted(self.eos_token_ids), self.placement, self.transport,
                                        store_addr, self._listener.getsockname()[:2], self.session)
-            self._procs.append(ctx.Process(target=run_attention_worker, args=(spec,), name=f"a{a}", daemon=True))
+            self._procs.append(self._launcher.worker(f"a{a}", "attention", run_attention_worker, spec))
         for p in self._procs:
             p.start()
 
@@ -377,7 +382,8 @@ def _read_events(sock: socket.socket, conn: int, events: queue.Queue, stats: dic
     events.put((conn, None))
 
 
-def _shutdown(socks: list[socket.socket], procs: list, store: TCPStore, session: str, remote_experts: int) -> None:
+def _shutdown(socks: list[socket.socket], procs: list, store: TCPStore, session: str, remote_experts: int,
+              launcher=None) -> None:
     """Stop the pools: attention workers first (Shutdown), then expert workers, which see their
     peers leave and the shutdown key set; anything still alive after a grace period is killed.
     Workers on other hosts are given the same grace period to say they are done, so the store
@@ -403,6 +409,8 @@ def _shutdown(socks: list[socket.socket], procs: list, store: TCPStore, session:
             p.join(5.0)
     for s in socks:
         s.close()
+    if launcher is not None:
+        launcher.close()
 
 
 def _split(addr: str) -> tuple[str, int]:
