@@ -173,5 +173,18 @@ class RayLauncher:
             self.ray.shutdown()
 
 
+def check_installed(par: ParallelConfig) -> None:
+    """RuntimeError saying what to install when the deployment needs NIXL or Ray and it is missing."""
+    if par.transport == "nixl":
+        from m2n_comm.nixl import import_nixl
+
+        try:
+            import_nixl()
+        except ImportError as e:
+            raise RuntimeError(f"--transport nixl: {e}") from None
+    if par.launcher == "ray":
+        _import_ray()
+
+
 def make_launcher(par: ParallelConfig) -> SpawnLauncher | RayLauncher:
     return RayLauncher(par) if par.launcher == "ray" else SpawnLauncher()

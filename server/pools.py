@@ -33,10 +33,9 @@ from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.worker import AttentionWorkerSpec, run_attention_worker
 from expert_nodes.worker import ExpertWorkerSpec, run_expert_worker
 from m2n_comm.m2n import Placement, slot_bytes_for
-from m2n_comm.nixl import import_nixl
-from server.launchers import make_launcher
 from m2n_comm.transport import TransportConfig
 from models.config import DTYPES, ModelConfig
+from server.launchers import check_installed, make_launcher
 
 log = logging.getLogger("shuttle")
 START_TIMEOUT_S = 300.0  # loading big checkpoints takes a while; dead workers are noticed sooner
@@ -64,11 +63,7 @@ class PoolEngine:
             # RuntimeError here is a page of bootstrapping traceback per worker).
             raise SystemExit(MAIN_GUARD_EXIT)
         par = cfg.parallel
-        if par.transport == "nixl":
-            try:
-                import_nixl()  # here, not in every worker: say how to install it before anything starts
-            except ImportError as e:
-                raise RuntimeError(f"--transport nixl: {e}") from None
+        check_installed(par)  # here, not in every worker: say what to install before anything starts
         self.cfg, self.model_cfg = cfg, ModelConfig.from_pretrained(cfg.model)
         if not any(self.model_cfg.moe_layers):
             raise ValueError(f"{cfg.model}: the model has no MoE layer to disaggregate; run it colocated")

@@ -606,3 +606,19 @@ def test_tcp_across_network_namespaces():
                 p.kill()
         for n in ns:
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
+
+
+def test_missing_nixl_and_ray_say_how_to_install(monkeypatch):
+    """Without NIXL, --transport nixl names the install command; without Ray, --launcher ray its extra;
+    both before any worker starts (PoolEngine checks before it reads the model)."""
+    from attention_nodes.config import EngineConfig, ParallelConfig
+    from server.pools import PoolEngine
+
+    for name in ("nixl_cu12", "nixl_cu13", "nixl", "ray"):
+        monkeypatch.setitem(__import__("sys").modules, name, None)  # import raises ImportError
+    with pytest.raises(ImportError, match=r"pip install --no-deps nixl-cu12==1\.5\.1.*NIXL=0"):
+        open_endpoint(config("nixl-tcp"), None, session(), "a", ["b"], 2)
+    with pytest.raises(RuntimeError, match=r"--transport nixl: .*pip install --no-deps nixl-cu12"):
+        PoolEngine(EngineConfig("no-such-model", parallel=ParallelConfig(False, transport="nixl")), {0})
+    with pytest.raises(RuntimeError, match=r"--launcher ray needs Ray: pip install 'shuttle-moe\[ray\]'"):
+        PoolEngine(EngineConfig("no-such-model", parallel=ParallelConfig(False, launcher="ray")), {0})
