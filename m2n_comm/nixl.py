@@ -90,7 +90,7 @@ class NixlEndpoint(EndpointBase):
         self._rx = torch.zeros(n * self._stride, dtype=torch.uint8)
         self._tx = torch.zeros(n * self._stride, dtype=torch.uint8)
         self._rx_words, self._tx_bytes = self._rx.numpy().view(np.int64), self._tx.numpy()
-        self._tx_words = self._tx_bytes.view(np.int64)
+        self._tx_words, self._tx_ptr = self._tx_bytes.view(np.int64), self._tx.data_ptr()
         self._rx_payload = [self._rx[k * self._stride + SLOT_HEADER_BYTES: k * self._stride + SLOT_HEADER_BYTES
                                      + self.capacity] for k in range(n)]
         self._arrived: list[tuple[int, MessageMeta, list[TensorDesc]] | None] = [None] * n
@@ -119,6 +119,10 @@ class NixlEndpoint(EndpointBase):
                                           sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
             self._agent = nixl.nixl_agent(f"{session}/{me}", conf)
             self._agent.create_backend("UCX", {"ucx_error_handling_mode": cfg.ucx_error_handling})
+            # The hot path calls NIXL's bindings directly: the Python wrapper's descriptor-list
+            # checks cost ~10 us per message here, as much as a small write itself.
+            self._b = __import__(f"{nixl.__name__}._bindings", fromlist=["_"])
+            self._raw = self._agent.agent
             self._reg = [self._agent.register_memory(self._rx), self._agent.register_memory(self._tx)]
             self._connect(store)
         except BaseException:
@@ -189,7 +193,7 @@ class NixlEndpoint(EndpointBase):
         """Drive the transfers in flight (UCX over tcp moves their bytes only while we check on them)
         and handle the notifications that arrived."""
         for i in list(self._inflight):
-            if self._agent.check_xfer_state(self._xfer[i]) != "PROC":
+            if self._state(self._xfer[i]) != "PROC":
                 self._inflight.discard(i)
         notifs = self._agent.get_new_notifs()
         if not notifs:
@@ -277,11 +281,11 @@ class NixlEndpoint(EndpointBase):
                 np.copyto(self._tx_bytes[start + d.offset: start + d.offset + d.nbytes], np.frombuffer(flat, np.uint8))
         n = SLOT_HEADER_BYTES + end
         remote = self._remote_addr[pi] + (self._remote_base[pi] + slot) * self._stride
-        a = self._agent
+        b = self._b
         try:
-            xfer = a.initialize_xfer("WRITE", a.get_xfer_descs([(self._tx.data_ptr() + base, n, 0)], "DRAM"),
-                                     a.get_xfer_descs([(remote, n, 0)], "DRAM"), self._agents[pi])
-            state = a.transfer(xfer, NOTIF.pack(DATA, slot, self._sent[i]))  # (its notif_msg replaces init's)
+            xfer = self._raw.createXferReq(b.NIXL_WRITE, b.nixlXferDList(b.DRAM_SEG, [(self._tx_ptr + base, n, 0)]),
+                                           b.nixlXferDList(b.DRAM_SEG, [(remote, n, 0)]), self._agents[pi], b"", [])
+            state = self._status(self._raw.postXferReq(xfer, NOTIF.pack(DATA, slot, self._sent[i])))
         except Exception as e:
             self._mark_dead(pi, f"NIXL write failed: {type(e).__name__}: {e}")
             raise PeerDeadError(self.peers[pi], self._dead[pi]) from e
@@ -299,20 +303,33 @@ class NixlEndpoint(EndpointBase):
         if xfer is None:
             return
         pi = i // self.num_slots
-        state = self._agent.check_xfer_state(xfer)
+        state = self._state(xfer)
         while state == "PROC":
             self._raise_if_dead(pi, thorough=True)
             os.sched_yield()
-            state = self._agent.check_xfer_state(xfer)
+            state = self._state(xfer)
         self._xfer[i] = None
         self._inflight.discard(i)
-        try:
-            self._agent.release_xfer_handle(xfer)
-        except Exception:
-            pass
+        self._free(xfer)
         if state != "DONE":
             self._mark_dead(pi, f"NIXL write ended in state {state}")
             raise PeerDeadError(self.peers[pi], self._dead[pi])
+
+    def _status(self, code: int) -> str:
+        return "DONE" if code == self._b.NIXL_SUCCESS else "PROC" if code == self._b.NIXL_IN_PROG else "ERR"
+
+    def _state(self, xfer: int) -> str:
+        """A transfer's state: DONE, PROC or ERR (an error NIXL raises counts as ERR)."""
+        try:
+            return self._status(self._raw.getXferStatus(xfer))
+        except Exception:
+            return "ERR"
+
+    def _free(self, xfer: int) -> None:
+        try:
+            self._raw.releaseXferReq(xfer)
+        except Exception:
+            pass  # still active towards a dead peer: NIXL frees it with the agent
 
     def _release(self, i: int, seq: int) -> None:
         pi, slot = divmod(i, self.num_slots)
@@ -427,10 +444,7 @@ class NixlEndpoint(EndpointBase):
         if agent is not None:
             for i, xfer in enumerate(self._xfer):
                 if xfer is not None:
-                    try:
-                        agent.release_xfer_handle(xfer)
-                    except Exception:
-                        pass
+                    self._free(xfer)
                     self._xfer[i] = None
             for reg in self._reg:
                 try:
