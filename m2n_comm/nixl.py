@@ -118,7 +118,11 @@ class NixlEndpoint(EndpointBase):
             conf = nixl.nixl_agent_config(enable_prog_thread=False, backends=[],  # its thread would spin a core
                                           sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
             self._agent = nixl.nixl_agent(f"{session}/{me}", conf)
-            self._agent.create_backend("UCX", {"ucx_error_handling_mode": cfg.ucx_error_handling})
+            try:
+                self._agent.create_backend("UCX", {"ucx_error_handling_mode": cfg.ucx_error_handling})
+            except Exception as e:
+                raise RuntimeError(f"M2N endpoint {me!r}: NIXL's UCX backend did not start ({type(e).__name__}: {e}); "
+                                   "UCX's log above says why (check UCX_TLS and UCX_NET_DEVICES)") from None
             # The hot path calls NIXL's bindings directly: the Python wrapper's descriptor-list
             # checks cost ~10 us per message here, as much as a small write itself.
             self._b = __import__(f"{nixl.__name__}._bindings", fromlist=["_"])

@@ -191,21 +191,28 @@ def run_survivor(store, session: str, backend: str) -> dict:
         ep.close()
 
 
-def run_netns_peer(ns: str, role: str, host: str, port_q, results) -> None:
-    """One end of test_tcp_across_network_namespaces, inside network namespace `ns`: "a" hosts the
-    store and sends, "b" echoes; puts (role, result dict or error text) on `results`."""
+def run_netns_peer(ns: str, role: str, host: str, port_q, results, backend: str = "tcp", dev: str = "") -> None:
+    """One end of test_across_network_namespaces, inside network namespace `ns`: "a" hosts the
+    store and sends, "b" echoes; puts (role, result dict or error text) on `results`. dev: the veth
+    device UCX must use (nixl)."""
     try:
-        results.put((role, netns_peer(ns, role, host, port_q)))
+        results.put((role, netns_peer(ns, role, host, port_q, backend, dev)))
     except BaseException as e:
         results.put((role, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def netns_peer(ns: str, role: str, host: str, port_q) -> dict:
+def netns_peer(ns: str, role: str, host: str, port_q, backend: str, dev: str) -> dict:
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
     if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
         raise OSError(ctypes.get_errno(), f"setns({ns})")
     os.close(fd)
+    if backend != "tcp":  # UCX lists devices from /sys/class/net: remount it for this namespace, as
+        # `ip netns exec` does (in a mount namespace of our own)
+        libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_void_p]
+        if (libc.unshare(0x00020000) != 0 or libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) != 0  # CLONE_NEWNS; MS_REC|MS_PRIVATE
+                or libc.umount2(b"/sys", 2) != 0 or libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None) != 0):  # MNT_DETACH
+            raise OSError(ctypes.get_errno(), f"remounting /sys in {ns}")
     import torch.distributed as dist
 
     if role == "a":
@@ -214,12 +221,14 @@ def netns_peer(ns: str, role: str, host: str, port_q) -> dict:
     else:
         store = dist.TCPStore("10.213.0.1", port_q.get(timeout=30), is_master=False)
     peer = "b" if role == "a" else "a"
-    ep = open_endpoint(config("tcp", host=host), store, "netns", role, [peer], NUM_SLOTS)
+    cfg = config(backend, host=host)
+    os.environ["UCX_NET_DEVICES"] = dev  # (nixl) the veth, not lo
+    ep = open_endpoint(cfg, store, "netns", role, [peer], NUM_SLOTS)
     try:
         if role == "b":
             return dict(echoed=run_echo_loop(ep, peer, 20))
         import json
-        peer_host = json.loads(store.get("shuttle-m2n/netns/b/tcp"))["host"]
+        peer_host = json.loads(store.get(f"shuttle-m2n/netns/b/{cfg.backend}"))["host"]
         ok = 0
         for k in range(20):
             sent = make_tensors(k, torch.bfloat16, 5 * k)
@@ -572,8 +581,10 @@ def test_refuses_peers_without_the_token(backend, store, pool, caplog):
 
 
 @pytest.mark.slow
-def test_tcp_across_network_namespaces():
-    """Two processes in two network namespaces joined by a veth pair talk over 10.213.0.0/24."""
+@pytest.mark.parametrize("backend", ["tcp", "nixl-tcp"])
+def test_across_network_namespaces(backend):
+    """Two processes in two network namespaces joined by a veth pair talk over 10.213.0.0/24 (nixl:
+    UCX over tcp on the veth devices)."""
     if os.geteuid() != 0:
         pytest.skip("needs root to create network namespaces")
     tag = uuid.uuid4().hex[:6]
@@ -592,8 +603,8 @@ def test_tcp_across_network_namespaces():
                 pytest.skip(f"`{' '.join(cmd)}` failed: {r.stderr.strip()}")
         ctx = mp.get_context("spawn")
         port_q, results = ctx.Queue(), ctx.Queue()
-        procs = [ctx.Process(target=run_netns_peer, args=(ns[j], role, f"10.213.0.{j + 1}", port_q, results))
-                 for j, role in enumerate("ab")]
+        procs = [ctx.Process(target=run_netns_peer, args=(ns[j], role, f"10.213.0.{j + 1}", port_q, results,
+                                                          backend, veth[j])) for j, role in enumerate("ab")]
         for p in procs:
             p.start()
         got = dict(results.get(timeout=RESULT_TIMEOUT_S) for _ in procs)
