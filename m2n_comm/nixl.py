@@ -293,11 +293,12 @@ class NixlEndpoint(EndpointBase):
         except Exception as e:
             self._mark_dead(pi, f"NIXL write failed: {type(e).__name__}: {e}")
             raise PeerDeadError(self.peers[pi], self._dead[pi]) from e
-        self._xfer[i] = xfer
+        with self._rx_lock:  # the heartbeat thread's progress reads both
+            self._xfer[i] = xfer
+            if state == "PROC":
+                self._inflight.add(i)
         self._last_sent[pi] = time.monotonic()
-        if state == "PROC":
-            self._inflight.add(i)
-        elif state == "ERR":
+        if state == "ERR":
             self._finish_xfer(i)
 
     def _finish_xfer(self, i: int) -> None:
@@ -312,8 +313,9 @@ class NixlEndpoint(EndpointBase):
             self._raise_if_dead(pi, thorough=True)
             os.sched_yield()
             state = self._state(xfer)
-        self._xfer[i] = None
-        self._inflight.discard(i)
+        with self._rx_lock:
+            self._xfer[i] = None
+            self._inflight.discard(i)
         self._free(xfer)
         if state != "DONE":
             self._mark_dead(pi, f"NIXL write ended in state {state}")
