@@ -402,7 +402,7 @@ class NixlEndpoint(EndpointBase):
                         self._notify(pi, HEARTBEAT, 0, 0)
                     except PeerDeadError:
                         pass
-            if self._rx_lock.acquire(blocking=False):  # the owner thread is elsewhere: progress for it
+            if self._rx_lock.acquire(timeout=self.cfg.heartbeat_s / 4):  # the owner is elsewhere (or between polls)
                 try:
                     self._progress_locked()
                 except Exception:
@@ -422,6 +422,8 @@ class NixlEndpoint(EndpointBase):
             self._progress()
             time.sleep(NAP_MIN_S)
         for pi in range(len(self.peers)):
+            if pi not in self._dead and (why := self._hello_closed(pi)) is not None:
+                self._mark_dead(pi, why)  # gone already: a notification would only fail (and NIXL log it)
             if pi not in self._dead:
                 try:
                     self._agent.send_notif(self._agents[pi], NOTIF.pack(BYE, 0, 0))
