@@ -136,7 +136,11 @@ class RayLauncher:
 
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
-            ray.init(address=par.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+            try:
+                ray.init(address=par.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+            except Exception as e:  # ConnectionError, ValueError, ...: one line, not Ray's traceback
+                raise RuntimeError(f"--launcher ray: cannot join the Ray cluster at "
+                                   f"{par.ray_address or 'Ray default'}: {type(e).__name__}: {e}") from None
         self.host = ray.util.get_node_ip_address()
         pools = [("e", par.expert_workers, dict(par.expert_resources or ())),
                  ("a", par.attention_workers, dict(par.attention_resources or ()))]

@@ -49,7 +49,6 @@ def test_pools_on_ray_nodes_by_resources(cluster, make_checkpoint):
             engine.add_request("after-kill", PROMPTS[0], PARAMS)
             while engine.has_unfinished_requests():
                 engine.step(timeout=30)
-        print("REPORTED:", err.value)
         assert "e0" in str(err.value) and time.monotonic() - t0 < 30
     finally:
         engine.shutdown()
