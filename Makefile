@@ -10,7 +10,7 @@ NIXL ?= 1
 RAY ?= 1
 comma := ,
 
-.PHONY: setup run generate test bench soak profile bench-planner clean
+.PHONY: setup run generate test bench soak fault-test profile bench-planner clean
 
 $(BIN)/shuttle: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,12 @@ soak: setup
 	# 30 minutes of load above capacity with disconnects and bad input (CI runs 2 minutes of it:
 	# tests/test_soak.py); writes bench/results/soak.json
 	$(BIN)/python bench/soak.py --duration-s 1800
+
+fault-test: setup
+	# the issue's full-size fault tests (tests/test_supervision.py runs 12 streams at concurrency 6 in CI):
+	# 200 streamed requests at concurrency 32 while an expert worker is SIGKILLed, an attention worker
+	# SIGKILLed, an expert worker SIGSTOPped; then one fault past --max-worker-restarts
+	SHUTTLE_FAULT_REQUESTS=200 SHUTTLE_FAULT_CONCURRENCY=32 $(BIN)/python -m pytest -q -s tests/test_supervision.py
 
 profile: setup
 	# this host's planner profile of the built-in model (shuttle profile --quick for a smoke run)

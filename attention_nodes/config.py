@@ -70,7 +70,12 @@ class ParallelConfig:
     processes and `expert_workers` expert processes exchange tokens over M2N (`transport`: shm on
     one host, tcp across hosts, nixl across hosts with RDMA), each step split into `micro_batches` (1 to 4) that ping-pong
     between the pools. placement: a JSON file {"expert": [workers]} (default: contiguous blocks).
-    torch_threads: torch threads per worker process (None: torch's default)."""
+    torch_threads: torch threads per worker process (None: torch's default). eplb: re-place the
+    experts live from their measured load every `eplb_interval` steps, with `num_redundant_experts`
+    extra copies per MoE layer (server/eplb.py).
+    max_worker_restarts: how many times the front restarts a dead or silent worker within
+    `restart_window_s` seconds before it gives the deployment up (0: never; workers started
+    elsewhere with --role are never restarted from the front)."""
 
     colocated: bool = True
     attention_workers: int = 1
@@ -81,6 +86,11 @@ class ParallelConfig:
     torch_threads: int | None = None
     trace_dir: str | None = None  # each worker writes DIR/<worker>.trace.json (Chrome trace) when it stops
     expert_device: str | None = None  # the expert pool's device (None: the engine's device)
+    eplb: bool = False
+    eplb_interval: int = 3000
+    num_redundant_experts: int = 0
+    max_worker_restarts: int = 3
+    restart_window_s: float = 600.0
     # How the pools start (server/launchers.py): "spawn" (processes of this host) or "ray" (Ray
     # actors on the cluster at ray_address, each pool on nodes carrying its resources: (name, amount)
     # pairs, e.g. (("H20", 1.0),); a dict or JSON object text is accepted and normalised).
@@ -100,6 +110,18 @@ class ParallelConfig:
             raise ValueError(f"parallel.transport must be one of {', '.join(BACKENDS)}, got {self.transport!r}")
         if self.expert_device is not None and self.expert_device != "cpu" and not self.expert_device.startswith("cuda"):
             raise ValueError(f"parallel.expert_device must be cpu or cuda, got {self.expert_device!r}")
+        if not isinstance(self.eplb_interval, int) or isinstance(self.eplb_interval, bool) or self.eplb_interval < 1:
+            raise ValueError(f"parallel.eplb_interval must be a positive number of steps, got {self.eplb_interval!r}")
+        if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
+            raise ValueError(f"parallel.num_redundant_experts must be >= 0, got {self.num_redundant_experts!r}")
+        if self.num_redundant_experts and not self.eplb:
+            raise ValueError("parallel.num_redundant_experts: redundant copies are placed by EPLB; add --eplb")
+        if not isinstance(self.max_worker_restarts, int) or isinstance(self.max_worker_restarts, bool) \
+                or self.max_worker_restarts < 0:
+            raise ValueError(f"parallel.max_worker_restarts must be an integer >= 0, got {self.max_worker_restarts!r}")
+        if not isinstance(self.restart_window_s, (int, float)) or not self.restart_window_s > 0:
+            raise ValueError(f"parallel.restart_window_s must be a positive number of seconds, "
+                             f"got {self.restart_window_s!r}")
         if self.torch_threads is not None and (not isinstance(self.torch_threads, int) or self.torch_threads < 1):
             raise ValueError(f"parallel.torch_threads must be a positive integer, got {self.torch_threads!r}")
         if self.launcher not in ("spawn", "ray"):

@@ -22,7 +22,7 @@ from attention_nodes.model_runner import ModelRunner, PromptLogits
 from attention_nodes.sampler import Sampler, SamplingRow
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import Scheduler
-from attention_nodes.sequence import Sequence
+from attention_nodes.sequence import Sequence, SequenceStatus
 from attention_nodes.structured import GrammarCache
 from kernels.sampling import compute_logprobs
 from models.config import ModelConfig
@@ -77,23 +77,32 @@ class LLMEngine:
         self.num_steps = self.num_prefill_tokens = self.num_generated_tokens = 0
 
     # -- requests -----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    resume: list[list[int] | None] | None = None) -> None:
         """Queue a request: params.n sequences sharing the prompt (and, through the prefix cache, its
         full blocks: samples after the first are scheduled once the first has computed them).
-        Raises ValueError for an id in use, token ids outside the vocabulary, or a prompt that leaves
-        no room in the context."""
+        resume: for a request that was running elsewhere when that worker failed, per sample the
+        output token ids already delivered (None: that sample finished). Each sample goes on from
+        there: prompt + those tokens are recomputed (the preemption path), its grammar has accepted
+        them and its seeded generator is moved past the draws they took, so it continues exactly as
+        it would have. Raises ValueError for an id in use, token ids outside the vocabulary, or a
+        prompt that leaves no room in the context."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.check_prompt(prompt_token_ids)
         check_params(params, self.model_cfg)
+        if resume is not None and len(resume) != params.n:
+            raise ValueError(f"resume lists {len(resume)} samples, the request has n={params.n}")
         max_tokens = min(params.max_tokens, self.model_cfg.max_model_len - len(ids))
-        seqs = []
-        for i in range(params.n):
-            gen = None
-            if params.seed is not None:
-                gen = torch.Generator(device=self.runner.device).manual_seed((params.seed + i) % 2 ** 64)
-            seqs.append(Sequence(request_id, i, list(ids), len(ids), params, max_tokens, next(self._arrival), gen,
-                                 grammar=self._matcher(params)))
+        seqs = [self._sequence(request_id, i, ids, params, max_tokens, [] if resume is None else resume[i])
+                for i in range(params.n)]
+        if resume is not None:
+            for seq in seqs:
+                if not seq.is_finished:
+                    self.scheduler.add(seq)
+            self.requests[request_id] = seqs
+            self._forget_if_done(request_id)
+            return
         self.scheduler.add(seqs[0])  # checks the cache can ever hold it (the others are the same size)
         if len(seqs) > 1 and self.cfg.cache.enable_prefix_caching and len(ids) > self.blocks.block_size:
             self._held[request_id] = seqs[1:]
@@ -101,6 +110,32 @@ class LLMEngine:
             for seq in seqs[1:]:
                 self.scheduler.add(seq)
         self.requests[request_id] = seqs
+
+    def _sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams, max_tokens: int,
+                  done: list[int] | None) -> Sequence:
+        """Sample `index` of a request; done: output tokens it already produced ([] for a new one; None: finished)."""
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.runner.device).manual_seed((params.seed + index) % 2 ** 64)
+        if done is None:  # finished before the failure: kept only so indices line up
+            seq = Sequence(request_id, index, list(ids), len(ids), params, max_tokens, next(self._arrival), gen)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "stop"
+            return seq
+        grammar = self._matcher(params)
+        if done:
+            bad = [t for t in done if not isinstance(t, int) or not 0 <= t < self.model_cfg.vocab_size]
+            if bad or len(done) >= max_tokens:
+                raise ValueError(f"resume of sample {index}: {len(done)} tokens (ids outside the vocabulary: "
+                                 f"{bad[:5]}) for max_tokens={max_tokens}")
+            if gen is not None and params.temperature > 0:
+                skip_draws(gen, len(done), self.model_cfg.vocab_size)
+            for tok in done if grammar is not None else ():
+                grammar.accept_token(tok)
+        seq = Sequence(request_id, index, list(ids) + list(done), len(ids), params, max_tokens, next(self._arrival),
+                       gen, grammar=grammar)
+        if done and params.prompt_logprobs is not None:
+            seq.num_prompt_logprobs = len(ids)  # sent with the first token already
+        return seq
 
     def _matcher(self, params: SamplingParams):
         """A grammar matcher for a structured request (None otherwise); ValueError for a bad spec."""
@@ -269,6 +304,21 @@ def default_eos_ids(model_dir: str | Path, model_cfg: ModelConfig) -> set[int]:
         if eos is not None:
             return set(eos if isinstance(eos, list) else [eos])
     return set(model_cfg.eos_token_ids)
+
+
+def skip_draws(gen: torch.Generator, num_tokens: int, vocab_size: int) -> None:
+    """Advance a seeded sample's generator past the noise of num_tokens sampled tokens: the sampler
+    draws vocab_size exponentials per token from it (kernels.sampling.exponential_race). On the
+    CPU one draw of n values takes the same stream as n single draws, so it goes in a few large
+    draws; a CUDA generator's offset advances per call, so there it repeats the per-token calls."""
+    if gen.device.type != "cpu":
+        buf = torch.empty(vocab_size, device=gen.device)
+        for _ in range(num_tokens):
+            buf.exponential_(generator=gen)
+        return
+    rows = max(1, (1 << 22) // vocab_size)  # at most 16 MiB of noise at a time
+    for start in range(0, num_tokens, rows):
+        torch.empty(min(rows, num_tokens - start), vocab_size).exponential_(generator=gen)
 
 
 def check_params(params: SamplingParams, model_cfg: ModelConfig) -> None:

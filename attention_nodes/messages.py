@@ -1,9 +1,12 @@
 """Control plane between the server (front) and attention workers: typed messages, msgpack frames.
 
-server -> worker: AddRequest (once per request), Abort, StopSequence, Shutdown.
+server -> worker: AddRequest (once per request; again with `resume` after a failure), Abort,
+StopSequence, Reset (drop every request and rejoin the data plane of a new epoch), Shutdown,
+SetPlacement (a new expert placement version, once every expert worker holds it).
 worker -> server: Hello (first, with the deployment token: the server drops a connection without
-it), Ready (once, after loading), Deltas (each step: only what changed), Stats (at
-most a few times a second while busy, and once on going idle), Failed.
+it), Ready (after loading, and after each Reset), Deltas (each step: only what changed), Stats (at
+most a few times a second while busy, and once on going idle), Broken (its data plane failed: a
+peer died or went silent; it waits for Reset), Failed (it exits).
 A frame is a 4-byte big-endian length and a msgpack array [tag, field values...]. Token ids,
 never text, cross this boundary.
 """
@@ -23,6 +26,9 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: dict  # SamplingParams fields
+    # After a failure: per sample, the token ids already streamed (None: that sample finished);
+    # the worker recomputes prompt + these and goes on from there. None for a new request.
+    resume: list[list[int] | None] | None = None
 
 
 @dataclass
@@ -43,9 +49,26 @@ class Shutdown:
 
 
 @dataclass
+class Reset:
+    epoch: int  # the data plane's new epoch: endpoints are opened under the session of this epoch
+
+
+@dataclass
 class Ready:
     rank: int
     num_kv_blocks: int
+    epoch: int = 0
+
+
+@dataclass
+class Broken:
+    """The worker's data plane failed in `epoch`; it dropped its requests and waits for Reset.
+    peer: the M2N peer that failed it ("" if none in particular); why: the transport's reason."""
+
+    rank: int
+    epoch: int
+    peer: str
+    why: str
 
 
 @dataclass
@@ -70,7 +93,12 @@ class Hello:
     token: str  # the deployment's token (TransportConfig.token)
 
 
-_TYPES = [AddRequest, Abort, StopSequence, Shutdown, Ready, Deltas, Failed, Stats, Hello]
+@dataclass
+class SetPlacement:
+    placement: str  # m2n_comm.placement.ExpertPlacement.to_json(): route with it once every expert worker agrees
+
+
+_TYPES = [AddRequest, Abort, StopSequence, Shutdown, Ready, Deltas, Failed, Stats, Hello, Reset, Broken, SetPlacement]
 _TAG = {t: i for i, t in enumerate(_TYPES)}
 _LEN = struct.Struct(">I")
 

@@ -6,6 +6,12 @@ worker takes an empty one), because every expert worker gathers all attention wo
 slot before it computes. When a step gathered no token anywhere and this worker has no work, it
 parks: it waits for a request from the server or a WAKE from an expert worker, instead of spinning
 empty steps.
+
+Epochs: the data plane (M2N endpoints) of epoch g lives under the session `data_session(session,
+g)`. When a peer dies or goes silent, the worker drops every request (the server resumes them),
+closes its endpoint, tells the server (Broken) and waits for Reset(g'), then rejoins under g' and
+says Ready again; the model and its weights stay loaded. The server sends Reset to a worker whose
+peers failed while it was parked, too.
 """
 import logging
 import queue
@@ -21,9 +27,10 @@ from torch.distributed import TCPStore
 from attention_nodes import messages as wire
 from attention_nodes.config import EngineConfig
 from attention_nodes.engine import LLMEngine
-from m2n_comm.m2n import M2NSender, Placement
+from m2n_comm.m2n import M2NSender
+from m2n_comm.placement import ExpertPlacement
 from m2n_comm.trace import Tracer
-from m2n_comm.transport import TransportConfig, open_endpoint
+from m2n_comm.transport import PeerDeadError, TransportConfig, TransportTimeout, data_session, open_endpoint
 from models.config import ModelConfig
 
 log = logging.getLogger("shuttle.attention")
@@ -38,11 +45,20 @@ class AttentionWorkerSpec:
     engine: EngineConfig
     rank: int
     eos_token_ids: list[int]
-    placement: Placement
+    placement: ExpertPlacement
     transport: TransportConfig
     store_addr: tuple[str, int]
     control_addr: tuple[str, int]
     session: str
+    epoch: int = 0  # the data plane epoch to join first (a restarted worker joins the current one)
+
+
+class _Reset(Exception):
+    """The server asked this worker to rejoin the data plane in a new epoch."""
+
+    def __init__(self, epoch: int):
+        super().__init__(f"reset to epoch {epoch}")
+        self.epoch = epoch
 
 
 def run_attention_worker(spec: AttentionWorkerSpec) -> None:
@@ -58,17 +74,18 @@ def run_attention_worker(spec: AttentionWorkerSpec) -> None:
     wire.send(ctl, wire.Hello(spec.transport.token))
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_read_control, args=(ctl, inbox), daemon=True).start()
-    endpoint = tracer = None
+    tracer = Tracer(f"a{spec.rank}", enabled=par.trace_dir is not None)
+    link = _DataPlane(spec, tracer)
     try:
         model_cfg = ModelConfig.from_pretrained(spec.engine.model)
-        store = TCPStore(*spec.store_addr, is_master=False, wait_for_workers=False)
-        experts = [f"e{w}" for w in range(par.expert_workers)]
-        endpoint = open_endpoint(spec.transport, store, spec.session, f"a{spec.rank}", experts, par.micro_batches)
-        tracer = Tracer(f"a{spec.rank}", enabled=par.trace_dir is not None)
-        sender = M2NSender(endpoint, spec.placement, experts, model_cfg.hidden_size, model_cfg.top_k, tracer=tracer)
+        link.open(spec.epoch)
+        sender = M2NSender(link.endpoint, spec.placement, link.experts, model_cfg.hidden_size, model_cfg.top_k,
+                           tracer=tracer)
         engine = LLMEngine(spec.engine, set(spec.eos_token_ids), dispatcher=sender)
-        wire.send(ctl, wire.Ready(spec.rank, engine.runner.num_blocks))
-        _serve(spec.rank, engine, sender, inbox, ctl)
+        epoch = spec.epoch
+        while epoch is not None:
+            wire.send(ctl, wire.Ready(spec.rank, engine.runner.num_blocks, epoch))
+            epoch = _serve_epoch(spec.rank, epoch, engine, sender, link, inbox, ctl)
     except BaseException as e:
         log.exception("attention worker %d failed", spec.rank)
         try:
@@ -77,11 +94,76 @@ def run_attention_worker(spec: AttentionWorkerSpec) -> None:
             pass
         raise SystemExit(1)
     finally:
-        if endpoint is not None:
-            endpoint.close()
-        if tracer is not None and par.trace_dir:
+        link.close()
+        if par.trace_dir:
             tracer.dump(par.trace_dir)
         ctl.close()
+
+
+class _DataPlane:
+    """This worker's M2N endpoint of the current epoch."""
+
+    def __init__(self, spec: AttentionWorkerSpec, tracer: Tracer):
+        self.spec, self.tracer, self.endpoint = spec, tracer, None
+        self.experts = [f"e{w}" for w in range(spec.engine.parallel.expert_workers)]
+        self.store = TCPStore(*spec.store_addr, is_master=False, wait_for_workers=False)
+
+    def open(self, epoch: int) -> None:
+        self.close()
+        self.endpoint = open_endpoint(self.spec.transport, self.store, data_session(self.spec.session, epoch),
+                                      f"a{self.spec.rank}", self.experts, self.spec.engine.parallel.micro_batches)
+
+    def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
+
+
+def _serve_epoch(rank: int, epoch: int, engine: LLMEngine, sender: M2NSender, link: _DataPlane, inbox: queue.Queue,
+                 ctl: socket.socket) -> int | None:
+    """Serve until Shutdown (returns None) or until the data plane breaks or the server resets it;
+    then drop every request, rejoin under the server's next epoch and return that epoch."""
+    try:
+        _serve(rank, engine, sender, inbox, ctl)
+        return None
+    except (PeerDeadError, TransportTimeout) as e:
+        peer = getattr(e, "peer", "")
+        wire.send(ctl, wire.Broken(rank, epoch, peer, str(e)))  # first: the front learns the cause from us
+        log.warning("data plane of epoch %d broke (%s); waiting for the server's reset", epoch, e)
+        _drop_requests(engine)
+        link.close()
+        nxt = _wait_reset(inbox)
+    except _Reset as r:
+        nxt = r.epoch
+    while nxt is not None:
+        _drop_requests(engine)
+        try:
+            link.open(nxt)
+        except (PeerDeadError, TransportTimeout) as e:  # a peer of the new epoch failed too
+            log.warning("could not join the data plane of epoch %d: %s", nxt, e)
+            link.close()
+            wire.send(ctl, wire.Broken(rank, nxt, getattr(e, "peer", ""), str(e)))
+            nxt = _wait_reset(inbox)
+            continue
+        sender.reconnect(link.endpoint)
+        return nxt
+    return None
+
+
+def _drop_requests(engine: LLMEngine) -> None:
+    """Forget every request (their KV blocks are freed): the server resumes them after the reset."""
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+
+
+def _wait_reset(inbox: queue.Queue) -> int | None:
+    """Ignore what the server sent for the broken epoch until its Reset; None on Shutdown."""
+    while True:
+        msg = inbox.get()
+        if msg is None or isinstance(msg, wire.Shutdown):
+            return None
+        if isinstance(msg, wire.Reset):
+            return msg.epoch
 
 
 def _read_control(ctl: socket.socket, inbox: queue.Queue) -> None:
@@ -99,7 +181,7 @@ def _serve(rank: int, engine: LLMEngine, sender: M2NSender, inbox: queue.Queue, 
     while True:
         try:
             while True:
-                if not _apply(engine, inbox.get_nowait(), ctl):
+                if not _apply(engine, sender, inbox.get_nowait(), ctl):
                     return
                 stats.stale = True
         except queue.Empty:
@@ -115,7 +197,7 @@ def _serve(rank: int, engine: LLMEngine, sender: M2NSender, inbox: queue.Queue, 
             continue
         stats.parked()
         try:  # parked
-            if not _apply(engine, inbox.get(timeout=PARK_POLL_S), ctl):
+            if not _apply(engine, sender, inbox.get(timeout=PARK_POLL_S), ctl):
                 return
             stats.stale = True
         except queue.Empty:
@@ -142,19 +224,25 @@ class _StatsReporter:
 
     def send(self) -> None:
         stats = {**self.engine.stats(), "busy_ns": self.sender.tracer.totals.get("attention", 0),
+                 "placement_version": self.sender.placement_version,
                  "uptime_ns": time.monotonic_ns() - self.start_ns}
         wire.send(self.ctl, wire.Stats(self.rank, stats))
         self.last, self.stale = time.monotonic(), False
 
 
-def _apply(engine: LLMEngine, msg, ctl: socket.socket) -> bool:
-    """Carry out one control message; False when the worker should stop."""
+def _apply(engine: LLMEngine, sender: M2NSender, msg, ctl: socket.socket) -> bool:
+    """Carry out one control message; False when the worker should stop (_Reset for a Reset)."""
     if msg is None or isinstance(msg, wire.Shutdown):
         return False
+    if isinstance(msg, wire.SetPlacement):  # between steps, as the sender requires
+        sender.set_placement(ExpertPlacement.from_json(msg.placement, len(sender.peers)))
+        return True
     deltas = []
+    if isinstance(msg, wire.Reset):
+        raise _Reset(msg.epoch)
     if isinstance(msg, wire.AddRequest):
         try:
-            engine.add_request(msg.request_id, msg.prompt_token_ids, wire.params_from_wire(msg.params))
+            engine.add_request(msg.request_id, msg.prompt_token_ids, wire.params_from_wire(msg.params), msg.resume)
         except ValueError as e:  # the server checks requests first; report rather than die
             log.error("request %s rejected: %s", msg.request_id, e)
             deltas = [wire.SequenceDelta(msg.request_id, 0, [], None, "abort")]

@@ -4,10 +4,18 @@ For each step, MoE layer and micro-batch, in the order attention workers dispatc
 attention worker's chunk (an empty chunk is a valid chunk), run the local experts on all gathered
 tokens at once, and send each attention worker its rows back (m2n_comm.m2n.M2NReceiver).
 Every second while busy, and after each idle step, it publishes its load (busy time, tokens per
-expert) in the store under SESSION/stats/eN, for the server's /metrics.
+(MoE layer, expert)) in the store under SESSION/stats/eN, for the server's /metrics and EPLB.
+Placement versions (live re-placement) are prepared by a watcher thread: expert_nodes/placement.py.
+
+Epochs: when an attention worker dies or goes silent (or closes its endpoint because the server
+reset the data plane), the expert worker reports the peer under SESSION/broken/g<epoch>/eN, closes
+its endpoint and waits for the server to publish the next epoch (SESSION/epoch); then it opens its
+endpoint again under that epoch's session, with its experts (every placement version it holds)
+still loaded. A restarted expert worker loads only its own experts and joins the current epoch.
 """
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -15,15 +23,16 @@ import torch
 from setproctitle import setproctitle
 from torch.distributed import TCPStore
 
-from m2n_comm.m2n import M2NReceiver, Placement, run_local_experts
+from expert_nodes.placement import HeldExperts, loader_for, watch_placements
+from m2n_comm.m2n import M2NReceiver, run_local_experts
+from m2n_comm.placement import ExpertPlacement
 from m2n_comm.trace import Tracer
-from m2n_comm.transport import PeerDeadError, TransportConfig, open_endpoint
+from m2n_comm.transport import PeerDeadError, TransportConfig, TransportTimeout, data_session, open_endpoint
 from models.config import ModelConfig
-from models.dispatcher import count_expert_tokens_
-from models.loader import load_experts
 
 log = logging.getLogger("shuttle.expert")
 STATS_EVERY_S = 1.0
+EPOCH_POLL_S = 0.05  # while the data plane is down: how often to look for the server's next epoch
 
 
 @dataclass(frozen=True)
@@ -37,12 +46,13 @@ class ExpertWorkerSpec:
     rank: int
     attention_workers: int
     micro_batches: int
-    placement: Placement
+    placement: ExpertPlacement
     transport: TransportConfig
     store_addr: tuple[str, int]
     session: str
     torch_threads: int | None = None
     trace_dir: str | None = None
+    epoch: int = 0  # the data plane epoch to join first
 
 
 def run_expert_worker(spec: ExpertWorkerSpec) -> None:
@@ -55,12 +65,10 @@ def run_expert_worker(spec: ExpertWorkerSpec) -> None:
     store = TCPStore(*spec.store_addr, is_master=False, wait_for_workers=False)
     try:
         _serve(spec, store)
+        _done(store, spec)
     except BaseException as e:
         if isinstance(e, PeerDeadError) and _shutting_down(store, spec.session):
-            try:
-                store.set(f"{spec.session}/done/e{spec.rank}", "1")
-            except Exception:
-                pass
+            _done(store, spec)
         else:
             log.exception("expert worker %d failed", spec.rank)
             try:
@@ -71,50 +79,118 @@ def run_expert_worker(spec: ExpertWorkerSpec) -> None:
 
 
 def _serve(spec: ExpertWorkerSpec, store: TCPStore) -> None:
+    """Load the experts once, then serve one data-plane epoch after another until shutdown."""
     cfg = ModelConfig.from_pretrained(spec.model)
     moe_layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
     device = torch.device(spec.device)
-    experts = load_experts(spec.model, spec.placement.experts_on(spec.rank), cfg, spec.dtype, device, spec.kernels)
-    experts = _pack_for_cpu(experts) if device.type == "cpu" else experts
-    peers = [f"a{i}" for i in range(spec.attention_workers)]
-    endpoint = open_endpoint(spec.transport, store, spec.session, f"e{spec.rank}", peers, spec.micro_batches)
-    log.info("serving experts %s of %d MoE layers", spec.placement.experts_on(spec.rank), len(moe_layers))
+    pack = _pack_for_cpu if device.type == "cpu" else (lambda m: m)
+    load_fn = loader_for(spec.model, cfg, spec.dtype, device, spec.kernels, pack)
+    held = HeldExperts(spec.placement, load_fn(spec.placement.experts_on(spec.rank)), spec.rank, load_fn, device)
+    log.info("serving %d MoE layers, placement version %d", len(moe_layers), spec.placement.version)
     tracer = Tracer(f"e{spec.rank}", enabled=spec.trace_dir is not None)
-    receiver = M2NReceiver(endpoint, peers, moe_layers, spec.micro_batches, device, tracer=tracer)
-    load = _Load(spec, store, tracer, device)
+    load = _Load(spec, store, tracer, device, cfg.num_experts, moe_layers)
+    stop = threading.Event()
+    threading.Thread(target=watch_placements, args=(held, spec.store_addr, spec.session, stop), daemon=True,
+                     name="placement-watcher").start()
+    epoch: int | None = spec.epoch
     try:
-        with torch.inference_mode():
-            while True:
-                for layer in moe_layers:
-                    for mb in range(spec.micro_batches):
-                        batch = receiver.recv(layer, mb)
-                        load.count(batch.local_ids_RK)
-                        receiver.reply(batch, run_local_experts(experts[layer], batch))
-                load.step_done(receiver.idle)
+        while epoch is not None:
+            try:
+                _serve_epoch(spec, store, epoch, held, moe_layers, device, tracer, load)
+            except (PeerDeadError, TransportTimeout) as e:
+                if _shutting_down(store, spec.session):
+                    raise
+                log.warning("data plane of epoch %d broke: %s", epoch, e)
+            epoch = _next_epoch(store, spec.session, epoch)
     finally:
-        endpoint.close()
+        stop.set()
         if spec.trace_dir:
             tracer.dump(spec.trace_dir)
 
 
-class _Load:
-    """Tokens per local expert (summed over layers) and busy time, published in the store."""
+def _serve_epoch(spec: ExpertWorkerSpec, store: TCPStore, epoch: int, held: HeldExperts, moe_layers: list[int],
+                 device: torch.device, tracer: Tracer, load: "_Load") -> None:
+    peers = [f"a{i}" for i in range(spec.attention_workers)]
+    endpoint = open_endpoint(spec.transport, store, data_session(spec.session, epoch), f"e{spec.rank}", peers,
+                             spec.micro_batches)
+    receiver = M2NReceiver(endpoint, peers, moe_layers, spec.micro_batches, device, tracer=tracer)
+    receiver.held = set(held.versions)
+    try:
+        _serve_steps(spec, store, receiver, held, moe_layers, load)
+    except (PeerDeadError, TransportTimeout) as e:
+        # Reported before the endpoint closes: the attention workers see the close and report it
+        # too, and the server must learn from us which peer is to blame.
+        if not _shutting_down(store, spec.session):
+            store.set(f"{spec.session}/broken/g{epoch}/e{spec.rank}",
+                      json.dumps({"peer": getattr(e, "peer", ""), "why": str(e)}))
+        raise
+    finally:
+        endpoint.close()
 
-    def __init__(self, spec: ExpertWorkerSpec, store: TCPStore, tracer: Tracer, device: torch.device):
-        self.experts = spec.placement.experts_on(spec.rank)
+
+def _serve_steps(spec: ExpertWorkerSpec, store: TCPStore, receiver: M2NReceiver, held: HeldExperts,
+                 moe_layers: list[int], load: "_Load") -> None:
+    with torch.inference_mode():
+        while True:
+            for layer in moe_layers:
+                for mb in range(spec.micro_batches):
+                    batch = receiver.recv(layer, mb)
+                    load.count(layer, held.global_ids(batch.version, layer), batch.local_ids_RK)
+                    receiver.reply(batch, run_local_experts(held.modules(batch.version)[layer], batch))
+            if held.step_done(receiver):
+                store.set(f"{spec.session}/placement/active/e{spec.rank}", str(held.active))
+            load.step_done(receiver.idle)
+
+
+def _next_epoch(store: TCPStore, session: str, epoch: int) -> int | None:
+    """Wait for the server to publish an epoch after `epoch`; None when the deployment shuts down."""
+    key = f"{session}/epoch"
+    while True:
+        if _shutting_down(store, session):
+            return None
+        if store.check([key]):
+            nxt = int(store.get(key))
+            if nxt > epoch:
+                return nxt
+        time.sleep(EPOCH_POLL_S)
+
+
+class _Load:
+    """Tokens per (MoE layer, global expert) this worker computed, and its busy time, published in
+    the store: SESSION/stats/eN (JSON: busy_ns, uptime_ns, moe_layers, num_experts) and
+    SESSION/stats/eN/tokens (the (L, E) int64 counts as raw little-endian bytes: 58 x 256 DeepSeek
+    layers are 119 KB, cheap once a second)."""
+
+    def __init__(self, spec: ExpertWorkerSpec, store: TCPStore, tracer: Tracer, device: torch.device,
+                 num_experts: int, moe_layers: list[int]):
         self.key, self.store, self.tracer = f"{spec.session}/stats/e{spec.rank}", store, tracer
-        self.tokens_E = torch.zeros(len(self.experts), dtype=torch.long, device=device)
+        self.meta = {"moe_layers": moe_layers, "num_experts": num_experts}
+        self.row = {layer: i for i, layer in enumerate(moe_layers)}
+        self.E = num_experts
+        self.tokens_LE = torch.zeros(len(moe_layers) * num_experts, dtype=torch.long, device=device)
         self.start_ns, self.last = time.monotonic_ns(), 0.0
 
-    def count(self, local_ids_RK: torch.Tensor) -> None:
-        count_expert_tokens_(self.tokens_E, local_ids_RK)  # -1: an empty slot
+    def count(self, layer: int, global_ids: torch.Tensor, local_ids_RK: torch.Tensor) -> None:
+        """Add one slot's (token, expert) pairs: local ids (-1: an expert elsewhere) -> global ids."""
+        ids = local_ids_RK.reshape(-1)
+        here = ids >= 0
+        flat = self.row[layer] * self.E + global_ids[ids.clamp(min=0)]  # both on the expert device
+        self.tokens_LE.index_add_(0, flat.to(self.tokens_LE.device), here.to(self.tokens_LE.dtype))
 
     def step_done(self, idle: bool) -> None:
         if idle or time.monotonic() - self.last >= STATS_EVERY_S:
+            self.store.set(f"{self.key}/tokens", self.tokens_LE.cpu().numpy().astype("<i8").tobytes())
             self.store.set(self.key, json.dumps({
                 "busy_ns": self.tracer.totals.get("expert", 0), "uptime_ns": time.monotonic_ns() - self.start_ns,
-                "experts": self.experts, "tokens": self.tokens_E.tolist()}))
+                **self.meta}))
             self.last = time.monotonic()
+
+
+def _done(store: TCPStore, spec: ExpertWorkerSpec) -> None:
+    try:
+        store.set(f"{spec.session}/done/e{spec.rank}", "1")
+    except Exception:
+        pass
 
 
 def _shutting_down(store: TCPStore, session: str) -> bool:

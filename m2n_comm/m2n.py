@@ -25,64 +25,13 @@ a whole step gathered nothing anywhere, attention workers with no work park (`po
 of spinning empty steps; an expert worker that saw an empty step sends WAKE (slot 0) to the other
 attention workers as soon as one of them starts the next step. A stray WAKE is skipped.
 """
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from m2n_comm.placement import ExpertPlacement, Placement
 from m2n_comm.trace import Tracer
 from m2n_comm.transport import KIND_DATA, KIND_WAKE, Endpoint, MessageMeta
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Which expert workers hold which experts. copies[e]: the workers holding expert e (a hot
-    expert may have several; the attention side splits its tokens between them by token index)."""
-
-    num_experts: int
-    num_workers: int
-    copies: tuple[tuple[int, ...], ...]
-
-    def __post_init__(self) -> None:
-        if len(self.copies) != self.num_experts:
-            raise ValueError(f"placement lists {len(self.copies)} experts, the model has {self.num_experts}")
-        for e, ws in enumerate(self.copies):
-            if not ws or len(set(ws)) != len(ws) or not all(0 <= w < self.num_workers for w in ws):
-                raise ValueError(f"placement of expert {e}: workers {list(ws)} must be distinct and in "
-                                 f"[0, {self.num_workers})")
-        for w in range(self.num_workers):
-            if not self.experts_on(w):
-                raise ValueError(f"placement leaves expert worker {w} without experts")
-
-    @classmethod
-    def balanced(cls, num_experts: int, num_workers: int, replicas: dict[int, int] | None = None) -> "Placement":
-        """Contiguous blocks of experts per worker; replicas[e] = c places c copies of expert e on
-        consecutive workers starting at its home."""
-        if not 1 <= num_workers <= num_experts:
-            raise ValueError(f"{num_workers} expert workers for {num_experts} experts: need 1 <= workers <= experts")
-        copies = []
-        for e in range(num_experts):
-            home, c = e * num_workers // num_experts, (replicas or {}).get(e, 1)
-            if not 1 <= c <= num_workers:
-                raise ValueError(f"expert {e}: {c} copies, need 1 to {num_workers}")
-            copies.append(tuple((home + j) % num_workers for j in range(c)))
-        return cls(num_experts, num_workers, tuple(copies))
-
-    @classmethod
-    def from_file(cls, path: str | Path, num_experts: int, num_workers: int) -> "Placement":
-        """JSON {"expert id": [worker, ...], ...}; experts not listed are placed as in `balanced`."""
-        raw = json.loads(Path(path).read_text())
-        base = cls.balanced(num_experts, num_workers).copies
-        try:
-            copies = tuple(tuple(int(w) for w in raw.get(str(e), base[e])) for e in range(num_experts))
-        except (TypeError, ValueError, AttributeError) as err:
-            raise ValueError(f"{path}: expected {{\"expert\": [workers]}}: {err}") from None
-        return cls(num_experts, num_workers, copies)
-
-    def experts_on(self, worker: int) -> list[int]:
-        """Global ids of the experts on `worker`, ascending (local id = position in this list)."""
-        return [e for e, ws in enumerate(self.copies) if worker in ws]
 
 
 class HostStaging:
@@ -135,24 +84,72 @@ class Handle:
     device: torch.device
 
 
+class _Routes:
+    """A placement as lookup tables on one device, per MoE layer (key None: every layer):
+    ncopies_E (copies of each expert), copy_EC (the workers holding them, padded with the first),
+    local_WE (expert e's local id on worker w, -1 where w does not hold it)."""
+
+    def __init__(self, placement: Placement | ExpertPlacement):
+        if isinstance(placement, Placement):
+            self.version, by_layer = 0, {None: placement}
+        else:
+            self.version, by_layer = placement.version, dict(zip(placement.moe_layers, placement.layers))
+        self.num_workers = placement.num_workers
+        self.tables = {layer: self._build(p) for layer, p in by_layer.items()}
+        self.device = torch.device("cpu")
+
+    @staticmethod
+    def _build(p: Placement) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        C = max(len(ws) for ws in p.copies)
+        ncopies_E = torch.tensor([len(ws) for ws in p.copies])
+        copy_EC = torch.tensor([list(ws) + [ws[0]] * (C - len(ws)) for ws in p.copies])
+        local_WE = torch.full((p.num_workers, p.num_experts), -1, dtype=torch.int32)
+        for w in range(p.num_workers):
+            for i, e in enumerate(p.experts_on(w)):
+                local_WE[w, e] = i
+        return ncopies_E, copy_EC, local_WE
+
+    def of(self, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if device != self.device:
+            self.tables = {k: tuple(t.to(device) for t in v) for k, v in self.tables.items()}
+            self.device = device
+        t = self.tables.get(layer)
+        if t is None:
+            t = self.tables.get(None)
+            if t is None:
+                raise ValueError(f"the placement has no MoE layer {layer} (it places layers "
+                                 f"{sorted(k for k in self.tables)})")
+        return t
+
+
+def pack_aux(low: int, high: int) -> int:
+    """Two non-negative numbers below 2**31 in one header word (aux): low | high << 32."""
+    return low | high << 32
+
+
+def unpack_aux(aux: int) -> tuple[int, int]:
+    return aux & 0xFFFFFFFF, aux >> 32
+
+
 class M2NSender:
     """An attention worker's side; implements models.dispatcher.Dispatcher (the `experts`
-    argument is ignored: the experts live on the expert workers)."""
+    argument is ignored: the experts live on the expert workers).
 
-    def __init__(self, endpoint: Endpoint, placement: Placement, expert_peers: list[str], hidden: int,
-                 top_k: int, data_timeout_s: float | None = 300.0, tracer: Tracer | None = None):
+    Placement versions: every chunk's header says which placement version routed it and the newest
+    version this worker has been given (`set_placement`); each expert worker answers with the
+    version all attention workers have and it holds, and the step after every expert worker said
+    so, every attention worker routes with it (the same step everywhere: they all read the same
+    answers)."""
+
+    def __init__(self, endpoint: Endpoint, placement: Placement | ExpertPlacement, expert_peers: list[str],
+                 hidden: int, top_k: int, data_timeout_s: float | None = 300.0, tracer: Tracer | None = None):
         if len(expert_peers) != placement.num_workers:
             raise ValueError(f"{len(expert_peers)} expert peers for a placement over {placement.num_workers} workers")
-        self.ep, self.placement, self.peers = endpoint, placement, expert_peers
+        self.ep, self.peers = endpoint, expert_peers
         self.hidden, self.top_k, self.timeout = hidden, top_k, data_timeout_s
-        E, C = placement.num_experts, max(len(ws) for ws in placement.copies)
-        self._ncopies_E = torch.tensor([len(ws) for ws in placement.copies])
-        self._copy_EC = torch.tensor([list(ws) + [ws[0]] * (C - len(ws)) for ws in placement.copies])
-        self._local_WE = torch.full((placement.num_workers, E), -1, dtype=torch.int32)
-        for w in range(placement.num_workers):
-            for i, e in enumerate(placement.experts_on(w)):
-                self._local_WE[w, e] = i
-        self._device: torch.device | None = None
+        self.routes, self._pending = _Routes(placement), None
+        self._agreed = self._next_agreed = 0  # the version every expert worker offered in the last step
+        self._aux = pack_aux(self.routes.version, self.routes.version)
         # One expert worker holding every expert: all tokens go there with their ids unchanged.
         self._single = placement.num_workers == 1
         self._staging = HostStaging()
@@ -163,19 +160,38 @@ class M2NSender:
         self.tracer = tracer or Tracer(endpoint.me)
         self._last_ns = 0
 
-    def _tables(self, device: torch.device) -> None:
-        if self._device != device:
-            self._ncopies_E, self._copy_EC, self._local_WE = (t.to(device) for t in
-                                                              (self._ncopies_E, self._copy_EC, self._local_WE))
-            self._device = device
+    @property
+    def placement_version(self) -> int:
+        """The version this worker routes with."""
+        return self.routes.version
+
+    def set_placement(self, placement: ExpertPlacement) -> None:
+        """Route with `placement` from the step after every expert worker confirms it holds it (call
+        between steps). A version not newer than the one in use is ignored."""
+        if placement.num_workers != len(self.peers):
+            raise ValueError(f"placement over {placement.num_workers} workers for {len(self.peers)} expert peers")
+        if placement.version > self.routes.version:
+            self._pending = _Routes(placement)
+
+    def reconnect(self, endpoint: Endpoint) -> None:
+        """Use a new endpoint (the data plane's next epoch, after a failure): steps count from 0
+        again on every attention worker, and the expert workers start idle."""
+        self.ep, self.step, self.peers_idle, self._step_tokens = endpoint, 0, True, 0
+        self._agreed = self._next_agreed = 0  # placement offers are made again in the new epoch
 
     def begin_step(self) -> None:
+        if self._pending is not None and self._agreed >= self._pending.version:
+            self.routes, self._pending = self._pending, None
+        ready = self._pending.version if self._pending is not None else self.routes.version
+        self._aux = pack_aux(self.routes.version, ready)
+        self._next_agreed = None
         self.step += 1
         self._step_tokens = 0
         self._last_ns = Tracer.now()
 
     def end_step(self) -> None:
         self.peers_idle = self._step_tokens == 0
+        self._agreed = self._next_agreed or 0
         self.tracer.span("attention", "attention", self._last_ns)
 
     def _compute_done(self, layer: int, mb: int) -> int:
@@ -188,16 +204,17 @@ class M2NSender:
         """Send each expert worker the tokens routed to it (slot `mb`); returns at once."""
         start = self._compute_done(layer, mb)
         T, dev = x_TD.shape[0], x_TD.device
-        self._tables(dev)
+        ncopies_E, copy_EC, local_WE = self.routes.of(layer, dev)
         ids_TK = topk_ids_TK.long()
         worker_TK = None
         if T and not self._single:
-            copy_TK = torch.arange(T, device=dev)[:, None] % self._ncopies_E[ids_TK]
-            worker_TK = self._copy_EC[ids_TK, copy_TK]
-        meta = MessageMeta(KIND_DATA, self.step, layer, mb)
+            # A replicated expert's tokens go round-robin over its copies by token index.
+            copy_TK = torch.arange(T, device=dev)[:, None] % ncopies_E[ids_TK]
+            worker_TK = copy_EC[ids_TK, copy_TK]
+        meta = MessageMeta(KIND_DATA, self.step, layer, mb, self._aux)
         rows_W = []
         for w, peer in enumerate(self.peers):
-            rows, parts = self._chunk(w, x_TD, ids_TK, topk_weights_TK, worker_TK)
+            rows, parts = self._chunk(w, x_TD, ids_TK, topk_weights_TK, worker_TK, local_WE)
             rows_W.append(rows)
             self.ep.send(peer, mb, meta, self._staging.to_host(parts), timeout=self.timeout)
         self._last_ns = Tracer.now()
@@ -205,7 +222,8 @@ class M2NSender:
         return Handle(self.step, layer, mb, T, rows_W, x_TD.dtype, dev)
 
     def _chunk(self, w: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
-               worker_TK: torch.Tensor | None) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+               worker_TK: torch.Tensor | None,
+               local_WE: torch.Tensor) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """(rows of the micro-batch sent to worker w, None for all of them; [x, local ids, weights])."""
         if self._single:  # the only worker holds every expert: ids are already local
             return None, [x_TD, ids_TK.to(torch.int32), weights_TK]
@@ -214,7 +232,7 @@ class M2NSender:
                     [x_TD, torch.empty((0, self.top_k), dtype=torch.int32), weights_TK])
         mine_TK = worker_TK == w
         rows = mine_TK.any(dim=1).nonzero().squeeze(1)
-        local_TK = torch.where(mine_TK, self._local_WE[w][ids_TK], -1).to(torch.int32)
+        local_TK = torch.where(mine_TK, local_WE[w][ids_TK], -1).to(torch.int32)
         if rows.numel() == x_TD.shape[0]:  # every token has an expert here: no gather needed
             return rows, [x_TD, local_TK, weights_TK]
         return rows, [x_TD.index_select(0, rows), local_TK.index_select(0, rows), weights_TK.index_select(0, rows)]
@@ -241,7 +259,9 @@ class M2NSender:
                     y_TD = torch.zeros((handle.num_tokens, self.hidden), dtype=handle.dtype, device=handle.device)
                 if n:
                     y_TD.index_add_(0, rows, y_RD)
-            self._step_tokens += m.aux
+            tokens, offered = unpack_aux(m.aux)
+            self._step_tokens += tokens
+            self._next_agreed = offered if self._next_agreed is None else min(self._next_agreed, offered)
             self.ep.release(peer, handle.mb)
         if y_TD is None:  # several workers, none of which got a token
             y_TD = torch.zeros((handle.num_tokens, self.hidden), dtype=handle.dtype, device=handle.device)
@@ -275,7 +295,8 @@ class ExpertBatch:
     """All attention workers' tokens of one (step, layer, mb) slot, concatenated in peer order.
     x_RD (model dtype), local_ids_RK int64 (-1: an expert on another worker), weights_RK;
     counts: rows from each attention worker. With one attention worker the tensors are views of
-    the receive slot, valid until `reply`."""
+    the receive slot, valid until `reply`. version: the placement version the attention workers
+    routed this step with (local ids are positions in that version's list of this worker's experts)."""
 
     step: int
     layer: int
@@ -284,11 +305,16 @@ class ExpertBatch:
     local_ids_RK: torch.Tensor
     weights_RK: torch.Tensor
     counts: list[int]
+    version: int = 0
 
 
 class M2NReceiver:
     """An expert worker's side. Slots must be received in the step's order: for each MoE layer,
-    micro-batches 0..m-1 (the order in which attention workers dispatch them)."""
+    micro-batches 0..m-1 (the order in which attention workers dispatch them).
+
+    `held`: the placement versions whose experts this worker holds (the worker updates it); a step
+    routed with any other version is a protocol error. Each step's answers offer the newest version
+    that every attention worker has been given and this worker holds (see M2NSender)."""
 
     def __init__(self, endpoint: Endpoint, attention_peers: list[str], moe_layers: list[int], num_micro_batches: int,
                  device: torch.device | str = "cpu", data_timeout_s: float | None = 300.0,
@@ -301,6 +327,8 @@ class M2NReceiver:
         self.step = 0
         self._idle = True  # the last step gathered nothing: attention workers may be parked
         self._step_tokens = 0
+        self.held: set[int] = {0}
+        self.version = self._offer = 0  # the step's placement version; the version its answers offer
 
     def recv(self, layer: int, mb: int) -> ExpertBatch:
         start = Tracer.now()
@@ -317,6 +345,10 @@ class M2NReceiver:
                                    f"layer {layer} mb {mb}")
         if first:
             self.step, self._step_tokens = step, 0
+            self._versions(msgs)
+        elif any(unpack_aux(msg.meta.aux)[0] != self.version for msg in msgs):
+            raise RuntimeError(f"M2N protocol error: placement versions {[unpack_aux(x.meta.aux)[0] for x in msgs]} "
+                               f"within step {step}, which began with version {self.version}")
         if len(msgs) == 1:  # computed straight from the slot, which reply() releases
             x, ids, w = msgs[0].tensors
         else:
@@ -328,7 +360,17 @@ class M2NReceiver:
         self._step_tokens += x.shape[0]
         self._recv_done_ns = Tracer.now()
         self.tracer.span(f"recv L{layer} mb{mb}", "wait", start, self._recv_done_ns, {"tokens": x.shape[0]})
-        return ExpertBatch(step, layer, mb, x, ids.long(), w, counts)
+        return ExpertBatch(step, layer, mb, x, ids.long(), w, counts, self.version)
+
+    def _versions(self, msgs: list) -> None:
+        """The step's placement version (every attention worker must route with the same one, and
+        this worker must hold it), and the version this step's answers offer."""
+        used, ready = zip(*(unpack_aux(msg.meta.aux) for msg in msgs))
+        if len(set(used)) != 1 or used[0] not in self.held:
+            raise RuntimeError(f"M2N protocol error: step {self.step} routed with placement versions "
+                               f"{dict(zip(self.peers, used))}; {self.ep.me} holds versions {sorted(self.held)}")
+        self.version = used[0]
+        self._offer = max([v for v in self.held if v <= min(ready)], default=self.version)
 
     @property
     def idle(self) -> bool:
@@ -353,7 +395,7 @@ class M2NReceiver:
         y_RD = self._out.to_host([y_RD])[0]
         if len(self.peers) == 1:
             self.ep.release(self.peers[0], batch.mb)
-        meta = MessageMeta(KIND_DATA, batch.step, batch.layer, batch.mb, aux=sum(batch.counts))
+        meta = MessageMeta(KIND_DATA, batch.step, batch.layer, batch.mb, aux=pack_aux(sum(batch.counts), self._offer))
         for p, part in zip(self.peers, torch.split(y_RD, batch.counts)):
             self.ep.send(p, batch.mb, meta, [part], timeout=self.timeout)
         if batch.layer == self.moe_layers[-1] and batch.mb == self.m - 1:

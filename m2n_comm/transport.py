@@ -172,6 +172,12 @@ class TransportConfig:
             raise ValueError(f"connect_timeout_s must be positive, got {self.connect_timeout_s}")
 
 
+def data_session(session: str, epoch: int) -> str:
+    """The session of a deployment's data plane in `epoch`: after a failure every endpoint is opened
+    again under a new epoch, so slots, store keys and shm names never mix with the broken one's."""
+    return session if epoch == 0 else f"{session}.g{epoch}"
+
+
 def open_endpoint(cfg: TransportConfig, store, session: str, me: str, peers: Sequence[str],
                   num_slots: int) -> Endpoint:
     """Create my receive slots, publish how to reach me through `store` (a torch.distributed Store:

@@ -15,10 +15,17 @@ from models.moe_decoder import Experts, MoEForCausalLM
 class PackedExperts(nn.Module):
     """Experts with per-expert packed w13 (2I, D) and w2 (D, I)."""
 
-    def __init__(self, experts: Experts):
+    def __init__(self, experts: Experts | None = None):
         super().__init__()
-        self.w13_packed = [pack_weight(w) for w in experts.w13.detach()]
-        self.w2_packed = [pack_weight(w) for w in experts.w2.detach()]
+        self.w13_packed = [] if experts is None else [pack_weight(w) for w in experts.w13.detach()]
+        self.w2_packed = [] if experts is None else [pack_weight(w) for w in experts.w2.detach()]
+
+    @classmethod
+    def from_packed(cls, w13_packed: list, w2_packed: list) -> "PackedExperts":
+        """Experts made of already packed per-expert weights (shared, not copied)."""
+        out = cls()
+        out.w13_packed, out.w2_packed = list(w13_packed), list(w2_packed)
+        return out
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
         return fused_moe_packed(x_TD, self.w13_packed, self.w2_packed, topk_weights_TK, topk_ids_TK)

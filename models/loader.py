@@ -213,20 +213,26 @@ def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: tor
     return model.eval()
 
 
-def load_experts(model_dir: str | Path, expert_ids: list[int], cfg: ModelConfig | None = None,
+def load_experts(model_dir: str | Path, expert_ids: list[int] | dict[int, list[int]], cfg: ModelConfig | None = None,
                  dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
                  kernels: str | None = None) -> dict[int, Experts]:
     """An expert worker's share: for every MoE layer, an Experts module holding the global experts
-    `expert_ids` in that order (local index i is expert expert_ids[i]). Reads only their tensors
+    `expert_ids` in that order (local index i is expert expert_ids[i]); a dict {layer: ids} gives
+    each listed MoE layer its own experts (other layers are not loaded). Reads only their tensors
     (a fused checkpoint tensor is read whole, then sliced). Returns {layer: Experts}."""
     cfg = cfg or ModelConfig.from_pretrained(model_dir)
     dtype, ops = dtype or cfg.dtype, select_ops(device, kernels)
-    if not expert_ids or len(set(expert_ids)) != len(expert_ids) or not all(0 <= e < cfg.num_experts for e in expert_ids):
-        raise ValueError(f"expert ids {expert_ids} must be distinct and in [0, {cfg.num_experts})")
-    local = {e: i for i, e in enumerate(expert_ids)}
-    layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
+    moe = [i for i, is_moe in enumerate(cfg.moe_layers) if is_moe]
+    by_layer = dict(expert_ids) if isinstance(expert_ids, dict) else {i: list(expert_ids) for i in moe}
+    for layer, ids in by_layer.items():
+        if layer not in moe:
+            raise ValueError(f"layer {layer} is not a MoE layer (MoE layers: {moe})")
+        if not ids or len(set(ids)) != len(ids) or not all(0 <= e < cfg.num_experts for e in ids):
+            raise ValueError(f"layer {layer}: expert ids {ids} must be distinct and in [0, {cfg.num_experts})")
+    local = {layer: {e: i for i, e in enumerate(ids)} for layer, ids in by_layer.items()}
     with torch.device("meta"):
-        experts = {i: Experts(len(expert_ids), cfg.hidden_size, cfg.moe_intermediate_size, ops).to(dtype) for i in layers}
+        experts = {i: Experts(len(ids), cfg.hidden_size, cfg.moe_intermediate_size, ops).to(dtype)
+                   for i, ids in by_layer.items()}
     params = _expert_params(experts)
     full_shape = {n: (cfg.num_experts,) + tuple(p.shape[1:]) for n, p in params.items()}
     reader = CheckpointReader(model_dir, cfg.fp8_block)
@@ -235,9 +241,12 @@ def load_experts(model_dir: str | Path, expert_ids: list[int], cfg: ModelConfig 
     covered: dict[str, int] = defaultdict(int)
     for name in reader.files:
         for t in checkpoint_targets(name, cfg) or []:
-            if t.param not in params or (t.expert is not None and t.expert not in local):
+            if t.param not in params:
                 continue
-            t = Target(t.param, None if t.expert is None else local[t.expert], t.rows)
+            mine = local[int(_LAYER.match(t.param).group(1))]
+            if t.expert is not None and t.expert not in mine:
+                continue
+            t = Target(t.param, None if t.expert is None else mine[t.expert], t.rows)
             wanted.setdefault(name, []).append(t)
             model_shape[t] = full_shape[t.param] if t.expert is None else _target_shape(t, params[t.param].shape)
             covered[t.param] += params[t.param].numel() if t.expert is None else _numel(model_shape[t])
@@ -245,9 +254,8 @@ def load_experts(model_dir: str | Path, expert_ids: list[int], cfg: ModelConfig 
         if covered[pname] != p.numel():
             missing = [n for n in _expected_names(pname, cfg) if n not in reader.files]
             raise CheckpointError(f"{reader.dir}: missing tensor '{missing[0] if missing else pname}' for "
-                                  f"parameter {pname} (experts {expert_ids})")
+                                  f"parameter {pname} (experts {by_layer[int(_LAYER.match(pname).group(1))]})")
     tensors = reader.read(wanted, model_shape)
-    index = torch.tensor(expert_ids)
     for m in experts.values():
         m.to_empty(device=device)
     params = _expert_params(experts)
@@ -255,9 +263,11 @@ def load_experts(model_dir: str | Path, expert_ids: list[int], cfg: ModelConfig 
         for name, targets in wanted.items():
             for t in targets:
                 dst = params[t.param]
-                src = tensors[name] if t.expert is not None else tensors[name].index_select(0, index)
                 if t.expert is not None:
-                    dst = dst[t.expert]
+                    src, dst = tensors[name], dst[t.expert]
+                else:  # a fused tensor of every expert: this layer's experts, in order
+                    index = torch.tensor(by_layer[int(_LAYER.match(t.param).group(1))])
+                    src = tensors[name].index_select(0, index)
                 if t.rows is not None:
                     dst = dst[t.rows[0]:t.rows[1]]
                 dst.copy_(src)

@@ -6,7 +6,9 @@ Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both st
 events with stream=true), GET /health, GET /metrics (Prometheus), GET /version. Every error is
 OpenAI's {"error": {"message", "type", "param", "code"}} with its status: 400 bad values, 401 bad
 key, 404 unknown model or route, 413 oversized body, 503 (with Retry-After) when more than
-max_waiting requests wait for their first token, 500 when the engine failed. A client that
+max_waiting requests wait for their first token, 500 when the engine failed. /health is 200 only
+when a generation step can run (503 engine_not_ready with Retry-After while failed workers restart,
+503 engine_dead once the engine is gone). A client that
 disconnects aborts its request, streaming or not, which frees its KV blocks.
 """
 import asyncio
@@ -186,13 +188,17 @@ def build_app(llm: AsyncLLM, cfg: ServerConfig, metrics: ServerMetrics) -> FastA
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, CompletionStreamResponse,
                           ChatCompletionStreamResponse, TokenizeRequest, DetokenizeRequest])
 
-    @app.get("/health", response_model=None, responses={200: {"model": Health},
-                                                         503: {"model": ErrorResponse, "description": "engine dead"}})
+    @app.get("/health", response_model=None, responses={
+        200: {"model": Health, "description": "a generation step can run"},
+        503: {"model": ErrorResponse, "description": "engine dead, or workers restarting (with Retry-After)"}})
     async def health() -> Response:
         try:
             llm.check_alive()
         except EngineDeadError as e:
             raise OpenAIError(str(e), status=503, code="engine_dead") from None
+        if not llm.ready:  # workers are being restarted: requests wait meanwhile
+            raise OpenAIError("workers are restarting; requests wait until they are back", status=503,
+                              code="engine_not_ready", headers={"Retry-After": "1"})
         return JSONResponse({"status": "ok"})
 
     @app.get("/version", response_model=Version)

@@ -11,7 +11,9 @@ and each request's outputs come back through its own asyncio queue. A consumer t
 (a client that disconnects) aborts its request. If the engine thread fails, every waiting request
 gets the error and later calls raise EngineDeadError, as after shutdown(): nothing waits forever.
 The engine is LLMEngine in this process or, with colocated=False, the worker pools' front
-(server/pools.py); a worker that dies is noticed within a second even while no request runs.
+(server/pools.py); a worker that dies is noticed within a second even while no request runs, and
+restarted there (requests wait, and running ones resume, meanwhile); only a failure it cannot
+recover from ends the engine thread.
 
 max_waiting bounds the requests that wait for their first token (QueueFullError beyond it), and an
 observer (server/metrics.py) is told each request's timings: both are for the servers.
@@ -226,6 +228,12 @@ class AsyncLLM:
         if self._error is not None:
             return EngineDeadError(f"the engine stopped: {self._error!r}")
         return EngineDeadError("the engine is shut down")
+
+    @property
+    def ready(self) -> bool:
+        """A generation step can run now: the engine is alive and, with worker pools, every worker
+        is up and connected (False while failed workers are restarted; requests wait meanwhile)."""
+        return self._error is None and not self._stopping and getattr(self.engine, "ready", True)
 
     def check_alive(self) -> None:
         """Raise EngineDeadError if the engine failed (a dead worker included) or was shut down."""

@@ -65,7 +65,7 @@ def _deployment_kwargs(args: argparse.Namespace, disaggregate_by_default: bool) 
     from planner.plan import plan_engine_kwargs
 
     planned = plan_engine_kwargs(args.plan, args.model)
-    kwargs = {**_engine_kwargs(args), **planned}
+    kwargs = {**_engine_kwargs(args), **planned, **_eplb_kwargs(args)}
     if args.attention_device or args.device:
         kwargs["device"] = args.attention_device or args.device
     return kwargs
@@ -74,7 +74,8 @@ def _deployment_kwargs(args: argparse.Namespace, disaggregate_by_default: bool) 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.attention_device or args.device, kernels=args.kernels, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching)
+                num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
+                max_worker_restarts=args.max_worker_restarts, restart_window_s=args.restart_window_s)
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -91,10 +92,18 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 POOL_FLAGS = ("attention_workers", "expert_workers", "micro_batches", "transport", "placement", "launcher",
               "ray_address", "attention_resources", "expert_resources")
+EPLB_FLAGS = ("eplb", "eplb_interval", "num_redundant_experts")
+
+
+def _eplb_kwargs(args: argparse.Namespace) -> dict:
+    if (args.eplb_interval is not None or args.num_redundant_experts is not None) and not args.eplb:
+        raise ValueError("--eplb-interval and --num-redundant-experts take effect with --eplb")
+    return dict(eplb=bool(args.eplb), eplb_interval=args.eplb_interval or 3000,
+                num_redundant_experts=args.num_redundant_experts or 0)
 
 
 def _pool_kwargs(args: argparse.Namespace, disaggregate_by_default: bool) -> dict:
-    given = any(getattr(args, f) is not None for f in POOL_FLAGS)
+    given = any(getattr(args, f) is not None for f in POOL_FLAGS + EPLB_FLAGS)
     colocated = args.colocated or not (disaggregate_by_default or given or args.rendezvous)
     if args.colocated and (given or args.rendezvous):
         raise ValueError("--colocated runs the experts in-process; it takes no pool flag or --rendezvous")
@@ -102,7 +111,8 @@ def _pool_kwargs(args: argparse.Namespace, disaggregate_by_default: bool) -> dic
                 expert_workers=args.expert_workers or 1, micro_batches=args.micro_batches or 1,
                 transport=args.transport or "shm", placement=args.placement, torch_threads=args.torch_threads,
                 expert_device=args.expert_device, launcher=args.launcher or "spawn", ray_address=args.ray_address,
-                attention_resources=args.attention_resources or (), expert_resources=args.expert_resources or ())
+                attention_resources=args.attention_resources or (), expert_resources=args.expert_resources or (),
+                **_eplb_kwargs(args))
 
 
 def _add_pool_flags(p: argparse.ArgumentParser) -> None:
@@ -113,7 +123,18 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--transport", choices=list(BACKENDS), default=None,
                    help="M2N backend (default shm): shm on one host, tcp or nixl (UCX: RDMA where present) across hosts")
     g.add_argument("--placement", default=None, help='JSON file {"expert": [workers]} (default: contiguous blocks)')
+    g.add_argument("--eplb", action="store_true", default=None,
+                   help="expert load balancing: re-place the experts live from their measured load")
+    g.add_argument("--eplb-interval", type=int, default=None, metavar="STEPS",
+                   help="with --eplb: steps between re-placements (default 3000)")
+    g.add_argument("--num-redundant-experts", type=int, default=None, metavar="R",
+                   help="with --eplb: extra expert copies per MoE layer for the hottest experts (default 0)")
     g.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
+    g.add_argument("--max-worker-restarts", type=int, default=3, metavar="N",
+                   help="restart a dead or silent worker at most N times within --restart-window-s; past that "
+                        "the deployment fails (0: never restart; default 3)")
+    g.add_argument("--restart-window-s", type=float, default=600.0, metavar="S",
+                   help="the window --max-worker-restarts counts restarts in (seconds, default 600)")
     g.add_argument("--colocated", action="store_true", help="experts inside the attention process, no transport")
     g.add_argument("--attention-device", default=None, help="the attention pool's device (cpu, cuda; as --device)")
     g.add_argument("--expert-device", default=None, help="the expert pool's device (default: the attention pool's)")
@@ -136,7 +157,7 @@ def _serve(args: argparse.Namespace) -> int:
         if not args.rendezvous:
             print("shuttle serve: error: --role attention|expert needs --rendezvous HOST:PORT", file=sys.stderr)
             return 2
-        from server.pools import run_role
+        from server.roles import run_role
         run_role(args.role, args.rendezvous, args.host, args.torch_threads)
         return 0
     from server.api_server import ServerConfig, bind, serve

@@ -75,8 +75,12 @@ class RayWorker:
         return self.where["node_id"]
 
     @property
-    def pid(self) -> int:
-        return self.where["pid"]
+    def pid(self) -> int | None:
+        """The actor's pid when it runs on this node (PoolEngine checks local pids: stopped or gone);
+        None while it starts, or on another node (its peers' heartbeats cover it there)."""
+        if self._where_ref is None or (self._where is None and not self.ray.wait([self._where_ref], timeout=0)[0]):
+            return None
+        return self.where["pid"] if self.where["node_id"] == self.ray.get_runtime_context().get_node_id() else None
 
     @property
     def exitcode(self) -> int | None:

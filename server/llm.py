@@ -43,9 +43,10 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                   kv_cache_gib: float | None = None, enable_prefix_caching: bool = True, seed: int = 0,
                   colocated: bool = True, attention_workers: int = 1, expert_workers: int = 1, micro_batches: int = 1,
                   transport: str = "shm", placement: str | None = None,
-                  torch_threads: int | None = None, expert_device: str | None = None, launcher: str = "spawn",
-                  ray_address: str | None = None, attention_resources: object = (),
-                  expert_resources: object = ()) -> EngineConfig:
+                  torch_threads: int | None = None, expert_device: str | None = None, eplb: bool = False,
+                  eplb_interval: int = 3000, num_redundant_experts: int = 0, max_worker_restarts: int = 3,
+                  restart_window_s: float = 600.0, launcher: str = "spawn", ray_address: str | None = None,
+                  attention_resources: object = (), expert_resources: object = ()) -> EngineConfig:
     """EngineConfig from the keyword arguments of LLM and the command line (None model: built-in).
     colocated=False runs attention_workers and expert_workers as separate processes (see
     attention_nodes.config.ParallelConfig); `device` is then the attention pool's, expert_device
@@ -62,9 +63,11 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                         SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
                         CacheConfig(block_size, num_kv_blocks, kv_cache_gib, enable_prefix_caching),
                         ParallelConfig(colocated, attention_workers, expert_workers, micro_batches, transport, placement,
-                                       torch_threads, expert_device=expert_device, launcher=launcher,
-                                       ray_address=ray_address, attention_resources=attention_resources,
-                                       expert_resources=expert_resources))
+                                       torch_threads, expert_device=expert_device, eplb=eplb,
+                                       eplb_interval=eplb_interval, num_redundant_experts=num_redundant_experts,
+                                       max_worker_restarts=max_worker_restarts, restart_window_s=restart_window_s,
+                                       launcher=launcher, ray_address=ray_address,
+                                       attention_resources=attention_resources, expert_resources=expert_resources))
 
 
 class LLM:
@@ -98,6 +101,8 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         if cfg.parallel.colocated and rendezvous is None:
+            if cfg.parallel.eplb:
+                raise ValueError("eplb balances expert workers: it needs colocated=False (worker pools)")
             if cfg.parallel.torch_threads:  # the engine computes in this process: its threads are ours
                 torch.set_num_threads(cfg.parallel.torch_threads)
             self.engine = LLMEngine(cfg, eos)

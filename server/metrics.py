@@ -6,6 +6,12 @@ alike. Engine state (running and waiting requests, KV cache use, tokens per expe
 busy fraction) is read from AsyncLLM.stats() when scraped. A pool worker's busy fraction is the
 share of the time since the previous scrape that it spent computing (attention workers: attention,
 norms, router, LM head; expert workers: the experts), from the busy time the workers report.
+
+Expert load (pools): (token, expert) pairs each expert worker computed (one series per worker), the
+imbalance ratio max/mean over expert workers since the previous scrape, and per MoE layer the
+max/mean over its experts; per (layer, expert) counts only for the HOT_EXPERTS busiest pairs, so the
+number of series stays bounded whatever the model (L x E can be 58 x 256). The placement version and
+the number of live re-placements (EPLB) complete the picture.
 """
 import time
 from typing import Callable, Iterator
@@ -19,6 +25,7 @@ from server.outputs import RequestOutput
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
+HOT_EXPERTS = 8  # (layer, expert) pairs exported by name: the busiest ones
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                  0.75, 1.0, 2.5, 5.0)
 
@@ -78,6 +85,7 @@ class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], dict], model_name: str):
         self.stats, self.model_name = stats, model_name
         self._previous: dict[str, tuple[int, float]] = {}  # worker -> (busy ns, scrape time)
+        self._previous_load: dict = {}  # expert worker or layer -> tokens at the previous scrape
 
     def collect(self) -> Iterator[Metric]:
         s, m = self.stats(), [self.model_name]
@@ -97,7 +105,8 @@ class _EngineCollector(Collector):
         for name, doc, key in (("prefix_cache_queries", "Prompt blocks looked up in the prefix cache",
                                 "prefix_cache_queries"),
                                ("prefix_cache_hits", "Prompt blocks found in the prefix cache", "prefix_cache_hits"),
-                               ("num_preemptions", "Sequences preempted for lack of KV blocks", "preemptions")):
+                               ("num_preemptions", "Sequences preempted for lack of KV blocks", "preemptions"),
+                               ("worker_restarts", "Worker processes restarted after a failure", "worker_restarts")):
             c = CounterMetricFamily(f"shuttle_{name}", doc, labels=["model_name"])
             c.add_metric(m, s.get(key, 0))
             yield c
@@ -107,6 +116,7 @@ class _EngineCollector(Collector):
             experts.add_metric([self.model_name, str(e)], n)
         yield experts
         yield from self._busy(s.get("busy", []))
+        yield from self._expert_load(s)
 
     def _busy(self, workers: list[dict]) -> Iterator[Metric]:
         busy_s = CounterMetricFamily("shuttle_pool_busy_seconds", "Time each worker spent computing",
@@ -125,3 +135,48 @@ class _EngineCollector(Collector):
             self._previous[w["worker"]] = (w["busy_ns"], now)
         yield busy_s
         yield fraction
+
+    def _expert_load(self, s: dict) -> Iterator[Metric]:
+        workers, layers = s.get("expert_worker_tokens", {}), s.get("expert_layer_tokens", {})
+        if not workers:
+            return
+        per_worker = CounterMetricFamily("shuttle_expert_worker_tokens", "(token, expert) pairs each expert "
+                                         "worker computed", labels=["worker"])
+        for w, n in workers.items():
+            per_worker.add_metric([w], n)
+        yield per_worker
+        ratio = GaugeMetricFamily("shuttle_expert_load_imbalance", "max/mean of the expert workers' (token, "
+                                  "expert) pairs since the previous scrape (1 = balanced)", labels=["model_name"])
+        ratio.add_metric([self.model_name], _max_over_mean(self._since_last("w", workers)))
+        yield ratio
+        per_layer = GaugeMetricFamily("shuttle_expert_layer_imbalance", "max/mean of the tokens routed to each "
+                                      "expert of a MoE layer since the previous scrape", labels=["layer"])
+        hot: list[tuple[int, int, int]] = []
+        for layer, row in layers.items():
+            per_layer.add_metric([str(layer)], _max_over_mean(self._since_last(f"l{layer}", dict(enumerate(row)))))
+            hot.extend((n, layer, e) for e, n in enumerate(row))
+        yield per_layer
+        busiest = GaugeMetricFamily("shuttle_expert_hot_tokens", f"Tokens routed to the {HOT_EXPERTS} busiest "
+                                    "(layer, expert) pairs since start", labels=["layer", "expert"])
+        for n, layer, e in sorted(hot, key=lambda t: (-t[0], t[1], t[2]))[:HOT_EXPERTS]:
+            busiest.add_metric([str(layer), str(e)], n)
+        yield busiest
+        version = GaugeMetricFamily("shuttle_expert_placement_version", "Version of the expert placement in use",
+                                    labels=["model_name"])
+        version.add_metric([self.model_name], s.get("placement_version", 0))
+        yield version
+        changes = CounterMetricFamily("shuttle_expert_placement_changes", "Live expert re-placements completed",
+                                      labels=["model_name"])
+        changes.add_metric([self.model_name], s.get("placement_changes", 0))
+        yield changes
+
+    def _since_last(self, key: str, counts: dict) -> list[int]:
+        """Each count minus its value at the previous scrape (the whole count at the first)."""
+        before = self._previous_load.get(key, {})
+        self._previous_load[key] = dict(counts)
+        return [n - before.get(k, 0) for k, n in counts.items()]
+
+
+def _max_over_mean(values: list[int]) -> float:
+    mean = sum(values) / len(values) if values else 0
+    return max(values) / mean if mean > 0 else 1.0

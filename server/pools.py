@@ -1,17 +1,28 @@
 """Disaggregated deployment: start (or meet) the attention and expert worker pools, and drive them
-through an engine-shaped front, so LLM (and later the HTTP server) use them as they use LLMEngine.
+through an engine-shaped front, so LLM (and the HTTP server) use them as they use LLMEngine.
 
     engine = PoolEngine(engine_cfg, eos_token_ids)          # spawns the pools on this host
     engine.add_request("r1", prompt_ids, SamplingParams())  # to the least loaded attention worker
     deltas = engine.step()                                  # whatever the workers produced since
 
 On one host the pools are spawned processes; on a Ray cluster, Ray actors placed by each pool's
-resources (server/launchers.py). Without Ray, across hosts every host runs `shuttle serve --role
-attention|expert --rendezvous HOST:PORT` and the front runs with `rendezvous=HOST:PORT`: the
-deployment is published in a torch.distributed TCPStore there and each worker takes the next rank.
-A worker that fails or exits is reported (WorkerFailedError naming it), never waited on for ever.
+resources (server/launchers.py: the launcher makes them, PoolEngine drives them alike). Without
+Ray, across hosts every host runs `shuttle serve --role
+attention|expert --rendezvous HOST:PORT` (server/roles.py) and the front runs with
+`rendezvous=HOST:PORT`: the deployment is published in a torch.distributed TCPStore there and
+each worker takes the next rank.
+
+Supervision (spawned pools): a worker that exits, fails, or goes silent (a peer's transport
+reports it) is killed if need be and started again, at most `max_worker_restarts` times within
+`restart_window_s`; past that, or for workers started elsewhere, WorkerFailedError names it. A
+restart opens a new epoch of the data plane: surviving workers drop their requests, close their
+M2N endpoints and open new ones under the epoch's session (the experts and weights stay loaded;
+a restarted expert worker loads only its own experts); then every request still running is
+resumed from its prompt plus the tokens already delivered (the preemption recompute path), so
+its stream goes on with no token lost, repeated or changed. While that happens `ready` is False.
 """
-import hmac
+import collections
+import itertools
 import json
 import logging
 import multiprocessing as mp
@@ -22,23 +33,30 @@ import socket
 import threading
 import time
 import weakref
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 
 from torch.distributed import TCPStore
 
 from attention_nodes import messages as wire
-from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from attention_nodes.config import EngineConfig
 from attention_nodes.engine import SequenceDelta, check_prompt
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.worker import AttentionWorkerSpec, run_attention_worker
 from expert_nodes.worker import ExpertWorkerSpec, run_expert_worker
-from m2n_comm.m2n import Placement, slot_bytes_for
+from m2n_comm._common import process_gone
+from m2n_comm.m2n import slot_bytes_for
+from m2n_comm.placement import ExpertPlacement, Placement, check_redundancy
 from m2n_comm.transport import TransportConfig
-from models.config import DTYPES, ModelConfig
+from models.config import ModelConfig
+from server.eplb import PlacementControl, read_expert_load
 from server.launchers import check_installed, make_launcher
+from server.pool_control import admitted as _admitted, read_events as _read_events, shutdown_pools as _shutdown  # noqa: F401
+from server.roles import engine_config_from_json, engine_config_to_json, run_role, split_addr  # noqa: F401
 
 log = logging.getLogger("shuttle")
 START_TIMEOUT_S = 300.0  # loading big checkpoints takes a while; dead workers are noticed sooner
+RESTART_TIMEOUT_S = 120.0  # a restart (spawn, load, every endpoint re-opened) must finish within this
+REPORT_GRACE_S = 1.0  # after a failure: how long to wait for the report that names its cause
 
 
 MAIN_GUARD_EXIT = 3  # a spawned worker found its script starting pools while being imported
@@ -47,14 +65,55 @@ MAIN_GUARD_HINT = ("the worker pools are separate processes that re-import your 
 
 
 class WorkerFailedError(RuntimeError):
-    """A worker process failed or exited; the message names it and says why."""
+    """A worker process failed or exited and was not (or could no more be) restarted; the message
+    names it and says why."""
+
+
+class _Broken(Exception):
+    """A worker died, failed or went silent, or a data plane broke: restart (or give up).
+    suspects: the workers ("a0", "e1") to kill and start again."""
+
+    def __init__(self, why: str, suspects: set[str] | None = None):
+        super().__init__(why)
+        self.why, self.suspects = why, set(suspects or ())
+
+
+@dataclass
+class _Request:
+    """What the front keeps of a running request, enough to resume it elsewhere."""
+
+    prompt: list[int]
+    params: SamplingParams
+    worker: int
+    cost: int  # tokens it may queue: (prompt + max_tokens) * n
+    live: set[int]  # indices of unfinished samples
+    outputs: list[list[int]]  # per sample, the token ids delivered so far
+    aborting: bool = False
+
+
+def _down(pid: int) -> bool:
+    """The worker process cannot take part in a step: it exited, or it is stopped (SIGSTOP, a
+    debugger), which its peers would only notice after their dead_after_s."""
+    if process_gone(pid):
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
+def _suspect(peer: str, why: str) -> set[str]:
+    """The peer a transport report blames: one that died or went silent, not one that merely closed
+    its endpoint (that is a survivor leaving a broken epoch)."""
+    return {peer} if peer and "closed" not in why else set()
 
 
 class PoolEngine:
     """The engine interface of LLMEngine (add_request, abort_request, stop_sequence, step,
     has_unfinished_requests, check_prompt) over attention workers in other processes.
     rendezvous: "HOST:PORT" to wait for workers started elsewhere with --role; None spawns the
-    pools here."""
+    pools here (and supervises them)."""
 
     def __init__(self, cfg: EngineConfig, eos_token_ids: set[int], rendezvous: str | None = None):
         if getattr(mp.current_process(), "_inheriting", False):
@@ -68,12 +127,11 @@ class PoolEngine:
         if not any(self.model_cfg.moe_layers):
             raise ValueError(f"{cfg.model}: the model has no MoE layer to disaggregate; run it colocated")
         self.eos_token_ids = set(eos_token_ids)
-        self.placement = (Placement.from_file(par.placement, self.model_cfg.num_experts, par.expert_workers)
-                          if par.placement else Placement.balanced(self.model_cfg.num_experts, par.expert_workers))
+        self.placement = self._initial_placement()
         if rendezvous and par.launcher != "spawn":
             raise ValueError(f"--launcher {par.launcher} starts the workers itself; it takes no --rendezvous")
         self._launcher = None if rendezvous else make_launcher(par)
-        host, port = _split(rendezvous) if rendezvous else (self._launcher.host, 0)
+        host, port = split_addr(rendezvous) if rendezvous else (self._launcher.host, 0)
         self.session = f"shuttle-{os.getpid()}-{secrets.token_hex(4)}"
         self._store = TCPStore(host, port, is_master=True, wait_for_workers=False)
         self._listener = socket.create_server((host, 0))
@@ -83,14 +141,21 @@ class PoolEngine:
         self.transport = TransportConfig(par.transport, slot_bytes_for(
             self.model_cfg.hidden_size, self.model_cfg.top_k, dtype, cfg.scheduler.max_num_batched_tokens), host=host,
             token=secrets.token_hex(16))
+        self._remote = rendezvous is not None
+        self.epoch = 0  # of the data plane; every restart opens the next one
+        self._ready = False  # a step can run: every worker is up and joined the current epoch
+        self.num_restarts = 0
+        self._restarts: collections.deque[float] = collections.deque()  # when, within the window
         self._procs: list[mp.process.BaseProcess] = []
         self._events: queue.Queue = queue.Queue()
-        self._socks: list[socket.socket] = []
-        self._owner: dict[str, int] = {}            # request id -> attention worker
+        self._socks: list[socket.socket | None] = [None] * par.attention_workers
+        self._conn_ids = itertools.count()
+        self._pending: dict[int, socket.socket] = {}  # connections that have not said Ready yet
+        self._waiting: set[int] = set()               # ranks _await_ready still waits for
+        self._conn_rank: dict[int, int] = {}          # current control connection -> attention worker rank
+        self._conn_epoch: dict[int, int] = {}         # current control connection -> epoch of its Ready
+        self._requests: dict[str, _Request] = {}
         self._load = [0] * par.attention_workers    # tokens queued per worker (prompt + max_tokens)
-        self._cost: dict[str, int] = {}
-        self._live: dict[str, set[int]] = {}        # request id -> indices of unfinished sequences
-        self._conn_rank: dict[int, int] = {}       # control connection -> attention worker rank
         self._worker_stats: dict[int, dict] = {}    # attention worker rank -> its latest Stats
         self._finalizer = weakref.finalize(self, _shutdown, self._socks, self._procs, self._store, self.session,
                                            par.expert_workers if rendezvous else 0, self._launcher)
@@ -98,7 +163,41 @@ class PoolEngine:
             self._publish()
         else:
             self._spawn()
-        self._connect()
+        try:
+            self._await_ready(set(range(par.attention_workers)), START_TIMEOUT_S)
+        except _Broken as b:  # nothing to restart yet: a worker that cannot start will not start again
+            raise WorkerFailedError(b.why) from None
+        self._ready = True
+        self.placements = PlacementControl(self._store, self.session, self.placement, self._send_placement,
+                                           par.eplb_interval if par.eplb else 0, par.num_redundant_experts)
+
+    def _initial_placement(self) -> ExpertPlacement:
+        """--placement FILE or contiguous blocks, the same in every MoE layer (version 0)."""
+        par, E = self.cfg.parallel, self.model_cfg.num_experts
+        if par.eplb:
+            if par.expert_workers < 2:
+                raise ValueError("--eplb moves experts between expert workers: it needs --expert-workers 2 or more")
+            check_redundancy(E, par.expert_workers, par.num_redundant_experts)
+        p = (Placement.from_file(par.placement, E, par.expert_workers) if par.placement
+             else Placement.balanced(E, par.expert_workers))
+        return ExpertPlacement.uniform(p, [i for i, moe in enumerate(self.model_cfg.moe_layers) if moe])
+
+    # -- expert placement --------------------------------------------------------------------------
+    def apply_placement(self, placement: ExpertPlacement) -> None:
+        """Start applying a new expert placement live (version = the current one + 1): expert workers
+        load the new copies, then every attention worker switches at the same step boundary.
+        `step` advances it; `self.placements.current` is the placement in use (server/eplb.py)."""
+        self.placements.apply(placement)
+
+    def _send_placement(self, placement: ExpertPlacement) -> None:
+        msg = wire.SetPlacement(placement.to_json())
+        for rank in range(len(self._socks)):
+            self._send(rank, msg)
+
+    def _poll_placement(self) -> None:
+        steps = max((w.get("steps", 0) for w in self._worker_stats.values()), default=0)
+        self.placements.poll(steps, lambda: read_expert_load(self._store, self.session,
+                                                             self.cfg.parallel.expert_workers)[0])
 
     # -- start -------------------------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -109,55 +208,62 @@ class PoolEngine:
         if par.torch_threads is None:
             par = replace(par, torch_threads=max(1, len(os.sched_getaffinity(0)) //
                                                  (par.attention_workers + par.expert_workers)))
-        cfg = replace(self.cfg, parallel=par)
-        store_addr = (self._launcher.host, self._store.port)
-        for w in range(par.expert_workers):
-            spec = ExpertWorkerSpec(self.cfg.model, self.cfg.dtype, par.expert_device or self.cfg.device, self.cfg.kernels, w,
-                                    par.attention_workers, par.micro_batches, self.placement, self.transport,
-                                    store_addr, self.session, par.torch_threads, par.trace_dir)
-            self._procs.append(self._launcher.worker(f"e{w}", "expert", run_expert_worker, spec))
-        for a in range(par.attention_workers):
-            spec = AttentionWorkerSpec(cfg, a, sorted(self.eos_token_ids), self.placement, self.transport,
-                                       store_addr, self._listener.getsockname()[:2], self.session)
-            self._procs.append(self._launcher.worker(f"a{a}", "attention", run_attention_worker, spec))
+        self._spawn_cfg = replace(self.cfg, parallel=par)
+        names = [f"e{w}" for w in range(par.expert_workers)] + [f"a{a}" for a in range(par.attention_workers)]
+        self._procs.extend(self._worker(name) for name in names)
         for p in self._procs:
             p.start()
+
+    def _worker(self, name: str) -> mp.process.BaseProcess:
+        """A (not yet started) process for worker `name` ("a0", "e1") that joins the current epoch:
+        the launcher's (a spawned process, or a Ray actor with the same interface)."""
+        cfg, par, launch = self._spawn_cfg, self._spawn_cfg.parallel, self._launcher.worker
+        store_addr, rank = (self._launcher.host, self._store.port), int(name[1:])
+        if name[0] == "e":
+            spec = ExpertWorkerSpec(cfg.model, cfg.dtype, par.expert_device or cfg.device, cfg.kernels, rank,
+                                    par.attention_workers, par.micro_batches, self.placement, self.transport,
+                                    store_addr, self.session, par.torch_threads, par.trace_dir, self.epoch)
+            return launch(name, "expert", run_expert_worker, spec)
+        spec = AttentionWorkerSpec(cfg, rank, sorted(self.eos_token_ids), self.placement, self.transport,
+                                   store_addr, self._listener.getsockname()[:2], self.session, self.epoch)
+        return launch(name, "attention", run_attention_worker, spec)
 
     def _publish(self) -> None:
         """For workers on other hosts: the deployment, as JSON, under a well-known key."""
         spec = {"engine": engine_config_to_json(self.cfg), "eos": sorted(self.eos_token_ids),
-                "placement": [list(ws) for ws in self.placement.copies], "transport": asdict(self.transport),
+                "placement": self.placement.to_json(), "transport": asdict(self.transport),
                 "control": list(self._listener.getsockname()[:2]), "session": self.session}
         self._store.set("shuttle/deployment", json.dumps(spec))
         log.info("waiting for %d attention and %d expert workers at %s:%d", self.cfg.parallel.attention_workers,
                  self.cfg.parallel.expert_workers, *self._listener.getsockname()[:2])
 
-    def _connect(self) -> None:
-        """Accept every attention worker's control connection and wait for its Ready."""
-        n, deadline = self.cfg.parallel.attention_workers, time.monotonic() + START_TIMEOUT_S
-        self._listener.settimeout(0.5)
-        conns: list[socket.socket] = []
-        while len(conns) < n:
+    def _await_ready(self, ranks: set[int], timeout_s: float) -> None:
+        """Accept the control connections of (re)started attention workers and wait until every
+        rank in `ranks` said Ready for the current epoch. Raises _Broken if a worker fails meanwhile,
+        WorkerFailedError past the deadline."""
+        self._listener.settimeout(0.05)
+        self._waiting, deadline = set(ranks), time.monotonic() + timeout_s
+        while self._waiting:
             self._check_procs()
             if time.monotonic() > deadline:
-                raise WorkerFailedError(f"only {len(conns)} of {n} attention workers connected in {START_TIMEOUT_S:.0f} s")
+                raise WorkerFailedError(f"attention workers {', '.join(f'a{r}' for r in sorted(self._waiting))} were "
+                                        f"not ready within {timeout_s:.0f} s{self._exited()}")
             try:
                 conn, addr = self._listener.accept()
             except socket.timeout:
-                continue
-            if _admitted(conn, addr, self.transport.token):
-                conns.append(conn)
-        for i, c in enumerate(conns):
-            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=_read_events, args=(c, i, self._events, self._worker_stats), daemon=True).start()
-        ready: dict[int, socket.socket] = {}
-        while len(ready) < n:
-            conn, msg = self._next_event(deadline - time.monotonic())
-            if not isinstance(msg, wire.Ready):
-                raise WorkerFailedError(f"attention worker sent {type(msg).__name__} before Ready")
-            ready[msg.rank] = conns[conn]
-        self._socks.extend(ready[r] for r in range(n))
-        self._conn_rank = {i: next(r for r, s in ready.items() if s is c) for i, c in enumerate(conns)}
+                conn = None
+            if conn is not None and _admitted(conn, addr, self.transport.token):
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                cid = next(self._conn_ids)
+                self._pending[cid] = conn
+                threading.Thread(target=_read_events, args=(conn, cid, self._events, self._worker_stats),
+                                 daemon=True).start()
+            try:
+                while self._waiting:
+                    self._handle(self._events.get_nowait())
+            except queue.Empty:
+                pass
+            self._check_store()
 
     # -- requests ----------------------------------------------------------------------------------
     def check_prompt(self, prompt_token_ids: list[int]) -> list[int]:
@@ -166,52 +272,59 @@ class PoolEngine:
     def set_eos_token_ids(self, ids: set[int]) -> None:
         raise RuntimeError("the end-of-sequence ids of running worker pools are fixed when they start")
 
+    @property
+    def ready(self) -> bool:
+        """A step can run now: every worker is up and joined the current epoch (thread-safe)."""
+        return self._ready and not any(p.pid is not None and _down(p.pid) for p in list(self._procs))
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue the request on the attention worker with the fewest queued tokens."""
-        if request_id in self._owner:
+        if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.check_prompt(prompt_token_ids)
         w = min(range(len(self._load)), key=self._load.__getitem__)
-        cost = (len(ids) + params.max_tokens) * params.n
-        self._owner[request_id], self._cost[request_id], self._live[request_id] = w, cost, set(range(params.n))
-        self._load[w] += cost
-        wire.send(self._socks[w], wire.AddRequest(request_id, ids, wire.params_to_wire(params)))
+        r = _Request(ids, params, w, (len(ids) + params.max_tokens) * params.n, set(range(params.n)),
+                     [[] for _ in range(params.n)])
+        self._requests[request_id] = r
+        self._load[w] += r.cost
+        self._send(w, wire.AddRequest(request_id, ids, wire.params_to_wire(params)))
 
     def abort_request(self, request_id: str) -> list[SequenceDelta]:
         """Ask the owning worker to abort; the finish deltas arrive through `step`."""
-        if request_id in self._owner:
-            try:
-                self._send(self._owner[request_id], wire.Abort(request_id))
-            except WorkerFailedError:
-                pass  # the worker is gone, and its requests with it; the caller is told elsewhere
+        r = self._requests.get(request_id)
+        if r is not None:
+            r.aborting = True
+            self._send(r.worker, wire.Abort(request_id))
         return []
 
     def stop_sequence(self, request_id: str, index: int, stop_reason: str) -> None:
-        if request_id in self._owner:
-            self._send(self._owner[request_id], wire.StopSequence(request_id, index, stop_reason))
+        r = self._requests.get(request_id)
+        if r is not None:
+            self._send(r.worker, wire.StopSequence(request_id, index, stop_reason))
             self._finished(request_id, index)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._owner)
+        return bool(self._requests)
 
     def step(self, timeout: float | None = None) -> list[SequenceDelta]:
         """Deltas the workers sent since the last call; waits for at least one message (up to
-        `timeout` seconds) while requests are in flight."""
+        `timeout` seconds) while requests are in flight. A failure is handled here: the workers are
+        restarted and the requests resumed before this returns (WorkerFailedError past the
+        restart budget)."""
         out: list[SequenceDelta] = []
-        if not self._owner:
+        self._poll_placement()
+        if not self._requests:
             return out
-        _, msg = self._next_event(timeout)
-        while msg is not None:
-            for v in msg.deltas if isinstance(msg, wire.Deltas) else ():  # else a wake()
-                d = wire.decode_delta(v)
-                if d.request_id in self._live and d.index in self._live[d.request_id]:
-                    out.append(d)
-                    if d.finish_reason is not None:
-                        self._finished(d.request_id, d.index)
-            try:
-                _, msg = self._event(self._events.get_nowait())
-            except queue.Empty:
-                msg = None
+        try:
+            item = self._next_event(timeout)
+            while item is not None:
+                out += self._handle(item)
+                try:
+                    item = self._events.get_nowait()
+                except queue.Empty:
+                    item = None
+        except _Broken as b:
+            out += self._recover(b)
         return out
 
     def wake(self) -> None:
@@ -220,16 +333,20 @@ class PoolEngine:
         self._events.put((-1, _WAKE))
 
     def check_health(self) -> None:
-        """Raise WorkerFailedError if a worker failed or exited, also while no request is in flight
-        (then queued deltas belong to finished requests and are dropped). Call it from the thread
-        that calls `step`."""
-        if not self._owner:
-            self._drain_events()
-        self._check_procs()
+        """Notice a worker that failed or exited also while no request is in flight (then queued
+        deltas belong to finished requests and are dropped) and restart it; WorkerFailedError when
+        it cannot be. Call it from the thread that calls `step`."""
+        try:
+            if not self._requests:
+                self._drain_events()
+            self._check_procs()
+            self._check_store()
+        except _Broken as b:
+            self._recover(b)
 
     def stats(self) -> dict:
         """The attention workers' latest Stats added up (as LLMEngine.stats), each worker's busy
-        time, and the expert workers' load (published in the store)."""
+        time, the expert workers' load (published in the store) and the restarts so far."""
         workers = [dict(self._worker_stats[r], rank=r) for r in sorted(self._worker_stats)]
         total = {k: sum(w.get(k, 0) for w in workers) for k in
                  ("running", "waiting", "num_blocks", "free_blocks", "kv_cache_tokens", "prefix_cache_queries",
@@ -239,45 +356,151 @@ class PoolEngine:
         total["kv_cache_usage"] = 1 - total["free_blocks"] / total["num_blocks"] if total["num_blocks"] else 0.0
         busy = [{"pool": "attention", "worker": f"a{w['rank']}", "busy_ns": w["busy_ns"], "uptime_ns": w["uptime_ns"]}
                 for w in workers]
-        experts: dict[int, int] = {}
         for w in range(self.cfg.parallel.expert_workers):
             key = f"{self.session}/stats/e{w}"
             if self._store.check([key]):
                 e = json.loads(self._store.get(key))
                 busy.append({"pool": "expert", "worker": f"e{w}", "busy_ns": e["busy_ns"], "uptime_ns": e["uptime_ns"]})
-                for expert, n in zip(e["experts"], e["tokens"]):
-                    experts[expert] = experts.get(expert, 0) + n
-        return {**total, "expert_tokens": dict(sorted(experts.items())), "busy": busy}
+        load_LE, per_worker = read_expert_load(self._store, self.session, self.cfg.parallel.expert_workers)
+        experts = {} if load_LE is None else dict(enumerate(load_LE.sum(axis=0).tolist()))
+        layers = {} if load_LE is None else dict(zip(self.placement.moe_layers, load_LE.tolist()))
+        return {**total, "expert_tokens": experts, "expert_layer_tokens": layers,
+                "expert_worker_tokens": {f"e{w}": n for w, n in enumerate(per_worker)}, "busy": busy,
+                "worker_restarts": self.num_restarts, **self.placements.stats()}
 
     def _finished(self, request_id: str, index: int) -> None:
-        live = self._live.get(request_id)
-        if live is None:
+        r = self._requests.get(request_id)
+        if r is None:
             return
-        live.discard(index)
-        if not live:
-            w = self._owner.pop(request_id)
-            self._load[w] -= self._cost.pop(request_id)
-            del self._live[request_id]
+        r.live.discard(index)
+        if not r.live:
+            self._load[r.worker] -= r.cost
+            del self._requests[request_id]
 
-    # -- events and failures -----------------------------------------------------------------------
-    def _next_event(self, timeout: float | None) -> tuple[int, object]:
+    # -- events ------------------------------------------------------------------------------------
+    def _next_event(self, timeout: float | None) -> tuple[int, object] | None:
+        """The next control event, or None after `timeout` s; checks the workers twice a second."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
-                return self._event(self._events.get(timeout=0.5))
+                return self._events.get(timeout=0.5)
             except queue.Empty:
                 self._check_procs()
+                self._check_store()
                 if deadline is not None and time.monotonic() > deadline:
-                    return -1, None
+                    return None
 
-    def _event(self, item: tuple[int, object]) -> tuple[int, object]:
+    def _handle(self, item: tuple[int, object]) -> list[SequenceDelta]:
+        """Carry out one control event: the deltas of a current connection's Deltas (recorded for
+        resumption), Ready; raises _Broken for a failure of the current epoch; stale ones are dropped."""
         conn, msg = item
+        if msg is _WAKE:
+            return []
+        if conn in self._pending:
+            if isinstance(msg, wire.Ready):
+                self._joined(conn, self._pending.pop(conn), msg.rank, msg.epoch)
+            elif isinstance(msg, wire.Failed):
+                raise _Broken(f"attention worker a{msg.rank} failed: {msg.message}{self._exited()}", {f"a{msg.rank}"})
+            return []  # a starting worker that dies is found by _check_procs
+        rank = self._conn_rank.get(conn)
+        if rank is None:  # the connection of a worker that was replaced
+            return []
         if isinstance(msg, wire.Failed):
-            raise WorkerFailedError(f"attention worker a{msg.rank} failed: {msg.message}{self._exited()}")
+            raise _Broken(f"attention worker a{rank} failed: {msg.message}{self._exited()}", {f"a{rank}"})
         if msg is None:
             self._check_procs(wait=2.0)
-            raise WorkerFailedError(f"attention worker a{self._conn_rank.get(conn, conn)} closed its connection")
-        return conn, msg
+            raise _Broken(f"attention worker a{rank} closed its connection", {f"a{rank}"})
+        if isinstance(msg, wire.Broken) and msg.epoch == self.epoch:
+            raise _Broken(f"attention worker a{rank}: {msg.why}", _suspect(msg.peer, msg.why))
+        if isinstance(msg, wire.Ready) and msg.epoch == self.epoch:
+            self._conn_epoch[conn] = self.epoch
+            self._waiting.discard(rank)
+        if isinstance(msg, wire.Deltas) and self._conn_epoch.get(conn) == self.epoch:
+            return self._deltas(msg)
+        return []
+
+    def _joined(self, conn: int, sock: socket.socket, rank: int, epoch: int) -> None:
+        """A (re)started attention worker's connection becomes the current one of its rank; one
+        started for an epoch that another failure has ended since is sent on to the current one."""
+        old = self._socks[rank]
+        for c in [c for c, r in self._conn_rank.items() if r == rank]:
+            del self._conn_rank[c]
+            self._conn_epoch.pop(c, None)
+        if old is not None:
+            old.close()
+        self._socks[rank] = sock
+        self._conn_rank[conn], self._conn_epoch[conn] = rank, epoch
+        if epoch == self.epoch:
+            self._waiting.discard(rank)
+        else:
+            self._send(rank, wire.Reset(self.epoch))
+
+    def _deltas(self, msg: wire.Deltas) -> list[SequenceDelta]:
+        out = []
+        for v in msg.deltas:
+            d = wire.decode_delta(v)
+            r = self._requests.get(d.request_id)
+            if r is not None and d.index in r.live:
+                r.outputs[d.index] += d.new_token_ids
+                out.append(d)
+                if d.finish_reason is not None:
+                    self._finished(d.request_id, d.index)
+        return out
+
+    def _drain_events(self) -> None:
+        """Handle every event already queued (no request runs: deltas are dropped)."""
+        try:
+            while True:
+                self._handle(self._events.get_nowait())
+        except queue.Empty:
+            pass
+
+    def _send(self, rank: int, msg) -> None:
+        """Send to an attention worker; one that is gone is found (and its requests resumed) by the
+        next step or health check."""
+        sock = self._socks[rank]
+        try:
+            if sock is not None:
+                wire.send(sock, msg)
+        except OSError as e:
+            log.warning("attention worker a%d is unreachable: %s", rank, e)
+
+    # -- failures ----------------------------------------------------------------------------------
+    def _check_procs(self, wait: float = 0.0) -> None:
+        for p in list(self._procs):
+            if wait and p.exitcode is None:
+                p.join(wait)
+            if p.exitcode == MAIN_GUARD_EXIT:
+                raise WorkerFailedError(MAIN_GUARD_HINT)
+            if p.exitcode is not None:
+                raise _Broken(f"worker {p.name} exited with code {p.exitcode}{self._causes()}", {p.name})
+
+    def _check_store(self) -> None:
+        """Raise _Broken for an expert worker's report that its data plane broke in this epoch (an
+        attention worker died or went silent)."""
+        for w in range(self.cfg.parallel.expert_workers):
+            key = f"{self.session}/broken/g{self.epoch}/e{w}"
+            if self._store.check([key]):
+                report = json.loads(self._store.get(key))
+                raise _Broken(f"expert worker e{w}: {report['why']}", _suspect(report["peer"], report["why"]))
+
+    def _reported_suspects(self, epoch: int) -> set[str]:
+        """Every worker the expert workers' reports of `epoch` blame."""
+        found = set()
+        for w in range(self.cfg.parallel.expert_workers):
+            key = f"{self.session}/broken/g{epoch}/e{w}"
+            if self._store.check([key]):
+                report = json.loads(self._store.get(key))
+                found |= _suspect(report["peer"], report["why"])
+        return found
+
+    def _causes(self) -> str:
+        causes = []
+        for w in range(self.cfg.parallel.expert_workers):
+            key = f"{self.session}/failed/e{w}"
+            if self._store.check([key]):
+                causes.append(f"expert worker e{w} failed: {self._store.get(key).decode()}")
+        return "".join(f"; {c}" for c in causes)
 
     def _exited(self, grace_s: float = 1.0) -> str:
         """The workers that exited, giving a killed one a moment to be reaped: a failure often
@@ -286,177 +509,104 @@ class PoolEngine:
         while time.monotonic() < deadline and not any(p.exitcode is not None and p.exitcode < 0 for p in self._procs):
             time.sleep(0.05)
         gone = [f"{p.name} (exit code {p.exitcode})" for p in self._procs if p.exitcode is not None]
-        causes = []
-        for w in range(self.cfg.parallel.expert_workers):
-            key = f"{self.session}/failed/e{w}"
-            if self._store.check([key]):
-                causes.append(f"expert worker e{w} failed: {self._store.get(key).decode()}")
-        return "".join(f"; {c}" for c in causes) + (f"; exited: {', '.join(gone)}" if gone else "")
+        return self._causes() + (f"; exited: {', '.join(gone)}" if gone else "")
 
-    def _check_procs(self, wait: float = 0.0) -> None:
+    def _recover(self, b: _Broken) -> list[SequenceDelta]:
+        """Restart what failed and resume every request; returns the finish deltas of requests that
+        were being aborted. Raises WorkerFailedError when the budget is spent or nothing here can
+        restart the worker."""
+        self._ready = False
+        while True:
+            suspects = self._suspects(b)
+            self._count_restart(b, suspects)
+            try:
+                self._restart(suspects, b.why)
+                return self._resume()
+            except _Broken as again:
+                b = again
+
+    def _suspects(self, b: _Broken) -> set[str]:
+        """The workers to blame for b: the ones it names, those that exited, and those the expert
+        workers' reports name (a root cause may be reported a moment after the survivor that saw
+        it leave, so this waits up to REPORT_GRACE_S for one)."""
+        suspects, deadline = set(b.suspects), time.monotonic() + REPORT_GRACE_S
+        while True:
+            suspects |= self._reported_suspects(self.epoch) | {p.name for p in self._procs if p.exitcode is not None}
+            if suspects or time.monotonic() > deadline:
+                return suspects
+            time.sleep(0.05)
+
+    def _count_restart(self, b: _Broken, suspects: set[str]) -> None:
+        par = self.cfg.parallel
+        why = b.why + self._exited(0.0) + (f"; failed: {', '.join(sorted(suspects))}" if suspects else "")
+        if self._remote:
+            raise WorkerFailedError(f"{why}; workers started with `shuttle serve --role` on other hosts are not "
+                                    f"restarted by the server: restart the deployment")
+        if par.max_worker_restarts == 0:
+            raise WorkerFailedError(why)
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > par.restart_window_s:
+            self._restarts.popleft()
+        if len(self._restarts) >= par.max_worker_restarts:
+            raise WorkerFailedError(f"{why}; giving up: {len(self._restarts)} restarts within the last "
+                                    f"{par.restart_window_s:g} s already (--max-worker-restarts "
+                                    f"{par.max_worker_restarts}, --restart-window-s {par.restart_window_s:g})")
+        self._restarts.append(now)
+        self.num_restarts += 1
+
+    def _restart(self, suspects: set[str], why: str) -> None:
+        """Kill and start again the suspects, open the next epoch, and wait until every attention
+        worker joined it."""
+        if self.placements.moved():
+            # Survivors may hold, or route with, placement versions a new worker would not know:
+            # every worker starts again with the placement in use (docs/architecture.md, Supervision).
+            suspects = {p.name for p in self._procs}
+            self.placements.restarted()
+            self.placement = self.placements.current
+        log.warning("restarting %s (restart %d): %s", ", ".join(sorted(suspects)) or "the data plane",
+                    self.num_restarts, why)
+        self.epoch += 1
+        restarted = {int(name[1:]) for name in suspects if name[0] == "a"}
+        for c, rank in list(self._conn_rank.items()):
+            if rank in restarted:  # what the old process still sends (its connection closing) is stale
+                del self._conn_rank[c]
+                self._conn_epoch.pop(c, None)
+        for i, p in enumerate(self._procs):
+            if p.name in suspects:
+                if p.exitcode is None:
+                    p.kill()  # silent (or stopped): a restart replaces it
+                p.join(5.0)
+                self._procs[i] = self._worker(p.name)
+        self._store.set(f"{self.session}/epoch", str(self.epoch))
+        for rank in range(self.cfg.parallel.attention_workers):
+            if rank not in restarted:
+                self._send(rank, wire.Reset(self.epoch))
         for p in self._procs:
-            if wait and p.exitcode is None:
-                p.join(wait)
-            if p.exitcode == MAIN_GUARD_EXIT:
-                raise WorkerFailedError(MAIN_GUARD_HINT)
-            if p.exitcode is not None:
-                self._drain_events()  # a Failed message says more than the exit code
-                raise WorkerFailedError(f"worker {p.name} exited with code {p.exitcode}")
+            if p.name in suspects:
+                p.start()
+        self._await_ready(set(range(self.cfg.parallel.attention_workers)), RESTART_TIMEOUT_S)
 
-    def _drain_events(self) -> None:
-        """Handle every event already queued (raises as _event does for a Failed message)."""
-        try:
-            while True:
-                self._event(self._events.get_nowait())
-        except queue.Empty:
-            pass
-
-    def _send(self, rank: int, msg) -> None:
-        try:
-            wire.send(self._socks[rank], msg)
-        except OSError as e:
-            raise WorkerFailedError(f"attention worker a{rank} is unreachable: {e}") from None
+    def _resume(self) -> list[SequenceDelta]:
+        """Send every running request again, with the tokens it already delivered (the workers of
+        the new epoch know none); requests being aborted just finish."""
+        out, self._load = [], [0] * self.cfg.parallel.attention_workers
+        for rid, r in list(self._requests.items()):
+            if r.aborting:
+                out += [SequenceDelta(rid, i, [], None, "abort") for i in sorted(r.live)]
+                del self._requests[rid]
+                continue
+            r.worker = min(range(len(self._load)), key=self._load.__getitem__)
+            self._load[r.worker] += r.cost
+            resume = [r.outputs[i] if i in r.live else None for i in range(r.params.n)]
+            started = any(r.outputs) or len(r.live) < r.params.n
+            self._send(r.worker, wire.AddRequest(rid, r.prompt, wire.params_to_wire(r.params),
+                                                 resume if started else None))
+        self._ready = True
+        log.info("epoch %d: every worker is up; %d requests resumed", self.epoch, len(self._requests))
+        return out
 
     def shutdown(self) -> None:
         self._finalizer()
 
 
 _WAKE = object()  # an event that only ends a waiting step
-
-
-HELLO_TIMEOUT_S = 5.0  # a connection that does not say Hello within this is dropped
-
-
-def _admitted(conn: socket.socket, addr: tuple, token: str) -> bool:
-    """Read a new control connection's first message: Hello with the deployment token, or the
-    connection is closed and the attempt logged (a stranger must not inject requests or results)."""
-    conn.settimeout(HELLO_TIMEOUT_S)
-    why = None
-    try:
-        head = _recv_exact(conn, 4)
-        n = int.from_bytes(head, "big")
-        if n > 4096:
-            why = f"first message of {n} bytes"
-        else:
-            msg = wire.decode(_recv_exact(conn, n))
-            if not isinstance(msg, wire.Hello):
-                why = f"{type(msg).__name__} before Hello (missing token)"
-            elif not isinstance(msg.token, str) or not hmac.compare_digest(msg.token.encode(), token.encode()):
-                why = "wrong deployment token"
-    except Exception as e:  # timeout, reset, garbage: all the same to us
-        why = f"no valid Hello: {type(e).__name__}: {e}"
-    if why is None:
-        conn.settimeout(None)
-        return True
-    log.warning("control listener refused a connection from %s:%s: %s", addr[0], addr[1], why)
-    conn.close()
-    return False
-
-
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = conn.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    return buf
-
-
-def _read_events(sock: socket.socket, conn: int, events: queue.Queue, stats: dict[int, dict]) -> None:
-    """A control connection's reader: Stats are kept (latest per worker), the rest is queued."""
-    stream = sock.makefile("rb")
-    try:
-        while (msg := wire.recv(stream)) is not None:
-            if isinstance(msg, wire.Stats):
-                stats[msg.rank] = msg.stats
-            else:
-                events.put((conn, msg))
-    except OSError:
-        pass
-    events.put((conn, None))
-
-
-def _shutdown(socks: list[socket.socket], procs: list, store: TCPStore, session: str, remote_experts: int,
-              launcher=None) -> None:
-    """Stop the pools: attention workers first (Shutdown), then expert workers, which see their
-    peers leave and the shutdown key set; anything still alive after a grace period is killed.
-    Workers on other hosts are given the same grace period to say they are done, so the store
-    (which lives in this process) outlives their last look at it."""
-    try:
-        store.set(f"{session}/shutdown", "1")
-    except Exception:
-        pass
-    for s in socks:
-        try:
-            wire.send(s, wire.Shutdown())
-        except OSError:
-            pass
-    deadline = time.monotonic() + 10.0
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    done = [f"{session}/done/e{w}" for w in range(remote_experts)]
-    while done and time.monotonic() < deadline and not store.check(done):
-        time.sleep(0.05)
-    for p in procs:
-        if p.exitcode is None:
-            p.kill()
-            p.join(5.0)
-    for s in socks:
-        s.close()
-    if launcher is not None:
-        launcher.close()
-
-
-def _split(addr: str) -> tuple[str, int]:
-    host, _, port = addr.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"rendezvous must be HOST:PORT, got {addr!r}")
-    return host, int(port)
-
-
-def engine_config_to_json(cfg: EngineConfig) -> dict:
-    d = asdict(cfg)
-    d["dtype"] = None if cfg.dtype is None else str(cfg.dtype).removeprefix("torch.")
-    return d
-
-
-def engine_config_from_json(d: dict) -> EngineConfig:
-    return EngineConfig(d["model"], None if d["dtype"] is None else DTYPES[d["dtype"]], d["device"], d["kernels"],
-                        d["seed"], SchedulerConfig(**d["scheduler"]), CacheConfig(**d["cache"]),
-                        ParallelConfig(**d["parallel"]))
-
-
-def run_role(role: str, rendezvous: str, host: str | None = None, torch_threads: int | None = None) -> None:
-    """Run one worker of a deployment whose front waits at `rendezvous` (HOST:PORT): read the
-    deployment from the store, take the next rank of `role` ("attention" or "expert"), serve.
-    host: this machine's address for the tcp transport (default: the one that reaches the store)."""
-    store_host, port = _split(rendezvous)
-    store = TCPStore(store_host, port, is_master=False, wait_for_workers=False)
-    d = json.loads(store.get("shuttle/deployment"))
-    cfg = engine_config_from_json(d["engine"])
-    transport = TransportConfig(**{**d["transport"], "host": host or _local_address(store_host, port)})
-    placement = Placement(len(d["placement"]), cfg.parallel.expert_workers,
-                          tuple(tuple(ws) for ws in d["placement"]))
-    rank = store.add(f"shuttle/rank/{role}", 1) - 1
-    par = cfg.parallel
-    if role == "attention":
-        if rank >= par.attention_workers:
-            raise ValueError(f"the deployment has {par.attention_workers} attention workers; this would be one more")
-        run_attention_worker(AttentionWorkerSpec(cfg, rank, d["eos"], placement, transport, (store_host, port),
-                                                 tuple(d["control"]), d["session"]))
-    elif role == "expert":
-        if rank >= par.expert_workers:
-            raise ValueError(f"the deployment has {par.expert_workers} expert workers; this would be one more")
-        run_expert_worker(ExpertWorkerSpec(cfg.model, cfg.dtype, cfg.device, cfg.kernels, rank, par.attention_workers,
-                                           par.micro_batches, placement, transport, (store_host, port), d["session"],
-                                           torch_threads or par.torch_threads, par.trace_dir))
-    else:
-        raise ValueError(f"role must be attention or expert, got {role!r}")
-
-
-def _local_address(host: str, port: int) -> str:
-    """The address of this machine's interface that routes to host:port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, port))
-        return s.getsockname()[0]

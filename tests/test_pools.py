@@ -116,7 +116,7 @@ def test_replicated_hot_expert_and_llm_api(make_checkpoint, tmp_path):
 @pytest.mark.parametrize("victim", ["e1", "a1"])
 def test_killed_worker_is_reported(make_checkpoint, victim):
     """SIGKILL one worker mid-run: the front raises WorkerFailedError naming it within 5 s."""
-    par = ParallelConfig(False, 2, 2, 2, "shm", torch_threads=1)
+    par = ParallelConfig(False, 2, 2, 2, "shm", torch_threads=1, max_worker_restarts=0)  # supervision: test_supervision.py
     engine = PoolEngine(engine_cfg(make_checkpoint("mixtral"), par), {0})
     try:
         long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)

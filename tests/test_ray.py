@@ -30,8 +30,11 @@ def cluster():
 @pytest.mark.slow
 def test_pools_on_ray_nodes_by_resources(cluster, make_checkpoint):
     ckpt = make_checkpoint("mixtral")
+    # max_worker_restarts=0: the front reports the killed actor instead of restarting it (supervision
+    # drives Ray actors as it drives processes; tests/test_supervision.py covers restarts).
     par = ParallelConfig(False, 1, 1, 1, "tcp", torch_threads=1, launcher="ray", ray_address=cluster.address,
-                         attention_resources='{"attn_gpu": 1}', expert_resources={"expert_gpu": 1})
+                         attention_resources='{"attn_gpu": 1}', expert_resources={"expert_gpu": 1},
+                         max_worker_restarts=0)
     engine = PoolEngine(engine_cfg(ckpt, par), {0})
     try:
         head, other = cluster.head_node.node_id, next(iter(cluster.worker_nodes)).node_id

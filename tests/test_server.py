@@ -223,6 +223,10 @@ def test_metrics_cover_the_pools(server, client):
     assert metric(server, "shuttle_kv_cache_tokens") == 16 * metric(server, "shuttle_kv_cache_blocks")  # block_size
     experts = [float(v) for v in re.findall(r'^shuttle_expert_tokens_total\{expert="\d+".*\} (\S+)$', text, re.M)]
     assert len(experts) == 8 and sum(experts) > 0
+    pairs = re.search(r'^shuttle_expert_worker_tokens_total\{worker="e0"\} (\S+)$', text, re.M)
+    assert pairs and float(pairs.group(1)) == sum(experts)  # one expert worker computes every pair
+    assert metric(server, "shuttle_expert_load_imbalance") == 1.0  # one worker: balanced by definition
+    assert len(re.findall(r"^shuttle_expert_hot_tokens\{", text, re.M)) == 8
     for pool, worker in (("attention", "a0"), ("expert", "e0")):
         busy = re.search(rf'^shuttle_pool_busy_fraction\{{pool="{pool}",worker="{worker}"\}} (\S+)$', text, re.M)
         assert busy and 0 <= float(busy.group(1)) <= 1
@@ -265,7 +269,7 @@ def test_api_key_and_full_queue(ckpt):
 
 
 def test_a_dead_worker_is_reported_not_hung(ckpt):
-    with LiveServer(["--model", str(ckpt)]) as srv:
+    with LiveServer(["--model", str(ckpt), "--max-worker-restarts", "0"]) as srv:  # restarts: test_supervision.py
         workers = srv.children()  # readable process titles, for ps and top
         assert sorted(workers) == ["shuttle-attention-a0", "shuttle-expert-e0"], workers
         body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}

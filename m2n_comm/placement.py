@@ -1,0 +1,214 @@
+"""Expert placement: which expert workers hold which (MoE layer, expert), and how to choose it.
+
+Legend: E experts per MoE layer, W expert workers, R redundant copies per layer (E + R copies in
+all per layer), L MoE layers.
+
+- `Placement`: one layer's map, copies[e] = the workers holding expert e (a hot expert may have
+  several copies: the attention side splits its tokens between them by token index).
+- `ExpertPlacement`: a versioned Placement per MoE layer, what attention and expert workers act on.
+  Version 0 is the placement the deployment starts with; every re-placement (EPLB, failover)
+  publishes version + 1, and the M2N headers carry the version a chunk was routed with.
+- `greedy_placement`: MegaScale-Infer's greedy for one layer from its token counts: give the R
+  extra copies one at a time to the expert with the most tokens per copy, then place the copies,
+  heaviest first, each on the least-loaded worker that has a free slot and no copy of it yet.
+  Slots: each worker holds (E + R) // W copies per layer, the first (E + R) % W workers one more
+  (the memory each worker has for experts, fixed at start).
+"""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which expert workers hold which experts of one layer. copies[e]: the workers holding expert e
+    (a hot expert may have several; the attention side splits its tokens between them by token index)."""
+
+    num_experts: int
+    num_workers: int
+    copies: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if len(self.copies) != self.num_experts:
+            raise ValueError(f"placement lists {len(self.copies)} experts, the model has {self.num_experts}")
+        for e, ws in enumerate(self.copies):
+            if not ws or len(set(ws)) != len(ws) or not all(0 <= w < self.num_workers for w in ws):
+                raise ValueError(f"placement of expert {e}: workers {list(ws)} must be distinct and in "
+                                 f"[0, {self.num_workers})")
+        for w in range(self.num_workers):
+            if not self.experts_on(w):
+                raise ValueError(f"placement leaves expert worker {w} without experts")
+
+    @classmethod
+    def balanced(cls, num_experts: int, num_workers: int, replicas: dict[int, int] | None = None) -> "Placement":
+        """Contiguous blocks of experts per worker; replicas[e] = c places c copies of expert e on
+        consecutive workers starting at its home."""
+        if not 1 <= num_workers <= num_experts:
+            raise ValueError(f"{num_workers} expert workers for {num_experts} experts: need 1 <= workers <= experts")
+        copies = []
+        for e in range(num_experts):
+            home, c = e * num_workers // num_experts, (replicas or {}).get(e, 1)
+            if not 1 <= c <= num_workers:
+                raise ValueError(f"expert {e}: {c} copies, need 1 to {num_workers}")
+            copies.append(tuple((home + j) % num_workers for j in range(c)))
+        return cls(num_experts, num_workers, tuple(copies))
+
+    @classmethod
+    def from_file(cls, path: str | Path, num_experts: int, num_workers: int) -> "Placement":
+        """JSON {"expert id": [worker, ...], ...}; experts not listed are placed as in `balanced`."""
+        raw = json.loads(Path(path).read_text())
+        base = cls.balanced(num_experts, num_workers).copies
+        try:
+            copies = tuple(tuple(int(w) for w in raw.get(str(e), base[e])) for e in range(num_experts))
+        except (TypeError, ValueError, AttributeError) as err:
+            raise ValueError(f"{path}: expected {{\"expert\": [workers]}}: {err}") from None
+        return cls(num_experts, num_workers, copies)
+
+    def experts_on(self, worker: int) -> list[int]:
+        """Global ids of the experts on `worker`, ascending (local id = position in this list)."""
+        return [e for e, ws in enumerate(self.copies) if worker in ws]
+
+    def worker_loads(self, load_E: list[float]) -> list[float]:
+        """Tokens each worker computes when expert e gets load_E[e] tokens split evenly over its copies."""
+        out = [0.0] * self.num_workers
+        for e, ws in enumerate(self.copies):
+            for w in ws:
+                out[w] += load_E[e] / len(ws)
+        return out
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """A versioned placement of every MoE layer: layers[i] is the Placement of MoE layer moe_layers[i]."""
+
+    moe_layers: tuple[int, ...]
+    layers: tuple[Placement, ...]
+    version: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.moe_layers) != len(self.layers) or not self.layers:
+            raise ValueError(f"placement of {len(self.layers)} layers for MoE layers {list(self.moe_layers)}")
+        shapes = {(p.num_experts, p.num_workers) for p in self.layers}
+        if len(shapes) != 1:
+            raise ValueError(f"every layer's placement must have the same experts and workers, got {sorted(shapes)}")
+
+    @classmethod
+    def uniform(cls, placement: Placement, moe_layers: list[int] | tuple[int, ...],
+                version: int = 0) -> "ExpertPlacement":
+        """The same map in every MoE layer (what --placement FILE and the default give)."""
+        return cls(tuple(moe_layers), (placement,) * len(moe_layers), version)
+
+    @property
+    def num_experts(self) -> int:
+        return self.layers[0].num_experts
+
+    @property
+    def num_workers(self) -> int:
+        return self.layers[0].num_workers
+
+    def of(self, layer: int) -> Placement:
+        """The placement of MoE layer `layer` (a model layer index)."""
+        return self.layers[self.moe_layers.index(layer)]
+
+    def experts_on(self, worker: int) -> dict[int, list[int]]:
+        """{MoE layer: global ids of the experts `worker` holds there, ascending}."""
+        return {layer: p.experts_on(worker) for layer, p in zip(self.moe_layers, self.layers)}
+
+    def copies_per_layer(self) -> int:
+        """Expert copies per layer, the most over layers (E + R under EPLB)."""
+        return max(sum(len(ws) for ws in p.copies) for p in self.layers)
+
+    def to_json(self) -> str:
+        return json.dumps({"version": self.version, "moe_layers": list(self.moe_layers),
+                           "copies": [[list(ws) for ws in p.copies] for p in self.layers]})
+
+    @classmethod
+    def from_json(cls, text: str | bytes, num_workers: int) -> "ExpertPlacement":
+        d = json.loads(text)
+        layers = tuple(Placement(len(c), num_workers, tuple(tuple(ws) for ws in c)) for c in d["copies"])
+        return cls(tuple(d["moe_layers"]), layers, d["version"])
+
+
+def worker_slots(num_experts: int, num_workers: int, num_redundant: int) -> list[int]:
+    """Copies each worker holds per layer: E + R spread as evenly as the division allows."""
+    n = num_experts + num_redundant
+    return [n // num_workers + (w < n % num_workers) for w in range(num_workers)]
+
+
+def check_redundancy(num_experts: int, num_workers: int, num_redundant: int) -> None:
+    """ValueError unless R extra copies per layer fit: 0 <= R, every worker gets a copy, and no
+    expert needs more copies than there are workers."""
+    if num_redundant < 0:
+        raise ValueError(f"num_redundant_experts must be >= 0, got {num_redundant}")
+    if num_workers > num_experts + num_redundant:
+        raise ValueError(f"{num_workers} expert workers for {num_experts} experts + {num_redundant} redundant copies: "
+                         "every expert worker needs at least one copy")
+    if num_redundant > num_experts * (num_workers - 1):
+        raise ValueError(f"num_redundant_experts={num_redundant}: with {num_workers} expert workers each of the "
+                         f"{num_experts} experts has at most {num_workers} copies, so at most "
+                         f"{num_experts * (num_workers - 1)} extra")
+
+
+def greedy_placement(load_E: list[float], num_workers: int, num_redundant: int = 0,
+                     slots_W: list[int] | None = None) -> Placement:
+    """MegaScale-Infer's greedy for one layer (see the module docstring). load_E: tokens routed to
+    each expert over the window (any non-negative numbers). Deterministic: ties go to the lower
+    expert id, then to the lower worker id."""
+    E, W = len(load_E), num_workers
+    check_redundancy(E, W, num_redundant)
+    slots = list(slots_W) if slots_W is not None else worker_slots(E, W, num_redundant)
+    if len(slots) != W or sum(slots) != E + num_redundant:
+        raise ValueError(f"worker slots {slots} must be {W} numbers adding up to {E + num_redundant}")
+    count = [1] * E
+    for _ in range(num_redundant):  # one more copy for the expert with the most tokens per copy
+        e = max((e for e in range(E) if count[e] < W), key=lambda e: (load_E[e] / count[e], -e))
+        count[e] += 1
+    # Heaviest copies first; an expert's copies next to each other, replicated experts before single
+    # ones of equal weight, so every copy still finds a worker without one.
+    order = sorted(range(E), key=lambda e: (-load_E[e] / count[e], -count[e], e))
+    load_W, free, held = [0.0] * W, slots, [set() for _ in range(W)]
+    copies: list[list[int]] = [[] for _ in range(E)]
+    for e in order:
+        for _ in range(count[e]):
+            options = [w for w in range(W) if free[w] > 0 and e not in held[w]]
+            if not options:  # only workers that already hold e have room: trade with one that does not
+                options = [_make_room(e, held, free, copies, load_W, load_E, count)]
+            w = min(options, key=lambda w: (load_W[w], w))
+            copies[e].append(w)
+            held[w].add(e)
+            free[w] -= 1
+            load_W[w] += load_E[e] / count[e]
+    return Placement(E, W, tuple(tuple(sorted(ws)) for ws in copies))
+
+
+def _make_room(e: int, held: list[set], free: list[int], copies: list[list[int]], load_W: list[float],
+               load_E: list[float], count: list[int]) -> int:
+    """Every worker with a free slot already holds e: move a copy of some expert x from a full worker
+    v without e to a worker u with room that lacks x, freeing a slot on v for e. With balanced slots
+    such an x exists: held[v] within held[u] would need u to have 2 more slots than v."""
+    for u in (w for w in range(len(free)) if free[w] > 0):
+        for v in (w for w in range(len(free)) if free[w] == 0 and e not in held[w]):
+            for x in sorted(held[v]):
+                if x not in held[u]:
+                    copies[x][copies[x].index(v)] = u
+                    held[v].discard(x), held[u].add(x)
+                    free[u], free[v] = free[u] - 1, free[v] + 1
+                    share = load_E[x] / count[x]
+                    load_W[u], load_W[v] = load_W[u] + share, load_W[v] - share
+                    return v
+    raise ValueError(f"worker slots {[len(h) + f for h, f in zip(held, free)]} leave no room for copy "
+                     f"{len(copies[e]) + 1} of expert {e} on a worker without one")
+
+
+def rebalance(load_LE: list[list[float]], current: ExpertPlacement, num_redundant: int) -> ExpertPlacement:
+    """The greedy placement of every layer from its loads (load_LE[i]: MoE layer moe_layers[i]), as
+    version current.version + 1. Layers with no tokens keep their current placement."""
+    layers = tuple(p if not any(load) else greedy_placement(load, current.num_workers, num_redundant)
+                   for p, load in zip(current.layers, load_LE))
+    return ExpertPlacement(current.moe_layers, layers, current.version + 1)
+
+
+def imbalance(worker_load_W: list[float]) -> float:
+    """max / mean of the workers' loads (1.0 when balanced or idle)."""
+    mean = sum(worker_load_W) / max(len(worker_load_W), 1)
+    return max(worker_load_W) / mean if mean > 0 else 1.0

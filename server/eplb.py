@@ -1,0 +1,165 @@
+"""Expert placement control on the front: apply a new placement live, and EPLB (re-place the
+experts from their measured load every --eplb-interval steps).
+
+Applying version v (`PlacementControl.apply`, the one entry point for EPLB and for failover):
+1. the front publishes v in the store (SESSION/placement/v, ExpertPlacement JSON);
+2. each expert worker's watcher thread builds its modules for v while the worker keeps serving,
+   reading only the new copies from the checkpoint, and says SESSION/placement/v/loaded/eN;
+3. once every expert worker holds v, the front sends SetPlacement(v) to every attention worker;
+4. attention workers advertise v in their M2N headers; in the first step where all of them do, every
+   expert worker's answers confirm it, and from the next step every attention worker routes with v
+   (the same step everywhere; an expert worker accepts a step only for a version it holds);
+5. each expert worker frees the older versions and says SESSION/placement/active/eN = v.
+Nothing waits: `poll` (called from PoolEngine.step) advances the steps above; no request is paused.
+
+Legend: L MoE layers, E experts, W expert workers.
+"""
+import json
+import logging
+import time
+from typing import Callable
+
+import numpy as np
+
+from m2n_comm.placement import ExpertPlacement, imbalance, rebalance
+
+log = logging.getLogger("shuttle")
+POLL_EVERY_S = 0.02  # the store is asked at most this often while a re-placement is under way
+MIN_GAIN = 0.05  # EPLB re-places only when the busiest worker's predicted load drops by this share
+
+
+class PlacementControl:
+    """The front's side of live re-placement (see the module docstring). send_all(msg) sends a
+    control message to every attention worker. policy(load_LE, current) -> ExpertPlacement | None:
+    EPLB's choice (default `eplb_policy`), called every `interval` steps when interval > 0."""
+
+    def __init__(self, store, session: str, placement: ExpertPlacement, send_all: Callable[[object], None],
+                 interval: int = 0, num_redundant: int = 0):
+        self.store, self.session, self.send_all = store, session, send_all
+        self.current = placement                      # the placement every worker routes with
+        self.pending: ExpertPlacement | None = None   # being applied
+        self._phase, self._next_poll = "", 0.0
+        self.interval, self.num_redundant = interval, num_redundant
+        self.policy: Callable = lambda load, cur: eplb_policy(load, cur, self.num_redundant)
+        self.applied = 0                               # re-placements completed
+        self._window_start: tuple[int, np.ndarray | None] = (0, None)  # (steps, counts) when the window began
+
+    def apply(self, placement: ExpertPlacement) -> None:
+        """Start applying `placement` (its version must be the current one + 1); poll() finishes it."""
+        if self.pending is not None:
+            raise RuntimeError(f"placement version {self.pending.version} is still being applied")
+        if placement.version != self.current.version + 1:
+            raise ValueError(f"placement version {placement.version}: the next one is {self.current.version + 1}")
+        if (placement.moe_layers, placement.num_experts, placement.num_workers) != \
+                (self.current.moe_layers, self.current.num_experts, self.current.num_workers):
+            raise ValueError("a new placement must cover the same MoE layers, experts and expert workers")
+        self.pending, self._phase = placement, "loading"
+        self.store.set(self._key(), placement.to_json())
+        log.info("placement version %d: loading on the expert workers", placement.version)
+
+    def _key(self) -> str:
+        return f"{self.session}/placement/{self.pending.version}"
+
+    def poll(self, steps: int, load_LE: Callable[[], np.ndarray | None]) -> None:
+        """Advance a re-placement under way, or start one when EPLB's interval has passed.
+        steps: the deployment's step count; load_LE(): tokens per (MoE layer, expert) so far."""
+        now = time.monotonic()
+        if now < self._next_poll:
+            return
+        self._next_poll = now + POLL_EVERY_S
+        if self.pending is not None:
+            self._advance()
+        elif self.interval and steps - self._window_start[0] >= self.interval:
+            counts = load_LE()
+            if counts is None:
+                return
+            start = self._window_start[1]
+            window = counts if start is None else counts - start
+            self._window_start = (steps, counts)
+            chosen = self.policy(window.tolist(), self.current)
+            if chosen is not None:
+                self.apply(chosen)
+
+    def _advance(self) -> None:
+        W, key = self.current.num_workers, self._key()
+        failed = [f"{key}/failed/e{w}" for w in range(W) if self.store.check([f"{key}/failed/e{w}"])]
+        if failed:
+            why = self.store.get(failed[0]).decode()
+            log.error("placement version %d abandoned: %s: %s", self.pending.version, failed[0].rsplit("/", 1)[1], why)
+            # The version number is spent (some workers may hold it): the next attempt uses the one after.
+            self.current = ExpertPlacement(self.current.moe_layers, self.current.layers, self.pending.version)
+            self.pending, self._phase = None, ""
+            return
+        if self._phase == "loading":
+            if self.store.check([f"{key}/loaded/e{w}" for w in range(W)]):
+                self.send_all(self.pending)
+                self._phase = "switching"
+        elif self._phase == "switching":
+            keys = [f"{self.session}/placement/active/e{w}" for w in range(W)]
+            if self.store.check(keys) and all(int(self.store.get(k)) >= self.pending.version for k in keys):
+                log.info("placement version %d active", self.pending.version)
+                self.current, self.pending, self._phase = self.pending, None, ""
+                self.applied += 1
+
+    def moved(self) -> bool:
+        """True once a re-placement was applied or is under way (workers may hold other versions)."""
+        return self.current.version > 0 or self.pending is not None
+
+    def restarted(self) -> None:
+        """The front restarted every worker with `current` (after a failure): a re-placement under
+        way is given up (its version number is spent) and EPLB's window starts again, since step
+        and token counts restart from zero in new workers."""
+        if self.pending is not None:
+            log.warning("placement version %d abandoned: the workers were restarted", self.pending.version)
+            self.current = ExpertPlacement(self.current.moe_layers, self.current.layers, self.pending.version)
+            self.pending, self._phase = None, ""
+        self._window_start = (0, None)
+
+    def stats(self) -> dict:
+        return {"placement_version": self.current.version, "placement_changes": self.applied,
+                "placement_pending": self.pending is not None}
+
+
+def eplb_policy(load_LE: list[list[float]], current: ExpertPlacement, num_redundant: int) -> ExpertPlacement | None:
+    """MegaScale-Infer's greedy per layer from the window's loads, if it lowers the predicted expert
+    time of a step by at least MIN_GAIN; else None (no churn for nothing). A step's expert time is
+    the sum over layers of the busiest worker's tokens in that layer: every layer waits for its
+    slowest expert worker."""
+    if not any(any(row) for row in load_LE):
+        return None
+    new = rebalance(load_LE, current, num_redundant)
+    if step_cost(new, load_LE) > (1 - MIN_GAIN) * step_cost(current, load_LE):
+        return None
+    before, after = predicted_worker_load(current, load_LE), predicted_worker_load(new, load_LE)
+    log.info("EPLB: expert-worker load max/mean %.2f -> %.2f (predicted)", imbalance(before), imbalance(after))
+    return new
+
+
+def step_cost(placement: ExpertPlacement, load_LE: list[list[float]]) -> float:
+    """Sum over MoE layers of the most tokens any expert worker computes in that layer."""
+    return sum(max(p.worker_loads(load)) for p, load in zip(placement.layers, load_LE))
+
+
+def predicted_worker_load(placement: ExpertPlacement, load_LE: list[list[float]]) -> list[float]:
+    """Tokens each expert worker computes, summed over layers, if routing stays as in load_LE."""
+    total = [0.0] * placement.num_workers
+    for p, load in zip(placement.layers, load_LE):
+        for w, x in enumerate(p.worker_loads(load)):
+            total[w] += x
+    return total
+
+
+def read_expert_load(store, session: str, num_workers: int) -> tuple[np.ndarray | None, list[int]]:
+    """From the expert workers' published stats: tokens per (MoE layer, global expert) summed over
+    workers (L, E) int64, and (token, expert) pairs each worker computed; (None, []) before any."""
+    total, per_worker = None, []
+    for w in range(num_workers):
+        key = f"{session}/stats/e{w}"
+        if not store.check([f"{key}/tokens", key]):
+            per_worker.append(0)
+            continue
+        meta = json.loads(store.get(key))
+        counts = np.frombuffer(store.get(f"{key}/tokens"), dtype="<i8").reshape(len(meta["moe_layers"]), -1)
+        total = counts.copy() if total is None else total + counts
+        per_worker.append(int(counts.sum()))
+    return total, per_worker

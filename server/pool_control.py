@@ -1,0 +1,101 @@
+"""The pools' control plane as the front sees it: the listener's gate (Hello with the deployment
+token), one reader thread per attention worker connection, and stopping the pools."""
+import hmac
+import logging
+import queue
+import socket
+import time
+
+from torch.distributed import TCPStore
+
+from attention_nodes import messages as wire
+
+log = logging.getLogger("shuttle")
+
+HELLO_TIMEOUT_S = 5.0  # a connection that does not say Hello within this is dropped
+
+
+def admitted(conn: socket.socket, addr: tuple, token: str) -> bool:
+    """Read a new control connection's first message: Hello with the deployment token, or the
+    connection is closed and the attempt logged (a stranger must not inject requests or results)."""
+    conn.settimeout(HELLO_TIMEOUT_S)
+    why = None
+    try:
+        head = _recv_exact(conn, 4)
+        n = int.from_bytes(head, "big")
+        if n > 4096:
+            why = f"first message of {n} bytes"
+        else:
+            msg = wire.decode(_recv_exact(conn, n))
+            if not isinstance(msg, wire.Hello):
+                why = f"{type(msg).__name__} before Hello (missing token)"
+            elif not isinstance(msg.token, str) or not hmac.compare_digest(msg.token.encode(), token.encode()):
+                why = "wrong deployment token"
+    except Exception as e:  # timeout, reset, garbage: all the same to us
+        why = f"no valid Hello: {type(e).__name__}: {e}"
+    if why is None:
+        conn.settimeout(None)
+        return True
+    log.warning("control listener refused a connection from %s:%s: %s", addr[0], addr[1], why)
+    conn.close()
+    return False
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("closed")
+        buf += chunk
+    return buf
+
+
+def read_events(sock: socket.socket, conn: int, events: queue.Queue, stats: dict[int, dict]) -> None:
+    """A control connection's reader: Stats are kept (latest per worker), the rest is queued."""
+    stream = sock.makefile("rb")
+    try:
+        while (msg := wire.recv(stream)) is not None:
+            if isinstance(msg, wire.Stats):
+                stats[msg.rank] = msg.stats
+            else:
+                events.put((conn, msg))
+    except OSError:
+        pass
+    events.put((conn, None))
+
+
+def shutdown_pools(socks: list[socket.socket], procs: list, store: TCPStore, session: str, remote_experts: int,
+                   launcher=None) -> None:
+    """Stop the pools: attention workers first (Shutdown), then expert workers, which see their
+    peers leave and the shutdown key set; anything still alive after a grace period is killed.
+    Workers on other hosts are given the same grace period to say they are done, so the store
+    (which lives in this process) outlives their last look at it."""
+    try:
+        store.set(f"{session}/shutdown", "1")
+    except Exception:
+        pass
+    for s in socks:
+        try:
+            if s is not None:
+                wire.send(s, wire.Shutdown())
+        except OSError:
+            pass
+    deadline = time.monotonic() + 10.0
+    procs = [p for p in procs if p.pid is not None]  # a restart that failed half-way left some unstarted
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    done = [f"{session}/done/e{w}" for w in range(remote_experts)]
+    while done and time.monotonic() < deadline and not store.check(done):
+        time.sleep(0.05)
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+            p.join(5.0)
+    for s in socks:
+        if s is not None:
+            s.close()
+    if launcher is not None:
+        launcher.close()  # Ray: removing the placement group also ends its actors
+
+

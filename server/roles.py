@@ -1,0 +1,69 @@
+"""Workers of a deployment started on other hosts (`shuttle serve --role attention|expert
+--rendezvous HOST:PORT`): read the deployment the front published in the TCPStore, take the next
+rank of the role, serve. Also the deployment's JSON form (EngineConfig <-> dict).
+"""
+import json
+from dataclasses import asdict
+import socket
+
+from torch.distributed import TCPStore
+
+from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from attention_nodes.worker import AttentionWorkerSpec, run_attention_worker
+from expert_nodes.worker import ExpertWorkerSpec, run_expert_worker
+from m2n_comm.placement import ExpertPlacement
+from m2n_comm.transport import TransportConfig
+from models.config import DTYPES
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"rendezvous must be HOST:PORT, got {addr!r}")
+    return host, int(port)
+
+
+def engine_config_to_json(cfg: EngineConfig) -> dict:
+    d = asdict(cfg)
+    d["dtype"] = None if cfg.dtype is None else str(cfg.dtype).removeprefix("torch.")
+    return d
+
+
+def engine_config_from_json(d: dict) -> EngineConfig:
+    return EngineConfig(d["model"], None if d["dtype"] is None else DTYPES[d["dtype"]], d["device"], d["kernels"],
+                        d["seed"], SchedulerConfig(**d["scheduler"]), CacheConfig(**d["cache"]),
+                        ParallelConfig(**d["parallel"]))
+
+
+def run_role(role: str, rendezvous: str, host: str | None = None, torch_threads: int | None = None) -> None:
+    """Run one worker of a deployment whose front waits at `rendezvous` (HOST:PORT): read the
+    deployment from the store, take the next rank of `role` ("attention" or "expert"), serve.
+    host: this machine's address for the tcp transport (default: the one that reaches the store)."""
+    store_host, port = split_addr(rendezvous)
+    store = TCPStore(store_host, port, is_master=False, wait_for_workers=False)
+    d = json.loads(store.get("shuttle/deployment"))
+    cfg = engine_config_from_json(d["engine"])
+    transport = TransportConfig(**{**d["transport"], "host": host or _local_address(store_host, port)})
+    placement = ExpertPlacement.from_json(d["placement"], cfg.parallel.expert_workers)
+    rank = store.add(f"shuttle/rank/{role}", 1) - 1
+    par = cfg.parallel
+    if role == "attention":
+        if rank >= par.attention_workers:
+            raise ValueError(f"the deployment has {par.attention_workers} attention workers; this would be one more")
+        run_attention_worker(AttentionWorkerSpec(cfg, rank, d["eos"], placement, transport, (store_host, port),
+                                                 tuple(d["control"]), d["session"]))
+    elif role == "expert":
+        if rank >= par.expert_workers:
+            raise ValueError(f"the deployment has {par.expert_workers} expert workers; this would be one more")
+        run_expert_worker(ExpertWorkerSpec(cfg.model, cfg.dtype, cfg.device, cfg.kernels, rank, par.attention_workers,
+                                           par.micro_batches, placement, transport, (store_host, port), d["session"],
+                                           torch_threads or par.torch_threads, par.trace_dir))
+    else:
+        raise ValueError(f"role must be attention or expert, got {role!r}")
+
+
+def _local_address(host: str, port: int) -> str:
+    """The address of this machine's interface that routes to host:port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return s.getsockname()[0]
