@@ -218,11 +218,11 @@ def test_roles_meet_at_a_rendezvous(make_checkpoint, caplog):
 
 
 def test_control_listener_admits_only_the_token():
-    """server.pools._admitted, the control listener's gate: Hello with the token passes; a wrong
-    token, a missing one (another message first), garbage and silence are refused."""
-    from server import pools
+    """server.pool_control.admitted, the control listener's gate: Hello with the token passes; a
+    wrong token, a missing one (another message first), garbage and silence are refused."""
+    from server import pool_control
 
-    pools.HELLO_TIMEOUT_S, saved = 0.5, pools.HELLO_TIMEOUT_S
+    pool_control.HELLO_TIMEOUT_S, saved = 0.5, pool_control.HELLO_TIMEOUT_S
     try:
         with socket.create_server(("127.0.0.1", 0)) as srv:
             cases = [(wire.encode(wire.Hello("tok")), True), (wire.encode(wire.Hello("tik")), False),
@@ -231,7 +231,7 @@ def test_control_listener_admits_only_the_token():
                 with socket.create_connection(srv.getsockname()) as c:
                     c.sendall(data)
                     conn, addr = srv.accept()
-                    assert pools._admitted(conn, addr, "tok") is want, data
+                    assert pool_control.admitted(conn, addr, "tok") is want, data
                     conn.close()
     finally:
-        pools.HELLO_TIMEOUT_S = saved
+        pool_control.HELLO_TIMEOUT_S = saved
