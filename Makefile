@@ -5,6 +5,10 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= The for statement
+# Optional transports, installed by default (CI runs `make test` and so tests them); NIXL=0 / RAY=0 skip.
+NIXL ?= 1
+RAY ?= 1
+comma := ,
 
 .PHONY: setup run generate test bench soak fault-test profile bench-planner clean
 
@@ -14,7 +18,11 @@ $(BIN)/shuttle: pyproject.toml
 	# torch first and pinned: an unpinned torch would pull gigabytes of CUDA packages
 	echo "torch==2.13.0" > $(VENV)/constraints.txt
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e ".[dev]"
+	# [ray]: --launcher ray (pure Python wheels and ray; no CUDA)
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e ".[dev$(if $(filter 0,$(RAY)),,$(comma)ray)]"
+	# --transport nixl: NIXL's wheel without its dependencies (its meta package `nixl` and the wheel's
+	# declared torch would pull a CUDA torch and ~15 CUDA wheels); numpy is a core dependency already
+	if [ "$(NIXL)" != 0 ]; then $(BIN)/pip install -q --no-deps nixl-cu12==1.5.1; fi
 	touch $@
 
 setup: $(BIN)/shuttle

@@ -1,7 +1,10 @@
 """Engine configuration: small frozen dataclasses, checked when built, composed in EngineConfig."""
+import json
 from dataclasses import dataclass, field
 
 import torch
+
+from m2n_comm.transport import BACKENDS
 
 
 @dataclass(frozen=True)
@@ -41,12 +44,31 @@ class CacheConfig:
             raise ValueError(f"cache.kv_cache_gib must be positive, got {self.kv_cache_gib!r}")
 
 
+def ray_resources(value: object, where: str) -> tuple[tuple[str, float], ...]:
+    """Ray resources as sorted (name, amount) pairs, from a dict, JSON object text or pairs;
+    ValueError naming `where` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{where} must be a JSON object of Ray resources such as {{\"H20\": 1}}: {e}") from None
+    try:
+        pairs = sorted((value or {}).items() if isinstance(value, dict) else (tuple(p) for p in value))
+    except (TypeError, ValueError):
+        pairs = None
+    ok = pairs is not None and all(len(p) == 2 and isinstance(p[0], str) and p[0] and isinstance(p[1], (int, float))
+                                   and not isinstance(p[1], bool) and p[1] >= 0 for p in pairs)
+    if not ok:
+        raise ValueError(f"{where} must map Ray resource names to amounts >= 0 (e.g. {{\"H20\": 1}}), got {value!r}")
+    return tuple((k, float(v)) for k, v in pairs)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is split over processes. colocated: the experts run in the attention process
     with no transport (the reference). Otherwise `attention_workers` data-parallel attention
     processes and `expert_workers` expert processes exchange tokens over M2N (`transport`: shm on
-    one host, tcp across hosts), each step split into `micro_batches` (1 to 4) that ping-pong
+    one host, tcp across hosts, nixl across hosts with RDMA), each step split into `micro_batches` (1 to 4) that ping-pong
     between the pools. placement: a JSON file {"expert": [workers]} (default: contiguous blocks).
     torch_threads: torch threads per worker process (None: torch's default). eplb: re-place the
     experts live from their measured load every `eplb_interval` steps, with `num_redundant_experts`
@@ -69,6 +91,13 @@ class ParallelConfig:
     num_redundant_experts: int = 0
     max_worker_restarts: int = 3
     restart_window_s: float = 600.0
+    # How the pools start (server/launchers.py): "spawn" (processes of this host) or "ray" (Ray
+    # actors on the cluster at ray_address, each pool on nodes carrying its resources: (name, amount)
+    # pairs, e.g. (("H20", 1.0),); a dict or JSON object text is accepted and normalised).
+    launcher: str = "spawn"
+    ray_address: str | None = None
+    attention_resources: tuple[tuple[str, float], ...] = ()
+    expert_resources: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("attention_workers", "expert_workers", "micro_batches"):
@@ -77,8 +106,8 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{name} must be a positive integer, got {v!r}")
         if self.micro_batches > 4:
             raise ValueError(f"parallel.micro_batches must be 1 to 4, got {self.micro_batches}")
-        if self.transport not in ("shm", "tcp"):
-            raise ValueError(f"parallel.transport must be shm or tcp, got {self.transport!r}")
+        if self.transport not in BACKENDS:
+            raise ValueError(f"parallel.transport must be one of {', '.join(BACKENDS)}, got {self.transport!r}")
         if self.expert_device is not None and self.expert_device != "cpu" and not self.expert_device.startswith("cuda"):
             raise ValueError(f"parallel.expert_device must be cpu or cuda, got {self.expert_device!r}")
         if not isinstance(self.eplb_interval, int) or isinstance(self.eplb_interval, bool) or self.eplb_interval < 1:
@@ -95,6 +124,12 @@ class ParallelConfig:
                              f"got {self.restart_window_s!r}")
         if self.torch_threads is not None and (not isinstance(self.torch_threads, int) or self.torch_threads < 1):
             raise ValueError(f"parallel.torch_threads must be a positive integer, got {self.torch_threads!r}")
+        if self.launcher not in ("spawn", "ray"):
+            raise ValueError(f"parallel.launcher must be spawn or ray, got {self.launcher!r}")
+        for name in ("attention_resources", "expert_resources"):
+            object.__setattr__(self, name, ray_resources(getattr(self, name), f"parallel.{name}"))
+        if self.launcher != "ray" and (self.ray_address or self.attention_resources or self.expert_resources):
+            raise ValueError("parallel.ray_address and the pools' resources need parallel.launcher='ray'")
 
 
 @dataclass(frozen=True)

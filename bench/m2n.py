@@ -1,7 +1,7 @@
 """M2N dispatch + combine latency and throughput, against torch.distributed send/recv on gloo and a
 bare blocking-socket ping-pong of the same bytes.
 
-    python bench/m2n.py [--quick] [--repeats 3] [--mn 1 --mn 2] [--kinds shm,tcp,gloo,socket] [--spin-s 0.001]
+    python bench/m2n.py [--quick] [--repeats 3] [--mn 1 --mn 2] [--kinds shm,tcp,nixl,gloo,socket] [--spin-s 0.001]
 
 M senders (attention workers) and N receivers (expert workers), M = N in {1, 2} (default), each a spawned
 process on this host. One round: every sender dispatches a payload to every receiver through
@@ -11,8 +11,9 @@ each receiver gathers all senders' chunks (M2NReceiver.recv) and replies with th
 (reply); each sender's combine waits for all replies. gloo runs the same traffic with isend/irecv
 of the same bytes (the payload plus routing, as one uint8 tensor per pair and direction); "socket" sends the same
 bytes over one blocking TCP_NODELAY socket per pair (sendall, then recv_into a preallocated buffer):
-the floor a Python process reaches on this kernel. For tcp, sender 0's endpoint counts where its
-time went (TcpEndpoint.phases: building frames, sendmsg, recv_into, header parsing, blocked in
+the floor a Python process reaches on this kernel. "nixl" is the nixl backend with UCX over shared
+memory (UCX_TLS=sm,self), "nixl-tcp" the same over UCX's tcp transport (UCX_NET_DEVICES=lo). For
+tcp, sender 0's endpoint counts where its time went (TcpEndpoint.phases: building frames, sendmsg, recv_into, header parsing, blocked in
 poll), reported per round next to the round time.
 Latency: sender 0's round time (median, p99). Throughput: bytes moved per second in both
 directions by all pairs, from the median round. Payloads 4 KiB to 4 MiB per pair.
@@ -20,6 +21,7 @@ Writes bench/results/m2n.json.
 """
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -48,8 +50,10 @@ def m2n_worker(role: str, rank: int, M: int, backend: str, port: int, sizes: lis
     from m2n_comm.transport import TransportConfig, open_endpoint
 
     torch.set_num_threads(1)
+    if backend.startswith("nixl"):  # read by UCX when the endpoint's agent starts
+        os.environ.update(UCX_TLS=UCX_TLS[backend], UCX_NET_DEVICES="lo")
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
-    cfg = TransportConfig(backend, slot_bytes=max(sizes) // (2 * HIDDEN) * (2 * HIDDEN + 8 * M) + (1 << 16), spin_s=spin_s)
+    cfg = TransportConfig(backend.split("-")[0], slot_bytes=max(sizes) // (2 * HIDDEN) * (2 * HIDDEN + 8 * M) + (1 << 16), spin_s=spin_s)
     senders, receivers = [f"a{i}" for i in range(M)], [f"e{j}" for j in range(M)]
     me, peers = (f"a{rank}", receivers) if role == "a" else (f"e{rank}", senders)
     ep = open_endpoint(cfg, store, f"bench-{backend}-{M}", me, peers, 1)
@@ -203,7 +207,8 @@ def run_group(kind: str, M: int, sizes: list[int], quick: bool, spin_s: float = 
     return results
 
 
-BACKENDS = ("shm", "tcp")
+UCX_TLS = {"nixl": "sm,self", "nixl-tcp": "tcp"}
+BACKENDS = ("shm", "tcp", *UCX_TLS)
 PHASE_COLS = {"pack_ns": "pack", "send_ns": "sendmsg", "recv_ns": "recv", "parse_ns": "parse", "block_ns": "blocked"}
 
 
@@ -213,7 +218,8 @@ def main() -> None:
     ap.add_argument("--mn", type=int, action="append", help="M = N to run (repeat; default 1, 2)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved passes over all kinds, rounds pooled")
     ap.add_argument("--spin-s", type=float, default=1e-3, help="TransportConfig.spin_s of the M2N endpoints")
-    ap.add_argument("--kinds", default="shm,tcp,gloo,socket", help="comma-separated: shm, tcp, gloo, socket")
+    ap.add_argument("--kinds", default="shm,tcp,nixl,gloo,socket",
+                    help="comma-separated: shm, tcp, nixl, nixl-tcp, gloo, socket")
     args = ap.parse_args()
     mns = args.mn or [1, 2]
     kinds = args.kinds.split(",")
@@ -242,6 +248,8 @@ def main() -> None:
         cols += [f"{b} med us", f"{b} p99 us", f"{b} GB/s"] + ([f"{b} med/gloo", f"{b} p99/gloo"] if "gloo" in kinds else [])
     if "tcp" in kinds and "socket" in kinds:
         cols.append("tcp med/socket")
+    if "nixl" in kinds and "shm" in kinds:
+        cols.append("nixl med/shm")
     print_table(rows, cols)
     prow = []
     for (name, M, size), ph in phases.items():
@@ -272,6 +280,8 @@ def summary_row(table: dict, M: int, size: int, kinds: list[str]) -> dict:
             row[f"{b} p99/gloo"] = r["p99_us"] / row["gloo p99 us"]
     if "tcp" in kinds and "socket" in kinds:
         row["tcp med/socket"] = row["tcp med us"] / row["socket med us"]
+    if "nixl" in kinds and "shm" in kinds:
+        row["nixl med/shm"] = row["nixl med us"] / row["shm med us"]
     return row
 
 

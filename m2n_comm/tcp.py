@@ -31,9 +31,6 @@ Liveness: any bytes from a peer count as a sign of life; EOF or a reset marks th
 checked (after reading what is pending, so a long compute is never mistaken for silence). A failed
 send marks it dead too. Each peer has its own sockets, so a dead one does not disturb the others.
 """
-import hmac
-import json
-import logging
 import os
 import select
 import socket
@@ -46,24 +43,18 @@ import torch
 
 from m2n_comm._common import (HEADER_WORDS, EndpointBase, TensorDesc, check_peer_info, header_words, parse_words,
                               publish, wait_published)
+from m2n_comm._hello import HelloGate, hello_frame
 from m2n_comm.transport import MessageMeta, PeerDeadError, TransportConfig, TransportTimeout
 
 T = TypeVar("T")
-log = logging.getLogger("shuttle.m2n")
 
 DATA, RELEASE, HEARTBEAT = 2, 3, 4
 FRAME = struct.Struct("<IIq")                          # type, slot, seq
 DATA_HDR = struct.Struct("<IIq" + "q" * HEADER_WORDS)  # the same, then the message header words
-LEN = struct.Struct("<I")
 MAX_HELLO = 4096
 SCRATCH_BYTES = 1 << 16    # per connection: frame headers and payload bytes that came with them
 ZEROS = memoryview(bytes(64))
 PHASES = ("pack_ns", "send_ns", "recv_ns", "parse_ns", "block_ns", "sends", "recvs", "blocks")
-
-
-def hello_frame(me: str, num_slots: int, slot_bytes: int, token: str) -> bytes:
-    body = json.dumps(dict(name=me, num_slots=num_slots, slot_bytes=slot_bytes, token=token)).encode()
-    return LEN.pack(len(body)) + body
 
 
 class _Conn:
@@ -149,86 +140,14 @@ class TcpEndpoint(EndpointBase):
         self._listener = None
 
     def _accept_peers(self, deadline: float) -> None:
-        """Accept connections until every peer said HELLO with the deployment's token. A stranger
-        (wrong or missing token, garbage, silence) is logged and dropped without stopping us; a
-        peer with the right token but a wrong name or slot geometry is a configuration error."""
-        pending: dict[socket.socket, tuple[bytearray, str, float]] = {}
-        conns: dict[int, _Conn] = {}
-        try:
-            while len(conns) < len(self.peers):
-                if time.monotonic() >= deadline:
-                    missing = [p for pi, p in enumerate(self.peers) if pi not in conns]
-                    raise TransportTimeout(f"M2N connect: peers {missing} did not connect to {self.me!r} in time")
-                readable = select.select([self._listener, *pending], [], [], 0.05)[0]
-                for s in readable:
-                    if s is self._listener:
-                        try:
-                            c, addr = self._listener.accept()
-                        except BlockingIOError:
-                            continue
-                        c.setblocking(False)
-                        pending[c] = (bytearray(), f"{addr[0]}:{addr[1]}", time.monotonic() + 5.0)
-                        continue
-                    got = self._read_hello(s, pending, conns)
-                    if got is not None:
-                        conns[got.pi] = got
-                for s, (_, addr, until) in list(pending.items()):
-                    if time.monotonic() > until:
-                        self._refuse(s, pending, addr, "no HELLO within 5 s")
-        finally:
-            for s in pending:
-                s.close()
-        for pi in range(len(self.peers)):
-            self._conns.append(conns[pi])
-            self._poller.register(conns[pi].sock, select.POLLIN)
+        """Accept connections until every peer said HELLO with the deployment's token (_hello.HelloGate:
+        strangers are logged and dropped without stopping us)."""
+        gate = HelloGate(self._listener, self.me, self.session, self.peers, self.num_slots, self.slot_bytes,
+                         self.cfg.token, MAX_HELLO)
+        for pi, a in sorted(gate.accept_all(deadline).items()):
+            self._conns.append(_Conn(a.sock, pi, a.leftover))
+            self._poller.register(a.sock, select.POLLIN)
             self._heard[pi] = time.monotonic()
-
-    def _read_hello(self, s: socket.socket, pending: dict, conns: dict) -> "_Conn | None":
-        buf, addr, _ = pending[s]
-        try:
-            data = s.recv(MAX_HELLO + LEN.size)
-        except BlockingIOError:
-            return None
-        except OSError as e:
-            return self._refuse(s, pending, addr, f"connection failed before HELLO: {e}")
-        if not data:
-            return self._refuse(s, pending, addr, "closed before HELLO")
-        buf += data
-        if len(buf) < LEN.size:
-            return None
-        hlen = LEN.unpack_from(buf)[0]
-        if hlen > MAX_HELLO:
-            return self._refuse(s, pending, addr, f"HELLO of {hlen} bytes")
-        if len(buf) < LEN.size + hlen:
-            return None
-        try:
-            h = json.loads(bytes(buf[LEN.size: LEN.size + hlen]))
-            name, num_slots, slot_bytes, token = h["name"], h["num_slots"], h["slot_bytes"], h.get("token")
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            return self._refuse(s, pending, addr, f"malformed HELLO: {type(e).__name__}: {e}")
-        if not isinstance(token, str):
-            return self._refuse(s, pending, addr, f"missing deployment token (claimed to be {name!r})")
-        if not hmac.compare_digest(token.encode(), self.cfg.token.encode()):
-            return self._refuse(s, pending, addr, f"wrong deployment token (claimed to be {name!r})")
-        pi = self._index.get(name) if isinstance(name, str) else None
-        if pi is None:
-            why = f"{name!r} is not a peer of {self.me!r}"
-        elif (num_slots, slot_bytes) != (self.num_slots, self.slot_bytes):
-            why = f"{name!r} has num_slots={num_slots}, slot_bytes={slot_bytes}; {self.me!r} has " \
-                  f"{self.num_slots}, {self.slot_bytes}"
-        else:
-            why = f"{name!r} connected twice" if pi in conns else None
-        if why is not None:
-            self._refuse(s, pending, addr, why)
-            raise ValueError(f"M2N connect of {self.me!r}: {why}")
-        del pending[s]
-        return _Conn(s, pi, bytes(buf[LEN.size + hlen:]))
-
-    def _refuse(self, s: socket.socket, pending: dict, addr: str, why: str) -> None:
-        log.warning("M2N endpoint %r (session %s) refused a connection from %s: %s", self.me, self.session, addr, why)
-        del pending[s]
-        s.close()
-        return None
 
     # -- reading (progress) -------------------------------------------------------------------------
     def _progress(self) -> None:

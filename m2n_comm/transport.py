@@ -14,8 +14,9 @@ connection) checks the peer's heartbeat and raises PeerDeadError naming the peer
 silent for `dead_after_s` or its process is gone, and TransportTimeout when an explicit deadline
 passes. Nothing waits forever.
 
-Backends: shm (one host, m2n_comm/shm.py), tcp (any hosts, m2n_comm/tcp.py). An RDMA backend maps
-`send` to write-with-immediate into the registered slot and `recv` to polling its completion queue.
+Backends: shm (one host, m2n_comm/shm.py), tcp (any hosts, m2n_comm/tcp.py), nixl (any hosts, RDMA
+where the NIC has it: m2n_comm/nixl.py maps `send` to a NIXL WRITE into the peer's registered slot
+with a notification, and `recv` to polling NIXL's notifications).
 """
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
@@ -26,6 +27,7 @@ import torch
 KIND_DATA = 1     # tokens for (step, layer, mb), or the experts' rows back
 KIND_WAKE = 2     # expert -> attention: a new step began after an all-idle step
 
+BACKENDS = ("shm", "tcp", "nixl")
 MAX_TENSORS = 4
 MAX_DIMS = 3
 
@@ -131,7 +133,7 @@ class Endpoint(Protocol):
 
 @dataclass(frozen=True)
 class TransportConfig:
-    """backend: "shm" or "tcp". slot_bytes: capacity of one slot (header included), sized by the
+    """backend: "shm", "tcp" or "nixl". slot_bytes: capacity of one slot (header included), sized by the
     caller from the largest batch. heartbeat_s: how often liveness is published; dead_after_s:
     silence after which a peer is declared dead; connect_timeout_s: how long to wait for peers to
     appear at start."""
@@ -148,10 +150,16 @@ class TransportConfig:
     # The deployment's shared secret: a tcp peer must present it in its HELLO (PoolEngine makes one per
     # deployment and hands it to every worker). "" only for endpoints opened by hand (tests, benches).
     token: str = field(default="", repr=False)
+    # nixl: NIXL's UCX backend setting ucx_error_handling_mode. "none" (default) lets UCX use shared
+    # memory between processes on one host (its shm transports have no peer-failure handler; our
+    # heartbeats cover liveness); "peer" lets UCX drop a failed peer's endpoint itself (tcp, RDMA).
+    ucx_error_handling: str = "none"
 
     def __post_init__(self) -> None:
-        if self.backend not in ("shm", "tcp"):
-            raise ValueError(f"transport backend must be shm or tcp, got {self.backend!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"transport backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.ucx_error_handling not in ("none", "peer"):
+            raise ValueError(f"ucx_error_handling must be none or peer, got {self.ucx_error_handling!r}")
         if self.slot_bytes < 4096:
             raise ValueError(f"slot_bytes must be at least 4096, got {self.slot_bytes}")
         if not 0 < self.heartbeat_s < self.dead_after_s:
@@ -178,5 +186,8 @@ def open_endpoint(cfg: TransportConfig, store, session: str, me: str, peers: Seq
     if cfg.backend == "shm":
         from m2n_comm.shm import ShmEndpoint
         return ShmEndpoint(cfg, store, session, me, list(peers), num_slots)
+    if cfg.backend == "nixl":
+        from m2n_comm.nixl import NixlEndpoint
+        return NixlEndpoint(cfg, store, session, me, list(peers), num_slots)
     from m2n_comm.tcp import TcpEndpoint
     return TcpEndpoint(cfg, store, session, me, list(peers), num_slots)

@@ -3,7 +3,8 @@
     shuttle serve [--model DIR] [--host H] [--port P] [--api-key KEY] [--grpc-port P] [pool flags]
     shuttle serve --role attention|expert --rendezvous HOST:PORT      (a worker of a multi-host pool)
     shuttle generate --model DIR --prompt TEXT [--prompt TEXT ...] [--max-tokens N] [--json]
-                     [--attention-workers N --expert-workers M --micro-batches K --transport shm|tcp]
+                     [--attention-workers N --expert-workers M --micro-batches K --transport shm|tcp|nixl]
+                     [--launcher spawn|ray --ray-address auto|HOST:PORT --attention-resources JSON --expert-resources JSON]
     shuttle bench serve --base-url URL [--backend openai|openai-chat|grpc] [--num-prompts N] ...
     shuttle profile [--model DIR] [--torch-threads 1,2] [--transport shm,tcp] [--quick] --out PROFILE.json
     shuttle simulate --profile PROFILE.json (--colocated | --attention-workers A ...) --num-prompts N ...
@@ -23,6 +24,7 @@ import os
 import sys
 
 from attention_nodes.sampling_params import SamplingParams
+from m2n_comm.transport import BACKENDS
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -88,7 +90,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
 
 
-POOL_FLAGS = ("attention_workers", "expert_workers", "micro_batches", "transport", "placement")
+POOL_FLAGS = ("attention_workers", "expert_workers", "micro_batches", "transport", "placement", "launcher",
+              "ray_address", "attention_resources", "expert_resources")
 EPLB_FLAGS = ("eplb", "eplb_interval", "num_redundant_experts")
 
 
@@ -107,7 +110,9 @@ def _pool_kwargs(args: argparse.Namespace, disaggregate_by_default: bool) -> dic
     return dict(colocated=colocated, attention_workers=args.attention_workers or 1,
                 expert_workers=args.expert_workers or 1, micro_batches=args.micro_batches or 1,
                 transport=args.transport or "shm", placement=args.placement, torch_threads=args.torch_threads,
-                expert_device=args.expert_device, **_eplb_kwargs(args))
+                expert_device=args.expert_device, launcher=args.launcher or "spawn", ray_address=args.ray_address,
+                attention_resources=args.attention_resources or (), expert_resources=args.expert_resources or (),
+                **_eplb_kwargs(args))
 
 
 def _add_pool_flags(p: argparse.ArgumentParser) -> None:
@@ -115,7 +120,8 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-workers", type=int, default=None, help="attention worker processes (default 1)")
     g.add_argument("--expert-workers", type=int, default=None, help="expert worker processes (default 1)")
     g.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step, 1 to 4 (default 1)")
-    g.add_argument("--transport", choices=["shm", "tcp"], default=None, help="M2N backend (default shm)")
+    g.add_argument("--transport", choices=list(BACKENDS), default=None,
+                   help="M2N backend (default shm): shm on one host, tcp or nixl (UCX: RDMA where present) across hosts")
     g.add_argument("--placement", default=None, help='JSON file {"expert": [workers]} (default: contiguous blocks)')
     g.add_argument("--eplb", action="store_true", default=None,
                    help="expert load balancing: re-place the experts live from their measured load")
@@ -134,6 +140,14 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-device", default=None, help="the expert pool's device (default: the attention pool's)")
     g.add_argument("--plan", default=None, metavar="PLAN.json",
                    help="run the deployment of a plan from shuttle plan (pools, micro-batches, threads, batch)")
+    g.add_argument("--launcher", choices=["spawn", "ray"], default=None,
+                   help="how the pools start: spawn (processes of this host, default) or ray (Ray actors)")
+    g.add_argument("--ray-address", default=None, metavar="auto|HOST:PORT",
+                   help="--launcher ray: the cluster to join (default: Ray's, a local instance if none runs)")
+    g.add_argument("--attention-resources", default=None, metavar="JSON",
+                   help='--launcher ray: Ray resources each attention worker needs, e.g. \'{"H20": 1}\'')
+    g.add_argument("--expert-resources", default=None, metavar="JSON",
+                   help='--launcher ray: Ray resources each expert worker needs, e.g. \'{"L40S": 1}\'')
     g.add_argument("--rendezvous", default=None, metavar="HOST:PORT",
                    help="meet workers started elsewhere with `shuttle serve --role ...` (TCPStore address)")
 

@@ -45,11 +45,13 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                   transport: str = "shm", placement: str | None = None,
                   torch_threads: int | None = None, expert_device: str | None = None, eplb: bool = False,
                   eplb_interval: int = 3000, num_redundant_experts: int = 0, max_worker_restarts: int = 3,
-                  restart_window_s: float = 600.0) -> EngineConfig:
+                  restart_window_s: float = 600.0, launcher: str = "spawn", ray_address: str | None = None,
+                  attention_resources: object = (), expert_resources: object = ()) -> EngineConfig:
     """EngineConfig from the keyword arguments of LLM and the command line (None model: built-in).
     colocated=False runs attention_workers and expert_workers as separate processes (see
     attention_nodes.config.ParallelConfig); `device` is then the attention pool's, expert_device
-    the expert pool's (default: the same)."""
+    the expert pool's (default: the same). launcher="ray" starts them as Ray actors on the cluster
+    at ray_address, each pool on nodes carrying its resources (dicts such as {"H20": 1})."""
     if model is None:
         from models.builtin import builtin_model_dir
         model = builtin_model_dir()
@@ -63,7 +65,9 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                         ParallelConfig(colocated, attention_workers, expert_workers, micro_batches, transport, placement,
                                        torch_threads, expert_device=expert_device, eplb=eplb,
                                        eplb_interval=eplb_interval, num_redundant_experts=num_redundant_experts,
-                                       max_worker_restarts=max_worker_restarts, restart_window_s=restart_window_s))
+                                       max_worker_restarts=max_worker_restarts, restart_window_s=restart_window_s,
+                                       launcher=launcher, ray_address=ray_address,
+                                       attention_resources=attention_resources, expert_resources=expert_resources))
 
 
 class LLM:

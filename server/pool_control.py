@@ -65,7 +65,8 @@ def read_events(sock: socket.socket, conn: int, events: queue.Queue, stats: dict
     events.put((conn, None))
 
 
-def shutdown_pools(socks: list[socket.socket], procs: list, store: TCPStore, session: str, remote_experts: int) -> None:
+def shutdown_pools(socks: list[socket.socket], procs: list, store: TCPStore, session: str, remote_experts: int,
+                   launcher=None) -> None:
     """Stop the pools: attention workers first (Shutdown), then expert workers, which see their
     peers leave and the shutdown key set; anything still alive after a grace period is killed.
     Workers on other hosts are given the same grace period to say they are done, so the store
@@ -94,5 +95,7 @@ def shutdown_pools(socks: list[socket.socket], procs: list, store: TCPStore, ses
     for s in socks:
         if s is not None:
             s.close()
+    if launcher is not None:
+        launcher.close()  # Ray: removing the placement group also ends its actors
 
 

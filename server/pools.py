@@ -5,7 +5,9 @@ through an engine-shaped front, so LLM (and the HTTP server) use them as they us
     engine.add_request("r1", prompt_ids, SamplingParams())  # to the least loaded attention worker
     deltas = engine.step()                                  # whatever the workers produced since
 
-On one host the pools are spawned processes. Across hosts every host runs `shuttle serve --role
+On one host the pools are spawned processes; on a Ray cluster, Ray actors placed by each pool's
+resources (server/launchers.py: the launcher makes them, PoolEngine drives them alike). Without
+Ray, across hosts every host runs `shuttle serve --role
 attention|expert --rendezvous HOST:PORT` (server/roles.py) and the front runs with
 `rendezvous=HOST:PORT`: the deployment is published in a torch.distributed TCPStore there and
 each worker takes the next rank.
@@ -47,6 +49,7 @@ from m2n_comm.placement import ExpertPlacement, Placement, check_redundancy
 from m2n_comm.transport import TransportConfig
 from models.config import ModelConfig
 from server.eplb import PlacementControl, read_expert_load
+from server.launchers import check_installed, make_launcher
 from server.pool_control import admitted as _admitted, read_events as _read_events, shutdown_pools as _shutdown  # noqa: F401
 from server.roles import engine_config_from_json, engine_config_to_json, run_role, split_addr  # noqa: F401
 
@@ -119,12 +122,16 @@ class PoolEngine:
             # RuntimeError here is a page of bootstrapping traceback per worker).
             raise SystemExit(MAIN_GUARD_EXIT)
         par = cfg.parallel
+        check_installed(par)  # here, not in every worker: say what to install before anything starts
         self.cfg, self.model_cfg = cfg, ModelConfig.from_pretrained(cfg.model)
         if not any(self.model_cfg.moe_layers):
             raise ValueError(f"{cfg.model}: the model has no MoE layer to disaggregate; run it colocated")
         self.eos_token_ids = set(eos_token_ids)
         self.placement = self._initial_placement()
-        host, port = split_addr(rendezvous) if rendezvous else ("127.0.0.1", 0)
+        if rendezvous and par.launcher != "spawn":
+            raise ValueError(f"--launcher {par.launcher} starts the workers itself; it takes no --rendezvous")
+        self._launcher = None if rendezvous else make_launcher(par)
+        host, port = split_addr(rendezvous) if rendezvous else (self._launcher.host, 0)
         self.session = f"shuttle-{os.getpid()}-{secrets.token_hex(4)}"
         self._store = TCPStore(host, port, is_master=True, wait_for_workers=False)
         self._listener = socket.create_server((host, 0))
@@ -151,7 +158,7 @@ class PoolEngine:
         self._load = [0] * par.attention_workers    # tokens queued per worker (prompt + max_tokens)
         self._worker_stats: dict[int, dict] = {}    # attention worker rank -> its latest Stats
         self._finalizer = weakref.finalize(self, _shutdown, self._socks, self._procs, self._store, self.session,
-                                           par.expert_workers if rendezvous else 0)
+                                           par.expert_workers if rendezvous else 0, self._launcher)
         if rendezvous:
             self._publish()
         else:
@@ -208,17 +215,18 @@ class PoolEngine:
             p.start()
 
     def _worker(self, name: str) -> mp.process.BaseProcess:
-        """A (not yet started) process for worker `name` ("a0", "e1") that joins the current epoch."""
-        cfg, par, ctx = self._spawn_cfg, self._spawn_cfg.parallel, mp.get_context("spawn")
-        store_addr, rank = ("127.0.0.1", self._store.port), int(name[1:])
+        """A (not yet started) process for worker `name` ("a0", "e1") that joins the current epoch:
+        the launcher's (a spawned process, or a Ray actor with the same interface)."""
+        cfg, par, launch = self._spawn_cfg, self._spawn_cfg.parallel, self._launcher.worker
+        store_addr, rank = (self._launcher.host, self._store.port), int(name[1:])
         if name[0] == "e":
             spec = ExpertWorkerSpec(cfg.model, cfg.dtype, par.expert_device or cfg.device, cfg.kernels, rank,
                                     par.attention_workers, par.micro_batches, self.placement, self.transport,
                                     store_addr, self.session, par.torch_threads, par.trace_dir, self.epoch)
-            return ctx.Process(target=run_expert_worker, args=(spec,), name=name, daemon=True)
+            return launch(name, "expert", run_expert_worker, spec)
         spec = AttentionWorkerSpec(cfg, rank, sorted(self.eos_token_ids), self.placement, self.transport,
                                    store_addr, self._listener.getsockname()[:2], self.session, self.epoch)
-        return ctx.Process(target=run_attention_worker, args=(spec,), name=name, daemon=True)
+        return launch(name, "attention", run_attention_worker, spec)
 
     def _publish(self) -> None:
         """For workers on other hosts: the deployment, as JSON, under a well-known key."""

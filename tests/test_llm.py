@@ -227,3 +227,26 @@ def test_cli_builtin_model():
     r = _shuttle("generate", "--prompt", "Hello", "--max-tokens", "4", "--json")
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout.splitlines()[-1])["token_ids"]) <= 4
+
+
+def test_cli_launcher_flags_reach_the_parallel_config():
+    """--launcher ray and its flags become ParallelConfig fields (resources as sorted pairs); bad
+    resources name the field; Ray's flags without --launcher ray are refused."""
+    from server.cli import _deployment_kwargs, build_parser
+    from server.llm import engine_config
+
+    def par(*flags):
+        args = build_parser().parse_args(["serve", *flags])
+        return engine_config(None, **_deployment_kwargs(args, disaggregate_by_default=True)).parallel
+
+    p = par("--launcher", "ray", "--ray-address", "auto", "--transport", "nixl",
+            "--attention-resources", '{"H20": 1}', "--expert-resources", '{"L40S": 0.5, "A": 2}')
+    assert (p.colocated, p.launcher, p.ray_address, p.transport) == (False, "ray", "auto", "nixl")
+    assert p.attention_resources == (("H20", 1.0),) and p.expert_resources == (("A", 2.0), ("L40S", 0.5))
+    assert par().launcher == "spawn" and par().expert_resources == ()
+    with pytest.raises(ValueError, match=r"parallel.expert_resources must be a JSON object"):
+        par("--launcher", "ray", "--expert-resources", "{H20: 1}")
+    with pytest.raises(ValueError, match=r"parallel.attention_resources must map Ray resource names"):
+        par("--launcher", "ray", "--attention-resources", '{"H20": -1}')
+    with pytest.raises(ValueError, match=r"need parallel.launcher='ray'"):
+        par("--expert-resources", '{"H20": 1}')

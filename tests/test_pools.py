@@ -21,6 +21,7 @@ from attention_nodes.sampling_params import SamplingParams
 from m2n_comm.m2n import Placement
 from server.llm import LLM
 from server.pools import PoolEngine, WorkerFailedError
+from tests.test_transport import NEEDS_NIXL
 
 PROMPTS = [[5, 17, 33, 100, 250, 7, 9, 11, 13, 200, 301, 45, 46, 47], [400, 3], [77, 78, 79, 80, 81, 82, 83],
            [12], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110], [33] * 5]
@@ -77,6 +78,19 @@ def test_greedy_equals_colocated(make_checkpoint, family, pools, transport):
     want = reference(make_checkpoint, family)
     assert got == want
     assert len(got) == 2 * len(PROMPTS) and all(len(v) == PARAMS.max_tokens for v in got.values())
+
+
+@pytest.mark.slow
+@NEEDS_NIXL
+@pytest.mark.parametrize("ucx_tls,pools", [("tcp", (1, 1, 1)), ("sm,self", (2, 2, 2))],
+                         ids=["tcp-a1-e1-m1", "shm-a2-e2-m2"])
+def test_greedy_equals_colocated_on_nixl(make_checkpoint, monkeypatch, ucx_tls, pools):
+    """The nixl transport, with UCX over tcp and over shared memory (the workers inherit UCX_TLS).
+    Two shapes only, for the suite's time budget: the transports' own tests cover nixl's protocol
+    on both UCX transports, and the pools' logic is the same on every backend."""
+    monkeypatch.setenv("UCX_TLS", ucx_tls)
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    test_greedy_equals_colocated(make_checkpoint, "mixtral", pools, "nixl")
 
 
 @pytest.mark.slow

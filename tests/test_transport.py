@@ -19,16 +19,40 @@ import zlib
 import pytest
 import torch
 
+from m2n_comm.nixl import import_nixl
 from m2n_comm.transport import (KIND_DATA, SLOT_HEADER_BYTES, MessageMeta, PeerDeadError, TransportConfig,
                                 TransportTimeout, message_nbytes, open_endpoint)
 
-BACKENDS = ["shm", "tcp"]
+# nixl runs over UCX's tcp and over its shared-memory transports (UCX_TLS, read by UCX in each process).
+UCX_TLS = {"nixl-tcp": "tcp", "nixl-shm": "sm,self"}
+BACKENDS = ["shm", "tcp", *UCX_TLS]
+
+
+def _nixl_missing() -> str:
+    try:
+        import_nixl()
+        return ""
+    except ImportError as e:
+        return str(e)
+
+
+# Without NIXL (make setup NIXL=0) its cases are skipped, saying how to install it.
+NEEDS_NIXL = pytest.mark.skipif(bool(_nixl_missing()), reason=_nixl_missing() or "NIXL is installed")
+
+
+def params(*backends: str) -> list:
+    """pytest parameters for these backends (nixl-* skipped when NIXL is missing)."""
+    return [pytest.param(b, marks=NEEDS_NIXL) if b in UCX_TLS else b for b in backends]
 SLOT_BYTES = SLOT_HEADER_BYTES + (16 << 10)   # 16 KiB of payload per slot
 NUM_SLOTS = 4
 RESULT_TIMEOUT_S = 60.0
 
 
 def config(backend: str, **kw) -> TransportConfig:
+    """The test transport config of `backend` (a BACKENDS name; nixl-* also sets this process's UCX_TLS)."""
+    if backend in UCX_TLS:
+        os.environ.update(UCX_TLS=UCX_TLS[backend], UCX_NET_DEVICES="lo")
+        backend = "nixl"
     base = dict(backend=backend, slot_bytes=SLOT_BYTES, heartbeat_s=0.1, dead_after_s=1.0, connect_timeout_s=30.0)
     return TransportConfig(**{**base, **kw})
 
@@ -185,21 +209,28 @@ def run_survivor(store, session: str, backend: str) -> dict:
         ep.close()
 
 
-def run_netns_peer(ns: str, role: str, host: str, port_q, results) -> None:
-    """One end of test_tcp_across_network_namespaces, inside network namespace `ns`: "a" hosts the
-    store and sends, "b" echoes; puts (role, result dict or error text) on `results`."""
+def run_netns_peer(ns: str, role: str, host: str, port_q, results, backend: str = "tcp", dev: str = "") -> None:
+    """One end of test_across_network_namespaces, inside network namespace `ns`: "a" hosts the
+    store and sends, "b" echoes; puts (role, result dict or error text) on `results`. dev: the veth
+    device UCX must use (nixl)."""
     try:
-        results.put((role, netns_peer(ns, role, host, port_q)))
+        results.put((role, netns_peer(ns, role, host, port_q, backend, dev)))
     except BaseException as e:
         results.put((role, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def netns_peer(ns: str, role: str, host: str, port_q) -> dict:
+def netns_peer(ns: str, role: str, host: str, port_q, backend: str, dev: str) -> dict:
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
     if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
         raise OSError(ctypes.get_errno(), f"setns({ns})")
     os.close(fd)
+    if backend != "tcp":  # UCX lists devices from /sys/class/net: remount it for this namespace, as
+        # `ip netns exec` does (in a mount namespace of our own)
+        libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_void_p]
+        if (libc.unshare(0x00020000) != 0 or libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) != 0  # CLONE_NEWNS; MS_REC|MS_PRIVATE
+                or libc.umount2(b"/sys", 2) != 0 or libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None) != 0):  # MNT_DETACH
+            raise OSError(ctypes.get_errno(), f"remounting /sys in {ns}")
     import torch.distributed as dist
 
     if role == "a":
@@ -208,12 +239,14 @@ def netns_peer(ns: str, role: str, host: str, port_q) -> dict:
     else:
         store = dist.TCPStore("10.213.0.1", port_q.get(timeout=30), is_master=False)
     peer = "b" if role == "a" else "a"
-    ep = open_endpoint(config("tcp", host=host), store, "netns", role, [peer], NUM_SLOTS)
+    cfg = config(backend, host=host)
+    os.environ["UCX_NET_DEVICES"] = dev  # (nixl) the veth, not lo
+    ep = open_endpoint(cfg, store, "netns", role, [peer], NUM_SLOTS)
     try:
         if role == "b":
             return dict(echoed=run_echo_loop(ep, peer, 20))
         import json
-        peer_host = json.loads(store.get("shuttle-m2n/netns/b/tcp"))["host"]
+        peer_host = json.loads(store.get(f"shuttle-m2n/netns/b/{cfg.backend}"))["host"]
         ok = 0
         for k in range(20):
             sent = make_tensors(k, torch.bfloat16, 5 * k)
@@ -307,7 +340,7 @@ def session() -> str:
 
 # ---- tests --------------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", params(*BACKENDS))
 def test_every_size_roundtrip(backend, store, pool):
     """Messages of every token count up to a full slot, in several dtypes, echoed back intact; one
     byte over capacity raises ValueError and leaves the endpoint usable."""
@@ -344,7 +377,7 @@ def test_every_size_roundtrip(backend, store, pool):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", params(*BACKENDS))
 def test_many_messages_in_flight(backend, store, pool):
     """2 senders x 2 receivers x 4 slots, 400 messages: every receiver holds all 4 slots of a sender
     at once and releases them out of order; all content checked."""
@@ -362,7 +395,7 @@ def test_many_messages_in_flight(backend, store, pool):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", params(*BACKENDS))
 def test_wait_any_and_timeouts(backend, store, pool):
     sess, (w,) = session(), pool.get(1)
     w.start("run_wait_any_peer", session=sess, backend=backend)
@@ -413,7 +446,7 @@ def check_argument_errors(ep) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", params(*BACKENDS))
 def test_killed_peer_reported_and_survivors_go_on(backend, store, pool):
     """SIGKILL "v" while "p" (here) blocks in recv from it and "a" blocks in send waiting for its
     release: both get PeerDeadError naming "v" within 5 s, then "p" and "a" still talk."""
@@ -452,7 +485,7 @@ def test_killed_peer_reported_and_survivors_go_on(backend, store, pool):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", params(*BACKENDS))
 def test_stopped_peer_reported_after_dead_after_s(backend, store, pool):
     sess, (w,) = session(), pool.get(1)
     w.start("run_idle", session=sess, backend=backend, me="s", peers=["p"])
@@ -482,7 +515,7 @@ def test_config_and_constructor_errors(store):
         TransportConfig(slot_bytes=100)
     with pytest.raises(ValueError, match="heartbeat_s"):
         TransportConfig(heartbeat_s=2.0, dead_after_s=1.0)
-    for backend in BACKENDS:
+    for backend in BACKENDS if not _nixl_missing() else ["shm", "tcp"]:
         with pytest.raises(ValueError, match="peers must be distinct"):
             open_endpoint(config(backend), store, session(), "a", ["a", "b"], 2)
         with pytest.raises(ValueError, match="num_slots"):
@@ -508,10 +541,12 @@ def test_both_ends_send_more_than_the_socket_buffers(store, pool):
         ep.close()
 
 
-def test_tcp_refuses_peers_without_the_token(store, pool, caplog):
-    """Strangers reach "a"'s listener before the real "b": one claims to be "b" with a wrong token,
-    one says HELLO without a token, one sends garbage. Each is dropped and logged with its address;
-    the real "b" (right token) still gets in and the two talk."""
+@pytest.mark.parametrize("backend", params("tcp", "nixl-tcp"))
+def test_refuses_peers_without_the_token(backend, store, pool, caplog):
+    """Strangers reach "a"'s listener (tcp: the data plane; nixl: the metadata exchange) before the
+    real "b": one claims to be "b" with a wrong token, one says HELLO without a token, one sends
+    garbage. Each is dropped and logged with its address; the real "b" (right token) still gets in
+    and the two talk."""
     import json
     import socket
     import struct
@@ -520,10 +555,10 @@ def test_tcp_refuses_peers_without_the_token(store, pool, caplog):
     token = "s3cret-" + sess
     made = {}
     t = threading.Thread(target=lambda: made.setdefault("ep", open_endpoint(
-        config("tcp", token=token), store, sess, "a", ["b"], NUM_SLOTS)))
+        config(backend, token=token), store, sess, "a", ["b"], NUM_SLOTS)))
     with caplog.at_level("WARNING", logger="shuttle.m2n"):
         t.start()
-        key, deadline = f"shuttle-m2n/{sess}/a/tcp", time.monotonic() + 30
+        key, deadline = f"shuttle-m2n/{sess}/a/{backend.split('-')[0]}", time.monotonic() + 30
         while not store.check([key]) and time.monotonic() < deadline:  # get() would block the store
             time.sleep(0.01)  # client, which the thread's open_endpoint shares
         info = json.loads(store.get(key))
@@ -535,7 +570,7 @@ def test_tcp_refuses_peers_without_the_token(store, pool, caplog):
             strangers[-1].sendall(struct.pack("<I", len(body)) + body)
         strangers.append(socket.create_connection((info["host"], info["port"])))
         strangers[-1].sendall(b"\xff" * 64)
-        w.start("run_echo", session=sess, backend="tcp", me="b", peer="a", count=3, token=token)
+        w.start("run_echo", session=sess, backend=backend, me="b", peer="a", count=3, token=token)
         t.join(30)
     for s in strangers:  # dropped: EOF (or a reset)
         s.settimeout(10)
@@ -564,8 +599,10 @@ def test_tcp_refuses_peers_without_the_token(store, pool, caplog):
 
 
 @pytest.mark.slow
-def test_tcp_across_network_namespaces():
-    """Two processes in two network namespaces joined by a veth pair talk over 10.213.0.0/24."""
+@pytest.mark.parametrize("backend", params("tcp", "nixl-tcp"))
+def test_across_network_namespaces(backend):
+    """Two processes in two network namespaces joined by a veth pair talk over 10.213.0.0/24 (nixl:
+    UCX over tcp on the veth devices)."""
     if os.geteuid() != 0:
         pytest.skip("needs root to create network namespaces")
     tag = uuid.uuid4().hex[:6]
@@ -584,8 +621,8 @@ def test_tcp_across_network_namespaces():
                 pytest.skip(f"`{' '.join(cmd)}` failed: {r.stderr.strip()}")
         ctx = mp.get_context("spawn")
         port_q, results = ctx.Queue(), ctx.Queue()
-        procs = [ctx.Process(target=run_netns_peer, args=(ns[j], role, f"10.213.0.{j + 1}", port_q, results))
-                 for j, role in enumerate("ab")]
+        procs = [ctx.Process(target=run_netns_peer, args=(ns[j], role, f"10.213.0.{j + 1}", port_q, results,
+                                                          backend, veth[j])) for j, role in enumerate("ab")]
         for p in procs:
             p.start()
         got = dict(results.get(timeout=RESULT_TIMEOUT_S) for _ in procs)
@@ -598,3 +635,19 @@ def test_tcp_across_network_namespaces():
                 p.kill()
         for n in ns:
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
+
+
+def test_missing_nixl_and_ray_say_how_to_install(monkeypatch):
+    """Without NIXL, --transport nixl names the install command; without Ray, --launcher ray its extra;
+    both before any worker starts (PoolEngine checks before it reads the model)."""
+    from attention_nodes.config import EngineConfig, ParallelConfig
+    from server.pools import PoolEngine
+
+    for name in ("nixl_cu12", "nixl_cu13", "nixl", "ray"):
+        monkeypatch.setitem(__import__("sys").modules, name, None)  # import raises ImportError
+    with pytest.raises(ImportError, match=r"pip install --no-deps nixl-cu12==1\.5\.1.*NIXL=0"):
+        open_endpoint(config("nixl-tcp"), None, session(), "a", ["b"], 2)
+    with pytest.raises(RuntimeError, match=r"--transport nixl: .*pip install --no-deps nixl-cu12"):
+        PoolEngine(EngineConfig("no-such-model", parallel=ParallelConfig(False, transport="nixl")), {0})
+    with pytest.raises(RuntimeError, match=r"--launcher ray needs Ray: pip install 'shuttle-moe\[ray\]'"):
+        PoolEngine(EngineConfig("no-such-model", parallel=ParallelConfig(False, launcher="ray")), {0})

@@ -1,0 +1,58 @@
+"""Pools on Ray (--launcher ray): a local two-node Ray cluster whose nodes carry different custom
+resources; the attention pool must land on one and the expert pool on the other, talk over M2N
+(tcp, at their node's address), produce the colocated engine's greedy ids, and a killed actor
+must be reported by name. One cluster for the module: Ray's daemons are heavy on 2 cores.
+"""
+import time
+
+import pytest
+
+from attention_nodes.config import ParallelConfig
+from server.pools import PoolEngine, WorkerFailedError
+from tests.test_pools import PARAMS, PROMPTS, engine_cfg, reference, run_staggered
+
+ray = pytest.importorskip("ray", reason="--launcher ray needs Ray: pip install 'shuttle-moe[ray]' (make setup does)")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=2, resources={"attn_gpu": 2},
+                                                          include_dashboard=False))
+    c.add_node(num_cpus=2, resources={"expert_gpu": 2})
+    ray.init(address=c.address, include_dashboard=False, logging_level="WARNING")
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.mark.slow
+def test_pools_on_ray_nodes_by_resources(cluster, make_checkpoint):
+    ckpt = make_checkpoint("mixtral")
+    # max_worker_restarts=0: the front reports the killed actor instead of restarting it (supervision
+    # drives Ray actors as it drives processes; tests/test_supervision.py covers restarts).
+    par = ParallelConfig(False, 1, 1, 1, "tcp", torch_threads=1, launcher="ray", ray_address=cluster.address,
+                         attention_resources='{"attn_gpu": 1}', expert_resources={"expert_gpu": 1},
+                         max_worker_restarts=0)
+    engine = PoolEngine(engine_cfg(ckpt, par), {0})
+    try:
+        head, other = cluster.head_node.node_id, next(iter(cluster.worker_nodes)).node_id
+        where = {p.name: p.node_id for p in engine._procs}
+        assert where == {"a0": head, "e0": other}
+        got = run_staggered(engine, rounds=1)
+        want = reference(make_checkpoint, "mixtral")
+        assert got == {k: v for k, v in want.items() if k.startswith("0-")}
+        assert len(got) == len(PROMPTS) and all(len(v) == PARAMS.max_tokens for v in got.values())
+
+        e0 = next(p for p in engine._procs if p.name == "e0")
+        ray.kill(e0.actor, no_restart=True)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailedError, match=r"'e0'|e0 \(exit code") as err:
+            engine.add_request("after-kill", PROMPTS[0], PARAMS)
+            while engine.has_unfinished_requests():
+                engine.step(timeout=30)
+        assert "e0" in str(err.value) and time.monotonic() - t0 < 30
+    finally:
+        engine.shutdown()
+    assert all(p.exitcode is not None for p in engine._procs)
