@@ -20,13 +20,12 @@ import grpc
 import pytest
 import uvloop
 from google.protobuf import descriptor_pb2, descriptor_pool
-from grpc_tools import protoc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 import clients.proto
 from clients.grpc_client import AsyncGrpcClient, GenerateResult, GrpcClient, GrpcClientError
 from clients.proto import shuttle_pb2
-from clients.proto.regenerate import PROTO, ROOT, regenerate
+from clients.proto.regenerate import PROTO, ROOT, regenerate, run_protoc
 from server import LLM, SamplingParams
 from server.async_llm import AsyncLLM
 from server.grpc_server import MAX_BATCH, start_grpc_server
@@ -155,7 +154,7 @@ def _drop_json_names(messages) -> None:
 
 def test_committed_modules_are_generated_from_the_proto(fresh):
     descriptors = fresh.dir / "shuttle.desc"
-    assert protoc.main(["protoc", f"-I{ROOT}", f"--descriptor_set_out={descriptors}", PROTO]) == 0
+    assert run_protoc([f"-I{ROOT}", f"--descriptor_set_out={descriptors}", PROTO]) == 0
     generated = descriptor_pb2.FileDescriptorSet.FromString(descriptors.read_bytes()).file[0]
     _drop_json_names(generated.message_type)  # generated modules leave out the default JSON names
     assert descriptor_pb2.FileDescriptorProto.FromString(shuttle_pb2.DESCRIPTOR.serialized_pb) == generated, \

@@ -5,6 +5,7 @@
 Runs grpc_tools.protoc (the grpcio-tools dev dependency) with the repository root as the include
 path, so the generated gRPC module imports its messages as `from clients.proto import shuttle_pb2`.
 """
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,12 +19,17 @@ def protoc_args(out_dir: Path) -> list[str]:
             f"--grpc_python_out={out_dir}", str(ROOT / PROTO)]
 
 
+def run_protoc(args: list[str]) -> int:
+    """grpc_tools.protoc (the grpcio-tools dev dependency) with `args`, in a child process; its exit code."""
+    return subprocess.run([sys.executable, "-m", "grpc_tools.protoc", *args], cwd=ROOT).returncode
+
+
 def regenerate(out_dir: Path = ROOT) -> None:
     """Write the generated modules under out_dir/clients/proto/ (default: beside the .proto).
-    Raises RuntimeError with protoc's exit code if it fails (it prints why on stderr)."""
-    from grpc_tools import protoc  # a dev dependency: only this tool needs it
-
-    rc = protoc.main(protoc_args(Path(out_dir)))
+    Raises RuntimeError with protoc's exit code if it fails (it prints why on stderr).
+    protoc runs in its own process: its bundled C++ protobuf and NIXL's native libraries crash
+    (SIGSEGV/abort) when both are loaded into one process, as in a test session."""
+    rc = run_protoc(protoc_args(Path(out_dir))[1:])
     if rc != 0:
         raise RuntimeError(f"protoc failed on {PROTO} with exit code {rc}")
 
