@@ -154,14 +154,15 @@ def test_greedy_through_llm_with_preemption_chunked_prefill_and_prefix_hits(make
 
 
 @pytest.mark.slow
-def test_pools_equal_transformers(make_checkpoint):
-    """gpt-oss on 2 attention workers (attention with sinks and windows, the biased router), 2 expert
-    workers (the experts with their biases and the clamped SwiGLU), 2 micro-batches. (GLM's and
-    MiniMax-M2's experts are plain SwiGLU experts as in the Mixtral and DeepSeek pool tests; all
-    they add lives on the attention workers, the code colocated serving runs.)"""
+@pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2", "gpt_oss"])
+def test_pools_equal_transformers(make_checkpoint, family):
+    """Each family on 2 attention workers (gpt-oss: attention with sinks and windows, the biased
+    router; GLM: grouped sigmoid routing, dense first layers, shared experts; MiniMax-M2: whole-
+    projection q/k norm, the correction bias), 2 expert workers (gpt-oss: the experts with their
+    biases and the clamped SwiGLU), 2 micro-batches: greedy ids equal transformers' generate."""
     from server import LLM, SamplingParams
 
-    d, want = expected_greedy(make_checkpoint, "gpt_oss")
+    d, want = expected_greedy(make_checkpoint, family)
     llm = LLM(d, num_kv_blocks=96, colocated=False, attention_workers=2, expert_workers=2, micro_batches=2,
               torch_threads=1)
     try:

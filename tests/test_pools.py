@@ -82,12 +82,13 @@ def test_greedy_equals_colocated(make_checkpoint, family, pools, transport):
 
 @pytest.mark.slow
 @NEEDS_NIXL
-@pytest.mark.parametrize("ucx_tls,pools", [("tcp", (1, 1, 1)), ("sm,self", (2, 2, 2))],
-                         ids=["tcp-a1-e1-m1", "shm-a2-e2-m2"])
+@pytest.mark.parametrize("ucx_tls,pools", [("tcp", (1, 1, 1)), ("sm,self", (1, 1, 1)), ("tcp", (1, 2, 3)),
+                                           ("sm,self", (2, 2, 2))],
+                         ids=["tcp-a1-e1-m1", "shm-a1-e1-m1", "tcp-a1-e2-m3", "shm-a2-e2-m2"])
 def test_greedy_equals_colocated_on_nixl(make_checkpoint, monkeypatch, ucx_tls, pools):
     """The nixl transport, with UCX over tcp and over shared memory (the workers inherit UCX_TLS).
-    Two shapes only, for the suite's time budget: the transports' own tests cover nixl's protocol
-    on both UCX transports, and the pools' logic is the same on every backend."""
+    The issue's three shapes, (1,1,1) on both UCX transports and the larger two on one each, for
+    the suite's time budget: the transports' own tests cover nixl's protocol on both."""
     monkeypatch.setenv("UCX_TLS", ucx_tls)
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     test_greedy_equals_colocated(make_checkpoint, "mixtral", pools, "nixl")
