@@ -13,6 +13,7 @@ import struct
 import time
 from typing import Sequence
 
+from m2n_comm._common import check_peer_info, publish, wait_published
 from m2n_comm.transport import TransportTimeout
 
 log = logging.getLogger("shuttle.m2n")
@@ -25,6 +26,30 @@ def hello_frame(me: str, num_slots: int, slot_bytes: int, token: str, **extra: o
     """The HELLO bytes; `extra` adds backend fields (JSON-serialisable)."""
     body = json.dumps(dict(name=me, num_slots=num_slots, slot_bytes=slot_bytes, token=token, **extra)).encode()
     return LEN.pack(len(body)) + body
+
+
+def dial_peers(store, session: str, me: str, peers: Sequence[str], kind: str, listener: socket.socket, host: str,
+               num_slots: int, slot_bytes: int, hello: bytes, deadline: float) -> tuple[list[socket.socket], list[int]]:
+    """Publish this endpoint's listener (under `kind`), read every peer's, check that it agrees on the
+    slot geometry, connect to it and send `hello`. Returns the outbound sockets (non-blocking,
+    TCP_NODELAY) in peer order, and my index in each peer's own list of peers."""
+    info = dict(host=host, port=listener.getsockname()[1], num_slots=num_slots, slot_bytes=slot_bytes,
+                peers=list(peers))
+    publish(store, session, me, kind, info)
+    infos = wait_published(store, session, peers, kind, deadline)
+    socks, positions = [], []
+    for p in peers:
+        positions.append(check_peer_info(me, p, infos[p], num_slots, slot_bytes))
+        try:
+            sock = socket.create_connection((infos[p]["host"], infos[p]["port"]),
+                                            timeout=max(0.1, deadline - time.monotonic()))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(hello)
+        except OSError as e:
+            raise TransportTimeout(f"M2N connect: cannot reach {p!r} at {infos[p]['host']}:{infos[p]['port']}: {e}")
+        sock.setblocking(False)
+        socks.append(sock)
+    return socks, positions
 
 
 class Admitted:

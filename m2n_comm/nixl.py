@@ -45,9 +45,9 @@ from typing import Callable, TypeVar
 import numpy as np
 import torch
 
-from m2n_comm._common import (HEADER_WORDS, EndpointBase, TensorDesc, check_peer_info, header_words, parse_words,
-                              publish, wait_published)
-from m2n_comm._hello import HelloGate, hello_frame
+from m2n_comm._common import (HEADER_WORDS, EndpointBase, TensorDesc, header_words, parse_words, publish,
+                              wait_published)
+from m2n_comm._hello import HelloGate, dial_peers, hello_frame
 from m2n_comm.transport import SLOT_HEADER_BYTES, MessageMeta, PeerDeadError, TransportConfig, TransportTimeout
 
 T = TypeVar("T")
@@ -138,23 +138,13 @@ class NixlEndpoint(EndpointBase):
         deadline = time.monotonic() + self.cfg.connect_timeout_s
         self._listener = socket.create_server((self.cfg.host, 0), backlog=max(16, 2 * len(self.peers)))
         self._listener.setblocking(False)
-        info = dict(host=self.cfg.host, port=self._listener.getsockname()[1], num_slots=self.num_slots,
-                    slot_bytes=self.slot_bytes, peers=self.peers)
-        publish(store, self.session, self.me, "nixl", info)
-        infos = wait_published(store, self.session, self.peers, "nixl", deadline)
         hello = hello_frame(self.me, self.num_slots, self.slot_bytes, self.cfg.token, rx=self._rx.data_ptr(),
                             metadata=base64.b64encode(self._agent.get_agent_metadata()).decode())
-        for p in self.peers:
-            me_there = check_peer_info(self.me, p, infos[p], self.num_slots, self.slot_bytes)
+        socks, positions = dial_peers(store, self.session, self.me, self.peers, "nixl", self._listener, self.cfg.host,
+                                      self.num_slots, self.slot_bytes, hello, deadline)
+        self._out.extend(socks)
+        for p, me_there in zip(self.peers, positions):
             self._remote_base[self._index[p]] = me_there * self.num_slots
-            try:
-                sock = socket.create_connection((infos[p]["host"], infos[p]["port"]),
-                                                timeout=max(0.1, deadline - time.monotonic()))
-                sock.sendall(hello)
-            except OSError as e:
-                raise TransportTimeout(f"M2N connect: cannot reach {p!r} at {infos[p]['host']}:{infos[p]['port']}: {e}")
-            sock.setblocking(False)
-            self._out.append(sock)
         gate = HelloGate(self._listener, self.me, self.session, self.peers, self.num_slots, self.slot_bytes,
                          self.cfg.token, MAX_HELLO)
         admitted = gate.accept_all(deadline)

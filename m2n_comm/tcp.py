@@ -41,9 +41,8 @@ from typing import Callable, TypeVar
 
 import torch
 
-from m2n_comm._common import (HEADER_WORDS, EndpointBase, TensorDesc, check_peer_info, header_words, parse_words,
-                              publish, wait_published)
-from m2n_comm._hello import HelloGate, hello_frame
+from m2n_comm._common import HEADER_WORDS, EndpointBase, TensorDesc, header_words, parse_words
+from m2n_comm._hello import HelloGate, dial_peers, hello_frame
 from m2n_comm.transport import MessageMeta, PeerDeadError, TransportConfig, TransportTimeout
 
 T = TypeVar("T")
@@ -118,23 +117,9 @@ class TcpEndpoint(EndpointBase):
         deadline = time.monotonic() + self.cfg.connect_timeout_s
         self._listener = socket.create_server((self.cfg.host, 0), backlog=max(16, 2 * len(self.peers)))
         self._listener.setblocking(False)
-        port = self._listener.getsockname()[1]
-        info = dict(host=self.cfg.host, port=port, num_slots=self.num_slots, slot_bytes=self.slot_bytes,
-                    peers=self.peers)
-        publish(store, self.session, self.me, "tcp", info)
-        infos = wait_published(store, self.session, self.peers, "tcp", deadline)
         hello = hello_frame(self.me, self.num_slots, self.slot_bytes, self.cfg.token)
-        for pi, p in enumerate(self.peers):
-            check_peer_info(self.me, p, infos[p], self.num_slots, self.slot_bytes)
-            left = max(0.1, deadline - time.monotonic())
-            try:
-                sock = socket.create_connection((infos[p]["host"], infos[p]["port"]), timeout=left)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.sendall(hello)
-            except OSError as e:
-                raise TransportTimeout(f"M2N connect: cannot reach {p!r} at {infos[p]['host']}:{infos[p]['port']}: {e}")
-            sock.setblocking(False)
-            self._out[pi] = sock
+        self._out[:], _ = dial_peers(store, self.session, self.me, self.peers, "tcp", self._listener, self.cfg.host,
+                                     self.num_slots, self.slot_bytes, hello, deadline)
         self._accept_peers(deadline)
         self._listener.close()
         self._listener = None
