@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 from models.builtin import make_random_checkpoint, randomize_biases, randomize_correction_bias, train_tokenizer
+from models.kv_cache import AttentionBatch, make_paged_cache
 
 VOCAB = 512
 BASE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -133,3 +134,31 @@ def slow_steps(a, monkeypatch, seconds: float = 0.005) -> None:
         return step()
 
     monkeypatch.setattr(a.engine, "step", slow)
+
+
+# --- our logits on a paged cache, against transformers (shared by the family tests) ---
+
+def paged_batch(prompts: list[list[int]], block_size: int = 4) -> tuple[AttentionBatch, int]:
+    tables, n = [], 0
+    for p in prompts:
+        k = -(-len(p) // block_size)
+        tables.append(list(range(n, n + k)))
+        n += k
+    return AttentionBatch.build_paged([len(p) for p in prompts], [0] * len(prompts), tables, block_size), n
+
+
+def our_logits(model, prompts: list[list[int]]) -> torch.Tensor:
+    batch, blocks = paged_batch(prompts)
+    cache = make_paged_cache(model.cfg, blocks, 4, torch.float32, "cpu", model.ops)
+    with torch.no_grad():
+        return model.logits(model(torch.tensor([t for p in prompts for t in p]), batch, cache))
+
+
+def assert_close_to_transformers(got: torch.Tensor, ref, prompts: list[list[int]]) -> None:
+    start = 0
+    with torch.no_grad():
+        for p in prompts:
+            expected = ref(torch.tensor([p])).logits[0].float()
+            diff = (got[start:start + len(p)] - expected).abs().max().item()
+            assert diff < 1e-4 * expected.abs().max().item(), f"prompt {p}: {diff}"
+            start += len(p)

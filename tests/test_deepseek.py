@@ -13,10 +13,10 @@ from attention_nodes.config import CacheConfig, EngineConfig, SchedulerConfig
 from attention_nodes.engine import LLMEngine
 from kernels.ops import torch_ops
 from models.config import ConfigError, ModelConfig
-from models.kv_cache import AttentionBatch, PagedLatentCache, make_paged_cache
+from models.kv_cache import PagedLatentCache, make_paged_cache
 from models.loader import load_model
 from server import LLM, SamplingParams
-from tests.conftest import PROMPTS, hf_model
+from tests.conftest import PROMPTS, assert_close_to_transformers, hf_model, our_logits, paged_batch
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 32,
         "mscale": 0.9, "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1}
@@ -33,31 +33,12 @@ VARIANTS = [
 IDS = ["v3", "v3-yarn-noqlora", "v3-kimi-odd", "v2", "v2-grouped-yarn"]
 
 
-def paged_batch(prompts: list[list[int]], block_size: int = 4) -> tuple[AttentionBatch, int]:
-    tables, n = [], 0
-    for p in prompts:
-        k = -(-len(p) // block_size)
-        tables.append(list(range(n, n + k)))
-        n += k
-    return AttentionBatch.build_paged([len(p) for p in prompts], [0] * len(prompts), tables, block_size), n
-
-
 @pytest.mark.parametrize("family,overrides", VARIANTS, ids=IDS)
 def test_logits_equal_transformers(make_checkpoint, family, overrides):
     d = make_checkpoint(family, **overrides)
     cfg = ModelConfig.from_pretrained(d)
     assert cfg.mla is not None
-    ours, ref = load_model(d), hf_model(d)
-    batch, blocks = paged_batch(PROMPTS)
-    cache = make_paged_cache(cfg, blocks, 4, torch.float32, "cpu", torch_ops())
-    with torch.no_grad():
-        logits = ours.logits(ours(torch.tensor([t for p in PROMPTS for t in p]), batch, cache))
-        start = 0
-        for p in PROMPTS:
-            expected = ref(torch.tensor([p])).logits[0].float()
-            got = logits[start:start + len(p)]
-            start += len(p)
-            assert (got - expected).abs().max().item() < 1e-4 * expected.abs().max().item(), f"prompt {p}"
+    assert_close_to_transformers(our_logits(load_model(d), PROMPTS), hf_model(d), PROMPTS)
 
 
 def test_bfloat16_checkpoint_close_to_transformers(make_checkpoint):

@@ -6,7 +6,7 @@ from models.config import ModelConfig
 from models.kv_cache import AttentionBatch, DenseKVCache
 from models.loader import load_model
 from server import LLM, SamplingParams
-from tests.conftest import PROMPTS, hf_model
+from tests.conftest import PROMPTS, assert_close_to_transformers, hf_model
 
 # (family, config overrides): every documented option of each family that changes the forward pass.
 VARIANTS = [
@@ -50,13 +50,7 @@ def test_logits_equal_transformers(make_checkpoint, family, overrides):
     batch = AttentionBatch.build([len(p) for p in PROMPTS], [0] * len(PROMPTS), list(range(len(PROMPTS))))
     with torch.no_grad():
         logits = ours.logits(ours(torch.tensor([t for p in PROMPTS for t in p]), batch, cache))
-        start = 0
-        for p in PROMPTS:
-            expected = ref(torch.tensor([p])).logits[0].float()
-            got = logits[start:start + len(p)]
-            start += len(p)
-            scale = expected.abs().max().item()
-            assert (got - expected).abs().max().item() < 1e-4 * scale, f"prompt {p}"
+    assert_close_to_transformers(logits, ref, PROMPTS)
 
 
 GREEDY = [0, 1, 5, 6, 8, 9, 11, 12, 14, 15, 16, 17, 18]  # every family, windows, dynamic and yarn rope, dense layers

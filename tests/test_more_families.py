@@ -3,11 +3,10 @@ through LLM, the engine (preemption, prefix hits) and pools, training, and their
 import pytest
 import torch
 
-from kernels.ops import torch_ops
 from models.config import ModelConfig
 from models.kv_cache import AttentionBatch, make_paged_cache
 from models.loader import load_model
-from tests.conftest import PROMPTS, hf_model
+from tests.conftest import PROMPTS, assert_close_to_transformers, hf_model, our_logits
 
 VARIANTS = [
     ("glm4_moe", {}),
@@ -17,32 +16,6 @@ VARIANTS = [
     ("gpt_oss", {}),
 ]
 IDS = ["glm", "glm-plain-gqa3", "minimax", "gpt-oss"]
-
-
-def paged_batch(prompts: list[list[int]], block_size: int = 4) -> tuple[AttentionBatch, int]:
-    tables, n = [], 0
-    for p in prompts:
-        k = -(-len(p) // block_size)
-        tables.append(list(range(n, n + k)))
-        n += k
-    return AttentionBatch.build_paged([len(p) for p in prompts], [0] * len(prompts), tables, block_size), n
-
-
-def our_logits(model, prompts: list[list[int]]) -> torch.Tensor:
-    batch, blocks = paged_batch(prompts)
-    cache = make_paged_cache(model.cfg, blocks, 4, torch.float32, "cpu", model.ops)
-    with torch.no_grad():
-        return model.logits(model(torch.tensor([t for p in prompts for t in p]), batch, cache))
-
-
-def assert_close_to_transformers(got: torch.Tensor, ref, prompts: list[list[int]]) -> None:
-    start = 0
-    with torch.no_grad():
-        for p in prompts:
-            expected = ref(torch.tensor([p])).logits[0].float()
-            diff = (got[start:start + len(p)] - expected).abs().max().item()
-            assert diff < 1e-4 * expected.abs().max().item(), f"prompt {p}: {diff}"
-            start += len(p)
 
 
 @pytest.mark.parametrize("family,overrides", VARIANTS, ids=IDS)
