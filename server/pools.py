@@ -467,9 +467,12 @@ class PoolEngine:
 
     # -- failures ----------------------------------------------------------------------------------
     def _check_procs(self, wait: float = 0.0) -> None:
+        """Raise _Broken for a worker that exited, waiting up to `wait` s in all for one to exit
+        (a closed connection comes a moment before its process can be reaped)."""
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and all(p.exitcode is None for p in self._procs):
+            time.sleep(0.02)
         for p in list(self._procs):
-            if wait and p.exitcode is None:
-                p.join(wait)
             if p.exitcode == MAIN_GUARD_EXIT:
                 raise WorkerFailedError(MAIN_GUARD_HINT)
             if p.exitcode is not None:
