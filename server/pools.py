@@ -30,6 +30,7 @@ import os
 import queue
 import secrets
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -119,8 +120,11 @@ class PoolEngine:
         if getattr(mp.current_process(), "_inheriting", False):
             # We are a spawned worker re-importing a script that starts pools at its top level:
             # leave quietly with a code the parent turns into the fix (multiprocessing's own
-            # RuntimeError here is a page of bootstrapping traceback per worker).
-            raise SystemExit(MAIN_GUARD_EXIT)
+            # RuntimeError here is a page of bootstrapping traceback per worker). os._exit, not
+            # SystemExit: the fork server's child turns any exception, SystemExit too, into code 1.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(MAIN_GUARD_EXIT)
         par = cfg.parallel
         check_installed(par)  # here, not in every worker: say what to install before anything starts
         self.cfg, self.model_cfg = cfg, ModelConfig.from_pretrained(cfg.model)
