@@ -20,6 +20,10 @@ M2N endpoints and open new ones under the epoch's session (the experts and weigh
 a restarted expert worker loads only its own experts); then every request still running is
 resumed from its prompt plus the tokens already delivered (the preemption recompute path), so
 its stream goes on with no token lost, repeated or changed. While that happens `ready` is False.
+Failover: when only expert workers failed and every expert they held has a copy on a live expert
+worker, nobody else is restarted and no request is resumed: the next epoch routes around them
+(placement version v + 1 without them; attention workers keep their requests), and once the
+restarted worker has loaded, one more epoch adds it back (version v + 2, the placement before).
 """
 import collections
 import itertools
@@ -57,6 +61,7 @@ log = logging.getLogger("shuttle")
 START_TIMEOUT_S = 300.0  # loading big checkpoints takes a while; dead workers are noticed sooner
 RESTART_TIMEOUT_S = 120.0  # a restart (spawn, load, every endpoint re-opened) must finish within this
 REPORT_GRACE_S = 1.0  # after a failure: how long to wait for the report that names its cause
+ADD_BACK_POLL_S = 0.05  # during a failover: how often to look whether the restarted worker has loaded
 
 
 MAIN_GUARD_EXIT = 3  # a spawned worker found its script starting pools while being imported
@@ -157,6 +162,10 @@ class PoolEngine:
         self._requests: dict[str, _Request] = {}
         self._load = [0] * par.attention_workers    # tokens queued per worker (prompt + max_tokens)
         self._worker_stats: dict[int, dict] = {}    # attention worker rank -> its latest Stats
+        # During a failover: (the placement to add the workers back with, their names, the epoch
+        # they were started for); None otherwise.
+        self._degraded: tuple[ExpertPlacement, set[str], int] | None = None
+        self._next_add_back = 0.0
         self._finalizer = weakref.finalize(self, _shutdown, self._socks, self._procs, self._store, self.session,
                                            par.expert_workers if rendezvous else 0, self._launcher)
         if rendezvous:
@@ -214,18 +223,21 @@ class PoolEngine:
         for p in self._procs:
             p.start()
 
-    def _worker(self, name: str) -> mp.process.BaseProcess:
-        """A (not yet started) process for worker `name` ("a0", "e1") that joins the current epoch:
-        the launcher's (a spawned process, or a Ray actor with the same interface)."""
+    def _worker(self, name: str, placement: ExpertPlacement | None = None,
+                epoch: int | None = None) -> mp.process.BaseProcess:
+        """A (not yet started) process for worker `name` ("a0", "e1") that joins the current epoch
+        with the current placement (unless given): the launcher's (a spawned process, or a Ray
+        actor with the same interface)."""
         cfg, par, launch = self._spawn_cfg, self._spawn_cfg.parallel, self._launcher.worker
         store_addr, rank = (self._launcher.host, self._store.port), int(name[1:])
+        placement, epoch = placement or self.placement, self.epoch if epoch is None else epoch
         if name[0] == "e":
             spec = ExpertWorkerSpec(cfg.model, cfg.dtype, par.expert_device or cfg.device, cfg.kernels, rank,
-                                    par.attention_workers, par.micro_batches, self.placement, self.transport,
-                                    store_addr, self.session, par.torch_threads, par.trace_dir, self.epoch)
+                                    par.attention_workers, par.micro_batches, placement, self.transport,
+                                    store_addr, self.session, par.torch_threads, par.trace_dir, epoch)
             return launch(name, "expert", run_expert_worker, spec)
-        spec = AttentionWorkerSpec(cfg, rank, sorted(self.eos_token_ids), self.placement, self.transport,
-                                   store_addr, self._listener.getsockname()[:2], self.session, self.epoch)
+        spec = AttentionWorkerSpec(cfg, rank, sorted(self.eos_token_ids), placement, self.transport,
+                                   store_addr, self._listener.getsockname()[:2], self.session, epoch)
         return launch(name, "attention", run_attention_worker, spec)
 
     def _publish(self) -> None:
@@ -237,12 +249,13 @@ class PoolEngine:
         log.info("waiting for %d attention and %d expert workers at %s:%d", self.cfg.parallel.attention_workers,
                  self.cfg.parallel.expert_workers, *self._listener.getsockname()[:2])
 
-    def _await_ready(self, ranks: set[int], timeout_s: float) -> None:
+    def _await_ready(self, ranks: set[int], timeout_s: float) -> list[SequenceDelta]:
         """Accept the control connections of (re)started attention workers and wait until every
-        rank in `ranks` said Ready for the current epoch. Raises _Broken if a worker fails meanwhile,
-        WorkerFailedError past the deadline."""
+        rank in `ranks` said Ready for the current epoch; returns the deltas that came meanwhile
+        (from workers that keep their requests: failover). Raises _Broken if a worker fails
+        meanwhile, WorkerFailedError past the deadline."""
         self._listener.settimeout(0.05)
-        self._waiting, deadline = set(ranks), time.monotonic() + timeout_s
+        self._waiting, deadline, out = set(ranks), time.monotonic() + timeout_s, []
         while self._waiting:
             self._check_procs()
             if time.monotonic() > deadline:
@@ -260,10 +273,11 @@ class PoolEngine:
                                  daemon=True).start()
             try:
                 while self._waiting:
-                    self._handle(self._events.get_nowait())
+                    out += self._handle(self._events.get_nowait())
             except queue.Empty:
                 pass
             self._check_store()
+        return out
 
     # -- requests ----------------------------------------------------------------------------------
     def check_prompt(self, prompt_token_ids: list[int]) -> list[int]:
@@ -313,9 +327,10 @@ class PoolEngine:
         restart budget)."""
         out: list[SequenceDelta] = []
         self._poll_placement()
-        if not self._requests:
-            return out
         try:
+            out += self._poll_add_back()
+            if not self._requests:
+                return out
             item = self._next_event(timeout)
             while item is not None:
                 out += self._handle(item)
@@ -341,6 +356,7 @@ class PoolEngine:
                 self._drain_events()
             self._check_procs()
             self._check_store()
+            self._poll_add_back()
         except _Broken as b:
             self._recover(b)
 
@@ -523,6 +539,8 @@ class PoolEngine:
             suspects = self._suspects(b)
             self._count_restart(b, suspects)
             try:
+                if self._can_fail_over(suspects):
+                    return self._fail_over(suspects, b.why)
                 self._restart(suspects, b.why)
                 return self._resume()
             except _Broken as again:
@@ -560,12 +578,18 @@ class PoolEngine:
     def _restart(self, suspects: set[str], why: str) -> None:
         """Kill and start again the suspects, open the next epoch, and wait until every attention
         worker joined it."""
-        if self.placements.moved():
-            # Survivors may hold, or route with, placement versions a new worker would not know:
-            # every worker starts again with the placement in use (docs/architecture.md, Supervision).
+        if self.placements.pending is not None or self._degraded is not None:
+            # Survivors may hold, or route with, placement versions a new worker would not know (a
+            # re-placement under way), or route around workers being added back (a failover): every
+            # worker starts again with the placement in use (docs/architecture.md, Supervision).
             suspects = {p.name for p in self._procs}
-            self.placements.restarted()
-            self.placement = self.placements.current
+            if self._degraded is not None:  # with the workers that were out back in
+                back = self._degraded[0]
+                self.placements.set_current(ExpertPlacement(back.moe_layers, back.layers,
+                                                            self.placements.next_version()))
+                self._degraded = None
+        self.placements.restarted()  # new workers count tokens and steps from zero
+        self.placement = self.placements.current
         log.warning("restarting %s (restart %d): %s", ", ".join(sorted(suspects)) or "the data plane",
                     self.num_restarts, why)
         self.epoch += 1
@@ -588,6 +612,86 @@ class PoolEngine:
             if p.name in suspects:
                 p.start()
         self._await_ready(set(range(self.cfg.parallel.attention_workers)), RESTART_TIMEOUT_S)
+
+    # -- failover ----------------------------------------------------------------------------------
+    def _can_fail_over(self, suspects: set[str]) -> bool:
+        """Only expert workers failed, and every expert they hold has a copy on a live expert worker
+        in every layer: route around them instead of restarting anyone else. Not while a
+        re-placement or another failover is under way (those restart every worker)."""
+        if (not suspects or any(n[0] != "e" for n in suspects) or self._degraded is not None
+                or self.placements.pending is not None):
+            return False
+        return self.placements.current.covers_without({int(n[1:]) for n in suspects})
+
+    def _fail_over(self, suspects: set[str], why: str) -> list[SequenceDelta]:
+        """Open the next epoch without the failed expert workers (placement v + 1: their copies
+        dropped); attention workers keep their requests and route around them from the epoch's first
+        step. The failed workers are started again (loading the placement v + 2, the one in use now)
+        for the epoch after, which `_poll_add_back` opens once they have loaded. Returns the deltas
+        that came meanwhile."""
+        cur = self.placements.current
+        without = cur.without({int(n[1:]) for n in suspects}, self.placements.next_version())
+        back = ExpertPlacement(cur.moe_layers, cur.layers, without.version + 1)
+        log.warning("failover: expert workers %s are out (%s); routing around them with placement version %d, "
+                    "restarting them to be added back with version %d", ", ".join(sorted(suspects)), why,
+                    without.version, back.version)
+        self.epoch += 1
+        # Published for the placement watchers (which build versions in order; both cost survivors
+        # nothing: they hold every expert of both) and named as the epoch's placement.
+        self._store.set(f"{self.session}/placement/{without.version}", without.to_json())
+        self._store.set(f"{self.session}/placement/{back.version}", back.to_json())
+        self._store.set(f"{self.session}/epoch/g{self.epoch}/placement", str(without.version))
+        for i, p in enumerate(self._procs):
+            if p.name in suspects:
+                if p.exitcode is None:
+                    p.kill()  # silent (or stopped): it is replaced
+                p.join(5.0)
+                self._procs[i] = self._worker(p.name, back, self.epoch + 1)
+        self._degraded = (back, set(suspects), self.epoch + 1)
+        self.placements.set_current(without)
+        out = self._switch_epoch(without)
+        for p in self._procs:
+            if p.name in suspects:
+                p.start()
+        return out + self._await_ready(set(range(self.cfg.parallel.attention_workers)), RESTART_TIMEOUT_S) \
+            + self._now_ready()
+
+    def _switch_epoch(self, placement: ExpertPlacement) -> list[SequenceDelta]:
+        """Tell every attention worker to rejoin the current epoch keeping its requests and routing
+        with `placement`; what their connections send from now on belongs to this epoch."""
+        self._store.set(f"{self.session}/epoch", str(self.epoch))
+        for conn in list(self._conn_rank):
+            self._conn_epoch[conn] = self.epoch
+        msg = wire.Reset(self.epoch, placement.to_json())
+        for rank in range(self.cfg.parallel.attention_workers):
+            self._send(rank, msg)
+        return []
+
+    def _now_ready(self) -> list[SequenceDelta]:
+        self._ready = True
+        log.info("epoch %d: every worker is up; placement version %d, %d requests went on", self.epoch,
+                 self.placements.current.version, len(self._requests))
+        return []
+
+    def _poll_add_back(self) -> list[SequenceDelta]:
+        """During a failover: once the restarted expert workers have loaded, open the epoch they
+        were started for, with the placement from before the failure (every worker keeps its
+        requests; at most one step is computed again). Returns the deltas that came meanwhile."""
+        if self._degraded is None or time.monotonic() < self._next_add_back:
+            return []
+        self._next_add_back = time.monotonic() + ADD_BACK_POLL_S
+        back, names, epoch = self._degraded
+        keys = [f"{self.session}/up/{n}" for n in sorted(names)]
+        if not self._store.check(keys) or any(int(self._store.get(k)) != epoch for k in keys):
+            return []
+        log.info("adding %s back: placement version %d", ", ".join(sorted(names)), back.version)
+        self._ready, self.epoch = False, epoch
+        self._store.set(f"{self.session}/epoch/g{epoch}/placement", str(back.version))
+        self._switch_epoch(back)
+        out = self._await_ready(set(range(self.cfg.parallel.attention_workers)), RESTART_TIMEOUT_S)
+        self._degraded = None
+        self.placements.set_current(back)
+        return out + self._now_ready()
 
     def _resume(self) -> list[SequenceDelta]:
         """Send every running request again, with the tokens it already delivered (the workers of
