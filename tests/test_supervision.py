@@ -304,7 +304,7 @@ def test_restart_budget_and_remote_workers(monkeypatch):
     """--max-worker-restarts counts within --restart-window-s; 0 and --role workers fail at once."""
     eng = _front(max_restarts=2, window_s=100.0)
     now = [1000.0]
-    monkeypatch.setattr("server.pools.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("server.supervision.time.monotonic", lambda: now[0])
     eng._count_restart(_Broken("worker e0 exited with code -9"), {"e0"})
     now[0] += 50
     eng._count_restart(_Broken("worker e0 exited with code -9"), {"e0"})
