@@ -25,11 +25,10 @@ log = logging.getLogger("shuttle")
 RESTART_TIMEOUT_S = 120.0  # a restart (spawn, load, every endpoint re-opened) must finish within this
 REPORT_GRACE_S = 1.0  # after a failure: how long to wait for the report that names its cause
 ADD_BACK_POLL_S = 0.05  # during a failover: how often to look whether the restarted worker has loaded
-
-
 MAIN_GUARD_EXIT = 3  # a spawned worker found its script starting pools while being imported
 MAIN_GUARD_HINT = ("the worker pools are separate processes that re-import your script: start them under "
                    "`if __name__ == \"__main__\":` (put the LLM(...) / AsyncLLM(...) call and what uses it in that block)")
+
 
 class WorkerFailedError(RuntimeError):
     """A worker process failed or exited and was not (or could no more be) restarted; the message
@@ -45,7 +44,6 @@ class _Broken(Exception):
         self.why, self.suspects = why, set(suspects or ())
 
 
-
 @dataclass
 class _Request:
     """What the front keeps of a running request, enough to resume it elsewhere."""
@@ -57,7 +55,6 @@ class _Request:
     live: set[int]  # indices of unfinished samples
     outputs: list[list[int]]  # per sample, the token ids delivered so far
     aborting: bool = False
-
 
 
 def _down(pid: int) -> bool:
