@@ -35,6 +35,13 @@ def _visible(qpos: torch.Tensor, S: int, sliding_window: int | None) -> torch.Te
     return mask
 
 
+def _needs_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None) -> bool:
+    """Whether cached_attention must take the reference: not on the CPU, values narrower than keys
+    (the flash kernel wants equal head sizes), or autograd recording (training)."""
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+    return q.device.type != "cpu" or v.shape[-1] != k.shape[-1] or grads
+
+
 def cached_attention(
     q_TNH: torch.Tensor,
     k_BKSH: torch.Tensor,
@@ -54,14 +61,15 @@ def cached_attention(
     k_BKSH[b, :, j]) is visible to a query at position p when j <= p and, with a sliding window w,
     j > p - w (transformers' convention). The caches must already hold this call's keys.
     sinks_N: optional per-head sink logits (see the module docstring). Returns o_TNH in q's dtype.
-    On the CPU both cases run torch's flash kernel (module docstring); elsewhere, and for values
-    narrower than keys, cached_attention_reference.
+    On the CPU both cases run torch's flash kernel (module docstring); elsewhere, for values narrower
+    than keys, and where autograd records (training: the kernel's log-sum-exp, which the sinks use,
+    carries no gradient), cached_attention_reference.
     """
-    if max_q_len == 1:
-        return _decode_attention(q_TNH, k_BKSH, v_BKSH, seq_idx_T, positions_T, scale, sliding_window, sinks_N)
-    if q_TNH.device.type != "cpu" or v_BKSH.shape[-1] != k_BKSH.shape[-1]:
+    if _needs_reference(q_TNH, k_BKSH, v_BKSH, sinks_N):
         return cached_attention_reference(q_TNH, k_BKSH, v_BKSH, seq_idx_T, tok_idx_T, positions_T, max_q_len, scale,
                                           sliding_window, sinks_N)
+    if max_q_len == 1:
+        return _decode_attention(q_TNH, k_BKSH, v_BKSH, seq_idx_T, positions_T, scale, sliding_window, sinks_N)
     B, K, S, H = k_BKSH.shape
     N = q_TNH.shape[1]
     dt = q_TNH.dtype
@@ -73,7 +81,8 @@ def cached_attention(
         qpos_BQ = torch.zeros(B, max_q_len, dtype=torch.long, device=q_TNH.device)
         qpos_BQ[seq_idx_T, tok_idx_T] = positions_T
         hidden_BQS = ~_visible(qpos_BQ, S, sliding_window)
-        bias, causal = torch.zeros(B, 1, max_q_len, S, dtype=dt).masked_fill_(hidden_BQS[:, None], float("-inf")), False
+        bias = torch.zeros(B, 1, max_q_len, S, dtype=dt).masked_fill_(hidden_BQS[:, None], float("-inf"))
+        causal = False
     k_BKSH, v_BKSH = (t.to(dt) if t.stride(-1) == 1 else t.to(dt).contiguous() for t in (k_BKSH, v_BKSH))
     o_BNQH, lse_BNQ = _flash_cpu(q_BQNH.transpose(1, 2), k_BKSH, v_BKSH, is_causal=causal, attn_mask=bias,
                                  scale=scale)
@@ -139,7 +148,7 @@ def _decode_attention(q_TNH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.T
     module docstring on the CPU, _decode_attention_reference elsewhere. Returns o_TNH in q's dtype."""
     B, K, S, H = k_BKSH.shape
     N = q_TNH.shape[1]
-    if q_TNH.device.type != "cpu" or v_BKSH.shape[-1] != H:  # the flash kernel needs equal head sizes
+    if _needs_reference(q_TNH, k_BKSH, v_BKSH, sinks_N):
         return _decode_attention_reference(q_TNH, k_BKSH, v_BKSH, seq_idx_T, positions_T, scale, sliding_window,
                                            sinks_N)
     dt = q_TNH.dtype

@@ -197,13 +197,15 @@ def test_fused_moe_upcast_of_emulated_bf16(monkeypatch, bias):
     T, D, I, E = 24, 32, 24, 4
     x = torch.randn(T, D)
     w13, w2 = torch.randn(E, 2 * I, D) / D ** 0.5, torch.randn(E, D, I) / I ** 0.5
-    kw = dict(b13_EI2=torch.randn(E, 2 * I) / 4, b2_ED=torch.randn(E, D) / 4, act=moe.SwiGLU(1.702, 7.0, 1.0)) if bias else {}
+    kw = {}
+    if bias:
+        kw = dict(b13_EI2=torch.randn(E, 2 * I) / 4, b2_ED=torch.randn(E, D) / 4, act=moe.SwiGLU(1.702, 7.0, 1.0))
     ids = torch.tensor([[0, 1]] * 20 + [[2, 3]] * 4)  # experts 0 and 1 get 20 rows, 2 and 3 get 4
     weights = torch.rand(T, 2)
     bf = {k: v.bfloat16() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     args = (x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids)
-    exact = fused_moe(*(a.float() for a in args[:3]), weights, ids, **{k: v.float() if isinstance(v, torch.Tensor) else v
-                                                                         for k, v in bf.items()})
+    as_float = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in bf.items()}
+    exact = fused_moe(*(a.float() for a in args[:3]), weights, ids, **as_float)
     upcast = fused_moe(*args, **bf, upcast_min_rows=8)
     plain = fused_moe(*args, **bf, upcast_min_rows=None)
     assert upcast.dtype == torch.bfloat16
