@@ -177,8 +177,12 @@ def _read_control(ctl: socket.socket, inbox: queue.Queue) -> None:
 
 
 def _serve(rank: int, engine: LLMEngine, sender: M2NSender, inbox: queue.Queue, ctl: socket.socket) -> None:
-    runner, stats = engine.runner, _StatsReporter(rank, engine, sender, ctl)
+    """The step loop. Trace categories besides the sender's (attention, transfer, wait inside the
+    model's forward): "step" spans one engine step (schedule, forward, sample, update), "control"
+    the control-plane work around it (applying the server's messages, sending deltas and stats)."""
+    runner, stats, tracer = engine.runner, _StatsReporter(rank, engine, sender, ctl), sender.tracer
     while True:
+        t0 = Tracer.now()
         try:
             while True:
                 if not _apply(engine, sender, inbox.get_nowait(), ctl):
@@ -187,13 +191,18 @@ def _serve(rank: int, engine: LLMEngine, sender: M2NSender, inbox: queue.Queue, 
         except queue.Empty:
             pass
         if engine.has_unfinished_requests() or not sender.peers_idle:
+            t1 = Tracer.now()
+            tracer.span("apply", "control", t0, t1)
             executed = runner.num_executed
             deltas = engine.step()
             if runner.num_executed == executed:  # nothing was schedulable: still take this step's turn
                 runner.idle_step()
+            t2 = Tracer.now()
+            tracer.span("step", "step", t1, t2)
             if deltas:
                 wire.send(ctl, wire.Deltas([wire.encode_delta(d) for d in deltas]))
             stats.stepped()
+            tracer.span("deltas", "control", t2)
             continue
         stats.parked()
         try:  # parked
