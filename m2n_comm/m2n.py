@@ -27,6 +27,7 @@ of spinning empty steps; an expert worker that saw an empty step sends WAKE (slo
 attention workers as soon as one of them starts the next step. A stray WAKE is skipped.
 """
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -163,6 +164,7 @@ class M2NSender:
         # Time between dispatcher calls within a step is the attention side's compute.
         self.tracer = tracer or Tracer(endpoint.me)
         self._last_ns = 0
+        self._deferred: list[Callable[[], None]] = []
 
     @property
     def placement_version(self) -> int:
@@ -182,6 +184,16 @@ class M2NSender:
         again on every attention worker, and the expert workers start idle."""
         self.ep, self.step, self.peers_idle, self._step_tokens = endpoint, 0, True, 0
         self._agreed = self._next_agreed = 0  # placement offers are made again in the new epoch
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run fn right after this worker's first dispatch of its next step, while the experts
+        compute that chunk (the caller's control-plane work of the last step, off the experts'
+        critical path between steps); `flush_deferred` runs what is pending now."""
+        self._deferred.append(fn)
+
+    def flush_deferred(self) -> None:
+        while self._deferred:
+            self._deferred.pop(0)()
 
     def begin_step(self) -> None:
         if self._pending is not None and self._agreed >= self._pending.version:
@@ -232,6 +244,11 @@ class M2NSender:
     def _dispatched(self, layer: int, mb: int, start: int, T: int, rows_W: list, x_TD: torch.Tensor) -> Handle:
         self._last_ns = Tracer.now()
         self.tracer.span(f"dispatch L{layer} mb{mb}", "transfer", start, self._last_ns, {"tokens": T})
+        if self._deferred:
+            self.flush_deferred()
+            now = Tracer.now()
+            self.tracer.span("deferred", "control", self._last_ns, now)
+            self._last_ns = now
         return Handle(self.step, layer, mb, T, rows_W, x_TD.dtype, x_TD.device)
 
     def _chunk(self, w: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
