@@ -20,7 +20,8 @@ Breakdown (ms per step, from the workers' traces over the same window):
   router, LM head); send = dispatch (routing tables, packing, writing the slots); wait = combine
   (blocked on the experts' answers); engine = the rest of the engine step (scheduling, preparing
   inputs, sampling, updating sequences); control = applying the server's messages and sending the
-  deltas and stats; gap = none of these (the worker loop between steps).
+  deltas and stats (the latter run inside the next step, right after its first dispatch: the trace's
+  "deferred" spans); gap = none of these (the worker loop between steps).
   expert worker: expert = computing; reply = sending the answers; wait_in = waiting for a chunk
   inside a step; wait_between = waiting for the first chunk of the next step (the attention worker's
   engine work and control between steps).
@@ -95,9 +96,11 @@ def breakdown(a: list[dict], e: list[dict], window_ns: tuple[int, int], steps: i
     per = 1e-3 / max(steps, 1)
     cat = {c: covered(a, t0, t1, lambda ev, c=c: ev["cat"] == c) for c in ATTN_CATS}
     forward = cat["attention"] + cat["transfer"] + cat["wait"]
+    deferred = covered(a, t0, t1, lambda ev: ev["name"] == "deferred")  # control work inside the next step
     wait_between = covered(e, t0, t1, lambda ev: ev["cat"] == "wait" and ev["name"] == first_recv)
-    r = {"attn": cat["attention"], "send": cat["transfer"], "wait": cat["wait"], "engine": cat["step"] - forward,
-         "control": cat["control"], "gap": (t1 - t0) - cat["step"] - cat["control"],
+    r = {"attn": cat["attention"], "send": cat["transfer"], "wait": cat["wait"],
+         "engine": cat["step"] - forward - deferred, "control": cat["control"],
+         "gap": (t1 - t0) - cat["step"] - cat["control"] + deferred,
          "expert": covered(e, t0, t1, lambda ev: ev["cat"] == "expert"),
          "reply": covered(e, t0, t1, lambda ev: ev["cat"] == "transfer"),
          "wait_in": covered(e, t0, t1, lambda ev: ev["cat"] == "wait") - wait_between, "wait_between": wait_between}

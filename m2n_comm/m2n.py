@@ -188,7 +188,8 @@ class M2NSender:
     def defer(self, fn: Callable[[], None]) -> None:
         """Run fn right after this worker's first dispatch of its next step, while the experts
         compute that chunk (the caller's control-plane work of the last step, off the experts'
-        critical path between steps); `flush_deferred` runs what is pending now."""
+        critical path between steps), or at that step's end at the latest; `flush_deferred` runs
+        what is pending now."""
         self._deferred.append(fn)
 
     def flush_deferred(self) -> None:
@@ -206,6 +207,7 @@ class M2NSender:
         self._last_ns = Tracer.now()
 
     def end_step(self) -> None:
+        self.flush_deferred()  # a step without a dispatch (no MoE layer) still sends what waits
         self.peers_idle = self._step_tokens == 0
         self._agreed = self._next_agreed or 0
         self.tracer.span("attention", "attention", self._last_ns)
