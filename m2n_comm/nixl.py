@@ -45,8 +45,8 @@ from typing import Callable, TypeVar
 import numpy as np
 import torch
 
-from m2n_comm._common import (HEADER_WORDS, EndpointBase, TensorDesc, copy_payload, header_words, parse_words,
-                              publish, wait_published)
+from m2n_comm._common import (HEADER_WORDS, EndpointBase, TensorDesc, copy_payload, header_words, publish,
+                              wait_published)
 from m2n_comm._hello import HelloGate, dial_peers, hello_frame
 from m2n_comm.transport import SLOT_HEADER_BYTES, MessageMeta, PeerDeadError, TransportConfig, TransportTimeout
 

@@ -31,7 +31,6 @@ Liveness: any bytes from a peer count as a sign of life; EOF or a reset marks th
 checked (after reading what is pending, so a long compute is never mistaken for silence). A failed
 send marks it dead too. Each peer has its own sockets, so a dead one does not disturb the others.
 """
-import os
 import select
 import socket
 import struct
