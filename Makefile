@@ -51,8 +51,11 @@ soak: setup
 fault-test: setup
 	# the issue's full-size fault tests (tests/test_supervision.py runs 12 streams at concurrency 6 in CI):
 	# 200 streamed requests at concurrency 32 while an expert worker is SIGKILLed, an attention worker
-	# SIGKILLed, an expert worker SIGSTOPped; then one fault past --max-worker-restarts
+	# SIGKILLed, an expert worker SIGSTOPped (e1 SIGKILLed is a failover: its experts have copies on e0);
+	# then one fault past --max-worker-restarts
 	SHUTTLE_FAULT_REQUESTS=200 SHUTTLE_FAULT_CONCURRENCY=32 $(BIN)/python -m pytest -q -s tests/test_supervision.py
+	# failover (copies of the killed worker's experts elsewhere) against restart: writes bench/results/failover.json
+	$(BIN)/python bench/failover.py
 
 profile: setup
 	# this host's planner profile of the built-in model (shuttle profile --quick for a smoke run)

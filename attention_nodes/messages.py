@@ -1,7 +1,9 @@
 """Control plane between the server (front) and attention workers: typed messages, msgpack frames.
 
 server -> worker: AddRequest (once per request; again with `resume` after a failure), Abort,
-StopSequence, Reset (drop every request and rejoin the data plane of a new epoch), Shutdown,
+StopSequence, Reset (rejoin the data plane of a new epoch: after a restart, dropping every request;
+after a failover or when a restarted expert worker is added back, keeping them and routing with
+the placement it carries), Shutdown,
 SetPlacement (a new expert placement version, once every expert worker holds it).
 worker -> server: Hello (first, with the deployment token: the server drops a connection without
 it), Ready (after loading, and after each Reset), Deltas (each step: only what changed), Stats (at
@@ -51,6 +53,10 @@ class Shutdown:
 @dataclass
 class Reset:
     epoch: int  # the data plane's new epoch: endpoints are opened under the session of this epoch
+    # Failover and adding a worker back: keep every request (a step that broke is computed again)
+    # and route with this placement (ExpertPlacement JSON; its down workers are not peers) from the
+    # first step of the epoch. None: drop every request (the server resumes them) and keep routing.
+    placement: str | None = None
 
 
 @dataclass
@@ -62,7 +68,8 @@ class Ready:
 
 @dataclass
 class Broken:
-    """The worker's data plane failed in `epoch`; it dropped its requests and waits for Reset.
+    """The worker's data plane failed in `epoch`; it waits for Reset (its requests wait too: the
+    Reset says whether to drop them).
     peer: the M2N peer that failed it ("" if none in particular); why: the transport's reason."""
 
     rank: int

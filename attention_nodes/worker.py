@@ -8,10 +8,14 @@ parks: it waits for a request from the server or a WAKE from an expert worker, i
 empty steps.
 
 Epochs: the data plane (M2N endpoints) of epoch g lives under the session `data_session(session,
-g)`. When a peer dies or goes silent, the worker drops every request (the server resumes them),
-closes its endpoint, tells the server (Broken) and waits for Reset(g'), then rejoins under g' and
-says Ready again; the model and its weights stay loaded. The server sends Reset to a worker whose
-peers failed while it was parked, too.
+g)`. When a peer dies or goes silent, the worker closes its endpoint, tells the server (Broken) and
+waits for Reset(g') (carrying out requests, aborts and stops meanwhile), then rejoins under g' and
+says Ready again; the model and its weights stay loaded. A Reset without a placement (a restart)
+drops every request first (the server resumes them); one with a placement (failover, or a
+restarted expert worker added back) keeps them: the step that broke left no trace but KV entries
+it rewrites when it runs again (the scheduler moves a sequence on only after its step computed),
+so at most that step is computed again. The server sends Reset to a worker that was parked or
+between steps, too.
 """
 import logging
 import queue
@@ -56,9 +60,9 @@ class AttentionWorkerSpec:
 class _Reset(Exception):
     """The server asked this worker to rejoin the data plane in a new epoch."""
 
-    def __init__(self, epoch: int):
-        super().__init__(f"reset to epoch {epoch}")
-        self.epoch = epoch
+    def __init__(self, msg: wire.Reset):
+        super().__init__(f"reset to epoch {msg.epoch}")
+        self.msg = msg
 
 
 def run_attention_worker(spec: AttentionWorkerSpec) -> None:
@@ -78,7 +82,7 @@ def run_attention_worker(spec: AttentionWorkerSpec) -> None:
     link = _DataPlane(spec, tracer)
     try:
         model_cfg = ModelConfig.from_pretrained(spec.engine.model)
-        link.open(spec.epoch)
+        link.open(spec.epoch, spec.placement.down)
         sender = M2NSender(link.endpoint, spec.placement, link.experts, model_cfg.hidden_size, model_cfg.top_k,
                            tracer=tracer)
         engine = LLMEngine(spec.engine, set(spec.eos_token_ids), dispatcher=sender)
@@ -108,10 +112,12 @@ class _DataPlane:
         self.experts = [f"e{w}" for w in range(spec.engine.parallel.expert_workers)]
         self.store = TCPStore(*spec.store_addr, is_master=False, wait_for_workers=False)
 
-    def open(self, epoch: int) -> None:
+    def open(self, epoch: int, down: tuple[int, ...] = ()) -> None:
+        """Join `epoch`'s data plane with every expert worker but the `down` ones (failover)."""
         self.close()
+        live = [e for w, e in enumerate(self.experts) if w not in down]
         self.endpoint = open_endpoint(self.spec.transport, self.store, data_session(self.spec.session, epoch),
-                                      f"a{self.spec.rank}", self.experts, self.spec.engine.parallel.micro_batches)
+                                      f"a{self.spec.rank}", live, self.spec.engine.parallel.micro_batches)
 
     def close(self) -> None:
         if self.endpoint is not None:
@@ -122,7 +128,8 @@ class _DataPlane:
 def _serve_epoch(rank: int, epoch: int, engine: LLMEngine, sender: M2NSender, link: _DataPlane, inbox: queue.Queue,
                  ctl: socket.socket) -> int | None:
     """Serve until Shutdown (returns None) or until the data plane breaks or the server resets it;
-    then drop every request, rejoin under the server's next epoch and return that epoch."""
+    then rejoin under the server's next epoch (dropping every request unless the Reset carries a
+    placement) and return that epoch."""
     try:
         _serve(rank, engine, sender, inbox, ctl)
         return None
@@ -130,23 +137,24 @@ def _serve_epoch(rank: int, epoch: int, engine: LLMEngine, sender: M2NSender, li
         peer = getattr(e, "peer", "")
         wire.send(ctl, wire.Broken(rank, epoch, peer, str(e)))  # first: the front learns the cause from us
         log.warning("data plane of epoch %d broke (%s); waiting for the server's reset", epoch, e)
-        _drop_requests(engine)
         link.close()
-        nxt = _wait_reset(inbox)
+        reset = _wait_reset(engine, sender, inbox, ctl)
     except _Reset as r:
-        nxt = r.epoch
-    while nxt is not None:
-        _drop_requests(engine)
+        reset = r.msg
+    while reset is not None:
+        placement = None if reset.placement is None else ExpertPlacement.from_json(reset.placement, len(sender.peers))
+        if placement is None:
+            _drop_requests(engine)
         try:
-            link.open(nxt)
+            link.open(reset.epoch, sender.down if placement is None else placement.down)
         except (PeerDeadError, TransportTimeout) as e:  # a peer of the new epoch failed too
-            log.warning("could not join the data plane of epoch %d: %s", nxt, e)
+            log.warning("could not join the data plane of epoch %d: %s", reset.epoch, e)
             link.close()
-            wire.send(ctl, wire.Broken(rank, nxt, getattr(e, "peer", ""), str(e)))
-            nxt = _wait_reset(inbox)
+            wire.send(ctl, wire.Broken(rank, reset.epoch, getattr(e, "peer", ""), str(e)))
+            reset = _wait_reset(engine, sender, inbox, ctl)
             continue
-        sender.reconnect(link.endpoint)
-        return nxt
+        sender.reconnect(link.endpoint, placement)
+        return reset.epoch
     return None
 
 
@@ -156,14 +164,16 @@ def _drop_requests(engine: LLMEngine) -> None:
         engine.abort_request(rid)
 
 
-def _wait_reset(inbox: queue.Queue) -> int | None:
-    """Ignore what the server sent for the broken epoch until its Reset; None on Shutdown."""
+def _wait_reset(engine: LLMEngine, sender: M2NSender, inbox: queue.Queue, ctl: socket.socket) -> wire.Reset | None:
+    """Wait for the server's Reset; None on Shutdown. Requests, aborts and stops that come
+    meanwhile are carried out (a failover keeps the requests, and the server sends them once); a
+    placement change is not (the Reset says how to route)."""
     while True:
         msg = inbox.get()
-        if msg is None or isinstance(msg, wire.Shutdown):
-            return None
         if isinstance(msg, wire.Reset):
-            return msg.epoch
+            return msg
+        if not isinstance(msg, wire.SetPlacement) and not _apply(engine, sender, msg, ctl):
+            return None
 
 
 def _read_control(ctl: socket.socket, inbox: queue.Queue) -> None:
@@ -239,7 +249,7 @@ def _apply(engine: LLMEngine, sender: M2NSender, msg, ctl: socket.socket) -> boo
         return True
     deltas = []
     if isinstance(msg, wire.Reset):
-        raise _Reset(msg.epoch)
+        raise _Reset(msg)
     if isinstance(msg, wire.AddRequest):
         try:
             engine.add_request(msg.request_id, msg.prompt_token_ids, wire.params_from_wire(msg.params), msg.resume)

@@ -13,6 +13,12 @@ of them hang up after a random delay, mid-stream or while waiting), or a malform
   queue_full  503 with Retry-After and code queue_full (expected: the load is above capacity)
   hung_up     the client disconnected on purpose
   unexpected  anything else: any other status, a 400 for a good request, an error event, a timeout
+              (--request-timeout-s for the whole answer) or a stall (a stream that sent tokens and
+              then none for --stall-s); either says how far the request got: no response yet, a
+              response but no token, or tokens that then stopped, with the times
+Latencies of the completed requests (percentiles of arrival to last byte, and to the first token of
+streams) and the server's queue (/metrics: running, waiting for a first token) sampled with the
+RSS tell a timeout that is the tail of an overloaded queue from a request the server lost.
 The RSS of every process of the deployment (front and workers, from /proc) is sampled every
 --sample-s; growth is reported over the last two thirds of the run (the first third warms up
 allocator pools and caches). At the end, once the load stopped, /metrics must show no running
@@ -58,7 +64,9 @@ def rss_bytes(pid: int) -> int | None:
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, model: str, rng: random.Random,
-                      args: argparse.Namespace) -> str:
+                      args: argparse.Namespace, latencies: list | None = None) -> str:
+    """One request of a random kind; returns its class (see the module docstring). latencies gets
+    (sent at, stream, seconds to the last byte, seconds to the first token or None) of an ok one."""
     if rng.random() < args.bad_frac:
         body, _ = rng.choice(BAD_BODIES)
         async with session.post(f"{url}/v1/completions", json={"model": model, **body}) as r:
@@ -73,7 +81,9 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, rng:
     else:
         body["prompt"] = text
     hang_up = rng.random() < args.disconnect_frac
-    work = _post(session, f"{url}/v1/{'chat/completions' if chat else 'completions'}", body, stream)
+    trace = {"sent": time.monotonic(), "stream": stream, "chunks": 0}
+    work = _post(session, f"{url}/v1/{'chat/completions' if chat else 'completions'}", body, stream, trace,
+                 args.stall_s)
     if hang_up:
         try:
             await asyncio.wait_for(work, timeout=rng.uniform(0.01, 2.0))
@@ -81,13 +91,47 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, rng:
             return "hung_up"
         return "hung_up"  # it finished first; the server saw an ordinary request
     try:
-        return await asyncio.wait_for(work, timeout=args.request_timeout_s)
+        kind = await asyncio.wait_for(work, timeout=args.request_timeout_s)
     except asyncio.TimeoutError:
-        return "unexpected:timeout"
+        return "unexpected:timeout:" + _how_far(trace)
+    except _Stalled:
+        return "unexpected:stalled:" + _how_far(trace)
+    if kind == "ok" and latencies is not None:
+        latencies.append((trace["sent"], stream, time.monotonic() - trace["sent"],
+                          trace["first"] - trace["sent"] if "first" in trace else None))
+    return kind
 
 
-async def _post(session: aiohttp.ClientSession, url: str, body: dict, stream: bool) -> str:
+def _how_far(trace: dict) -> str:
+    """Where a timed-out request was: no response, a response but no token, or tokens that stopped."""
+    now, sent = time.monotonic(), trace["sent"]
+    kind = "stream" if trace["stream"] else "non-stream"
+    if "headers" not in trace:
+        return f"{kind}, no response in {now - sent:.0f} s"
+    if not trace["chunks"]:
+        return f"{kind}, response after {trace['headers'] - sent:.1f} s, no token in {now - sent:.0f} s"
+    return (f"{kind}, {trace['chunks']} chunks, the first {trace['first'] - sent:.1f} s after sending, the last "
+            f"{now - trace['last']:.1f} s ago")
+
+
+class _Stalled(Exception):
+    pass
+
+
+async def _next_line(r: aiohttp.ClientResponse, trace: dict, stall_s: float) -> bytes:
+    """The stream's next line; _Stalled when tokens had come and then none for stall_s seconds."""
+    if not trace["chunks"]:
+        return await r.content.readline()
+    try:
+        return await asyncio.wait_for(r.content.readline(), timeout=stall_s)
+    except asyncio.TimeoutError:
+        raise _Stalled() from None
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: dict, stream: bool, trace: dict,
+                stall_s: float) -> str:
     async with session.post(url, json=body) as r:
+        trace["headers"] = time.monotonic()
         if r.status == 503:
             err = (await r.json()).get("error", {})
             ok = err.get("code") == "queue_full" and "Retry-After" in r.headers
@@ -98,8 +142,12 @@ async def _post(session: aiohttp.ClientSession, url: str, body: dict, stream: bo
             out = await r.json()
             return "ok" if out.get("choices") else "unexpected:no choices"
         done = False
-        async for line in r.content:
+        while line := await _next_line(r, trace, stall_s):
             line = line.strip()
+            if line.startswith(b"data: {"):
+                trace["last"] = time.monotonic()
+                trace.setdefault("first", trace["last"])
+                trace["chunks"] += 1
             if line == b"data: [DONE]":
                 done = True
             elif line.startswith(b"data: ") and b'"error"' in line[:20]:
@@ -122,8 +170,11 @@ async def load(url: str, model: str, args: argparse.Namespace, samples: list, pi
             examples.append(kind)
 
     connector = aiohttp.TCPConnector(limit=0)
+    latencies: list[tuple] = []
+    queue: list[dict] = []
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         start = time.monotonic()
+        watcher = asyncio.create_task(watch_queue(session, url, start, args.sample_s, queue))
         next_sample = start
         t = start
         sent = 0
@@ -135,7 +186,8 @@ async def load(url: str, model: str, args: argparse.Namespace, samples: list, pi
             await asyncio.sleep(max(0.0, min(t, next_sample) - time.monotonic()))
             if time.monotonic() < t:
                 continue
-            task = asyncio.create_task(one_request(session, url, model, random.Random(rng.random()), args))
+            task = asyncio.create_task(one_request(session, url, model, random.Random(rng.random()), args,
+                                                   latencies))
             task.add_done_callback(done)
             tasks.add(task)
             sent += 1
@@ -143,8 +195,38 @@ async def load(url: str, model: str, args: argparse.Namespace, samples: list, pi
             await asyncio.wait(set(tasks), timeout=args.request_timeout_s + 10)
         left = len(tasks)
         samples.append({"t": round(time.monotonic() - start, 2), **{n: rss_bytes(p) for n, p in pids.items()}})
+        watcher.cancel()
     return {"sent": sent, "counts": counts, "unfinished": left, "unexpected_examples": examples,
-            "seconds": round(time.monotonic() - start, 1)}
+            "seconds": round(time.monotonic() - start, 1), "latency_s": latency_summary(latencies, start),
+            "queue": queue}
+
+
+async def watch_queue(session: aiohttp.ClientSession, url: str, start: float, every_s: float,
+                      out: list[dict]) -> None:
+    """Every every_s: the server's running requests and those waiting for a first token (/metrics)."""
+    while True:
+        try:
+            async with session.get(f"{url}/metrics") as r:
+                text = await r.text()
+            out.append({"t": round(time.monotonic() - start, 1),
+                        "running": metric(text, "shuttle_num_requests_running"),
+                        "queued": metric(text, "shuttle_num_requests_queued")})
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(every_s)
+
+
+def latency_summary(latencies: list[tuple], start: float) -> dict:
+    """Percentiles (s) of the completed requests' time to the last byte (all) and to the first token
+    (streams), and the slowest requests with when they were sent (s into the run)."""
+    def pct(xs: list[float]) -> dict:
+        xs = sorted(xs)
+        return {f"p{q}": round(xs[min(len(xs) - 1, int(len(xs) * q / 100))], 2) for q in (50, 90, 99)} | \
+            {"max": round(xs[-1], 2), "n": len(xs)} if xs else {}
+    slowest = sorted(latencies, key=lambda x: -x[2])[:5]
+    return {"total": pct([x[2] for x in latencies]), "first_token": pct([x[3] for x in latencies if x[3] is not None]),
+            "slowest": [{"sent_at_s": round(t - start, 1), "stream": st, "total_s": round(tot, 1)}
+                        for t, st, tot, _ in slowest]}
 
 
 def metric(text: str, name: str) -> float:
@@ -173,7 +255,14 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=32, help="the server's --max-num-seqs")
     p.add_argument("--disconnect-frac", type=float, default=0.1)
     p.add_argument("--bad-frac", type=float, default=0.05)
-    p.add_argument("--request-timeout-s", type=float, default=120.0)
+    # A request may legitimately wait for --max-waiting requests ahead of it and then decode beside
+    # --max-num-seqs others: 112 s at the worst on the 2-core host at load average 12 (the 30-minute
+    # run's 13 timeouts at 120 s were that tail, not lost requests). So the total deadline is
+    # generous, and a stream that stops is caught sooner by --stall-s.
+    p.add_argument("--request-timeout-s", type=float, default=300.0,
+                   help="a request with no complete answer by then is unexpected")
+    p.add_argument("--stall-s", type=float, default=60.0,
+                   help="a stream that sent tokens and then nothing for this long is unexpected")
     p.add_argument("--sample-s", type=float, default=5.0)
     p.add_argument("--max-rss-growth", type=float, default=10.0, help="percent, over the last two thirds")
     p.add_argument("--seed", type=int, default=0)
@@ -198,7 +287,7 @@ def main() -> int:
                          and verdict["max_rss_growth_pct"] <= args.max_rss_growth)
     rows = [{"process": n, **g} for n, g in growth.items()]
     print_table(rows, ["process", "rss_third_mib", "rss_end_mib", "growth_pct"])
-    print(json.dumps({**result, **verdict}, indent=1))
+    print(json.dumps({**{k: v for k, v in result.items() if k != "queue"}, **verdict}, indent=1))
     payload = {"config": {k: v for k, v in vars(args).items() if k != "out"}, **result, "verdict": verdict,
                "rss": growth, "samples": samples}
     out = Path(args.out)

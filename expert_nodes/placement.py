@@ -68,6 +68,16 @@ class HeldExperts:
         changed, self.active = receiver.version != self.active, receiver.version
         return changed
 
+    def hold_now(self, placement: ExpertPlacement) -> None:
+        """(Serving thread, between epochs.) Build `placement` unless held, and adopt it at once:
+        an epoch that starts routing with it (failover, a worker added back) must find it here."""
+        if placement.version not in self.versions:
+            self.build(placement)
+            with self._lock:
+                loaded = self._loaded.pop(placement.version)
+            self.versions[placement.version] = loaded
+            self._global[placement.version] = self._global_ids(placement)
+
     def build(self, placement: ExpertPlacement) -> None:
         """(Watcher thread.) This worker's modules for `placement`, reusing held experts."""
         with self._lock:
@@ -114,6 +124,15 @@ def regroup(parts: list[tuple[nn.Module, int]]) -> nn.Module:
         if getattr(first, attr) is not None:
             setattr(out, attr, nn.Parameter(rows(attr), requires_grad=False))
     return out.eval()
+
+
+def epoch_placement(store: TCPStore, session: str, epoch: int, num_workers: int) -> ExpertPlacement | None:
+    """The placement an epoch starts with, if the front set one (SESSION/epoch/g<epoch>/placement
+    names its version; failover and adding a worker back), else None."""
+    key = f"{session}/epoch/g{epoch}/placement"
+    if not store.check([key]):
+        return None
+    return ExpertPlacement.from_json(store.get(f"{session}/placement/{int(store.get(key))}"), num_workers)
 
 
 def watch_placements(held: HeldExperts, store_addr: tuple[str, int], session: str, stop: threading.Event) -> None:

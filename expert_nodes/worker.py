@@ -12,6 +12,10 @@ reset the data plane), the expert worker reports the peer under SESSION/broken/g
 its endpoint and waits for the server to publish the next epoch (SESSION/epoch); then it opens its
 endpoint again under that epoch's session, with its experts (every placement version it holds)
 still loaded. A restarted expert worker loads only its own experts and joins the current epoch.
+An epoch may start with a new placement (failover without this worker or another, or a restarted
+worker added back: SESSION/epoch/g<epoch>/placement): it is built (from the experts held, so a
+survivor loads nothing) and held before the endpoint opens. After loading, SESSION/up/eN says the
+epoch the worker was started for (the front adds a worker started during a failover back then).
 """
 import json
 import logging
@@ -23,7 +27,7 @@ import torch
 from setproctitle import setproctitle
 from torch.distributed import TCPStore
 
-from expert_nodes.placement import HeldExperts, loader_for, watch_placements
+from expert_nodes.placement import HeldExperts, epoch_placement, loader_for, watch_placements
 from m2n_comm.m2n import M2NReceiver, run_local_experts
 from m2n_comm.placement import ExpertPlacement
 from m2n_comm.trace import Tracer
@@ -87,6 +91,7 @@ def _serve(spec: ExpertWorkerSpec, store: TCPStore) -> None:
     load_fn = loader_for(spec.model, cfg, spec.dtype, device, spec.kernels, pack)
     held = HeldExperts(spec.placement, load_fn(spec.placement.experts_on(spec.rank)), spec.rank, load_fn, device)
     log.info("serving %d MoE layers, placement version %d", len(moe_layers), spec.placement.version)
+    store.set(f"{spec.session}/up/e{spec.rank}", str(spec.epoch))  # loaded: the front may add it back now
     tracer = Tracer(f"e{spec.rank}", enabled=spec.trace_dir is not None)
     load = _Load(spec, store, tracer, device, cfg.num_experts, moe_layers)
     stop = threading.Event()
@@ -95,6 +100,9 @@ def _serve(spec: ExpertWorkerSpec, store: TCPStore) -> None:
     epoch: int | None = spec.epoch
     try:
         while epoch is not None:
+            placement = epoch_placement(store, spec.session, epoch, spec.placement.num_workers)
+            if placement is not None:  # failover or a worker added back: routed with from the first step
+                held.hold_now(placement)
             try:
                 _serve_epoch(spec, store, epoch, held, moe_layers, device, tracer, load)
             except (PeerDeadError, TransportTimeout) as e:

@@ -79,7 +79,7 @@ class Handle:
     layer: int
     mb: int
     num_tokens: int
-    rows_W: list[torch.Tensor | None]  # (T_w,) int64 indices into the micro-batch on x's device; None: all
+    rows_W: list[torch.Tensor | None]  # per live expert worker: (T_w,) int64 indices into the micro-batch; None: all
     dtype: torch.dtype
     device: torch.device
 
@@ -148,6 +148,7 @@ class M2NSender:
         self.ep, self.peers = endpoint, expert_peers
         self.hidden, self.top_k, self.timeout = hidden, top_k, data_timeout_s
         self.routes, self._pending = _Routes(placement), None
+        self._set_down(placement.down)
         self._agreed = self._next_agreed = 0  # the version every expert worker offered in the last step
         self._aux = pack_aux(self.routes.version, self.routes.version)
         # One expert worker holding every expert: all tokens go there with their ids unchanged.
@@ -173,11 +174,21 @@ class M2NSender:
         if placement.version > self.routes.version:
             self._pending = _Routes(placement)
 
-    def reconnect(self, endpoint: Endpoint) -> None:
+    def _set_down(self, down: tuple[int, ...]) -> None:
+        """Expert workers out of service (failover): no chunk goes to them, no answer is awaited."""
+        self.down = tuple(down)
+        self._live = [(w, p) for w, p in enumerate(self.peers) if w not in self.down]
+
+    def reconnect(self, endpoint: Endpoint, placement: ExpertPlacement | None = None) -> None:
         """Use a new endpoint (the data plane's next epoch, after a failure): steps count from 0
-        again on every attention worker, and the expert workers start idle."""
+        again on every attention worker, and the expert workers start idle. placement: route with
+        it from the first step (failover, or a worker added back: every expert worker of the epoch
+        holds it); its down workers are not peers of the new endpoint. None: keep routing as before."""
         self.ep, self.step, self.peers_idle, self._step_tokens = endpoint, 0, True, 0
         self._agreed = self._next_agreed = 0  # placement offers are made again in the new epoch
+        if placement is not None:
+            self.routes, self._pending = _Routes(placement), None
+            self._set_down(placement.down)
 
     def begin_step(self) -> None:
         if self._pending is not None and self._agreed >= self._pending.version:
@@ -213,7 +224,7 @@ class M2NSender:
             worker_TK = copy_EC[ids_TK, copy_TK]
         meta = MessageMeta(KIND_DATA, self.step, layer, mb, self._aux)
         rows_W = []
-        for w, peer in enumerate(self.peers):
+        for w, peer in self._live:
             rows, parts = self._chunk(w, x_TD, ids_TK, topk_weights_TK, worker_TK, local_WE)
             rows_W.append(rows)
             self.ep.send(peer, mb, meta, self._staging.to_host(parts), timeout=self.timeout)
@@ -241,7 +252,7 @@ class M2NSender:
         """Wait for every expert worker's answer to this handle's slot; returns y_TD."""
         start = self._compute_done(handle.layer, handle.mb)
         y_TD = None
-        for peer, rows in zip(self.peers, handle.rows_W):
+        for (_, peer), rows in zip(self._live, handle.rows_W):
             msg = self._recv_data(peer, handle.mb)
             m = msg.meta
             if (m.step, m.layer, m.mb) != (handle.step, handle.layer, handle.mb):
@@ -278,14 +289,14 @@ class M2NSender:
 
     def poll_wake(self) -> bool:
         """While parked: True (and the WAKE consumed) when an expert worker says a step began."""
-        for peer in self.peers:
+        for _, peer in self._live:
             if self.ep.poll(peer, 0):
                 msg = self.ep.recv(peer, 0, timeout=self.timeout)
                 if msg.meta.kind != KIND_WAKE:
                     raise RuntimeError(f"M2N protocol error: {peer!r} sent kind {msg.meta.kind} to a parked worker")
                 self.ep.release(peer, 0)
                 return True
-        for peer in self.peers:
+        for _, peer in self._live:
             self.ep.check_alive(peer)
         return False
 

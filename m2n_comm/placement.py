@@ -8,6 +8,8 @@ all per layer), L MoE layers.
 - `ExpertPlacement`: a versioned Placement per MoE layer, what attention and expert workers act on.
   Version 0 is the placement the deployment starts with; every re-placement (EPLB, failover)
   publishes version + 1, and the M2N headers carry the version a chunk was routed with.
+  `down`: expert workers out of service (failover: a dead worker whose experts all have copies
+  elsewhere); they hold nothing and attention workers do not reach them at all.
 - `greedy_placement`: MegaScale-Infer's greedy for one layer from its token counts: give the R
   extra copies one at a time to the expert with the most tokens per copy, then place the copies,
   heaviest first, each on the least-loaded worker that has a free slot and no copy of it yet.
@@ -27,6 +29,7 @@ class Placement:
     num_experts: int
     num_workers: int
     copies: tuple[tuple[int, ...], ...]
+    down: tuple[int, ...] = ()  # workers out of service (failover): they hold nothing
 
     def __post_init__(self) -> None:
         if len(self.copies) != self.num_experts:
@@ -36,7 +39,9 @@ class Placement:
                 raise ValueError(f"placement of expert {e}: workers {list(ws)} must be distinct and in "
                                  f"[0, {self.num_workers})")
         for w in range(self.num_workers):
-            if not self.experts_on(w):
+            if w in self.down and self.experts_on(w):
+                raise ValueError(f"placement puts experts {self.experts_on(w)} on expert worker {w}, which is down")
+            if w not in self.down and not self.experts_on(w):
                 raise ValueError(f"placement leaves expert worker {w} without experts")
 
     @classmethod
@@ -63,6 +68,16 @@ class Placement:
         except (TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"{path}: expected {{\"expert\": [workers]}}: {err}") from None
         return cls(num_experts, num_workers, copies)
+
+    def without(self, workers: set[int]) -> "Placement":
+        """This placement with `workers` down (their copies dropped); ValueError naming an expert
+        that would have no copy left."""
+        down = set(self.down) | set(workers)
+        copies = tuple(tuple(w for w in ws if w not in down) for ws in self.copies)
+        lost = [e for e, ws in enumerate(copies) if not ws]
+        if lost:
+            raise ValueError(f"experts {lost} have no copy outside expert workers {sorted(down)}")
+        return Placement(self.num_experts, self.num_workers, copies, tuple(sorted(down)))
 
     def experts_on(self, worker: int) -> list[int]:
         """Global ids of the experts on `worker`, ascending (local id = position in this list)."""
@@ -91,6 +106,8 @@ class ExpertPlacement:
         shapes = {(p.num_experts, p.num_workers) for p in self.layers}
         if len(shapes) != 1:
             raise ValueError(f"every layer's placement must have the same experts and workers, got {sorted(shapes)}")
+        if len({p.down for p in self.layers}) != 1:
+            raise ValueError("every layer's placement must have the same expert workers down")
 
     @classmethod
     def uniform(cls, placement: Placement, moe_layers: list[int] | tuple[int, ...],
@@ -114,18 +131,34 @@ class ExpertPlacement:
         """{MoE layer: global ids of the experts `worker` holds there, ascending}."""
         return {layer: p.experts_on(worker) for layer, p in zip(self.moe_layers, self.layers)}
 
+    @property
+    def down(self) -> tuple[int, ...]:
+        """Expert workers out of service (failover), ascending."""
+        return self.layers[0].down
+
+    def covers_without(self, workers: set[int]) -> bool:
+        """True when every expert of every layer has a copy outside `workers` and the workers
+        already down: they can fail without a restart (failover)."""
+        out = set(self.down) | set(workers)
+        return all(any(w not in out for w in ws) for p in self.layers for ws in p.copies)
+
+    def without(self, workers: set[int], version: int) -> "ExpertPlacement":
+        """Every layer without `workers` (failover), as `version`."""
+        return ExpertPlacement(self.moe_layers, tuple(p.without(workers) for p in self.layers), version)
+
     def copies_per_layer(self) -> int:
         """Expert copies per layer, the most over layers (E + R under EPLB)."""
         return max(sum(len(ws) for ws in p.copies) for p in self.layers)
 
     def to_json(self) -> str:
         return json.dumps({"version": self.version, "moe_layers": list(self.moe_layers),
-                           "copies": [[list(ws) for ws in p.copies] for p in self.layers]})
+                           "copies": [[list(ws) for ws in p.copies] for p in self.layers], "down": list(self.down)})
 
     @classmethod
     def from_json(cls, text: str | bytes, num_workers: int) -> "ExpertPlacement":
         d = json.loads(text)
-        layers = tuple(Placement(len(c), num_workers, tuple(tuple(ws) for ws in c)) for c in d["copies"])
+        down = tuple(d.get("down", ()))
+        layers = tuple(Placement(len(c), num_workers, tuple(tuple(ws) for ws in c), down) for c in d["copies"])
         return cls(tuple(d["moe_layers"]), layers, d["version"])
 
 

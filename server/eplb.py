@@ -69,7 +69,7 @@ class PlacementControl:
         self._next_poll = now + POLL_EVERY_S
         if self.pending is not None:
             self._advance()
-        elif self.interval and steps - self._window_start[0] >= self.interval:
+        elif self.interval and not self.current.down and steps - self._window_start[0] >= self.interval:
             counts = load_LE()
             if counts is None:
                 return
@@ -100,6 +100,16 @@ class PlacementControl:
                 log.info("placement version %d active", self.pending.version)
                 self.current, self.pending, self._phase = self.pending, None, ""
                 self.applied += 1
+
+    def next_version(self) -> int:
+        """The number a new placement version takes (versions given up included)."""
+        return max(self.current.version, self.pending.version if self.pending else 0) + 1
+
+    def set_current(self, placement: ExpertPlacement) -> None:
+        """The front put `placement` in use by opening a data-plane epoch with it (failover, a worker
+        added back, a restart after a failover). EPLB waits while workers are down; its window's
+        counts start again (a restarted worker counts from zero)."""
+        self.current, self._window_start = placement, (self._window_start[0], None)
 
     def moved(self) -> bool:
         """True once a re-placement was applied or is under way (workers may hold other versions)."""

@@ -12,14 +12,11 @@ attention|expert --rendezvous HOST:PORT` (server/roles.py) and the front runs wi
 `rendezvous=HOST:PORT`: the deployment is published in a torch.distributed TCPStore there and
 each worker takes the next rank.
 
-Supervision (spawned pools): a worker that exits, fails, or goes silent (a peer's transport
-reports it) is killed if need be and started again, at most `max_worker_restarts` times within
-`restart_window_s`; past that, or for workers started elsewhere, WorkerFailedError names it. A
-restart opens a new epoch of the data plane: surviving workers drop their requests, close their
-M2N endpoints and open new ones under the epoch's session (the experts and weights stay loaded;
-a restarted expert worker loads only its own experts); then every request still running is
-resumed from its prompt plus the tokens already delivered (the preemption recompute path), so
-its stream goes on with no token lost, repeated or changed. While that happens `ready` is False.
+Supervision (spawned pools; server/supervision.py): a worker that exits, fails, or goes silent is
+started again (a new epoch of the data plane; requests resumed from prompt + delivered tokens), or,
+when only expert workers failed and their experts all have copies on live expert workers, routed
+around (failover: no request resumed) and added back once restarted. Past `max_worker_restarts`
+within `restart_window_s`, or for workers started elsewhere, WorkerFailedError names it.
 """
 import collections
 import itertools
@@ -30,10 +27,11 @@ import os
 import queue
 import secrets
 import socket
+import sys
 import threading
 import time
 import weakref
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
 from torch.distributed import TCPStore
 
@@ -43,73 +41,22 @@ from attention_nodes.engine import SequenceDelta, check_prompt
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.worker import AttentionWorkerSpec, run_attention_worker
 from expert_nodes.worker import ExpertWorkerSpec, run_expert_worker
-from m2n_comm._common import process_gone
 from m2n_comm.m2n import slot_bytes_for
 from m2n_comm.placement import ExpertPlacement, Placement, check_redundancy
 from m2n_comm.transport import TransportConfig
 from models.config import ModelConfig
 from server.eplb import PlacementControl, read_expert_load
+from server.supervision import (MAIN_GUARD_EXIT, Supervision, WorkerFailedError, _Broken, _down,  # noqa: F401
+                                _Request, _suspect)
 from server.launchers import check_installed, make_launcher
 from server.pool_control import admitted as _admitted, read_events as _read_events, shutdown_pools as _shutdown  # noqa: F401
 from server.roles import engine_config_from_json, engine_config_to_json, run_role, split_addr  # noqa: F401
 
 log = logging.getLogger("shuttle")
 START_TIMEOUT_S = 300.0  # loading big checkpoints takes a while; dead workers are noticed sooner
-RESTART_TIMEOUT_S = 120.0  # a restart (spawn, load, every endpoint re-opened) must finish within this
-REPORT_GRACE_S = 1.0  # after a failure: how long to wait for the report that names its cause
 
 
-MAIN_GUARD_EXIT = 3  # a spawned worker found its script starting pools while being imported
-MAIN_GUARD_HINT = ("the worker pools are separate processes that re-import your script: start them under "
-                   "`if __name__ == \"__main__\":` (put the LLM(...) / AsyncLLM(...) call and what uses it in that block)")
-
-
-class WorkerFailedError(RuntimeError):
-    """A worker process failed or exited and was not (or could no more be) restarted; the message
-    names it and says why."""
-
-
-class _Broken(Exception):
-    """A worker died, failed or went silent, or a data plane broke: restart (or give up).
-    suspects: the workers ("a0", "e1") to kill and start again."""
-
-    def __init__(self, why: str, suspects: set[str] | None = None):
-        super().__init__(why)
-        self.why, self.suspects = why, set(suspects or ())
-
-
-@dataclass
-class _Request:
-    """What the front keeps of a running request, enough to resume it elsewhere."""
-
-    prompt: list[int]
-    params: SamplingParams
-    worker: int
-    cost: int  # tokens it may queue: (prompt + max_tokens) * n
-    live: set[int]  # indices of unfinished samples
-    outputs: list[list[int]]  # per sample, the token ids delivered so far
-    aborting: bool = False
-
-
-def _down(pid: int) -> bool:
-    """The worker process cannot take part in a step: it exited, or it is stopped (SIGSTOP, a
-    debugger), which its peers would only notice after their dead_after_s."""
-    if process_gone(pid):
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
-    except (OSError, IndexError):
-        return False
-
-
-def _suspect(peer: str, why: str) -> set[str]:
-    """The peer a transport report blames: one that died or went silent, not one that merely closed
-    its endpoint (that is a survivor leaving a broken epoch)."""
-    return {peer} if peer and "closed" not in why else set()
-
-
-class PoolEngine:
+class PoolEngine(Supervision):
     """The engine interface of LLMEngine (add_request, abort_request, stop_sequence, step,
     has_unfinished_requests, check_prompt) over attention workers in other processes.
     rendezvous: "HOST:PORT" to wait for workers started elsewhere with --role; None spawns the
@@ -119,8 +66,11 @@ class PoolEngine:
         if getattr(mp.current_process(), "_inheriting", False):
             # We are a spawned worker re-importing a script that starts pools at its top level:
             # leave quietly with a code the parent turns into the fix (multiprocessing's own
-            # RuntimeError here is a page of bootstrapping traceback per worker).
-            raise SystemExit(MAIN_GUARD_EXIT)
+            # RuntimeError here is a page of bootstrapping traceback per worker). os._exit, not
+            # SystemExit: the fork server's child turns any exception, SystemExit too, into code 1.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(MAIN_GUARD_EXIT)
         par = cfg.parallel
         check_installed(par)  # here, not in every worker: say what to install before anything starts
         self.cfg, self.model_cfg = cfg, ModelConfig.from_pretrained(cfg.model)
@@ -157,6 +107,10 @@ class PoolEngine:
         self._requests: dict[str, _Request] = {}
         self._load = [0] * par.attention_workers    # tokens queued per worker (prompt + max_tokens)
         self._worker_stats: dict[int, dict] = {}    # attention worker rank -> its latest Stats
+        # During a failover: (the placement to add the workers back with, their names, the epoch
+        # they were started for); None otherwise.
+        self._degraded: tuple[ExpertPlacement, set[str], int] | None = None
+        self._next_add_back = 0.0
         self._finalizer = weakref.finalize(self, _shutdown, self._socks, self._procs, self._store, self.session,
                                            par.expert_workers if rendezvous else 0, self._launcher)
         if rendezvous:
@@ -214,18 +168,21 @@ class PoolEngine:
         for p in self._procs:
             p.start()
 
-    def _worker(self, name: str) -> mp.process.BaseProcess:
-        """A (not yet started) process for worker `name` ("a0", "e1") that joins the current epoch:
-        the launcher's (a spawned process, or a Ray actor with the same interface)."""
+    def _worker(self, name: str, placement: ExpertPlacement | None = None,
+                epoch: int | None = None) -> mp.process.BaseProcess:
+        """A (not yet started) process for worker `name` ("a0", "e1") that joins the current epoch
+        with the current placement (unless given): the launcher's (a spawned process, or a Ray
+        actor with the same interface)."""
         cfg, par, launch = self._spawn_cfg, self._spawn_cfg.parallel, self._launcher.worker
         store_addr, rank = (self._launcher.host, self._store.port), int(name[1:])
+        placement, epoch = placement or self.placement, self.epoch if epoch is None else epoch
         if name[0] == "e":
             spec = ExpertWorkerSpec(cfg.model, cfg.dtype, par.expert_device or cfg.device, cfg.kernels, rank,
-                                    par.attention_workers, par.micro_batches, self.placement, self.transport,
-                                    store_addr, self.session, par.torch_threads, par.trace_dir, self.epoch)
+                                    par.attention_workers, par.micro_batches, placement, self.transport,
+                                    store_addr, self.session, par.torch_threads, par.trace_dir, epoch)
             return launch(name, "expert", run_expert_worker, spec)
-        spec = AttentionWorkerSpec(cfg, rank, sorted(self.eos_token_ids), self.placement, self.transport,
-                                   store_addr, self._listener.getsockname()[:2], self.session, self.epoch)
+        spec = AttentionWorkerSpec(cfg, rank, sorted(self.eos_token_ids), placement, self.transport,
+                                   store_addr, self._listener.getsockname()[:2], self.session, epoch)
         return launch(name, "attention", run_attention_worker, spec)
 
     def _publish(self) -> None:
@@ -237,12 +194,13 @@ class PoolEngine:
         log.info("waiting for %d attention and %d expert workers at %s:%d", self.cfg.parallel.attention_workers,
                  self.cfg.parallel.expert_workers, *self._listener.getsockname()[:2])
 
-    def _await_ready(self, ranks: set[int], timeout_s: float) -> None:
+    def _await_ready(self, ranks: set[int], timeout_s: float) -> list[SequenceDelta]:
         """Accept the control connections of (re)started attention workers and wait until every
-        rank in `ranks` said Ready for the current epoch. Raises _Broken if a worker fails meanwhile,
-        WorkerFailedError past the deadline."""
+        rank in `ranks` said Ready for the current epoch; returns the deltas that came meanwhile
+        (from workers that keep their requests: failover). Raises _Broken if a worker fails
+        meanwhile, WorkerFailedError past the deadline."""
         self._listener.settimeout(0.05)
-        self._waiting, deadline = set(ranks), time.monotonic() + timeout_s
+        self._waiting, deadline, out = set(ranks), time.monotonic() + timeout_s, []
         while self._waiting:
             self._check_procs()
             if time.monotonic() > deadline:
@@ -260,10 +218,11 @@ class PoolEngine:
                                  daemon=True).start()
             try:
                 while self._waiting:
-                    self._handle(self._events.get_nowait())
+                    out += self._handle(self._events.get_nowait())
             except queue.Empty:
                 pass
             self._check_store()
+        return out
 
     # -- requests ----------------------------------------------------------------------------------
     def check_prompt(self, prompt_token_ids: list[int]) -> list[int]:
@@ -313,9 +272,10 @@ class PoolEngine:
         restart budget)."""
         out: list[SequenceDelta] = []
         self._poll_placement()
-        if not self._requests:
-            return out
         try:
+            out += self._poll_add_back()
+            if not self._requests:
+                return out
             item = self._next_event(timeout)
             while item is not None:
                 out += self._handle(item)
@@ -341,6 +301,7 @@ class PoolEngine:
                 self._drain_events()
             self._check_procs()
             self._check_store()
+            self._poll_add_back()
         except _Broken as b:
             self._recover(b)
 
@@ -464,149 +425,6 @@ class PoolEngine:
                 wire.send(sock, msg)
         except OSError as e:
             log.warning("attention worker a%d is unreachable: %s", rank, e)
-
-    # -- failures ----------------------------------------------------------------------------------
-    def _check_procs(self, wait: float = 0.0) -> None:
-        """Raise _Broken for a worker that exited, waiting up to `wait` s in all for one to exit
-        (a closed connection comes a moment before its process can be reaped)."""
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and all(p.exitcode is None for p in self._procs):
-            time.sleep(0.02)
-        for p in list(self._procs):
-            if p.exitcode == MAIN_GUARD_EXIT:
-                raise WorkerFailedError(MAIN_GUARD_HINT)
-            if p.exitcode is not None:
-                raise _Broken(f"worker {p.name} exited with code {p.exitcode}{self._causes()}", {p.name})
-
-    def _check_store(self) -> None:
-        """Raise _Broken for an expert worker's report that its data plane broke in this epoch (an
-        attention worker died or went silent)."""
-        for w in range(self.cfg.parallel.expert_workers):
-            key = f"{self.session}/broken/g{self.epoch}/e{w}"
-            if self._store.check([key]):
-                report = json.loads(self._store.get(key))
-                raise _Broken(f"expert worker e{w}: {report['why']}", _suspect(report["peer"], report["why"]))
-
-    def _reported_suspects(self, epoch: int) -> set[str]:
-        """Every worker the expert workers' reports of `epoch` blame."""
-        found = set()
-        for w in range(self.cfg.parallel.expert_workers):
-            key = f"{self.session}/broken/g{epoch}/e{w}"
-            if self._store.check([key]):
-                report = json.loads(self._store.get(key))
-                found |= _suspect(report["peer"], report["why"])
-        return found
-
-    def _causes(self) -> str:
-        causes = []
-        for w in range(self.cfg.parallel.expert_workers):
-            key = f"{self.session}/failed/e{w}"
-            if self._store.check([key]):
-                causes.append(f"expert worker e{w} failed: {self._store.get(key).decode()}")
-        return "".join(f"; {c}" for c in causes)
-
-    def _exited(self, grace_s: float = 1.0) -> str:
-        """The workers that exited, giving a killed one a moment to be reaped: a failure often
-        reaches us through a survivor before the root cause's exit is visible."""
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and not any(p.exitcode is not None and p.exitcode < 0 for p in self._procs):
-            time.sleep(0.05)
-        gone = [f"{p.name} (exit code {p.exitcode})" for p in self._procs if p.exitcode is not None]
-        return self._causes() + (f"; exited: {', '.join(gone)}" if gone else "")
-
-    def _recover(self, b: _Broken) -> list[SequenceDelta]:
-        """Restart what failed and resume every request; returns the finish deltas of requests that
-        were being aborted. Raises WorkerFailedError when the budget is spent or nothing here can
-        restart the worker."""
-        self._ready = False
-        while True:
-            suspects = self._suspects(b)
-            self._count_restart(b, suspects)
-            try:
-                self._restart(suspects, b.why)
-                return self._resume()
-            except _Broken as again:
-                b = again
-
-    def _suspects(self, b: _Broken) -> set[str]:
-        """The workers to blame for b: the ones it names, those that exited, and those the expert
-        workers' reports name (a root cause may be reported a moment after the survivor that saw
-        it leave, so this waits up to REPORT_GRACE_S for one)."""
-        suspects, deadline = set(b.suspects), time.monotonic() + REPORT_GRACE_S
-        while True:
-            suspects |= self._reported_suspects(self.epoch) | {p.name for p in self._procs if p.exitcode is not None}
-            if suspects or time.monotonic() > deadline:
-                return suspects
-            time.sleep(0.05)
-
-    def _count_restart(self, b: _Broken, suspects: set[str]) -> None:
-        par = self.cfg.parallel
-        why = b.why + self._exited(0.0) + (f"; failed: {', '.join(sorted(suspects))}" if suspects else "")
-        if self._remote:
-            raise WorkerFailedError(f"{why}; workers started with `shuttle serve --role` on other hosts are not "
-                                    f"restarted by the server: restart the deployment")
-        if par.max_worker_restarts == 0:
-            raise WorkerFailedError(why)
-        now = time.monotonic()
-        while self._restarts and now - self._restarts[0] > par.restart_window_s:
-            self._restarts.popleft()
-        if len(self._restarts) >= par.max_worker_restarts:
-            raise WorkerFailedError(f"{why}; giving up: {len(self._restarts)} restarts within the last "
-                                    f"{par.restart_window_s:g} s already (--max-worker-restarts "
-                                    f"{par.max_worker_restarts}, --restart-window-s {par.restart_window_s:g})")
-        self._restarts.append(now)
-        self.num_restarts += 1
-
-    def _restart(self, suspects: set[str], why: str) -> None:
-        """Kill and start again the suspects, open the next epoch, and wait until every attention
-        worker joined it."""
-        if self.placements.moved():
-            # Survivors may hold, or route with, placement versions a new worker would not know:
-            # every worker starts again with the placement in use (docs/architecture.md, Supervision).
-            suspects = {p.name for p in self._procs}
-            self.placements.restarted()
-            self.placement = self.placements.current
-        log.warning("restarting %s (restart %d): %s", ", ".join(sorted(suspects)) or "the data plane",
-                    self.num_restarts, why)
-        self.epoch += 1
-        restarted = {int(name[1:]) for name in suspects if name[0] == "a"}
-        for c, rank in list(self._conn_rank.items()):
-            if rank in restarted:  # what the old process still sends (its connection closing) is stale
-                del self._conn_rank[c]
-                self._conn_epoch.pop(c, None)
-        for i, p in enumerate(self._procs):
-            if p.name in suspects:
-                if p.exitcode is None:
-                    p.kill()  # silent (or stopped): a restart replaces it
-                p.join(5.0)
-                self._procs[i] = self._worker(p.name)
-        self._store.set(f"{self.session}/epoch", str(self.epoch))
-        for rank in range(self.cfg.parallel.attention_workers):
-            if rank not in restarted:
-                self._send(rank, wire.Reset(self.epoch))
-        for p in self._procs:
-            if p.name in suspects:
-                p.start()
-        self._await_ready(set(range(self.cfg.parallel.attention_workers)), RESTART_TIMEOUT_S)
-
-    def _resume(self) -> list[SequenceDelta]:
-        """Send every running request again, with the tokens it already delivered (the workers of
-        the new epoch know none); requests being aborted just finish."""
-        out, self._load = [], [0] * self.cfg.parallel.attention_workers
-        for rid, r in list(self._requests.items()):
-            if r.aborting:
-                out += [SequenceDelta(rid, i, [], None, "abort") for i in sorted(r.live)]
-                del self._requests[rid]
-                continue
-            r.worker = min(range(len(self._load)), key=self._load.__getitem__)
-            self._load[r.worker] += r.cost
-            resume = [r.outputs[i] if i in r.live else None for i in range(r.params.n)]
-            started = any(r.outputs) or len(r.live) < r.params.n
-            self._send(r.worker, wire.AddRequest(rid, r.prompt, wire.params_to_wire(r.params),
-                                                 resume if started else None))
-        self._ready = True
-        log.info("epoch %d: every worker is up; %d requests resumed", self.epoch, len(self._requests))
-        return out
 
     def shutdown(self) -> None:
         self._finalizer()

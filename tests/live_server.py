@@ -59,10 +59,19 @@ class LiveServer:
         return int(m.group(1))
 
     def children(self) -> dict[str, int]:
-        """The server's worker processes (multiprocessing spawn children) by process title
-        ("shuttle-attention-a0", "shuttle-expert-e0", ...) -> pid."""
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
-        titles = {int(p): Path(f"/proc/{p}/cmdline").read_text(errors="replace").split("\0")[0] for p in out}
+        """The server's worker processes (children of multiprocessing's fork server, a child of
+        the server) by process title ("shuttle-attention-a0", "shuttle-expert-e0", ...) -> pid."""
+        found, parents = [], [self.proc.pid]
+        while parents:
+            out = subprocess.run(["pgrep", "-P", ",".join(map(str, parents))], capture_output=True, text=True)
+            parents = [int(p) for p in out.stdout.split()]
+            found += parents
+        titles = {}
+        for p in found:
+            try:
+                titles[p] = Path(f"/proc/{p}/cmdline").read_text(errors="replace").split("\0")[0]
+            except OSError:  # exited meanwhile
+                pass
         return {t: p for p, t in titles.items() if t.startswith("shuttle-")}
 
     def log(self) -> str:

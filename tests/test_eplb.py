@@ -83,6 +83,24 @@ def test_eplb_policy_moves_only_when_it_pays():
     assert ExpertPlacement.from_json(new.to_json(), 2) == new
 
 
+def test_failover_placement_without_workers():
+    """Failover: a worker is out only when every expert it holds has a copy elsewhere in every
+    layer; the placement without it keeps the other copies, marks it down and survives JSON."""
+    v = ExpertPlacement((1, 3), (Placement(4, 3, ((0, 1), (1, 2), (1, 2), (0, 2))),
+                                 Placement(4, 3, ((0, 1), (1, 2), (1, 2), (0,)))), 5)
+    assert v.covers_without({1}) and not v.covers_without({0})  # layer 3: expert 3 only on worker 0
+    assert not v.covers_without({1, 2})
+    f = v.without({1}, 6)
+    assert f.down == (1,) and f.version == 6 and f.of(1).copies == ((0,), (2,), (2,), (0, 2))
+    assert f.of(3).experts_on(1) == [] and f.of(3).experts_on(2) == [1, 2]
+    assert ExpertPlacement.from_json(f.to_json(), 3) == f
+    assert not f.covers_without({2})  # expert 1 would be lost with both down
+    with pytest.raises(ValueError, match=r"experts \[3\] have no copy outside expert workers \[0\]"):
+        v.without({0}, 6)
+    with pytest.raises(ValueError, match="on expert worker 1, which is down"):
+        Placement(2, 2, ((0, 1), (1,)), down=(1,))
+
+
 # -- counting ---------------------------------------------------------------------------------------
 def test_expert_worker_counts_per_layer_and_global_expert():
     from expert_nodes.worker import _Load

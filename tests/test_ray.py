@@ -1,7 +1,9 @@
 """Pools on Ray (--launcher ray): a local two-node Ray cluster whose nodes carry different custom
 resources; the attention pool must land on one and the expert pool on the other, talk over M2N
-(tcp, at their node's address), produce the colocated engine's greedy ids, and a killed actor
-must be reported by name. One cluster for the module: Ray's daemons are heavy on 2 cores.
+(tcp, at their node's address), produce the colocated engine's greedy ids; an actor killed
+mid-generation is restarted in its bundle (on the same node) and every request goes on with the
+same ids; a second kill, past --max-worker-restarts 1, is reported by name. One cluster for the
+module: Ray's daemons are heavy on 2 cores.
 """
 import time
 
@@ -30,11 +32,10 @@ def cluster():
 @pytest.mark.slow
 def test_pools_on_ray_nodes_by_resources(cluster, make_checkpoint):
     ckpt = make_checkpoint("mixtral")
-    # max_worker_restarts=0: the front reports the killed actor instead of restarting it (supervision
-    # drives Ray actors as it drives processes; tests/test_supervision.py covers restarts).
+    # Supervision drives Ray actors as it drives processes: one restart, then the clear failure.
     par = ParallelConfig(False, 1, 1, 1, "tcp", torch_threads=1, launcher="ray", ray_address=cluster.address,
                          attention_resources='{"attn_gpu": 1}', expert_resources={"expert_gpu": 1},
-                         max_worker_restarts=0)
+                         max_worker_restarts=1)
     engine = PoolEngine(engine_cfg(ckpt, par), {0})
     try:
         head, other = cluster.head_node.node_id, next(iter(cluster.worker_nodes)).node_id
@@ -46,13 +47,26 @@ def test_pools_on_ray_nodes_by_resources(cluster, make_checkpoint):
         assert len(got) == len(PROMPTS) and all(len(v) == PARAMS.max_tokens for v in got.values())
 
         e0 = next(p for p in engine._procs if p.name == "e0")
-        ray.kill(e0.actor, no_restart=True)
+        for i, prompt in enumerate(PROMPTS):  # the second round, with e0 killed after two steps
+            engine.add_request(f"1-{i}", prompt, PARAMS)
+        calls, got = 0, {}
+        while engine.has_unfinished_requests():
+            if calls == 2:
+                ray.kill(e0.actor, no_restart=True)
+            for d in engine.step(timeout=60):
+                got.setdefault(d.request_id, []).extend(d.new_token_ids)
+            calls += 1
+        assert got == {k: v for k, v in want.items() if k.startswith("1-")}  # resumed, the same ids
+        new = next(p for p in engine._procs if p.name == "e0")
+        assert new is not e0 and new.node_id == other and engine.num_restarts == 1
+
+        ray.kill(new.actor, no_restart=True)
         t0 = time.monotonic()
         with pytest.raises(WorkerFailedError, match=r"'e0'|e0 \(exit code") as err:
             engine.add_request("after-kill", PROMPTS[0], PARAMS)
             while engine.has_unfinished_requests():
                 engine.step(timeout=30)
-        assert "e0" in str(err.value) and time.monotonic() - t0 < 30
+        assert "e0" in str(err.value) and "max-worker-restarts 1" in str(err.value) and time.monotonic() - t0 < 30
     finally:
         engine.shutdown()
     assert all(p.exitcode is not None for p in engine._procs)
