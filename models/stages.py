@@ -6,7 +6,8 @@ X top-k experts per token.
 Between its matmuls a decode step runs short chains of small ops: residual add + RMSNorm, q/k norm
 + rotary, router softmax/sigmoid + top-k + renormalisation + cast. In eager mode each op is one
 dispatch (a few microseconds of Python and allocation for a few kilobytes of work at small batches).
-`compile_stages` turns each chain into one inductor (C++/OpenMP) kernel call. The matmuls stay
+`compile_stages` turns the first two into one inductor (C++) kernel call each; routing stays eager
+(see compiled_stages). The matmuls stay
 outside: the CPU path's oneDNN-packed weights (kernels/cpu_linear.py) are opaque tensors that
 dynamo cannot trace, and the router's module keeps its forward (training hooks it for the logits).
 
@@ -125,12 +126,16 @@ EAGER = DecodeStages()
 def compiled_stages() -> DecodeStages:
     """DecodeStages whose functions are torch.compile'd (inductor); they compile on first call.
     emulate_precision_casts: inductor rounds to bf16/fp16 wherever eager would (it otherwise keeps
-    fused intermediates in float32), so the compiled model's numbers follow the eager oracle's."""
+    fused intermediates in float32), so the compiled model's numbers follow the eager oracle's.
+    cpp.threads=1: these kernels touch kilobytes; an OpenMP region per call cost more than it
+    saved, and on a busy machine a region waits for a descheduled thread (bench/stages.py)."""
     # Many checkpoints in one process (the tests) each add graphs to the same functions' caches.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    opts = {"emulate_precision_casts": True}
+    opts = {"emulate_precision_casts": True, "cpp.threads": 1}
+    # Routing stays eager: its top-k is no inductor kernel (a fallback call inside the graph), and
+    # the compiled chain measured 5-10x slower than the eager one at 1-64 rows (bench/stages.py).
     return DecodeStages(*(torch.compile(f, dynamic=None, fullgraph=True, options=opts)
-                          for f in (add_rms_norm, q_k_v_heads, route)), compiled=True)
+                          for f in (add_rms_norm, q_k_v_heads)), route=route, compiled=True)
 
 
 def compile_stages(model: torch.nn.Module) -> float:
@@ -143,7 +148,7 @@ def compile_stages(model: torch.nn.Module) -> float:
             m.stages = stages
     warm_up(model)
     seconds = time.perf_counter() - t0
-    log.info("compiled the decode stages (add+RMSNorm, q/k norm+rotary, routing) for %d shape buckets "
+    log.info("compiled the decode stages (residual add + RMSNorm, q/k norm + rotary) for %d shape buckets "
              "(T=1, T>=2) in %.1f s", len(BUCKETS), seconds)
     return seconds
 

@@ -91,7 +91,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="run every op eagerly; --no-enforce-eager compiles the CPU decode path's non-GEMM stages "
-                        "(residual add + RMSNorm, q/k norm + rotary, routing) with torch.compile at start-up "
+                        "(residual add + RMSNorm, q/k norm + rotary) with torch.compile at start-up "
                         "(default: $SHUTTLE_ENFORCE_EAGER, else eager)")
 
 
