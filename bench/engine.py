@@ -26,6 +26,7 @@ bf16 matmuls are emulated and far slower than float32.
 Writes bench/results/engine.json (--quick: engine_quick.json).
 """
 import argparse
+from dataclasses import replace
 import random
 import sys
 import tempfile
@@ -172,7 +173,9 @@ def decode_roofline(ckpt: Path, dtype: str, batches: list[int], new_tokens: int,
     """Decode step time per batch size, eager and compiled side by side, against the floor
     max(weight bytes / read bandwidth, FLOPs / matmul rate); then chunked prefill tokens/s against
     its compute floor. prefill: (prompts, prompt length, chunk). transformers runs hf_batches."""
-    llms = {mode: LLM(ckpt, dtype=dtype, max_num_seqs=max(batches), max_num_batched_tokens=prefill[2],
+    # Decode batches prefill in one step (a budget of every prompt token); the prefill part runs
+    # with the chunk as the step budget.
+    llms = {mode: LLM(ckpt, dtype=dtype, max_num_seqs=max(batches), max_num_batched_tokens=32 * max(batches),
                       enforce_eager=mode == "eager") for mode in ("eager", "compiled")}
     rows = []
     for B in batches:
@@ -191,6 +194,8 @@ def decode_roofline(ckpt: Path, dtype: str, batches: list[int], new_tokens: int,
     n, length, chunk = prefill
     pre = []
     for mode, llm in llms.items():
+        sched = llm.engine.scheduler
+        sched.cfg = replace(sched.cfg, max_num_batched_tokens=chunk)
         tok_s = prefill_tok_s(llm, n, length)
         floor_tok_s = rate / step_flops(llm, 1, length // 2)
         pre.append({"dtype": dtype, "mode": mode, "prompts": n, "prompt_len": length, "chunk": chunk,
