@@ -187,32 +187,53 @@ def _read_control(ctl: socket.socket, inbox: queue.Queue) -> None:
 
 
 def _serve(rank: int, engine: LLMEngine, sender: M2NSender, inbox: queue.Queue, ctl: socket.socket) -> None:
-    runner, stats = engine.runner, _StatsReporter(rank, engine, sender, ctl)
-    while True:
-        try:
-            while True:
-                if not _apply(engine, sender, inbox.get_nowait(), ctl):
+    """The step loop. Trace categories besides the sender's (attention, transfer, wait inside the
+    model's forward): "step" spans one engine step (schedule, forward, sample, update), "control"
+    the control-plane work (applying the server's messages, sending deltas and stats).
+    A step's deltas and stats go out right after the next step's first dispatch, while the experts
+    compute it (M2NSender.defer), instead of between the steps where the experts wait for us;
+    anything pending goes out first when the server's messages are applied, when the worker parks
+    and when it leaves, so the server sees every delta in order."""
+    runner, stats, tracer = engine.runner, _StatsReporter(rank, engine, sender, ctl), sender.tracer
+    try:
+        while True:
+            t0 = Tracer.now()
+            try:
+                while True:
+                    msg = inbox.get_nowait()
+                    sender.flush_deferred()
+                    if not _apply(engine, sender, msg, ctl):
+                        return
+                    stats.stale = True
+            except queue.Empty:
+                pass
+            if engine.has_unfinished_requests() or not sender.peers_idle:
+                t1 = Tracer.now()
+                tracer.span("apply", "control", t0, t1)
+                executed = runner.num_executed
+                deltas = engine.step()
+                if runner.num_executed == executed:  # nothing was schedulable: still take this step's turn
+                    runner.idle_step()
+                tracer.span("step", "step", t1)
+                if deltas:
+                    sender.defer(lambda d=deltas: wire.send(ctl, wire.Deltas([wire.encode_delta(x) for x in d])))
+                sender.defer(stats.stepped)
+                continue
+            sender.flush_deferred()
+            stats.parked()
+            try:  # parked
+                msg = inbox.get(timeout=PARK_POLL_S)
+                if not _apply(engine, sender, msg, ctl):
                     return
                 stats.stale = True
-        except queue.Empty:
+            except queue.Empty:
+                if sender.poll_wake():
+                    runner.idle_step()
+    finally:
+        try:
+            sender.flush_deferred()  # before Broken or Failed: the deltas of the last step are valid
+        except OSError:
             pass
-        if engine.has_unfinished_requests() or not sender.peers_idle:
-            executed = runner.num_executed
-            deltas = engine.step()
-            if runner.num_executed == executed:  # nothing was schedulable: still take this step's turn
-                runner.idle_step()
-            if deltas:
-                wire.send(ctl, wire.Deltas([wire.encode_delta(d) for d in deltas]))
-            stats.stepped()
-            continue
-        stats.parked()
-        try:  # parked
-            if not _apply(engine, sender, inbox.get(timeout=PARK_POLL_S), ctl):
-                return
-            stats.stale = True
-        except queue.Empty:
-            if sender.poll_wake():
-                runner.idle_step()
 
 
 class _StatsReporter:

@@ -15,6 +15,9 @@ the floor a Python process reaches on this kernel. "nixl" is the nixl backend wi
 memory (UCX_TLS=sm,self), "nixl-tcp" the same over UCX's tcp transport (UCX_NET_DEVICES=lo). For
 tcp, sender 0's endpoint counts where its time went (TcpEndpoint.phases: building frames, sendmsg, recv_into, header parsing, blocked in
 poll), reported per round next to the round time.
+Waiting: the M2N endpoints poll for --spin-s, then block (spin_policy "fixed", the default); a kind
+with ":adaptive" (shm:adaptive, tcp:adaptive) stops spinning at the first contended sched_yield, so both
+policies can be measured side by side under the same load.
 Latency: sender 0's round time (median, p99). Throughput: bytes moved per second in both
 directions by all pairs, from the median round. Payloads 4 KiB to 4 MiB per pair.
 Writes bench/results/m2n.json.
@@ -50,13 +53,16 @@ def m2n_worker(role: str, rank: int, M: int, backend: str, port: int, sizes: lis
     from m2n_comm.transport import TransportConfig, open_endpoint
 
     torch.set_num_threads(1)
+    name = backend
     if backend.startswith("nixl"):  # read by UCX when the endpoint's agent starts
-        os.environ.update(UCX_TLS=UCX_TLS[backend], UCX_NET_DEVICES="lo")
+        os.environ.update(UCX_TLS=UCX_TLS[backend.partition(":")[0]], UCX_NET_DEVICES="lo")
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
-    cfg = TransportConfig(backend.split("-")[0], slot_bytes=max(sizes) // (2 * HIDDEN) * (2 * HIDDEN + 8 * M) + (1 << 16), spin_s=spin_s)
+    backend, _, policy = backend.partition(":")
+    cfg = TransportConfig(backend.split("-")[0], slot_bytes=max(sizes) // (2 * HIDDEN) * (2 * HIDDEN + 8 * M) + (1 << 16),
+                          spin_s=spin_s, spin_policy=policy or "fixed")
     senders, receivers = [f"a{i}" for i in range(M)], [f"e{j}" for j in range(M)]
     me, peers = (f"a{rank}", receivers) if role == "a" else (f"e{rank}", senders)
-    ep = open_endpoint(cfg, store, f"bench-{backend}-{M}", me, peers, 1)
+    ep = open_endpoint(cfg, store, f"bench-{name.replace(':', '-')}-{M}", me, peers, 1)
     try:
         if role == "e":
             rx = M2NReceiver(ep, senders, [0], 1)
@@ -84,7 +90,7 @@ def m2n_worker(role: str, rank: int, M: int, backend: str, port: int, sizes: lis
             assert torch.allclose(y.float(), x.float() * M, rtol=2e-2), "M2N returned wrong rows"
             if rank == 0:
                 phases = {k: (v - before[k]) / len(times) for k, v in getattr(ep, "phases", {}).items()}
-                out.put(("m2n-" + backend, M, size, times, phases))
+                out.put(("m2n-" + name, M, size, times, phases))
     finally:
         ep.close()
 
@@ -219,7 +225,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved passes over all kinds, rounds pooled")
     ap.add_argument("--spin-s", type=float, default=1e-3, help="TransportConfig.spin_s of the M2N endpoints")
     ap.add_argument("--kinds", default="shm,tcp,nixl,gloo,socket",
-                    help="comma-separated: shm, tcp, nixl, nixl-tcp, gloo, socket")
+                    help="comma-separated: shm, tcp, nixl, nixl-tcp, gloo, socket; a backend with ':adaptive' "
+                         "(e.g. shm:adaptive) stops spinning at the first contended yield")
     args = ap.parse_args()
     mns = args.mn or [1, 2]
     kinds = args.kinds.split(",")
@@ -244,12 +251,13 @@ def main() -> None:
     phases = {k: {f: statistics.fmean(p[f] for p in v) for f in v[0]} for k, v in phases.items()}
     rows = [summary_row(table, M, size, kinds) for M in mns for size in SIZES]
     cols = ["M=N", "payload"] + [c for k in kinds if k in ("gloo", "socket") for c in (f"{k} med us", f"{k} p99 us")]
-    for b in (k for k in kinds if k in BACKENDS):
+    for b in (k for k in kinds if k.partition(":")[0] in BACKENDS):
         cols += [f"{b} med us", f"{b} p99 us", f"{b} GB/s"] + ([f"{b} med/gloo", f"{b} p99/gloo"] if "gloo" in kinds else [])
     if "tcp" in kinds and "socket" in kinds:
         cols.append("tcp med/socket")
     if "nixl" in kinds and "shm" in kinds:
         cols.append("nixl med/shm")
+    cols += [f"{k}:adaptive med/{k}" for k in kinds if f"{k}:adaptive" in kinds]
     print_table(rows, cols)
     prow = []
     for (name, M, size), ph in phases.items():
@@ -272,7 +280,7 @@ def summary_row(table: dict, M: int, size: int, kinds: list[str]) -> dict:
     for k in ("gloo", "socket"):
         if k in kinds:
             row[f"{k} med us"], row[f"{k} p99 us"] = table[(k, M, size)]["median_us"], table[(k, M, size)]["p99_us"]
-    for b in (k for k in kinds if k in BACKENDS):
+    for b in (k for k in kinds if k.partition(":")[0] in BACKENDS):
         r = table[(f"m2n-{b}", M, size)]
         row[f"{b} med us"], row[f"{b} p99 us"], row[f"{b} GB/s"] = r["median_us"], r["p99_us"], r["gbps"]
         if "gloo" in kinds:
@@ -282,6 +290,9 @@ def summary_row(table: dict, M: int, size: int, kinds: list[str]) -> dict:
         row["tcp med/socket"] = row["tcp med us"] / row["socket med us"]
     if "nixl" in kinds and "shm" in kinds:
         row["nixl med/shm"] = row["nixl med us"] / row["shm med us"]
+    for k in kinds:
+        if f"{k}:adaptive" in kinds:
+            row[f"{k}:adaptive med/{k}"] = row[f"{k}:adaptive med us"] / row[f"{k} med us"]
     return row
 
 

@@ -1,20 +1,32 @@
-"""Ping-pong: does splitting each step into micro-batches keep both pools busy?
+"""Ping-pong: does splitting each step into micro-batches keep both pools busy, and where does a
+disaggregated decode step lose time against the colocated engine?
 
-    python bench/pingpong.py [--quick] [--trace pingpong.trace.json]
+    python bench/pingpong.py [--quick] [--batches 1 16 64 256] [--trace pingpong.trace.json]
 
-On this machine's 2 cores: 1 attention worker and 1 expert worker (1 torch thread each, shm
-transport) decode with m = 1, 2, 3 micro-batches, against the colocated engine (experts in the
-attention process, 2 torch threads) on the same checkpoint and requests. The model (float32, hidden
-512, 8 layers, 8 heads, 2 kv heads, 4 experts of 640, top-2, vocabulary 4096) and the batch (128
-sequences, 32-token prompts, 32 new tokens, EOS ignored) are chosen so that one micro-batch's
-attention and expert times are of the same order (the busy fractions below show it), with enough
-tokens per expert that splitting the batch does not multiply the expert weights' memory traffic.
-Decode throughput counts the tokens generated after every sequence has its first token, over that
-window. Busy fractions: the share of the window each worker spent computing (attention: between its
-M2N calls; expert: between recv and reply), from the workers' traces.
---trace FILE writes a Chrome trace (chrome://tracing or ui.perfetto.dev) of a few steps of the m=2
-run: each worker's attention, expert, transfer and wait intervals.
-Writes bench/results/pingpong.json.
+Model: the Mixtral-shaped bf16 checkpoint of ~425M parameters that bench/engine.py builds (hidden
+1024, 8 layers, 16 heads, 4 KV heads, 8 experts of 2048, top-2; `--small` swaps in a float32 model of
+hidden 512 with 4 experts of 640 for a smoke run). Requests: batch B of 32-token prompts, --new-tokens
+new tokens each (EOS ignored), submitted at once. On this machine's 2 cores: 1 attention worker and
+1 expert worker (1 torch thread each, shm transport) with m = 1, 2, 3 micro-batches, against the
+colocated engine (experts in the attention process) with 2 torch threads: the same total threads,
+in one run. Each deployment serves every batch size in turn (one start per deployment).
+
+Decode step time: the window from the moment every sequence has its first token to the last token,
+over the steps in it (new_tokens - 1). "vs colo" is the colocated step time over the pools' (higher
+is better); the issue's target for the best m is printed beside it.
+
+Breakdown (ms per step, from the workers' traces over the same window):
+  attention worker: attn = compute inside the forward between M2N calls (embedding, attention,
+  router, LM head); send = dispatch (routing tables, packing, writing the slots); wait = combine
+  (blocked on the experts' answers); engine = the rest of the engine step (scheduling, preparing
+  inputs, sampling, updating sequences); control = applying the server's messages and sending the
+  deltas and stats (the latter run inside the next step, right after its first dispatch: the trace's
+  "deferred" spans); gap = none of these (the worker loop between steps).
+  expert worker: expert = computing; reply = sending the answers; wait_in = waiting for a chunk
+  inside a step; wait_between = waiting for the first chunk of the next step (the attention worker's
+  engine work and control between steps).
+--trace FILE writes a Chrome trace (chrome://tracing or ui.perfetto.dev) of the last --trace-ms of
+the m=2 run at the largest batch. Writes bench/results/pingpong.json (not with --quick).
 """
 import argparse
 import json
@@ -26,104 +38,152 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig  # noqa: E402
+from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig  # noqa: E402
 from attention_nodes.engine import LLMEngine  # noqa: E402
 from attention_nodes.sampling_params import SamplingParams  # noqa: E402
 from bench.common import print_table, save  # noqa: E402
-from m2n_comm.trace import busy_fraction  # noqa: E402
-from models.builtin import make_random_checkpoint  # noqa: E402
+from bench.engine import mixtral  # noqa: E402  (the 425M checkpoint's builder, shared)
 from server.pools import PoolEngine  # noqa: E402
 
-
-def checkpoint(out: Path, args: argparse.Namespace) -> Path:
-    from transformers import MixtralConfig
-
-    cfg = MixtralConfig(vocab_size=4096, hidden_size=512, intermediate_size=args.inter, num_hidden_layers=args.layers,
-                        num_attention_heads=8, num_key_value_heads=args.kv_heads, num_local_experts=args.experts, num_experts_per_tok=2,
-                        max_position_embeddings=1024, bos_token_id=0, eos_token_id=0)
-    return make_random_checkpoint(out, cfg, seed=0, dtype="float32", tokenizer_dir=None)
+TARGETS = {1: 0.7, 16: 0.8, 64: 0.95, 256: 1.0}  # issue 18: best m against colocated
+PROMPT_LEN = 32
+ATTN_CATS = ("attention", "transfer", "wait", "step", "control")
 
 
-def decode_throughput(engine, batch: int, prompt_len: int, new_tokens: int) -> dict:
-    """Submit `batch` requests at once; tokens per second after all have their first token."""
-    g = torch.Generator().manual_seed(0)
+def build(out: Path, small: bool) -> Path:
+    if small:
+        return mixtral(out, "float32", 512, 640, 8, 8, 2)
+    return mixtral(out, "bfloat16", 1024, 2048, 8, 16, 4)
+
+
+def decode_window(engine, B: int, new_tokens: int, tag: str) -> tuple[int, int, int]:
+    """Submit B requests at once, run them to the end; returns (t0 ns, t1 ns, decode steps): t0 when
+    every sequence has its first token, t1 at the last token."""
+    g = torch.Generator().manual_seed(B)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(str(i), torch.randint(1, 4096, (prompt_len,), generator=g).tolist(), params)
+    for i in range(B):
+        engine.add_request(f"{tag}-{B}-{i}", torch.randint(1, 4000, (PROMPT_LEN,), generator=g).tolist(), params)
     started: set[str] = set()
+    counts: dict[str, int] = {}
     t0 = None
-    tokens = 0
     while engine.has_unfinished_requests():
         for d in engine.step():
-            if t0 is not None:
-                tokens += len(d.new_token_ids)
             started.add(d.request_id)
-        if t0 is None and len(started) == batch:
+            counts[d.request_id] = counts.get(d.request_id, 0) + len(d.new_token_ids)
+        if t0 is None and len(started) == B:
             t0 = time.monotonic_ns()
-    t1 = time.monotonic_ns()
-    return {"tokens": tokens, "seconds": (t1 - t0) / 1e9, "tok_s": tokens / ((t1 - t0) / 1e9), "window_ns": (t0, t1)}
+            at_t0 = min(counts.values())
+    return t0, time.monotonic_ns(), new_tokens - at_t0
 
 
-def run_pools(ckpt: Path, m: int, args, trace_dir: Path) -> dict:
-    par = ParallelConfig(False, 1, 1, m, args.transport, torch_threads=1, trace_dir=str(trace_dir))
-    engine = PoolEngine(EngineConfig(str(ckpt), cache=CacheConfig(num_blocks=1024), parallel=par), {0})
+def run_batches(engine, batches: list[int], new_tokens: int, tag: str) -> dict[int, dict]:
+    decode_window(engine, 4, 4, f"{tag}-warm")
+    out = {}
+    for B in batches:
+        t0, t1, steps = decode_window(engine, B, new_tokens, tag)
+        out[B] = {"window_ns": (t0, t1), "steps": steps, "step_ms": (t1 - t0) / 1e6 / max(steps, 1)}
+    return out
+
+
+def covered(events: list[dict], t0: float, t1: float, pred) -> float:
+    """Microseconds of [t0, t1] (us) covered by the events that satisfy pred."""
+    return sum(max(0.0, min(e["ts"] + e["dur"], t1) - max(e["ts"], t0)) for e in events if pred(e))
+
+
+def breakdown(a: list[dict], e: list[dict], window_ns: tuple[int, int], steps: int, first_recv: str) -> dict:
+    """ms per decode step of each kind of work on both workers over the window (see the module doc)."""
+    t0, t1 = (t / 1e3 for t in window_ns)
+    per = 1e-3 / max(steps, 1)
+    cat = {c: covered(a, t0, t1, lambda ev, c=c: ev["cat"] == c) for c in ATTN_CATS}
+    forward = cat["attention"] + cat["transfer"] + cat["wait"]
+    deferred = covered(a, t0, t1, lambda ev: ev["name"] == "deferred")  # control work inside the next step
+    wait_between = covered(e, t0, t1, lambda ev: ev["cat"] == "wait" and ev["name"] == first_recv)
+    r = {"attn": cat["attention"], "send": cat["transfer"], "wait": cat["wait"],
+         "engine": cat["step"] - forward - deferred, "control": cat["control"],
+         "gap": (t1 - t0) - cat["step"] - cat["control"] + deferred,
+         "expert": covered(e, t0, t1, lambda ev: ev["cat"] == "expert"),
+         "reply": covered(e, t0, t1, lambda ev: ev["cat"] == "transfer"),
+         "wait_in": covered(e, t0, t1, lambda ev: ev["cat"] == "wait") - wait_between, "wait_between": wait_between}
+    return {k: v * per for k, v in r.items()}
+
+
+def run_pools(ckpt: Path, m: int, args, trace_dir: Path, first_recv: str) -> tuple[dict, list[dict]]:
+    par = ParallelConfig(False, 1, 1, m, "shm", torch_threads=1, trace_dir=str(trace_dir))
+    engine = PoolEngine(engine_cfg(ckpt, args, par), {0})
     try:
-        decode_throughput(engine, 8, args.prompt_len, 4)  # warm-up
-        r = decode_throughput(engine, args.batch, args.prompt_len, args.new_tokens)
+        res = run_batches(engine, args.batches, args.new_tokens, f"m{m}")
     finally:
         engine.shutdown()
-    t0, t1 = (t / 1e3 for t in r["window_ns"])
     a = json.loads((trace_dir / "a0.trace.json").read_text())
     e = json.loads((trace_dir / "e0.trace.json").read_text())
-    r["attention_busy"] = busy_fraction(a, {"attention"}, t0, t1)
-    r["expert_busy"] = busy_fraction(e, {"expert"}, t0, t1)
-    r["events"] = [ev for ev in a + e if t1 - args.trace_ms * 1e3 <= ev["ts"] <= t1]
-    return r
+    for r in res.values():
+        r.update(breakdown(a, e, r["window_ns"], r["steps"], first_recv))
+    return res, a + e
+
+
+def engine_cfg(ckpt: Path, args, par: ParallelConfig) -> EngineConfig:
+    B = max(args.batches)
+    blocks = B * -(-(PROMPT_LEN + args.new_tokens) // 16) + 64
+    return EngineConfig(str(ckpt), cache=CacheConfig(num_blocks=blocks),
+                        scheduler=SchedulerConfig(max_num_seqs=max(B, 4), max_num_batched_tokens=4096), parallel=par)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="a smaller batch, for a smoke run")
-    ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--prompt-len", type=int, default=32)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="8 new tokens per request (a few minutes); nothing written")
+    ap.add_argument("--small", action="store_true", help="a small float32 model instead of the 425M bf16 one")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--ms", type=int, nargs="+", default=[1, 2, 3], help="micro-batch counts to run")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--transport", default="shm", choices=["shm", "tcp"])
     ap.add_argument("--trace", default=None, help="Chrome trace file of the m=2 run's last steps")
-    ap.add_argument("--trace-ms", type=float, default=150.0, help="how much of the end of the run to trace")
-    ap.add_argument("--experts", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--inter", type=int, default=640)
+    ap.add_argument("--trace-ms", type=float, default=300.0, help="how much of the end of the run to trace")
     args = ap.parse_args()
     if args.quick:
-        args.batch, args.new_tokens = 32, 16
+        args.new_tokens = min(args.new_tokens, 8)
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = checkpoint(Path(tmp) / "ckpt", args)
+        ckpt = build(Path(tmp) / "ckpt", args.small)
+        from models.config import ModelConfig
+        first_recv = f"recv L{ModelConfig.from_pretrained(str(ckpt)).moe_layers.index(True)} mb0"
         torch.set_num_threads(2)
-        colocated = LLMEngine(EngineConfig(str(ckpt), cache=CacheConfig(num_blocks=1024)), {0})
-        decode_throughput(colocated, 8, args.prompt_len, 4)
-        base = decode_throughput(colocated, args.batch, args.prompt_len, args.new_tokens)
+        colocated = LLMEngine(engine_cfg(ckpt, args, ParallelConfig()), {0})
+        base = run_batches(colocated, args.batches, args.new_tokens, "colo")
         del colocated
         torch.set_num_threads(1)
-        rows = [{"run": "colocated, 2 threads", "tok/s": base["tok_s"], "vs colocated": 1.0}]
-        runs = {}
-        for m in (1, 2, 3):
+        runs, events = {}, {}
+        for m in args.ms:
             d = Path(tmp) / f"trace-m{m}"
             d.mkdir()
-            runs[m] = run_pools(ckpt, m, args, d)
-            rows.append({"run": f"1 attn + 1 expert, m={m}", "tok/s": runs[m]["tok_s"],
-                         "vs colocated": runs[m]["tok_s"] / base["tok_s"], "vs m=1": runs[m]["tok_s"] / runs[1]["tok_s"],
-                         "attn busy": runs[m]["attention_busy"], "expert busy": runs[m]["expert_busy"]})
-    print(f"decode, batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.transport}")
-    print_table(rows, ["run", "tok/s", "vs colocated", "vs m=1", "attn busy", "expert busy"])
-    if args.trace:
-        Path(args.trace).write_text(json.dumps({"traceEvents": runs[2]["events"], "displayTimeUnit": "ms"}))
-        print(f"trace of the m=2 run's last {args.trace_ms:.0f} ms: {args.trace}")
-    payload = {"config": vars(args), "rows": rows,
-               "runs": {m: {k: v for k, v in r.items() if k != "events"} for m, r in runs.items()},
-               "colocated": base}
+            runs[m], events[m] = run_pools(ckpt, m, args, d, first_recv)
+    rows = table(base, runs, args.batches)
+    model = "small float32" if args.small else "Mixtral-shaped 425M bf16"
+    print(f"decode on {model}, 32-token prompts, {args.new_tokens} new tokens; pools: 1 attention + 1 expert "
+          f"worker, 1 thread each, shm; colocated: 2 threads")
+    print_table(rows, ["batch", "run", "step ms", "vs colo", "target", "attn", "send", "wait", "engine", "control",
+                       "gap", "expert", "reply", "wait_in", "wait_between"])
+    if args.trace and 2 in events:
+        t1 = runs[2][max(args.batches)]["window_ns"][1] / 1e3
+        ev = [x for x in events[2] if t1 - args.trace_ms * 1e3 <= x["ts"] <= t1]
+        Path(args.trace).write_text(json.dumps({"traceEvents": ev, "displayTimeUnit": "ms"}))
+        print(f"trace of the m=2 run's last {args.trace_ms:.0f} ms at batch {max(args.batches)}: {args.trace}")
     if not args.quick:
-        print(f"wrote {save('pingpong', payload)}")
+        print(f"wrote {save('pingpong', {'config': vars(args), 'rows': rows, 'date': time.strftime('%Y-%m-%d')})}")
+
+
+def table(base: dict, runs: dict, batches: list[int]) -> list[dict]:
+    """One row per (batch, deployment); the best m of each batch is marked with '*'."""
+    rows = []
+    for B in batches:
+        rows.append({"batch": B, "run": "colocated", "step ms": base[B]["step_ms"], "vs colo": 1.0})
+        best = max(runs, key=lambda m: base[B]["step_ms"] / runs[m][B]["step_ms"]) if runs else None
+        for m, res in runs.items():
+            r = res[B]
+            rows.append({"batch": B, "run": f"m={m}" + ("*" if m == best else ""), "step ms": r["step_ms"],
+                         "vs colo": base[B]["step_ms"] / r["step_ms"],
+                         "target": TARGETS.get(B) if m == best else None,
+                         **{k: r[k] for k in ("attn", "send", "wait", "engine", "control", "gap", "expert", "reply",
+                                              "wait_in", "wait_between")}})
+    cols = {k for r in rows for k in r}
+    return [{k: r.get(k, "") if r.get(k) is not None else "" for k in cols} for r in rows]
 
 
 if __name__ == "__main__":

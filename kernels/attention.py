@@ -7,9 +7,23 @@ S cached keys per sequence (the longest context in the batch), N query heads, K 
 Attention sinks (gpt-oss): sinks_N holds one learned logit per query head, appended as an extra
 column to that head's scaled scores before the softmax and dropped after it, so a head may put
 weight "nowhere" (the outputs are scaled down by the sink's share).
+
+CPU decode path (paged_decode_attention, paged_latent_decode_attention, and cached_attention's
+one-token case): the visible pages are gathered into one (B, S', K, H) tensor in the compute dtype,
+and torch's fused flash-attention CPU kernel runs with each kv head's G query heads as its G "query
+rows", so every key is read once per group, and the kernel splits (sequence, kv head) pairs across
+torch's intra-op threads. A key-padding bias masks each sequence's tail (and what lies outside its
+sliding window); sinks rescale the output with the kernel's log-sum-exp (o * sigmoid(lse - sink)),
+which is exactly the extra softmax column. The compute dtype is float32 for bf16/fp16 where oneDNN
+has no fast path for them (AVX2-only CPUs emulate reduced-precision GEMMs about 10x slower than
+float32); the softmax is float32 in every case. The *_reference functions (two batched matmuls
+over every page, any device) are the oracles and the baselines of bench/kernels_cpu.py.
 """
 import torch
 import torch.nn.functional as F
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+CHUNK_BYTES = 256 << 20  # cap on the gathered K plus V of one flash call; bigger batches go in chunks
 
 
 def _visible(qpos: torch.Tensor, S: int, sliding_window: int | None) -> torch.Tensor:
@@ -19,6 +33,13 @@ def _visible(qpos: torch.Tensor, S: int, sliding_window: int | None) -> torch.Te
     if sliding_window:
         mask &= key_pos > (qpos[..., None] - sliding_window)
     return mask
+
+
+def _needs_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None) -> bool:
+    """Whether cached_attention must take the reference: not on the CPU, values narrower than keys
+    (the flash kernel wants equal head sizes), or autograd recording (training)."""
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+    return q.device.type != "cpu" or v.shape[-1] != k.shape[-1] or grads
 
 
 def cached_attention(
@@ -33,18 +54,54 @@ def cached_attention(
     sliding_window: int | None = None,
     sinks_N: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference attention for prefill, decode, or any mix of the two in one call.
+    """Attention for prefill, decode, or any mix of the two in one call.
 
     Query token t belongs to sequence seq_idx_T[t], is the tok_idx_T[t]-th query of that sequence in
     this call, and sits at absolute position positions_T[t]. Key j of sequence b (the cache row
     k_BKSH[b, :, j]) is visible to a query at position p when j <= p and, with a sliding window w,
     j > p - w (transformers' convention). The caches must already hold this call's keys.
     sinks_N: optional per-head sink logits (see the module docstring). Returns o_TNH in q's dtype.
+    On the CPU both cases run torch's flash kernel (module docstring); elsewhere, for values narrower
+    than keys, and where autograd records (training: the kernel's log-sum-exp, which the sinks use,
+    carries no gradient), cached_attention_reference.
     """
+    if _needs_reference(q_TNH, k_BKSH, v_BKSH, sinks_N):
+        return cached_attention_reference(q_TNH, k_BKSH, v_BKSH, seq_idx_T, tok_idx_T, positions_T, max_q_len, scale,
+                                          sliding_window, sinks_N)
+    if max_q_len == 1:
+        return _decode_attention(q_TNH, k_BKSH, v_BKSH, seq_idx_T, positions_T, scale, sliding_window, sinks_N)
+    B, K, S, H = k_BKSH.shape
+    N = q_TNH.shape[1]
+    dt = q_TNH.dtype
+    q_BQNH = q_TNH.new_zeros(B, max_q_len, N, H)
+    q_BQNH[seq_idx_T, tok_idx_T] = q_TNH
+    if B == 1 and not sliding_window and int(positions_T[0]) == 0:  # one prompt from its start: plain causal
+        bias, causal = None, True
+    else:  # padding rows see key 0 only, so no row of the softmax is empty (no NaN); they are dropped below
+        qpos_BQ = torch.zeros(B, max_q_len, dtype=torch.long, device=q_TNH.device)
+        qpos_BQ[seq_idx_T, tok_idx_T] = positions_T
+        hidden_BQS = ~_visible(qpos_BQ, S, sliding_window)
+        bias = torch.zeros(B, 1, max_q_len, S, dtype=dt).masked_fill_(hidden_BQS[:, None], float("-inf"))
+        causal = False
+    k_BKSH, v_BKSH = (t.to(dt) if t.stride(-1) == 1 else t.to(dt).contiguous() for t in (k_BKSH, v_BKSH))
+    o_BNQH, lse_BNQ = _flash_cpu(q_BQNH.transpose(1, 2), k_BKSH, v_BKSH, is_causal=causal, attn_mask=bias,
+                                 scale=scale)
+    if sinks_N is not None:
+        o_BNQH = o_BNQH * torch.sigmoid(lse_BNQ - sinks_N.float()[:, None])[..., None].to(dt)
+    return o_BNQH.transpose(1, 2)[seq_idx_T, tok_idx_T]
+
+
+def cached_attention_reference(q_TNH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+                               seq_idx_T: torch.Tensor, tok_idx_T: torch.Tensor, positions_T: torch.Tensor,
+                               max_q_len: int, scale: float, sliding_window: int | None = None,
+                               sinks_N: torch.Tensor | None = None) -> torch.Tensor:
+    """cached_attention written plainly (any device): queries padded per sequence, a boolean mask,
+    scaled_dot_product_attention (or the matmul formulation with sinks), in the inputs' dtype."""
     B, S = k_BKSH.shape[0], k_BKSH.shape[2]
     N, H = q_TNH.shape[1:]
     if max_q_len == 1:
-        return _decode_attention(q_TNH, k_BKSH, v_BKSH, seq_idx_T, positions_T, scale, sliding_window, sinks_N)
+        return _decode_attention_reference(q_TNH, k_BKSH, v_BKSH, seq_idx_T, positions_T, scale, sliding_window,
+                                           sinks_N)
     q_BQNH = q_TNH.new_zeros(B, max_q_len, N, H)
     q_BQNH[seq_idx_T, tok_idx_T] = q_TNH
     # Padding rows see key 0 only, so no row of the softmax is empty (no NaN); they are dropped below.
@@ -87,9 +144,154 @@ def _sink_attention(q_BQNH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Te
 def _decode_attention(q_TNH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor, seq_idx_T: torch.Tensor,
                       positions_T: torch.Tensor, scale: float, sliding_window: int | None,
                       sinks_N: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence over dense (B, K, S, H) caches (any strides): the flash path of the
+    module docstring on the CPU, _decode_attention_reference elsewhere. Returns o_TNH in q's dtype."""
+    B, K, S, H = k_BKSH.shape
+    N = q_TNH.shape[1]
+    if _needs_reference(q_TNH, k_BKSH, v_BKSH, sinks_N):
+        return _decode_attention_reference(q_TNH, k_BKSH, v_BKSH, seq_idx_T, positions_T, scale, sliding_window,
+                                           sinks_N)
+    dt = q_TNH.dtype
+    q_BNH = q_TNH.new_zeros(B, N, H)
+    q_BNH[seq_idx_T] = q_TNH
+    qpos_B = torch.zeros(B, dtype=torch.long, device=q_TNH.device)
+    qpos_B[seq_idx_T] = positions_T
+    hidden_BS = ~_visible(qpos_B, S, sliding_window)
+    bias_BS = torch.zeros(B, S, dtype=dt).masked_fill_(hidden_BS, float("-inf"))
+    o_BKGH = _flash_decode(q_BNH.view(B, K, N // K, H), k_BKSH.to(dt), v_BKSH.to(dt), bias_BS, scale, sinks_N)
+    return o_BKGH.reshape(B, N, H)[seq_idx_T]
+
+
+def _flash_decode(q_BKGH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor, bias_BS: torch.Tensor,
+                  scale: float, sinks_N: torch.Tensor | None) -> torch.Tensor:
+    """The G query heads of each kv head as G query rows of torch's flash-attention CPU kernel.
+
+    q_BKGH, k_BKSH, v_BKSH: one dtype, any strides (a tensor whose last dim is not unit-strided is
+    copied). bias_BS: 0 for visible keys, -inf for hidden ones, in q's dtype (at least one visible per
+    row). sinks_N: optional per-head sink logits, applied as o * sigmoid(lse - sink). Returns o_BKGH
+    in q's dtype.
+    """
+    B, K, G, _ = q_BKGH.shape
+    q_BKGH, k_BKSH, v_BKSH = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_BKGH, k_BKSH, v_BKSH))
+    o_BKGH, lse_BKG = _flash_cpu(q_BKGH, k_BKSH, v_BKSH, attn_mask=bias_BS[:, None, None, :], scale=scale)
+    if sinks_N is None:
+        return o_BKGH
+    keep_BKG = torch.sigmoid(lse_BKG - sinks_N.float().view(1, K, G))
+    return o_BKGH * keep_BKG[..., None].to(o_BKGH.dtype)
+
+
+def _visible_pages(block_table_BM: torch.Tensor, seq_lens_B: torch.Tensor, page: int,
+                   sliding_window: int | None) -> tuple[int, torch.Tensor]:
+    """(pages, first_B): each sequence's keys visible to its last token lie in its table entries
+    first_B[b] .. first_B[b] + pages - 1 (pages: the same count for all; entries past a sequence's end
+    are masked). With a window only the pages the window can reach are gathered."""
+    pages = -(-int(seq_lens_B.max()) // page)
+    if not sliding_window:
+        return pages, torch.zeros_like(seq_lens_B, dtype=torch.long)
+    pages = min(pages, (sliding_window + page - 2) // page + 1)  # w consecutive keys span at most this
+    return pages, (seq_lens_B.long() - sliding_window).clamp(min=0) // page
+
+
+def _paged_flash_chunk(q_BNH: torch.Tensor, k_cache_PSKH: torch.Tensor, v_cache_PSKH: torch.Tensor | None,
+                       block_table_BM: torch.Tensor, seq_lens_B: torch.Tensor, first_B: torch.Tensor, pages: int,
+                       scale: float, sliding_window: int | None, sinks_N: torch.Tensor | None) -> torch.Tensor:
+    """Gather `pages` pages per sequence (from first_B on), mask and run the flash kernel.
+    v_cache_PSKH None: the values are the keys (MLA's latent rows). Returns o_BNH in the cache's dtype."""
+    B, N, H = q_BNH.shape
+    S, K = k_cache_PSKH.shape[1:3]
+    dt = k_cache_PSKH.dtype
+    entry_BM = first_B[:, None] + torch.arange(pages, device=q_BNH.device)
+    page_BM = block_table_BM.long().gather(1, entry_BM.clamp(max=block_table_BM.shape[1] - 1)).clamp(min=0)
+    k_BKSH = k_cache_PSKH[page_BM].view(B, pages * S, K, H).transpose(1, 2)
+    v_BKSH = k_BKSH if v_cache_PSKH is None else v_cache_PSKH[page_BM].view(B, pages * S, K, H).transpose(1, 2)
+    pos_BS = (entry_BM[:, :, None] * S + torch.arange(S, device=q_BNH.device)).view(B, pages * S)
+    lens_B1 = seq_lens_B.long()[:, None]
+    hidden_BS = pos_BS >= lens_B1
+    if sliding_window:
+        hidden_BS |= pos_BS < lens_B1 - sliding_window
+    bias_BS = torch.zeros(B, pages * S, dtype=dt).masked_fill_(hidden_BS, float("-inf"))
+    q_BKGH = q_BNH.to(dt).reshape(B, K, N // K, H)
+    return _flash_decode(q_BKGH, k_BKSH, v_BKSH, bias_BS, scale, sinks_N).view(B, N, H)
+
+
+def _paged_flash(q_BNH: torch.Tensor, k_cache_PSKH: torch.Tensor, v_cache_PSKH: torch.Tensor | None,
+                 block_table_BM: torch.Tensor, seq_lens_B: torch.Tensor, scale: float, sliding_window: int | None,
+                 sinks_N: torch.Tensor | None, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+    """_paged_flash_chunk over the whole batch, in chunks of sequences whose gathered K and V stay
+    under chunk_bytes (one chunk up to e.g. 128 sequences of 2048 tokens at K=4, H=64 in bf16).
+    Returns o_BNH in the cache's dtype."""
+    B, N, H = q_BNH.shape
+    S, K = k_cache_PSKH.shape[1:3]
+    if B == 0:
+        return q_BNH.new_empty(0, N, H, dtype=k_cache_PSKH.dtype)
+    pages, first_B = _visible_pages(block_table_BM, seq_lens_B, S, sliding_window)
+    step = max(1, chunk_bytes // (2 * pages * S * K * H * k_cache_PSKH.dtype.itemsize))
+    if step >= B:
+        return _paged_flash_chunk(q_BNH, k_cache_PSKH, v_cache_PSKH, block_table_BM, seq_lens_B, first_B, pages,
+                                  scale, sliding_window, sinks_N)
+    return torch.cat([_paged_flash_chunk(q_BNH[i:i + step], k_cache_PSKH, v_cache_PSKH, block_table_BM[i:i + step],
+                                         seq_lens_B[i:i + step], first_B[i:i + step], pages, scale, sliding_window,
+                                         sinks_N) for i in range(0, B, step)])
+
+
+def paged_decode_attention(
+    q_BNH: torch.Tensor,
+    k_cache_PSKH: torch.Tensor,
+    v_cache_PSKH: torch.Tensor,
+    block_table_BM: torch.Tensor,
+    seq_lens_B: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks_N: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention over a paged KV cache: one query token per sequence.
+
+    q_BNH: the query of sequence b, at position seq_lens_B[b] - 1. k_cache_PSKH / v_cache_PSKH:
+    P pages of S token slots each, (P, S, K, H); token j of sequence b sits in page
+    block_table_BM[b, j // S], slot j % S. block_table_BM: int32/int64 page ids (entries past a
+    sequence's last page are ignored and may hold anything in [0, P) or -1). seq_lens_B: int32/int64
+    context length of each sequence including its new token (>= 1), whose key and value must already
+    be in the cache. Visibility as in cached_attention (window: keys j > p - w). sinks_N: optional
+    per-head sink logits (float32 or q's dtype). Returns o_BNH in q's dtype.
+    On the CPU: the flash path of the module docstring; elsewhere paged_decode_attention_reference.
+    """
+    if q_BNH.device.type != "cpu":
+        return paged_decode_attention_reference(q_BNH, k_cache_PSKH, v_cache_PSKH, block_table_BM, seq_lens_B, scale,
+                                                sliding_window, sinks_N)
+    return _paged_flash(q_BNH, k_cache_PSKH, v_cache_PSKH, block_table_BM, seq_lens_B, scale, sliding_window,
+                        sinks_N).to(q_BNH.dtype)
+
+
+def paged_latent_decode_attention(
+    q_BNW: torch.Tensor,
+    cache_PSW: torch.Tensor,
+    block_table_BM: torch.Tensor,
+    seq_lens_B: torch.Tensor,
+    scale: float,
+    latent_dim: int,
+) -> torch.Tensor:
+    """Decode attention of MLA in the latent space (absorbed weights): one query per sequence.
+
+    q_BNW: each head's query in the cache's space, W = latent_dim + rope dim ([W_uk^T q_nope, q_pe]).
+    cache_PSW: P pages of S token slots, each row [latent (latent_dim), roped key]; token j of
+    sequence b sits in page block_table_BM[b, j // S], slot j % S. Keys are the whole rows, values
+    their first latent_dim entries (one kv head shared by all N query heads). seq_lens_B: context
+    length including the new token. Softmax in float32, as in paged_decode_attention.
+    Returns o_BNC (C = latent_dim), the attention-weighted latents. On the CPU the flash kernel
+    attends with the whole rows as values (its head sizes must match) and the first C outputs are kept.
+    """
+    if q_BNW.device.type != "cpu":
+        return paged_latent_decode_attention_reference(q_BNW, cache_PSW, block_table_BM, seq_lens_B, scale,
+                                                        latent_dim)
+    o_BNW = _paged_flash(q_BNW, cache_PSW[:, :, None, :], None, block_table_BM, seq_lens_B, scale, None, None)
+    return o_BNW[..., :latent_dim].to(q_BNW.dtype).contiguous()
+
+
+def _decode_attention_reference(q_TNH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor,
+                                seq_idx_T: torch.Tensor, positions_T: torch.Tensor, scale: float,
+                                sliding_window: int | None, sinks_N: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence: two batched matmuls with the query heads grouped under their kv head.
 
-    On the CPU this is about 10x faster than scaled_dot_product_attention with a mask for bf16.
     The softmax runs in float32 and its result is cast back before multiplying V (as transformers'
     eager attention does).
     """
@@ -117,53 +319,28 @@ def gather_pages(cache_PSKH: torch.Tensor, block_table_BM: torch.Tensor, num_tok
     return cache_PSKH[table_BM].reshape(B, pages * S, *cache_PSKH.shape[2:]).transpose(1, 2)
 
 
-def paged_decode_attention(
-    q_BNH: torch.Tensor,
-    k_cache_PSKH: torch.Tensor,
-    v_cache_PSKH: torch.Tensor,
-    block_table_BM: torch.Tensor,
-    seq_lens_B: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    sinks_N: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Reference decode attention over a paged KV cache: one query token per sequence.
-
-    q_BNH: the query of sequence b, at position seq_lens_B[b] - 1. k_cache_PSKH / v_cache_PSKH:
-    P pages of S token slots each, (P, S, K, H); token j of sequence b sits in page
-    block_table_BM[b, j // S], slot j % S. block_table_BM: int32/int64 page ids (entries past a
-    sequence's last page are ignored and may hold anything in [0, P) or -1). seq_lens_B: int32/int64
-    context length of each sequence including its new token (>= 1), whose key and value must already
-    be in the cache. Visibility as in cached_attention (window: keys j > p - w). sinks_N: optional
-    per-head sink logits (float32 or q's dtype). Returns o_BNH.
-    """
+def paged_decode_attention_reference(q_BNH: torch.Tensor, k_cache_PSKH: torch.Tensor, v_cache_PSKH: torch.Tensor,
+                                     block_table_BM: torch.Tensor, seq_lens_B: torch.Tensor, scale: float,
+                                     sliding_window: int | None = None,
+                                     sinks_N: torch.Tensor | None = None) -> torch.Tensor:
+    """paged_decode_attention written plainly (any device): every sequence's pages up to the longest
+    context gathered in the cache's dtype, two batched matmuls, a float32 softmax. The oracle."""
     B = block_table_BM.shape[0]
     longest = int(seq_lens_B.max()) if B else 0
     k_BKSH = gather_pages(k_cache_PSKH, block_table_BM, longest)
     v_BKSH = gather_pages(v_cache_PSKH, block_table_BM, longest)
     seq_idx_B = torch.arange(B, device=q_BNH.device)
-    return _decode_attention(q_BNH, k_BKSH, v_BKSH, seq_idx_B, seq_lens_B.long() - 1, scale, sliding_window, sinks_N)
+    return _decode_attention_reference(q_BNH, k_BKSH, v_BKSH, seq_idx_B, seq_lens_B.long() - 1, scale,
+                                       sliding_window, sinks_N)
 
 
-def paged_latent_decode_attention(
-    q_BNW: torch.Tensor,
-    cache_PSW: torch.Tensor,
-    block_table_BM: torch.Tensor,
-    seq_lens_B: torch.Tensor,
-    scale: float,
-    latent_dim: int,
-) -> torch.Tensor:
-    """Reference decode attention of MLA in the latent space (absorbed weights): one query per sequence.
-
-    q_BNW: each head's query in the cache's space, W = latent_dim + rope dim ([W_uk^T q_nope, q_pe]).
-    cache_PSW: P pages of S token slots, each row [latent (latent_dim), roped key]; token j of
-    sequence b sits in page block_table_BM[b, j // S], slot j % S. Keys are the whole rows, values
-    their first latent_dim entries (one kv head shared by all N query heads). seq_lens_B: context
-    length including the new token. Softmax in float32, as in paged_decode_attention.
-    Returns o_BNC (C = latent_dim), the attention-weighted latents.
-    """
+def paged_latent_decode_attention_reference(q_BNW: torch.Tensor, cache_PSW: torch.Tensor,
+                                            block_table_BM: torch.Tensor, seq_lens_B: torch.Tensor, scale: float,
+                                            latent_dim: int) -> torch.Tensor:
+    """paged_latent_decode_attention written plainly (any device), as paged_decode_attention_reference."""
     B = block_table_BM.shape[0]
     longest = int(seq_lens_B.max()) if B else 0
     kv_B1SW = gather_pages(cache_PSW[:, :, None, :], block_table_BM, longest)
     seq_idx_B = torch.arange(B, device=q_BNW.device)
-    return _decode_attention(q_BNW, kv_B1SW, kv_B1SW[..., :latent_dim], seq_idx_B, seq_lens_B.long() - 1, scale, None)
+    return _decode_attention_reference(q_BNW, kv_B1SW, kv_B1SW[..., :latent_dim], seq_idx_B, seq_lens_B.long() - 1,
+                                       scale, None)

@@ -7,12 +7,22 @@ rows [I, 2I) the up projection (w3 / up_proj); w2_EDI is (E, D, I), the down pro
 Optional biases (gpt-oss): b13_EI2 (E, 2I) in w13's row order, b2_ED (E, D), added to each projection
 before the activation / before the router weight. The activation is a SwiGLU (see SwiGLU): plain
 silu(gate) * up by default, gpt-oss's clamped variant with its alpha, limit and up + 1.
+
+On a CPU without oneDNN's bf16/fp16 path (AVX2 only) torch emulates reduced-precision GEMMs at a
+few GFLOP/s, while float32 runs near the machine's rate: there an expert with at least
+UPCAST_MIN_ROWS rows copies its weights to float32 for the call (a memory-bound copy that the
+faster GEMM repays from about that many rows on: bench/kernels_cpu.py) and computes in float32,
+rounding once at the end. Smaller groups (decode at small batch) keep the bf16 GEMM, which reads
+half the bytes.
 """
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+UPCAST_MIN_ROWS = 16  # rows of one expert from which emulated bf16/fp16 weights are upcast (see above)
 
 
 @dataclass(frozen=True)
@@ -68,24 +78,49 @@ def permute(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int) -> 
     return x_TD.index_select(0, token_idx_N), Permutation(token_idx_N, pair_idx_N, counts_E, T)
 
 
+@functools.cache
+def _gemm_is_emulated(dtype: torch.dtype) -> bool:
+    """Whether CPU GEMMs in `dtype` run without oneDNN's native path (bf16/fp16 on AVX2-only CPUs)."""
+    if dtype == torch.bfloat16:
+        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float16 and not torch.ops.mkldnn._is_mkldnn_fp16_supported()
+
+
+def _upcast_from(x_ND: torch.Tensor, w: object, linear: Callable, upcast_min_rows: int | None) -> int | None:
+    """The row count from which grouped_swiglu upcasts an expert (None: never) for these inputs."""
+    if (upcast_min_rows is None or linear is not F.linear or not isinstance(w, torch.Tensor)
+            or x_ND.device.type != "cpu" or not _gemm_is_emulated(x_ND.dtype)):
+        return None
+    return upcast_min_rows
+
+
 def grouped_swiglu(x_ND: torch.Tensor, counts_E: list[int], w13_EID2: torch.Tensor, w2_EDI: torch.Tensor,
                    linear: Callable = F.linear, b13_EI2: torch.Tensor | None = None,
-                   b2_ED: torch.Tensor | None = None, act: SwiGLU = SILU) -> torch.Tensor:
+                   b2_ED: torch.Tensor | None = None, act: SwiGLU = SILU,
+                   upcast_min_rows: int | None = UPCAST_MIN_ROWS) -> torch.Tensor:
     """For each expert e, y = act(x W1^T + b1, x W3^T + b3) W2^T + b2 over its contiguous slice of rows
     (no biases and act = SILU: (silu(x W1^T) * (x W3^T)) W2^T).
 
     One matmul pair per active expert; experts with no rows cost nothing. Returns y_ND in x's dtype.
     w13_EID2 / w2_EDI may also be per-expert sequences of any weight `linear` accepts (e.g. the
     oneDNN-packed weights of kernels/cpu_linear.py with linear=packed_linear).
+    upcast_min_rows: on a CPU whose bf16/fp16 GEMMs are emulated, experts with at least this many
+    rows compute in float32 (module docstring); None keeps every GEMM in x's dtype.
     """
     y_ND = torch.empty_like(x_ND)
+    upcast_from = _upcast_from(x_ND, w13_EID2, linear, upcast_min_rows)
     start = 0
     for e, n in enumerate(counts_E):  # (a loop over experts, not tokens)
         if n == 0:
             continue
         rows = slice(start, start + n)
-        gate, up = linear(x_ND[rows], w13_EID2[e], None if b13_EI2 is None else b13_EI2[e]).chunk(2, dim=-1)
-        y_ND[rows] = linear(act(gate, up), w2_EDI[e], None if b2_ED is None else b2_ED[e])
+        x, w13, w2 = x_ND[rows], w13_EID2[e], w2_EDI[e]
+        b13, b2 = None if b13_EI2 is None else b13_EI2[e], None if b2_ED is None else b2_ED[e]
+        if upcast_from is not None and n >= upcast_from:
+            x, w13, w2 = x.float(), w13.float(), w2.float()
+            b13, b2 = None if b13 is None else b13.float(), None if b2 is None else b2.float()
+        gate, up = linear(x, w13, b13).chunk(2, dim=-1)
+        y_ND[rows] = linear(act(gate, up), w2, b2)
         start += n
     return y_ND
 
@@ -112,14 +147,17 @@ def fused_moe(
     b13_EI2: torch.Tensor | None = None,
     b2_ED: torch.Tensor | None = None,
     act: SwiGLU = SILU,
+    upcast_min_rows: int | None = UPCAST_MIN_ROWS,
 ) -> torch.Tensor:
     """Reference MoE: permute -> grouped SwiGLU GEMM -> weighted combine. Returns y_TD (x's dtype).
 
     x_TD: activations; topk_ids_TK int64 in [0, E); topk_weights_TK float32 or x's dtype.
     b13_EI2 (E, 2I) / b2_ED (E, D): optional biases in the weights' dtype; act: the SwiGLU variant.
+    upcast_min_rows: see grouped_swiglu (None: every GEMM in x's dtype, as before the upcast existed).
     """
     x_ND, perm = permute(x_TD, topk_ids_TK, w13_EID2.shape[0])
-    y_ND = grouped_swiglu(x_ND, perm.counts_E, w13_EID2, w2_EDI, b13_EI2=b13_EI2, b2_ED=b2_ED, act=act)
+    y_ND = grouped_swiglu(x_ND, perm.counts_E, w13_EID2, w2_EDI, b13_EI2=b13_EI2, b2_ED=b2_ED, act=act,
+                          upcast_min_rows=upcast_min_rows)
     return unpermute(y_ND, perm, topk_weights_TK)
 
 

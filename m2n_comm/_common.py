@@ -10,6 +10,7 @@ acknowledges it by publishing release = n, and the sender writes message n + 1 o
 """
 import atexit
 import ctypes
+import functools
 from abc import ABC, abstractmethod
 import json
 import os
@@ -25,6 +26,8 @@ from m2n_comm.transport import (CODE_DTYPES, DTYPE_CODES, MAX_DIMS, MAX_TENSORS,
 BLOCK_S = 0.05          # longest single block inside a wait: deadlines and liveness are checked between blocks
 STORE_POLL_S = 0.01     # how often the rendezvous re-checks the store for missing peers
 HEADER_WORDS = 6 + 5 * MAX_TENSORS  # kind, step, layer, mb, aux, n, then (code, ndim, d0, d1, d2) per tensor
+CONTENDED_YIELD_S = 50e-6  # a sched_yield that kept us off the core longer: other processes want it
+VIEW_CACHE_SIZE = 256   # distinct (slot, layout) pairs whose views and checked headers are kept
 
 T = TypeVar("T")
 
@@ -38,14 +41,13 @@ class TensorDesc(NamedTuple):
     nbytes: int
 
 
-def describe(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorDesc], list[memoryview], int]:
-    """Check the tensors a caller sends; returns their descriptors, each one's bytes as a memoryview
-    of a contiguous copy (the tensor's own memory when already contiguous; the view keeps its
-    tensor alive), and the payload size in bytes. No torch op for contiguous tensors: reshaping and
+def describe(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorDesc], list[torch.Tensor], int]:
+    """Check the tensors a caller sends; returns their descriptors, each one contiguous (itself when
+    it already is), and the payload size in bytes. No torch op for contiguous tensors: reshaping and
     viewing cost more per message than the syscall that sends it (bench/m2n.py's phases)."""
     if len(tensors) > MAX_TENSORS:
         raise ValueError(f"a message carries at most {MAX_TENSORS} tensors, got {len(tensors)}")
-    flats, specs = [], []
+    srcs, specs = [], []
     for j, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"tensor {j} is a {type(t).__name__}, not a torch.Tensor")
@@ -57,10 +59,10 @@ def describe(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorDesc], list[me
         shape = tuple(t.shape)
         if len(shape) > MAX_DIMS:
             raise ValueError(f"tensor {j} has {len(shape)} dims (shape {shape}); at most {MAX_DIMS}")
-        flats.append(tensor_bytes(t if t.is_contiguous() else t.contiguous()))
+        srcs.append(t if t.is_contiguous() else t.contiguous())
         specs.append((code, shape))
-    descs, end = layout(specs)
-    return descs, flats, end
+    descs, end = _layout(tuple(specs))
+    return descs, srcs, end
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -73,8 +75,25 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(arr).cast("B")
 
 
+def copy_payload(dst_addr: int, descs: Sequence[TensorDesc], srcs: Sequence[torch.Tensor]) -> None:
+    """Copy contiguous CPU tensors to their offsets in the payload that starts at address dst_addr:
+    one memmove each (no torch op: torch's copy_ wakes its OpenMP pool, whose spinning threads
+    starve the other processes on a small machine, 8 ms round trips; and ctypes releases the GIL
+    for the copy, so the heartbeat thread is not held up by a large one)."""
+    for d, t in zip(descs, srcs):
+        if d.nbytes:
+            ctypes.memmove(dst_addr + d.offset, t.data_ptr(), d.nbytes)
+
+
 def layout(specs: Sequence[tuple[int, Sequence[int]]]) -> tuple[list[TensorDesc], int]:
     """Descriptors for (dtype code, shape) pairs laid out as payload_offsets does; and the payload end."""
+    return _layout(tuple((c, tuple(s)) for c, s in specs))
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(specs: tuple[tuple[int, tuple[int, ...]], ...]) -> tuple[list[TensorDesc], int]:
+    """layout() memoized: a decode loop sends the same few shapes over and over. The list it
+    returns is shared: callers never modify it."""
     sizes = []
     for code, shape in specs:
         n = CODE_DTYPES[code].itemsize
@@ -175,8 +194,13 @@ class EndpointBase(ABC):
 
     _spin_s: float = 0.0  # busy-poll before blocking; set by backends where polling is cheap
 
-    def _spin_pause(self) -> None:
-        """Called between polls while spinning (shm, tcp: yield the core; tcp also reads its sockets)."""
+    def _spin_pause(self) -> bool:
+        """Called between polls while spinning: yield the core (spinning costs nothing while no other
+        process wants it; tcp and nixl also read their sockets here). True when the yield gave the
+        core away for longer than CONTENDED_YIELD_S: other processes want it."""
+        t = time.perf_counter()
+        os.sched_yield()
+        return time.perf_counter() - t > CONTENDED_YIELD_S
 
     def __init__(self, cfg: TransportConfig, session: str, me: str, peers: Sequence[str], num_slots: int):
         if not isinstance(me, str) or not me or not isinstance(session, str) or not session:
@@ -186,6 +210,7 @@ class EndpointBase(ABC):
         if not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
         self.cfg, self.session, self.me = cfg, session, me
+        self._adaptive = cfg.spin_policy == "adaptive"
         self.peers, self.num_slots, self.slot_bytes = list(peers), num_slots, cfg.slot_bytes
         self.capacity = cfg.slot_bytes - SLOT_HEADER_BYTES  # payload bytes one slot holds
         self._index = {p: i for i, p in enumerate(self.peers)}
@@ -194,6 +219,8 @@ class EndpointBase(ABC):
         self._held = [0] * n   # seq of the message recv() handed out and not yet released (0: none)
         self._closed = False
         self._found_dead: dict[int, str] = {}  # peer index -> why it was declared dead
+        self._view_cache: dict[tuple, list[torch.Tensor]] = {}  # (key, descs) -> views of the payload
+        self._spec_cache: dict[tuple, list[TensorDesc]] = {}  # header words after the meta -> checked layout
         self._exit_hook = lambda ref=weakref.ref(self): _close_at_exit(ref)
         atexit.register(self._exit_hook)
 
@@ -220,7 +247,10 @@ class EndpointBase(ABC):
     def _wait(self, ready: Callable[[], T], peer_idx: Sequence[int], timeout: float | None, what: str) -> T | None:
         """Return ready()'s first truthy value: poll it for _spin_s, then block in slices of at most
         BLOCK_S (the backend's _block wakes early when something arrives), checking the peers'
-        liveness between blocks. None once `timeout` seconds passed (None: no deadline)."""
+        liveness between blocks. None once `timeout` seconds passed (None: no deadline).
+        With spin_policy "adaptive" the spinning ends at the first contended yield: when more
+        processes want the cores than there are, a spinner only waits its turn behind them and is
+        last in line when its message comes, while a blocked waiter that is woken runs at once."""
         r = ready()
         if r:
             return r
@@ -228,10 +258,12 @@ class EndpointBase(ABC):
             raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
         spin_end = time.perf_counter() + self._spin_s
         while time.perf_counter() < spin_end:
-            self._spin_pause()
+            contended = self._spin_pause()
             r = ready()
             if r:
                 return r
+            if contended and self._adaptive:
+                break
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
@@ -259,7 +291,7 @@ class EndpointBase(ABC):
         i = self._key(peer, slot)
         if not isinstance(meta, MessageMeta):
             raise ValueError(f"meta must be a MessageMeta, got {type(meta).__name__}")
-        descs, flats, end = describe(tensors)
+        descs, srcs, end = describe(tensors)
         if end > self.capacity:
             raise ValueError(f"message of {SLOT_HEADER_BYTES + end} bytes ({end} of tensors + {SLOT_HEADER_BYTES} "
                              f"header) does not fit slot_bytes={self.slot_bytes}")
@@ -268,7 +300,7 @@ class EndpointBase(ABC):
         if not self._wait(lambda: self._slot_free(i), [pi], timeout, f"{peer!r} to release slot {slot}"):
             raise TransportTimeout(f"{self.me!r}: {peer!r} did not release slot {slot} within {timeout} s")
         self._sent[i] += 1
-        self._write(i, meta, descs, flats, end)
+        self._write(i, meta, descs, srcs, end)
 
     def recv(self, peer: str, slot: int, timeout: float | None = None) -> Message:
         """See transport.Endpoint.recv; TransportTimeout after `timeout` seconds (None: no deadline)."""
@@ -280,7 +312,29 @@ class EndpointBase(ABC):
             raise TransportTimeout(f"{self.me!r}: no message from {peer!r} in slot {slot} within {timeout} s")
         seq, meta, descs = self._take(i)
         self._held[i] = seq
-        return Message(peer, slot, seq, meta, views(self._rx_payload[i], descs))
+        return Message(peer, slot, seq, meta, self._views(i, descs))
+
+    def _views(self, i: int, descs: list[TensorDesc]) -> list[torch.Tensor]:
+        """views() of key i's payload, made once per (key, layout): a decode loop receives the same
+        few shapes over and over, and three torch view ops per tensor cost more than the copy."""
+        k = (i, tuple(descs))
+        v = self._view_cache.get(k)
+        if v is None:
+            if len(self._view_cache) >= VIEW_CACHE_SIZE:
+                self._view_cache.clear()
+            v = self._view_cache[k] = views(self._rx_payload[i], descs)
+        return list(v)
+
+    def _parsed(self, words: list[int]) -> tuple[MessageMeta, list[TensorDesc]]:
+        """parse_words() of a slot header, the tensor part checked once per distinct layout."""
+        tail = tuple(words[5:])
+        descs = self._spec_cache.get(tail)
+        if descs is None:
+            descs = parse_words(words, self.capacity)[1]
+            if len(self._spec_cache) >= VIEW_CACHE_SIZE:
+                self._spec_cache.clear()
+            self._spec_cache[tail] = descs
+        return MessageMeta(*words[:5]), descs
 
     def poll(self, peer: str, slot: int) -> bool:
         return self._has_message(self._key(peer, slot))
@@ -316,6 +370,7 @@ class EndpointBase(ABC):
         if self._closed:
             return
         self._closed = True
+        self._view_cache.clear()  # they hold the receive buffers (shm: the mapping) alive
         atexit.unregister(self._exit_hook)
         self._close_backend()
 
@@ -337,8 +392,8 @@ class EndpointBase(ABC):
         ...
 
     @abstractmethod
-    def _write(self, i: int, meta: MessageMeta, descs: list[TensorDesc], flats: list[memoryview], end: int) -> None:
-        """Hand message self._sent[i] over to the peer (payload of `end` bytes)."""
+    def _write(self, i: int, meta: MessageMeta, descs: list[TensorDesc], srcs: list[torch.Tensor], end: int) -> None:
+        """Hand message self._sent[i] over to the peer (payload of `end` bytes; srcs contiguous)."""
         ...
 
     @abstractmethod

@@ -16,7 +16,8 @@ E experts, W expert workers; R rows gathered on an expert worker from all attent
 Slots: micro-batch i uses slot i in both directions, so m micro-batches are in flight at once and
 a slot is reused only after its previous answer was combined. A chunk for expert worker w holds
 the tokens with at least one expert on w: x (T_w, D), local expert ids (T_w, K) int32 with -1 for
-experts elsewhere, router weights (T_w, K). The answer is y (T_w, D): the weighted sum over the
+experts elsewhere (with a single expert worker: the router's ids as they are, int32 or int64),
+router weights (T_w, K). The answer is y (T_w, D): the weighted sum over the
 tokens' experts on w; the attention worker adds the answers of all expert workers.
 
 Lock-step and idling: every attention worker takes part in every step (an idle one sends empty
@@ -26,6 +27,7 @@ of spinning empty steps; an expert worker that saw an empty step sends WAKE (slo
 attention workers as soon as one of them starts the next step. A stray WAKE is skipped.
 """
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -122,6 +124,9 @@ class _Routes:
         return t
 
 
+LOCAL_ID_DTYPES = (torch.int32, torch.int64)  # expert ids travel in either; the receiver reads them as int64
+
+
 def pack_aux(low: int, high: int) -> int:
     """Two non-negative numbers below 2**31 in one header word (aux): low | high << 32."""
     return low | high << 32
@@ -160,6 +165,7 @@ class M2NSender:
         # Time between dispatcher calls within a step is the attention side's compute.
         self.tracer = tracer or Tracer(endpoint.me)
         self._last_ns = 0
+        self._deferred: list[Callable[[], None]] = []
 
     @property
     def placement_version(self) -> int:
@@ -190,6 +196,17 @@ class M2NSender:
             self.routes, self._pending = _Routes(placement), None
             self._set_down(placement.down)
 
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run fn right after this worker's first dispatch of its next step, while the experts
+        compute that chunk (the caller's control-plane work of the last step, off the experts'
+        critical path between steps), or at that step's end at the latest; `flush_deferred` runs
+        what is pending now."""
+        self._deferred.append(fn)
+
+    def flush_deferred(self) -> None:
+        while self._deferred:
+            self._deferred.pop(0)()
+
     def begin_step(self) -> None:
         if self._pending is not None and self._agreed >= self._pending.version:
             self.routes, self._pending = self._pending, None
@@ -201,6 +218,7 @@ class M2NSender:
         self._last_ns = Tracer.now()
 
     def end_step(self) -> None:
+        self.flush_deferred()  # a step without a dispatch (no MoE layer) still sends what waits
         self.peers_idle = self._step_tokens == 0
         self._agreed = self._next_agreed or 0
         self.tracer.span("attention", "attention", self._last_ns)
@@ -215,29 +233,41 @@ class M2NSender:
         """Send each expert worker the tokens routed to it (slot `mb`); returns at once."""
         start = self._compute_done(layer, mb)
         T, dev = x_TD.shape[0], x_TD.device
+        meta = MessageMeta(KIND_DATA, self.step, layer, mb, self._aux)
+        if self._single:  # the only worker holds every expert: ids are already local, no routing
+            ids = topk_ids_TK if topk_ids_TK.dtype in LOCAL_ID_DTYPES else topk_ids_TK.long()
+            parts = [x_TD, ids, topk_weights_TK]
+            self.ep.send(self.peers[0], mb, meta, parts if x_TD.is_cpu else self._staging.to_host(parts),
+                         timeout=self.timeout)
+            return self._dispatched(layer, mb, start, T, [None], x_TD)
         ncopies_E, copy_EC, local_WE = self.routes.of(layer, dev)
         ids_TK = topk_ids_TK.long()
         worker_TK = None
-        if T and not self._single:
+        if T:
             # A replicated expert's tokens go round-robin over its copies by token index.
             copy_TK = torch.arange(T, device=dev)[:, None] % ncopies_E[ids_TK]
             worker_TK = copy_EC[ids_TK, copy_TK]
-        meta = MessageMeta(KIND_DATA, self.step, layer, mb, self._aux)
         rows_W = []
         for w, peer in self._live:
             rows, parts = self._chunk(w, x_TD, ids_TK, topk_weights_TK, worker_TK, local_WE)
             rows_W.append(rows)
             self.ep.send(peer, mb, meta, self._staging.to_host(parts), timeout=self.timeout)
+        return self._dispatched(layer, mb, start, T, rows_W, x_TD)
+
+    def _dispatched(self, layer: int, mb: int, start: int, T: int, rows_W: list, x_TD: torch.Tensor) -> Handle:
         self._last_ns = Tracer.now()
         self.tracer.span(f"dispatch L{layer} mb{mb}", "transfer", start, self._last_ns, {"tokens": T})
-        return Handle(self.step, layer, mb, T, rows_W, x_TD.dtype, dev)
+        if self._deferred:
+            self.flush_deferred()
+            now = Tracer.now()
+            self.tracer.span("deferred", "control", self._last_ns, now)
+            self._last_ns = now
+        return Handle(self.step, layer, mb, T, rows_W, x_TD.dtype, x_TD.device)
 
     def _chunk(self, w: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                worker_TK: torch.Tensor | None,
                local_WE: torch.Tensor) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-        """(rows of the micro-batch sent to worker w, None for all of them; [x, local ids, weights])."""
-        if self._single:  # the only worker holds every expert: ids are already local
-            return None, [x_TD, ids_TK.to(torch.int32), weights_TK]
+        """(rows of the micro-batch sent to worker w; [x, local ids, weights]), several workers."""
         if worker_TK is None:  # no tokens
             return (torch.empty(0, dtype=torch.long, device=x_TD.device),
                     [x_TD, torch.empty((0, self.top_k), dtype=torch.int32), weights_TK])
@@ -262,7 +292,10 @@ class M2NSender:
             n = handle.num_tokens if rows is None else rows.shape[0]
             if y_RD.shape[0] != n:
                 raise RuntimeError(f"M2N protocol error: {peer!r} returned {y_RD.shape[0]} rows for {n}")
-            y_RD = self._staging.to_device([y_RD], handle.device)[0].to(handle.dtype)
+            if not y_RD.is_cpu or handle.device.type != "cpu":
+                y_RD = self._staging.to_device([y_RD], handle.device)[0]
+            if y_RD.dtype != handle.dtype:
+                y_RD = y_RD.to(handle.dtype)
             if rows is None:  # the only answer: copy it out of the slot
                 y_TD = y_RD.clone() if y_RD.device.type == "cpu" else y_RD
             else:
@@ -367,11 +400,13 @@ class M2NReceiver:
             for p in self.peers:
                 self.ep.release(p, mb)
         counts = [msg.tensors[0].shape[0] for msg in msgs]
-        x, ids, w = self._in.to_device([x, ids, w], self.device)
+        if self.device.type != "cpu":
+            x, ids, w = self._in.to_device([x, ids, w], self.device)
         self._step_tokens += x.shape[0]
         self._recv_done_ns = Tracer.now()
         self.tracer.span(f"recv L{layer} mb{mb}", "wait", start, self._recv_done_ns, {"tokens": x.shape[0]})
-        return ExpertBatch(step, layer, mb, x, ids.long(), w, counts, self.version)
+        return ExpertBatch(step, layer, mb, x, ids if ids.dtype == torch.int64 else ids.long(), w, counts,
+                           self.version)
 
     def _versions(self, msgs: list) -> None:
         """The step's placement version (every attention worker must route with the same one, and
@@ -403,12 +438,15 @@ class M2NReceiver:
         start = Tracer.now()
         self.tracer.span(f"experts L{batch.layer} mb{batch.mb}", "expert", self._recv_done_ns, start,
                          {"tokens": y_RD.shape[0]})
-        y_RD = self._out.to_host([y_RD])[0]
+        if not y_RD.is_cpu:
+            y_RD = self._out.to_host([y_RD])[0]
+        meta = MessageMeta(KIND_DATA, batch.step, batch.layer, batch.mb, aux=pack_aux(sum(batch.counts), self._offer))
         if len(self.peers) == 1:
             self.ep.release(self.peers[0], batch.mb)
-        meta = MessageMeta(KIND_DATA, batch.step, batch.layer, batch.mb, aux=pack_aux(sum(batch.counts), self._offer))
-        for p, part in zip(self.peers, torch.split(y_RD, batch.counts)):
-            self.ep.send(p, batch.mb, meta, [part], timeout=self.timeout)
+            self.ep.send(self.peers[0], batch.mb, meta, [y_RD], timeout=self.timeout)
+        else:
+            for p, part in zip(self.peers, torch.split(y_RD, batch.counts)):
+                self.ep.send(p, batch.mb, meta, [part], timeout=self.timeout)
         if batch.layer == self.moe_layers[-1] and batch.mb == self.m - 1:
             self._idle = self._step_tokens == 0
         self.tracer.span(f"reply L{batch.layer} mb{batch.mb}", "transfer", start)

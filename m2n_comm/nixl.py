@@ -45,7 +45,7 @@ from typing import Callable, TypeVar
 import numpy as np
 import torch
 
-from m2n_comm._common import (HEADER_WORDS, EndpointBase, TensorDesc, header_words, parse_words, publish,
+from m2n_comm._common import (HEADER_WORDS, EndpointBase, TensorDesc, copy_payload, header_words, publish,
                               wait_published)
 from m2n_comm._hello import HelloGate, dial_peers, hello_frame
 from m2n_comm.transport import SLOT_HEADER_BYTES, MessageMeta, PeerDeadError, TransportConfig, TransportTimeout
@@ -217,7 +217,7 @@ class NixlEndpoint(EndpointBase):
                 return self._mark_dead(pi, f"protocol error: seq {seq} into slot {slot} after {self._rx_seq[i]} ({state})")
             base = i * self._stride // 8
             try:
-                meta, descs = parse_words(self._rx_words[base: base + HEADER_WORDS].tolist(), self.capacity)
+                meta, descs = self._parsed(self._rx_words[base: base + HEADER_WORDS].tolist())
             except ValueError as e:
                 return self._mark_dead(pi, f"protocol error: {e}")
             self._rx_seq[i] = seq
@@ -264,15 +264,13 @@ class NixlEndpoint(EndpointBase):
     def _slot_free(self, i: int) -> bool:
         return self._released[i] == self._sent[i]
 
-    def _write(self, i: int, meta: MessageMeta, descs: list[TensorDesc], flats: list[memoryview], end: int) -> None:
+    def _write(self, i: int, meta: MessageMeta, descs: list[TensorDesc], srcs: list[torch.Tensor], end: int) -> None:
         pi, slot = divmod(i, self.num_slots)
         self._finish_xfer(i)  # the staging slot is free once its last write completed
         base = i * self._stride
         self._tx_words[base // 8: base // 8 + HEADER_WORDS] = header_words(meta, descs)
         start = base + SLOT_HEADER_BYTES
-        for d, flat in zip(descs, flats):
-            if d.nbytes:  # one memcpy (numpy: torch's copy_ wakes its OpenMP pool, see shm.py)
-                np.copyto(self._tx_bytes[start + d.offset: start + d.offset + d.nbytes], np.frombuffer(flat, np.uint8))
+        copy_payload(self._tx_ptr + start, descs, srcs)
         n = SLOT_HEADER_BYTES + end
         remote = self._remote_addr[pi] + (self._remote_base[pi] + slot) * self._stride
         b = self._b
@@ -361,9 +359,10 @@ class NixlEndpoint(EndpointBase):
                 "protocol error: bytes after HELLO"
         return None
 
-    def _spin_pause(self) -> None:
-        os.sched_yield()  # spinning costs nothing while another process waits for this core
+    def _spin_pause(self) -> bool:
+        contended = super()._spin_pause()
         self._progress()
+        return contended
 
     def _block(self, ready: Callable[[], T], seconds: float) -> T | None:
         now = time.monotonic()

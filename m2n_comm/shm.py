@@ -40,7 +40,7 @@ from typing import Callable, TypeVar
 import numpy as np
 import torch
 
-from m2n_comm._common import (HEADER_WORDS, EndpointBase, TensorDesc, check_peer_info, header_words, parse_words,
+from m2n_comm._common import (HEADER_WORDS, EndpointBase, TensorDesc, check_peer_info, copy_payload, header_words,
                               process_gone, publish, wait_published)
 from m2n_comm.transport import SLOT_HEADER_BYTES, MessageMeta, TransportConfig
 
@@ -70,6 +70,7 @@ class _Segment:
         self.array = np.frombuffer(self.mm, dtype=np.uint8)
         self.bytes = torch.from_numpy(self.array)
         self.words = np.frombuffer(self.mm, dtype=np.int64)
+        self.addr = self.array.ctypes.data  # where the mapping starts in this process
 
     def close(self) -> None:
         self.array = self.bytes = self.words = None
@@ -155,9 +156,6 @@ class ShmEndpoint(EndpointBase):
         self._fence_lock.acquire()
         self._fence_lock.release()
 
-    def _spin_pause(self) -> None:
-        os.sched_yield()  # spinning costs nothing while another process waits for this core
-
     def _ring(self, pi: int) -> None:
         if self._remote[pi].words[SLEEPING]:
             try:
@@ -172,7 +170,7 @@ class ShmEndpoint(EndpointBase):
     def _take(self, i: int) -> tuple[int, MessageMeta, list[TensorDesc]]:
         base = self._word_at(i)
         seq = int(self._own.words[base + SEQ])
-        meta, descs = parse_words(self._own.words[base + META: base + META + HEADER_WORDS].tolist(), self.capacity)
+        meta, descs = self._parsed(self._own.words[base + META: base + META + HEADER_WORDS].tolist())
         self._seen[i] = seq
         return seq, meta, descs
 
@@ -181,15 +179,12 @@ class ShmEndpoint(EndpointBase):
         base = self._word_at(self._remote_base[pi] + slot)
         return self._remote[pi].words[base + RELEASE] == self._sent[i]
 
-    def _write(self, i: int, meta: MessageMeta, descs: list[TensorDesc], flats: list[memoryview], end: int) -> None:
+    def _write(self, i: int, meta: MessageMeta, descs: list[TensorDesc], srcs: list[torch.Tensor], end: int) -> None:
         pi, slot = divmod(i, self.num_slots)
         seg, k = self._remote[pi], self._remote_base[pi] + slot
-        base, start = self._word_at(k), self._payload_at(k)
+        base = self._word_at(k)
         seg.words[base + META: base + META + HEADER_WORDS] = header_words(meta, descs)
-        for d, flat in zip(descs, flats):
-            if d.nbytes:  # numpy's copy is one memcpy; torch's copy_ would wake its OpenMP pool, whose
-                # spinning threads starve the other processes on a small machine (8 ms round trips)
-                np.copyto(seg.array[start + d.offset: start + d.offset + d.nbytes], np.frombuffer(flat, np.uint8))
+        copy_payload(seg.addr + self._payload_at(k), descs, srcs)
         seg.words[base + SEQ] = self._sent[i]  # publish last: the receiver reads the payload only after this
         self._fence()
         self._ring(pi)

@@ -31,7 +31,6 @@ Liveness: any bytes from a peer count as a sign of life; EOF or a reset marks th
 checked (after reading what is pending, so a long compute is never mistaken for silence). A failed
 send marks it dead too. Each peer has its own sockets, so a dead one does not disturb the others.
 """
-import os
 import select
 import socket
 import struct
@@ -41,7 +40,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from m2n_comm._common import HEADER_WORDS, EndpointBase, TensorDesc, header_words, parse_words
+from m2n_comm._common import HEADER_WORDS, EndpointBase, TensorDesc, header_words, parse_words, tensor_bytes
 from m2n_comm._hello import HelloGate, dial_peers, hello_frame
 from m2n_comm.transport import MessageMeta, PeerDeadError, TransportConfig, TransportTimeout
 
@@ -258,16 +257,16 @@ class TcpEndpoint(EndpointBase):
     def _slot_free(self, i: int) -> bool:
         return self._released[i] == self._sent[i]
 
-    def _write(self, i: int, meta: MessageMeta, descs: list[TensorDesc], flats: list[memoryview], end: int) -> None:
+    def _write(self, i: int, meta: MessageMeta, descs: list[TensorDesc], srcs: list[torch.Tensor], end: int) -> None:
         t0 = time.perf_counter_ns()
         pi, slot = divmod(i, self.num_slots)
         parts: list = [DATA_HDR.pack(DATA, slot, self._sent[i], *header_words(meta, descs))]
         pos = 0
-        for d, flat in zip(descs, flats):
+        for d, src in zip(descs, srcs):
             if d.offset > pos:
                 parts.append(ZEROS[:d.offset - pos])
             if d.nbytes:
-                parts.append(flat)
+                parts.append(tensor_bytes(src))
             pos = d.offset + d.nbytes
         self.phases["pack_ns"] += time.perf_counter_ns() - t0
         self._sendall(pi, parts, drain=True)
@@ -289,9 +288,10 @@ class TcpEndpoint(EndpointBase):
                 why = f"nothing heard for {age:.1f} s (dead_after_s={self.cfg.dead_after_s})"
         return why
 
-    def _spin_pause(self) -> None:
-        os.sched_yield()  # spinning costs nothing while another process waits for this core
+    def _spin_pause(self) -> bool:
+        contended = super()._spin_pause()
         self._progress()
+        return contended
 
     def _block(self, ready: Callable[[], T], seconds: float) -> T | None:
         # Held while blocked, so the heartbeat thread cannot read (and so swallow) what wakes us.

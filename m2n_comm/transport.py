@@ -147,6 +147,11 @@ class TransportConfig:
     # How long a wait polls (yielding the core between polls) before it blocks: waking a blocked
     # process costs ~50-100 us here, more than a whole small round trip.
     spin_s: float = 1e-3
+    # "fixed": spin the whole spin_s; "adaptive": stop at the first sched_yield that gave the core
+    # away (other processes want the cores: block, and the peer's ring wakes us). Under a load of 8
+    # on 2 cores, adaptive was 0.5x to 2x of fixed's round time (bench/m2n.py shm:adaptive): no
+    # clear win, so fixed stays the default until a quiet machine says otherwise.
+    spin_policy: str = "fixed"
     # The deployment's shared secret: a tcp peer must present it in its HELLO (PoolEngine makes one per
     # deployment and hands it to every worker). "" only for endpoints opened by hand (tests, benches).
     token: str = field(default="", repr=False)
@@ -164,6 +169,8 @@ class TransportConfig:
             raise ValueError(f"slot_bytes must be at least 4096, got {self.slot_bytes}")
         if not 0 < self.heartbeat_s < self.dead_after_s:
             raise ValueError(f"need 0 < heartbeat_s ({self.heartbeat_s}) < dead_after_s ({self.dead_after_s})")
+        if self.spin_policy not in ("adaptive", "fixed"):
+            raise ValueError(f"spin_policy must be adaptive or fixed, got {self.spin_policy!r}")
         if not 0 <= self.spin_s < 0.1:
             raise ValueError(f"spin_s must be in [0, 0.1) seconds, got {self.spin_s}")
         if not isinstance(self.token, str):

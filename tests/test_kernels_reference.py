@@ -184,3 +184,31 @@ def test_routing_equals_transformers_deepseek_routers(version, kw):
     order, want_order = ids.sort(-1), want_ids.sort(-1)
     assert torch.equal(order.values, want_order.values)
     torch.testing.assert_close(w.gather(1, order.indices), want_w.gather(1, want_order.indices))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_moe_upcast_of_emulated_bf16(monkeypatch, bias):
+    """Experts with >= upcast_min_rows rows compute in float32 where bf16 GEMMs are emulated (forced
+    here, so the path runs on any CPU): close to the all-float32 result, closer than bf16 GEMMs are."""
+    import kernels.moe as moe
+
+    monkeypatch.setattr(moe, "_gemm_is_emulated", lambda dtype: True)
+    torch.manual_seed(0)
+    T, D, I, E = 24, 32, 24, 4
+    x = torch.randn(T, D)
+    w13, w2 = torch.randn(E, 2 * I, D) / D ** 0.5, torch.randn(E, D, I) / I ** 0.5
+    kw = {}
+    if bias:
+        kw = dict(b13_EI2=torch.randn(E, 2 * I) / 4, b2_ED=torch.randn(E, D) / 4, act=moe.SwiGLU(1.702, 7.0, 1.0))
+    ids = torch.tensor([[0, 1]] * 20 + [[2, 3]] * 4)  # experts 0 and 1 get 20 rows, 2 and 3 get 4
+    weights = torch.rand(T, 2)
+    bf = {k: v.bfloat16() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    args = (x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids)
+    as_float = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in bf.items()}
+    exact = fused_moe(*(a.float() for a in args[:3]), weights, ids, **as_float)
+    upcast = fused_moe(*args, **bf, upcast_min_rows=8)
+    plain = fused_moe(*args, **bf, upcast_min_rows=None)
+    assert upcast.dtype == torch.bfloat16
+    torch.testing.assert_close(upcast[20:], plain[20:], rtol=0, atol=0)  # 4-row experts: bf16 GEMMs as before
+    err_up, err_plain = ((y[:20].float() - exact[:20]).abs().max() for y in (upcast, plain))
+    assert err_up <= 1e-2 * exact.abs().max() and err_up <= err_plain

@@ -74,3 +74,56 @@ def test_routing_replicas_and_out_of_order_combine(backend):
     finally:
         for ep in eps.values():
             ep.close()
+
+
+def test_single_worker_fast_path_and_deferred_work():
+    """One expert worker: the router's ids travel as they are (int32 or int64), messages of changing
+    shapes and dtypes come back right through the cached slot views, and work handed to `defer` runs
+    right after the next step's first dispatch (or at `flush_deferred`), never before."""
+    placement = Placement.balanced(E, 1)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    cfg = TransportConfig("shm", slot_bytes=1 << 16, heartbeat_s=0.2, dead_after_s=2.0)
+    eps: dict[str, object] = {}
+    openers = [threading.Thread(target=lambda n=n, p=p: eps.update({n: open_endpoint(cfg, store, "m2n-one", n, p, 2)}))
+               for n, p in (("a0", ["e0"]), ("e0", ["a0"]))]
+    for t in openers:
+        t.start()
+    for t in openers:
+        t.join()
+    rounds, slots = 4, [(0, 0), (0, 1), (1, 0), (1, 1)]
+    threading.Thread(target=serve, args=(eps["e0"], placement, 0, slots, rounds), daemon=True).start()
+    try:
+        tx, done, g = M2NSender(eps["a0"], placement, ["e0"], D, K), [], torch.Generator().manual_seed(1)
+        for r in range(rounds):
+            tx.begin_step()
+            for layer in (0, 1):
+                inputs, handles = [], []
+                for mb in (0, 1):
+                    T = (1, 5, 0, 3)[(r + 2 * layer + mb) % 4]
+                    dtype, id_dtype = ((torch.float32, torch.int64), (torch.bfloat16, torch.int32))[(r + mb) % 2]
+                    x = torch.randn(T, D, generator=g).to(dtype)
+                    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(id_dtype) if T \
+                        else torch.empty(0, K, dtype=id_dtype)
+                    w = torch.rand(T, K, generator=g)
+                    assert done == list(range(r if (layer, mb) != (0, 0) else max(r - 1, 0)))
+                    handles.append(tx.dispatch(layer, None, x, ids, w, mb=mb))
+                    assert done == list(range(r))  # the last step's deferred work ran right after this dispatch
+                    inputs.append((x, ids, w))
+                for (x, ids, w), h in zip(inputs, handles):
+                    y = tx.combine(h)
+                    assert y.dtype == x.dtype and y.shape == x.shape
+                    torch.testing.assert_close(y.float(), fake_expert_out(x, ids.long(), w).float(), rtol=2e-2, atol=2e-2)
+            tx.end_step()
+            tx.defer(lambda r=r: done.append(r))
+            assert done == list(range(r))
+        tx.flush_deferred()
+        assert done == list(range(rounds))
+    finally:
+        for ep in eps.values():
+            ep.close()
+
+
+def test_spin_policy_is_checked():
+    assert TransportConfig(spin_policy="adaptive").spin_policy == "adaptive"
+    with pytest.raises(ValueError, match="spin_policy must be adaptive or fixed, got 'busy'"):
+        TransportConfig(spin_policy="busy")

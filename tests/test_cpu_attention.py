@@ -1,0 +1,112 @@
+"""The CPU attention paths (kernels/attention.py: flash-kernel decode over gathered pages, the prefill
+path) against the plain references, on odd shapes: contexts that are not multiples of the page size,
+batch 1, head counts that are not powers of two, windows shorter and longer than a page, sinks, MLA
+latent rows, bf16 and float32, and the chunked path for large batches."""
+import math
+
+import pytest
+import torch
+
+from kernels.attention import (_decode_attention_reference, _paged_flash, cached_attention, cached_attention_reference,
+                               paged_decode_attention, paged_decode_attention_reference,
+                               paged_latent_decode_attention, paged_latent_decode_attention_reference)
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def paged(lens: list[int], K: int, H: int, S: int, dtype: torch.dtype, seed: int = 0) -> dict:
+    """A shuffled paged cache of `lens` tokens per sequence (table padded with -1 past each end,
+    pages of different sequences interleaved, stale values in unused slots)."""
+    g = torch.Generator().manual_seed(seed)
+    npages = [math.ceil(n / S) for n in lens]
+    P, M = sum(npages) + 2, max(npages) + 1
+    order = torch.randperm(P, generator=g).tolist()
+    table = torch.full((len(lens), M), -1, dtype=torch.int32)
+    for b, pages in enumerate(npages):
+        table[b, :pages] = torch.tensor([order.pop() for _ in range(pages)], dtype=torch.int32)
+    k, v = (torch.randn(P, S, K, H, generator=g).to(dtype) for _ in range(2))
+    return dict(k_cache_PSKH=k, v_cache_PSKH=v, block_table_BM=table, seq_lens_B=torch.tensor(lens))
+
+
+# (N, K, H, S, lens): G = 3 with 6 heads, N = K = 3 (G = 1), G = 4 at the Mixtral-like 16/4, batch 1
+CASES = [(6, 2, 20, 5, [1, 4, 5, 6, 23, 11]), (3, 3, 16, 4, [9]), (16, 4, 64, 16, [1, 16, 17, 100, 37]),
+         (5, 1, 24, 3, [2, 7, 30])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 3, 17])
+@pytest.mark.parametrize("N,K,H,S,lens", CASES)
+def test_paged_decode_matches_reference(N, K, H, S, lens, window, dtype):
+    args = paged(lens, K, H, S, dtype)
+    q = torch.randn(len(lens), H, N).to(dtype).transpose(1, 2)  # a strided query, as the model's views are
+    got = paged_decode_attention(q, **args, scale=H ** -0.5, sliding_window=window)
+    ref = paged_decode_attention_reference(q, **args, scale=H ** -0.5, sliding_window=window)
+    assert got.dtype == dtype and got.shape == (len(lens), N, H)
+    if dtype == torch.float32:  # the reference in float64: bf16's reference rounds its scores to bf16
+        ref = paged_decode_attention_reference(q.double(), **{k: v.double() if v.is_floating_point() else v
+                                                              for k, v in args.items()},
+                                               scale=H ** -0.5, sliding_window=window).float()
+    torch.testing.assert_close(got, ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_paged_decode_sinks_and_chunks(window):
+    N, K, H, S, lens = 6, 2, 16, 4, [3, 1, 13, 8, 21]
+    args = paged(lens, K, H, S, torch.float32, seed=1)
+    q, sinks = torch.randn(len(lens), N, H), torch.randn(N)
+    ref = paged_decode_attention_reference(q, **args, scale=0.3, sliding_window=window, sinks_N=sinks)
+    got = paged_decode_attention(q, **args, scale=0.3, sliding_window=window, sinks_N=sinks)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    one_seq = 2 * 6 * S * K * H * 4  # the gathered bytes of one sequence (6 pages): chunks of 2 sequences
+    chunked = _paged_flash(q, **args, scale=0.3, sliding_window=window, sinks_N=sinks, chunk_bytes=2 * one_seq)
+    torch.testing.assert_close(chunked, ref, rtol=1e-5, atol=1e-5)
+    empty = paged_decode_attention(q[:0], args["k_cache_PSKH"], args["v_cache_PSKH"], args["block_table_BM"][:0],
+                                   args["seq_lens_B"][:0], 0.3)
+    assert empty.shape == (0, N, H)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_latent_decode_matches_reference(dtype):
+    C, R, N, S, lens = 24, 8, 5, 4, [1, 9, 14]
+    args = paged(lens, 1, C + R, S, dtype, seed=2)
+    cache = args["k_cache_PSKH"][:, :, 0]
+    q = torch.randn(len(lens), N, C + R).to(dtype)
+    got = paged_latent_decode_attention(q, cache, args["block_table_BM"], args["seq_lens_B"], 0.2, C)
+    ref = paged_latent_decode_attention_reference(q, cache, args["block_table_BM"], args["seq_lens_B"], 0.2, C)
+    assert got.shape == (len(lens), N, C) and got.dtype == dtype
+    torch.testing.assert_close(got, ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_dense_decode_matches_reference(window):
+    """cached_attention's one-token case (dense caches, views with any strides), with sinks."""
+    B, N, K, H, S = 4, 6, 3, 8, 11
+    k, v = torch.randn(B + 1, K, S, H)[1:], torch.randn(B, S, K, H).transpose(1, 2)
+    q, sinks = torch.randn(B, N, H), torch.randn(N)
+    seq_idx, positions = torch.arange(B), torch.tensor([0, 10, 5, 3])
+    got = cached_attention(q, k, v, seq_idx, torch.zeros(B, dtype=torch.long), positions, 1, 0.4, window, sinks)
+    ref = _decode_attention_reference(q, k, v, seq_idx, positions, 0.4, window, sinks)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("q_lens,ctx_lens", [([7], [0]), ([6], [5]), ([5, 1, 1, 9], [0, 12, 3, 4])],
+                         ids=["prompt", "chunk-after-prefix", "mixed"])
+def test_prefill_matches_reference(q_lens, ctx_lens, window, sinks, dtype):
+    """Prompts from their start (the plain causal case), a chunk after a cached prefix, and a batch
+    mixing both with decodes; against the reference in float64."""
+    N, K, H = 6, 2, 20
+    B, S = len(q_lens), max(c + n for c, n in zip(ctx_lens, q_lens)) + 2  # caches longer than any context
+    k, v = (torch.randn(B, S, K, H).to(dtype).transpose(1, 2) for _ in range(2))
+    seq_idx = torch.repeat_interleave(torch.arange(B), torch.tensor(q_lens))
+    tok_idx = torch.cat([torch.arange(n) for n in q_lens])
+    positions = torch.tensor(ctx_lens)[seq_idx] + tok_idx
+    q, sinks_N = torch.randn(len(seq_idx), N, H).to(dtype), torch.randn(N) if sinks else None
+    args = (seq_idx, tok_idx, positions, max(q_lens), H ** -0.5, window)
+    got = cached_attention(q, k, v, *args, sinks_N)
+    ref = cached_attention_reference(q.double(), k.double(), v.double(), *args,
+                                     None if sinks_N is None else sinks_N.double())
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), ref, **TOL[dtype])
