@@ -135,7 +135,9 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     """model: checkpoint directory. dtype: None for the checkpoint's. device: "cpu" or "cuda".
-    kernels: "torch" or "triton" to override the device's default (see kernels.ops)."""
+    kernels: "torch" or "triton" to override the device's default (see kernels.ops).
+    enforce_eager: run every op eagerly; False compiles the decoder's non-GEMM stages with
+    torch.compile at start-up where that applies (CPU with torch kernels; models/stages.py)."""
 
     model: str
     dtype: torch.dtype | None = None
@@ -145,3 +147,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    enforce_eager: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")

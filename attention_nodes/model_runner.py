@@ -14,6 +14,7 @@ from models.dispatcher import Dispatcher, LocalDispatcher
 from models.cpu_inference import pack_for_cpu_inference
 from models.kv_cache import AttentionBatch, cache_bytes_per_block, make_paged_cache
 from models.loader import load_model
+from models.stages import compile_stages
 
 log = logging.getLogger("shuttle")
 CPU_DEFAULT_KV_GIB = 2.0
@@ -53,7 +54,13 @@ class ModelRunner:
         self.num_executed = 0
         self.dtype = self.model.lm_head.weight.dtype
         self.weight_bytes = _weight_bytes(self.model)
-        self.packed = self.device.type == "cpu" and self.model.ops.backend == "torch" and pack_for_cpu_inference(self.model)
+        cpu_torch = self.device.type == "cpu" and self.model.ops.backend == "torch"
+        self.packed = cpu_torch and pack_for_cpu_inference(self.model)
+        # The CPU's torch ops run one dispatch per small op: compile their chains once, now (on
+        # CUDA the Triton kernels are already fused).
+        self.compiled = cpu_torch and not cfg.enforce_eager
+        if self.compiled:
+            compile_stages(self.model)
         self.block_size = cfg.cache.block_size
         self.num_blocks = self._num_blocks(cfg)
         self.cache = make_paged_cache(self.model_cfg, self.num_blocks, self.block_size, self.dtype, self.device,

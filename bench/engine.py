@@ -9,18 +9,24 @@ Part 1, mixed-length workload (float32 checkpoint, hidden 512, 4 layers, 8 exper
   static     = the same engine fed batches of 16, each waiting until its longest request ends;
   transformers = generate() on the same batches of 16 (left-padded, run to the batch's longest).
   Throughput counts only the requested output tokens.
-Part 2, decode in bfloat16 on a Mixtral-shaped checkpoint of ~425M parameters (hidden 1024, 8 layers,
-  16 heads, 4 KV heads, 8 experts of 2048, top-2), 32-token prompts, 64 new tokens, batch 1/16/64:
-  decode step time of the engine and of transformers' generate. Memory floor: the weight bytes a
-  decode step must read (the active experts' and every other layer's weights, the LM head) over the
-  copy bandwidth measured in this run (bytes read plus written per second of a 1 GiB copy); compute
-  floor: the step's matmul FLOPs over a 2048^3 bf16 matmul's rate measured in this run. "mem_roof"
-  is memory floor / measured step; "read_roof" the same with the bandwidth of a pure read (a sum over
-  1 GiB), which on some machines is well below the copy rate; "roof" is max(read floor, compute
-  floor) / measured step.
-Writes bench/results/engine.json.
+Part 2, decode on a Mixtral-shaped checkpoint of ~425M parameters stored in bfloat16 (hidden 1024,
+  8 layers, 16 heads, 4 KV heads, 8 experts of 2048, top-2), run in bfloat16 and in float32 (the same
+  weights upcast), 32-token prompts, batch 1/16/64/256: the median decode step time of the eager
+  engine and of the compiled one (models/stages.py, --no-enforce-eager), side by side, each against
+  the step's floor = max(memory floor, compute floor), both measured in this run. Memory floor: the
+  weight bytes a step must read (every non-expert weight, the LM head, the experts B tokens x top-2
+  are expected to hit) over the read bandwidth (a sum over 1 GiB). Compute floor: the step's matmul
+  FLOPs over a 2048^3 matmul's rate in the run's dtype. "x_floor" is step / floor; the issue's
+  targets (1.5 / 1.3 / 1.4 / 1.25 at batch 1 / 16 / 64 / 256) are printed beside it. transformers'
+  decode step (generate) at batch <= 64 for reference.
+Part 3, chunked prefill: prompts of 1024 tokens in chunks of 512 tokens per step, prompt tokens/s of
+  both engines against the compute floor (matmul rate / FLOPs per token at half the prompt's context).
+The machine's matmul ISA (from /proc/cpuinfo) is printed and saved: without avx512_bf16 / amx_bf16,
+bf16 matmuls are emulated and far slower than float32.
+Writes bench/results/engine.json (--quick: engine_quick.json).
 """
 import argparse
+from dataclasses import replace
 import random
 import sys
 import tempfile
@@ -116,20 +122,37 @@ def mixed_workload(ckpt: Path, n: int, in_flight: int) -> list[dict]:
 
 
 def decode_step_time(llm: LLM, B: int, prompt_len: int, new_tokens: int) -> float:
-    """Median wall time of the engine steps in which every sequence decodes one token."""
+    """Median wall time of the engine steps in which every sequence decodes one token (about
+    new_tokens of them: the prompts are prefilled in chunks, and the sequences prefilled first
+    decode while the rest are prefilled, so they get that many more tokens to stay until then)."""
     rng = random.Random(B)
     engine = llm.engine
+    chunk = engine.scheduler.cfg.max_num_batched_tokens
+    params = SamplingParams(max_tokens=new_tokens + -(-B * prompt_len // chunk), temperature=0, ignore_eos=True)
     for b in range(B):
-        engine.add_request(f"d{B}-{b}", [rng.randrange(10, 4000) for _ in range(prompt_len)],
-                           SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+        engine.add_request(f"d{B}-{b}-{rng.random()}", [rng.randrange(10, 4000) for _ in range(prompt_len)], params)
     times = []
     while engine.has_unfinished_requests():
-        decoding = len(engine.scheduler.running) == B and not engine.scheduler.waiting
+        running = engine.scheduler.running
+        decoding = (len(running) == B and not engine.scheduler.waiting
+                    and all(s.num_computed_tokens >= s.num_prompt_tokens for s in running))
         t0 = time.perf_counter()
         engine.step()
         if decoding:
             times.append(time.perf_counter() - t0)
+    if not times:
+        raise RuntimeError(f"batch {B}: no step decoded all {B} sequences at once (too few KV blocks?)")
     return sorted(times)[len(times) // 2]
+
+
+def prefill_tok_s(llm: LLM, n: int, prompt_len: int) -> float:
+    """Prompt tokens per second of n prompts of prompt_len tokens prefilled in chunks of the
+    engine's max_num_batched_tokens (one new token each, so the time is the prefill's)."""
+    rng = random.Random(prompt_len)
+    prompts = [[rng.randrange(10, 4000) for _ in range(prompt_len)] for _ in range(n)]
+    t0 = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    return n * prompt_len / (time.perf_counter() - t0)
 
 
 def step_weight_bytes(llm: LLM, B: int) -> float:
@@ -142,58 +165,113 @@ def step_weight_bytes(llm: LLM, B: int) -> float:
     return sizes["other"] + lm_head + sizes["experts"] * active / E
 
 
-def decode_roofline(ckpt: Path, batches: list[int], new_tokens: int, bw: float, read_bw: float,
-                    rate: float) -> list[dict]:
-    from transformers import AutoModelForCausalLM
+TARGETS = {1: 1.5, 16: 1.3, 64: 1.4, 256: 1.25}  # issue 18: step time / floor at or under these
 
-    llm = LLM(ckpt, max_num_seqs=max(batches), max_num_batched_tokens=4096)
-    hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.bfloat16).eval()
-    hf.generation_config.eos_token_id = None
+
+def decode_roofline(ckpt: Path, dtype: str, batches: list[int], new_tokens: int, read_bw: float, rate: float,
+                    hf_batches: list[int], prefill: tuple[int, int, int]) -> tuple[list[dict], list[dict]]:
+    """Decode step time per batch size, eager and compiled side by side, against the floor
+    max(weight bytes / read bandwidth, FLOPs / matmul rate); then chunked prefill tokens/s against
+    its compute floor. prefill: (prompts, prompt length, chunk). transformers runs hf_batches."""
+    # Decode batches prefill in one step (a budget of every prompt token); the prefill part runs
+    # with the chunk as the step budget.
+    llms = {mode: LLM(ckpt, dtype=dtype, max_num_seqs=max(batches), max_num_batched_tokens=32 * max(batches),
+                      enforce_eager=mode == "eager") for mode in ("eager", "compiled")}
     rows = []
     for B in batches:
-        decode_step_time(llm, B, 32, 4)  # warm-up
-        ours = decode_step_time(llm, B, 32, new_tokens)
-        prompts = [[random.randrange(10, 4000) for _ in range(32)] for _ in range(B)]
-        t0 = time.perf_counter()
-        hf_generate(hf, prompts, 1)
-        t1 = time.perf_counter()
-        hf_generate(hf, prompts, new_tokens)
-        theirs = (time.perf_counter() - t1 - (t1 - t0)) / (new_tokens - 1)
-        floor = step_weight_bytes(llm, B) / bw
-        compute = step_flops(llm, B, 32 + new_tokens // 2) / rate
-        rows.append({"batch": B, "shuttle_step_ms": 1e3 * ours, "transformers_step_ms": 1e3 * theirs,
-                     "shuttle_tok_s": B / ours, "transformers_tok_s": B / theirs, "speedup": theirs / ours,
-                     "mem_floor_ms": 1e3 * floor, "compute_floor_ms": 1e3 * compute,
-                     "shuttle_mem_roof": floor / ours, "transformers_mem_roof": floor / theirs,
-                     "shuttle_read_roof": floor * bw / read_bw / ours,
-                     "shuttle_roof": max(floor * bw / read_bw, compute) / ours})
-    return rows
+        floor_mem = step_weight_bytes(llms["eager"], B) / read_bw
+        floor_compute = step_flops(llms["eager"], B, 32 + new_tokens // 2) / rate
+        floor = max(floor_mem, floor_compute)
+        row = {"dtype": dtype, "batch": B, "mem_floor_ms": 1e3 * floor_mem, "compute_floor_ms": 1e3 * floor_compute}
+        for mode, llm in llms.items():  # (the median ignores the first steps' allocations)
+            step = decode_step_time(llm, B, 32, new_tokens)
+            row[f"{mode}_ms"], row[f"{mode}_x_floor"] = 1e3 * step, step / floor
+        row["target_x_floor"] = TARGETS.get(B)
+        row["compiled_speedup"] = row["eager_ms"] / row["compiled_ms"]
+        if B in hf_batches:
+            row["transformers_ms"] = 1e3 * hf_step_time(ckpt, dtype, B, new_tokens)
+        rows.append(row)
+    n, length, chunk = prefill
+    pre = []
+    for mode, llm in llms.items():
+        sched = llm.engine.scheduler
+        sched.cfg = replace(sched.cfg, max_num_batched_tokens=chunk)
+        tok_s = prefill_tok_s(llm, n, length)
+        floor_tok_s = rate / step_flops(llm, 1, length // 2)
+        pre.append({"dtype": dtype, "mode": mode, "prompts": n, "prompt_len": length, "chunk": chunk,
+                    "tok_s": tok_s, "compute_floor_tok_s": floor_tok_s, "x_floor": floor_tok_s / tok_s})
+    for llm in llms.values():
+        llm.shutdown()
+    return rows, pre
+
+
+def hf_step_time(ckpt: Path, dtype: str, B: int, new_tokens: int) -> float:
+    """transformers' generate: decode step time from a 1-token and a new_tokens run."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=getattr(torch, dtype)).eval()
+    hf.generation_config.eos_token_id = None
+    prompts = [[random.randrange(10, 4000) for _ in range(32)] for _ in range(B)]
+    t0 = time.perf_counter()
+    hf_generate(hf, prompts, 1)
+    t1 = time.perf_counter()
+    hf_generate(hf, prompts, new_tokens)
+    return (time.perf_counter() - t1 - (t1 - t0)) / (new_tokens - 1)
+
+
+def cpu_isa() -> list[str]:
+    """The matmul-relevant ISA extensions /proc/cpuinfo lists (bf16 is emulated without avx512_bf16/amx)."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_tile")
+    return [f for f in wanted if f in flags.split()]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smaller workload (a smoke run, not for results)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--quick", action="store_true",
+                    help="fewer tokens, no transformers, one dtype: bfloat16 where the CPU has bf16 matmuls "
+                         "(avx512_bf16 / amx_bf16), else float32 (emulated bf16 is too slow at batch 256)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--dtypes", nargs="+", default=None, help="default: bfloat16 float32 (--quick: one of them)")
+    ap.add_argument("--no-mixed", action="store_true", help="skip part 1 (the mixed-length workload)")
     args = ap.parse_args()
     torch.manual_seed(0)
     random.seed(0)
-    n, new_tokens = (16, 16) if args.quick else (64, 64)
-    bw, read_bw, rate = copy_bandwidth(), read_bandwidth(), matmul_rate()
+    isa = cpu_isa()
+    native_bf16 = "avx512_bf16" in isa or "amx_bf16" in isa
+    n, new_tokens = (16, 8) if args.quick else (64, 32)
+    dtypes = args.dtypes or ((["bfloat16"] if native_bf16 else ["float32"]) if args.quick else ["bfloat16", "float32"])
+    prefill = (2, 512, 256) if args.quick else (4, 1024, 512)
+    hf_batches = [] if args.quick else [b for b in args.batches if b <= 64]
+    bw, read_bw = copy_bandwidth(), read_bandwidth()
+    rates = {dt: matmul_rate(getattr(torch, dt)) for dt in dtypes}
     print(f"copy bandwidth {bw / 1e9:.1f} GB/s (read + write), read {read_bw / 1e9:.1f} GB/s, "
-          f"bf16 matmul {rate / 1e9:.0f} GFLOP/s, {torch.get_num_threads()} threads")
+          + ", ".join(f"{dt} matmul {r / 1e9:.0f} GFLOP/s" for dt, r in rates.items())
+          + f", {torch.get_num_threads()} threads, ISA: {' '.join(isa) or 'unknown'}")
+    mixed, decode, prefill_rows = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
-        small = mixtral(Path(tmp) / "small", "float32", 512, 1024, 4, 8, 2)
-        mixed = mixed_workload(small, n, 16)
-        print_table(mixed, ["mode", "seconds", "useful_tokens", "tok_per_s", "vs_continuous"])
+        if not args.no_mixed:
+            small = mixtral(Path(tmp) / "small", "float32", 512, 1024, 4, 8, 2)
+            mixed = mixed_workload(small, n, 16)
+            print_table(mixed, ["mode", "seconds", "useful_tokens", "tok_per_s", "vs_continuous"])
         big = mixtral(Path(tmp) / "big", "bfloat16", 1024, 2048, 8, 16, 4)
-        decode = decode_roofline(big, args.batches, new_tokens, bw, read_bw, rate)
-        print_table(decode, ["batch", "shuttle_step_ms", "transformers_step_ms", "shuttle_tok_s", "transformers_tok_s",
-                             "speedup", "mem_floor_ms", "compute_floor_ms", "shuttle_mem_roof",
-                             "transformers_mem_roof", "shuttle_read_roof", "shuttle_roof"])
-    if not args.quick:
-        path = save("engine", {"copy_GBps": bw / 1e9, "read_GBps": read_bw / 1e9, "bf16_matmul_GFLOPs": rate / 1e9, "mixed_workload": mixed, "decode_bf16_425M": decode,
-                               "date": time.strftime("%Y-%m-%d")})
-        print(f"wrote {path}")
+        for dt in dtypes:
+            rows, pre = decode_roofline(big, dt, args.batches, new_tokens, read_bw, rates[dt], hf_batches, prefill)
+            decode += rows
+            prefill_rows += pre
+    print_table(decode, ["dtype", "batch", "mem_floor_ms", "compute_floor_ms", "eager_ms", "compiled_ms",
+                         "eager_x_floor", "compiled_x_floor", "target_x_floor", "compiled_speedup", "transformers_ms"])
+    print_table(prefill_rows, ["dtype", "mode", "prompts", "prompt_len", "chunk", "tok_s", "compute_floor_tok_s",
+                               "x_floor"])
+    path = save("engine_quick" if args.quick else "engine", {
+        "isa": isa, "copy_GBps": bw / 1e9, "read_GBps": read_bw / 1e9,
+        "matmul_GFLOPs": {dt: r / 1e9 for dt, r in rates.items()}, "mixed_workload": mixed,
+        "decode_425M": decode, "prefill_425M": prefill_rows, "new_tokens": new_tokens,
+        "date": time.strftime("%Y-%m-%d")})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Every entry has the signature of its torch reference:
                          sinks_N=None) -> o_BNH   (sinks: one extra softmax logit per query head, gpt-oss)
   paged_latent_decode_attention(q_BNW, cache_PSW, block_table_BM, seq_lens_B, scale, latent_dim) -> o_BNC  (MLA)
 """
+import functools
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -49,6 +50,7 @@ def choose_backend(device: torch.device | str, backend: str | None = None) -> st
     return backend
 
 
+@functools.cache  # one table per process: compiled code (models/stages.py) guards on its identity
 def torch_ops() -> KernelOps:
     from kernels.attention import paged_decode_attention, paged_latent_decode_attention
     from kernels.moe import fused_moe
@@ -60,6 +62,7 @@ def torch_ops() -> KernelOps:
                      paged_decode_attention, paged_latent_decode_attention)
 
 
+@functools.cache
 def triton_ops() -> KernelOps:
     from kernels.attention_triton import paged_decode_attention
     from kernels.mla_triton import paged_latent_decode_attention

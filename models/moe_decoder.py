@@ -29,6 +29,7 @@ from models.dispatcher import Dispatcher, LocalDispatcher
 from models.kv_cache import AttentionBatch, KVCache
 from models.mla import MLAttention
 from models.norm import RMSNorm
+from models.stages import EAGER, DecodeStages, HeadSpec, RouteSpec, interned
 
 
 class Attention(nn.Module):
@@ -49,28 +50,27 @@ class Attention(nn.Module):
                                         RMSNorm(cfg.kv_size, cfg.rms_norm_eps, ops))
         # gpt-oss: one logit per query head joins every softmax as an extra column (N,)
         self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attention_sinks else None
+        self.head_spec = interned(HeadSpec(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_dim, cfg.qk_norm,
+                                           cfg.rms_norm_eps, cfg.clip_qkv))
+        self.stages: DecodeStages = EAGER  # models/stages.py: compile_stages swaps in compiled ones
 
     def forward(self, x_TD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 cache: KVCache, batch: AttentionBatch) -> torch.Tensor:
-        cfg, T = self.cfg, x_TD.shape[0]
-        q, k, v = self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)
-        if cfg.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        if cfg.clip_qkv is not None:
-            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
-        q_TNH = q.view(T, cfg.num_heads, cfg.head_dim)
-        k_TKH = k.view(T, cfg.num_kv_heads, cfg.head_dim)
-        v_TKH = v.view(T, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm == "per_head":
-            q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
-        R = self.rope_dim
-        if R == cfg.head_dim:
-            q_TNH, k_TKH = self.ops.apply_rotary_(q_TNH, k_TKH, *cos_sin)
-        else:  # partial rotary: rotate the first R dims of each head in place (strided views)
-            q_TNH, k_TKH = q_TNH.contiguous(), k_TKH.contiguous()
-            self.ops.apply_rotary_(q_TNH[..., :R], k_TKH[..., :R], *cos_sin)
+        T = x_TD.shape[0]
+        q_norm_w, k_norm_w = (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else (None, None)
+        q_TNH, k_TKH, v_TKH = self.stages.q_k_v_heads(self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD),
+                                                      *cos_sin, q_norm_w, k_norm_w, self.head_spec, self.ops)
         o_TNH = cache.attend(self.layer, q_TNH, k_TKH, v_TKH, batch, self.scale, self.window, self.sinks)
-        return self.o_proj(o_TNH.reshape(T, cfg.q_size))
+        return self.o_proj(o_TNH.reshape(T, self.cfg.q_size))
+
+    def warm_up_stages(self, T: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Run the stages on T synthetic rows shaped as forward passes them (models/stages.py)."""
+        cfg = self.cfg
+        q, k, v = (torch.zeros(T, n, dtype=dtype, device=device) for n in (cfg.q_size, cfg.kv_size, cfg.kv_size))
+        cos, sin = (torch.ones(T, self.rope_dim, dtype=dtype, device=device),
+                    torch.zeros(T, self.rope_dim, dtype=dtype, device=device))
+        q_norm_w, k_norm_w = (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else (None, None)
+        self.stages.q_k_v_heads(q, k, v, cos, sin, q_norm_w, k_norm_w, self.head_spec, self.ops)
 
 
 class MLP(nn.Module):
@@ -145,6 +145,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.layer, self.cfg, self.ops = layer, cfg, ops
         self.gate = Router(cfg)
+        self.stages: DecodeStages = EAGER  # models/stages.py: compile_stages swaps in compiled ones
         self.experts = Experts.of(cfg, cfg.num_experts, ops) if with_experts else None
         self.shared_name = None  # named as in the checkpoints: Qwen2-MoE's gated shared_expert, DeepSeek's shared_experts
         if cfg.shared_expert_intermediate_size:
@@ -156,12 +157,7 @@ class SparseMoE(nn.Module):
     def start(self, x_TD: torch.Tensor, dispatcher: Dispatcher, mb: int = 0) -> tuple:
         """Route and dispatch (non-blocking for remote dispatchers); the shared expert runs while
         the routed experts work. `finish` turns the returned state into y_TD."""
-        r = self.cfg.router
-        weights_TK, ids_TK = self.ops.topk_route(self.gate(x_TD), r.top_k, r.scoring, r.renormalize,
-                                                 correction_bias_E=self.gate.e_score_correction_bias,
-                                                 **r.route_kwargs())
-        if not r.weights_fp32:
-            weights_TK = weights_TK.to(x_TD.dtype)
+        weights_TK, ids_TK = self.route(x_TD)
         handle = dispatcher.dispatch(self.layer, self.experts, x_TD, ids_TK, weights_TK, mb=mb)
         shared_TD = None
         if self.shared_name is not None:
@@ -169,6 +165,20 @@ class SparseMoE(nn.Module):
             if self.cfg.shared_expert_gate:
                 shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
         return dispatcher, handle, shared_TD
+
+    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights_TK, ids_TK) of the router's choice (kernels.routing.topk_route)."""
+        return self.stages.route(self.gate(x_TD), self.gate.e_score_correction_bias, self.route_spec(x_TD.dtype),
+                                 self.ops)
+
+    def route_spec(self, dtype: torch.dtype) -> RouteSpec:
+        """The routing constants for activations of `dtype` (one object per distinct value)."""
+        r = self.cfg.router
+        return interned(RouteSpec(r.top_k, r.scoring, r.renormalize, r.num_groups, r.topk_groups, r.group_score,
+                                  r.scaling, None if r.weights_fp32 else dtype))
+
+    def warm_up_stages(self, T: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.route(torch.zeros(T, self.cfg.hidden_size, dtype=dtype, device=device))
 
     def start_empty(self, x_TD: torch.Tensor, dispatcher: Dispatcher, mb: int) -> tuple:
         """An empty micro-batch still takes its (empty) turn, so remote experts see every slot."""
@@ -204,6 +214,19 @@ class DecoderLayer(nn.Module):
         h_TD, residual_TD = self.input_layernorm.add_and_norm(x_TD, residual_TD)
         h_TD = self.self_attn(h_TD, cos_sin, cache, batch)
         return self.post_attention_layernorm.add_and_norm(h_TD, residual_TD)
+
+    def stage_key(self) -> tuple:
+        """Layers of one key call the same stages with the same shapes (models/stages.py: warm_up)."""
+        return type(self.self_attn).__name__, self.is_moe
+
+    def warm_up_stages(self, T: int) -> None:
+        w = self.input_layernorm.weight
+        x = torch.zeros(T, w.shape[0], dtype=w.dtype, device=w.device)
+        self.input_layernorm.add_and_norm(x, x.clone())
+        if isinstance(self.self_attn, Attention):
+            self.self_attn.warm_up_stages(T, w.dtype, w.device)
+        if self.is_moe:
+            self.mlp.warm_up_stages(T, w.dtype, w.device)
 
     def start_mlp(self, h_TD: torch.Tensor, dispatcher: Dispatcher, mb: int, empty: bool = False) -> tuple:
         """Begin the MLP; `SparseMoE.finish` of the result gives its output. Dense layers compute now."""

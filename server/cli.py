@@ -75,7 +75,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.attention_device or args.device, kernels=args.kernels, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
-                max_worker_restarts=args.max_worker_restarts, restart_window_s=args.restart_window_s)
+                max_worker_restarts=args.max_worker_restarts, restart_window_s=args.restart_window_s,
+                enforce_eager=args.enforce_eager)
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -88,6 +89,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="run every op eagerly; --no-enforce-eager compiles the CPU decode path's non-GEMM stages "
+                        "(residual add + RMSNorm, q/k norm + rotary) with torch.compile at start-up "
+                        "(default: $SHUTTLE_ENFORCE_EAGER, else eager)")
 
 
 POOL_FLAGS = ("attention_workers", "expert_workers", "micro_batches", "transport", "placement", "launcher",

@@ -11,6 +11,7 @@ request of the call has finished; text, stop strings and output shapes are handl
 import itertools
 from dataclasses import replace
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -23,6 +24,12 @@ from server.outputs import CompletionOutput, RequestOutput, RequestTracker
 
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "resolve_dtype", "engine_config"]
 log = logging.getLogger("shuttle")
+
+
+# Compile the CPU decode stages (models/stages.py) unless told otherwise; tests set the variable
+# to 1 (tests/conftest.py) so that only the tests of the compiled path pay for compiling.
+ENFORCE_EAGER_ENV = "SHUTTLE_ENFORCE_EAGER"
+DEFAULT_ENFORCE_EAGER = True
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -46,12 +53,14 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                   torch_threads: int | None = None, expert_device: str | None = None, eplb: bool = False,
                   eplb_interval: int = 3000, num_redundant_experts: int = 0, max_worker_restarts: int = 3,
                   restart_window_s: float = 600.0, launcher: str = "spawn", ray_address: str | None = None,
-                  attention_resources: object = (), expert_resources: object = ()) -> EngineConfig:
+                  attention_resources: object = (), expert_resources: object = (),
+                  enforce_eager: bool | None = None) -> EngineConfig:
     """EngineConfig from the keyword arguments of LLM and the command line (None model: built-in).
     colocated=False runs attention_workers and expert_workers as separate processes (see
     attention_nodes.config.ParallelConfig); `device` is then the attention pool's, expert_device
     the expert pool's (default: the same). launcher="ray" starts them as Ray actors on the cluster
-    at ray_address, each pool on nodes carrying its resources (dicts such as {"H20": 1})."""
+    at ray_address, each pool on nodes carrying its resources (dicts such as {"H20": 1}).
+    enforce_eager: None takes $SHUTTLE_ENFORCE_EAGER ("1" or "0") if set, else DEFAULT_ENFORCE_EAGER."""
     if model is None:
         from models.builtin import builtin_model_dir
         model = builtin_model_dir()
@@ -59,6 +68,11 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    if enforce_eager is None:
+        env = os.environ.get(ENFORCE_EAGER_ENV)
+        if env not in (None, "0", "1"):
+            raise ValueError(f"{ENFORCE_EAGER_ENV} must be 0 or 1, got {env!r}")
+        enforce_eager = DEFAULT_ENFORCE_EAGER if env is None else env == "1"
     return EngineConfig(str(model), resolve_dtype(dtype), device, kernels, seed,
                         SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
                         CacheConfig(block_size, num_kv_blocks, kv_cache_gib, enable_prefix_caching),
@@ -67,7 +81,8 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                                        eplb_interval=eplb_interval, num_redundant_experts=num_redundant_experts,
                                        max_worker_restarts=max_worker_restarts, restart_window_s=restart_window_s,
                                        launcher=launcher, ray_address=ray_address,
-                                       attention_resources=attention_resources, expert_resources=expert_resources))
+                                       attention_resources=attention_resources, expert_resources=expert_resources),
+                        enforce_eager)
 
 
 class LLM:

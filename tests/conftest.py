@@ -17,6 +17,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Every engine the tests build runs eagerly (the oracle) unless a test asks for the compiled decode
+# stages (tests/test_compiled.py): compiling costs seconds per distinct layer kind.
+os.environ.setdefault("SHUTTLE_ENFORCE_EAGER", "1")
 
 from models.builtin import make_random_checkpoint, randomize_biases, randomize_correction_bias, train_tokenizer
 from models.kv_cache import AttentionBatch, make_paged_cache
