@@ -465,7 +465,8 @@ def run_local_experts(experts, batch: ExpertBatch) -> torch.Tensor:
 
 
 def slot_bytes_for(hidden: int, top_k: int, dtype: torch.dtype, max_tokens: int) -> int:
-    """Capacity of one slot for micro-batches of up to `max_tokens` tokens: x or y rows, int32 ids
-    and float32 weights, plus room for the header."""
+    """Capacity of one slot for micro-batches of up to `max_tokens` tokens: x or y rows, ids (int64:
+    a single expert worker gets the router's ids as they are) and float32 weights, plus room for
+    the header."""
     elt = torch.empty((), dtype=dtype).element_size()
-    return max_tokens * (hidden * max(elt, 4) + 8 * top_k) + 4096
+    return max_tokens * (hidden * max(elt, 4) + 12 * top_k) + 4096
