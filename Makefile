@@ -45,7 +45,7 @@ bench: setup
 	$(BIN)/python bench/deepseek.py
 
 soak: setup
-	# 30 minutes of load above capacity with disconnects and bad input (CI runs 150 s of it:
+	# 30 minutes of load above capacity with disconnects and bad input (CI runs 120 s of it:
 	# tests/test_soak.py); writes bench/results/soak.json
 	$(BIN)/python bench/soak.py --duration-s 1800
 

@@ -26,7 +26,7 @@ Breakdown (ms per step, from the workers' traces over the same window):
   inside a step; wait_between = waiting for the first chunk of the next step (the attention worker's
   engine work and control between steps).
 --trace FILE writes a Chrome trace (chrome://tracing or ui.perfetto.dev) of the last --trace-ms of
-the m=2 run at the largest batch. Writes bench/results/pingpong.json (not with --quick).
+the m=2 run at the largest batch. Writes bench/results/pingpong.json (--quick: pingpong_quick.json).
 """
 import argparse
 import json
@@ -130,7 +130,7 @@ def engine_cfg(ckpt: Path, args, par: ParallelConfig) -> EngineConfig:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="8 new tokens per request (a few minutes); nothing written")
+    ap.add_argument("--quick", action="store_true", help="8 new tokens per request (a few minutes); writes pingpong_quick.json")
     ap.add_argument("--small", action="store_true", help="a small float32 model instead of the 425M bf16 one")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 2, 3], help="micro-batch counts to run")
@@ -165,8 +165,8 @@ def main() -> None:
         ev = [x for x in events[2] if t1 - args.trace_ms * 1e3 <= x["ts"] <= t1]
         Path(args.trace).write_text(json.dumps({"traceEvents": ev, "displayTimeUnit": "ms"}))
         print(f"trace of the m=2 run's last {args.trace_ms:.0f} ms at batch {max(args.batches)}: {args.trace}")
-    if not args.quick:
-        print(f"wrote {save('pingpong', {'config': vars(args), 'rows': rows, 'date': time.strftime('%Y-%m-%d')})}")
+    name = "pingpong_quick" if args.quick else "pingpong"
+    print(f"wrote {save(name, {'config': vars(args), 'rows': rows, 'date': time.strftime('%Y-%m-%d')})}")
 
 
 def table(base: dict, runs: dict, batches: list[int]) -> list[dict]:

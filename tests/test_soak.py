@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_soak_short(tmp_path):
-    seconds = float(os.environ.get("SHUTTLE_SOAK_S", "150"))
+    seconds = float(os.environ.get("SHUTTLE_SOAK_S", "120"))
     out = tmp_path / "soak.json"
     proc = subprocess.run([sys.executable, "bench/soak.py", "--duration-s", str(seconds), "--sample-s", "3",
                            "--rate", "30", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
