@@ -90,6 +90,8 @@ class Supervision:
                 raise WorkerFailedError(MAIN_GUARD_HINT)
             if p.exitcode is not None:
                 raise _Broken(f"worker {p.name} exited with code {p.exitcode}{self._causes()}", {p.name})
+            if p.pid is not None and _down(p.pid):  # stopped: its peers would wait dead_after_s to say so
+                raise _Broken(f"worker {p.name} is stopped (SIGSTOP or a debugger)", {p.name})
 
     def _check_store(self) -> None:
         """Raise _Broken for an expert worker's report that its data plane broke in this epoch (an
