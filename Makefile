@@ -10,7 +10,7 @@ NIXL ?= 1
 RAY ?= 1
 comma := ,
 
-.PHONY: setup run generate test bench soak fault-test profile bench-planner clean
+.PHONY: setup run generate test bench soak fault-test pools-test profile bench-planner clean
 
 $(BIN)/shuttle: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -57,6 +57,12 @@ fault-test: setup
 	SHUTTLE_FAULT_REQUESTS=200 SHUTTLE_FAULT_CONCURRENCY=32 $(BIN)/python -m pytest -q -s tests/test_supervision.py
 	# failover (copies of the killed worker's experts elsewhere) against restart: writes bench/results/failover.json
 	$(BIN)/python bench/failover.py
+
+pools-test: setup
+	# the full disaggregated equality matrix (tests/test_pools.py runs 8 of its 30 deployments in CI):
+	# every pool shape (A, E, micro-batches) x {mixtral, qwen2_moe} x {shm, tcp}, and nixl's (1,1,1),
+	# (1,2,3), (2,2,2) with UCX over tcp and over shared memory
+	SHUTTLE_FULL_MATRIX=1 $(BIN)/python -m pytest -q tests/test_pools.py -k greedy_equals_colocated
 
 profile: setup
 	# this host's planner profile of the built-in model (shuttle profile --quick for a smoke run)

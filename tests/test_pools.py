@@ -56,11 +56,18 @@ def reference(make_checkpoint, family: str) -> dict[str, list[int]]:
     return _reference[family]
 
 
-# Every pool shape once; the shapes cycle through the four (family, transport) pairs, so each
-# family runs on each transport and each transport with one and with several workers per pool (6
-# deployments: the full product would be 24; the nixl cases below add two more shapes).
+# `make pools-test` (SHUTTLE_FULL_MATRIX=1) runs the full matrix: every pool shape x family x
+# transport (24 deployments) and nixl's three shapes of the issue on both UCX transports (6).
+FULL_MATRIX = os.environ.get("SHUTTLE_FULL_MATRIX", "0") == "1"
+# CI, for the suite's time budget: every pool shape once; the shapes cycle through the four (family,
+# transport) pairs, so each family runs on each transport and each transport with one and with
+# several workers per pool (6 deployments; the nixl cases below add two more).
 PAIRS = [("mixtral", "shm"), ("qwen2_moe", "tcp"), ("qwen2_moe", "shm"), ("mixtral", "tcp")]
-CASES = [(pools, *PAIRS[i % len(PAIRS)]) for i, pools in enumerate(POOLS)]
+CASES = ([(pools, f, t) for pools in POOLS for f, t in PAIRS] if FULL_MATRIX
+         else [(pools, *PAIRS[i % len(PAIRS)]) for i, pools in enumerate(POOLS)])
+NIXL_POOLS = [(1, 1, 1), (1, 2, 3), (2, 2, 2)]
+NIXL_CASES = ([(tls, pools) for tls in ("tcp", "sm,self") for pools in NIXL_POOLS] if FULL_MATRIX
+              else [("tcp", (1, 2, 3)), ("sm,self", (2, 2, 2))])
 
 
 @pytest.mark.slow
@@ -81,12 +88,13 @@ def test_greedy_equals_colocated(make_checkpoint, family, pools, transport):
 
 @pytest.mark.slow
 @NEEDS_NIXL
-@pytest.mark.parametrize("ucx_tls,pools", [("tcp", (1, 2, 3)), ("sm,self", (2, 2, 2))],
-                         ids=["tcp-a1-e2-m3", "shm-a2-e2-m2"])
+@pytest.mark.parametrize("ucx_tls,pools", NIXL_CASES,
+                         ids=["%s-a%d-e%d-m%d" % ("tcp" if t == "tcp" else "shm", *p) for t, p in NIXL_CASES])
 def test_greedy_equals_colocated_on_nixl(make_checkpoint, monkeypatch, ucx_tls, pools):
-    """The nixl transport, with UCX over tcp and over shared memory (the workers get UCX_TLS): one
+    """The nixl transport, with UCX over tcp and over shared memory (the workers get UCX_TLS). CI: one
     deployment with several expert workers and one with several attention workers, for the suite's
-    time budget; the transports' own tests cover nixl's protocol, M=N=1 included, on both."""
+    time budget (the transports' own tests cover nixl's protocol, M=N=1 included, on both);
+    `make pools-test`: (1,1,1), (1,2,3) and (2,2,2) on both."""
     monkeypatch.setenv("UCX_TLS", ucx_tls)
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     test_greedy_equals_colocated(make_checkpoint, "mixtral", pools, "nixl")
