@@ -16,6 +16,8 @@ disaggregated worker pools on this host (1 attention and 1 expert worker unless 
 --colocated runs the experts in-process), or, with --rendezvous, in front of workers started on
 other hosts with `shuttle serve --role ...`. `shuttle generate` runs everything in one process
 unless a pool flag is given. The API key may also come from the SHUTTLE_API_KEY variable.
+SHUTTLE_DEPLOYMENT_TOKEN (front and --role workers alike) is the deployment token the pools' listeners
+demand; set, it is kept off the rendezvous store (which has no authentication).
 """
 import argparse
 import json
@@ -163,7 +165,12 @@ def _serve(args: argparse.Namespace) -> int:
             print("shuttle serve: error: --role attention|expert needs --rendezvous HOST:PORT", file=sys.stderr)
             return 2
         from server.roles import run_role
-        run_role(args.role, args.rendezvous, args.host, args.torch_threads)
+        try:
+            run_role(args.role, args.rendezvous, args.host, args.torch_threads,
+                     os.environ.get("SHUTTLE_DEPLOYMENT_TOKEN") or None)
+        except ValueError as e:
+            print(f"shuttle serve: error: {e}", file=sys.stderr)
+            return 2
         return 0
     from server.api_server import ServerConfig, bind, serve
     from server.async_llm import AsyncLLM
@@ -187,7 +194,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"shuttle serve: error: {e}", file=sys.stderr)
         return 2
     try:
-        llm = AsyncLLM(model, rendezvous=args.rendezvous, max_waiting=args.max_waiting, observer=metrics, **kwargs)
+        llm = AsyncLLM(model, rendezvous=args.rendezvous, max_waiting=args.max_waiting, observer=metrics,
+                       deployment_token=os.environ.get("SHUTTLE_DEPLOYMENT_TOKEN") or None, **kwargs)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         sock.close()
         print(f"shuttle serve: error: {e}", file=sys.stderr)

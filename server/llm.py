@@ -93,12 +93,14 @@ class LLM:
     process; colocated=False starts attention and expert worker pools (server/pools.py), or meets
     pools started elsewhere when rendezvous="HOST:PORT" is given. plan: a plan file from `shuttle
     plan` choosing the deployment (keyword arguments given here override it; a plan this host
-    cannot run is refused with ValueError). Call shutdown() to stop them.
+    cannot run is refused with ValueError). deployment_token: the token every pool worker must present
+    (default: a random one; with a rendezvous, a given one is kept off the store and the --role
+    workers get it from SHUTTLE_DEPLOYMENT_TOKEN). Call shutdown() to stop them.
     """
 
     def __init__(self, model: str | Path | None = None, dtype: str | torch.dtype | None = "auto",
                  device: str | None = None, kernels: str | None = None, rendezvous: str | None = None,
-                 plan: str | Path | None = None, **engine_kwargs):
+                 plan: str | Path | None = None, deployment_token: str | None = None, **engine_kwargs):
         if plan is not None:
             from planner.plan import plan_engine_kwargs
 
@@ -123,7 +125,8 @@ class LLM:
             self.engine = LLMEngine(cfg, eos)
         else:
             from server.pools import PoolEngine
-            self.engine = PoolEngine(replace(cfg, parallel=replace(cfg.parallel, colocated=False)), eos, rendezvous)
+            self.engine = PoolEngine(replace(cfg, parallel=replace(cfg.parallel, colocated=False)), eos, rendezvous,
+                                     deployment_token)
         self._ids = itertools.count()
 
     @property

@@ -60,9 +60,12 @@ class PoolEngine(Supervision):
     """The engine interface of LLMEngine (add_request, abort_request, stop_sequence, step,
     has_unfinished_requests, check_prompt) over attention workers in other processes.
     rendezvous: "HOST:PORT" to wait for workers started elsewhere with --role; None spawns the
-    pools here (and supervises them)."""
+    pools here (and supervises them). deployment_token: the token every worker must present (None:
+    a random one); with a rendezvous, a given token is kept off the store (the workers are given it
+    themselves: SHUTTLE_DEPLOYMENT_TOKEN), a random one is published there for them."""
 
-    def __init__(self, cfg: EngineConfig, eos_token_ids: set[int], rendezvous: str | None = None):
+    def __init__(self, cfg: EngineConfig, eos_token_ids: set[int], rendezvous: str | None = None,
+                 deployment_token: str | None = None):
         if getattr(mp.current_process(), "_inheriting", False):
             # We are a spawned worker re-importing a script that starts pools at its top level:
             # leave quietly with a code the parent turns into the fix (multiprocessing's own
@@ -72,6 +75,8 @@ class PoolEngine(Supervision):
             sys.stderr.flush()
             os._exit(MAIN_GUARD_EXIT)
         par = cfg.parallel
+        if deployment_token is not None and (not isinstance(deployment_token, str) or not deployment_token.strip()):
+            raise ValueError("deployment_token (SHUTTLE_DEPLOYMENT_TOKEN) must be a non-empty string")
         check_installed(par)  # here, not in every worker: say what to install before anything starts
         self.cfg, self.model_cfg = cfg, ModelConfig.from_pretrained(cfg.model)
         if not any(self.model_cfg.moe_layers):
@@ -86,11 +91,13 @@ class PoolEngine(Supervision):
         self._store = TCPStore(host, port, is_master=True, wait_for_workers=False)
         self._listener = socket.create_server((host, 0))
         dtype = cfg.dtype or self.model_cfg.dtype
-        # The deployment token: every worker gets it (spawn args, or the rendezvous store) and the
-        # control listener and the tcp data plane refuse peers without it.
+        # The deployment token: every worker gets it (spawn args, the rendezvous store, or its own
+        # SHUTTLE_DEPLOYMENT_TOKEN) and the control listener, the tcp data plane and the nixl metadata
+        # exchange refuse peers without it.
+        self._token_off_store = deployment_token is not None
         self.transport = TransportConfig(par.transport, slot_bytes_for(
             self.model_cfg.hidden_size, self.model_cfg.top_k, dtype, cfg.scheduler.max_num_batched_tokens), host=host,
-            token=secrets.token_hex(16))
+            token=deployment_token or secrets.token_hex(16))
         self._remote = rendezvous is not None
         self.epoch = 0  # of the data plane; every restart opens the next one
         self._ready = False  # a step can run: every worker is up and joined the current epoch
@@ -187,9 +194,16 @@ class PoolEngine(Supervision):
 
     def _publish(self) -> None:
         """For workers on other hosts: the deployment, as JSON, under a well-known key."""
+        transport = asdict(self.transport)
+        if self._token_off_store:  # the store has no authentication: whoever reaches it could read it
+            transport["token"] = ""
+        else:
+            log.warning("the deployment token is published in the rendezvous store, which anyone who reaches "
+                        "its port can read; set SHUTTLE_DEPLOYMENT_TOKEN on the front and on every --role "
+                        "worker to keep it off the store")
         spec = {"engine": engine_config_to_json(self.cfg), "eos": sorted(self.eos_token_ids),
-                "placement": self.placement.to_json(), "transport": asdict(self.transport),
-                "control": list(self._listener.getsockname()[:2]), "session": self.session}
+                "placement": self.placement.to_json(), "transport": transport, "token_off_store":
+                self._token_off_store, "control": list(self._listener.getsockname()[:2]), "session": self.session}
         self._store.set("shuttle/deployment", json.dumps(spec))
         log.info("waiting for %d attention and %d expert workers at %s:%d", self.cfg.parallel.attention_workers,
                  self.cfg.parallel.expert_workers, *self._listener.getsockname()[:2])

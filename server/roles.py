@@ -2,6 +2,7 @@
 --rendezvous HOST:PORT`): read the deployment the front published in the TCPStore, take the next
 rank of the role, serve. Also the deployment's JSON form (EngineConfig <-> dict).
 """
+import hmac
 import json
 from dataclasses import asdict
 import socket
@@ -35,15 +36,18 @@ def engine_config_from_json(d: dict) -> EngineConfig:
                         ParallelConfig(**d["parallel"]), d.get("enforce_eager", EngineConfig.enforce_eager))
 
 
-def run_role(role: str, rendezvous: str, host: str | None = None, torch_threads: int | None = None) -> None:
+def run_role(role: str, rendezvous: str, host: str | None = None, torch_threads: int | None = None,
+             token: str | None = None) -> None:
     """Run one worker of a deployment whose front waits at `rendezvous` (HOST:PORT): read the
     deployment from the store, take the next rank of `role` ("attention" or "expert"), serve.
-    host: this machine's address for the tcp transport (default: the one that reaches the store)."""
+    host: this machine's address for the tcp transport (default: the one that reaches the store).
+    token: the deployment token (SHUTTLE_DEPLOYMENT_TOKEN), needed when the front keeps it off the store."""
     store_host, port = split_addr(rendezvous)
     store = TCPStore(store_host, port, is_master=False, wait_for_workers=False)
     d = json.loads(store.get("shuttle/deployment"))
     cfg = engine_config_from_json(d["engine"])
-    transport = TransportConfig(**{**d["transport"], "host": host or _local_address(store_host, port)})
+    transport = TransportConfig(**{**d["transport"], "host": host or _local_address(store_host, port),
+                                   "token": deployment_token(d, rendezvous, token)})
     placement = ExpertPlacement.from_json(d["placement"], cfg.parallel.expert_workers)
     rank = store.add(f"shuttle/rank/{role}", 1) - 1
     par = cfg.parallel
@@ -60,6 +64,22 @@ def run_role(role: str, rendezvous: str, host: str | None = None, torch_threads:
                                            torch_threads or par.torch_threads, par.trace_dir))
     else:
         raise ValueError(f"role must be attention or expert, got {role!r}")
+
+
+def deployment_token(deployment: dict, rendezvous: str, token: str | None) -> str:
+    """The token this worker presents: its own (SHUTTLE_DEPLOYMENT_TOKEN) or the published one.
+    ValueError, before the worker takes a rank, when the front kept it off the store and none was
+    given, or when the given one is not the published one."""
+    published = deployment["transport"]["token"]
+    if deployment.get("token_off_store"):
+        if not token:
+            raise ValueError(f"the front at {rendezvous} keeps the deployment token off the rendezvous store: "
+                             f"set SHUTTLE_DEPLOYMENT_TOKEN on this worker to the front's")
+        return token
+    if token and not hmac.compare_digest(token.encode(), published.encode()):
+        raise ValueError(f"SHUTTLE_DEPLOYMENT_TOKEN is not the token of the deployment at {rendezvous} (the front "
+                         f"was started without it: set it there too)")
+    return published
 
 
 def _local_address(host: str, port: int) -> str:

@@ -173,40 +173,48 @@ def test_host_staging_round_trip_on_cuda():
 @pytest.mark.slow
 def test_roles_meet_at_a_rendezvous(make_checkpoint, caplog):
     """The multi-host path on one host: the front waits at HOST:PORT, `shuttle serve --role` workers
-    join it over tcp (with the deployment token from the store), and the output equals the colocated
-    engine's. Two strangers who reach the control listener first (wrong token; no Hello) are
-    dropped and logged."""
+    join it over tcp (with the deployment token from their SHUTTLE_DEPLOYMENT_TOKEN: the front keeps
+    it off the store), and the output equals the colocated engine's. Two strangers who reach the
+    control listener first (wrong token; no Hello) are dropped and logged; the store shows no token,
+    and a worker started without it stops before it takes a rank, saying what to set."""
     import subprocess
     import sys
+
+    from server.roles import run_role
 
     ckpt = make_checkpoint("qwen2_moe")
     want = [o.outputs[0].token_ids for o in LLM(ckpt, num_kv_blocks=64).generate(PROMPTS[:3], PARAMS)]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    workers = []
-
-    strangers = []
+    workers, strangers, published = [], [], {}
+    token = {"SHUTTLE_DEPLOYMENT_TOKEN": "t0k-" + os.urandom(8).hex()}
 
     def start_workers():
         time.sleep(1.0)  # the front's store must be listening first
         # Strangers reach the control listener before the real attention worker: refused.
         store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
-        control = tuple(json.loads(store.get("shuttle/deployment"))["control"])
+        published.update(json.loads(store.get("shuttle/deployment")))
+        control = tuple(published["control"])
         for msg in (wire.Hello("guess"), wire.Ready(0, 64)):
             strangers.append(socket.create_connection(control))
             strangers[-1].sendall(wire.encode(msg))
+        try:  # a worker without the token stops before it takes a rank
+            run_role("expert", f"127.0.0.1:{port}")
+        except ValueError as e:
+            published["tokenless worker"] = str(e)
         for role in ("expert", "expert", "attention"):
             workers.append(subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--role", role,
                                              "--rendezvous", f"127.0.0.1:{port}", "--torch-threads", "1"],
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                            env={**os.environ, **token}))
 
     import threading
     t = threading.Thread(target=start_workers)
     t.start()
     caplog.set_level("WARNING", logger="shuttle")
     llm = LLM(ckpt, num_kv_blocks=64, colocated=False, expert_workers=2, micro_batches=2, transport="tcp",
-              rendezvous=f"127.0.0.1:{port}")
+              rendezvous=f"127.0.0.1:{port}", deployment_token=token["SHUTTLE_DEPLOYMENT_TOKEN"])
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], PARAMS)]
     finally:
@@ -221,6 +229,10 @@ def test_roles_meet_at_a_rendezvous(make_checkpoint, caplog):
     assert any("wrong deployment token" in r for r in refused), refused
     assert any("Ready before Hello (missing token)" in r for r in refused), refused
     assert got == want
+    assert published["token_off_store"] and published["transport"]["token"] == ""
+    assert token["SHUTTLE_DEPLOYMENT_TOKEN"] not in json.dumps(published)
+    assert "keeps the deployment token off the rendezvous store: set SHUTTLE_DEPLOYMENT_TOKEN" in \
+        published["tokenless worker"]
     assert codes == [0, 0, 0], [w.stderr.read().decode()[-2000:] for w in workers]
 
 
@@ -242,3 +254,20 @@ def test_control_listener_admits_only_the_token():
                     conn.close()
     finally:
         pool_control.HELLO_TIMEOUT_S = saved
+
+
+def test_role_worker_token_from_store_or_environment():
+    """server.roles.deployment_token: a published token is used (a different SHUTTLE_DEPLOYMENT_TOKEN
+    is refused); a token kept off the store must come from the worker's environment."""
+    from server.roles import deployment_token
+
+    published = {"transport": {"token": "abc"}, "token_off_store": False}
+    assert deployment_token(published, "h:1", None) == "abc" == deployment_token(published, "h:1", "abc")
+    with pytest.raises(ValueError, match="SHUTTLE_DEPLOYMENT_TOKEN is not the token of the deployment at h:1"):
+        deployment_token(published, "h:1", "abd")
+    secret = {"transport": {"token": ""}, "token_off_store": True}
+    assert deployment_token(secret, "h:1", "s3") == "s3"
+    with pytest.raises(ValueError, match="h:1 keeps the deployment token off the rendezvous store: set SHUTTLE_DEPLOY"):
+        deployment_token(secret, "h:1", None)
+    with pytest.raises(ValueError, match="must be a non-empty string"):
+        PoolEngine(engine_cfg("no-such-model", ParallelConfig(False)), {0}, deployment_token=" ")
