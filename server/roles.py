@@ -45,9 +45,10 @@ def run_role(role: str, rendezvous: str, host: str | None = None, torch_threads:
     store_host, port = split_addr(rendezvous)
     store = TCPStore(store_host, port, is_master=False, wait_for_workers=False)
     d = json.loads(store.get("shuttle/deployment"))
+    token = deployment_token(d, rendezvous, token)
     cfg = engine_config_from_json(d["engine"])
     transport = TransportConfig(**{**d["transport"], "host": host or _local_address(store_host, port),
-                                   "token": deployment_token(d, rendezvous, token)})
+                                   "token": token})
     placement = ExpertPlacement.from_json(d["placement"], cfg.parallel.expert_workers)
     rank = store.add(f"shuttle/rank/{role}", 1) - 1
     par = cfg.parallel
