@@ -2,6 +2,7 @@
 bare blocking-socket ping-pong of the same bytes.
 
     python bench/m2n.py [--quick] [--repeats 3] [--mn 1 --mn 2] [--kinds shm,tcp,nixl,gloo,socket] [--spin-s 0.001]
+    python bench/m2n.py --quick --repeats 2 --kinds shm,tcp,nixl,gloo,socket,ep-shm,ep-tcp   # about 5 minutes
 
 M senders (attention workers) and N receivers (expert workers), M = N in {1, 2} (default), each a spawned
 process on this host. One round: every sender dispatches a payload to every receiver through
@@ -11,16 +12,19 @@ each receiver gathers all senders' chunks (M2NReceiver.recv) and replies with th
 (reply); each sender's combine waits for all replies. gloo runs the same traffic with isend/irecv
 of the same bytes (the payload plus routing, as one uint8 tensor per pair and direction); "socket" sends the same
 bytes over one blocking TCP_NODELAY socket per pair (sendall, then recv_into a preallocated buffer):
-the floor a Python process reaches on this kernel. "nixl" is the nixl backend with UCX over shared
+the floor a Python process reaches on this kernel. "ep-tcp" / "ep-shm" / "ep-nixl" are the same
+ping-pong on a bare endpoint (send, recv, release: the transport alone, no M2N dispatch/combine),
+which splits an M2N round into the transport's share and the M2N layer's. "nixl" is the nixl backend with UCX over shared
 memory (UCX_TLS=sm,self), "nixl-tcp" the same over UCX's tcp transport (UCX_NET_DEVICES=lo). For
 tcp, sender 0's endpoint counts where its time went (TcpEndpoint.phases: building frames, sendmsg, recv_into, header parsing, blocked in
 poll), reported per round next to the round time.
 Waiting: the M2N endpoints poll for --spin-s, then block (spin_policy "fixed", the default); a kind
 with ":adaptive" (shm:adaptive, tcp:adaptive) stops spinning at the first contended sched_yield, so both
-policies can be measured side by side under the same load.
+policies can be measured side by side under the same load. "tcp:eager-release" is tcp with every
+credit (RELEASE) in its own sendmsg, as before credits rode with the next frame (an A/B of that cut).
 Latency: sender 0's round time (median, p99). Throughput: bytes moved per second in both
 directions by all pairs, from the median round. Payloads 4 KiB to 4 MiB per pair.
-Writes bench/results/m2n.json.
+Writes bench/results/m2n.json (--quick: m2n_quick.json).
 """
 import argparse
 import multiprocessing as mp
@@ -58,6 +62,7 @@ def m2n_worker(role: str, rank: int, M: int, backend: str, port: int, sizes: lis
         os.environ.update(UCX_TLS=UCX_TLS[backend.partition(":")[0]], UCX_NET_DEVICES="lo")
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
     backend, _, policy = backend.partition(":")
+    policy = eager_release(policy)
     cfg = TransportConfig(backend.split("-")[0], slot_bytes=max(sizes) // (2 * HIDDEN) * (2 * HIDDEN + 8 * M) + (1 << 16),
                           spin_s=spin_s, spin_policy=policy or "fixed")
     senders, receivers = [f"a{i}" for i in range(M)], [f"e{j}" for j in range(M)]
@@ -93,6 +98,17 @@ def m2n_worker(role: str, rank: int, M: int, backend: str, port: int, sizes: lis
                 out.put(("m2n-" + name, M, size, times, phases))
     finally:
         ep.close()
+
+
+def eager_release(policy: str) -> str:
+    """The ":eager-release" A/B switch (tcp: every RELEASE in its own sendmsg, as before credits rode
+    with the next frame); returns the spin policy left to apply."""
+    if policy != "eager-release":
+        return policy
+    from m2n_comm.tcp import TcpEndpoint
+
+    TcpEndpoint.coalesce_releases = False
+    return ""
 
 
 def gloo_worker(role: str, rank: int, M: int, port: int, sizes: list[int], quick: bool, out) -> None:
@@ -188,6 +204,50 @@ def socket_worker(role: str, rank: int, M: int, port: int, sizes: list[int], qui
             c.close()
 
 
+def ep_worker(role: str, rank: int, M: int, backend: str, port: int, sizes: list[int], quick: bool, out,
+              spin_s: float = 1e-3) -> None:
+    """The socket ping-pong's bytes on a bare M2N endpoint of `backend`: senders send one uint8
+    tensor to every receiver, then receive and release every reply; receivers echo from the slot."""
+    from torch.distributed import TCPStore
+
+    from m2n_comm.transport import KIND_DATA, MessageMeta, TransportConfig, open_endpoint
+
+    torch.set_num_threads(1)
+    if backend.startswith("nixl"):
+        os.environ.update(UCX_TLS=UCX_TLS[backend], UCX_NET_DEVICES="lo")
+    store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+    backend, _, policy = backend.partition(":")
+    cfg = TransportConfig(backend.split("-")[0], slot_bytes=max(sizes) // (2 * HIDDEN) * (2 * HIDDEN + 8 * M) + (1 << 16),
+                          spin_s=spin_s, spin_policy=eager_release(policy) or "fixed")
+    senders, receivers = [f"a{i}" for i in range(M)], [f"e{j}" for j in range(M)]
+    me, peers = (f"a{rank}", receivers) if role == "a" else (f"e{rank}", senders)
+    ep = open_endpoint(cfg, store, f"bench-ep-{backend}-{policy}-{M}", me, peers, 1)
+    meta = MessageMeta(KIND_DATA)
+    try:
+        for size in sizes:
+            payload = torch.ones(size // (2 * HIDDEN) * (2 * HIDDEN + 8 * M), dtype=torch.uint8)
+            times = []
+            for i in range(rounds_for(size, quick) + 5):
+                t0 = time.perf_counter()
+                if role == "a":
+                    for p in peers:
+                        ep.send(p, 0, meta, [payload])
+                    for p in peers:
+                        got = ep.recv(p, 0).tensors[0]
+                        assert got.numel() == payload.numel()
+                        ep.release(p, 0)
+                else:
+                    for p in peers:
+                        ep.send(p, 0, meta, ep.recv(p, 0).tensors)
+                        ep.release(p, 0)
+                if i >= 5:
+                    times.append(time.perf_counter() - t0)
+            if role == "a" and rank == 0:
+                out.put((f"ep-{backend}{':' if policy else ''}{policy}", M, size, times, {}))
+    finally:
+        ep.close()
+
+
 def run_group(kind: str, M: int, sizes: list[int], quick: bool, spin_s: float = 1e-3) -> list[tuple]:
     from torch.distributed import TCPStore
 
@@ -200,6 +260,9 @@ def run_group(kind: str, M: int, sizes: list[int], quick: bool, spin_s: float = 
             if kind in ("gloo", "socket"):
                 args = (role, r, M, store.port, sizes, quick, out)
                 procs.append(ctx.Process(target=gloo_worker if kind == "gloo" else socket_worker, args=args))
+            elif kind.startswith("ep-"):
+                args = (role, r, M, kind[3:], store.port, sizes, quick, out, spin_s)
+                procs.append(ctx.Process(target=ep_worker, args=args))
             else:
                 args = (role, r, M, kind, store.port, sizes, quick, out, spin_s)
                 procs.append(ctx.Process(target=m2n_worker, args=args))
@@ -220,13 +283,14 @@ PHASE_COLS = {"pack_ns": "pack", "send_ns": "sendmsg", "recv_ns": "recv", "parse
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="fewer rounds; nothing written")
+    ap.add_argument("--quick", action="store_true", help="fewer rounds; writes bench/results/m2n_quick.json")
     ap.add_argument("--mn", type=int, action="append", help="M = N to run (repeat; default 1, 2)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved passes over all kinds, rounds pooled")
     ap.add_argument("--spin-s", type=float, default=1e-3, help="TransportConfig.spin_s of the M2N endpoints")
     ap.add_argument("--kinds", default="shm,tcp,nixl,gloo,socket",
-                    help="comma-separated: shm, tcp, nixl, nixl-tcp, gloo, socket; a backend with ':adaptive' "
-                         "(e.g. shm:adaptive) stops spinning at the first contended yield")
+                    help="comma-separated: shm, tcp, nixl, nixl-tcp, gloo, socket, ep-shm, ep-tcp, ep-nixl, ep-nixl-tcp; a backend with ':adaptive' "
+                         "(e.g. shm:adaptive) stops spinning at the first contended yield; tcp:eager-release "
+                         "(or ep-tcp:eager-release) sends each credit on its own, as before credits rode with the next frame")
     args = ap.parse_args()
     mns = args.mn or [1, 2]
     kinds = args.kinds.split(",")
@@ -250,14 +314,16 @@ def main() -> None:
                                   "gbps": 2 * M * M * size / med / 1e9, "rounds": len(ts)}
     phases = {k: {f: statistics.fmean(p[f] for p in v) for f in v[0]} for k, v in phases.items()}
     rows = [summary_row(table, M, size, kinds) for M in mns for size in SIZES]
-    cols = ["M=N", "payload"] + [c for k in kinds if k in ("gloo", "socket") for c in (f"{k} med us", f"{k} p99 us")]
+    cols = ["M=N", "payload"] + [c for k in kinds if k in ("gloo", "socket") or k.startswith("ep-")
+                                 for c in (f"{k} med us", f"{k} p99 us")]
     for b in (k for k in kinds if k.partition(":")[0] in BACKENDS):
         cols += [f"{b} med us", f"{b} p99 us", f"{b} GB/s"] + ([f"{b} med/gloo", f"{b} p99/gloo"] if "gloo" in kinds else [])
     if "tcp" in kinds and "socket" in kinds:
         cols.append("tcp med/socket")
+    cols += [f"{k} med/socket" for k in kinds if k.startswith("ep-") and "socket" in kinds]
     if "nixl" in kinds and "shm" in kinds:
         cols.append("nixl med/shm")
-    cols += [f"{k}:adaptive med/{k}" for k in kinds if f"{k}:adaptive" in kinds]
+    cols += [f"{k} med/{k.partition(':')[0]}" for k in kinds if ":" in k and k.partition(":")[0] in kinds]
     print_table(rows, cols)
     prow = []
     for (name, M, size), ph in phases.items():
@@ -269,15 +335,14 @@ def main() -> None:
     if prow:
         print("\ntcp endpoint of sender 0, per round (mean over rounds; the median round for reference):")
         print_table(prow, list(prow[0]))
-    if not args.quick:
-        payload = {"rows": rows, "tcp_phases_per_round": prow,
-                   "raw": [{"kind": k[0], "M": k[1], "size": k[2], **v} for k, v in table.items()]}
-        print(f"wrote {save('m2n', payload)}")
+    payload = {"args": vars(args), "load_average": os.getloadavg(), "rows": rows, "tcp_phases_per_round": prow,
+               "raw": [{"kind": k[0], "M": k[1], "size": k[2], **v} for k, v in table.items()]}
+    print(f"wrote {save('m2n_quick' if args.quick else 'm2n', payload)} (load average {os.getloadavg()})")
 
 
 def summary_row(table: dict, M: int, size: int, kinds: list[str]) -> dict:
     row: dict = {"M=N": M, "payload": f"{size >> 10} KiB"}
-    for k in ("gloo", "socket"):
+    for k in ("gloo", "socket", *(k for k in kinds if k.startswith("ep-"))):  # (ep-* after the backends)
         if k in kinds:
             row[f"{k} med us"], row[f"{k} p99 us"] = table[(k, M, size)]["median_us"], table[(k, M, size)]["p99_us"]
     for b in (k for k in kinds if k.partition(":")[0] in BACKENDS):
@@ -291,8 +356,12 @@ def summary_row(table: dict, M: int, size: int, kinds: list[str]) -> dict:
     if "nixl" in kinds and "shm" in kinds:
         row["nixl med/shm"] = row["nixl med us"] / row["shm med us"]
     for k in kinds:
-        if f"{k}:adaptive" in kinds:
-            row[f"{k}:adaptive med/{k}"] = row[f"{k}:adaptive med us"] / row[f"{k} med us"]
+        if k.startswith("ep-") and "socket" in kinds:
+            row[f"{k} med/socket"] = row[f"{k} med us"] / row["socket med us"]
+    for k in kinds:
+        base = k.partition(":")[0]
+        if ":" in k and base in kinds:
+            row[f"{k} med/{base}"] = row[f"{k} med us"] / row[f"{base} med us"]
     return row
 
 

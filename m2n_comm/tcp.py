@@ -11,7 +11,8 @@ Frames (little-endian, fixed layout: no serializer on the hot path):
     HELLO     u32 length + JSON {name, num_slots, slot_bytes, token}      first frame only
     DATA      u32 type, u32 slot, i64 seq, HEADER_WORDS i64 header words (_common.header_words),
               then the payload (tensors at payload_offsets, zero padding between: the shm layout)
-    RELEASE   u32 type, u32 slot, i64 seq            receiver -> sender: slot free again (the credit)
+    RELEASE   u32 type, u32 slot, i64 seq            receiver -> sender: slot free again (the credit;
+              held back until this endpoint next sends to that peer or waits, see _release)
     HEARTBEAT u32 type, u32 0, i64 0                 every heartbeat_s when nothing else was sent
 
 No reader thread on the hot path: the one thread that waits on the endpoint (the M2N loop) reads
@@ -79,6 +80,12 @@ class TcpEndpoint(EndpointBase):
     `phases` counts where time went (nanoseconds, and counts): pack_ns building frames, send_ns in
     sendmsg, recv_ns in recv_into, parse_ns parsing and validating headers, block_ns blocked in poll."""
 
+    # Credits ride with the next frame: release() queues the RELEASE and the next send to that peer
+    # carries it in the same sendmsg, or the next wait (or poll) sends it first. In the M2N round
+    # (the expert releases, then replies; the attention worker releases, then dispatches) that halves
+    # the syscalls and the peer's wake-ups. bench/m2n.py's "tcp:eager-release" turns it off for an A/B.
+    coalesce_releases = True
+
     def __init__(self, cfg: TransportConfig, store, session: str, me: str, peers: list[str], num_slots: int):
         super().__init__(cfg, session, me, peers, num_slots)
         self._spin_s = cfg.spin_s
@@ -98,6 +105,8 @@ class TcpEndpoint(EndpointBase):
         self._rx_lock = threading.Lock()      # who reads the inbound sockets: the waiter or the heartbeat thread
         self._out: list[socket.socket | None] = [None] * npeers
         self._send_locks = [threading.Lock() for _ in range(npeers)]  # caller vs heartbeat thread
+        self._credits: list[list[bytes]] = [[] for _ in range(npeers)]  # RELEASE frames not sent yet (owner)
+        self._owed = False  # some peer has credits queued
         self._stop = threading.Event()
         self.phases = dict.fromkeys(PHASES, 0)
         self._listener: socket.socket | None = None
@@ -246,6 +255,8 @@ class TcpEndpoint(EndpointBase):
 
     def poll(self, peer: str, slot: int) -> bool:
         i = self._key(peer, slot)
+        if self._owed:
+            self._send_credits()
         if self._arrived[i] is None:
             self._progress()
         return self._arrived[i] is not None
@@ -268,15 +279,28 @@ class TcpEndpoint(EndpointBase):
             if d.nbytes:
                 parts.append(tensor_bytes(src))
             pos = d.offset + d.nbytes
+        if self._credits[pi]:
+            parts[:0], self._credits[pi] = self._credits[pi], []
         self.phases["pack_ns"] += time.perf_counter_ns() - t0
         self._sendall(pi, parts, drain=True)
 
     def _release(self, i: int, seq: int) -> None:
         pi, slot = divmod(i, self.num_slots)
-        try:
-            self._sendall(pi, [FRAME.pack(RELEASE, slot, seq)], drain=True)
-        except PeerDeadError:
-            pass  # nobody waits for this credit any more; the next wait on the peer reports it
+        self._credits[pi].append(FRAME.pack(RELEASE, slot, seq))
+        self._owed = True
+        if not self.coalesce_releases:
+            self._send_credits()
+
+    def _send_credits(self) -> None:
+        """Send every queued RELEASE (before this thread waits: a peer may be waiting for one)."""
+        self._owed = False
+        for pi, frames in enumerate(self._credits):
+            if frames:
+                self._credits[pi] = []
+                try:
+                    self._sendall(pi, frames, drain=True)
+                except PeerDeadError:
+                    pass  # nobody waits for these credits any more; the next wait on the peer reports it
 
     def _dead_reason(self, pi: int, thorough: bool) -> str | None:
         why = self._dead.get(pi)
@@ -289,12 +313,16 @@ class TcpEndpoint(EndpointBase):
         return why
 
     def _spin_pause(self) -> bool:
+        if self._owed:
+            self._send_credits()
         contended = super()._spin_pause()
         self._progress()
         return contended
 
     def _block(self, ready: Callable[[], T], seconds: float) -> T | None:
         # Held while blocked, so the heartbeat thread cannot read (and so swallow) what wakes us.
+        if self._owed:
+            self._send_credits()
         with self._rx_lock:
             self._progress_locked()
             r = ready()
