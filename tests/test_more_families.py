@@ -14,8 +14,17 @@ VARIANTS = [
                   "num_attention_heads": 3, "num_key_value_heads": 1, "partial_rotary_factor": 1.0}),
     ("minimax_m2", {}),
     ("gpt_oss", {}),
+    # no shared experts (transformers saves zero-width ones), MoE from layer 0, 4 of 20 dims roped,
+    # and scoring_func / topk_method, which transformers' GLM ignores
+    ("glm4_moe", {"n_shared_experts": 0, "first_k_dense_replace": 0, "partial_rotary_factor": 0.2,
+                  "scoring_func": "softmax", "topk_method": "greedy"}),
+    # every layer sliding with a window of 2, yarn with truncation and its betas, 7 experts top-1
+    ("gpt_oss", {"layer_types": ["sliding_attention"] * 3, "sliding_window": 2, "num_local_experts": 7,
+                 "num_experts_per_tok": 1, "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "beta_fast": 16.0,
+                                                               "beta_slow": 2.0, "truncate": True, "rope_theta": 1000.0,
+                                                               "original_max_position_embeddings": 64}}),
 ]
-IDS = ["glm", "glm-plain-gqa3", "minimax", "gpt-oss"]
+IDS = ["glm", "glm-plain-gqa3", "minimax", "gpt-oss", "glm-no-shared", "gpt-oss-all-sliding-yarn"]
 
 
 @pytest.mark.parametrize("family,overrides", VARIANTS, ids=IDS)
@@ -395,9 +404,48 @@ def test_published_config_json_of_each_family():
                        ({**glm, "partial_rotary_factor": 0.4}, "partial_rotary_factor 0.4 gives 51"),
                        ({**minimax, "architectures": ["MixtralForCausalLM"], "partial_rotary_factor": 0.5},
                         "partial_rotary_factor != 1 is not supported by mixtral"),
-                       ({**glm, "quantization_config": {"quant_method": "mxfp4"}}, "mxfp4' is supported for gpt-oss")]:
+                       ({**glm, "quantization_config": {"quant_method": "mxfp4"}}, "mxfp4' is supported for gpt-oss"),
+                       ({**glm, "n_group": 160, "topk_group": 8}, r"n_group \(160\) leaves 1 expert per group"),
+                       ({**oss, "sliding_window": None}, "sliding_window must be a positive int"),
+                       ({**oss, "intermediate_size": 2890}, r"MXFP4 experts need .* intermediate_size \(2890\)")]:
         with pytest.raises(ConfigError, match=match):
             ModelConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2", "gpt_oss"])
+def test_fields_left_out_of_config_json_default_as_in_transformers(family):
+    """A config.json with only the shapes transformers has no default for: every field we read
+    defaults as transformers 5's config class fills it (head_dim, kv heads, experts, eps, rope,
+    windows), and a transformers-4 file with rope_scaling null keeps gpt-oss's yarn."""
+    import transformers
+
+    from models.config import ARCHITECTURES
+
+    arch = next(a for a, f in ARCHITECTURES.items() if f == family)
+    minimal = {"architectures": [arch], "model_type": family, "hidden_size": 64, "num_hidden_layers": 3,
+               "num_attention_heads": 16, "vocab_size": 512}
+    for raw in (minimal, {**minimal, "rope_theta": 1000.0, "rope_scaling": None}):
+        theirs = getattr(transformers, hf_config_class(family)).from_dict(dict(raw))
+        ours = ModelConfig.from_dict(raw)
+        rope = theirs.rope_parameters
+        assert ours.head_dim == (getattr(theirs, "head_dim", None) or 64 // 16)
+        assert (ours.num_kv_heads, ours.num_experts, ours.top_k, ours.rms_norm_eps, ours.max_position_embeddings) == (
+            theirs.num_key_value_heads, theirs.num_local_experts, theirs.num_experts_per_tok, theirs.rms_norm_eps,
+            theirs.max_position_embeddings)
+        assert (ours.rope.rope_type, ours.rope.theta, ours.rope.factor, ours.rope.beta_fast, ours.rope.truncate,
+                ours.rope.original_max_position_embeddings) == (
+            rope["rope_type"], rope["rope_theta"], rope.get("factor"), rope.get("beta_fast"), rope.get("truncate", True),
+            rope.get("original_max_position_embeddings"))
+        assert ours.rope_dim == int(ours.head_dim * rope.get("partial_rotary_factor", 1.0))
+        windows = [theirs.sliding_window if t == "sliding_attention" else None
+                   for t in getattr(theirs, "layer_types", None) or ["full_attention"] * 3]
+        assert list(ours.sliding_windows) == windows
+
+
+def hf_config_class(family: str) -> str:
+    from tests.conftest import FAMILIES
+
+    return FAMILIES[family][0]
 
 
 def test_regrouped_experts_keep_biases_and_activation(make_checkpoint):
