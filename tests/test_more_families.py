@@ -282,18 +282,37 @@ def test_train_loss_equals_transformers_and_the_result_serves(make_checkpoint, c
 
 # --- each family's chat template through /v1/chat/completions ---
 
-# Templates in each family's style (the published ones' markers and variables, on the tiny tokenizer)
+# Templates in each family's style (the published ones' markers and variables, on the tiny tokenizer),
+# tools and tool turns included: GLM and MiniMax-M2 iterate the call's arguments as an object
 TEMPLATES = {
-    "glm4_moe": "[gMASK]<sop>{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% endfor %}"
-                "{% if add_generation_prompt %}<|assistant|>\n{% if not (enable_thinking | default(true)) %}"
-                "<think></think>{% endif %}{% endif %}",
-    "minimax_m2": "]~!b[{% for m in messages %}]~b]{{ 'ai' if m.role == 'assistant' else m.role }}\n{{ m.content }}"
-                  "[e~[\n{% endfor %}{% if add_generation_prompt %}]~b]ai\n<think>\n{% endif %}",
+    "glm4_moe": "[gMASK]<sop>{% if tools %}<|system|>\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n"
+                "{% endfor %}{% endif %}{% for m in messages %}{% if m.role == 'tool' %}<|observation|>\n"
+                "<tool_response>{{ m.content }}</tool_response>{% else %}<|{{ m.role }}|>\n{{ m.content }}"
+                "{% for tc in m.tool_calls or [] %}<tool_call>{{ tc.function.name }}\n"
+                "{% for k, v in tc.function.arguments.items() %}<arg_key>{{ k }}</arg_key>\n<arg_value>"
+                "{{ v if v is string else v | tojson }}</arg_value>\n{% endfor %}</tool_call>{% endfor %}{% endif %}"
+                "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n"
+                "{% if not (enable_thinking | default(true)) %}<think></think>{% endif %}{% endif %}",
+    "minimax_m2": "]~!b[{% if tools %}]~b]system\n<tools>{% for tool in tools %}"
+                  "<tool>{{ tool.function | tojson }}</tool>{% endfor %}</tools>[e~[\n{% endif %}"
+                  "{% for m in messages %}]~b]{{ 'ai' if m.role == 'assistant' else m.role }}\n{{ m.content }}"
+                  "{% for tc in m.tool_calls or [] %}<minimax:tool_call><invoke name=\"{{ tc.function.name }}\">"
+                  "{% for k, v in tc.function.arguments.items() %}<parameter name=\"{{ k }}\">{{ v }}</parameter>"
+                  "{% endfor %}</invoke></minimax:tool_call>{% endfor %}[e~[\n{% endfor %}"
+                  "{% if add_generation_prompt %}]~b]ai\n<think>\n{% endif %}",
     "gpt_oss": "<|start|>system<|message|>Knowledge cutoff: 2024-06\nCurrent date: {{ strftime_now('%Y-%m-%d') }}"
-               "\n\nReasoning: {{ reasoning_effort | default('medium') }}<|end|>{% for m in messages %}<|start|>"
-               "{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
+               "\n\nReasoning: {{ reasoning_effort | default('medium') }}<|end|>{% if tools %}<|start|>developer"
+               "<|message|># Tools\nnamespace functions {\n{% for tool in tools %}type {{ tool.function.name }} = "
+               "(_: {{ tool.function.parameters | tojson }}) => any;\n{% endfor %}} // namespace functions<|end|>"
+               "{% endif %}{% for m in messages %}{% if m.role == 'tool' %}<|start|>functions to=assistant"
+               "<|channel|>commentary<|message|>{{ m.content | tojson }}<|end|>{% elif m.tool_calls %}"
+               "{% for tc in m.tool_calls %}<|start|>assistant to=functions.{{ tc.function.name }}<|channel|>"
+               "commentary json<|message|>{{ tc.function.arguments | tojson }}<|call|>{% endfor %}{% else %}"
+               "<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endif %}{% endfor %}"
                "{% if add_generation_prompt %}<|start|>assistant{% endif %}",
 }
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a term up.", "parameters": {
+    "type": "object", "properties": {"term": {"type": "string"}, "limit": {"type": "integer"}}}}}]
 KWARGS = {"glm4_moe": {"enable_thinking": False}, "minimax_m2": {}, "gpt_oss": {"reasoning_effort": "high"}}
 
 
@@ -319,11 +338,19 @@ def test_chat_template_through_chat_completions(make_checkpoint, tmp_path, famil
     tok = AutoTokenizer.from_pretrained(d)
     tok.chat_template = TEMPLATES[family]
     tok.save_pretrained(d)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a list?"}]
-    text = AutoTokenizer.from_pretrained(d).apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                                **KWARGS[family])
+    call = {"id": "call_1", "type": "function", "function": {"name": "lookup",
+                                                               "arguments": '{"term": "list", "limit": 2}'}}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a list?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "an ordered sequence"}]
+    # what the template sees: the call's arguments as an object, absent content as ""
+    as_template = messages[:2] + [{"role": "assistant", "content": "", "tool_calls": [
+        {**call, "function": {"name": "lookup", "arguments": {"term": "list", "limit": 2}}}]}, {**messages[3]}]
+    text = AutoTokenizer.from_pretrained(d).apply_chat_template(as_template, tools=TOOLS, tokenize=False,
+                                                                add_generation_prompt=True, **KWARGS[family])
     assert text.endswith({"glm4_moe": "<think></think>", "minimax_m2": "<think>\n",
                           "gpt_oss": "<|start|>assistant"}[family]) and ("high" in text) == (family == "gpt_oss")
+    assert "lookup" in text and "ordered sequence" in text and ("Look a term up." in text) == (family != "gpt_oss")
     metrics = ServerMetrics(family)
     llm = AsyncLLM(d, observer=metrics)
     try:
@@ -335,7 +362,7 @@ def test_chat_template_through_chat_completions(make_checkpoint, tmp_path, famil
             http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(llm, ServerConfig(), metrics)))
             client = openai.AsyncOpenAI(base_url="http://shuttle/v1", api_key="none", http_client=http)
             r = await client.chat.completions.create(
-                model="shuttle", messages=messages, max_tokens=8, temperature=0,
+                model="shuttle", messages=messages, tools=TOOLS, tool_choice="none", max_tokens=8, temperature=0,
                 extra_body={"ignore_eos": True, "chat_template_kwargs": KWARGS[family]})
             return want, r
 
@@ -434,8 +461,8 @@ def test_fields_left_out_of_config_json_default_as_in_transformers(family):
             theirs.max_position_embeddings)
         assert (ours.rope.rope_type, ours.rope.theta, ours.rope.factor, ours.rope.beta_fast, ours.rope.truncate,
                 ours.rope.original_max_position_embeddings) == (
-            rope["rope_type"], rope["rope_theta"], rope.get("factor"), rope.get("beta_fast"), rope.get("truncate", True),
-            rope.get("original_max_position_embeddings"))
+            rope["rope_type"], rope["rope_theta"], rope.get("factor"), rope.get("beta_fast"),
+            rope.get("truncate", True), rope.get("original_max_position_embeddings"))
         assert ours.rope_dim == int(ours.head_dim * rope.get("partial_rotary_factor", 1.0))
         windows = [theirs.sliding_window if t == "sliding_attention" else None
                    for t in getattr(theirs, "layer_types", None) or ["full_attention"] * 3]
