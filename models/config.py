@@ -366,7 +366,9 @@ def _fp8_block(quant: Any, src: str) -> tuple[int, int] | None:
 def _router(raw: dict[str, Any], family: str, num_experts: int, top_k: int, src: str) -> RouterConfig:
     """The router of a family as transformers defines it (DeepSeek fields as V2/V3 configs spell them)."""
     if family == "minimax_m2":  # sigmoid, chosen with the correction bias, always renormalised
-        return RouterConfig(top_k, "sigmoid", renormalize=True, correction_bias=True, weights_fp32=True)
+        # (use_routing_bias false: checkpoints without the bias, which transformers then reads as zeros)
+        return RouterConfig(top_k, "sigmoid", renormalize=True, correction_bias=bool(raw.get("use_routing_bias", True)),
+                            weights_fp32=True)
     if family == "gpt_oss":  # softmax of the top-k biased logits, weights in the activations' dtype
         return RouterConfig(top_k, "softmax", renormalize=True, bias=True)
     if family not in (*MLA_FAMILIES, "glm4_moe"):

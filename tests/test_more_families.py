@@ -408,6 +408,8 @@ def test_published_config_json_of_each_family():
                                                                                       (128, 128), 1536)
     assert (c.router.scoring, c.router.correction_bias, c.router.renormalize, c.router.num_groups) == ("sigmoid", True,
                                                                                                       True, 1)
+    # checkpoints without e_score_correction_bias (transformers reads the missing bias as zeros)
+    assert not ModelConfig.from_dict({**minimax, "use_routing_bias": False}).router.correction_bias
     oss = {"architectures": ["GptOssForCausalLM"], "attention_bias": True, "eos_token_id": 200002,
            "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
            "initial_context_length": 4096, "intermediate_size": 2880,
