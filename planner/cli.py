@@ -39,7 +39,8 @@ def _profile(args: argparse.Namespace) -> int:
         raise PlannerError(f"--torch-threads must be positive, got {args.torch_threads}")
     if args.device not in (None, "cpu"):
         raise PlannerError(f"--device {args.device}: this build profiles the CPU path only")
-    kw = dict(model=model, dtype=_dtype(args.dtype), threads=args.torch_threads, transports=args.transport)
+    kw = dict(model=model, dtype=_dtype(args.dtype), threads=args.torch_threads, transports=args.transport,
+              front=args.front)
     opts = ProfileOptions.quick_options(**kw) if args.quick else ProfileOptions(**kw)
     torch.manual_seed(0)
     profile = run_profile(opts)
@@ -74,6 +75,10 @@ def format_profile(p: dict) -> str:
     for backend, f in p["transfer"].items():
         lines.append(f"  M2N {backend:<4} one transfer = {f['coef'][1] * 1e6:.1f} us + {f['coef'][0] * 1e9:.3f} ns/byte"
                      f"   residual median {f['median_abs_residual']:.0%} max {f['max_abs_residual']:.0%}")
+    if p.get("front"):
+        fr = p["front"]
+        lines.append(f"  front {fr['front_s_per_token'] * 1e6:.0f} us + load generator {fr['client_s_per_token'] * 1e6:.0f} "
+                     f"us of CPU per output token (served 1 + 1 run, {fr['tokens']} tokens)")
     return "\n".join(lines)
 
 
@@ -296,6 +301,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--torch-threads", type=_csv(int), default=(1, 2), help="thread counts to profile (default 1,2)")
     p.add_argument("--transport", type=_csv(str), default=("shm", "tcp"), help="M2N backends (default shm,tcp)")
     p.add_argument("--quick", action="store_true", help="a smaller grid and fewer repeats (about a third)")
+    p.add_argument("--front", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the front's and the load generator's CPU per output token on a served 1 + 1 "
+                        "run (about 30 s; --no-front: taken as zero)")
     p.add_argument("--out", required=True, help="the profile JSON to write")
     p.set_defaults(func=_run(_profile, "profile"))
     s = sub.add_parser("simulate", help="simulate a deployment serving a workload, from a profile")

@@ -16,6 +16,8 @@ What is timed, with the real code (each point the median of `repeats` runs after
   tokens routed uniformly at random over a chosen number of experts.
   Fit: T_e = k3 pairs + k4 + k5 active_experts (pairs: (token, expert) pairs).
 - M2N, per backend: planner.profile_m2n (a real M2NSender / M2NReceiver pair in two processes).
+- the front and the load generator, CPU seconds per output token: planner.front (a real 1 + 1
+  `shuttle serve` driven by `shuttle bench serve`'s client; skipped with front=False).
 Each thread count is measured in this process with torch.set_num_threads.
 """
 import logging
@@ -61,6 +63,7 @@ class ProfileOptions:
     prefill: tuple[int, ...] = (32, 128, 512)
     expert_tokens: tuple[int, ...] = (1, 8, 64, 256, 1024)
     max_kv_reads: int = 32768
+    front: bool = True
 
     @classmethod
     def quick_options(cls, **kw) -> "ProfileOptions":
@@ -257,6 +260,11 @@ def run_profile(opts: ProfileOptions) -> dict:
         torch.set_num_threads(old_threads)
     fits = {str(t): {k: f.to_dict() for k, f in fit_samples(samples, t).items()} for t in opts.threads}
     dtype = opts.dtype or cfg.dtype
+    front = None
+    if opts.front:
+        from planner.front import measure_front
+
+        front = measure_front(opts.model, str(dtype).replace("torch.", "") if opts.dtype else None)
     transfer = {}
     for backend in opts.transports:
         tsamples = measure_transfer(opts.model, backend, dtype, quick=opts.quick)
@@ -267,5 +275,5 @@ def run_profile(opts: ProfileOptions) -> dict:
                 "dtype": str(dtype).replace("torch.", ""), "num_layers": cfg.num_layers,
                 "num_moe_layers": sum(cfg.moe_layers), "num_experts": cfg.num_experts, "top_k": cfg.top_k,
                 "hidden_size": cfg.hidden_size},
-            "host": describe_host(), "threads": list(opts.threads), "fits": fits, "transfer": transfer,
+            "host": describe_host(), "threads": list(opts.threads), "fits": fits, "transfer": transfer, "front": front,
             "samples": samples, "seconds": round(time.monotonic() - t0, 1)}

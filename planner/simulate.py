@@ -16,8 +16,10 @@ What is real and what is modelled:
   hence lock-step) and its previous slot is done; the answers come back one transfer later. Then
   each micro-batch's LM head, and the step's scheduling, sampling and control work.
   Colocated: attention and experts in sequence in one process, no transfer.
-- Cores: with `cores` set (one host), a step lasts at least the CPU work of all its processes
-  divided by the cores (processes x threads beyond the cores share them).
+- Cores: with `cores` set (one host), the front and the load generator's CPU per output token
+  (measured by the profile) delay the workers in proportion to how busy the workers keep the
+  cores, and a step lasts at least the CPU work of all its processes divided by the cores
+  (processes x threads beyond the cores share them): `_share_cores`.
 """
 import heapq
 from collections import deque
@@ -160,13 +162,26 @@ class Simulator:
             self.busy["attention"] += float(work.sum())
             if trace:
                 self.events.append(("step", "attention", "a0", t0, t0 + float(work[0])))
-            return t0 + float(work.max())
+            return t0 + self._share_cores(float(work.max()), float(work.sum()) * th, float(rows.sum()))
         end, busy_a, busy_e = self._pipeline(t0, tok, A, H, S, trace)
         self.busy["attention"] += busy_a
         self.busy["experts"] += busy_e
-        if dep.cores:  # the CPU cannot do more than `cores` threads' worth of work
-            end = max(end, t0 + (busy_a + busy_e) * th / dep.cores)
-        return end
+        return t0 + self._share_cores(end - t0, (busy_a + busy_e) * th, float(rows.sum()))
+
+    def _share_cores(self, wall: float, cpu: float, tokens: float) -> float:
+        """A step's duration on a host of `dep.cores` cores shared by its workers (`cpu`: their busy
+        thread-seconds, `wall`: the step without sharing) and the front and load generator (their
+        CPU for the step's output tokens, from the profile). The front's work lands on a core a
+        worker is using with the probability that the workers keep the cores busy (cpu / (cores x
+        wall)), and then delays that worker by as much (one-thread workers, or OpenMP's static
+        split over every core); and no step beats all the CPU work over the cores.
+        Without cores (each process on its own device) the front costs the workers nothing."""
+        cores = self.dep.cores
+        if not cores or wall <= 0:
+            return wall
+        front = float(self.perf.front(tokens))
+        busy = min(1.0, cpu / (cores * wall))
+        return max(wall + front * busy, (cpu + front) / cores)
 
     def _pipeline(self, t0: float, tok: np.ndarray, A: np.ndarray, H: np.ndarray, S: np.ndarray,
                   trace: bool) -> tuple[float, float, float]:

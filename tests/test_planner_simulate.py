@@ -85,6 +85,22 @@ def test_cores_bound_oversubscribed_steps():
     assert shared == pytest.approx(2 * (2 * 1.0 + 1.0) * MS)  # 6 ms of CPU work on one core
 
 
+def test_front_work_delays_workers_as_busy_as_the_cores():
+    # 2 layers of attention 1 ms + experts 1 ms; the front and load generator: 0.75 + 0.25 ms of CPU
+    # per output token, 2 tokens a step -> 2 ms of front work.
+    p = profile(a=1.0, e=1.0, layers=2)
+    p["front"] = {"front_s_per_token": 0.75 * MS, "client_s_per_token": 0.25 * MS}
+    p["fits"]["2"] = p["fits"]["1"]  # the same times at 2 threads
+    two = [batch([1, 1])]
+    assert sim(p).step_time(0.0, two) == pytest.approx(4 * MS)  # no shared host: the front costs nothing
+    # 1 + 1 on 2 cores: the workers keep the cores half busy (4 ms of work in 4 ms on 2 cores).
+    assert sim(p, cores=2).step_time(0.0, two) == pytest.approx((4 + 2 * 0.5) * MS)
+    # Colocated on both cores: every core is busy, so the front's 2 ms land on the step.
+    assert sim(p, colocated=True, torch_threads=2, cores=2).step_time(0.0, two) == pytest.approx((4 + 2) * MS)
+    # Colocated on one of 2 cores: half.
+    assert sim(p, colocated=True, torch_threads=1, cores=2).step_time(0.0, two) == pytest.approx((4 + 1) * MS)
+
+
 def test_workload_metrics_use_bench_serve_names():
     # Every step costs the same 4 layers x (1 + 2) ms colocated: 4 requests prefill in one step,
     # then decode 3 more tokens each.
