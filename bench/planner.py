@@ -121,8 +121,8 @@ def _cpu_by_role(front: int, cpu0: dict, cpu1: dict, client_s: float, tokens: in
     for pid, (title, cpu) in cpu1.items():
         if pid not in cpu0:
             continue
-        role = "front" if pid == front else next((r for r in ("attention", "expert") if title.startswith(f"shuttle-{r}")),
-                                                 None)
+        pools = [r for r in ("attention", "expert") if title.startswith(f"shuttle-{r}")]
+        role = "front" if pid == front else (pools[0] if pools else None)
         if role:
             roles[role] += cpu - cpu0[pid][1]
     return {k: v / max(tokens, 1) for k, v in roles.items()}
@@ -169,7 +169,8 @@ def run_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> tu
                          k: round(v * 1e6) for k, v in m["cpu_s_per_token"].items()},
                      "pred_attn_busy": p["attention_busy"], "pred_expert_busy": p["expert_busy"]})
         print(json.dumps(rows[-1]), flush=True)
-    return rows, {"profile": {k: profile.get(k) for k in ("host", "fits", "transfer", "front", "seconds")}, "plan": plan}
+    kept = ("host", "fits", "transfer", "front", "seconds")
+    return rows, {"profile": {k: profile.get(k) for k in kept}, "plan": plan}
 
 
 def plan_pick(ckpt: Path, prof_path: Path, args) -> dict:
@@ -194,7 +195,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small models, short outputs: about 10 minutes")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the checkpoints' dtype")
     p.add_argument("--serve-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="shuttle serve's and shuttle profile's --dtype (default auto: what serve makes of the checkpoint)")
+                   help="shuttle serve's and shuttle profile's --dtype (auto: what serve makes of the checkpoint)")
     p.add_argument("--repeats", type=int, default=1, help="measured runs per deployment on one server (the median "
                                                             "is the truth; the spread is reported)")
     p.add_argument("--input-len", type=int, default=64)
@@ -219,7 +220,8 @@ def main() -> None:
     print_table(rows, ["model", "deployment", "pred_tok_s", "meas_tok_s", "tok_s_err", "meas_spread", "pred_tpot_ms",
                        "meas_tpot_ms", "tpot_err", "pred_attn_busy", "pred_expert_busy", "load_average"])
     print(json.dumps(summary, indent=1))
-    path = save("planner_partial" if args.only or args.shapes else "planner", {"config": vars(args), "rows": rows, "summary": summary, "shapes": extra})
+    result = {"config": vars(args), "rows": rows, "summary": summary, "shapes": extra}
+    path = save("planner_partial" if args.only or args.shapes else "planner", result)
     print(f"wrote {path}")
 
 

@@ -77,8 +77,9 @@ def format_profile(p: dict) -> str:
                      f"   residual median {f['median_abs_residual']:.0%} max {f['max_abs_residual']:.0%}")
     if p.get("front"):
         fr = p["front"]
-        lines.append(f"  front {fr['front_s_per_token'] * 1e6:.0f} us + load generator {fr['client_s_per_token'] * 1e6:.0f} "
-                     f"us of CPU per output token (served 1 + 1 run, {fr['tokens']} tokens)")
+        lines.append(f"  front {fr['front_s_per_token'] * 1e6:.0f} us + load generator "
+                     f"{fr['client_s_per_token'] * 1e6:.0f} us of CPU per output token (served 1 + 1 run, "
+                     f"{fr['tokens']} tokens)")
     return "\n".join(lines)
 
 
