@@ -6,7 +6,8 @@ worker (kv_reads: context tokens read, summed over the micro-batch's query token
 active)` on an expert worker (pairs: gathered (token, expert) pairs; active: its experts receiving
 at least one). Per micro-batch and step: `head(rows, tokens)` (embedding, final norm, LM head on
 the sampled rows). Per step: `step(seqs)` (scheduling, sampling, control messages). Per message:
-`transfer(nbytes, backend)`. Per step, on a shared host: `front(tokens)`, the CPU seconds that the
+`transfer(nbytes, backend)`; `wake(backend)`: (what a message adds when its receiver's wait has
+blocked, how long a wait polls before it blocks). Per step, on a shared host: `front(tokens)`, the CPU seconds that the
 front process and the load generator spend on the step's output tokens (they share the cores).
 Arguments may be numpy arrays (vectorised over workers).
 """
@@ -29,6 +30,9 @@ class ProfilePerf:
         self.profile = profile
         self.fits = {int(t): {k: Fit.from_dict(f) for k, f in fits.items()} for t, fits in profile["fits"].items()}
         self.transfers = {b: Fit.from_dict(f) for b, f in profile["transfer"].items()}
+        # (wake-up seconds, spin seconds) per backend; profiles without them: no wake-up cost
+        self.wakes = {b: (float(f.get("wake_s", 0.0)), float(f.get("spin_s", 0.0)))
+                      for b, f in profile["transfer"].items()}
         fr = profile.get("front") or {}  # profiles without it (older, or --no-front): no front work
         self.front_s_per_token = fr.get("front_s_per_token", 0.0) + fr.get("client_s_per_token", 0.0)
 
@@ -54,6 +58,10 @@ class ProfilePerf:
 
     def front(self, tokens):
         return self.front_s_per_token * np.asarray(tokens, dtype=float)
+
+    def wake(self, backend: str = "shm") -> tuple[float, float]:
+        """(seconds a message adds when its receiver's wait has blocked, seconds a wait polls first)."""
+        return self.wakes.get(backend, (0.0, 0.0))
 
     def transfer(self, nbytes, backend: str = "shm"):
         if backend not in self.transfers:
@@ -107,6 +115,10 @@ class RooflinePerf:
     def front(self, tokens):
         """The front runs on its own host here: it takes no core from the workers."""
         return 0.0 * np.asarray(tokens, dtype=float)
+
+    def wake(self, backend: str = "rdma") -> tuple[float, float]:
+        """Waits on accelerators poll (no wake-up cost)."""
+        return 0.0, float("inf")
 
     def transfer(self, nbytes, backend: str = "rdma"):
         nic = min(self.attention_hw.nic_gbps, self.expert_hw.nic_gbps) * 1e9 / 8 * self.eff.network

@@ -271,9 +271,10 @@ def run_profile(opts: ProfileOptions) -> dict:
         front = measure_front(opts.model, str(dtype).replace("torch.", "") if opts.dtype else None)
     transfer = {}
     for backend in opts.transports:
-        tsamples = measure_transfer(opts.model, backend, dtype, quick=opts.quick)
+        tsamples, wake = measure_transfer(opts.model, backend, dtype, quick=opts.quick)
         samples[f"transfer_{backend}"] = tsamples
-        transfer[backend] = fit_linear(tsamples, [s["oneway_s"] for s in tsamples], ("bytes", "const")).to_dict()
+        transfer[backend] = {**fit_linear(tsamples, [s["oneway_s"] for s in tsamples], ("bytes", "const")).to_dict(),
+                             **wake}
     return {"version": PROFILE_VERSION, "kind": "measured", "model": {
                 "path": str(opts.model), "name": shape.name, "config_hash": shape.config_hash,
                 "dtype": str(dtype).replace("torch.", ""), "num_layers": cfg.num_layers,

@@ -14,7 +14,9 @@ What is real and what is modelled:
   previous MoE output is back; its tokens reach each expert worker one transfer later; an expert
   worker runs slot (layer, i) when the chunks of *all* attention workers have arrived (gathering,
   hence lock-step) and its previous slot is done; the answers come back one transfer later. Then
-  each micro-batch's LM head, and the step's scheduling, sampling and control work.
+  each micro-batch's LM head, and the step's scheduling, sampling and control work. A worker that
+  waited longer than the transport polls (spin_s) has blocked and starts a wake-up (wake_s, both
+  measured by the profile) later.
   Colocated: attention and experts in sequence in one process, no transfer.
 - Cores: with `cores` set (one host), the front and the load generator's CPU per output token
   (measured by the profile) delay the workers in proportion to how busy the workers keep the
@@ -196,26 +198,33 @@ class Simulator:
         row = mod.hidden_size * mod.dtype_bytes
         c_out = self.perf.transfer(sent_WEm * (row + 8 * mod.top_k), dep.transport)
         c_back = self.perf.transfer(sent_WEm * row, dep.transport)
+        wake, spin = self.perf.wake(dep.transport)
+
+        def woken(free: np.ndarray, arrive: np.ndarray) -> np.ndarray:
+            """When a worker free at `free` starts on a message arriving at `arrive`: a wait longer
+            than the transport's polling has blocked and pays a wake-up."""
+            return np.maximum(free, arrive) + np.where(arrive - free > spin, wake, 0.0)
+
         free_a = t0 + S
         free_e = np.full(dep.expert_workers, t0)
         ready = np.repeat(free_a[:, None], m, axis=1)
         first_moe = mod.num_layers - mod.num_moe_layers
         for layer in range(mod.num_layers):
             for i in range(m):
-                start = np.maximum(free_a, ready[:, i])
+                start = woken(free_a, ready[:, i])
                 free_a = start + A[:, i]
                 if trace:
                     self._trace_spans("attention", f"attn L{layer} mb{i}", "a", start, free_a)
                 if layer < first_moe:
                     ready[:, i] = free_a
                     continue
-                start_e = np.maximum(free_e, (free_a[:, None] + c_out[:, :, i]).max(0))
+                start_e = woken(free_e, (free_a[:, None] + c_out[:, :, i]).max(0))
                 free_e = start_e + X[:, i]
                 if trace:
                     self._trace_spans("expert", f"experts L{layer} mb{i}", "e", start_e, free_e)
                 ready[:, i] = (free_e[None, :] + c_back[:, :, i]).max(1)
         for i in range(m):
-            free_a = np.maximum(free_a, ready[:, i]) + H[:, i]
+            free_a = woken(free_a, ready[:, i]) + H[:, i]
         busy_a = float((mod.num_layers * A.sum(1) + H.sum(1) + S).sum())
         return float(free_a.max()), busy_a, float(mod.num_moe_layers * X.sum())
 

@@ -101,6 +101,16 @@ def test_front_work_delays_workers_as_busy_as_the_cores():
     assert sim(p, colocated=True, torch_threads=1, cores=2).step_time(0.0, two) == pytest.approx((4 + 1) * MS)
 
 
+def test_waits_longer_than_the_polling_pay_a_wake_up():
+    # 1 + 1, m=1, 2 layers of attention 1 ms and experts 1 ms, no transfer time: every wait (the
+    # expert for its input, attention for the answer, twice a layer) lasts 1 ms.
+    p = profile(a=1.0, e=1.0, layers=2)
+    p["transfer"]["shm"].update(wake_s=0.5 * MS, spin_s=0.1 * MS)
+    assert sim(p).step_time(0.0, [batch([1])]) == pytest.approx((4 + 4 * 0.5) * MS)
+    p["transfer"]["shm"]["spin_s"] = 10 * MS  # every wait ends while still polling
+    assert sim(p).step_time(0.0, [batch([1])]) == pytest.approx(4 * MS)
+
+
 def test_workload_metrics_use_bench_serve_names():
     # Every step costs the same 4 layers x (1 + 2) ms colocated: 4 requests prefill in one step,
     # then decode 3 more tokens each.
