@@ -6,9 +6,10 @@ worker (kv_reads: context tokens read, summed over the micro-batch's query token
 active)` on an expert worker (pairs: gathered (token, expert) pairs; active: its experts receiving
 at least one). Per micro-batch and step: `head(rows, tokens)` (embedding, final norm, LM head on
 the sampled rows). Per step: `step(seqs)` (scheduling, sampling, control messages). Per message:
-`transfer(nbytes, backend)`; `wake(backend)`: (what a message adds when its receiver's wait has
-blocked, how long a wait polls before it blocks). Per step, on a shared host: `front(tokens)`, the CPU seconds that the
-front process and the load generator spend on the step's output tokens (they share the cores).
+`transfer(nbytes, backend)`, `send(nbytes, backend)` (the sender's own CPU per message) and
+`wake(backend)` (what a message adds when its receiver's wait has blocked, how long a wait polls
+before it blocks). Per step, on a shared host: `front(tokens)`, the CPU seconds that the front
+process and the load generator spend on the step's output tokens (they share the cores).
 Arguments may be numpy arrays (vectorised over workers).
 """
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ class ProfilePerf:
         # (wake-up seconds, spin seconds) per backend; profiles without them: no wake-up cost
         self.wakes = {b: (float(f.get("wake_s", 0.0)), float(f.get("spin_s", 0.0)))
                       for b, f in profile["transfer"].items()}
+        self.sends = {b: Fit.from_dict(f["send"]) for b, f in profile["transfer"].items() if "send" in f}
         fr = profile.get("front") or {}  # profiles without it (older, or --no-front): no front work
         self.front_s_per_token = fr.get("front_s_per_token", 0.0) + fr.get("client_s_per_token", 0.0)
 
@@ -58,6 +60,11 @@ class ProfilePerf:
 
     def front(self, tokens):
         return self.front_s_per_token * np.asarray(tokens, dtype=float)
+
+    def send(self, nbytes, backend: str = "shm"):
+        """The sender's own CPU per message (packing, copying into the slot); 0 if not profiled."""
+        f = self.sends.get(backend)
+        return np.where(np.asarray(nbytes) > 0, f(bytes=nbytes), 0.0) if f else 0.0 * np.asarray(nbytes, dtype=float)
 
     def wake(self, backend: str = "shm") -> tuple[float, float]:
         """(seconds a message adds when its receiver's wait has blocked, seconds a wait polls first)."""
@@ -115,6 +122,10 @@ class RooflinePerf:
     def front(self, tokens):
         """The front runs on its own host here: it takes no core from the workers."""
         return 0.0 * np.asarray(tokens, dtype=float)
+
+    def send(self, nbytes, backend: str = "rdma"):
+        """One-sided writes by the NIC: no sender CPU modelled."""
+        return 0.0 * np.asarray(nbytes, dtype=float)
 
     def wake(self, backend: str = "rdma") -> tuple[float, float]:
         """Waits on accelerators poll (no wake-up cost)."""

@@ -274,7 +274,8 @@ def run_profile(opts: ProfileOptions) -> dict:
         tsamples, wake = measure_transfer(opts.model, backend, dtype, quick=opts.quick)
         samples[f"transfer_{backend}"] = tsamples
         transfer[backend] = {**fit_linear(tsamples, [s["oneway_s"] for s in tsamples], ("bytes", "const")).to_dict(),
-                             **wake}
+                             **wake, "send": fit_linear(tsamples, [s["send_s"] for s in tsamples],
+                                                        ("bytes", "const")).to_dict()}
     return {"version": PROFILE_VERSION, "kind": "measured", "model": {
                 "path": str(opts.model), "name": shape.name, "config_hash": shape.config_hash,
                 "dtype": str(dtype).replace("torch.", ""), "num_layers": cfg.num_layers,

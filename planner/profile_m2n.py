@@ -78,8 +78,10 @@ def measure_transfer(model: str, backend: str, dtype: torch.dtype, quick: bool =
     try:
         tx = M2NSender(ep, Placement.balanced(cfg.num_experts, 1), ["e0"], D, K)
         for T in TOKENS:
-            times = _round_times(tx, T, D, K, dtype, rounds)
-            samples.append({"tokens": T, "bytes": T * (D * elt + 8 * K), "oneway_s": statistics.median(times) / 2})
+            sends: list[float] = []
+            times = _round_times(tx, T, D, K, dtype, rounds, sends)
+            samples.append({"tokens": T, "bytes": T * (D * elt + 8 * K), "oneway_s": statistics.median(times) / 2,
+                            "send_s": statistics.median(sends)})
         polled = next(2 * s["oneway_s"] for s in samples if s["tokens"] == WAKE_TOKENS)
         blocked = _round_times(tx, WAKE_TOKENS, D, K, dtype, wake_rounds)
         wake = {"spin_s": spin_s, "wake_s": max(statistics.median(blocked) - delay_s - polled, 0.0)}
@@ -92,8 +94,10 @@ def measure_transfer(model: str, backend: str, dtype: torch.dtype, quick: bool =
     return samples, wake
 
 
-def _round_times(tx, T: int, D: int, K: int, dtype: torch.dtype, rounds: int) -> list[float]:
-    """Wall times of `rounds` dispatch + combine rounds of T tokens, after WARMUP more."""
+def _round_times(tx, T: int, D: int, K: int, dtype: torch.dtype, rounds: int,
+                 sends: list[float] | None = None) -> list[float]:
+    """Wall times of `rounds` dispatch + combine rounds of T tokens, after WARMUP more; `sends` gets
+    the time of each dispatch call (the sender's own work: packing and copying into the slot)."""
     x = torch.randn(T, D).to(dtype)
     ids = torch.arange(K).repeat(T, 1)
     w = torch.full((T, K), 1.0 / K)
@@ -101,8 +105,12 @@ def _round_times(tx, T: int, D: int, K: int, dtype: torch.dtype, rounds: int) ->
     for i in range(rounds + WARMUP):
         t0 = time.perf_counter()
         tx.begin_step()
-        tx.combine(tx.dispatch(0, None, x, ids, w, mb=0))
+        handle = tx.dispatch(0, None, x, ids, w, mb=0)
+        t1 = time.perf_counter()
+        tx.combine(handle)
         tx.end_step()
         if i >= WARMUP:
             times.append(time.perf_counter() - t0)
+            if sends is not None:
+                sends.append(t1 - t0)
     return times

@@ -16,7 +16,8 @@ What is real and what is modelled:
   hence lock-step) and its previous slot is done; the answers come back one transfer later. Then
   each micro-batch's LM head, and the step's scheduling, sampling and control work. A worker that
   waited longer than the transport polls (spin_s) has blocked and starts a wake-up (wake_s, both
-  measured by the profile) later.
+  measured by the profile) later. Sending keeps the sender busy for its own CPU per message
+  (`send`: packing and copying into the slot, measured), after which it computes on.
   Colocated: attention and experts in sequence in one process, no transfer.
 - Cores: with `cores` set (one host), the front and the load generator's CPU per output token
   (measured by the profile) delay the workers in proportion to how busy the workers keep the
@@ -198,6 +199,10 @@ class Simulator:
         row = mod.hidden_size * mod.dtype_bytes
         c_out = self.perf.transfer(sent_WEm * (row + 8 * mod.top_k), dep.transport)
         c_back = self.perf.transfer(sent_WEm * row, dep.transport)
+        # The senders' own CPU (packing, copying into the slots): arrivals already include it (c_*
+        # is half a measured round), but it keeps the sending worker busy.
+        send_a = self.perf.send(sent_WEm * (row + 8 * mod.top_k), dep.transport).sum(1)  # (W, m)
+        send_e = self.perf.send(sent_WEm * row, dep.transport).sum(0)  # (E, m)
         wake, spin = self.perf.wake(dep.transport)
 
         def woken(free: np.ndarray, arrive: np.ndarray) -> np.ndarray:
@@ -219,14 +224,16 @@ class Simulator:
                     ready[:, i] = free_a
                     continue
                 start_e = woken(free_e, (free_a[:, None] + c_out[:, :, i]).max(0))
+                free_a = free_a + send_a[:, i]
                 free_e = start_e + X[:, i]
                 if trace:
                     self._trace_spans("expert", f"experts L{layer} mb{i}", "e", start_e, free_e)
                 ready[:, i] = (free_e[None, :] + c_back[:, :, i]).max(1)
+                free_e = free_e + send_e[:, i]
         for i in range(m):
             free_a = woken(free_a, ready[:, i]) + H[:, i]
-        busy_a = float((mod.num_layers * A.sum(1) + H.sum(1) + S).sum())
-        return float(free_a.max()), busy_a, float(mod.num_moe_layers * X.sum())
+        busy_a = float((mod.num_layers * A.sum(1) + H.sum(1) + S).sum() + mod.num_moe_layers * send_a.sum())
+        return float(free_a.max()), busy_a, float(mod.num_moe_layers * (X.sum() + send_e.sum()))
 
     def _trace_spans(self, cat: str, name: str, prefix: str, start: np.ndarray, end: np.ndarray) -> None:
         for k, (s, e) in enumerate(zip(start, end)):

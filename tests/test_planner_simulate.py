@@ -111,6 +111,17 @@ def test_waits_longer_than_the_polling_pay_a_wake_up():
     assert sim(p).step_time(0.0, [batch([1])]) == pytest.approx(4 * MS)
 
 
+def test_sending_keeps_the_sender_busy():
+    # 1 + 1, m=2, 1 layer: attention 1 ms, experts 1 ms, transfers 1 ms of which the sender's copy
+    # is 0.5 ms. mb0: attention 0-1, sent (copy to 1.5), experts 2-3, copy back to 3.5, answer at 4;
+    # mb1: attention 1.5-2.5, experts 3.5-4.5 (after mb0's copy back), answer 5.5; heads at 5.5.
+    p = profile(a=1.0, e=1.0, c=1.0, layers=1)
+    p["transfer"]["shm"]["send"] = fit(("bytes", "const"), (0.0, 0.5 * MS))
+    assert sim(p, micro_batches=2).step_time(0.0, [batch([1, 1])]) == pytest.approx(5.5 * MS)
+    del p["transfer"]["shm"]["send"]
+    assert sim(p, micro_batches=2).step_time(0.0, [batch([1, 1])]) == pytest.approx(5.0 * MS)
+
+
 def test_workload_metrics_use_bench_serve_names():
     # Every step costs the same 4 layers x (1 + 2) ms colocated: 4 requests prefill in one step,
     # then decode 3 more tokens each.
