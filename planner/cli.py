@@ -75,6 +75,10 @@ def format_profile(p: dict) -> str:
     for backend, f in p["transfer"].items():
         lines.append(f"  M2N {backend:<4} one transfer = {f['coef'][1] * 1e6:.1f} us + {f['coef'][0] * 1e9:.3f} ns/byte"
                      f"   residual median {f['median_abs_residual']:.0%} max {f['max_abs_residual']:.0%}")
+        if "wake_s" in f and "send" in f:
+            lines.append(f"           sender's own CPU {f['send']['coef'][1] * 1e6:.1f} us + {f['send']['coef'][0] * 1e9:.3f}"
+                         f" ns/byte; a wait polls {f['spin_s'] * 1e6:.0f} us, then blocks: wake-up "
+                         f"{f['wake_s'] * 1e6:.0f} us")
     if p.get("front"):
         fr = p["front"]
         lines.append(f"  front {fr['front_s_per_token'] * 1e6:.0f} us + load generator "
