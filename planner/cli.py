@@ -68,6 +68,10 @@ def format_profile(p: dict) -> str:
     lines = [f"model {p['model']['name']} ({p['model']['dtype']}, config {p['model']['config_hash']}) on {h['cpu']}, "
              f"{h['cores']} cores, {h['memory_gib']} GiB, {h['device']}, ISA {'+'.join(h['isa']) or '?'}, "
              f"bf16 packed: {h['bf16_packed']}"]
+    load = max(p.get("load_average") or [0.0])
+    if load > h["cores"] + 1:  # the profile itself keeps about one core busy
+        lines.append(f"WARNING: the host was busy while profiling (load average up to {load:.1f} on {h['cores']} "
+                     "cores): the times are slower and noisier than a quiet host's; profile again when it is quiet")
     for threads, fits in p["fits"].items():
         for name, f in fits.items():
             terms = ", ".join(f"{c * 1e6:.4g} us*{t}" if t != "const" else f"{c * 1e6:.4g} us"

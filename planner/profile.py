@@ -25,6 +25,7 @@ median of three does not reject):
 Each thread count is measured in this process with torch.set_num_threads.
 """
 import logging
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -255,7 +256,7 @@ def run_profile(opts: ProfileOptions) -> dict:
 
     cfg = ModelConfig.from_pretrained(opts.model)
     shape = shape_from(opts.model)
-    t0 = time.monotonic()
+    t0, load0 = time.monotonic(), os.getloadavg()[0]
     old_threads = torch.get_num_threads()
     try:
         samples = {"attention": measure_attention(opts, cfg), "step": measure_step(opts, cfg),
@@ -282,4 +283,7 @@ def run_profile(opts: ProfileOptions) -> dict:
                 "num_moe_layers": sum(cfg.moe_layers), "num_experts": cfg.num_experts, "top_k": cfg.top_k,
                 "hidden_size": cfg.hidden_size},
             "host": describe_host(), "threads": list(opts.threads), "fits": fits, "transfer": transfer, "front": front,
-            "samples": samples, "seconds": round(time.monotonic() - t0, 1)}
+            "samples": samples, "seconds": round(time.monotonic() - t0, 1),
+            # the 1-minute load average before and after (this process's own work included): a host
+            # busy with other jobs makes every time above slower and noisier (format_profile warns)
+            "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)]}
