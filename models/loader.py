@@ -20,10 +20,12 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from safetensors import safe_open
 
+from kernels.cpu_linear import gemm_is_emulated
 from kernels.ops import select_ops
 from kernels.quant import FP8_DTYPES, dequantize_fp8_blocks, dequantize_mxfp4, fp8_block_scale_shape, mxfp4_shape
 
@@ -108,6 +110,11 @@ class CheckpointReader:
             e, o, *rest = mxfp4_shape(tuple(h.get_slice(name + "_blocks").get_shape()))
             return (e, *rest, o)
         return tuple(h.get_slice(name).get_shape())
+
+    def is_empty(self, name: str) -> bool:
+        """Whether tensor `name` has no elements (transformers saves n_shared_experts=0 as (0, D) MLPs)."""
+        with safe_open(self.files[name], framework="pt") as h:
+            return 0 in self.shape(h, name)
 
     def read(self, wanted: dict[str, list[Target]], model_shape: dict[Target, tuple[int, ...]]) -> dict[str, torch.Tensor]:
         """Check then read the `wanted` tensors, one file at a time."""
@@ -217,6 +224,24 @@ def _target_shape(t: Target, param_shape: torch.Size) -> tuple[int, ...]:
     return shape
 
 
+def auto_dtype(checkpoint: torch.dtype, devices: Iterable[str]) -> tuple[torch.dtype, str | None]:
+    """The serving dtype for `--dtype auto` and why it differs from the checkpoint's (None: it does not).
+
+    The checkpoint's dtype, except where every device that computes (`devices`: the attention and
+    expert pools') is a CPU whose GEMMs in that dtype are emulated (kernels.cpu_linear.gemm_is_emulated):
+    there a bf16/fp16 checkpoint is upcast once at load and served in float32 (weights, activations
+    and KV cache), since its GEMMs run about 100x faster and read only twice the bytes. A GPU, or a
+    CPU with native bf16 (AVX-512 BF16/AMX), keeps the checkpoint's dtype; so does a deployment that
+    mixes a GPU with a CPU (its hidden states cross between them in one dtype)."""
+    devices = list(devices)
+    if (checkpoint not in (torch.bfloat16, torch.float16) or not devices
+            or any(torch.device(d).type != "cpu" for d in devices) or not gemm_is_emulated(checkpoint)):
+        return checkpoint, None
+    name = str(checkpoint).removeprefix("torch.")
+    return torch.float32, (f"this CPU has no native {name} GEMMs (no AVX-512 BF16/FP16 or AMX), so --dtype auto "
+                           f"serves the {name} checkpoint in float32, upcast at load (--dtype {name} keeps {name})")
+
+
 def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: torch.dtype | None = None,
                device: torch.device | str = "cpu", with_experts: bool = True,
                kernels: str | None = None) -> MoEForCausalLM:
@@ -245,6 +270,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: tor
         if is_mtp_tensor(name, cfg):
             mtp.append(name)
             continue
+        if ".shared_expert" in name and not cfg.shared_expert_intermediate_size and reader.is_empty(name):
+            continue  # n_shared_experts=0: transformers' zero-width shared MLP adds nothing
         if targets is None or any(t.param not in full for t in targets):
             raise CheckpointError(f"{f}: unexpected tensor '{name}' (no such parameter in {cfg.architecture} "
                                   f"with this config.json)")
