@@ -11,7 +11,8 @@ Part 1, mixed-length workload (float32 checkpoint, hidden 512, 4 layers, 8 exper
   Throughput counts only the requested output tokens.
 Part 2, decode on a Mixtral-shaped checkpoint of ~425M parameters stored in bfloat16 (hidden 1024,
   8 layers, 16 heads, 4 KV heads, 8 experts of 2048, top-2), run in bfloat16 and in float32 (the same
-  weights upcast), 32-token prompts, batch 1/16/64/256: the median decode step time of the eager
+  weights upcast; --quick: in the dtype `--dtype auto` resolves to here, float32 on a CPU that
+  emulates bf16 GEMMs, and the JSON's dtype_resolution says which and why), 32-token prompts, batch 1/16/64/256: the median decode step time of the eager
   engine and of the compiled one (models/stages.py, --no-enforce-eager), side by side, each against
   the step's floor = max(memory floor, compute floor), both measured in this run. Memory floor: the
   weight bytes a step must read (every non-expert weight, the LM head, the experts B tokens x top-2
@@ -38,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import best_of, print_table, save  # noqa: E402
 from models.builtin import make_random_checkpoint  # noqa: E402
+from models.loader import auto_dtype  # noqa: E402
 from server import LLM, SamplingParams  # noqa: E402
 
 
@@ -232,25 +234,30 @@ def cpu_isa() -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="fewer tokens, no transformers, one dtype: bfloat16 where the CPU has bf16 matmuls "
-                         "(avx512_bf16 / amx_bf16), else float32 (emulated bf16 is too slow at batch 256)")
+                    help="fewer tokens, no transformers, one dtype: auto, as shuttle serve resolves it (bfloat16 "
+                         "where the CPU has bf16 matmuls, avx512_bf16 / amx_bf16, else float32)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
-    ap.add_argument("--dtypes", nargs="+", default=None, help="default: bfloat16 float32 (--quick: one of them)")
+    ap.add_argument("--dtypes", nargs="+", default=None,
+                    help="float32, bfloat16 or auto; default: bfloat16 float32 (--quick: auto)")
     ap.add_argument("--no-mixed", action="store_true", help="skip part 1 (the mixed-length workload)")
     args = ap.parse_args()
     torch.manual_seed(0)
     random.seed(0)
     isa = cpu_isa()
-    native_bf16 = "avx512_bf16" in isa or "amx_bf16" in isa
     n, new_tokens = (16, 8) if args.quick else (64, 32)
-    dtypes = args.dtypes or ((["bfloat16"] if native_bf16 else ["float32"]) if args.quick else ["bfloat16", "float32"])
+    # auto resolves as shuttle serve does for this bf16 checkpoint on this CPU (models.loader.auto_dtype)
+    auto, why = auto_dtype(torch.bfloat16, ["cpu"])
+    resolution = {"checkpoint": "bfloat16", "auto": str(auto).removeprefix("torch."), "reason": why}
+    dtypes = [resolution["auto"] if dt == "auto" else dt for dt in args.dtypes or (["auto"] if args.quick
+                                                                                 else ["bfloat16", "float32"])]
     prefill = (2, 512, 256) if args.quick else (4, 1024, 512)
     hf_batches = [] if args.quick else [b for b in args.batches if b <= 64]
     bw, read_bw = copy_bandwidth(), read_bandwidth()
     rates = {dt: matmul_rate(getattr(torch, dt)) for dt in dtypes}
     print(f"copy bandwidth {bw / 1e9:.1f} GB/s (read + write), read {read_bw / 1e9:.1f} GB/s, "
           + ", ".join(f"{dt} matmul {r / 1e9:.0f} GFLOP/s" for dt, r in rates.items())
-          + f", {torch.get_num_threads()} threads, ISA: {' '.join(isa) or 'unknown'}")
+          + f", {torch.get_num_threads()} threads, ISA: {' '.join(isa) or 'unknown'}; --dtype auto of the bf16 "
+          f"checkpoint: {resolution['auto']}{' (' + why + ')' if why else ''}")
     mixed, decode, prefill_rows = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         if not args.no_mixed:
@@ -267,7 +274,7 @@ def main() -> None:
     print_table(prefill_rows, ["dtype", "mode", "prompts", "prompt_len", "chunk", "tok_s", "compute_floor_tok_s",
                                "x_floor"])
     path = save("engine_quick" if args.quick else "engine", {
-        "isa": isa, "copy_GBps": bw / 1e9, "read_GBps": read_bw / 1e9,
+        "isa": isa, "dtype_resolution": resolution, "copy_GBps": bw / 1e9, "read_GBps": read_bw / 1e9,
         "matmul_GFLOPs": {dt: r / 1e9 for dt, r in rates.items()}, "mixed_workload": mixed,
         "decode_425M": decode, "prefill_425M": prefill_rows, "new_tokens": new_tokens,
         "date": time.strftime("%Y-%m-%d")})

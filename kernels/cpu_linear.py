@@ -8,21 +8,35 @@ measured 1.6-1.8x faster for bf16 and 2-3.7x for float32 at 1-16 rows on our 2-c
 
 Legend: T rows, I input features, O output features, E experts.
 """
+import functools
+
 import torch
 from torch import nn
 
 BATCH_HINT = 16  # rows oneDNN picks its blocking for; any row count works
 
 
+@functools.cache
+def gemm_is_emulated(dtype: torch.dtype) -> bool:
+    """Whether CPU GEMMs in `dtype` lack a native path here: bf16 without AVX-512 BF16/AMX (or
+    AVX-NE-CONVERT), fp16 without AVX-512 FP16/AMX-FP16. There torch converts element by element
+    (about 1 GFLOP/s on a 2-core AVX2 EPYC, against 130-160 GFLOP/s in float32). The one place that
+    decides it: the MoE upcast (kernels/moe.py), packing (below) and `--dtype auto`
+    (models/loader.auto_dtype) all ask here."""
+    if dtype == torch.bfloat16:
+        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float16 and not torch.ops.mkldnn._is_mkldnn_fp16_supported()
+
+
 def packing_available(dtype: torch.dtype) -> bool:
     """Whether weights of `dtype` can be packed on this CPU: float32 wherever oneDNN is built in;
-    bfloat16 only where the CPU has oneDNN's bf16 path (AVX-512 BF16/AMX or AVX-NE-CONVERT), which
-    e.g. an AVX2-only EPYC lacks: there the reorder raises, and plain F.linear is the fallback."""
+    bfloat16 only where its GEMMs are native (gemm_is_emulated), which e.g. an AVX2-only EPYC
+    lacks: there the reorder raises, and plain F.linear is the fallback."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
     if dtype == torch.float32:
         return True
-    return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.bfloat16 and not gemm_is_emulated(dtype)
 
 
 def pack_weight(w_OI: torch.Tensor) -> torch.Tensor:

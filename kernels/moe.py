@@ -15,12 +15,13 @@ faster GEMM repays from about that many rows on: bench/kernels_cpu.py) and compu
 rounding once at the end. Smaller groups (decode at small batch) keep the bf16 GEMM, which reads
 half the bytes.
 """
-import functools
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from kernels.cpu_linear import gemm_is_emulated as _gemm_is_emulated  # tests monkeypatch this name
 
 UPCAST_MIN_ROWS = 16  # rows of one expert from which emulated bf16/fp16 weights are upcast (see above)
 
@@ -76,14 +77,6 @@ def permute(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int) -> 
     token_idx_N = torch.div(pair_idx_N, K, rounding_mode="floor")
     counts_E = torch.bincount(flat_ids_N, minlength=num_experts).tolist()
     return x_TD.index_select(0, token_idx_N), Permutation(token_idx_N, pair_idx_N, counts_E, T)
-
-
-@functools.cache
-def _gemm_is_emulated(dtype: torch.dtype) -> bool:
-    """Whether CPU GEMMs in `dtype` run without oneDNN's native path (bf16/fp16 on AVX2-only CPUs)."""
-    if dtype == torch.bfloat16:
-        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return dtype == torch.float16 and not torch.ops.mkldnn._is_mkldnn_fp16_supported()
 
 
 def _upcast_from(x_ND: torch.Tensor, w: object, linear: Callable, upcast_min_rows: int | None) -> int | None:

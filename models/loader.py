@@ -20,10 +20,12 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from safetensors import safe_open
 
+from kernels.cpu_linear import gemm_is_emulated
 from kernels.ops import select_ops
 from kernels.quant import FP8_DTYPES, dequantize_fp8_blocks, dequantize_mxfp4, fp8_block_scale_shape, mxfp4_shape
 
@@ -215,6 +217,24 @@ def _target_shape(t: Target, param_shape: torch.Size) -> tuple[int, ...]:
     if "T" in t.layout:
         shape = (*shape[:-2], shape[-1], shape[-2])
     return shape
+
+
+def auto_dtype(checkpoint: torch.dtype, devices: Iterable[str]) -> tuple[torch.dtype, str | None]:
+    """The serving dtype for `--dtype auto` and why it differs from the checkpoint's (None: it does not).
+
+    The checkpoint's dtype, except where every device that computes (`devices`: the attention and
+    expert pools') is a CPU whose GEMMs in that dtype are emulated (kernels.cpu_linear.gemm_is_emulated):
+    there a bf16/fp16 checkpoint is upcast once at load and served in float32 (weights, activations
+    and KV cache), since its GEMMs run about 100x faster and read only twice the bytes. A GPU, or a
+    CPU with native bf16 (AVX-512 BF16/AMX), keeps the checkpoint's dtype; so does a deployment that
+    mixes a GPU with a CPU (its hidden states cross between them in one dtype)."""
+    devices = list(devices)
+    if (checkpoint not in (torch.bfloat16, torch.float16) or not devices
+            or any(torch.device(d).type != "cpu" for d in devices) or not gemm_is_emulated(checkpoint)):
+        return checkpoint, None
+    name = str(checkpoint).removeprefix("torch.")
+    return torch.float32, (f"this CPU has no native {name} GEMMs (no AVX-512 BF16/FP16 or AMX), so --dtype auto "
+                           f"serves the {name} checkpoint in float32, upcast at load (--dtype {name} keeps {name})")
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: torch.dtype | None = None,

@@ -39,7 +39,7 @@ def _profile(args: argparse.Namespace) -> int:
         raise PlannerError(f"--torch-threads must be positive, got {args.torch_threads}")
     if args.device not in (None, "cpu"):
         raise PlannerError(f"--device {args.device}: this build profiles the CPU path only")
-    kw = dict(model=model, dtype=_dtype(args.dtype), threads=args.torch_threads, transports=args.transport)
+    kw = dict(model=model, dtype=_dtype(args.dtype, model), threads=args.torch_threads, transports=args.transport)
     opts = ProfileOptions.quick_options(**kw) if args.quick else ProfileOptions(**kw)
     torch.manual_seed(0)
     profile = run_profile(opts)
@@ -49,11 +49,13 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dtype(name: str):
-    from models.config import DTYPES
+def _dtype(name: str, model: str):
+    """--dtype as the profile measures it: "auto" resolves as shuttle serve's does on this CPU."""
+    from models.config import DTYPES, ModelConfig
+    from models.loader import auto_dtype
 
     if name == "auto":
-        return None
+        return auto_dtype(ModelConfig.from_pretrained(model).dtype, ("cpu",))[0]
     if name not in DTYPES:
         raise PlannerError(f"--dtype {name}: expected auto, {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -291,7 +293,8 @@ def _infeasible(why: dict, args: argparse.Namespace) -> str:
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure this host's worker, expert and M2N costs for the planner")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
-    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
+    p.add_argument("--dtype", default="auto", help="auto (as shuttle serve's: the checkpoint's, but float32 for bf16/fp16 on a CPU "
+                        "without native bf16/fp16 GEMMs), float32, bfloat16, float16")
     p.add_argument("--device", default=None, help="cpu (the only device profiled by this build)")
     p.add_argument("--torch-threads", type=_csv(int), default=(1, 2), help="thread counts to profile (default 1,2)")
     p.add_argument("--transport", type=_csv(str), default=("shm", "tcp"), help="M2N backends (default shm,tcp)")

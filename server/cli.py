@@ -81,7 +81,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
-    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
+    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's, but float32 for a bf16/fp16 checkpoint on a CPU without native "
+                        "bf16/fp16 GEMMs), float32, bfloat16, float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--kernels", default=None, choices=["torch", "triton"], help="override the device's kernels")
     p.add_argument("--max-num-seqs", type=int, default=128, help="sequences per step, per attention worker")

@@ -44,6 +44,21 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPES[name]
 
 
+def serving_dtype(model: str | Path, dtype: str | torch.dtype | None, devices: tuple[str, ...]) -> torch.dtype:
+    """The dtype the deployment computes and caches in: `dtype`, or for "auto"/None the checkpoint's
+    unless the CPUs in `devices` would emulate its GEMMs (models.loader.auto_dtype: then float32,
+    with one INFO line saying why)."""
+    chosen = resolve_dtype(dtype)
+    if chosen is not None:
+        return chosen
+    from models.loader import auto_dtype
+
+    chosen, why = auto_dtype(ModelConfig.from_pretrained(model).dtype, devices)
+    if why:
+        log.info("dtype: %s", why)
+    return chosen
+
+
 def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "auto", device: str | None = None,
                   kernels: str | None = None, *, max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
                   enable_chunked_prefill: bool = True, block_size: int = 16, num_kv_blocks: int | None = None,
@@ -73,7 +88,7 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
         if env not in (None, "0", "1"):
             raise ValueError(f"{ENFORCE_EAGER_ENV} must be 0 or 1, got {env!r}")
         enforce_eager = DEFAULT_ENFORCE_EAGER if env is None else env == "1"
-    return EngineConfig(str(model), resolve_dtype(dtype), device, kernels, seed,
+    return EngineConfig(str(model), serving_dtype(model, dtype, (device, expert_device or device)), device, kernels, seed,
                         SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
                         CacheConfig(block_size, num_kv_blocks, kv_cache_gib, enable_prefix_caching),
                         ParallelConfig(colocated, attention_workers, expert_workers, micro_batches, transport, placement,
@@ -87,7 +102,8 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
 
 class LLM:
     """model: a checkpoint directory (config.json, *.safetensors, tokenizer files); None for the
-    built-in model. dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16". device:
+    built-in model. dtype: "auto" (the checkpoint's; float32 for a bf16/fp16 checkpoint on a CPU
+    that emulates those GEMMs, see models.loader.auto_dtype), "float32", "bfloat16" or "float16". device:
     "cpu" or "cuda" (default: cuda when present). The keyword arguments size the scheduler and the
     KV cache and choose the deployment (see engine_config): by default everything runs in this
     process; colocated=False starts attention and expert worker pools (server/pools.py), or meets
