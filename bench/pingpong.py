@@ -6,9 +6,10 @@ disaggregated decode step lose time against the colocated engine?
 Model: the Mixtral-shaped bf16 checkpoint of ~425M parameters that bench/engine.py builds (hidden
 1024, 8 layers, 16 heads, 4 KV heads, 8 experts of 2048, top-2; `--small` swaps in a float32 model of
 hidden 512 with 4 experts of 640 for a smoke run). `--dtype` is the dtype both deployments serve it in
-(EngineConfig.dtype): float32 by default, which is what serving picks on a CPU whose bf16 GEMMs are
-emulated (this AVX2-only EPYC: ~100x slower per FLOP than float32); `--dtype bfloat16` serves the
-checkpoint's own dtype. Requests: batch B of 32-token prompts, --new-tokens
+(EngineConfig.dtype): `auto` by default, resolved as `shuttle serve --dtype auto` does
+(models.loader.auto_dtype: float32 on a CPU whose bf16 GEMMs are emulated, like this AVX2-only EPYC
+at ~100x slower per FLOP than float32; the checkpoint's bf16 where the CPU has native bf16);
+`--dtype bfloat16` or `float32` forces one. Requests: batch B of 32-token prompts, --new-tokens
 new tokens each (EOS ignored), submitted at once. On this machine's 2 cores: 1 attention worker and
 1 expert worker (1 torch thread each, shm transport) with m = 1, 2, 3 micro-batches, against the
 colocated engine (experts in the attention process) with 2 torch threads: the same total threads,
@@ -127,7 +128,7 @@ def run_pools(ckpt: Path, m: int, threads: int, args, trace_dir: Path, first_rec
 def engine_cfg(ckpt: Path, args, par: ParallelConfig) -> EngineConfig:
     B = max(args.batches)
     blocks = B * -(-(PROMPT_LEN + args.new_tokens) // 16) + 64
-    return EngineConfig(str(ckpt), dtype=getattr(torch, args.dtype), cache=CacheConfig(num_blocks=blocks),
+    return EngineConfig(str(ckpt), dtype=args.serving_dtype, cache=CacheConfig(num_blocks=blocks),
                         scheduler=SchedulerConfig(max_num_seqs=max(B, 4), max_num_batched_tokens=4096), parallel=par)
 
 
@@ -135,9 +136,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="8 new tokens per request (a few minutes); writes pingpong_quick.json")
     ap.add_argument("--small", action="store_true", help="a small float32 model instead of the 425M bf16 one")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="dtype to serve the checkpoint in (both deployments); float32: what serving uses on a CPU "
-                         "with emulated bf16 GEMMs")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="dtype to serve the checkpoint in (both deployments); auto: as shuttle serve resolves it "
+                         "(float32 on a CPU with emulated bf16 GEMMs)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 2, 3], help="micro-batch counts to run")
     ap.add_argument("--pool-threads", type=int, nargs="+", default=[1],
@@ -152,6 +153,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = build(Path(tmp) / "ckpt", args.small)
         from models.config import ModelConfig
+        from models.loader import auto_dtype
+        if args.dtype == "auto":  # as shuttle serve resolves it for this checkpoint on this CPU
+            args.serving_dtype, why = auto_dtype(ModelConfig.from_pretrained(str(ckpt)).dtype, ["cpu"])
+            print(f"--dtype auto: {why or 'the checkpoint dtype'} -> {args.serving_dtype}")
+        else:
+            args.serving_dtype = getattr(torch, args.dtype)
         first_recv = f"recv L{ModelConfig.from_pretrained(str(ckpt)).moe_layers.index(True)} mb0"
         torch.set_num_threads(2)
         colocated = LLMEngine(engine_cfg(ckpt, args, ParallelConfig()), {0})
@@ -166,7 +173,7 @@ def main() -> None:
                 d.mkdir()
                 runs[key], events[key] = run_pools(ckpt, m, threads, args, d, first_recv)
     rows = table(base, runs, args.batches)
-    model = "small float32" if args.small else f"Mixtral-shaped 425M bf16 checkpoint served in {args.dtype}"
+    model = "small float32" if args.small else f"Mixtral-shaped 425M bf16 checkpoint served in {args.serving_dtype}"
     print(f"decode on {model}, 32-token prompts, {args.new_tokens} new tokens; pools: 1 attention + 1 expert "
           f"worker, shm, torch threads each: {args.pool_threads} (rows 'tT': T threads); colocated: 2 threads")
     print_table(rows, ["batch", "run", "step ms", "vs colo", "target", "attn", "send", "wait", "engine", "control",
@@ -177,7 +184,7 @@ def main() -> None:
         Path(args.trace).write_text(json.dumps({"traceEvents": ev, "displayTimeUnit": "ms"}))
         print(f"trace of the m=2 run's last {args.trace_ms:.0f} ms at batch {max(args.batches)}: {args.trace}")
     name = "pingpong_quick" if args.quick else "pingpong"
-    print(f"wrote {save(name, {'config': vars(args), 'rows': rows, 'date': time.strftime('%Y-%m-%d')})}")
+    print(f"wrote {save(name, {'config': {**vars(args), 'serving_dtype': str(args.serving_dtype)}, 'rows': rows, 'date': time.strftime('%Y-%m-%d')})}")
 
 
 def table(base: dict, runs: dict, batches: list[int]) -> list[dict]:
