@@ -8,6 +8,9 @@ before issue 18 (baseline) beside the current code, interleaved in one run:
              float32 through oneDNN-packed weights as the engine runs it (fused_moe_packed), bf16
              through fused_moe (packed where this CPU can pack bf16); baseline without the float32
              upcast of emulated bf16 GEMMs (upcast_min_rows=None);
+  qkv_proj   float32 decode q/k/v projections of 8 layers' weights in turn: baseline three packed
+             GEMMs, current one GEMM of the stacked weights (models.cpu_inference.fuse_qkv), with
+             GB/s and the memory floor (weight bytes over a measured read bandwidth);
   prefill    one chunk of `--chunk` tokens: attention (cached_attention vs cached_attention_reference)
              for a prompt from its start and a chunk after a cached prefix, and the MoE block at
              chunk tokens; tokens/s of the two together against their compute floor.
@@ -41,6 +44,7 @@ from kernels.moe import fused_moe, grouped_swiglu, permute, unpermute  # noqa: E
 from kernels.routing import topk_route  # noqa: E402
 
 D, N, K, H, I, E, TOP_K, PAGE = 1024, 16, 4, 64, 2048, 8, 2, 16
+LAYERS = 8
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int, clock: Callable[[], float] = time.perf_counter
@@ -147,6 +151,44 @@ def moe_rows(dtype: torch.dtype, batches: list[int], repeats: int, rate: float) 
     return rows
 
 
+def qkv_rows(batches: list[int], repeats: int, read_bw: float) -> list[dict]:
+    """float32 q/k/v projections of LAYERS layers (each call moves to the next layer's weights, so
+    they stream from memory as in a decode step): baseline three packed GEMMs (N*H, K*H, K*H rows),
+    current one packed GEMM of the stacked weights (models.cpu_inference.fuse_qkv) split three ways."""
+    g = torch.Generator().manual_seed(1)
+    sizes = (N * H, K * H, K * H)
+    ws = [[torch.randn(n, D, generator=g) / D ** 0.5 for n in sizes] for _ in range(LAYERS)]
+    three = [[pack_weight(w) for w in layer] for layer in ws]
+    fused = [pack_weight(torch.cat(layer)) for layer in ws]
+    rows = []
+    for B in batches:
+        x = torch.randn(B, D, generator=g)
+        turn = {"base": 0, "new": 0}
+
+        def base() -> list[torch.Tensor]:
+            turn["base"] = (turn["base"] + 1) % LAYERS
+            return [packed_linear(x, w) for w in three[turn["base"]]]
+
+        def new() -> tuple[torch.Tensor, ...]:
+            turn["new"] = (turn["new"] + 1) % LAYERS
+            return packed_linear(x, fused[turn["new"]]).split(sizes, dim=-1)
+
+        for a, b in zip(base(), new()):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        t = at_threads({"base": base, "new": new}, repeats * LAYERS)
+        nbytes = sum(sizes) * D * 4
+        rows.append({"op": "qkv_proj", "dtype": "float32", "batch": B, **_times(t), "new_GBps": nbytes / t["new@2"] / 1e9,
+                     "base_GBps": nbytes / t["base@2"] / 1e9, "mem_floor_ms": 1e3 * nbytes / read_bw})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of a sum over 512 MiB of float32 at 2 threads (best of 3)."""
+    src = torch.ones(1 << 27)
+    return src.numel() * 4 / min(interleaved({"sum": lambda: src.sum()}, 3).values())
+
+
 def prefill_rows(dtype: torch.dtype, chunk: int, prefix: int, repeats: int, rate: float) -> list[dict]:
     """A chunk of `chunk` tokens of one sequence after `prefix` cached ones: attention and MoE."""
     g = torch.Generator().manual_seed(chunk + prefix)
@@ -184,6 +226,10 @@ def main() -> None:
     contexts = args.contexts or ([32, 512] if args.quick else [32, 128, 512, 2048])
     repeats = args.repeats or (2 if args.quick else 5)
     rows, rates = [], {}
+    if "float32" in args.dtypes:
+        read_bw = read_bandwidth()
+        print(f"read bandwidth {read_bw / 1e9:.1f} GB/s at 2 threads", flush=True)
+        rows += qkv_rows(sorted({1, *args.batches}), repeats, read_bw)
     for name in args.dtypes:
         dtype = getattr(torch, name)
         rates[name] = rate = matmul_rate(dtype, 1024 if args.quick else 2048)
@@ -196,7 +242,7 @@ def main() -> None:
     print(f"\nper-layer CPU kernels, baseline (before issue 18) vs current; matmul GFLOP/s "
           + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in rates.items()))
     print_table(rows, ["op", "dtype", "batch", "context", "base_ms", "new_ms", "speedup", "base_x2/x1", "new_x2/x1",
-                       "base_cpu1_ms", "new_cpu1_ms", "speedup_cpu1", "new_GBps", "compute_floor_ms", "new_tok_s",
+                       "base_cpu1_ms", "new_cpu1_ms", "speedup_cpu1", "new_GBps", "compute_floor_ms", "mem_floor_ms", "new_tok_s",
                        "compute_floor_tok_s", "new_vs_floor"])
     name = "kernels_cpu_quick" if args.quick else "kernels_cpu"
     payload = {"benchmark": "kernels_cpu", "matmul_GFLOPs": {k: v / 1e9 for k, v in rates.items()}, "rows": rows,
