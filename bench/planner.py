@@ -1,6 +1,7 @@
 """The planner's predictions against measured runs on this host, side by side.
 
-    python bench/planner.py [--quick] [--dtype bfloat16] [--only NAME,...]
+    python bench/planner.py [--quick] [--dtype bfloat16] [--serve-dtype auto] [--repeats N]
+                            [--shapes mixtral,fine] [--only NAME,...]
 
 For each model shape (built locally with random weights: "mixtral" about 400M parameters, 8
 experts of 2048, top-2; "fine" the same size in 32 experts of 512, top-4; --quick: about 25M):
@@ -13,11 +14,18 @@ experts of 2048, top-2; "fine" the same size in 32 experts of 512, top-4; --quic
 The table gives output throughput and mean TPOT, predicted and measured, and their errors; the
 summary: median absolute throughput error and how many are within 10% (throughput) and 15% (TPOT)
 over the deployments that do not oversubscribe the cores. Writes bench/results/planner.json.
-The machine is shared: re-run on a quiet one before trusting a number (the profile's residuals,
-printed first, say how noisy the measurements were).
+Each measurement follows a warm-up run of one batch on the same server; with --repeats N it is the
+median of N runs, and every row keeps their spread, the host's load average, and the CPU seconds
+per output token of the front, each pool and the load generator (from /proc), beside the shares
+the model assumes. The machine is shared: re-run on a quiet one before trusting a number (the
+profile's residuals, printed first, and the rows' spreads and load averages say how noisy it was).
 """
 import argparse
+import contextlib
+import io
 import json
+import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -74,11 +82,50 @@ def parse(flags: list[str], batch: int, cores: int):
 
 
 def measure(ckpt: Path, flags: list[str], batch: int, args) -> dict:
+    """bench serve's metrics of the median of `--repeats` runs (by throughput) on one server, after a
+    warm-up run of one batch; adds each run's throughput, their spread (max / min - 1), the host's
+    load average, and the CPU seconds per output token of the front, each worker pool and this
+    process (the load generator), from /proc."""
+    from planner.front import tree_cpu
+
     n = max(args.min_prompts, 2 * batch) if batch < 256 else batch
-    with LiveServer(["--model", str(ckpt), "--max-num-seqs", str(batch), *flags]) as srv:
-        return run_bench(["--base-url", srv.url, "--num-prompts", str(n), "--input-len", str(args.input_len),
-                          "--output-len", str(args.output_len), "--max-concurrency", str(batch), "--ignore-eos",
-                          "--disable-tqdm", "--seed", "0"])
+    dtype = [] if args.serve_dtype == "auto" else ["--dtype", args.serve_dtype]
+    base = ["--input-len", str(args.input_len), "--max-concurrency", str(batch), "--ignore-eos", "--disable-tqdm",
+            "--seed", "0"]
+    runs = []
+    with LiveServer(["--model", str(ckpt), "--max-num-seqs", str(batch), *dtype, *flags]) as srv:
+        url = ["--base-url", srv.url]
+        with contextlib.redirect_stdout(io.StringIO()):  # first calls, allocations, oneDNN's caches
+            run_bench([*url, *base, "--num-prompts", str(batch), "--output-len", str(min(4, args.output_len))])
+        for _ in range(args.repeats):
+            cpu0, client0 = tree_cpu(srv.proc.pid), _client_cpu()
+            m = run_bench([*url, *base, "--num-prompts", str(n), "--output-len", str(args.output_len)])
+            cpu1, client1 = tree_cpu(srv.proc.pid), _client_cpu()
+            m["cpu_s_per_token"] = _cpu_by_role(srv.proc.pid, cpu0, cpu1, client1 - client0, m["total_output_tokens"])
+            m["load_average"] = os.getloadavg()[0]
+            runs.append(m)
+    tput = [r["output_throughput"] for r in runs]
+    out = sorted(runs, key=lambda r: r["output_throughput"])[(len(runs) - 1) // 2]
+    out["repeat_tok_s"], out["repeat_spread"] = tput, max(tput) / min(tput) - 1
+    return out
+
+
+def _client_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _cpu_by_role(front: int, cpu0: dict, cpu1: dict, client_s: float, tokens: int) -> dict:
+    """CPU seconds per output token of the front process, the attention and expert workers and the client."""
+    roles = {"front": 0.0, "attention": 0.0, "expert": 0.0, "client": client_s}
+    for pid, (title, cpu) in cpu1.items():
+        if pid not in cpu0:
+            continue
+        pools = [r for r in ("attention", "expert") if title.startswith(f"shuttle-{r}")]
+        role = "front" if pid == front else (pools[0] if pools else None)
+        if role:
+            roles[role] += cpu - cpu0[pid][1]
+    return {k: v / max(tokens, 1) for k, v in roles.items()}
 
 
 def predict(profile: dict, dep, measured: dict, args) -> dict:
@@ -95,13 +142,15 @@ def run_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> tu
     ckpt = checkpoint(tmp / name, shape, args.dtype)
     prof_path = tmp / f"{name}.profile.json"
     cmd = [sys.executable, "-m", "server.cli", "profile", "--model", str(ckpt), "--out", str(prof_path),
-           "--torch-threads", "1,2", "--transport", "shm,tcp", *(["--quick"] if args.quick else [])]
+           "--torch-threads", "1,2", "--transport", "shm,tcp", "--dtype", args.serve_dtype,
+           *(["--quick"] if args.quick else [])]
     subprocess.run(cmd, check=True)
     profile = json.loads(prof_path.read_text())
     cores = profile["host"]["cores"]
     plan, plan_path = plan_pick(ckpt, prof_path, args)
-    deployments = {**deployments, "the plan's pick (serve --plan)": (["--plan", str(plan_path)],
-                                                                    plan["deployment"]["max_num_seqs"])}
+    if not args.only or "plan" in args.only:
+        deployments = {**deployments, "the plan's pick (serve --plan)": (["--plan", str(plan_path)],
+                                                                        plan["deployment"]["max_num_seqs"])}
     rows = []
     for dname, (flags, batch) in deployments.items():
         dep = plan_deployment(plan, cores) if "--plan" in flags else parse(flags, batch, cores)
@@ -115,9 +164,13 @@ def run_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> tu
                      "pred_tpot_ms": p["mean_tpot_ms"], "meas_tpot_ms": m["mean_tpot_ms"],
                      "tpot_err": p["mean_tpot_ms"] / m["mean_tpot_ms"] - 1,
                      "pred_ttft_ms": p["mean_ttft_ms"], "meas_ttft_ms": m["mean_ttft_ms"],
+                     "meas_repeat_tok_s": m["repeat_tok_s"], "meas_spread": m["repeat_spread"],
+                     "load_average": m["load_average"], "meas_cpu_us_per_token": {
+                         k: round(v * 1e6) for k, v in m["cpu_s_per_token"].items()},
                      "pred_attn_busy": p["attention_busy"], "pred_expert_busy": p["expert_busy"]})
         print(json.dumps(rows[-1]), flush=True)
-    return rows, {"profile": {k: profile[k] for k in ("host", "fits", "transfer", "seconds")}, "plan": plan}
+    kept = ("host", "fits", "transfer", "front", "seconds", "load_average")
+    return rows, {"profile": {k: profile.get(k) for k in kept}, "plan": plan}
 
 
 def plan_pick(ckpt: Path, prof_path: Path, args) -> dict:
@@ -140,11 +193,16 @@ def plan_deployment(plan: dict, cores: int):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small models, short outputs: about 10 minutes")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the checkpoints' dtype")
+    p.add_argument("--serve-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="shuttle serve's and shuttle profile's --dtype (auto: what serve makes of the checkpoint)")
+    p.add_argument("--repeats", type=int, default=1, help="measured runs per deployment on one server (the median "
+                                                            "is the truth; the spread is reported)")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--min-prompts", type=int, default=32)
     p.add_argument("--only", default=None, help="comma-separated deployment names (of the first shape)")
+    p.add_argument("--shapes", default=None, help="comma-separated model shapes to run (default: both)")
     args = p.parse_args()
     if args.quick:
         args.output_len, args.min_prompts = 16, 16
@@ -153,14 +211,17 @@ def main() -> None:
     rows, extra = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, shape) in enumerate(shapes.items()):
+            if args.shapes and name not in args.shapes.split(","):
+                continue
             deps = first if i == 0 else {k: DEPLOYMENTS[k] for k in SECOND_SHAPE}
             r, extra[name] = run_shape(name, shape, deps, Path(tmp), args)
             rows += r
     summary = summarize(rows, extra)
-    print_table(rows, ["model", "deployment", "pred_tok_s", "meas_tok_s", "tok_s_err", "pred_tpot_ms", "meas_tpot_ms",
-                       "tpot_err", "pred_attn_busy", "pred_expert_busy"])
+    print_table(rows, ["model", "deployment", "pred_tok_s", "meas_tok_s", "tok_s_err", "meas_spread", "pred_tpot_ms",
+                       "meas_tpot_ms", "tpot_err", "pred_attn_busy", "pred_expert_busy", "load_average"])
     print(json.dumps(summary, indent=1))
-    path = save("planner", {"config": vars(args), "rows": rows, "summary": summary, "shapes": extra})
+    result = {"config": vars(args), "rows": rows, "summary": summary, "shapes": extra}
+    path = save("planner_partial" if args.only or args.shapes else "planner", result)
     print(f"wrote {path}")
 
 
@@ -170,11 +231,15 @@ def summarize(rows: list[dict], extra: dict) -> dict:
            "median_abs_tok_s_err": statistics.median(abs(r["tok_s_err"]) for r in fair) if fair else None,
            "within_10pct_tok_s": sum(abs(r["tok_s_err"]) <= 0.10 for r in fair),
            "within_15pct_tpot": sum(abs(r["tpot_err"]) <= 0.15 for r in fair),
-           "oversubscribed_tok_s_err": {r["deployment"]: r["tok_s_err"] for r in rows if r["oversubscribed"]}}
+           "oversubscribed_tok_s_err": {r["deployment"]: r["tok_s_err"] for r in rows if r["oversubscribed"]},
+           "max_repeat_spread": max(r["meas_spread"] for r in rows),
+           "load_average": [min(r["load_average"] for r in rows), max(r["load_average"] for r in rows)]}
     for name, e in extra.items():
         mine = [r for r in rows if r["model"] == name]
         best = max(mine, key=lambda r: r["meas_tok_s"])
-        pick = next(r for r in mine if r["deployment"].startswith("the plan's pick"))
+        pick = next((r for r in mine if r["deployment"].startswith("the plan's pick")), None)
+        if pick is None:  # --only without the plan
+            continue
         out[f"plan_{name}"] = {"picked": e["plan"]["deployment"], "picked_measured_tok_s": pick["meas_tok_s"],
                                "best_measured": best["deployment"], "best_measured_tok_s": best["meas_tok_s"],
                                "picked_vs_best": pick["meas_tok_s"] / best["meas_tok_s"]}

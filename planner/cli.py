@@ -39,7 +39,8 @@ def _profile(args: argparse.Namespace) -> int:
         raise PlannerError(f"--torch-threads must be positive, got {args.torch_threads}")
     if args.device not in (None, "cpu"):
         raise PlannerError(f"--device {args.device}: this build profiles the CPU path only")
-    kw = dict(model=model, dtype=_dtype(args.dtype, model), threads=args.torch_threads, transports=args.transport)
+    kw = dict(model=model, dtype=_dtype(args.dtype, model), threads=args.torch_threads, transports=args.transport,
+              front=args.front)
     opts = ProfileOptions.quick_options(**kw) if args.quick else ProfileOptions(**kw)
     torch.manual_seed(0)
     profile = run_profile(opts)
@@ -67,6 +68,10 @@ def format_profile(p: dict) -> str:
     lines = [f"model {p['model']['name']} ({p['model']['dtype']}, config {p['model']['config_hash']}) on {h['cpu']}, "
              f"{h['cores']} cores, {h['memory_gib']} GiB, {h['device']}, ISA {'+'.join(h['isa']) or '?'}, "
              f"bf16 packed: {h['bf16_packed']}"]
+    load = max(p.get("load_average") or [0.0])
+    if load > h["cores"] + 1:  # the profile itself keeps about one core busy
+        lines.append(f"WARNING: the host was busy while profiling (load average up to {load:.1f} on {h['cores']} "
+                     "cores): the times are slower and noisier than a quiet host's; profile again when it is quiet")
     for threads, fits in p["fits"].items():
         for name, f in fits.items():
             terms = ", ".join(f"{c * 1e6:.4g} us*{t}" if t != "const" else f"{c * 1e6:.4g} us"
@@ -76,6 +81,15 @@ def format_profile(p: dict) -> str:
     for backend, f in p["transfer"].items():
         lines.append(f"  M2N {backend:<4} one transfer = {f['coef'][1] * 1e6:.1f} us + {f['coef'][0] * 1e9:.3f} ns/byte"
                      f"   residual median {f['median_abs_residual']:.0%} max {f['max_abs_residual']:.0%}")
+        if "wake_s" in f and "send" in f:
+            lines.append(f"           sender's own CPU {f['send']['coef'][1] * 1e6:.1f} us + {f['send']['coef'][0] * 1e9:.3f}"
+                         f" ns/byte; a wait polls {f['spin_s'] * 1e6:.0f} us, then blocks: wake-up "
+                         f"{f['wake_s'] * 1e6:.0f} us")
+    if p.get("front"):
+        fr = p["front"]
+        lines.append(f"  front {fr['front_s_per_token'] * 1e6:.0f} us + load generator "
+                     f"{fr['client_s_per_token'] * 1e6:.0f} us of CPU per output token (served 1 + 1 run, "
+                     f"{fr['tokens']} tokens)")
     return "\n".join(lines)
 
 
@@ -299,6 +313,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--torch-threads", type=_csv(int), default=(1, 2), help="thread counts to profile (default 1,2)")
     p.add_argument("--transport", type=_csv(str), default=("shm", "tcp"), help="M2N backends (default shm,tcp)")
     p.add_argument("--quick", action="store_true", help="a smaller grid and fewer repeats (about a third)")
+    p.add_argument("--front", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the front's and the load generator's CPU per output token on a served 1 + 1 "
+                        "run (about 30 s; --no-front: taken as zero)")
     p.add_argument("--out", required=True, help="the profile JSON to write")
     p.set_defaults(func=_run(_profile, "profile"))
     s = sub.add_parser("simulate", help="simulate a deployment serving a workload, from a profile")

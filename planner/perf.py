@@ -6,7 +6,11 @@ worker (kv_reads: context tokens read, summed over the micro-batch's query token
 active)` on an expert worker (pairs: gathered (token, expert) pairs; active: its experts receiving
 at least one). Per micro-batch and step: `head(rows, tokens)` (embedding, final norm, LM head on
 the sampled rows). Per step: `step(seqs)` (scheduling, sampling, control messages). Per message:
-`transfer(nbytes, backend)`. Arguments may be numpy arrays (vectorised over workers).
+`transfer(nbytes, backend)`, `send(nbytes, backend)` (the sender's own CPU per message) and
+`wake(backend)` (what a message adds when its receiver's wait has blocked, how long a wait polls
+before it blocks). Per step, on a shared host: `front(tokens)`, the CPU seconds that the front
+process and the load generator spend on the step's output tokens (they share the cores).
+Arguments may be numpy arrays (vectorised over workers).
 """
 from dataclasses import dataclass
 
@@ -27,6 +31,12 @@ class ProfilePerf:
         self.profile = profile
         self.fits = {int(t): {k: Fit.from_dict(f) for k, f in fits.items()} for t, fits in profile["fits"].items()}
         self.transfers = {b: Fit.from_dict(f) for b, f in profile["transfer"].items()}
+        # (wake-up seconds, spin seconds) per backend; profiles without them: no wake-up cost
+        self.wakes = {b: (float(f.get("wake_s", 0.0)), float(f.get("spin_s", 0.0)))
+                      for b, f in profile["transfer"].items()}
+        self.sends = {b: Fit.from_dict(f["send"]) for b, f in profile["transfer"].items() if "send" in f}
+        fr = profile.get("front") or {}  # profiles without it (older, or --no-front): no front work
+        self.front_s_per_token = fr.get("front_s_per_token", 0.0) + fr.get("client_s_per_token", 0.0)
 
     def _fit(self, name: str, threads: int) -> tuple[Fit, float]:
         t = min(self.fits, key=lambda k: (abs(k - threads), -k))
@@ -47,6 +57,18 @@ class ProfilePerf:
     def experts(self, pairs, active, threads: int = 1):
         f, s = self._fit("experts", threads)
         return np.where(np.asarray(pairs) > 0, f(pairs=pairs, active=active) * s, 0.0)
+
+    def front(self, tokens):
+        return self.front_s_per_token * np.asarray(tokens, dtype=float)
+
+    def send(self, nbytes, backend: str = "shm"):
+        """The sender's own CPU per message (packing, copying into the slot); 0 if not profiled."""
+        f = self.sends.get(backend)
+        return np.where(np.asarray(nbytes) > 0, f(bytes=nbytes), 0.0) if f else 0.0 * np.asarray(nbytes, dtype=float)
+
+    def wake(self, backend: str = "shm") -> tuple[float, float]:
+        """(seconds a message adds when its receiver's wait has blocked, seconds a wait polls first)."""
+        return self.wakes.get(backend, (0.0, 0.0))
 
     def transfer(self, nbytes, backend: str = "shm"):
         if backend not in self.transfers:
@@ -96,6 +118,18 @@ class RooflinePerf:
         pairs, active = np.asarray(pairs, dtype=float), np.asarray(active, dtype=float)
         t = self._roof(self.expert_hw, pairs * s.expert_flops_per_pair(), active * s.expert_params() * s.dtype_bytes)
         return np.where(pairs > 0, t + self.eff.layer_overhead_us * 1e-6, 0.0)
+
+    def front(self, tokens):
+        """The front runs on its own host here: it takes no core from the workers."""
+        return 0.0 * np.asarray(tokens, dtype=float)
+
+    def send(self, nbytes, backend: str = "rdma"):
+        """One-sided writes by the NIC: no sender CPU modelled."""
+        return 0.0 * np.asarray(nbytes, dtype=float)
+
+    def wake(self, backend: str = "rdma") -> tuple[float, float]:
+        """Waits on accelerators poll (no wake-up cost)."""
+        return 0.0, float("inf")
 
     def transfer(self, nbytes, backend: str = "rdma"):
         nic = min(self.attention_hw.nic_gbps, self.expert_hw.nic_gbps) * 1e9 / 8 * self.eff.network

@@ -2,7 +2,11 @@
 
     profile = run_profile(ProfileOptions(model="models/builtin", threads=(1, 2), transports=("shm", "tcp")))
 
-What is timed, with the real code (each point the median of `repeats` runs after a warm-up):
+What is timed, with the real code (each point the fastest of `repeats` runs after a warm-up: the
+undisturbed cost; what disturbs a served run, the front and load generator sharing the cores, is
+measured on its own and added by the simulator, and on a shared or oversubscribed host a two-thread
+OpenMP op whose second thread is descheduled measured up to 100x its undisturbed time, which a
+median of three does not reject):
 - attention side, per layer and micro-batch: ModelRunner.execute of a scheduled batch on a model
   built without experts, its dispatcher replaced by one that returns zeros and stamps the time of
   every dispatch (so the gaps between stamps are one layer's attention, norms, router and dense MLP).
@@ -16,9 +20,12 @@ What is timed, with the real code (each point the median of `repeats` runs after
   tokens routed uniformly at random over a chosen number of experts.
   Fit: T_e = k3 pairs + k4 + k5 active_experts (pairs: (token, expert) pairs).
 - M2N, per backend: planner.profile_m2n (a real M2NSender / M2NReceiver pair in two processes).
+- the front and the load generator, CPU seconds per output token: planner.front (a real 1 + 1
+  `shuttle serve` driven by `shuttle bench serve`'s client; skipped with front=False).
 Each thread count is measured in this process with torch.set_num_threads.
 """
 import logging
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -61,6 +68,7 @@ class ProfileOptions:
     prefill: tuple[int, ...] = (32, 128, 512)
     expert_tokens: tuple[int, ...] = (1, 8, 64, 256, 1024)
     max_kv_reads: int = 32768
+    front: bool = True
 
     @classmethod
     def quick_options(cls, **kw) -> "ProfileOptions":
@@ -69,15 +77,15 @@ class ProfileOptions:
                    expert_tokens=(1, 16, 64, 256), max_kv_reads=16384, **kw)
 
 
-def median_time(fn, repeats: int) -> float:
-    """Median wall time of `repeats` calls after one warm-up call, in seconds."""
+def best_time(fn, repeats: int) -> float:
+    """Fastest wall time of `repeats` calls after one warm-up call, in seconds."""
     fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 class _StampingDispatcher:
@@ -146,10 +154,10 @@ def measure_attention(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
                 gaps = [b - a for a, b in zip(s[1:-2], s[2:-1])]  # layers 1..L-1 (layer 0 adds embedding)
                 layer_times.append(statistics.median(gaps) if gaps else (s[-2] - s[0]))
 
-            median_time(run, opts.repeats)
+            best_time(run, opts.repeats)
             head = _head_time(runner, q_lens, opts.repeats)
             samples.append({"threads": threads, "tokens": sum(q_lens), "seqs": len(q_lens), "rows": len(q_lens),
-                            "kv_reads": _kv_reads(q_lens, ctx_lens), "layer_s": statistics.median(layer_times[1:]),
+                            "kv_reads": _kv_reads(q_lens, ctx_lens), "layer_s": min(layer_times[1:]),
                             "head_s": head})
     return samples
 
@@ -165,7 +173,7 @@ def _head_time(runner: ModelRunner, q_lens: list[int], repeats: int) -> float:
         x = model.model.embed_tokens(ids)
         model.logits(model.model.norm(x[rows]))
 
-    return median_time(head, repeats)
+    return best_time(head, repeats)
 
 
 def measure_step(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
@@ -197,7 +205,7 @@ def measure_step(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
                 out = sampler(logits, rows)
                 encode(Deltas([encode_delta(_delta(i, t)) for i, t in enumerate(out.token_ids)]))
 
-            samples.append({"threads": threads, "seqs": b, "step_s": median_time(step, opts.repeats * 4)})
+            samples.append({"threads": threads, "seqs": b, "step_s": best_time(step, opts.repeats * 4)})
     return samples
 
 
@@ -224,7 +232,7 @@ def measure_experts(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
                 x = torch.randn(R, cfg.hidden_size, generator=g).to(dtype)
                 w = torch.full((R, K), 1.0 / K)
                 batch = ExpertBatch(0, layer, 0, x, ids_RK, w, [R])
-                t = median_time(lambda: run_local_experts(experts, batch), opts.repeats)
+                t = best_time(lambda: run_local_experts(experts, batch), opts.repeats)
                 samples.append({"threads": threads, "tokens": R, "pairs": R * K,
                                 "active": int(ids_RK.unique().numel()), "expert_s": t})
     return samples
@@ -248,7 +256,7 @@ def run_profile(opts: ProfileOptions) -> dict:
 
     cfg = ModelConfig.from_pretrained(opts.model)
     shape = shape_from(opts.model)
-    t0 = time.monotonic()
+    t0, load0 = time.monotonic(), os.getloadavg()[0]
     old_threads = torch.get_num_threads()
     try:
         samples = {"attention": measure_attention(opts, cfg), "step": measure_step(opts, cfg),
@@ -257,15 +265,25 @@ def run_profile(opts: ProfileOptions) -> dict:
         torch.set_num_threads(old_threads)
     fits = {str(t): {k: f.to_dict() for k, f in fit_samples(samples, t).items()} for t in opts.threads}
     dtype = opts.dtype or cfg.dtype
+    front = None
+    if opts.front:
+        from planner.front import measure_front
+
+        front = measure_front(opts.model, str(dtype).replace("torch.", "") if opts.dtype else None)
     transfer = {}
     for backend in opts.transports:
-        tsamples = measure_transfer(opts.model, backend, dtype, quick=opts.quick)
+        tsamples, wake = measure_transfer(opts.model, backend, dtype, quick=opts.quick)
         samples[f"transfer_{backend}"] = tsamples
-        transfer[backend] = fit_linear(tsamples, [s["oneway_s"] for s in tsamples], ("bytes", "const")).to_dict()
+        transfer[backend] = {**fit_linear(tsamples, [s["oneway_s"] for s in tsamples], ("bytes", "const")).to_dict(),
+                             **wake, "send": fit_linear(tsamples, [s["send_s"] for s in tsamples],
+                                                        ("bytes", "const")).to_dict()}
     return {"version": PROFILE_VERSION, "kind": "measured", "model": {
                 "path": str(opts.model), "name": shape.name, "config_hash": shape.config_hash,
                 "dtype": str(dtype).replace("torch.", ""), "num_layers": cfg.num_layers,
                 "num_moe_layers": sum(cfg.moe_layers), "num_experts": cfg.num_experts, "top_k": cfg.top_k,
                 "hidden_size": cfg.hidden_size},
-            "host": describe_host(), "threads": list(opts.threads), "fits": fits, "transfer": transfer,
-            "samples": samples, "seconds": round(time.monotonic() - t0, 1)}
+            "host": describe_host(), "threads": list(opts.threads), "fits": fits, "transfer": transfer, "front": front,
+            "samples": samples, "seconds": round(time.monotonic() - t0, 1),
+            # the 1-minute load average before and after (this process's own work included): a host
+            # busy with other jobs makes every time above slower and noisier (format_profile warns)
+            "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)]}

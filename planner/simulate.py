@@ -14,10 +14,15 @@ What is real and what is modelled:
   previous MoE output is back; its tokens reach each expert worker one transfer later; an expert
   worker runs slot (layer, i) when the chunks of *all* attention workers have arrived (gathering,
   hence lock-step) and its previous slot is done; the answers come back one transfer later. Then
-  each micro-batch's LM head, and the step's scheduling, sampling and control work.
+  each micro-batch's LM head, and the step's scheduling, sampling and control work. A worker that
+  waited longer than the transport polls (spin_s) has blocked and starts a wake-up (wake_s, both
+  measured by the profile) later. Sending keeps the sender busy for its own CPU per message
+  (`send`: packing and copying into the slot, measured), after which it computes on.
   Colocated: attention and experts in sequence in one process, no transfer.
-- Cores: with `cores` set (one host), a step lasts at least the CPU work of all its processes
-  divided by the cores (processes x threads beyond the cores share them).
+- Cores: with `cores` set (one host), the front and the load generator's CPU per output token
+  (measured by the profile) delay the workers in proportion to how busy the workers keep the
+  cores, and a step lasts at least the CPU work of all its processes divided by the cores
+  (processes x threads beyond the cores share them): `_share_cores`.
 """
 import heapq
 from collections import deque
@@ -160,13 +165,26 @@ class Simulator:
             self.busy["attention"] += float(work.sum())
             if trace:
                 self.events.append(("step", "attention", "a0", t0, t0 + float(work[0])))
-            return t0 + float(work.max())
+            return t0 + self._share_cores(float(work.max()), float(work.sum()) * th, float(rows.sum()))
         end, busy_a, busy_e = self._pipeline(t0, tok, A, H, S, trace)
         self.busy["attention"] += busy_a
         self.busy["experts"] += busy_e
-        if dep.cores:  # the CPU cannot do more than `cores` threads' worth of work
-            end = max(end, t0 + (busy_a + busy_e) * th / dep.cores)
-        return end
+        return t0 + self._share_cores(end - t0, (busy_a + busy_e) * th, float(rows.sum()))
+
+    def _share_cores(self, wall: float, cpu: float, tokens: float) -> float:
+        """A step's duration on a host of `dep.cores` cores shared by its workers (`cpu`: their busy
+        thread-seconds, `wall`: the step without sharing) and the front and load generator (their
+        CPU for the step's output tokens, from the profile). The front's work lands on a core a
+        worker is using with the probability that the workers keep the cores busy (cpu / (cores x
+        wall)), and then delays that worker by as much (one-thread workers, or OpenMP's static
+        split over every core); and no step beats all the CPU work over the cores.
+        Without cores (each process on its own device) the front costs the workers nothing."""
+        cores = self.dep.cores
+        if not cores or wall <= 0:
+            return wall
+        front = float(self.perf.front(tokens))
+        busy = min(1.0, cpu / (cores * wall))
+        return max(wall + front * busy, (cpu + front) / cores)
 
     def _pipeline(self, t0: float, tok: np.ndarray, A: np.ndarray, H: np.ndarray, S: np.ndarray,
                   trace: bool) -> tuple[float, float, float]:
@@ -181,28 +199,41 @@ class Simulator:
         row = mod.hidden_size * mod.dtype_bytes
         c_out = self.perf.transfer(sent_WEm * (row + 8 * mod.top_k), dep.transport)
         c_back = self.perf.transfer(sent_WEm * row, dep.transport)
+        # The senders' own CPU (packing, copying into the slots): arrivals already include it (c_*
+        # is half a measured round), but it keeps the sending worker busy.
+        send_a = self.perf.send(sent_WEm * (row + 8 * mod.top_k), dep.transport).sum(1)  # (W, m)
+        send_e = self.perf.send(sent_WEm * row, dep.transport).sum(0)  # (E, m)
+        wake, spin = self.perf.wake(dep.transport)
+
+        def woken(free: np.ndarray, arrive: np.ndarray) -> np.ndarray:
+            """When a worker free at `free` starts on a message arriving at `arrive`: a wait longer
+            than the transport's polling has blocked and pays a wake-up."""
+            return np.maximum(free, arrive) + np.where(arrive - free > spin, wake, 0.0)
+
         free_a = t0 + S
         free_e = np.full(dep.expert_workers, t0)
         ready = np.repeat(free_a[:, None], m, axis=1)
         first_moe = mod.num_layers - mod.num_moe_layers
         for layer in range(mod.num_layers):
             for i in range(m):
-                start = np.maximum(free_a, ready[:, i])
+                start = woken(free_a, ready[:, i])
                 free_a = start + A[:, i]
                 if trace:
                     self._trace_spans("attention", f"attn L{layer} mb{i}", "a", start, free_a)
                 if layer < first_moe:
                     ready[:, i] = free_a
                     continue
-                start_e = np.maximum(free_e, (free_a[:, None] + c_out[:, :, i]).max(0))
+                start_e = woken(free_e, (free_a[:, None] + c_out[:, :, i]).max(0))
+                free_a = free_a + send_a[:, i]
                 free_e = start_e + X[:, i]
                 if trace:
                     self._trace_spans("expert", f"experts L{layer} mb{i}", "e", start_e, free_e)
                 ready[:, i] = (free_e[None, :] + c_back[:, :, i]).max(1)
+                free_e = free_e + send_e[:, i]
         for i in range(m):
-            free_a = np.maximum(free_a, ready[:, i]) + H[:, i]
-        busy_a = float((mod.num_layers * A.sum(1) + H.sum(1) + S).sum())
-        return float(free_a.max()), busy_a, float(mod.num_moe_layers * X.sum())
+            free_a = woken(free_a, ready[:, i]) + H[:, i]
+        busy_a = float((mod.num_layers * A.sum(1) + H.sum(1) + S).sum() + mod.num_moe_layers * send_a.sum())
+        return float(free_a.max()), busy_a, float(mod.num_moe_layers * (X.sum() + send_e.sum()))
 
     def _trace_spans(self, cat: str, name: str, prefix: str, start: np.ndarray, end: np.ndarray) -> None:
         for k, (s, e) in enumerate(zip(start, end)):

@@ -52,14 +52,38 @@ def test_profile_command_measures_and_names_the_host(tmp_path, make_checkpoint):
     tiny_checkpoint = make_checkpoint("mixtral")
     out = tmp_path / "p.json"
     assert main(["profile", "--model", str(tiny_checkpoint), "--torch-threads", "1", "--transport", "shm",
-                 "--quick", "--out", str(out)]) == 0
+                 "--quick", "--no-front", "--out", str(out)]) == 0
     p = json.loads(out.read_text())
     assert p["host"]["cores"] >= 1 and p["host"]["cpu"] and "bf16_packed" in p["host"]
     assert p["model"]["config_hash"] == shape_from(tiny_checkpoint).config_hash
     fits = p["fits"]["1"]
     for name in ("attention", "head", "step", "experts"):
         assert fits[name]["samples"] >= 3 and sum(fits[name]["coef"]) > 0
-    assert p["transfer"]["shm"]["coef"][1] > 0
+    assert p["transfer"]["shm"]["coef"][1] > 0 and p["front"] is None
+
+
+def test_tree_cpu_counts_a_busy_child():
+    import subprocess
+    import sys
+    import time
+
+    from planner.front import tree_cpu
+
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 0.3: pass\ntime.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            seen = tree_cpu(child.pid)
+            if seen[child.pid][1] >= 0.25:
+                break
+            time.sleep(0.05)
+        assert seen[child.pid][0] == sys.executable and seen[child.pid][1] >= 0.25
+        import os
+        assert child.pid in tree_cpu(os.getpid())  # a descendant of this process
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_profile_errors_exit_2(tmp_path, capsys):

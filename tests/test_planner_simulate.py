@@ -85,6 +85,43 @@ def test_cores_bound_oversubscribed_steps():
     assert shared == pytest.approx(2 * (2 * 1.0 + 1.0) * MS)  # 6 ms of CPU work on one core
 
 
+def test_front_work_delays_workers_as_busy_as_the_cores():
+    # 2 layers of attention 1 ms + experts 1 ms; the front and load generator: 0.75 + 0.25 ms of CPU
+    # per output token, 2 tokens a step -> 2 ms of front work.
+    p = profile(a=1.0, e=1.0, layers=2)
+    p["front"] = {"front_s_per_token": 0.75 * MS, "client_s_per_token": 0.25 * MS}
+    p["fits"]["2"] = p["fits"]["1"]  # the same times at 2 threads
+    two = [batch([1, 1])]
+    assert sim(p).step_time(0.0, two) == pytest.approx(4 * MS)  # no shared host: the front costs nothing
+    # 1 + 1 on 2 cores: the workers keep the cores half busy (4 ms of work in 4 ms on 2 cores).
+    assert sim(p, cores=2).step_time(0.0, two) == pytest.approx((4 + 2 * 0.5) * MS)
+    # Colocated on both cores: every core is busy, so the front's 2 ms land on the step.
+    assert sim(p, colocated=True, torch_threads=2, cores=2).step_time(0.0, two) == pytest.approx((4 + 2) * MS)
+    # Colocated on one of 2 cores: half.
+    assert sim(p, colocated=True, torch_threads=1, cores=2).step_time(0.0, two) == pytest.approx((4 + 1) * MS)
+
+
+def test_waits_longer_than_the_polling_pay_a_wake_up():
+    # 1 + 1, m=1, 2 layers of attention 1 ms and experts 1 ms, no transfer time: every wait (the
+    # expert for its input, attention for the answer, twice a layer) lasts 1 ms.
+    p = profile(a=1.0, e=1.0, layers=2)
+    p["transfer"]["shm"].update(wake_s=0.5 * MS, spin_s=0.1 * MS)
+    assert sim(p).step_time(0.0, [batch([1])]) == pytest.approx((4 + 4 * 0.5) * MS)
+    p["transfer"]["shm"]["spin_s"] = 10 * MS  # every wait ends while still polling
+    assert sim(p).step_time(0.0, [batch([1])]) == pytest.approx(4 * MS)
+
+
+def test_sending_keeps_the_sender_busy():
+    # 1 + 1, m=2, 1 layer: attention 1 ms, experts 1 ms, transfers 1 ms of which the sender's copy
+    # is 0.5 ms. mb0: attention 0-1, sent (copy to 1.5), experts 2-3, copy back to 3.5, answer at 4;
+    # mb1: attention 1.5-2.5, experts 3.5-4.5 (after mb0's copy back), answer 5.5; heads at 5.5.
+    p = profile(a=1.0, e=1.0, c=1.0, layers=1)
+    p["transfer"]["shm"]["send"] = fit(("bytes", "const"), (0.0, 0.5 * MS))
+    assert sim(p, micro_batches=2).step_time(0.0, [batch([1, 1])]) == pytest.approx(5.5 * MS)
+    del p["transfer"]["shm"]["send"]
+    assert sim(p, micro_batches=2).step_time(0.0, [batch([1, 1])]) == pytest.approx(5.0 * MS)
+
+
 def test_workload_metrics_use_bench_serve_names():
     # Every step costs the same 4 layers x (1 + 2) ms colocated: 4 requests prefill in one step,
     # then decode 3 more tokens each.

@@ -1,0 +1,112 @@
+"""CPU seconds that a served run spends outside the workers: the front and the load generator.
+
+On one host the front process (HTTP, tokenizer and incremental detokenizer, SSE encoding, the
+control plane's reader threads, PoolEngine) and the client that drives the load (`shuttle bench
+serve`) share the cores with the workers. `measure_front` serves the profiled model for real as a
+1 + 1 pool (`shuttle serve --torch-threads 1`), so the front process does only front work, drives
+it with `clients.bench_serve`, and reads the front's CPU time from /proc; the client's is this
+process's own CPU time during the run. Both are returned per output token (with the workers' CPU
+per token, which includes their waits' polling).
+
+`tree_cpu` (per process of a process tree) is also what bench/planner.py records beside each
+measured deployment, so the model's shares can be checked against served runs.
+"""
+import contextlib
+import io
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _stat_cpu(path: str) -> float:
+    """utime + stime of a /proc/<pid>[/task/<tid>]/stat file, seconds."""
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * TICK_S
+
+
+def tree_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """pid and its descendants: pid -> (process title, CPU seconds so far). Processes that exit
+    while walking are left out."""
+    out, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            title = Path(f"/proc/{p}/cmdline").read_text(errors="replace").split("\0")[0]
+            out[p] = (title, _stat_cpu(f"/proc/{p}/stat"))
+            for t in os.listdir(f"/proc/{p}/task"):
+                todo += [int(c) for c in Path(f"/proc/{p}/task/{t}/children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+def _client_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 180.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"shuttle serve (the front's profile) exited with {proc.returncode}:\n"
+                               f"{log.read_text(errors='replace')[-4000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"shuttle serve (the front's profile) was not ready in {timeout_s:.0f} s")
+
+
+def measure_front(model: str, dtype: str | None = None, batch: int = 32, prompts: int = 64, input_len: int = 64,
+                  output_len: int = 16) -> dict:
+    """Serve `model` as a 1 + 1 pool with one torch thread per worker and measure, per output token,
+    the CPU seconds of the front process and of the load generator (and of the workers). Returns
+    {"front_s_per_token", "client_s_per_token", "workers_s_per_token", "tokens", "wall_s"}."""
+    from clients.bench_serve import run_bench
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.NamedTemporaryFile("w+", prefix="shuttle-profile-front-", suffix=".log") as log:
+        cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--port", str(port),
+               "--torch-threads", "1", "--max-num-seqs", str(batch), *(["--dtype", dtype] if dtype else [])]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait_ready(proc, url, Path(log.name))
+            args = ["--base-url", url, "--input-len", str(input_len), "--output-len", str(output_len),
+                    "--max-concurrency", str(batch), "--ignore-eos", "--disable-tqdm", "--seed", "0"]
+            with contextlib.redirect_stdout(io.StringIO()):  # bench serve prints its table
+                run_bench([*args, "--num-prompts", str(batch)])  # warm-up: first calls, allocations
+            t0, c0, w0 = tree_cpu(proc.pid), _client_cpu(), time.perf_counter()
+            with contextlib.redirect_stdout(io.StringIO()):
+                m = run_bench([*args, "--num-prompts", str(prompts)])
+            t1, c1, w1 = tree_cpu(proc.pid), _client_cpu(), time.perf_counter()
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    tokens = max(int(m["total_output_tokens"]), 1)
+    front = t1[proc.pid][1] - t0[proc.pid][1]
+    workers = sum(cpu - t0[p][1] for p, (title, cpu) in t1.items() if p in t0 and title.startswith("shuttle-"))
+    return {"front_s_per_token": front / tokens, "client_s_per_token": (c1 - c0) / tokens,
+            "workers_s_per_token": workers / tokens, "tokens": tokens, "wall_s": w1 - w0}
