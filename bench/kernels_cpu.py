@@ -7,7 +7,9 @@ before issue 18 (baseline) beside the current code, interleaved in one run:
   moe        the MoE block (permute, per-expert SwiGLU GEMMs, combine) with router-like top-2 choices:
              float32 through oneDNN-packed weights as the engine runs it (fused_moe_packed), bf16
              through fused_moe (packed where this CPU can pack bf16); baseline without the float32
-             upcast of emulated bf16 GEMMs (upcast_min_rows=None);
+             upcast of emulated bf16 GEMMs (upcast_min_rows=None), and for packed weights the sorted
+             path, whose 1-row batches fused_moe_packed now computes without sort/gather/scatter
+             (batch 1 is added where the dtype packs);
   qkv_proj   float32 decode q/k/v projections of 8 layers' weights in turn: baseline three packed
              GEMMs, current one GEMM of the stacked weights (models.cpu_inference.fuse_qkv), with
              GB/s and the memory floor (weight bytes over a measured read bandwidth);
@@ -40,7 +42,7 @@ from bench.common import print_table, save  # noqa: E402
 from kernels.attention import (cached_attention, cached_attention_reference, paged_decode_attention,  # noqa: E402
                                paged_decode_attention_reference)
 from kernels.cpu_linear import pack_weight, packed_linear, packing_available  # noqa: E402
-from kernels.moe import fused_moe, grouped_swiglu, permute, unpermute  # noqa: E402
+from kernels.moe import fused_moe, fused_moe_packed, grouped_swiglu, permute, unpermute  # noqa: E402
 from kernels.routing import topk_route  # noqa: E402
 
 D, N, K, H, I, E, TOP_K, PAGE = 1024, 16, 4, 64, 2048, 8, 2, 16
@@ -132,6 +134,8 @@ class MoE:
     def run(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, upcast: bool) -> torch.Tensor:
         if not self.packed:
             return fused_moe(x, self.w13, self.w2, weights, ids, **({} if upcast else {"upcast_min_rows": None}))
+        if upcast:  # the engine's path (a 1-row batch takes fused_moe_packed's shortcut)
+            return fused_moe_packed(x, self.p13, self.p2, weights, ids)
         x_ND, perm = permute(x, ids, E)
         return unpermute(grouped_swiglu(x_ND, perm.counts_E, self.p13, self.p2, linear=packed_linear), perm, weights)
 
@@ -235,7 +239,8 @@ def main() -> None:
         rates[name] = rate = matmul_rate(dtype, 1024 if args.quick else 2048)
         print(f"{name}: matmul {rate / 1e9:.0f} GFLOP/s at 2 threads", flush=True)
         rows += attention_rows(dtype, args.batches, contexts, repeats)
-        rows += moe_rows(dtype, args.batches, repeats, rate)
+        rows += moe_rows(dtype, sorted({1, *args.batches}) if packing_available(dtype) else args.batches, repeats,
+                         rate)
         rows += prefill_rows(dtype, args.chunk, 0, repeats, rate)
         if not args.quick:
             rows += prefill_rows(dtype, args.chunk, 1536, repeats, rate)
