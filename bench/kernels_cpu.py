@@ -3,7 +3,8 @@
 before issue 18 (baseline) beside the current code, interleaved in one run:
 
   attention  decode attention over a paged cache (pages shuffled, contexts 0.5x..1x the nominal one),
-             baseline kernels.attention.paged_decode_attention_reference, current paged_decode_attention;
+             baseline kernels.attention.paged_decode_attention_reference, current paged_decode_attention
+             (repeated calls reuse the step's gather layout, as a step's second to last layers do);
   moe        the MoE block (permute, per-expert SwiGLU GEMMs, combine) with router-like top-2 choices:
              float32 through oneDNN-packed weights as the engine runs it (fused_moe_packed), bf16
              through fused_moe (packed where this CPU can pack bf16); baseline without the float32
