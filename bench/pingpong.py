@@ -1,11 +1,15 @@
 """Ping-pong: does splitting each step into micro-batches keep both pools busy, and where does a
 disaggregated decode step lose time against the colocated engine?
 
-    python bench/pingpong.py [--quick] [--batches 1 16 64 256] [--trace pingpong.trace.json]
+    python bench/pingpong.py [--quick] [--dtype float32] [--batches 1 16 64 256] [--trace pingpong.trace.json]
 
 Model: the Mixtral-shaped bf16 checkpoint of ~425M parameters that bench/engine.py builds (hidden
 1024, 8 layers, 16 heads, 4 KV heads, 8 experts of 2048, top-2; `--small` swaps in a float32 model of
-hidden 512 with 4 experts of 640 for a smoke run). Requests: batch B of 32-token prompts, --new-tokens
+hidden 512 with 4 experts of 640 for a smoke run). `--dtype` is the dtype both deployments serve it in
+(EngineConfig.dtype): `auto` by default, resolved as `shuttle serve --dtype auto` does
+(models.loader.auto_dtype: float32 on a CPU whose bf16 GEMMs are emulated, like this AVX2-only EPYC
+at ~100x slower per FLOP than float32; the checkpoint's bf16 where the CPU has native bf16);
+`--dtype bfloat16` or `float32` forces one. Requests: batch B of 32-token prompts, --new-tokens
 new tokens each (EOS ignored), submitted at once. On this machine's 2 cores: 1 attention worker and
 1 expert worker (1 torch thread each, shm transport) with m = 1, 2, 3 micro-batches, against the
 colocated engine (experts in the attention process) with 2 torch threads: the same total threads,
@@ -107,8 +111,8 @@ def breakdown(a: list[dict], e: list[dict], window_ns: tuple[int, int], steps: i
     return {k: v * per for k, v in r.items()}
 
 
-def run_pools(ckpt: Path, m: int, args, trace_dir: Path, first_recv: str) -> tuple[dict, list[dict]]:
-    par = ParallelConfig(False, 1, 1, m, "shm", torch_threads=1, trace_dir=str(trace_dir))
+def run_pools(ckpt: Path, m: int, threads: int, args, trace_dir: Path, first_recv: str) -> tuple[dict, list[dict]]:
+    par = ParallelConfig(False, 1, 1, m, "shm", torch_threads=threads, trace_dir=str(trace_dir))
     engine = PoolEngine(engine_cfg(ckpt, args, par), {0})
     try:
         res = run_batches(engine, args.batches, args.new_tokens, f"m{m}")
@@ -124,7 +128,7 @@ def run_pools(ckpt: Path, m: int, args, trace_dir: Path, first_recv: str) -> tup
 def engine_cfg(ckpt: Path, args, par: ParallelConfig) -> EngineConfig:
     B = max(args.batches)
     blocks = B * -(-(PROMPT_LEN + args.new_tokens) // 16) + 64
-    return EngineConfig(str(ckpt), cache=CacheConfig(num_blocks=blocks),
+    return EngineConfig(str(ckpt), dtype=args.serving_dtype, cache=CacheConfig(num_blocks=blocks),
                         scheduler=SchedulerConfig(max_num_seqs=max(B, 4), max_num_batched_tokens=4096), parallel=par)
 
 
@@ -132,8 +136,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="8 new tokens per request (a few minutes); writes pingpong_quick.json")
     ap.add_argument("--small", action="store_true", help="a small float32 model instead of the 425M bf16 one")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="dtype to serve the checkpoint in (both deployments); auto: as shuttle serve resolves it "
+                         "(float32 on a CPU with emulated bf16 GEMMs)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 2, 3], help="micro-batch counts to run")
+    ap.add_argument("--pool-threads", type=int, nargs="+", default=[1],
+                    help="torch threads per pool worker to run each m with (1: the two workers share the 2 cores; "
+                         "2: each may use both while the other waits; rows 'm=M tT')")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--trace", default=None, help="Chrome trace file of the m=2 run's last steps")
     ap.add_argument("--trace-ms", type=float, default=300.0, help="how much of the end of the run to trace")
@@ -143,6 +153,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = build(Path(tmp) / "ckpt", args.small)
         from models.config import ModelConfig
+        from models.loader import auto_dtype
+        if args.dtype == "auto":  # as shuttle serve resolves it for this checkpoint on this CPU
+            args.serving_dtype, why = auto_dtype(ModelConfig.from_pretrained(str(ckpt)).dtype, ["cpu"])
+            print(f"--dtype auto: {why or 'the checkpoint dtype'} -> {args.serving_dtype}")
+        else:
+            args.serving_dtype = getattr(torch, args.dtype)
         first_recv = f"recv L{ModelConfig.from_pretrained(str(ckpt)).moe_layers.index(True)} mb0"
         torch.set_num_threads(2)
         colocated = LLMEngine(engine_cfg(ckpt, args, ParallelConfig()), {0})
@@ -150,36 +166,41 @@ def main() -> None:
         del colocated
         torch.set_num_threads(1)
         runs, events = {}, {}
-        for m in args.ms:
-            d = Path(tmp) / f"trace-m{m}"
-            d.mkdir()
-            runs[m], events[m] = run_pools(ckpt, m, args, d, first_recv)
+        for threads in args.pool_threads:
+            for m in args.ms:
+                key = f"m={m}" + (f" t{threads}" if threads != 1 else "")
+                d = Path(tmp) / f"trace-m{m}-t{threads}"
+                d.mkdir()
+                runs[key], events[key] = run_pools(ckpt, m, threads, args, d, first_recv)
     rows = table(base, runs, args.batches)
-    model = "small float32" if args.small else "Mixtral-shaped 425M bf16"
+    model = "small float32" if args.small else f"Mixtral-shaped 425M bf16 checkpoint served in {args.serving_dtype}"
     print(f"decode on {model}, 32-token prompts, {args.new_tokens} new tokens; pools: 1 attention + 1 expert "
-          f"worker, 1 thread each, shm; colocated: 2 threads")
+          f"worker, shm, torch threads each: {args.pool_threads} (rows 'tT': T threads); colocated: 2 threads")
     print_table(rows, ["batch", "run", "step ms", "vs colo", "target", "attn", "send", "wait", "engine", "control",
                        "gap", "expert", "reply", "wait_in", "wait_between"])
-    if args.trace and 2 in events:
-        t1 = runs[2][max(args.batches)]["window_ns"][1] / 1e3
-        ev = [x for x in events[2] if t1 - args.trace_ms * 1e3 <= x["ts"] <= t1]
+    if args.trace and "m=2" in events:
+        t1 = runs["m=2"][max(args.batches)]["window_ns"][1] / 1e3
+        ev = [x for x in events["m=2"] if t1 - args.trace_ms * 1e3 <= x["ts"] <= t1]
         Path(args.trace).write_text(json.dumps({"traceEvents": ev, "displayTimeUnit": "ms"}))
         print(f"trace of the m=2 run's last {args.trace_ms:.0f} ms at batch {max(args.batches)}: {args.trace}")
     name = "pingpong_quick" if args.quick else "pingpong"
-    print(f"wrote {save(name, {'config': vars(args), 'rows': rows, 'date': time.strftime('%Y-%m-%d')})}")
+    print(f"wrote {save(name, {'config': {**vars(args), 'serving_dtype': str(args.serving_dtype)}, 'rows': rows, 'date': time.strftime('%Y-%m-%d')})}")
 
 
 def table(base: dict, runs: dict, batches: list[int]) -> list[dict]:
-    """One row per (batch, deployment); the best m of each batch is marked with '*'."""
+    """One row per (batch, deployment); the best m of each batch (per pool thread count) is marked with '*'."""
     rows = []
     for B in batches:
         rows.append({"batch": B, "run": "colocated", "step ms": base[B]["step_ms"], "vs colo": 1.0})
-        best = max(runs, key=lambda m: base[B]["step_ms"] / runs[m][B]["step_ms"]) if runs else None
+        best = set()  # the best m of each thread count
+        for group in {k.partition(" ")[2] for k in runs}:
+            keys = [k for k in runs if k.partition(" ")[2] == group]
+            best.add(min(keys, key=lambda k: runs[k][B]["step_ms"]))
         for m, res in runs.items():
             r = res[B]
-            rows.append({"batch": B, "run": f"m={m}" + ("*" if m == best else ""), "step ms": r["step_ms"],
+            rows.append({"batch": B, "run": m + ("*" if m in best else ""), "step ms": r["step_ms"],
                          "vs colo": base[B]["step_ms"] / r["step_ms"],
-                         "target": TARGETS.get(B) if m == best else None,
+                         "target": TARGETS.get(B) if m in best else None,
                          **{k: r[k] for k in ("attn", "send", "wait", "engine", "control", "gap", "expert", "reply",
                                               "wait_in", "wait_between")}})
     cols = {k for r in rows for k in r}

@@ -42,7 +42,22 @@ MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 V3_ROUTER_FAMILIES = ("deepseek_v3", "glm4_moe")  # sigmoid + correction bias + groups of top-2 sums
 PARTIAL_ROTARY_FAMILIES = {"glm4_moe": 0.5, "minimax_m2": 1.0}  # family -> default partial_rotary_factor
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DEFAULT_THETA = {"mixtral": 1e6}
+_DEFAULT_THETA = {"mixtral": 1e6, "minimax_m2": 5e6, "gpt_oss": 150000.0}  # transformers' default_theta
+# transformers 5's defaults for fields a config.json may leave out, where they differ from the
+# generic ones below (which families without an entry keep)
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "glm4_moe": {"num_key_value_heads": 8, "num_experts_per_tok": 8, "n_routed_experts": 128,
+                 "moe_intermediate_size": 1408, "intermediate_size": 10944, "rms_norm_eps": 1e-5,
+                 "max_position_embeddings": 131072},
+    "minimax_m2": {"num_key_value_heads": 8, "head_dim": 128, "num_experts_per_tok": 8, "num_local_experts": 256,
+                   "intermediate_size": 1536, "rms_norm_eps": 1e-6, "max_position_embeddings": 196608},
+    "gpt_oss": {"num_key_value_heads": 8, "head_dim": 64, "num_experts_per_tok": 4, "num_local_experts": 128,
+                "intermediate_size": 2880, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+                "sliding_window": 128},
+}
+# gpt-oss's rope when config.json gives neither rope_parameters nor rope_scaling
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
 
 
 class ConfigError(ValueError):
@@ -209,6 +224,7 @@ def _parse(raw: dict[str, Any], src: str) -> ModelConfig:
             f"{src}: architectures {archs} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
         )
     family = ARCHITECTURES[arch]
+    raw = {**_FAMILY_DEFAULTS.get(family, {}), **raw}  # (a field present as null keeps its generic default)
     act = get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{src}: hidden_act={act!r} is not supported (only 'silu')")
@@ -250,6 +266,10 @@ def _parse(raw: dict[str, Any], src: str) -> ModelConfig:
     rotary_dim = _rotary_dim(raw, family, head_dim, src)
     oss = family == "gpt_oss"
     bias = bool(get("attention_bias", oss))  # gpt-oss's default is True
+    mxfp4 = _is_mxfp4(raw.get("quantization_config"), family, src)
+    if mxfp4 and (hidden % 32 or moe_inter % 32):  # (each block packs 32 values along the input dim)
+        raise ConfigError(f"{src}: MXFP4 experts need hidden_size ({hidden}) and intermediate_size ({moe_inter}) "
+                          f"to be multiples of 32")
     return ModelConfig(
         architecture=arch,
         family=family,
@@ -288,7 +308,7 @@ def _parse(raw: dict[str, Any], src: str) -> ModelConfig:
         attention_sinks=oss,
         expert_bias=oss,
         expert_act=SwiGLU(float(get("swiglu_alpha", 1.702)), float(get("swiglu_limit", 7.0)), 1.0) if oss else SILU,
-        mxfp4=_is_mxfp4(raw.get("quantization_config"), family, src),
+        mxfp4=mxfp4,
     )
 
 
@@ -346,15 +366,18 @@ def _fp8_block(quant: Any, src: str) -> tuple[int, int] | None:
 def _router(raw: dict[str, Any], family: str, num_experts: int, top_k: int, src: str) -> RouterConfig:
     """The router of a family as transformers defines it (DeepSeek fields as V2/V3 configs spell them)."""
     if family == "minimax_m2":  # sigmoid, chosen with the correction bias, always renormalised
-        return RouterConfig(top_k, "sigmoid", renormalize=True, correction_bias=True, weights_fp32=True)
+        # (use_routing_bias false: checkpoints without the bias, which transformers then reads as zeros)
+        return RouterConfig(top_k, "sigmoid", renormalize=True, correction_bias=bool(raw.get("use_routing_bias", True)),
+                            weights_fp32=True)
     if family == "gpt_oss":  # softmax of the top-k biased logits, weights in the activations' dtype
         return RouterConfig(top_k, "softmax", renormalize=True, bias=True)
     if family not in (*MLA_FAMILIES, "glm4_moe"):
         return RouterConfig(top_k, "softmax", renormalize=family == "mixtral" or bool(raw.get("norm_topk_prob", False)),
                             weights_fp32=family == "mixtral")
     v3 = family in V3_ROUTER_FAMILIES
-    scoring = raw.get("scoring_func") or ("sigmoid" if v3 else "softmax")
-    method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    glm = family == "glm4_moe"  # (transformers' GLM reads neither field: always sigmoid, noaux_tc)
+    scoring = (None if glm else raw.get("scoring_func")) or ("sigmoid" if v3 else "softmax")
+    method = (None if glm else raw.get("topk_method")) or ("noaux_tc" if v3 else "greedy")
     known = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
     if scoring not in ("softmax", "sigmoid"):
         raise ConfigError(f"{src}: scoring_func={scoring!r} is not supported; supported: softmax, sigmoid")
@@ -367,6 +390,9 @@ def _router(raw: dict[str, Any], family: str, num_experts: int, top_k: int, src:
         raise ConfigError(f"{src}: n_group ({groups}) must divide n_routed_experts ({num_experts})")
     if not 1 <= topk_groups <= groups:
         raise ConfigError(f"{src}: topk_group ({topk_groups}) must be in [1, n_group={groups}]")
+    if v3 and groups > 1 and num_experts // groups < 2:  # a group scores as the sum of its top 2 experts
+        raise ConfigError(f"{src}: n_group ({groups}) leaves {num_experts // groups} expert per group of "
+                          f"n_routed_experts={num_experts}; each group's score sums its top 2, so groups need >= 2")
     if top_k > topk_groups * (num_experts // groups):
         raise ConfigError(f"{src}: num_experts_per_tok ({top_k}) exceeds the {topk_groups * (num_experts // groups)} "
                           f"experts of topk_group={topk_groups} groups of {num_experts // groups}")
@@ -421,6 +447,9 @@ def _sliding_windows(raw: dict[str, Any], family: str, layers: int, src: str) ->
         if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
             raise ConfigError(f"{src}: layer_types must list num_hidden_layers={layers} entries of "
                               f"'sliding_attention' / 'full_attention', got {types}")
+        if "sliding_attention" in types and (window is None or int(window) <= 0):
+            raise ConfigError(f"{src}: sliding_window must be a positive int when layer_types has "
+                              f"'sliding_attention' layers, got {raw.get('sliding_window')!r}")
         return tuple(window if t == "sliding_attention" else None for t in types)
     if family == "mixtral":
         return (window,) * layers
@@ -442,7 +471,8 @@ def _sliding_windows(raw: dict[str, Any], family: str, layers: int, src: str) ->
 
 
 def _rope(raw: dict[str, Any], family: str, max_pos: int, src: str) -> RopeConfig:
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    default = _GPT_OSS_ROPE if family == "gpt_oss" else {}
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or default)
     if any(isinstance(v, dict) for v in params.values()):
         raise ConfigError(f"{src}: per-layer-type rope_parameters are not supported by {family}")
     theta = params.get("rope_theta", raw.get("rope_theta", _DEFAULT_THETA.get(family, 10000.0)))

@@ -111,6 +111,11 @@ class CheckpointReader:
             return (e, *rest, o)
         return tuple(h.get_slice(name).get_shape())
 
+    def is_empty(self, name: str) -> bool:
+        """Whether tensor `name` has no elements (transformers saves n_shared_experts=0 as (0, D) MLPs)."""
+        with safe_open(self.files[name], framework="pt") as h:
+            return 0 in self.shape(h, name)
+
     def read(self, wanted: dict[str, list[Target]], model_shape: dict[Target, tuple[int, ...]]) -> dict[str, torch.Tensor]:
         """Check then read the `wanted` tensors, one file at a time."""
         by_file: dict[Path, list[str]] = defaultdict(list)
@@ -265,6 +270,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: tor
         if is_mtp_tensor(name, cfg):
             mtp.append(name)
             continue
+        if ".shared_expert" in name and not cfg.shared_expert_intermediate_size and reader.is_empty(name):
+            continue  # n_shared_experts=0: transformers' zero-width shared MLP adds nothing
         if targets is None or any(t.param not in full for t in targets):
             raise CheckpointError(f"{f}: unexpected tensor '{name}' (no such parameter in {cfg.architecture} "
                                   f"with this config.json)")

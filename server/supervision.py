@@ -86,11 +86,14 @@ class Supervision:
         while time.monotonic() < deadline and all(p.exitcode is None for p in self._procs):
             time.sleep(0.02)
         for p in list(self._procs):
+            down = p.exitcode is None and p.pid is not None and _down(p.pid)
+            if down:  # an exited, not yet reaped process looks down too: reap it to report its code
+                p.join(0.2)
             if p.exitcode == MAIN_GUARD_EXIT:
                 raise WorkerFailedError(MAIN_GUARD_HINT)
             if p.exitcode is not None:
                 raise _Broken(f"worker {p.name} exited with code {p.exitcode}{self._causes()}", {p.name})
-            if p.pid is not None and _down(p.pid):  # stopped: its peers would wait dead_after_s to say so
+            if down:  # stopped: its peers would wait dead_after_s to say so
                 raise _Broken(f"worker {p.name} is stopped (SIGSTOP or a debugger)", {p.name})
 
     def _check_store(self) -> None:

@@ -14,8 +14,17 @@ VARIANTS = [
                   "num_attention_heads": 3, "num_key_value_heads": 1, "partial_rotary_factor": 1.0}),
     ("minimax_m2", {}),
     ("gpt_oss", {}),
+    # no shared experts (transformers saves zero-width ones), MoE from layer 0, 4 of 20 dims roped,
+    # and scoring_func / topk_method, which transformers' GLM ignores
+    ("glm4_moe", {"n_shared_experts": 0, "first_k_dense_replace": 0, "partial_rotary_factor": 0.2,
+                  "scoring_func": "softmax", "topk_method": "greedy"}),
+    # every layer sliding with a window of 2, yarn with truncation and its betas, 7 experts top-1
+    ("gpt_oss", {"layer_types": ["sliding_attention"] * 3, "sliding_window": 2, "num_local_experts": 7,
+                 "num_experts_per_tok": 1, "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "beta_fast": 16.0,
+                                                               "beta_slow": 2.0, "truncate": True, "rope_theta": 1000.0,
+                                                               "original_max_position_embeddings": 64}}),
 ]
-IDS = ["glm", "glm-plain-gqa3", "minimax", "gpt-oss"]
+IDS = ["glm", "glm-plain-gqa3", "minimax", "gpt-oss", "glm-no-shared", "gpt-oss-all-sliding-yarn"]
 
 
 @pytest.mark.parametrize("family,overrides", VARIANTS, ids=IDS)
@@ -273,18 +282,37 @@ def test_train_loss_equals_transformers_and_the_result_serves(make_checkpoint, c
 
 # --- each family's chat template through /v1/chat/completions ---
 
-# Templates in each family's style (the published ones' markers and variables, on the tiny tokenizer)
+# Templates in each family's style (the published ones' markers and variables, on the tiny tokenizer),
+# tools and tool turns included: GLM and MiniMax-M2 iterate the call's arguments as an object
 TEMPLATES = {
-    "glm4_moe": "[gMASK]<sop>{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% endfor %}"
-                "{% if add_generation_prompt %}<|assistant|>\n{% if not (enable_thinking | default(true)) %}"
-                "<think></think>{% endif %}{% endif %}",
-    "minimax_m2": "]~!b[{% for m in messages %}]~b]{{ 'ai' if m.role == 'assistant' else m.role }}\n{{ m.content }}"
-                  "[e~[\n{% endfor %}{% if add_generation_prompt %}]~b]ai\n<think>\n{% endif %}",
+    "glm4_moe": "[gMASK]<sop>{% if tools %}<|system|>\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n"
+                "{% endfor %}{% endif %}{% for m in messages %}{% if m.role == 'tool' %}<|observation|>\n"
+                "<tool_response>{{ m.content }}</tool_response>{% else %}<|{{ m.role }}|>\n{{ m.content }}"
+                "{% for tc in m.tool_calls or [] %}<tool_call>{{ tc.function.name }}\n"
+                "{% for k, v in tc.function.arguments.items() %}<arg_key>{{ k }}</arg_key>\n<arg_value>"
+                "{{ v if v is string else v | tojson }}</arg_value>\n{% endfor %}</tool_call>{% endfor %}{% endif %}"
+                "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n"
+                "{% if not (enable_thinking | default(true)) %}<think></think>{% endif %}{% endif %}",
+    "minimax_m2": "]~!b[{% if tools %}]~b]system\n<tools>{% for tool in tools %}"
+                  "<tool>{{ tool.function | tojson }}</tool>{% endfor %}</tools>[e~[\n{% endif %}"
+                  "{% for m in messages %}]~b]{{ 'ai' if m.role == 'assistant' else m.role }}\n{{ m.content }}"
+                  "{% for tc in m.tool_calls or [] %}<minimax:tool_call><invoke name=\"{{ tc.function.name }}\">"
+                  "{% for k, v in tc.function.arguments.items() %}<parameter name=\"{{ k }}\">{{ v }}</parameter>"
+                  "{% endfor %}</invoke></minimax:tool_call>{% endfor %}[e~[\n{% endfor %}"
+                  "{% if add_generation_prompt %}]~b]ai\n<think>\n{% endif %}",
     "gpt_oss": "<|start|>system<|message|>Knowledge cutoff: 2024-06\nCurrent date: {{ strftime_now('%Y-%m-%d') }}"
-               "\n\nReasoning: {{ reasoning_effort | default('medium') }}<|end|>{% for m in messages %}<|start|>"
-               "{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
+               "\n\nReasoning: {{ reasoning_effort | default('medium') }}<|end|>{% if tools %}<|start|>developer"
+               "<|message|># Tools\nnamespace functions {\n{% for tool in tools %}type {{ tool.function.name }} = "
+               "(_: {{ tool.function.parameters | tojson }}) => any;\n{% endfor %}} // namespace functions<|end|>"
+               "{% endif %}{% for m in messages %}{% if m.role == 'tool' %}<|start|>functions to=assistant"
+               "<|channel|>commentary<|message|>{{ m.content | tojson }}<|end|>{% elif m.tool_calls %}"
+               "{% for tc in m.tool_calls %}<|start|>assistant to=functions.{{ tc.function.name }}<|channel|>"
+               "commentary json<|message|>{{ tc.function.arguments | tojson }}<|call|>{% endfor %}{% else %}"
+               "<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endif %}{% endfor %}"
                "{% if add_generation_prompt %}<|start|>assistant{% endif %}",
 }
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a term up.", "parameters": {
+    "type": "object", "properties": {"term": {"type": "string"}, "limit": {"type": "integer"}}}}}]
 KWARGS = {"glm4_moe": {"enable_thinking": False}, "minimax_m2": {}, "gpt_oss": {"reasoning_effort": "high"}}
 
 
@@ -310,11 +338,19 @@ def test_chat_template_through_chat_completions(make_checkpoint, tmp_path, famil
     tok = AutoTokenizer.from_pretrained(d)
     tok.chat_template = TEMPLATES[family]
     tok.save_pretrained(d)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a list?"}]
-    text = AutoTokenizer.from_pretrained(d).apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                                **KWARGS[family])
+    call = {"id": "call_1", "type": "function", "function": {"name": "lookup",
+                                                               "arguments": '{"term": "list", "limit": 2}'}}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a list?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "an ordered sequence"}]
+    # what the template sees: the call's arguments as an object, absent content as ""
+    as_template = messages[:2] + [{"role": "assistant", "content": "", "tool_calls": [
+        {**call, "function": {"name": "lookup", "arguments": {"term": "list", "limit": 2}}}]}, {**messages[3]}]
+    text = AutoTokenizer.from_pretrained(d).apply_chat_template(as_template, tools=TOOLS, tokenize=False,
+                                                                add_generation_prompt=True, **KWARGS[family])
     assert text.endswith({"glm4_moe": "<think></think>", "minimax_m2": "<think>\n",
                           "gpt_oss": "<|start|>assistant"}[family]) and ("high" in text) == (family == "gpt_oss")
+    assert "lookup" in text and "ordered sequence" in text and ("Look a term up." in text) == (family != "gpt_oss")
     metrics = ServerMetrics(family)
     llm = AsyncLLM(d, observer=metrics)
     try:
@@ -326,7 +362,7 @@ def test_chat_template_through_chat_completions(make_checkpoint, tmp_path, famil
             http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(llm, ServerConfig(), metrics)))
             client = openai.AsyncOpenAI(base_url="http://shuttle/v1", api_key="none", http_client=http)
             r = await client.chat.completions.create(
-                model="shuttle", messages=messages, max_tokens=8, temperature=0,
+                model="shuttle", messages=messages, tools=TOOLS, tool_choice="none", max_tokens=8, temperature=0,
                 extra_body={"ignore_eos": True, "chat_template_kwargs": KWARGS[family]})
             return want, r
 
@@ -372,6 +408,8 @@ def test_published_config_json_of_each_family():
                                                                                       (128, 128), 1536)
     assert (c.router.scoring, c.router.correction_bias, c.router.renormalize, c.router.num_groups) == ("sigmoid", True,
                                                                                                       True, 1)
+    # checkpoints without e_score_correction_bias (transformers reads the missing bias as zeros)
+    assert not ModelConfig.from_dict({**minimax, "use_routing_bias": False}).router.correction_bias
     oss = {"architectures": ["GptOssForCausalLM"], "attention_bias": True, "eos_token_id": 200002,
            "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
            "initial_context_length": 4096, "intermediate_size": 2880,
@@ -395,9 +433,48 @@ def test_published_config_json_of_each_family():
                        ({**glm, "partial_rotary_factor": 0.4}, "partial_rotary_factor 0.4 gives 51"),
                        ({**minimax, "architectures": ["MixtralForCausalLM"], "partial_rotary_factor": 0.5},
                         "partial_rotary_factor != 1 is not supported by mixtral"),
-                       ({**glm, "quantization_config": {"quant_method": "mxfp4"}}, "mxfp4' is supported for gpt-oss")]:
+                       ({**glm, "quantization_config": {"quant_method": "mxfp4"}}, "mxfp4' is supported for gpt-oss"),
+                       ({**glm, "n_group": 160, "topk_group": 8}, r"n_group \(160\) leaves 1 expert per group"),
+                       ({**oss, "sliding_window": None}, "sliding_window must be a positive int"),
+                       ({**oss, "intermediate_size": 2890}, r"MXFP4 experts need .* intermediate_size \(2890\)")]:
         with pytest.raises(ConfigError, match=match):
             ModelConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2", "gpt_oss"])
+def test_fields_left_out_of_config_json_default_as_in_transformers(family):
+    """A config.json with only the shapes transformers has no default for: every field we read
+    defaults as transformers 5's config class fills it (head_dim, kv heads, experts, eps, rope,
+    windows), and a transformers-4 file with rope_scaling null keeps gpt-oss's yarn."""
+    import transformers
+
+    from models.config import ARCHITECTURES
+
+    arch = next(a for a, f in ARCHITECTURES.items() if f == family)
+    minimal = {"architectures": [arch], "model_type": family, "hidden_size": 64, "num_hidden_layers": 3,
+               "num_attention_heads": 16, "vocab_size": 512}
+    for raw in (minimal, {**minimal, "rope_theta": 1000.0, "rope_scaling": None}):
+        theirs = getattr(transformers, hf_config_class(family)).from_dict(dict(raw))
+        ours = ModelConfig.from_dict(raw)
+        rope = theirs.rope_parameters
+        assert ours.head_dim == (getattr(theirs, "head_dim", None) or 64 // 16)
+        assert (ours.num_kv_heads, ours.num_experts, ours.top_k, ours.rms_norm_eps, ours.max_position_embeddings) == (
+            theirs.num_key_value_heads, theirs.num_local_experts, theirs.num_experts_per_tok, theirs.rms_norm_eps,
+            theirs.max_position_embeddings)
+        assert (ours.rope.rope_type, ours.rope.theta, ours.rope.factor, ours.rope.beta_fast, ours.rope.truncate,
+                ours.rope.original_max_position_embeddings) == (
+            rope["rope_type"], rope["rope_theta"], rope.get("factor"), rope.get("beta_fast"),
+            rope.get("truncate", True), rope.get("original_max_position_embeddings"))
+        assert ours.rope_dim == int(ours.head_dim * rope.get("partial_rotary_factor", 1.0))
+        windows = [theirs.sliding_window if t == "sliding_attention" else None
+                   for t in getattr(theirs, "layer_types", None) or ["full_attention"] * 3]
+        assert list(ours.sliding_windows) == windows
+
+
+def hf_config_class(family: str) -> str:
+    from tests.conftest import FAMILIES
+
+    return FAMILIES[family][0]
 
 
 def test_regrouped_experts_keep_biases_and_activation(make_checkpoint):

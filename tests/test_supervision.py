@@ -318,3 +318,46 @@ def test_restart_budget_and_remote_workers(monkeypatch):
         _front(remote=True)._count_restart(_Broken("attention worker a0: M2N peer 'e1' is dead"), {"e1"})
     with pytest.raises(WorkerFailedError, match="^worker e0 exited"):
         _front(max_restarts=0)._count_restart(_Broken("worker e0 exited with code -9"), {"e0"})
+
+
+
+def _exit_with(code: int) -> None:
+    os._exit(code)
+
+
+def _state(pid: int) -> bytes:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()[0]
+
+
+class _LateReport:
+    """A worker started through a fork server: its exit code arrives from the server a moment after
+    the process exited, until then it is a zombie that /proc shows as down (here: until join)."""
+
+    def __init__(self, code: int):
+        import multiprocessing as mp
+
+        self._proc = mp.get_context("fork").Process(target=_exit_with, args=(code,), name="w0")
+        self._proc.start()
+        self.pid, self.name, self._joined = self._proc.pid, "w0", False
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _state(self.pid) != b"Z":
+            time.sleep(0.01)
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._proc.exitcode if self._joined else None
+
+    def join(self, timeout: float | None = None) -> None:
+        self._joined = True
+        self._proc.join(timeout)
+
+
+@pytest.mark.parametrize("code,match", [(3, "re-import your script"), (1, "worker w0 exited with code 1")])
+def test_an_exited_worker_is_not_reported_as_stopped(code, match):
+    """A worker that exited but whose exit code has not arrived yet (a zombie: /proc says it is
+    down) is reported with its exit code, the missing main guard's hint included, not as 'stopped'."""
+    eng = _front()
+    eng._procs = [_LateReport(code)]
+    with pytest.raises((WorkerFailedError, _Broken), match=match):
+        eng._check_procs()

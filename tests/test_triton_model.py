@@ -35,7 +35,8 @@ def _prefill_then_decode(model, cfg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family,overrides", [("mixtral", {}), ("qwen2_moe", {}), ("olmoe", {}),
-                                              ("qwen3_moe", dict(head_dim=24, num_experts=5, num_experts_per_tok=3))])
+                                              ("qwen3_moe", dict(head_dim=24, num_experts=5, num_experts_per_tok=3)),
+                                              ("glm4_moe", {})])  # partial rotary, grouped sigmoid router
 @torch.inference_mode()
 def test_model_on_triton_ops_matches_torch_ops(make_checkpoint, family, overrides):
     ckpt = make_checkpoint(family, **overrides)
