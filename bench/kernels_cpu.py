@@ -3,11 +3,17 @@
 before issue 18 (baseline) beside the current code, interleaved in one run:
 
   attention  decode attention over a paged cache (pages shuffled, contexts 0.5x..1x the nominal one),
-             baseline kernels.attention.paged_decode_attention_reference, current paged_decode_attention;
+             baseline kernels.attention.paged_decode_attention_reference, current paged_decode_attention
+             (repeated calls reuse the step's gather layout, as a step's second to last layers do);
   moe        the MoE block (permute, per-expert SwiGLU GEMMs, combine) with router-like top-2 choices:
              float32 through oneDNN-packed weights as the engine runs it (fused_moe_packed), bf16
              through fused_moe (packed where this CPU can pack bf16); baseline without the float32
-             upcast of emulated bf16 GEMMs (upcast_min_rows=None);
+             upcast of emulated bf16 GEMMs (upcast_min_rows=None), and for packed weights the sorted
+             path, whose 1-row batches fused_moe_packed now computes without sort/gather/scatter
+             (batch 1 is added where the dtype packs);
+  qkv_proj   float32 decode q/k/v projections of 8 layers' weights in turn: baseline three packed
+             GEMMs, current one GEMM of the stacked weights (models.cpu_inference.fuse_qkv), with
+             GB/s and the memory floor (weight bytes over a measured read bandwidth);
   prefill    one chunk of `--chunk` tokens: attention (cached_attention vs cached_attention_reference)
              for a prompt from its start and a chunk after a cached prefix, and the MoE block at
              chunk tokens; tokens/s of the two together against their compute floor.
@@ -37,10 +43,11 @@ from bench.common import print_table, save  # noqa: E402
 from kernels.attention import (cached_attention, cached_attention_reference, paged_decode_attention,  # noqa: E402
                                paged_decode_attention_reference)
 from kernels.cpu_linear import pack_weight, packed_linear, packing_available  # noqa: E402
-from kernels.moe import fused_moe, grouped_swiglu, permute, unpermute  # noqa: E402
+from kernels.moe import fused_moe, fused_moe_packed, grouped_swiglu, permute, unpermute  # noqa: E402
 from kernels.routing import topk_route  # noqa: E402
 
 D, N, K, H, I, E, TOP_K, PAGE = 1024, 16, 4, 64, 2048, 8, 2, 16
+LAYERS = 8
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int, clock: Callable[[], float] = time.perf_counter
@@ -128,6 +135,8 @@ class MoE:
     def run(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, upcast: bool) -> torch.Tensor:
         if not self.packed:
             return fused_moe(x, self.w13, self.w2, weights, ids, **({} if upcast else {"upcast_min_rows": None}))
+        if upcast:  # the engine's path (a 1-row batch takes fused_moe_packed's shortcut)
+            return fused_moe_packed(x, self.p13, self.p2, weights, ids)
         x_ND, perm = permute(x, ids, E)
         return unpermute(grouped_swiglu(x_ND, perm.counts_E, self.p13, self.p2, linear=packed_linear), perm, weights)
 
@@ -145,6 +154,44 @@ def moe_rows(dtype: torch.dtype, batches: list[int], repeats: int, rate: float) 
                      "compute_floor_ms": 1e3 * flops / rate, "new_vs_floor": t["new@2"] * rate / flops})
         print(rows[-1], flush=True)
     return rows
+
+
+def qkv_rows(batches: list[int], repeats: int, read_bw: float) -> list[dict]:
+    """float32 q/k/v projections of LAYERS layers (each call moves to the next layer's weights, so
+    they stream from memory as in a decode step): baseline three packed GEMMs (N*H, K*H, K*H rows),
+    current one packed GEMM of the stacked weights (models.cpu_inference.fuse_qkv) split three ways."""
+    g = torch.Generator().manual_seed(1)
+    sizes = (N * H, K * H, K * H)
+    ws = [[torch.randn(n, D, generator=g) / D ** 0.5 for n in sizes] for _ in range(LAYERS)]
+    three = [[pack_weight(w) for w in layer] for layer in ws]
+    fused = [pack_weight(torch.cat(layer)) for layer in ws]
+    rows = []
+    for B in batches:
+        x = torch.randn(B, D, generator=g)
+        turn = {"base": 0, "new": 0}
+
+        def base() -> list[torch.Tensor]:
+            turn["base"] = (turn["base"] + 1) % LAYERS
+            return [packed_linear(x, w) for w in three[turn["base"]]]
+
+        def new() -> tuple[torch.Tensor, ...]:
+            turn["new"] = (turn["new"] + 1) % LAYERS
+            return packed_linear(x, fused[turn["new"]]).split(sizes, dim=-1)
+
+        for a, b in zip(base(), new()):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        t = at_threads({"base": base, "new": new}, repeats * LAYERS)
+        nbytes = sum(sizes) * D * 4
+        rows.append({"op": "qkv_proj", "dtype": "float32", "batch": B, **_times(t), "new_GBps": nbytes / t["new@2"] / 1e9,
+                     "base_GBps": nbytes / t["base@2"] / 1e9, "mem_floor_ms": 1e3 * nbytes / read_bw})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of a sum over 512 MiB of float32 at 2 threads (best of 3)."""
+    src = torch.ones(1 << 27)
+    return src.numel() * 4 / min(interleaved({"sum": lambda: src.sum()}, 3).values())
 
 
 def prefill_rows(dtype: torch.dtype, chunk: int, prefix: int, repeats: int, rate: float) -> list[dict]:
@@ -184,19 +231,24 @@ def main() -> None:
     contexts = args.contexts or ([32, 512] if args.quick else [32, 128, 512, 2048])
     repeats = args.repeats or (2 if args.quick else 5)
     rows, rates = [], {}
+    if "float32" in args.dtypes:
+        read_bw = read_bandwidth()
+        print(f"read bandwidth {read_bw / 1e9:.1f} GB/s at 2 threads", flush=True)
+        rows += qkv_rows(sorted({1, *args.batches}), repeats, read_bw)
     for name in args.dtypes:
         dtype = getattr(torch, name)
         rates[name] = rate = matmul_rate(dtype, 1024 if args.quick else 2048)
         print(f"{name}: matmul {rate / 1e9:.0f} GFLOP/s at 2 threads", flush=True)
         rows += attention_rows(dtype, args.batches, contexts, repeats)
-        rows += moe_rows(dtype, args.batches, repeats, rate)
+        rows += moe_rows(dtype, sorted({1, *args.batches}) if packing_available(dtype) else args.batches, repeats,
+                         rate)
         rows += prefill_rows(dtype, args.chunk, 0, repeats, rate)
         if not args.quick:
             rows += prefill_rows(dtype, args.chunk, 1536, repeats, rate)
     print(f"\nper-layer CPU kernels, baseline (before issue 18) vs current; matmul GFLOP/s "
           + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in rates.items()))
     print_table(rows, ["op", "dtype", "batch", "context", "base_ms", "new_ms", "speedup", "base_x2/x1", "new_x2/x1",
-                       "base_cpu1_ms", "new_cpu1_ms", "speedup_cpu1", "new_GBps", "compute_floor_ms", "new_tok_s",
+                       "base_cpu1_ms", "new_cpu1_ms", "speedup_cpu1", "new_GBps", "compute_floor_ms", "mem_floor_ms", "new_tok_s",
                        "compute_floor_tok_s", "new_vs_floor"])
     name = "kernels_cpu_quick" if args.quick else "kernels_cpu"
     payload = {"benchmark": "kernels_cpu", "matmul_GFLOPs": {k: v / 1e9 for k, v in rates.items()}, "rows": rows,

@@ -193,25 +193,57 @@ def _visible_pages(block_table_BM: torch.Tensor, seq_lens_B: torch.Tensor, page:
 
 
 def _paged_flash_chunk(q_BNH: torch.Tensor, k_cache_PSKH: torch.Tensor, v_cache_PSKH: torch.Tensor | None,
-                       block_table_BM: torch.Tensor, seq_lens_B: torch.Tensor, first_B: torch.Tensor, pages: int,
-                       scale: float, sliding_window: int | None, sinks_N: torch.Tensor | None) -> torch.Tensor:
-    """Gather `pages` pages per sequence (from first_B on), mask and run the flash kernel.
-    v_cache_PSKH None: the values are the keys (MLA's latent rows). Returns o_BNH in the cache's dtype."""
+                       page_BM: torch.Tensor, bias_BS: torch.Tensor, scale: float,
+                       sinks_N: torch.Tensor | None) -> torch.Tensor:
+    """Gather each sequence's pages page_BM, mask them with bias_BS (_gather_layout) and run the flash
+    kernel. v_cache_PSKH None: the values are the keys (MLA's latent rows). Returns o_BNH in the cache's dtype."""
     B, N, H = q_BNH.shape
     S, K = k_cache_PSKH.shape[1:3]
-    dt = k_cache_PSKH.dtype
-    entry_BM = first_B[:, None] + torch.arange(pages, device=q_BNH.device)
-    page_BM = block_table_BM.long().gather(1, entry_BM.clamp(max=block_table_BM.shape[1] - 1)).clamp(min=0)
+    pages = page_BM.shape[1]
     k_BKSH = k_cache_PSKH[page_BM].view(B, pages * S, K, H).transpose(1, 2)
     v_BKSH = k_BKSH if v_cache_PSKH is None else v_cache_PSKH[page_BM].view(B, pages * S, K, H).transpose(1, 2)
-    pos_BS = (entry_BM[:, :, None] * S + torch.arange(S, device=q_BNH.device)).view(B, pages * S)
+    q_BKGH = q_BNH.to(k_cache_PSKH.dtype).reshape(B, K, N // K, H)
+    return _flash_decode(q_BKGH, k_BKSH, v_BKSH, bias_BS, scale, sinks_N).view(B, N, H)
+
+
+def _gather_layout(block_table_BM: torch.Tensor, seq_lens_B: torch.Tensor, first_B: torch.Tensor, pages: int,
+                   S: int, sliding_window: int | None, dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """page_BM: the `pages` page ids each sequence gathers; bias_BS (dt): 0 for its visible keys, -inf else."""
+    B = block_table_BM.shape[0]
+    entry_BM = first_B[:, None] + torch.arange(pages, device=first_B.device)
+    page_BM = block_table_BM.long().gather(1, entry_BM.clamp(max=block_table_BM.shape[1] - 1)).clamp(min=0)
+    pos_BS = (entry_BM[:, :, None] * S + torch.arange(S, device=first_B.device)).view(B, pages * S)
     lens_B1 = seq_lens_B.long()[:, None]
     hidden_BS = pos_BS >= lens_B1
     if sliding_window:
         hidden_BS |= pos_BS < lens_B1 - sliding_window
-    bias_BS = torch.zeros(B, pages * S, dtype=dt).masked_fill_(hidden_BS, float("-inf"))
-    q_BKGH = q_BNH.to(dt).reshape(B, K, N // K, H)
-    return _flash_decode(q_BKGH, k_BKSH, v_BKSH, bias_BS, scale, sinks_N).view(B, N, H)
+    return page_BM, torch.zeros(B, pages * S, dtype=dt).masked_fill_(hidden_BS, float("-inf"))
+
+
+# Every layer of a decode step passes the same block-table and length tensors (AttentionBatch
+# builds fresh ones each step), so the step's gather layout is computed once and reused: the last
+# one is kept with references to its inputs (identity, plus the in-place version counters, say
+# it is still valid) and its parameters. Inference-mode tensors (the engine's) have no version
+# counter: for them identity alone decides, as nothing writes a built batch's tensors in place.
+_LAST_LAYOUT: list[tuple] = []
+
+
+def _version(t: torch.Tensor) -> int:
+    return -1 if t.is_inference() else t._version
+
+
+def _step_layout(block_table_BM: torch.Tensor, seq_lens_B: torch.Tensor, S: int, sliding_window: int | None,
+                 dt: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(pages, page_BM, bias_BS) of a whole decode batch, cached across the step's layers."""
+    params = (_version(block_table_BM), _version(seq_lens_B), S, sliding_window, dt)
+    if _LAST_LAYOUT:
+        table, lens, cached_params, layout = _LAST_LAYOUT[0]
+        if table is block_table_BM and lens is seq_lens_B and cached_params == params:
+            return layout
+    pages, first_B = _visible_pages(block_table_BM, seq_lens_B, S, sliding_window)
+    layout = (pages, *_gather_layout(block_table_BM, seq_lens_B, first_B, pages, S, sliding_window, dt))
+    _LAST_LAYOUT[:] = [(block_table_BM, seq_lens_B, params, layout)]
+    return layout
 
 
 def _paged_flash(q_BNH: torch.Tensor, k_cache_PSKH: torch.Tensor, v_cache_PSKH: torch.Tensor | None,
@@ -224,14 +256,12 @@ def _paged_flash(q_BNH: torch.Tensor, k_cache_PSKH: torch.Tensor, v_cache_PSKH: 
     S, K = k_cache_PSKH.shape[1:3]
     if B == 0:
         return q_BNH.new_empty(0, N, H, dtype=k_cache_PSKH.dtype)
-    pages, first_B = _visible_pages(block_table_BM, seq_lens_B, S, sliding_window)
+    pages, page_BM, bias_BS = _step_layout(block_table_BM, seq_lens_B, S, sliding_window, k_cache_PSKH.dtype)
     step = max(1, chunk_bytes // (2 * pages * S * K * H * k_cache_PSKH.dtype.itemsize))
     if step >= B:
-        return _paged_flash_chunk(q_BNH, k_cache_PSKH, v_cache_PSKH, block_table_BM, seq_lens_B, first_B, pages,
-                                  scale, sliding_window, sinks_N)
-    return torch.cat([_paged_flash_chunk(q_BNH[i:i + step], k_cache_PSKH, v_cache_PSKH, block_table_BM[i:i + step],
-                                         seq_lens_B[i:i + step], first_B[i:i + step], pages, scale, sliding_window,
-                                         sinks_N) for i in range(0, B, step)])
+        return _paged_flash_chunk(q_BNH, k_cache_PSKH, v_cache_PSKH, page_BM, bias_BS, scale, sinks_N)
+    return torch.cat([_paged_flash_chunk(q_BNH[i:i + step], k_cache_PSKH, v_cache_PSKH, page_BM[i:i + step],
+                                         bias_BS[i:i + step], scale, sinks_N) for i in range(0, B, step)])
 
 
 def paged_decode_attention(

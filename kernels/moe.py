@@ -189,7 +189,26 @@ def fused_moe_packed(
     biases and act as in fused_moe (the bias is added by oneDNN's linear)."""
     from kernels.cpu_linear import packed_linear
 
+    if x_TD.shape[0] == 1:  # decode at batch 1: no sort, gather or scatter
+        return _one_token_moe(x_TD, w13_packed_E, w2_packed_E, topk_weights_TK, topk_ids_TK, packed_linear, b13_EI2,
+                              b2_ED, act)
     x_ND, perm = permute(x_TD, topk_ids_TK, len(w13_packed_E))
     y_ND = grouped_swiglu(x_ND, perm.counts_E, w13_packed_E, w2_packed_E, linear=packed_linear, b13_EI2=b13_EI2,
                           b2_ED=b2_ED, act=act)
     return unpermute(y_ND, perm, topk_weights_TK)
+
+
+def _one_token_moe(x_1D: torch.Tensor, w13_E: list, w2_E: list, topk_weights_1K: torch.Tensor,
+                   topk_ids_1K: torch.Tensor, linear: Callable, b13_EI2: torch.Tensor | None,
+                   b2_ED: torch.Tensor | None, act: SwiGLU) -> torch.Tensor:
+    """fused_moe_packed for one token: its K experts in ascending id order, each output weighted as
+    unpermute weights it and summed in the order its index_add_ adds (the sorted order), so the
+    result is bitwise the general path's. Saves the ~12 sort/gather/scatter ops of a 1-row step."""
+    ids = topk_ids_1K[0].tolist()
+    y_1D = torch.zeros_like(x_1D)
+    for k in sorted(range(len(ids)), key=ids.__getitem__):
+        e = ids[k]
+        gate, up = linear(x_1D, w13_E[e], None if b13_EI2 is None else b13_EI2[e]).chunk(2, dim=-1)
+        h_1D = linear(act(gate, up), w2_E[e], None if b2_ED is None else b2_ED[e])
+        y_1D += (h_1D * topk_weights_1K[:, k:k + 1]).to(h_1D.dtype)
+    return y_1D

@@ -41,6 +41,9 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(D, cfg.q_size, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(D, cfg.kv_size, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(D, cfg.kv_size, bias=cfg.qkv_bias)
+        # CPU inference fuses q/k/v into one packed GEMM (models/cpu_inference.py) and drops the three
+        self.qkv_proj: nn.Module | None = None
+        self.qkv_split = (cfg.q_size, cfg.kv_size, cfg.kv_size)
         self.o_proj = nn.Linear(cfg.q_size, D, bias=cfg.o_bias)
         if cfg.qk_norm == "per_head":  # Qwen3-MoE: over each head's H values
             self.q_norm, self.k_norm = (RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops),
@@ -58,15 +61,24 @@ class Attention(nn.Module):
                 cache: KVCache, batch: AttentionBatch) -> torch.Tensor:
         T = x_TD.shape[0]
         q_norm_w, k_norm_w = (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else (None, None)
-        q_TNH, k_TKH, v_TKH = self.stages.q_k_v_heads(self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD),
-                                                      *cos_sin, q_norm_w, k_norm_w, self.head_spec, self.ops)
+        q_TQ, k_TC, v_TC = self._projections(x_TD)
+        q_TNH, k_TKH, v_TKH = self.stages.q_k_v_heads(q_TQ, k_TC, v_TC, *cos_sin, q_norm_w, k_norm_w, self.head_spec,
+                                                      self.ops)
         o_TNH = cache.attend(self.layer, q_TNH, k_TKH, v_TKH, batch, self.scale, self.window, self.sinks)
         return self.o_proj(o_TNH.reshape(T, self.cfg.q_size))
 
+    def _projections(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q_TQ, k_TC, v_TC: with a fused qkv_proj, column slices of its one (T, Q + 2C) output."""
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x_TD).split(self.qkv_split, dim=-1)
+        return self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)
+
     def warm_up_stages(self, T: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Run the stages on T synthetic rows shaped as forward passes them (models/stages.py)."""
+        """Run the stages on T synthetic rows shaped (and strided) as forward passes them (models/stages.py)."""
         cfg = self.cfg
-        q, k, v = (torch.zeros(T, n, dtype=dtype, device=device) for n in (cfg.q_size, cfg.kv_size, cfg.kv_size))
+        q, k, v = torch.zeros(T, sum(self.qkv_split), dtype=dtype, device=device).split(self.qkv_split, dim=-1)
+        if self.qkv_proj is None:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         cos, sin = (torch.ones(T, self.rope_dim, dtype=dtype, device=device),
                     torch.zeros(T, self.rope_dim, dtype=dtype, device=device))
         q_norm_w, k_norm_w = (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else (None, None)

@@ -65,6 +65,28 @@ def test_paged_decode_sinks_and_chunks(window):
     assert empty.shape == (0, N, H)
 
 
+def test_decode_layout_is_reused_only_while_valid():
+    """The gather layout is computed once per step (same table and lengths, every layer) and
+    recomputed for other tensors, an in-place change, another window or dtype."""
+    N, K, H, S, lens = 6, 2, 16, 4, [3, 9, 13]
+    args = paged(lens, K, H, S, torch.float32, seed=2)
+    q = torch.randn(len(lens), N, H)
+
+    def check(window=None, **over):
+        a = {**args, **over}
+        ref = paged_decode_attention_reference(q, **a, scale=0.3, sliding_window=window)
+        torch.testing.assert_close(paged_decode_attention(q, **a, scale=0.3, sliding_window=window), ref,
+                                   rtol=1e-5, atol=1e-5)
+
+    check(), check()  # the second call reuses the layout
+    args["seq_lens_B"][1] -= 5  # in place: the cached layout no longer holds
+    check()
+    check(window=3)
+    check(seq_lens_B=torch.tensor([3, 1, 13]))  # a new tensor
+    args["block_table_BM"][2, :2] = args["block_table_BM"][2, :2].flip(0)
+    check()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_latent_decode_matches_reference(dtype):
     C, R, N, S, lens = 24, 8, 5, 4, [1, 9, 14]

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_linear import PackedLinear, pack_weight, packing_available
-from kernels.moe import fused_moe, fused_moe_packed
+from kernels.cpu_linear import PackedLinear, pack_weight, packed_linear, packing_available
+from kernels.moe import SwiGLU, fused_moe, fused_moe_packed, grouped_swiglu, permute, unpermute
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -34,6 +34,25 @@ def test_packed_experts_equal_fused_moe(dtype: torch.dtype) -> None:
     packed = fused_moe_packed(x, [pack_weight(w) for w in w13], [pack_weight(w) for w in w2], weights, ids)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(packed, fused_moe(x, w13, w2, weights, ids), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("K,bias", [(2, False), (4, True)])
+def test_one_token_packed_moe_is_bitwise_the_sorted_path(K: int, bias: bool) -> None:
+    """fused_moe_packed's 1-row shortcut (no sort/gather/scatter) sums in the general path's order."""
+    if not packing_available(torch.float32):
+        pytest.skip("oneDNN cannot pack float32 here")
+    torch.manual_seed(1)
+    E, D, I = 6, 32, 48
+    w13 = [pack_weight(w) for w in torch.randn(E, 2 * I, D) / 5]
+    w2 = [pack_weight(w) for w in torch.randn(E, D, I) / 5]
+    b13, b2 = (torch.randn(E, 2 * I), torch.randn(E, D)) if bias else (None, None)
+    act = SwiGLU(1.702, 7.0, 1.0) if bias else SwiGLU()
+    for _ in range(4):
+        x, ids, weights = torch.randn(1, D), torch.randperm(E)[:K][None], torch.rand(1, K)
+        x_ND, perm = permute(x, ids, E)
+        want = unpermute(grouped_swiglu(x_ND, perm.counts_E, w13, w2, linear=packed_linear, b13_EI2=b13, b2_ED=b2,
+                                        act=act), perm, weights)
+        assert torch.equal(fused_moe_packed(x, w13, w2, weights, ids, b13_EI2=b13, b2_ED=b2, act=act), want)
 
 
 def test_bf16_packing_matches_the_cpu() -> None:
