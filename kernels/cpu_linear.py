@@ -9,9 +9,16 @@ measured 1.6-1.8x faster for bf16 and 2-3.7x for float32 at 1-16 rows on our 2-c
 Legend: T rows, I input features, O output features, E experts.
 """
 import functools
+import os
 
-import torch
-from torch import nn
+# oneDNN keeps one compiled primitive (with its scratch buffers, ~0.2-0.5 MiB) per weight and row
+# count; serving sees every row count from 1 to the token budget, so its default 1,024 entries grew
+# a float32 worker's RSS by ~100 MiB within minutes of varied load (tests/test_soak.py: +11.6%).
+# 512 still holds two row counts for every weight of a 425M-parameter model. Read at first use.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 BATCH_HINT = 16  # rows oneDNN picks its blocking for; any row count works
 
