@@ -37,6 +37,7 @@ from clients.bench_metrics import (METRICS, RequestRecord, calculate_metrics, er
                                    metrics_dict, parse_goodput, per_request_dict, plot_results)
 
 ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+READY_RETRY_S = 5.0  # --ready-check-timeout-sec: seconds between test requests (vLLM's interval)
 
 
 def arrival_times(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
@@ -186,7 +187,8 @@ class HttpBackend:
     async def start(self, model: str | None) -> str:
         """Open the session and check the server answers GET /v1/models; its first id unless `model`."""
         # limit=0: aiohttp's default pool of 100 connections would silently cap concurrency.
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        if self._session is None:  # start() is retried while the server comes up
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         url = self.base + "/v1/models"
         try:
             async with self._session.get(url, headers=self.headers, timeout=aiohttp.ClientTimeout(total=30)) as r:
@@ -372,10 +374,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     requests = make_requests(args)
     backend = make_backend(args)
     try:
-        model = await backend.start(args.model)
-        probe = await backend.send(dataclasses.replace(requests[0], output_len=1))
-        if not probe.success:
-            raise BenchError(f"the test request to {args.base_url} failed: {probe.error}")
+        model = await wait_until_ready(backend, args, requests[0])
         kind = "Poisson process" if args.burstiness == 1.0 else "Gamma distribution"
         print(f"Model: {model}\nTraffic request rate: {args.request_rate}\nBurstiness factor: {args.burstiness} "
               f"({kind})\nMaximum request concurrency: {args.max_concurrency}", flush=True)
@@ -384,6 +383,35 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await backend.close()
     return report(args, model, records, duration)
+
+
+async def wait_until_ready(backend: Backend, args: argparse.Namespace, first: BenchRequest) -> str:
+    """Find the model and send one 1-token test request; the model's name. With
+    --ready-check-timeout-sec T > 0, a failure is retried every 5 s (or sooner, near the deadline)
+    until T seconds have passed, as vLLM's ready check does for a server that is still loading;
+    then the last error is raised, saying how long it waited."""
+    deadline = time.monotonic() + args.ready_check_timeout_sec
+    said = False
+    while True:
+        try:
+            model = await backend.start(args.model)
+            probe = await backend.send(dataclasses.replace(first, output_len=1))
+            if probe.success:
+                return model
+            error = BenchError(f"the test request to {args.base_url} failed: {probe.error}")
+        except BenchError as e:
+            error = e
+        left = deadline - time.monotonic()
+        if left <= 0:
+            if args.ready_check_timeout_sec > 0:
+                raise BenchError(f"{error} (still failing after --ready-check-timeout-sec "
+                                 f"{args.ready_check_timeout_sec:g})")
+            raise error
+        if not said:
+            print(f"Waiting for {args.base_url} to answer (up to {args.ready_check_timeout_sec:g} s): {error}",
+                  flush=True)
+            said = True
+        await asyncio.sleep(min(READY_RETRY_S, left))
 
 
 def report(args: argparse.Namespace, model: str, records: list[RequestRecord], duration: float) -> dict[str, Any]:
@@ -426,6 +454,17 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
             raise argparse.ArgumentTypeError(f"{text!r} must be positive")
         return value
     return parse
+
+
+def _non_negative(text: str) -> float:
+    """An argparse type: a float >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
+    return value
 
 
 def _percentiles(text: str) -> list[float]:
@@ -476,6 +515,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--goodput", type=parse_goodput, default=None, metavar="ttft:MS,tpot:MS,e2el:MS",
                    help="SLOs in ms; goodput = requests/s meeting all of them")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ready-check-timeout-sec", type=_non_negative, default=0.0, metavar="S",
+                   help="retry the test request for up to S seconds while the server starts "
+                        "(default 0: fail at once; vLLM's default is 600)")
     p.add_argument("--timeout", type=_positive(float), default=None, help="seconds per request (default: none)")
     p.add_argument("--percentile-metrics", type=_metric_names, default=list(METRICS), help="default ttft,tpot,itl,e2el")
     p.add_argument("--metric-percentiles", type=_percentiles, default=[50.0, 90.0, 99.0], help="default 50,90,99")

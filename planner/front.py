@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from clients.ready import NotReady, wait_until_healthy
+
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
@@ -59,20 +61,10 @@ def _free_port() -> int:
 
 
 def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 180.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"shuttle serve (the front's profile) exited with {proc.returncode}:\n"
-                               f"{log.read_text(errors='replace')[-4000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"shuttle serve (the front's profile) was not ready in {timeout_s:.0f} s")
+    try:
+        wait_until_healthy(url, timeout_s, proc, "shuttle serve (the front's profile)")
+    except NotReady as e:
+        raise RuntimeError(f"{e}:\n{log.read_text(errors='replace')[-4000:]}") from None
 
 
 def measure_front(model: str, dtype: str | None = None, batch: int = 32, prompts: int = 64, input_len: int = 64,

@@ -14,10 +14,9 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
+from clients.ready import NotReady, wait_until_healthy
 
 START_TIMEOUT_S = 180.0
 
@@ -39,18 +38,12 @@ class LiveServer:
         self._wait_ready()
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"shuttle serve exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"shuttle serve was not ready in {START_TIMEOUT_S:.0f} s:\n{self.log()}")
+        try:
+            wait_until_healthy(self.url, START_TIMEOUT_S, self.proc, "shuttle serve")
+        except NotReady as e:
+            if e.returncode is None:
+                self.stop()
+            raise RuntimeError(f"{e}:\n{self.log()}") from None
 
     @property
     def grpc_port(self) -> int:

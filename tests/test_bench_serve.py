@@ -301,12 +301,16 @@ def make_fake_openai_app(token_delay_s: float = 0.003):
     """FastAPI app streaming deterministic tokens " t0", " t1", ... as OpenAI does (SSE, usage chunk only
     when stream_options.include_usage). Prompt tokens = words of the prompt (chat: + 4 per message).
     Triggers: a prompt containing HTTP400 -> 400 error body; STREAMERROR -> an error object mid-stream;
-    model "no-usage" -> never a usage chunk. app.state.reported: (prompt, completion) tokens per usage sent."""
+    model "no-usage" -> never a usage chunk. app.state.reported: (prompt, completion) tokens per usage sent;
+    app.state.loading: GET /v1/models answers 503 that many more times (a server still starting)."""
     app = FastAPI()
-    app.state.reported = []
+    app.state.reported, app.state.loading = [], 0
 
-    @app.get("/v1/models")
-    async def models() -> dict:
+    @app.get("/v1/models", response_model=None)
+    async def models() -> dict | JSONResponse:
+        if app.state.loading > 0:
+            app.state.loading -= 1
+            return JSONResponse({"error": {"message": "loading", "type": "server_error", "code": 503}}, 503)
         return {"object": "list", "data": [{"id": "fake-model", "object": "model", "created": 0, "owned_by": "t"}]}
 
     async def complete(request: Request, chat: bool):
@@ -471,6 +475,23 @@ def test_end_to_end_without_usage(fake_server, tmp_path: Path, capsys):
     assert (r["completed"], r["total_output_tokens"], r["total_input_tokens"]) == (3, 12, 18)
     assert r["requests_without_usage"] == 3 and r["model"] == "no-usage"
     assert "came back without `usage`" in capsys.readouterr().out
+
+
+def test_ready_check_waits_for_a_starting_server(fake_server, monkeypatch, capsys):
+    url, app = fake_server
+    monkeypatch.setattr("clients.bench_serve.READY_RETRY_S", 0.05)
+    args = ["--base-url", url, "--num-prompts", "2", "--input-len", "4", "--output-len", "2", "--disable-tqdm"]
+    app.state.loading = 3
+    assert main([*args, "--ready-check-timeout-sec", "30"]) == 0
+    out = capsys.readouterr().out
+    assert "Waiting for" in out and "HTTP 503" in out and "Successful requests:" in out and app.state.loading == 0
+    app.state.loading = 1000  # never ready: the last error, and how long it waited
+    assert main([*args, "--ready-check-timeout-sec", "0.2"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "HTTP 503" in err and "still failing after --ready-check-timeout-sec 0.2" in err
+    app.state.loading = 1  # the default (0) fails at once, as before
+    assert main(args) == 1 and "HTTP 503" in capsys.readouterr().err
+    app.state.loading = 0
 
 
 def test_unreachable_server_is_one_line(capsys):
