@@ -132,6 +132,25 @@ class ParallelConfig:
             raise ValueError("parallel.ray_address and the pools' resources need parallel.launcher='ray'")
 
 
+def worker_threads(par: ParallelConfig, cores: int) -> tuple[int, int]:
+    """Torch threads of each attention worker and of each expert worker when the pools share one
+    host of `cores` cores: par.torch_threads for both when given. Otherwise, at m = 1 the pools take
+    turns (the attention workers wait while the experts compute, and the reverse), so each pool's
+    workers split all the cores: cores // attention_workers and cores // expert_workers. With m >= 2
+    both pools compute at once and the cores are split between all the workers, cores // (A + E):
+    torch's default of every core in every process would oversubscribe the CPU, which slows
+    OpenMP several-fold. Measured (bench/pingpong.py, 425M Mixtral-shaped model in float32, 2
+    cores, 1 + 1, m = 1, waits passive: server/launchers.py): 2 threads per worker gave 0.84 / 0.90
+    of colocated's step at batch 16 / 64 against 0.61 / 0.64 with 1 thread each; at m = 2, 2
+    threads each gave 0.48 / 0.56 (oversubscribed), below m = 1. At least 1 each."""
+    if par.torch_threads:
+        return par.torch_threads, par.torch_threads
+    if par.micro_batches == 1:
+        return max(1, cores // par.attention_workers), max(1, cores // par.expert_workers)
+    shared = max(1, cores // (par.attention_workers + par.expert_workers))
+    return shared, shared
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """model: checkpoint directory. dtype: None for the checkpoint's. device: "cpu" or "cuda".

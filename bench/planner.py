@@ -156,8 +156,7 @@ def run_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> tu
         dep = plan_deployment(plan, cores) if "--plan" in flags else parse(flags, batch, cores)
         m = measure(ckpt, flags, batch, args)
         p = predict(profile, dep, m, args)
-        over = dep.processes * dep.threads > cores if not dep.colocated else dep.threads > cores
-        over = over or "oversubscribed" in dname
+        over = dep.oversubscribed or "oversubscribed" in dname
         rows.append({"model": name, "deployment": dname, "oversubscribed": over,
                      "pred_tok_s": p["output_throughput"], "meas_tok_s": m["output_throughput"],
                      "tok_s_err": p["output_throughput"] / m["output_throughput"] - 1,

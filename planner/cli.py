@@ -167,7 +167,8 @@ def _simulate(args: argparse.Namespace) -> int:
     result = sim.run(wl)
     result["deployment"] = {"colocated": dep.colocated, "attention_workers": dep.attention_workers,
                             "expert_workers": dep.expert_workers, "micro_batches": dep.micro_batches,
-                            "torch_threads": dep.threads, "cores": dep.cores, "transport": dep.transport}
+                            "torch_threads": dep.threads, "expert_threads": dep.pool_threads[1], "cores": dep.cores,
+                            "transport": dep.transport}
     print(format_metrics(result, f"simulated: {_describe(dep)} on {profile['host']['cpu']}"))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
@@ -216,7 +217,7 @@ def _describe(dep) -> str:
     if dep.colocated:
         return f"colocated, {dep.threads} thread(s)"
     return (f"{dep.attention_workers} attention + {dep.expert_workers} expert workers, m={dep.micro_batches}, "
-            f"{dep.threads} thread(s) each, {dep.transport}")
+            f"{dep.pool_threads[0]}/{dep.pool_threads[1]} attention/expert thread(s) each, {dep.transport}")
 
 
 def format_metrics(r: dict, title: str) -> str:

@@ -77,7 +77,8 @@ class HostCandidate(Candidate):
 
 
 def _with_threads(c: Candidate, dep) -> HostCandidate:
-    return HostCandidate(**c.__dict__, torch_threads=dep.threads)
+    # Pools keep torch_threads unset: shuttle serve then applies the rule the simulation used.
+    return HostCandidate(**c.__dict__, torch_threads=dep.threads if dep.colocated else dep.torch_threads)
 
 
 def plan_file(c: Candidate, hw: dict[str, HardwareKind], shape, model_path: str, slo_ms: float,

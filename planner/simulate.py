@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attention_nodes.block_manager import BlockManager
-from attention_nodes.config import SchedulerConfig
+from attention_nodes.config import ParallelConfig, SchedulerConfig, worker_threads
 from attention_nodes.model_runner import split_micro_batches
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import ScheduledBatch, Scheduler
@@ -62,8 +62,7 @@ class SimModel:
 @dataclass(frozen=True)
 class Deployment:
     """colocated, or attention_workers + expert_workers exchanging micro_batches over `transport`.
-    torch_threads per process (None: like shuttle serve: cores / processes, at least 1; colocated:
-    every core). cores: the host's cores shared by all processes (None: each process has its own
+    torch_threads per process (None: like shuttle serve, `pool_threads`; colocated: every core). cores: the host's cores shared by all processes (None: each process has its own
     device). expert_share: the share of (token, expert) pairs each expert worker receives and
     local_experts: how many experts each holds (None: an even placement)."""
 
@@ -95,12 +94,36 @@ class Deployment:
         return 1 if self.colocated else self.attention_workers + self.expert_workers
 
     @property
-    def threads(self) -> int:
+    def pool_threads(self) -> tuple[int, int]:
+        """Torch threads of each attention worker and each expert worker (colocated: the engine's,
+        twice): torch_threads, else shuttle serve's rule on one host (attention_nodes.config.
+        worker_threads: at m = 1 the pools take turns and each gets the cores), else 1."""
         if self.torch_threads:
-            return self.torch_threads
+            return self.torch_threads, self.torch_threads
         if self.cores is None:
-            return 1
-        return self.cores if self.colocated else max(1, self.cores // self.processes)
+            return 1, 1
+        if self.colocated:
+            return self.cores, self.cores
+        return worker_threads(ParallelConfig(colocated=False, attention_workers=self.attention_workers,
+                                             expert_workers=self.expert_workers,
+                                             micro_batches=self.micro_batches), self.cores)
+
+    @property
+    def threads(self) -> int:
+        """The attention workers' (or the colocated engine's) torch threads."""
+        return self.pool_threads[0]
+
+    @property
+    def oversubscribed(self) -> bool:
+        """More threads compute at once than the host has cores: at m = 1 a pool at a time (the
+        pools take turns), else both pools together."""
+        if self.cores is None:
+            return False
+        th_a, th_e = self.pool_threads
+        if self.colocated:
+            return th_a > self.cores
+        attn, expert = self.attention_workers * th_a, self.expert_workers * th_e
+        return (max(attn, expert) if self.micro_batches == 1 else attn + expert) > self.cores
 
 
 @dataclass(frozen=True)
@@ -154,7 +177,7 @@ class Simulator:
     def step_time(self, t0: float, batches: list[ScheduledBatch], step: int = 0) -> float:
         """Simulated end time of a step that starts at t0 with these batches (one per attention worker)."""
         tok, kv, rows, seqs = self._shape(batches)
-        th, mod, dep = self.dep.threads, self.model, self.dep
+        (th, th_e), mod, dep = self.dep.pool_threads, self.model, self.dep
         A = self.perf.attention(tok, kv, th)
         H = self.perf.head(rows, tok, th)
         S = self.perf.step(seqs, th)
@@ -169,7 +192,7 @@ class Simulator:
         end, busy_a, busy_e = self._pipeline(t0, tok, A, H, S, trace)
         self.busy["attention"] += busy_a
         self.busy["experts"] += busy_e
-        return t0 + self._share_cores(end - t0, (busy_a + busy_e) * th, float(rows.sum()))
+        return t0 + self._share_cores(end - t0, busy_a * th + busy_e * th_e, float(rows.sum()))
 
     def _share_cores(self, wall: float, cpu: float, tokens: float) -> float:
         """A step's duration on a host of `dep.cores` cores shared by its workers (`cpu`: their busy
@@ -190,7 +213,7 @@ class Simulator:
                   trace: bool) -> tuple[float, float, float]:
         """The per-layer event recurrence of one disaggregated step (see the module docstring).
         Returns (end time, attention busy seconds, expert busy seconds)."""
-        mod, dep, th = self.model, self.dep, self.dep.threads
+        mod, dep, th = self.model, self.dep, self.dep.pool_threads[1]
         W, m = tok.shape
         T_i = tok.sum(0)
         pairs = self.share_e[:, None] * T_i[None, :] * mod.top_k

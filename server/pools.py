@@ -36,7 +36,7 @@ from dataclasses import asdict, replace
 from torch.distributed import TCPStore
 
 from attention_nodes import messages as wire
-from attention_nodes.config import EngineConfig
+from attention_nodes.config import EngineConfig, worker_threads
 from attention_nodes.engine import SequenceDelta, check_prompt
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.worker import AttentionWorkerSpec, run_attention_worker
@@ -162,14 +162,11 @@ class PoolEngine(Supervision):
 
     # -- start -------------------------------------------------------------------------------------
     def _spawn(self) -> None:
-        """Start the pools as processes of this host. Unless torch_threads is given, the cores are
-        shared out between the workers: both pools compute at once, and torch's default (every
-        core in every process) oversubscribes the CPU, which slows OpenMP several-fold."""
+        """Start the pools as processes of this host, with torch threads per worker from
+        worker_threads unless torch_threads is given."""
         par = self.cfg.parallel
-        if par.torch_threads is None:
-            par = replace(par, torch_threads=max(1, len(os.sched_getaffinity(0)) //
-                                                 (par.attention_workers + par.expert_workers)))
-        self._spawn_cfg = replace(self.cfg, parallel=par)
+        attention, self._expert_threads = worker_threads(par, len(os.sched_getaffinity(0)))
+        self._spawn_cfg = replace(self.cfg, parallel=replace(par, torch_threads=attention))
         names = [f"e{w}" for w in range(par.expert_workers)] + [f"a{a}" for a in range(par.attention_workers)]
         self._procs.extend(self._worker(name) for name in names)
         for p in self._procs:
@@ -186,7 +183,7 @@ class PoolEngine(Supervision):
         if name[0] == "e":
             spec = ExpertWorkerSpec(cfg.model, cfg.dtype, par.expert_device or cfg.device, cfg.kernels, rank,
                                     par.attention_workers, par.micro_batches, placement, self.transport,
-                                    store_addr, self.session, par.torch_threads, par.trace_dir, epoch)
+                                    store_addr, self.session, self._expert_threads, par.trace_dir, epoch)
             return launch(name, "expert", run_expert_worker, spec)
         spec = AttentionWorkerSpec(cfg, rank, sorted(self.eos_token_ids), placement, self.transport,
                                    store_addr, self._listener.getsockname()[:2], self.session, epoch)

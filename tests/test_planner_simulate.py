@@ -93,8 +93,14 @@ def test_front_work_delays_workers_as_busy_as_the_cores():
     p["fits"]["2"] = p["fits"]["1"]  # the same times at 2 threads
     two = [batch([1, 1])]
     assert sim(p).step_time(0.0, two) == pytest.approx(4 * MS)  # no shared host: the front costs nothing
-    # 1 + 1 on 2 cores: the workers keep the cores half busy (4 ms of work in 4 ms on 2 cores).
-    assert sim(p, cores=2).step_time(0.0, two) == pytest.approx((4 + 2 * 0.5) * MS)
+    # 1 + 1 with a thread each on 2 cores: the workers keep the cores half busy (4 ms of work in 4 ms
+    # on 2 cores).
+    assert sim(p, cores=2, torch_threads=1).step_time(0.0, two) == pytest.approx((4 + 2 * 0.5) * MS)
+    # shuttle serve's default at m = 1 (worker_threads): the pools take turns with both cores each,
+    # so the cores are always busy and the front's 2 ms land on the step.
+    assert sim(p, cores=2).dep.pool_threads == (2, 2) and not sim(p, cores=2).dep.oversubscribed
+    assert sim(p, cores=2).step_time(0.0, two) == pytest.approx((4 + 2) * MS)
+    assert sim(p, cores=2, micro_batches=2).dep.pool_threads == (1, 1)
     # Colocated on both cores: every core is busy, so the front's 2 ms land on the step.
     assert sim(p, colocated=True, torch_threads=2, cores=2).step_time(0.0, two) == pytest.approx((4 + 2) * MS)
     # Colocated on one of 2 cores: half.

@@ -15,7 +15,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from attention_nodes import messages as wire
-from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig
+from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig, worker_threads
 from attention_nodes.engine import LLMEngine
 from attention_nodes.sampling_params import SamplingParams
 from m2n_comm.m2n import Placement
@@ -77,10 +77,17 @@ NIXL_CASES = ([(tls, pools) for tls in ("tcp", "sm,self") for pools in NIXL_POOL
                          ids=["a%d-e%d-m%d-%s-%s" % (*p, f, t) for p, f, t in CASES])
 def test_greedy_equals_colocated(make_checkpoint, family, pools, transport):
     n_a, n_e, m = pools
-    par = ParallelConfig(False, n_a, n_e, m, transport, torch_threads=1)
+    default_threads = pools == (1, 1, 1)  # shuttle serve's default: worker_threads, every core each at m = 1
+    par = ParallelConfig(False, n_a, n_e, m, transport, torch_threads=None if default_threads else 1)
     engine = PoolEngine(engine_cfg(make_checkpoint(family), par), {0})
     try:
         got = run_staggered(engine, rounds=2)
+        if default_threads:
+            cores = len(os.sched_getaffinity(0))
+            assert (engine._spawn_cfg.parallel.torch_threads, engine._expert_threads) == (cores, cores)
+            # OpenMP reads its wait policy when the fork server imports torch: the workers' start environment
+            environ = open(f"/proc/{engine._procs[0].pid}/environ", "rb").read().split(b"\0")
+            assert b"OMP_WAIT_POLICY=PASSIVE" in environ
     finally:
         engine.shutdown()
     want = reference(make_checkpoint, family)
@@ -144,6 +151,20 @@ def test_killed_worker_is_reported(make_checkpoint, victim):
         engine.shutdown()
     assert elapsed < 5.0, f"reported after {elapsed:.1f} s"
     assert victim in str(err.value)
+
+
+def test_worker_threads_follow_the_pipeline():
+    """At m = 1 the pools take turns, so each pool's workers split every core; with m >= 2 both
+    pools compute at once and split the cores between all workers; --torch-threads wins."""
+    def par(a: int, e: int, m: int, threads: int | None = None) -> ParallelConfig:
+        return ParallelConfig(False, a, e, m, torch_threads=threads)
+    assert worker_threads(par(1, 1, 1), 2) == (2, 2)
+    assert worker_threads(par(2, 1, 1), 4) == (2, 4)
+    assert worker_threads(par(3, 2, 1), 2) == (1, 1)
+    assert worker_threads(par(1, 1, 2), 2) == (1, 1)
+    assert worker_threads(par(2, 2, 3), 16) == (4, 4)
+    assert worker_threads(par(2, 1, 2), 2) == (1, 1)
+    assert worker_threads(par(1, 1, 1, threads=3), 2) == (3, 3)
 
 
 def test_placement_checks():
