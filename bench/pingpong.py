@@ -13,7 +13,10 @@ at ~100x slower per FLOP than float32; the checkpoint's bf16 where the CPU has n
 new tokens each (EOS ignored), submitted at once. On this machine's 2 cores: 1 attention worker and
 1 expert worker (1 torch thread each, shm transport) with m = 1, 2, 3 micro-batches, against the
 colocated engine (experts in the attention process) with 2 torch threads: the same total threads,
-in one run. Each deployment serves every batch size in turn (one start per deployment).
+in one run, plus 'm=1 serve': m = 1 with shuttle serve's default threads on one host (the pools
+take turns at m = 1, so each worker gets every core; attention_nodes.config.worker_threads), whose
+spawned workers wait passively (server/launchers.py). Each deployment serves every batch size in
+turn (one start per deployment).
 
 Decode step time: the window from the moment every sequence has its first token to the last token,
 over the steps in it (new_tokens - 1). "vs colo" is the colocated step time over the pools' (higher
@@ -111,7 +114,7 @@ def breakdown(a: list[dict], e: list[dict], window_ns: tuple[int, int], steps: i
     return {k: v * per for k, v in r.items()}
 
 
-def run_pools(ckpt: Path, m: int, threads: int, args, trace_dir: Path, first_recv: str) -> tuple[dict, list[dict]]:
+def run_pools(ckpt: Path, m: int, threads: int | None, args, trace_dir: Path, first_recv: str) -> tuple[dict, list[dict]]:
     par = ParallelConfig(False, 1, 1, m, "shm", torch_threads=threads, trace_dir=str(trace_dir))
     engine = PoolEngine(engine_cfg(ckpt, args, par), {0})
     try:
@@ -144,6 +147,9 @@ def main() -> None:
     ap.add_argument("--pool-threads", type=int, nargs="+", default=[1],
                     help="torch threads per pool worker to run each m with (1: the two workers share the 2 cores; "
                          "2: each may use both while the other waits; rows 'm=M tT')")
+    ap.add_argument("--no-serve-default", action="store_true",
+                    help="skip the 'm=1 serve' row: m=1 with shuttle serve's default threads (at m=1 the pools "
+                         "take turns and each worker gets every core: attention_nodes.config.worker_threads)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--trace", default=None, help="Chrome trace file of the m=2 run's last steps")
     ap.add_argument("--trace-ms", type=float, default=300.0, help="how much of the end of the run to trace")
@@ -172,10 +178,15 @@ def main() -> None:
                 d = Path(tmp) / f"trace-m{m}-t{threads}"
                 d.mkdir()
                 runs[key], events[key] = run_pools(ckpt, m, threads, args, d, first_recv)
+        if not args.no_serve_default:
+            d = Path(tmp) / "trace-m1-serve"
+            d.mkdir()
+            runs["m=1 serve"], events["m=1 serve"] = run_pools(ckpt, 1, None, args, d, first_recv)
     rows = table(base, runs, args.batches)
     model = "small float32" if args.small else f"Mixtral-shaped 425M bf16 checkpoint served in {args.serving_dtype}"
     print(f"decode on {model}, 32-token prompts, {args.new_tokens} new tokens; pools: 1 attention + 1 expert "
-          f"worker, shm, torch threads each: {args.pool_threads} (rows 'tT': T threads); colocated: 2 threads")
+          f"worker, shm, torch threads each: {args.pool_threads} (rows 'tT': T threads; 'serve': shuttle serve's "
+          f"default, every core each at m=1); colocated: 2 threads")
     print_table(rows, ["batch", "run", "step ms", "vs colo", "target", "attn", "send", "wait", "engine", "control",
                        "gap", "expert", "reply", "wait_in", "wait_between"])
     if args.trace and "m=2" in events:
