@@ -11,7 +11,7 @@ from attention_nodes.config import EngineConfig
 from attention_nodes.scheduler import ScheduledBatch
 from models.config import ModelConfig
 from models.dispatcher import Dispatcher, LocalDispatcher
-from models.cpu_inference import pack_for_cpu_inference
+from models.cpu_inference import SKINNY_MAX_ROWS, half_copy_bytes, pack_for_cpu_inference
 from models.kv_cache import AttentionBatch, cache_bytes_per_block, make_paged_cache
 from models.loader import load_model
 from models.stages import compile_stages
@@ -69,7 +69,9 @@ class ModelRunner:
                  self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                  self.num_blocks * self._block_bytes() / 2 ** 30, self.model_cfg.kv_bytes_per_token(self.dtype),
                  ": MLA latents" if self.model_cfg.mla else "", self.model.ops.backend,
-                 " (weights packed for oneDNN)" if self.packed else "")
+                 "" if not self.packed else " (weights packed for oneDNN" + (
+                     f"; bf16 copies for up to {SKINNY_MAX_ROWS} rows, {half / 2 ** 30:.2f} GiB)"
+                     if (half := half_copy_bytes(self.model)) else ")"))
 
     def _block_bytes(self) -> int:
         return cache_bytes_per_block(self.model_cfg, self.block_size, self.dtype)

@@ -18,8 +18,12 @@ Part 2, decode on a Mixtral-shaped checkpoint of ~425M parameters stored in bflo
   weight bytes a step must read (every non-expert weight, the LM head, the experts B tokens x top-2
   are expected to hit) over the read bandwidth (a sum over 1 GiB). Compute floor: the step's matmul
   FLOPs over a 2048^3 matmul's rate in the run's dtype. "x_floor" is step / floor; the issue's
-  targets (1.5 / 1.3 / 1.4 / 1.25 at batch 1 / 16 / 64 / 256) are printed beside it. transformers'
-  decode step (generate) at batch <= 64 for reference.
+  targets (1.5 / 1.3 / 1.4 / 1.25 at batch 1 / 16 / 64 / 256) are printed beside it. Served in
+  float32, the memory floor counts float32 bytes; "ckpt_floor" counts the checkpoint's (bf16) bytes,
+  the floor issue 18 states, which a step can reach only by reading bf16 weights. Where the native
+  bf16 kernel runs (kernels/native.py: few rows), "onednn" is the same engine with
+  SHUTTLE_NATIVE_KERNELS=0 (oneDNN's packed float32 at every row count), and native_speedup its
+  step time over eager's. transformers' decode step (generate) at batch <= 64 for reference.
 Part 3, chunked prefill: prompts of 1024 tokens in chunks of 512 tokens per step, prompt tokens/s of
   both engines against the compute floor (matmul rate / FLOPs per token at half the prompt's context).
 The machine's matmul ISA (from /proc/cpuinfo) is printed and saved: without avx512_bf16 / amx_bf16,
@@ -27,6 +31,7 @@ bf16 matmuls are emulated and far slower than float32.
 Writes bench/results/engine.json (--quick: engine_quick.json).
 """
 import argparse
+import os
 from dataclasses import replace
 import random
 import sys
@@ -38,7 +43,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import best_of, print_table, save  # noqa: E402
+from kernels import native  # noqa: E402
 from models.builtin import make_random_checkpoint  # noqa: E402
+from models.config import ModelConfig  # noqa: E402
+from models.cpu_inference import half_copy_bytes  # noqa: E402
 from models.loader import auto_dtype  # noqa: E402
 from server import LLM, SamplingParams  # noqa: E402
 
@@ -177,19 +185,37 @@ def decode_roofline(ckpt: Path, dtype: str, batches: list[int], new_tokens: int,
     its compute floor. prefill: (prompts, prompt length, chunk). transformers runs hf_batches."""
     # Decode batches prefill in one step (a budget of every prompt token); the prefill part runs
     # with the chunk as the step budget.
-    llms = {mode: LLM(ckpt, dtype=dtype, max_num_seqs=max(batches), max_num_batched_tokens=32 * max(batches),
-                      enforce_eager=mode == "eager") for mode in ("eager", "compiled")}
+    def make(mode: str) -> LLM:
+        return LLM(ckpt, dtype=dtype, max_num_seqs=max(batches), max_num_batched_tokens=32 * max(batches),
+                   enforce_eager=mode != "compiled")
+
+    llms = {mode: make(mode) for mode in ("eager", "compiled")}
+    if native.available() and half_copy_bytes(llms["eager"].engine.runner.model):
+        # The baseline: oneDNN's packed float32 GEMMs at every row count (SHUTTLE_NATIVE_KERNELS=0).
+        os.environ[native.ENV_VAR] = "0"
+        native._library.cache_clear()
+        try:
+            llms["onednn"] = make("onednn")
+        finally:
+            del os.environ[native.ENV_VAR]
+            native._library.cache_clear()
+    ckpt_bytes = ModelConfig.from_pretrained(str(ckpt)).dtype.itemsize / llms["eager"].engine.runner.dtype.itemsize
     rows = []
     for B in batches:
         floor_mem = step_weight_bytes(llms["eager"], B) / read_bw
         floor_compute = step_flops(llms["eager"], B, 32 + new_tokens // 2) / rate
         floor = max(floor_mem, floor_compute)
-        row = {"dtype": dtype, "batch": B, "mem_floor_ms": 1e3 * floor_mem, "compute_floor_ms": 1e3 * floor_compute}
+        ckpt_floor = max(floor_mem * ckpt_bytes, floor_compute)  # the checkpoint's bytes (issue 18's floor)
+        row = {"dtype": dtype, "batch": B, "mem_floor_ms": 1e3 * floor_mem, "compute_floor_ms": 1e3 * floor_compute,
+               "ckpt_floor_ms": 1e3 * ckpt_floor}
         for mode, llm in llms.items():  # (the median ignores the first steps' allocations)
             step = decode_step_time(llm, B, 32, new_tokens)
             row[f"{mode}_ms"], row[f"{mode}_x_floor"] = 1e3 * step, step / floor
+            row[f"{mode}_x_ckpt_floor"] = step / ckpt_floor
         row["target_x_floor"] = TARGETS.get(B)
         row["compiled_speedup"] = row["eager_ms"] / row["compiled_ms"]
+        if "onednn" in llms:
+            row["native_speedup"] = row["onednn_ms"] / row["eager_ms"]
         if B in hf_batches:
             row["transformers_ms"] = 1e3 * hf_step_time(ckpt, dtype, B, new_tokens)
         rows.append(row)
@@ -269,8 +295,9 @@ def main() -> None:
             rows, pre = decode_roofline(big, dt, args.batches, new_tokens, read_bw, rates[dt], hf_batches, prefill)
             decode += rows
             prefill_rows += pre
-    print_table(decode, ["dtype", "batch", "mem_floor_ms", "compute_floor_ms", "eager_ms", "compiled_ms",
-                         "eager_x_floor", "compiled_x_floor", "target_x_floor", "compiled_speedup", "transformers_ms"])
+    print_table(decode, ["dtype", "batch", "mem_floor_ms", "compute_floor_ms", "ckpt_floor_ms", "eager_ms",
+                         "compiled_ms", "onednn_ms", "eager_x_floor", "eager_x_ckpt_floor", "compiled_x_floor",
+                         "target_x_floor", "compiled_speedup", "native_speedup", "transformers_ms"])
     print_table(prefill_rows, ["dtype", "mode", "prompts", "prompt_len", "chunk", "tok_s", "compute_floor_tok_s",
                                "x_floor"])
     path = save("engine_quick" if args.quick else "engine", {

@@ -90,7 +90,8 @@ def _serve(spec: ExpertWorkerSpec, store: TCPStore) -> None:
     pack = _pack_for_cpu if device.type == "cpu" else (lambda m: m)
     load_fn = loader_for(spec.model, cfg, spec.dtype, device, spec.kernels, pack)
     held = HeldExperts(spec.placement, load_fn(spec.placement.experts_on(spec.rank)), spec.rank, load_fn, device)
-    log.info("serving %d MoE layers, placement version %d", len(moe_layers), spec.placement.version)
+    log.info("serving %d MoE layers, placement version %d, %d torch thread(s)", len(moe_layers),
+             spec.placement.version, torch.get_num_threads())
     store.set(f"{spec.session}/up/e{spec.rank}", str(spec.epoch))  # loaded: the front may add it back now
     tracer = Tracer(f"e{spec.rank}", enabled=spec.trace_dir is not None)
     load = _Load(spec, store, tracer, device, cfg.num_experts, moe_layers)

@@ -184,16 +184,17 @@ def fused_moe_packed(
     b2_ED: torch.Tensor | None = None,
     act: SwiGLU = SILU,
 ) -> torch.Tensor:
-    """fused_moe with each expert's weights pre-packed for oneDNN (kernels/cpu_linear.py): CPU
-    inference only. w13_packed_E[e] packs w13[e] (2I, D); w2_packed_E[e] packs w2[e] (D, I);
-    biases and act as in fused_moe (the bias is added by oneDNN's linear)."""
-    from kernels.cpu_linear import packed_linear
+    """fused_moe with each expert's weights prepared for CPU inference (kernels/cpu_linear.CpuWeight:
+    packed for oneDNN, with a bf16 copy for few rows where it applies): CPU inference only.
+    w13_packed_E[e] holds w13[e] (2I, D); w2_packed_E[e] holds w2[e] (D, I); biases and act as in
+    fused_moe."""
+    from kernels.cpu_linear import cpu_linear
 
     if x_TD.shape[0] == 1:  # decode at batch 1: no sort, gather or scatter
-        return _one_token_moe(x_TD, w13_packed_E, w2_packed_E, topk_weights_TK, topk_ids_TK, packed_linear, b13_EI2,
+        return _one_token_moe(x_TD, w13_packed_E, w2_packed_E, topk_weights_TK, topk_ids_TK, cpu_linear, b13_EI2,
                               b2_ED, act)
     x_ND, perm = permute(x_TD, topk_ids_TK, len(w13_packed_E))
-    y_ND = grouped_swiglu(x_ND, perm.counts_E, w13_packed_E, w2_packed_E, linear=packed_linear, b13_EI2=b13_EI2,
+    y_ND = grouped_swiglu(x_ND, perm.counts_E, w13_packed_E, w2_packed_E, linear=cpu_linear, b13_EI2=b13_EI2,
                           b2_ED=b2_ED, act=act)
     return unpermute(y_ND, perm, topk_weights_TK)
 

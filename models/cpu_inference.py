@@ -8,18 +8,19 @@ GPU path never call this.
 import torch
 from torch import nn
 
-from kernels.cpu_linear import PackedLinear, pack_weight, packing_available
+from kernels.cpu_linear import SKINNY_MAX_ROWS, CpuWeight, PackedLinear, packing_available  # noqa: F401 (re-exported)
 from kernels.moe import SILU, SwiGLU, fused_moe_packed
 from models.moe_decoder import Attention, Experts, MoEForCausalLM
 
 
 class PackedExperts(nn.Module):
-    """Experts with per-expert packed w13 (2I, D) and w2 (D, I), their biases (if any) and activation."""
+    """Experts with per-expert w13 (2I, D) and w2 (D, I) as CpuWeights (packed for oneDNN, plus a bf16
+    copy for few rows where it applies), their biases (if any) and activation."""
 
     def __init__(self, experts: Experts | None = None):
         super().__init__()
-        self.w13_packed = [] if experts is None else [pack_weight(w) for w in experts.w13.detach()]
-        self.w2_packed = [] if experts is None else [pack_weight(w) for w in experts.w2.detach()]
+        self.w13_packed = [] if experts is None else [CpuWeight(w) for w in experts.w13.detach()]
+        self.w2_packed = [] if experts is None else [CpuWeight(w) for w in experts.w2.detach()]
         self.b13 = None if experts is None or experts.b13 is None else experts.b13.detach()
         self.b2 = None if experts is None or experts.b2 is None else experts.b2.detach()
         self.act = SILU if experts is None else experts.act
@@ -69,3 +70,13 @@ def fuse_qkv(attn: Attention) -> None:
         fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in projs]), requires_grad=False)
     attn.qkv_proj = PackedLinear(fused)
     del attn.q_proj, attn.k_proj, attn.v_proj
+
+
+def half_copy_bytes(module: nn.Module) -> int:
+    """Bytes of the bf16 copies that cpu_linear streams for few rows (kernels/cpu_linear.CpuWeight)."""
+    total = 0
+    for m in module.modules():
+        weights = [m.weight] if isinstance(m, PackedLinear) else [*m.w13_packed, *m.w2_packed] \
+            if isinstance(m, PackedExperts) else []
+        total += sum(w.half.numel() * 2 for w in weights if w.half is not None)
+    return total
