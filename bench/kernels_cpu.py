@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import print_table, save  # noqa: E402
 from kernels.attention import (cached_attention, cached_attention_reference, paged_decode_attention,  # noqa: E402
                                paged_decode_attention_reference)
-from kernels.cpu_linear import pack_weight, packed_linear, packing_available  # noqa: E402
+from kernels import native  # noqa: E402
+from kernels.cpu_linear import CpuWeight, pack_weight, packed_linear, packing_available  # noqa: E402
 from kernels.moe import fused_moe, fused_moe_packed, grouped_swiglu, permute, unpermute  # noqa: E402
 from kernels.routing import topk_route  # noqa: E402
 
@@ -129,14 +130,15 @@ class MoE:
         self.w13 = (torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).to(dtype)
         self.w2 = (torch.randn(E, D, I, generator=g) / I ** 0.5).to(dtype)
         self.packed = packing_available(dtype)
-        if self.packed:
-            self.p13, self.p2 = [pack_weight(w) for w in self.w13], [pack_weight(w) for w in self.w2]
+        if self.packed:  # as the engine holds them (CpuWeight), and their oneDNN-packed part alone
+            self.c13, self.c2 = [CpuWeight(w) for w in self.w13], [CpuWeight(w) for w in self.w2]
+            self.p13, self.p2 = [w.packed for w in self.c13], [w.packed for w in self.c2]
 
     def run(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, upcast: bool) -> torch.Tensor:
         if not self.packed:
             return fused_moe(x, self.w13, self.w2, weights, ids, **({} if upcast else {"upcast_min_rows": None}))
         if upcast:  # the engine's path (a 1-row batch takes fused_moe_packed's shortcut)
-            return fused_moe_packed(x, self.p13, self.p2, weights, ids)
+            return fused_moe_packed(x, self.c13, self.c2, weights, ids)
         x_ND, perm = permute(x, ids, E)
         return unpermute(grouped_swiglu(x_ND, perm.counts_E, self.p13, self.p2, linear=packed_linear), perm, weights)
 
@@ -188,6 +190,38 @@ def qkv_rows(batches: list[int], repeats: int, read_bw: float) -> list[dict]:
     return rows
 
 
+def skinny_rows(row_counts: list[int], repeats: int, read_bw: float) -> list[dict]:
+    """One expert's w13-sized GEMM (2I x D) at few rows, 8 distinct weights taking turns so they
+    stream from memory: baseline oneDNN's packed float32, current the native bf16 kernel
+    (kernels/native.py), which kernels.cpu_linear.cpu_linear uses up to SKINNY_MAX_ROWS rows."""
+    if not native.available():
+        print("native kernels unavailable here: no skinny rows", flush=True)
+        return []
+    g = torch.Generator().manual_seed(2)
+    ws = [(torch.randn(2 * I, D, generator=g) / D ** 0.5).bfloat16() for _ in range(8)]
+    packed = [pack_weight(w.float()) for w in ws]
+    rows = []
+    for T in row_counts:
+        x = torch.randn(T, D, generator=g)
+        turn = {"base": 0, "new": 0}
+
+        def base() -> torch.Tensor:
+            turn["base"] = (turn["base"] + 1) % len(ws)
+            return packed_linear(x, packed[turn["base"]])
+
+        def new() -> torch.Tensor:
+            turn["new"] = (turn["new"] + 1) % len(ws)
+            return native.gemm_bf16(x, ws[turn["new"]])
+
+        torch.testing.assert_close(base(), new(), atol=1e-4, rtol=1e-4)
+        t = at_threads({"base": base, "new": new}, repeats * len(ws))
+        nbytes = 2 * I * D * 2  # the bf16 weight the kernel streams
+        rows.append({"op": "skinny_gemm", "dtype": "bf16 in float32", "batch": T, **_times(t),
+                     "new_GBps": nbytes / t["new@2"] / 1e9, "mem_floor_ms": 1e3 * nbytes / read_bw})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def read_bandwidth() -> float:
     """Bytes/s of a sum over 512 MiB of float32 at 2 threads (best of 3)."""
     src = torch.ones(1 << 27)
@@ -235,6 +269,7 @@ def main() -> None:
         read_bw = read_bandwidth()
         print(f"read bandwidth {read_bw / 1e9:.1f} GB/s at 2 threads", flush=True)
         rows += qkv_rows(sorted({1, *args.batches}), repeats, read_bw)
+        rows += skinny_rows([1, 2, 4, 8, 16, 32, 64], repeats, read_bw)
     for name in args.dtypes:
         dtype = getattr(torch, name)
         rates[name] = rate = matmul_rate(dtype, 1024 if args.quick else 2048)

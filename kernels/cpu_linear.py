@@ -26,7 +26,8 @@ BATCH_HINT = 16  # rows oneDNN picks its blocking for; any row count works
 # Rows up to which cpu_linear uses the native bf16 kernel (kernels/csrc/skinny_gemm.c). Measured on
 # a 2-core AVX2 EPYC, 4096 x 1024 weights, against oneDNN's packed float32 GEMM (same run): 1.80x at
 # 1 row, 1.45x at 4, 1.06x at 16, 0.93x at 32 and 0.84x at 64 with 2 threads; 1.58x / 1.34x / 1.06x
-# / 0.91x / 0.88x with 1 (bench/kernels_cpu.py's skinny table).
+# / 0.91x / 0.88x with 1. bench/kernels_cpu.py's skinny_gemm rows repeat it (another run: 1.26x /
+# 1.29x / 0.99x / 0.87x / 0.83x at 1 / 4 / 16 / 32 / 64 rows, 2 threads).
 SKINNY_MAX_ROWS = 16
 
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_linear import PackedLinear, pack_weight, packed_linear, packing_available
+from kernels.cpu_linear import CpuWeight, PackedLinear, cpu_linear, packing_available
 from kernels.moe import SwiGLU, fused_moe, fused_moe_packed, grouped_swiglu, permute, unpermute
 
 
@@ -31,26 +31,28 @@ def test_packed_experts_equal_fused_moe(dtype: torch.dtype) -> None:
     x = torch.randn(T, D).to(dtype)
     ids = torch.randint(0, E, (T, K))
     weights = torch.rand(T, K)
-    packed = fused_moe_packed(x, [pack_weight(w) for w in w13], [pack_weight(w) for w in w2], weights, ids)
+    packed = fused_moe_packed(x, [CpuWeight(w) for w in w13], [CpuWeight(w) for w in w2], weights, ids)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(packed, fused_moe(x, w13, w2, weights, ids), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("K,bias", [(2, False), (4, True)])
-def test_one_token_packed_moe_is_bitwise_the_sorted_path(K: int, bias: bool) -> None:
-    """fused_moe_packed's 1-row shortcut (no sort/gather/scatter) sums in the general path's order."""
+@pytest.mark.parametrize("K,bias,bf16_exact", [(2, False, False), (4, True, False), (2, False, True)])
+def test_one_token_packed_moe_is_bitwise_the_sorted_path(K: int, bias: bool, bf16_exact: bool) -> None:
+    """fused_moe_packed's 1-row shortcut (no sort/gather/scatter) sums in the general path's order
+    (bf16_exact: weights a bf16 checkpoint upcast, which the native kernel streams where it runs)."""
     if not packing_available(torch.float32):
         pytest.skip("oneDNN cannot pack float32 here")
     torch.manual_seed(1)
     E, D, I = 6, 32, 48
-    w13 = [pack_weight(w) for w in torch.randn(E, 2 * I, D) / 5]
-    w2 = [pack_weight(w) for w in torch.randn(E, D, I) / 5]
+    cast = (lambda w: w.bfloat16().float()) if bf16_exact else (lambda w: w)
+    w13 = [CpuWeight(cast(w)) for w in torch.randn(E, 2 * I, D) / 5]
+    w2 = [CpuWeight(cast(w)) for w in torch.randn(E, D, I) / 5]
     b13, b2 = (torch.randn(E, 2 * I), torch.randn(E, D)) if bias else (None, None)
     act = SwiGLU(1.702, 7.0, 1.0) if bias else SwiGLU()
     for _ in range(4):
         x, ids, weights = torch.randn(1, D), torch.randperm(E)[:K][None], torch.rand(1, K)
         x_ND, perm = permute(x, ids, E)
-        want = unpermute(grouped_swiglu(x_ND, perm.counts_E, w13, w2, linear=packed_linear, b13_EI2=b13, b2_ED=b2,
+        want = unpermute(grouped_swiglu(x_ND, perm.counts_E, w13, w2, linear=cpu_linear, b13_EI2=b13, b2_ED=b2,
                                         act=act), perm, weights)
         assert torch.equal(fused_moe_packed(x, w13, w2, weights, ids, b13_EI2=b13, b2_ED=b2, act=act), want)
 
