@@ -90,16 +90,20 @@ def measure(ckpt: Path, flags: list[str], batch: int, args) -> dict:
 
     n = max(args.min_prompts, 2 * batch) if batch < 256 else batch
     dtype = [] if args.serve_dtype == "auto" else ["--dtype", args.serve_dtype]
-    base = ["--input-len", str(args.input_len), "--max-concurrency", str(batch), "--ignore-eos", "--disable-tqdm",
-            "--seed", "0"]
+    base = ["--input-len", str(args.input_len), "--max-concurrency", str(batch), "--ignore-eos", "--disable-tqdm"]
     runs = []
     with LiveServer(["--model", str(ckpt), "--max-num-seqs", str(batch), *dtype, *flags]) as srv:
         url = ["--base-url", srv.url]
+        # Every run draws other prompts (its own --seed): a prompt the server saw before is served from
+        # its prefix cache, and the simulated workload has no repeated prompt. (With one seed for all,
+        # the measured runs re-sent the warm-up's prompts: half the prompts at batch < 256, all at
+        # 256, were prefilled from the cache.)
         with contextlib.redirect_stdout(io.StringIO()):  # first calls, allocations, oneDNN's caches
-            run_bench([*url, *base, "--num-prompts", str(batch), "--output-len", str(min(4, args.output_len))])
-        for _ in range(args.repeats):
+            run_bench([*url, *base, "--seed", "1000", "--num-prompts", str(batch), "--output-len",
+                       str(min(4, args.output_len))])
+        for i in range(args.repeats):
             cpu0, client0 = tree_cpu(srv.proc.pid), _client_cpu()
-            m = run_bench([*url, *base, "--num-prompts", str(n), "--output-len", str(args.output_len)])
+            m = run_bench([*url, *base, "--seed", str(i), "--num-prompts", str(n), "--output-len", str(args.output_len)])
             cpu1, client1 = tree_cpu(srv.proc.pid), _client_cpu()
             m["cpu_s_per_token"] = _cpu_by_role(srv.proc.pid, cpu0, cpu1, client1 - client0, m["total_output_tokens"])
             m["load_average"] = os.getloadavg()[0]

@@ -83,12 +83,12 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 32, prompts
         try:
             _wait_ready(proc, url, Path(log.name))
             args = ["--base-url", url, "--input-len", str(input_len), "--output-len", str(output_len),
-                    "--max-concurrency", str(batch), "--ignore-eos", "--disable-tqdm", "--seed", "0"]
+                    "--max-concurrency", str(batch), "--ignore-eos", "--disable-tqdm"]
             with contextlib.redirect_stdout(io.StringIO()):  # bench serve prints its table
-                run_bench([*args, "--num-prompts", str(batch)])  # warm-up: first calls, allocations
+                run_bench([*args, "--num-prompts", str(batch), "--seed", "1000"])  # warm-up: first calls, allocations
             t0, c0, w0 = tree_cpu(proc.pid), _client_cpu(), time.perf_counter()
-            with contextlib.redirect_stdout(io.StringIO()):
-                m = run_bench([*args, "--num-prompts", str(prompts)])
+            with contextlib.redirect_stdout(io.StringIO()):  # other prompts: none from the prefix cache
+                m = run_bench([*args, "--num-prompts", str(prompts), "--seed", "0"])
             t1, c1, w1 = tree_cpu(proc.pid), _client_cpu(), time.perf_counter()
         finally:
             proc.terminate()
