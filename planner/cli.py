@@ -88,8 +88,9 @@ def format_profile(p: dict) -> str:
     if p.get("front"):
         fr = p["front"]
         lines.append(f"  front {fr['front_s_per_token'] * 1e6:.0f} us + load generator "
-                     f"{fr['client_s_per_token'] * 1e6:.0f} us of CPU per output token (served 1 + 1 run, "
-                     f"{fr['tokens']} tokens)")
+                     f"{fr['client_s_per_token'] * 1e6:.0f} us of CPU per output token, "
+                     f"{fr.get('front_s_per_request', 0) * 1e6:.0f} + {fr.get('client_s_per_request', 0) * 1e6:.0f} us "
+                     f"per request (served 1 + 1 runs, {fr['tokens']} tokens)")
     return "\n".join(lines)
 
 

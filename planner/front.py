@@ -68,28 +68,39 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 
 
 
 def measure_front(model: str, dtype: str | None = None, batch: int = 32, prompts: int = 64, input_len: int = 64,
-                  output_len: int = 16) -> dict:
-    """Serve `model` as a 1 + 1 pool with one torch thread per worker and measure, per output token,
-    the CPU seconds of the front process and of the load generator (and of the workers). Returns
-    {"front_s_per_token", "client_s_per_token", "workers_s_per_token", "tokens", "wall_s"}."""
+                  output_len: int = 16, short_len: int = 4) -> dict:
+    """Serve `model` as a 1 + 1 pool with one torch thread per worker and measure the CPU seconds of
+    the front process and of the load generator, per output token and per request: two runs of
+    `prompts` requests, `output_len` and `short_len` tokens each, solve cpu = per_request x requests
+    + per_token x tokens (each >= 0). Returns {"front_s_per_token", "front_s_per_request",
+    "client_s_per_token", "client_s_per_request", "workers_s_per_token", "tokens", "wall_s"} (the
+    workers' and the wall time of the longer run)."""
     from clients.bench_serve import run_bench
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
+    runs = []
     with tempfile.NamedTemporaryFile("w+", prefix="shuttle-profile-front-", suffix=".log") as log:
         cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--port", str(port),
                "--torch-threads", "1", "--max-num-seqs", str(batch), *(["--dtype", dtype] if dtype else [])]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             _wait_ready(proc, url, Path(log.name))
-            args = ["--base-url", url, "--input-len", str(input_len), "--output-len", str(output_len),
-                    "--max-concurrency", str(batch), "--ignore-eos", "--disable-tqdm"]
+            args = ["--base-url", url, "--input-len", str(input_len), "--max-concurrency", str(batch), "--ignore-eos",
+                    "--disable-tqdm"]
             with contextlib.redirect_stdout(io.StringIO()):  # bench serve prints its table
-                run_bench([*args, "--num-prompts", str(batch), "--seed", "1000"])  # warm-up: first calls, allocations
-            t0, c0, w0 = tree_cpu(proc.pid), _client_cpu(), time.perf_counter()
-            with contextlib.redirect_stdout(io.StringIO()):  # other prompts: none from the prefix cache
-                m = run_bench([*args, "--num-prompts", str(prompts), "--seed", "0"])
-            t1, c1, w1 = tree_cpu(proc.pid), _client_cpu(), time.perf_counter()
+                run_bench([*args, "--num-prompts", str(batch), "--seed", "1000",  # warm-up: first calls, allocations
+                           "--output-len", str(output_len)])
+            for seed, length in enumerate((output_len, short_len)):
+                t0, c0, w0 = tree_cpu(proc.pid), _client_cpu(), time.perf_counter()
+                with contextlib.redirect_stdout(io.StringIO()):  # other prompts: none from the prefix cache
+                    m = run_bench([*args, "--num-prompts", str(prompts), "--seed", str(seed), "--output-len",
+                                   str(length)])
+                t1, c1, w1 = tree_cpu(proc.pid), _client_cpu(), time.perf_counter()
+                workers = sum(cpu - t0[p][1] for p, (title, cpu) in t1.items() if p in t0 and title.startswith("shuttle-"))
+                runs.append({"tokens": max(int(m["total_output_tokens"]), 1), "requests": max(int(m["completed"]), 1),
+                             "front": t1[proc.pid][1] - t0[proc.pid][1], "client": c1 - c0, "workers": workers,
+                             "wall": w1 - w0})
         finally:
             proc.terminate()
             try:
@@ -97,8 +108,22 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 32, prompts
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    tokens = max(int(m["total_output_tokens"]), 1)
-    front = t1[proc.pid][1] - t0[proc.pid][1]
-    workers = sum(cpu - t0[p][1] for p, (title, cpu) in t1.items() if p in t0 and title.startswith("shuttle-"))
-    return {"front_s_per_token": front / tokens, "client_s_per_token": (c1 - c0) / tokens,
-            "workers_s_per_token": workers / tokens, "tokens": tokens, "wall_s": w1 - w0}
+    long, short = runs
+    out = {"workers_s_per_token": long["workers"] / long["tokens"], "tokens": long["tokens"], "wall_s": long["wall"]}
+    for who in ("front", "client"):
+        out[f"{who}_s_per_token"], out[f"{who}_s_per_request"] = split_per_request(long, short, who)
+    return out
+
+
+def split_per_request(long: dict, short: dict, who: str) -> tuple[float, float]:
+    """(seconds per token, seconds per request) of `who`'s CPU from two runs of different output
+    lengths: cpu = per_request x requests + per_token x tokens, both kept >= 0 (noise can make the
+    difference negative: then everything is charged per token, as before the split)."""
+    d_tok = long["tokens"] - short["tokens"] * long["requests"] / short["requests"]
+    per_token = (long[who] - short[who] * long["requests"] / short["requests"]) / d_tok if d_tok > 0 else -1.0
+    if not per_token > 0:
+        return long[who] / long["tokens"], 0.0
+    per_request = (long[who] - per_token * long["tokens"]) / long["requests"]
+    if per_request < 0:
+        return long[who] / long["tokens"], 0.0
+    return per_token, per_request

@@ -37,6 +37,9 @@ class ProfilePerf:
         self.sends = {b: Fit.from_dict(f["send"]) for b, f in profile["transfer"].items() if "send" in f}
         fr = profile.get("front") or {}  # profiles without it (older, or --no-front): no front work
         self.front_s_per_token = fr.get("front_s_per_token", 0.0) + fr.get("client_s_per_token", 0.0)
+        # Per request (older profiles: none, all of it per token): parsing, tokenizing and admitting
+        # a request in the front, building and sending it in the load generator; one at a time.
+        self.front_s_per_request = fr.get("front_s_per_request", 0.0) + fr.get("client_s_per_request", 0.0)
 
     def _fit(self, name: str, threads: int) -> tuple[Fit, float]:
         t = min(self.fits, key=lambda k: (abs(k - threads), -k))
@@ -60,6 +63,10 @@ class ProfilePerf:
 
     def front(self, tokens):
         return self.front_s_per_token * np.asarray(tokens, dtype=float)
+
+    def front_request(self) -> float:
+        """CPU seconds the front and the load generator spend on one request, before the engine has it."""
+        return self.front_s_per_request
 
     def send(self, nbytes, backend: str = "shm"):
         """The sender's own CPU per message (packing, copying into the slot); 0 if not profiled."""
@@ -118,6 +125,10 @@ class RooflinePerf:
         pairs, active = np.asarray(pairs, dtype=float), np.asarray(active, dtype=float)
         t = self._roof(self.expert_hw, pairs * s.expert_flops_per_pair(), active * s.expert_params() * s.dtype_bytes)
         return np.where(pairs > 0, t + self.eff.layer_overhead_us * 1e-6, 0.0)
+
+    def front_request(self) -> float:
+        """Not in the catalogue: no per-request cost."""
+        return 0.0
 
     def front(self, tokens):
         """The front runs on its own host here: it takes no core from the workers."""

@@ -157,6 +157,7 @@ class Simulator:
         self.p_send_e = 1.0 - (1.0 - np.minimum(self.share_e, 1.0)) ** model.top_k if n_e > 1 else np.ones(1)
         self.trace_steps, self.events = trace_steps, []
         self.busy = {"attention": 0.0, "experts": 0.0}
+        self._front_backlog = 0.0  # per-request front CPU not yet charged to a step (run)
 
     # -- one step -------------------------------------------------------------------------------
     def _shape(self, batches: list[ScheduledBatch]) -> tuple[np.ndarray, ...]:
@@ -205,7 +206,8 @@ class Simulator:
         cores = self.dep.cores
         if not cores or wall <= 0:
             return wall
-        front = float(self.perf.front(tokens))
+        front = float(self.perf.front(tokens)) + self._front_backlog
+        self._front_backlog = 0.0
         busy = min(1.0, cpu / (cores * wall))
         return max(wall + front * busy, (cpu + front) / cores)
 
@@ -289,11 +291,16 @@ class Simulator:
         inbox: list[tuple[float, int]] = []  # (send time, request) not yet seen by the engine
         params = SamplingParams(max_tokens=wl.output_len, temperature=0.0, ignore_eos=True)
         t, step, done = 0.0, 0, 0
+        per_request, front_free = self.perf.front_request(), 0.0
         while done < wl.num_prompts:
             while pending and free_slots:  # a free slot goes to the next request, from its arrival
                 r = pending.popleft()
                 send[r] = max(arrivals[r], heapq.heappop(free_slots))
-                heapq.heappush(inbox, (send[r], r))
+                # The front takes requests one at a time: the engine sees this one when the front is
+                # through with it (and the ones before it); its CPU lands on the next step.
+                front_free = max(send[r], front_free) + per_request
+                self._front_backlog += per_request
+                heapq.heappush(inbox, (front_free, r))
             while inbox and inbox[0][0] <= t:
                 _, r = heapq.heappop(inbox)
                 ids = rng.integers(2, 1 << 30, wl.input_len).tolist()

@@ -93,3 +93,15 @@ def test_profile_errors_exit_2(tmp_path, capsys):
     assert "config.json" in capsys.readouterr().err
     assert main(["profile", "--transport", "rdma", "--out", str(tmp_path / "p.json")]) == 2
     assert "rdma" in capsys.readouterr().err
+
+
+def test_front_cpu_splits_into_per_request_and_per_token():
+    from planner.front import split_per_request
+
+    def run(tokens: int, per_request: float, per_token: float) -> dict:
+        return {"requests": 64, "tokens": tokens, "front": 64 * per_request + tokens * per_token}
+    assert split_per_request(run(1024, 2e-3, 1e-4), run(256, 2e-3, 1e-4), "front") == pytest.approx((1e-4, 2e-3))
+    # Noise that makes the short run dearer per request than the long one: all of it per token.
+    long, short = run(1024, 0.0, 1e-4), run(256, 0.0, 1e-4)
+    short["front"] *= 5
+    assert split_per_request(long, short, "front") == pytest.approx((long["front"] / 1024, 0.0))

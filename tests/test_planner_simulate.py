@@ -166,3 +166,17 @@ def test_simulate_command_json_trace_and_errors(tmp_path, capsys):
     assert "tcp" in capsys.readouterr().err
     assert main(["simulate", "--profile", str(prof), "--micro-batches", "5"]) == 2
     assert "micro_batches" in capsys.readouterr().err
+
+
+def test_the_front_admits_requests_one_at_a_time():
+    """A per-request front cost (profile front_s_per_request + client_s_per_request) admits
+    requests that all arrive at t=0 one after another: the i-th reaches the engine at (i+1) x that
+    cost, so each first token comes that much later than alone (steps far shorter than the cost)."""
+    p = profile(a=0.1, e=0.1, layers=1)
+    alone = sim(p, colocated=True).run(Workload(num_prompts=1, input_len=1, output_len=2))["mean_ttft_ms"]
+    p["front"] = {"front_s_per_token": 0.0, "front_s_per_request": 8 * MS, "client_s_per_request": 2 * MS}
+    r = sim(p, colocated=True).run(Workload(num_prompts=3, input_len=1, output_len=2))
+    assert r["mean_ttft_ms"] == pytest.approx(alone + (10 + 20 + 30) / 3)
+    assert ProfilePerf(p).front_request() == pytest.approx(10 * MS)
+    del p["front"]  # older profiles: no per-request cost
+    assert ProfilePerf(p).front_request() == 0.0
