@@ -21,9 +21,10 @@ Part 2, decode on a Mixtral-shaped checkpoint of ~425M parameters stored in bflo
   targets (1.5 / 1.3 / 1.4 / 1.25 at batch 1 / 16 / 64 / 256) are printed beside it. Served in
   float32, the memory floor counts float32 bytes; "ckpt_floor" counts the checkpoint's (bf16) bytes,
   the floor issue 18 states, which a step can reach only by reading bf16 weights. Where the native
-  bf16 kernel runs (kernels/native.py: few rows), "onednn" is the same engine with
-  SHUTTLE_NATIVE_KERNELS=0 (oneDNN's packed float32 at every row count), and native_speedup its
-  step time over eager's. transformers' decode step (generate) at batch <= 64 for reference.
+  kernels run (kernels/native.py: the bf16 GEMM for few rows when serving float32, the paged decode
+  attention), "native_off" is the same engine with SHUTTLE_NATIVE_KERNELS=0 (oneDNN's packed GEMMs
+  at every row count, torch's flash attention over gathered pages), and native_speedup its step
+  time over eager's. transformers' decode step (generate) at batch <= 64 for reference.
 Part 3, chunked prefill: prompts of 1024 tokens in chunks of 512 tokens per step, prompt tokens/s of
   both engines against the compute floor (matmul rate / FLOPs per token at half the prompt's context).
 The machine's matmul ISA (from /proc/cpuinfo) is printed and saved: without avx512_bf16 / amx_bf16,
@@ -31,6 +32,7 @@ bf16 matmuls are emulated and far slower than float32.
 Writes bench/results/engine.json (--quick: engine_quick.json).
 """
 import argparse
+import contextlib
 import os
 from dataclasses import replace
 import random
@@ -46,7 +48,6 @@ from bench.common import best_of, print_table, save  # noqa: E402
 from kernels import native  # noqa: E402
 from models.builtin import make_random_checkpoint  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
-from models.cpu_inference import half_copy_bytes  # noqa: E402
 from models.loader import auto_dtype  # noqa: E402
 from server import LLM, SamplingParams  # noqa: E402
 
@@ -178,6 +179,18 @@ def step_weight_bytes(llm: LLM, B: int) -> float:
 TARGETS = {1: 1.5, 16: 1.3, 64: 1.4, 256: 1.25}  # issue 18: step time / floor at or under these
 
 
+@contextlib.contextmanager
+def native_off():
+    """Everything inside runs without the native kernels (SHUTTLE_NATIVE_KERNELS=0)."""
+    os.environ[native.ENV_VAR] = "0"
+    native._library.cache_clear()
+    try:
+        yield
+    finally:
+        del os.environ[native.ENV_VAR]
+        native._library.cache_clear()
+
+
 def decode_roofline(ckpt: Path, dtype: str, batches: list[int], new_tokens: int, read_bw: float, rate: float,
                     hf_batches: list[int], prefill: tuple[int, int, int]) -> tuple[list[dict], list[dict]]:
     """Decode step time per batch size, eager and compiled side by side, against the floor
@@ -190,15 +203,12 @@ def decode_roofline(ckpt: Path, dtype: str, batches: list[int], new_tokens: int,
                    enforce_eager=mode != "compiled")
 
     llms = {mode: make(mode) for mode in ("eager", "compiled")}
-    if native.available() and half_copy_bytes(llms["eager"].engine.runner.model):
-        # The baseline: oneDNN's packed float32 GEMMs at every row count (SHUTTLE_NATIVE_KERNELS=0).
-        os.environ[native.ENV_VAR] = "0"
-        native._library.cache_clear()
-        try:
-            llms["onednn"] = make("onednn")
-        finally:
-            del os.environ[native.ENV_VAR]
-            native._library.cache_clear()
+    if native.available():
+        # The baseline: no native kernels (SHUTTLE_NATIVE_KERNELS=0): oneDNN's packed GEMMs at every
+        # row count, torch's flash attention over gathered pages. The GEMMs are chosen when the
+        # weights are packed, the attention at each call: both under native_off().
+        with native_off():
+            llms["native_off"] = make("native_off")
     ckpt_bytes = ModelConfig.from_pretrained(str(ckpt)).dtype.itemsize / llms["eager"].engine.runner.dtype.itemsize
     rows = []
     for B in batches:
@@ -209,13 +219,14 @@ def decode_roofline(ckpt: Path, dtype: str, batches: list[int], new_tokens: int,
         row = {"dtype": dtype, "batch": B, "mem_floor_ms": 1e3 * floor_mem, "compute_floor_ms": 1e3 * floor_compute,
                "ckpt_floor_ms": 1e3 * ckpt_floor}
         for mode, llm in llms.items():  # (the median ignores the first steps' allocations)
-            step = decode_step_time(llm, B, 32, new_tokens)
+            with native_off() if mode == "native_off" else contextlib.nullcontext():
+                step = decode_step_time(llm, B, 32, new_tokens)
             row[f"{mode}_ms"], row[f"{mode}_x_floor"] = 1e3 * step, step / floor
             row[f"{mode}_x_ckpt_floor"] = step / ckpt_floor
         row["target_x_floor"] = TARGETS.get(B)
         row["compiled_speedup"] = row["eager_ms"] / row["compiled_ms"]
-        if "onednn" in llms:
-            row["native_speedup"] = row["onednn_ms"] / row["eager_ms"]
+        if "native_off" in llms:
+            row["native_speedup"] = row["native_off_ms"] / row["eager_ms"]
         if B in hf_batches:
             row["transformers_ms"] = 1e3 * hf_step_time(ckpt, dtype, B, new_tokens)
         rows.append(row)
@@ -224,7 +235,8 @@ def decode_roofline(ckpt: Path, dtype: str, batches: list[int], new_tokens: int,
     for mode, llm in llms.items():
         sched = llm.engine.scheduler
         sched.cfg = replace(sched.cfg, max_num_batched_tokens=chunk)
-        tok_s = prefill_tok_s(llm, n, length)
+        with native_off() if mode == "native_off" else contextlib.nullcontext():
+            tok_s = prefill_tok_s(llm, n, length)
         floor_tok_s = rate / step_flops(llm, 1, length // 2)
         pre.append({"dtype": dtype, "mode": mode, "prompts": n, "prompt_len": length, "chunk": chunk,
                     "tok_s": tok_s, "compute_floor_tok_s": floor_tok_s, "x_floor": floor_tok_s / tok_s})
@@ -296,7 +308,7 @@ def main() -> None:
             decode += rows
             prefill_rows += pre
     print_table(decode, ["dtype", "batch", "mem_floor_ms", "compute_floor_ms", "ckpt_floor_ms", "eager_ms",
-                         "compiled_ms", "onednn_ms", "eager_x_floor", "eager_x_ckpt_floor", "compiled_x_floor",
+                         "compiled_ms", "native_off_ms", "eager_x_floor", "eager_x_ckpt_floor", "compiled_x_floor",
                          "target_x_floor", "compiled_speedup", "native_speedup", "transformers_ms"])
     print_table(prefill_rows, ["dtype", "mode", "prompts", "prompt_len", "chunk", "tok_s", "compute_floor_tok_s",
                                "x_floor"])

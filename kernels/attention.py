@@ -22,6 +22,8 @@ over every page, any device) are the oracles and the baselines of bench/kernels_
 import torch
 import torch.nn.functional as F
 
+from kernels import native
+
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 CHUNK_BYTES = 256 << 20  # cap on the gathered K plus V of one flash call; bigger batches go in chunks
 
@@ -264,6 +266,30 @@ def _paged_flash(q_BNH: torch.Tensor, k_cache_PSKH: torch.Tensor, v_cache_PSKH: 
                                          bias_BS[i:i + step], scale, sinks_N) for i in range(0, B, step)])
 
 
+def _native_decode_ok(q_BNH: torch.Tensor, k_cache_PSKH: torch.Tensor, v_cache_PSKH: torch.Tensor) -> bool:
+    """Whether the native kernel (kernels/csrc/paged_attention.c) takes this decode batch: it runs
+    here, no autograd, bf16 or float32 caches of one dtype with contiguous heads."""
+    return (k_cache_PSKH.dtype in native.ATTENTION_DTYPES and v_cache_PSKH.dtype == k_cache_PSKH.dtype
+            and k_cache_PSKH.stride(-1) == 1 and v_cache_PSKH.stride(-1) == 1 and q_BNH.shape[0] > 0
+            and not (torch.is_grad_enabled() and q_BNH.requires_grad) and native.available())
+
+
+def _paged_native(q_BNH: torch.Tensor, k_cache_PSKH: torch.Tensor, v_cache_PSKH: torch.Tensor,
+                  block_table_BM: torch.Tensor, seq_lens_B: torch.Tensor, scale: float, sliding_window: int | None,
+                  sinks_N: torch.Tensor | None) -> torch.Tensor:
+    """paged_decode_attention by the native kernel: the pages are read in place, no gather."""
+    B, N, H = q_BNH.shape
+    K = k_cache_PSKH.shape[2]
+    lens_B = seq_lens_B.long().contiguous()
+    start_B = (lens_B - sliding_window).clamp_(min=0) if sliding_window else torch.zeros_like(lens_B)
+    q_BKGH = q_BNH.float().reshape(B, K, N // K, H).contiguous()
+    o_BKGH, lse_BKG = native.paged_decode_attention(q_BKGH, k_cache_PSKH, v_cache_PSKH,
+                                                    block_table_BM.long().contiguous(), start_B, lens_B, scale)
+    if sinks_N is not None:
+        o_BKGH.mul_(torch.sigmoid(lse_BKG - sinks_N.float().view(1, K, N // K))[..., None])
+    return o_BKGH.view(B, N, H).to(q_BNH.dtype)
+
+
 def paged_decode_attention(
     q_BNH: torch.Tensor,
     k_cache_PSKH: torch.Tensor,
@@ -288,6 +314,9 @@ def paged_decode_attention(
     if q_BNH.device.type != "cpu":
         return paged_decode_attention_reference(q_BNH, k_cache_PSKH, v_cache_PSKH, block_table_BM, seq_lens_B, scale,
                                                 sliding_window, sinks_N)
+    if _native_decode_ok(q_BNH, k_cache_PSKH, v_cache_PSKH):
+        return _paged_native(q_BNH, k_cache_PSKH, v_cache_PSKH, block_table_BM, seq_lens_B, scale, sliding_window,
+                             sinks_N)
     return _paged_flash(q_BNH, k_cache_PSKH, v_cache_PSKH, block_table_BM, seq_lens_B, scale, sliding_window,
                         sinks_N).to(q_BNH.dtype)
 

@@ -106,3 +106,27 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = cpu_linear(x.reshape(-1, self.in_features), self.weight, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
+
+
+class ExpertPanels:
+    """One expert's weight for kernels/native.fused_moe_bf16 (bf16 on a CPU with AVX-512 BF16), in
+    place of a CpuWeight: `panels` from native.pack_panels32. gate_up=True: w (2I, D) holds the gate
+    rows then the up rows; each panel of 32 outputs gets 16 gate rows and the same 16 up rows (each
+    half zero-padded to a multiple of 16 rows, I16), so the kernel's epilogue has both to multiply.
+    Else w is the down projection (D, I), its inputs zero-padded to I16."""
+
+    __slots__ = ("panels", "out_features", "in_features", "inter_padded")
+    half = None  # (no bf16 copy for cpu_linear: these weights are only the fused kernel's)
+
+    def __init__(self, w: torch.Tensor, gate_up: bool, inter: int):
+        w = w.detach().to(torch.bfloat16)
+        self.out_features, self.in_features = w.shape
+        self.inter_padded = -(-inter // 16) * 16
+        if gate_up:
+            gate, up = w.chunk(2)
+            halves = [torch.zeros(self.inter_padded, w.shape[1], dtype=w.dtype) for _ in range(2)]
+            halves[0][:inter], halves[1][:inter] = gate, up
+            rows = torch.stack([h.view(-1, 16, w.shape[1]) for h in halves], dim=1)  # (I16/16, 2, 16, D)
+            self.panels = native.pack_panels32(rows.reshape(-1, w.shape[1]), w.shape[1])
+        else:
+            self.panels = native.pack_panels32(w, self.inter_padded)

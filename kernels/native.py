@@ -1,10 +1,18 @@
 """Our C kernels for the CPU, built on first use with the system's C compiler and loaded with ctypes.
 
-Today one kernel: `gemm_bf16`, y = x W^T with W in bfloat16 and x, y in float32, for decode's few
-rows (kernels/csrc/skinny_gemm.c; kernels/cpu_linear.py decides when it runs). Building it takes
-about half a second (`cc -O3 -mavx2 -mfma -fopenmp`, no torch headers), so a fresh machine pays that
-once; the library is cached under $XDG_CACHE_HOME/shuttle (default ~/.cache/shuttle) by the
-source's hash, written atomically (worker processes may build it at the same time).
+- `gemm_bf16`: y = x W^T with W in bfloat16 and x, y in float32, for decode's few rows
+  (kernels/csrc/skinny_gemm.c; kernels/cpu_linear.py decides when it runs).
+- `paged_decode_attention`: one query token per sequence against a paged bf16 or float32 KV cache,
+  read in place (kernels/csrc/paged_attention.c; kernels/attention.py decides when it runs).
+- `fused_moe_bf16`: a whole bf16 MoE block (SiLU experts) in one call with AVX-512 BF16's dot
+  products (kernels/csrc/moe_avx512bf16.c; models/cpu_inference.PackedExperts decides), on weights
+  packed by `pack_panels32`. Compiled with a target attribute, called only where the CPU has
+  AVX-512 BF16 (`avx512_bf16()`); everything else in the library needs AVX2 + FMA only.
+
+Every source in kernels/csrc/ goes into one library. Building it takes about a second (`cc -O3
+-mavx2 -mfma -fopenmp`, no torch headers), so a fresh machine pays that once; the library is cached
+under $XDG_CACHE_HOME/shuttle (default ~/.cache/shuttle) by the sources' hash, written atomically
+(worker processes may build it at the same time).
 
 Unavailable (and everything keeps its oneDNN/torch path, with one INFO line saying why) where the
 CPU lacks AVX2 + FMA, no C compiler is found, the build fails, or SHUTTLE_NATIVE_KERNELS=0; this
@@ -25,7 +33,7 @@ import torch
 
 log = logging.getLogger("shuttle")
 ENV_VAR = "SHUTTLE_NATIVE_KERNELS"
-SOURCE = Path(__file__).with_name("csrc") / "skinny_gemm.c"
+SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -34,16 +42,16 @@ def _cache_dir() -> Path:
 
 
 def _build(cc: str) -> Path:
-    """The compiled library for this source and these flags: built unless already cached."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    """The compiled library for these sources and flags: built unless already cached."""
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
     for where in (_cache_dir(), Path(tempfile.gettempdir()) / f"shuttle-{os.getuid()}"):
-        lib = where / f"skinny_gemm-{digest}.so"
+        lib = where / f"shuttle_native-{digest}.so"
         if lib.exists():
             return lib
         try:
             where.mkdir(parents=True, exist_ok=True)
             tmp = where / f".{lib.name}.{os.getpid()}"
-            subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, text=True,
+            subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(tmp), "-lm"], check=True, capture_output=True, text=True,
                            timeout=120)
             os.replace(tmp, lib)  # atomic: a concurrent builder's copy is as good
             return lib
@@ -69,12 +77,21 @@ def _library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(_build(cc)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
-        log.info("native CPU kernels unavailable: building %s failed: %s", SOURCE.name, str(detail).strip()[-500:])
+        log.info("native CPU kernels unavailable: building %s failed: %s", " ".join(s.name for s in SOURCES), str(detail).strip()[-500:])
         return None
     fn = lib.shuttle_gemm_bf16
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_int64, ctypes.c_int]
+    fn = lib.shuttle_fused_moe_bf16
+    fn.restype = ctypes.c_int
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                    ctypes.c_int])
+    fn = lib.shuttle_paged_decode_attention
+    fn.restype = None
+    fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4
+                   + [ctypes.c_int64] * 11 + [ctypes.c_float, ctypes.c_int])
     return lib
 
 
@@ -95,3 +112,81 @@ def gemm_bf16(x_TI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
     _library().shuttle_gemm_bf16(x_TI.data_ptr(), w_OI.data_ptr(), y_TO.data_ptr(), T, I, w_OI.shape[0],
                                  torch.get_num_threads())
     return y_TO
+
+
+ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def paged_decode_attention(q_BKGH: torch.Tensor, k_cache_PSKH: torch.Tensor, v_cache_PSKH: torch.Tensor,
+                           table_BM: torch.Tensor, start_B: torch.Tensor, len_B: torch.Tensor,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o_BKGH, lse_BKG), both float32: softmax(scale q k^T) v for each sequence's one query token
+    over its cached positions [start_B[b], len_B[b]) (at least one), read in place from the pages
+    table_BM names. q: float32, contiguous; caches: one dtype of ATTENTION_DTYPES, (P, S, K, H) with
+    the last dimension contiguous; table, start, len: int64, contiguous. lse is the natural-log
+    log-sum-exp of the scaled scores. Call only where available() is True."""
+    B, K, G, H = q_BKGH.shape
+    kc, vc = k_cache_PSKH, v_cache_PSKH
+    if (q_BKGH.dtype != torch.float32 or kc.dtype not in ATTENTION_DTYPES or vc.dtype != kc.dtype
+            or kc.stride(-1) != 1 or vc.stride(-1) != 1 or not q_BKGH.is_contiguous()
+            or any(t.dtype != torch.int64 or not t.is_contiguous() for t in (table_BM, start_B, len_B))):
+        raise ValueError("paged_decode_attention: float32 contiguous q, bf16/float32 caches with contiguous "
+                         f"heads, int64 tables; got q {q_BKGH.dtype}, caches {kc.dtype}/{vc.dtype}")
+    o_BKGH = torch.empty(B, K, G, H, dtype=torch.float32)
+    lse_BKG = torch.empty(B, K, G, dtype=torch.float32)
+    _library().shuttle_paged_decode_attention(
+        q_BKGH.data_ptr(), kc.data_ptr(), vc.data_ptr(), int(kc.dtype == torch.bfloat16), table_BM.data_ptr(),
+        table_BM.shape[1], start_B.data_ptr(), len_B.data_ptr(), o_BKGH.data_ptr(), lse_BKG.data_ptr(), B, K, G, H,
+        kc.shape[1], kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), scale,
+        torch.get_num_threads())
+    return o_BKGH, lse_BKG
+
+
+def avx512_bf16() -> bool:
+    """Whether fused_moe_bf16 runs here: the library is available and the CPU has AVX-512 BF16 (with
+    the BW and VL subsets the kernel's loads and stores use), as /proc/cpuinfo lists them."""
+    return available() and _cpu_has_avx512_bf16() and bool(_library().shuttle_avx512bf16_built())
+
+
+@functools.cache
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= set(flags.split(":", 1)[-1].split())
+
+
+def pack_panels32(w_OI: torch.Tensor, in_features: int) -> torch.Tensor:
+    """w (O, I) as fused_moe_bf16's weight panels, bf16: outputs in panels of 32 (zero rows past O),
+    inputs zero-padded to in_features (even, >= I) and stored in pairs: (ceil(O/32), in/2, 32, 2)."""
+    O, I = w_OI.shape
+    P = -(-O // 32)
+    padded = torch.zeros(P * 32, in_features, dtype=torch.bfloat16)
+    padded[:O, :I] = w_OI
+    return padded.view(P, 32, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def fused_moe_bf16(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                   w13_ptrs_E: torch.Tensor, w2_ptrs_E: torch.Tensor, inter_padded: int) -> torch.Tensor:
+    """out_TD (bf16) = sum over each token's top-k experts of weight * SiLU-MLP(x), on panels from
+    pack_panels32 (w13: 16 gate and the same 16 up rows per panel; w2 over inter_padded inputs), whose
+    data pointers w13_ptrs_E / w2_ptrs_E (int64) list. x: bf16 (T, D), D even; ids int64 (ids outside
+    [0, E) are skipped); weights float32 or bf16. Call only where avx512_bf16() is True."""
+    T, D = x_TD.shape
+    if x_TD.dtype != torch.bfloat16 or D % 2 or topk_ids_TK.shape[0] != T:
+        raise ValueError(f"fused_moe_bf16 takes bf16 x (T, D) with D even and (T, K) ids; got {x_TD.dtype} "
+                         f"{tuple(x_TD.shape)} and ids {tuple(topk_ids_TK.shape)}")
+    x_TD = x_TD.contiguous()
+    ids_TK = topk_ids_TK.to(torch.int64).contiguous()
+    wk_TK = topk_weights_TK.to(torch.float32).contiguous()
+    K = ids_TK.shape[1]
+    out_TD = torch.zeros(T, D, dtype=torch.bfloat16)
+    scratch = torch.empty(T * K, inter_padded, dtype=torch.bfloat16)
+    rc = _library().shuttle_fused_moe_bf16(x_TD.data_ptr(), T, D, ids_TK.data_ptr(), wk_TK.data_ptr(), K,
+                                           w13_ptrs_E.data_ptr(), w2_ptrs_E.data_ptr(), w13_ptrs_E.numel(),
+                                           inter_padded, scratch.data_ptr(), out_TD.data_ptr(),
+                                           torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError(f"fused_moe_bf16: out of memory for {T} tokens x {K} experts")
+    return out_TD

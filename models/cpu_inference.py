@@ -8,22 +8,48 @@ GPU path never call this.
 import torch
 from torch import nn
 
-from kernels.cpu_linear import SKINNY_MAX_ROWS, CpuWeight, PackedLinear, packing_available  # noqa: F401 (re-exported)
+from kernels import native
+from kernels.cpu_linear import (SKINNY_MAX_ROWS, CpuWeight, ExpertPanels, PackedLinear,  # noqa: F401 (re-exported)
+                                packing_available)
 from kernels.moe import SILU, SwiGLU, fused_moe_packed
 from models.moe_decoder import Attention, Experts, MoEForCausalLM
 
 
+def fused_native_experts(experts: Experts) -> bool:
+    """Whether these experts run as one native call per layer (kernels/native.fused_moe_bf16): bf16
+    SiLU experts without biases, an even hidden size, on a CPU with AVX-512 BF16."""
+    return (experts.w13.dtype == torch.bfloat16 and experts.act.is_silu and experts.b13 is None
+            and experts.w13.shape[2] % 2 == 0 and native.avx512_bf16())
+
+
 class PackedExperts(nn.Module):
-    """Experts with per-expert w13 (2I, D) and w2 (D, I) as CpuWeights (packed for oneDNN, plus a bf16
-    copy for few rows where it applies), their biases (if any) and activation."""
+    """Experts with per-expert w13 (2I, D) and w2 (D, I), their biases (if any) and activation. Each
+    weight is a CpuWeight (packed for oneDNN, plus a bf16 copy for few rows where it applies) that
+    kernels.moe.fused_moe_packed runs, or, where fused_native_experts says so, an ExpertPanels that
+    the whole block's native kernel runs (then the oneDNN copies are never made)."""
 
     def __init__(self, experts: Experts | None = None):
         super().__init__()
-        self.w13_packed = [] if experts is None else [CpuWeight(w) for w in experts.w13.detach()]
-        self.w2_packed = [] if experts is None else [CpuWeight(w) for w in experts.w2.detach()]
+        self.w13_packed, self.w2_packed = [], []
+        if experts is not None and fused_native_experts(experts):
+            inter = experts.w2.shape[2]
+            self.w13_packed = [ExpertPanels(w, True, inter) for w in experts.w13.detach()]
+            self.w2_packed = [ExpertPanels(w, False, inter) for w in experts.w2.detach()]
+        elif experts is not None:
+            self.w13_packed = [CpuWeight(w) for w in experts.w13.detach()]
+            self.w2_packed = [CpuWeight(w) for w in experts.w2.detach()]
         self.b13 = None if experts is None or experts.b13 is None else experts.b13.detach()
         self.b2 = None if experts is None or experts.b2 is None else experts.b2.detach()
         self.act = SILU if experts is None else experts.act
+        self._index_native()
+
+    def _index_native(self) -> None:
+        """The data pointers the native kernel takes (its weights stay owned by the lists)."""
+        self.native = None
+        if self.w13_packed and isinstance(self.w13_packed[0], ExpertPanels):
+            self.native = (torch.tensor([w.panels.data_ptr() for w in self.w13_packed], dtype=torch.int64),
+                           torch.tensor([w.panels.data_ptr() for w in self.w2_packed], dtype=torch.int64),
+                           self.w13_packed[0].inter_padded)
 
     @classmethod
     def from_packed(cls, w13_packed: list, w2_packed: list, b13_EI2: torch.Tensor | None = None,
@@ -33,9 +59,12 @@ class PackedExperts(nn.Module):
         out = cls()
         out.w13_packed, out.w2_packed = list(w13_packed), list(w2_packed)
         out.b13, out.b2, out.act = b13_EI2, b2_ED, act
+        out._index_native()
         return out
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return native.fused_moe_bf16(x_TD, topk_ids_TK, topk_weights_TK, *self.native)
         return fused_moe_packed(x_TD, self.w13_packed, self.w2_packed, topk_weights_TK, topk_ids_TK,
                                 b13_EI2=self.b13, b2_ED=self.b2, act=self.act)
 
@@ -78,5 +107,5 @@ def half_copy_bytes(module: nn.Module) -> int:
     for m in module.modules():
         weights = [m.weight] if isinstance(m, PackedLinear) else [*m.w13_packed, *m.w2_packed] \
             if isinstance(m, PackedExperts) else []
-        total += sum(w.half.numel() * 2 for w in weights if w.half is not None)
+        total += sum(w.half.numel() * 2 for w in weights if getattr(w, "half", None) is not None)
     return total

@@ -1,5 +1,6 @@
-"""The native bf16 GEMM for few rows (kernels/native.py, kernels/csrc/skinny_gemm.c) against torch's
-float32 matmul, where cpu_linear uses it, and the fallback where it cannot run."""
+"""The native kernels (kernels/native.py): the bf16 GEMM for few rows (kernels/csrc/skinny_gemm.c)
+against torch's float32 matmul, where cpu_linear uses it, and the fallback where it cannot run; the
+paged decode attention (kernels/csrc/paged_attention.c) against the reference and the flash path."""
 import logging
 
 import pytest
@@ -102,3 +103,149 @@ def test_bf16_checkpoint_served_in_float32_with_and_without_the_kernel(make_chec
     finally:
         native._library.cache_clear()
     assert native_ids == onednn_ids == pools_ids
+
+
+def _paged_case(lens: list[int], K: int, H: int, S: int, dtype: torch.dtype, seed: int) -> dict:
+    """A shuffled paged cache holding `lens` tokens per sequence, -1 past each table's end."""
+    g = torch.Generator().manual_seed(seed)
+    npages = [-(-n // S) for n in lens]
+    P, M = sum(npages) + 3, max(npages) + 2
+    order = torch.randperm(P, generator=g).tolist()
+    table = torch.full((len(lens), M), -1, dtype=torch.int32)
+    for b, n in enumerate(npages):
+        table[b, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
+    k, v = (torch.randn(P, S, K, H, generator=g).to(dtype) for _ in range(2))
+    return dict(k_cache_PSKH=k, v_cache_PSKH=v, block_table_BM=table, seq_lens_B=torch.tensor(lens))
+
+
+@NEEDS_NATIVE
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("N,K,H,S,lens,window", [
+    (6, 2, 20, 5, [1, 4, 5, 6, 23, 11], None),  # G = 3, H with a scalar tail, pages of 5
+    (5, 1, 24, 3, [2, 7, 30], 4),  # G = 5 (a group of 4, then 1), window shorter than a page run
+    (16, 4, 64, 16, [1, 16, 17, 100, 37], 33),  # the Mixtral-like 16/4 heads
+    (4, 4, 8, 128, [300, 129, 64, 65], None),  # G = 1, pages longer than the kernel's 64-slot block
+    (2, 1, 128, 16, [1], None),  # batch 1, one token
+])
+def test_native_paged_decode_attention(N, K, H, S, lens, window, dtype, threads):
+    """The in-place kernel (kernels/csrc/paged_attention.c) is what paged_decode_attention runs here,
+    and equals the float64 reference and the torch flash path over gathered pages, with and without
+    sinks (which use its log-sum-exp)."""
+    from kernels import attention
+
+    args = _paged_case(lens, K, H, S, dtype, seed=len(lens) + H)
+    q = torch.randn(len(lens), H, N).to(dtype).transpose(1, 2)  # strided, as the model's views are
+    calls = []
+    real, threads_before = native.paged_decode_attention, torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for sinks in (None, torch.randn(N)):
+            native.paged_decode_attention = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+            got = attention.paged_decode_attention(q, **args, scale=H ** -0.5, sliding_window=window, sinks_N=sinks)
+            native.paged_decode_attention = real
+            flash = attention._paged_flash(q, *args.values(), H ** -0.5, window, sinks).to(dtype)
+            wide = {k: v.double() if v.is_floating_point() else v for k, v in args.items()}
+            ref = attention.paged_decode_attention_reference(q.double(), **wide, scale=H ** -0.5, sliding_window=window,
+                                                             sinks_N=sinks).to(dtype)
+            assert got.dtype == dtype and got.shape == (len(lens), N, H)
+            tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(got, ref, **tol)
+            torch.testing.assert_close(got, flash, **(tol if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)))
+    finally:
+        native.paged_decode_attention = real
+        torch.set_num_threads(threads_before)
+    assert len(calls) == 2
+
+
+@NEEDS_NATIVE
+def test_native_paged_decode_attention_rejects_what_it_cannot_read():
+    args = _paged_case([3, 5], 2, 8, 4, torch.bfloat16, seed=0)
+    table, lens = args["block_table_BM"].long(), args["seq_lens_B"].long()
+    q = torch.randn(2, 2, 1, 8)
+    with pytest.raises(ValueError, match="float32 contiguous q"):
+        native.paged_decode_attention(q.bfloat16(), args["k_cache_PSKH"], args["v_cache_PSKH"], table,
+                                      torch.zeros_like(lens), lens, 1.0)
+    with pytest.raises(ValueError, match="int64 tables"):
+        native.paged_decode_attention(q, args["k_cache_PSKH"], args["v_cache_PSKH"], table.int(),
+                                      torch.zeros_like(lens), lens, 1.0)
+    with pytest.raises(ValueError, match="caches"):
+        native.paged_decode_attention(q, args["k_cache_PSKH"].half(), args["v_cache_PSKH"].half(), table,
+                                      torch.zeros_like(lens), lens, 1.0)
+
+
+NEEDS_AVX512_BF16 = pytest.mark.skipif(not native.avx512_bf16(), reason="this CPU has no AVX-512 BF16")
+
+
+@NEEDS_AVX512_BF16
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("T,E,K,D,I", [(1, 4, 2, 64, 32), (3, 5, 3, 40, 24), (17, 8, 2, 66, 50), (130, 3, 2, 32, 16),
+                                       (9, 6, 1, 2, 7)])
+def test_fused_moe_bf16_equals_the_torch_path(T, E, K, D, I, threads):
+    """The whole-block kernel (kernels/csrc/moe_avx512bf16.c) against fused_moe_packed on oneDNN's bf16
+    GEMMs, which rounds to bf16 at the same places, and both against the block in float64: the
+    kernel's error is the torch path's (within 1.5x). Odd sizes (D not a multiple of 32, I not of 16),
+    an expert with more rows than one work item (130 tokens on 3 experts), top-1 and top-3, and ids
+    of other workers (-1) skipped as run_local_experts' callers need."""
+    from kernels.moe import fused_moe, fused_moe_packed
+    from models.cpu_inference import PackedExperts
+    from models.moe_decoder import Experts
+    from kernels.ops import torch_ops
+
+    g = torch.Generator().manual_seed(T * 31 + D)
+    experts = Experts(E, D, I, torch_ops())
+    with torch.no_grad():
+        experts.w13.copy_(torch.randn(E, 2 * I, D, generator=g) / D ** 0.5)
+        experts.w2.copy_(torch.randn(E, D, I, generator=g) / I ** 0.5)
+    experts = experts.to(torch.bfloat16)
+    packed = PackedExperts(experts)
+    assert packed.native is not None
+    x = torch.randn(T, D, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    weights = torch.softmax(torch.randn(T, K, generator=g), -1)
+    if T > 3:
+        ids[::4, 0] = -1  # not this worker's
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = packed(x, ids, weights)
+        keep = ids >= 0
+        ref = fused_moe_packed(x, [CpuWeightBf16(w) for w in experts.w13.detach()],
+                               [CpuWeightBf16(w) for w in experts.w2.detach()], weights * keep,
+                               ids.clamp(min=0))
+    finally:
+        torch.set_num_threads(threads_before)
+    exact = fused_moe(x.double(), experts.w13.detach().double(), experts.w2.detach().double(),
+                      (weights * keep).double(), ids.clamp(min=0))
+    assert got.dtype == torch.bfloat16 and got.shape == (T, D)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    err, ref_err = (got.double() - exact).abs().mean(), (ref.double() - exact).abs().mean()
+    assert err <= 1.5 * ref_err + 1e-6, (err, ref_err)
+
+
+def CpuWeightBf16(w: torch.Tensor) -> cpu_linear.CpuWeight:
+    return cpu_linear.CpuWeight(w.bfloat16())
+
+
+@NEEDS_AVX512_BF16
+def test_bf16_checkpoint_served_in_bf16_with_and_without_the_fused_moe(make_checkpoint, monkeypatch):
+    """The native MoE block gives the torch path's greedy ids, colocated and in an expert worker."""
+    ckpt = make_checkpoint("mixtral", dtype="bfloat16")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [[5, 9, 14, 3], [7, 7, 2], [1, 2, 3, 4, 5, 6]]
+
+    def ids(**kw) -> list[list[int]]:
+        llm = LLM(ckpt, dtype="bfloat16", device="cpu", num_kv_blocks=16, **kw)
+        try:
+            return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        finally:
+            llm.shutdown()
+
+    native_ids, pools_ids = ids(), ids(colocated=False, torch_threads=1)
+    monkeypatch.setenv(native.ENV_VAR, "0")
+    native._library.cache_clear()
+    try:
+        torch_ids = ids()
+    finally:
+        native._library.cache_clear()
+    assert native_ids == torch_ids == pools_ids

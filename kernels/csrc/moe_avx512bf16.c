@@ -1,0 +1,206 @@
+/* The whole MoE block of one layer in one call, bfloat16, AVX-512 BF16:
+ *     out[t] = sum over t's top-k experts e of w[t,k] * (silu(x[t] W1_e^T) * (x[t] W3_e^T)) W2_e^T
+ * rounded to bf16 wherever torch's bf16 path rounds (kernels/moe.py: fused_moe_packed with oneDNN's
+ * bf16 GEMMs): the gate and up outputs, silu(gate), the product, each expert's output, its weighted
+ * value, and every partial sum of a token's outputs (added in ascending expert id, as unpermute's
+ * index_add_ adds). So the two paths differ only where oneDNN's summation order or torch's exp
+ * rounds differently.
+ *
+ * It replaces torch's sort / gather / per-expert GEMM calls / SiLU-mul / weighted scatter (about a
+ * dozen ops per layer plus two GEMM calls per active expert) with:
+ *  1. a counting sort of the T*K (token, expert) pairs by expert (stable);
+ *  2. the gate/up GEMM with SiLU-mul in its epilogue, straight from x's rows (no gather copy):
+ *     W13 packed so that each panel of 32 outputs holds 16 gate columns and the same 16 up columns
+ *     (kernels/cpu_linear.ExpertPanels), OpenMP over (expert, block of rows, panel) items;
+ *  3. the down GEMM, OpenMP over panels of 32 output columns, each thread walking every expert for
+ *     its columns and adding the weighted rows into out, so no two threads write the same value.
+ * Weight panels: pairs of inputs for 32 outputs, lane o of pair j = (w[o][2j], w[o][2j+1]), as in
+ * gemm_avx512bf16.c; inputs padded with zeros to the panel's even width (D) or to a multiple of
+ * 16 (the intermediate size I16: padded gate/up columns give h = silu(0) * 0 = 0).
+ * Expert ids outside [0, E) are skipped (an expert worker's pairs for other workers). */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* Compilers without AVX-512 BF16 intrinsics (gcc < 10, clang < 9) build the rest of the library;
+ * kernels/native.py asks shuttle_avx512bf16_built() before calling the kernel. */
+#if defined(__clang__) ? __clang_major__ >= 9 : __GNUC__ >= 10
+int shuttle_avx512bf16_built(void) { return 1; }
+
+#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define AI512 T512 static inline __attribute__((always_inline))
+#define MAX_R 8
+#define ROW_BLOCK 128
+#ifndef PREFETCH
+#define PREFETCH 48 /* k-pairs ahead (6 KiB): 16 and 128 measured 2-5% slower at 4-64 rows */
+#endif /* rows of one expert per up-projection item */
+
+AI512 __m512 widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+AI512 __m256i round16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+AI512 __m512 bf16_round(__m512 v) { return widen16(round16(v)); }
+
+/* e^x, relative error ~2e-7 (Cephes' expf polynomial); overflows to +inf above 88.72, 0 below -87.3. */
+AI512 __m512 exp16(__m512 x) {
+    const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.7228f), _CMP_GT_OQ);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365f), _CMP_LT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365f)), _mm512_set1_ps(88.7228f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    /* 2^n in two halves so that n = 128 (x near 88.7) does not overflow the exponent field */
+    const __m512i ni = _mm512_cvtps_epi32(n);
+    const __m512i half = _mm512_srai_epi32(ni, 1);
+    const __m512 p1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(127)), 23));
+    const __m512 p2 = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(ni, half), _mm512_set1_epi32(127)), 23));
+    y = _mm512_mul_ps(_mm512_mul_ps(y, p1), p2);
+    y = _mm512_mask_mov_ps(y, over, _mm512_set1_ps(INFINITY));
+    return _mm512_mask_mov_ps(y, under, _mm512_setzero_ps());
+}
+
+/* acc[r][0..1] = rows xr[r] (bf16 pairs) times one panel of 32 outputs over `pairs` input pairs. */
+AI512 void panel_dot(const uint32_t *const *xr, const uint32_t *pw, int64_t pairs, const int R, __m512 acc[][2]) {
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < pairs; j++) {
+        _mm_prefetch((const char *)(pw + (j + PREFETCH) * 32), _MM_HINT_T0);
+        _mm_prefetch((const char *)(pw + (j + PREFETCH) * 32 + 16), _MM_HINT_T0);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(pw + j * 32);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(pw + j * 32 + 16);
+        for (int r = 0; r < R; r++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xr[r][j]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
+        }
+    }
+}
+
+/* h[r][c0..c0+15] = bf16(bf16(silu(bf16(gate))) * bf16(up)) for R rows. */
+AI512 void up_tile(const uint32_t *const *xr, const uint32_t *pw, int64_t pairs, uint16_t *h, int64_t ldh,
+                   const int R) {
+    __m512 acc[MAX_R][2];
+    panel_dot(xr, pw, pairs, R, acc);
+    for (int r = 0; r < R; r++) {
+        const __m512 g = bf16_round(acc[r][0]), u = bf16_round(acc[r][1]);
+        const __m512 s = bf16_round(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+        _mm256_storeu_si256((__m256i *)(h + r * ldh), round16(_mm512_mul_ps(s, u)));
+    }
+}
+
+/* out[tok[r]][o0..o0+n) = bf16(out + bf16(wgt[r] * bf16(h[r] W2^T))) for R rows. */
+AI512 void down_tile(const uint32_t *const *hr, const uint32_t *pw, int64_t pairs, const int64_t *tok,
+                     const float *wgt, uint16_t *out, int64_t D, int64_t o0, __mmask16 m0, __mmask16 m1, const int R) {
+    __m512 acc[MAX_R][2];
+    panel_dot(hr, pw, pairs, R, acc);
+    for (int r = 0; r < R; r++) {
+        uint16_t *o = out + tok[r] * D + o0;
+        const __m512 w = _mm512_set1_ps(wgt[r]);
+        const __m512 v0 = bf16_round(_mm512_mul_ps(bf16_round(acc[r][0]), w));
+        const __m512 v1 = bf16_round(_mm512_mul_ps(bf16_round(acc[r][1]), w));
+        const __m512 s0 = _mm512_add_ps(widen16(_mm256_maskz_loadu_epi16(m0, o)), v0);
+        const __m512 s1 = _mm512_add_ps(widen16(_mm256_maskz_loadu_epi16(m1, o + 16)), v1);
+        _mm256_mask_storeu_epi16(o, m0, round16(s0));
+        _mm256_mask_storeu_epi16(o + 16, m1, round16(s1));
+    }
+}
+
+#define BY_ROWS(n, call)                \
+    switch (n) {                        \
+        case 8: call(8); break;         \
+        case 7: call(7); break;         \
+        case 6: call(6); break;         \
+        case 5: call(5); break;         \
+        case 4: call(4); break;         \
+        case 3: call(3); break;         \
+        case 2: call(2); break;         \
+        default: call(1); break;        \
+    }
+
+/* x (T, D) bf16, D even; ids (T, K) int64; wk (T, K) float32; w13[e] / w2[e]: the panels of expert e
+ * (I16 / 16 panels over D / 2 pairs; ceil(D / 32) panels over I16 / 2 pairs); out (T, D) bf16, zeroed;
+ * scratch: (T * K, I16) bf16. Returns 0, or -1 if memory ran out (out is then unchanged). */
+T512 int shuttle_fused_moe_bf16(const uint16_t *x, int64_t T, int64_t D, const int64_t *ids, const float *wk,
+                                int64_t K, const int64_t *w13, const int64_t *w2, int64_t E, int64_t I16,
+                                uint16_t *scratch, uint16_t *out, int nthreads) {
+    const int64_t N = T * K, P13 = I16 / 16, P2 = (D + 31) / 32, xpairs = D / 2, hpairs = I16 / 2;
+    int64_t *count = calloc(E + 1, sizeof(int64_t)), *tok = malloc(sizeof(int64_t) * (N + 1));
+    float *wgt = malloc(sizeof(float) * (N + 1));
+    int64_t *items = NULL;
+    if (!count || !tok || !wgt) goto fail;
+    for (int64_t n = 0; n < N; n++)
+        if (ids[n] >= 0 && ids[n] < E) count[ids[n] + 1]++;
+    for (int64_t e = 0; e < E; e++) count[e + 1] += count[e]; /* count[e]: expert e's first row */
+    int64_t nitems = 0;
+    for (int64_t e = 0; e < E; e++) nitems += (count[e + 1] - count[e] + ROW_BLOCK - 1) / ROW_BLOCK * P13;
+    items = malloc(sizeof(int64_t) * 3 * (nitems + 1));
+    if (!items) goto fail;
+    {
+        int64_t *fill = malloc(sizeof(int64_t) * (E + 1));
+        if (!fill) goto fail;
+        for (int64_t e = 0; e < E; e++) fill[e] = count[e];
+        for (int64_t n = 0; n < N; n++) /* stable: pairs of one expert keep token order */
+            if (ids[n] >= 0 && ids[n] < E) {
+                const int64_t i = fill[ids[n]]++;
+                tok[i] = n / K;
+                wgt[i] = wk[n];
+            }
+        free(fill);
+    }
+    {
+        int64_t it = 0;
+        for (int64_t e = 0; e < E; e++)
+            for (int64_t r0 = count[e]; r0 < count[e + 1]; r0 += ROW_BLOCK)
+                for (int64_t p = 0; p < P13; p++, it++) items[3 * it] = e, items[3 * it + 1] = r0, items[3 * it + 2] = p;
+    }
+    #pragma omp parallel num_threads(nthreads)
+    {
+        const uint32_t *rows[MAX_R];
+        #pragma omp for schedule(dynamic, 2)
+        for (int64_t it = 0; it < nitems; it++) {
+            const int64_t e = items[3 * it], r0 = items[3 * it + 1], p = items[3 * it + 2];
+            const int64_t r1 = count[e + 1] - r0 < ROW_BLOCK ? count[e + 1] : r0 + ROW_BLOCK;
+            const uint32_t *pw = (const uint32_t *)(uintptr_t)w13[e] + p * xpairs * 32;
+            for (int64_t r = r0; r < r1; r += MAX_R) {
+                const int n = r1 - r < MAX_R ? (int)(r1 - r) : MAX_R;
+                for (int i = 0; i < n; i++) rows[i] = (const uint32_t *)(x + tok[r + i] * D);
+                uint16_t *h = scratch + r * I16 + p * 16;
+#define UP(R) up_tile(rows, pw, xpairs, h, I16, R)
+                BY_ROWS(n, UP)
+#undef UP
+            }
+        }
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < P2; p++) {
+            const int64_t o0 = p * 32, nv = D - o0 < 32 ? D - o0 : 32;
+            const __mmask16 m0 = nv >= 16 ? 0xFFFF : (__mmask16)((1u << nv) - 1);
+            const __mmask16 m1 = nv >= 32 ? 0xFFFF : nv <= 16 ? 0 : (__mmask16)((1u << (nv - 16)) - 1);
+            for (int64_t e = 0; e < E; e++) {
+                const uint32_t *pw = (const uint32_t *)(uintptr_t)w2[e] + p * hpairs * 32;
+                for (int64_t r = count[e]; r < count[e + 1]; r += MAX_R) {
+                    const int n = count[e + 1] - r < MAX_R ? (int)(count[e + 1] - r) : MAX_R;
+                    for (int i = 0; i < n; i++) rows[i] = (const uint32_t *)(scratch + (r + i) * I16);
+#define DOWN(R) down_tile(rows, pw, hpairs, tok + r, wgt + r, out, D, o0, m0, m1, R)
+                    BY_ROWS(n, DOWN)
+#undef DOWN
+                }
+            }
+        }
+    }
+    free(items), free(count), free(tok), free(wgt);
+    return 0;
+fail:
+    free(items), free(count), free(tok), free(wgt);
+    return -1;
+}
+#else
+int shuttle_avx512bf16_built(void) { return 0; }
+int shuttle_fused_moe_bf16(void) { return -2; }
+#endif

@@ -1,0 +1,190 @@
+/* Decode attention straight from a paged KV cache: one query token per sequence, G query heads per
+ * kv head, keys and values in bfloat16 or float32, all arithmetic in float32.
+ *
+ * The torch path gathers every sequence's pages into one (B, K, S', H) tensor and runs the flash
+ * kernel on it: at decode sizes the copy and the kernel's per-(sequence, head) set-up cost several
+ * times what reading the keys and values once does. Here each (sequence, kv head) pair walks its
+ * pages in place, one page (or 64 slots) at a time, with an online softmax (running max m, running
+ * sum l, rescaled accumulator): scores s = scale q.k for the G query heads, then p = exp(s - m),
+ * then acc += p v. Every key and value is read once, by one thread. OpenMP over the B*K pairs
+ * (dynamic: contexts differ). AVX2 + FMA; H any size (vectors of 8, then a scalar tail).
+ *
+ * Visibility: sequence b sees positions [start[b], len[b]) (start > 0 under a sliding window);
+ * position j lives in page table[b*M + j/S], slot j%S. Outputs o (B, K, G, H) and the natural-log
+ * log-sum-exp of the scaled scores (B, K, G), which attention sinks need. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 64 /* positions scored before their values are accumulated */
+
+static inline __m256 load8(const void *base, int64_t i, int bf16) {
+    if (bf16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)base + i);
+}
+
+static inline float load1(const void *base, int64_t i, int bf16) {
+    if (bf16) {
+        union { uint32_t u; float f; } v = { (uint32_t)((const uint16_t *)base)[i] << 16 };
+        return v.f;
+    }
+    return ((const float *)base)[i];
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* e^x for x <= 0 (scores minus their running max), relative error ~2e-7: 2^n times a degree-6
+ * polynomial of the remainder (Cephes' expf constants). Below -87 it returns 0. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+#define AI static inline __attribute__((always_inline))
+
+/* s[g] = scale q_g . k for GN query heads at once: each widened key vector feeds GN FMAs. */
+AI void score_group(const float *qb, const void *kr, const int bf16, int64_t H, float scale, const int GN, float *s,
+                    int64_t stride) {
+    __m256 a[4];
+    for (int g = 0; g < GN; g++) a[g] = _mm256_setzero_ps();
+    const int64_t H8 = H & ~(int64_t)7;
+    for (int64_t i = 0; i < H8; i += 8) {
+        const __m256 k = load8(kr, i, bf16);
+        for (int g = 0; g < GN; g++) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qb + g * H + i), k, a[g]);
+    }
+    for (int g = 0; g < GN; g++) {
+        float d = hsum(a[g]);
+        for (int64_t i = H8; i < H; i++) d += qb[g * H + i] * load1(kr, i, bf16);
+        s[g * stride] = d * scale;
+    }
+}
+
+/* acc_g += sum_j p_g[j] v_j over n positions for GN query heads, 8 columns at a time in registers. */
+AI void value_group(float *acc, const float *p, int64_t pstride, const char *vp, const int64_t *vrow, int64_t n,
+                    const int bf16, int64_t H, const int GN) {
+    const int64_t H8 = H & ~(int64_t)7;
+    for (int64_t i = 0; i < H8; i += 8) {
+        __m256 a[4];
+        for (int g = 0; g < GN; g++) a[g] = _mm256_loadu_ps(acc + g * H + i);
+        for (int64_t j = 0; j < n; j++) {
+            const __m256 v = load8(vp + vrow[j], i, bf16);
+            for (int g = 0; g < GN; g++) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * pstride + j), v, a[g]);
+        }
+        for (int g = 0; g < GN; g++) _mm256_storeu_ps(acc + g * H + i, a[g]);
+    }
+    for (int64_t i = H8; i < H; i++)
+        for (int64_t j = 0; j < n; j++) {
+            const float v = load1(vp + vrow[j], i, bf16);
+            for (int g = 0; g < GN; g++) acc[g * H + i] += p[g * pstride + j] * v;
+        }
+}
+
+#define BY_GROUP(call)                          \
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {     \
+        switch (G - g0 < 4 ? G - g0 : 4) {      \
+            case 4: call(4); break;             \
+            case 3: call(3); break;             \
+            case 2: call(2); break;             \
+            default: call(1); break;            \
+        }                                       \
+    }
+
+AI void attend(const float *q, const void *k_cache, const void *v_cache, const int bf16, const int64_t *table,
+               int64_t M, const int64_t *start, const int64_t *len, float *o, float *lse, int64_t B, int64_t K,
+               int64_t G, int64_t H, int64_t S, int64_t k_page, int64_t k_slot, int64_t k_head, int64_t v_page,
+               int64_t v_slot, int64_t v_head, float scale, int nthreads) {
+    const int64_t H8 = H & ~(int64_t)7, esz = bf16 ? 2 : 4;
+    const char *kp = (const char *)k_cache, *vp = (const char *)v_cache;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float s[G][BLOCK + 8], m[G], l[G], acc[G * H];
+        int64_t vrow[BLOCK];
+        #pragma omp for schedule(dynamic, 4)
+        for (int64_t pair = 0; pair < B * K; pair++) {
+            const int64_t b = pair / K, kh = pair % K;
+            const float *qb = q + pair * G * H;
+            for (int64_t g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f;
+            memset(acc, 0, sizeof(float) * G * H);
+            for (int64_t j0 = start[b]; j0 < len[b];) {
+                /* one run of positions inside one page, at most BLOCK long */
+                const int64_t page = table[b * M + j0 / S], slot0 = j0 % S;
+                int64_t n = S - slot0 < len[b] - j0 ? S - slot0 : len[b] - j0;
+                if (n > BLOCK) n = BLOCK;
+                for (int64_t j = 0; j < n; j++) {
+                    const void *kr = kp + esz * (page * k_page + (slot0 + j) * k_slot + kh * k_head);
+                    vrow[j] = esz * (page * v_page + (slot0 + j) * v_slot + kh * v_head);
+#define SCORE(GN) score_group(qb + g0 * H, kr, bf16, H, scale, GN, &s[g0][j], BLOCK + 8)
+                    BY_GROUP(SCORE)
+#undef SCORE
+                }
+                for (int64_t g = 0; g < G; g++) {
+                    float mx = m[g];
+                    for (int64_t j = 0; j < n; j++) mx = s[g][j] > mx ? s[g][j] : mx;
+                    const float corr = m[g] == -INFINITY ? 0.0f : expf(m[g] - mx);
+                    for (int64_t j = n; j < ((n + 7) & ~(int64_t)7); j++) s[g][j] = -INFINITY;
+                    const __m256 mv = _mm256_set1_ps(mx);
+                    __m256 sum = _mm256_setzero_ps();
+                    for (int64_t j = 0; j < n; j += 8) {
+                        const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s[g] + j), mv));
+                        _mm256_storeu_ps(s[g] + j, p);
+                        sum = _mm256_add_ps(sum, p);
+                    }
+                    l[g] = l[g] * corr + hsum(sum);
+                    m[g] = mx;
+                    if (corr != 1.0f) {
+                        float *ag = acc + g * H;
+                        const __m256 c = _mm256_set1_ps(corr);
+                        for (int64_t i = 0; i < H8; i += 8) _mm256_storeu_ps(ag + i, _mm256_mul_ps(_mm256_loadu_ps(ag + i), c));
+                        for (int64_t i = H8; i < H; i++) ag[i] *= corr;
+                    }
+                }
+#define VALUE(GN) value_group(acc + g0 * H, s[g0], BLOCK + 8, vp, vrow, n, bf16, H, GN)
+                BY_GROUP(VALUE)
+#undef VALUE
+                j0 += n;
+            }
+            for (int64_t g = 0; g < G; g++) {
+                float *og = o + (pair * G + g) * H;
+                const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+                for (int64_t i = 0; i < H; i++) og[i] = acc[g * H + i] * inv;
+                lse[pair * G + g] = l[g] > 0.0f ? m[g] + logf(l[g]) : -INFINITY;
+            }
+        }
+    }
+}
+
+void shuttle_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int bf16,
+                                    const int64_t *table, int64_t M, const int64_t *start, const int64_t *len,
+                                    float *o, float *lse, int64_t B, int64_t K, int64_t G, int64_t H, int64_t S,
+                                    int64_t k_page, int64_t k_slot, int64_t k_head, int64_t v_page,
+                                    int64_t v_slot, int64_t v_head, float scale, int nthreads) {
+    if (bf16)
+        attend(q, k_cache, v_cache, 1, table, M, start, len, o, lse, B, K, G, H, S, k_page, k_slot, k_head, v_page,
+               v_slot, v_head, scale, nthreads);
+    else
+        attend(q, k_cache, v_cache, 0, table, M, start, len, o, lse, B, K, G, H, S, k_page, k_slot, k_head, v_page,
+               v_slot, v_head, scale, nthreads);
+}
