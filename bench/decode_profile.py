@@ -6,7 +6,8 @@ Mixtral-shaped ~425M checkpoint of bench/engine.py (stored bf16, served as `--dt
 Each category's call sites are wrapped with a timer (nested calls are charged to the innermost
 category, so the categories add up to the step): dense GEMMs (fused q/k/v and o projections), the
 LM head, the router's GEMM, routing top-k, expert GEMMs (the oneDNN calls inside the MoE block), the
-rest of the MoE block (sort, gather, SiLU-mul, weighted scatter), attention over the paged cache
+rest of the MoE block (sort, gather, SiLU-mul, weighted scatter; where the whole block is one native
+call, kernels/native.fused_moe_bf16, it is one category with its GEMMs), attention over the paged cache
 (with the cache write), norms (+ residual add), q/k/v heads + rotary, the sampler, the runner's
 input preparation, and what is left of LLMEngine.step (scheduler, bookkeeping: Python). The GEMM
 rows also give the achieved GB/s (weight bytes read) and GFLOP/s. Default: 1 thread and CPU time
@@ -40,6 +41,7 @@ from bench.engine import mixtral  # noqa: E402
 from server import LLM, SamplingParams  # noqa: E402
 
 MOE = "MoE sort/gather/act/scatter"
+MOE_NATIVE = "MoE block (native kernel, GEMMs included)"
 
 
 class Timers:
@@ -83,7 +85,8 @@ class Timers:
         patch(norm.RMSNorm, "add_and_norm", "norms (+residual)")
         patch(norm.RMSNorm, "forward", "norms (+residual)")
         patch(kv_cache.PagedKVCache, "attend", "attention (+cache write)")
-        patch(cpu_inference.PackedExperts, "forward", MOE)
+        patch(cpu_inference.PackedExperts, "forward",  # one native call (bf16, AVX-512 BF16) or torch ops + GEMMs
+              lambda a: MOE_NATIVE if a[0].native is not None else MOE)
         # fused_moe_packed imports packed_linear at call time; PackedLinear's calls stay dense
         patch(cpu_linear, "packed_linear", lambda a: "expert GEMMs" if self.stack and self.stack[-1][0] == MOE else None)
 
@@ -121,7 +124,8 @@ def gemm_rates(cfg, B: int, elem: int, ms: dict[str, float]) -> dict[str, str]:
     qkvo = (cfg.q_size + 2 * cfg.kv_size) * D + cfg.q_size * D
     sizes = {"dense GEMMs (qkv, o)": (L * qkvo, L * qkvo),
              "lm_head GEMM": (cfg.vocab_size * D, cfg.vocab_size * D),
-             "expert GEMMs": (L * active * 3 * I_ * D, L * K * 3 * I_ * D)}  # (weights read, MACs per token)
+             "expert GEMMs": (L * active * 3 * I_ * D, L * K * 3 * I_ * D),  # (weights read, MACs per token)
+             MOE_NATIVE: (L * active * 3 * I_ * D, L * K * 3 * I_ * D)}
     out = {}
     for cat, (weights, macs) in sizes.items():
         if ms.get(cat):

@@ -7,7 +7,9 @@ before issue 18 (baseline) beside the current code, interleaved in one run:
              (repeated calls reuse the step's gather layout, as a step's second to last layers do);
   moe        the MoE block (permute, per-expert SwiGLU GEMMs, combine) with router-like top-2 choices:
              float32 through oneDNN-packed weights as the engine runs it (fused_moe_packed), bf16
-             through fused_moe (packed where this CPU can pack bf16); baseline without the float32
+             through fused_moe (packed where this CPU can pack bf16; on a CPU with AVX-512 BF16 the
+             current code is the engine's one native call per block, PackedExperts with
+             kernels/native.fused_moe_bf16, against oneDNN's packed bf16 GEMMs); baseline without the float32
              upcast of emulated bf16 GEMMs (upcast_min_rows=None), and for packed weights the sorted
              path, whose 1-row batches fused_moe_packed now computes without sort/gather/scatter
              (batch 1 is added where the dtype packs);
@@ -45,7 +47,10 @@ from kernels.attention import (cached_attention, cached_attention_reference, pag
 from kernels import native  # noqa: E402
 from kernels.cpu_linear import CpuWeight, pack_weight, packed_linear, packing_available  # noqa: E402
 from kernels.moe import fused_moe, fused_moe_packed, grouped_swiglu, permute, unpermute  # noqa: E402
+from kernels.ops import torch_ops  # noqa: E402
 from kernels.routing import topk_route  # noqa: E402
+from models.cpu_inference import PackedExperts, fused_native_experts  # noqa: E402
+from models.moe_decoder import Experts  # noqa: E402
 
 D, N, K, H, I, E, TOP_K, PAGE = 1024, 16, 4, 64, 2048, 8, 2, 16
 LAYERS = 8
@@ -130,13 +135,20 @@ class MoE:
         self.w13 = (torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).to(dtype)
         self.w2 = (torch.randn(E, D, I, generator=g) / I ** 0.5).to(dtype)
         self.packed = packing_available(dtype)
+        self.fused = None  # the engine's whole-block native kernel where it runs (bf16 on AVX-512 BF16)
         if self.packed:  # as the engine holds them (CpuWeight), and their oneDNN-packed part alone
             self.c13, self.c2 = [CpuWeight(w) for w in self.w13], [CpuWeight(w) for w in self.w2]
             self.p13, self.p2 = [w.packed for w in self.c13], [w.packed for w in self.c2]
+            experts = Experts(E, D, I, torch_ops()).to(dtype)
+            experts.w13.data, experts.w2.data = self.w13, self.w2
+            if fused_native_experts(experts):
+                self.fused = PackedExperts(experts)
 
     def run(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, upcast: bool) -> torch.Tensor:
         if not self.packed:
             return fused_moe(x, self.w13, self.w2, weights, ids, **({} if upcast else {"upcast_min_rows": None}))
+        if upcast and self.fused is not None:  # the engine's path here: one native call for the block
+            return self.fused(x, ids, weights)
         if upcast:  # the engine's path (a 1-row batch takes fused_moe_packed's shortcut)
             return fused_moe_packed(x, self.c13, self.c2, weights, ids)
         x_ND, perm = permute(x, ids, E)

@@ -91,7 +91,7 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.shuttle_paged_decode_attention
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4
-                   + [ctypes.c_int64] * 11 + [ctypes.c_float, ctypes.c_int])
+                   + [ctypes.c_int64] * 11 + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
     return lib
 
 
@@ -119,12 +119,13 @@ ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 
 def paged_decode_attention(q_BKGH: torch.Tensor, k_cache_PSKH: torch.Tensor, v_cache_PSKH: torch.Tensor,
                            table_BM: torch.Tensor, start_B: torch.Tensor, len_B: torch.Tensor,
-                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                           scale: float, wide: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(o_BKGH, lse_BKG), both float32: softmax(scale q k^T) v for each sequence's one query token
     over its cached positions [start_B[b], len_B[b]) (at least one), read in place from the pages
     table_BM names. q: float32, contiguous; caches: one dtype of ATTENTION_DTYPES, (P, S, K, H) with
     the last dimension contiguous; table, start, len: int64, contiguous. lse is the natural-log
-    log-sum-exp of the scaled scores. Call only where available() is True."""
+    log-sum-exp of the scaled scores. wide: the AVX-512 loops where H % 16 == 0 and the CPU has them
+    (False: the AVX2 ones everywhere; tests compare both). Call only where available() is True."""
     B, K, G, H = q_BKGH.shape
     kc, vc = k_cache_PSKH, v_cache_PSKH
     if (q_BKGH.dtype != torch.float32 or kc.dtype not in ATTENTION_DTYPES or vc.dtype != kc.dtype
@@ -138,7 +139,7 @@ def paged_decode_attention(q_BKGH: torch.Tensor, k_cache_PSKH: torch.Tensor, v_c
         q_BKGH.data_ptr(), kc.data_ptr(), vc.data_ptr(), int(kc.dtype == torch.bfloat16), table_BM.data_ptr(),
         table_BM.shape[1], start_B.data_ptr(), len_B.data_ptr(), o_BKGH.data_ptr(), lse_BKG.data_ptr(), B, K, G, H,
         kc.shape[1], kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), scale,
-        torch.get_num_threads())
+        torch.get_num_threads(), int(wide))
     return o_BKGH, lse_BKG
 
 

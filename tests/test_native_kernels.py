@@ -119,6 +119,7 @@ def _paged_case(lens: list[int], K: int, H: int, S: int, dtype: torch.dtype, see
 
 
 @NEEDS_NATIVE
+@pytest.mark.parametrize("wide", [True, False], ids=["avx512", "avx2"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("N,K,H,S,lens,window", [
@@ -128,10 +129,11 @@ def _paged_case(lens: list[int], K: int, H: int, S: int, dtype: torch.dtype, see
     (4, 4, 8, 128, [300, 129, 64, 65], None),  # G = 1, pages longer than the kernel's 64-slot block
     (2, 1, 128, 16, [1], None),  # batch 1, one token
 ])
-def test_native_paged_decode_attention(N, K, H, S, lens, window, dtype, threads):
+def test_native_paged_decode_attention(N, K, H, S, lens, window, dtype, threads, wide):
     """The in-place kernel (kernels/csrc/paged_attention.c) is what paged_decode_attention runs here,
     and equals the float64 reference and the torch flash path over gathered pages, with and without
-    sinks (which use its log-sum-exp)."""
+    sinks (which use its log-sum-exp), in its AVX-512 loops (H = 64, 128 where the CPU has them) and
+    its AVX2 ones."""
     from kernels import attention
 
     args = _paged_case(lens, K, H, S, dtype, seed=len(lens) + H)
@@ -141,12 +143,12 @@ def test_native_paged_decode_attention(N, K, H, S, lens, window, dtype, threads)
     torch.set_num_threads(threads)
     try:
         for sinks in (None, torch.randn(N)):
-            native.paged_decode_attention = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+            native.paged_decode_attention = lambda *a, **kw: calls.append(1) or real(*a, **kw, wide=wide)
             got = attention.paged_decode_attention(q, **args, scale=H ** -0.5, sliding_window=window, sinks_N=sinks)
             native.paged_decode_attention = real
             flash = attention._paged_flash(q, *args.values(), H ** -0.5, window, sinks).to(dtype)
-            wide = {k: v.double() if v.is_floating_point() else v for k, v in args.items()}
-            ref = attention.paged_decode_attention_reference(q.double(), **wide, scale=H ** -0.5, sliding_window=window,
+            args64 = {k: v.double() if v.is_floating_point() else v for k, v in args.items()}
+            ref = attention.paged_decode_attention_reference(q.double(), **args64, scale=H ** -0.5, sliding_window=window,
                                                              sinks_N=sinks).to(dtype)
             assert got.dtype == dtype and got.shape == (len(lens), N, H)
             tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
