@@ -21,8 +21,12 @@ def test_soak_short(tmp_path):
     # bf16 as the checkpoint stores it: served in float32 (--dtype auto on this AVX2 CPU) the workers'
     # RSS still grew 5.6% (expert) and 11.2% (attention) over this short run's last two thirds, with
     # oneDNN's primitive cache capped (kernels/cpu_linear.py); whether that levels off is open (`make soak`).
+    # Above capacity on any of our hosts: at most 2 requests decode at once (about 17 requests/s on
+    # the 2-core AVX-512 EPYC, where 32 at once kept up with 30/s and nothing was ever refused) and
+    # 4 may wait, so 30/s overflows the queue and queue_full is exercised.
     proc = subprocess.run([sys.executable, "bench/soak.py", "--duration-s", str(seconds), "--sample-s", "3",
-                           "--rate", "30", "--server-arg=--dtype=bfloat16", "--out", str(out)], cwd=ROOT,
+                           "--rate", "30", "--max-num-seqs", "2", "--max-waiting", "4",
+                           "--server-arg=--dtype=bfloat16", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True,
                           timeout=seconds + 400)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
