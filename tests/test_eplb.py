@@ -314,7 +314,9 @@ def test_greedy_output_equal_while_replacing_live(make_checkpoint):
 
     ckpt = str(make_checkpoint("mixtral"))
     prompts = [[5, 17, 33, 100, 250, 7, 9], [400, 3], [77, 78, 79, 80, 81], [12, 13]]
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    # Long enough for two re-placements to finish while generating, on a fast host too (32 tokens
+    # left room for only one on the AVX-512 EPYC).
+    params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the reference, in this process: OpenMP threads on a busy host cost 10x
     try:
