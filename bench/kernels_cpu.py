@@ -138,7 +138,7 @@ class MoE:
         self.fused = None  # the engine's whole-block native kernel where it runs (bf16 on AVX-512 BF16)
         if self.packed:  # as the engine holds them (CpuWeight), and their oneDNN-packed part alone
             self.c13, self.c2 = [CpuWeight(w) for w in self.w13], [CpuWeight(w) for w in self.w2]
-            self.p13, self.p2 = [w.packed for w in self.c13], [w.packed for w in self.c2]
+            self.p13, self.p2 = [pack_weight(w) for w in self.w13], [pack_weight(w) for w in self.w2]
             experts = Experts(E, D, I, torch_ops()).to(dtype)
             experts.w13.data, experts.w2.data = self.w13, self.w2
             if fused_native_experts(experts):

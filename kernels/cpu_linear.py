@@ -65,19 +65,25 @@ def packed_linear(x_TI: torch.Tensor, packed: torch.Tensor, bias_O: torch.Tensor
 
 
 class CpuWeight:
-    """A float32 weight (O, I) prepared for CPU inference: packed for oneDNN, plus a bfloat16 copy
-    when every value is a bfloat16 (a bf16 checkpoint served in float32: `--dtype auto` on a CPU that
-    emulates bf16 GEMMs) and the native kernels run here (kernels/native.py). Up to
-    SKINNY_MAX_ROWS rows, cpu_linear streams the bf16 copy, half the bytes of the float32 weights;
-    above, oneDNN's float32 GEMM is faster. The copy costs half the float32 weights' memory again."""
+    """A weight (O, I) prepared for CPU inference. bf16 on a CPU with AVX-512 BF16 (and I even): our
+    panels (kernels/native.pack_panels32, run by native.gemm_bf16_panels at any row count), instead
+    of oneDNN's packing. Else packed for oneDNN, plus, for float32, a bfloat16 copy when every value
+    is a bfloat16 (a bf16 checkpoint served in float32: `--dtype auto` on a CPU that emulates bf16
+    GEMMs) and the native kernels run here (kernels/native.py). Up to SKINNY_MAX_ROWS rows,
+    cpu_linear streams the bf16 copy, half the bytes of the float32 weights; above, oneDNN's float32
+    GEMM is faster. The copy costs half the float32 weights' memory again."""
 
-    __slots__ = ("packed", "half", "out_features")
+    __slots__ = ("packed", "half", "panels", "out_features")
 
     def __init__(self, w_OI: torch.Tensor):
         w_OI = w_OI.detach()
         self.out_features = w_OI.shape[0]
+        self.packed = self.half = self.panels = None
+        if w_OI.dtype == torch.bfloat16 and w_OI.shape[1] % 2 == 0 and native.avx512_bf16():
+            # bf16 on AVX-512 BF16: our panels instead of oneDNN's packing, at every row count
+            self.panels = native.pack_panels32(w_OI, w_OI.shape[1])
+            return
         self.packed = pack_weight(w_OI)
-        self.half = None
         if w_OI.dtype == torch.float32 and native.available():
             half = w_OI.to(torch.bfloat16)
             if torch.equal(half.float(), w_OI):
@@ -87,6 +93,9 @@ class CpuWeight:
 def cpu_linear(x_TI: torch.Tensor, w: CpuWeight, bias_O: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ b) for 2-D float32 x: the native bf16 kernel for up to SKINNY_MAX_ROWS rows where
     w has its bf16 copy, else oneDNN's packed GEMM. The two agree up to summation order."""
+    if w.panels is not None:
+        y = native.gemm_bf16_panels(x_TI, w.panels, w.out_features)
+        return y if bias_O is None else y.add_(bias_O)
     if w.half is not None and x_TI.shape[0] <= SKINNY_MAX_ROWS:
         y = native.gemm_bf16(x_TI, w.half)
         return y if bias_O is None else y.add_(bias_O)

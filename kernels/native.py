@@ -4,6 +4,8 @@
   (kernels/csrc/skinny_gemm.c; kernels/cpu_linear.py decides when it runs).
 - `paged_decode_attention`: one query token per sequence against a paged bf16 or float32 KV cache,
   read in place (kernels/csrc/paged_attention.c; kernels/attention.py decides when it runs).
+- `gemm_bf16_panels`: y = x W^T in bf16 with AVX-512 BF16 on W packed by `pack_panels32`, any row
+  count (kernels/cpu_linear.CpuWeight holds such panels instead of oneDNN's packing on these CPUs).
 - `fused_moe_bf16`: a whole bf16 MoE block (SiLU experts) in one call with AVX-512 BF16's dot
   products (kernels/csrc/moe_avx512bf16.c; models/cpu_inference.PackedExperts decides), on weights
   packed by `pack_panels32`. Compiled with a target attribute, called only where the CPU has
@@ -88,6 +90,10 @@ def _library() -> ctypes.CDLL | None:
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                     ctypes.c_int])
+    fn = lib.shuttle_gemm_bf16_panels
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_int]
     fn = lib.shuttle_paged_decode_attention
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4
@@ -191,3 +197,17 @@ def fused_moe_bf16(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
     if rc != 0:
         raise MemoryError(f"fused_moe_bf16: out of memory for {T} tokens x {K} experts")
     return out_TD
+
+
+def gemm_bf16_panels(x_TI: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """y_TO = x_TI W^T in bf16 (float32 accumulation, rounded once) for W packed by pack_panels32 with
+    in_features = I (even). x: bf16 (T, I). Call only where avx512_bf16() is True."""
+    T, I = x_TI.shape
+    if x_TI.dtype != torch.bfloat16 or I % 2 or panels.shape[1] * 2 != I:
+        raise ValueError(f"gemm_bf16_panels takes bf16 x (T, I) with I even matching the panels' {panels.shape[1] * 2} "
+                         f"inputs; got {x_TI.dtype} {tuple(x_TI.shape)}")
+    x_TI = x_TI.contiguous()
+    y_TO = torch.empty(T, out_features, dtype=torch.bfloat16)
+    _library().shuttle_gemm_bf16_panels(x_TI.data_ptr(), T, I, panels.data_ptr(), out_features, y_TO.data_ptr(),
+                                        torch.get_num_threads())
+    return y_TO

@@ -251,3 +251,30 @@ def test_bf16_checkpoint_served_in_bf16_with_and_without_the_fused_moe(make_chec
     finally:
         native._library.cache_clear()
     assert native_ids == torch_ids == pools_ids
+
+
+@NEEDS_AVX512_BF16
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("T,I,O", [(1, 1024, 1536), (3, 64, 33), (17, 2, 5), (130, 96, 64), (9, 40, 100)])
+def test_bf16_panels_gemm_equals_onednn(T, I, O, threads):
+    """bf16 weights on an AVX-512 BF16 CPU are our panels (no oneDNN packing): cpu_linear's result at
+    odd sizes (O not a multiple of 32, more rows than one block, tails of 1-7 rows), with a bias,
+    against oneDNN's packed bf16 GEMM and float64."""
+    g = torch.Generator().manual_seed(T + I + O)
+    w, x, b = (torch.randn(O, I, generator=g) / I ** 0.5).bfloat16(), torch.randn(T, I, generator=g).bfloat16(), \
+        torch.randn(O, generator=g).bfloat16()
+    cw = cpu_linear.CpuWeight(w)
+    assert cw.panels is not None and cw.packed is None
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_linear.cpu_linear(x, cw, b)
+        ref = cpu_linear.packed_linear(x, cpu_linear.pack_weight(w), b)
+    finally:
+        torch.set_num_threads(threads_before)
+    exact = x.double() @ w.double().t() + b.double()
+    assert got.dtype == torch.bfloat16 and got.shape == (T, O)
+    torch.testing.assert_close(got.double(), exact, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="gemm_bf16_panels"):
+        native.gemm_bf16_panels(x.float(), cw.panels, O)

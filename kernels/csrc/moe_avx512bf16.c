@@ -124,6 +124,36 @@ AI512 void down_tile(const uint32_t *const *hr, const uint32_t *pw, int64_t pair
         default: call(1); break;        \
     }
 
+/* y (T, O) = x (T, I) W^T for one dense weight in the same panels (kernels/cpu_linear.CpuWeight on such
+ * a CPU: the q/k/v, o and LM-head projections), bf16 in and out, I even. OpenMP over panels within
+ * blocks of ROW_BLOCK rows (their x rows stay in L2 while each panel's weights stream once). */
+T512 void shuttle_gemm_bf16_panels(const uint16_t *x, int64_t T, int64_t I, const uint16_t *panels, int64_t O,
+                                   uint16_t *y, int nthreads) {
+    const int64_t P = (O + 31) / 32, pairs = I / 2;
+    for (int64_t t0 = 0; t0 < T; t0 += ROW_BLOCK) {
+        const int64_t t1 = T - t0 < ROW_BLOCK ? T : t0 + ROW_BLOCK;
+        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t p = 0; p < P; p++) {
+            const uint32_t *pw = (const uint32_t *)panels + p * pairs * 32, *rows[MAX_R];
+            const int64_t o0 = p * 32, nv = O - o0 < 32 ? O - o0 : 32;
+            const __mmask16 m0 = nv >= 16 ? 0xFFFF : (__mmask16)((1u << nv) - 1);
+            const __mmask16 m1 = nv >= 32 ? 0xFFFF : nv <= 16 ? 0 : (__mmask16)((1u << (nv - 16)) - 1);
+            for (int64_t t = t0; t < t1; t += MAX_R) {
+                const int n = t1 - t < MAX_R ? (int)(t1 - t) : MAX_R;
+                for (int i = 0; i < n; i++) rows[i] = (const uint32_t *)(x + (t + i) * I);
+                __m512 acc[MAX_R][2];
+#define DOT(R) panel_dot(rows, pw, pairs, R, acc)
+                BY_ROWS(n, DOT)
+#undef DOT
+                for (int r = 0; r < n; r++) {
+                    _mm256_mask_storeu_epi16(y + (t + r) * O + o0, m0, round16(acc[r][0]));
+                    _mm256_mask_storeu_epi16(y + (t + r) * O + o0 + 16, m1, round16(acc[r][1]));
+                }
+            }
+        }
+    }
+}
+
 /* x (T, D) bf16, D even; ids (T, K) int64; wk (T, K) float32; w13[e] / w2[e]: the panels of expert e
  * (I16 / 16 panels over D / 2 pairs; ceil(D / 32) panels over I16 / 2 pairs); out (T, D) bf16, zeroed;
  * scratch: (T * K, I16) bf16. Returns 0, or -1 if memory ran out (out is then unchanged). */
@@ -203,4 +233,5 @@ fail:
 #else
 int shuttle_avx512bf16_built(void) { return 0; }
 int shuttle_fused_moe_bf16(void) { return -2; }
+void shuttle_gemm_bf16_panels(void) {}
 #endif
