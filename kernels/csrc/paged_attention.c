@@ -20,6 +20,11 @@
 #include <string.h>
 
 #define BLOCK 64 /* positions scored before their values are accumulated */
+#define PREFETCH 8 /* positions ahead whose key rows are fetched */
+
+static inline void prefetch_row(const char *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
 
 static inline __m256 load8(const void *base, int64_t i, int bf16) {
     if (bf16) {
@@ -155,12 +160,12 @@ AI void attend(const int wide, const float *q, const void *k_cache, const void *
                int64_t M, const int64_t *start, const int64_t *len, float *o, float *lse, int64_t B, int64_t K,
                int64_t G, int64_t H, int64_t S, int64_t k_page, int64_t k_slot, int64_t k_head, int64_t v_page,
                int64_t v_slot, int64_t v_head, float scale, int nthreads) {
-    const int64_t H8 = H & ~(int64_t)7, esz = bf16 ? 2 : 4;
+    const int64_t H8 = H & ~(int64_t)7, esz = bf16 ? 2 : 4, row_bytes = H * esz;
     const char *kp = (const char *)k_cache, *vp = (const char *)v_cache;
     #pragma omp parallel num_threads(nthreads)
     {
         float s[G][BLOCK + 8], m[G], l[G], acc[G * H];
-        int64_t vrow[BLOCK];
+        int64_t krow[BLOCK], vrow[BLOCK];
         #pragma omp for schedule(dynamic, 4)
         for (int64_t pair = 0; pair < B * K; pair++) {
             const int64_t b = pair / K, kh = pair % K;
@@ -173,8 +178,16 @@ AI void attend(const int wide, const float *q, const void *k_cache, const void *
                 int64_t entry = j0 / S, slot = j0 % S, page = table[b * M + entry];
                 for (int64_t j = 0; j < n; j++, slot++) {
                     if (slot == S) slot = 0, page = table[b * M + ++entry];
-                    const void *kr = kp + esz * (page * k_page + slot * k_slot + kh * k_head);
+                    krow[j] = esz * (page * k_page + slot * k_slot + kh * k_head);
                     vrow[j] = esz * (page * v_page + slot * v_slot + kh * v_head);
+                }
+                /* The rows are scattered (pages, heads interleaved in a slot): ask for them ahead, keys
+                 * PREFETCH positions before they are scored, values while the keys are. */
+                for (int64_t j = 0; j < n && j < PREFETCH; j++) prefetch_row(kp + krow[j], row_bytes);
+                for (int64_t j = 0; j < n; j++) {
+                    if (j + PREFETCH < n) prefetch_row(kp + krow[j + PREFETCH], row_bytes);
+                    prefetch_row(vp + vrow[j], row_bytes);
+                    const void *kr = kp + krow[j];
 #define SCORE(GN) if (wide) score_group16(qb + g0 * H, kr, bf16, H, scale, GN, &s[g0][j], BLOCK + 8); \
                   else score_group(qb + g0 * H, kr, bf16, H, scale, GN, &s[g0][j], BLOCK + 8)
                     BY_GROUP(SCORE)
