@@ -12,7 +12,7 @@ from kernels import native
 from kernels.cpu_linear import (SKINNY_MAX_ROWS, CpuWeight, ExpertPanels, PackedLinear,  # noqa: F401 (re-exported)
                                 packing_available)
 from kernels.moe import SILU, SwiGLU, fused_moe_packed
-from models.moe_decoder import Attention, Experts, MoEForCausalLM
+from models.moe_decoder import Attention, Experts, MoEForCausalLM, Router
 
 
 def fused_native_experts(experts: Experts) -> bool:
@@ -78,6 +78,9 @@ def pack_for_cpu_inference(model: MoEForCausalLM) -> bool:
     tied = model.cfg.tie_word_embeddings
     for attn in [m for m in model.modules() if isinstance(m, Attention)]:
         fuse_qkv(attn)
+    for router in [m for m in model.modules() if isinstance(m, Router)]:
+        w = router.weight.detach()
+        router.cpu_weight = CpuWeight(w.float() if router.logits_fp32 else w)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Experts):

@@ -68,7 +68,7 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 
 
 
 def measure_front(model: str, dtype: str | None = None, batch: int = 32, prompts: int = 64, input_len: int = 64,
-                  output_len: int = 16, short_len: int = 4) -> dict:
+                  output_len: int = 16, short_len: int = 1) -> dict:
     """Serve `model` as a 1 + 1 pool with one torch thread per worker and measure the CPU seconds of
     the front process and of the load generator, per output token and per request: two runs of
     `prompts` requests, `output_len` and `short_len` tokens each, solve cpu = per_request x requests
