@@ -136,7 +136,11 @@ def epoch_placement(store: TCPStore, session: str, epoch: int, num_workers: int)
 
 
 def watch_placements(held: HeldExperts, store_addr: tuple[str, int], session: str, stop: threading.Event) -> None:
-    """(Thread.) Build each new placement version the front publishes, in order, and say so."""
+    """(Thread.) Build each new placement version the front publishes, in order, and say so. Its
+    torch ops run on one thread: a parallel op here would start a second OpenMP pool in the process,
+    after which libgomp (more threads than cores) stops spinning between the serving thread's
+    parallel regions and every expert op pays a wake-up (server/async_llm.py measured that at ~2x)."""
+    torch.set_num_threads(1)  # this thread's own team only; the serving thread keeps its count
     store = TCPStore(*store_addr, is_master=False, wait_for_workers=False)
     version = max(held.versions) + 1
     while not stop.is_set():
