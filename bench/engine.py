@@ -1,7 +1,7 @@
 """The engine's throughput: continuous against static batching, against transformers, and decode
 against this machine's memory roofline.
 
-    python bench/engine.py [--quick]
+    python bench/engine.py [--quick] [--rounds 3]
 
 Part 1, mixed-length workload (float32 checkpoint, hidden 512, 4 layers, 8 experts top-2):
   64 requests, prompts of 8..96 tokens, 8..128 new tokens each (EOS ignored), at most 16 in flight.
@@ -13,7 +13,8 @@ Part 2, decode on a Mixtral-shaped checkpoint of ~425M parameters stored in bflo
   8 layers, 16 heads, 4 KV heads, 8 experts of 2048, top-2), run in bfloat16 and in float32 (the same
   weights upcast; --quick: in the dtype `--dtype auto` resolves to here, float32 on a CPU that
   emulates bf16 GEMMs, and the JSON's dtype_resolution says which and why), 32-token prompts, batch 1/16/64/256: the median decode step time of the eager
-  engine and of the compiled one (models/stages.py, --no-enforce-eager), side by side, each against
+  engine and of the compiled one (models/stages.py, --no-enforce-eager), side by side (--rounds
+  passes of every engine in alternating order, the median over them; each pass's times kept), each against
   the step's floor = max(memory floor, compute floor), both measured in this run. Memory floor: the
   weight bytes a step must read (every non-expert weight, the LM head, the experts B tokens x top-2
   are expected to hit) over the read bandwidth (a sum over 1 GiB). Compute floor: the step's matmul
@@ -34,6 +35,7 @@ Writes bench/results/engine.json (--quick: engine_quick.json).
 import argparse
 import contextlib
 import os
+import statistics
 from dataclasses import replace
 import random
 import sys
@@ -192,7 +194,8 @@ def native_off():
 
 
 def decode_roofline(ckpt: Path, dtype: str, batches: list[int], new_tokens: int, read_bw: float, rate: float,
-                    hf_batches: list[int], prefill: tuple[int, int, int]) -> tuple[list[dict], list[dict]]:
+                    hf_batches: list[int], prefill: tuple[int, int, int],
+                    rounds: int = 1) -> tuple[list[dict], list[dict]]:
     """Decode step time per batch size, eager and compiled side by side, against the floor
     max(weight bytes / read bandwidth, FLOPs / matmul rate); then chunked prefill tokens/s against
     its compute floor. prefill: (prompts, prompt length, chunk). transformers runs hf_batches."""
@@ -218,11 +221,19 @@ def decode_roofline(ckpt: Path, dtype: str, batches: list[int], new_tokens: int,
         ckpt_floor = max(floor_mem * ckpt_bytes, floor_compute)  # the checkpoint's bytes (issue 18's floor)
         row = {"dtype": dtype, "batch": B, "mem_floor_ms": 1e3 * floor_mem, "compute_floor_ms": 1e3 * floor_compute,
                "ckpt_floor_ms": 1e3 * ckpt_floor}
-        for mode, llm in llms.items():  # (the median ignores the first steps' allocations)
-            with native_off() if mode == "native_off" else contextlib.nullcontext():
-                step = decode_step_time(llm, B, 32, new_tokens)
+        # Rounds of every mode, the order reversed each round, and each mode's median over them: on a
+        # host whose speed drifts by 10-30% within minutes, one pass per mode compared modes measured
+        # at different speeds. (Within a pass the median step ignores the first steps' allocations.)
+        steps: dict[str, list[float]] = {mode: [] for mode in llms}
+        for r in range(rounds):
+            for mode in (list(llms) if r % 2 == 0 else list(llms)[::-1]):
+                with native_off() if mode == "native_off" else contextlib.nullcontext():
+                    steps[mode].append(decode_step_time(llms[mode], B, 32, new_tokens))
+        for mode, times in steps.items():
+            step = statistics.median(times)
             row[f"{mode}_ms"], row[f"{mode}_x_floor"] = 1e3 * step, step / floor
             row[f"{mode}_x_ckpt_floor"] = step / ckpt_floor
+            row[f"{mode}_rounds_ms"] = [round(1e3 * t, 2) for t in times]
         row["target_x_floor"] = TARGETS.get(B)
         row["compiled_speedup"] = row["eager_ms"] / row["compiled_ms"]
         if "native_off" in llms:
@@ -275,6 +286,8 @@ def main() -> None:
                     help="fewer tokens, no transformers, one dtype: auto, as shuttle serve resolves it (bfloat16 "
                          "where the CPU has bf16 matmuls, avx512_bf16 / amx_bf16, else float32)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="decode passes per mode, interleaved in alternating order; the median is reported")
     ap.add_argument("--dtypes", nargs="+", default=None,
                     help="float32, bfloat16 or auto; default: bfloat16 float32 (--quick: auto)")
     ap.add_argument("--no-mixed", action="store_true", help="skip part 1 (the mixed-length workload)")
@@ -304,7 +317,8 @@ def main() -> None:
             print_table(mixed, ["mode", "seconds", "useful_tokens", "tok_per_s", "vs_continuous"])
         big = mixtral(Path(tmp) / "big", "bfloat16", 1024, 2048, 8, 16, 4)
         for dt in dtypes:
-            rows, pre = decode_roofline(big, dt, args.batches, new_tokens, read_bw, rates[dt], hf_batches, prefill)
+            rows, pre = decode_roofline(big, dt, args.batches, new_tokens, read_bw, rates[dt], hf_batches, prefill,
+                                        args.rounds)
             decode += rows
             prefill_rows += pre
     print_table(decode, ["dtype", "batch", "mem_floor_ms", "compute_floor_ms", "ckpt_floor_ms", "eager_ms",
