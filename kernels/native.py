@@ -4,6 +4,8 @@
   (kernels/csrc/skinny_gemm.c; kernels/cpu_linear.py decides when it runs).
 - `paged_decode_attention`: one query token per sequence against a paged bf16 or float32 KV cache,
   read in place (kernels/csrc/paged_attention.c; kernels/attention.py decides when it runs).
+- `add_rms_norm`: RMSNorm with the residual add fused, bf16 or float32, one call instead of six torch
+  ops (kernels/csrc/rmsnorm.c; kernels/rmsnorm.py decides when it runs).
 - `gemm_bf16_panels`: y = x W^T in bf16 with AVX-512 BF16 on W packed by `pack_panels32`, any row
   count (kernels/cpu_linear.CpuWeight holds such panels instead of oneDNN's packing on these CPUs).
 - `fused_moe_bf16`: a whole bf16 MoE block (SiLU experts) in one call with AVX-512 BF16's dot
@@ -90,6 +92,9 @@ def _library() -> ctypes.CDLL | None:
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                     ctypes.c_int])
+    fn = lib.shuttle_add_rms_norm
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     fn = lib.shuttle_gemm_bf16_panels
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
@@ -211,3 +216,25 @@ def gemm_bf16_panels(x_TI: torch.Tensor, panels: torch.Tensor, out_features: int
     _library().shuttle_gemm_bf16_panels(x_TI.data_ptr(), T, I, panels.data_ptr(), out_features, y_TO.data_ptr(),
                                         torch.get_num_threads())
     return y_TO
+
+
+def add_rms_norm(x_TD: torch.Tensor, residual_TD: torch.Tensor | None, weight_D: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rms_norm(x + residual), x + residual), or (rms_norm(x), None) without a residual, rounding as
+    kernels/rmsnorm.py's torch ops do. x, residual (same shape), weight: one dtype (bf16 or float32),
+    contiguous CPU tensors, the last dimension the weight's. Call only where available() is True."""
+    D = weight_D.shape[0]
+    ok = (x_TD.dtype in (torch.bfloat16, torch.float32) and weight_D.dtype == x_TD.dtype and x_TD.shape[-1] == D
+          and x_TD.is_contiguous() and weight_D.is_contiguous()
+          and (residual_TD is None or (residual_TD.dtype == x_TD.dtype and residual_TD.shape == x_TD.shape
+                                       and residual_TD.is_contiguous())))
+    if not ok:
+        raise ValueError(f"add_rms_norm takes contiguous bf16 or float32 x, residual and weight of one dtype; got "
+                         f"{x_TD.dtype} {tuple(x_TD.shape)} and weight {weight_D.dtype} {tuple(weight_D.shape)}")
+    y = torch.empty_like(x_TD)
+    r = None if residual_TD is None else torch.empty_like(x_TD)
+    _library().shuttle_add_rms_norm(x_TD.data_ptr(), 0 if residual_TD is None else residual_TD.data_ptr(),
+                                    weight_D.data_ptr(), y.data_ptr(), 0 if r is None else r.data_ptr(),
+                                    x_TD.numel() // max(D, 1), D, eps, int(x_TD.dtype == torch.bfloat16),
+                                    torch.get_num_threads())
+    return y, r

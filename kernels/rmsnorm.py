@@ -1,8 +1,23 @@
 """RMSNorm (optionally with the residual add fused), computed in float32 as Hugging Face's reference does.
 
+On the CPU, outside autograd and torch.compile, contiguous bf16/float32 inputs go to one native call
+(kernels/native.add_rms_norm, kernels/csrc/rmsnorm.c) that rounds where these ops round; the torch
+ops below stay the reference and everything else's path.
+
 Legend: T tokens, D hidden (the normalised dimension, last axis).
 """
 import torch
+
+from kernels import native
+
+
+def _native(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    return (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
+            and all(t.dtype == x.dtype and t.is_contiguous() for t in tensors)
+            and (residual is None or residual.shape == x.shape) and x.shape[-1] == weight.shape[0]
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            and not torch.compiler.is_compiling() and native.available())
 
 
 def rms_norm(x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
@@ -12,6 +27,8 @@ def rms_norm(x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Te
     normalised value is cast back to x's dtype before the weight multiplies it (as transformers does,
     so bf16 results round at the same place).
     """
+    if _native(x_TD, weight_D):
+        return native.add_rms_norm(x_TD, None, weight_D, eps)[0]
     x32 = x_TD.float()
     var = x32.pow(2).mean(-1, keepdim=True)
     return weight_D * (x32 * torch.rsqrt(var + eps)).to(x_TD.dtype)
@@ -23,5 +40,7 @@ def fused_add_rms_norm(x_TD: torch.Tensor, residual_TD: torch.Tensor, weight_D: 
 
     Returns (y_TD, r_TD); r is the residual stream the next layer adds to.
     """
+    if _native(x_TD, weight_D, residual_TD):
+        return native.add_rms_norm(x_TD, residual_TD, weight_D, eps)
     r_TD = x_TD + residual_TD
     return rms_norm(r_TD, weight_D, eps), r_TD

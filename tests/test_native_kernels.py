@@ -278,3 +278,34 @@ def test_bf16_panels_gemm_equals_onednn(T, I, O, threads):
     torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="gemm_bf16_panels"):
         native.gemm_bf16_panels(x.float(), cw.panels, O)
+
+
+@NEEDS_NATIVE
+@pytest.mark.parametrize("T,D", [(1, 1024), (16, 1024), (64, 1024), (3, 37), (5, 2), (7, 100)])
+def test_native_rms_norm_rounds_as_the_torch_ops(T, D):
+    """kernels/csrc/rmsnorm.c (what kernels.rmsnorm runs on the CPU outside autograd): bitwise the torch
+    ops in bf16 (the add, the normalised value and the weight product rounded where they round; 64
+    rows of 1024 also split over threads), within float32 rounding in float32; autograd keeps the ops."""
+    import kernels.rmsnorm as R
+
+    def ops(x, w, res=None):
+        r = x if res is None else x + res
+        x32 = r.float()
+        return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(r.dtype), r
+
+    g = torch.Generator().manual_seed(T * D)
+    for dtype in (torch.bfloat16, torch.float32):
+        x, res, w = (torch.randn(*shape, generator=g).to(dtype) for shape in ((T, D), (T, D), (D,)))
+        y, r = R.fused_add_rms_norm(x, res, w, 1e-6)
+        y_ref, r_ref = ops(x, w, res)
+        assert torch.equal(r, r_ref)
+        if dtype == torch.bfloat16:
+            assert torch.equal(y, y_ref) and torch.equal(R.rms_norm(x, w, 1e-6), ops(x, w)[0])
+        else:
+            torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6)
+    wg = torch.randn(D, requires_grad=True)
+    xg = torch.randn(T, D)
+    y = R.rms_norm(xg, wg, 1e-6)
+    assert y.grad_fn is not None  # the torch ops, which autograd differentiates
+    with pytest.raises(ValueError, match="add_rms_norm"):
+        native.add_rms_norm(xg.bfloat16(), None, wg.detach(), 1e-6)
