@@ -1,7 +1,7 @@
 """Ping-pong: does splitting each step into micro-batches keep both pools busy, and where does a
 disaggregated decode step lose time against the colocated engine?
 
-    python bench/pingpong.py [--quick] [--dtype float32] [--batches 1 16 64 256] [--trace pingpong.trace.json]
+    python bench/pingpong.py [--quick] [--rounds 3] [--dtype float32] [--batches 1 16 64 256] [--trace pingpong.trace.json]
 
 Model: the Mixtral-shaped bf16 checkpoint of ~425M parameters that bench/engine.py builds (hidden
 1024, 8 layers, 16 heads, 4 KV heads, 8 experts of 2048, top-2; `--small` swaps in a float32 model of
@@ -151,6 +151,9 @@ def main() -> None:
                     help="skip the 'm=1 serve' row: m=1 with shuttle serve's default threads (at m=1 the pools "
                          "take turns and each worker gets every core: attention_nodes.config.worker_threads)")
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="passes over every deployment (colocated first, then last, in turn); each row is the "
+                         "median pass (use 3 on a host whose speed drifts)")
     ap.add_argument("--trace", default=None, help="Chrome trace file of the m=2 run's last steps")
     ap.add_argument("--trace-ms", type=float, default=300.0, help="how much of the end of the run to trace")
     args = ap.parse_args()
@@ -166,22 +169,38 @@ def main() -> None:
         else:
             args.serving_dtype = getattr(torch, args.dtype)
         first_recv = f"recv L{ModelConfig.from_pretrained(str(ckpt)).moe_layers.index(True)} mb0"
-        torch.set_num_threads(2)
-        colocated = LLMEngine(engine_cfg(ckpt, args, ParallelConfig()), {0})
-        base = run_batches(colocated, args.batches, args.new_tokens, "colo")
-        del colocated
-        torch.set_num_threads(1)
-        runs, events = {}, {}
-        for threads in args.pool_threads:
-            for m in args.ms:
-                key = f"m={m}" + (f" t{threads}" if threads != 1 else "")
-                d = Path(tmp) / f"trace-m{m}-t{threads}"
+        # --rounds: every deployment once per round, colocated first in even rounds and last in odd
+        # ones; each (deployment, batch) keeps the round with the median step (its breakdown with it).
+        # One pass per deployment compared deployments measured minutes apart, at the host's
+        # different speeds (three passes of the same code put batch 256's best row at 0.67-0.93).
+        bases, rounds, events = [], [], {}
+        for r in range(args.rounds):
+            def colocated_pass() -> dict:
+                torch.set_num_threads(2)
+                colocated = LLMEngine(engine_cfg(ckpt, args, ParallelConfig()), {0})
+                base = run_batches(colocated, args.batches, args.new_tokens, "colo")
+                del colocated
+                torch.set_num_threads(1)
+                return base
+
+            if r % 2 == 0:
+                bases.append(colocated_pass())
+            runs = {}
+            for threads in args.pool_threads:
+                for m in args.ms:
+                    key = f"m={m}" + (f" t{threads}" if threads != 1 else "")
+                    d = Path(tmp) / f"trace-m{m}-t{threads}-r{r}"
+                    d.mkdir()
+                    runs[key], events[key] = run_pools(ckpt, m, threads, args, d, first_recv)
+            if not args.no_serve_default:
+                d = Path(tmp) / f"trace-m1-serve-r{r}"
                 d.mkdir()
-                runs[key], events[key] = run_pools(ckpt, m, threads, args, d, first_recv)
-        if not args.no_serve_default:
-            d = Path(tmp) / "trace-m1-serve"
-            d.mkdir()
-            runs["m=1 serve"], events["m=1 serve"] = run_pools(ckpt, 1, None, args, d, first_recv)
+                runs["m=1 serve"], events["m=1 serve"] = run_pools(ckpt, 1, None, args, d, first_recv)
+            if r % 2 == 1:
+                bases.append(colocated_pass())
+            rounds.append(runs)
+    base = median_round(bases, args.batches)
+    runs = {key: median_round([rr[key] for rr in rounds], args.batches) for key in rounds[0]}
     rows = table(base, runs, args.batches)
     model = "small float32" if args.small else f"Mixtral-shaped 425M bf16 checkpoint served in {args.serving_dtype}"
     print(f"decode on {model}, 32-token prompts, {args.new_tokens} new tokens; pools: 1 attention + 1 expert "
@@ -190,7 +209,7 @@ def main() -> None:
     print_table(rows, ["batch", "run", "step ms", "vs colo", "target", "attn", "send", "wait", "engine", "control",
                        "gap", "expert", "reply", "wait_in", "wait_between"])
     if args.trace and "m=2" in events:
-        t1 = runs["m=2"][max(args.batches)]["window_ns"][1] / 1e3
+        t1 = rounds[-1]["m=2"][max(args.batches)]["window_ns"][1] / 1e3  # the last round's events
         ev = [x for x in events["m=2"] if t1 - args.trace_ms * 1e3 <= x["ts"] <= t1]
         Path(args.trace).write_text(json.dumps({"traceEvents": ev, "displayTimeUnit": "ms"}))
         print(f"trace of the m=2 run's last {args.trace_ms:.0f} ms at batch {max(args.batches)}: {args.trace}")
@@ -198,11 +217,22 @@ def main() -> None:
     print(f"wrote {save(name, {'config': {**vars(args), 'serving_dtype': str(args.serving_dtype)}, 'rows': rows, 'date': time.strftime('%Y-%m-%d')})}")
 
 
+def median_round(passes: list[dict], batches: list[int]) -> dict:
+    """{batch: the pass with the median step_ms at that batch (lower middle for an even count), plus
+    every pass's step_ms as "rounds_step_ms"} over passes of {batch: {"step_ms", ...}}."""
+    out = {}
+    for B in batches:
+        ordered = sorted(passes, key=lambda p: p[B]["step_ms"])
+        out[B] = {**ordered[(len(ordered) - 1) // 2][B], "rounds_step_ms": [round(p[B]["step_ms"], 2) for p in passes]}
+    return out
+
+
 def table(base: dict, runs: dict, batches: list[int]) -> list[dict]:
     """One row per (batch, deployment); the best m of each batch (per pool thread count) is marked with '*'."""
     rows = []
     for B in batches:
-        rows.append({"batch": B, "run": "colocated", "step ms": base[B]["step_ms"], "vs colo": 1.0})
+        rows.append({"batch": B, "run": "colocated", "step ms": base[B]["step_ms"], "vs colo": 1.0,
+                     "rounds_step_ms": base[B].get("rounds_step_ms")})
         best = set()  # the best m of each thread count
         for group in {k.partition(" ")[2] for k in runs}:
             keys = [k for k in runs if k.partition(" ")[2] == group]
@@ -210,7 +240,7 @@ def table(base: dict, runs: dict, batches: list[int]) -> list[dict]:
         for m, res in runs.items():
             r = res[B]
             rows.append({"batch": B, "run": m + ("*" if m in best else ""), "step ms": r["step_ms"],
-                         "vs colo": base[B]["step_ms"] / r["step_ms"],
+                         "vs colo": base[B]["step_ms"] / r["step_ms"], "rounds_step_ms": r.get("rounds_step_ms"),
                          "target": TARGETS.get(B) if m in best else None,
                          **{k: r[k] for k in ("attn", "send", "wait", "engine", "control", "gap", "expert", "reply",
                                               "wait_in", "wait_between")}})
