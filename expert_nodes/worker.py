@@ -96,8 +96,9 @@ def _serve(spec: ExpertWorkerSpec, store: TCPStore) -> None:
     tracer = Tracer(f"e{spec.rank}", enabled=spec.trace_dir is not None)
     load = _Load(spec, store, tracer, device, cfg.num_experts, moe_layers)
     stop = threading.Event()
-    threading.Thread(target=watch_placements, args=(held, spec.store_addr, spec.session, stop), daemon=True,
-                     name="placement-watcher").start()
+    watcher = threading.Thread(target=watch_placements, args=(held, spec.store_addr, spec.session, stop),
+                               daemon=True, name="placement-watcher")
+    watcher.start()
     epoch: int | None = spec.epoch
     try:
         while epoch is not None:
@@ -113,6 +114,10 @@ def _serve(spec: ExpertWorkerSpec, store: TCPStore) -> None:
             epoch = _next_epoch(store, spec.session, epoch)
     finally:
         stop.set()
+        # Joined, not left to the interpreter's exit: a daemon thread still inside a TCPStore call when
+        # Python finalizes is unwound through C++ frames and aborts the process (exit code -6, seen
+        # once in a suite run of tests/test_pools.py::test_roles_meet_at_a_rendezvous).
+        watcher.join(timeout=5)
         if spec.trace_dir:
             tracer.dump(spec.trace_dir)
 
