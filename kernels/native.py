@@ -38,6 +38,7 @@ import torch
 log = logging.getLogger("shuttle")
 ENV_VAR = "SHUTTLE_NATIVE_KERNELS"
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
+HEADERS = sorted((Path(__file__).with_name("csrc")).glob("*.h"))  # hashed with the sources
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -47,7 +48,8 @@ def _cache_dir() -> Path:
 
 def _build(cc: str) -> Path:
     """The compiled library for these sources and flags: built unless already cached."""
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    text = b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join([cc, *FLAGS]).encode()
+    digest = hashlib.sha256(text).hexdigest()[:16]
     for where in (_cache_dir(), Path(tempfile.gettempdir()) / f"shuttle-{os.getuid()}"):
         lib = where / f"shuttle_native-{digest}.so"
         if lib.exists():

@@ -13,6 +13,7 @@
  * Visibility: sequence b sees positions [start[b], len[b]) (start > 0 under a sliding window);
  * position j lives in page table[b*M + j/S], slot j%S. Outputs o (B, K, G, H) and the natural-log
  * log-sum-exp of the scaled scores (B, K, G), which attention sinks need. */
+#include "bf16_avx2.h"
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -27,26 +28,11 @@ static inline void prefetch_row(const char *p, int64_t bytes) {
 }
 
 static inline __m256 load8(const void *base, int64_t i, int bf16) {
-    if (bf16) {
-        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-    return _mm256_loadu_ps((const float *)base + i);
+    return bf16 ? bf16x8_to_f32((const uint16_t *)base + i) : _mm256_loadu_ps((const float *)base + i);
 }
 
 static inline float load1(const void *base, int64_t i, int bf16) {
-    if (bf16) {
-        union { uint32_t u; float f; } v = { (uint32_t)((const uint16_t *)base)[i] << 16 };
-        return v.f;
-    }
-    return ((const float *)base)[i];
-}
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
 /* e^x for x <= 0 (scores minus their running max), relative error ~2e-7: 2^n times a degree-6
@@ -83,7 +69,7 @@ AI void score_group(const float *qb, const void *kr, const int bf16, int64_t H, 
         for (int g = 0; g < GN; g++) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qb + g * H + i), k, a[g]);
     }
     for (int g = 0; g < GN; g++) {
-        float d = hsum(a[g]);
+        float d = hsum8(a[g]);
         for (int64_t i = H8; i < H; i++) d += qb[g * H + i] * load1(kr, i, bf16);
         s[g * stride] = d * scale;
     }
@@ -205,7 +191,7 @@ AI void attend(const int wide, const float *q, const void *k_cache, const void *
                         _mm256_storeu_ps(s[g] + j, p);
                         sum = _mm256_add_ps(sum, p);
                     }
-                    l[g] = l[g] * corr + hsum(sum);
+                    l[g] = l[g] * corr + hsum8(sum);
                     m[g] = mx;
                     if (corr != 1.0f) {
                         float *ag = acc + g * H;

@@ -7,14 +7,11 @@
  * the order of the sum of squares differs. float32: the same without the roundings.
  * AVX2 (8 values a time; a signalling NaN may round to infinity); OpenMP over rows once a call is
  * large enough to pay for waking the second thread. */
+#include "bf16_avx2.h"
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
-static inline float bf(uint16_t h) {
-    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
-    return v.f;
-}
 
 static inline uint16_t to_bf(float f) { /* round to nearest even; NaN stays NaN */
     union { float f; uint32_t u; } v = { f };
@@ -22,12 +19,9 @@ static inline uint16_t to_bf(float f) { /* round to nearest even; NaN stays NaN 
     return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
 }
 
-static inline float rbf(float f) { return bf(to_bf(f)); }
+static inline float rbf(float f) { return bf16_to_f32(to_bf(f)); }
 
-/* Eight at a time: widen 8 bf16, round 8 floats to bf16 (nearest even; kept as floats, or packed). */
-static inline __m256 load_bf8(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
+/* Eight at a time: round 8 floats to bf16 (nearest even; kept as floats, or packed). */
 
 static inline __m256i round_bits8(__m256 f) { /* the rounded bf16 in each lane's top half */
     const __m256i u = _mm256_castps_si256(f);
@@ -51,11 +45,7 @@ static inline float sum_squares(const float *r, int64_t D) {
         a = _mm256_fmadd_ps(p, p, a);
         b = _mm256_fmadd_ps(q, q, b);
     }
-    a = _mm256_add_ps(a, b);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    float t = _mm_cvtss_f32(s);
+    float t = hsum8(_mm256_add_ps(a, b));
     for (; i < D; i++) t += r[i] * r[i];
     return t;
 }
@@ -73,10 +63,10 @@ void shuttle_add_rms_norm(const void *x, const void *residual, const void *weigh
             const uint16_t *xt = (const uint16_t *)x + t * D, *rt = residual ? (const uint16_t *)residual + t * D : 0;
             int64_t i = 0;
             if (rt)
-                for (; i < D8; i += 8) _mm256_storeu_ps(r + i, rbf8(_mm256_add_ps(load_bf8(xt + i), load_bf8(rt + i))));
+                for (; i < D8; i += 8) _mm256_storeu_ps(r + i, rbf8(_mm256_add_ps(bf16x8_to_f32(xt + i), bf16x8_to_f32(rt + i))));
             else
-                for (; i < D8; i += 8) _mm256_storeu_ps(r + i, load_bf8(xt + i));
-            for (; i < D; i++) r[i] = rt ? rbf(bf(xt[i]) + bf(rt[i])) : bf(xt[i]);
+                for (; i < D8; i += 8) _mm256_storeu_ps(r + i, bf16x8_to_f32(xt + i));
+            for (; i < D; i++) r[i] = rt ? rbf(bf16_to_f32(xt[i]) + bf16_to_f32(rt[i])) : bf16_to_f32(xt[i]);
         } else {
             const float *xt = (const float *)x + t * D, *rt = residual ? (const float *)residual + t * D : 0;
             for (int64_t i = 0; i < D; i++) r[i] = rt ? xt[i] + rt[i] : xt[i];
@@ -89,11 +79,11 @@ void shuttle_add_rms_norm(const void *x, const void *residual, const void *weigh
             int64_t i = 0;
             for (; i < D8; i += 8) {
                 const __m256 ri = _mm256_loadu_ps(r + i);
-                store_bf8(yt + i, _mm256_mul_ps(load_bf8(w + i), rbf8(_mm256_mul_ps(ri, sv))));
+                store_bf8(yt + i, _mm256_mul_ps(bf16x8_to_f32(w + i), rbf8(_mm256_mul_ps(ri, sv))));
                 if (ro) store_bf8(ro + i, ri);
             }
             for (; i < D; i++) {
-                yt[i] = to_bf(bf(w[i]) * rbf(r[i] * s));
+                yt[i] = to_bf(bf16_to_f32(w[i]) * rbf(r[i] * s));
                 if (ro) ro[i] = to_bf(r[i]);
             }
         } else {

@@ -11,25 +11,7 @@
  * multiple of 8 (scalar), O not a multiple of 4 (the block repeats its last row), T odd (the last
  * pair computes its row twice).
  */
-#include <immintrin.h>
-#include <stdint.h>
-
-static inline __m256 widen8(const uint16_t *p) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-static inline float widen1(uint16_t h) {
-    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
-    return v.f;
-}
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#include "bf16_avx2.h"
 
 void shuttle_gemm_bf16(const float *x, const uint16_t *w, float *y, int64_t T, int64_t I, int64_t O,
                        int nthreads) {
@@ -45,19 +27,19 @@ void shuttle_gemm_bf16(const float *x, const uint16_t *w, float *y, int64_t T, i
             const float *x0 = x + t * I, *x1 = two ? x0 + I : x0;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
             for (int64_t i = 0; i < I8; i += 8) {
-                const __m256 v0 = widen8(w0 + i), v1 = widen8(w1 + i), v2 = widen8(w2 + i), v3 = widen8(w3 + i);
+                const __m256 v0 = bf16x8_to_f32(w0 + i), v1 = bf16x8_to_f32(w1 + i), v2 = bf16x8_to_f32(w2 + i), v3 = bf16x8_to_f32(w3 + i);
                 const __m256 p = _mm256_loadu_ps(x0 + i), q = _mm256_loadu_ps(x1 + i);
                 a0 = _mm256_fmadd_ps(p, v0, a0); a1 = _mm256_fmadd_ps(p, v1, a1);
                 a2 = _mm256_fmadd_ps(p, v2, a2); a3 = _mm256_fmadd_ps(p, v3, a3);
                 c0 = _mm256_fmadd_ps(q, v0, c0); c1 = _mm256_fmadd_ps(q, v1, c1);
                 c2 = _mm256_fmadd_ps(q, v2, c2); c3 = _mm256_fmadd_ps(q, v3, c3);
             }
-            float r[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
-            float s[4] = {hsum(c0), hsum(c1), hsum(c2), hsum(c3)};
+            float r[4] = {hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3)};
+            float s[4] = {hsum8(c0), hsum8(c1), hsum8(c2), hsum8(c3)};
             const uint16_t *ws[4] = {w0, w1, w2, w3};
             for (int64_t i = I8; i < I; i++) {
                 for (int k = 0; k < 4; k++) {
-                    const float v = widen1(ws[k][i]);
+                    const float v = bf16_to_f32(ws[k][i]);
                     r[k] += x0[i] * v;
                     s[k] += x1[i] * v;
                 }
