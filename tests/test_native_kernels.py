@@ -9,8 +9,10 @@ import torch
 import kernels.cpu_linear as cpu_linear
 import kernels.native as native
 from server import LLM, SamplingParams
+from tests.test_cpu_attention import paged
 
 NEEDS_NATIVE = pytest.mark.skipif(not native.available(), reason="native kernels unavailable here (no AVX2 or no cc)")
+NEEDS_AVX512_BF16 = pytest.mark.skipif(not native.avx512_bf16(), reason="this CPU has no AVX-512 BF16")
 
 
 @NEEDS_NATIVE
@@ -80,16 +82,21 @@ def test_without_native_kernels_everything_takes_onednn(monkeypatch, caplog):
         native._library.cache_clear()
 
 
-@NEEDS_NATIVE
-def test_bf16_checkpoint_served_in_float32_with_and_without_the_kernel(make_checkpoint, monkeypatch):
-    """The decoder with the native kernel (batch 1 and a few rows per expert) gives the greedy ids of
-    the oneDNN-only path, colocated and through the pools' expert worker (the same kernels/moe.py)."""
+@pytest.mark.parametrize("dtype", [
+    pytest.param("float32", marks=NEEDS_NATIVE, id="float32-skinny-gemm"),
+    pytest.param("bfloat16", marks=NEEDS_AVX512_BF16, id="bf16-fused-moe"),
+])
+def test_bf16_checkpoint_with_and_without_the_native_kernels(dtype, make_checkpoint, monkeypatch):
+    """A bf16 checkpoint served with the native kernels gives the greedy ids of the path without them
+    (SHUTTLE_NATIVE_KERNELS=0), colocated and through the pools' expert worker: in float32 the bf16
+    GEMM for few rows, in bf16 (on AVX-512 BF16) the panel GEMMs and the one-call MoE block; the
+    paged decode attention and RMSNorm in both."""
     ckpt = make_checkpoint("mixtral", dtype="bfloat16")
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = [[5, 9, 14, 3], [7, 7, 2], [1, 2, 3, 4, 5, 6]]
 
     def ids(**kw) -> list[list[int]]:
-        llm = LLM(ckpt, dtype="float32", device="cpu", num_kv_blocks=16, **kw)
+        llm = LLM(ckpt, dtype=dtype, device="cpu", num_kv_blocks=16, **kw)
         try:
             return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         finally:
@@ -99,23 +106,10 @@ def test_bf16_checkpoint_served_in_float32_with_and_without_the_kernel(make_chec
     monkeypatch.setenv(native.ENV_VAR, "0")
     native._library.cache_clear()
     try:
-        onednn_ids = ids()
+        without_ids = ids()
     finally:
         native._library.cache_clear()
-    assert native_ids == onednn_ids == pools_ids
-
-
-def _paged_case(lens: list[int], K: int, H: int, S: int, dtype: torch.dtype, seed: int) -> dict:
-    """A shuffled paged cache holding `lens` tokens per sequence, -1 past each table's end."""
-    g = torch.Generator().manual_seed(seed)
-    npages = [-(-n // S) for n in lens]
-    P, M = sum(npages) + 3, max(npages) + 2
-    order = torch.randperm(P, generator=g).tolist()
-    table = torch.full((len(lens), M), -1, dtype=torch.int32)
-    for b, n in enumerate(npages):
-        table[b, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
-    k, v = (torch.randn(P, S, K, H, generator=g).to(dtype) for _ in range(2))
-    return dict(k_cache_PSKH=k, v_cache_PSKH=v, block_table_BM=table, seq_lens_B=torch.tensor(lens))
+    assert native_ids == without_ids == pools_ids
 
 
 @NEEDS_NATIVE
@@ -136,7 +130,7 @@ def test_native_paged_decode_attention(N, K, H, S, lens, window, dtype, threads,
     its AVX2 ones."""
     from kernels import attention
 
-    args = _paged_case(lens, K, H, S, dtype, seed=len(lens) + H)
+    args = paged(lens, K, H, S, dtype, seed=len(lens) + H)
     q = torch.randn(len(lens), H, N).to(dtype).transpose(1, 2)  # strided, as the model's views are
     calls = []
     real, threads_before = native.paged_decode_attention, torch.get_num_threads()
@@ -162,7 +156,7 @@ def test_native_paged_decode_attention(N, K, H, S, lens, window, dtype, threads,
 
 @NEEDS_NATIVE
 def test_native_paged_decode_attention_rejects_what_it_cannot_read():
-    args = _paged_case([3, 5], 2, 8, 4, torch.bfloat16, seed=0)
+    args = paged([3, 5], 2, 8, 4, torch.bfloat16)
     table, lens = args["block_table_BM"].long(), args["seq_lens_B"].long()
     q = torch.randn(2, 2, 1, 8)
     with pytest.raises(ValueError, match="float32 contiguous q"):
@@ -175,8 +169,6 @@ def test_native_paged_decode_attention_rejects_what_it_cannot_read():
         native.paged_decode_attention(q, args["k_cache_PSKH"].half(), args["v_cache_PSKH"].half(), table,
                                       torch.zeros_like(lens), lens, 1.0)
 
-
-NEEDS_AVX512_BF16 = pytest.mark.skipif(not native.avx512_bf16(), reason="this CPU has no AVX-512 BF16")
 
 
 @NEEDS_AVX512_BF16
@@ -227,30 +219,6 @@ def test_fused_moe_bf16_equals_the_torch_path(T, E, K, D, I, threads):
 
 def CpuWeightBf16(w: torch.Tensor) -> cpu_linear.CpuWeight:
     return cpu_linear.CpuWeight(w.bfloat16())
-
-
-@NEEDS_AVX512_BF16
-def test_bf16_checkpoint_served_in_bf16_with_and_without_the_fused_moe(make_checkpoint, monkeypatch):
-    """The native MoE block gives the torch path's greedy ids, colocated and in an expert worker."""
-    ckpt = make_checkpoint("mixtral", dtype="bfloat16")
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    prompts = [[5, 9, 14, 3], [7, 7, 2], [1, 2, 3, 4, 5, 6]]
-
-    def ids(**kw) -> list[list[int]]:
-        llm = LLM(ckpt, dtype="bfloat16", device="cpu", num_kv_blocks=16, **kw)
-        try:
-            return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        finally:
-            llm.shutdown()
-
-    native_ids, pools_ids = ids(), ids(colocated=False, torch_threads=1)
-    monkeypatch.setenv(native.ENV_VAR, "0")
-    native._library.cache_clear()
-    try:
-        torch_ids = ids()
-    finally:
-        native._library.cache_clear()
-    assert native_ids == torch_ids == pools_ids
 
 
 @NEEDS_AVX512_BF16
