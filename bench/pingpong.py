@@ -173,16 +173,16 @@ def main() -> None:
         # ones; each (deployment, batch) keeps the round with the median step (its breakdown with it).
         # One pass per deployment compared deployments measured minutes apart, at the host's
         # different speeds (three passes of the same code put batch 256's best row at 0.67-0.93).
+        def colocated_pass() -> dict:
+            torch.set_num_threads(2)
+            colocated = LLMEngine(engine_cfg(ckpt, args, ParallelConfig()), {0})
+            base = run_batches(colocated, args.batches, args.new_tokens, "colo")
+            del colocated
+            torch.set_num_threads(1)
+            return base
+
         bases, rounds, events = [], [], {}
         for r in range(args.rounds):
-            def colocated_pass() -> dict:
-                torch.set_num_threads(2)
-                colocated = LLMEngine(engine_cfg(ckpt, args, ParallelConfig()), {0})
-                base = run_batches(colocated, args.batches, args.new_tokens, "colo")
-                del colocated
-                torch.set_num_threads(1)
-                return base
-
             if r % 2 == 0:
                 bases.append(colocated_pass())
             runs = {}

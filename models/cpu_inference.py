@@ -110,5 +110,5 @@ def half_copy_bytes(module: nn.Module) -> int:
     for m in module.modules():
         weights = [m.weight] if isinstance(m, PackedLinear) else [*m.w13_packed, *m.w2_packed] \
             if isinstance(m, PackedExperts) else []
-        total += sum(w.half.numel() * 2 for w in weights if getattr(w, "half", None) is not None)
+        total += sum(w.half.numel() * 2 for w in weights if w.half is not None)
     return total

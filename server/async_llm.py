@@ -131,14 +131,13 @@ class AsyncLLM:
         if failed:
             self._thread.join()
             raise failed[0]
-        self.engine: LLMEngine = self._llm.engine
         self.tokenizer, self.model_config, self.model_dir = self._llm.tokenizer, self._llm.cfg, self._llm.model_dir
         self.render_chat = self._llm.render_chat
 
     def _build_and_loop(self, args: tuple, engine_kwargs: dict, built: threading.Event, failed: list) -> None:
         try:
             self._llm = LLM(*args, **engine_kwargs)  # tokenizer, validation, engine
-            self.engine = self._llm.engine
+            self.engine: LLMEngine = self._llm.engine
         except BaseException as e:  # raised by __init__ in the caller's thread
             failed.append(e)
             return
