@@ -36,6 +36,7 @@ from m2n_comm.placement import ExpertPlacement
 from m2n_comm.trace import Tracer
 from m2n_comm.transport import PeerDeadError, TransportConfig, TransportTimeout, data_session, open_endpoint
 from models.config import ModelConfig
+from models.loader import freeze_loaded_heap
 
 log = logging.getLogger("shuttle.attention")
 PARK_POLL_S = 0.002  # while parked: how often to look for a WAKE between waits on the server
@@ -86,6 +87,7 @@ def run_attention_worker(spec: AttentionWorkerSpec) -> None:
         sender = M2NSender(link.endpoint, spec.placement, link.experts, model_cfg.hidden_size, model_cfg.top_k,
                            tracer=tracer)
         engine = LLMEngine(spec.engine, set(spec.eos_token_ids), dispatcher=sender)
+        freeze_loaded_heap()
         epoch = spec.epoch
         while epoch is not None:
             wire.send(ctl, wire.Ready(spec.rank, engine.runner.num_blocks, epoch))

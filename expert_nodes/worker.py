@@ -33,6 +33,7 @@ from m2n_comm.placement import ExpertPlacement
 from m2n_comm.trace import Tracer
 from m2n_comm.transport import PeerDeadError, TransportConfig, TransportTimeout, data_session, open_endpoint
 from models.config import ModelConfig
+from models.loader import freeze_loaded_heap
 
 log = logging.getLogger("shuttle.expert")
 STATS_EVERY_S = 1.0
@@ -90,6 +91,7 @@ def _serve(spec: ExpertWorkerSpec, store: TCPStore) -> None:
     pack = _pack_for_cpu if device.type == "cpu" else (lambda m: m)
     load_fn = loader_for(spec.model, cfg, spec.dtype, device, spec.kernels, pack)
     held = HeldExperts(spec.placement, load_fn(spec.placement.experts_on(spec.rank)), spec.rank, load_fn, device)
+    freeze_loaded_heap()
     log.info("serving %d MoE layers, placement version %d, %d torch thread(s)", len(moe_layers),
              spec.placement.version, torch.get_num_threads())
     store.set(f"{spec.session}/up/e{spec.rank}", str(spec.epoch))  # loaded: the front may add it back now

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from models.loader import freeze_loaded_heap
 from server.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
@@ -319,5 +320,6 @@ def serve(llm: AsyncLLM, cfg: ServerConfig, metrics: ServerMetrics, sock: socket
     app = build_app(llm, cfg, metrics)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, loop="uvloop", http="httptools",
                             log_level="info", access_log=cfg.log_requests, timeout_graceful_shutdown=5)
+    freeze_loaded_heap()  # the engine, the tokenizer and the app are built: serving allocates the rest
     uvicorn.Server(config).run(sockets=[sock if sock is not None else bind(cfg.host, cfg.port)])
 
