@@ -128,7 +128,7 @@ class LLMEngine:
                 raise ValueError(f"resume of sample {index}: {len(done)} tokens (ids outside the vocabulary: "
                                  f"{bad[:5]}) for max_tokens={max_tokens}")
             if gen is not None and params.temperature > 0:
-                skip_draws(gen, len(done), self.model_cfg.vocab_size)
+                skip_draws(gen, len(done))
             for tok in done if grammar is not None else ():
                 grammar.accept_token(tok)
         seq = Sequence(request_id, index, list(ids) + list(done), len(ids), params, max_tokens, next(self._arrival),
@@ -306,19 +306,16 @@ def default_eos_ids(model_dir: str | Path, model_cfg: ModelConfig) -> set[int]:
     return set(model_cfg.eos_token_ids)
 
 
-def skip_draws(gen: torch.Generator, num_tokens: int, vocab_size: int) -> None:
-    """Advance a seeded sample's generator past the noise of num_tokens sampled tokens: the sampler
-    draws vocab_size exponentials per token from it (kernels.sampling.exponential_race). On the
-    CPU one draw of n values takes the same stream as n single draws, so it goes in a few large
-    draws; a CUDA generator's offset advances per call, so there it repeats the per-token calls."""
+def skip_draws(gen: torch.Generator, num_tokens: int) -> None:
+    """Advance a seeded sample's generator past the draws of num_tokens sampled tokens: the sampler
+    takes one uniform per token from it (kernels.sampling.uniforms). On the CPU one draw of n values
+    takes the same stream as n single draws; a CUDA generator's offset advances per call, so there
+    it repeats the per-token calls."""
     if gen.device.type != "cpu":
-        buf = torch.empty(vocab_size, device=gen.device)
         for _ in range(num_tokens):
-            buf.exponential_(generator=gen)
+            torch.rand(1, generator=gen, device=gen.device)
         return
-    rows = max(1, (1 << 22) // vocab_size)  # at most 16 MiB of noise at a time
-    for start in range(0, num_tokens, rows):
-        torch.empty(min(rows, num_tokens - start), vocab_size).exponential_(generator=gen)
+    torch.rand(num_tokens, generator=gen)
 
 
 def check_params(params: SamplingParams, model_cfg: ModelConfig) -> None:

@@ -1,7 +1,7 @@
 """Where a colocated CPU decode step goes: exclusive time per op category, per batch size, on the
 Mixtral-shaped ~425M checkpoint of bench/engine.py (stored bf16, served as `--dtype` says).
 
-    python bench/decode_profile.py [--quick] [--dtype auto|float32|bfloat16] [--threads N] [--wall]
+    python bench/decode_profile.py [--quick] [--dtype auto|float32|bfloat16] [--threads N] [--wall] [--model DIR]
 
 Each category's call sites are wrapped with a timer (nested calls are charged to the innermost
 category, so the categories add up to the step): dense GEMMs (fused q/k/v and o projections), the
@@ -141,13 +141,14 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--wall", action="store_true", help="wall-clock time instead of the process's CPU time")
+    ap.add_argument("--model", default=None, help="another checkpoint directory (default: the ~425M Mixtral shape)")
     args = ap.parse_args()
     batches = args.batches or ([1, 16, 64] if args.quick else [1, 16, 64, 256])
     torch.set_num_threads(args.threads)
     timers = Timers(time.perf_counter if args.wall else time.process_time)
     rows, rates = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = mixtral(Path(tmp) / "big", "bfloat16", 1024, 2048, 8, 16, 4)
+        ckpt = args.model or mixtral(Path(tmp) / "big", "bfloat16", 1024, 2048, 8, 16, 4)
         llm = LLM(ckpt, dtype=args.dtype, max_num_seqs=max(batches), max_num_batched_tokens=32 * max(batches))
         timers.install(llm.cfg.vocab_size)
         st = timers.stages()

@@ -105,6 +105,51 @@ def test_top_k_top_p_min_p_combined_match_reference():
     assert (got_BV.gather(1, ids_RB.T) > 0).all()
 
 
+@pytest.mark.parametrize("V, scale", [(3000, 4.0), (3000, 0.05), (70000, 0.01)])
+def test_filtered_draws_follow_filter_mask_on_large_vocabularies(V, scale):
+    """The sampler looks for a row's kept tokens among its 256 largest, then 4,096, 65,536, all:
+    peaked rows (scale 4) end inside the first candidates, flat ones (0.05, 0.01) need the larger
+    rounds or the whole row. Either way the draws keep to filter_mask's support and frequencies."""
+    gen = torch.Generator().manual_seed(V)
+    scaled_BV = torch.randn(8, V, generator=gen) * scale
+    top_k = torch.tensor([0, 5, 300, 0, 5000, 0, 1, 0])
+    top_p = torch.tensor([0.9, 1.0, 0.95, 0.5, 0.99, 1.0, 0.3, 0.8])
+    min_p = torch.tensor([0.0, 0.1, 0.0, 0.0, 0.0, 0.01, 0.0, 0.001])
+    want_BV = filtered_probs(scaled_BV, top_p, top_k, min_p)
+    reps = 20 if V > 10000 else 400
+    ids_RB = sample(scaled_BV.repeat(reps, 1), torch.ones(8 * reps), top_p.repeat(reps), top_k.repeat(reps),
+                    min_p_B=min_p.repeat(reps)).view(reps, 8)
+    assert (want_BV.gather(1, ids_RB.T) > 0).all()
+    if scale < 1:  # row 0 (top-p 0.9 of a flat row) keeps most of the vocabulary, and draws from all of it
+        rank_R = (scaled_BV[0][None, :] > scaled_BV[0, ids_RB[:, 0]][:, None]).sum(-1)
+        assert rank_R.max() > V // 2
+    if V > 10000:
+        return
+    small = ((want_BV > 0).sum(-1) <= 10).nonzero().squeeze(1)  # rows with few kept tokens: frequencies
+    reps = 3000
+    ids_RS = sample(scaled_BV[small].repeat(reps, 1), torch.ones(len(small) * reps), top_p[small].repeat(reps),
+                    top_k[small].repeat(reps), min_p_B=min_p[small].repeat(reps)).view(reps, len(small))
+    freq_SV = torch.zeros(len(small), V).scatter_add_(1, ids_RS.T, torch.ones(len(small), reps)) / reps
+    assert (freq_SV - want_BV[small]).abs().sum(-1).max() < 0.1  # total variation (about 0.05 expected)
+    assert len(small) >= 2
+
+
+def test_unfiltered_draws_follow_the_softmax_and_take_one_uniform_each():
+    from attention_nodes.engine import skip_draws
+
+    logits_V = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5])
+    n = 20000
+    ids_B = sample(logits_V.repeat(n, 1), torch.full((n,), 0.7), None, None)
+    freq_V = torch.bincount(ids_B, minlength=6).float() / n
+    assert (freq_V - (logits_V / 0.7).softmax(-1)).abs().max() < 0.012 and freq_V[4] == 0
+    # A seeded row takes one value of its generator per token: what skip_draws skips on a resume.
+    g, fresh = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    for _ in range(3):
+        sample(logits_V[None], torch.ones(1), None, None, [g])
+    skip_draws(fresh, 3)
+    assert torch.equal(g.get_state(), fresh.get_state())
+
+
 def _run(rows: list[tuple[SamplingParams, str]], steps: int, V: int = 64) -> list[list[int]]:
     """Decode `steps` tokens for rows of (params, key) through a Sampler. A row's logits depend only
     on its key, the step and its own outputs, so the same key sees the same logits in any batch."""
