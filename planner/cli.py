@@ -72,11 +72,13 @@ def format_profile(p: dict) -> str:
     if load > h["cores"] + 1:  # the profile itself keeps about one core busy
         lines.append(f"WARNING: the host was busy while profiling (load average up to {load:.1f} on {h['cores']} "
                      "cores): the times are slower and noisier than a quiet host's; profile again when it is quiet")
-    for threads, fits in p["fits"].items():
+    fitted = [(f"{t} thread(s)", fits) for t, fits in p["fits"].items()]
+    fitted += [(f"{t} passive", fits) for t, fits in (p.get("fits_passive") or {}).items()]  # the pools' OpenMP
+    for threads, fits in fitted:
         for name, f in fits.items():
             terms = ", ".join(f"{c * 1e6:.4g} us*{t}" if t != "const" else f"{c * 1e6:.4g} us"
                               for t, c in zip(f["terms"], f["coef"]))
-            lines.append(f"  {threads} thread(s)  {name:<9} {terms}   residual median "
+            lines.append(f"  {threads:<12} {name:<9} {terms}   residual median "
                          f"{f['median_abs_residual']:.0%} max {f['max_abs_residual']:.0%} ({f['samples']} points)")
     for backend, f in p["transfer"].items():
         lines.append(f"  M2N {backend:<4} one transfer = {f['coef'][1] * 1e6:.1f} us + {f['coef'][0] * 1e9:.3f} ns/byte"

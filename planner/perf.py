@@ -12,6 +12,7 @@ before it blocks). Per step, on a shared host: `front(tokens)`, the CPU seconds 
 process and the load generator spend on the step's output tokens (they share the cores).
 Arguments may be numpy arrays (vectorised over workers).
 """
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,17 @@ class ProfilePerf:
         # Per request (older profiles: none, all of it per token): parsing, tokenizing and admitting
         # a request in the front, building and sending it in the load generator; one at a time.
         self.front_s_per_request = fr.get("front_s_per_request", 0.0) + fr.get("client_s_per_request", 0.0)
+
+    def for_pools(self) -> "ProfilePerf":
+        """The costs as the worker pools of one host run them: with OpenMP's passive waits
+        (server/launchers.py), measured at 2 and more threads (profile["fits_passive"]); one thread
+        is the same either way. Profiles without them (older ones): unchanged."""
+        passive = self.profile.get("fits_passive") or {}
+        if not passive:
+            return self
+        view = copy.copy(self)
+        view.fits = {**self.fits, **{int(t): {k: Fit.from_dict(f) for k, f in fits.items()} for t, fits in passive.items()}}
+        return view
 
     def _fit(self, name: str, threads: int) -> tuple[Fit, float]:
         t = min(self.fits, key=lambda k: (abs(k - threads), -k))

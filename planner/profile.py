@@ -13,32 +13,35 @@ median of three does not reject):
   Decode batches of b sequences reading c tokens of context each, and prefill chunks of n tokens.
   Fit: T_a = k1 tokens + k2 + kc kv_reads (kv_reads: context tokens read, summed over query tokens).
 - outside the layers, per step: embedding, final norm and LM head on the sampled rows (timed on
-  their own), the Sampler, Scheduler.schedule + finish_computed, and encoding the step's Deltas.
+  their own), and what a real LLMEngine.step spends outside its forward (input preparation,
+  sampling, scheduling, each sequence's bookkeeping) plus encoding the step's Deltas.
   Fits: head = h1 rows + h2 tokens + h0; step = s1 seqs + s0.
 - expert side, per layer and micro-batch: run_local_experts (what an expert worker runs between
-  recv and reply) on the first MoE layer's experts, packed as the worker packs them, for R gathered
-  tokens routed uniformly at random over a chosen number of experts.
+  recv and reply) through every MoE layer's experts in turn, packed as the worker packs them, for
+  R gathered tokens routed uniformly at random over a chosen number of experts.
   Fit: T_e = k3 pairs + k4 + k5 active_experts (pairs: (token, expert) pairs).
 - M2N, per backend: planner.profile_m2n (a real M2NSender / M2NReceiver pair in two processes).
 - the front and the load generator, CPU seconds per output token: planner.front (a real 1 + 1
   `shuttle serve` driven by `shuttle bench serve`'s client; skipped with front=False).
 Each thread count is measured in this process with torch.set_num_threads.
 """
+import json
 import logging
 import os
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
-from attention_nodes.block_manager import BlockManager
 from attention_nodes.config import CacheConfig, EngineConfig, SchedulerConfig
+from attention_nodes.engine import LLMEngine
 from attention_nodes.messages import Deltas, encode, encode_delta
 from attention_nodes.model_runner import ModelRunner
-from attention_nodes.sampler import Sampler, SamplingRow
 from attention_nodes.sampling_params import SamplingParams
-from attention_nodes.scheduler import ScheduledBatch, Scheduler
+from attention_nodes.scheduler import ScheduledBatch
 from attention_nodes.sequence import Sequence
 from m2n_comm.m2n import ExpertBatch, run_local_experts
 from models.config import ModelConfig
@@ -79,6 +82,9 @@ class ProfileOptions:
         """A smaller grid (about a third of the points) and fewer repeats, for a smoke run."""
         return cls(repeats=3, quick=True, batches=(1, 16, 64, 256), contexts=(16, 512), prefill=(32, 256),
                    expert_tokens=(1, 16, 64, 256, 2048), max_kv_reads=16384, **kw)
+
+
+_GRID = ("repeats", "quick", "batches", "contexts", "prefill", "prefill_chunks", "expert_tokens", "max_kv_reads")
 
 
 def best_time(fn, repeats: int) -> float:
@@ -182,50 +188,49 @@ def _head_time(runner: ModelRunner, q_lens: list[int], repeats: int) -> float:
 
 
 def measure_step(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
-    """Per-step costs outside the forward: sampling, scheduling and the Deltas message."""
-    sampler = Sampler(cfg.vocab_size, set(cfg.eos_token_ids))
-    params = SamplingParams(max_tokens=10 ** 6, temperature=0.0, ignore_eos=True)
-    samples = []
+    """Per-step costs outside the forward, on a real LLMEngine built as an attention worker's (the
+    experts stamped, not run) decoding b sequences: the step's wall time less its forward
+    (begin_step..end_step: embedding, layers, final norm, LM head) is the input preparation,
+    sampling, scheduling and every sequence's bookkeeping; plus encoding the step's Deltas (what an
+    attention worker sends the front). The median of 12 steps per point. (Timing the scheduler,
+    sampler and encoding on their own missed about half of it: 0.3 against 1.0 ms at batch 64.)"""
+    B, steps = max(opts.batches), 12
+    disp = _StampingDispatcher()
+    num_blocks = B * -(-(8 + steps + 2) // 16) + 4
+    engine = LLMEngine(EngineConfig(opts.model, dtype=opts.dtype,
+                                    scheduler=SchedulerConfig(max_num_seqs=B, max_num_batched_tokens=max(2048, 8 * B)),
+                                    cache=CacheConfig(16, num_blocks, enable_prefix_caching=False)),
+                       set(), dispatcher=disp)
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    rng, samples = torch.Generator().manual_seed(0), []
     for threads in opts.threads:
         torch.set_num_threads(threads)
         for b in opts.batches:
-            logits = torch.randn(b, cfg.vocab_size)
-            rows = [SamplingRow(params, [], [1, 2, 3]) for _ in range(b)]
-            blocks = BlockManager(b * 4 + 4, 16, False)
-            sched = Scheduler(SchedulerConfig(max_num_seqs=max(b, 1), max_num_batched_tokens=max(b, 16)), blocks)
             for i in range(b):
-                sched.add(Sequence(str(i), 0, [1] * 8, 8, params, 24, i))
-            sched.finish_computed(sched.schedule())  # now b running sequences decode one token each
-
-            def step():
-                batch = sched.schedule()
-                sched.finish_computed(batch)
-                for seq in batch.seqs:
-                    seq.token_ids.append(1)
-                    if seq.num_computed_tokens >= 30:  # keep the cache from filling: rewind
-                        blocks.free_sequence(seq)
-                        seq.token_ids[:] = [1] * 8
-                        blocks.grow(seq, 8)
-                        seq.num_computed_tokens = 7
-                out = sampler(logits, rows)
-                encode(Deltas([encode_delta(_delta(i, t)) for i, t in enumerate(out.token_ids)]))
-
-            samples.append({"threads": threads, "seqs": b, "step_s": best_time(step, opts.repeats * 4)})
+                engine.add_request(f"{threads}-{b}-{i}", torch.randint(2, cfg.vocab_size, (8,), generator=rng).tolist(),
+                                   params)
+            engine.step()  # the prompts
+            outside = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                deltas = engine.step()
+                encode(Deltas([encode_delta(d) for d in deltas]))
+                outside.append(time.perf_counter() - t0 - (disp.stamps[-1] - disp.stamps[0]))
+            while engine.has_unfinished_requests():
+                engine.step()
+            samples.append({"threads": threads, "seqs": b, "step_s": statistics.median(outside)})
     return samples
 
 
-def _delta(i: int, tok: int):
-    from attention_nodes.engine import SequenceDelta
-    return SequenceDelta(str(i), 0, [tok], None, None)
-
-
 def measure_experts(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
-    """Expert-side samples: run_local_experts on the first MoE layer's experts, over gathered token
-    counts and numbers of experts receiving tokens."""
+    """Expert-side samples: run_local_experts over gathered token counts and numbers of experts
+    receiving tokens, through every MoE layer in turn as an expert worker's step does (per layer:
+    the total over the layers / their count). One layer on its own kept its experts in the cache and
+    came out up to a third faster than a step that streams all layers' experts from memory."""
     from expert_nodes.worker import _pack_for_cpu
 
-    layer = cfg.moe_layers.index(True)
-    experts = _pack_for_cpu(load_experts(opts.model, list(range(cfg.num_experts)), cfg, opts.dtype))[layer]
+    layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
+    experts = _pack_for_cpu(load_experts(opts.model, list(range(cfg.num_experts)), cfg, opts.dtype))
     dtype = opts.dtype or cfg.dtype
     E, K, g = cfg.num_experts, cfg.top_k, torch.Generator().manual_seed(0)
     samples = []
@@ -236,8 +241,13 @@ def measure_experts(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
                 ids_RK = torch.stack([torch.randperm(active, generator=g)[:K] for _ in range(R)])
                 x = torch.randn(R, cfg.hidden_size, generator=g).to(dtype)
                 w = torch.full((R, K), 1.0 / K)
-                batch = ExpertBatch(0, layer, 0, x, ids_RK, w, [R])
-                t = best_time(lambda: run_local_experts(experts, batch), opts.repeats)
+                batches = [(experts[l], ExpertBatch(0, l, 0, x, ids_RK, w, [R])) for l in layers]
+
+                def step():
+                    for held, batch in batches:
+                        run_local_experts(held, batch)
+
+                t = best_time(step, opts.repeats) / len(layers)
                 samples.append({"threads": threads, "tokens": R, "pairs": R * K,
                                 "active": int(ids_RK.unique().numel()), "expert_s": t})
     return samples
@@ -255,6 +265,46 @@ def fit_samples(samples: dict[str, list[dict]], threads: int) -> dict[str, Fit]:
             "experts": fit_linear(e, [r["expert_s"] for r in e], EXPERT_TERMS)}
 
 
+def measure_workers(opts: ProfileOptions, cfg: ModelConfig) -> dict[str, list[dict]]:
+    """The attention, step and expert samples at every thread count of opts, in this process."""
+    old_threads = torch.get_num_threads()
+    try:
+        return {"attention": measure_attention(opts, cfg), "step": measure_step(opts, cfg),
+                "experts": measure_experts(opts, cfg)}
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def measure_passive(opts: ProfileOptions) -> dict[str, list[dict]] | None:
+    """The same samples at the thread counts of 2 and more, with OpenMP's passive waits: the worker
+    pools run so on one host (server/launchers.py), where an op's second thread sleeps between
+    parallel regions and every op wakes it. OpenMP reads its wait policy once, at start, so they are
+    measured in a child process. (On the AVX-512 host, 25M model, batch 64: a decode step's layers
+    took 2x the spinning threads' time, and more than one thread's.) None without such counts."""
+    threads = [t for t in opts.threads if t >= 2]
+    if not threads:
+        return None
+    spec = {**{k: getattr(opts, k) for k in _GRID}, "model": str(opts.model), "threads": threads,
+            "dtype": None if opts.dtype is None else str(opts.dtype).removeprefix("torch.")}
+    out = subprocess.run([sys.executable, "-c", "from planner.profile import _passive_child; _passive_child()"],
+                         input=json.dumps(spec), capture_output=True, text=True,
+                         env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    if out.returncode != 0:
+        raise RuntimeError(f"profiling with passive OpenMP waits failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _passive_child() -> None:
+    """measure_passive's child: reads its spec as JSON on stdin, prints the samples as one JSON line."""
+    spec = json.loads(sys.stdin.read())
+    grid = {k: tuple(map(tuple, v)) if k == "prefill_chunks" else tuple(v) if isinstance(v, list) else v
+            for k, v in spec.items() if k in _GRID}
+    opts = ProfileOptions(spec["model"], getattr(torch, spec["dtype"]) if spec["dtype"] else None,
+                          tuple(spec["threads"]), transports=(), front=False, **grid)
+    samples = measure_workers(opts, ModelConfig.from_pretrained(opts.model))
+    print(json.dumps(samples))
+
+
 def run_profile(opts: ProfileOptions) -> dict:
     """Measure everything and return the profile (JSON-ready)."""
     from planner.profile_m2n import measure_transfer
@@ -262,13 +312,13 @@ def run_profile(opts: ProfileOptions) -> dict:
     cfg = ModelConfig.from_pretrained(opts.model)
     shape = shape_from(opts.model)
     t0, load0 = time.monotonic(), os.getloadavg()[0]
-    old_threads = torch.get_num_threads()
-    try:
-        samples = {"attention": measure_attention(opts, cfg), "step": measure_step(opts, cfg),
-                   "experts": measure_experts(opts, cfg)}
-    finally:
-        torch.set_num_threads(old_threads)
+    samples = measure_workers(opts, cfg)
     fits = {str(t): {k: f.to_dict() for k, f in fit_samples(samples, t).items()} for t in opts.threads}
+    passive = measure_passive(opts)
+    fits_passive = {} if passive is None else {
+        str(t): {k: f.to_dict() for k, f in fit_samples(passive, t).items()} for t in opts.threads if t >= 2}
+    if passive is not None:
+        samples["passive"] = passive
     dtype = opts.dtype or cfg.dtype
     front = None
     if opts.front:
@@ -287,7 +337,8 @@ def run_profile(opts: ProfileOptions) -> dict:
                 "dtype": str(dtype).replace("torch.", ""), "num_layers": cfg.num_layers,
                 "num_moe_layers": sum(cfg.moe_layers), "num_experts": cfg.num_experts, "top_k": cfg.top_k,
                 "hidden_size": cfg.hidden_size},
-            "host": describe_host(), "threads": list(opts.threads), "fits": fits, "transfer": transfer, "front": front,
+            "host": describe_host(), "threads": list(opts.threads), "fits": fits, "fits_passive": fits_passive,
+            "transfer": transfer, "front": front,
             "samples": samples, "seconds": round(time.monotonic() - t0, 1),
             # the 1-minute load average before and after (this process's own work included): a host
             # busy with other jobs makes every time above slower and noisier (format_profile warns)

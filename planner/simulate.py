@@ -20,9 +20,11 @@ What is real and what is modelled:
   (`send`: packing and copying into the slot, measured), after which it computes on.
   Colocated: attention and experts in sequence in one process, no transfer.
 - Cores: with `cores` set (one host), the front and the load generator's CPU per output token
-  (measured by the profile) delay the workers in proportion to how busy the workers keep the
-  cores, and a step lasts at least the CPU work of all its processes divided by the cores
-  (processes x threads beyond the cores share them): `_share_cores`.
+  and per request (measured by the profile) delay the workers in proportion to the share of the
+  cores the workers hold, and a step lasts at least the CPU work of all its processes divided by
+  the cores (processes x threads beyond the cores share them): `_share_cores`.
+- OpenMP: worker pools on one host wait passively between parallel regions (server/launchers.py),
+  so their multi-thread costs are the profile's passive fits (ProfilePerf.for_pools).
 """
 import heapq
 from collections import deque
@@ -148,6 +150,9 @@ class _Worker:
 
 class Simulator:
     def __init__(self, perf, model: SimModel, dep: Deployment, trace_steps: int = 0):
+        # Worker pools wait passively between OpenMP regions (ProfilePerf.for_pools); colocated spins.
+        if not dep.colocated and hasattr(perf, "for_pools"):
+            perf = perf.for_pools()
         self.perf, self.model, self.dep = perf, model, dep
         E, n_e = model.num_experts, dep.expert_workers
         local = np.array(dep.local_experts if dep.local_experts else [E / n_e] * n_e, dtype=float)
@@ -198,18 +203,30 @@ class Simulator:
     def _share_cores(self, wall: float, cpu: float, tokens: float) -> float:
         """A step's duration on a host of `dep.cores` cores shared by its workers (`cpu`: their busy
         thread-seconds, `wall`: the step without sharing) and the front and load generator (their
-        CPU for the step's output tokens, from the profile). The front's work lands on a core a
-        worker is using with the probability that the workers keep the cores busy (cpu / (cores x
-        wall)), and then delays that worker by as much (one-thread workers, or OpenMP's static
-        split over every core); and no step beats all the CPU work over the cores.
+        CPU for the step's output tokens and the requests admitted since the last step, from the
+        profile). That CPU lands on a core a worker holds with probability `held` and then delays
+        the step by as much, and no step beats all the CPU work over the cores. A worker holds its
+        cores while it computes and while it waits (the M2N waits poll for spin_s first, and at
+        m >= 2 most waits are shorter); a colocated engine shares the front's interpreter lock, so
+        the front's Python runs in turn with the engine's whatever the cores. Measured on the
+        AVX-512 host (bench/planner.py --quick): charging the front by how busy the workers'
+        compute keeps the cores instead predicted every one-thread deployment 15-40% too fast.
         Without cores (each process on its own device) the front costs the workers nothing."""
         cores = self.dep.cores
         if not cores or wall <= 0:
             return wall
         front = float(self.perf.front(tokens)) + self._front_backlog
         self._front_backlog = 0.0
-        busy = min(1.0, cpu / (cores * wall))
-        return max(wall + front * busy, (cpu + front) / cores)
+        return max(wall + front * self._held, (cpu + front) / cores)
+
+    @property
+    def _held(self) -> float:
+        """The share of the host's cores the workers hold (see _share_cores)."""
+        dep = self.dep
+        if dep.colocated:
+            return 1.0
+        th_a, th_e = dep.pool_threads
+        return min(1.0, (dep.attention_workers * th_a + dep.expert_workers * th_e) / dep.cores)
 
     def _pipeline(self, t0: float, tok: np.ndarray, A: np.ndarray, H: np.ndarray, S: np.ndarray,
                   trace: bool) -> tuple[float, float, float]:

@@ -51,14 +51,16 @@ def test_profile_command_measures_and_names_the_host(tmp_path, make_checkpoint):
 
     tiny_checkpoint = make_checkpoint("mixtral")
     out = tmp_path / "p.json"
-    assert main(["profile", "--model", str(tiny_checkpoint), "--torch-threads", "1", "--transport", "shm",
+    assert main(["profile", "--model", str(tiny_checkpoint), "--torch-threads", "1,2", "--transport", "shm",
                  "--quick", "--no-front", "--out", str(out)]) == 0
     p = json.loads(out.read_text())
     assert p["host"]["cores"] >= 1 and p["host"]["cpu"] and "bf16_packed" in p["host"]
     assert p["model"]["config_hash"] == shape_from(tiny_checkpoint).config_hash
-    fits = p["fits"]["1"]
-    for name in ("attention", "head", "step", "experts"):
-        assert fits[name]["samples"] >= 3 and sum(fits[name]["coef"]) > 0
+    # the 2-thread points again with OpenMP's passive waits, as the worker pools run (a child process)
+    assert set(p["fits"]) == {"1", "2"} and set(p["fits_passive"]) == {"2"}
+    for fits in (p["fits"]["1"], p["fits"]["2"], p["fits_passive"]["2"]):
+        for name in ("attention", "head", "step", "experts"):
+            assert fits[name]["samples"] >= 3 and sum(fits[name]["coef"]) > 0
     assert p["transfer"]["shm"]["coef"][1] > 0 and p["front"] is None
 
 

@@ -85,7 +85,7 @@ def test_cores_bound_oversubscribed_steps():
     assert shared == pytest.approx(2 * (2 * 1.0 + 1.0) * MS)  # 6 ms of CPU work on one core
 
 
-def test_front_work_delays_workers_as_busy_as_the_cores():
+def test_front_work_delays_workers_by_the_share_of_cores_they_hold():
     # 2 layers of attention 1 ms + experts 1 ms; the front and load generator: 0.75 + 0.25 ms of CPU
     # per output token, 2 tokens a step -> 2 ms of front work.
     p = profile(a=1.0, e=1.0, layers=2)
@@ -93,18 +93,30 @@ def test_front_work_delays_workers_as_busy_as_the_cores():
     p["fits"]["2"] = p["fits"]["1"]  # the same times at 2 threads
     two = [batch([1, 1])]
     assert sim(p).step_time(0.0, two) == pytest.approx(4 * MS)  # no shared host: the front costs nothing
-    # 1 + 1 with a thread each on 2 cores: the workers keep the cores half busy (4 ms of work in 4 ms
-    # on 2 cores).
-    assert sim(p, cores=2, torch_threads=1).step_time(0.0, two) == pytest.approx((4 + 2 * 0.5) * MS)
-    # shuttle serve's default at m = 1 (worker_threads): the pools take turns with both cores each,
-    # so the cores are always busy and the front's 2 ms land on the step.
+    # 1 + 1 with a thread each on 2 cores: the workers hold both cores (computing, or polling in
+    # their waits), so the front's 2 ms land on the step.
+    assert sim(p, cores=2, torch_threads=1).step_time(0.0, two) == pytest.approx((4 + 2) * MS)
+    # ... on 4 cores they hold half of them: half of it.
+    assert sim(p, cores=4, torch_threads=1).step_time(0.0, two) == pytest.approx((4 + 2 * 0.5) * MS)
+    # shuttle serve's default at m = 1 (worker_threads): the pools take turns with both cores each.
     assert sim(p, cores=2).dep.pool_threads == (2, 2) and not sim(p, cores=2).dep.oversubscribed
     assert sim(p, cores=2).step_time(0.0, two) == pytest.approx((4 + 2) * MS)
     assert sim(p, cores=2, micro_batches=2).dep.pool_threads == (1, 1)
-    # Colocated on both cores: every core is busy, so the front's 2 ms land on the step.
+    # Colocated, on both cores or on one of 2: the engine shares the front's interpreter lock, so
+    # the front's work runs in turn with the engine's either way.
     assert sim(p, colocated=True, torch_threads=2, cores=2).step_time(0.0, two) == pytest.approx((4 + 2) * MS)
-    # Colocated on one of 2 cores: half.
-    assert sim(p, colocated=True, torch_threads=1, cores=2).step_time(0.0, two) == pytest.approx((4 + 1) * MS)
+    assert sim(p, colocated=True, torch_threads=1, cores=2).step_time(0.0, two) == pytest.approx((4 + 2) * MS)
+
+
+def test_pools_take_the_passive_fits_and_colocated_the_spinning_ones():
+    # At 2 threads the pools' workers wait passively between OpenMP regions: their fits.
+    p = profile(a=1.0, e=1.0, layers=2)
+    p["fits"]["2"] = p["fits"]["1"]
+    p["fits_passive"] = {"2": profile(a=3.0, e=2.0, layers=2)["fits"]["1"]}
+    one = [batch([1])]
+    assert sim(p, colocated=True, torch_threads=2).step_time(0.0, one) == pytest.approx(4 * MS)
+    assert sim(p, torch_threads=2).step_time(0.0, one) == pytest.approx(2 * (3 + 2) * MS)
+    assert sim(p, torch_threads=1).step_time(0.0, one) == pytest.approx(4 * MS)  # one thread: no pool to wake
 
 
 def test_waits_longer_than_the_polling_pay_a_wake_up():
