@@ -62,7 +62,9 @@ class SpawnLauncher:
         # when the fork server imports torch, so it is set before the fork server starts (the front
         # itself has read its own already); OMP_WAIT_POLICY=active in the environment overrides it.
         # Measured in bench/pingpong.py (2 threads per worker, m = 1, batch 64): the expert worker's
-        # reply 37.8 -> 1.7 ms a step and the step 315 -> 206 ms.
+        # reply 37.8 -> 1.7 ms a step and the step 315 -> 206 ms. A short spin instead (GOMP_SPINCOUNT
+        # 10000, no wait policy) ran a lone process's 2-thread layers as fast as spinning, but a served
+        # 1 + 1, m = 1 (25M bf16 model, AVX-512 host) fell from 2,200-2,350 to 1,500-1,860 tok/s.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
     def worker(self, name: str, pool: str, target: Callable[[Any], None], spec: Any) -> mp.process.BaseProcess:
