@@ -41,6 +41,7 @@ bench: setup
 	$(BIN)/python bench/generate.py
 	$(BIN)/python bench/moe_cpu.py
 	$(BIN)/python bench/kernels_cpu.py
+	$(BIN)/python bench/sampling.py
 	$(BIN)/python bench/structured.py
 	$(BIN)/python bench/deepseek.py
 
