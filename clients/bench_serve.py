@@ -359,9 +359,8 @@ async def dispatch(backend: Backend, requests: list[BenchRequest], send_at: np.n
         return rec
 
     # The garbage collector's full passes over what this process already holds (a caller's torch and
-    # tokenizer: 100-200 ms each) would land in the measured latencies: frozen for the load, and
-    # given back after it.
-    gc.collect()
+    # tokenizer: 100-200 ms each) would land in the measured latencies: frozen for the load (not
+    # collected first: that would be CPU the callers that time this client count), given back after.
     gc.freeze()
     try:
         start = time.perf_counter()
