@@ -25,7 +25,6 @@ import contextlib
 import io
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -102,21 +101,16 @@ def measure(ckpt: Path, flags: list[str], batch: int, args) -> dict:
             run_bench([*url, *base, "--seed", "1000", "--num-prompts", str(batch), "--output-len",
                        str(min(4, args.output_len))])
         for i in range(args.repeats):
-            cpu0, client0 = tree_cpu(srv.proc.pid), _client_cpu()
+            cpu0 = tree_cpu(srv.proc.pid)
             m = run_bench([*url, *base, "--seed", str(i), "--num-prompts", str(n), "--output-len", str(args.output_len)])
-            cpu1, client1 = tree_cpu(srv.proc.pid), _client_cpu()
-            m["cpu_s_per_token"] = _cpu_by_role(srv.proc.pid, cpu0, cpu1, client1 - client0, m["total_output_tokens"])
+            cpu1 = tree_cpu(srv.proc.pid)
+            m["cpu_s_per_token"] = _cpu_by_role(srv.proc.pid, cpu0, cpu1, m["client_cpu_s"], m["total_output_tokens"])
             m["load_average"] = os.getloadavg()[0]
             runs.append(m)
     tput = [r["output_throughput"] for r in runs]
     out = sorted(runs, key=lambda r: r["output_throughput"])[(len(runs) - 1) // 2]
     out["repeat_tok_s"], out["repeat_spread"] = tput, max(tput) / min(tput) - 1
     return out
-
-
-def _client_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def _cpu_by_role(front: int, cpu0: dict, cpu1: dict, client_s: float, tokens: int) -> dict:

@@ -22,6 +22,7 @@ import gc
 import json
 import math
 import os
+import resource
 import sys
 import time
 from datetime import datetime
@@ -387,10 +388,19 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         print(f"Model: {model}\nTraffic request rate: {args.request_rate}\nBurstiness factor: {args.burstiness} "
               f"({kind})\nMaximum request concurrency: {args.max_concurrency}", flush=True)
         send_at = arrival_times(len(requests), args.request_rate, args.burstiness, args.seed + 1)
+        cpu0 = _process_cpu_s()
         records, duration = await dispatch(backend, requests, send_at, args.max_concurrency, not args.disable_tqdm)
+        cpu_s = _process_cpu_s() - cpu0
     finally:
         await backend.close()
-    return report(args, model, records, duration)
+    # This process's CPU seconds during the load alone (not loading the tokenizer, making the
+    # requests, the readiness check or the report): what a planner charges per request and token.
+    return {**report(args, model, records, duration), "client_cpu_s": cpu_s}
+
+
+def _process_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 async def wait_until_ready(backend: Backend, args: argparse.Namespace, first: BenchRequest) -> str:

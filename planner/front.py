@@ -5,7 +5,8 @@ control plane's reader threads, PoolEngine) and the client that drives the load 
 serve`) share the cores with the workers. `measure_front` serves the profiled model for real as a
 1 + 1 pool (`shuttle serve --torch-threads 1`), so the front process does only front work, drives
 it with `clients.bench_serve`, and reads the front's CPU time from /proc; the client's is this
-process's own CPU time during the run. Both are returned per output token (with the workers' CPU
+process's own CPU time during the load (bench serve's `client_cpu_s`: not the tokenizer, the
+requests' making or the report, which over few tokens looked like per-token cost). Both are returned per output token (with the workers' CPU
 per token, which includes their waits' polling).
 
 `tree_cpu` (per process of a process tree) is also what bench/planner.py records beside each
@@ -14,7 +15,6 @@ measured deployment, so the model's shares can be checked against served runs.
 import contextlib
 import io
 import os
-import resource
 import socket
 import subprocess
 import sys
@@ -47,11 +47,6 @@ def tree_cpu(pid: int) -> dict[int, tuple[str, float]]:
         except OSError:
             continue
     return out
-
-
-def _client_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def _free_port() -> int:
@@ -94,14 +89,14 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
                 run_bench([*args, "--num-prompts", str(batch), "--seed", "1000",  # warm-up: first calls, allocations
                            "--output-len", str(output_len)])
             for seed, length in enumerate((output_len, short_len)):
-                t0, c0, w0 = tree_cpu(proc.pid), _client_cpu(), time.perf_counter()
+                t0, w0 = tree_cpu(proc.pid), time.perf_counter()
                 with contextlib.redirect_stdout(io.StringIO()):  # other prompts: none from the prefix cache
                     m = run_bench([*args, "--num-prompts", str(prompts), "--seed", str(seed), "--output-len",
                                    str(length)])
-                t1, c1, w1 = tree_cpu(proc.pid), _client_cpu(), time.perf_counter()
+                t1, w1 = tree_cpu(proc.pid), time.perf_counter()
                 workers = sum(cpu - t0[p][1] for p, (title, cpu) in t1.items() if p in t0 and title.startswith("shuttle-"))
                 runs.append({"tokens": max(int(m["total_output_tokens"]), 1), "requests": max(int(m["completed"]), 1),
-                             "front": t1[proc.pid][1] - t0[proc.pid][1], "client": c1 - c0, "workers": workers,
+                             "front": t1[proc.pid][1] - t0[proc.pid][1], "client": m["client_cpu_s"], "workers": workers,
                              "wall": w1 - w0})
         finally:
             proc.terminate()

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import sys
 import threading
@@ -443,6 +444,7 @@ def test_end_to_end_fake_server(fake_server, tmp_path: Path, capsys, backend: st
     assert len(reported) == 8 and result["model"] == "fake-model" and result["backend"] == backend
     assert result["total_output_tokens"] == sum(c for _, c in reported) == 40
     assert result["total_input_tokens"] == sum(p for p, _ in reported)
+    assert 0 <= result["client_cpu_s"] <= result["duration"] * (os.cpu_count() or 1)  # the load's own CPU
     assert sorted(result["input_lens"]) == sorted(p for p, _ in reported)
     assert all(len(itl) == 4 for itl in result["itls"])  # 5 text chunks each; a role-only chunk is no token
     assert result["requests_without_usage"] == 0
