@@ -87,6 +87,9 @@ def format_profile(p: dict) -> str:
             lines.append(f"           sender's own CPU {f['send']['coef'][1] * 1e6:.1f} us + {f['send']['coef'][0] * 1e9:.3f}"
                          f" ns/byte; a wait polls {f['spin_s'] * 1e6:.0f} us, then blocks: wake-up "
                          f"{f['wake_s'] * 1e6:.0f} us")
+    if p.get("served_factor", 1.0) != 1.0:
+        lines.append(f"  served: the workers computed {p['served_factor']:.2f}x what the fits say in the front's served "
+                     "1 + 1 run (the simulator applies it on a shared host)")
     if p.get("front"):
         fr = p["front"]
         lines.append(f"  front {fr['front_s_per_token'] * 1e6:.0f} us + load generator "

@@ -3,11 +3,14 @@
 On one host the front process (HTTP, tokenizer and incremental detokenizer, SSE encoding, the
 control plane's reader threads, PoolEngine) and the client that drives the load (`shuttle bench
 serve`) share the cores with the workers. `measure_front` serves the profiled model for real as a
-1 + 1 pool (`shuttle serve --torch-threads 1`), so the front process does only front work, drives
+1 + 1 pool (`shuttle serve --torch-threads 1 --micro-batches 2`), so the front process does only front work, drives
 it with `clients.bench_serve`, and reads the front's CPU time from /proc; the client's is this
 process's own CPU time during the load (bench serve's `client_cpu_s`: not the tokenizer, the
 requests' making or the report, which over few tokens looked like per-token cost). Both are returned per output token (with the workers' CPU
 per token, which includes their waits' polling).
+
+The longer run is also kept as served (`run`: requests, lengths, concurrency, its load's wall time):
+planner.profile.served_factor calibrates the simulator against it.
 
 `tree_cpu` (per process of a process tree) is also what bench/planner.py records beside each
 measured deployment, so the model's shares can be checked against served runs.
@@ -25,6 +28,7 @@ from pathlib import Path
 from clients.ready import NotReady, wait_until_healthy
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+MICRO_BATCHES = 2  # the served run's pools both compute at once, as most deployments' do
 
 
 def _stat_cpu(path: str) -> float:
@@ -79,7 +83,8 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
     runs = []
     with tempfile.NamedTemporaryFile("w+", prefix="shuttle-profile-front-", suffix=".log") as log:
         cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--port", str(port),
-               "--torch-threads", "1", "--max-num-seqs", str(batch), *(["--dtype", dtype] if dtype else [])]
+               "--torch-threads", "1", "--micro-batches", str(MICRO_BATCHES), "--max-num-seqs", str(batch),
+               *(["--dtype", dtype] if dtype else [])]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             _wait_ready(proc, url, Path(log.name))
@@ -97,7 +102,7 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
                 workers = sum(cpu - t0[p][1] for p, (title, cpu) in t1.items() if p in t0 and title.startswith("shuttle-"))
                 runs.append({"tokens": max(int(m["total_output_tokens"]), 1), "requests": max(int(m["completed"]), 1),
                              "front": t1[proc.pid][1] - t0[proc.pid][1], "client": m["client_cpu_s"], "workers": workers,
-                             "wall": w1 - w0})
+                             "wall": w1 - w0, "load_s": m["duration"], "input_tokens": int(m["total_input_tokens"])})
         finally:
             proc.terminate()
             try:
@@ -106,7 +111,11 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
                 proc.kill()
                 proc.wait()
     long, short = runs
-    out = {"workers_s_per_token": long["workers"] / long["tokens"], "tokens": long["tokens"], "wall_s": long["wall"]}
+    out = {"workers_s_per_token": long["workers"] / long["tokens"], "tokens": long["tokens"], "wall_s": long["wall"],
+           # the longer run as served, for the simulator's calibration (planner.profile.served_factor)
+           "run": {"requests": long["requests"], "prompt_len": round(long["input_tokens"] / long["requests"]),
+                   "output_len": output_len, "concurrency": batch, "micro_batches": MICRO_BATCHES,
+                   "load_s": long["load_s"]}}
     for who in ("front", "client"):
         out[f"{who}_s_per_token"], out[f"{who}_s_per_request"] = split_per_request(long, short, who)
     return out

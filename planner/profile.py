@@ -332,7 +332,7 @@ def run_profile(opts: ProfileOptions) -> dict:
         transfer[backend] = {**fit_linear(tsamples, [s["oneway_s"] for s in tsamples], ("bytes", "const")).to_dict(),
                              **wake, "send": fit_linear(tsamples, [s["send_s"] for s in tsamples],
                                                         ("bytes", "const")).to_dict()}
-    return {"version": PROFILE_VERSION, "kind": "measured", "model": {
+    profile = {"version": PROFILE_VERSION, "kind": "measured", "model": {
                 "path": str(opts.model), "name": shape.name, "config_hash": shape.config_hash,
                 "dtype": str(dtype).replace("torch.", ""), "num_layers": cfg.num_layers,
                 "num_moe_layers": sum(cfg.moe_layers), "num_experts": cfg.num_experts, "top_k": cfg.top_k,
@@ -343,3 +343,27 @@ def run_profile(opts: ProfileOptions) -> dict:
             # the 1-minute load average before and after (this process's own work included): a host
             # busy with other jobs makes every time above slower and noisier (format_profile warns)
             "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)]}
+    profile["served_factor"] = served_factor(profile)
+    return profile
+
+
+def served_factor(profile: dict) -> float:
+    """How much slower the workers computed in the front's served run (planner/front.py: a real
+    1 + 1 pool, m=2, one thread each, its front and load generator on the same host) than the
+    simulator, from the fits above, says that run takes: the load's wall time over the simulated
+    one, at least 1. What the parts measured one at a time miss when they share a host: the L3
+    cache and memory bandwidth (a memory-streaming process on the other core made an 8-token
+    expert call 2-3.5x slower, a 128-token one 1.2-1.3x), and a colocated engine's attention and
+    experts evicting each other. The simulator multiplies the workers' compute on a shared host by
+    it (Simulator, dep.cores). 1.0 without a front measurement."""
+    from planner.perf import ProfilePerf
+    from planner.simulate import Deployment, SimModel, Simulator, Workload
+
+    run = (profile.get("front") or {}).get("run")
+    if not run:
+        return 1.0
+    dep = Deployment(False, 1, 1, run["micro_batches"], 1, profile["host"]["cores"], "shm",
+                     max_num_seqs=run["concurrency"])
+    sim = Simulator(ProfilePerf(profile), SimModel.from_profile(profile), dep).run(
+        Workload(run["requests"], run["prompt_len"], run["output_len"], run["concurrency"]))
+    return round(max(1.0, run["load_s"] / sim["duration"]), 3)

@@ -154,6 +154,9 @@ class Simulator:
         if not dep.colocated and hasattr(perf, "for_pools"):
             perf = perf.for_pools()
         self.perf, self.model, self.dep = perf, model, dep
+        # On a shared host the workers compute slower than their parts measured alone: the profile's
+        # calibration against a served run (planner.profile.served_factor).
+        self.slow = float(getattr(perf, "served_factor", 1.0)) if dep.cores else 1.0
         E, n_e = model.num_experts, dep.expert_workers
         local = np.array(dep.local_experts if dep.local_experts else [E / n_e] * n_e, dtype=float)
         self.local_e = local
@@ -184,12 +187,13 @@ class Simulator:
         """Simulated end time of a step that starts at t0 with these batches (one per attention worker)."""
         tok, kv, rows, seqs = self._shape(batches)
         (th, th_e), mod, dep = self.dep.pool_threads, self.model, self.dep
-        A = self.perf.attention(tok, kv, th)
-        H = self.perf.head(rows, tok, th)
-        S = self.perf.step(seqs, th)
+        A = self.perf.attention(tok, kv, th) * self.slow
+        H = self.perf.head(rows, tok, th) * self.slow
+        S = self.perf.step(seqs, th) * self.slow
         trace = step < self.trace_steps
         if dep.colocated:
-            X = self.perf.experts(tok * mod.top_k, expected_active(tok, mod.num_experts, mod.num_experts, mod.top_k), th)
+            X = self.perf.experts(tok * mod.top_k, expected_active(tok, mod.num_experts, mod.num_experts, mod.top_k),
+                                  th) * self.slow
             work = S + (mod.num_layers * A + mod.num_moe_layers * X + H).sum(1)
             self.busy["attention"] += float(work.sum())
             if trace:
@@ -236,7 +240,8 @@ class Simulator:
         W, m = tok.shape
         T_i = tok.sum(0)
         pairs = self.share_e[:, None] * T_i[None, :] * mod.top_k
-        X = self.perf.experts(pairs, expected_active(T_i[None, :], self.local_e[:, None], mod.num_experts, mod.top_k), th)
+        X = self.perf.experts(pairs, expected_active(T_i[None, :], self.local_e[:, None], mod.num_experts, mod.top_k),
+                              th) * self.slow
         sent_WEm = tok[:, None, :] * self.p_send_e[None, :, None]
         row = mod.hidden_size * mod.dtype_bytes
         c_out = self.perf.transfer(sent_WEm * (row + 8 * mod.top_k), dep.transport)
