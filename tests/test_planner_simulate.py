@@ -192,3 +192,23 @@ def test_the_front_admits_requests_one_at_a_time():
     assert ProfilePerf(p).front_request() == pytest.approx(10 * MS)
     del p["front"]  # older profiles: no per-request cost
     assert ProfilePerf(p).front_request() == 0.0
+
+
+def test_served_factor_slows_the_workers_on_a_shared_host_only():
+    from planner.profile import served_factor
+
+    p = profile(a=1.0, e=1.0, layers=2)
+    one = [batch([1])]
+    # The calibration: a served run that took twice what the fits say gives 2 (never below 1).
+    p["front"] = {"run": {"requests": 4, "prompt_len": 3, "output_len": 2, "concurrency": 2, "micro_batches": 2}}
+    dep = Deployment(False, 1, 1, 2, 1, 2, "shm", max_num_seqs=2)
+    simulated = Simulator(ProfilePerf(p), SimModel.from_profile(p), dep).run(Workload(4, 3, 2, 2))["duration"]
+    p["front"]["run"]["load_s"] = 2 * simulated
+    assert served_factor(p) == pytest.approx(2.0)
+    p["front"]["run"]["load_s"] = 0.5 * simulated
+    assert served_factor(p) == 1.0
+    # Applied to every worker's compute on a shared host, not where each process has its device.
+    p["served_factor"] = 1.5
+    assert sim(p).step_time(0.0, one) == pytest.approx(4 * MS)
+    assert sim(p, cores=2, torch_threads=1).step_time(0.0, one) == pytest.approx(6 * MS)
+    assert sim(p, colocated=True, cores=2, torch_threads=1).step_time(0.0, one) == pytest.approx(6 * MS)
