@@ -25,6 +25,8 @@ What is real and what is modelled:
   the cores (processes x threads beyond the cores share them): `_share_cores`.
 - OpenMP: worker pools on one host wait passively between parallel regions (server/launchers.py),
   so their multi-thread costs are the profile's passive fits (ProfilePerf.for_pools).
+- Sharing a host also slows the workers' compute itself (cache, memory bandwidth): on a shared host
+  every compute time is multiplied by the profile's served factor (planner.profile.served_factor).
 """
 import heapq
 from collections import deque
