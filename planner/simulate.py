@@ -214,9 +214,9 @@ class Simulator:
         the step by as much, and no step beats all the CPU work over the cores. A worker holds its
         cores while it computes and while it waits (the M2N waits poll for spin_s first, and at
         m >= 2 most waits are shorter); a colocated engine shares the front's interpreter lock, so
-        the front's Python runs in turn with the engine's whatever the cores. Measured on the
-        AVX-512 host (bench/planner.py --quick): charging the front by how busy the workers'
-        compute keeps the cores instead predicted every one-thread deployment 15-40% too fast.
+        the front's Python runs in turn with the engine's whatever the cores. (Charging it by how
+        busy the workers' compute keeps the cores, about 1/2 for one-thread deployments, predicted
+        all of those 15-40% too fast on the AVX-512 host.)
         Without cores (each process on its own device) the front costs the workers nothing."""
         cores = self.dep.cores
         if not cores or wall <= 0:
