@@ -118,6 +118,12 @@ def _inverse_cdf(cdf_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1)
 
 
+def _draw_plain(scaled_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
+    """Draw from rows with no filter, in vocabulary order; scaled_BV (ours) becomes their running sum."""
+    cdf_BV = scaled_BV.sub_(scaled_BV.max(dim=-1, keepdim=True).values).exp_().cumsum_(-1)
+    return _inverse_cdf(cdf_BV, u_B)
+
+
 def _is_filtering(B: int, V: int, top_p_B, top_k_B, min_p_B, device) -> torch.Tensor:
     """Rows whose own top-k, top-p or min-p drops anything (bool_B)."""
     out = torch.zeros(B, dtype=torch.bool, device=device)
@@ -227,18 +233,15 @@ def sample(
     scaled_BV = logits_BV / torch.where(greedy_B, 1.0, temperature_B)[:, None]  # new: ours to change
     u_B = uniforms(generators, B, logits_BV.device)
     filtering_B = _is_filtering(B, V, top_p_B, top_k_B, min_p_B, logits_BV.device)
-    if not bool(filtering_B.any()):
-        cdf_BV = scaled_BV.sub_(scaled_BV.max(dim=-1, keepdim=True).values).exp_().cumsum_(-1)
-        return torch.where(greedy_B, argmax_B, _inverse_cdf(cdf_BV, u_B))
+    if not bool(filtering_B.any()):  # the common case: no row copied out
+        return torch.where(greedy_B, argmax_B, _draw_plain(scaled_BV, u_B))
     ids_B = argmax_B.clone()
     f = filtering_B.nonzero().squeeze(1)
     pick = (lambda t: None if t is None else t[f])
     ids_B[f] = _draw_filtered(scaled_BV[f], pick(top_p_B), pick(top_k_B), pick(min_p_B), u_B[f])
     plain = (~filtering_B).nonzero().squeeze(1)
     if plain.numel():
-        rows_PV = scaled_BV[plain]
-        cdf_PV = rows_PV.sub_(rows_PV.max(dim=-1, keepdim=True).values).exp_().cumsum_(-1)
-        ids_B[plain] = _inverse_cdf(cdf_PV, u_B[plain])
+        ids_B[plain] = _draw_plain(scaled_BV[plain], u_B[plain])
     return torch.where(greedy_B, argmax_B, ids_B)
 
 
