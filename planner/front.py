@@ -3,11 +3,12 @@
 On one host the front process (HTTP, tokenizer and incremental detokenizer, SSE encoding, the
 control plane's reader threads, PoolEngine) and the client that drives the load (`shuttle bench
 serve`) share the cores with the workers. `measure_front` serves the profiled model for real as a
-1 + 1 pool (`shuttle serve --torch-threads 1 --micro-batches 2`), so the front process does only front work, drives
-it with `clients.bench_serve`, and reads the front's CPU time from /proc; the client's is this
-process's own CPU time during the load (bench serve's `client_cpu_s`: not the tokenizer, the
-requests' making or the report, which over few tokens looked like per-token cost). Both are returned per output token (with the workers' CPU
-per token, which includes their waits' polling).
+1 + 1 pool (`shuttle serve --torch-threads 1 --micro-batches 2`), so the front process does only
+front work, drives it with `clients.bench_serve`, and reads the front's CPU time from /proc; the
+client's is this process's own CPU time during the load (bench serve's `client_cpu_s`: not loading
+the tokenizer, making the requests or the report, which over few tokens looked like per-token
+cost). Both are returned per output token and per request (with the workers' CPU per token, which
+includes their waits' polling).
 
 The longer run is also kept as served (`run`: requests, lengths, concurrency, its load's wall time):
 planner.profile.served_factor calibrates the simulator against it.
@@ -68,14 +69,14 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 
 
 def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts: int = 256, input_len: int = 64,
                   output_len: int = 16, short_len: int = 1) -> dict:
-    """Serve `model` as a 1 + 1 pool with one torch thread per worker and measure the CPU seconds of
+    """Serve `model` as a 1 + 1 pool (m=2, one torch thread per worker) and measure the CPU seconds of
     the front process and of the load generator, per output token and per request: two runs of
     `prompts` requests, `output_len` and `short_len` tokens each, solve cpu = per_request x requests
     + per_token x tokens (each >= 0). Returns {"front_s_per_token", "front_s_per_request",
     "client_s_per_token", "client_s_per_request", "workers_s_per_token", "tokens", "wall_s"} (the
     workers' and the wall time of the longer run). 256 requests: the CPU times come from /proc in
     10 ms ticks, and with 64 the 1-token run was a few ticks, so the per-request cost came out 0 on
-    the AVX-512 EPYC where 256 measure it at ~0.6 ms (the front) and ~0.26 ms (the load generator)."""
+    the AVX-512 EPYC where 256 measure it at ~0.7 ms (the front) and ~0.19 ms (the load generator)."""
     from clients.bench_serve import run_bench
 
     port = _free_port()
