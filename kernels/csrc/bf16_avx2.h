@@ -1,5 +1,7 @@
-/* Helpers the AVX2 kernels share: bfloat16 is the top half of a float32, so widening is a
- * zero-extend and a shift by 16; and the horizontal sum of 8 floats. */
+/* Helpers the native kernels share: bfloat16 is the top half of a float32, so widening is a
+ * zero-extend and a shift by 16; the horizontal sum of 8 floats; and the constants of Cephes' expf
+ * (e^x = 2^n e^r, n = round(x log2 e), r = x - n ln 2 in two parts, e^r a degree-6 polynomial)
+ * that the AVX2 exp8 and the AVX-512 exp16 both evaluate. */
 #ifndef SHUTTLE_BF16_AVX2_H
 #define SHUTTLE_BF16_AVX2_H
 #include <immintrin.h>
@@ -20,4 +22,14 @@ static inline float hsum8(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO (-2.12194440e-4f)
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
 #endif

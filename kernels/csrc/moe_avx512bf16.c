@@ -18,6 +18,7 @@
  * gemm_avx512bf16.c; inputs padded with zeros to the panel's even width (D) or to a multiple of
  * 16 (the intermediate size I16: padded gate/up columns give h = silu(0) * 0 = 0).
  * Expert ids outside [0, E) are skipped (an expert worker's pairs for other workers). */
+#include "bf16_avx2.h"
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -45,16 +46,16 @@ AI512 __m512 exp16(__m512 x) {
     const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.7228f), _CMP_GT_OQ);
     const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365f), _CMP_LT_OQ);
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365f)), _mm512_set1_ps(88.7228f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), x);
+    __m512 y = _mm512_set1_ps(EXP_P0);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P1));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P2));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P3));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P4));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P5));
     y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
     /* 2^n in two halves so that n = 128 (x near 88.7) does not overflow the exponent field */
     const __m512i ni = _mm512_cvtps_epi32(n);
