@@ -101,6 +101,10 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                    ctypes.c_int]
+    fn = lib.shuttle_rotary
+    fn.restype = None
+    fn.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
+                   + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int])
     fn = lib.shuttle_paged_decode_attention
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4
@@ -218,6 +222,25 @@ def gemm_bf16_panels(x_TI: torch.Tensor, panels: torch.Tensor, out_features: int
     _library().shuttle_gemm_bf16_panels(x_TI.data_ptr(), T, I, panels.data_ptr(), out_features, y_TO.data_ptr(),
                                         torch.get_num_threads())
     return y_TO
+
+
+def rotary_(q_TNR: torch.Tensor, k_TKR: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> None:
+    """Rotate q and k in place (neox halves over their last dimension R), rounding as kernels/rotary.py's
+    torch ops do. q (T, N, R), k (T, K, R): views whose last dimension is contiguous (the first R dims
+    of strided heads); cos, sin: (T, R) contiguous; one dtype, bf16 or float32, on the CPU. Call only
+    where available() is True."""
+    T, N, R = q_TNR.shape
+    ok = (q_TNR.dtype in (torch.bfloat16, torch.float32) and R % 2 == 0 and k_TKR.shape[::2] == (T, R)
+          and all(t.dtype == q_TNR.dtype for t in (k_TKR, cos_TR, sin_TR))
+          and q_TNR.stride(-1) == 1 and k_TKR.stride(-1) == 1
+          and all(t.shape == (T, R) and t.is_contiguous() for t in (cos_TR, sin_TR)))
+    if not ok:
+        raise ValueError(f"rotary_ takes bf16 or float32 q (T, N, R), k (T, K, R) with contiguous last dims and "
+                         f"contiguous (T, R) cos/sin of their dtype, R even; got q {q_TNR.dtype} {tuple(q_TNR.shape)}, "
+                         f"k {k_TKR.dtype} {tuple(k_TKR.shape)}, cos {cos_TR.dtype} {tuple(cos_TR.shape)}")
+    _library().shuttle_rotary(q_TNR.data_ptr(), N, q_TNR.stride(0), q_TNR.stride(1), k_TKR.data_ptr(), k_TKR.shape[1],
+                              k_TKR.stride(0), k_TKR.stride(1), cos_TR.data_ptr(), sin_TR.data_ptr(), T, R,
+                              int(q_TNR.dtype == torch.bfloat16), torch.get_num_threads())
 
 
 def add_rms_norm(x_TD: torch.Tensor, residual_TD: torch.Tensor | None, weight_D: torch.Tensor,

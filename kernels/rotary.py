@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import native
+
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
@@ -158,9 +160,26 @@ def apply_rotary(
     return q_TNH * cos + _rotate_half(q_TNH) * sin, k_TKH * cos + _rotate_half(k_TKH) * sin
 
 
+def _native(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    T, R = q.shape[0], q.shape[-1]
+    return (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float32) and q.dim() == 3 and k.dim() == 3
+            and R % 2 == 0 and k.shape[0] == T and k.shape[-1] == R
+            and all(t.dtype == q.dtype and t.device.type == "cpu" for t in (k, cos, sin))
+            and q.stride(-1) == 1 and k.stride(-1) == 1
+            and all(t.shape == (T, R) and t.is_contiguous() for t in (cos, sin))
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin)))
+            and not torch.compiler.is_compiling() and native.available())
+
+
 def apply_rotary_(
     q_TNH: torch.Tensor, k_TKH: torch.Tensor, cos_TH: torch.Tensor, sin_TH: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """apply_rotary, written back into q and k (which may be strided views). Returns (q, k)."""
+    """apply_rotary, written back into q and k (which may be strided views). Returns (q, k).
+
+    On the CPU, outside autograd and torch.compile, bf16/float32 tensors of one dtype go to one native
+    call (kernels/native.rotary_, kernels/csrc/rotary.c) that rounds where these ops round."""
+    if _native(q_TNH, k_TKH, cos_TH, sin_TH):
+        native.rotary_(q_TNH, k_TKH, cos_TH, sin_TH)
+        return q_TNH, k_TKH
     q_rot, k_rot = apply_rotary(q_TNH, k_TKH, cos_TH, sin_TH)
     return q_TNH.copy_(q_rot), k_TKH.copy_(k_rot)

@@ -307,3 +307,37 @@ def test_fused_moe_bf16_is_the_same_on_any_thread_count():
         torch.set_num_threads(before)
     assert outs[0].abs().sum() > 0
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@NEEDS_NATIVE
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,N,K,H,R", [(1, 16, 4, 64, 64), (300, 4, 2, 64, 64), (5, 3, 1, 40, 20), (7, 2, 2, 32, 16)])
+def test_native_rotary_gives_the_torch_ops_bits(T, N, K, H, R, dtype, threads):
+    """kernels/csrc/rotary.c, which apply_rotary_ runs here, rotates q and k in place to the very bits
+    of the torch ops (bf16: each product and the sum rounded; float32: products not fused into the
+    add): q and k strided views of one fused projection, partial rotary (R < H: the first R dims of
+    each head, a strided view), half widths with a scalar tail (10, 8 + 2), and 300 tokens (threads)."""
+    from kernels import rotary
+
+    g = torch.Generator().manual_seed(T + R)
+    qkv = torch.randn(T, (N + 2 * K) * H, generator=g).to(dtype)
+    q, k = qkv[:, :N * H].view(T, N, H)[..., :R], qkv[:, N * H:(N + K) * H].view(T, K, H)[..., :R]
+    angle = torch.rand(T, R, generator=g) * 100
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    want_q, want_k = rotary.apply_rotary(q, k, cos, sin)
+    before_qkv = qkv.clone()
+    calls, real = [], native.rotary_
+    native.rotary_ = lambda *a: calls.append(1) or real(*a)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got_q, got_k = rotary.apply_rotary_(q, k, cos, sin)
+    finally:
+        native.rotary_ = real
+        torch.set_num_threads(threads_before)
+    assert calls and got_q.data_ptr() == q.data_ptr()
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    untouched = torch.ones_like(qkv, dtype=torch.bool)
+    untouched.view(T, N + 2 * K, H)[:, :N + K, :R] = False  # only the rotated dims of q and k change
+    assert torch.equal(qkv[untouched], before_qkv[untouched])

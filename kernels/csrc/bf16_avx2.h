@@ -1,7 +1,7 @@
 /* Helpers the native kernels share: bfloat16 is the top half of a float32, so widening is a
- * zero-extend and a shift by 16; the horizontal sum of 8 floats; and the constants of Cephes' expf
- * (e^x = 2^n e^r, n = round(x log2 e), r = x - n ln 2 in two parts, e^r a degree-6 polynomial)
- * that the AVX2 exp8 and the AVX-512 exp16 both evaluate. */
+ * zero-extend and a shift by 16; rounding back to it; the horizontal sum of 8 floats; and the
+ * constants of Cephes' expf (e^x = 2^n e^r, n = round(x log2 e), r = x - n ln 2 in two parts, e^r
+ * a degree-6 polynomial) that the AVX2 exp8 and the AVX-512 exp16 both evaluate. */
 #ifndef SHUTTLE_BF16_AVX2_H
 #define SHUTTLE_BF16_AVX2_H
 #include <immintrin.h>
@@ -21,6 +21,30 @@ static inline float hsum8(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* Rounding to bf16, nearest even, as torch rounds: one float, or eight at a time (kept as floats, or
+ * packed). */
+static inline uint16_t to_bf(float f) { /* round to nearest even; NaN stays NaN */
+    union { float f; uint32_t u; } v = { f };
+    if ((v.u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+static inline float rbf(float f) { return bf16_to_f32(to_bf(f)); }
+
+static inline __m256i round_bits8(__m256 f) { /* the rounded bf16 in each lane's top half */
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+    return _mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u));
+}
+
+static inline __m256 rbf8(__m256 f) { return _mm256_castsi256_ps(round_bits8(f)); }
+
+static inline void store_bf8(uint16_t *p, __m256 f) {
+    const __m256i h = _mm256_srli_epi32(round_bits8(f), 16);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
 }
 
 #define EXP_LOG2E 1.44269504088896341f

@@ -13,30 +13,6 @@
 #include <stdint.h>
 
 
-static inline uint16_t to_bf(float f) { /* round to nearest even; NaN stays NaN */
-    union { float f; uint32_t u; } v = { f };
-    if ((v.u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((v.u >> 16) | 0x40);
-    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
-}
-
-static inline float rbf(float f) { return bf16_to_f32(to_bf(f)); }
-
-/* Eight at a time: round 8 floats to bf16 (nearest even; kept as floats, or packed). */
-
-static inline __m256i round_bits8(__m256 f) { /* the rounded bf16 in each lane's top half */
-    const __m256i u = _mm256_castps_si256(f);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
-    return _mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u));
-}
-
-static inline __m256 rbf8(__m256 f) { return _mm256_castsi256_ps(round_bits8(f)); }
-
-static inline void store_bf8(uint16_t *p, __m256 f) {
-    const __m256i h = _mm256_srli_epi32(round_bits8(f), 16);
-    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
-}
-
 static inline float sum_squares(const float *r, int64_t D) {
     __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
     int64_t i = 0;
