@@ -95,6 +95,11 @@ AI512 void panel_dot(const uint32_t *const *xr, const uint32_t *pw, int64_t pair
     }
 }
 
+/* Rows of the next of `tiles` tiles over `rows` rows: as even as they go (17 rows: 6, 6, 5 rather
+ * than 8, 8, 1; a tile of few rows waits on its few accumulators' latency about as long as a full
+ * one computes). */
+static inline int tile_rows(int64_t rows, int64_t tiles) { return (int)((rows + tiles - 1) / tiles); }
+
 /* Streaming: a panel of n row tiles is read from memory by its first tile and from cache by the
  * others, so memory would sit idle during those. Instead each of the n tiles of a panel prefetches
  * 1/n of the panel the thread takes next (`next`, NULL at the end of its items): the reads go on
@@ -169,11 +174,12 @@ T512 void shuttle_gemm_bf16_panels(const uint16_t *x, int64_t T, int64_t I, cons
             const int64_t o0 = p * 32, nv = O - o0 < 32 ? O - o0 : 32;
             const __mmask16 m0 = nv >= 16 ? 0xFFFF : (__mmask16)((1u << nv) - 1);
             const __mmask16 m1 = nv >= 32 ? 0xFFFF : nv <= 16 ? 0 : (__mmask16)((1u << (nv - 16)) - 1);
-            for (int64_t t = t0; t < t1; t += MAX_R) {
-                const int n = t1 - t < MAX_R ? (int)(t1 - t) : MAX_R;
+            const int64_t tiles = (t1 - t0 + MAX_R - 1) / MAX_R;
+            for (int64_t t = t0, ti = 0, n; t < t1; t += n, ti++) {
+                n = tile_rows(t1 - t, tiles - ti);
                 for (int i = 0; i < n; i++) rows[i] = (const uint32_t *)(x + (t + i) * I);
                 int64_t pf_lines;
-                const char *pf = tile_prefetch(pnext, pairs, (t - t0) / MAX_R, (t1 - t0 + MAX_R - 1) / MAX_R, &pf_lines);
+                const char *pf = tile_prefetch(pnext, pairs, ti, tiles, &pf_lines);
                 __m512 acc[MAX_R][2];
 #define DOT(R) panel_dot(rows, pw, pairs, R, acc, pf, pf_lines)
                 BY_ROWS(n, DOT)
@@ -239,12 +245,12 @@ T512 int shuttle_fused_moe_bf16(const uint16_t *x, int64_t T, int64_t D, const i
             const uint32_t *pw = (const uint32_t *)(uintptr_t)w13[e] + p * xpairs * 32;
             const uint32_t *pnext = next < nitems ? (const uint32_t *)(uintptr_t)w13[items[3 * next]] + items[3 * next + 2] * xpairs * 32 : NULL;
             const int64_t tiles = (r1 - r0 + MAX_R - 1) / MAX_R;
-            for (int64_t r = r0; r < r1; r += MAX_R) {
-                const int n = r1 - r < MAX_R ? (int)(r1 - r) : MAX_R;
+            for (int64_t r = r0, ti = 0, n; r < r1; r += n, ti++) {
+                n = tile_rows(r1 - r, tiles - ti);
                 for (int i = 0; i < n; i++) rows[i] = (const uint32_t *)(x + tok[r + i] * D);
                 uint16_t *h = scratch + r * I16 + p * 16;
                 int64_t pf_lines;
-                const char *pf = tile_prefetch(pnext, xpairs, (r - r0) / MAX_R, tiles, &pf_lines);
+                const char *pf = tile_prefetch(pnext, xpairs, ti, tiles, &pf_lines);
 #define UP(R) up_tile(rows, pw, xpairs, h, I16, pf, pf_lines, R)
                 BY_ROWS(n, UP)
 #undef UP
@@ -269,11 +275,11 @@ T512 int shuttle_fused_moe_bf16(const uint16_t *x, int64_t T, int64_t D, const i
                             break;
                         }
                 const int64_t tiles = (count[e + 1] - count[e] + MAX_R - 1) / MAX_R;
-                for (int64_t r = count[e]; r < count[e + 1]; r += MAX_R) {
-                    const int n = count[e + 1] - r < MAX_R ? (int)(count[e + 1] - r) : MAX_R;
+                for (int64_t r = count[e], ti = 0, n; r < count[e + 1]; r += n, ti++) {
+                    n = tile_rows(count[e + 1] - r, tiles - ti);
                     for (int i = 0; i < n; i++) rows[i] = (const uint32_t *)(scratch + (r + i) * I16);
                     int64_t pf_lines;
-                    const char *pf = tile_prefetch(pnext, hpairs, (r - count[e]) / MAX_R, tiles, &pf_lines);
+                    const char *pf = tile_prefetch(pnext, hpairs, ti, tiles, &pf_lines);
 #define DOWN(R) down_tile(rows, pw, hpairs, tok + r, wgt + r, out, D, o0, m0, m1, pf, pf_lines, R)
                     BY_ROWS(n, DOWN)
 #undef DOWN
