@@ -454,7 +454,13 @@ class M2NReceiver:
 
 def run_local_experts(experts, batch: ExpertBatch) -> torch.Tensor:
     """y_RD = sum over each row's local experts of weight * expert(x): the (row, k) pairs whose
-    expert is here run through the Experts module as one-expert tokens, then add up per row."""
+    expert is here run through the Experts module as one-expert tokens, then add up per row. Where
+    the module is the whole-block native kernel (models/cpu_inference.PackedExperts on an AVX-512
+    BF16 CPU), it takes the rows as they are: it skips the other workers' pairs (id -1) itself and
+    adds a row's outputs in expert order, as the colocated block does (no gather, no scatter: 5%
+    of the block at 16-256 tokens on the 425M shapes)."""
+    if getattr(experts, "native", None) is not None:
+        return experts(batch.x_RD, batch.local_ids_RK, batch.weights_RK)
     R, K = batch.local_ids_RK.shape
     flat_ids = batch.local_ids_RK.reshape(-1)
     pairs = (flat_ids >= 0).nonzero().squeeze(1)

@@ -341,3 +341,35 @@ def test_native_rotary_gives_the_torch_ops_bits(T, N, K, H, R, dtype, threads):
     untouched = torch.ones_like(qkv, dtype=torch.bool)
     untouched.view(T, N + 2 * K, H)[:, :N + K, :R] = False  # only the rotated dims of q and k change
     assert torch.equal(qkv[untouched], before_qkv[untouched])
+
+
+@NEEDS_AVX512_BF16
+def test_expert_worker_runs_its_rows_through_the_native_block_as_they_are():
+    """run_local_experts hands an expert worker's rows straight to the native block (ids of other
+    workers' experts are -1): the same bits as running its (row, expert) pairs as one-expert tokens
+    and adding them per row, which is what it does for every other module; a row with no local
+    expert gets zeros."""
+    from m2n_comm.m2n import ExpertBatch, run_local_experts
+    from models.cpu_inference import PackedExperts
+    from models.moe_decoder import Experts
+    from kernels.ops import torch_ops
+
+    g = torch.Generator().manual_seed(3)
+    E, D, I, R = 4, 64, 48, 9
+    experts = Experts(E, D, I, torch_ops())
+    with torch.no_grad():
+        experts.w13.copy_(torch.randn(E, 2 * I, D, generator=g) / D ** 0.5)
+        experts.w2.copy_(torch.randn(E, D, I, generator=g) / I ** 0.5)
+    packed = PackedExperts(experts.to(torch.bfloat16))
+    assert packed.native is not None
+    x = torch.randn(R, D, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(R)])
+    ids[ids >= 3] = -1  # expert 3 lives on another worker
+    ids[0] = -1  # so does all of row 0's
+    w = torch.rand(R, 2, generator=g)
+    got = run_local_experts(packed, ExpertBatch(0, 0, 0, x, ids, w, [R], 0))
+    pairs = (ids.reshape(-1) >= 0).nonzero().squeeze(1)
+    rows = pairs // 2
+    y = packed(x[rows], ids.reshape(-1)[pairs][:, None], w.reshape(-1)[pairs][:, None])
+    want = torch.zeros_like(x).index_add_(0, rows, y)
+    assert torch.equal(got, want) and not got[0].any() and got[1:].abs().sum() > 0
