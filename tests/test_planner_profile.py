@@ -107,3 +107,29 @@ def test_front_cpu_splits_into_per_request_and_per_token():
     long, short = run(1024, 0.0, 1e-4), run(256, 0.0, 1e-4)
     short["front"] *= 5
     assert split_per_request(long, short, "front") == pytest.approx((long["front"] / 1024, 0.0))
+
+
+def test_cache_evictor_reads_the_llc_size_and_runs_only_for_models_larger_than_it(tmp_path):
+    """The profile times every step with its weights out of the cache where a served step would find
+    them so (weights larger than the last-level cache); a model that fits is timed as it is."""
+    from planner.profile import CacheEvictor, _StampingDispatcher, llc_bytes
+
+    cache = tmp_path / "cache"
+    for i, (level, size) in enumerate([(1, "48K"), (2, "1024K"), (3, "32768K")]):
+        (cache / f"index{i}").mkdir(parents=True)
+        (cache / f"index{i}" / "level").write_text(f"{level}\n")
+        (cache / f"index{i}" / "size").write_text(f"{size}\n")
+    assert llc_bytes(str(cache)) == 32 << 20
+    assert llc_bytes(str(tmp_path / "missing")) == 32 << 20
+    small, big = tmp_path / "small", tmp_path / "big"
+    small.mkdir(), big.mkdir()
+    (small / "model.safetensors").write_bytes(b"\0" * 1024)
+    with open(big / "model.safetensors", "wb") as f:  # sparse: larger than any cache, no disk used
+        f.truncate(4 * llc_bytes())
+    assert not CacheEvictor(small).on and CacheEvictor(big).on
+    evict = CacheEvictor(big)
+    assert evict.buffer.numel() * 4 == 2 * llc_bytes()
+    calls = []
+    disp = _StampingDispatcher(lambda: calls.append(1))
+    disp.begin_step()
+    assert calls == [1] and len(disp.stamps) == 1
