@@ -1,11 +1,12 @@
 /* Helpers the native kernels share: bfloat16 is the top half of a float32, so widening is a
- * zero-extend and a shift by 16; rounding back to it; the horizontal sum of 8 floats; and the
- * constants of Cephes' expf (e^x = 2^n e^r, n = round(x log2 e), r = x - n ln 2 in two parts, e^r
- * a degree-6 polynomial) that the AVX2 exp8 and the AVX-512 exp16 both evaluate. */
+ * zero-extend and a shift by 16; rounding back to it; the horizontal sum of 8 floats; OpenMP's wait
+ * policy; and the constants of Cephes' expf (e^x = 2^n e^r, n = round(x log2 e), r = x - n ln 2 in
+ * two parts, e^r a degree-6 polynomial) that the AVX2 exp8 and the AVX-512 exp16 both evaluate. */
 #ifndef SHUTTLE_BF16_AVX2_H
 #define SHUTTLE_BF16_AVX2_H
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 static inline float bf16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
@@ -45,6 +46,20 @@ static inline __m256 rbf8(__m256 f) { return _mm256_castsi256_ps(round_bits8(f))
 static inline void store_bf8(uint16_t *p, __m256 f) {
     const __m256i h = _mm256_srli_epi32(round_bits8(f), 16);
     _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+}
+
+/* Whether OpenMP runs with passive waits (OMP_WAIT_POLICY=PASSIVE, as the worker pools do:
+ * server/launchers.py): the other threads sleep after each parallel region, and waking one costs
+ * 20-60 us on the AVX-512 EPYC, so a region needs more work to pay for it. An RMSNorm / rotary
+ * call of 64 tokens (425M shapes) took 42 / 36 us on 2 passive threads against 34 / 28 on 1, and
+ * 256 tokens about even; with spinning threads 2 threads were 1.6-1.9x faster from 64 tokens on. */
+static inline int passive_waits(void) {
+    static int passive = -1; /* read once; a race only writes the same value */
+    if (passive < 0) {
+        const char *p = getenv("OMP_WAIT_POLICY");
+        passive = p != NULL && (p[0] == 'p' || p[0] == 'P');
+    }
+    return passive;
 }
 
 #define EXP_LOG2E 1.44269504088896341f

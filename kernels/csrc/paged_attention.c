@@ -148,6 +148,11 @@ AI void attend(const int wide, const float *q, const void *k_cache, const void *
                int64_t v_slot, int64_t v_head, float scale, int nthreads) {
     const int64_t H8 = H & ~(int64_t)7, esz = bf16 ? 2 : 4, row_bytes = H * esz;
     const char *kp = (const char *)k_cache, *vp = (const char *)v_cache;
+    if (passive_waits()) { /* one thread unless the call is worth a wake-up: ~100 us of key rows */
+        int64_t rows = 0;
+        for (int64_t b = 0; b < B; b++) rows += len[b] - start[b];
+        if (rows * K * H < 320 * 1024) nthreads = 1;
+    }
     #pragma omp parallel num_threads(nthreads)
     {
         float s[G][BLOCK + 8], m[G], l[G], acc[G * H];

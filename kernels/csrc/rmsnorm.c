@@ -30,7 +30,7 @@ static inline float sum_squares(const float *r, int64_t D) {
  * writes y (T, D) and, with a residual, r_out (T, D) = x + residual. scratch: D floats per thread. */
 void shuttle_add_rms_norm(const void *x, const void *residual, const void *weight, void *y, void *r_out, int64_t T,
                           int64_t D, float eps, int bf16, int nthreads) {
-    const int parallel = nthreads > 1 && T > 1 && T * D >= (1 << 15);
+    const int parallel = nthreads > 1 && T > 1 && T * D >= (passive_waits() ? 1 << 19 : 1 << 15);
     #pragma omp parallel for num_threads(parallel ? nthreads : 1) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         float r[D];

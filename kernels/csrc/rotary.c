@@ -53,7 +53,7 @@ NOFUSE static void rotate_f32(float *x, const float *c, const float *s, int64_t 
  * R dims contiguous (R even); cos, sin: (T, R) contiguous; all bf16 (bf16 = 1) or all float32. */
 void shuttle_rotary(void *q, int64_t NQ, int64_t q_tok, int64_t q_head, void *k, int64_t NK, int64_t k_tok,
                     int64_t k_head, const void *cos, const void *sin, int64_t T, int64_t R, int bf16, int nthreads) {
-    const int parallel = nthreads > 1 && T > 1 && T * (NQ + NK) * R >= (1 << 15);
+    const int parallel = nthreads > 1 && T > 1 && T * (NQ + NK) * R >= (passive_waits() ? 1 << 19 : 1 << 15);
     const int64_t esz = bf16 ? 2 : 4, half = R / 2;
     #pragma omp parallel for num_threads(parallel ? nthreads : 1) schedule(static)
     for (int64_t t = 0; t < T; t++) {
