@@ -184,3 +184,24 @@ def test_engine_on_triton_kernels_equals_torch_kernels(make_checkpoint):
         assert engine.runner.model.ops.backend == kernels
         outs.append(run_staggered(engine, reqs))
     assert outs[0] == outs[1]
+
+
+def test_local_dispatcher_counts_each_steps_expert_tokens_once_it_ends():
+    """Colocated, the experts' load is counted in the dispatcher: the layers' ids are kept and
+    counted together when the step ends or the counts are read (not 5 small ops a layer); empty
+    (-1) slots are skipped and the counts add up over steps."""
+    from models.dispatcher import LocalDispatcher
+
+    disp = LocalDispatcher(num_experts=4)
+
+    def experts(x, ids, w):
+        return x
+
+    disp.begin_step()
+    disp.dispatch(0, experts, torch.zeros(3, 2), torch.tensor([[0, 1], [1, 2], [3, -1]]), torch.ones(3, 2))
+    disp.dispatch(1, experts, torch.zeros(1, 2), torch.tensor([[1, 3]]), torch.ones(1, 2))
+    disp.end_step()
+    assert disp.expert_tokens_E.tolist() == [1, 3, 1, 2]
+    disp.dispatch(0, experts, torch.zeros(1, 2), torch.tensor([[2, 2]]), torch.ones(1, 2))
+    assert disp.expert_tokens_E.tolist() == [1, 3, 3, 2]  # read before the step ended: counted then
+    assert LocalDispatcher().expert_tokens_E is None
