@@ -17,7 +17,7 @@
  *     expert for its columns, adding the weighted rows into out, so no two threads write one value.
  * A panel with more rows than one tile (8) is read from memory once and from cache by its other
  * tiles; those tiles prefetch the thread's next panel meanwhile, so memory streams all the time
- * (tile_prefetch: 1.16-1.26x at 16-48 rows per expert, where the block is bound by both).
+ * (tile_prefetch: 1.16-1.26x at 12-32 rows per expert, where the block is bound by both).
  * Weight panels: pairs of inputs for 32 outputs, lane o of pair j = (w[o][2j], w[o][2j+1]), as in
  * gemm_avx512bf16.c; inputs padded with zeros to the panel's even width (D) or to a multiple of
  * 16 (the intermediate size I16: padded gate/up columns give h = silu(0) * 0 = 0).
@@ -170,30 +170,30 @@ T512 void shuttle_gemm_bf16_panels(const uint16_t *x, int64_t T, int64_t I, cons
         const int64_t t1 = T - t0 < ROW_BLOCK ? T : t0 + ROW_BLOCK;
         #pragma omp parallel num_threads(nthreads)
         {
-        const int th = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t hi = P * (th + 1) / nt;
-        for (int64_t p = P * th / nt; p < hi; p++) {
-            const uint32_t *pw = (const uint32_t *)panels + p * pairs * 32, *rows[MAX_R];
-            const uint32_t *pnext = p + 1 < hi ? pw + pairs * 32 : NULL;
-            const int64_t o0 = p * 32, nv = O - o0 < 32 ? O - o0 : 32;
-            const __mmask16 m0 = nv >= 16 ? 0xFFFF : (__mmask16)((1u << nv) - 1);
-            const __mmask16 m1 = nv >= 32 ? 0xFFFF : nv <= 16 ? 0 : (__mmask16)((1u << (nv - 16)) - 1);
-            const int64_t tiles = (t1 - t0 + MAX_R - 1) / MAX_R;
-            for (int64_t t = t0, ti = 0, n; t < t1; t += n, ti++) {
-                n = tile_rows(t1 - t, tiles - ti);
-                for (int i = 0; i < n; i++) rows[i] = (const uint32_t *)(x + (t + i) * I);
-                int64_t pf_lines;
-                const char *pf = tile_prefetch(pnext, pairs, ti, tiles, &pf_lines);
-                __m512 acc[MAX_R][2];
+            const int th = omp_get_thread_num(), nt = omp_get_num_threads();
+            const int64_t hi = P * (th + 1) / nt;
+            for (int64_t p = P * th / nt; p < hi; p++) {
+                const uint32_t *pw = (const uint32_t *)panels + p * pairs * 32, *rows[MAX_R];
+                const uint32_t *pnext = p + 1 < hi ? pw + pairs * 32 : NULL;
+                const int64_t o0 = p * 32, nv = O - o0 < 32 ? O - o0 : 32;
+                const __mmask16 m0 = nv >= 16 ? 0xFFFF : (__mmask16)((1u << nv) - 1);
+                const __mmask16 m1 = nv >= 32 ? 0xFFFF : nv <= 16 ? 0 : (__mmask16)((1u << (nv - 16)) - 1);
+                const int64_t tiles = (t1 - t0 + MAX_R - 1) / MAX_R;
+                for (int64_t t = t0, ti = 0, n; t < t1; t += n, ti++) {
+                    n = tile_rows(t1 - t, tiles - ti);
+                    for (int i = 0; i < n; i++) rows[i] = (const uint32_t *)(x + (t + i) * I);
+                    int64_t pf_lines;
+                    const char *pf = tile_prefetch(pnext, pairs, ti, tiles, &pf_lines);
+                    __m512 acc[MAX_R][2];
 #define DOT(R) panel_dot(rows, pw, pairs, R, acc, pf, pf_lines)
-                BY_ROWS(n, DOT)
+                    BY_ROWS(n, DOT)
 #undef DOT
-                for (int r = 0; r < n; r++) {
-                    _mm256_mask_storeu_epi16(y + (t + r) * O + o0, m0, round16(acc[r][0]));
-                    _mm256_mask_storeu_epi16(y + (t + r) * O + o0 + 16, m1, round16(acc[r][1]));
+                    for (int r = 0; r < n; r++) {
+                        _mm256_mask_storeu_epi16(y + (t + r) * O + o0, m0, round16(acc[r][0]));
+                        _mm256_mask_storeu_epi16(y + (t + r) * O + o0 + 16, m1, round16(acc[r][1]));
+                    }
                 }
             }
-        }
         }
     }
 }
