@@ -180,6 +180,9 @@ def apply_rotary_(
     call (kernels/native.rotary_, kernels/csrc/rotary.c) that rounds where these ops round."""
     if _native(q_TNH, k_TKH, cos_TH, sin_TH):
         native.rotary_(q_TNH, k_TKH, cos_TH, sin_TH)
+        # written through their data pointers: say so, as copy_ would, so that autograd refuses a
+        # backward that saved q or k before they were rotated
+        torch.autograd.graph.increment_version((q_TNH, k_TKH))
         return q_TNH, k_TKH
     q_rot, k_rot = apply_rotary(q_TNH, k_TKH, cos_TH, sin_TH)
     return q_TNH.copy_(q_rot), k_TKH.copy_(k_rot)

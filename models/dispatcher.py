@@ -44,29 +44,20 @@ class LocalDispatcher:
     """Runs the layer's own experts in this process (no transport): the reference dispatcher.
     num_experts > 0 keeps expert_tokens_E: (token, expert) pairs routed to each expert so far,
     summed over layers (int64, on `device`, the experts' device: counting never synchronises).
-    The layers' ids are counted together when the step ends (or the counts are read): one count
-    per step instead of five small ops per layer, which a decode step at batch 1 pays in full."""
+    The layers' ids are counted together when the step ends: one count per step instead of five
+    small ops per layer, which a decode step at batch 1 pays in full. Counting happens only there,
+    on the engine's thread; a reader (the metrics endpoint, from another thread) sees the counts of
+    the steps finished so far and changes nothing."""
 
     def __init__(self, num_experts: int = 0, device: torch.device | str = "cpu"):
-        self._counts_E = torch.zeros(num_experts, dtype=torch.long, device=device) if num_experts else None
+        self.expert_tokens_E = torch.zeros(num_experts, dtype=torch.long, device=device) if num_experts else None
         self._pending: list[torch.Tensor] = []
-
-    @property
-    def expert_tokens_E(self) -> torch.Tensor | None:
-        self._count_pending()
-        return self._counts_E
-
-    def _count_pending(self) -> None:
-        if self._pending:
-            ids = self._pending[0] if len(self._pending) == 1 else torch.cat([t.reshape(-1) for t in self._pending])
-            self._pending = []
-            count_expert_tokens_(self._counts_E, ids)
 
     def dispatch(self, layer: int, experts: nn.Module | None, x_TD: torch.Tensor,
                  topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, mb: int = 0) -> torch.Tensor:
         if experts is None:
             raise RuntimeError(f"layer {layer}: this model was built without experts; use a remote dispatcher")
-        if self._counts_E is not None:
+        if self.expert_tokens_E is not None:
             self._pending.append(topk_ids_TK)
         return experts(x_TD, topk_ids_TK, topk_weights_TK)
 
@@ -77,4 +68,7 @@ class LocalDispatcher:
         pass
 
     def end_step(self) -> None:
-        self._count_pending()
+        if self._pending:
+            ids = self._pending[0] if len(self._pending) == 1 else torch.cat([t.reshape(-1) for t in self._pending])
+            self._pending = []
+            count_expert_tokens_(self.expert_tokens_E, ids)

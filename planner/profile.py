@@ -111,7 +111,7 @@ def llc_bytes(cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
         try:
             level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
             sizes[level] = int(size[:-1]) << {"K": 10, "M": 20}[size[-1]] if size[-1] in "KM" else int(size)
-        except (OSError, ValueError):
+        except (OSError, ValueError, IndexError, KeyError):
             continue
     return sizes[max(sizes)] if sizes else 32 << 20
 

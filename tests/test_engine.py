@@ -188,8 +188,9 @@ def test_engine_on_triton_kernels_equals_torch_kernels(make_checkpoint):
 
 def test_local_dispatcher_counts_each_steps_expert_tokens_once_it_ends():
     """Colocated, the experts' load is counted in the dispatcher: the layers' ids are kept and
-    counted together when the step ends or the counts are read (not 5 small ops a layer); empty
-    (-1) slots are skipped and the counts add up over steps."""
+    counted together when the step ends (not 5 small ops a layer); empty (-1) slots are skipped, the
+    counts add up over steps, and reading them mid-step (the metrics endpoint's thread) changes
+    nothing."""
     from models.dispatcher import LocalDispatcher
 
     disp = LocalDispatcher(num_experts=4)
@@ -202,6 +203,10 @@ def test_local_dispatcher_counts_each_steps_expert_tokens_once_it_ends():
     disp.dispatch(1, experts, torch.zeros(1, 2), torch.tensor([[1, 3]]), torch.ones(1, 2))
     disp.end_step()
     assert disp.expert_tokens_E.tolist() == [1, 3, 1, 2]
+    disp.begin_step()
     disp.dispatch(0, experts, torch.zeros(1, 2), torch.tensor([[2, 2]]), torch.ones(1, 2))
-    assert disp.expert_tokens_E.tolist() == [1, 3, 3, 2]  # read before the step ended: counted then
+    assert disp.expert_tokens_E.tolist() == [1, 3, 1, 2]  # mid-step: the finished steps' counts
+    assert disp.expert_tokens_E.tolist() == [1, 3, 1, 2]
+    disp.end_step()
+    assert disp.expert_tokens_E.tolist() == [1, 3, 3, 2]
     assert LocalDispatcher().expert_tokens_E is None

@@ -373,3 +373,25 @@ def test_expert_worker_runs_its_rows_through_the_native_block_as_they_are():
     y = packed(x[rows], ids.reshape(-1)[pairs][:, None], w.reshape(-1)[pairs][:, None])
     want = torch.zeros_like(x).index_add_(0, rows, y)
     assert torch.equal(got, want) and not got[0].any() and got[1:].abs().sum() > 0
+
+
+@NEEDS_NATIVE
+def test_native_rotary_tells_autograd_it_wrote_in_place():
+    """The native rotary writes q and k through their data pointers; like the torch path's copy_, it
+    bumps their version counters, so a backward that saved q before the rotation refuses to run
+    instead of computing gradients from the rotated values."""
+    from kernels import rotary
+
+    q, k = torch.randn(3, 2, 8), torch.randn(3, 1, 8)
+    cos, sin = torch.ones(3, 8), torch.zeros(3, 8)
+    w = torch.randn(8, 4, requires_grad=True)
+    y = (q @ w).sum()  # saves q for w's gradient
+    calls, real = [], native.rotary_
+    native.rotary_ = lambda *a: calls.append(1) or real(*a)
+    try:
+        rotary.apply_rotary_(q, k, cos, sin)
+    finally:
+        native.rotary_ = real
+    assert calls
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()

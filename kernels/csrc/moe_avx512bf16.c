@@ -162,10 +162,11 @@ AI512 void down_tile(const uint32_t *const *hr, const uint32_t *pw, int64_t pair
 T512 void shuttle_gemm_bf16_panels(const uint16_t *x, int64_t T, int64_t I, const uint16_t *panels, int64_t O,
                                    uint16_t *y, int nthreads) {
     const int64_t P = (O + 31) / 32, pairs = I / 2;
+    if (P == 0 || T == 0) return;
     /* no more threads than panels (a router's 8 outputs are one), and under passive waits one
-     * thread for a weight under 512 KiB: its share of the work is less than waking a thread */
+     * thread for under 8M multiply-adds (~35 us of a core): its share is less than waking a thread */
     if (nthreads > P) nthreads = (int)P;
-    if (passive_waits() && O * I * 2 < (1 << 19)) nthreads = 1;
+    if (passive_waits() && T * O * I < (1 << 23)) nthreads = 1;
     for (int64_t t0 = 0; t0 < T; t0 += ROW_BLOCK) {
         const int64_t t1 = T - t0 < ROW_BLOCK ? T : t0 + ROW_BLOCK;
         #pragma omp parallel num_threads(nthreads)
