@@ -223,49 +223,49 @@ def _gather_layout(block_table_BM: torch.Tensor, seq_lens_B: torch.Tensor, first
 
 
 # Every layer of a decode step passes the same block-table and length tensors (AttentionBatch
-# builds fresh ones each step), so the step's gather layout is computed once and reused: the last
-# one is kept with references to its inputs (identity, plus the in-place version counters, say
-# it is still valid) and its parameters. Inference-mode tensors (the engine's) have no version
-# counter: for them identity alone decides, as nothing writes a built batch's tensors in place.
-_LAST_LAYOUT: list[tuple] = []
+# builds fresh ones each step), so what a step derives from them is computed once and reused: the
+# last value of each kind is kept with references to its inputs (identity, plus the in-place
+# version counters, say it is still valid) and its parameters. Inference-mode tensors (the
+# engine's) have no version counter: for them identity alone decides, as nothing writes a built
+# batch's tensors in place.
+_LAST_PER_STEP: dict[str, tuple] = {}
 
 
 def _version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
+def _per_step(kind: str, block_table_BM: torch.Tensor, seq_lens_B: torch.Tensor, params: tuple, make):
+    """make(), or the value cached for this kind when the step's tensors and params are the same."""
+    key = (_version(block_table_BM), _version(seq_lens_B), *params)
+    last = _LAST_PER_STEP.get(kind)
+    if last is not None and last[0] is block_table_BM and last[1] is seq_lens_B and last[2] == key:
+        return last[3]
+    value = make()
+    _LAST_PER_STEP[kind] = (block_table_BM, seq_lens_B, key, value)
+    return value
+
+
 def _step_layout(block_table_BM: torch.Tensor, seq_lens_B: torch.Tensor, S: int, sliding_window: int | None,
                  dt: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor]:
     """(pages, page_BM, bias_BS) of a whole decode batch, cached across the step's layers."""
-    params = (_version(block_table_BM), _version(seq_lens_B), S, sliding_window, dt)
-    if _LAST_LAYOUT:
-        table, lens, cached_params, layout = _LAST_LAYOUT[0]
-        if table is block_table_BM and lens is seq_lens_B and cached_params == params:
-            return layout
-    pages, first_B = _visible_pages(block_table_BM, seq_lens_B, S, sliding_window)
-    layout = (pages, *_gather_layout(block_table_BM, seq_lens_B, first_B, pages, S, sliding_window, dt))
-    _LAST_LAYOUT[:] = [(block_table_BM, seq_lens_B, params, layout)]
-    return layout
+    def make():
+        pages, first_B = _visible_pages(block_table_BM, seq_lens_B, S, sliding_window)
+        return (pages, *_gather_layout(block_table_BM, seq_lens_B, first_B, pages, S, sliding_window, dt))
 
-
-_LAST_NATIVE: list[tuple] = []
+    return _per_step("gather", block_table_BM, seq_lens_B, (S, sliding_window, dt), make)
 
 
 def _native_layout(block_table_BM: torch.Tensor, seq_lens_B: torch.Tensor,
                    sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(table_BM, start_B, len_B) as the native kernel takes them (int64, contiguous), cached across
-    the step's layers as _step_layout is: three ops a layer fewer (a decode step at batch 1 is
-    about 800 small ops)."""
-    params = (_version(block_table_BM), _version(seq_lens_B), sliding_window)
-    if _LAST_NATIVE:
-        table, lens, cached_params, layout = _LAST_NATIVE[0]
-        if table is block_table_BM and lens is seq_lens_B and cached_params == params:
-            return layout
-    lens_B = seq_lens_B.long().contiguous()
-    start_B = (lens_B - sliding_window).clamp_(min=0) if sliding_window else torch.zeros_like(lens_B)
-    layout = (block_table_BM.long().contiguous(), start_B, lens_B)
-    _LAST_NATIVE[:] = [(block_table_BM, seq_lens_B, params, layout)]
-    return layout
+    the step's layers: three ops a layer fewer (a decode step at batch 1 is about 800 small ops)."""
+    def make():
+        lens_B = seq_lens_B.long().contiguous()
+        start_B = (lens_B - sliding_window).clamp_(min=0) if sliding_window else torch.zeros_like(lens_B)
+        return block_table_BM.long().contiguous(), start_B, lens_B
+
+    return _per_step("native", block_table_BM, seq_lens_B, (sliding_window,), make)
 
 
 def _paged_flash(q_BNH: torch.Tensor, k_cache_PSKH: torch.Tensor, v_cache_PSKH: torch.Tensor | None,

@@ -125,7 +125,7 @@ class CacheEvictor:
     cached when served. Reading twice the cache's size of another buffer evicts it (not timed).
     Measured (bench/planner.py --quick, 25M models, 32 MB L3): a 1 + 1 m=2 at batch 16 was predicted
     19% fast without it (its 8-token expert calls ran from the cache), and the served run computed
-    1.13x what the fits said; with it 2-5% and 1.02-1.04x."""
+    1.13x what the fits said; with it +2% to +23% over nine runs and 1.02-1.14x."""
 
     def __init__(self, model_dir: str | os.PathLike):
         weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
