@@ -11,7 +11,8 @@ from attention_nodes.config import EngineConfig
 from attention_nodes.scheduler import ScheduledBatch
 from models.config import ModelConfig
 from models.dispatcher import Dispatcher, LocalDispatcher
-from models.cpu_inference import SKINNY_MAX_ROWS, half_copy_bytes, pack_for_cpu_inference
+from kernels import native
+from models.cpu_inference import SKINNY_MAX_ROWS, decode_is_native, half_copy_bytes, pack_for_cpu_inference
 from models.kv_cache import AttentionBatch, cache_bytes_per_block, make_paged_cache
 from models.loader import load_model
 from models.stages import compile_stages
@@ -56,6 +57,9 @@ class ModelRunner:
         self.weight_bytes = _weight_bytes(self.model)
         cpu_torch = self.device.type == "cpu" and self.model.ops.backend == "torch"
         self.packed = cpu_torch and pack_for_cpu_inference(self.model)
+        # Under passive OpenMP waits (the pools on one host) a decode step whose heavy work is all
+        # native keeps torch's small ops on one thread: each would wake the pool (native.py).
+        self.narrow_decode = self.packed and native.passive_waits() and decode_is_native(self.model)
         # The CPU's torch ops run one dispatch per small op: compile their chains once, now (on
         # CUDA the Triton kernels are already fused).
         self.compiled = cpu_torch and not cfg.enforce_eager
@@ -99,11 +103,12 @@ class ModelRunner:
         """Compute the batch's scheduled tokens. Returns float32 logits (R, V) of the last token of
         each sequence whose batch.sample flag is set, in batch order, and the logits of the prompt
         positions of this step for the sequences that need their prompt's logprobs."""
-        inputs = [None if not group else self._prepare(batch, group)
-                  for group in split_micro_batches(batch.num_new_tokens, self.micro_batches)]
-        # Each micro-batch's LM head runs as soon as its last layer is combined (overlapping the
-        # experts of the next micro-batch's last layer).
-        logits = self._forward(inputs, lambda i, h_TD: self.model.logits(h_TD[inputs[i][2]]))
+        with native.native_parallel_only(self.narrow_decode and max(batch.num_new_tokens) == 1):
+            inputs = [None if not group else self._prepare(batch, group)
+                      for group in split_micro_batches(batch.num_new_tokens, self.micro_batches)]
+            # Each micro-batch's LM head runs as soon as its last layer is combined (overlapping the
+            # experts of the next micro-batch's last layer).
+            logits = self._forward(inputs, self._head(inputs))
         sampled, prompt = [], []
         for lg, inp in zip(logits, inputs):
             if inp is None:
@@ -115,6 +120,12 @@ class ModelRunner:
                 prompt.append(PromptLogits(span.seq_index, span.start, lg[offset:offset + span.count]))
                 offset += span.count
         return torch.cat(sampled), prompt
+
+    def _head(self, inputs: list):
+        def head(i: int, h_TD: torch.Tensor) -> torch.Tensor:
+            with native.torch_parallel():  # the cast of rows x vocabulary logits is worth both threads
+                return self.model.logits(h_TD[inputs[i][2]])
+        return head
 
     @torch.inference_mode()
     def idle_step(self) -> None:

@@ -28,6 +28,7 @@ from setproctitle import setproctitle
 from torch.distributed import TCPStore
 
 from expert_nodes.placement import HeldExperts, epoch_placement, loader_for, watch_placements
+from kernels import native
 from m2n_comm.m2n import M2NReceiver, run_local_experts
 from m2n_comm.placement import ExpertPlacement
 from m2n_comm.trace import Tracer
@@ -146,7 +147,11 @@ def _serve_epoch(spec: ExpertWorkerSpec, store: TCPStore, epoch: int, held: Held
 
 def _serve_steps(spec: ExpertWorkerSpec, store: TCPStore, receiver: M2NReceiver, held: HeldExperts,
                  moe_layers: list[int], load: "_Load") -> None:
-    with torch.inference_mode():
+    # Under passive OpenMP waits, torch's own ops here (the slot copies, the load counts) stay on one
+    # thread when the blocks are the native kernel's, which alone uses the cores (kernels/native.py).
+    narrow = receiver.device.type == "cpu" and native.passive_waits() and any(
+        getattr(m, "native", None) is not None for m in held.modules(held.active).values())
+    with torch.inference_mode(), native.native_parallel_only(narrow):
         while True:
             for layer in moe_layers:
                 for mb in range(spec.micro_batches):

@@ -23,6 +23,7 @@ CPU lacks AVX2 + FMA, no C compiler is found, the build fails, or SHUTTLE_NATIVE
 module is the only place that reads that variable. The library links libgomp by its soname, which
 the process already has loaded from torch, so its OpenMP threads are torch's own pool.
 """
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -31,6 +32,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -112,6 +114,64 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+_local = threading.local()  # .n: the native kernels' own thread count inside native_parallel_only
+
+
+def threads() -> int:
+    """How many OpenMP threads the native kernels may use: torch's count, or inside
+    native_parallel_only the count torch had on entering it."""
+    return getattr(_local, "n", None) or torch.get_num_threads()
+
+
+def passive_waits() -> bool:
+    """Whether OpenMP's idle threads sleep (OMP_WAIT_POLICY=passive, as the worker pools run on one
+    host: server/launchers.py), so that each parallel region first wakes them (20-60 us here). The
+    C kernels read the same variable (bf16_avx2.h: passive_waits)."""
+    return os.environ.get("OMP_WAIT_POLICY", "").lower().startswith("p")
+
+
+@contextlib.contextmanager
+def native_parallel_only(on: bool = True):
+    """Within: torch's own ops on one thread, the native kernels on the threads torch had.
+
+    Under passive waits every parallel region pays a wake-up. The native kernels decide per call
+    whether a second thread pays for it; torch's small ops do not (a decode layer's softmax over the
+    router's logits, the casts and copies around attention: 8-17 of them per step at batch 64 on the
+    425M shapes, each waking the pool). For a step whose heavy work is all native (a bf16 decode
+    step on an AVX-512 BF16 CPU, or an expert worker's native MoE block), keeping torch on one
+    thread measured 1.06x at batch 16 and 1.09x at 64 (interleaved, passive waits, 2 threads);
+    with spinning threads it changes nothing. Per thread, like torch's own count."""
+    n = torch.get_num_threads()
+    if not on or n == 1:
+        yield
+        return
+    prev = getattr(_local, "n", None)
+    _local.n = prev or n
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+        _local.n = prev
+
+
+@contextlib.contextmanager
+def torch_parallel():
+    """Undo native_parallel_only within: for a torch op worth the wake-up (the LM head's cast of
+    rows x vocabulary logits)."""
+    n, prev = torch.get_num_threads(), getattr(_local, "n", None)
+    if prev is None:
+        yield
+        return
+    torch.set_num_threads(prev)
+    _local.n = None
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+        _local.n = prev
+
+
 def available() -> bool:
     """Whether the native kernels run here (builds them on the first call)."""
     return _library() is not None
@@ -127,7 +187,7 @@ def gemm_bf16(x_TI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
     T, I = x_TI.shape
     y_TO = torch.empty(T, w_OI.shape[0], dtype=torch.float32)
     _library().shuttle_gemm_bf16(x_TI.data_ptr(), w_OI.data_ptr(), y_TO.data_ptr(), T, I, w_OI.shape[0],
-                                 torch.get_num_threads())
+                                 threads())
     return y_TO
 
 
@@ -156,7 +216,7 @@ def paged_decode_attention(q_BKGH: torch.Tensor, k_cache_PSKH: torch.Tensor, v_c
         q_BKGH.data_ptr(), kc.data_ptr(), vc.data_ptr(), int(kc.dtype == torch.bfloat16), table_BM.data_ptr(),
         table_BM.shape[1], start_B.data_ptr(), len_B.data_ptr(), o_BKGH.data_ptr(), lse_BKG.data_ptr(), B, K, G, H,
         kc.shape[1], kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), scale,
-        torch.get_num_threads(), int(wide))
+        threads(), int(wide))
     return o_BKGH, lse_BKG
 
 
@@ -204,7 +264,7 @@ def fused_moe_bf16(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
     rc = _library().shuttle_fused_moe_bf16(x_TD.data_ptr(), T, D, ids_TK.data_ptr(), wk_TK.data_ptr(), K,
                                            w13_ptrs_E.data_ptr(), w2_ptrs_E.data_ptr(), w13_ptrs_E.numel(),
                                            inter_padded, scratch.data_ptr(), out_TD.data_ptr(),
-                                           torch.get_num_threads())
+                                           threads())
     if rc != 0:
         raise MemoryError(f"fused_moe_bf16: out of memory for {T} tokens x {K} experts")
     return out_TD
@@ -220,7 +280,7 @@ def gemm_bf16_panels(x_TI: torch.Tensor, panels: torch.Tensor, out_features: int
     x_TI = x_TI.contiguous()
     y_TO = torch.empty(T, out_features, dtype=torch.bfloat16)
     _library().shuttle_gemm_bf16_panels(x_TI.data_ptr(), T, I, panels.data_ptr(), out_features, y_TO.data_ptr(),
-                                        torch.get_num_threads())
+                                        threads())
     return y_TO
 
 
@@ -240,7 +300,7 @@ def rotary_(q_TNR: torch.Tensor, k_TKR: torch.Tensor, cos_TR: torch.Tensor, sin_
                          f"k {k_TKR.dtype} {tuple(k_TKR.shape)}, cos {cos_TR.dtype} {tuple(cos_TR.shape)}")
     _library().shuttle_rotary(q_TNR.data_ptr(), N, q_TNR.stride(0), q_TNR.stride(1), k_TKR.data_ptr(), k_TKR.shape[1],
                               k_TKR.stride(0), k_TKR.stride(1), cos_TR.data_ptr(), sin_TR.data_ptr(), T, R,
-                              int(q_TNR.dtype == torch.bfloat16), torch.get_num_threads())
+                              int(q_TNR.dtype == torch.bfloat16), threads())
 
 
 def add_rms_norm(x_TD: torch.Tensor, residual_TD: torch.Tensor | None, weight_D: torch.Tensor,
@@ -261,5 +321,5 @@ def add_rms_norm(x_TD: torch.Tensor, residual_TD: torch.Tensor | None, weight_D:
     _library().shuttle_add_rms_norm(x_TD.data_ptr(), 0 if residual_TD is None else residual_TD.data_ptr(),
                                     weight_D.data_ptr(), y.data_ptr(), 0 if r is None else r.data_ptr(),
                                     x_TD.numel() // max(D, 1), D, eps, int(x_TD.dtype == torch.bfloat16),
-                                    torch.get_num_threads())
+                                    threads())
     return y, r

@@ -90,6 +90,21 @@ def pack_for_cpu_inference(model: MoEForCausalLM) -> bool:
     return True
 
 
+def decode_is_native(model: MoEForCausalLM) -> bool:
+    """Whether a packed model's decode step does its heavy work in the native kernels alone: every
+    packed linear on our bf16 panels, every expert block the fused native one, attention the native
+    paged kernel (MLA's latent attention is torch's). Then torch runs only small ops beside them
+    (kernels.native.native_parallel_only). The LM head is left out: the runner widens it."""
+    if not native.available() or model.cfg.mla is not None:
+        return False
+    for m in model.modules():
+        if isinstance(m, PackedLinear) and m.weight.panels is None and m is not model.lm_head:
+            return False
+        if isinstance(m, PackedExperts) and m.w13_packed and m.native is None:
+            return False
+    return True
+
+
 def fuse_qkv(attn: Attention) -> None:
     """Replace q_proj, k_proj and v_proj by one packed GEMM of their stacked weights (Q + 2C, D):
     one oneDNN call instead of three, and a larger one, which streams its weights closer to the

@@ -395,3 +395,75 @@ def test_native_rotary_tells_autograd_it_wrote_in_place():
     assert calls
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward()
+
+
+def test_native_parallel_only_keeps_torch_on_one_thread_and_the_kernels_on_all():
+    """Inside native_parallel_only torch's own ops get one thread and the native kernels the count
+    torch had; torch_parallel gives torch its threads back within; both restore on exit (also on an
+    error), nest, are per thread, and do nothing when off or at one thread."""
+    import threading
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with native.native_parallel_only():
+            assert (torch.get_num_threads(), native.threads()) == (1, 2)
+            with native.torch_parallel():
+                assert (torch.get_num_threads(), native.threads()) == (2, 2)
+            with native.native_parallel_only():  # nested: still the outer count for the kernels
+                assert (torch.get_num_threads(), native.threads()) == (1, 2)
+            assert (torch.get_num_threads(), native.threads()) == (1, 2)
+            seen = []
+            other = threading.Thread(target=lambda: seen.append(native.threads() == torch.get_num_threads()))
+            other.start(), other.join()
+            assert seen == [True]  # another thread follows its own torch count
+        assert (torch.get_num_threads(), native.threads()) == (2, 2)
+        with pytest.raises(RuntimeError):
+            with native.native_parallel_only():
+                raise RuntimeError("boom")
+        assert (torch.get_num_threads(), native.threads()) == (2, 2)
+        with native.native_parallel_only(on=False):
+            assert (torch.get_num_threads(), native.threads()) == (2, 2)
+        with native.torch_parallel():  # outside: nothing to undo
+            assert (torch.get_num_threads(), native.threads()) == (2, 2)
+        torch.set_num_threads(1)
+        with native.native_parallel_only():
+            assert (torch.get_num_threads(), native.threads()) == (1, 1)
+    finally:
+        torch.set_num_threads(before)
+
+
+@NEEDS_AVX512_BF16
+def test_passive_decode_steps_run_torch_on_one_thread_and_give_the_same_ids(make_checkpoint, monkeypatch):
+    """Under passive OpenMP waits (the pools on one host) a bf16 model whose decode work is all native
+    runs its decode steps with torch on one thread and the native kernels on both (the LM head's cast
+    on both), prefill steps as before, and greedy ids equal those of the same engine without it."""
+    ckpt = make_checkpoint("mixtral", dtype="bfloat16")
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    prompts = [[5, 9, 14, 3], [7, 7, 2], [1, 2, 3, 4, 5, 6]]
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    seen = []
+    attend = native.paged_decode_attention
+
+    def spy(*args, **kw):
+        seen.append((torch.get_num_threads(), native.threads()))
+        return attend(*args, **kw)
+
+    monkeypatch.setattr(native, "paged_decode_attention", spy)
+    before = torch.get_num_threads()
+    llm = LLM(ckpt, device="cpu", num_kv_blocks=16, torch_threads=2)
+    try:
+        runner = llm.engine.runner
+        assert runner.narrow_decode
+        logits = runner.model.logits
+        heads = []
+        monkeypatch.setattr(runner.model, "logits", lambda h: heads.append(torch.get_num_threads()) or logits(h))
+        narrowed = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert seen and set(seen) == {(1, 2)} and set(heads) == {2}
+        runner.narrow_decode = False
+        seen.clear()
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == narrowed
+        assert set(seen) == {(2, 2)}
+    finally:
+        llm.shutdown()
+        torch.set_num_threads(before)
