@@ -7,6 +7,7 @@ a filter, no logprobs unless a row asked.
 
 Legend: B rows (one per sampled sequence), V vocabulary (valid ids only), L top alternatives.
 """
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ class SamplingRow:
 
     params: SamplingParams
     prompt_token_ids: list[int]
-    output_token_ids: list[int]  # generated so far (penalties, min_tokens)
+    output_token_ids: Sequence[int]  # generated so far (penalties, min_tokens): a list or a TokenSpan view
     generator: torch.Generator | None = None
     grammar: object | None = None  # xgrammar GrammarMatcher: only tokens it allows may be picked
 
@@ -109,7 +110,7 @@ class Sampler:
         if not idx:
             return logits_BV
         device, chosen = logits_BV.device, [rows[b] for b in idx]
-        output_counts_RV = token_counts([r.output_token_ids for r in chosen], self.vocab_size, device)
+        output_counts_RV = token_counts([list(r.output_token_ids) for r in chosen], self.vocab_size, device)
         if any(r.params.repetition_penalty != 1 for r in chosen):
             prompt_mask_RV = token_counts([r.prompt_token_ids for r in chosen], self.vocab_size, device) > 0
         else:

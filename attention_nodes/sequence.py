@@ -2,11 +2,45 @@
 scheduler and the block manager see it. Token ids only; text belongs to the server.
 """
 import enum
+import itertools
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
 import torch
 
 from attention_nodes.sampling_params import SamplingParams
+
+
+class TokenSpan(SequenceABC):
+    """token_ids[start:] as a read-only view, without the copy. The sampler gets every running
+    sequence's outputs each step (for min_tokens and penalties); a slice copied all of them, so a
+    step cost grew with the output length (8.6 us a sequence at ~320 outputs, 2.2 ms a step at
+    batch 256: more than the rest of the step's bookkeeping)."""
+
+    __slots__ = ("_ids", "_start")
+
+    def __init__(self, ids: list[int], start: int):
+        self._ids, self._start = ids, start
+
+    def __len__(self) -> int:
+        return len(self._ids) - self._start
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self._ids[self._start:][i]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError("token index out of range")
+        return self._ids[self._start + (i if i >= 0 else i + n)]
+
+    def __iter__(self):
+        return itertools.islice(self._ids, self._start, None)
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other) if isinstance(other, (list, TokenSpan)) else NotImplemented
+
+    def __repr__(self) -> str:
+        return f"TokenSpan({list(self)})"
 
 
 class SequenceStatus(enum.Enum):
@@ -55,8 +89,9 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+    def output_token_ids(self) -> TokenSpan:
+        """The generated tokens: a view (TokenSpan), not a copy."""
+        return TokenSpan(self.token_ids, self.num_prompt_tokens)
 
     @property
     def num_output_tokens(self) -> int:

@@ -297,3 +297,27 @@ def test_sampling_params_accepts_the_edges():
             d.include_stop_str_in_output, d.skip_special_tokens, d.min_tokens) == (1, 0.0, 0.0, 0.0, 1.0, None,
                                                                                    False, True, 0)
     assert SamplingParams(logprobs=20).logprobs == 20
+
+
+def test_a_sequences_outputs_are_a_view_not_a_copy():
+    """Sequence.output_token_ids is a TokenSpan over token_ids (the sampler reads every running
+    sequence's outputs each step; a slice copied them all, quadratic in the output length): it sees
+    later appends and reads like the list it stands for."""
+    from attention_nodes.sequence import Sequence, TokenSpan
+
+    seq = Sequence("r", 0, [5, 6, 7], 3, SamplingParams(), max_tokens=10, arrival=0)
+    out = seq.output_token_ids
+    assert isinstance(out, TokenSpan) and len(out) == 0 and list(out) == [] and out == []
+    seq.token_ids += [11, 12, 13]
+    assert len(out) == 3 and out == [11, 12, 13] and list(out) == [11, 12, 13]
+    assert (out[0], out[-1], out[1:], out[::-1]) == (11, 13, [12, 13], [13, 12, 11])
+    with pytest.raises(IndexError):
+        out[3]
+    with pytest.raises(IndexError):
+        out[-4]
+    assert 12 in out and out.count(13) == 1 and out != [11, 12]
+    # the sampler's penalties count them as they are
+    row = SamplingRow(SamplingParams(temperature=0, frequency_penalty=2.0), [5, 6, 7], out)
+    logits = torch.zeros(1, 16)
+    logits[0, 11] = 1.0
+    assert Sampler(16, set())(logits, [row]).token_ids == [0]  # 11 was penalised below the zeros
