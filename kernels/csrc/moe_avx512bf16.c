@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -92,6 +93,19 @@ AI512 void panel_dot(const uint32_t *const *xr, const uint32_t *pw, int64_t pair
             acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
         }
+    }
+}
+
+/* Every thread of the team waits here until all `nt` have arrived (once per counter). The wait is the
+ * up phase's imbalance, a few us; under passive waits an omp barrier would put the early thread to
+ * sleep and wake it (20-60 us here, once per MoE layer). It spins, then yields the core, so that an
+ * oversubscribed host still lets the late thread run. The release/acquire pair publishes the up
+ * phase's h rows to every thread's down phase. */
+static inline void spin_barrier(int64_t *arrived, int nt) {
+    __atomic_add_fetch(arrived, 1, __ATOMIC_ACQ_REL);
+    for (int64_t i = 0; __atomic_load_n(arrived, __ATOMIC_ACQUIRE) < nt; i++) {
+        if (i < 20000) _mm_pause();
+        else sched_yield();
     }
 }
 
@@ -236,6 +250,7 @@ T512 int shuttle_fused_moe_bf16(const uint16_t *x, int64_t T, int64_t D, const i
                 for (int64_t p = 0; p < P13; p++, it++) items[3 * it] = e, items[3 * it + 1] = r0, items[3 * it + 2] = p;
     }
     int64_t taken = 0; /* up items are handed out in chunks of UP_CHUNK through this counter */
+    int64_t arrived = 0; /* threads done with the up phase (spin_barrier) */
     #pragma omp parallel num_threads(nthreads)
     {
         const uint32_t *rows[MAX_R];
@@ -262,9 +277,9 @@ T512 int shuttle_fused_moe_bf16(const uint16_t *x, int64_t T, int64_t D, const i
             }
             it = next;
         }
-        #pragma omp barrier
-        /* Down: thread t owns output panels [lo, hi) and walks every expert with rows in each. */
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        spin_barrier(&arrived, nt);
+        /* Down: thread t owns output panels [lo, hi) and walks every expert with rows in each. */
         const int64_t lo = P2 * t / nt, hi = P2 * (t + 1) / nt;
         for (int64_t p = lo; p < hi; p++) {
             const int64_t o0 = p * 32, nv = D - o0 < 32 ? D - o0 : 32;
