@@ -119,7 +119,7 @@ class ModelRunner:
             for span in inp[3]:
                 prompt.append(PromptLogits(span.seq_index, span.start, lg[offset:offset + span.count]))
                 offset += span.count
-        return torch.cat(sampled), prompt
+        return (sampled[0] if len(sampled) == 1 else torch.cat(sampled)), prompt  # one: no copy of rows x vocab
 
     def _head(self, inputs: list):
         def head(i: int, h_TD: torch.Tensor) -> torch.Tensor:
