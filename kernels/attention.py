@@ -288,8 +288,9 @@ def _paged_flash(q_BNH: torch.Tensor, k_cache_PSKH: torch.Tensor, v_cache_PSKH: 
 
 def _native_decode_ok(q_BNH: torch.Tensor, k_cache_PSKH: torch.Tensor, v_cache_PSKH: torch.Tensor) -> bool:
     """Whether the native kernel (kernels/csrc/paged_attention.c) takes this decode batch: it runs
-    here, no autograd, bf16 or float32 caches of one dtype with contiguous heads."""
+    here, no autograd, bf16 or float32 q and caches (the caches of one dtype, with contiguous heads)."""
     return (k_cache_PSKH.dtype in native.ATTENTION_DTYPES and v_cache_PSKH.dtype == k_cache_PSKH.dtype
+            and q_BNH.dtype in native.ATTENTION_DTYPES
             and k_cache_PSKH.stride(-1) == 1 and v_cache_PSKH.stride(-1) == 1 and q_BNH.shape[0] > 0
             and not (torch.is_grad_enabled() and q_BNH.requires_grad) and native.available())
 
@@ -301,9 +302,11 @@ def _paged_native(q_BNH: torch.Tensor, k_cache_PSKH: torch.Tensor, v_cache_PSKH:
     B, N, H = q_BNH.shape
     K = k_cache_PSKH.shape[2]
     table_BM, start_B, lens_B = _native_layout(block_table_BM, seq_lens_B, sliding_window)
-    q_BKGH = q_BNH.float().reshape(B, K, N // K, H).contiguous()
+    # bf16 or float32 q is read as it is and o written in q's dtype (no casts around the call); with
+    # sinks o stays float32 until it is rescaled.
+    q_BKGH = q_BNH.reshape(B, K, N // K, H).contiguous()
     o_BKGH, lse_BKG = native.paged_decode_attention(q_BKGH, k_cache_PSKH, v_cache_PSKH, table_BM, start_B, lens_B,
-                                                    scale)
+                                                    scale, out_dtype=torch.float32 if sinks_N is not None else None)
     if sinks_N is not None:
         o_BKGH.mul_(torch.sigmoid(lse_BKG - sinks_N.float().view(1, K, N // K))[..., None])
     return o_BKGH.view(B, N, H).to(q_BNH.dtype)

@@ -159,8 +159,11 @@ def test_native_paged_decode_attention_rejects_what_it_cannot_read():
     args = paged([3, 5], 2, 8, 4, torch.bfloat16)
     table, lens = args["block_table_BM"].long(), args["seq_lens_B"].long()
     q = torch.randn(2, 2, 1, 8)
-    with pytest.raises(ValueError, match="float32 contiguous q"):
-        native.paged_decode_attention(q.bfloat16(), args["k_cache_PSKH"], args["v_cache_PSKH"], table,
+    with pytest.raises(ValueError, match="float32/bf16 contiguous q"):
+        native.paged_decode_attention(q.half(), args["k_cache_PSKH"], args["v_cache_PSKH"], table,
+                                      torch.zeros_like(lens), lens, 1.0)
+    with pytest.raises(ValueError, match="float32/bf16 contiguous q"):
+        native.paged_decode_attention(q.transpose(0, 1), args["k_cache_PSKH"], args["v_cache_PSKH"], table,
                                       torch.zeros_like(lens), lens, 1.0)
     with pytest.raises(ValueError, match="int64 tables"):
         native.paged_decode_attention(q, args["k_cache_PSKH"], args["v_cache_PSKH"], table.int(),
@@ -169,6 +172,28 @@ def test_native_paged_decode_attention_rejects_what_it_cannot_read():
         native.paged_decode_attention(q, args["k_cache_PSKH"].half(), args["v_cache_PSKH"].half(), table,
                                       torch.zeros_like(lens), lens, 1.0)
 
+
+
+@NEEDS_NATIVE
+@pytest.mark.parametrize("wide", [True, False], ids=["avx512", "avx2"])
+@pytest.mark.parametrize("H", [64, 40])
+def test_native_paged_decode_attention_reads_and_writes_bf16_as_the_casts_would(H, wide):
+    """A bf16 query read as it is and a bf16 output written by the kernel give the bits of widening the
+    query with torch, running in float32 and casting the output with torch (nearest even): the casts
+    around the call are gone, not changed. The log-sum-exp stays float32."""
+    args = paged([3, 17, 40], 2, H, 4, torch.bfloat16)
+    table, lens = args["block_table_BM"].long(), args["seq_lens_B"].long()
+    q = torch.randn(3, 2, 3, H).bfloat16()
+    kw = dict(wide=wide)
+    o32, lse32 = native.paged_decode_attention(q.float(), args["k_cache_PSKH"], args["v_cache_PSKH"], table,
+                                               torch.zeros_like(lens), lens, 0.3, **kw)
+    o16, lse16 = native.paged_decode_attention(q, args["k_cache_PSKH"], args["v_cache_PSKH"], table,
+                                               torch.zeros_like(lens), lens, 0.3, **kw)
+    assert o16.dtype == torch.bfloat16 and lse16.dtype == torch.float32
+    assert torch.equal(o16, o32.bfloat16()) and torch.equal(lse16, lse32)
+    o_f, _ = native.paged_decode_attention(q, args["k_cache_PSKH"], args["v_cache_PSKH"], table,
+                                           torch.zeros_like(lens), lens, 0.3, out_dtype=torch.float32, **kw)
+    assert torch.equal(o_f, o32)
 
 
 @NEEDS_AVX512_BF16

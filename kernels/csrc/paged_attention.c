@@ -156,10 +156,10 @@ T512 static inline void value_group16(float *acc, const float *p, int64_t pstrid
         }                                       \
     }
 
-AI void attend(const int wide, const float *q, const void *k_cache, const void *v_cache, const int bf16, const int64_t *table,
-               int64_t M, const int64_t *start, const int64_t *len, float *o, float *lse, int64_t B, int64_t K,
+AI void attend(const int wide, const void *q, const void *k_cache, const void *v_cache, const int bf16, const int64_t *table,
+               int64_t M, const int64_t *start, const int64_t *len, void *o, float *lse, int64_t B, int64_t K,
                int64_t G, int64_t H, int64_t S, int64_t k_page, int64_t k_slot, int64_t k_head, int64_t v_page,
-               int64_t v_slot, int64_t v_head, float scale, int nthreads) {
+               int64_t v_slot, int64_t v_head, float scale, int nthreads, const int q_bf16, const int o_bf16) {
     const int64_t H8 = H & ~(int64_t)7, esz = bf16 ? 2 : 4, row_bytes = H * esz;
     const char *kp = (const char *)k_cache, *vp = (const char *)v_cache;
     if (passive_waits()) { /* one thread unless the call is worth a wake-up: ~100 us of key rows */
@@ -169,12 +169,17 @@ AI void attend(const int wide, const float *q, const void *k_cache, const void *
     }
     #pragma omp parallel num_threads(nthreads)
     {
-        float s[G][BLOCK + 8], m[G], l[G], acc[G * H];
+        float s[G][BLOCK + 8], m[G], l[G], acc[G * H], qf[q_bf16 ? G * H : 1];
         int64_t krow[BLOCK], vrow[BLOCK];
         #pragma omp for schedule(dynamic, 4)
         for (int64_t pair = 0; pair < B * K; pair++) {
             const int64_t b = pair / K, kh = pair % K;
-            const float *qb = q + pair * G * H;
+            const float *qb = (const float *)q + pair * G * H;
+            if (q_bf16) { /* the query in bf16 (the model's dtype): widened here, not by a torch cast */
+                const uint16_t *qh = (const uint16_t *)q + pair * G * H;
+                for (int64_t i = 0; i < G * H; i++) qf[i] = bf16_to_f32(qh[i]);
+                qb = qf;
+            }
             for (int64_t g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f;
             memset(acc, 0, sizeof(float) * G * H);
             for (int64_t j0 = start[b]; j0 < len[b];) {
@@ -226,9 +231,14 @@ AI void attend(const int wide, const float *q, const void *k_cache, const void *
                 j0 += n;
             }
             for (int64_t g = 0; g < G; g++) {
-                float *og = o + (pair * G + g) * H;
                 const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-                for (int64_t i = 0; i < H; i++) og[i] = acc[g * H + i] * inv;
+                if (o_bf16) { /* rounded to nearest even, as torch's cast to bf16 */
+                    uint16_t *og = (uint16_t *)o + (pair * G + g) * H;
+                    for (int64_t i = 0; i < H; i++) og[i] = to_bf(acc[g * H + i] * inv);
+                } else {
+                    float *og = (float *)o + (pair * G + g) * H;
+                    for (int64_t i = 0; i < H; i++) og[i] = acc[g * H + i] * inv;
+                }
                 lse[pair * G + g] = l[g] > 0.0f ? m[g] + logf(l[g]) : -INFINITY;
             }
         }
@@ -236,27 +246,29 @@ AI void attend(const int wide, const float *q, const void *k_cache, const void *
 }
 
 #define ARGS q, k_cache, v_cache, bf16, table, M, start, len, o, lse, B, K, G, H, S, k_page, k_slot, k_head, v_page, \
-             v_slot, v_head, scale, nthreads
-#define PARAMS const float *q, const void *k_cache, const void *v_cache, int bf16, const int64_t *table, int64_t M, \
-               const int64_t *start, const int64_t *len, float *o, float *lse, int64_t B, int64_t K, int64_t G, \
+             v_slot, v_head, scale, nthreads, q_bf16, o_bf16
+#define PARAMS const void *q, const void *k_cache, const void *v_cache, int bf16, const int64_t *table, int64_t M, \
+               const int64_t *start, const int64_t *len, void *o, float *lse, int64_t B, int64_t K, int64_t G, \
                int64_t H, int64_t S, int64_t k_page, int64_t k_slot, int64_t k_head, int64_t v_page, int64_t v_slot, \
-               int64_t v_head, float scale, int nthreads
+               int64_t v_head, float scale, int nthreads, int q_bf16, int o_bf16
 
 static void attend_avx2(PARAMS) {
     if (bf16) attend(0, q, k_cache, v_cache, 1, table, M, start, len, o, lse, B, K, G, H, S, k_page, k_slot, k_head,
-                     v_page, v_slot, v_head, scale, nthreads);
+                     v_page, v_slot, v_head, scale, nthreads, q_bf16, o_bf16);
     else attend(0, q, k_cache, v_cache, 0, table, M, start, len, o, lse, B, K, G, H, S, k_page, k_slot, k_head,
-                v_page, v_slot, v_head, scale, nthreads);
+                v_page, v_slot, v_head, scale, nthreads, q_bf16, o_bf16);
 }
 
 T512 static void attend_avx512(PARAMS) {
     if (bf16) attend(1, q, k_cache, v_cache, 1, table, M, start, len, o, lse, B, K, G, H, S, k_page, k_slot, k_head,
-                     v_page, v_slot, v_head, scale, nthreads);
+                     v_page, v_slot, v_head, scale, nthreads, q_bf16, o_bf16);
     else attend(1, q, k_cache, v_cache, 0, table, M, start, len, o, lse, B, K, G, H, S, k_page, k_slot, k_head,
-                v_page, v_slot, v_head, scale, nthreads);
+                v_page, v_slot, v_head, scale, nthreads, q_bf16, o_bf16);
 }
 
-/* allow_wide: take the AVX-512 loops where H allows and the CPU has them (0: the AVX2 ones, for tests). */
+/* q_bf16 / o_bf16: the query is read, the output written, in bf16 (else float32; the log-sum-exp is
+ * float32 always). allow_wide: take the AVX-512 loops where H allows and the CPU has them (0: the
+ * AVX2 ones, for tests). */
 void shuttle_paged_decode_attention(PARAMS, int allow_wide) {
     if (allow_wide && H % 16 == 0 && __builtin_cpu_supports("avx512f"))
         attend_avx512(ARGS);
