@@ -1,8 +1,9 @@
 """Performance models: the times the simulator and the plan search ask for, from a measured profile
 (ProfilePerf) or from a catalogue device's spec sheet (RooflinePerf, an estimate).
 
-All times are seconds. Per layer and micro-batch: `attention(tokens, kv_reads)` on an attention
-worker (kv_reads: context tokens read, summed over the micro-batch's query tokens), `experts(pairs,
+All times are seconds. Per layer and micro-batch: `attention(tokens, kv_reads, prefill_tokens,
+kv_prefill)` on an attention worker (kv_reads: context tokens read, summed over the micro-batch's
+query tokens; the last two: the same over its prefilling sequences), `experts(pairs,
 active)` on an expert worker (pairs: gathered (token, expert) pairs; active: its experts receiving
 at least one). Per micro-batch and step: `head(rows, tokens)` (embedding, final norm, LM head on
 the sampled rows). Per step: `step(seqs)` (scheduling, sampling, control messages). Per message:
@@ -58,9 +59,11 @@ class ProfilePerf:
         t = min(self.fits, key=lambda k: (abs(k - threads), -k))
         return self.fits[t][name], t / threads if t != threads else 1.0
 
-    def attention(self, tokens, kv_reads, threads: int = 1):
+    def attention(self, tokens, kv_reads, threads: int = 1, prefill_tokens=0, kv_prefill=0):
         f, s = self._fit("attention", threads)
-        return np.where(np.asarray(tokens) > 0, f(tokens=tokens, kv_reads=kv_reads) * s, 0.0)
+        # Profiles from before the prefill terms have fits without them (Fit reads only its terms).
+        t = f(tokens=tokens, kv_reads=kv_reads, prefill_tokens=prefill_tokens, kv_prefill=kv_prefill)
+        return np.where(np.asarray(tokens) > 0, t * s, 0.0)
 
     def head(self, rows, tokens, threads: int = 1):
         f, s = self._fit("head", threads)
@@ -114,7 +117,8 @@ class RooflinePerf:
         return np.maximum(flops / (hw.bf16_tflops * 1e12 * self.eff.flops),
                           nbytes / (hw.memory_bandwidth_gbs * 1e9 * self.eff.memory_bandwidth))
 
-    def attention(self, tokens, kv_reads, threads: int = 1):
+    def attention(self, tokens, kv_reads, threads: int = 1, prefill_tokens=0, kv_prefill=0):
+        """(prefill_tokens and kv_prefill: a measured profile's; the roofline counts all reads alike.)"""
         s = self.shape
         tokens, kv_reads = np.asarray(tokens, dtype=float), np.asarray(kv_reads, dtype=float)
         per_layer_w = (s.non_expert_params() - 2 * s.vocab_size * s.hidden_size) / s.num_layers * s.dtype_bytes

@@ -171,9 +171,10 @@ class Simulator:
 
     # -- one step -------------------------------------------------------------------------------
     def _shape(self, batches: list[ScheduledBatch]) -> tuple[np.ndarray, ...]:
-        """Per worker and micro-batch: tokens, context tokens read, sampled rows; per worker: seqs."""
+        """Per worker and micro-batch: tokens, context tokens read, sampled rows, and the tokens and
+        reads of its prefilling sequences (more than one new token); per worker: seqs."""
         W, m = len(batches), self.dep.micro_batches
-        tok, kv, rows = np.zeros((W, m)), np.zeros((W, m)), np.zeros((W, m))
+        tok, kv, rows, ptok, pkv = (np.zeros((W, m)) for _ in range(5))
         seqs = np.zeros(W)
         for w, b in enumerate(batches):
             seqs[w] = len(b.seqs)
@@ -183,13 +184,16 @@ class Simulator:
                     tok[w, i] += q
                     kv[w, i] += q * c + q * (q + 1) / 2
                     rows[w, i] += b.sample[j]
-        return tok, kv, rows, seqs
+                    if q > 1:
+                        ptok[w, i] += q
+                        pkv[w, i] += q * c + q * (q + 1) / 2
+        return tok, kv, rows, seqs, ptok, pkv
 
     def step_time(self, t0: float, batches: list[ScheduledBatch], step: int = 0) -> float:
         """Simulated end time of a step that starts at t0 with these batches (one per attention worker)."""
-        tok, kv, rows, seqs = self._shape(batches)
+        tok, kv, rows, seqs, ptok, pkv = self._shape(batches)
         (th, th_e), mod, dep = self.dep.pool_threads, self.model, self.dep
-        A = self.perf.attention(tok, kv, th) * self.slow
+        A = self.perf.attention(tok, kv, th, prefill_tokens=ptok, kv_prefill=pkv) * self.slow
         H = self.perf.head(rows, tok, th) * self.slow
         S = self.perf.step(seqs, th) * self.slow
         trace = step < self.trace_steps

@@ -133,3 +133,13 @@ def test_cache_evictor_reads_the_llc_size_and_runs_only_for_models_larger_than_i
     disp = _StampingDispatcher(lambda: calls.append(1))
     disp.begin_step()
     assert calls == [1] and len(disp.stamps) == 1
+
+
+def test_prefill_features_count_only_the_prefilling_sequences():
+    from planner.profile import ATTN_TERMS, prefill_features
+
+    assert {"prefill_tokens", "kv_prefill"} <= set(ATTN_TERMS)
+    # decodes (1 new token) are left out; a 5-token chunk after 0 and a 3-token one after 4 tokens
+    # of context read 1 + ... + 5 = 15 and 3 * 4 + 6 = 18 positions
+    assert prefill_features([1, 1, 5, 3], [10, 20, 0, 4]) == {"prefill_tokens": 8, "kv_prefill": 33}
+    assert prefill_features([1, 1], [7, 9]) == {"prefill_tokens": 0, "kv_prefill": 0}

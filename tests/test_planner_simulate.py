@@ -212,3 +212,19 @@ def test_served_factor_slows_the_workers_on_a_shared_host_only():
     assert sim(p).step_time(0.0, one) == pytest.approx(4 * MS)
     assert sim(p, cores=2, torch_threads=1).step_time(0.0, one) == pytest.approx(6 * MS)
     assert sim(p, colocated=True, cores=2, torch_threads=1).step_time(0.0, one) == pytest.approx(6 * MS)
+
+
+def test_prefilling_sequences_pay_the_prefill_terms_and_decodes_do_not():
+    """The attention fit has its own terms for the tokens of prefilling sequences (more than one new
+    token) and the context they read; a decode step never pays them, and a profile made before
+    them (three terms) prices both alike."""
+    p = profile(a=1.0, e=2.0, layers=4)
+    p["fits"]["1"]["attention"] = fit(("tokens", "const", "kv_reads", "prefill_tokens", "kv_prefill"),
+                                      (0.0, 1.0 * MS, 0.0, 0.5 * MS, 0.1 * MS))
+    decode = sim(p, colocated=True).step_time(0.0, [batch([1, 1])])
+    assert decode == pytest.approx(4 * (1.0 + 2.0) * MS)
+    # one sequence prefills 5 tokens from no context: 5 prefill tokens reading 1 + 2 + ... + 5 = 15
+    mixed = sim(p, colocated=True).step_time(0.0, [batch([1, 5])])
+    assert mixed == pytest.approx(4 * (1.0 + 0.5 * 5 + 0.1 * 15 + 2.0) * MS)
+    old = profile(a=1.0, e=2.0, layers=4)
+    assert sim(old, colocated=True).step_time(0.0, [batch([1, 5])]) == pytest.approx(decode)
