@@ -2,7 +2,6 @@
 scheduler and the block manager see it. Token ids only; text belongs to the server.
 """
 import enum
-import itertools
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
@@ -34,7 +33,7 @@ class TokenSpan(SequenceABC):
         return self._ids[self._start + (i if i >= 0 else i + n)]
 
     def __iter__(self):
-        return itertools.islice(self._ids, self._start, None)
+        return iter(self._ids[self._start:])  # islice would step through the whole prompt first
 
     def __eq__(self, other) -> bool:
         return list(self) == list(other) if isinstance(other, (list, TokenSpan)) else NotImplemented

@@ -140,7 +140,8 @@ def native_parallel_only(on: bool = True):
     425M shapes, each waking the pool). For a step whose heavy work is all native (a bf16 decode
     step on an AVX-512 BF16 CPU, or an expert worker's native MoE block), keeping torch on one
     thread measured 1.06x at batch 16 and 1.09x at 64 (interleaved, passive waits, 2 threads);
-    with spinning threads it changes nothing. Per thread, like torch's own count."""
+    with spinning threads it changes nothing. The native count is per thread; torch's is torch's
+    (torch.set_num_threads also sets the count that threads starting meanwhile begin with)."""
     n = torch.get_num_threads()
     if not on or n == 1:
         yield

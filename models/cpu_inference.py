@@ -92,7 +92,7 @@ def pack_for_cpu_inference(model: MoEForCausalLM) -> bool:
 
 def decode_is_native(model: MoEForCausalLM) -> bool:
     """Whether a packed model's decode step does its heavy work in the native kernels alone: every
-    packed linear on our bf16 panels, every expert block the fused native one, attention the native
+    packed linear and router on our bf16 panels, every expert block the fused native one, attention the native
     paged kernel (MLA's latent attention is torch's). Then torch runs only small ops beside them
     (kernels.native.native_parallel_only). The LM head is left out: the runner widens it."""
     if not native.available() or model.cfg.mla is not None:
@@ -102,6 +102,8 @@ def decode_is_native(model: MoEForCausalLM) -> bool:
             return False
         if isinstance(m, PackedExperts) and m.w13_packed and m.native is None:
             return False
+        if isinstance(m, Router) and getattr(m, "cpu_weight", None) is not None and m.cpu_weight.panels is None:
+            return False  # a float32 router (logits_fp32: GLM, DeepSeek) runs oneDNN's GEMM, torch's threads
     return True
 
 

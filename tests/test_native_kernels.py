@@ -425,7 +425,7 @@ def test_native_rotary_tells_autograd_it_wrote_in_place():
 def test_native_parallel_only_keeps_torch_on_one_thread_and_the_kernels_on_all():
     """Inside native_parallel_only torch's own ops get one thread and the native kernels the count
     torch had; torch_parallel gives torch its threads back within; both restore on exit (also on an
-    error), nest, are per thread, and do nothing when off or at one thread."""
+    error), nest, keep the native count per thread, and do nothing when off or at one thread."""
     import threading
 
     before = torch.get_num_threads()
@@ -441,7 +441,7 @@ def test_native_parallel_only_keeps_torch_on_one_thread_and_the_kernels_on_all()
             seen = []
             other = threading.Thread(target=lambda: seen.append(native.threads() == torch.get_num_threads()))
             other.start(), other.join()
-            assert seen == [True]  # another thread follows its own torch count
+            assert seen == [True]  # another thread's native count follows its own torch count
         assert (torch.get_num_threads(), native.threads()) == (2, 2)
         with pytest.raises(RuntimeError):
             with native.native_parallel_only():
