@@ -290,20 +290,27 @@ def gemm_bf16_panels(x_TI: torch.Tensor, panels: torch.Tensor, out_features: int
     return y_TO
 
 
+def rotary_takes(q_TNR: torch.Tensor, k_TKR: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> bool:
+    """Whether rotary_ takes these tensors (their shapes, dtypes and strides; not where they live)."""
+    if q_TNR.dim() != 3 or k_TKR.dim() != 3:
+        return False
+    T, R = q_TNR.shape[0], q_TNR.shape[-1]
+    return (q_TNR.dtype in (torch.bfloat16, torch.float32) and R % 2 == 0 and k_TKR.shape[::2] == (T, R)
+            and all(t.dtype == q_TNR.dtype for t in (k_TKR, cos_TR, sin_TR))
+            and q_TNR.stride(-1) == 1 and k_TKR.stride(-1) == 1
+            and all(t.shape == (T, R) and t.is_contiguous() for t in (cos_TR, sin_TR)))
+
+
 def rotary_(q_TNR: torch.Tensor, k_TKR: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> None:
     """Rotate q and k in place (neox halves over their last dimension R), rounding as kernels/rotary.py's
     torch ops do. q (T, N, R), k (T, K, R): views whose last dimension is contiguous (the first R dims
     of strided heads); cos, sin: (T, R) contiguous; one dtype, bf16 or float32, on the CPU. Call only
     where available() is True."""
-    T, N, R = q_TNR.shape
-    ok = (q_TNR.dtype in (torch.bfloat16, torch.float32) and R % 2 == 0 and k_TKR.shape[::2] == (T, R)
-          and all(t.dtype == q_TNR.dtype for t in (k_TKR, cos_TR, sin_TR))
-          and q_TNR.stride(-1) == 1 and k_TKR.stride(-1) == 1
-          and all(t.shape == (T, R) and t.is_contiguous() for t in (cos_TR, sin_TR)))
-    if not ok:
+    if not rotary_takes(q_TNR, k_TKR, cos_TR, sin_TR):
         raise ValueError(f"rotary_ takes bf16 or float32 q (T, N, R), k (T, K, R) with contiguous last dims and "
                          f"contiguous (T, R) cos/sin of their dtype, R even; got q {q_TNR.dtype} {tuple(q_TNR.shape)}, "
                          f"k {k_TKR.dtype} {tuple(k_TKR.shape)}, cos {cos_TR.dtype} {tuple(cos_TR.shape)}")
+    T, N, R = q_TNR.shape
     _library().shuttle_rotary(q_TNR.data_ptr(), N, q_TNR.stride(0), q_TNR.stride(1), k_TKR.data_ptr(), k_TKR.shape[1],
                               k_TKR.stride(0), k_TKR.stride(1), cos_TR.data_ptr(), sin_TR.data_ptr(), T, R,
                               int(q_TNR.dtype == torch.bfloat16), threads())

@@ -161,12 +161,7 @@ def apply_rotary(
 
 
 def _native(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    T, R = q.shape[0], q.shape[-1]
-    return (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float32) and q.dim() == 3 and k.dim() == 3
-            and R % 2 == 0 and k.shape[0] == T and k.shape[-1] == R
-            and all(t.dtype == q.dtype and t.device.type == "cpu" for t in (k, cos, sin))
-            and q.stride(-1) == 1 and k.stride(-1) == 1
-            and all(t.shape == (T, R) and t.is_contiguous() for t in (cos, sin))
+    return (all(t.device.type == "cpu" for t in (q, k, cos, sin)) and native.rotary_takes(q, k, cos, sin)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin)))
             and not torch.compiler.is_compiling() and native.available())
 

@@ -181,12 +181,13 @@ class Simulator:
             for i, g in enumerate(split_micro_batches(b.num_new_tokens, m)):
                 for j in g:
                     q, c = b.num_new_tokens[j], b.seqs[j].num_computed_tokens
+                    reads = q * c + q * (q + 1) / 2  # the i-th new token reads c + i + 1 positions
                     tok[w, i] += q
-                    kv[w, i] += q * c + q * (q + 1) / 2
+                    kv[w, i] += reads
                     rows[w, i] += b.sample[j]
                     if q > 1:
                         ptok[w, i] += q
-                        pkv[w, i] += q * c + q * (q + 1) / 2
+                        pkv[w, i] += reads
         return tok, kv, rows, seqs, ptok, pkv
 
     def step_time(self, t0: float, batches: list[ScheduledBatch], step: int = 0) -> float:
