@@ -95,7 +95,8 @@ def format_profile(p: dict) -> str:
         lines.append(f"  front {fr['front_s_per_token'] * 1e6:.0f} us + load generator "
                      f"{fr['client_s_per_token'] * 1e6:.0f} us of CPU per output token, "
                      f"{fr.get('front_s_per_request', 0) * 1e6:.0f} + {fr.get('client_s_per_request', 0) * 1e6:.0f} us "
-                     f"per request (served 1 + 1 runs, {fr['tokens']} tokens)")
+                     f"per request, {fr.get('front_s_per_step', 0) * 1e6:.0f} + {fr.get('client_s_per_step', 0) * 1e6:.0f}"
+                     f" us per engine step (served 1 + 1 runs, {fr['tokens']} tokens)")
     return "\n".join(lines)
 
 
@@ -321,8 +322,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--transport", type=_csv(str), default=("shm", "tcp"), help="M2N backends (default shm,tcp)")
     p.add_argument("--quick", action="store_true", help="a smaller grid and fewer repeats (about a third)")
     p.add_argument("--front", action=argparse.BooleanOptionalAction, default=True,
-                   help="measure the front's and the load generator's CPU per output token on a served 1 + 1 "
-                        "run (about 30 s; --no-front: taken as zero)")
+                   help="measure the front's and the load generator's CPU per output token, request and engine "
+                        "step on served 1 + 1 runs (about 30 s; --no-front: taken as zero)")
     p.add_argument("--out", required=True, help="the profile JSON to write")
     p.set_defaults(func=_run(_profile, "profile"))
     s = sub.add_parser("simulate", help="simulate a deployment serving a workload, from a profile")

@@ -7,8 +7,14 @@ serve`) share the cores with the workers. `measure_front` serves the profiled mo
 front work, drives it with `clients.bench_serve`, and reads the front's CPU time from /proc; the
 client's is this process's own CPU time during the load (bench serve's `client_cpu_s`: not loading
 the tokenizer, making the requests or the report, which over few tokens looked like per-token
-cost). Both are returned per output token and per request (with the workers' CPU per token, which
-includes their waits' polling).
+cost). Both are returned per output token, per request and per engine step (with the workers' CPU
+per token, which includes their waits' polling): three runs, two output lengths at the profile's
+batch and one at a quarter of it, and the server's own step count (/metrics
+shuttle_engine_steps_total), solve cpu = per_request x requests + per_token x tokens + per_step x
+steps. The per-step part is what a step's deltas cost whatever they carry (reading the message,
+waking the engine thread and the event loop); charged per token at one batch size it made batch
+16 look 17% faster than served on the AVX-512 EPYC, where it measured ~0.9 ms (front) + ~0.25 ms
+(load generator) a step.
 
 The longer run is also kept as served (`run`: requests, lengths, concurrency, its load's wall time):
 planner.profile.served_factor calibrates the simulator against it.
@@ -18,6 +24,7 @@ measured deployment, so the model's shares can be checked against served runs.
 """
 import contextlib
 import io
+import itertools
 import os
 import socket
 import subprocess
@@ -25,6 +32,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import httpx
+import numpy as np
 
 from clients.ready import NotReady, wait_until_healthy
 
@@ -70,13 +80,15 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 
 def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts: int = 256, input_len: int = 64,
                   output_len: int = 16, short_len: int = 1) -> dict:
     """Serve `model` as a 1 + 1 pool (m=2, one torch thread per worker) and measure the CPU seconds of
-    the front process and of the load generator, per output token and per request: two runs of
-    `prompts` requests, `output_len` and `short_len` tokens each, solve cpu = per_request x requests
-    + per_token x tokens (each >= 0). Returns {"front_s_per_token", "front_s_per_request",
-    "client_s_per_token", "client_s_per_request", "workers_s_per_token", "tokens", "wall_s"} (the
-    workers' and the wall time of the longer run). 256 requests: the CPU times come from /proc in
-    10 ms ticks, and with 64 the 1-token run was a few ticks, so the per-request cost came out 0 on
-    the AVX-512 EPYC where 256 measure it at ~0.7 ms (the front) and ~0.19 ms (the load generator)."""
+    the front process and of the load generator per output token, per request and per engine step:
+    three runs of `prompts` requests, (`batch`, `output_len`), (`batch`, `short_len`) and (`batch`
+    // 4, `output_len`) (concurrency, tokens each); split_front_cpu solves them. Returns
+    {"front_s_per_token", "front_s_per_request", "front_s_per_step", "client_s_per_token",
+    "client_s_per_request", "client_s_per_step", "workers_s_per_token", "tokens", "wall_s", "run"}
+    (the workers' and the wall time of the first run). 256 requests: the CPU times come from /proc
+    in 10 ms ticks, and with 64 the 1-token run was a few ticks, so the per-request cost came out 0
+    on the AVX-512 EPYC where 256 measure it at ~0.7 ms (the front) and ~0.19 ms (the load
+    generator)."""
     from clients.bench_serve import run_bench
 
     port = _free_port()
@@ -89,19 +101,23 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             _wait_ready(proc, url, Path(log.name))
-            args = ["--base-url", url, "--input-len", str(input_len), "--max-concurrency", str(batch), "--ignore-eos",
-                    "--disable-tqdm"]
-            with contextlib.redirect_stdout(io.StringIO()):  # bench serve prints its table
-                run_bench([*args, "--num-prompts", str(batch), "--seed", "1000",  # warm-up: first calls, allocations
-                           "--output-len", str(output_len)])
-            for seed, length in enumerate((output_len, short_len)):
+
+            def load(concurrency: int, n: int, seed: int, length: int) -> dict:
+                with contextlib.redirect_stdout(io.StringIO()):  # bench serve prints its table
+                    return run_bench(["--base-url", url, "--input-len", str(input_len), "--max-concurrency",
+                                      str(concurrency), "--ignore-eos", "--disable-tqdm", "--num-prompts", str(n),
+                                      "--seed", str(seed), "--output-len", str(length)])
+            load(batch, batch, 1000, output_len)  # warm-up: first calls, allocations
+            # other prompts each run (its seed): none from the prefix cache
+            for seed, (concurrency, length) in enumerate(((batch, output_len), (batch, short_len),
+                                                         (max(1, batch // 4), output_len))):
+                steps0 = engine_steps(url)
                 t0, w0 = tree_cpu(proc.pid), time.perf_counter()
-                with contextlib.redirect_stdout(io.StringIO()):  # other prompts: none from the prefix cache
-                    m = run_bench([*args, "--num-prompts", str(prompts), "--seed", str(seed), "--output-len",
-                                   str(length)])
+                m = load(concurrency, prompts, seed, length)
                 t1, w1 = tree_cpu(proc.pid), time.perf_counter()
                 workers = sum(cpu - t0[p][1] for p, (title, cpu) in t1.items() if p in t0 and title.startswith("shuttle-"))
                 runs.append({"tokens": max(int(m["total_output_tokens"]), 1), "requests": max(int(m["completed"]), 1),
+                             "steps": engine_steps(url) - steps0, "concurrency": concurrency,
                              "front": t1[proc.pid][1] - t0[proc.pid][1], "client": m["client_cpu_s"], "workers": workers,
                              "wall": w1 - w0, "load_s": m["duration"], "input_tokens": int(m["total_input_tokens"])})
         finally:
@@ -111,26 +127,59 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    long, short = runs
+    long = runs[0]
     out = {"workers_s_per_token": long["workers"] / long["tokens"], "tokens": long["tokens"], "wall_s": long["wall"],
            # the longer run as served, for the simulator's calibration (planner.profile.served_factor)
            "run": {"requests": long["requests"], "prompt_len": round(long["input_tokens"] / long["requests"]),
                    "output_len": output_len, "concurrency": batch, "micro_batches": MICRO_BATCHES,
-                   "load_s": long["load_s"]}}
+                   "load_s": long["load_s"]},
+           "runs": [{k: r[k] for k in ("concurrency", "requests", "tokens", "steps", "front", "client")} for r in runs]}
     for who in ("front", "client"):
-        out[f"{who}_s_per_token"], out[f"{who}_s_per_request"] = split_per_request(long, short, who)
+        out[f"{who}_s_per_token"], out[f"{who}_s_per_request"], out[f"{who}_s_per_step"] = split_front_cpu(runs, who)
     return out
 
 
-def split_per_request(long: dict, short: dict, who: str) -> tuple[float, float]:
-    """(seconds per token, seconds per request) of `who`'s CPU from two runs of different output
-    lengths: cpu = per_request x requests + per_token x tokens, both kept >= 0 (noise can make the
-    difference negative: then everything is charged per token, as before the split)."""
-    d_tok = long["tokens"] - short["tokens"] * long["requests"] / short["requests"]
-    per_token = (long[who] - short[who] * long["requests"] / short["requests"]) / d_tok if d_tok > 0 else -1.0
-    if not per_token > 0:
-        return long[who] / long["tokens"], 0.0
-    per_request = (long[who] - per_token * long["tokens"]) / long["requests"]
-    if per_request < 0:
-        return long[who] / long["tokens"], 0.0
-    return per_token, per_request
+def engine_steps(url: str, settle_s: float = 3.0) -> int:
+    """The server's engine steps so far (/metrics shuttle_engine_steps_total), once two reads 0.1 s
+    apart agree: pool workers report their counters when they park, a moment after the last delta."""
+    import httpx
+
+    def read() -> int:
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("shuttle_engine_steps_total"):
+                return int(float(line.split()[-1]))
+        raise RuntimeError(f"{url}/metrics has no shuttle_engine_steps_total")
+    last, deadline = read(), time.monotonic() + settle_s
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = read()
+        if now == last:
+            break
+        last = now
+    return last
+
+
+FRONT_TERMS = ("tokens", "requests", "steps")
+
+
+def split_front_cpu(runs: list[dict], who: str) -> tuple[float, float, float]:
+    """(seconds per token, per request, per step) of `who`'s CPU over runs of different output
+    lengths and batch sizes: the least-squares solution of cpu = per_token x tokens + per_request x
+    requests + per_step x steps with every coefficient >= 0 (the best fit over the subsets of terms
+    whose unconstrained solution is non-negative: noise can make a term negative; then the others
+    carry it). Runs without a step count (older callers): the per-step term is left out."""
+    terms = FRONT_TERMS if all(r.get("steps") for r in runs) else FRONT_TERMS[:2]
+    X = np.array([[float(r[t]) for t in terms] for r in runs])
+    y = np.array([float(r[who]) for r in runs])
+    best, best_err = np.zeros(len(terms)), float(np.sum(y ** 2))
+    for k in range(1, len(terms) + 1):
+        for cols in itertools.combinations(range(len(terms)), k):
+            coef = np.linalg.lstsq(X[:, cols], y, rcond=None)[0]
+            if (coef < 0).any():
+                continue
+            err = float(np.sum((X[:, cols] @ coef - y) ** 2))
+            if err < best_err * (1 - 1e-9):  # fewer terms win ties
+                best, best_err = np.zeros(len(terms)), err
+                best[list(cols)] = coef
+    per = dict(zip(terms, best.tolist()))
+    return per["tokens"], per["requests"], per.get("steps", 0.0)

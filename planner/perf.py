@@ -9,8 +9,9 @@ at least one). Per micro-batch and step: `head(rows, tokens)` (embedding, final 
 the sampled rows). Per step: `step(seqs)` (scheduling, sampling, control messages). Per message:
 `transfer(nbytes, backend)`, `send(nbytes, backend)` (the sender's own CPU per message) and
 `wake(backend)` (what a message adds when its receiver's wait has blocked, how long a wait polls
-before it blocks). Per step, on a shared host: `front(tokens)`, the CPU seconds that the front
-process and the load generator spend on the step's output tokens (they share the cores).
+before it blocks). Per step, on a shared host: `front(tokens, messages)`, the CPU seconds that the
+front process and the load generator spend on the step's output tokens and on the attention
+workers' delta messages (one per worker that sampled; they share the cores).
 Arguments may be numpy arrays (vectorised over workers).
 """
 import copy
@@ -43,6 +44,8 @@ class ProfilePerf:
         # Per request (older profiles: none, all of it per token): parsing, tokenizing and admitting
         # a request in the front, building and sending it in the load generator; one at a time.
         self.front_s_per_request = fr.get("front_s_per_request", 0.0) + fr.get("client_s_per_request", 0.0)
+        # Per delta message, whatever it carries (older profiles: none, all of it per token).
+        self.front_s_per_step = fr.get("front_s_per_step", 0.0) + fr.get("client_s_per_step", 0.0)
 
     def for_pools(self) -> "ProfilePerf":
         """The costs as the worker pools of one host run them: with OpenMP's passive waits
@@ -77,8 +80,10 @@ class ProfilePerf:
         f, s = self._fit("experts", threads)
         return np.where(np.asarray(pairs) > 0, f(pairs=pairs, active=active) * s, 0.0)
 
-    def front(self, tokens):
-        return self.front_s_per_token * np.asarray(tokens, dtype=float)
+    def front(self, tokens, messages=1):
+        """The front's and the load generator's CPU seconds for a step's output tokens, which came
+        in `messages` delta messages (one per attention worker that sampled)."""
+        return self.front_s_per_token * np.asarray(tokens, dtype=float) + self.front_s_per_step * np.asarray(messages)
 
     def front_request(self) -> float:
         """CPU seconds the front and the load generator spend on one request, before the engine has it."""
@@ -147,7 +152,7 @@ class RooflinePerf:
         """Not in the catalogue: no per-request cost."""
         return 0.0
 
-    def front(self, tokens):
+    def front(self, tokens, messages=1):
         """The front runs on its own host here: it takes no core from the workers."""
         return 0.0 * np.asarray(tokens, dtype=float)
 

@@ -19,8 +19,9 @@ What is real and what is modelled:
   measured by the profile) later. Sending keeps the sender busy for its own CPU per message
   (`send`: packing and copying into the slot, measured), after which it computes on.
   Colocated: attention and experts in sequence in one process, no transfer.
-- Cores: with `cores` set (one host), the front and the load generator's CPU per output token
-  and per request (measured by the profile) delay the workers in proportion to the share of the
+- Cores: with `cores` set (one host), the front and the load generator's CPU per output token,
+  per delta message (one per attention worker and step) and per request (measured by the
+  profile) delay the workers in proportion to the share of the
   cores the workers hold, and a step lasts at least the CPU work of all its processes divided by
   the cores (processes x threads beyond the cores share them): `_share_cores`.
 - OpenMP: worker pools on one host wait passively between parallel regions (server/launchers.py),
@@ -205,17 +206,18 @@ class Simulator:
             self.busy["attention"] += float(work.sum())
             if trace:
                 self.events.append(("step", "attention", "a0", t0, t0 + float(work[0])))
-            return t0 + self._share_cores(float(work.max()), float(work.sum()) * th, float(rows.sum()))
+            return t0 + self._share_cores(float(work.max()), float(work.sum()) * th, rows)
         end, busy_a, busy_e = self._pipeline(t0, tok, A, H, S, trace)
         self.busy["attention"] += busy_a
         self.busy["experts"] += busy_e
-        return t0 + self._share_cores(end - t0, busy_a * th + busy_e * th_e, float(rows.sum()))
+        return t0 + self._share_cores(end - t0, busy_a * th + busy_e * th_e, rows)
 
-    def _share_cores(self, wall: float, cpu: float, tokens: float) -> float:
+    def _share_cores(self, wall: float, cpu: float, rows: np.ndarray) -> float:
         """A step's duration on a host of `dep.cores` cores shared by its workers (`cpu`: their busy
         thread-seconds, `wall`: the step without sharing) and the front and load generator (their
-        CPU for the step's output tokens and the requests admitted since the last step, from the
-        profile). That CPU lands on a core a worker holds with probability `held` and then delays
+        CPU for the step's output tokens (`rows`: sampled, per worker and micro-batch), for the
+        delta message of each worker that sampled, and for the requests admitted since the last
+        step, from the profile). That CPU lands on a core a worker holds with probability `held` and then delays
         the step by as much, and no step beats all the CPU work over the cores. A worker holds its
         cores while it computes and while it waits (the M2N waits poll for spin_s first, and at
         m >= 2 most waits are shorter); a colocated engine shares the front's interpreter lock, so
@@ -226,7 +228,7 @@ class Simulator:
         cores = self.dep.cores
         if not cores or wall <= 0:
             return wall
-        front = float(self.perf.front(tokens)) + self._front_backlog
+        front = float(self.perf.front(rows.sum(), (rows.sum(1) > 0).sum())) + self._front_backlog
         self._front_backlog = 0.0
         return max(wall + front * self._held, (cpu + front) / cores)
 

@@ -106,6 +106,8 @@ class _EngineCollector(Collector):
                                 "prefix_cache_queries"),
                                ("prefix_cache_hits", "Prompt blocks found in the prefix cache", "prefix_cache_hits"),
                                ("num_preemptions", "Sequences preempted for lack of KV blocks", "preemptions"),
+                               ("engine_steps", "Engine steps taken (pools: by the busiest attention worker; they "
+                                "step in lock-step)", "steps"),
                                ("worker_restarts", "Worker processes restarted after a failure", "worker_restarts")):
             c = CounterMetricFamily(f"shuttle_{name}", doc, labels=["model_name"])
             c.add_metric(m, s.get(key, 0))

@@ -97,16 +97,26 @@ def test_profile_errors_exit_2(tmp_path, capsys):
     assert "rdma" in capsys.readouterr().err
 
 
-def test_front_cpu_splits_into_per_request_and_per_token():
-    from planner.front import split_per_request
+def test_front_cpu_splits_into_per_token_per_request_and_per_step():
+    from planner.front import split_front_cpu
 
-    def run(tokens: int, per_request: float, per_token: float) -> dict:
-        return {"requests": 64, "tokens": tokens, "front": 64 * per_request + tokens * per_token}
-    assert split_per_request(run(1024, 2e-3, 1e-4), run(256, 2e-3, 1e-4), "front") == pytest.approx((1e-4, 2e-3))
-    # Noise that makes the short run dearer per request than the long one: all of it per token.
-    long, short = run(1024, 0.0, 1e-4), run(256, 0.0, 1e-4)
+    def run(tokens: int, steps: int, per_token: float, per_request: float, per_step: float) -> dict:
+        return {"requests": 64, "tokens": tokens, "steps": steps,
+                "front": 64 * per_request + tokens * per_token + steps * per_step}
+    costs = (1e-4, 2e-3, 9e-4)
+    runs = [run(1024, 17, *costs), run(64, 2, *costs), run(1024, 65, *costs)]  # batch 64 x 16, x 1; batch 16
+    assert split_front_cpu(runs, "front") == pytest.approx(costs)
+    # Without step counts (two runs at one batch size): per token and per request, as before.
+    two = [{k: v for k, v in r.items() if k != "steps"} for r in (run(1024, 0, 1e-4, 2e-3, 0.0),
+                                                                   run(256, 0, 1e-4, 2e-3, 0.0))]
+    assert split_front_cpu(two, "front") == pytest.approx((1e-4, 2e-3, 0.0))
+    # Noise that makes the short run dearer than the long one (a negative cost per token): no
+    # negative cost; one term carries it all (the closer fit of the two).
+    long, short = run(1024, 0, 1e-4, 0.0, 0.0), run(256, 0, 1e-4, 0.0, 0.0)
     short["front"] *= 5
-    assert split_per_request(long, short, "front") == pytest.approx((long["front"] / 1024, 0.0))
+    per_token, per_request, per_step = split_front_cpu([long, short], "front")
+    assert per_step == 0.0 and min(per_token, per_request) == 0.0 and max(per_token, per_request) > 0
+    assert min(split_front_cpu([dict(r, front=-r["front"]) for r in runs], "front")) == 0.0
 
 
 def test_cache_evictor_reads_the_llc_size_and_runs_only_for_models_larger_than_it(tmp_path):

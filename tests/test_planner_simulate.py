@@ -108,6 +108,23 @@ def test_front_work_delays_workers_by_the_share_of_cores_they_hold():
     assert sim(p, colocated=True, torch_threads=1, cores=2).step_time(0.0, two) == pytest.approx((4 + 2) * MS)
 
 
+def test_front_work_per_delta_message():
+    """Per step the front also pays for each delta message (one per attention worker that sampled,
+    whatever it carries): profile front_s_per_step + client_s_per_step."""
+    p = profile(a=1.0, e=1.0, layers=2)
+    p["front"] = {"front_s_per_token": 0.5 * MS, "front_s_per_step": 0.75 * MS, "client_s_per_step": 0.25 * MS}
+    # 1 + 1, a thread each on 2 cores: 4 ms of work, 2 tokens (1 ms), one message (1 ms).
+    assert sim(p, cores=2, torch_threads=1).step_time(0.0, [batch([1, 1])]) == pytest.approx((4 + 1 + 1) * MS)
+    # 2 + 1 (3 single-thread workers on 3 cores: they hold them all): two messages.
+    two = sim(p, cores=3, torch_threads=1, attention_workers=2).step_time(0.0, [batch([1]), batch([1])])
+    assert two == pytest.approx((4 + 1 + 2) * MS)
+    # A worker that sampled nothing (a prefill chunk) sends no deltas.
+    chunk = ScheduledBatch(batch([4]).seqs, [4], [False])
+    assert sim(p, cores=3, torch_threads=1, attention_workers=2).step_time(0.0, [batch([1]), chunk]) == \
+        pytest.approx((4 + 0.5 + 1) * MS)
+    assert ProfilePerf({**p, "front": {"front_s_per_token": 1.0}}).front(3, 2) == 3.0  # older profiles: per token only
+
+
 def test_pools_take_the_passive_fits_and_colocated_the_spinning_ones():
     # At 2 threads the pools' workers wait passively between OpenMP regions: their fits.
     p = profile(a=1.0, e=1.0, layers=2)

@@ -221,6 +221,10 @@ def test_metrics_cover_the_pools(server, client):
                  'shuttle_http_requests_total{route="/v1/completions",status="200"}'):
         assert name in text, name
     assert metric(server, "shuttle_kv_cache_tokens") == 16 * metric(server, "shuttle_kv_cache_blocks")  # block_size
+    deadline = time.monotonic() + 10  # the worker reports its steps when it parks, a moment after the last delta
+    while metric(server, "shuttle_engine_steps_total") < 4:  # 4 tokens: at least 4 steps
+        assert time.monotonic() < deadline, "shuttle_engine_steps_total never counted the request's steps"
+        time.sleep(0.1)
     experts = [float(v) for v in re.findall(r'^shuttle_expert_tokens_total\{expert="\d+".*\} (\S+)$', text, re.M)]
     assert len(experts) == 8 and sum(experts) > 0
     pairs = re.search(r'^shuttle_expert_worker_tokens_total\{worker="e0"\} (\S+)$', text, re.M)
