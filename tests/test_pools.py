@@ -20,6 +20,7 @@ from attention_nodes.engine import LLMEngine
 from attention_nodes.sampling_params import SamplingParams
 from m2n_comm.m2n import Placement
 from server.llm import LLM
+import server.pools as pools_module
 from server.pools import PoolEngine, WorkerFailedError
 from tests.test_transport import NEEDS_NIXL
 
@@ -81,8 +82,13 @@ def test_greedy_equals_colocated(make_checkpoint, family, pools, transport):
     par = ParallelConfig(False, n_a, n_e, m, transport, torch_threads=None if default_threads else 1)
     engine = PoolEngine(engine_cfg(make_checkpoint(family), par), {0})
     try:
+        if default_threads:  # a burst of wake() calls (AsyncLLM: one per message) queues one wake-up
+            engine.wake(), engine.wake()
+            assert [e for _, e in list(engine._events.queue)].count(pools_module._WAKE) == 1
         got = run_staggered(engine, rounds=2)
         if default_threads:
+            engine.wake()  # the first one was taken by a step: the next is queued again
+            assert [e for _, e in list(engine._events.queue)].count(pools_module._WAKE) == 1
             cores = len(os.sched_getaffinity(0))
             assert (engine._spawn_cfg.parallel.torch_threads, engine._expert_threads) == (cores, cores)
             # OpenMP reads its wait policy when the fork server imports torch: the workers' start environment
