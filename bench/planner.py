@@ -166,7 +166,7 @@ def run_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> tu
                          k: round(v * 1e6) for k, v in m["cpu_s_per_token"].items()},
                      "pred_attn_busy": p["attention_busy"], "pred_expert_busy": p["expert_busy"]})
         print(json.dumps(rows[-1]), flush=True)
-    kept = ("host", "fits", "transfer", "front", "seconds", "load_average")
+    kept = ("host", "fits", "fits_passive", "served_factor", "transfer", "front", "seconds", "load_average")
     return rows, {"profile": {k: profile.get(k) for k in kept}, "plan": plan}
 
 

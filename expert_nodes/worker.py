@@ -147,10 +147,7 @@ def _serve_epoch(spec: ExpertWorkerSpec, store: TCPStore, epoch: int, held: Held
 
 def _serve_steps(spec: ExpertWorkerSpec, store: TCPStore, receiver: M2NReceiver, held: HeldExperts,
                  moe_layers: list[int], load: "_Load") -> None:
-    # Under passive OpenMP waits, torch's own ops here (the slot copies, the load counts) stay on one
-    # thread when the blocks are the native kernel's, which alone uses the cores (kernels/native.py).
-    narrow = receiver.device.type == "cpu" and native.passive_waits() and any(
-        getattr(m, "native", None) is not None for m in held.modules(held.active).values())
+    narrow = receiver.device.type == "cpu" and narrows(held.modules(held.active).values())
     with torch.inference_mode(), native.native_parallel_only(narrow):
         while True:
             for layer in moe_layers:
@@ -219,6 +216,14 @@ def _shutting_down(store: TCPStore, session: str) -> bool:
         return store.check([f"{session}/shutdown"])
     except Exception:  # the store went away with the server: nothing left to serve
         return True
+
+
+def narrows(blocks) -> bool:
+    """Whether an expert worker's steps run under native.native_parallel_only (CPU blocks): under
+    passive OpenMP waits, torch's own ops (the slot copies, the load counts) stay on one thread when
+    the blocks are the native kernel's, which alone uses the cores (kernels/native.py). The
+    planner's profile times the blocks the same way."""
+    return native.passive_waits() and any(getattr(m, "native", None) is not None for m in blocks)
 
 
 def _pack_for_cpu(experts: dict) -> dict:

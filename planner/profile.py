@@ -238,15 +238,20 @@ def measure_attention(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
 
 
 def _head_time(runner: ModelRunner, q_lens: list[int], repeats: int, evict: CacheEvictor) -> float:
-    """Embedding of the step's tokens, final norm and LM head of its sampled rows (one per sequence)."""
+    """Embedding of the step's tokens, final norm and LM head of its sampled rows (one per sequence),
+    on the threads the runner gives them (a narrowed decode step: torch on one, the LM head on all)."""
+    from kernels import native
+
     model = runner.model
     ids = torch.ones(sum(q_lens), dtype=torch.long)
     rows = torch.tensor(q_lens).cumsum(0) - 1
 
     @torch.inference_mode()
     def head():
-        x = model.model.embed_tokens(ids)
-        model.logits(model.model.norm(x[rows]))
+        with native.native_parallel_only(runner.narrow_decode and max(q_lens) == 1):
+            h = model.model.norm(model.model.embed_tokens(ids)[rows])
+            with native.torch_parallel():
+                model.logits(h)
 
     return best_time(head, repeats, before=evict)
 
@@ -290,8 +295,12 @@ def measure_experts(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     """Expert-side samples: run_local_experts over gathered token counts and numbers of experts
     receiving tokens, through every MoE layer in turn as an expert worker's step does (per layer:
     the total over the layers / their count). One layer on its own kept its experts in the cache and
-    came out up to a third faster than a step that streams all layers' experts from memory."""
-    from expert_nodes.worker import _pack_for_cpu
+    came out up to a third faster than a step that streams all layers' experts from memory. Under
+    passive waits torch's own ops stay on one thread as in the worker (expert_nodes.worker.narrows;
+    without it the passive fit's constant came out 33-38 us a layer against 16 spinning, and the
+    time-shared 1 + 1 m=1 was predicted 10-22% slower than served)."""
+    from expert_nodes.worker import _pack_for_cpu, narrows
+    from kernels import native
 
     layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
     evict = CacheEvictor(opts.model)
@@ -312,7 +321,8 @@ def measure_experts(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
                     for held, batch in batches:
                         run_local_experts(held, batch)
 
-                t = best_time(step, opts.repeats, before=evict) / len(layers)
+                with native.native_parallel_only(narrows(experts.values())):  # as the worker steps
+                    t = best_time(step, opts.repeats, before=evict) / len(layers)
                 samples.append({"threads": threads, "tokens": R, "pairs": R * K,
                                 "active": int(ids_RK.unique().numel()), "expert_s": t})
     return samples
