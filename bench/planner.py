@@ -1,7 +1,7 @@
 """The planner's predictions against measured runs on this host, side by side.
 
     python bench/planner.py [--quick] [--dtype bfloat16] [--serve-dtype auto] [--repeats N]
-                            [--shapes mixtral,fine] [--only NAME,...]
+                            [--shapes mixtral,fine] [--only NAME,...] [--fresh-profile]
 
 For each model shape (built locally with random weights: "mixtral" about 400M parameters, 8
 experts of 2048, top-2; "fine" the same size in 32 experts of 512, top-4; --quick: about 25M):
@@ -17,7 +17,10 @@ over the deployments that do not oversubscribe the cores. Writes bench/results/p
 Each measurement follows a warm-up run of one batch on the same server; with --repeats N it is the
 median of N runs, and every row keeps their spread, the host's load average, and the CPU seconds
 per output token of the front, each pool and the load generator (from /proc), beside the shares
-the model assumes. The machine is shared: re-run on a quiet one before trusting a number (the
+the model assumes. With --fresh-profile each deployment is also predicted from the workers and
+M2N profiled again right after its measurement (`pred_fresh_tok_s`, `tok_s_err_fresh`): on a host
+whose speed drifts by minutes, that separates the model's own error from the drift between the
+first profile and the measurement. The machine is shared: re-run on a quiet one before trusting a number (the
 profile's residuals, printed first, and the rows' spreads and load averages say how noisy it was).
 """
 import argparse
@@ -145,6 +148,8 @@ def run_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> tu
     subprocess.run(cmd, check=True)
     profile = json.loads(prof_path.read_text())
     cores = profile["host"]["cores"]
+    fresh_path = tmp / f"{name}.fresh.json"
+    fresh_cmd = [*cmd[:cmd.index("--out") + 1], str(fresh_path), *cmd[cmd.index("--out") + 2:], "--no-front"]
     plan, plan_path = plan_pick(ckpt, prof_path, args)
     if not args.only or "plan" in args.only:
         deployments = {**deployments, "the plan's pick (serve --plan)": (["--plan", str(plan_path)],
@@ -165,6 +170,14 @@ def run_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> tu
                      "load_average": m["load_average"], "meas_cpu_us_per_token": {
                          k: round(v * 1e6) for k, v in m["cpu_s_per_token"].items()},
                      "pred_attn_busy": p["attention_busy"], "pred_expert_busy": p["expert_busy"]})
+        if args.fresh_profile:  # the workers and M2N profiled again right after the measurement
+            subprocess.run(fresh_cmd, check=True, stdout=subprocess.DEVNULL)
+            fresh = {**json.loads(fresh_path.read_text()), "front": profile["front"],
+                     "served_factor": profile["served_factor"]}
+            f = predict(fresh, dep, m, args)
+            rows[-1].update(pred_fresh_tok_s=f["output_throughput"],
+                            tok_s_err_fresh=f["output_throughput"] / m["output_throughput"] - 1,
+                            tpot_err_fresh=f["mean_tpot_ms"] / m["mean_tpot_ms"] - 1)
         print(json.dumps(rows[-1]), flush=True)
     kept = ("host", "fits", "fits_passive", "served_factor", "transfer", "front", "seconds", "load_average")
     return rows, {"profile": {k: profile.get(k) for k in kept}, "plan": plan}
@@ -195,6 +208,10 @@ def main() -> None:
                    help="shuttle serve's and shuttle profile's --dtype (auto: what serve makes of the checkpoint)")
     p.add_argument("--repeats", type=int, default=1, help="measured runs per deployment on one server (the median "
                                                             "is the truth; the spread is reported)")
+    p.add_argument("--fresh-profile", action="store_true",
+                   help="also predict each deployment from the workers and M2N profiled again right after its "
+                        "measurement (the first profile's front and served factor kept): the model's error with "
+                        "the host's drift between the profile and the measurement taken out")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--min-prompts", type=int, default=32)
@@ -215,7 +232,8 @@ def main() -> None:
             rows += r
     summary = summarize(rows, extra)
     print_table(rows, ["model", "deployment", "pred_tok_s", "meas_tok_s", "tok_s_err", "meas_spread", "pred_tpot_ms",
-                       "meas_tpot_ms", "tpot_err", "pred_attn_busy", "pred_expert_busy", "load_average"])
+                       "meas_tpot_ms", "tpot_err", "pred_attn_busy", "pred_expert_busy", "load_average",
+                       *(["pred_fresh_tok_s", "tok_s_err_fresh", "tpot_err_fresh"] if args.fresh_profile else [])])
     print(json.dumps(summary, indent=1))
     result = {"config": vars(args), "rows": rows, "summary": summary, "shapes": extra}
     path = save("planner_partial" if args.only or args.shapes else "planner", result)
@@ -230,6 +248,10 @@ def summarize(rows: list[dict], extra: dict) -> dict:
            "within_15pct_tpot": sum(abs(r["tpot_err"]) <= 0.15 for r in fair),
            "oversubscribed_tok_s_err": {r["deployment"]: r["tok_s_err"] for r in rows if r["oversubscribed"]},
            "max_repeat_spread": max(r["meas_spread"] for r in rows),
+           **({"median_abs_tok_s_err_fresh": statistics.median(abs(r["tok_s_err_fresh"]) for r in fair),
+               "within_10pct_tok_s_fresh": sum(abs(r["tok_s_err_fresh"]) <= 0.10 for r in fair),
+               "within_15pct_tpot_fresh": sum(abs(r["tpot_err_fresh"]) <= 0.15 for r in fair)}
+              if fair and all("tok_s_err_fresh" in r for r in fair) else {}),
            "load_average": [min(r["load_average"] for r in rows), max(r["load_average"] for r in rows)]}
     for name, e in extra.items():
         mine = [r for r in rows if r["model"] == name]
