@@ -15,7 +15,9 @@ Part 2, decode on a Mixtral-shaped checkpoint of ~425M parameters stored in bflo
   emulates bf16 GEMMs, and the JSON's dtype_resolution says which and why), 32-token prompts, batch 1/16/64/256: the median decode step time of the eager
   engine and of the compiled one (models/stages.py, --no-enforce-eager), side by side (--rounds
   passes of every engine in alternating order, the median over them; each pass's times kept), each against
-  the step's floor = max(memory floor, compute floor), both measured in this run. Memory floor: the
+  the step's floor = max(memory floor, compute floor), both measured in this run, again at the start
+  of every round of every batch size, each round's steps set against its own floor (x_floor: the
+  median of those ratios; this host's read bandwidth moves by half between phases). Memory floor: the
   weight bytes a step must read (every non-expert weight, the LM head, the experts B tokens x top-2
   are expected to hit) over the read bandwidth (a sum over 1 GiB). Compute floor: the step's matmul
   FLOPs over a 2048^3 matmul's rate in the run's dtype. "x_floor" is step / floor; the issue's
@@ -70,16 +72,22 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 / best_of(lambda: dst.copy_(src), 5)
 
 
-def read_bandwidth() -> float:
-    """Bytes read per second by summing a 1 GiB tensor (best of 5): what streaming weights can reach."""
-    src = torch.ones(1 << 28, dtype=torch.float32)
-    return src.numel() * 4 / best_of(src.sum, 5)
+_READ_SRC: list[torch.Tensor] = []  # the 1 GiB tensor read_bandwidth sums, made once
 
 
-def matmul_rate(dtype: torch.dtype = torch.bfloat16) -> float:
-    """FLOP/s of a 2048^3 matmul in dtype (best of 5): the compute ceiling of this machine."""
+def read_bandwidth(repeats: int = 5) -> float:
+    """Bytes read per second by summing a 1 GiB tensor (best of `repeats`): what streaming weights
+    can reach."""
+    if not _READ_SRC:
+        _READ_SRC.append(torch.ones(1 << 28, dtype=torch.float32))
+    src = _READ_SRC[0]
+    return src.numel() * 4 / best_of(src.sum, repeats)
+
+
+def matmul_rate(dtype: torch.dtype = torch.bfloat16, repeats: int = 5) -> float:
+    """FLOP/s of a 2048^3 matmul in dtype (best of `repeats`): the compute ceiling of this machine."""
     a = torch.randn(2048, 2048, dtype=dtype)
-    return 2 * 2048 ** 3 / best_of(lambda: a @ a, 5)
+    return 2 * 2048 ** 3 / best_of(lambda: a @ a, repeats)
 
 
 def step_flops(llm: LLM, B: int, context: int) -> float:
@@ -193,12 +201,15 @@ def native_off():
         native._library.cache_clear()
 
 
-def decode_roofline(ckpt: Path, dtype: str, batches: list[int], new_tokens: int, read_bw: float, rate: float,
-                    hf_batches: list[int], prefill: tuple[int, int, int],
-                    rounds: int = 1) -> tuple[list[dict], list[dict]]:
+def decode_roofline(ckpt: Path, dtype: str, batches: list[int], new_tokens: int, hf_batches: list[int],
+                    prefill: tuple[int, int, int], rounds: int = 1) -> tuple[list[dict], list[dict]]:
     """Decode step time per batch size, eager and compiled side by side, against the floor
-    max(weight bytes / read bandwidth, FLOPs / matmul rate); then chunked prefill tokens/s against
-    its compute floor. prefill: (prompts, prompt length, chunk). transformers runs hf_batches."""
+    max(weight bytes / read bandwidth, FLOPs / matmul rate), both measured again at the start of
+    every round of every batch size: on this host the read bandwidth measured 45-49 GB/s in most
+    runs and 75 in one, minutes apart, so a floor measured once at the start could be a different
+    machine's. Each round's step times are set against that round's floor, and x_floor is the
+    median of those ratios. Then chunked prefill tokens/s against its compute floor (the rate
+    measured just before). prefill: (prompts, prompt length, chunk). transformers runs hf_batches."""
     # Decode batches prefill in one step (a budget of every prompt token); the prefill part runs
     # with the chunk as the step budget.
     def make(mode: str) -> LLM:
@@ -214,26 +225,33 @@ def decode_roofline(ckpt: Path, dtype: str, batches: list[int], new_tokens: int,
             llms["native_off"] = make("native_off")
     ckpt_bytes = ModelConfig.from_pretrained(str(ckpt)).dtype.itemsize / llms["eager"].engine.runner.dtype.itemsize
     rows = []
+    torch_dtype = getattr(torch, dtype)
     for B in batches:
-        floor_mem = step_weight_bytes(llms["eager"], B) / read_bw
-        floor_compute = step_flops(llms["eager"], B, 32 + new_tokens // 2) / rate
-        floor = max(floor_mem, floor_compute)
-        ckpt_floor = max(floor_mem * ckpt_bytes, floor_compute)  # the checkpoint's bytes (issue 18's floor)
-        row = {"dtype": dtype, "batch": B, "mem_floor_ms": 1e3 * floor_mem, "compute_floor_ms": 1e3 * floor_compute,
-               "ckpt_floor_ms": 1e3 * ckpt_floor}
+        nbytes, flops = step_weight_bytes(llms["eager"], B), step_flops(llms["eager"], B, 32 + new_tokens // 2)
         # Rounds of every mode, the order reversed each round, and each mode's median over them: on a
         # host whose speed drifts by 10-30% within minutes, one pass per mode compared modes measured
         # at different speeds. (Within a pass the median step ignores the first steps' allocations.)
         steps: dict[str, list[float]] = {mode: [] for mode in llms}
+        floors: list[tuple[float, float, float, float]] = []  # per round: read B/s, FLOP/s, memory, compute floor
         for r in range(rounds):
+            read_bw, rate = read_bandwidth(3), matmul_rate(torch_dtype, 3)
+            floors.append((read_bw, rate, nbytes / read_bw, flops / rate))
             for mode in (list(llms) if r % 2 == 0 else list(llms)[::-1]):
                 with native_off() if mode == "native_off" else contextlib.nullcontext():
                     steps[mode].append(decode_step_time(llms[mode], B, 32, new_tokens))
+        floor_r = [max(mem, comp) for _, _, mem, comp in floors]
+        ckpt_r = [max(mem * ckpt_bytes, comp) for _, _, mem, comp in floors]  # the checkpoint's bytes (issue 18's)
+        row = {"dtype": dtype, "batch": B, "mem_floor_ms": 1e3 * statistics.median(f[2] for f in floors),
+               "compute_floor_ms": 1e3 * statistics.median(f[3] for f in floors),
+               "ckpt_floor_ms": 1e3 * statistics.median(ckpt_r),
+               "read_GBps_rounds": [round(f[0] / 1e9, 1) for f in floors],
+               "matmul_GFLOPs_rounds": [round(f[1] / 1e9) for f in floors]}
         for mode, times in steps.items():
-            step = statistics.median(times)
-            row[f"{mode}_ms"], row[f"{mode}_x_floor"] = 1e3 * step, step / floor
-            row[f"{mode}_x_ckpt_floor"] = step / ckpt_floor
+            row[f"{mode}_ms"] = 1e3 * statistics.median(times)
+            row[f"{mode}_x_floor"] = statistics.median(t / f for t, f in zip(times, floor_r))
+            row[f"{mode}_x_ckpt_floor"] = statistics.median(t / f for t, f in zip(times, ckpt_r))
             row[f"{mode}_rounds_ms"] = [round(1e3 * t, 2) for t in times]
+            row[f"{mode}_rounds_x_floor"] = [round(t / f, 3) for t, f in zip(times, floor_r)]
         row["target_x_floor"] = TARGETS.get(B)
         row["compiled_speedup"] = row["eager_ms"] / row["compiled_ms"]
         if "native_off" in llms:
@@ -246,6 +264,7 @@ def decode_roofline(ckpt: Path, dtype: str, batches: list[int], new_tokens: int,
     for mode, llm in llms.items():
         sched = llm.engine.scheduler
         sched.cfg = replace(sched.cfg, max_num_batched_tokens=chunk)
+        rate = matmul_rate(torch_dtype, 3)
         with native_off() if mode == "native_off" else contextlib.nullcontext():
             tok_s = prefill_tok_s(llm, n, length)
         floor_tok_s = rate / step_flops(llm, 1, length // 2)
@@ -317,8 +336,7 @@ def main() -> None:
             print_table(mixed, ["mode", "seconds", "useful_tokens", "tok_per_s", "vs_continuous"])
         big = mixtral(Path(tmp) / "big", "bfloat16", 1024, 2048, 8, 16, 4)
         for dt in dtypes:
-            rows, pre = decode_roofline(big, dt, args.batches, new_tokens, read_bw, rates[dt], hf_batches, prefill,
-                                        args.rounds)
+            rows, pre = decode_roofline(big, dt, args.batches, new_tokens, hf_batches, prefill, args.rounds)
             decode += rows
             prefill_rows += pre
     print_table(decode, ["dtype", "batch", "mem_floor_ms", "compute_floor_ms", "ckpt_floor_ms", "eager_ms",
