@@ -142,8 +142,6 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
 def engine_steps(url: str, settle_s: float = 3.0) -> int:
     """The server's engine steps so far (/metrics shuttle_engine_steps_total), once two reads 0.1 s
     apart agree: pool workers report their counters when they park, a moment after the last delta."""
-    import httpx
-
     def read() -> int:
         for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
             if line.startswith("shuttle_engine_steps_total"):

@@ -296,9 +296,10 @@ def measure_experts(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     receiving tokens, through every MoE layer in turn as an expert worker's step does (per layer:
     the total over the layers / their count). One layer on its own kept its experts in the cache and
     came out up to a third faster than a step that streams all layers' experts from memory. Under
-    passive waits torch's own ops stay on one thread as in the worker (expert_nodes.worker.narrows;
-    without it the passive fit's constant came out 33-38 us a layer against 16 spinning, and the
-    time-shared 1 + 1 m=1 was predicted 10-22% slower than served)."""
+    passive waits torch's own ops stay on one thread as in the worker (expert_nodes.worker.narrows),
+    which the worker's steps do since the narrowing; the native block's own region still wakes its
+    second thread once a layer (the passive fit's constant: 33-44 us a layer against 16-22
+    spinning, before and after)."""
     from expert_nodes.worker import _pack_for_cpu, narrows
     from kernels import native
 
