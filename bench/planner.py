@@ -52,6 +52,9 @@ DEPLOYMENTS = {
     "2+1 m=2 (oversubscribed)": (["--attention-workers", "2", "--micro-batches", "2"], 64),
     "1+2 m=2 (oversubscribed)": (["--expert-workers", "2", "--micro-batches", "2"], 64),
 }
+# Prompts per measured run at least (batch 256 runs one batch): batch 16 with 2 x 16 prompts of 16
+# tokens was a third of a second of load, whose repeats spread up to 29% (1,284-1,652 tok/s).
+MIN_MEASURED_PROMPTS = 128
 SECOND_SHAPE = ("colocated 2 threads", "1+1 m=1", "1+1 m=2")
 SHAPES = {  # name -> (hidden, layers, experts, expert intermediate, top-k)
     "mixtral": (1024, 8, 8, 2048, 2), "fine": (1024, 8, 32, 512, 4),
@@ -90,7 +93,7 @@ def measure(ckpt: Path, flags: list[str], batch: int, args) -> dict:
     process (the load generator), from /proc."""
     from planner.front import tree_cpu
 
-    n = max(args.min_prompts, 2 * batch) if batch < 256 else batch
+    n = max(args.min_prompts, 2 * batch, MIN_MEASURED_PROMPTS) if batch < 256 else batch
     dtype = [] if args.serve_dtype == "auto" else ["--dtype", args.serve_dtype]
     base = ["--input-len", str(args.input_len), "--max-concurrency", str(batch), "--ignore-eos", "--disable-tqdm"]
     runs = []
@@ -172,14 +175,15 @@ def run_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> tu
                      "pred_attn_busy": p["attention_busy"], "pred_expert_busy": p["expert_busy"]})
         if args.fresh_profile:  # the workers and M2N profiled again right after the measurement
             subprocess.run(fresh_cmd, check=True, stdout=subprocess.DEVNULL)
-            fresh = {**json.loads(fresh_path.read_text()), "front": profile["front"],
-                     "served_factor": profile["served_factor"]}
+            fresh = {**json.loads(fresh_path.read_text()),
+                     **{k: profile.get(k) for k in ("front", "served_factor", "served_factors")}}
             f = predict(fresh, dep, m, args)
             rows[-1].update(pred_fresh_tok_s=f["output_throughput"],
                             tok_s_err_fresh=f["output_throughput"] / m["output_throughput"] - 1,
                             tpot_err_fresh=f["mean_tpot_ms"] / m["mean_tpot_ms"] - 1)
         print(json.dumps(rows[-1]), flush=True)
-    kept = ("host", "fits", "fits_passive", "served_factor", "transfer", "front", "seconds", "load_average")
+    kept = ("host", "fits", "fits_passive", "served_factor", "served_factors", "transfer", "front", "seconds",
+            "load_average")
     return rows, {"profile": {k: profile.get(k) for k in kept}, "plan": plan}
 
 

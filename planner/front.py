@@ -127,12 +127,16 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    long = runs[0]
+    long, small = runs[0], runs[2]
+
+    def served(r: dict) -> dict:
+        return {"requests": r["requests"], "prompt_len": round(r["input_tokens"] / r["requests"]),
+                "output_len": output_len, "concurrency": r["concurrency"], "micro_batches": MICRO_BATCHES,
+                "load_s": r["load_s"]}
     out = {"workers_s_per_token": long["workers"] / long["tokens"], "tokens": long["tokens"], "wall_s": long["wall"],
-           # the longer run as served, for the simulator's calibration (planner.profile.served_factor)
-           "run": {"requests": long["requests"], "prompt_len": round(long["input_tokens"] / long["requests"]),
-                   "output_len": output_len, "concurrency": batch, "micro_batches": MICRO_BATCHES,
-                   "load_s": long["load_s"]},
+           # the runs at both batch sizes as served, for the simulator's calibration
+           # (planner.profile.served_factor and served_factors)
+           "run": served(long), "run_small": served(small),
            "runs": [{k: r[k] for k in ("concurrency", "requests", "tokens", "steps", "front", "client")} for r in runs]}
     for who in ("front", "client"):
         out[f"{who}_s_per_token"], out[f"{who}_s_per_request"], out[f"{who}_s_per_step"] = split_front_cpu(runs, who)

@@ -39,6 +39,7 @@ class ProfilePerf:
                       for b, f in profile["transfer"].items()}
         self.sends = {b: Fit.from_dict(f["send"]) for b, f in profile["transfer"].items() if "send" in f}
         self.served_factor = float(profile.get("served_factor", 1.0))  # see planner.profile.served_factor
+        self.served_factors = [tuple(map(float, p)) for p in profile.get("served_factors") or []]  # ... and _factors
         fr = profile.get("front") or {}  # profiles without it (older, or --no-front): no front work
         self.front_s_per_token = fr.get("front_s_per_token", 0.0) + fr.get("client_s_per_token", 0.0)
         # Per request (older profiles: none, all of it per token): parsing, tokenizing and admitting

@@ -420,6 +420,7 @@ def run_profile(opts: ProfileOptions) -> dict:
             # busy with other jobs makes every time above slower and noisier (format_profile warns)
             "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)]}
     profile["served_factor"] = served_factor(profile)
+    profile["served_factors"] = served_factors(profile)
     return profile
 
 
@@ -432,14 +433,34 @@ def served_factor(profile: dict) -> float:
     expert call 2-3.5x slower, a 128-token one 1.2-1.3x), and a colocated engine's attention and
     experts evicting each other. The simulator multiplies the workers' compute on a shared host by
     it (Simulator, dep.cores). 1.0 without a front measurement."""
+    run = (profile.get("front") or {}).get("run")
+    return _served_over_simulated(profile, run) if run else 1.0
+
+
+def served_factors(profile: dict) -> list[list[float]]:
+    """[[tokens per micro-batch, factor], ...] of the front's served runs at both batch sizes (64 and
+    16: 32 and 8 tokens a micro-batch), smallest first; [] without them. Where both pools compute at
+    once (m >= 2), sharing the host slows the small calls more: an expert call of 8 tokens was 2-3.5x
+    slower beside a memory-streaming process, one of 128 1.2-1.3x, and batch 16 served at m = 2 ran
+    12-17% slower than the batch-64 factor predicts (bench/planner.py, 128 prompts a repeat). The
+    simulator interpolates between these in 1 / (batch per micro-batch) for such deployments
+    (planner.simulate.served_slowdown): a whole served run's factor, as measured, not a call's."""
+    fr = profile.get("front") or {}
+    runs = [r for r in (fr.get("run_small"), fr.get("run")) if r]
+    if len(runs) < 2:
+        return []
+    return sorted([r["concurrency"] / r["micro_batches"], _served_over_simulated(profile, r)] for r in runs)
+
+
+def _served_over_simulated(profile: dict, run: dict) -> float:
+    """A served 1 + 1 run's wall time over the simulator's for it from the fits alone (no factor),
+    at least 1."""
     from planner.perf import ProfilePerf
     from planner.simulate import Deployment, SimModel, Simulator, Workload
 
-    run = (profile.get("front") or {}).get("run")
-    if not run:
-        return 1.0
+    bare = {k: v for k, v in profile.items() if k not in ("served_factor", "served_factors")}
     dep = Deployment(False, 1, 1, run["micro_batches"], 1, profile["host"]["cores"], "shm",
                      max_num_seqs=run["concurrency"])
-    sim = Simulator(ProfilePerf(profile), SimModel.from_profile(profile), dep).run(
+    sim = Simulator(ProfilePerf(bare), SimModel.from_profile(bare), dep).run(
         Workload(run["requests"], run["prompt_len"], run["output_len"], run["concurrency"]))
     return round(max(1.0, run["load_s"] / sim["duration"]), 3)

@@ -27,7 +27,10 @@ What is real and what is modelled:
 - OpenMP: worker pools on one host wait passively between parallel regions (server/launchers.py),
   so their multi-thread costs are the profile's passive fits (ProfilePerf.for_pools).
 - Sharing a host also slows the workers' compute itself (cache, memory bandwidth): on a shared host
-  every compute time is multiplied by the profile's served factor (planner.profile.served_factor).
+  every compute time is multiplied by the profile's served factor (planner.profile.served_factor);
+  where both pools compute at once (m >= 2) by one that depends on the batch per micro-batch,
+  interpolated between served runs at two batch sizes (planner.profile.served_factors,
+  served_slowdown).
 """
 import heapq
 from collections import deque
@@ -151,6 +154,21 @@ class _Worker:
         self.queued_tokens = 0
 
 
+def served_slowdown(perf, dep: "Deployment") -> float:
+    """How much slower the workers compute on a shared host than the profile's fits (1.0 where each
+    process has its own device): the profile's served factor, or, where both pools compute at once
+    (m >= 2) and the profile has served runs at two batch sizes (planner.profile.served_factors), the
+    factor interpolated in 1 / (batch per micro-batch) between them (the nearest one's outside)."""
+    if not dep.cores:
+        return 1.0
+    points = getattr(perf, "served_factors", [])
+    if dep.colocated or dep.micro_batches < 2 or len(points) < 2:
+        return float(getattr(perf, "served_factor", 1.0))
+    per_call = max(dep.max_num_seqs / dep.micro_batches, 1.0)
+    x, f = zip(*sorted((1.0 / t, f) for t, f in points))
+    return float(np.interp(1.0 / per_call, x, f))
+
+
 class Simulator:
     def __init__(self, perf, model: SimModel, dep: Deployment, trace_steps: int = 0):
         # Worker pools wait passively between OpenMP regions (ProfilePerf.for_pools); colocated spins.
@@ -159,7 +177,7 @@ class Simulator:
         self.perf, self.model, self.dep = perf, model, dep
         # On a shared host the workers compute slower than their parts measured alone: the profile's
         # calibration against a served run (planner.profile.served_factor).
-        self.slow = float(getattr(perf, "served_factor", 1.0)) if dep.cores else 1.0
+        self.slow = served_slowdown(perf, dep)
         E, n_e = model.num_experts, dep.expert_workers
         local = np.array(dep.local_experts if dep.local_experts else [E / n_e] * n_e, dtype=float)
         self.local_e = local

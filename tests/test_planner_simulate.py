@@ -245,3 +245,39 @@ def test_prefilling_sequences_pay_the_prefill_terms_and_decodes_do_not():
     assert mixed == pytest.approx(4 * (1.0 + 0.5 * 5 + 0.1 * 15 + 2.0) * MS)
     old = profile(a=1.0, e=2.0, layers=4)
     assert sim(old, colocated=True).step_time(0.0, [batch([1, 5])]) == pytest.approx(decode)
+
+
+def test_served_factors_slow_small_batches_where_both_pools_compute_at_once():
+    """A profile's served runs at two batch sizes (planner.profile.served_factors): interpolated in
+    1 / (batch per micro-batch) for pools at m >= 2 on a shared host; one factor elsewhere."""
+    from planner.profile import served_factors
+    from planner.simulate import served_slowdown
+
+    p = profile(a=1.0, e=1.0, layers=2)
+    p["fits"]["2"] = p["fits"]["1"]
+    runs = {"run": {"requests": 8, "prompt_len": 3, "output_len": 2, "concurrency": 4, "micro_batches": 2},
+            "run_small": {"requests": 8, "prompt_len": 3, "output_len": 2, "concurrency": 2, "micro_batches": 2}}
+    for key, slower in (("run", 1.5), ("run_small", 3.0)):
+        r = runs[key]
+        dep = Deployment(False, 1, 1, 2, 1, 2, "shm", max_num_seqs=r["concurrency"])
+        r["load_s"] = slower * Simulator(ProfilePerf(p), SimModel.from_profile(p), dep).run(
+            Workload(r["requests"], r["prompt_len"], r["output_len"], r["concurrency"]))["duration"]
+    p["front"] = runs
+    assert served_factors(p) == [pytest.approx([1.0, 3.0]), pytest.approx([2.0, 1.5])]  # 1 and 2 sequences a micro-batch
+    p.update(served_factor=1.5, served_factors=[[8.0, 2.0], [32.0, 1.0]])
+    perf = ProfilePerf(p)
+
+    def pools(batch: int, m: int = 2, **kw) -> Deployment:
+        return Deployment(False, 1, 1, m, 1, kw.get("cores", 2), "shm", max_num_seqs=batch)
+    assert [served_slowdown(perf, pools(b)) for b in (8, 16, 32, 64, 256)] == pytest.approx([2.0, 2.0, 4 / 3, 1.0, 1.0])
+    # Every compute time of the deployment scales: a step of 8 sequences per micro-batch takes twice
+    # the unscaled one (no front, no transfer time here).
+    bare = sim({**p, "served_factor": 1.0, "served_factors": []}, cores=2, torch_threads=1, micro_batches=2,
+               max_num_seqs=16)
+    scaled = sim(p, cores=2, torch_threads=1, micro_batches=2, max_num_seqs=16)
+    step = [batch([1] * 16)]
+    assert scaled.step_time(0.0, step) == pytest.approx(2 * bare.step_time(0.0, step))
+    # colocated, m = 1 and a host of its own: the one factor, or none
+    assert served_slowdown(perf, Deployment(True, cores=2, max_num_seqs=16)) == 1.5
+    assert served_slowdown(perf, pools(16, m=1)) == 1.5
+    assert served_slowdown(perf, Deployment(False, 1, 1, 2, 1, None, "shm", max_num_seqs=16)) == 1.0
