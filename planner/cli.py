@@ -91,7 +91,7 @@ def format_profile(p: dict) -> str:
         lines.append(f"  served: the workers computed {p['served_factor']:.2f}x what the fits say in the front's served "
                      "1 + 1 run (the simulator applies it on a shared host)")
     if p.get("served_factors"):
-        lines.append("  served at m=2 by tokens per micro-batch: " + ", ".join(
+        lines.append("  served at m=2 by sequences per micro-batch: " + ", ".join(
             f"{t:g} -> {f:.2f}x" for t, f in p["served_factors"]) + " (the simulator interpolates where both pools "
             "compute at once)")
     if p.get("front"):

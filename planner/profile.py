@@ -438,8 +438,8 @@ def served_factor(profile: dict) -> float:
 
 
 def served_factors(profile: dict) -> list[list[float]]:
-    """[[tokens per micro-batch, factor], ...] of the front's served runs at both batch sizes (64 and
-    16: 32 and 8 tokens a micro-batch), smallest first; [] without them. Where both pools compute at
+    """[[sequences per micro-batch, factor], ...] of the front's served runs at both batch sizes (64
+    and 16 at m = 2: 32 and 8), smallest first; [] without them. Where both pools compute at
     once (m >= 2), sharing the host slows the small calls more: an expert call of 8 tokens was 2-3.5x
     slower beside a memory-streaming process, one of 128 1.2-1.3x, and batch 16 served at m = 2 ran
     12-17% slower than the batch-64 factor predicts (bench/planner.py, 128 prompts a repeat). The

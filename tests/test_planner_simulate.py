@@ -263,7 +263,8 @@ def test_served_factors_slow_small_batches_where_both_pools_compute_at_once():
         r["load_s"] = slower * Simulator(ProfilePerf(p), SimModel.from_profile(p), dep).run(
             Workload(r["requests"], r["prompt_len"], r["output_len"], r["concurrency"]))["duration"]
     p["front"] = runs
-    assert served_factors(p) == [pytest.approx([1.0, 3.0]), pytest.approx([2.0, 1.5])]  # 1 and 2 sequences a micro-batch
+    # 1 and 2 sequences a micro-batch
+    assert served_factors(p) == [pytest.approx([1.0, 3.0]), pytest.approx([2.0, 1.5])]
     p.update(served_factor=1.5, served_factors=[[8.0, 2.0], [32.0, 1.0]])
     perf = ProfilePerf(p)
 
