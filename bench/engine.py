@@ -259,6 +259,7 @@ def decode_roofline(ckpt: Path, dtype: str, batches: list[int], new_tokens: int,
         if B in hf_batches:
             row["transformers_ms"] = 1e3 * hf_step_time(ckpt, dtype, B, new_tokens)
         rows.append(row)
+    _READ_SRC.clear()  # the 1 GiB read buffer: not needed past the decode rounds
     n, length, chunk = prefill
     pre = []
     for mode, llm in llms.items():
@@ -345,6 +346,7 @@ def main() -> None:
     print_table(prefill_rows, ["dtype", "mode", "prompts", "prompt_len", "chunk", "tok_s", "compute_floor_tok_s",
                                "x_floor"])
     path = save("engine_quick" if args.quick else "engine", {
+        # read_GBps / matmul_GFLOPs: at the start (each decode row's floors use its rounds' own)
         "isa": isa, "dtype_resolution": resolution, "copy_GBps": bw / 1e9, "read_GBps": read_bw / 1e9,
         "matmul_GFLOPs": {dt: r / 1e9 for dt, r in rates.items()}, "mixed_workload": mixed,
         "decode_425M": decode, "prefill_425M": prefill_rows, "new_tokens": new_tokens,

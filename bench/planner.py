@@ -218,7 +218,8 @@ def main() -> None:
                         "the host's drift between the profile and the measurement taken out")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--min-prompts", type=int, default=32)
+    p.add_argument("--min-prompts", type=int, default=32,
+                   help=f"prompts per measured run at least (and at least {MIN_MEASURED_PROMPTS} below batch 256)")
     p.add_argument("--only", default=None, help="comma-separated deployment names (of the first shape)")
     p.add_argument("--shapes", default=None, help="comma-separated model shapes to run (default: both)")
     args = p.parse_args()

@@ -16,8 +16,9 @@ waking the engine thread and the event loop); charged per token at one batch siz
 16 look 17% faster than served on the AVX-512 EPYC, where it measured ~0.9 ms (front) + ~0.25 ms
 (load generator) a step.
 
-The longer run is also kept as served (`run`: requests, lengths, concurrency, its load's wall time):
-planner.profile.served_factor calibrates the simulator against it.
+The batch-64 and batch-16 runs are also kept as served (`run`, `run_small`: requests, lengths,
+concurrency, the load's wall time): planner.profile.served_factor and served_factors calibrate the
+simulator against them.
 
 `tree_cpu` (per process of a process tree) is also what bench/planner.py records beside each
 measured deployment, so the model's shares can be checked against served runs.
@@ -84,8 +85,9 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
     three runs of `prompts` requests, (`batch`, `output_len`), (`batch`, `short_len`) and (`batch`
     // 4, `output_len`) (concurrency, tokens each); split_front_cpu solves them. Returns
     {"front_s_per_token", "front_s_per_request", "front_s_per_step", "client_s_per_token",
-    "client_s_per_request", "client_s_per_step", "workers_s_per_token", "tokens", "wall_s", "run"}
-    (the workers' and the wall time of the first run). 256 requests: the CPU times come from /proc
+    "client_s_per_request", "client_s_per_step", "workers_s_per_token", "tokens", "wall_s", "run",
+    "run_small", "runs"} (the workers' and the wall time of the first run; `run` and `run_small` the
+    batch-64 and batch-16 runs as served; `runs` what the split was solved from). 256 requests: the CPU times come from /proc
     in 10 ms ticks, and with 64 the 1-token run was a few ticks, so the per-request cost came out 0
     on the AVX-512 EPYC where 256 measure it at ~0.7 ms (the front) and ~0.19 ms (the load
     generator)."""
@@ -116,8 +118,12 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
                 m = load(concurrency, prompts, seed, length)
                 t1, w1 = tree_cpu(proc.pid), time.perf_counter()
                 workers = sum(cpu - t0[p][1] for p, (title, cpu) in t1.items() if p in t0 and title.startswith("shuttle-"))
+                steps = engine_steps(url) - steps0
+                if steps <= 0:  # a counter that did not move (or restarted) would misplace the per-step cost
+                    raise RuntimeError(f"the served run at concurrency {concurrency} counted {steps} engine steps "
+                                       f"(/metrics shuttle_engine_steps_total); the front's profile needs them")
                 runs.append({"tokens": max(int(m["total_output_tokens"]), 1), "requests": max(int(m["completed"]), 1),
-                             "steps": engine_steps(url) - steps0, "concurrency": concurrency,
+                             "steps": steps, "concurrency": concurrency,
                              "front": t1[proc.pid][1] - t0[proc.pid][1], "client": m["client_cpu_s"], "workers": workers,
                              "wall": w1 - w0, "load_s": m["duration"], "input_tokens": int(m["total_input_tokens"])})
         finally:
@@ -174,13 +180,14 @@ def split_front_cpu(runs: list[dict], who: str) -> tuple[float, float, float]:
     X = np.array([[float(r[t]) for t in terms] for r in runs])
     y = np.array([float(r[who]) for r in runs])
     best, best_err = np.zeros(len(terms)), float(np.sum(y ** 2))
-    for k in range(1, len(terms) + 1):
+    tie = 1e-12 * best_err  # fits this close are equal: the one with fewer terms (found first) stays
+    for k in range(1, min(len(terms), len(runs)) + 1):  # no more terms than runs: those fit anything
         for cols in itertools.combinations(range(len(terms)), k):
             coef = np.linalg.lstsq(X[:, cols], y, rcond=None)[0]
             if (coef < 0).any():
                 continue
             err = float(np.sum((X[:, cols] @ coef - y) ** 2))
-            if err < best_err * (1 - 1e-9):  # fewer terms win ties
+            if err < best_err - tie:
                 best, best_err = np.zeros(len(terms)), err
                 best[list(cols)] = coef
     per = dict(zip(terms, best.tolist()))

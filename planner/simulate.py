@@ -154,17 +154,18 @@ class _Worker:
         self.queued_tokens = 0
 
 
-def served_slowdown(perf, dep: "Deployment") -> float:
+def served_slowdown(perf, dep: "Deployment", batch: float | None = None) -> float:
     """How much slower the workers compute on a shared host than the profile's fits (1.0 where each
     process has its own device): the profile's served factor, or, where both pools compute at once
     (m >= 2) and the profile has served runs at two batch sizes (planner.profile.served_factors), the
-    factor interpolated in 1 / (batch per micro-batch) between them (the nearest one's outside)."""
+    factor interpolated in 1 / (batch per micro-batch) between them (the nearest one's outside).
+    batch: the sequences an attention worker runs at once (None: its max_num_seqs)."""
     if not dep.cores:
         return 1.0
     points = getattr(perf, "served_factors", [])
     if dep.colocated or dep.micro_batches < 2 or len(points) < 2:
         return float(getattr(perf, "served_factor", 1.0))
-    per_call = max(dep.max_num_seqs / dep.micro_batches, 1.0)
+    per_call = max((dep.max_num_seqs if batch is None else batch) / dep.micro_batches, 1.0)
     x, f = zip(*sorted((1.0 / t, f) for t, f in points))
     return float(np.interp(1.0 / per_call, x, f))
 
@@ -176,7 +177,7 @@ class Simulator:
             perf = perf.for_pools()
         self.perf, self.model, self.dep = perf, model, dep
         # On a shared host the workers compute slower than their parts measured alone: the profile's
-        # calibration against a served run (planner.profile.served_factor).
+        # calibration against served runs (served_slowdown; `run` sets it for its workload's batch).
         self.slow = served_slowdown(perf, dep)
         E, n_e = model.num_experts, dep.expert_workers
         local = np.array(dep.local_experts if dep.local_experts else [E / n_e] * n_e, dtype=float)
@@ -333,6 +334,9 @@ class Simulator:
         blocks = dep.num_blocks or dep.max_num_seqs * per_seq + 1
         workers = [_Worker(dep, blocks) for _ in range(dep.attention_workers)]
         cap = wl.max_concurrency or wl.num_prompts
+        # what each attention worker runs at once: the load's concurrency over the workers, at most
+        # max_num_seqs (an open-loop load: max_num_seqs)
+        self.slow = served_slowdown(self.perf, dep, min(dep.max_num_seqs, -(-cap // dep.attention_workers)))
         free_slots = [0.0] * cap  # a heap of the times concurrency slots free up
         pending = deque(range(wl.num_prompts))
         send, times = np.zeros(wl.num_prompts), [[] for _ in range(wl.num_prompts)]

@@ -142,8 +142,10 @@ class _SSEResponse(StreamingResponse):
         finally:
             for t in (stream, gone):
                 t.cancel()
-            await asyncio.gather(stream, gone, return_exceptions=True)
-            self.on_close()
+            try:
+                await asyncio.gather(stream, gone, return_exceptions=True)
+            finally:  # also when this task is cancelled again while it waits for them
+                self.on_close()
         if stream.done() and not stream.cancelled() and stream.exception() is not None:
             raise stream.exception()
 

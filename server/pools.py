@@ -301,9 +301,10 @@ class PoolEngine(Supervision):
 
     def wake(self) -> None:
         """Make a `step` that is waiting for the workers return now (thread-safe): the caller has
-        new requests or aborts to send. One wake-up at a time is queued: the caller's messages are
-        all read when the step returns, so a burst of requests costs the engine thread one extra
-        turn, not one each (a served batch of 64 arrivals took 64 turns of its loop)."""
+        new requests or aborts to send. About one wake-up at a time is queued (two threads calling
+        at once may both queue one: an extra turn, never a lost one): the caller's messages are all
+        read when the step returns, so a burst of requests costs the engine thread one extra turn,
+        not one each (a served batch of 64 arrivals took 64 turns of its loop)."""
         if self._wake_queued:
             return
         self._wake_queued = True

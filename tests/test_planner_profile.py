@@ -117,6 +117,10 @@ def test_front_cpu_splits_into_per_token_per_request_and_per_step():
     per_token, per_request, per_step = split_front_cpu([long, short], "front")
     assert per_step == 0.0 and min(per_token, per_request) == 0.0 and max(per_token, per_request) > 0
     assert min(split_front_cpu([dict(r, front=-r["front"]) for r in runs], "front")) == 0.0
+    # Two runs with steps and no per-step cost: no more terms than runs (three would fit anything),
+    # and the exact two-term fit is not displaced by rounding in another.
+    two_steps = [run(1024, 17, 1e-4, 2e-3, 0.0), run(64, 2, 1e-4, 2e-3, 0.0)]
+    assert split_front_cpu(two_steps, "front") == pytest.approx((1e-4, 2e-3, 0.0))
 
 
 def test_cache_evictor_reads_the_llc_size_and_runs_only_for_models_larger_than_it(tmp_path):

@@ -278,6 +278,15 @@ def test_served_factors_slow_small_batches_where_both_pools_compute_at_once():
     scaled = sim(p, cores=2, torch_threads=1, micro_batches=2, max_num_seqs=16)
     step = [batch([1] * 16)]
     assert scaled.step_time(0.0, step) == pytest.approx(2 * bare.step_time(0.0, step))
+    # A workload's concurrency below max_num_seqs, or split over attention workers, sets the batch.
+    many = Deployment(False, 1, 1, 2, 1, 2, "shm", max_num_seqs=128)
+    sim_many = Simulator(perf, SimModel.from_profile(p), many)
+    sim_many.run(Workload(num_prompts=16, input_len=1, output_len=2, max_concurrency=16))
+    assert sim_many.slow == pytest.approx(2.0)
+    two = Deployment(False, 2, 1, 2, 1, 4, "shm", max_num_seqs=64)
+    sim_two = Simulator(perf, SimModel.from_profile(p), two)
+    sim_two.run(Workload(num_prompts=64, input_len=1, output_len=2, max_concurrency=64))  # 32 each: 16 a call
+    assert sim_two.slow == pytest.approx(4 / 3)
     # colocated, m = 1 and a host of its own: the one factor, or none
     assert served_slowdown(perf, Deployment(True, cores=2, max_num_seqs=16)) == 1.5
     assert served_slowdown(perf, pools(16, m=1)) == 1.5

@@ -308,3 +308,45 @@ def test_bench_serve_against_the_live_server(server, tmp_path, backend):
     sent = metric(server, "shuttle_prompt_tokens_total") - prompts
     assert result["total_input_tokens"] < sent <= result["total_input_tokens"] + max(result["input_lens"])
     assert result["output_throughput_per_gpu"] == pytest.approx(result["output_throughput"] / 2)
+
+
+@pytest.mark.parametrize("ending", ["done", "raises", "disconnect", "cancelled twice"])
+def test_sse_stream_runs_on_close_however_it_ends(ending):
+    """The stream's on_close (the admission's release) runs in the event loop whatever ends it,
+    also when its task is cancelled again while it cleans up."""
+    import asyncio
+
+    from server.api_server import _SSEResponse
+
+    async def chunks():
+        yield "a"
+        if ending == "raises":
+            raise ValueError("boom")
+        if ending != "done":
+            try:
+                await asyncio.sleep(100)
+            except asyncio.CancelledError:
+                await asyncio.sleep(0.01)  # cleanup that awaits (an abort)
+                raise
+
+    async def main() -> list:
+        closed, gone = [], asyncio.Event()
+
+        async def receive():
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(_):
+            pass
+        task = asyncio.create_task(_SSEResponse(chunks(), on_close=lambda: closed.append(1),
+                                                media_type="text/event-stream")({"type": "http"}, receive, send))
+        await asyncio.sleep(0.01)
+        if ending == "disconnect":
+            gone.set()
+        elif ending == "cancelled twice":
+            task.cancel()
+            await asyncio.sleep(0)
+            task.cancel()
+        await asyncio.wait({task}, timeout=5)
+        return closed
+    assert asyncio.run(main()) == [1]
