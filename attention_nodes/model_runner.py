@@ -103,7 +103,7 @@ class ModelRunner:
         """Compute the batch's scheduled tokens. Returns float32 logits (R, V) of the last token of
         each sequence whose batch.sample flag is set, in batch order, and the logits of the prompt
         positions of this step for the sequences that need their prompt's logprobs."""
-        with native.native_parallel_only(self.narrow_decode and max(batch.num_new_tokens) == 1):
+        with self.decode_threads(batch.num_new_tokens):
             inputs = [None if not group else self._prepare(batch, group)
                       for group in split_micro_batches(batch.num_new_tokens, self.micro_batches)]
             # Each micro-batch's LM head runs as soon as its last layer is combined (overlapping the
@@ -121,11 +121,20 @@ class ModelRunner:
                 offset += span.count
         return (sampled[0] if len(sampled) == 1 else torch.cat(sampled)), prompt  # one: no copy of rows x vocab
 
+    def decode_threads(self, num_new_tokens: list[int]):
+        """The threads a step with these new tokens per sequence runs on: under passive waits a
+        decode-only step of a model whose heavy work is native keeps torch on one thread
+        (native.native_parallel_only); otherwise unchanged."""
+        return native.native_parallel_only(self.narrow_decode and max(num_new_tokens) == 1)
+
+    def logits(self, h_TD: torch.Tensor) -> torch.Tensor:
+        """The LM head of these rows on every thread, also inside decode_threads: the cast of rows x
+        vocabulary logits is worth both threads."""
+        with native.torch_parallel():
+            return self.model.logits(h_TD)
+
     def _head(self, inputs: list):
-        def head(i: int, h_TD: torch.Tensor) -> torch.Tensor:
-            with native.torch_parallel():  # the cast of rows x vocabulary logits is worth both threads
-                return self.model.logits(h_TD[inputs[i][2]])
-        return head
+        return lambda i, h_TD: self.logits(h_TD[inputs[i][2]])
 
     @torch.inference_mode()
     def idle_step(self) -> None:

@@ -239,19 +239,15 @@ def measure_attention(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
 
 def _head_time(runner: ModelRunner, q_lens: list[int], repeats: int, evict: CacheEvictor) -> float:
     """Embedding of the step's tokens, final norm and LM head of its sampled rows (one per sequence),
-    on the threads the runner gives them (a narrowed decode step: torch on one, the LM head on all)."""
-    from kernels import native
-
+    on the threads the runner gives them (ModelRunner.decode_threads, ModelRunner.logits)."""
     model = runner.model
     ids = torch.ones(sum(q_lens), dtype=torch.long)
     rows = torch.tensor(q_lens).cumsum(0) - 1
 
     @torch.inference_mode()
     def head():
-        with native.native_parallel_only(runner.narrow_decode and max(q_lens) == 1):
-            h = model.model.norm(model.model.embed_tokens(ids)[rows])
-            with native.torch_parallel():
-                model.logits(h)
+        with runner.decode_threads(q_lens):
+            runner.logits(model.model.norm(model.model.embed_tokens(ids)[rows]))
 
     return best_time(head, repeats, before=evict)
 
