@@ -41,22 +41,24 @@ def cluster():
     # "The current node timed out during startup" and "Timed out waiting for file .../gcs_server_port"
     # (the GCS server's 30 s default). Wait up to 120 s for the GCS, and try once more before the
     # module fails.
-    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
-    for attempt in range(2):
-        try:
-            c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=2, resources={"attn_gpu": 2},
-                                                                  include_dashboard=False))
-            break
-        except Exception as e:  # noqa: BLE001 (ray raises a bare Exception or RuntimeError for these)
-            if attempt or "timed out" not in str(e).lower():
-                raise
-            ray.shutdown()
-            _kill_session(str(e))
-    c.add_node(num_cpus=2, resources={"expert_gpu": 2})
-    ray.init(address=c.address, include_dashboard=False, logging_level="WARNING")
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with pytest.MonkeyPatch.context() as mp:  # for this module's Ray processes only
+        if "RAY_gcs_server_port_wait_time_s" not in os.environ:
+            mp.setenv("RAY_gcs_server_port_wait_time_s", "120")
+        for attempt in range(2):
+            try:
+                c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=2, resources={"attn_gpu": 2},
+                                                                      include_dashboard=False))
+                break
+            except Exception as e:  # noqa: BLE001 (ray raises a bare Exception or RuntimeError for these)
+                if attempt or "timed out" not in str(e).lower():
+                    raise
+                ray.shutdown()
+                _kill_session(str(e))
+        c.add_node(num_cpus=2, resources={"expert_gpu": 2})
+        ray.init(address=c.address, include_dashboard=False, logging_level="WARNING")
+        yield c
+        ray.shutdown()
+        c.shutdown()
 
 
 @pytest.mark.slow
