@@ -231,6 +231,26 @@ def test_served_factor_slows_the_workers_on_a_shared_host_only():
     assert sim(p, colocated=True, cores=2, torch_threads=1).step_time(0.0, one) == pytest.approx(6 * MS)
 
 
+def test_served_factor_is_solved_so_the_simulator_gives_the_served_run():
+    """Only the workers' compute scales with the factor, not the front's CPU or the transfers: the
+    factor is the one with which the simulated run lasts what the served one did (the plain ratio of
+    served to unscaled simulated time under-corrects by the front's share)."""
+    from planner.profile import served_factor
+
+    p = profile(a=1.0, e=1.0, c=0.5, layers=2)
+    p["front"] = {"front_s_per_token": 1.0 * MS, "front_s_per_step": 0.5 * MS,
+                  "run": {"requests": 6, "prompt_len": 3, "output_len": 3, "concurrency": 2, "micro_batches": 2}}
+    dep = Deployment(False, 1, 1, 2, 1, 2, "shm", max_num_seqs=2)
+    wl = Workload(6, 3, 3, 2)
+
+    def duration(factor: float) -> float:
+        return Simulator(ProfilePerf({**p, "served_factor": factor}), SimModel.from_profile(p), dep).run(wl)["duration"]
+    p["front"]["run"]["load_s"] = 1.6 * duration(1.0)
+    f = served_factor(p)
+    assert f > 1.6  # the ratio alone
+    assert duration(f) == pytest.approx(p["front"]["run"]["load_s"], rel=2e-3)
+
+
 def test_prefilling_sequences_pay_the_prefill_terms_and_decodes_do_not():
     """The attention fit has its own terms for the tokens of prefilling sequences (more than one new
     token) and the context they read; a decode step never pays them, and a profile made before
