@@ -1,7 +1,7 @@
 """The planner's predictions against measured runs on this host, side by side.
 
     python bench/planner.py [--quick] [--dtype bfloat16] [--serve-dtype auto] [--repeats N]
-                            [--shapes mixtral,fine] [--only NAME,...] [--fresh-profile]
+                            [--shapes mixtral,fine] [--only NAME,...] [--fresh-profile] [--fresh-front]
 
 For each model shape (built locally with random weights: "mixtral" about 400M parameters, 8
 experts of 2048, top-2; "fine" the same size in 32 experts of 512, top-4; --quick: about 25M):
@@ -20,7 +20,8 @@ per output token of the front, each pool and the load generator (from /proc), be
 the model assumes. With --fresh-profile each deployment is also predicted from the workers and
 M2N profiled again right after its measurement (`pred_fresh_tok_s`, `tok_s_err_fresh`): on a host
 whose speed drifts by minutes, that separates the model's own error from the drift between the
-first profile and the measurement. The machine is shared: re-run on a quiet one before trusting a number (the
+first profile and the measurement. --fresh-front re-profiles the front and its served runs too,
+so the served factors (which carry the cost of both pools computing at once) are fresh as well. The machine is shared: re-run on a quiet one before trusting a number (the
 profile's residuals, printed first, and the rows' spreads and load averages say how noisy it was).
 """
 import argparse
@@ -152,7 +153,8 @@ def run_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> tu
     profile = json.loads(prof_path.read_text())
     cores = profile["host"]["cores"]
     fresh_path = tmp / f"{name}.fresh.json"
-    fresh_cmd = [*cmd[:cmd.index("--out") + 1], str(fresh_path), *cmd[cmd.index("--out") + 2:], "--no-front"]
+    fresh_cmd = [*cmd[:cmd.index("--out") + 1], str(fresh_path), *cmd[cmd.index("--out") + 2:],
+                 *([] if args.fresh_front else ["--no-front"])]
     plan, plan_path = plan_pick(ckpt, prof_path, args)
     if not args.only or "plan" in args.only:
         deployments = {**deployments, "the plan's pick (serve --plan)": (["--plan", str(plan_path)],
@@ -173,10 +175,11 @@ def run_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> tu
                      "load_average": m["load_average"], "meas_cpu_us_per_token": {
                          k: round(v * 1e6) for k, v in m["cpu_s_per_token"].items()},
                      "pred_attn_busy": p["attention_busy"], "pred_expert_busy": p["expert_busy"]})
-        if args.fresh_profile:  # the workers and M2N profiled again right after the measurement
+        if args.fresh_profile:  # the workers and M2N (and the front) profiled again right after the measurement
             subprocess.run(fresh_cmd, check=True, stdout=subprocess.DEVNULL)
-            fresh = {**json.loads(fresh_path.read_text()),
-                     **{k: profile.get(k) for k in ("front", "served_factor", "served_factors")}}
+            fresh = json.loads(fresh_path.read_text())
+            if not args.fresh_front:
+                fresh.update({k: profile.get(k) for k in ("front", "served_factor", "served_factors")})
             f = predict(fresh, dep, m, args)
             rows[-1].update(pred_fresh_tok_s=f["output_throughput"],
                             tok_s_err_fresh=f["output_throughput"] / m["output_throughput"] - 1,
@@ -216,6 +219,9 @@ def main() -> None:
                    help="also predict each deployment from the workers and M2N profiled again right after its "
                         "measurement (the first profile's front and served factor kept): the model's error with "
                         "the host's drift between the profile and the measurement taken out")
+    p.add_argument("--fresh-front", action="store_true",
+                   help="with --fresh-profile, profile the front and its served runs again too (about 20 s more "
+                        "a deployment), so the served factors are as fresh as the workers' fits")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--min-prompts", type=int, default=32,
@@ -223,6 +229,7 @@ def main() -> None:
     p.add_argument("--only", default=None, help="comma-separated deployment names (of the first shape)")
     p.add_argument("--shapes", default=None, help="comma-separated model shapes to run (default: both)")
     args = p.parse_args()
+    args.fresh_profile = args.fresh_profile or args.fresh_front
     if args.quick:
         args.output_len, args.min_prompts = 16, 16
     shapes = QUICK_SHAPES if args.quick else SHAPES
