@@ -21,8 +21,9 @@ the model assumes. With --fresh-profile each deployment is also predicted from t
 M2N profiled again right after its measurement (`pred_fresh_tok_s`, `tok_s_err_fresh`): on a host
 whose speed drifts by minutes, that separates the model's own error from the drift between the
 first profile and the measurement. --fresh-front re-profiles the front and its served runs too,
-so the served factors (which carry the cost of both pools computing at once) are fresh as well. The machine is shared: re-run on a quiet one before trusting a number (the
-profile's residuals, printed first, and the rows' spreads and load averages say how noisy it was).
+so the served factors (which carry the cost of both pools computing at once) are fresh as well.
+The machine is shared: re-run on a quiet one before trusting a number (the profile's residuals,
+printed first, and the rows' spreads and load averages say how noisy it was).
 """
 import argparse
 import contextlib
@@ -220,7 +221,7 @@ def main() -> None:
                         "measurement (the first profile's front and served factor kept): the model's error with "
                         "the host's drift between the profile and the measurement taken out")
     p.add_argument("--fresh-front", action="store_true",
-                   help="with --fresh-profile, profile the front and its served runs again too (about 20 s more "
+                   help="with --fresh-profile, profile the front and its served runs again too (about 12 s more "
                         "a deployment), so the served factors are as fresh as the workers' fits")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
