@@ -435,25 +435,38 @@ def served_factor(profile: dict) -> float:
 
 def served_factors(profile: dict) -> list[list[float]]:
     """[[sequences per micro-batch, factor], ...] of the front's served runs at both batch sizes (64
-    and 16 at m = 2: 32 and 8), smallest first; [] without them. Where both pools compute at
-    once (m >= 2), sharing the host slows the small calls more: an expert call of 8 tokens was 2-3.5x
-    slower beside a memory-streaming process, one of 128 1.2-1.3x, and batch 16 served at m = 2 ran
-    12-17% slower than the batch-64 factor predicts (bench/planner.py, 128 prompts a repeat). The
-    simulator interpolates between these in 1 / (batch per micro-batch) for such deployments
-    (planner.simulate.served_slowdown): a whole served run's factor, as measured, not a call's."""
+    and 16 at m = 2: 32 and 8), smallest first; [] without them. Where both pools compute at once
+    (m >= 2), sharing the host slows the small calls more: an expert call of 8 tokens was 2-3.5x
+    slower beside a memory-streaming process, one of 128 1.2-1.3x. The simulator scales each call by
+    the factor at its tokens, interpolated between these points and held at the nearer one outside
+    them (planner.simulate.call_slowdown): a run's decode micro-batches get the point of their size,
+    its prefill chunks the large-call one. The points are solved together so that the simulator
+    gives both served runs their measured wall times (the batch-16 run's prefill chunks take the
+    batch-64 point). With one factor per run, which scaled a run's prefill as its decode, batch 16
+    was predicted 12-18% short in TPOT in every run."""
     fr = profile.get("front") or {}
-    runs = [r for r in (fr.get("run_small"), fr.get("run")) if r]
-    if len(runs) < 2:
+    runs = sorted((r["concurrency"] / r["micro_batches"], r) for r in (fr.get("run_small"), fr.get("run")) if r)
+    if len(runs) < 2 or runs[0][0] >= runs[-1][0]:
         return []
-    return sorted([r["concurrency"] / r["micro_batches"], _served_over_simulated(profile, r)] for r in runs)
+    (t_lo, lo), (t_hi, hi) = runs[0], runs[-1]
+    f_lo, f_hi = _served_over_simulated(profile, lo), _served_over_simulated(profile, hi)
+    for _ in range(6):  # each run moves its own point; the other's enters through its other calls
+        old = (f_lo, f_hi)
+        f_hi = _served_over_simulated(profile, hi, lambda f: {"served_factors": [[t_lo, f_lo], [t_hi, f]]}, f_hi)
+        f_lo = _served_over_simulated(profile, lo, lambda f: {"served_factors": [[t_lo, f], [t_hi, f_hi]]}, f_lo)
+        if max(abs(f_lo - old[0]), abs(f_hi - old[1])) < 2e-3:
+            break
+    return [[t_lo, f_lo], [t_hi, f_hi]]
 
 
-def _served_over_simulated(profile: dict, run: dict) -> float:
+def _served_over_simulated(profile: dict, run: dict, factors=None, start: float | None = None) -> float:
     """The factor on the workers' compute with which the simulator gives a served 1 + 1 run's wall
     time, at least 1. Only the compute scales (the front's and the transfers' times do not), so the
     plain ratio of the served to the unscaled simulated time under-corrects: on the AVX-512 host the
     calibrated simulator still gave the profile's own served runs 1-3% (batch 64) and 4-6% (batch
-    16) too fast. Solved by secant steps on the simulated duration (nearly linear in the factor)."""
+    16) too fast. Solved by secant steps on the simulated duration (nearly linear in the factor).
+    factors(f): the profile keys that put f in place (default: the one served_factor); start: a
+    first guess (default: the plain ratio)."""
     from planner.perf import ProfilePerf
     from planner.simulate import Deployment, SimModel, Simulator, Workload
 
@@ -462,16 +475,17 @@ def _served_over_simulated(profile: dict, run: dict) -> float:
                      max_num_seqs=run["concurrency"])
     model = SimModel.from_profile(bare)
     target = run["load_s"]
+    factors = factors or (lambda f: {"served_factor": f})
 
     def duration(factor: float) -> float:
-        perf = ProfilePerf({**bare, "served_factor": factor})
+        perf = ProfilePerf({**bare, **factors(factor)})
         return Simulator(perf, model, dep).run(
             Workload(run["requests"], run["prompt_len"], run["output_len"], run["concurrency"]))["duration"]
     f0, d0 = 1.0, duration(1.0)
     if d0 >= target:
         return 1.0
-    f1 = target / d0
-    for _ in range(4):
+    f1 = start if start is not None and start > 1.0 else target / d0
+    for _ in range(6):
         d1 = duration(f1)
         if abs(d1 - target) <= 1e-3 * target or d1 == d0:
             break

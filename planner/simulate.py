@@ -28,9 +28,9 @@ What is real and what is modelled:
   so their multi-thread costs are the profile's passive fits (ProfilePerf.for_pools).
 - Sharing a host also slows the workers' compute itself (cache, memory bandwidth): on a shared host
   every compute time is multiplied by the profile's served factor (planner.profile.served_factor);
-  where both pools compute at once (m >= 2) by one that depends on the batch per micro-batch,
+  where both pools compute at once (m >= 2) each call's by one that depends on its tokens,
   interpolated between served runs at two batch sizes (planner.profile.served_factors,
-  served_slowdown).
+  call_slowdown; the step's own work by the factor at the batch per micro-batch, served_slowdown).
 """
 import heapq
 from collections import deque
@@ -170,6 +170,25 @@ def served_slowdown(perf, dep: "Deployment", batch: float | None = None) -> floa
     return float(np.interp(1.0 / per_call, x, f))
 
 
+def call_slowdown(perf, dep: "Deployment"):
+    """Where both pools compute at once on a shared host (m >= 2, cores set) and the profile has
+    served runs at two batch sizes: the factor on one call's compute as a function of its tokens (an
+    attention worker's micro-batch, or the tokens an expert call gathers), interpolated in 1 / tokens
+    between the runs' points (planner.profile.served_factors) and held at the nearer point outside
+    them. So a decode micro-batch of 8 sequences gets the batch-16 run's factor and a prefill chunk of
+    hundreds of tokens the batch-64 one: sharing the memory bandwidth slows the small calls most.
+    None elsewhere (served_slowdown's one factor applies)."""
+    points = sorted(getattr(perf, "served_factors", []))
+    if not dep.cores or dep.colocated or dep.micro_batches < 2 or len(points) < 2:
+        return None
+    x, f = zip(*sorted((1.0 / t, f) for t, f in points))
+
+    def factor(tokens):
+        t = np.maximum(np.asarray(tokens, dtype=float), 1.0)
+        return np.interp(1.0 / t, x, f)
+    return factor
+
+
 class Simulator:
     def __init__(self, perf, model: SimModel, dep: Deployment, trace_steps: int = 0):
         # Worker pools wait passively between OpenMP regions (ProfilePerf.for_pools); colocated spins.
@@ -179,6 +198,7 @@ class Simulator:
         # On a shared host the workers compute slower than their parts measured alone: the profile's
         # calibration against served runs (served_slowdown; `run` sets it for its workload's batch).
         self.slow = served_slowdown(perf, dep)
+        self.call_slow = call_slowdown(perf, dep)  # by each call's tokens where both pools compute at once
         E, n_e = model.num_experts, dep.expert_workers
         local = np.array(dep.local_experts if dep.local_experts else [E / n_e] * n_e, dtype=float)
         self.local_e = local
@@ -214,8 +234,9 @@ class Simulator:
         """Simulated end time of a step that starts at t0 with these batches (one per attention worker)."""
         tok, kv, rows, seqs, ptok, pkv = self._shape(batches)
         (th, th_e), mod, dep = self.dep.pool_threads, self.model, self.dep
-        A = self.perf.attention(tok, kv, th, prefill_tokens=ptok, kv_prefill=pkv) * self.slow
-        H = self.perf.head(rows, tok, th) * self.slow
+        slow = self.slow if self.call_slow is None else self.call_slow(tok)
+        A = self.perf.attention(tok, kv, th, prefill_tokens=ptok, kv_prefill=pkv) * slow
+        H = self.perf.head(rows, tok, th) * slow
         S = self.perf.step(seqs, th) * self.slow
         trace = step < self.trace_steps
         if dep.colocated:
@@ -269,7 +290,7 @@ class Simulator:
         T_i = tok.sum(0)
         pairs = self.share_e[:, None] * T_i[None, :] * mod.top_k
         X = self.perf.experts(pairs, expected_active(T_i[None, :], self.local_e[:, None], mod.num_experts, mod.top_k),
-                              th) * self.slow
+                              th) * (self.slow if self.call_slow is None else self.call_slow(T_i)[None, :])
         sent_WEm = tok[:, None, :] * self.p_send_e[None, :, None]
         row = mod.hidden_size * mod.dtype_bytes
         c_out = self.perf.transfer(sent_WEm * (row + 8 * mod.top_k), dep.transport)

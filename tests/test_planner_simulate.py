@@ -2,6 +2,7 @@
 m overlapping micro-batches, lock-step across attention workers, and a whole workload."""
 import json
 
+import numpy as np
 import pytest
 
 from attention_nodes.sampling_params import SamplingParams
@@ -268,23 +269,32 @@ def test_prefilling_sequences_pay_the_prefill_terms_and_decodes_do_not():
 
 
 def test_served_factors_slow_small_batches_where_both_pools_compute_at_once():
-    """A profile's served runs at two batch sizes (planner.profile.served_factors): interpolated in
-    1 / (batch per micro-batch) for pools at m >= 2 on a shared host; one factor elsewhere."""
+    """A profile's served runs at two batch sizes (planner.profile.served_factors): for pools at
+    m >= 2 on a shared host each call's compute scales by the factor at its tokens, interpolated in
+    1 / tokens between the two points and held at the nearer one outside them; the points are solved
+    together from the runs (the small run's prefill calls take the large run's point); the step's
+    own work takes the factor at the batch per micro-batch; one factor elsewhere."""
     from planner.profile import served_factors
-    from planner.simulate import served_slowdown
+    from planner.simulate import call_slowdown, served_slowdown
 
-    p = profile(a=1.0, e=1.0, layers=2)
+    p = profile(a=1.0, a_tok=0.2, e=1.0, e_pair=0.1, layers=2)
     p["fits"]["2"] = p["fits"]["1"]
-    runs = {"run": {"requests": 8, "prompt_len": 3, "output_len": 2, "concurrency": 4, "micro_batches": 2},
-            "run_small": {"requests": 8, "prompt_len": 3, "output_len": 2, "concurrency": 2, "micro_batches": 2}}
-    for key, slower in (("run", 1.5), ("run_small", 3.0)):
-        r = runs[key]
+    runs = {"run": {"requests": 8, "prompt_len": 9, "output_len": 4, "concurrency": 8, "micro_batches": 2},
+            "run_small": {"requests": 8, "prompt_len": 9, "output_len": 4, "concurrency": 2, "micro_batches": 2}}
+    truth = [[1.0, 3.0], [4.0, 1.5]]  # 1 and 4 sequences a micro-batch
+    for r in runs.values():  # served runs as long as the per-call model with these points says
         dep = Deployment(False, 1, 1, 2, 1, 2, "shm", max_num_seqs=r["concurrency"])
-        r["load_s"] = slower * Simulator(ProfilePerf(p), SimModel.from_profile(p), dep).run(
+        r["load_s"] = Simulator(ProfilePerf({**p, "served_factors": truth}), SimModel.from_profile(p), dep).run(
             Workload(r["requests"], r["prompt_len"], r["output_len"], r["concurrency"]))["duration"]
     p["front"] = runs
-    # 1 and 2 sequences a micro-batch
-    assert served_factors(p) == [pytest.approx([1.0, 3.0]), pytest.approx([2.0, 1.5])]
+    got = served_factors(p)
+    assert [t for t, _ in got] == [1.0, 4.0]
+    assert [f for _, f in got] == pytest.approx([3.0, 1.5], abs=0.02)
+    # a call's factor: the points at their tokens, between them linear in 1 / tokens, the nearer outside
+    f = call_slowdown(ProfilePerf({**p, "served_factors": truth}), Deployment(False, 1, 1, 2, 1, 2, "shm"))
+    assert f(np.array([1.0, 2.0, 4.0, 512.0, 0.0])) == pytest.approx([3.0, 2.0, 1.5, 1.5, 3.0])
+    assert call_slowdown(ProfilePerf({**p, "served_factors": truth}), Deployment(True, 1, 1, 1, 1, 2, "shm")) is None
+    assert call_slowdown(ProfilePerf({**p, "served_factors": truth}), Deployment(False, 1, 1, 1, 1, 2, "shm")) is None
     p.update(served_factor=1.5, served_factors=[[8.0, 2.0], [32.0, 1.0]])
     perf = ProfilePerf(p)
 
@@ -298,6 +308,9 @@ def test_served_factors_slow_small_batches_where_both_pools_compute_at_once():
     scaled = sim(p, cores=2, torch_threads=1, micro_batches=2, max_num_seqs=16)
     step = [batch([1] * 16)]
     assert scaled.step_time(0.0, step) == pytest.approx(2 * bare.step_time(0.0, step))
+    # ... by its calls' tokens, not the batch's: two 32-token prefills, one a micro-batch, take 32's factor
+    prefill = [batch([32, 32])]
+    assert scaled.step_time(0.0, prefill) == pytest.approx(bare.step_time(0.0, prefill))
     # A workload's concurrency below max_num_seqs, or split over attention workers, sets the batch.
     many = Deployment(False, 1, 1, 2, 1, 2, "shm", max_num_seqs=128)
     sim_many = Simulator(perf, SimModel.from_profile(p), many)
