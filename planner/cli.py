@@ -91,9 +91,9 @@ def format_profile(p: dict) -> str:
         lines.append(f"  served: the workers computed {p['served_factor']:.2f}x what the fits say in the front's served "
                      "1 + 1 run (the simulator applies it on a shared host)")
     if p.get("served_factors"):
-        lines.append("  served at m=2 by sequences per micro-batch: " + ", ".join(
-            f"{t:g} -> {f:.2f}x" for t, f in p["served_factors"]) + " (the simulator interpolates where both pools "
-            "compute at once)")
+        lines.append("  served at m=2 by tokens per call: " + ", ".join(
+            f"{t:g} -> {f:.2f}x" for t, f in p["served_factors"]) + " (where both pools compute at once the "
+            "simulator scales each call by its tokens, between these)")
     if p.get("front"):
         fr = p["front"]
         lines.append(f"  front {fr['front_s_per_token'] * 1e6:.0f} us + load generator "
