@@ -225,11 +225,15 @@ def test_served_factor_slows_the_workers_on_a_shared_host_only():
     assert served_factor(p) == pytest.approx(2.0)
     p["front"]["run"]["load_s"] = 0.5 * simulated
     assert served_factor(p) == 1.0
-    # Applied to every worker's compute on a shared host, not where each process has its device.
+    # Applied to every worker's compute on a shared host where the pools compute at once (m >= 2)
+    # and to a colocated engine; not where each process has its device, nor to pools at m = 1.
     p["served_factor"] = 1.5
     assert sim(p).step_time(0.0, one) == pytest.approx(4 * MS)
-    assert sim(p, cores=2, torch_threads=1).step_time(0.0, one) == pytest.approx(6 * MS)
+    assert sim(p, cores=2, torch_threads=1).step_time(0.0, one) == pytest.approx(4 * MS)
     assert sim(p, colocated=True, cores=2, torch_threads=1).step_time(0.0, one) == pytest.approx(6 * MS)
+    two = [batch([1, 1])]
+    bare = sim({**p, "served_factor": 1.0}, cores=2, torch_threads=1, micro_batches=2).step_time(0.0, two)
+    assert sim(p, cores=2, torch_threads=1, micro_batches=2).step_time(0.0, two) == pytest.approx(1.5 * bare)
 
 
 def test_served_factor_is_solved_so_the_simulator_gives_the_served_run():
@@ -320,7 +324,7 @@ def test_served_factors_slow_small_batches_where_both_pools_compute_at_once():
     sim_two = Simulator(perf, SimModel.from_profile(p), two)
     sim_two.run(Workload(num_prompts=64, input_len=1, output_len=2, max_concurrency=64))  # 32 each: 16 a call
     assert sim_two.slow == pytest.approx(4 / 3)
-    # colocated, m = 1 and a host of its own: the one factor, or none
+    # colocated: the one factor; pools at m = 1 (one computing at a time) and a host of its own: none
     assert served_slowdown(perf, Deployment(True, cores=2, max_num_seqs=16)) == 1.5
-    assert served_slowdown(perf, pools(16, m=1)) == 1.5
+    assert served_slowdown(perf, pools(16, m=1)) == 1.0
     assert served_slowdown(perf, Deployment(False, 1, 1, 2, 1, None, "shm", max_num_seqs=16)) == 1.0
