@@ -168,9 +168,14 @@ def served_slowdown(perf, dep: "Deployment", batch: float | None = None) -> floa
     points = getattr(perf, "served_factors", [])
     if dep.colocated or len(points) < 2:
         return float(getattr(perf, "served_factor", 1.0))
-    per_call = max((dep.max_num_seqs if batch is None else batch) / dep.micro_batches, 1.0)
+    return float(_factor_at(points, (dep.max_num_seqs if batch is None else batch) / dep.micro_batches))
+
+
+def _factor_at(points, tokens):
+    """The served factor at `tokens` per call (at least 1): linear in 1 / tokens between the
+    [[tokens, factor], ...] points, the nearer point's outside them."""
     x, f = zip(*sorted((1.0 / t, f) for t, f in points))
-    return float(np.interp(1.0 / per_call, x, f))
+    return np.interp(1.0 / np.maximum(np.asarray(tokens, dtype=float), 1.0), x, f)
 
 
 def call_slowdown(perf, dep: "Deployment"):
@@ -181,15 +186,10 @@ def call_slowdown(perf, dep: "Deployment"):
     them. So a decode micro-batch of 8 sequences gets the batch-16 run's factor and a prefill chunk of
     hundreds of tokens the batch-64 one: sharing the memory bandwidth slows the small calls most.
     None elsewhere (served_slowdown's one factor applies)."""
-    points = sorted(getattr(perf, "served_factors", []))
+    points = getattr(perf, "served_factors", [])
     if not dep.cores or dep.colocated or dep.micro_batches < 2 or len(points) < 2:
         return None
-    x, f = zip(*sorted((1.0 / t, f) for t, f in points))
-
-    def factor(tokens):
-        t = np.maximum(np.asarray(tokens, dtype=float), 1.0)
-        return np.interp(1.0 / t, x, f)
-    return factor
+    return lambda tokens: _factor_at(points, tokens)
 
 
 class Simulator:
@@ -237,7 +237,7 @@ class Simulator:
         """Simulated end time of a step that starts at t0 with these batches (one per attention worker)."""
         tok, kv, rows, seqs, ptok, pkv = self._shape(batches)
         (th, th_e), mod, dep = self.dep.pool_threads, self.model, self.dep
-        slow = self.slow if self.call_slow is None else self.call_slow(tok)
+        slow = self._slow_at(tok)
         A = self.perf.attention(tok, kv, th, prefill_tokens=ptok, kv_prefill=pkv) * slow
         H = self.perf.head(rows, tok, th) * slow
         S = self.perf.step(seqs, th) * self.slow
@@ -254,6 +254,11 @@ class Simulator:
         self.busy["attention"] += busy_a
         self.busy["experts"] += busy_e
         return t0 + self._share_cores(end - t0, busy_a * th + busy_e * th_e, rows)
+
+    def _slow_at(self, tokens):
+        """The factor on calls of `tokens` tokens: by their size where both pools compute at once
+        (call_slowdown), else the deployment's one (served_slowdown)."""
+        return self.slow if self.call_slow is None else self.call_slow(tokens)
 
     def _share_cores(self, wall: float, cpu: float, rows: np.ndarray) -> float:
         """A step's duration on a host of `dep.cores` cores shared by its workers (`cpu`: their busy
@@ -293,7 +298,7 @@ class Simulator:
         T_i = tok.sum(0)
         pairs = self.share_e[:, None] * T_i[None, :] * mod.top_k
         X = self.perf.experts(pairs, expected_active(T_i[None, :], self.local_e[:, None], mod.num_experts, mod.top_k),
-                              th) * (self.slow if self.call_slow is None else self.call_slow(T_i)[None, :])
+                              th) * self._slow_at(T_i)
         sent_WEm = tok[:, None, :] * self.p_send_e[None, :, None]
         row = mod.hidden_size * mod.dtype_bytes
         c_out = self.perf.transfer(sent_WEm * (row + 8 * mod.top_k), dep.transport)
