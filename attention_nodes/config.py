@@ -156,7 +156,9 @@ class EngineConfig:
     """model: checkpoint directory. dtype: None for the checkpoint's. device: "cpu" or "cuda".
     kernels: "torch" or "triton" to override the device's default (see kernels.ops).
     enforce_eager: run every op eagerly; False compiles the decoder's non-GEMM stages with
-    torch.compile at start-up where that applies (CPU with torch kernels; models/stages.py)."""
+    torch.compile at start-up where that applies (CPU with torch kernels; models/stages.py).
+    native_decode: run a colocated bf16 decode step's layers as one native call where the model
+    takes it (models/native_decode.py); False keeps the eager step."""
 
     model: str
     dtype: torch.dtype | None = None
@@ -167,7 +169,9 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     enforce_eager: bool = True
+    native_decode: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "native_decode"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

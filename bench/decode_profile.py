@@ -149,7 +149,8 @@ def main() -> None:
     rows, rates = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.model or mixtral(Path(tmp) / "big", "bfloat16", 1024, 2048, 8, 16, 4)
-        llm = LLM(ckpt, dtype=args.dtype, max_num_seqs=max(batches), max_num_batched_tokens=32 * max(batches))
+        llm = LLM(ckpt, dtype=args.dtype, max_num_seqs=max(batches), max_num_batched_tokens=32 * max(batches),
+                  native_decode=False)
         timers.install(llm.cfg.vocab_size)
         st = timers.stages()
         for m in llm.engine.runner.model.modules():

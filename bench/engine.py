@@ -27,7 +27,11 @@ Part 2, decode on a Mixtral-shaped checkpoint of ~425M parameters stored in bflo
   kernels run (kernels/native.py: the bf16 GEMM for few rows when serving float32, the paged decode
   attention), "native_off" is the same engine with SHUTTLE_NATIVE_KERNELS=0 (oneDNN's packed GEMMs
   at every row count, torch's flash attention over gathered pages), and native_speedup its step
-  time over eager's. transformers' decode step (generate) at batch <= 64 for reference.
+  time over eager's. "eager" is the engine as served: where the model takes it (bf16 on AVX-512
+  BF16), its colocated decode steps run every layer in one native call (models/native_decode.py);
+  "no_native_decode" is the same engine with --no-native-decode (each layer's kernels called from
+  Python), and native_decode_speedup its step time over eager's. transformers' decode step
+  (generate) at batch <= 64 for reference.
 Part 3, chunked prefill: prompts of 1024 tokens in chunks of 512 tokens per step, prompt tokens/s of
   both engines against the compute floor (matmul rate / FLOPs per token at half the prompt's context).
 The machine's matmul ISA (from /proc/cpuinfo) is printed and saved: without avx512_bf16 / amx_bf16,
@@ -214,9 +218,11 @@ def decode_roofline(ckpt: Path, dtype: str, batches: list[int], new_tokens: int,
     # with the chunk as the step budget.
     def make(mode: str) -> LLM:
         return LLM(ckpt, dtype=dtype, max_num_seqs=max(batches), max_num_batched_tokens=32 * max(batches),
-                   enforce_eager=mode != "compiled")
+                   enforce_eager=mode != "compiled", native_decode=mode != "no_native_decode")
 
     llms = {mode: make(mode) for mode in ("eager", "compiled")}
+    if llms["eager"].engine.runner.model.native_decode is not None:
+        llms["no_native_decode"] = make("no_native_decode")
     if native.available():
         # The baseline: no native kernels (SHUTTLE_NATIVE_KERNELS=0): oneDNN's packed GEMMs at every
         # row count, torch's flash attention over gathered pages. The GEMMs are chosen when the
@@ -256,6 +262,8 @@ def decode_roofline(ckpt: Path, dtype: str, batches: list[int], new_tokens: int,
         row["compiled_speedup"] = row["eager_ms"] / row["compiled_ms"]
         if "native_off" in llms:
             row["native_speedup"] = row["native_off_ms"] / row["eager_ms"]
+        if "no_native_decode" in llms:
+            row["native_decode_speedup"] = row["no_native_decode_ms"] / row["eager_ms"]
         if B in hf_batches:
             row["transformers_ms"] = 1e3 * hf_step_time(ckpt, dtype, B, new_tokens)
         rows.append(row)
@@ -341,8 +349,9 @@ def main() -> None:
             decode += rows
             prefill_rows += pre
     print_table(decode, ["dtype", "batch", "mem_floor_ms", "compute_floor_ms", "ckpt_floor_ms", "eager_ms",
-                         "compiled_ms", "native_off_ms", "eager_x_floor", "eager_x_ckpt_floor", "compiled_x_floor",
-                         "target_x_floor", "compiled_speedup", "native_speedup", "transformers_ms"])
+                         "compiled_ms", "native_off_ms", "no_native_decode_ms", "eager_x_floor", "eager_x_ckpt_floor",
+                         "compiled_x_floor", "no_native_decode_x_floor", "target_x_floor", "compiled_speedup",
+                         "native_speedup", "native_decode_speedup", "transformers_ms"])
     print_table(prefill_rows, ["dtype", "mode", "prompts", "prompt_len", "chunk", "tok_s", "compute_floor_tok_s",
                                "x_floor"])
     path = save("engine_quick" if args.quick else "engine", {

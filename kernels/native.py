@@ -8,6 +8,10 @@
   ops (kernels/csrc/rmsnorm.c; kernels/rmsnorm.py decides when it runs).
 - `gemm_bf16_panels`: y = x W^T in bf16 with AVX-512 BF16 on W packed by `pack_panels32`, any row
   count (kernels/cpu_linear.CpuWeight holds such panels instead of oneDNN's packing on these CPUs).
+- `route_softmax_topk`: softmax routing's top-k choice and weights (kernels/csrc/decode_step.c;
+  kernels/routing.py decides when it runs).
+- `decode_step`: a whole bf16 decode step's layers, these kernels in sequence from C
+  (kernels/csrc/decode_step.c; models/native_decode.py builds its tables and decides where it runs).
 - `fused_moe_bf16`: a whole bf16 MoE block (SiLU experts) in one call with AVX-512 BF16's dot
   products (kernels/csrc/moe_avx512bf16.c; models/cpu_inference.PackedExperts decides), on weights
   packed by `pack_panels32`. Compiled with a target attribute, called only where the CPU has
@@ -107,6 +111,13 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
                    + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int])
+    fn = lib.shuttle_route_softmax_topk
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                   ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+    fn = lib.shuttle_decode_step
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     fn = lib.shuttle_paged_decode_attention
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4
@@ -336,3 +347,26 @@ def add_rms_norm(x_TD: torch.Tensor, residual_TD: torch.Tensor | None, weight_D:
                                     x_TD.numel() // max(D, 1), D, eps, int(x_TD.dtype == torch.bfloat16),
                                     threads())
     return y, r
+
+
+def decode_step(step, layers, num_layers: int) -> None:
+    """Run kernels/csrc/decode_step.c on a step and layer tables built by models/native_decode.py
+    (ctypes structures, passed by reference). Call only where avx512_bf16() is True."""
+    if _library().shuttle_decode_step(step, layers, num_layers) != 0:
+        raise MemoryError("decode_step: out of memory in the MoE block")
+
+
+def route_softmax_topk(logits_TE: torch.Tensor, top_k: int, renormalize: bool,
+                       scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights_TK float32, ids_TK int64): softmax over contiguous bf16 or float32 logits (T, E) in
+    float32, the top_k largest (ties: the lowest id), renormalised to sum 1 if asked, times scaling.
+    Call only where available() is True."""
+    T, E = logits_TE.shape
+    if logits_TE.dtype not in (torch.bfloat16, torch.float32) or not logits_TE.is_contiguous() or not 1 <= top_k <= E:
+        raise ValueError(f"route_softmax_topk takes contiguous bf16 or float32 logits (T, E) and 1 <= top_k <= E; got "
+                         f"{logits_TE.dtype} {tuple(logits_TE.shape)}, top_k={top_k}")
+    ids_TK = torch.empty(T, top_k, dtype=torch.int64)
+    weights_TK = torch.empty(T, top_k, dtype=torch.float32)
+    _library().shuttle_route_softmax_topk(logits_TE.data_ptr(), int(logits_TE.dtype == torch.bfloat16), T, E, top_k,
+                                          int(renormalize), scaling, ids_TK.data_ptr(), weights_TK.data_ptr())
+    return weights_TK, ids_TK

@@ -10,10 +10,17 @@ by the sum of its best two (V3, GLM); renormalisation of the chosen scores; a fi
 gpt-oss softmaxes its top-k logits only: that is softmax scoring with renormalisation (the same
 ranking, and softmax(all)[chosen] / sum of those = softmax(chosen)); its logits have a bias
 (RouterConfig.bias, a parameter of the model's router).
+
+On the CPU, outside autograd and torch.compile, softmax routing without groups or a correction bias
+runs in one native call (kernels/native.route_softmax_topk, the routing of the native decode step:
+kernels/csrc/decode_step.c), a handful of torch ops fewer per layer; its weights agree with the torch
+ops below up to the last bit of the softmax's exp, the ids but for exact ties.
 """
 from dataclasses import dataclass
 
 import torch
+
+from kernels import native
 
 SCORINGS = ("softmax", "sigmoid")
 GROUP_SCORES = ("max", "top2_sum")
@@ -67,6 +74,13 @@ def check_route_args(E: int, top_k: int, scoring: str, num_groups: int, topk_gro
                          f"(the experts of the {topk_groups} eligible groups of {E // num_groups})")
 
 
+def _native(logits_TE: torch.Tensor) -> bool:
+    return (logits_TE.device.type == "cpu" and logits_TE.dtype in (torch.bfloat16, torch.float32)
+            and logits_TE.dim() == 2 and logits_TE.is_contiguous()
+            and not (torch.is_grad_enabled() and logits_TE.requires_grad)
+            and not torch.compiler.is_compiling() and native.available())
+
+
 def topk_route(
     logits_TE: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = False, *,
     correction_bias_E: torch.Tensor | None = None, num_groups: int = 1, topk_groups: int = 1,
@@ -81,6 +95,8 @@ def topk_route(
     """
     E = logits_TE.shape[-1]
     check_route_args(E, top_k, scoring, num_groups, topk_groups, group_score)
+    if scoring == "softmax" and num_groups == 1 and correction_bias_E is None and _native(logits_TE):
+        return native.route_softmax_topk(logits_TE, top_k, renormalize, scaling)
     logits = logits_TE.float()
     scores_TE = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
     choice_TE = scores_TE if correction_bias_E is None else scores_TE + correction_bias_E.float()

@@ -64,6 +64,11 @@ class LocalDispatcher:
     def combine(self, handle: torch.Tensor) -> torch.Tensor:
         return handle
 
+    def record(self, topk_ids: torch.Tensor) -> None:
+        """Count ids chosen outside dispatch (models/native_decode.py runs a step's experts in C)."""
+        if self.expert_tokens_E is not None:
+            self._pending.append(topk_ids)
+
     def begin_step(self) -> None:
         pass
 

@@ -288,6 +288,7 @@ class MoEForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.dispatcher: Dispatcher = LocalDispatcher()
+        self.native_decode = None  # models/native_decode.NativeDecode, set by the CPU runner where it applies
         self._rotary: RotaryEmbedding | None = None  # built on first use, on the weights' device
 
     def forward(self, input_ids_T: torch.Tensor, batch: AttentionBatch, cache: KVCache) -> torch.Tensor:
@@ -315,6 +316,10 @@ class MoEForCausalLM(nn.Module):
                     self._rotary = RotaryEmbedding(self.cfg.rope, self.cfg.rope_dim, xs[-1].device)
                 cos_sins.append(self._rotary(batch.positions_T, xs[-1].dtype, batch.kv_lens_B[batch.seq_idx_T]))
             residuals.append(None)
+        nd = self.native_decode
+        if nd is not None and len(inputs) == 1 and inputs[0] is not None and nd.takes(inputs[0][1], self.dispatcher):
+            x_TD = nd(xs[0], cos_sins[0], inputs[0][1], self.dispatcher)  # every layer in one native call
+            return [x_TD if head is None else head(0, x_TD)]
         pending: list[tuple | None] = [None] * len(inputs)
         for layer in self.model.layers:
             for i, inp in enumerate(inputs):

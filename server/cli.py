@@ -78,7 +78,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
                 max_worker_restarts=args.max_worker_restarts, restart_window_s=args.restart_window_s,
-                enforce_eager=args.enforce_eager)
+                enforce_eager=args.enforce_eager, native_decode=args.native_decode)
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -96,6 +96,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="run every op eagerly; --no-enforce-eager compiles the CPU decode path's non-GEMM stages "
                         "(residual add + RMSNorm, q/k norm + rotary) with torch.compile at start-up "
                         "(default: $SHUTTLE_ENFORCE_EAGER, else eager)")
+    p.add_argument("--native-decode", action=argparse.BooleanOptionalAction, default=True,
+                   help="run a colocated bf16 decode step's layers as one native call on CPUs with AVX-512 BF16, "
+                        "for the models it takes (Mixtral, Qwen3-MoE, OLMoE shapes); --no-native-decode keeps "
+                        "the eager step")
 
 
 POOL_FLAGS = ("attention_workers", "expert_workers", "micro_batches", "transport", "placement", "launcher",

@@ -476,7 +476,9 @@ def test_passive_decode_steps_run_torch_on_one_thread_and_give_the_same_ids(make
 
     monkeypatch.setattr(native, "paged_decode_attention", spy)
     before = torch.get_num_threads()
-    llm = LLM(ckpt, device="cpu", num_kv_blocks=16, torch_threads=2)
+    # (the eager step, as an attention worker runs it: colocated, the native decode step would run
+    # the whole step in C, tests/test_native_decode.py)
+    llm = LLM(ckpt, device="cpu", num_kv_blocks=16, torch_threads=2, native_decode=False)
     try:
         runner = llm.engine.runner
         assert runner.narrow_decode

@@ -1,0 +1,165 @@
+/* A whole bf16 decode step's layers in one call, for the CPU: what a captured graph replays on a
+ * GPU. At batch 1 the eager step spent ~1 ms of its ~6 (425M shapes, AVX-512 EPYC) between the
+ * kernels: each layer's ~10 native calls and ~30 torch ops, each with its Python, its argument
+ * checks and its allocation. Here the same kernels run in the same order on buffers the caller
+ * allocated once, so the only work left between them is the routing below and two row copies.
+ *
+ * Per layer (models/native_decode.py builds the tables and decides which models qualify):
+ *   h, r   = add_rms_norm(x, r)              (layer 0: h = rms_norm(x), r = x)
+ *   qkv    = h W_qkv^T                       (panels)
+ *   q, k   = q/k norm (per head or over the whole projection, where the model has it), then rotary
+ *   cache  <- k, v at each token's slot      (index_copy_ of the eager path)
+ *   o      = paged decode attention (q copied to (B, N, H) rows first, as .contiguous() does)
+ *   a      = o W_o^T
+ *   h, r   = add_rms_norm(a, r)
+ *   logits = h W_router^T                    (bf16, as the eager router's panels give them)
+ *   ids, w = softmax, top-k, renormalise, scale, (round to bf16)   (route() below)
+ *   x      = fused_moe_bf16(h, ids, w)
+ * and at the end y = add_rms_norm(x, r) with the final norm.
+ *
+ * The eager path calls the same kernels with the same arguments, so the two give the same bits
+ * (tests/test_native_decode.py). */
+#include "bf16_avx2.h"
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+void shuttle_add_rms_norm(const void *x, const void *residual, const void *weight, void *y, void *r_out, int64_t T,
+                          int64_t D, float eps, int bf16, int nthreads);
+void shuttle_rotary(void *q, int64_t NQ, int64_t q_tok, int64_t q_head, void *k, int64_t NK, int64_t k_tok,
+                    int64_t k_head, const void *cos, const void *sin, int64_t T, int64_t R, int bf16, int nthreads);
+void shuttle_paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, int bf16,
+                                    const int64_t *table, int64_t M, const int64_t *start, const int64_t *len, void *o,
+                                    float *lse, int64_t B, int64_t K, int64_t G, int64_t H, int64_t S, int64_t k_page,
+                                    int64_t k_slot, int64_t k_head, int64_t v_page, int64_t v_slot, int64_t v_head,
+                                    float scale, int nthreads, int q_bf16, int o_bf16, int allow_wide);
+
+/* One layer's weights and cache (pointers stay valid while the model lives). Only pointers, int64
+ * and double fields, so the ctypes mirror (models/native_decode.py: _Layer) has no padding to match. */
+typedef struct {
+    const void *in_norm, *post_norm;  /* (D) bf16 */
+    const void *qkv, *o, *router;     /* panels (kernels/native.pack_panels32) */
+    const void *q_norm, *k_norm;      /* (H) or (Q) / (C) bf16, or NULL */
+    const int64_t *w13, *w2;          /* the experts' panel pointers, (E) */
+    void *k_cache, *v_cache;          /* (P, S, K, H) bf16, contiguous */
+    int64_t window;                   /* sliding window, 0: none */
+} shuttle_layer;
+
+/* The step: shapes, constants, this step's inputs and the buffers the layers pass along. */
+typedef struct {
+    int64_t B, D, N, K, H, R, E, top_k, I16, S, M, qk_norm; /* qk_norm: 0 none, 1 per head, 2 full */
+    int64_t renormalize, weights_bf16, threads;
+    double eps, qk_eps, scale, scaling;
+    const void *final_norm;                       /* (D) bf16 */
+    const void *x;                                /* (B, D) bf16: the embeddings */
+    const void *cos, *sin;                        /* (B, R) bf16 */
+    const int64_t *slots, *table, *len;           /* (B), (B, M), (B) */
+    int64_t *start;                               /* (B) scratch */
+    void *h, *r0, *r1, *qkv, *q, *o, *a, *logits; /* (B, D) x3, (B, Q + 2C), (B, Q) x2, (B, D), (B, E) bf16 */
+    void *moe, *scratch, *y;                      /* (B, D), (B top_k, I16), (B, D) bf16 */
+    float *lse, *wk;                              /* (B, N), (B, top_k) */
+    int64_t *ids;                                 /* (L, B, top_k): every layer's choice, for the load counts */
+} shuttle_step;
+
+/* Softmax over the E logits in float32 (bf16 or float32 logits), the K largest probabilities (ties:
+ * the lowest id), gathered, renormalised and scaled: kernels/routing.topk_route's softmax routing,
+ * which both paths call (kernels/routing.py sends it here on the CPU), so they agree to the bit. */
+static void route(const void *logits, int logits_bf16, int64_t E, int64_t K, int renorm, float scaling,
+                  int weights_bf16, int64_t *ids, float *wk) {
+    float p[E];
+    float m = -INFINITY, sum = 0.0f;
+    for (int64_t e = 0; e < E; e++) {
+        p[e] = logits_bf16 ? bf16_to_f32(((const uint16_t *)logits)[e]) : ((const float *)logits)[e];
+        m = p[e] > m ? p[e] : m;
+    }
+    for (int64_t e = 0; e < E; e++) p[e] = expf(p[e] - m), sum += p[e];
+    const float inv = 1.0f / sum;
+    for (int64_t e = 0; e < E; e++) p[e] *= inv;
+    float total = 0.0f;
+    for (int64_t j = 0; j < K; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= ids[i] == e;
+            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+        }
+        ids[j] = best, wk[j] = p[best], total += p[best];
+    }
+    for (int64_t j = 0; j < K; j++) {
+        float w = renorm ? wk[j] / total : wk[j];
+        if (scaling != 1.0f) w *= scaling;
+        wk[j] = weights_bf16 ? rbf(w) : w;
+    }
+}
+
+/* route() for T rows of logits (T, E): ids (T, K) int64, weights (T, K) float32. */
+void shuttle_route_softmax_topk(const void *logits, int logits_bf16, int64_t T, int64_t E, int64_t K, int renorm,
+                                float scaling, int64_t *ids, float *wk) {
+    for (int64_t t = 0; t < T; t++)
+        route((const char *)logits + t * E * (logits_bf16 ? 2 : 4), logits_bf16, E, K, renorm, scaling, 0, ids + t * K,
+              wk + t * K);
+}
+
+#if defined(__clang__) ? __clang_major__ >= 9 : __GNUC__ >= 10
+void shuttle_gemm_bf16_panels(const uint16_t *x, int64_t T, int64_t I, const uint16_t *panels, int64_t O,
+                              uint16_t *y, int nthreads);
+int shuttle_fused_moe_bf16(const uint16_t *x, int64_t T, int64_t D, const int64_t *ids, const float *wk, int64_t K,
+                           const int64_t *w13, const int64_t *w2, int64_t E, int64_t I16, uint16_t *scratch,
+                           uint16_t *out, int nthreads);
+
+/* Returns 0, or -1 (out of memory in the MoE block; nothing after it ran). */
+int shuttle_decode_step(const shuttle_step *s, const shuttle_layer *layers, int64_t L) {
+    const int64_t B = s->B, D = s->D, N = s->N, K = s->K, H = s->H, Q = N * H, C = K * H, W = Q + 2 * C;
+    const int nt = (int)s->threads;
+    const float eps = (float)s->eps, qk_eps = (float)s->qk_eps;
+    uint16_t *qkv = s->qkv, *q = s->q;
+    void *r = s->r0, *r_next = s->r1;
+    for (int64_t l = 0; l < L; l++) {
+        const shuttle_layer *ly = &layers[l];
+        if (l == 0) { /* no residual yet: r = x */
+            shuttle_add_rms_norm(s->x, NULL, ly->in_norm, s->h, NULL, B, D, eps, 1, nt);
+            memcpy(r, s->x, (size_t)(B * D) * 2);
+        } else {
+            shuttle_add_rms_norm(s->moe, r, ly->in_norm, s->h, r_next, B, D, eps, 1, nt);
+            void *t = r; r = r_next, r_next = t;
+        }
+        shuttle_gemm_bf16_panels(s->h, B, D, ly->qkv, W, qkv, nt);
+        if (s->qk_norm == 1) /* each head's H values, in place (the kernel reads a row before writing it) */
+            for (int64_t b = 0; b < B; b++) {
+                shuttle_add_rms_norm(qkv + b * W, NULL, ly->q_norm, qkv + b * W, NULL, N, H, qk_eps, 1, 1);
+                shuttle_add_rms_norm(qkv + b * W + Q, NULL, ly->k_norm, qkv + b * W + Q, NULL, K, H, qk_eps, 1, 1);
+            }
+        else if (s->qk_norm == 2) /* the whole projection */
+            for (int64_t b = 0; b < B; b++) {
+                shuttle_add_rms_norm(qkv + b * W, NULL, ly->q_norm, qkv + b * W, NULL, 1, Q, qk_eps, 1, 1);
+                shuttle_add_rms_norm(qkv + b * W + Q, NULL, ly->k_norm, qkv + b * W + Q, NULL, 1, C, qk_eps, 1, 1);
+            }
+        shuttle_rotary(qkv, N, W, H, qkv + Q, K, W, H, s->cos, s->sin, B, s->R, 1, nt);
+        for (int64_t b = 0; b < B; b++) {
+            memcpy((uint16_t *)ly->k_cache + s->slots[b] * C, qkv + b * W + Q, (size_t)C * 2);
+            memcpy((uint16_t *)ly->v_cache + s->slots[b] * C, qkv + b * W + Q + C, (size_t)C * 2);
+            memcpy(q + b * Q, qkv + b * W, (size_t)Q * 2);
+            s->start[b] = ly->window && s->len[b] > ly->window ? s->len[b] - ly->window : 0;
+        }
+        shuttle_paged_decode_attention(q, ly->k_cache, ly->v_cache, 1, s->table, s->M, s->start, s->len, s->o, s->lse,
+                                       B, K, N / K, H, s->S, s->S * C, C, H, s->S * C, C, H, (float)s->scale, nt, 1, 1,
+                                       1);
+        shuttle_gemm_bf16_panels(s->o, B, Q, ly->o, D, s->a, nt);
+        shuttle_add_rms_norm(s->a, r, ly->post_norm, s->h, r_next, B, D, eps, 1, nt);
+        { void *t = r; r = r_next, r_next = t; }
+        shuttle_gemm_bf16_panels(s->h, B, D, ly->router, s->E, s->logits, nt);
+        int64_t *ids = s->ids + l * B * s->top_k;
+        for (int64_t b = 0; b < B; b++)
+            route((const uint16_t *)s->logits + b * s->E, 1, s->E, s->top_k, (int)s->renormalize, (float)s->scaling,
+                  (int)s->weights_bf16, ids + b * s->top_k, s->wk + b * s->top_k);
+        memset(s->moe, 0, (size_t)(B * D) * 2);
+        if (shuttle_fused_moe_bf16(s->h, B, D, ids, s->wk, s->top_k, ly->w13, ly->w2, s->E, s->I16, s->scratch, s->moe,
+                                   nt))
+            return -1;
+    }
+    shuttle_add_rms_norm(s->moe, r, s->final_norm, s->y, NULL, B, D, eps, 1, nt);
+    return 0;
+}
+#else
+int shuttle_decode_step(void) { return -2; }
+#endif

@@ -1,0 +1,128 @@
+"""The native decode step (models/native_decode.py, kernels/csrc/decode_step.c) against the eager
+step it replays, and the native softmax routing both of them call."""
+import random
+
+import pytest
+import torch
+
+import kernels.native as native
+from kernels.routing import topk_route
+from models.native_decode import why_not
+from server import LLM, SamplingParams
+from server.cli import build_parser
+
+NEEDS_AVX512_BF16 = pytest.mark.skipif(not native.avx512_bf16(), reason="needs AVX-512 BF16 and the native kernels")
+
+
+def torch_route(logits, top_k, renormalize, scaling):
+    """kernels/routing.topk_route's torch ops (what the native call replaces)."""
+    scores = torch.softmax(logits.float(), dim=-1)
+    ids = torch.topk(scores, top_k, dim=-1).indices
+    w = scores.gather(1, ids)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w * scaling if scaling != 1.0 else w, ids
+
+
+@pytest.mark.skipif(not native.available(), reason="needs the native kernels")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("E,K,renormalize,scaling", [(8, 2, True, 1.0), (8, 1, False, 1.0), (60, 4, False, 1.0),
+                                                      (64, 8, True, 2.5), (128, 8, False, 1.0), (5, 5, True, 1.0)])
+def test_native_softmax_routing_equals_the_torch_ops(dtype, E, K, renormalize, scaling):
+    """The same experts (where no two scores tie) and weights within a few float32 ulps (the exp and
+    the order of the sums differ)."""
+    torch.manual_seed(E * K)
+    logits = (torch.randn(300, E) * 2).to(dtype)
+    w, ids = topk_route(logits, K, "softmax", renormalize, scaling=scaling)
+    w_ref, ids_ref = torch_route(logits, K, renormalize, scaling)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32 and w.shape == ids.shape == (300, K)
+    scores = torch.softmax(logits.float(), -1)
+    kth, nxt = scores.sort(-1, descending=True).values[:, K - 1:K + 1].unbind(-1) if K < E else (None, None)
+    untied = torch.ones(300, dtype=torch.bool) if K == E else kth != nxt
+    assert torch.equal(ids.sort(-1).values[untied], ids_ref.sort(-1).values[untied])
+    assert untied.float().mean() > 0.9
+    # the weights in the order of their ids (ties among the chosen may come in another order)
+    got = w.gather(1, ids.argsort(-1))[untied]
+    ref = w_ref.gather(1, ids_ref.argsort(-1))[untied]
+    torch.testing.assert_close(got, ref, rtol=2e-6, atol=1e-9)
+    # ties go to the lowest id, as the Triton kernel's
+    w_tie, ids_tie = topk_route(torch.zeros(2, E, dtype=dtype), K, "softmax", renormalize)
+    assert ids_tie.tolist() == [list(range(K))] * 2
+
+
+def _checkpoint(make_checkpoint, family):
+    overrides = {"mixtral": dict(sliding_window=7), "qwen3_moe": dict(norm_topk_prob=True), "olmoe": {}}[family]
+    return make_checkpoint(family, dtype="bfloat16", **overrides)
+
+
+@NEEDS_AVX512_BF16
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe"])
+def test_native_decode_step_gives_the_eager_steps_bits(family, make_checkpoint, monkeypatch):
+    """Every decode step of a generation (batches that shrink as requests end, contexts across page
+    boundaries, Mixtral with a sliding window of 7, Qwen3-MoE's per-head and OLMoE's whole-projection
+    q/k norm) computes the same hidden states natively as the eager layers, and the experts' load
+    counts are the same."""
+    ckpt = _checkpoint(make_checkpoint, family)
+    llm = LLM(ckpt, device="cpu", num_kv_blocks=32, block_size=4)
+    try:
+        model = llm.engine.runner.model
+        nd = model.native_decode
+        assert nd is not None, why_not(model, llm.engine.runner.cache)
+        forward, counts, steps = model.forward_micro_batches, [], []
+        # every decode step twice: eagerly (the cache row it writes is rewritten with the same bits)
+        # and natively; counted separately
+
+        def both(inputs, cache, head=None):
+            if len(inputs) != 1 or inputs[0] is None or inputs[0][1].max_q_len != 1:
+                return forward(inputs, cache, head)
+            dispatcher = model.dispatcher
+            before = dispatcher.expert_tokens_E.clone()
+            model.native_decode = None
+            ref = forward(inputs, cache)[0].clone()
+            dispatcher.end_step()
+            eager = dispatcher.expert_tokens_E - before
+            model.native_decode = nd
+            got = forward(inputs, cache)[0]
+            dispatcher.end_step()
+            counts.append(torch.equal(dispatcher.expert_tokens_E - before - eager, eager))
+            steps.append((ref.shape[0], torch.equal(ref, got)))
+            return [got if head is None else head(0, got)]
+
+        monkeypatch.setattr(model, "forward_micro_batches", both)
+        rng = random.Random(0)
+        prompts = [[rng.randrange(2, 500) for _ in range(n)] for n in (3, 9, 14, 5)]
+        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (12, 6, 9, 3)]
+        llm.generate(prompts, params)
+        assert len(steps) >= 8 and {b for b, _ in steps} >= {1, 2, 4}
+        assert all(same for _, same in steps), steps
+        assert all(counts)
+    finally:
+        llm.shutdown()
+
+
+@NEEDS_AVX512_BF16
+def test_native_decode_greedy_ids_and_the_flag(make_checkpoint):
+    """Greedy ids with the native step equal those with --no-native-decode (which leaves the model
+    without it), and the models it does not take keep the eager step with a reason."""
+    ckpt = _checkpoint(make_checkpoint, "mixtral")
+    prompts, params = [[5, 9, 14, 3], [7, 7, 2], [1, 2, 3, 4, 5, 6]], SamplingParams(max_tokens=8, temperature=0,
+                                                                                      ignore_eos=True)
+    out = {}
+    for on in (True, False):
+        llm = LLM(ckpt, device="cpu", num_kv_blocks=16, native_decode=on)
+        try:
+            assert (llm.engine.runner.model.native_decode is not None) == on
+            out[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        finally:
+            llm.shutdown()
+    assert out[True] == out[False]
+    assert build_parser().parse_args(["serve", "--no-native-decode"]).native_decode is False
+    assert build_parser().parse_args(["serve"]).native_decode is True
+    for family, dtype, reason in [("qwen2_moe", "bfloat16", "q/k/v"), ("mixtral", "float32", "bf16"),
+                                  ("gpt_oss", "bfloat16", "layer 0")]:
+        llm = LLM(make_checkpoint(family, dtype=dtype), dtype=dtype, device="cpu", num_kv_blocks=16)
+        try:
+            assert llm.engine.runner.model.native_decode is None
+            assert reason in why_not(llm.engine.runner.model, llm.engine.runner.cache)
+        finally:
+            llm.shutdown()
