@@ -81,6 +81,14 @@ class ProfilePerf:
         f, s = self._fit("experts", threads)
         return np.where(np.asarray(pairs) > 0, f(pairs=pairs, active=active) * s, 0.0)
 
+    def native_decode_saving(self, tokens, threads: int = 1):
+        """What a colocated decode-only step of `tokens` sequences saves by running its layers in one
+        native call (planner.profile.measure_native_decode); 0 where the profile has no such fit
+        (the model does not take it, or an older profile)."""
+        t = min(self.fits, key=lambda k: (abs(k - threads), -k))
+        f = self.fits[t].get("native_decode")
+        return 0.0 * np.asarray(tokens, dtype=float) if f is None else f(tokens=np.asarray(tokens, dtype=float))
+
     def front(self, tokens, messages=1):
         """The front's and the load generator's CPU seconds for a step's output tokens, which came
         in `messages` delta messages (one per attention worker that sampled)."""
@@ -142,6 +150,10 @@ class RooflinePerf:
 
     def step(self, seqs, threads: int = 1):
         return self.eff.step_overhead_us * 1e-6 + 0.0 * np.asarray(seqs, dtype=float)
+
+    def native_decode_saving(self, tokens, threads: int = 1):
+        """(A CPU engine's measurement; none for a catalogue device.)"""
+        return 0.0 * np.asarray(tokens, dtype=float)
 
     def experts(self, pairs, active, threads: int = 1):
         s = self.shape

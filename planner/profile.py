@@ -65,6 +65,7 @@ ATTN_TERMS = ("tokens", "const", "kv_reads", "prefill_tokens", "kv_prefill")
 HEAD_TERMS = ("rows", "tokens", "const")
 STEP_TERMS = ("seqs", "const")
 EXPERT_TERMS = ("pairs", "const", "active")
+NATIVE_DECODE_TERMS = ("tokens", "const")
 
 
 @dataclass(frozen=True)
@@ -331,10 +332,48 @@ def fit_samples(samples: dict[str, list[dict]], threads: int) -> dict[str, Fit]:
         return [s for s in samples[kind] if s["threads"] == threads]
 
     a, s, e = pick("attention"), pick("step"), pick("experts")
-    return {"attention": fit_linear(a, [r["layer_s"] for r in a], ATTN_TERMS),
+    fits = {"attention": fit_linear(a, [r["layer_s"] for r in a], ATTN_TERMS),
             "head": fit_linear(a, [r["head_s"] for r in a], HEAD_TERMS),
             "step": fit_linear(s, [r["step_s"] for r in s], STEP_TERMS),
             "experts": fit_linear(e, [r["expert_s"] for r in e], EXPERT_TERMS)}
+    if samples.get("native_decode"):
+        n = pick("native_decode")
+        fits["native_decode"] = fit_linear(n, [r["saving_s"] for r in n], NATIVE_DECODE_TERMS)
+    return fits
+
+
+def measure_native_decode(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
+    """What the native decode step (models/native_decode.py) saves a colocated engine's decode
+    step, per batch and thread count: the step with it and without, alternated, fastest of
+    opts.repeats each, at the middle context. The attention and expert samples time the eager
+    layers (their call sites), so a colocated decode step that runs natively is shorter by this
+    (planner.simulate: decode-only colocated steps). [] where the model does not take it (then a
+    colocated engine serves it eagerly too). A saving lost in the noise counts as 1 us."""
+    contexts = sorted(c for c in opts.contexts if c < cfg.max_model_len)
+    ctx = contexts[len(contexts) // 2] if contexts else 16
+    block_size = 16
+    num_blocks = -(-(ctx + 1) // block_size) + 1
+    runner = ModelRunner(EngineConfig(opts.model, dtype=opts.dtype, cache=CacheConfig(block_size, num_blocks)), cfg)
+    nd = runner.model.native_decode
+    if nd is None:
+        return []
+    samples = []
+    for threads in opts.threads:
+        torch.set_num_threads(threads)
+        for b in opts.batches:
+            batch = _batch([1] * b, [ctx] * b, block_size, num_blocks)
+            times = {True: [], False: []}
+            for r in range(opts.repeats + 1):  # the first round warms both up (buffers, caches)
+                for on in ((True, False) if r % 2 else (False, True)):
+                    runner.model.native_decode = nd if on else None
+                    t0 = time.perf_counter()
+                    runner.execute(batch)
+                    if r:
+                        times[on].append(time.perf_counter() - t0)
+            samples.append({"threads": threads, "tokens": b, "native_s": min(times[True]), "eager_s": min(times[False]),
+                            "saving_s": max(min(times[False]) - min(times[True]), 1e-6)})
+    runner.model.native_decode = nd
+    return samples
 
 
 def measure_workers(opts: ProfileOptions, cfg: ModelConfig) -> dict[str, list[dict]]:
@@ -385,6 +424,11 @@ def run_profile(opts: ProfileOptions) -> dict:
     shape = shape_from(opts.model)
     t0, load0 = time.monotonic(), os.getloadavg()[0]
     samples = measure_workers(opts, cfg)
+    old_threads = torch.get_num_threads()
+    try:  # colocated engines only (spinning threads): not in the passive samples
+        samples["native_decode"] = measure_native_decode(opts, cfg)
+    finally:
+        torch.set_num_threads(old_threads)
     fits = {str(t): {k: f.to_dict() for k, f in fit_samples(samples, t).items()} for t in opts.threads}
     passive = measure_passive(opts)
     fits_passive = {} if passive is None else {

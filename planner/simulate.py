@@ -18,7 +18,9 @@ What is real and what is modelled:
   waited longer than the transport polls (spin_s) has blocked and starts a wake-up (wake_s, both
   measured by the profile) later. Sending keeps the sender busy for its own CPU per message
   (`send`: packing and copying into the slot, measured), after which it computes on.
-  Colocated: attention and experts in sequence in one process, no transfer.
+  Colocated: attention and experts in sequence in one process, no transfer; a decode-only step
+  less what running its layers in one native call saves, where the profile measured that
+  (ProfilePerf.native_decode_saving: models/native_decode.py).
 - Cores: with `cores` set (one host), the front and the load generator's CPU per output token,
   per delta message (one per attention worker and step) and per request (measured by the
   profile) delay the workers in proportion to the share of the
@@ -246,6 +248,9 @@ class Simulator:
             X = self.perf.experts(tok * mod.top_k, expected_active(tok, mod.num_experts, mod.num_experts, mod.top_k),
                                   th) * self.slow
             work = S + (mod.num_layers * A + mod.num_moe_layers * X + H).sum(1)
+            if not ptok.any():  # a decode-only step runs its layers in one native call where the model takes it
+                n = tok.sum(1)
+                work = work - np.where(n > 0, self.perf.native_decode_saving(n, th), 0.0) * self.slow
             self.busy["attention"] += float(work.sum())
             if trace:
                 self.events.append(("step", "attention", "a0", t0, t0 + float(work[0])))

@@ -62,6 +62,26 @@ def test_profile_command_measures_and_names_the_host(tmp_path, make_checkpoint):
         for name in ("attention", "head", "step", "experts"):
             assert fits[name]["samples"] >= 3 and sum(fits[name]["coef"]) > 0
     assert p["transfer"]["shm"]["coef"][1] > 0 and p["front"] is None
+    # a float32 model keeps the eager decode step: nothing measured for the native one
+    assert p["samples"]["native_decode"] == [] and "native_decode" not in p["fits"]["1"]
+
+
+@pytest.mark.skipif(not __import__("kernels.native").native.avx512_bf16(), reason="needs AVX-512 BF16")
+def test_profile_measures_what_the_native_decode_step_saves(make_checkpoint):
+    """For a model the native decode step takes, its colocated decode step with and without it at
+    every batch and thread count, and a fit of the saving that the simulator subtracts."""
+    import torch
+
+    from models.config import ModelConfig
+    from planner.profile import NATIVE_DECODE_TERMS, ProfileOptions, measure_native_decode
+
+    ckpt = make_checkpoint("mixtral", dtype="bfloat16")
+    opts = ProfileOptions(str(ckpt), torch.bfloat16, threads=(1,), repeats=2, batches=(1, 4, 16), contexts=(16,))
+    samples = measure_native_decode(opts, ModelConfig.from_pretrained(str(ckpt)))
+    assert [(s["threads"], s["tokens"]) for s in samples] == [(1, 1), (1, 4), (1, 16)]
+    assert all(s["native_s"] > 0 and s["eager_s"] > 0 and s["saving_s"] >= 1e-6 for s in samples)
+    fit = fit_linear(samples, [s["saving_s"] for s in samples], NATIVE_DECODE_TERMS)
+    assert fit.samples == 3 and fit(tokens=1) > 0
 
 
 def test_tree_cpu_counts_a_busy_child():

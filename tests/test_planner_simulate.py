@@ -328,3 +328,16 @@ def test_served_factors_slow_small_batches_where_both_pools_compute_at_once():
     assert served_slowdown(perf, Deployment(True, cores=2, max_num_seqs=16)) == 1.5
     assert served_slowdown(perf, pools(16, m=1)) == 1.0
     assert served_slowdown(perf, Deployment(False, 1, 1, 2, 1, None, "shm", max_num_seqs=16)) == 1.0
+
+
+def test_colocated_decode_steps_take_the_native_decode_saving():
+    """A colocated decode-only step is shorter by what the profile measured the native decode step
+    to save at its tokens; a step with a prefilling sequence is not, nor are the pools' steps."""
+    p = profile(a=1.0, e=2.0, h=0.5, s=0.25, c=0.1, layers=4)
+    plain, pools = sim(p, colocated=True), sim(p)
+    p["fits"]["1"]["native_decode"] = fit(("tokens", "const"), (0.01 * MS, 0.5 * MS))
+    saved = sim(p, colocated=True)
+    decode, mixed = [batch([1, 1])], [batch([3, 1])]
+    assert plain.step_time(0.0, decode) - saved.step_time(0.0, decode) == pytest.approx((0.5 + 2 * 0.01) * MS)
+    assert saved.step_time(0.0, mixed) == pytest.approx(plain.step_time(0.0, mixed))
+    assert sim(p).step_time(0.0, decode) == pytest.approx(pools.step_time(0.0, decode))
