@@ -15,7 +15,7 @@ from kernels import native
 from models.cpu_inference import SKINNY_MAX_ROWS, decode_is_native, half_copy_bytes, pack_for_cpu_inference
 from models.kv_cache import AttentionBatch, cache_bytes_per_block, make_paged_cache
 from models.loader import load_model
-from models.native_decode import NativeDecode
+from models.native_decode import NativeDecode, why_not
 from models.stages import compile_stages
 
 log = logging.getLogger("shuttle")
@@ -70,9 +70,13 @@ class ModelRunner:
         self.num_blocks = self._num_blocks(cfg)
         self.cache = make_paged_cache(self.model_cfg, self.num_blocks, self.block_size, self.dtype, self.device,
                                       self.model.ops)
-        # A colocated bf16 decode step's layers as one native call, where the model takes it
-        if self.packed and cfg.native_decode and dispatcher is None:
-            self.model.native_decode = NativeDecode.build(self.model, self.cache)
+        # A bf16 decode step's layers as native calls, where the model takes it: colocated the whole
+        # step in one, on an attention worker each layer's attention side (models/native_decode.py)
+        if self.packed and cfg.native_decode:
+            self.model.native_decode = NativeDecode.build(self.model, self.cache, local=dispatcher is None)
+            log.info("native decode: %s", ("each step's layers in one call" if dispatcher is None else
+                                           "each layer's attention side in one call")
+                     if self.model.native_decode else f"off ({why_not(self.model, self.cache, dispatcher is None)})")
         log.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %d bytes per token%s), kernels: %s%s",
                  self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                  self.num_blocks * self._block_bytes() / 2 ** 30, self.model_cfg.kv_bytes_per_token(self.dtype),

@@ -10,8 +10,9 @@
   count (kernels/cpu_linear.CpuWeight holds such panels instead of oneDNN's packing on these CPUs).
 - `route_softmax_topk`: softmax routing's top-k choice and weights (kernels/csrc/decode_step.c;
   kernels/routing.py decides when it runs).
-- `decode_step`: a whole bf16 decode step's layers, these kernels in sequence from C
-  (kernels/csrc/decode_step.c; models/native_decode.py builds its tables and decides where it runs).
+- `decode_step` / `decode_attention`: a whole bf16 decode step's layers, or one layer's attention
+  side, these kernels in sequence from C (kernels/csrc/decode_step.c; models/native_decode.py builds
+  their tables and decides where they run).
 - `fused_moe_bf16`: a whole bf16 MoE block (SiLU experts) in one call with AVX-512 BF16's dot
   products (kernels/csrc/moe_avx512bf16.c; models/cpu_inference.PackedExperts decides), on weights
   packed by `pack_panels32`. Compiled with a target attribute, called only where the CPU has
@@ -118,6 +119,9 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.shuttle_decode_step
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    fn = lib.shuttle_decode_attention
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     fn = lib.shuttle_paged_decode_attention
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4
@@ -347,6 +351,13 @@ def add_rms_norm(x_TD: torch.Tensor, residual_TD: torch.Tensor | None, weight_D:
                                     x_TD.numel() // max(D, 1), D, eps, int(x_TD.dtype == torch.bfloat16),
                                     threads())
     return y, r
+
+
+def decode_attention(step, layer, index: int, x_ptr: int) -> None:
+    """Layer `index`'s attention side of kernels/csrc/decode_step.c (an attention worker's layers,
+    whose experts are remote): step and layer built by models/native_decode.py, passed by reference;
+    x_ptr the layer's input rows. Call only where avx512_bf16() is True."""
+    _library().shuttle_decode_attention(step, layer, index, x_ptr)
 
 
 def decode_step(step, layers, num_layers: int) -> None:

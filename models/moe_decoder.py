@@ -316,10 +316,12 @@ class MoEForCausalLM(nn.Module):
                     self._rotary = RotaryEmbedding(self.cfg.rope, self.cfg.rope_dim, xs[-1].device)
                 cos_sins.append(self._rotary(batch.positions_T, xs[-1].dtype, batch.kv_lens_B[batch.seq_idx_T]))
             residuals.append(None)
-        nd = self.native_decode
-        if nd is not None and len(inputs) == 1 and inputs[0] is not None and nd.takes(inputs[0][1], self.dispatcher):
-            x_TD = nd(xs[0], cos_sins[0], inputs[0][1], self.dispatcher)  # every layer in one native call
+        mode = None if self.native_decode is None else self.native_decode.mode(inputs, self.dispatcher)
+        if mode == "step":  # every layer and its experts in one native call
+            x_TD = self.native_decode(xs[0], cos_sins[0], inputs[0][1], self.dispatcher)
             return [x_TD if head is None else head(0, x_TD)]
+        if mode == "layers":  # each layer's attention side in one native call, the experts dispatched
+            return self.native_decode.layers_of(self, xs, cos_sins, inputs, head)
         pending: list[tuple | None] = [None] * len(inputs)
         for layer in self.model.layers:
             for i, inp in enumerate(inputs):

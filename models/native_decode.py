@@ -1,21 +1,25 @@
-"""A colocated bf16 decode step's layers as one native call (kernels/csrc/decode_step.c).
+"""A bf16 decode step's layers as native calls (kernels/csrc/decode_step.c).
 
 The eager CPU decode step runs every heavy op natively already, but between them each layer spends
 ~100 us in Python and small torch ops (module calls, argument checks, views, allocations, the
 routing's softmax and top-k): ~1 ms of a ~6 ms step at batch 1 on the 425M shapes. `NativeDecode`
 replays the same kernels in the same order from C, on buffers allocated once per batch size, as a
-captured graph replays a GPU's step. The model keeps every other path: prefill and mixed steps, the
-pools (their experts are remote), micro-batches, compiled stages, and every model this does not take.
+captured graph replays a GPU's step:
+- colocated (the experts in this process, one micro-batch): the whole step, every layer and its
+  experts, in one call (`shuttle_decode_step`);
+- an attention worker (experts remote, any micro-batches): each layer's attention side in one call
+  (`shuttle_decode_attention`: norms, q/k/v, rotary, cache write, attention, o, router, routing),
+  then the model's dispatcher sends the layer's rows through M2N as before.
+The model keeps every other path: prefill and mixed steps, compiled stages, and every model this
+does not take.
 
-It takes a model (`NativeDecode.build`) where every layer is: MoE with the fused native experts
-(bf16 SiLU experts on panels) and no shared experts; a softmax router on panels without groups,
-bias or correction bias; attention with fused q/k/v and o on panels, no biases, no sinks, no clamp,
-q/k norm none / per head / full; a bf16 paged cache. That is Mixtral, Qwen3-MoE and OLMoE served in
-bf16 on a CPU with AVX-512 BF16; the rest keep the eager path. `enforce_native_decode=False`
-(EngineConfig) turns it off; the eager path stays the oracle (tests/test_native_decode.py).
-
-It gives the eager step's bits up to the routing weights (the softmax's exp differs in a float32
-weight's last bit: see decode_step.c).
+It takes a model (`why_not` says what a model lacks) where every layer is: MoE without shared
+experts, colocated with the fused native experts (bf16 SiLU experts on panels); a softmax router
+on panels without groups, bias or correction bias; attention with fused q/k/v and o on panels, no
+biases, no sinks, no clamp, q/k norm none / per head / full; a bf16 paged cache. That is Mixtral,
+Qwen3-MoE and OLMoE served in bf16 on a CPU with AVX-512 BF16; the rest keep the eager path.
+`native_decode=False` (EngineConfig, --no-native-decode) turns it off; the eager path stays the
+oracle: the kernels and their arguments are the same, so are the bits (tests/test_native_decode.py).
 """
 import ctypes
 
@@ -30,7 +34,7 @@ from models.stages import EAGER
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 QK_NORMS = {"none": 0, "per_head": 1, "full": 2}
-MAX_BUFFER_SETS = 8  # batch sizes whose buffers are kept (steady decode sees few)
+MAX_BUFFER_SETS = 8  # (batch size, micro-batch) pairs whose buffers are kept (steady decode sees few)
 
 
 class _Layer(ctypes.Structure):
@@ -42,12 +46,14 @@ class _Step(ctypes.Structure):
     _fields_ = ([(n, _I) for n in ("B", "D", "N", "K", "H", "R", "E", "top_k", "I16", "S", "M", "qk_norm",
                                    "renormalize", "weights_bf16", "threads")]
                 + [(n, _F) for n in ("eps", "qk_eps", "scale", "scaling")]
-                + [(n, _P) for n in ("final_norm", "x", "cos", "sin", "slots", "table", "len", "start", "h", "r0",
-                                     "r1", "qkv", "q", "o", "a", "logits", "moe", "scratch", "y", "lse", "wk", "ids")])
+                + [(n, _P) for n in ("final_norm", "x", "cos", "sin", "slots", "table", "len", "start", "h", "r",
+                                     "qkv", "q", "o", "a", "logits", "moe", "scratch", "y", "lse", "wk", "ids")])
+_BUFFERS = ("start", "h", "r", "qkv", "q", "o", "a", "logits", "moe", "scratch")
 
 
-def why_not(model, cache) -> str | None:
-    """Why `model` with `cache` cannot take the native decode step, or None where it can."""
+def why_not(model, cache, local: bool = True) -> str | None:
+    """Why `model` with `cache` cannot take the native decode step, or None where it can. local: the
+    experts are in this process (colocated), else remote (an attention worker: no experts here)."""
     from models.cpu_inference import PackedLinear
     from models.moe_decoder import Attention, SparseMoE
 
@@ -70,7 +76,7 @@ def why_not(model, cache) -> str | None:
         if attn.sinks is not None or attn.head_spec.clip_qkv is not None or attn.stages is not EAGER:
             return f"layer {i}: attention sinks, a qkv clamp or compiled stages"
         gate, experts, r = mlp.gate, mlp.experts, cfg.router
-        if mlp.shared_name is not None or not isinstance(experts, PackedExperts) or experts.native is None:
+        if mlp.shared_name is not None or (local and (not isinstance(experts, PackedExperts) or experts.native is None)):
             return f"layer {i}: shared experts or experts outside the fused native kernel"
         if (gate.cpu_weight is None or gate.cpu_weight.panels is None or gate.bias is not None
                 or gate.e_score_correction_bias is not None or r.scoring != "softmax" or r.num_groups != 1
@@ -80,77 +86,128 @@ def why_not(model, cache) -> str | None:
 
 
 class NativeDecode:
-    """The native decode step of one model and cache (build() says whether it applies)."""
+    """The native decode of one model and cache (build() says whether it applies). local: the
+    experts are in this process, and a one-micro-batch step runs whole in C; else each layer's
+    attention side does, the experts through the model's dispatcher. layer_by_layer forces the
+    latter on a colocated engine too (the planner's profile and the tests compare the two)."""
 
-    def __init__(self, model, cache: PagedKVCache):
+    def __init__(self, model, cache: PagedKVCache, local: bool = True):
         cfg, spec = model.cfg, model.model.layers[0].self_attn.head_spec
-        self.cfg, self.num_layers = cfg, cfg.num_layers
+        self.cfg, self.num_layers, self.local, self.layer_by_layer = cfg, cfg.num_layers, local, False
         self._keep = []  # tensors whose pointers the tables hold
+        self.inter_padded = 0
         layers = (_Layer * self.num_layers)()
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if spec.qk_norm != "none" else (None, None)
-            w13, w2, self.inter_padded = mlp.experts.native
-            self._keep += [w13, w2]
+            w13 = w2 = None
+            if local:
+                w13, w2, self.inter_padded = mlp.experts.native
+                self._keep += [w13, w2]
             layers[i] = _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                                attn.qkv_proj.weight.panels.data_ptr(), attn.o_proj.weight.panels.data_ptr(),
                                mlp.gate.cpu_weight.panels.data_ptr(), qn.data_ptr() if qn is not None else None,
-                               kn.data_ptr() if kn is not None else None, w13.data_ptr(), w2.data_ptr(),
+                               kn.data_ptr() if kn is not None else None,
+                               None if w13 is None else w13.data_ptr(), None if w2 is None else w2.data_ptr(),
                                cache.k[i].data_ptr(), cache.v[i].data_ptr(), attn.window or 0)
         self.layers = layers
         self.final_norm = model.model.norm.weight
         self.cache_slots = cache.k[0].shape[1]
-        route = model.model.layers[0].mlp.route_spec(torch.bfloat16)
-        self.route = route
+        self.route = model.model.layers[0].mlp.route_spec(torch.bfloat16)
         self.spec = spec
-        self._buffers: dict[int, dict[str, torch.Tensor]] = {}
+        self._buffers: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     @classmethod
-    def build(cls, model, cache) -> "NativeDecode | None":
-        return None if why_not(model, cache) is not None else cls(model, cache)
+    def build(cls, model, cache, local: bool = True) -> "NativeDecode | None":
+        return None if why_not(model, cache, local) is not None else cls(model, cache, local)
 
-    @staticmethod
-    def takes(batch: AttentionBatch, dispatcher) -> bool:
-        """Whether this step is one the native call computes: decode only, experts in this process."""
-        return (batch.max_q_len == 1 and batch.parts is None and batch.block_table_BM is not None
-                and type(dispatcher) is LocalDispatcher and not torch.is_grad_enabled())
+    def mode(self, inputs: list, dispatcher) -> str | None:
+        """How a step of these micro-batches runs: "step" (whole, in C), "layers" (each layer's
+        attention side in C) or None (eagerly: a prefill or mixed step, or no sequences)."""
+        if torch.is_grad_enabled() or all(i is None for i in inputs):
+            return None
+        if any(i is not None and (i[1].max_q_len != 1 or i[1].parts is not None or i[1].block_table_BM is None)
+               for i in inputs):
+            return None
+        whole = self.local and len(inputs) == 1 and type(dispatcher) is LocalDispatcher and not self.layer_by_layer
+        return "step" if whole else "layers"
 
-    def _buffers_for(self, B: int) -> dict[str, torch.Tensor]:
-        bufs = self._buffers.get(B)
+    def _buffers_for(self, B: int, mb: int) -> dict[str, torch.Tensor]:
+        bufs = self._buffers.get((B, mb))
         if bufs is None:
             if len(self._buffers) >= MAX_BUFFER_SETS:
                 self._buffers.clear()
             cfg, bf = self.cfg, torch.bfloat16
             D, Q, C, K = cfg.hidden_size, cfg.q_size, cfg.kv_size, self.route.top_k
-            bufs = {"h": torch.empty(B, D, dtype=bf), "r0": torch.empty(B, D, dtype=bf),
-                    "r1": torch.empty(B, D, dtype=bf), "qkv": torch.empty(B, Q + 2 * C, dtype=bf),
-                    "q": torch.empty(B, Q, dtype=bf), "o": torch.empty(B, Q, dtype=bf), "a": torch.empty(B, D, dtype=bf),
+            bufs = {"h": torch.empty(B, D, dtype=bf), "r": torch.empty(B, D, dtype=bf),
+                    "qkv": torch.empty(B, Q + 2 * C, dtype=bf), "q": torch.empty(B, Q, dtype=bf),
+                    "o": torch.empty(B, Q, dtype=bf), "a": torch.empty(B, D, dtype=bf),
                     "logits": torch.empty(B, cfg.num_experts, dtype=bf), "moe": torch.empty(B, D, dtype=bf),
                     "scratch": torch.empty(B * K, self.inter_padded, dtype=bf),
-                    "lse": torch.empty(B, cfg.num_heads, dtype=torch.float32),
-                    "wk": torch.empty(B, K, dtype=torch.float32), "start": torch.empty(B, dtype=torch.int64)}
-            self._buffers[B] = bufs
+                    "lse": torch.empty(B, cfg.num_heads, dtype=torch.float32), "start": torch.empty(B, dtype=torch.int64)}
+            self._buffers[(B, mb)] = bufs
         return bufs
+
+    def _step(self, x_BD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
+              mb: int = 0) -> tuple[_Step, dict[str, torch.Tensor]]:
+        """The step structure of one micro-batch and the tensors it points to (kept alive with it)."""
+        cfg, spec, route = self.cfg, self.spec, self.route
+        B, L, K = x_BD.shape[0], self.num_layers, route.top_k
+        bufs = self._buffers_for(B, mb)
+        table_BM, _, len_B = _native_layout(batch.block_table_BM, batch.kv_lens_B, None)
+        cos, sin = (t.contiguous() for t in cos_sin)
+        t = {**bufs, "x": x_BD.contiguous(), "slots": batch.slot_mapping_T.long().contiguous(), "table": table_BM,
+             "len": len_B, "cos": cos, "sin": sin, "y": torch.empty(B, cfg.hidden_size, dtype=torch.bfloat16),
+             "ids": torch.empty(L, B, K, dtype=torch.int64), "wk": torch.empty(L, B, K, dtype=torch.float32)}
+        step = _Step(B, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, spec.rope_dim, cfg.num_experts,
+                     K, self.inter_padded, self.cache_slots, table_BM.shape[1], QK_NORMS[spec.qk_norm],
+                     int(route.renormalize), int(route.weights_dtype is not None), native.threads(),
+                     cfg.rms_norm_eps, spec.eps, spec.head_dim ** -0.5, route.scaling, self.final_norm.data_ptr(),
+                     *(t[n].data_ptr() for n in ("x", "cos", "sin", "slots", "table", "len", *_BUFFERS, "y", "lse",
+                                                 "wk", "ids")))
+        return step, t
 
     def __call__(self, x_BD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
                  dispatcher: LocalDispatcher) -> torch.Tensor:
-        """The final norm's output (B, D) for the embeddings x_BD of a decode step (takes() is True)."""
-        cfg, spec, route = self.cfg, self.spec, self.route
-        B = x_BD.shape[0]
-        bufs = self._buffers_for(B)
-        table_BM, _, len_B = _native_layout(batch.block_table_BM, batch.kv_lens_B, None)
-        x_BD, slots = x_BD.contiguous(), batch.slot_mapping_T.long().contiguous()
-        cos, sin = (t.contiguous() for t in cos_sin)
-        y_BD = torch.empty(B, cfg.hidden_size, dtype=torch.bfloat16)
-        ids_LBK = torch.empty(self.num_layers, B, route.top_k, dtype=torch.int64)
-        step = _Step(B, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, spec.rope_dim, cfg.num_experts,
-                     route.top_k, self.inter_padded, self.cache_slots, table_BM.shape[1], QK_NORMS[spec.qk_norm],
-                     int(route.renormalize), int(route.weights_dtype is not None), native.threads(),
-                     cfg.rms_norm_eps, spec.eps, spec.head_dim ** -0.5, route.scaling,
-                     self.final_norm.data_ptr(), x_BD.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                     table_BM.data_ptr(), len_B.data_ptr(), *(bufs[n].data_ptr() for n in (
-                         "start", "h", "r0", "r1", "qkv", "q", "o", "a", "logits", "moe", "scratch")),
-                     y_BD.data_ptr(), bufs["lse"].data_ptr(), bufs["wk"].data_ptr(), ids_LBK.data_ptr())
+        """The whole step ("step" mode): the final norm's output (B, D) for the embeddings x_BD."""
+        step, t = self._step(x_BD, cos_sin, batch)
         native.decode_step(ctypes.byref(step), self.layers, self.num_layers)
-        dispatcher.record(ids_LBK)
-        return y_BD
+        dispatcher.record(t["ids"])
+        return t["y"]
+
+    def layers_of(self, model, xs: list[torch.Tensor], cos_sins: list, inputs: list, head=None) -> list[torch.Tensor]:
+        """"layers" mode: each layer's attention side natively for every micro-batch in turn, its rows
+        dispatched to the experts as the eager layers do (the ping-pong of forward_micro_batches).
+        Returns what forward_micro_batches returns."""
+        from models.moe_decoder import SparseMoE
+
+        dispatcher, wdt = model.dispatcher, self.route.weights_dtype
+        steps = [None if inp is None else self._step(xs[i], cos_sins[i], inp[1], i) for i, inp in enumerate(inputs)]
+        pending: list[tuple | None] = [None] * len(inputs)
+        for l, layer in enumerate(model.model.layers):
+            for i, st in enumerate(steps):
+                if st is None:
+                    if pending[i] is not None:
+                        xs[i] = SparseMoE.finish(pending[i])
+                    pending[i] = layer.start_mlp(xs[i], dispatcher, i, empty=True)
+                    continue
+                step, t = st
+                x = t["x"] if l == 0 else _bf16_rows(SparseMoE.finish(pending[i]))
+                t["in"] = x  # alive until the call below has read it
+                native.decode_attention(ctypes.byref(step), ctypes.byref(self.layers, l * ctypes.sizeof(_Layer)), l,
+                                        x.data_ptr())
+                w = t["wk"][l] if wdt is None else t["wk"][l].to(wdt)
+                pending[i] = (dispatcher, dispatcher.dispatch(l, layer.mlp.experts, t["h"], t["ids"][l], w, mb=i), None)
+        outs = []
+        for i, st in enumerate(steps):
+            x = SparseMoE.finish(pending[i])
+            if st is not None:
+                x = model.model.norm.add_and_norm(_bf16_rows(x), st[1]["r"])[0]
+                x = x if head is None else head(i, x)
+            outs.append(x)
+        return outs
+
+
+def _bf16_rows(x: torch.Tensor) -> torch.Tensor:
+    """A combined MoE output as the native calls read it: contiguous bf16 rows."""
+    return x if x.dtype == torch.bfloat16 and x.is_contiguous() else x.to(torch.bfloat16).contiguous()

@@ -82,9 +82,10 @@ class ProfilePerf:
         return np.where(np.asarray(pairs) > 0, f(pairs=pairs, active=active) * s, 0.0)
 
     def native_decode_saving(self, tokens, threads: int = 1):
-        """What a colocated decode-only step of `tokens` sequences saves by running its layers in one
-        native call (planner.profile.measure_native_decode); 0 where the profile has no such fit
-        (the model does not take it, or an older profile)."""
+        """What a colocated decode-only step of `tokens` sequences saves by running whole in one
+        native call instead of as the attention and expert fits time it
+        (planner.profile.measure_native_decode); 0 where the profile has no such fit (the model does
+        not take it, or an older profile)."""
         t = min(self.fits, key=lambda k: (abs(k - threads), -k))
         f = self.fits[t].get("native_decode")
         return 0.0 * np.asarray(tokens, dtype=float) if f is None else f(tokens=np.asarray(tokens, dtype=float))

@@ -343,12 +343,14 @@ def fit_samples(samples: dict[str, list[dict]], threads: int) -> dict[str, Fit]:
 
 
 def measure_native_decode(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
-    """What the native decode step (models/native_decode.py) saves a colocated engine's decode
-    step, per batch and thread count: the step with it and without, alternated, fastest of
-    opts.repeats each, at the middle context. The attention and expert samples time the eager
-    layers (their call sites), so a colocated decode step that runs natively is shorter by this
-    (planner.simulate: decode-only colocated steps). [] where the model does not take it (then a
-    colocated engine serves it eagerly too). A saving lost in the noise counts as 1 us."""
+    """What running a colocated decode step whole in one native call saves over running it as the
+    attention and expert samples time it (models/native_decode.py): each layer's attention side
+    natively, as an attention worker does (the stamping runner of measure_attention), and the
+    experts through their Python call (measure_experts). Per batch and thread count: the colocated
+    step both ways, alternated, the fastest of opts.repeats each, at the middle context. The
+    simulator takes it off colocated decode-only steps. [] where the model does not take the native
+    decode (then a colocated engine serves it as the samples do). A saving lost in the noise counts
+    as 1 us."""
     contexts = sorted(c for c in opts.contexts if c < cfg.max_model_len)
     ctx = contexts[len(contexts) // 2] if contexts else 16
     block_size = 16
@@ -365,14 +367,14 @@ def measure_native_decode(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
             times = {True: [], False: []}
             for r in range(opts.repeats + 1):  # the first round warms both up (buffers, caches)
                 for on in ((True, False) if r % 2 else (False, True)):
-                    runner.model.native_decode = nd if on else None
+                    nd.layer_by_layer = not on
                     t0 = time.perf_counter()
                     runner.execute(batch)
                     if r:
                         times[on].append(time.perf_counter() - t0)
-            samples.append({"threads": threads, "tokens": b, "native_s": min(times[True]), "eager_s": min(times[False]),
+            samples.append({"threads": threads, "tokens": b, "step_s": min(times[True]), "layers_s": min(times[False]),
                             "saving_s": max(min(times[False]) - min(times[True]), 1e-6)})
-    runner.model.native_decode = nd
+    nd.layer_by_layer = False
     return samples
 
 

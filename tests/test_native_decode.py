@@ -56,18 +56,24 @@ def _checkpoint(make_checkpoint, family):
 
 
 @NEEDS_AVX512_BF16
+@pytest.mark.parametrize("layer_by_layer", [False, True], ids=["whole-step", "layer-by-layer"])
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe"])
-def test_native_decode_step_gives_the_eager_steps_bits(family, make_checkpoint, monkeypatch):
+def test_native_decode_step_gives_the_eager_steps_bits(family, layer_by_layer, make_checkpoint, monkeypatch):
     """Every decode step of a generation (batches that shrink as requests end, contexts across page
     boundaries, Mixtral with a sliding window of 7, Qwen3-MoE's per-head and OLMoE's whole-projection
     q/k norm) computes the same hidden states natively as the eager layers, and the experts' load
-    counts are the same."""
+    counts are the same: the whole step in one call, and each layer's attention side in one call with
+    the experts dispatched (as an attention worker runs it)."""
     ckpt = _checkpoint(make_checkpoint, family)
     llm = LLM(ckpt, device="cpu", num_kv_blocks=32, block_size=4)
     try:
         model = llm.engine.runner.model
         nd = model.native_decode
         assert nd is not None, why_not(model, llm.engine.runner.cache)
+        nd.layer_by_layer = layer_by_layer
+        calls = []
+        for name in ("decode_step", "decode_attention"):
+            monkeypatch.setattr(native, name, lambda *a, _f=getattr(native, name), _n=name: calls.append(_n) or _f(*a))
         forward, counts, steps = model.forward_micro_batches, [], []
         # every decode step twice: eagerly (the cache row it writes is rewritten with the same bits)
         # and natively; counted separately
@@ -96,6 +102,7 @@ def test_native_decode_step_gives_the_eager_steps_bits(family, make_checkpoint, 
         assert len(steps) >= 8 and {b for b, _ in steps} >= {1, 2, 4}
         assert all(same for _, same in steps), steps
         assert all(counts)
+        assert set(calls) == {"decode_attention" if layer_by_layer else "decode_step"}
     finally:
         llm.shutdown()
 

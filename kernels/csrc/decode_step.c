@@ -5,7 +5,7 @@
  * allocated once, so the only work left between them is the routing below and two row copies.
  *
  * Per layer (models/native_decode.py builds the tables and decides which models qualify):
- *   h, r   = add_rms_norm(x, r)              (layer 0: h = rms_norm(x), r = x)
+ *   h, r   = add_rms_norm(x, r)              (layer 0: h = rms_norm(x), r = x; r in place)
  *   qkv    = h W_qkv^T                       (panels)
  *   q, k   = q/k norm (per head or over the whole projection, where the model has it), then rotary
  *   cache  <- k, v at each token's slot      (index_copy_ of the eager path)
@@ -15,7 +15,9 @@
  *   logits = h W_router^T                    (bf16, as the eager router's panels give them)
  *   ids, w = softmax, top-k, renormalise, scale, (round to bf16)   (route() below)
  *   x      = fused_moe_bf16(h, ids, w)
- * and at the end y = add_rms_norm(x, r) with the final norm.
+ * and at the end y = add_rms_norm(x, r) with the final norm. An attention worker, whose experts are
+ * remote, calls the attention side of one layer at a time (shuttle_decode_attention) and sends h,
+ * the ids and the weights through M2N in between.
  *
  * The eager path calls the same kernels with the same arguments, so the two give the same bits
  * (tests/test_native_decode.py). */
@@ -55,10 +57,10 @@ typedef struct {
     const void *cos, *sin;                        /* (B, R) bf16 */
     const int64_t *slots, *table, *len;           /* (B), (B, M), (B) */
     int64_t *start;                               /* (B) scratch */
-    void *h, *r0, *r1, *qkv, *q, *o, *a, *logits; /* (B, D) x3, (B, Q + 2C), (B, Q) x2, (B, D), (B, E) bf16 */
+    void *h, *r, *qkv, *q, *o, *a, *logits;       /* (B, D) x2, (B, Q + 2C), (B, Q) x2, (B, D), (B, E) bf16 */
     void *moe, *scratch, *y;                      /* (B, D), (B top_k, I16), (B, D) bf16 */
-    float *lse, *wk;                              /* (B, N), (B, top_k) */
-    int64_t *ids;                                 /* (L, B, top_k): every layer's choice, for the load counts */
+    float *lse, *wk;                              /* (B, N), (L, B, top_k) */
+    int64_t *ids;                                 /* (L, B, top_k): every layer's choice (load counts, M2N) */
 } shuttle_step;
 
 /* Softmax over the E logits in float32 (bf16 or float32 logits), the K largest probabilities (ties:
@@ -107,59 +109,72 @@ int shuttle_fused_moe_bf16(const uint16_t *x, int64_t T, int64_t D, const int64_
                            const int64_t *w13, const int64_t *w2, int64_t E, int64_t I16, uint16_t *scratch,
                            uint16_t *out, int nthreads);
 
-/* Returns 0, or -1 (out of memory in the MoE block; nothing after it ran). */
-int shuttle_decode_step(const shuttle_step *s, const shuttle_layer *layers, int64_t L) {
+/* Layer l's attention side for the step's B tokens: from x (the embeddings at layer 0, else the
+ * previous layer's combined MoE output) to the MoE's input s->h and the router's choice (layer l's
+ * rows of s->ids and s->wk). The residual stream s->r is updated in place (add_rms_norm reads a
+ * row whole before it writes it). */
+static void attention_side(const shuttle_step *s, const shuttle_layer *ly, int64_t l, const void *x) {
     const int64_t B = s->B, D = s->D, N = s->N, K = s->K, H = s->H, Q = N * H, C = K * H, W = Q + 2 * C;
     const int nt = (int)s->threads;
     const float eps = (float)s->eps, qk_eps = (float)s->qk_eps;
     uint16_t *qkv = s->qkv, *q = s->q;
-    void *r = s->r0, *r_next = s->r1;
-    for (int64_t l = 0; l < L; l++) {
-        const shuttle_layer *ly = &layers[l];
-        if (l == 0) { /* no residual yet: r = x */
-            shuttle_add_rms_norm(s->x, NULL, ly->in_norm, s->h, NULL, B, D, eps, 1, nt);
-            memcpy(r, s->x, (size_t)(B * D) * 2);
-        } else {
-            shuttle_add_rms_norm(s->moe, r, ly->in_norm, s->h, r_next, B, D, eps, 1, nt);
-            void *t = r; r = r_next, r_next = t;
-        }
-        shuttle_gemm_bf16_panels(s->h, B, D, ly->qkv, W, qkv, nt);
-        if (s->qk_norm == 1) /* each head's H values, in place (the kernel reads a row before writing it) */
-            for (int64_t b = 0; b < B; b++) {
-                shuttle_add_rms_norm(qkv + b * W, NULL, ly->q_norm, qkv + b * W, NULL, N, H, qk_eps, 1, 1);
-                shuttle_add_rms_norm(qkv + b * W + Q, NULL, ly->k_norm, qkv + b * W + Q, NULL, K, H, qk_eps, 1, 1);
-            }
-        else if (s->qk_norm == 2) /* the whole projection */
-            for (int64_t b = 0; b < B; b++) {
-                shuttle_add_rms_norm(qkv + b * W, NULL, ly->q_norm, qkv + b * W, NULL, 1, Q, qk_eps, 1, 1);
-                shuttle_add_rms_norm(qkv + b * W + Q, NULL, ly->k_norm, qkv + b * W + Q, NULL, 1, C, qk_eps, 1, 1);
-            }
-        shuttle_rotary(qkv, N, W, H, qkv + Q, K, W, H, s->cos, s->sin, B, s->R, 1, nt);
+    if (l == 0) { /* no residual yet: r = x */
+        shuttle_add_rms_norm(x, NULL, ly->in_norm, s->h, NULL, B, D, eps, 1, nt);
+        memcpy(s->r, x, (size_t)(B * D) * 2);
+    } else {
+        shuttle_add_rms_norm(x, s->r, ly->in_norm, s->h, s->r, B, D, eps, 1, nt);
+    }
+    shuttle_gemm_bf16_panels(s->h, B, D, ly->qkv, W, qkv, nt);
+    if (s->qk_norm == 1) /* each head's H values, in place */
         for (int64_t b = 0; b < B; b++) {
-            memcpy((uint16_t *)ly->k_cache + s->slots[b] * C, qkv + b * W + Q, (size_t)C * 2);
-            memcpy((uint16_t *)ly->v_cache + s->slots[b] * C, qkv + b * W + Q + C, (size_t)C * 2);
-            memcpy(q + b * Q, qkv + b * W, (size_t)Q * 2);
-            s->start[b] = ly->window && s->len[b] > ly->window ? s->len[b] - ly->window : 0;
+            shuttle_add_rms_norm(qkv + b * W, NULL, ly->q_norm, qkv + b * W, NULL, N, H, qk_eps, 1, 1);
+            shuttle_add_rms_norm(qkv + b * W + Q, NULL, ly->k_norm, qkv + b * W + Q, NULL, K, H, qk_eps, 1, 1);
         }
-        shuttle_paged_decode_attention(q, ly->k_cache, ly->v_cache, 1, s->table, s->M, s->start, s->len, s->o, s->lse,
-                                       B, K, N / K, H, s->S, s->S * C, C, H, s->S * C, C, H, (float)s->scale, nt, 1, 1,
-                                       1);
-        shuttle_gemm_bf16_panels(s->o, B, Q, ly->o, D, s->a, nt);
-        shuttle_add_rms_norm(s->a, r, ly->post_norm, s->h, r_next, B, D, eps, 1, nt);
-        { void *t = r; r = r_next, r_next = t; }
-        shuttle_gemm_bf16_panels(s->h, B, D, ly->router, s->E, s->logits, nt);
-        int64_t *ids = s->ids + l * B * s->top_k;
-        for (int64_t b = 0; b < B; b++)
-            route((const uint16_t *)s->logits + b * s->E, 1, s->E, s->top_k, (int)s->renormalize, (float)s->scaling,
-                  (int)s->weights_bf16, ids + b * s->top_k, s->wk + b * s->top_k);
+    else if (s->qk_norm == 2) /* the whole projection */
+        for (int64_t b = 0; b < B; b++) {
+            shuttle_add_rms_norm(qkv + b * W, NULL, ly->q_norm, qkv + b * W, NULL, 1, Q, qk_eps, 1, 1);
+            shuttle_add_rms_norm(qkv + b * W + Q, NULL, ly->k_norm, qkv + b * W + Q, NULL, 1, C, qk_eps, 1, 1);
+        }
+    shuttle_rotary(qkv, N, W, H, qkv + Q, K, W, H, s->cos, s->sin, B, s->R, 1, nt);
+    for (int64_t b = 0; b < B; b++) {
+        memcpy((uint16_t *)ly->k_cache + s->slots[b] * C, qkv + b * W + Q, (size_t)C * 2);
+        memcpy((uint16_t *)ly->v_cache + s->slots[b] * C, qkv + b * W + Q + C, (size_t)C * 2);
+        memcpy(q + b * Q, qkv + b * W, (size_t)Q * 2);
+        s->start[b] = ly->window && s->len[b] > ly->window ? s->len[b] - ly->window : 0;
+    }
+    shuttle_paged_decode_attention(q, ly->k_cache, ly->v_cache, 1, s->table, s->M, s->start, s->len, s->o, s->lse, B,
+                                   K, N / K, H, s->S, s->S * C, C, H, s->S * C, C, H, (float)s->scale, nt, 1, 1, 1);
+    shuttle_gemm_bf16_panels(s->o, B, Q, ly->o, D, s->a, nt);
+    shuttle_add_rms_norm(s->a, s->r, ly->post_norm, s->h, s->r, B, D, eps, 1, nt);
+    shuttle_gemm_bf16_panels(s->h, B, D, ly->router, s->E, s->logits, nt);
+    int64_t *ids = s->ids + l * B * s->top_k;
+    float *wk = s->wk + l * B * s->top_k;
+    for (int64_t b = 0; b < B; b++)
+        route((const uint16_t *)s->logits + b * s->E, 1, s->E, s->top_k, (int)s->renormalize, (float)s->scaling,
+              (int)s->weights_bf16, ids + b * s->top_k, wk + b * s->top_k);
+}
+
+/* The whole step, experts in this process. Returns 0, or -1 (out of memory in the MoE block;
+ * nothing after it ran). */
+int shuttle_decode_step(const shuttle_step *s, const shuttle_layer *layers, int64_t L) {
+    const int64_t B = s->B, D = s->D, BK = s->B * s->top_k;
+    for (int64_t l = 0; l < L; l++) {
+        attention_side(s, &layers[l], l, l ? s->moe : s->x);
         memset(s->moe, 0, (size_t)(B * D) * 2);
-        if (shuttle_fused_moe_bf16(s->h, B, D, ids, s->wk, s->top_k, ly->w13, ly->w2, s->E, s->I16, s->scratch, s->moe,
-                                   nt))
+        if (shuttle_fused_moe_bf16(s->h, B, D, s->ids + l * BK, s->wk + l * BK, s->top_k, layers[l].w13, layers[l].w2,
+                                   s->E, s->I16, s->scratch, s->moe, (int)s->threads))
             return -1;
     }
-    shuttle_add_rms_norm(s->moe, r, s->final_norm, s->y, NULL, B, D, eps, 1, nt);
+    shuttle_add_rms_norm(s->moe, s->r, s->final_norm, s->y, NULL, B, D, (float)s->eps, 1, (int)s->threads);
     return 0;
+}
+
+/* Layer l's attention side alone, for experts elsewhere (an attention worker's layers between its
+ * M2N dispatches): x is the embeddings at layer 0, else layer l - 1's combined output. */
+void shuttle_decode_attention(const shuttle_step *s, const shuttle_layer *layer, int64_t l, const void *x) {
+    attention_side(s, layer, l, x);
 }
 #else
 int shuttle_decode_step(void) { return -2; }
+void shuttle_decode_attention(void) {}
 #endif
