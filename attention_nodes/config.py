@@ -157,8 +157,9 @@ class EngineConfig:
     kernels: "torch" or "triton" to override the device's default (see kernels.ops).
     enforce_eager: run every op eagerly; False compiles the decoder's non-GEMM stages with
     torch.compile at start-up where that applies (CPU with torch kernels; models/stages.py).
-    native_decode: run a colocated bf16 decode step's layers as one native call where the model
-    takes it (models/native_decode.py); False keeps the eager step."""
+    native_decode: run bf16 decode steps' layers from C where the model takes it: colocated the
+    whole step in one call, on an attention worker each layer's attention side
+    (models/native_decode.py); False keeps the eager layers."""
 
     model: str
     dtype: torch.dtype | None = None

@@ -363,7 +363,10 @@ def decode_attention(step, layer, index: int, x_ptr: int) -> None:
 def decode_step(step, layers, num_layers: int) -> None:
     """Run kernels/csrc/decode_step.c on a step and layer tables built by models/native_decode.py
     (ctypes structures, passed by reference). Call only where avx512_bf16() is True."""
-    if _library().shuttle_decode_step(step, layers, num_layers) != 0:
+    rc = _library().shuttle_decode_step(step, layers, num_layers)
+    if rc == -2:
+        raise RuntimeError("decode_step: the native library was built without AVX-512 BF16 support")
+    if rc != 0:
         raise MemoryError("decode_step: out of memory in the MoE block")
 
 

@@ -316,7 +316,7 @@ class MoEForCausalLM(nn.Module):
                     self._rotary = RotaryEmbedding(self.cfg.rope, self.cfg.rope_dim, xs[-1].device)
                 cos_sins.append(self._rotary(batch.positions_T, xs[-1].dtype, batch.kv_lens_B[batch.seq_idx_T]))
             residuals.append(None)
-        mode = None if self.native_decode is None else self.native_decode.mode(inputs, self.dispatcher)
+        mode = None if self.native_decode is None else self.native_decode.mode(inputs, self.dispatcher, cache)
         if mode == "step":  # every layer and its experts in one native call
             x_TD = self.native_decode(xs[0], cos_sins[0], inputs[0][1], self.dispatcher)
             return [x_TD if head is None else head(0, x_TD)]

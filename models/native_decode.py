@@ -111,6 +111,7 @@ class NativeDecode:
                                None if w13 is None else w13.data_ptr(), None if w2 is None else w2.data_ptr(),
                                cache.k[i].data_ptr(), cache.v[i].data_ptr(), attn.window or 0)
         self.layers = layers
+        self.cache = cache  # the pages the tables point at (a step for another cache runs eagerly)
         self.final_norm = model.model.norm.weight
         self.cache_slots = cache.k[0].shape[1]
         self.route = model.model.layers[0].mlp.route_spec(torch.bfloat16)
@@ -121,10 +122,11 @@ class NativeDecode:
     def build(cls, model, cache, local: bool = True) -> "NativeDecode | None":
         return None if why_not(model, cache, local) is not None else cls(model, cache, local)
 
-    def mode(self, inputs: list, dispatcher) -> str | None:
-        """How a step of these micro-batches runs: "step" (whole, in C), "layers" (each layer's
-        attention side in C) or None (eagerly: a prefill or mixed step, or no sequences)."""
-        if torch.is_grad_enabled() or all(i is None for i in inputs):
+    def mode(self, inputs: list, dispatcher, cache) -> str | None:
+        """How a step of these micro-batches over `cache` runs: "step" (whole, in C), "layers" (each
+        layer's attention side in C) or None (eagerly: a prefill or mixed step, no sequences, or a
+        cache other than the one the tables point at)."""
+        if cache is not self.cache or torch.is_grad_enabled() or all(i is None for i in inputs):
             return None
         if any(i is not None and (i[1].max_q_len != 1 or i[1].parts is not None or i[1].block_table_BM is None)
                for i in inputs):

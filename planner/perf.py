@@ -87,8 +87,8 @@ class ProfilePerf:
         (planner.profile.measure_native_decode); 0 where the profile has no such fit (the model does
         not take it, or an older profile)."""
         t = min(self.fits, key=lambda k: (abs(k - threads), -k))
-        f = self.fits[t].get("native_decode")
-        return 0.0 * np.asarray(tokens, dtype=float) if f is None else f(tokens=np.asarray(tokens, dtype=float))
+        f, s = self.fits[t].get("native_decode"), (t / threads if t != threads else 1.0)  # scaled as _fit's
+        return 0.0 * np.asarray(tokens, dtype=float) if f is None else f(tokens=np.asarray(tokens, dtype=float)) * s
 
     def front(self, tokens, messages=1):
         """The front's and the load generator's CPU seconds for a step's output tokens, which came

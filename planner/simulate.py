@@ -248,7 +248,7 @@ class Simulator:
             X = self.perf.experts(tok * mod.top_k, expected_active(tok, mod.num_experts, mod.num_experts, mod.top_k),
                                   th) * self.slow
             work = S + (mod.num_layers * A + mod.num_moe_layers * X + H).sum(1)
-            if not ptok.any():  # a decode-only step runs its layers in one native call where the model takes it
+            if not ptok.any() and dep.micro_batches == 1:  # a decode-only step runs its layers in one native call where the model takes it
                 n = tok.sum(1)
                 work = work - np.where(n > 0, self.perf.native_decode_saving(n, th), 0.0) * self.slow
             self.busy["attention"] += float(work.sum())

@@ -97,9 +97,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "(residual add + RMSNorm, q/k norm + rotary) with torch.compile at start-up "
                         "(default: $SHUTTLE_ENFORCE_EAGER, else eager)")
     p.add_argument("--native-decode", action=argparse.BooleanOptionalAction, default=True,
-                   help="run a colocated bf16 decode step's layers as one native call on CPUs with AVX-512 BF16, "
-                        "for the models it takes (Mixtral, Qwen3-MoE, OLMoE shapes); --no-native-decode keeps "
-                        "the eager step")
+                   help="run bf16 decode steps' layers from C on CPUs with AVX-512 BF16, for the models it takes "
+                        "(Mixtral, Qwen3-MoE, OLMoE shapes): colocated the whole step in one call, on attention "
+                        "workers each layer's attention side; --no-native-decode keeps the eager layers")
 
 
 POOL_FLAGS = ("attention_workers", "expert_workers", "micro_batches", "transport", "placement", "launcher",

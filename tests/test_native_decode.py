@@ -1,12 +1,14 @@
 """The native decode step (models/native_decode.py, kernels/csrc/decode_step.c) against the eager
 step it replays, and the native softmax routing both of them call."""
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import kernels.native as native
 from kernels.routing import topk_route
+from models.kv_cache import make_paged_cache
 from models.native_decode import why_not
 from server import LLM, SamplingParams
 from server.cli import build_parser
@@ -119,6 +121,13 @@ def test_native_decode_greedy_ids_and_the_flag(make_checkpoint):
         llm = LLM(ckpt, device="cpu", num_kv_blocks=16, native_decode=on)
         try:
             assert (llm.engine.runner.model.native_decode is not None) == on
+            if on:  # its tables point at the runner's cache: a step over another cache runs eagerly
+                runner = llm.engine.runner
+                other = make_paged_cache(runner.model_cfg, 4, 16, torch.bfloat16, "cpu", runner.model.ops)
+                decode = [(None, SimpleNamespace(max_q_len=1, parts=None, block_table_BM=torch.zeros(1, 1)))]
+                with torch.inference_mode():
+                    nd, disp = runner.model.native_decode, runner.model.dispatcher
+                    assert nd.mode(decode, disp, runner.cache) == "step" and nd.mode(decode, disp, other) is None
             out[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         finally:
             llm.shutdown()
