@@ -59,9 +59,10 @@ class ProfilePerf:
         view.fits = {**self.fits, **{int(t): {k: Fit.from_dict(f) for k, f in fits.items()} for t, fits in passive.items()}}
         return view
 
-    def _fit(self, name: str, threads: int) -> tuple[Fit, float]:
+    def _fit(self, name: str, threads: int) -> tuple[Fit | None, float]:
+        """The fit of the nearest profiled thread count (None if it has no such fit) and its scale."""
         t = min(self.fits, key=lambda k: (abs(k - threads), -k))
-        return self.fits[t][name], t / threads if t != threads else 1.0
+        return self.fits[t].get(name), t / threads if t != threads else 1.0
 
     def attention(self, tokens, kv_reads, threads: int = 1, prefill_tokens=0, kv_prefill=0):
         f, s = self._fit("attention", threads)
@@ -86,8 +87,7 @@ class ProfilePerf:
         native call instead of as the attention and expert fits time it
         (planner.profile.measure_native_decode); 0 where the profile has no such fit (the model does
         not take it, or an older profile)."""
-        t = min(self.fits, key=lambda k: (abs(k - threads), -k))
-        f, s = self.fits[t].get("native_decode"), (t / threads if t != threads else 1.0)  # scaled as _fit's
+        f, s = self._fit("native_decode", threads)
         return 0.0 * np.asarray(tokens, dtype=float) if f is None else f(tokens=np.asarray(tokens, dtype=float)) * s
 
     def front(self, tokens, messages=1):

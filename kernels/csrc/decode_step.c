@@ -112,8 +112,9 @@ int shuttle_fused_moe_bf16(const uint16_t *x, int64_t T, int64_t D, const int64_
 /* Layer l's attention side for the step's B tokens: from x (the embeddings at layer 0, else the
  * previous layer's combined MoE output) to the MoE's input s->h and the router's choice (layer l's
  * rows of s->ids and s->wk). The residual stream s->r is updated in place (add_rms_norm reads a
- * row whole before it writes it). */
-static void attention_side(const shuttle_step *s, const shuttle_layer *ly, int64_t l, const void *x) {
+ * row whole before it writes it). Called alone by an attention worker, whose experts are elsewhere,
+ * between its M2N dispatches; shuttle_decode_step calls it before each layer's MoE block. */
+void shuttle_decode_attention(const shuttle_step *s, const shuttle_layer *ly, int64_t l, const void *x) {
     const int64_t B = s->B, D = s->D, N = s->N, K = s->K, H = s->H, Q = N * H, C = K * H, W = Q + 2 * C;
     const int nt = (int)s->threads;
     const float eps = (float)s->eps, qk_eps = (float)s->qk_eps;
@@ -159,7 +160,7 @@ static void attention_side(const shuttle_step *s, const shuttle_layer *ly, int64
 int shuttle_decode_step(const shuttle_step *s, const shuttle_layer *layers, int64_t L) {
     const int64_t B = s->B, D = s->D, BK = s->B * s->top_k;
     for (int64_t l = 0; l < L; l++) {
-        attention_side(s, &layers[l], l, l ? s->moe : s->x);
+        shuttle_decode_attention(s, &layers[l], l, l ? s->moe : s->x);
         memset(s->moe, 0, (size_t)(B * D) * 2);
         if (shuttle_fused_moe_bf16(s->h, B, D, s->ids + l * BK, s->wk + l * BK, s->top_k, layers[l].w13, layers[l].w2,
                                    s->E, s->I16, s->scratch, s->moe, (int)s->threads))
@@ -167,12 +168,6 @@ int shuttle_decode_step(const shuttle_step *s, const shuttle_layer *layers, int6
     }
     shuttle_add_rms_norm(s->moe, s->r, s->final_norm, s->y, NULL, B, D, (float)s->eps, 1, (int)s->threads);
     return 0;
-}
-
-/* Layer l's attention side alone, for experts elsewhere (an attention worker's layers between its
- * M2N dispatches): x is the embeddings at layer 0, else layer l - 1's combined output. */
-void shuttle_decode_attention(const shuttle_step *s, const shuttle_layer *layer, int64_t l, const void *x) {
-    attention_side(s, layer, l, x);
 }
 #else
 int shuttle_decode_step(void) { return -2; }
