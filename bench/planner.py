@@ -22,6 +22,9 @@ M2N profiled again right after its measurement (`pred_fresh_tok_s`, `tok_s_err_f
 whose speed drifts by minutes, that separates the model's own error from the drift between the
 first profile and the measurement. --fresh-front re-profiles the front and its served runs too,
 so the served factors (which carry the cost of both pools computing at once) are fresh as well.
+`--replay RESULT.json` measures nothing: it predicts a stored run's rows again with the simulator
+as it is now (from the profiles the file keeps) and prints the old and new errors side by side, so a
+change to the model is judged on the same measurements, not on a new run the host's drift moves.
 The machine is shared: re-run on a quiet one before trusting a number (the profile's residuals,
 printed first, and the rows' spreads and load averages say how noisy it was).
 """
@@ -134,14 +137,24 @@ def _cpu_by_role(front: int, cpu0: dict, cpu1: dict, client_s: float, tokens: in
     return {k: v / max(tokens, 1) for k, v in roles.items()}
 
 
-def predict(profile: dict, dep, measured: dict, args) -> dict:
+def workload(measured: dict) -> dict:
+    """The measured run's requests as the simulator takes them: as many, as long (bench serve's random
+    prompts tokenize to about input-len)."""
+    return {"completed": measured["completed"],
+            "prompt_len": round(measured["total_input_tokens"] / max(measured["completed"], 1))}
+
+
+def predict(profile: dict, dep, wl: dict, output_len: int) -> dict:
     from planner.perf import ProfilePerf
     from planner.simulate import SimModel, Simulator, Workload
 
-    # The same requests: as many, as long (bench serve's random prompts tokenize to about input-len).
-    prompt_len = round(measured["total_input_tokens"] / max(measured["completed"], 1))
-    wl = Workload(measured["completed"], prompt_len, args.output_len, dep.max_num_seqs)
-    return Simulator(ProfilePerf(profile), SimModel.from_profile(profile), dep).run(wl)
+    w = Workload(wl["completed"], wl["prompt_len"], output_len, dep.max_num_seqs)
+    return Simulator(ProfilePerf(profile), SimModel.from_profile(profile), dep).run(w)
+
+
+def stored(profile: dict) -> dict:
+    """What a result file keeps of a profile: everything the simulator reads (not the raw samples)."""
+    return {k: v for k, v in profile.items() if k != "samples"}
 
 
 def run_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> tuple[list[dict], dict]:
@@ -164,7 +177,8 @@ def run_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> tu
     for dname, (flags, batch) in deployments.items():
         dep = plan_deployment(plan, cores) if "--plan" in flags else parse(flags, batch, cores)
         m = measure(ckpt, flags, batch, args)
-        p = predict(profile, dep, m, args)
+        wl = workload(m)
+        p = predict(profile, dep, wl, args.output_len)
         over = dep.oversubscribed or "oversubscribed" in dname
         rows.append({"model": name, "deployment": dname, "oversubscribed": over,
                      "pred_tok_s": p["output_throughput"], "meas_tok_s": m["output_throughput"],
@@ -175,20 +189,19 @@ def run_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> tu
                      "meas_repeat_tok_s": m["repeat_tok_s"], "meas_spread": m["repeat_spread"],
                      "load_average": m["load_average"], "meas_cpu_us_per_token": {
                          k: round(v * 1e6) for k, v in m["cpu_s_per_token"].items()},
-                     "pred_attn_busy": p["attention_busy"], "pred_expert_busy": p["expert_busy"]})
+                     "pred_attn_busy": p["attention_busy"], "pred_expert_busy": p["expert_busy"],
+                     "workload": wl})
         if args.fresh_profile:  # the workers and M2N (and the front) profiled again right after the measurement
             subprocess.run(fresh_cmd, check=True, stdout=subprocess.DEVNULL)
             fresh = json.loads(fresh_path.read_text())
             if not args.fresh_front:
                 fresh.update({k: profile.get(k) for k in ("front", "served_factor", "served_factors")})
-            f = predict(fresh, dep, m, args)
-            rows[-1].update(pred_fresh_tok_s=f["output_throughput"],
+            f = predict(fresh, dep, wl, args.output_len)
+            rows[-1].update(fresh_profile=stored(fresh), pred_fresh_tok_s=f["output_throughput"],
                             tok_s_err_fresh=f["output_throughput"] / m["output_throughput"] - 1,
                             tpot_err_fresh=f["mean_tpot_ms"] / m["mean_tpot_ms"] - 1)
         print(json.dumps(rows[-1]), flush=True)
-    kept = ("host", "fits", "fits_passive", "served_factor", "served_factors", "transfer", "front", "seconds",
-            "load_average")
-    return rows, {"profile": {k: profile.get(k) for k in kept}, "plan": plan}
+    return rows, {"profile": stored(profile), "plan": plan}
 
 
 def plan_pick(ckpt: Path, prof_path: Path, args) -> dict:
@@ -229,7 +242,12 @@ def main() -> None:
                    help=f"prompts per measured run at least (and at least {MIN_MEASURED_PROMPTS} below batch 256)")
     p.add_argument("--only", default=None, help="comma-separated deployment names (of the first shape)")
     p.add_argument("--shapes", default=None, help="comma-separated model shapes to run (default: both)")
+    p.add_argument("--replay", default=None, metavar="RESULT.json",
+                   help="measure nothing: predict every row of a result file this script wrote again, with the "
+                        "simulator as it is now and the profiles the file stored, and print both errors")
     args = p.parse_args()
+    if args.replay:
+        return replay(Path(args.replay))
     args.fresh_profile = args.fresh_profile or args.fresh_front
     if args.quick:
         args.output_len, args.min_prompts = 16, 16
@@ -251,6 +269,45 @@ def main() -> None:
     result = {"config": vars(args), "rows": rows, "summary": summary, "shapes": extra}
     path = save("planner_partial" if args.only or args.shapes else "planner", result)
     print(f"wrote {path}")
+
+
+def replay(path: Path) -> None:
+    """Predict a stored run's rows again (from its first and, where stored, fresh profiles) against
+    the same measurements: a change to the simulator judged on runs already measured, not on a new
+    run whose host may have drifted. Prints the table and the summary; writes nothing."""
+    result = json.loads(path.read_text())
+    output_len, rows = result["config"]["output_len"], []
+    for r in result["rows"]:
+        if "workload" not in r:
+            raise SystemExit(f"{path}: row {r['deployment']!r} has no stored workload (written before --replay existed)")
+        profile = result["shapes"][r["model"]]["profile"]
+        plan = result["shapes"][r["model"]]["plan"]
+        cores = profile["host"]["cores"]
+        if r["deployment"].startswith("the plan's pick"):
+            dep = plan_deployment(plan, cores)
+        else:
+            flags, batch = DEPLOYMENTS[r["deployment"]]
+            dep = parse(flags, batch, cores)
+        p = predict(profile, dep, r["workload"], output_len)
+        new = {**r, "was_tok_s_err": r["tok_s_err"], "was_tpot_err": r["tpot_err"],
+               "pred_tok_s": p["output_throughput"], "tok_s_err": p["output_throughput"] / r["meas_tok_s"] - 1,
+               "pred_tpot_ms": p["mean_tpot_ms"], "tpot_err": p["mean_tpot_ms"] / r["meas_tpot_ms"] - 1,
+               "pred_ttft_ms": p["mean_ttft_ms"]}
+        if "fresh_profile" in r:
+            fresh = {**r["fresh_profile"], **{k: profile.get(k) for k in ("front", "served_factor", "served_factors")
+                                                if not result["config"].get("fresh_front")}}
+            f = predict(fresh, dep, r["workload"], output_len)
+            new.update(tok_s_err_fresh=f["output_throughput"] / r["meas_tok_s"] - 1,
+                       tpot_err_fresh=f["mean_tpot_ms"] / r["meas_tpot_ms"] - 1)
+        rows.append(new)
+    print_table(rows, ["model", "deployment", "pred_tok_s", "meas_tok_s", "was_tok_s_err", "tok_s_err", "pred_tpot_ms",
+                       "meas_tpot_ms", "was_tpot_err", "tpot_err", "pred_ttft_ms", "meas_ttft_ms",
+                       *(["tok_s_err_fresh", "tpot_err_fresh"] if all("fresh_profile" in r for r in rows) else [])])
+    was = summarize(result["rows"], {})
+    now = summarize(rows, {})
+    keys = ("median_abs_tok_s_err", "within_10pct_tok_s", "within_15pct_tpot", "median_abs_tok_s_err_fresh",
+            "within_10pct_tok_s_fresh", "within_15pct_tpot_fresh")
+    print(json.dumps({k: {"was": was.get(k), "now": now.get(k)} for k in keys}, indent=1))
 
 
 def summarize(rows: list[dict], extra: dict) -> dict:
