@@ -193,6 +193,16 @@ def available() -> bool:
     return _library() is not None
 
 
+def eager_cpu(*tensors: torch.Tensor) -> bool:
+    """What every optional native kernel's caller checks before its own dtype and shape checks: the
+    tensors are on the CPU, none needs its gradient, torch.compile is not tracing, and the kernels
+    run here. (Their ctypes calls are opaque to autograd and to the compiler; the torch path is the
+    reference.)"""
+    return (all(t.device.type == "cpu" for t in tensors)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            and not torch.compiler.is_compiling() and available())
+
+
 def gemm_bf16(x_TI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
     """y_TO = x_TI w_OI^T in float32: x float32 (T, I), w bfloat16 (O, I), both contiguous CPU tensors.
     Call only where available() is True."""

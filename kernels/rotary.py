@@ -161,9 +161,7 @@ def apply_rotary(
 
 
 def _native(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    return (all(t.device.type == "cpu" for t in (q, k, cos, sin)) and native.rotary_takes(q, k, cos, sin)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin)))
-            and not torch.compiler.is_compiling() and native.available())
+    return native.eager_cpu(q, k, cos, sin) and native.rotary_takes(q, k, cos, sin)
 
 
 def apply_rotary_(

@@ -75,10 +75,8 @@ def check_route_args(E: int, top_k: int, scoring: str, num_groups: int, topk_gro
 
 
 def _native(logits_TE: torch.Tensor) -> bool:
-    return (logits_TE.device.type == "cpu" and logits_TE.dtype in (torch.bfloat16, torch.float32)
-            and logits_TE.dim() == 2 and logits_TE.is_contiguous()
-            and not (torch.is_grad_enabled() and logits_TE.requires_grad)
-            and not torch.compiler.is_compiling() and native.available())
+    return (logits_TE.dtype in (torch.bfloat16, torch.float32) and logits_TE.dim() == 2 and logits_TE.is_contiguous()
+            and native.eager_cpu(logits_TE))
 
 
 def topk_route(
