@@ -21,7 +21,7 @@ from attention_nodes.config import EngineConfig
 from attention_nodes.model_runner import ModelRunner, PromptLogits
 from attention_nodes.sampler import Sampler, SamplingRow
 from attention_nodes.sampling_params import SamplingParams
-from attention_nodes.scheduler import Scheduler
+from attention_nodes.scheduler import ScheduledBatch, Scheduler
 from attention_nodes.sequence import Sequence, SequenceStatus
 from attention_nodes.structured import GrammarCache
 from kernels.sampling import compute_logprobs
@@ -75,6 +75,7 @@ class LLMEngine:
         self._held: dict[str, list[Sequence]] = {}
         self._arrival = itertools.count()
         self.num_steps = self.num_prefill_tokens = self.num_generated_tokens = 0
+        self.last_batch: ScheduledBatch | None = None  # what the last step scheduled (the workers' trace reads it)
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -188,7 +189,7 @@ class LLMEngine:
         """schedule -> execute -> update. Returns the deltas of the sequences that sampled a token."""
         for rid in [rid for rid in self._held if self._prompt_computed(rid)]:
             self._release_held(rid)
-        batch = self.scheduler.schedule()
+        batch = self.last_batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.scheduler.has_work():  # an invariant broke: fail loudly rather than spin for ever
                 raise RuntimeError(f"the scheduler can run none of {len(self.scheduler.waiting)} waiting sequences "

@@ -31,8 +31,10 @@ class Tracer:
                  **({"args": a} if a else {})} for n, c, s, e, a in self.events]
 
     def dump(self, directory: str | Path) -> Path:
-        """Write this process's events to DIRECTORY/PROCESS.trace.json (a list of Chrome events)."""
+        """Write this process's events to DIRECTORY/PROCESS.trace.json (a list of Chrome events),
+        making the directory if it is not there."""
         path = Path(directory) / f"{self.process}.trace.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.chrome_events()))
         return path
 

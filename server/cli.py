@@ -78,7 +78,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
                 max_worker_restarts=args.max_worker_restarts, restart_window_s=args.restart_window_s,
-                enforce_eager=args.enforce_eager, native_decode=args.native_decode)
+                enforce_eager=args.enforce_eager, native_decode=args.native_decode, trace_dir=args.trace_dir)
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -150,6 +150,11 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--colocated", action="store_true", help="experts inside the attention process, no transport")
     g.add_argument("--attention-device", default=None, help="the attention pool's device (cpu, cuda; as --device)")
     g.add_argument("--expert-device", default=None, help="the expert pool's device (default: the attention pool's)")
+    g.add_argument("--trace-dir", default=None, metavar="DIR",
+                   help="each pool worker writes DIR/<worker>.trace.json when it stops: a Chrome trace of its steps "
+                        "(with their sequences and prompt tokens), layers, M2N sends and waits, to open in "
+                        "ui.perfetto.dev beside shuttle simulate --trace; the spans stay in memory until then, so "
+                        "for diagnostic runs")
     g.add_argument("--plan", default=None, metavar="PLAN.json",
                    help="run the deployment of a plan from shuttle plan (pools, micro-batches, threads, batch)")
     g.add_argument("--launcher", choices=["spawn", "ray"], default=None,

@@ -69,14 +69,19 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                   eplb_interval: int = 3000, num_redundant_experts: int = 0, max_worker_restarts: int = 3,
                   restart_window_s: float = 600.0, launcher: str = "spawn", ray_address: str | None = None,
                   attention_resources: object = (), expert_resources: object = (),
-                  enforce_eager: bool | None = None, native_decode: bool = True) -> EngineConfig:
+                  enforce_eager: bool | None = None, native_decode: bool = True,
+                  trace_dir: str | None = None) -> EngineConfig:
     """EngineConfig from the keyword arguments of LLM and the command line (None model: built-in).
     colocated=False runs attention_workers and expert_workers as separate processes (see
     attention_nodes.config.ParallelConfig); `device` is then the attention pool's, expert_device
     the expert pool's (default: the same). launcher="ray" starts them as Ray actors on the cluster
     at ray_address, each pool on nodes carrying its resources (dicts such as {"H20": 1}).
     enforce_eager: None takes $SHUTTLE_ENFORCE_EAGER ("1" or "0") if set, else DEFAULT_ENFORCE_EAGER.
-    native_decode: False keeps colocated bf16 decode steps eager (models/native_decode.py)."""
+    native_decode: False keeps colocated bf16 decode steps eager (models/native_decode.py).
+    trace_dir: each pool worker writes DIR/<worker>.trace.json (a Chrome trace) when it stops."""
+    if trace_dir is not None and colocated:
+        raise ValueError("trace_dir traces the worker pools (their steps, layers and M2N waits); a colocated "
+                         "engine has none: run attention and expert workers")
     if model is None:
         from models.builtin import builtin_model_dir
         model = builtin_model_dir()
@@ -97,7 +102,8 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                                        eplb_interval=eplb_interval, num_redundant_experts=num_redundant_experts,
                                        max_worker_restarts=max_worker_restarts, restart_window_s=restart_window_s,
                                        launcher=launcher, ray_address=ray_address,
-                                       attention_resources=attention_resources, expert_resources=expert_resources),
+                                       attention_resources=attention_resources, expert_resources=expert_resources,
+                                       trace_dir=None if trace_dir is None else str(trace_dir)),
                         enforce_eager, native_decode)
 
 

@@ -118,7 +118,8 @@ def test_greedy_equals_colocated_on_nixl(make_checkpoint, monkeypatch, ucx_tls, 
 @pytest.mark.slow
 def test_replicated_hot_expert_and_llm_api(make_checkpoint, tmp_path):
     """A placement file puts expert 0 on both expert workers (its tokens are split between the
-    copies); LLM.generate over the pools equals LLM.generate colocated."""
+    copies); LLM.generate over the pools equals LLM.generate colocated. With trace_dir every worker
+    writes its Chrome trace when it stops, the attention worker's steps saying what they ran."""
     ckpt = make_checkpoint("mixtral")
     placement = tmp_path / "placement.json"
     placement.write_text(json.dumps({"0": [0, 1], "5": [1, 0]}))
@@ -126,12 +127,20 @@ def test_replicated_hot_expert_and_llm_api(make_checkpoint, tmp_path):
     prompts = [p for p in PROMPTS]
     want = [o.outputs[0].token_ids for o in LLM(ckpt, num_kv_blocks=64).generate(prompts, PARAMS)]
     llm = LLM(ckpt, num_kv_blocks=64, colocated=False, expert_workers=2, micro_batches=2, placement=str(placement),
-              torch_threads=1)
+              torch_threads=1, trace_dir=tmp_path / "trace")
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
     finally:
         llm.shutdown()
     assert got == want
+    assert sorted(f.name for f in (tmp_path / "trace").iterdir()) == ["a0.trace.json", "e0.trace.json", "e1.trace.json"]
+    steps = [e["args"] for e in json.loads((tmp_path / "trace" / "a0.trace.json").read_text()) if e["name"] == "step"]
+    # one new token: every token after the first, and a one-token prompt's prefill
+    assert sum(s["decode"] for s in steps) == sum(len(g) - 1 for g in got) + sum(len(p) == 1 for p in prompts)
+    assert sum(s["prompt_tokens"] for s in steps) == sum(len(p) for p in prompts if len(p) > 1)
+    assert max(s["seqs"] for s in steps) <= len(prompts) and any(s["prompt_tokens"] for s in steps)
+    with pytest.raises(ValueError, match="trace_dir traces the worker pools"):
+        LLM(ckpt, trace_dir=tmp_path / "trace")
 
 
 @pytest.mark.slow
