@@ -275,12 +275,22 @@ def replay(path: Path) -> None:
     """Predict a stored run's rows again (from its first and, where stored, fresh profiles) against
     the same measurements: a change to the simulator judged on runs already measured, not on a new
     run whose host may have drifted. Prints the table and the summary; writes nothing."""
+    from planner.profile import served_factor, served_factors
+
     result = json.loads(path.read_text())
     output_len, rows = result["config"]["output_len"], []
+    # The served factors are the simulator's calibration on the profile's served runs: solved again
+    # with the simulator as it is now.
+    profiles = {}
+    for name, shape in result["shapes"].items():
+        prof = shape["profile"]
+        profiles[name] = {**prof, "served_factor": served_factor(prof), "served_factors": served_factors(prof)}
+        print(f"{name}: served factor {prof.get('served_factor')} -> {profiles[name]['served_factor']}, "
+              f"by tokens {prof.get('served_factors')} -> {profiles[name]['served_factors']}")
     for r in result["rows"]:
         if "workload" not in r:
             raise SystemExit(f"{path}: row {r['deployment']!r} has no stored workload (written before --replay existed)")
-        profile = result["shapes"][r["model"]]["profile"]
+        profile = profiles[r["model"]]
         plan = result["shapes"][r["model"]]["plan"]
         cores = profile["host"]["cores"]
         if r["deployment"].startswith("the plan's pick"):

@@ -23,14 +23,18 @@ What is real and what is modelled:
   (ProfilePerf.native_decode_saving: models/native_decode.py).
 - Cores: with `cores` set (one host), the front and the load generator's CPU per output token,
   per delta message (one per attention worker and step) and per request (measured by the
-  profile) delay the workers in proportion to the share of the
-  cores the workers hold, and a step lasts at least the CPU work of all its processes divided by
-  the cores (processes x threads beyond the cores share them): `_share_cores`.
+  profile) delay the worker on a step's critical path in proportion to the share of the cores it
+  holds (a colocated engine: always, it shares the front's interpreter lock), and a step lasts at
+  least the CPU work of all its processes divided by the cores (processes x threads beyond the
+  cores share them): `_share_cores`. The front admits requests one at a time (a request reaches
+  the engine once the front is through with it and those before it) and handles the steps' deltas
+  one after another (a step's tokens reach the client, and a finished request's concurrency slot
+  frees, once the front has handled them).
 - OpenMP: worker pools on one host wait passively between parallel regions (server/launchers.py),
   so their multi-thread costs are the profile's passive fits (ProfilePerf.for_pools).
-- Sharing a host also slows the workers' compute itself (cache, memory bandwidth): on a shared host
-  every compute time is multiplied by the profile's served factor (planner.profile.served_factor);
-  where both pools compute at once (m >= 2) each call's by one that depends on its tokens,
+- Sharing a host also slows the workers' compute itself (cache, memory bandwidth): where both pools
+  compute at once on a shared host (m >= 2) every compute time is multiplied by the profile's
+  served factor (planner.profile.served_factor), each call's by one that depends on its tokens,
   interpolated between served runs at two batch sizes (planner.profile.served_factors,
   call_slowdown; the step's own work by the factor at the batch per micro-batch, served_slowdown).
 """
@@ -157,18 +161,19 @@ class _Worker:
 
 
 def served_slowdown(perf, dep: "Deployment", batch: float | None = None) -> float:
-    """How much slower the workers compute on a shared host than the profile's fits (1.0 where each
-    process has its own device): the profile's served factor, or, where both pools compute at once
-    (m >= 2) and the profile has served runs at two batch sizes (planner.profile.served_factors), the
-    factor interpolated in 1 / (batch per micro-batch) between them (the nearest one's outside).
-    Pools at m = 1 compute one at a time, so the factor measured with both computing at once does not
-    apply: 1.0 (with it their TPOT came out 9-30% long in 6 of 8 planner rows, without it 2-17%;
-    their throughput error moved from -4% to +5% on average). batch: the sequences an attention
-    worker runs at once (None: its max_num_seqs)."""
-    if not dep.cores or (not dep.colocated and dep.micro_batches < 2):
+    """How much slower the workers compute on a shared host than the profile's fits, where both
+    pools compute at once (m >= 2): the profile's served factor, or, where it has served runs at two
+    batch sizes (planner.profile.served_factors), the factor interpolated in 1 / (batch per
+    micro-batch) between them (the nearest one's outside). 1.0 elsewhere: where each process has its
+    own device; pools at m = 1, which compute one at a time (with the factor their TPOT came out
+    9-30% long in 6 of 8 planner rows, without it 2-17%; their throughput error moved from -4% to +5%
+    on average); and a colocated engine, whose attention and experts run in turn in one process, not
+    beside each other (the factor is solved on two pools sharing the cache and memory bandwidth).
+    batch: the sequences an attention worker runs at once (None: its max_num_seqs)."""
+    if not dep.cores or dep.colocated or dep.micro_batches < 2:
         return 1.0
     points = getattr(perf, "served_factors", [])
-    if dep.colocated or len(points) < 2:
+    if len(points) < 2:
         return float(getattr(perf, "served_factor", 1.0))
     return float(_factor_at(points, (dep.max_num_seqs if batch is None else batch) / dep.micro_batches))
 
@@ -213,6 +218,7 @@ class Simulator:
         self.trace_steps, self.events = trace_steps, []
         self.busy = {"attention": 0.0, "experts": 0.0}
         self._front_backlog = 0.0  # per-request front CPU not yet charged to a step (run)
+        self._deltas_cpu = 0.0  # the front's and load generator's CPU for the last step's deltas
 
     # -- one step -------------------------------------------------------------------------------
     def _shape(self, batches: list[ScheduledBatch]) -> tuple[np.ndarray, ...]:
@@ -270,29 +276,35 @@ class Simulator:
         thread-seconds, `wall`: the step without sharing) and the front and load generator (their
         CPU for the step's output tokens (`rows`: sampled, per worker and micro-batch), for the
         delta message of each worker that sampled, and for the requests admitted since the last
-        step, from the profile). That CPU lands on a core a worker holds with probability `held` and then delays
-        the step by as much, and no step beats all the CPU work over the cores. A worker holds its
-        cores while it computes and while it waits (the M2N waits poll for spin_s first, and at
-        m >= 2 most waits are shorter); a colocated engine shares the front's interpreter lock, so
-        the front's Python runs in turn with the engine's whatever the cores. (Charging it by how
-        busy the workers' compute keeps the cores, about 1/2 for one-thread deployments, predicted
-        all of those 15-40% too fast on the AVX-512 host.)
-        Without cores (each process on its own device) the front costs the workers nothing."""
+        step, from the profile). That CPU lands on a core the worker on the step's critical path
+        holds with probability `_held` and then delays the step by as much, and no step beats all
+        the CPU work over the cores. Without cores (each process on its own device) the front costs
+        the workers nothing."""
         cores = self.dep.cores
         if not cores or wall <= 0:
+            self._deltas_cpu = 0.0
             return wall
-        front = float(self.perf.front(rows.sum(), (rows.sum(1) > 0).sum())) + self._front_backlog
+        self._deltas_cpu = float(self.perf.front(rows.sum(), (rows.sum(1) > 0).sum()))
+        front = self._deltas_cpu + self._front_backlog
         self._front_backlog = 0.0
         return max(wall + front * self._held, (cpu + front) / cores)
 
     @property
     def _held(self) -> float:
-        """The share of the host's cores the workers hold (see _share_cores)."""
+        """The chance that the front's CPU delays the step (_share_cores): a colocated engine shares
+        the front's interpreter lock, so the front's Python runs in turn with the engine's whatever
+        the cores: 1. A pool worker holds its threads' cores while it computes and while it waits
+        (the M2N waits poll for spin_s first); the front's work lands on one of the host's cores and
+        holds back the step when that core is the critical worker's: its threads over the cores (at
+        m = 1 the computing pool takes every core, 1; 1 + 1 at one thread each on two cores, 1/2).
+        Until this round every pool took 1 (as the share all the workers hold together): served
+        1 + 1 m=2 decode steps of 64 sequences were predicted at 10.9 ms, 6.7 of them the front's
+        and the load generator's, against 8.9 ms traced, the pools' own compute in it 1.6x the fits'
+        (the served factor then fell to its floor of 1; the batch-64 rows' TPOT 15-25% long)."""
         dep = self.dep
         if dep.colocated:
             return 1.0
-        th_a, th_e = dep.pool_threads
-        return min(1.0, (dep.attention_workers * th_a + dep.expert_workers * th_e) / dep.cores)
+        return min(1.0, max(dep.pool_threads) / dep.cores)
 
     def _pipeline(self, t0: float, tok: np.ndarray, A: np.ndarray, H: np.ndarray, S: np.ndarray,
                   trace: bool) -> tuple[float, float, float]:
@@ -378,7 +390,7 @@ class Simulator:
         inbox: list[tuple[float, int]] = []  # (send time, request) not yet seen by the engine
         params = SamplingParams(max_tokens=wl.output_len, temperature=0.0, ignore_eos=True)
         t, step, done = 0.0, 0, 0
-        per_request, front_free = self.perf.front_request(), 0.0
+        per_request, front_free, deliver_free = self.perf.front_request(), 0.0, 0.0
         while done < wl.num_prompts:
             while pending and free_slots:  # a free slot goes to the next request, from its arrival
                 r = pending.popleft()
@@ -402,6 +414,9 @@ class Simulator:
             batches = [wk.sched.schedule() for wk in workers]
             t = self.step_time(t, batches, step)
             step += 1
+            # The client has the step's tokens (and a finished request's slot is free) once the front
+            # has handled the step's deltas, one step after another.
+            seen = deliver_free = max(t, deliver_free) + self._deltas_cpu
             for wk, b in zip(workers, batches):
                 wk.sched.finish_computed(b)
                 for seq, sampled in zip(b.seqs, b.sample):
@@ -409,11 +424,11 @@ class Simulator:
                         continue
                     r, w = owner[id(seq)]
                     seq.token_ids.append(1)
-                    times[r].append(t)
+                    times[r].append(seen)
                     if seq.num_output_tokens >= seq.max_tokens:
                         wk.sched.finish(seq, "length")
                         wk.queued_tokens -= wl.input_len + wl.output_len
-                        heapq.heappush(free_slots, t)
+                        heapq.heappush(free_slots, seen)
                         done += 1
         out = summarize(send, times, wl.input_len)
         out.update(attention_busy=self.busy["attention"] / max(out["duration"], 1e-12) / dep.attention_workers,

@@ -94,14 +94,17 @@ def test_front_work_delays_workers_by_the_share_of_cores_they_hold():
     p["fits"]["2"] = p["fits"]["1"]  # the same times at 2 threads
     two = [batch([1, 1])]
     assert sim(p).step_time(0.0, two) == pytest.approx(4 * MS)  # no shared host: the front costs nothing
-    # 1 + 1 with a thread each on 2 cores: the workers hold both cores (computing, or polling in
-    # their waits), so the front's 2 ms land on the step.
-    assert sim(p, cores=2, torch_threads=1).step_time(0.0, two) == pytest.approx((4 + 2) * MS)
-    # ... on 4 cores they hold half of them: half of it.
-    assert sim(p, cores=4, torch_threads=1).step_time(0.0, two) == pytest.approx((4 + 2 * 0.5) * MS)
-    # shuttle serve's default at m = 1 (worker_threads): the pools take turns with both cores each.
+    # 1 + 1 with a thread each on 2 cores: the front's work lands on one of the two cores, the
+    # critical worker's half the time: half of its 2 ms on the step.
+    assert sim(p, cores=2, torch_threads=1).step_time(0.0, two) == pytest.approx((4 + 2 * 0.5) * MS)
+    # ... on 4 cores a quarter of it.
+    assert sim(p, cores=4, torch_threads=1).step_time(0.0, two) == pytest.approx((4 + 2 * 0.25) * MS)
+    # shuttle serve's default at m = 1 (worker_threads): the pools take turns with both cores each,
+    # so the computing one always has the core the front takes: all of it.
     assert sim(p, cores=2).dep.pool_threads == (2, 2) and not sim(p, cores=2).dep.oversubscribed
     assert sim(p, cores=2).step_time(0.0, two) == pytest.approx((4 + 2) * MS)
+    # No step beats all the CPU work over the cores: 1 + 1 at a thread each on one core.
+    assert sim(p, cores=1, torch_threads=1).step_time(0.0, two) == pytest.approx((4 + 2) * MS)
     assert sim(p, cores=2, micro_batches=2).dep.pool_threads == (1, 1)
     # Colocated, on both cores or on one of 2: the engine shares the front's interpreter lock, so
     # the front's work runs in turn with the engine's either way.
@@ -114,15 +117,18 @@ def test_front_work_per_delta_message():
     whatever it carries): profile front_s_per_step + client_s_per_step."""
     p = profile(a=1.0, e=1.0, layers=2)
     p["front"] = {"front_s_per_token": 0.5 * MS, "front_s_per_step": 0.75 * MS, "client_s_per_step": 0.25 * MS}
-    # 1 + 1, a thread each on 2 cores: 4 ms of work, 2 tokens (1 ms), one message (1 ms).
-    assert sim(p, cores=2, torch_threads=1).step_time(0.0, [batch([1, 1])]) == pytest.approx((4 + 1 + 1) * MS)
-    # 2 + 1 (3 single-thread workers on 3 cores: they hold them all): two messages.
+    p["fits"]["2"] = p["fits"]["1"]  # the same times at 2 threads
+    # 1 + 1 taking turns on 2 cores (m = 1, 2 threads each: the front's work all on the step): 4 ms
+    # of work, 2 tokens (1 ms), one message (1 ms).
+    assert sim(p, cores=2).step_time(0.0, [batch([1, 1])]) == pytest.approx((4 + 1 + 1) * MS)
+    # 2 + 1, 3 single-thread workers on 3 cores: two messages (2 ms) and 2 tokens (1 ms), a third of
+    # it on the step.
     two = sim(p, cores=3, torch_threads=1, attention_workers=2).step_time(0.0, [batch([1]), batch([1])])
-    assert two == pytest.approx((4 + 1 + 2) * MS)
-    # A worker that sampled nothing (a prefill chunk) sends no deltas.
+    assert two == pytest.approx((4 + (1 + 2) / 3) * MS)
+    # A worker that sampled nothing (a prefill chunk) sends no deltas: one message and 1 token.
     chunk = ScheduledBatch(batch([4]).seqs, [4], [False])
     assert sim(p, cores=3, torch_threads=1, attention_workers=2).step_time(0.0, [batch([1]), chunk]) == \
-        pytest.approx((4 + 0.5 + 1) * MS)
+        pytest.approx((4 + (0.5 + 1) / 3) * MS)
     assert ProfilePerf({**p, "front": {"front_s_per_token": 1.0}}).front(3, 2) == 3.0  # older profiles: per token only
 
 
@@ -198,6 +204,23 @@ def test_simulate_command_json_trace_and_errors(tmp_path, capsys):
     assert "micro_batches" in capsys.readouterr().err
 
 
+def test_tokens_reach_the_client_once_the_front_has_handled_the_deltas():
+    """On a shared host a step's tokens reach the client, and a finished request's concurrency slot
+    frees, once the front has handled the step's deltas (its per-message and per-token CPU), one
+    step after another; the next request is sent only then."""
+    p = profile(a=0.1, e=0.1, layers=1)
+    wl = Workload(num_prompts=2, input_len=1, output_len=1, max_concurrency=1)
+    alone = sim(p, colocated=True, torch_threads=1, cores=2).run(wl)
+    p["front"] = {"front_s_per_step": 4 * MS, "client_s_per_step": 1 * MS}
+    r = sim(p, colocated=True, torch_threads=1, cores=2).run(wl)
+    # each step takes the front's 5 ms on top (a colocated engine shares its interpreter lock), and
+    # its one token reaches the client 5 ms after the step ends
+    assert r["mean_ttft_ms"] == pytest.approx(alone["mean_ttft_ms"] + 5 + 5)
+    assert r["duration"] == pytest.approx(alone["duration"] + 2 * (5 + 5) * MS)
+    # Without a shared host (cores unset) the front costs nothing and delays nothing.
+    assert sim(p, colocated=True, torch_threads=1).run(wl)["mean_ttft_ms"] == pytest.approx(alone["mean_ttft_ms"])
+
+
 def test_the_front_admits_requests_one_at_a_time():
     """A per-request front cost (profile front_s_per_request + client_s_per_request) admits
     requests that all arrive at t=0 one after another: the i-th reaches the engine at (i+1) x that
@@ -225,12 +248,13 @@ def test_served_factor_slows_the_workers_on_a_shared_host_only():
     assert served_factor(p) == pytest.approx(2.0)
     p["front"]["run"]["load_s"] = 0.5 * simulated
     assert served_factor(p) == 1.0
-    # Applied to every worker's compute on a shared host where the pools compute at once (m >= 2)
-    # and to a colocated engine; not where each process has its device, nor to pools at m = 1.
+    # Applied to every worker's compute on a shared host where the pools compute at once (m >= 2);
+    # not where each process has its device, nor to pools at m = 1 or a colocated engine (whose
+    # attention and experts compute in turn, never beside each other).
     p["served_factor"] = 1.5
     assert sim(p).step_time(0.0, one) == pytest.approx(4 * MS)
     assert sim(p, cores=2, torch_threads=1).step_time(0.0, one) == pytest.approx(4 * MS)
-    assert sim(p, colocated=True, cores=2, torch_threads=1).step_time(0.0, one) == pytest.approx(6 * MS)
+    assert sim(p, colocated=True, cores=2, torch_threads=1).step_time(0.0, one) == pytest.approx(4 * MS)
     two = [batch([1, 1])]
     bare = sim({**p, "served_factor": 1.0}, cores=2, torch_threads=1, micro_batches=2).step_time(0.0, two)
     assert sim(p, cores=2, torch_threads=1, micro_batches=2).step_time(0.0, two) == pytest.approx(1.5 * bare)
@@ -324,8 +348,8 @@ def test_served_factors_slow_small_batches_where_both_pools_compute_at_once():
     sim_two = Simulator(perf, SimModel.from_profile(p), two)
     sim_two.run(Workload(num_prompts=64, input_len=1, output_len=2, max_concurrency=64))  # 32 each: 16 a call
     assert sim_two.slow == pytest.approx(4 / 3)
-    # colocated: the one factor; pools at m = 1 (one computing at a time) and a host of its own: none
-    assert served_slowdown(perf, Deployment(True, cores=2, max_num_seqs=16)) == 1.5
+    # colocated and pools at m = 1 (one computing at a time), and a host of its own: none
+    assert served_slowdown(perf, Deployment(True, cores=2, max_num_seqs=16)) == 1.0
     assert served_slowdown(perf, pools(16, m=1)) == 1.0
     assert served_slowdown(perf, Deployment(False, 1, 1, 2, 1, None, "shm", max_num_seqs=16)) == 1.0
 
