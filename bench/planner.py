@@ -289,7 +289,8 @@ def replay(path: Path) -> None:
               f"by tokens {prof.get('served_factors')} -> {profiles[name]['served_factors']}")
     for r in result["rows"]:
         if "workload" not in r:
-            raise SystemExit(f"{path}: row {r['deployment']!r} has no stored workload (written before --replay existed)")
+            raise SystemExit(f"{path}: row {r['deployment']!r} has no stored workload "
+                             "(the file was written before --replay existed)")
         profile = profiles[r["model"]]
         plan = result["shapes"][r["model"]]["plan"]
         cores = profile["host"]["cores"]

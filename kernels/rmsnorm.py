@@ -13,7 +13,8 @@ from kernels import native
 
 def _native(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
     tensors = (x, weight) if residual is None else (x, weight, residual)
-    return (x.dtype in (torch.bfloat16, torch.float32) and all(t.dtype == x.dtype and t.is_contiguous() for t in tensors)
+    return (x.dtype in (torch.bfloat16, torch.float32)
+            and all(t.dtype == x.dtype and t.is_contiguous() for t in tensors)
             and (residual is None or residual.shape == x.shape) and x.shape[-1] == weight.shape[0]
             and native.eager_cpu(*tensors))
 

@@ -471,10 +471,10 @@ def served_factor(profile: dict) -> float:
     1 + 1 pool, m=2, one thread each, its front and load generator on the same host) than the fits
     above say: the factor on their compute with which the simulator gives that run's wall time, at
     least 1 (_served_over_simulated). What the parts measured one at a time miss when they share a
-    host: the L3 cache and memory bandwidth (a memory-streaming process on the other core made an 8-token
-    expert call 2-3.5x slower, a 128-token one 1.2-1.3x). The simulator multiplies the compute of pools that compute at once
-    (m >= 2) on a shared host by it (planner.simulate.served_slowdown). 1.0 without a front
-    measurement."""
+    host: the L3 cache and memory bandwidth (a memory-streaming process on the other core made an
+    8-token expert call 2-3.5x slower, a 128-token one 1.2-1.3x). The simulator multiplies by it the
+    compute of pools that compute at once (m >= 2) on a shared host (planner.simulate.
+    served_slowdown). 1.0 without a front measurement."""
     run = (profile.get("front") or {}).get("run")
     return _served_over_simulated(profile, run) if run else 1.0
 

@@ -204,6 +204,26 @@ def test_simulate_command_json_trace_and_errors(tmp_path, capsys):
     assert "micro_batches" in capsys.readouterr().err
 
 
+def test_the_front_admits_on_its_fair_share_of_a_busy_host():
+    """On a shared host a request's front work runs on the front's fair share of the cores: the cores
+    over the threads computing at once plus the front's and the load generator's."""
+    p = profile(a=0.1, e=0.1, layers=1)
+    p["front"] = {"front_s_per_request": 8 * MS, "client_s_per_request": 2 * MS}
+    assert sim(p, colocated=True, torch_threads=2, cores=2)._front_share == pytest.approx(2 / 4)
+    assert sim(p, colocated=True, torch_threads=1, cores=2)._front_share == pytest.approx(2 / 3)
+    assert sim(p, cores=2, torch_threads=1, micro_batches=2)._front_share == pytest.approx(2 / 4)  # both pools at once
+    assert sim(p, cores=2)._front_share == pytest.approx(2 / 4)  # m = 1: the pools take turns, 2 threads each
+    assert sim(p, cores=3, torch_threads=1, attention_workers=2, micro_batches=2)._front_share == pytest.approx(3 / 5)
+    assert sim(p, cores=8, torch_threads=1)._front_share == 1.0 and sim(p, colocated=True)._front_share == 1.0
+    # Three requests at t=0, the engine idle: the i-th reaches it (i+1) x 10 ms / (2/3) after they were sent.
+    r = Simulator(ProfilePerf(p), SimModel.from_profile(p), Deployment(True, torch_threads=1, cores=2))
+    seen = []
+    step_time = r.step_time
+    r.step_time = lambda t0, batches, step=0: (seen.append((t0, len(batches[0].seqs))), step_time(t0, batches, step))[1]
+    r.run(Workload(num_prompts=3, input_len=1, output_len=1))
+    assert seen[0] == (pytest.approx(15 * MS), 1)
+
+
 def test_tokens_reach_the_client_once_the_front_has_handled_the_deltas():
     """On a shared host a step's tokens reach the client, and a finished request's concurrency slot
     frees, once the front has handled the step's deltas (its per-message and per-token CPU), one
