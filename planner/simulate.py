@@ -296,10 +296,10 @@ class Simulator:
         share), at most 1; 1 where the front has a host of its own. (A served 1 + 1 m=2 run, traced:
         a group of 21 requests finished at once and their replacements reached the engine over 19-60
         ms, 6 of them by the next prefill step, while at the measured 0.7 ms of CPU each the
-        simulator had them all within one step and 13 in 16 ms. Replayed on three planner runs this
-        took mean TPOT within 15% from 9 / 10 / 11 to 11 / 10 / 13 of 13 rows, the throughput error
-        unchanged. The steps' deltas are handled at full speed: a front that fell behind on them would
-        lag more each step, and no served run does.)"""
+        simulator had them all within one step and 13 in 16 ms. Replayed on six planner runs this
+        took mean TPOT within 15% from 63 to 66 of 78 rows, the throughput error unchanged. The
+        steps' deltas are handled at full speed: a front that fell behind on them would lag more
+        each step, and no served run does.)"""
         dep = self.dep
         if not dep.cores:
             return 1.0
