@@ -320,13 +320,17 @@ class Simulator:
         (the M2N waits poll for spin_s first); the front's work lands on one of the host's cores and
         holds back the step when that core is the critical worker's: its threads over the cores (at
         m = 1 the computing pool takes every core, 1; 1 + 1 at one thread each on two cores, 1/2).
+        With more threads computing at once than cores (oversubscribed) every core is shared by
+        workers the step waits on: 1 (1/2 had put 2 + 1 and 1 + 2 at m=2 26-47% fast in six planner
+        runs replayed, 1 puts them within -4% to +12%, one run's 1 + 2 at +23% with its repeats
+        spreading 37%).
         Until issue 13's eighth round every pool took 1 (the share all the workers hold together):
         served 1 + 1 m=2 decode steps of 64 sequences were predicted at 10.9 ms, 6.7 of them the
         front's and the load generator's, against 8.9 ms traced, the pools' own compute in it 1.6x
         the fits' (the served factor then fell to its floor of 1; the batch-64 rows' TPOT 15-25%
         long)."""
         dep = self.dep
-        if dep.colocated:
+        if dep.colocated or dep.oversubscribed:
             return 1.0
         return min(1.0, max(dep.pool_threads) / dep.cores)
 

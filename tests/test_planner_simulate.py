@@ -105,6 +105,11 @@ def test_front_work_delays_workers_by_the_share_of_cores_they_hold():
     assert sim(p, cores=2).step_time(0.0, two) == pytest.approx((4 + 2) * MS)
     # No step beats all the CPU work over the cores: 1 + 1 at a thread each on one core.
     assert sim(p, cores=1, torch_threads=1).step_time(0.0, two) == pytest.approx((4 + 2) * MS)
+    # More threads computing at once than cores (2 + 1 at m = 2 on 2 cores): every core is shared
+    # by workers the step waits on, so all of the front's work lands on it.
+    over = sim(p, cores=2, torch_threads=1, attention_workers=2, micro_batches=2)
+    assert over.dep.oversubscribed and over._held == 1.0
+    assert sim(p, cores=3, torch_threads=1, attention_workers=2, micro_batches=2)._held == pytest.approx(1 / 3)
     assert sim(p, cores=2, micro_batches=2).dep.pool_threads == (1, 1)
     # Colocated, on both cores or on one of 2: the engine shares the front's interpreter lock, so
     # the front's work runs in turn with the engine's either way.
