@@ -221,6 +221,12 @@ class LLMEngine:
             self._forget_if_done(seq.request_id)
         return deltas
 
+    def step_summary(self) -> dict:
+        """What the last step ran, for a trace's step span: its sequences, those with one new token
+        (decoding, or a one-token prompt) and the new tokens of the others (prompt chunks)."""
+        n = self.last_batch.num_new_tokens if self.last_batch is not None else []
+        return {"seqs": len(n), "decode": sum(1 for q in n if q == 1), "prompt_tokens": sum(q for q in n if q > 1)}
+
     def _prompt_logprobs(self, batch, spans: list[PromptLogits]) -> None:
         """Logprobs of the prompt tokens whose preceding position this step computed (one
         log-softmax over all spans' rows); kept on the sequence until its next delta."""

@@ -216,7 +216,7 @@ def _serve(rank: int, engine: LLMEngine, sender: M2NSender, inbox: queue.Queue, 
                 deltas = engine.step()
                 if runner.num_executed == executed:  # nothing was schedulable: still take this step's turn
                     runner.idle_step()
-                tracer.span("step", "step", t1, args=_step_args(engine) if tracer.enabled else None)
+                tracer.span("step", "step", t1, args=engine.step_summary() if tracer.enabled else None)
                 if deltas:
                     sender.defer(lambda d=deltas: wire.send(ctl, wire.Deltas([wire.encode_delta(x) for x in d])))
                 sender.defer(stats.stepped)
@@ -236,16 +236,6 @@ def _serve(rank: int, engine: LLMEngine, sender: M2NSender, inbox: queue.Queue, 
             sender.flush_deferred()  # before Broken or Failed: the deltas of the last step are valid
         except OSError:
             pass
-
-
-def _step_args(engine: LLMEngine) -> dict:
-    """What the trace's step span says of the step's batch: its sequences, those with one new token
-    (decoding, or a one-token prompt) and the new tokens of the others (prompt chunks)."""
-    b = engine.last_batch
-    if b is None:
-        return {"seqs": 0, "decode": 0, "prompt_tokens": 0}
-    n = b.num_new_tokens
-    return {"seqs": len(n), "decode": sum(1 for q in n if q == 1), "prompt_tokens": sum(q for q in n if q > 1)}
 
 
 class _StatsReporter:

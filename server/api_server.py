@@ -16,6 +16,7 @@ import errno
 import json
 import logging
 import secrets
+import signal
 import socket
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -329,5 +330,16 @@ def serve(llm: AsyncLLM, cfg: ServerConfig, metrics: ServerMetrics, sock: socket
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, loop="uvloop", http="httptools",
                             log_level="info", access_log=cfg.log_requests, timeout_graceful_shutdown=5)
     freeze_loaded_heap()  # the engine, the tokenizer and the app are built: serving allocates the rest
-    uvicorn.Server(config).run(sockets=[sock if sock is not None else bind(cfg.host, cfg.port)])
+    # uvicorn stops on SIGTERM, then raises the signal again: with its default action the process
+    # would end there, before the caller shuts the engine down (pools, traces). Leave through the
+    # caller's `finally` instead, as SIGINT does with KeyboardInterrupt.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        uvicorn.Server(config).run(sockets=[sock if sock is not None else bind(cfg.host, cfg.port)])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 

@@ -33,6 +33,7 @@ import torch
 
 from attention_nodes.engine import LLMEngine
 from attention_nodes.sampling_params import SamplingParams
+from m2n_comm.trace import Tracer
 from server.llm import LLM
 from server.outputs import RequestOutput, RequestTracker
 
@@ -265,17 +266,22 @@ class AsyncLLM:
 
     # -- the engine thread --------------------------------------------------------------------
     def _loop(self) -> None:
+        tracer = self._llm.tracer  # with trace_dir: this loop's admissions, steps and deliveries
         try:
             while not self._stopping:
-                self._drain_inbox()
+                t0 = Tracer.now()
+                admitted = self._drain_inbox()
+                if admitted and tracer.enabled:
+                    tracer.span("admit", "front", t0, args={"messages": admitted})
                 if not self.engine.has_unfinished_requests():
                     self.engine.check_health()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
                 changed, start = {}, time.monotonic_ns()
-                deltas = self.engine.step()
+                deltas = self._llm.step()
                 self._busy_ns += time.monotonic_ns() - start
+                t0 = Tracer.now()
                 for delta in deltas:
                     tracker, q, loop = self._requests[delta.request_id]
                     stop = tracker.apply(delta)
@@ -284,6 +290,8 @@ class AsyncLLM:
                     changed[delta.request_id] = (tracker, q, loop)
                 for rid, (tracker, q, loop) in changed.items():
                     self._emit(rid, tracker, q, loop)
+                if tracer.enabled:
+                    tracer.span("deliver", "front", t0, args={"deltas": len(deltas)})
         except BaseException as e:
             log.exception("engine thread failed")
             self._error = e
@@ -298,8 +306,11 @@ class AsyncLLM:
             except queue.Empty:
                 return
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> int:
+        """Carry out the queued adds and aborts; returns how many."""
+        n = 0
         for msg in self._pending():
+            n += 1
             if isinstance(msg, _Add):
                 rid = msg.tracker.output.request_id
                 try:
@@ -317,6 +328,7 @@ class AsyncLLM:
                 if entry:
                     self._emit(msg.request_id, *entry)
                 _post(msg.loop, msg.done.set)
+        return n
 
     def _emit(self, rid: str, tracker: RequestTracker, q: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> None:
         snapshot = _snapshot(tracker.output)

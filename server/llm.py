@@ -19,6 +19,7 @@ import torch
 from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from attention_nodes.engine import LLMEngine, default_eos_ids
 from attention_nodes.sampling_params import SamplingParams
+from m2n_comm.trace import Tracer
 from models.config import DTYPES, ModelConfig
 from server.outputs import CompletionOutput, RequestOutput, RequestTracker
 
@@ -78,10 +79,9 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
     at ray_address, each pool on nodes carrying its resources (dicts such as {"H20": 1}).
     enforce_eager: None takes $SHUTTLE_ENFORCE_EAGER ("1" or "0") if set, else DEFAULT_ENFORCE_EAGER.
     native_decode: False keeps colocated bf16 decode steps eager (models/native_decode.py).
-    trace_dir: each pool worker writes DIR/<worker>.trace.json (a Chrome trace) when it stops."""
-    if trace_dir is not None and colocated:
-        raise ValueError("trace_dir traces the worker pools (their steps, layers and M2N waits); a colocated "
-                         "engine has none: run attention and expert workers")
+    trace_dir: each pool worker writes DIR/<worker>.trace.json (a Chrome trace) when it stops, and
+    the engine's own loop (colocated: DIR/engine.trace.json, else the front's DIR/front.trace.json)
+    when LLM or AsyncLLM shuts down."""
     if model is None:
         from models.builtin import builtin_model_dir
         model = builtin_model_dir()
@@ -151,6 +151,19 @@ class LLM:
             self.engine = PoolEngine(replace(cfg, parallel=replace(cfg.parallel, colocated=False)), eos, rendezvous,
                                      deployment_token)
         self._ids = itertools.count()
+        # The engine loop's own spans (steps, admissions, deliveries), written at shutdown.
+        self.trace_dir = cfg.parallel.trace_dir
+        self.tracer = Tracer("engine" if cfg.parallel.colocated and rendezvous is None else "front",
+                             enabled=self.trace_dir is not None)
+
+    def step(self) -> list:
+        """One engine step, traced (trace_dir) with what it ran."""
+        t0 = Tracer.now()
+        deltas = self.engine.step()
+        if self.tracer.enabled:
+            summary = getattr(self.engine, "step_summary", None)
+            self.tracer.span("step", "step", t0, args=summary() if summary else {"deltas": len(deltas)})
+        return deltas
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -193,7 +206,7 @@ class LLM:
             for t in stepped:  # outputs' deltas hold one step (nobody streams them here)
                 t.clear_deltas()
             stepped.clear()
-            for delta in self.engine.step():
+            for delta in self.step():
                 tracker = trackers[delta.request_id]
                 stop = tracker.apply(delta)
                 stepped.append(tracker)
@@ -201,9 +214,12 @@ class LLM:
                     self.engine.stop_sequence(delta.request_id, delta.index, stop)
 
     def shutdown(self) -> None:
-        """Stop the worker pools (nothing to do when the engine runs in this process)."""
+        """Stop the worker pools (nothing to do when the engine runs in this process); with trace_dir,
+        write the engine loop's trace."""
         if hasattr(self.engine, "shutdown"):
             self.engine.shutdown()
+        if self.tracer.enabled:
+            self.tracer.dump(self.trace_dir)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -125,7 +125,9 @@ def test_replicated_hot_expert_and_llm_api(make_checkpoint, tmp_path):
     placement.write_text(json.dumps({"0": [0, 1], "5": [1, 0]}))
     assert Placement.from_file(placement, 8, 2).copies[0] == (0, 1)
     prompts = [p for p in PROMPTS]
-    want = [o.outputs[0].token_ids for o in LLM(ckpt, num_kv_blocks=64).generate(prompts, PARAMS)]
+    colocated = LLM(ckpt, num_kv_blocks=64, trace_dir=tmp_path / "colocated")
+    want = [o.outputs[0].token_ids for o in colocated.generate(prompts, PARAMS)]
+    colocated.shutdown()
     llm = LLM(ckpt, num_kv_blocks=64, colocated=False, expert_workers=2, micro_batches=2, placement=str(placement),
               torch_threads=1, trace_dir=tmp_path / "trace")
     try:
@@ -133,14 +135,16 @@ def test_replicated_hot_expert_and_llm_api(make_checkpoint, tmp_path):
     finally:
         llm.shutdown()
     assert got == want
-    assert sorted(f.name for f in (tmp_path / "trace").iterdir()) == ["a0.trace.json", "e0.trace.json", "e1.trace.json"]
-    steps = [e["args"] for e in json.loads((tmp_path / "trace" / "a0.trace.json").read_text()) if e["name"] == "step"]
-    # one new token: every token after the first, and a one-token prompt's prefill
-    assert sum(s["decode"] for s in steps) == sum(len(g) - 1 for g in got) + sum(len(p) == 1 for p in prompts)
-    assert sum(s["prompt_tokens"] for s in steps) == sum(len(p) for p in prompts if len(p) > 1)
-    assert max(s["seqs"] for s in steps) <= len(prompts) and any(s["prompt_tokens"] for s in steps)
-    with pytest.raises(ValueError, match="trace_dir traces the worker pools"):
-        LLM(ckpt, trace_dir=tmp_path / "trace")
+    assert sorted(f.name for f in (tmp_path / "trace").iterdir()) == \
+        ["a0.trace.json", "e0.trace.json", "e1.trace.json", "front.trace.json"]
+    for trace in (tmp_path / "trace" / "a0.trace.json", tmp_path / "colocated" / "engine.trace.json"):
+        steps = [e["args"] for e in json.loads(trace.read_text()) if e["name"] == "step"]
+        # one new token: every token after the first, and a one-token prompt's prefill
+        assert sum(s["decode"] for s in steps) == sum(len(g) - 1 for g in got) + sum(len(p) == 1 for p in prompts)
+        assert sum(s["prompt_tokens"] for s in steps) == sum(len(p) for p in prompts if len(p) > 1)
+        assert max(s["seqs"] for s in steps) <= len(prompts)
+    front = [e["args"]["deltas"] for e in json.loads((tmp_path / "trace" / "front.trace.json").read_text())]
+    assert sum(front) == sum(len(g) for g in got)  # every token came through the front's steps
 
 
 @pytest.mark.slow
