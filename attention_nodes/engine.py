@@ -75,7 +75,7 @@ class LLMEngine:
         self._held: dict[str, list[Sequence]] = {}
         self._arrival = itertools.count()
         self.num_steps = self.num_prefill_tokens = self.num_generated_tokens = 0
-        self.last_batch: ScheduledBatch | None = None  # what the last step scheduled (the workers' trace reads it)
+        self.last_batch: ScheduledBatch | None = None  # what the last step scheduled (step_summary)
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -153,8 +153,9 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-dir", default=None, metavar="DIR",
                    help="each pool worker writes DIR/<worker>.trace.json when it stops: a Chrome trace of its steps "
                         "(with their sequences and prompt tokens), layers, M2N sends and waits, to open in "
-                        "ui.perfetto.dev beside shuttle simulate --trace; the spans stay in memory until then, so "
-                        "for diagnostic runs")
+                        "ui.perfetto.dev beside shuttle simulate --trace; the engine loop writes DIR/front.trace.json "
+                        "(colocated: DIR/engine.trace.json) with its steps, admissions and deliveries when the "
+                        "server stops; the spans stay in memory until then, so for diagnostic runs")
     g.add_argument("--plan", default=None, metavar="PLAN.json",
                    help="run the deployment of a plan from shuttle plan (pools, micro-batches, threads, batch)")
     g.add_argument("--launcher", choices=["spawn", "ray"], default=None,
