@@ -128,16 +128,19 @@ class Deployment:
         return self.pool_threads[0]
 
     @property
-    def oversubscribed(self) -> bool:
-        """More threads compute at once than the host has cores: at m = 1 a pool at a time (the
-        pools take turns), else both pools together."""
-        if self.cores is None:
-            return False
+    def computing_threads(self) -> int:
+        """Threads that compute at once: the colocated engine's; at m = 1 a pool's at a time (the
+        pools take turns); else both pools' together."""
         th_a, th_e = self.pool_threads
         if self.colocated:
-            return th_a > self.cores
+            return th_a
         attn, expert = self.attention_workers * th_a, self.expert_workers * th_e
-        return (max(attn, expert) if self.micro_batches == 1 else attn + expert) > self.cores
+        return max(attn, expert) if self.micro_batches == 1 else attn + expert
+
+    @property
+    def oversubscribed(self) -> bool:
+        """More threads compute at once than the host has cores."""
+        return self.cores is not None and self.computing_threads > self.cores
 
 
 @dataclass(frozen=True)
@@ -303,14 +306,7 @@ class Simulator:
         dep = self.dep
         if not dep.cores:
             return 1.0
-        th_a, th_e = dep.pool_threads
-        if dep.colocated:
-            busy = th_a
-        elif dep.micro_batches == 1:  # the pools take turns
-            busy = max(dep.attention_workers * th_a, dep.expert_workers * th_e)
-        else:
-            busy = dep.attention_workers * th_a + dep.expert_workers * th_e
-        return min(1.0, dep.cores / (busy + 2))
+        return min(1.0, dep.cores / (dep.computing_threads + 2))
 
     @property
     def _held(self) -> float:
