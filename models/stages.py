@@ -83,6 +83,17 @@ def q_k_v_heads(q_TQ: torch.Tensor, k_TC: torch.Tensor, v_TC: torch.Tensor, cos_
     if spec.qk_norm == "per_head":
         q_TNH, k_TKH = ops.rms_norm(q_TNH, q_norm_w, spec.eps), ops.rms_norm(k_TKH, k_norm_w, spec.eps)
     R = spec.rope_dim
+    if torch.compiler.is_compiling():
+        # Without a q/k norm, q and k are still views of the inputs here (with the fused projection,
+        # column slices of its output: rows Q + 2C apart). Rotated in place, the graph would return
+        # aliases of mutated inputs, which torch 2.13 rebuilds wrongly: with contiguous strides when
+        # T is symbolic (rows read Q apart: Mixtral, Qwen2-MoE and gpt-oss gave other greedy ids than
+        # eager), and, once the function holds graphs of other specs, at T = 1 without the storage
+        # offset (k came back reading q's values; a one-row view counts as contiguous, so the
+        # partial path's `.contiguous()` keeps the input too). Rotate copies instead: inductor writes
+        # them in the rotary kernel (tests/test_compiled.py).
+        q_TNH = q_TNH.clone(memory_format=torch.contiguous_format)
+        k_TKH = k_TKH.clone(memory_format=torch.contiguous_format)
     if R == H:
         q_TNH, k_TKH = ops.apply_rotary_(q_TNH, k_TKH, cos_TR, sin_TR)
     else:  # partial rotary: rotate the first R dims of each head in place (strided views)

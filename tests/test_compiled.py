@@ -1,20 +1,21 @@
 """The compiled decode stages (models/stages.py) against the eager oracle.
 
-Compiling costs tens of seconds on a cold inductor cache, so these tests compile one family, the
-one whose stages take the most branches: GLM-4.5 (q/k/v biases, per-head q/k norm, partial rotary
-on strided views, grouped sigmoid routing with the correction bias and scaling, a dense first
-layer, a shared expert). The other families call the same three stage functions with other
-constants: no q/k norm or the whole-projection one (the same rms_norm over a wider last axis),
-full rotary (the same apply_rotary_ on whole heads), softmax routing with or without
-renormalisation; DeepSeek's MLA layers use only the residual-norm and routing stages. The
-checkpoint is float32, where the fused kernels' rounding differences (summation order) stay far
-below the gaps between the top logits.
+Compiling costs tens of seconds on a cold inductor cache, so the checks that also watch what is
+compiled (no graph after start-up, the pools) use one family, the one whose stages take the most
+branches: GLM-4.5 (q/k/v biases, per-head q/k norm, partial rotary on strided views, grouped
+sigmoid routing with the correction bias and scaling, a dense first layer, a shared expert). Greedy
+ids are compared on every family as well (about 3 s each, cold): the stage functions take other
+branches per family, and one of them (no q/k norm with full rotary: Mixtral, Qwen2-MoE, gpt-oss)
+returned wrong rows at T >= 2 until q_k_v_heads stopped rotating its inputs in place when compiled.
+The checkpoints are float32, where the fused kernels' rounding differences (summation order) stay
+far below the gaps between the top logits.
 """
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from attention_nodes.config import EngineConfig
+from tests.conftest import FAMILIES
 
 FAMILY = "glm4_moe"
 PROMPTS = [[5, 17, 33, 100, 250, 7, 9, 11, 13, 200, 301, 45, 46, 47], [400, 3], [77, 78, 79, 80, 81, 82, 83], [12]]
@@ -45,6 +46,46 @@ def test_compiled_greedy_ids_equal_eager(make_checkpoint):
     assert _greedy(compiled, PROMPTS) == _greedy(eager, PROMPTS)
     assert _greedy(compiled, PROMPTS[:1]) == _greedy(eager, PROMPTS[:1])
     assert _graphs() == graphs, "serving compiled a graph (warm-up missed a bucket or a guard)"
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != FAMILY])
+def test_compiled_greedy_ids_every_family(make_checkpoint, family):
+    """Prefill chunks and decode at batch 4 and 1 give the eager engine's greedy ids on every family."""
+    from server import LLM
+
+    d = make_checkpoint(family)
+    eager = LLM(d, num_kv_blocks=64, enforce_eager=True)
+    compiled = LLM(d, num_kv_blocks=64, enforce_eager=False)
+    assert compiled.engine.runner.compiled
+    assert _greedy(compiled, PROMPTS) == _greedy(eager, PROMPTS)
+    assert _greedy(compiled, PROMPTS[:1]) == _greedy(eager, PROMPTS[:1])
+
+
+def test_compiled_heads_equal_eager():
+    """q_k_v_heads compiled, on the fused projection's column slices (rows (N + 2K) H apart), returns
+    eager's q, k and v, at T = 1 and in the symbolic-T graph (T = 2, 5), for head specs in turn (a
+    later spec's graphs come after the function saw other T and head sizes, so dynamo makes more of
+    them symbolic): the graph must not hand back aliases of inputs it rotated in place, which torch
+    rebuilt with contiguous strides (T >= 2) or, after another head size, without their storage
+    offset (T = 1)."""
+    from kernels.ops import torch_ops
+    from models.stages import HeadSpec, compiled_stages, interned, q_k_v_heads
+
+    N, K, ops = 4, 2, torch_ops()
+    heads = compiled_stages().q_k_v_heads
+    g = torch.Generator().manual_seed(0)
+    for H, rope_dim, qk_norm, clip in ((20, 20, "none", None), (16, 8, "none", None), (16, 16, "full", 0.5)):
+        spec = interned(HeadSpec(N, K, H, rope_dim, qk_norm, 1e-6, clip))
+        q_norm_w, k_norm_w = ((torch.rand(N * H, generator=g) + 0.5, torch.rand(K * H, generator=g) + 0.5)
+                              if qk_norm == "full" else (None, None))
+        for T in (1, 2, 5):
+            qkv = torch.randn(T, (N + 2 * K) * H, generator=g)
+            cos, sin = torch.randn(T, rope_dim, generator=g), torch.randn(T, rope_dim, generator=g)
+            want = q_k_v_heads(*qkv.clone().split((N * H, K * H, K * H), -1), cos, sin, q_norm_w, k_norm_w, spec,
+                               ops)
+            got = heads(*qkv.clone().split((N * H, K * H, K * H), -1), cos, sin, q_norm_w, k_norm_w, spec, ops)
+            for name, w, x in zip("qkv", want, got):
+                torch.testing.assert_close(x, w, msg=lambda m: f"H {H} rope {rope_dim} {qk_norm} T={T} {name}: {m}")
 
 
 @pytest.mark.slow
