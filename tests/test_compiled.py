@@ -6,7 +6,8 @@ branches: GLM-4.5 (q/k/v biases, per-head q/k norm, partial rotary on strided vi
 sigmoid routing with the correction bias and scaling, a dense first layer, a shared expert). Greedy
 ids are compared on every family as well (about 3 s each, cold): the stage functions take other
 branches per family, and one of them (no q/k norm with full rotary: Mixtral, Qwen2-MoE, gpt-oss)
-returned wrong rows at T >= 2 until q_k_v_heads stopped rotating its inputs in place when compiled.
+returned wrong rows (at T >= 2, and at T = 1 after graphs of another head size) until q_k_v_heads
+stopped rotating its inputs in place when compiled.
 The checkpoints are float32, where the fused kernels' rounding differences (summation order) stay
 far below the gaps between the top logits.
 """
