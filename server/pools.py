@@ -110,6 +110,7 @@ class PoolEngine(Supervision):
         self._conn_ids = itertools.count()
         self._pending: dict[int, socket.socket] = {}  # connections that have not said Ready yet
         self._waiting: set[int] = set()               # ranks _await_ready still waits for
+        self._kv_blocks: dict[int, int] = {}           # rank -> KV cache blocks, from its Ready
         self._conn_rank: dict[int, int] = {}          # current control connection -> attention worker rank
         self._conn_epoch: dict[int, int] = {}         # current control connection -> epoch of its Ready
         self._requests: dict[str, _Request] = {}
@@ -253,12 +254,26 @@ class PoolEngine(Supervision):
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.check_prompt(prompt_token_ids)
+        self._check_cache(request_id, ids, params)
         w = min(range(len(self._load)), key=self._load.__getitem__)
         r = _Request(ids, params, w, (len(ids) + params.max_tokens) * params.n, set(range(params.n)),
                      [[] for _ in range(params.n)])
         self._requests[request_id] = r
         self._load[w] += r.cost
         self._send(w, wire.AddRequest(request_id, ids, wire.params_to_wire(params)))
+
+    def _check_cache(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        """ValueError, as the colocated engine raises it, for a request whose prompt plus max_tokens
+        needs more KV blocks than an attention worker has (it could never be scheduled: the worker
+        would only abort it)."""
+        blocks = min(self._kv_blocks.values(), default=None)
+        if blocks is None:
+            return
+        max_tokens = min(params.max_tokens, self.model_cfg.max_model_len - len(ids))
+        need = -(-(len(ids) + max_tokens) // self.cfg.cache.block_size)
+        if need > blocks:
+            raise ValueError(f"request {request_id}: {len(ids)} prompt tokens plus max_tokens {max_tokens} need "
+                             f"{need} KV blocks, but the cache has {blocks}")
 
     def abort_request(self, request_id: str) -> list[SequenceDelta]:
         """Ask the owning worker to abort; the finish deltas arrive through `step`."""
@@ -380,6 +395,7 @@ class PoolEngine(Supervision):
             return []
         if conn in self._pending:
             if isinstance(msg, wire.Ready):
+                self._kv_blocks[msg.rank] = msg.num_kv_blocks
                 self._joined(conn, self._pending.pop(conn), msg.rank, msg.epoch)
             elif isinstance(msg, wire.Failed):
                 raise _Broken(f"attention worker a{msg.rank} failed: {msg.message}{self._exited()}", {f"a{msg.rank}"})

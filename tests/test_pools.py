@@ -147,6 +147,26 @@ def test_replicated_hot_expert_and_llm_api(make_checkpoint, tmp_path):
     assert sum(front) == sum(len(g) for g in got)  # every token came through the front's steps
 
 
+def test_request_bigger_than_the_cache_is_refused_as_colocated(make_checkpoint):
+    """A prompt plus max_tokens that needs more KV blocks than a worker has raises the colocated
+    engine's ValueError at add time (it used to reach the worker, which could only abort it: an empty
+    output with finish_reason "abort"); requests that fit still run."""
+    ckpt = make_checkpoint("mixtral")
+    big = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    colocated = LLM(ckpt, num_kv_blocks=4)
+    with pytest.raises(ValueError) as want:
+        colocated.generate([PROMPTS[0]], big)
+    llm = LLM(ckpt, num_kv_blocks=4, colocated=False, torch_threads=1)
+    try:
+        with pytest.raises(ValueError) as got:
+            llm.generate([PROMPTS[0]], big)
+        assert str(got.value) == str(want.value) and "need 8 KV blocks, but the cache has 4" in str(got.value)
+        assert [o.outputs[0].token_ids for o in llm.generate([PROMPTS[0]], PARAMS)] == \
+            [o.outputs[0].token_ids for o in colocated.generate([PROMPTS[0]], PARAMS)]
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["e1", "a1"])
 def test_killed_worker_is_reported(make_checkpoint, victim):
