@@ -275,10 +275,12 @@ def _apply(engine: LLMEngine, sender: M2NSender, msg, ctl: socket.socket) -> boo
         raise _Reset(msg)
     if isinstance(msg, wire.AddRequest):
         try:
-            engine.add_request(msg.request_id, msg.prompt_token_ids, wire.params_from_wire(msg.params), msg.resume)
+            params = wire.params_from_wire(msg.params)
+            engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.resume)
         except ValueError as e:  # the server checks requests first; report rather than die
             log.error("request %s rejected: %s", msg.request_id, e)
-            deltas = [wire.SequenceDelta(msg.request_id, 0, [], None, "abort")]
+            n = msg.params.get("n", 1) if isinstance(msg.params, dict) else 1
+            deltas = [wire.SequenceDelta(msg.request_id, i, [], None, "abort") for i in range(n)]
     elif isinstance(msg, wire.Abort):
         deltas = engine.abort_request(msg.request_id)
     elif isinstance(msg, wire.StopSequence):

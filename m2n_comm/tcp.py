@@ -90,8 +90,11 @@ class TcpEndpoint(EndpointBase):
         super().__init__(cfg, session, me, peers, num_slots)
         self._spin_s = cfg.spin_s
         n, npeers = len(self._sent), len(self.peers)
-        self._rx = torch.empty(n * self.capacity, dtype=torch.uint8)
-        self._rx_payload = [self._rx[k * self.capacity:(k + 1) * self.capacity] for k in range(n)]
+        # Slots 64-byte aligned, as shm's and nixl's: payload offsets are aligned within a slot, and an
+        # int64 tensor in slot k >= 1 of an odd-sized capacity could not be viewed otherwise.
+        stride = -(-self.capacity // 64) * 64
+        self._rx = torch.empty(n * stride, dtype=torch.uint8)
+        self._rx_payload = [self._rx[k * stride:k * stride + self.capacity] for k in range(n)]
         self._rx_views = [memoryview(p.numpy()) for p in self._rx_payload]
         self._arrived: list[tuple[int, MessageMeta, list[TensorDesc]] | None] = [None] * n
         self._rx_seq = [0] * n               # last seq received per key

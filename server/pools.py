@@ -37,7 +37,7 @@ from torch.distributed import TCPStore
 
 from attention_nodes import messages as wire
 from attention_nodes.config import EngineConfig, worker_threads
-from attention_nodes.engine import SequenceDelta, check_prompt
+from attention_nodes.engine import SequenceDelta, check_params, check_prompt
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.worker import AttentionWorkerSpec, run_attention_worker
 from expert_nodes.worker import ExpertWorkerSpec, run_expert_worker
@@ -254,6 +254,7 @@ class PoolEngine(Supervision):
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.check_prompt(prompt_token_ids)
+        check_params(params, self.model_cfg)
         self._check_cache(request_id, ids, params)
         w = min(range(len(self._load)), key=self._load.__getitem__)
         r = _Request(ids, params, w, (len(ids) + params.max_tokens) * params.n, set(range(params.n)),

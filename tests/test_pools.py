@@ -161,8 +161,25 @@ def test_request_bigger_than_the_cache_is_refused_as_colocated(make_checkpoint):
         with pytest.raises(ValueError) as got:
             llm.generate([PROMPTS[0]], big)
         assert str(got.value) == str(want.value) and "need 8 KV blocks, but the cache has 4" in str(got.value)
+        bad_bias = SamplingParams(n=2, max_tokens=4, temperature=0.0, logit_bias={100000: 1.0})
+        with pytest.raises(ValueError, match="outside the vocabulary"):  # refused at the front (it hung at n=2)
+            llm.generate([PROMPTS[0]], bad_bias)
         assert [o.outputs[0].token_ids for o in llm.generate([PROMPTS[0]], PARAMS)] == \
             [o.outputs[0].token_ids for o in colocated.generate([PROMPTS[0]], PARAMS)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_tcp_slots_aligned_for_odd_capacity(make_checkpoint):
+    """top_k 3 and an odd token budget make tcp's slot capacity odd; with two slots (m = 2) the
+    second held the int64 ids at an unaligned offset and the expert worker failed viewing them."""
+    ckpt = make_checkpoint("mixtral", num_experts_per_tok=3)
+    want = [o.outputs[0].token_ids for o in LLM(ckpt, num_kv_blocks=64).generate(PROMPTS, PARAMS)]
+    llm = LLM(ckpt, num_kv_blocks=64, max_num_batched_tokens=2047, colocated=False, micro_batches=2,
+              transport="tcp", torch_threads=1)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)] == want
     finally:
         llm.shutdown()
 
