@@ -275,8 +275,7 @@ def _apply(engine: LLMEngine, sender: M2NSender, msg, ctl: socket.socket) -> boo
         raise _Reset(msg)
     if isinstance(msg, wire.AddRequest):
         try:
-            params = wire.params_from_wire(msg.params)
-            engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.resume)
+            engine.add_request(msg.request_id, msg.prompt_token_ids, wire.params_from_wire(msg.params), msg.resume)
         except ValueError as e:  # the server checks requests first; report rather than die
             log.error("request %s rejected: %s", msg.request_id, e)
             n = msg.params.get("n", 1) if isinstance(msg.params, dict) else 1
