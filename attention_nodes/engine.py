@@ -94,7 +94,7 @@ class LLMEngine:
         check_params(params, self.model_cfg)
         if resume is not None and len(resume) != params.n:
             raise ValueError(f"resume lists {len(resume)} samples, the request has n={params.n}")
-        max_tokens = min(params.max_tokens, self.model_cfg.max_model_len - len(ids))
+        max_tokens = max_new_tokens(params, ids, self.model_cfg)
         seqs = [self._sequence(request_id, i, ids, params, max_tokens, [] if resume is None else resume[i])
                 for i in range(params.n)]
         if resume is not None:
@@ -331,6 +331,11 @@ def check_params(params: SamplingParams, model_cfg: ModelConfig) -> None:
     bad = [t for t in (params.logit_bias or {}) if t >= vocab]
     if bad:
         raise ValueError(f"logit_bias has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+
+
+def max_new_tokens(params: SamplingParams, ids: list[int], model_cfg: ModelConfig) -> int:
+    """params.max_tokens, at most what the model's context leaves after the prompt."""
+    return min(params.max_tokens, model_cfg.max_model_len - len(ids))
 
 
 def check_prompt(prompt_token_ids: list[int], model_cfg: ModelConfig) -> list[int]:

@@ -30,6 +30,15 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
 
+def check_fits(request_id: str, prompt_tokens: int, max_tokens: int, block_size: int, num_blocks: int) -> None:
+    """ValueError for a sequence whose prompt plus max_tokens needs more KV blocks than the cache has
+    (it could never be scheduled); the pools' front asks the same before it sends a request."""
+    need = -(-(prompt_tokens + max_tokens) // block_size)
+    if need > num_blocks:
+        raise ValueError(f"request {request_id}: {prompt_tokens} prompt tokens plus max_tokens {max_tokens} need "
+                         f"{need} KV blocks, but the cache has {num_blocks}")
+
+
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, blocks: BlockManager):
         self.cfg, self.blocks = cfg, blocks
@@ -38,10 +47,8 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        need = self.blocks.blocks_for(seq.num_prompt_tokens + seq.max_tokens)
-        if need > self.blocks.num_blocks:
-            raise ValueError(f"request {seq.request_id}: {seq.num_prompt_tokens} prompt tokens plus max_tokens "
-                             f"{seq.max_tokens} need {need} KV blocks, but the cache has {self.blocks.num_blocks}")
+        check_fits(seq.request_id, seq.num_prompt_tokens, seq.max_tokens, self.blocks.block_size,
+                   self.blocks.num_blocks)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:

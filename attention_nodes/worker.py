@@ -278,8 +278,7 @@ def _apply(engine: LLMEngine, sender: M2NSender, msg, ctl: socket.socket) -> boo
             engine.add_request(msg.request_id, msg.prompt_token_ids, wire.params_from_wire(msg.params), msg.resume)
         except ValueError as e:  # the server checks requests first; report rather than die
             log.error("request %s rejected: %s", msg.request_id, e)
-            n = msg.params.get("n", 1) if isinstance(msg.params, dict) else 1
-            deltas = [wire.SequenceDelta(msg.request_id, i, [], None, "abort") for i in range(n)]
+            deltas = [wire.SequenceDelta(msg.request_id, i, [], None, "abort") for i in range(msg.params.get("n", 1))]
     elif isinstance(msg, wire.Abort):
         deltas = engine.abort_request(msg.request_id)
     elif isinstance(msg, wire.StopSequence):

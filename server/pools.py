@@ -37,8 +37,9 @@ from torch.distributed import TCPStore
 
 from attention_nodes import messages as wire
 from attention_nodes.config import EngineConfig, worker_threads
-from attention_nodes.engine import SequenceDelta, check_params, check_prompt
+from attention_nodes.engine import SequenceDelta, check_params, check_prompt, max_new_tokens
 from attention_nodes.sampling_params import SamplingParams
+from attention_nodes.scheduler import check_fits
 from attention_nodes.worker import AttentionWorkerSpec, run_attention_worker
 from expert_nodes.worker import ExpertWorkerSpec, run_expert_worker
 from m2n_comm.m2n import slot_bytes_for
@@ -268,13 +269,9 @@ class PoolEngine(Supervision):
         needs more KV blocks than an attention worker has (it could never be scheduled: the worker
         would only abort it)."""
         blocks = min(self._kv_blocks.values(), default=None)
-        if blocks is None:
-            return
-        max_tokens = min(params.max_tokens, self.model_cfg.max_model_len - len(ids))
-        need = -(-(len(ids) + max_tokens) // self.cfg.cache.block_size)
-        if need > blocks:
-            raise ValueError(f"request {request_id}: {len(ids)} prompt tokens plus max_tokens {max_tokens} need "
-                             f"{need} KV blocks, but the cache has {blocks}")
+        if blocks is not None:
+            check_fits(request_id, len(ids), max_new_tokens(params, ids, self.model_cfg), self.cfg.cache.block_size,
+                       blocks)
 
     def abort_request(self, request_id: str) -> list[SequenceDelta]:
         """Ask the owning worker to abort; the finish deltas arrive through `step`."""
