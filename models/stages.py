@@ -21,6 +21,7 @@ both from synthetic inputs at start-up, never while a request is served.
 import functools
 import logging
 import time
+import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -142,11 +143,29 @@ def compiled_stages() -> DecodeStages:
     saved, and on a busy machine a region waits for a descheduled thread (bench/stages.py)."""
     # Many checkpoints in one process (the tests) each add graphs to the same functions' caches.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    opts = {"emulate_precision_casts": True, "cpp.threads": 1}
     # Routing stays eager: its top-k is no inductor kernel (a fallback call inside the graph), and
     # the compiled chain measured 5-10x slower than the eager one at 1-64 rows (bench/stages.py).
-    return DecodeStages(*(torch.compile(f, dynamic=None, fullgraph=True, options=opts)
-                          for f in (add_rms_norm, q_k_v_heads)), route=route, compiled=True)
+    return DecodeStages(torch.compile(add_rms_norm, dynamic=None, fullgraph=True, options=COMPILE_OPTIONS),
+                        _compiled_q_k_v_heads, route=route, compiled=True)
+
+
+COMPILE_OPTIONS = {"emulate_precision_casts": True, "cpp.threads": 1}
+_HEADS_BY_SPEC: dict[HeadSpec, Callable] = {}
+
+
+def _compiled_q_k_v_heads(q_TQ, k_TC, v_TC, cos_TR, sin_TR, q_norm_w, k_norm_w, spec: HeadSpec, ops: KernelOps):
+    """q_k_v_heads compiled, one function per head spec. Dynamo keeps a function's graphs and its
+    automatic-dynamic record per code name: with one function, a second spec's other widths turned
+    them symbolic, and its T = 1 graph then failed at start-up in inductor's generated code
+    (`NameError: name 's39' is not defined`; two models with other head sizes, one with q/k norm,
+    compiled in one process). A copy of the function under its own name per spec keeps every width
+    static, so only T varies (tests/test_compiled.py)."""
+    fn = _HEADS_BY_SPEC.get(spec)
+    if fn is None:
+        code = q_k_v_heads.__code__.replace(co_name=f"q_k_v_heads_{len(_HEADS_BY_SPEC)}")
+        copy = types.FunctionType(code, q_k_v_heads.__globals__, code.co_name)
+        fn = _HEADS_BY_SPEC[spec] = torch.compile(copy, dynamic=None, fullgraph=True, options=COMPILE_OPTIONS)
+    return fn(q_TQ, k_TC, v_TC, cos_TR, sin_TR, q_norm_w, k_norm_w, spec, ops)
 
 
 def compile_stages(model: torch.nn.Module) -> float:

@@ -7,7 +7,8 @@ sigmoid routing with the correction bias and scaling, a dense first layer, a sha
 ids are compared on every family as well (about 3 s each, cold): the stage functions take other
 branches per family, and one of them (no q/k norm with full rotary: Mixtral, Qwen2-MoE, gpt-oss)
 returned wrong rows (at T >= 2, and at T = 1 after graphs of another head size) until q_k_v_heads
-stopped rotating its inputs in place when compiled.
+stopped rotating its inputs in place when compiled; and a second head shape in one process failed to
+compile until each head spec got its own compiled function.
 The checkpoints are float32, where the fused kernels' rounding differences (summation order) stay
 far below the gaps between the top logits.
 """
@@ -62,23 +63,37 @@ def test_compiled_greedy_ids_every_family(make_checkpoint, family):
     assert _greedy(compiled, PROMPTS[:1]) == _greedy(eager, PROMPTS[:1])
 
 
+def test_compiled_second_head_shape_in_one_process(make_checkpoint):
+    """Two compiled models of other head shapes in one process (Mixtral, then a Qwen3-MoE with one
+    KV head, head size 12 and a per-head q/k norm) start and equal eager: with one compiled heads
+    function for both, the second failed at start-up (inductor NameError)."""
+    from server import LLM
+
+    for d in (make_checkpoint("mixtral"),
+              make_checkpoint("qwen3_moe", hidden_size=72, num_attention_heads=6, head_dim=12, num_key_value_heads=1)):
+        compiled = LLM(d, num_kv_blocks=64, enforce_eager=False)
+        assert _greedy(compiled, PROMPTS) == _greedy(LLM(d, num_kv_blocks=64, enforce_eager=True), PROMPTS)
+
+
 def test_compiled_heads_equal_eager():
     """q_k_v_heads compiled, on the fused projection's column slices (rows (N + 2K) H apart), returns
-    eager's q, k and v, at T = 1 and in the symbolic-T graph (T = 2, 5), for head specs in turn (a
-    later spec's graphs come after the function saw other T and head sizes, so dynamo makes more of
-    them symbolic): the graph must not hand back aliases of inputs it rotated in place, which torch
-    rebuilt with contiguous strides (T >= 2) or, after another head size, without their storage
-    offset (T = 1)."""
+    eager's q, k and v, at T = 1 and in the symbolic-T graph (T = 2, 5), for head specs in turn, as
+    models of several shapes compiled in one process call it: the graph must not hand back aliases
+    of inputs it rotated in place, which torch rebuilt with contiguous strides (T >= 2) or, after
+    another head size, without their storage offset (T = 1); and a spec with one KV head, another
+    head size and a per-head q/k norm after another spec must compile (with one function for all
+    specs its widths went symbolic and its T = 1 graph raised NameError in inductor's code)."""
     from kernels.ops import torch_ops
     from models.stages import HeadSpec, compiled_stages, interned, q_k_v_heads
 
-    N, K, ops = 4, 2, torch_ops()
+    ops = torch_ops()
     heads = compiled_stages().q_k_v_heads
     g = torch.Generator().manual_seed(0)
-    for H, rope_dim, qk_norm, clip in ((20, 20, "none", None), (16, 8, "none", None), (16, 16, "full", 0.5)):
+    for N, K, H, rope_dim, qk_norm, clip in ((4, 2, 20, 20, "none", None), (6, 1, 12, 12, "per_head", None),
+                                             (4, 2, 16, 8, "none", None), (4, 2, 16, 16, "full", 0.5)):
         spec = interned(HeadSpec(N, K, H, rope_dim, qk_norm, 1e-6, clip))
-        q_norm_w, k_norm_w = ((torch.rand(N * H, generator=g) + 0.5, torch.rand(K * H, generator=g) + 0.5)
-                              if qk_norm == "full" else (None, None))
+        norm_w = {"full": (N * H, K * H), "per_head": (H, H)}.get(qk_norm)
+        q_norm_w, k_norm_w = (torch.rand(n, generator=g) + 0.5 for n in norm_w) if norm_w else (None, None)
         for T in (1, 2, 5):
             qkv = torch.randn(T, (N + 2 * K) * H, generator=g)
             cos, sin = torch.randn(T, rope_dim, generator=g), torch.randn(T, rope_dim, generator=g)
