@@ -41,6 +41,7 @@ from clients.ready import NotReady, wait_until_healthy
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 MICRO_BATCHES = 2  # the served run's pools both compute at once, as most deployments' do
+SERVED_REPEATS = 3  # runs at each calibrated batch size (the median one calibrates)
 
 
 def _stat_cpu(path: str) -> float:
@@ -82,12 +83,16 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
                   output_len: int = 16, short_len: int = 1) -> dict:
     """Serve `model` as a 1 + 1 pool (m=2, one torch thread per worker) and measure the CPU seconds of
     the front process and of the load generator per output token, per request and per engine step:
-    three runs of `prompts` requests, (`batch`, `output_len`), (`batch`, `short_len`) and (`batch`
-    // 4, `output_len`) (concurrency, tokens each); split_front_cpu solves them. Returns
+    runs of `prompts` requests, (`batch`, `output_len`) and (`batch` // 4, `output_len`)
+    SERVED_REPEATS times each and (`batch`, `short_len`) once (concurrency, tokens each);
+    split_front_cpu solves them all. `run` and `run_small` are the repeats of median duration: a
+    single served run calibrated the simulator with this host's noise (the batch-16 run's load took
+    1.81-2.58 s in eleven planner runs, its served factor at 8 tokens a call 1.25-2.26). Returns
     {"front_s_per_token", "front_s_per_request", "front_s_per_step", "client_s_per_token",
     "client_s_per_request", "client_s_per_step", "workers_s_per_token", "tokens", "wall_s", "run",
-    "run_small", "runs"} (the workers' and the wall time of the first run; `run` and `run_small` the
-    batch-64 and batch-16 runs as served; `runs` what the split was solved from). 256 requests: the
+    "run_small", "runs"} (the workers' and the wall time of `run`; `run` and `run_small` the
+    batch-64 and batch-16 runs as served, with their mean TTFT; `runs` what the split was solved
+    from). 256 requests: the
     CPU times come from /proc in 10 ms ticks, and with 64 the 1-token run was a few ticks, so the
     per-request cost came out 0 on the AVX-512 EPYC where 256 measure it at ~0.7 ms (the front) and
     ~0.19 ms (the load generator)."""
@@ -111,8 +116,9 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
                                       "--seed", str(seed), "--output-len", str(length)])
             load(batch, batch, 1000, output_len)  # warm-up: first calls, allocations
             # other prompts each run (its seed): none from the prefix cache
-            for seed, (concurrency, length) in enumerate(((batch, output_len), (batch, short_len),
-                                                         (max(1, batch // 4), output_len))):
+            plan = ([("run", batch, output_len)] * SERVED_REPEATS + [("short", batch, short_len)]
+                    + [("run_small", max(1, batch // 4), output_len)] * SERVED_REPEATS)
+            for seed, (role, concurrency, length) in enumerate(plan):
                 steps0 = engine_steps(url)
                 t0, w0 = tree_cpu(proc.pid), time.perf_counter()
                 m = load(concurrency, prompts, seed, length)
@@ -122,10 +128,12 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
                 if steps <= 0:  # a counter that did not move (or restarted) would misplace the per-step cost
                     raise RuntimeError(f"the served run at concurrency {concurrency} counted {steps} engine steps "
                                        f"(/metrics shuttle_engine_steps_total); the front's profile needs them")
-                runs.append({"tokens": max(int(m["total_output_tokens"]), 1), "requests": max(int(m["completed"]), 1),
+                runs.append({"role": role, "tokens": max(int(m["total_output_tokens"]), 1),
+                             "requests": max(int(m["completed"]), 1),
                              "steps": steps, "concurrency": concurrency,
                              "front": t1[proc.pid][1] - t0[proc.pid][1], "client": m["client_cpu_s"], "workers": workers,
-                             "wall": w1 - w0, "load_s": m["duration"], "input_tokens": int(m["total_input_tokens"])})
+                             "wall": w1 - w0, "load_s": m["duration"], "input_tokens": int(m["total_input_tokens"]),
+                             "ttft_s": float(m["mean_ttft_ms"]) / 1e3})
         finally:
             proc.terminate()
             try:
@@ -133,17 +141,22 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    long, small = runs[0], runs[2]
+
+    def median_run(role: str) -> dict:
+        same = sorted((r for r in runs if r["role"] == role), key=lambda r: r["load_s"])
+        return same[(len(same) - 1) // 2]
+    long, small = median_run("run"), median_run("run_small")
 
     def served(r: dict) -> dict:
         return {"requests": r["requests"], "prompt_len": round(r["input_tokens"] / r["requests"]),
                 "output_len": output_len, "concurrency": r["concurrency"], "micro_batches": MICRO_BATCHES,
-                "load_s": r["load_s"]}
+                "load_s": r["load_s"], "ttft_s": r["ttft_s"]}
     out = {"workers_s_per_token": long["workers"] / long["tokens"], "tokens": long["tokens"], "wall_s": long["wall"],
            # the runs at both batch sizes as served, for the simulator's calibration
            # (planner.profile.served_factor and served_factors)
            "run": served(long), "run_small": served(small),
-           "runs": [{k: r[k] for k in ("concurrency", "requests", "tokens", "steps", "front", "client")} for r in runs]}
+           "runs": [{k: r[k] for k in ("role", "concurrency", "requests", "tokens", "steps", "front", "client")}
+                    for r in runs]}
     for who in ("front", "client"):
         out[f"{who}_s_per_token"], out[f"{who}_s_per_request"], out[f"{who}_s_per_step"] = split_front_cpu(runs, who)
     return out
