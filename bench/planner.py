@@ -264,7 +264,8 @@ def main() -> None:
                         "simulator as it is now and the profiles the file stored, and print both errors")
     args = p.parse_args()
     if args.replay:
-        return replay(Path(args.replay))
+        replay(Path(args.replay))
+        return
     args.fresh_profile = args.fresh_profile or args.fresh_front
     if args.quick:
         args.output_len, args.min_prompts = 16, 16
@@ -288,10 +289,11 @@ def main() -> None:
     print(f"wrote {path}")
 
 
-def replay(path: Path) -> None:
+def replay(path: Path) -> list[dict]:
     """Predict a stored run's rows again (from its first and, where stored, fresh profiles) against
     the same measurements: a change to the simulator judged on runs already measured, not on a new
-    run whose host may have drifted. Prints the table and the summary; writes nothing."""
+    run whose host may have drifted. Prints the table and the summary and returns the rows (with the
+    stored errors as was_*); writes nothing."""
     from planner.profile import served_factor, served_factors
 
     result = json.loads(path.read_text())
@@ -336,6 +338,7 @@ def replay(path: Path) -> None:
     keys = ("median_abs_tok_s_err", "within_10pct_tok_s", "within_15pct_tpot", "median_abs_tok_s_err_fresh",
             "within_10pct_tok_s_fresh", "within_15pct_tpot_fresh")
     print(json.dumps({k: {"was": was.get(k), "now": now.get(k)} for k in keys}, indent=1))
+    return rows
 
 
 def summarize(rows: list[dict], extra: dict) -> dict:

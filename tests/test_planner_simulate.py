@@ -390,3 +390,27 @@ def test_colocated_decode_steps_take_the_native_decode_saving():
     assert plain.step_time(0.0, decode) - saved.step_time(0.0, decode) == pytest.approx((0.5 + 2 * 0.01) * MS)
     assert saved.step_time(0.0, mixed) == pytest.approx(plain.step_time(0.0, mixed))
     assert sim(p).step_time(0.0, decode) == pytest.approx(pools.step_time(0.0, decode))
+
+
+def test_committed_planner_results_replay_to_their_predictions(capsys):
+    """bench/results/planner.json holds predictions of the simulator as it is: replayed from the
+    profiles the file keeps, every row's predicted throughput and TPOT (first and fresh profiles) come
+    out as stored. A change to the simulator or to the profile's calibration fails here until
+    bench/planner.py is run again (~9 minutes, make bench-planner)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("bench_planner", root / "bench" / "planner.py")
+    bench_planner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_planner)
+    stored = json.loads((root / "bench" / "results" / "planner.json").read_text())["rows"]
+    rows = bench_planner.replay(root / "bench" / "results" / "planner.json")
+    capsys.readouterr()
+    assert len(rows) == len(stored) >= 13
+    for new, old in zip(rows, stored):
+        name = f"{new['model']} {new['deployment']}"
+        assert new["pred_tok_s"] == pytest.approx(old["pred_tok_s"], rel=1e-6), name
+        assert new["pred_tpot_ms"] == pytest.approx(old["pred_tpot_ms"], rel=1e-6), name
+        if "fresh_profile" in old:
+            assert new["tok_s_err_fresh"] == pytest.approx(old["tok_s_err_fresh"], rel=1e-6, abs=1e-9), name
