@@ -32,6 +32,7 @@ from kernels.ops import KernelOps
 log = logging.getLogger("shuttle")
 BUCKETS = (1, 2)  # T = 1 compiles its own graph; T = 2 compiles the symbolic one every T >= 2 takes
 RECOMPILE_LIMIT = 64  # graphs per stage function in one process (dynamo's default of 8 is per code object)
+COMPILE_OPTIONS = {"emulate_precision_casts": True, "cpp.threads": 1}  # see compiled_stages
 
 
 @dataclass(frozen=True)
@@ -149,8 +150,7 @@ def compiled_stages() -> DecodeStages:
                         _compiled_q_k_v_heads, route=route, compiled=True)
 
 
-COMPILE_OPTIONS = {"emulate_precision_casts": True, "cpp.threads": 1}
-_HEADS_BY_SPEC: dict[HeadSpec, Callable] = {}
+_HEADS_BY_SPEC: dict[HeadSpec, Callable] = {}  # _compiled_q_k_v_heads's functions
 
 
 def _compiled_q_k_v_heads(q_TQ, k_TC, v_TC, cos_TR, sin_TR, q_norm_w, k_norm_w, spec: HeadSpec, ops: KernelOps):
