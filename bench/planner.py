@@ -101,7 +101,8 @@ def parse(flags: list[str], batch: int, cores: int):
 
 def measure(ckpt: Path, flags: list[str], batch: int, args) -> dict:
     """bench serve's metrics of `--repeats` runs on one server, after a warm-up run of one batch: the
-    median run by throughput, with each of COMPARED the median over all runs; adds each run's
+    median run by throughput (the lower middle one for an even count), with each of COMPARED the
+    median over all runs (for an even count, the mean of the middle two); adds each run's
     throughput and mean TPOT, the throughputs' spread (max / min - 1), the host's
     load average, and the CPU seconds per output token of the front, each worker pool and this
     process (the load generator), from /proc."""
@@ -136,6 +137,9 @@ def measure(ckpt: Path, flags: list[str], batch: int, args) -> dict:
         out[key] = statistics.median(r[key] for r in runs)
     out["repeat_tok_s"], out["repeat_spread"] = tput, max(tput) / min(tput) - 1
     out["repeat_tpot_ms"] = [r["mean_tpot_ms"] for r in runs]
+    # Requests bench serve counted as failed, per run (seen: 1-3 of 1,024 in some batch-256 runs, "the
+    # response carried no generated text": a stream whose 16 tokens decoded to no text).
+    out["repeat_failed"] = [r["failed"] for r in runs]
     return out
 
 
@@ -202,7 +206,7 @@ def run_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> tu
                      "tpot_err": p["mean_tpot_ms"] / m["mean_tpot_ms"] - 1,
                      "pred_ttft_ms": p["mean_ttft_ms"], "meas_ttft_ms": m["mean_ttft_ms"],
                      "meas_repeat_tok_s": m["repeat_tok_s"], "meas_spread": m["repeat_spread"],
-                     "meas_repeat_tpot_ms": m["repeat_tpot_ms"],
+                     "meas_repeat_tpot_ms": m["repeat_tpot_ms"], "meas_repeat_failed": m["repeat_failed"],
                      "load_average": m["load_average"], "meas_cpu_us_per_token": {
                          k: round(v * 1e6) for k, v in m["cpu_s_per_token"].items()},
                      "pred_attn_busy": p["attention_busy"], "pred_expert_busy": p["expert_busy"],

@@ -19,7 +19,9 @@ So two shape buckets cover every batch and prefill chunk, with no padding; `warm
 both from synthetic inputs at start-up, never while a request is served.
 """
 import functools
+import itertools
 import logging
+import threading
 import time
 import types
 from dataclasses import dataclass
@@ -90,10 +92,10 @@ def q_k_v_heads(q_TQ: torch.Tensor, k_TC: torch.Tensor, v_TC: torch.Tensor, cos_
         # column slices of its output: rows Q + 2C apart). Rotated in place, the graph would return
         # aliases of mutated inputs, which torch 2.13 rebuilds wrongly: with contiguous strides when
         # T is symbolic (rows read Q apart: Mixtral, Qwen2-MoE and gpt-oss gave other greedy ids than
-        # eager), and, once the function holds graphs of other specs, at T = 1 without the storage
-        # offset (k came back reading q's values; a one-row view counts as contiguous, so the
-        # partial path's `.contiguous()` keeps the input too). Rotate copies instead: inductor writes
-        # them in the rotary kernel (tests/test_compiled.py).
+        # eager), and, when one function held the graphs of several specs, at T = 1 without the
+        # storage offset (k came back reading q's values; a one-row view counts as contiguous, so
+        # the partial path's `.contiguous()` keeps the input too). Rotate copies instead: inductor
+        # writes them in the rotary kernel (tests/test_compiled.py).
         q_TNH = q_TNH.clone(memory_format=torch.contiguous_format)
         k_TKH = k_TKH.clone(memory_format=torch.contiguous_format)
     if R == H:
@@ -151,6 +153,8 @@ def compiled_stages() -> DecodeStages:
 
 
 _HEADS_BY_SPEC: dict[HeadSpec, Callable] = {}  # _compiled_q_k_v_heads's functions
+_HEADS_LOCK = threading.Lock()  # one name per spec even if two threads meet new specs at once
+_HEADS_NAMES = itertools.count()
 
 
 def _compiled_q_k_v_heads(q_TQ, k_TC, v_TC, cos_TR, sin_TR, q_norm_w, k_norm_w, spec: HeadSpec, ops: KernelOps):
@@ -162,9 +166,13 @@ def _compiled_q_k_v_heads(q_TQ, k_TC, v_TC, cos_TR, sin_TR, q_norm_w, k_norm_w, 
     static, so only T varies (tests/test_compiled.py)."""
     fn = _HEADS_BY_SPEC.get(spec)
     if fn is None:
-        code = q_k_v_heads.__code__.replace(co_name=f"q_k_v_heads_{len(_HEADS_BY_SPEC)}")
-        copy = types.FunctionType(code, q_k_v_heads.__globals__, code.co_name)
-        fn = _HEADS_BY_SPEC[spec] = torch.compile(copy, dynamic=None, fullgraph=True, options=COMPILE_OPTIONS)
+        with _HEADS_LOCK:
+            fn = _HEADS_BY_SPEC.get(spec)
+            if fn is None:
+                code = q_k_v_heads.__code__.replace(co_name=f"q_k_v_heads_{next(_HEADS_NAMES)}")
+                copy = types.FunctionType(code, q_k_v_heads.__globals__, code.co_name)
+                fn = _HEADS_BY_SPEC[spec] = torch.compile(copy, dynamic=None, fullgraph=True,
+                                                          options=COMPILE_OPTIONS)
     return fn(q_TQ, k_TC, v_TC, cos_TR, sin_TR, q_norm_w, k_norm_w, spec, ops)
 
 

@@ -91,8 +91,8 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
     {"front_s_per_token", "front_s_per_request", "front_s_per_step", "client_s_per_token",
     "client_s_per_request", "client_s_per_step", "workers_s_per_token", "tokens", "wall_s", "run",
     "run_small", "runs"} (the workers' and the wall time of `run`; `run` and `run_small` the
-    batch-64 and batch-16 runs as served, with their mean TTFT; `runs` what the split was solved
-    from). 256 requests: the
+    batch-64 and batch-16 runs as served, with their mean TTFT (kept for comparison, not used by
+    the simulator); `runs` what the split was solved from). 256 requests: the
     CPU times come from /proc in 10 ms ticks, and with 64 the 1-token run was a few ticks, so the
     per-request cost came out 0 on the AVX-512 EPYC where 256 measure it at ~0.7 ms (the front) and
     ~0.19 ms (the load generator)."""

@@ -394,9 +394,10 @@ def test_colocated_decode_steps_take_the_native_decode_saving():
 
 def test_committed_planner_results_replay_to_their_predictions(capsys):
     """bench/results/planner.json holds predictions of the simulator as it is: replayed from the
-    profiles the file keeps, every row's predicted throughput and TPOT (first and fresh profiles) come
-    out as stored. A change to the simulator or to the profile's calibration fails here until
-    bench/planner.py is run again (~9 minutes, make bench-planner)."""
+    profiles the file keeps, every row's predicted throughput, TPOT and TTFT (first profile) and
+    throughput and TPOT (fresh profiles) come out as stored. A change to the simulator or to the
+    profile's calibration fails here until the file is made again (`python bench/planner.py --quick
+    --repeats 6 --fresh-profile`, ~9 minutes)."""
     import importlib.util
     from pathlib import Path
 
@@ -412,5 +413,7 @@ def test_committed_planner_results_replay_to_their_predictions(capsys):
         name = f"{new['model']} {new['deployment']}"
         assert new["pred_tok_s"] == pytest.approx(old["pred_tok_s"], rel=1e-6), name
         assert new["pred_tpot_ms"] == pytest.approx(old["pred_tpot_ms"], rel=1e-6), name
+        assert new["pred_ttft_ms"] == pytest.approx(old["pred_ttft_ms"], rel=1e-6), name
         if "fresh_profile" in old:
             assert new["tok_s_err_fresh"] == pytest.approx(old["tok_s_err_fresh"], rel=1e-6, abs=1e-9), name
+            assert new["tpot_err_fresh"] == pytest.approx(old["tpot_err_fresh"], rel=1e-6, abs=1e-9), name
