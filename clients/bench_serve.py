@@ -134,6 +134,7 @@ class StreamRecorder:
         self._last = self.rec.start_time
         self._chunks = 0
         self._tokens = 0
+        self._textless: list[float] = []  # arrivals of chunks whose choice carried no text
 
     def content(self, text: str, now: float, tokens: int = 1) -> None:
         """A chunk carrying generated text (and `tokens` tokens) arrived at `now`."""
@@ -144,6 +145,11 @@ class StreamRecorder:
         self._last, self._chunks, self._tokens = now, self._chunks + 1, self._tokens + tokens
         self.rec.generated_text += text
 
+    def textless(self, now: float) -> None:
+        """A chunk with a choice but no text arrived at `now` (a chat role chunk, a finish-only chunk,
+        or tokens that decode to nothing, such as special tokens)."""
+        self._textless.append(now)
+
     def usage(self, prompt_tokens: int | None, completion_tokens: int | None) -> None:
         """The server's token counts (the last report wins)."""
         self.rec.prompt_tokens = int(prompt_tokens or 0)
@@ -151,10 +157,17 @@ class StreamRecorder:
         self.rec.usage_reported = True
 
     def finish(self, error: str = "") -> RequestRecord:
-        """The stream ended now, with `error` if it failed; a stream without text fails too."""
+        """The stream ended now, with `error` if it failed. TTFT and ITL come from the chunks that
+        carried text; a stream whose choices carried none (every token decoded to nothing) still
+        succeeds, timed from its first chunk, as vllm bench serve counts it; one without any choice
+        fails."""
         rec = self.rec
         rec.latency = time.perf_counter() - rec.start_time
-        rec.error = error or ("" if self._chunks else "the response carried no generated text")
+        if not self._chunks and self._textless and not error:
+            rec.ttft = self._textless[0] - rec.start_time
+            rec.itl = [b - a for a, b in zip(self._textless, self._textless[1:])]
+            self._tokens = len(self._textless)
+        rec.error = error or ("" if self._chunks or self._textless else "the response carried no generated text")
         rec.success = not rec.error
         if not rec.usage_reported:
             rec.output_tokens = self._tokens
@@ -261,6 +274,8 @@ class HttpBackend:
         text = self._text(choices[0]) if choices else ""
         if text:
             rec.content(text, now)
+        elif choices:
+            rec.textless(now)
         return False
 
     def _text(self, choice: dict[str, Any]) -> str:

@@ -204,6 +204,29 @@ def test_events_error_object_and_no_text():
     assert not empty.success and "no generated text" in empty.error
 
 
+def test_a_stream_of_tokens_without_text_succeeds_as_in_vllm():
+    """Tokens that decode to nothing (special tokens; seen with random weights: 16 tokens, text "")
+    still stream one chunk each with empty text: the request succeeds, timed from its first chunk,
+    its tokens from the usage (vllm bench serve counts any chunk with a choice). A stream that also
+    carried text keeps its text-based TTFT."""
+    backend = HttpBackend("http://127.0.0.1:1", chat=False, endpoint=None, api_key=None, ignore_eos=True,
+                          temperature=0.0, timeout_s=None)
+    rec = StreamRecorder(BenchRequest("p", None, 4, 3))
+    t0 = rec.rec.start_time
+    for at in (0.5, 0.75, 1.25):
+        backend.handle_event(_chunk(choices=[{"index": 0, "text": "", "finish_reason": None}]), t0 + at, rec)
+    backend.handle_event(_chunk(choices=[], usage={"prompt_tokens": 4, "completion_tokens": 3}), t0 + 1.3, rec)
+    assert backend.handle_event("[DONE]", t0 + 1.4, rec) is True
+    out = rec.finish()
+    assert out.success and out.generated_text == "" and out.output_tokens == 3
+    assert out.ttft == pytest.approx(0.5) and out.itl == pytest.approx([0.25, 0.5])
+    mixed = StreamRecorder(BenchRequest("p", None, 4, 3))
+    t0 = mixed.rec.start_time
+    backend.handle_event(_chunk(choices=[{"index": 0, "text": "", "finish_reason": None}]), t0 + 0.5, mixed)
+    backend.handle_event(_chunk(choices=[{"index": 0, "text": "a", "finish_reason": None}]), t0 + 0.9, mixed)
+    assert mixed.finish().ttft == pytest.approx(0.9)
+
+
 # ---------------------------------------------------------------- datasets and arrivals
 
 
