@@ -1,4 +1,4 @@
-"""`shuttle bench serve` (clients/bench_serve.py, bench_metrics.py, bench_datasets.py).
+"""`shuttle bench serve` (clients/bench_serve.py, bench_stream.py, bench_metrics.py, bench_datasets.py).
 
 Unit tests: calculate_metrics on hand-built records, the table and JSON keys, the SSE decoder, the
 event handling (what counts as the first token), the datasets, the arrival process, the flags.
