@@ -10,7 +10,8 @@ text chunk: TTFT, inter-token gaps and end-to-end latency per request. Token cou
 server's final `usage` chunk; a server that sends none gets its chunks counted, and the table says so.
 Arrivals are Poisson at --request-rate (gamma with --burstiness); --max-concurrency caps requests in
 flight. The numbers (bench_metrics.calculate_metrics) and their table and JSON keys are vLLM's.
-Datasets live in clients/bench_datasets.py, a stream's decoding and timing in clients/bench_stream.py. Only wire formats and client libraries are imported here.
+Datasets live in clients/bench_datasets.py, a stream's decoding and timing in clients/bench_stream.py.
+Only wire formats and client libraries are imported here.
 """
 from __future__ import annotations
 
