@@ -14,6 +14,11 @@ from dataclasses import dataclass
 from attention_nodes.sequence import Sequence
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV blocks that hold num_tokens tokens."""
+    return -(-num_tokens // block_size)
+
+
 @dataclass
 class Block:
     id: int
@@ -42,7 +47,7 @@ class BlockManager:
         return len(self.free)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of seq's tokens (full blocks only, and never

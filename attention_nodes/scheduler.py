@@ -10,7 +10,7 @@ last, and never in a step that had to preempt.
 from collections import deque
 from dataclasses import dataclass
 
-from attention_nodes.block_manager import BlockManager
+from attention_nodes.block_manager import BlockManager, blocks_for
 from attention_nodes.config import SchedulerConfig
 from attention_nodes.sequence import Sequence, SequenceStatus
 
@@ -33,7 +33,7 @@ class ScheduledBatch:
 def check_fits(request_id: str, prompt_tokens: int, max_tokens: int, block_size: int, num_blocks: int) -> None:
     """ValueError for a sequence whose prompt plus max_tokens needs more KV blocks than the cache has
     (it could never be scheduled); the pools' front asks the same before it sends a request."""
-    need = -(-(prompt_tokens + max_tokens) // block_size)
+    need = blocks_for(prompt_tokens + max_tokens, block_size)
     if need > num_blocks:
         raise ValueError(f"request {request_id}: {prompt_tokens} prompt tokens plus max_tokens {max_tokens} need "
                          f"{need} KV blocks, but the cache has {num_blocks}")
