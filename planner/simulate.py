@@ -28,8 +28,10 @@ What is real and what is modelled:
   least the CPU work of all its processes divided by the cores (processes x threads beyond the
   cores share them): `_share_cores`. The front admits requests one at a time on its fair share of
   the busy cores (a request reaches the engine once the front is through with it and those before
-  it: `_front_share`) and handles the steps' deltas one after another (a step's tokens reach the
-  client, and a finished request's concurrency slot frees, once the front has handled them).
+  it: `_front_share`). A step's tokens reach the client (and a finished request's concurrency slot
+  frees) the front's CPU for the step's deltas at that share after the step ends, or later where
+  the front is still working through earlier steps' deltas on the CPU the workers leave free
+  (`_delivered`); requests still in the front when a step ends wait for its deltas.
 - OpenMP: worker pools on one host wait passively between parallel regions (server/launchers.py),
   so their multi-thread costs are the profile's passive fits (ProfilePerf.for_pools).
 - Sharing a host also slows the workers' compute itself (cache, memory bandwidth): where both pools
@@ -53,6 +55,9 @@ from attention_nodes.sequence import Sequence
 from planner.perf import expected_active
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The front's CPU never counts as less than this share of a core (_share_cores): a guard against
+# dividing by a host the workers fill, not a fit (0.02 and 0.1 replay the stored planner runs alike).
+MIN_SPARE_CORES = 0.1
 
 
 @dataclass(frozen=True)
@@ -222,6 +227,8 @@ class Simulator:
         self.busy = {"attention": 0.0, "experts": 0.0}
         self._front_backlog = 0.0  # per-request front CPU not yet charged to a step (run)
         self._deltas_cpu = 0.0  # the front's and load generator's CPU for the last step's deltas
+        self._spare = 1.0  # the cores the workers left free during the last step (_share_cores), at most 1
+        self._delivering = 0.0  # when the front is through with the deltas of the steps so far
 
     # -- one step -------------------------------------------------------------------------------
     def _shape(self, batches: list[ScheduledBatch]) -> tuple[np.ndarray, ...]:
@@ -290,7 +297,9 @@ class Simulator:
         self._deltas_cpu = float(self.perf.front(rows.sum(), (rows.sum(1) > 0).sum()))
         front = self._deltas_cpu + self._front_backlog
         self._front_backlog = 0.0
-        return max(wall + front * self._held, (cpu + front) / cores)
+        step = max(wall + front * self._held, (cpu + front) / cores)
+        self._spare = min(1.0, max(MIN_SPARE_CORES, cores - cpu / step))
+        return step
 
     @property
     def _front_share(self) -> float:
@@ -301,12 +310,51 @@ class Simulator:
         ms, 6 of them by the next prefill step, while at the measured 0.7 ms of CPU each the
         simulator had them all within one step and 13 in 16 ms. Replayed on six planner runs this
         took mean TPOT within 15% from 63 to 66 of 78 rows, the throughput error unchanged. The
-        steps' deltas are handled at full speed: a front that fell behind on them would lag more
-        each step, and no served run does.)"""
+        steps' deltas reach the client at this share too: `_delivered`.)"""
         dep = self.dep
         if not dep.cores:
             return 1.0
         return min(1.0, dep.cores / (dep.computing_threads + 2))
+
+    def _delivered(self, end: float) -> float:
+        """When the client has the tokens of a step that ended at `end` (and a request that finished
+        in it has freed its concurrency slot): the front's and the load generator's CPU for the
+        step's deltas at their fair share of a busy host (`_front_share`) after the step, a latency;
+        or, where it is later, once the front has worked through these and the earlier steps' deltas
+        in turn on the cores the workers left free during the steps (`_spare`), a queue.
+        Measured on served 1 + 1 m=2 runs of the quick Mixtral shape (each request's times in the
+        front, the attention worker and the client): from the worker's step to the client's chunk
+        13.5 ms at batch 64 and ~32 ms at 256, where the deltas' CPU at the fair share is 11 and
+        42 ms, and the server's own TPOT (at the front's event loop, /metrics) equals the client's,
+        so at batch 64 the lag does not grow over a request's life: a latency. At batch 256 the
+        decode-only steps (~20 ms, 256 tokens, ~21 ms of front and load-generator CPU) outran the
+        front: the first wave's replacements reached the worker ~160 ms after their requests
+        finished, the batch draining from 256 to 74 (the simulator, handling deltas at full speed,
+        had them back in ~75 ms, the batch at 215), then waited for the token budget behind one
+        another (TTFT 408-515 ms, TPOT 44-55): the queue. Until issue 13's eleventh round the
+        deltas were a queue at full speed: replayed over fifteen stored planner runs (195 rows),
+        mean TPOT within 15% 154 -> 177 rows with this and the requests' wait (run), throughput
+        within 10% 171 -> 172; the latency alone 166, a queue at the fair share alone 114 (it backed
+        up where a step's deltas took nearly a step: colocated and m=1 at batch 64)."""
+        latency = end + self._deltas_cpu / self._front_share
+        self._delivering = max(end, self._delivering) + self._deltas_cpu / self._spare
+        return max(latency, self._delivering)
+
+    def _hold_in_front(self, end: float, front_free: float, inbox: list) -> float:
+        """Requests the front is still on when a step ends at `end` (their handling not through by
+        then) wait for the step's deltas, on the cores the workers left free (`_spare`): the event
+        loop runs the deltas' callbacks, queued first, before a request's next part (its body, the
+        tokenizer, the hand-over to the engine). Served 1 + 1 m=2 at batch 256, a request took 31-57
+        ms from the client's send to the front's engine (7.6 ms at batch 64) in four runs, where its
+        share of the front's per-request CPU, one request after another, came to ~14 ms for a group
+        of 20. Moves their times in `inbox` (in place);
+        returns when the front is through with the last of them."""
+        if front_free <= end:
+            return front_free
+        wait = self._deltas_cpu / self._spare
+        inbox[:] = [(a + wait if a > end else a, r) for a, r in inbox]
+        heapq.heapify(inbox)
+        return front_free + wait
 
     @property
     def _held(self) -> float:
@@ -414,7 +462,8 @@ class Simulator:
         inbox: list[tuple[float, int]] = []  # (send time, request) not yet seen by the engine
         params = SamplingParams(max_tokens=wl.output_len, temperature=0.0, ignore_eos=True)
         t, step, done = 0.0, 0, 0
-        per_request, front_free, deliver_free = self.perf.front_request(), 0.0, 0.0
+        per_request, front_free = self.perf.front_request(), 0.0
+        self._front_backlog, self._delivering = 0.0, 0.0  # a simulator may run more than one workload
         while done < wl.num_prompts:
             while pending and free_slots:  # a free slot goes to the next request, from its arrival
                 r = pending.popleft()
@@ -439,9 +488,8 @@ class Simulator:
             batches = [wk.sched.schedule() for wk in workers]
             t = self.step_time(t, batches, step)
             step += 1
-            # The client has the step's tokens (and a finished request's slot is free) once the front
-            # has handled the step's deltas, one step after another.
-            seen = deliver_free = max(t, deliver_free) + self._deltas_cpu
+            seen = self._delivered(t)
+            front_free = self._hold_in_front(t, front_free, inbox)
             for wk, b in zip(workers, batches):
                 wk.sched.finish_computed(b)
                 for seq, sampled in zip(b.seqs, b.sample):

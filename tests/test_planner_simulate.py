@@ -229,21 +229,52 @@ def test_the_front_admits_on_its_fair_share_of_a_busy_host():
     assert seen[0] == (pytest.approx(15 * MS), 1)
 
 
-def test_tokens_reach_the_client_once_the_front_has_handled_the_deltas():
+def test_tokens_reach_the_client_the_fronts_delivery_time_after_the_step():
     """On a shared host a step's tokens reach the client, and a finished request's concurrency slot
-    frees, once the front has handled the step's deltas (its per-message and per-token CPU), one
-    step after another; the next request is sent only then."""
+    frees, the front's CPU for the step's deltas (per message and per token) after the step ends, at
+    the front's share of the cores; the next request is sent only then. A latency, not a queue: a
+    delivery longer than a step does not make the later tokens later still (served runs' TPOT at the
+    front equals the client's)."""
     p = profile(a=0.1, e=0.1, layers=1)
     wl = Workload(num_prompts=2, input_len=1, output_len=1, max_concurrency=1)
     alone = sim(p, colocated=True, torch_threads=1, cores=2).run(wl)
     p["front"] = {"front_s_per_step": 4 * MS, "client_s_per_step": 1 * MS}
     r = sim(p, colocated=True, torch_threads=1, cores=2).run(wl)
     # each step takes the front's 5 ms on top (a colocated engine shares its interpreter lock), and
-    # its one token reaches the client 5 ms after the step ends
-    assert r["mean_ttft_ms"] == pytest.approx(alone["mean_ttft_ms"] + 5 + 5)
-    assert r["duration"] == pytest.approx(alone["duration"] + 2 * (5 + 5) * MS)
+    # its one token reaches the client 5 ms / (2 cores / (1 engine thread + 2)) = 7.5 ms after it ends
+    assert r["mean_ttft_ms"] == pytest.approx(alone["mean_ttft_ms"] + 5 + 7.5)
+    assert r["duration"] == pytest.approx(alone["duration"] + 2 * (5 + 7.5) * MS)
+    # 7.5 ms of delivery after steps of ~5 ms: every token the same 7.5 ms late, TPOT the step's
+    long = Workload(num_prompts=1, input_len=1, output_len=6)
+    step = sim(p, colocated=True, torch_threads=1, cores=2).run(long)
+    assert step["mean_tpot_ms"] == pytest.approx(sim(p, colocated=True, torch_threads=1).run(long)["mean_tpot_ms"] + 5)
     # Without a shared host (cores unset) the front costs nothing and delays nothing.
     assert sim(p, colocated=True, torch_threads=1).run(wl)["mean_ttft_ms"] == pytest.approx(alone["mean_ttft_ms"])
+
+
+def test_deltas_queue_on_the_cores_the_workers_leave():
+    """A step's tokens reach the client after its deltas' CPU at the front's fair share (a latency),
+    or later, once the front is through with the earlier steps' deltas on the cores the workers left
+    free (a queue that a front slower than the steps falls behind on)."""
+    p = profile(a=0.1, e=0.1, layers=1)
+    s = sim(p, colocated=True, torch_threads=1, cores=2)  # fair share 2 / (1 + 2)
+    s._deltas_cpu, s._spare = 6 * MS, 1.0
+    assert s._delivered(100 * MS) == pytest.approx(109 * MS)  # latency 6 / (2/3); the queue's 106 is earlier
+    s._spare = 0.5  # the workers left half a core: 12 ms a step's deltas
+    assert s._delivered(110 * MS) == pytest.approx(122 * MS)
+    assert s._delivered(115 * MS) == pytest.approx(134 * MS)  # behind the last step's deltas
+    assert s._delivered(200 * MS) == pytest.approx(212 * MS)  # caught up
+
+
+def test_requests_in_the_front_wait_for_a_steps_deltas():
+    """Requests the front has not handed to the engine when a step ends wait for that step's deltas
+    (at the cores the workers left); those it is through with do not."""
+    s = sim(profile(a=0.1, e=0.1, layers=1), colocated=True, torch_threads=1, cores=2)
+    s._deltas_cpu, s._spare = 4 * MS, 0.5
+    inbox = [(10 * MS, 0), (30 * MS, 1), (50 * MS, 2)]
+    assert s._hold_in_front(20 * MS, 50 * MS, inbox) == pytest.approx(58 * MS)
+    assert sorted(inbox) == [(10 * MS, 0), (pytest.approx(38 * MS), 1), (pytest.approx(58 * MS), 2)]
+    assert s._hold_in_front(60 * MS, 58 * MS, inbox) == pytest.approx(58 * MS)  # through before the step ended
 
 
 def test_the_front_admits_requests_one_at_a_time():
