@@ -107,6 +107,7 @@ def measure(ckpt: Path, flags: list[str], batch: int, args) -> dict:
     load average, and the CPU seconds per output token of the front, each worker pool and this
     process (the load generator), from /proc."""
     from planner.front import tree_cpu
+    from planner.metrics import lower_median
 
     n = max(args.min_prompts, HOST_WAVES * batch, MIN_MEASURED_PROMPTS)
     dtype = [] if args.serve_dtype == "auto" else ["--dtype", args.serve_dtype]
@@ -135,7 +136,7 @@ def measure(ckpt: Path, flags: list[str], batch: int, args) -> dict:
             m["load_average"] = os.getloadavg()[0]
             runs.append(m)
     tput = [r["output_throughput"] for r in runs]
-    out = dict(sorted(runs, key=lambda r: r["output_throughput"])[(len(runs) - 1) // 2])
+    out = dict(lower_median(runs, key=lambda r: r["output_throughput"]))
     # Each compared metric is the median over the repeats, not the median-throughput run's own: one
     # server's repeats of a colocated 2-thread deployment (128 prompts, 0.7 s each) measured 2,650-
     # 3,054 tok/s with mean TPOT 10.7-14.7 ms, so one run's TPOT moved by more than the 15% target.

@@ -38,6 +38,7 @@ import httpx
 import numpy as np
 
 from clients.ready import NotReady, wait_until_healthy
+from planner.metrics import lower_median
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 MICRO_BATCHES = 2  # the served run's pools both compute at once, as most deployments' do
@@ -142,10 +143,8 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
                 proc.kill()
                 proc.wait()
 
-    def median_run(role: str) -> dict:
-        same = sorted((r for r in runs if r["role"] == role), key=lambda r: r["load_s"])
-        return same[(len(same) - 1) // 2]
-    long, small = median_run("run"), median_run("run_small")
+    long, small = (lower_median((r for r in runs if r["role"] == role), key=lambda r: r["load_s"])
+                   for role in ("run", "run_small"))
 
     def served(r: dict) -> dict:
         return {"requests": r["requests"], "prompt_len": round(r["input_tokens"] / r["requests"]),

@@ -16,3 +16,10 @@ def summarize(send_s: np.ndarray, token_times_s: list[list[float]], input_len: i
                                      prompt_tokens=input_len, output_tokens=len(times), usage_reported=True))
     duration = max(float(max(t[-1] for t in token_times_s)), 1e-9)
     return metrics_dict(calculate_metrics(records, duration))
+
+
+def lower_median(items, key):
+    """The item at the lower middle of `items` ranked by `key` (the median one for an odd count):
+    one run kept whole (its wall time, its prompts), where averaging two would mix them."""
+    ranked = sorted(items, key=key)
+    return ranked[(len(ranked) - 1) // 2]

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from attention_nodes.block_manager import blocks_for
 from attention_nodes.config import CacheConfig, EngineConfig, SchedulerConfig
 from attention_nodes.engine import LLMEngine
 from attention_nodes.messages import Deltas, encode, encode_delta
@@ -183,7 +184,7 @@ def _batch(q_lens: list[int], ctx_lens: list[int], block_size: int, num_blocks: 
     for i, (q, c) in enumerate(zip(q_lens, ctx_lens)):
         seq = Sequence(str(i), 0, [1] * (q + c), q + c, params, 1, i)
         seq.num_computed_tokens = c
-        seq.block_table = [b % num_blocks for b in range(-(-(q + c) // block_size))]
+        seq.block_table = [b % num_blocks for b in range(blocks_for(q + c, block_size))]
         seqs.append(seq)
     return ScheduledBatch(seqs, list(q_lens), [True] * len(seqs))
 
@@ -207,7 +208,7 @@ def measure_attention(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     pre = [n for n in opts.prefill if n < cfg.max_model_len]
     chunks = [(b, n) for b, n in opts.prefill_chunks if n < cfg.max_model_len]
     block_size = 16
-    num_blocks = -(-(max(max_ctx + 1, *pre, *(n for _, n in chunks), 1)) // block_size) + 1
+    num_blocks = blocks_for(max(max_ctx + 1, *pre, *(n for _, n in chunks), 1), block_size) + 1
     evict = CacheEvictor(opts.model)
     disp = _StampingDispatcher(evict)
     runner = ModelRunner(EngineConfig(opts.model, dtype=opts.dtype, cache=CacheConfig(block_size, num_blocks)),
@@ -262,7 +263,7 @@ def measure_step(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     sampler and encoding on their own missed about half of it: 0.3 against 1.0 ms at batch 64.)"""
     B, steps = max(opts.batches), 12
     disp = _StampingDispatcher()
-    num_blocks = B * -(-(8 + steps + 2) // 16) + 4
+    num_blocks = B * blocks_for(8 + steps + 2, 16) + 4
     engine = LLMEngine(EngineConfig(opts.model, dtype=opts.dtype,
                                     scheduler=SchedulerConfig(max_num_seqs=B, max_num_batched_tokens=max(2048, 8 * B)),
                                     cache=CacheConfig(16, num_blocks, enable_prefix_caching=False)),
@@ -354,7 +355,7 @@ def measure_native_decode(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     contexts = sorted(c for c in opts.contexts if c < cfg.max_model_len)
     ctx = contexts[len(contexts) // 2] if contexts else 16
     block_size = 16
-    num_blocks = -(-(ctx + 1) // block_size) + 1
+    num_blocks = blocks_for(ctx + 1, block_size) + 1
     runner = ModelRunner(EngineConfig(opts.model, dtype=opts.dtype, cache=CacheConfig(block_size, num_blocks)), cfg)
     nd = runner.model.native_decode
     if nd is None:

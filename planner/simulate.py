@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attention_nodes.block_manager import BlockManager
+from attention_nodes.block_manager import BlockManager, blocks_for
 from attention_nodes.config import ParallelConfig, SchedulerConfig, worker_threads
 from attention_nodes.model_runner import split_micro_batches
 from attention_nodes.sampling_params import SamplingParams
@@ -448,7 +448,7 @@ class Simulator:
             arrivals = np.cumsum(rng.exponential(1.0 / wl.request_rate, wl.num_prompts))
         else:
             arrivals = np.zeros(wl.num_prompts)
-        per_seq = -(-(wl.input_len + wl.output_len) // dep.block_size)
+        per_seq = blocks_for(wl.input_len + wl.output_len, dep.block_size)
         blocks = dep.num_blocks or dep.max_num_seqs * per_seq + 1
         workers = [_Worker(dep, blocks) for _ in range(dep.attention_workers)]
         cap = wl.max_concurrency or wl.num_prompts
