@@ -112,9 +112,10 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
 
             def load(concurrency: int, n: int, seed: int, length: int) -> dict:
                 with contextlib.redirect_stdout(io.StringIO()):  # bench serve prints its table
-                    return run_bench(["--base-url", url, "--input-len", str(input_len), "--max-concurrency",
-                                      str(concurrency), "--ignore-eos", "--disable-tqdm", "--num-prompts", str(n),
-                                      "--seed", str(seed), "--output-len", str(length)])
+                    # prompts of exactly input_len tokens of the model's tokenizer, as bench/planner.py's rows
+                    return run_bench(["--base-url", url, "--input-len", str(input_len), "--tokenizer", str(model),
+                                      "--max-concurrency", str(concurrency), "--ignore-eos", "--disable-tqdm",
+                                      "--num-prompts", str(n), "--seed", str(seed), "--output-len", str(length)])
             load(batch, batch, 1000, output_len)  # warm-up: first calls, allocations
             # other prompts each run (its seed): none from the prefix cache
             plan = ([("run", batch, output_len)] * SERVED_REPEATS + [("short", batch, short_len)]

@@ -31,7 +31,8 @@ What is real and what is modelled:
   it: `_front_share`). A step's tokens reach the client (and a finished request's concurrency slot
   frees) the front's CPU for the step's deltas at that share after the step ends, or later where
   the front is still working through earlier steps' deltas on the CPU the workers leave free
-  (`_delivered`); requests still in the front when a step ends wait for its deltas.
+  (`_delivered`); requests sent by a step's end and still in the front then wait for its deltas
+  (`_hold_in_front`).
 - OpenMP: worker pools on one host wait passively between parallel regions (server/launchers.py),
   so their multi-thread costs are the profile's passive fits (ProfilePerf.for_pools).
 - Sharing a host also slows the workers' compute itself (cache, memory bandwidth): where both pools
@@ -227,7 +228,7 @@ class Simulator:
         self.busy = {"attention": 0.0, "experts": 0.0}
         self._front_backlog = 0.0  # per-request front CPU not yet charged to a step (run)
         self._deltas_cpu = 0.0  # the front's and load generator's CPU for the last step's deltas
-        self._spare = 1.0  # the cores the workers left free during the last step (_share_cores), at most 1
+        self._spare = 1.0  # the cores the workers left free during the last step (_share_cores), 0.1 to 1
         self._delivering = 0.0  # when the front is through with the deltas of the steps so far
 
     # -- one step -------------------------------------------------------------------------------
@@ -340,21 +341,32 @@ class Simulator:
         self._delivering = max(end, self._delivering) + self._deltas_cpu / self._spare
         return max(latency, self._delivering)
 
-    def _hold_in_front(self, end: float, front_free: float, inbox: list) -> float:
-        """Requests the front is still on when a step ends at `end` (their handling not through by
-        then) wait for the step's deltas, on the cores the workers left free (`_spare`): the event
-        loop runs the deltas' callbacks, queued first, before a request's next part (its body, the
-        tokenizer, the hand-over to the engine). Served 1 + 1 m=2 at batch 256, a request took 31-57
-        ms from the client's send to the front's engine (7.6 ms at batch 64) in four runs, where its
-        share of the front's per-request CPU, one request after another, came to ~14 ms for a group
-        of 20. Moves their times in `inbox` (in place);
-        returns when the front is through with the last of them."""
+    def _hold_in_front(self, end: float, front_free: float, inbox: list, send: np.ndarray, each: float) -> float:
+        """Requests sent by the time a step ends at `end` whose handling is not through by then wait
+        for the step's deltas (the front's and the load generator's CPU for them, on the cores the
+        workers left free, `_spare`): both event loops run the deltas' callbacks, queued first,
+        before a request's next part (written, read, tokenized, handed to the engine). The front
+        takes requests one after another (`each` seconds each), so those sent later start after it
+        is through with these and with the deltas, or at their send, whichever is later. Served
+        1 + 1 m=2 at batch 256, a request took 31-57 ms from the client's send to the front's engine
+        in three runs (7.6 ms at batch 64), where its share of the front's per-request CPU, one
+        request after another, came to ~14 ms for a group of 20. Updates `inbox` ((time the engine
+        may take it, request), a heap) in place; returns when the front is through with the last."""
         if front_free <= end:
             return front_free
         wait = self._deltas_cpu / self._spare
-        inbox[:] = [(a + wait if a > end else a, r) for a, r in inbox]
+        done = [(a, r) for a, r in inbox if a <= end]
+        queued = sorted((a, r) for a, r in inbox if a > end)  # the front's order
+        free = end + wait
+        for k, (a, r) in enumerate(queued):
+            if send[r] <= end and a - each < end:  # on it when the step ended: the rest after the deltas
+                free = a + wait
+            else:
+                free = max(free, send[r] + (wait if send[r] <= end else 0.0)) + each
+            queued[k] = (free, r)
+        inbox[:] = done + queued
         heapq.heapify(inbox)
-        return front_free + wait
+        return free
 
     @property
     def _held(self) -> float:
@@ -463,7 +475,9 @@ class Simulator:
         params = SamplingParams(max_tokens=wl.output_len, temperature=0.0, ignore_eos=True)
         t, step, done = 0.0, 0, 0
         per_request, front_free = self.perf.front_request(), 0.0
-        self._front_backlog, self._delivering = 0.0, 0.0  # a simulator may run more than one workload
+        # one simulator may run more than one workload
+        self._front_backlog, self._delivering, self.events = 0.0, 0.0, []
+        self.busy = {"attention": 0.0, "experts": 0.0}
         while done < wl.num_prompts:
             while pending and free_slots:  # a free slot goes to the next request, from its arrival
                 r = pending.popleft()
@@ -489,7 +503,7 @@ class Simulator:
             t = self.step_time(t, batches, step)
             step += 1
             seen = self._delivered(t)
-            front_free = self._hold_in_front(t, front_free, inbox)
+            front_free = self._hold_in_front(t, front_free, inbox, send, per_request / self._front_share)
             for wk, b in zip(workers, batches):
                 wk.sched.finish_computed(b)
                 for seq, sampled in zip(b.seqs, b.sample):

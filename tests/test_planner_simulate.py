@@ -1,5 +1,6 @@
 """The simulator on a tiny deterministic profile: hand-computed step times for one micro-batch,
 m overlapping micro-batches, lock-step across attention workers, and a whole workload."""
+import heapq
 import json
 
 import numpy as np
@@ -267,14 +268,41 @@ def test_deltas_queue_on_the_cores_the_workers_leave():
 
 
 def test_requests_in_the_front_wait_for_a_steps_deltas():
-    """Requests the front has not handed to the engine when a step ends wait for that step's deltas
-    (at the cores the workers left); those it is through with do not."""
+    """Requests sent by a step's end and not through the front by then wait for that step's deltas
+    (at the cores the workers left); the front takes them one after another, so one sent later
+    starts after them or at its send; those the front was through with do not move."""
     s = sim(profile(a=0.1, e=0.1, layers=1), colocated=True, torch_threads=1, cores=2)
-    s._deltas_cpu, s._spare = 4 * MS, 0.5
-    inbox = [(10 * MS, 0), (30 * MS, 1), (50 * MS, 2)]
-    assert s._hold_in_front(20 * MS, 50 * MS, inbox) == pytest.approx(58 * MS)
-    assert sorted(inbox) == [(10 * MS, 0), (pytest.approx(38 * MS), 1), (pytest.approx(58 * MS), 2)]
-    assert s._hold_in_front(60 * MS, 58 * MS, inbox) == pytest.approx(58 * MS)  # through before the step ended
+    s._deltas_cpu, s._spare = 4 * MS, 0.5  # 8 ms of deltas
+    send = np.array([0.0, 15.0, 18.0, 25.0, 90.0]) * MS
+    # taken 10 ms each: r0 through at 10, r1 on it from 15 (5 ms done at the step's end at 20), r2
+    # queued behind it, r3 sent after the step, r4 long after
+    inbox = [(10 * MS, 0), (25 * MS, 1), (35 * MS, 2), (45 * MS, 3), (100 * MS, 4)]
+    heapq.heapify(inbox)
+    assert s._hold_in_front(20 * MS, 100 * MS, inbox, send, 10 * MS) == pytest.approx(100 * MS)
+    assert dict((r, a / MS) for a, r in inbox) == {0: pytest.approx(10), 1: pytest.approx(33), 2: pytest.approx(43),
+                                                    3: pytest.approx(53), 4: pytest.approx(100)}
+    assert s._hold_in_front(120 * MS, 100 * MS, inbox, send, 10 * MS) == pytest.approx(100 * MS)  # all through
+
+
+def test_an_open_loop_is_not_held_by_steps_before_its_arrivals():
+    """Requests arriving later (a request rate) wait for no step that ended before they were sent:
+    at a rate the host keeps up with, the front's costs add about one request's handling and one
+    step's delivery to the first token, whatever the number of steps before."""
+    p = profile(a=0.1, e=0.1, layers=1)
+    p["front"] = {"front_s_per_request": 1 * MS, "front_s_per_step": 1 * MS}
+    wl = Workload(num_prompts=40, input_len=4, output_len=4, request_rate=20.0)
+    alone = sim(profile(a=0.1, e=0.1, layers=1), colocated=True, torch_threads=1, cores=2).run(wl)
+    r = sim(p, colocated=True, torch_threads=1, cores=2).run(wl)
+    assert alone["mean_ttft_ms"] < r["mean_ttft_ms"] < alone["mean_ttft_ms"] + 10
+
+
+def test_a_simulator_runs_a_workload_again_to_the_same_result():
+    p = profile(a=0.1, e=0.1, layers=1)
+    p["front"] = {"front_s_per_request": 1 * MS, "front_s_per_step": 1 * MS, "front_s_per_token": 0.1 * MS}
+    s = Simulator(ProfilePerf(p), SimModel.from_profile(p), Deployment(False, 1, 1, 2, 1, 2, "shm", max_num_seqs=8))
+    wl = Workload(num_prompts=24, input_len=5, output_len=6, max_concurrency=8)
+    first, again = s.run(wl), s.run(wl)
+    assert again == first
 
 
 def test_the_front_admits_requests_one_at_a_time():
