@@ -366,7 +366,7 @@ class Simulator:
             if send[r] <= end and a - each < end:  # on it when the step ended: the rest after the deltas
                 new = a + wait
             else:
-                new = max(free, send[r] + (wait if send[r] <= end else 0.0)) + each
+                new = max(free, send[r]) + each  # free >= end + wait: one sent by the step waits for it
             if new <= a:
                 last = False
                 break
