@@ -65,7 +65,8 @@ def _dtype(name: str, model: str):
 def format_profile(p: dict) -> str:
     """The fits as a short table: coefficients in microseconds, residuals in percent."""
     h = p["host"]
-    lines = [f"model {p['model']['name']} ({p['model']['dtype']}, config {p['model']['config_hash']}) on {h['cpu']}, "
+    ident = f" ({h['cpu_id']})" if h.get("cpu_id") else ""
+    lines = [f"model {p['model']['name']} ({p['model']['dtype']}, config {p['model']['config_hash']}) on {h['cpu']}{ident}, "
              f"{h['cores']} cores, {h['memory_gib']} GiB, {h['device']}, ISA {'+'.join(h['isa']) or '?'}, "
              f"bf16 packed: {h['bf16_packed']}"]
     load = max(p.get("load_average") or [0.0])
@@ -123,6 +124,17 @@ def load_profile(path: str, model: str | None = None) -> dict:
                                f"{p['model']['config_hash']}), not on {model} (config {shape.config_hash}); "
                                f"profile this model with shuttle profile --model {model}")
     return p
+
+
+def _other_host(measured: dict) -> str:
+    """How the host a profile was measured on differs from this one (CPU, its family and model,
+    cores), or "" where they agree (a profile written before cpu_id was recorded is compared on the
+    rest)."""
+    from planner.hardware import describe_host
+
+    here = describe_host()
+    return ", ".join(f"{k} {measured[k]!r}, here {here[k]!r}" for k in ("cpu", "cpu_id", "cores")
+                     if k in measured and measured[k] != here[k])
 
 
 def _placement_shares(path: str | None, num_experts: int, workers: int) -> tuple[tuple, tuple] | tuple[None, None]:
@@ -279,6 +291,9 @@ def _plan(args: argparse.Namespace) -> int:
         if args.profile is None:
             raise PlannerError("planning for this host needs --profile PROFILE.json (from shuttle profile)")
         profile = load_profile(args.profile, args.model)
+        if other := _other_host(profile["host"]):
+            print(f"warning: --profile {args.profile} was measured on another host ({other}): its times may not hold "
+                  "here; profile this host with shuttle profile", file=sys.stderr)
         cores = profile["host"]["cores"]
         if args.max_devices > cores:
             raise PlannerError(f"--max-devices {args.max_devices} is bigger than this host ({cores} cores, one "

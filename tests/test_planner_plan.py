@@ -93,7 +93,7 @@ def test_plan_errors_exit_2(argv, message, tmp_path, capsys, make_checkpoint):
     assert message in capsys.readouterr().err
 
 
-def test_host_plan_is_the_best_simulated_deployment(tmp_path, make_checkpoint):
+def test_host_plan_is_the_best_simulated_deployment(tmp_path, make_checkpoint, capsys):
     from server.cli import main
     from tests.test_planner_simulate import profile
 
@@ -110,3 +110,15 @@ def test_host_plan_is_the_best_simulated_deployment(tmp_path, make_checkpoint):
     assert best["predicted"]["throughput"] == max(c["throughput"] for c in plans)
     assert not best["estimated"] and best["deployment"]["attention_device"] == "cpu"
     assert {c["micro_batches"] for c in plans if c["attention_workers"]} == {1, 2, 3, 4}
+    # the toy profile's host is not this one: the plan says so
+    assert f"--profile {prof} was measured on another host (cpu 'toy', here" in capsys.readouterr().err
+
+
+def test_a_profile_of_this_host_is_not_another_host():
+    from planner.cli import _other_host
+    from planner.hardware import describe_host
+
+    here = describe_host()
+    assert here["cpu_id"] and _other_host(here) == ""
+    assert _other_host({"cpu": here["cpu"], "cores": here["cores"]}) == ""  # written before cpu_id was recorded
+    assert _other_host({**here, "cpu_id": "family 0 model 0 stepping 0"}).startswith("cpu_id 'family 0 model 0")
