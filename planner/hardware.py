@@ -97,8 +97,8 @@ def describe_host() -> dict:
     """CPU model, cores usable by this process, hardware threads, memory, accelerator, and which
     dtypes oneDNN can pack here (bf16 only with AVX-512-BF16 or AMX). `cpu_id` is the CPU's family,
     model and stepping: under a hypervisor that names every CPU "AMD EPYC" it is what tells hosts
-    apart (two such hosts served the quick Mixtral shape colocated on one thread at 2,723 and 1,404
-    tok/s); `python` the interpreter, which runs the front and the scheduler."""
+    apart (two such hosts served bench/planner.py's quick Mixtral shape colocated on one thread at
+    2,723 and 1,342 tok/s); `python` the interpreter, which runs the front and the scheduler."""
     from kernels.cpu_linear import packing_available
 
     cpu = platform.processor() or platform.machine()
