@@ -8,6 +8,7 @@ Every user error ends with a one-line message naming what is wrong and exit code
 """
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -127,13 +128,13 @@ def load_profile(path: str, model: str | None = None) -> dict:
 
 
 def _other_host(measured: dict) -> str:
-    """How the host a profile was measured on differs from this one (CPU, its family and model,
-    cores), or "" where they agree (a profile written before cpu_id was recorded is compared on the
-    rest)."""
+    """How the CPU a profile was measured on differs from this host's (its name, and its family,
+    model and stepping), or "" where they agree (a profile written before cpu_id was recorded is
+    compared on the name)."""
     from planner.hardware import describe_host
 
     here = describe_host()
-    return ", ".join(f"{k} {measured[k]!r}, here {here[k]!r}" for k in ("cpu", "cpu_id", "cores")
+    return ", ".join(f"{k} {measured[k]!r}, here {here[k]!r}" for k in ("cpu", "cpu_id")
                      if k in measured and measured[k] != here[k])
 
 
@@ -295,6 +296,9 @@ def _plan(args: argparse.Namespace) -> int:
             print(f"warning: --profile {args.profile} was measured on another host ({other}): its times may not hold "
                   "here; profile this host with shuttle profile", file=sys.stderr)
         cores = profile["host"]["cores"]
+        if cores != len(os.sched_getaffinity(0)):
+            print(f"warning: --profile {args.profile} was measured with {cores} usable cores, this process has "
+                  f"{len(os.sched_getaffinity(0))} (taskset, a cgroup?); the plan is for {cores}", file=sys.stderr)
         if args.max_devices > cores:
             raise PlannerError(f"--max-devices {args.max_devices} is bigger than this host ({cores} cores, one "
                                f"device per core); plan catalogue kinds for more")

@@ -93,6 +93,21 @@ def host_kind(price_per_hour: float = 1.0) -> HardwareKind:
     return HardwareKind(HOST, info["memory_gib"], 0.0, 0.0, 0.0, 0.0, price_per_hour, info["cpu"])
 
 
+def parse_cpuinfo(text: str) -> tuple[str, str, set[str]]:
+    """(model name, "family F model M stepping S", flags) of the first CPU in a /proc/cpuinfo text;
+    "" and an empty set for what it lacks (an ARM cpuinfo has no model name, family or flags)."""
+    name, ident, flags = "", {}, None
+    for line in text.splitlines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key == "model name" and not name:
+            name = value
+        elif key in ("cpu family", "model", "stepping") and key not in ident:
+            ident[key] = value
+        elif key == "flags" and flags is None:
+            flags = set(value.split())
+    return name, " ".join(f"{k.removeprefix('cpu ')} {v}" for k, v in ident.items()), flags or set()
+
+
 def describe_host() -> dict:
     """CPU model, cores usable by this process, hardware threads, memory, accelerator, and which
     dtypes oneDNN can pack here (bf16 only with AVX-512-BF16 or AMX). `cpu_id` is the CPU's family,
@@ -102,21 +117,14 @@ def describe_host() -> dict:
     from kernels.cpu_linear import packing_available
 
     cpu = platform.processor() or platform.machine()
-    flags, ident = None, {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = (part.strip() for part in line.partition(":"))
-            if key == "model name" and cpu in ("", platform.machine(), platform.processor()):
-                cpu = value
-            if key in ("cpu family", "model", "stepping") and key not in ident:
-                ident[key] = value
-            if key == "flags" and flags is None:
-                flags = set(value.split())
+        name, cpu_id, flags = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
-    cpu_id = " ".join(f"{k.removeprefix('cpu ')} {v}" for k, v in ident.items())
+        name, cpu_id, flags = "", "", set()
+    if name and cpu in ("", platform.machine(), platform.processor()):
+        cpu = name
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in (flags or ())]
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     return {"cpu": cpu, "cpu_id": cpu_id, "python": platform.python_version(),
             "cores": len(os.sched_getaffinity(0)), "hardware_threads": os.cpu_count(),
             "memory_gib": round(mem, 1), "isa": isa, "torch": torch.__version__,

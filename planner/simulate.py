@@ -294,7 +294,11 @@ class Simulator:
         work runs past the step's end (served 1 + 1 m=2 at batch 256 on a host half as fast: decode
         steps of 256 sequences 43-44 ms apart at the client, 51.6 ms simulated with all 41 ms of the
         front's CPU at 1/2, 46.7 with the bound; batch 64, where the front's 11 ms fit in the 12 ms
-        step, unchanged at 17.8 against 16-18). No step beats all the CPU work over the cores.
+        step, unchanged at 17.8 against 16-18). Where `_held` is 1 the whole of it delays the
+        step, longer than the step or not: a colocated engine runs the front's Python in turn with
+        its own (the interpreter lock), and at m = 1 or oversubscribed the workers the step waits
+        on hold every core (bounded there too, the stored planner runs' colocated and m = 1 rows
+        came out 11-33% fast). No step beats all the CPU work over the cores.
         Without cores (each process on its own device) the front costs the workers nothing."""
         cores = self.dep.cores
         if not cores or wall <= 0:

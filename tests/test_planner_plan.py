@@ -93,7 +93,7 @@ def test_plan_errors_exit_2(argv, message, tmp_path, capsys, make_checkpoint):
     assert message in capsys.readouterr().err
 
 
-def test_host_plan_is_the_best_simulated_deployment(tmp_path, make_checkpoint, capsys):
+def test_host_plan_is_the_best_simulated_deployment(tmp_path, make_checkpoint, capsys, monkeypatch):
     from server.cli import main
     from tests.test_planner_simulate import profile
 
@@ -102,6 +102,7 @@ def test_host_plan_is_the_best_simulated_deployment(tmp_path, make_checkpoint, c
     p["model"]["config_hash"] = shape_from(model).config_hash
     prof, out, js = tmp_path / "p.json", tmp_path / "plan.json", tmp_path / "all.json"
     prof.write_text(json.dumps(p))
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})  # this process on one core, the profile's 2
     assert main(["plan", "--model", str(model), "--hardware", "host", "--profile", str(prof), "--tbt-slo-ms", "1000",
                  "--max-devices", "2", "--input-len", "16", "--output-len", "8", "--quick", "--top", "50",
                  "--out", str(out), "--json", str(js)]) == 0
@@ -110,8 +111,10 @@ def test_host_plan_is_the_best_simulated_deployment(tmp_path, make_checkpoint, c
     assert best["predicted"]["throughput"] == max(c["throughput"] for c in plans)
     assert not best["estimated"] and best["deployment"]["attention_device"] == "cpu"
     assert {c["micro_batches"] for c in plans if c["attention_workers"]} == {1, 2, 3, 4}
-    # the toy profile's host is not this one: the plan says so
-    assert f"--profile {prof} was measured on another host (cpu 'toy', here" in capsys.readouterr().err
+    # the toy profile's host is not this one, nor its cores this process's: the plan says so
+    err = capsys.readouterr().err
+    assert f"--profile {prof} was measured on another host (cpu 'toy', here" in err
+    assert "was measured with 2 usable cores, this process has 1 (taskset, a cgroup?); the plan is for 2" in err
 
 
 def test_a_profile_of_this_host_is_not_another_host():
@@ -120,5 +123,17 @@ def test_a_profile_of_this_host_is_not_another_host():
 
     here = describe_host()
     assert _other_host(here) == ""
-    assert _other_host({"cpu": here["cpu"], "cores": here["cores"]}) == ""  # written before cpu_id was recorded
+    assert _other_host({"cpu": here["cpu"], "cores": here["cores"] + 1}) == ""  # before cpu_id; cores: a warning of its own
     assert _other_host({**here, "cpu_id": "family 0 model 0 stepping 0"}).startswith("cpu_id 'family 0 model 0")
+
+
+def test_cpuinfo_gives_the_first_cpus_name_family_and_flags():
+    from planner.hardware import parse_cpuinfo
+
+    x86 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+           "model name\t: AMD EPYC\nstepping\t: 1\nflags\t\t: fpu avx2 avx512f avx512fp16x\n\n"
+           "processor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\nflags\t\t: sse\n")
+    assert parse_cpuinfo(x86) == ("AMD EPYC", "family 25 model 17 stepping 1", {"fpu", "avx2", "avx512f", "avx512fp16x"})
+    arm = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd\nCPU implementer\t: 0x41\n"
+    assert parse_cpuinfo(arm) == ("", "", set())
+    assert parse_cpuinfo("a line without a colon\n\n") == ("", "", set())

@@ -104,6 +104,9 @@ def test_front_work_delays_workers_by_the_share_of_cores_they_hold():
     # core for the whole step at most: a quarter of 4 ms, not of 8; the rest runs past the step's
     # end (and no step beats all the CPU work over the cores: (4 + 8) / 4 = 3 ms here).
     assert sim(p, cores=4, torch_threads=1).step_time(0.0, [batch([1] * 8)]) == pytest.approx((4 + 4 * 0.25) * MS)
+    # ... but where the step's workers hold every core (m = 1 here; colocated, oversubscribed) all
+    # of it: 4 + 8 ms.
+    assert sim(p, cores=2).step_time(0.0, [batch([1] * 8)]) == pytest.approx((4 + 8) * MS)
     # shuttle serve's default at m = 1 (worker_threads): the pools take turns with both cores each,
     # so the computing one always has the core the front takes: all of it.
     assert sim(p, cores=2).dep.pool_threads == (2, 2) and not sim(p, cores=2).dep.oversubscribed
