@@ -8,7 +8,6 @@ Every user error ends with a one-line message naming what is wrong and exit code
 """
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -127,13 +126,10 @@ def load_profile(path: str, model: str | None = None) -> dict:
     return p
 
 
-def _other_host(measured: dict) -> str:
-    """How the CPU a profile was measured on differs from this host's (its name, and its family,
-    model and stepping), or "" where they agree (a profile written before cpu_id was recorded is
-    compared on the name)."""
-    from planner.hardware import describe_host
-
-    here = describe_host()
+def _other_host(measured: dict, here: dict) -> str:
+    """How the CPU a profile was measured on differs from `here` (planner.hardware.describe_host:
+    its name, and its family, model and stepping), or "" where they agree (a profile written before
+    cpu_id was recorded is compared on the name)."""
     return ", ".join(f"{k} {measured[k]!r}, here {here[k]!r}" for k in ("cpu", "cpu_id")
                      if k in measured and measured[k] != here[k])
 
@@ -275,7 +271,7 @@ def _hardware_pairs(args: argparse.Namespace):
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from planner.hardware import HOST, load_catalogue
+    from planner.hardware import HOST, describe_host, load_catalogue
     from planner.perf import ProfilePerf, RooflinePerf
     from planner.plan import HostSearch, format_plans, plan_file, search_host
     from planner.search import search
@@ -292,13 +288,14 @@ def _plan(args: argparse.Namespace) -> int:
         if args.profile is None:
             raise PlannerError("planning for this host needs --profile PROFILE.json (from shuttle profile)")
         profile = load_profile(args.profile, args.model)
-        if other := _other_host(profile["host"]):
+        here = describe_host()
+        if other := _other_host(profile["host"], here):
             print(f"warning: --profile {args.profile} was measured on another host ({other}): its times may not hold "
                   "here; profile this host with shuttle profile", file=sys.stderr)
         cores = profile["host"]["cores"]
-        if cores != len(os.sched_getaffinity(0)):
+        if cores != here["cores"]:
             print(f"warning: --profile {args.profile} was measured with {cores} usable cores, this process has "
-                  f"{len(os.sched_getaffinity(0))} (taskset, a cgroup?); the plan is for {cores}", file=sys.stderr)
+                  f"{here['cores']} (taskset, a cgroup?); the plan is for {cores}", file=sys.stderr)
         if args.max_devices > cores:
             raise PlannerError(f"--max-devices {args.max_devices} is bigger than this host ({cores} cores, one "
                                f"device per core); plan catalogue kinds for more")

@@ -122,9 +122,10 @@ def test_a_profile_of_this_host_is_not_another_host():
     from planner.hardware import describe_host
 
     here = describe_host()
-    assert _other_host(here) == ""
-    assert _other_host({"cpu": here["cpu"], "cores": here["cores"] + 1}) == ""  # before cpu_id; cores: a warning of its own
-    assert _other_host({**here, "cpu_id": "family 0 model 0 stepping 0"}).startswith("cpu_id 'family 0 model 0")
+    assert _other_host(here, here) == ""
+    # written before cpu_id was recorded; other cores get a warning of their own
+    assert _other_host({"cpu": here["cpu"], "cores": here["cores"] + 1}, here) == ""
+    assert _other_host({**here, "cpu_id": "family 0 model 0 stepping 0"}, here).startswith("cpu_id 'family 0 model 0")
 
 
 def test_cpuinfo_gives_the_first_cpus_name_family_and_flags():
