@@ -66,8 +66,8 @@ DEPLOYMENTS = {
 MIN_MEASURED_PROMPTS = 256
 COMPARED = ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")  # measured as the median over the repeats
 # What a fresh profile keeps of the first (unless --fresh-front): the front and the calibration on its
-# served runs (planner.profile.served_factor, served_factors and colocated_front_share)
-CALIBRATION = ("front", "served_factor", "served_factors", "colocated_front_share")
+# served runs (planner.profile.served_factor and served_factors)
+CALIBRATION = ("front", "served_factor", "served_factors")
 SECOND_SHAPE = ("colocated 2 threads", "1+1 m=1", "1+1 m=2")
 SHAPES = {  # name -> (hidden, layers, experts, expert intermediate, top-k)
     "mixtral": (1024, 8, 8, 2048, 2), "fine": (1024, 8, 32, 512, 4),
@@ -305,7 +305,7 @@ def replay(path: Path) -> list[dict]:
     the same measurements: a change to the simulator judged on runs already measured, not on a new
     run whose host may have drifted. Prints the table and the summary and returns the rows (with the
     stored errors as was_*); writes nothing."""
-    from planner.profile import colocated_front_share, served_factor, served_factors
+    from planner.profile import served_factor, served_factors
 
     result = json.loads(path.read_text())
     output_len, rows = result["config"]["output_len"], []
@@ -314,11 +314,9 @@ def replay(path: Path) -> list[dict]:
     profiles = {}
     for name, shape in result["shapes"].items():
         prof = shape["profile"]
-        profiles[name] = {**prof, "served_factor": served_factor(prof), "served_factors": served_factors(prof),
-                          "colocated_front_share": colocated_front_share(prof)}
+        profiles[name] = {**prof, "served_factor": served_factor(prof), "served_factors": served_factors(prof)}
         print(f"{name}: served factor {prof.get('served_factor')} -> {profiles[name]['served_factor']}, "
-              f"by tokens {prof.get('served_factors')} -> {profiles[name]['served_factors']}, colocated front "
-              f"share {prof.get('colocated_front_share')} -> {profiles[name]['colocated_front_share']}")
+              f"by tokens {prof.get('served_factors')} -> {profiles[name]['served_factors']}")
     for r in result["rows"]:
         if "workload" not in r:
             raise SystemExit(f"{path}: row {r['deployment']!r} has no stored workload "

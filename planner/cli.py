@@ -102,10 +102,6 @@ def format_profile(p: dict) -> str:
                      f"{fr.get('front_s_per_request', 0) * 1e6:.0f} + {fr.get('client_s_per_request', 0) * 1e6:.0f} us "
                      f"per request, {fr.get('front_s_per_step', 0) * 1e6:.0f} + {fr.get('client_s_per_step', 0) * 1e6:.0f}"
                      f" us per engine step (served 1 + 1 runs, {fr['tokens']} tokens)")
-        if fr.get("run_colocated"):
-            lines.append(f"  colocated at {fr['run_colocated']['torch_threads']} threads the engine waits for "
-                         f"{p.get('colocated_front_share', 1.0):.0%} of that (solved on a served colocated run; the "
-                         "rest runs in its spinning OpenMP thread's time)")
     return "\n".join(lines)
 
 
@@ -347,8 +343,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="a smaller grid and fewer repeats (about a third)")
     p.add_argument("--front", action=argparse.BooleanOptionalAction, default=True,
                    help="measure the front's and the load generator's CPU per output token, request and engine "
-                        "step on served 1 + 1 runs, and how much of it a colocated engine waits for on a served colocated run "
-                        "at the largest --torch-threads (about 30-60 s; --no-front: taken as zero)")
+                        "step on served 1 + 1 runs (about 15-30 s; --no-front: taken as zero)")
     p.add_argument("--out", required=True, help="the profile JSON to write")
     p.set_defaults(func=_run(_profile, "profile"))
     s = sub.add_parser("simulate", help="simulate a deployment serving a workload, from a profile")

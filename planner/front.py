@@ -18,9 +18,7 @@ waking the engine thread and the event loop); charged per token at one batch siz
 
 The batch-64 and batch-16 runs are also kept as served (`run`, `run_small`: requests, lengths,
 concurrency, the load's wall time): planner.profile.served_factor and served_factors calibrate the
-simulator against them. So does a batch-64 run of the model served colocated at the profile's
-largest thread count (`run_colocated`): planner.profile.colocated_front_share, how much of the
-front's CPU such an engine waits for.
+simulator against them.
 
 `tree_cpu` (per process of a process tree) is also what bench/planner.py records beside each
 measured deployment, so the model's shares can be checked against served runs.
@@ -82,18 +80,62 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 
         raise RuntimeError(f"{e}:\n{log.read_text(errors='replace')[-4000:]}") from None
 
 
-@contextlib.contextmanager
-def _serving(model: str, flags: list[str], dtype: str | None):
-    """A `shuttle serve` of `model` with `flags` on a free port, ready: yields (process, url)."""
+def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts: int = 256, input_len: int = 64,
+                  output_len: int = 16, short_len: int = 1) -> dict:
+    """Serve `model` as a 1 + 1 pool (m=2, one torch thread per worker) and measure the CPU seconds of
+    the front process and of the load generator per output token, per request and per engine step:
+    runs of `prompts` requests, (`batch`, `output_len`) and (`batch` // 4, `output_len`)
+    SERVED_REPEATS times each and (`batch`, `short_len`) once (concurrency, tokens each);
+    split_front_cpu solves them all. `run` and `run_small` are the repeats of median duration: a
+    single served run calibrated the simulator with this host's noise (the batch-16 run's load took
+    1.81-2.58 s in eleven planner runs, its served factor at 8 tokens a call 1.25-2.26). Returns
+    {"front_s_per_token", "front_s_per_request", "front_s_per_step", "client_s_per_token",
+    "client_s_per_request", "client_s_per_step", "workers_s_per_token", "tokens", "wall_s", "run",
+    "run_small", "runs"} (the workers' and the wall time of `run`; `run` and `run_small` the
+    batch-64 and batch-16 runs as served, with their mean TTFT (kept for comparison, not used by
+    the simulator); `runs` what the split was solved from). 256 requests: the
+    CPU times come from /proc in 10 ms ticks, and with 64 the 1-token run was a few ticks, so the
+    per-request cost came out 0 on the AVX-512 EPYC where 256 measure it at ~0.7 ms (the front) and
+    ~0.19 ms (the load generator)."""
+    from clients.bench_serve import run_bench
+
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
+    runs = []
     with tempfile.NamedTemporaryFile("w+", prefix="shuttle-profile-front-", suffix=".log") as log:
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--port", str(port), *flags,
+        cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--port", str(port),
+               "--torch-threads", "1", "--micro-batches", str(MICRO_BATCHES), "--max-num-seqs", str(batch),
                *(["--dtype", dtype] if dtype else [])]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             _wait_ready(proc, url, Path(log.name))
-            yield proc, url
+
+            def load(concurrency: int, n: int, seed: int, length: int) -> dict:
+                with contextlib.redirect_stdout(io.StringIO()):  # bench serve prints its table
+                    # prompts of exactly input_len tokens of the model's tokenizer, as bench/planner.py's rows
+                    return run_bench(["--base-url", url, "--input-len", str(input_len), "--tokenizer", str(model),
+                                      "--max-concurrency", str(concurrency), "--ignore-eos", "--disable-tqdm",
+                                      "--num-prompts", str(n), "--seed", str(seed), "--output-len", str(length)])
+            load(batch, batch, 1000, output_len)  # warm-up: first calls, allocations
+            # other prompts each run (its seed): none from the prefix cache
+            plan = ([("run", batch, output_len)] * SERVED_REPEATS + [("short", batch, short_len)]
+                    + [("run_small", max(1, batch // 4), output_len)] * SERVED_REPEATS)
+            for seed, (role, concurrency, length) in enumerate(plan):
+                steps0 = engine_steps(url)
+                t0, w0 = tree_cpu(proc.pid), time.perf_counter()
+                m = load(concurrency, prompts, seed, length)
+                t1, w1 = tree_cpu(proc.pid), time.perf_counter()
+                workers = sum(cpu - t0[p][1] for p, (title, cpu) in t1.items() if p in t0 and title.startswith("shuttle-"))
+                steps = engine_steps(url) - steps0
+                if steps <= 0:  # a counter that did not move (or restarted) would misplace the per-step cost
+                    raise RuntimeError(f"the served run at concurrency {concurrency} counted {steps} engine steps "
+                                       f"(/metrics shuttle_engine_steps_total); the front's profile needs them")
+                runs.append({"role": role, "tokens": max(int(m["total_output_tokens"]), 1),
+                             "requests": max(int(m["completed"]), 1),
+                             "steps": steps, "concurrency": concurrency,
+                             "front": t1[proc.pid][1] - t0[proc.pid][1], "client": m["client_cpu_s"], "workers": workers,
+                             "wall": w1 - w0, "load_s": m["duration"], "input_tokens": int(m["total_input_tokens"]),
+                             "ttft_s": float(m["mean_ttft_ms"]) / 1e3})
         finally:
             proc.terminate()
             try:
@@ -102,79 +144,12 @@ def _serving(model: str, flags: list[str], dtype: str | None):
                 proc.kill()
                 proc.wait()
 
-
-def _load(url: str, model: str, input_len: int, concurrency: int, n: int, seed: int, length: int) -> dict:
-    """bench serve's metrics of `n` requests at `concurrency`: prompts of exactly input_len tokens
-    of the model's tokenizer (as bench/planner.py's rows), `length` tokens each, EOS ignored; each
-    seed gives other prompts (none from the prefix cache)."""
-    from clients.bench_serve import run_bench
-
-    with contextlib.redirect_stdout(io.StringIO()):  # bench serve prints its table
-        return run_bench(["--base-url", url, "--input-len", str(input_len), "--tokenizer", str(model),
-                          "--max-concurrency", str(concurrency), "--ignore-eos", "--disable-tqdm",
-                          "--num-prompts", str(n), "--seed", str(seed), "--output-len", str(length)])
-
-
-def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts: int = 256, input_len: int = 64,
-                  output_len: int = 16, short_len: int = 1, colocated_threads: int | None = None) -> dict:
-    """Serve `model` as a 1 + 1 pool (m=2, one torch thread per worker) and measure the CPU seconds of
-    the front process and of the load generator per output token, per request and per engine step:
-    runs of `prompts` requests, (`batch`, `output_len`) and (`batch` // 4, `output_len`)
-    SERVED_REPEATS times each and (`batch`, `short_len`) once (concurrency, tokens each);
-    split_front_cpu solves them all. `run` and `run_small` are the repeats of median duration: a
-    single served run calibrated the simulator with this host's noise (the batch-16 run's load took
-    1.81-2.58 s in eleven planner runs, its served factor at 8 tokens a call 1.25-2.26). With
-    `colocated_threads` (2 or more), the model is also served colocated at that many torch threads
-    and (`batch`, `output_len`) run SERVED_REPEATS times: `run_colocated`, the one of median
-    duration, from which planner.profile.colocated_front_share is solved. Returns
-    {"front_s_per_token", "front_s_per_request", "front_s_per_step", "client_s_per_token",
-    "client_s_per_request", "client_s_per_step", "workers_s_per_token", "tokens", "wall_s", "run",
-    "run_small", "runs"[, "run_colocated"]} (the workers' and the wall time of `run`; `run`,
-    `run_small` and `run_colocated` as served, with their mean TTFT (kept for comparison, not used
-    by the simulator); `runs` what the split was solved from). 256 requests: the
-    CPU times come from /proc in 10 ms ticks, and with 64 the 1-token run was a few ticks, so the
-    per-request cost came out 0 on the AVX-512 EPYC where 256 measure it at ~0.7 ms (the front) and
-    ~0.19 ms (the load generator)."""
-    runs = []
-    flags = ["--torch-threads", "1", "--micro-batches", str(MICRO_BATCHES), "--max-num-seqs", str(batch)]
-    with _serving(model, flags, dtype) as (proc, url):
-        _load(url, model, input_len, batch, batch, 1000, output_len)  # warm-up: first calls, allocations
-        # other prompts each run (its seed): none from the prefix cache
-        plan = ([("run", batch, output_len)] * SERVED_REPEATS + [("short", batch, short_len)]
-                + [("run_small", max(1, batch // 4), output_len)] * SERVED_REPEATS)
-        for seed, (role, concurrency, length) in enumerate(plan):
-            steps0 = engine_steps(url)
-            t0, w0 = tree_cpu(proc.pid), time.perf_counter()
-            m = _load(url, model, input_len, concurrency, prompts, seed, length)
-            t1, w1 = tree_cpu(proc.pid), time.perf_counter()
-            workers = sum(cpu - t0[p][1] for p, (title, cpu) in t1.items() if p in t0 and title.startswith("shuttle-"))
-            steps = engine_steps(url) - steps0
-            if steps <= 0:  # a counter that did not move (or restarted) would misplace the per-step cost
-                raise RuntimeError(f"the served run at concurrency {concurrency} counted {steps} engine steps "
-                                   f"(/metrics shuttle_engine_steps_total); the front's profile needs them")
-            runs.append({"role": role, "tokens": max(int(m["total_output_tokens"]), 1),
-                         "requests": max(int(m["completed"]), 1),
-                         "steps": steps, "concurrency": concurrency,
-                         "front": t1[proc.pid][1] - t0[proc.pid][1], "client": m["client_cpu_s"], "workers": workers,
-                         "wall": w1 - w0, "load_s": m["duration"], "input_tokens": int(m["total_input_tokens"]),
-                         "ttft_s": float(m["mean_ttft_ms"]) / 1e3})
-    colocated = []
-    if colocated_threads and colocated_threads >= 2:
-        flags = ["--colocated", "--torch-threads", str(colocated_threads), "--max-num-seqs", str(batch)]
-        with _serving(model, flags, dtype) as (proc, url):
-            _load(url, model, input_len, batch, batch, 1000, output_len)
-            for seed in range(SERVED_REPEATS):
-                m = _load(url, model, input_len, batch, prompts, seed, output_len)
-                colocated.append({"requests": max(int(m["completed"]), 1), "concurrency": batch,
-                                  "input_tokens": int(m["total_input_tokens"]), "load_s": m["duration"],
-                                  "ttft_s": float(m["mean_ttft_ms"]) / 1e3})
-
     long, small = (lower_median((r for r in runs if r["role"] == role), key=lambda r: r["load_s"])
                    for role in ("run", "run_small"))
 
-    def served(r: dict, micro_batches: int = MICRO_BATCHES) -> dict:
+    def served(r: dict) -> dict:
         return {"requests": r["requests"], "prompt_len": round(r["input_tokens"] / r["requests"]),
-                "output_len": output_len, "concurrency": r["concurrency"], "micro_batches": micro_batches,
+                "output_len": output_len, "concurrency": r["concurrency"], "micro_batches": MICRO_BATCHES,
                 "load_s": r["load_s"], "ttft_s": r["ttft_s"]}
     out = {"workers_s_per_token": long["workers"] / long["tokens"], "tokens": long["tokens"], "wall_s": long["wall"],
            # the runs at both batch sizes as served, for the simulator's calibration
@@ -182,9 +157,6 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
            "run": served(long), "run_small": served(small),
            "runs": [{k: r[k] for k in ("role", "concurrency", "requests", "tokens", "steps", "front", "client")}
                     for r in runs]}
-    if colocated:  # ... and planner.profile.colocated_front_share
-        out["run_colocated"] = {**served(lower_median(colocated, key=lambda r: r["load_s"]), 1),
-                                "torch_threads": colocated_threads}
     for who in ("front", "client"):
         out[f"{who}_s_per_token"], out[f"{who}_s_per_request"], out[f"{who}_s_per_step"] = split_front_cpu(runs, who)
     return out

@@ -47,8 +47,6 @@ class ProfilePerf:
         self.front_s_per_request = fr.get("front_s_per_request", 0.0) + fr.get("client_s_per_request", 0.0)
         # Per delta message, whatever it carries (older profiles: none, all of it per token).
         self.front_s_per_step = fr.get("front_s_per_step", 0.0) + fr.get("client_s_per_step", 0.0)
-        # How much of that a colocated engine of 2+ threads waits for: planner.profile.colocated_front_share
-        self.colocated_front_share = float(profile.get("colocated_front_share", 1.0))
 
     def for_pools(self) -> "ProfilePerf":
         """The costs as the worker pools of one host run them: with OpenMP's passive waits

@@ -27,9 +27,7 @@ median of three does not reject):
   begins with the caches evicted (CacheEvictor, untimed), as a served step finds them.
 - M2N, per backend: planner.profile_m2n (a real M2NSender / M2NReceiver pair in two processes).
 - the front and the load generator, CPU seconds per output token: planner.front (a real 1 + 1
-  `shuttle serve` driven by `shuttle bench serve`'s client; skipped with front=False), and the
-  calibrations on its served runs: served_factor(s) (pools computing at once) and
-  colocated_front_share (a colocated engine of 2+ threads, on a served colocated run).
+  `shuttle serve` driven by `shuttle bench serve`'s client; skipped with front=False).
 Each thread count is measured in this process with torch.set_num_threads.
 """
 import json
@@ -42,7 +40,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from attention_nodes.block_manager import blocks_for
@@ -446,8 +443,7 @@ def run_profile(opts: ProfileOptions) -> dict:
     if opts.front:
         from planner.front import measure_front
 
-        front = measure_front(opts.model, str(dtype).replace("torch.", "") if opts.dtype else None,
-                              colocated_threads=max(opts.threads))
+        front = measure_front(opts.model, str(dtype).replace("torch.", "") if opts.dtype else None)
     transfer = {}
     for backend in opts.transports:
         tsamples, wake = measure_transfer(opts.model, backend, dtype, quick=opts.quick)
@@ -468,7 +464,6 @@ def run_profile(opts: ProfileOptions) -> dict:
             "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)]}
     profile["served_factor"] = served_factor(profile)
     profile["served_factors"] = served_factors(profile)
-    profile["colocated_front_share"] = colocated_front_share(profile)
     return profile
 
 
@@ -509,47 +504,6 @@ def served_factors(profile: dict) -> list[list[float]]:
         if max(abs(f_lo - old[0]), abs(f_hi - old[1])) < 2e-3:
             break
     return [[t_lo, f_lo], [t_hi, f_hi]]
-
-
-def colocated_front_share(profile: dict) -> float:
-    """The share of the front's and the load generator's CPU that holds back a colocated engine's
-    step where it runs two or more torch threads: the share with which the simulator gives the
-    front's served colocated run (planner/front.py `run_colocated`, at the profile's largest thread
-    count) its measured wall time, 0 to 1; 1.0 without that run. Between its OpenMP regions the
-    engine's second thread spins on its core while the engine thread runs Python, and the others'
-    CPU takes that core's time from the spinning rather than from the step. Served on the second
-    (Zen 4) host at 2 threads, batch 64, per output token: engine thread 308-337 us, the second
-    OpenMP thread 347-381 (busy 86-88% of the wall), the front's event loop 81-95, the load
-    generator 45-57: together the two cores' whole time. Solved by bisection: the simulated
-    duration grows with the share."""
-    from planner.perf import ProfilePerf
-    from planner.simulate import Deployment, SimModel, Simulator, Workload
-
-    run = (profile.get("front") or {}).get("run_colocated")
-    if not run:
-        return 1.0
-    bare = {k: v for k, v in profile.items() if k != "colocated_front_share"}
-    dep = Deployment(True, 1, 1, 1, run["torch_threads"], profile["host"]["cores"], "shm",
-                     max_num_seqs=run["concurrency"])
-    model, wl = SimModel.from_profile(bare), Workload(run["requests"], run["prompt_len"], run["output_len"],
-                                                     run["concurrency"])
-
-    def duration(share: float) -> float:
-        return Simulator(ProfilePerf({**bare, "colocated_front_share": share}), model, dep).run(wl)["duration"]
-    target = run["load_s"]
-    if duration(1.0) <= target:
-        return 1.0
-    # Below some share the simulated front, not the engine, sets the pace and the closed loop's
-    # batches thin out (the duration grows again as the share falls): search above the fastest.
-    grid = np.linspace(0.0, 1.0, 21)
-    lo = float(grid[int(np.argmin([duration(h) for h in grid]))])
-    hi = 1.0
-    if duration(lo) >= target:
-        return round(lo, 3)
-    for _ in range(8):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if duration(mid) < target else (lo, mid)
-    return round((lo + hi) / 2, 3)
 
 
 def _served_over_simulated(profile: dict, run: dict, factors=None, start: float | None = None) -> float:

@@ -298,9 +298,7 @@ class Simulator:
         step, longer than the step or not: a colocated engine runs the front's Python in turn with
         its own (the interpreter lock), and at m = 1 or oversubscribed the workers the step waits
         on hold every core (bounded there too, the stored planner runs' colocated and m = 1 rows
-        came out 11-33% fast). A colocated engine of two or more threads waits for its share of
-        the front's CPU only (`_front_waited`); the rest ran in its spinning thread's time and is
-        no longer the engine's. No step beats all the CPU work over the cores.
+        came out 11-33% fast). No step beats all the CPU work over the cores.
         Without cores (each process on its own device) the front costs the workers nothing."""
         cores = self.dep.cores
         if not cores or wall <= 0:
@@ -309,27 +307,10 @@ class Simulator:
         self._deltas_cpu = float(self.perf.front(rows.sum(), (rows.sum(1) > 0).sum()))
         front = self._deltas_cpu + self._front_backlog
         self._front_backlog = 0.0
-        absorbed = front * (1.0 - self._front_waited)  # run in a spinning thread's time: free for the front
-        front -= absorbed
         held = self._held
         step = max(wall + (front if held >= 1 else min(front, wall)) * held, (cpu + front) / cores)
-        self._spare = min(1.0, max(MIN_SPARE_CORES, cores - max(0.0, cpu - absorbed) / step))
+        self._spare = min(1.0, max(MIN_SPARE_CORES, cores - cpu / step))
         return step
-
-    @property
-    def _front_waited(self) -> float:
-        """The share of the front's and the load generator's CPU that a colocated engine of two or
-        more threads waits for (planner.profile.colocated_front_share, solved on a served colocated
-        run; 1 without one); 1 elsewhere. Its second OpenMP thread spins on a core between regions
-        while the engine thread runs Python, and the others' CPU runs in that time, not in the
-        step's: on the second host a served 2-thread engine's 64-sequence decode steps came 10.5 ms
-        apart, where the fits give 6.0 ms of its own and the profile 6.6 ms of the front's CPU and
-        3.5 of the load generator's (a share of 0.45); with all of it charged its throughput came out
-        13-22% low in four planner runs."""
-        dep = self.dep
-        if not dep.colocated or dep.pool_threads[0] < 2:
-            return 1.0
-        return min(1.0, max(0.0, getattr(self.perf, "colocated_front_share", 1.0)))
 
     @property
     def _front_share(self) -> float:

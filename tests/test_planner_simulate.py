@@ -125,46 +125,6 @@ def test_front_work_delays_workers_by_the_share_of_cores_they_hold():
     assert sim(p, colocated=True, torch_threads=1, cores=2).step_time(0.0, two) == pytest.approx((4 + 2) * MS)
 
 
-def test_a_colocated_engine_of_two_threads_waits_for_its_share_of_the_front():
-    """planner.profile.colocated_front_share: a colocated engine of 2+ threads waits for that share of
-    the front's and the load generator's CPU (the rest runs in its spinning OpenMP thread's time);
-    a one-thread engine and pools wait as before."""
-    p = profile(a=1.0, e=1.0, layers=2)
-    p["front"] = {"front_s_per_token": 0.75 * MS, "client_s_per_token": 0.25 * MS}
-    p["fits"]["2"] = p["fits"]["1"]
-    two = [batch([1, 1])]
-    p["colocated_front_share"] = 0.25
-    assert sim(p, colocated=True, torch_threads=2, cores=2).step_time(0.0, two) == pytest.approx((4 + 2 * 0.25) * MS)
-    assert sim(p, colocated=True, torch_threads=1, cores=2).step_time(0.0, two) == pytest.approx((4 + 2) * MS)
-    assert sim(p, cores=2).step_time(0.0, two) == pytest.approx((4 + 2) * MS)
-    # the part it does not wait for ran in the spinning thread's time: the cores it leaves the
-    # front's deliveries are the two less the engine's 2 x 4 ms, less that 1.5 ms, over the 4.5 ms step
-    s = sim(p, colocated=True, torch_threads=2, cores=2)
-    s.step_time(0.0, two)
-    assert s._spare == pytest.approx(2 - (2 * 4 - 1.5) / 4.5)
-
-
-def test_colocated_front_share_is_solved_so_the_simulator_gives_the_served_colocated_run():
-    from planner.profile import colocated_front_share
-
-    p = profile(a=1.0, e=1.0, layers=2)
-    p["fits"]["2"] = p["fits"]["1"]
-    assert colocated_front_share(p) == 1.0  # no served colocated run: all of it
-    p["front"] = {"front_s_per_token": 0.75 * MS, "client_s_per_token": 0.25 * MS,
-                  "run_colocated": {"requests": 8, "prompt_len": 3, "output_len": 4, "concurrency": 4,
-                                    "micro_batches": 1, "torch_threads": 2}}
-    dep = Deployment(True, 1, 1, 1, 2, 2, "shm", max_num_seqs=4)
-
-    def duration(share: float) -> float:
-        return Simulator(ProfilePerf({**p, "colocated_front_share": share}), SimModel.from_profile(p),
-                         dep).run(Workload(8, 3, 4, 4))["duration"]
-    assert duration(0.5) < duration(1.0)
-    p["front"]["run_colocated"]["load_s"] = duration(0.6)
-    assert colocated_front_share(p) == pytest.approx(0.6, abs=0.01)
-    p["front"]["run_colocated"]["load_s"] = 1.2 * duration(1.0)  # slower than all of it: all of it
-    assert colocated_front_share(p) == 1.0
-
-
 def test_front_work_per_delta_message():
     """Per step the front also pays for each delta message (one per attention worker that sampled,
     whatever it carries): profile front_s_per_step + client_s_per_step."""
