@@ -483,3 +483,47 @@ def test_committed_planner_results_replay_to_their_predictions(capsys):
         if "fresh_profile" in old:
             assert new["tok_s_err_fresh"] == pytest.approx(old["tok_s_err_fresh"], rel=1e-6, abs=1e-9), name
             assert new["tpot_err_fresh"] == pytest.approx(old["tpot_err_fresh"], rel=1e-6, abs=1e-9), name
+
+
+def test_the_plans_pick_is_paired_against_the_best_row_with_the_idle_server_stopped():
+    """bench/planner.py judges the pick in alternating runs of two live servers: the median of the
+    rounds' ratios, and the server not being measured stopped (SIGSTOP on its process group, children
+    included) so that it takes no CPU, then resumed."""
+    import importlib.util
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from planner.front import tree_cpu
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("bench_planner", root / "bench" / "planner.py")
+    bench_planner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_planner)
+    # drift over the rounds cancels in the per-round ratios
+    assert bench_planner.paired_ratio([100, 200, 300], [100, 190, 310]) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        bench_planner.paired_ratio([1, 2], [1])
+    spin = "import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'while True: pass'])\nwhile True: pass"
+    proc = subprocess.Popen([sys.executable, "-c", spin], start_new_session=True)
+    try:
+        time.sleep(0.5)
+        srv = SimpleNamespace(proc=proc)
+
+        def cpu() -> float:
+            return sum(c for _, c in tree_cpu(proc.pid).values())
+        with bench_planner._stopped(srv):
+            time.sleep(0.1)
+            before = cpu()
+            time.sleep(0.5)
+            assert cpu() - before < 0.02  # parent and child both stopped
+        before = cpu()
+        time.sleep(0.5)
+        assert cpu() - before > 0.3  # both running again
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
