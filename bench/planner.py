@@ -168,8 +168,8 @@ def _server(ckpt: Path, flags: list[str], batch: int, args):
 
 def paired(ckpt: Path, a: tuple[list[str], int], b: tuple[list[str], int], args) -> dict:
     """Two deployments ((flags, batch) each) served at once, each stopped while the other runs, and
-    measured in alternating runs, `--repeats` rounds in the order A B, B A, A B, ... (a drift that is linear over a pair of
-    rounds cancels): each run's throughput and the median of the rounds' A / B ratios. On this host
+    measured in alternating runs, `--repeats` rounds in the order A B, B A, A B, ... (so a steady
+    drift favours neither): each run's throughput and the median of the rounds' A / B ratios. On this host
     the same deployment measured a fifth apart in runs minutes away (colocated at 2 threads 2,071 and
     2,640 tok/s), more than the plan's 5% target, so its pick is judged against the best other row
     in runs a few seconds apart."""
