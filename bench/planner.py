@@ -11,7 +11,7 @@ experts of 2048, top-2; "fine" the same size in 32 experts of 512, top-4; --quic
    the same workload (random prompts, EOS ignored, max concurrency = the batch);
 3. `shuttle plan --hardware host` picks a deployment (before any measurement); it is measured too,
    through `shuttle serve --plan`, and compared with the best measured one; with --repeats 2 or
-   more also in paired runs: both served at once and measured alternately (`picked_vs_best_paired`),
+   more also in paired runs: the two measured alternately, seconds apart (`picked_vs_best_paired`),
    since the host drifts by more than the 5% the pick is judged by between rows minutes apart.
 The table gives output throughput and mean TPOT, predicted and measured, and their errors; the
 summary: median absolute throughput error and how many are within 10% (throughput) and 15% (TPOT)
@@ -37,7 +37,6 @@ import contextlib
 import io
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -167,35 +166,30 @@ def _server(ckpt: Path, flags: list[str], batch: int, args):
 
 
 def paired(ckpt: Path, a: tuple[list[str], int], b: tuple[list[str], int], args) -> dict:
-    """Two deployments ((flags, batch) each) served at once, each stopped while the other runs, and
-    measured in alternating runs, `--repeats` rounds in the order A B, B A, A B, ... (so a steady
-    drift favours neither): each run's throughput and the median of the rounds' A / B ratios. On this host
-    the same deployment measured a fifth apart in runs minutes away (colocated at 2 threads 2,071 and
-    2,640 tok/s), more than the plan's 5% target, so its pick is judged against the best other row
-    in runs a few seconds apart."""
+    """Two deployments ((flags, batch) each) measured in alternating runs, `--repeats` rounds in the
+    order A B, B A, A B, ..., each run on a server of its own started for it (warmed up, measured,
+    stopped), so only one of them is on the host at a time: each run's throughput and the median of
+    the rounds' A / B ratios. On this host the same deployment measured a fifth apart in runs
+    minutes away (colocated at 2 threads 2,071 and 2,640 tok/s), more than the plan's 5% target, so
+    its pick is judged against the best other row in runs seconds apart. (Both servers kept up, the
+    idle one stopped with SIGSTOP meanwhile, was tried: a pool stopped for more than its peers'
+    3 s liveness timeout comes back to a worker restart, and idle but running, a pool's attention
+    worker polls at about 6% of a core beside the other's runs.) A run with a request that failed
+    or did not complete raises."""
     tput = {"a": [], "b": []}
-    with _server(ckpt, *a, args) as sa, _server(ckpt, *b, args) as sb:
-        servers = {"a": (sa, a[1]), "b": (sb, b[1])}
-        for i in range(args.repeats):
-            for key in ("a", "b") if i % 2 == 0 else ("b", "a"):
-                srv, batch = servers[key]
-                n, base = _load_args(ckpt, batch, args)
-                with _stopped(servers["b" if key == "a" else "a"][0]), contextlib.redirect_stdout(io.StringIO()):
-                    m = run_bench(["--base-url", srv.url, *base, "--seed", str(100 + i), "--num-prompts", str(n),
-                                   "--output-len", str(args.output_len)])
-                tput[key].append(m["output_throughput"])
+    deployments = {"a": a, "b": b}
+    for i in range(args.repeats):
+        for key in ("a", "b") if i % 2 == 0 else ("b", "a"):
+            flags, batch = deployments[key]
+            n, base = _load_args(ckpt, batch, args)
+            with _server(ckpt, flags, batch, args) as srv, contextlib.redirect_stdout(io.StringIO()):
+                m = run_bench(["--base-url", srv.url, *base, "--seed", str(100 + i), "--num-prompts", str(n),
+                               "--output-len", str(args.output_len)])
+            if m["completed"] != n or m["failed"]:
+                raise RuntimeError(f"paired run {i} of {' '.join(flags)}: {m['completed']} of {n} requests "
+                                   f"completed, {m['failed']} failed")
+            tput[key].append(m["output_throughput"])
     return {"a_tok_s": tput["a"], "b_tok_s": tput["b"], "ratio": paired_ratio(tput["a"], tput["b"])}
-
-
-@contextlib.contextmanager
-def _stopped(srv: LiveServer):
-    """The server's whole process group stopped (SIGSTOP) meanwhile: an idle pool's attention worker
-    polls for wake-ups (about 6% of a core here), which would tax the other deployment's runs."""
-    os.killpg(srv.proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.killpg(srv.proc.pid, signal.SIGCONT)
 
 
 def paired_ratio(a: list[float], b: list[float]) -> float:
@@ -286,8 +280,11 @@ def run_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> tu
     others = [r for r in rows if r is not pick]
     if pick is not None and others and args.repeats >= 2:  # the pick against the best other row, paired
         best = max(others, key=lambda r: r["meas_tok_s"])
-        info["paired"] = {"against": best["deployment"],
-                          **paired(ckpt, deployments[pick["deployment"]], deployments[best["deployment"]], args)}
+        try:
+            info["paired"] = {"against": best["deployment"],
+                              **paired(ckpt, deployments[pick["deployment"]], deployments[best["deployment"]], args)}
+        except RuntimeError as e:  # the rows stand without it
+            info["paired"] = {"against": best["deployment"], "error": str(e)}
         print(json.dumps({"paired": info["paired"]}), flush=True)
     return rows, info
 
@@ -435,8 +432,9 @@ def summarize(rows: list[dict], extra: dict) -> dict:
         out[f"plan_{name}"] = {"picked": e["plan"]["deployment"], "picked_measured_tok_s": pick["meas_tok_s"],
                                "best_measured": best["deployment"], "best_measured_tok_s": best["meas_tok_s"],
                                "picked_vs_best": pick["meas_tok_s"] / best["meas_tok_s"]}
-        if "paired" in e:  # the pick against the best other row in alternating runs (paired)
-            out[f"plan_{name}"].update(paired_against=e["paired"]["against"],
+        if "ratio" in e.get("paired", {}):  # the pick against the best other row in alternating runs
+            # (a ratio above 1: the pick is the best of the two, so 1 against the best)
+            out[f"plan_{name}"].update(paired_against=e["paired"]["against"], paired_ratio=e["paired"]["ratio"],
                                        picked_vs_best_paired=min(1.0, e["paired"]["ratio"]))
     return out
 
