@@ -11,8 +11,8 @@ experts of 2048, top-2; "fine" the same size in 32 experts of 512, top-4; --quic
    the same workload (random prompts, EOS ignored, max concurrency = the batch);
 3. `shuttle plan --hardware host` picks a deployment (before any measurement); it is measured too,
    through `shuttle serve --plan`, and compared with the best measured one; with --repeats 2 or
-   more also in paired runs: the two measured alternately, seconds apart (`picked_vs_best_paired`),
-   since the host drifts by more than the 5% the pick is judged by between rows minutes apart.
+   more also in paired runs: the two measured alternately, under a minute apart
+   (`picked_vs_best_paired`), since the host drifts by more than the 5% the pick is judged by between rows minutes apart.
 The table gives output throughput and mean TPOT, predicted and measured, and their errors; the
 summary: median absolute throughput error and how many are within 10% (throughput) and 15% (TPOT)
 over the deployments that do not oversubscribe the cores. Writes bench/results/planner.json.
@@ -171,8 +171,8 @@ def paired(ckpt: Path, a: tuple[list[str], int], b: tuple[list[str], int], args)
     stopped), so only one of them is on the host at a time: each run's throughput and the median of
     the rounds' A / B ratios. On this host the same deployment measured a fifth apart in runs
     minutes away (colocated at 2 threads 2,071 and 2,640 tok/s), more than the plan's 5% target, so
-    its pick is judged against the best other row in runs seconds apart. (Both servers kept up, the
-    idle one stopped with SIGSTOP meanwhile, was tried: a pool stopped for more than its peers'
+    its pick is judged against the best other row in runs well under a minute apart. (Both servers
+    kept up, the idle one stopped with SIGSTOP meanwhile, was tried: a pool stopped for more than its peers'
     3 s liveness timeout comes back to a worker restart, and idle but running, a pool's attention
     worker polls at about 6% of a core beside the other's runs.) A run with a request that failed
     or did not complete raises."""
