@@ -12,7 +12,8 @@ experts of 2048, top-2; "fine" the same size in 32 experts of 512, top-4; --quic
 3. `shuttle plan --hardware host` picks a deployment (before any measurement); it is measured too,
    through `shuttle serve --plan`, and compared with the best measured one; with --repeats 2 or
    more also in paired runs: the two measured alternately, under a minute apart
-   (`picked_vs_best_paired`), since the host drifts by more than the 5% the pick is judged by between rows minutes apart.
+   (`picked_vs_best_paired`), since the host drifts by more than the 5% the pick is judged by
+   between rows minutes apart.
 The table gives output throughput and mean TPOT, predicted and measured, and their errors; the
 summary: median absolute throughput error and how many are within 10% (throughput) and 15% (TPOT)
 over the deployments that do not oversubscribe the cores. Writes bench/results/planner.json.

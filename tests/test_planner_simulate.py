@@ -458,19 +458,27 @@ def test_colocated_decode_steps_take_the_native_decode_saving():
     assert sim(p).step_time(0.0, decode) == pytest.approx(pools.step_time(0.0, decode))
 
 
+def _bench_planner():
+    """bench/planner.py as a module (bench/ is a directory of scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_planner", Path(__file__).resolve().parents[1] / "bench" / "planner.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_committed_planner_results_replay_to_their_predictions(capsys):
     """bench/results/planner.json holds predictions of the simulator as it is: replayed from the
     profiles the file keeps, every row's predicted throughput, TPOT and TTFT (first profile) and
     throughput and TPOT (fresh profiles) come out as stored. A change to the simulator or to the
     profile's calibration fails here until the file is made again (`python bench/planner.py --quick
     --repeats 6 --fresh-profile`, ~9 minutes)."""
-    import importlib.util
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("bench_planner", root / "bench" / "planner.py")
-    bench_planner = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_planner)
+    bench_planner = _bench_planner()
     stored = json.loads((root / "bench" / "results" / "planner.json").read_text())["rows"]
     rows = bench_planner.replay(root / "bench" / "results" / "planner.json")
     capsys.readouterr()
@@ -490,14 +498,10 @@ def test_the_plans_pick_is_paired_against_the_best_row_in_alternating_runs(monke
     started for it (only one deployment on the host at a time): the median of the rounds' ratios,
     which a drift over the rounds does not move; a run with failed or missing requests raises."""
     import contextlib
-    import importlib.util
     from pathlib import Path
     from types import SimpleNamespace
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("bench_planner", root / "bench" / "planner.py")
-    bp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bp)
+    bp = _bench_planner()
     live, log = [], []
 
     @contextlib.contextmanager
