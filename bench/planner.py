@@ -1,6 +1,6 @@
 """The planner's predictions against measured runs on this host, side by side.
 
-    python bench/planner.py [--quick] [--dtype bfloat16] [--serve-dtype auto] [--repeats N]
+    python bench/planner.py [--quick] [--dtype bfloat16] [--serve-dtype auto] [--rounds R] [--repeats N]
                             [--shapes mixtral,fine] [--only NAME,...] [--fresh-profile] [--fresh-front]
 
 For each model shape (built locally with random weights: "mixtral" about 400M parameters, 8
@@ -10,8 +10,8 @@ experts of 2048, top-2; "fine" the same size in 32 experts of 512, top-4; --quic
    measured with `shuttle bench serve` against a real `shuttle serve` of the same deployment and
    the same workload (random prompts, EOS ignored, max concurrency = the batch);
 3. `shuttle plan --hardware host` picks a deployment (before any measurement); it is measured too,
-   through `shuttle serve --plan`, and compared with the best measured one; with --repeats 2 or
-   more also in paired runs: the two measured alternately, under a minute apart
+   through `shuttle serve --plan`, and compared with the best measured one; with --repeats or
+   --rounds 2 or more also in paired runs: the two measured alternately, under a minute apart
    (`picked_vs_best_paired`), since the host drifts by more than the 5% the pick is judged by
    between rows minutes apart.
 The table gives output throughput and mean TPOT, predicted and measured, and their errors; the
@@ -22,7 +22,14 @@ compared metric (throughput, mean TPOT, mean TTFT) is the median of N runs, and 
 their spread, the host's load average, and the CPU seconds per output token of the front, each
 pool and the load generator (from /proc), beside the shares the model assumes. Every run serves
 HOST_WAVES batches of prompts (at least MIN_MEASURED_PROMPTS), as `shuttle plan` simulates them.
-With --fresh-profile each deployment is also predicted from the workers and M2N profiled again
+With --rounds R every deployment is measured R times, in rounds over the whole list (each run on a
+server started for it; the order reversed every other round), and every round after the first starts
+by profiling the workers and M2N again (the first profile's front and served factors kept): a row's
+measured metrics are the medians over the rounds and its `*_rounds` errors the median of the rounds'
+predictions against them, so the host's drift over the run lands on both sides alike rather than
+between one profile at the start and a row measured at one moment minutes later (`tok_s_err` stays
+the first profile's alone, what a plan made once would get).
+With --fresh-profile (one round) each deployment is also predicted from the workers and M2N profiled again
 right after its measurement (`pred_fresh_tok_s`, `tok_s_err_fresh`): on a host
 whose speed drifts by minutes, that separates the model's own error from the drift between the
 first profile and the measurement. --fresh-front re-profiles the front and its served runs too,
@@ -102,7 +109,7 @@ def parse(flags: list[str], batch: int, cores: int):
                       val("--torch-threads", 0) or None, cores, val("--transport", "shm"), max_num_seqs=batch)
 
 
-def measure(ckpt: Path, flags: list[str], batch: int, args) -> dict:
+def measure(ckpt: Path, flags: list[str], batch: int, args, seed: int = 0) -> dict:
     """bench serve's metrics of `--repeats` runs on one server, after a warm-up run of one batch: the
     median run by throughput (the lower middle one for an even count), with each of COMPARED the
     median over all runs (for an even count, the mean of the middle two); adds each run's
@@ -118,7 +125,8 @@ def measure(ckpt: Path, flags: list[str], batch: int, args) -> dict:
         url = ["--base-url", srv.url]
         for i in range(args.repeats):
             cpu0 = tree_cpu(srv.proc.pid)
-            m = run_bench([*url, *base, "--seed", str(i), "--num-prompts", str(n), "--output-len", str(args.output_len)])
+            m = run_bench([*url, *base, "--seed", str(seed + i), "--num-prompts", str(n), "--output-len",
+                           str(args.output_len)])
             cpu1 = tree_cpu(srv.proc.pid)
             m["cpu_s_per_token"] = _cpu_by_role(srv.proc.pid, cpu0, cpu1, m["client_cpu_s"], m["total_output_tokens"])
             m["load_average"] = os.getloadavg()[0]
@@ -167,8 +175,9 @@ def _server(ckpt: Path, flags: list[str], batch: int, args):
 
 
 def paired(ckpt: Path, a: tuple[list[str], int], b: tuple[list[str], int], args) -> dict:
-    """Two deployments ((flags, batch) each) measured in alternating runs, `--repeats` rounds in the
-    order A B, B A, A B, ..., each run on a server of its own started for it (warmed up, measured,
+    """Two deployments ((flags, batch) each) measured in alternating runs, as many rounds as the larger
+    of --repeats and --rounds, in the order A B, B A, A B, ..., each run on a server of its own
+    started for it (warmed up, measured,
     stopped), so only one of them is on the host at a time: each run's throughput and the median of
     the rounds' A / B ratios. On this host the same deployment measured a fifth apart in runs
     minutes away (colocated at 2 threads 2,071 and 2,640 tok/s), more than the plan's 5% target, so
@@ -179,7 +188,7 @@ def paired(ckpt: Path, a: tuple[list[str], int], b: tuple[list[str], int], args)
     or did not complete raises."""
     tput = {"a": [], "b": []}
     deployments = {"a": a, "b": b}
-    for i in range(args.repeats):
+    for i in range(max(args.repeats, getattr(args, "rounds", 1))):
         for key in ("a", "b") if i % 2 == 0 else ("b", "a"):
             flags, batch = deployments[key]
             n, base = _load_args(ckpt, batch, args)
@@ -231,7 +240,10 @@ def stored(profile: dict) -> dict:
     return {k: v for k, v in profile.items() if k != "samples"}
 
 
-def run_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> tuple[list[dict], dict]:
+def setup_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> dict:
+    """A shape's checkpoint, its first profile (`shuttle profile`, the front and its served runs
+    included), the plan `shuttle plan` picks from it (before anything is measured) and the
+    deployments to measure: name -> (serve flags, batch), with the pick's `serve --plan`."""
     ckpt = checkpoint(tmp / name, shape, args.dtype)
     prof_path = tmp / f"{name}.profile.json"
     cmd = [sys.executable, "-m", "server.cli", "profile", "--model", str(ckpt), "--out", str(prof_path),
@@ -239,7 +251,6 @@ def run_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> tu
            *(["--quick"] if args.quick else [])]
     subprocess.run(cmd, check=True)
     profile = json.loads(prof_path.read_text())
-    cores = profile["host"]["cores"]
     fresh_path = tmp / f"{name}.fresh.json"
     fresh_cmd = [*cmd[:cmd.index("--out") + 1], str(fresh_path), *cmd[cmd.index("--out") + 2:],
                  *([] if args.fresh_front else ["--no-front"])]
@@ -247,47 +258,120 @@ def run_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> tu
     if not args.only or "plan" in args.only:
         deployments = {**deployments, "the plan's pick (serve --plan)": (["--plan", str(plan_path)],
                                                                         plan["deployment"]["max_num_seqs"])}
-    rows = []
-    for dname, (flags, batch) in deployments.items():
-        dep = plan_deployment(plan, cores) if "--plan" in flags else parse(flags, batch, cores)
-        m = measure(ckpt, flags, batch, args)
-        wl = workload(m)
-        p = predict(profile, dep, wl, args.output_len)
-        over = dep.oversubscribed or "oversubscribed" in dname
-        rows.append({"model": name, "deployment": dname, "oversubscribed": over,
-                     "pred_tok_s": p["output_throughput"], "meas_tok_s": m["output_throughput"],
-                     "tok_s_err": p["output_throughput"] / m["output_throughput"] - 1,
-                     "pred_tpot_ms": p["mean_tpot_ms"], "meas_tpot_ms": m["mean_tpot_ms"],
-                     "tpot_err": p["mean_tpot_ms"] / m["mean_tpot_ms"] - 1,
-                     "pred_ttft_ms": p["mean_ttft_ms"], "meas_ttft_ms": m["mean_ttft_ms"],
-                     "meas_repeat_tok_s": m["repeat_tok_s"], "meas_spread": m["repeat_spread"],
-                     "meas_repeat_tpot_ms": m["repeat_tpot_ms"], "meas_repeat_failed": m["repeat_failed"],
-                     "load_average": m["load_average"], "meas_cpu_us_per_token": {
-                         k: round(v * 1e6) for k, v in m["cpu_s_per_token"].items()},
-                     "pred_attn_busy": p["attention_busy"], "pred_expert_busy": p["expert_busy"],
-                     "workload": wl})
-        if args.fresh_profile:  # the workers and M2N (and the front) profiled again right after the measurement
-            subprocess.run(fresh_cmd, check=True, stdout=subprocess.DEVNULL)
-            fresh = json.loads(fresh_path.read_text())
-            if not args.fresh_front:
-                fresh.update({k: profile.get(k) for k in CALIBRATION})
-            f = predict(fresh, dep, wl, args.output_len)
-            rows[-1].update(fresh_profile=stored(fresh), pred_fresh_tok_s=f["output_throughput"],
-                            tok_s_err_fresh=f["output_throughput"] / m["output_throughput"] - 1,
-                            tpot_err_fresh=f["mean_tpot_ms"] / m["mean_tpot_ms"] - 1)
-        print(json.dumps(rows[-1]), flush=True)
-    info = {"profile": stored(profile), "plan": plan}
-    pick = next((r for r in rows if r["deployment"].startswith("the plan's pick")), None)
-    others = [r for r in rows if r is not pick]
-    if pick is not None and others and args.repeats >= 2:  # the pick against the best other row, paired
+    return {"ckpt": ckpt, "profile": profile, "plan": plan, "deployments": deployments, "fresh_cmd": fresh_cmd,
+            "fresh_path": fresh_path, "round_profiles": []}
+
+
+def profile_again(st: dict, args) -> dict:
+    """The workers and M2N profiled again (and the front too with --fresh-front; else the first
+    profile's front and served factors are kept: CALIBRATION)."""
+    subprocess.run(st["fresh_cmd"], check=True, stdout=subprocess.DEVNULL)
+    fresh = json.loads(st["fresh_path"].read_text())
+    if not args.fresh_front:
+        fresh.update({k: st["profile"].get(k) for k in CALIBRATION})
+    return fresh
+
+
+def deployment_of(st: dict, dname: str):
+    flags, batch = st["deployments"][dname]
+    cores = st["profile"]["host"]["cores"]
+    return plan_deployment(st["plan"], cores) if "--plan" in flags else parse(flags, batch, cores)
+
+
+def make_row(name: str, dname: str, runs: list[dict], st: dict, args) -> dict:
+    """A deployment's row from its measurements (one per round, each the median of --repeats runs
+    on one server): each compared metric the median over the rounds; predicted from the first
+    profile and, with --rounds 2 or more, from each round's profile (the median of those
+    predictions against the median of the measurements: `*_rounds`)."""
+    dep = deployment_of(st, dname)
+    m = {**runs[0], **{key: statistics.median(r[key] for r in runs) for key in COMPARED}}
+    tput = [t for r in runs for t in r["repeat_tok_s"]]
+    wl = workload(m)
+    p = predict(st["profile"], dep, wl, args.output_len)
+    row = {"model": name, "deployment": dname, "oversubscribed": dep.oversubscribed or "oversubscribed" in dname,
+           "pred_tok_s": p["output_throughput"], "meas_tok_s": m["output_throughput"],
+           "tok_s_err": p["output_throughput"] / m["output_throughput"] - 1,
+           "pred_tpot_ms": p["mean_tpot_ms"], "meas_tpot_ms": m["mean_tpot_ms"],
+           "tpot_err": p["mean_tpot_ms"] / m["mean_tpot_ms"] - 1,
+           "pred_ttft_ms": p["mean_ttft_ms"], "meas_ttft_ms": m["mean_ttft_ms"],
+           "meas_repeat_tok_s": tput, "meas_spread": max(tput) / min(tput) - 1,
+           "meas_repeat_tpot_ms": [t for r in runs for t in r["repeat_tpot_ms"]],
+           "meas_repeat_failed": [f for r in runs for f in r["repeat_failed"]],
+           "meas_round_tok_s": [r["output_throughput"] for r in runs],
+           "load_average": max(r["load_average"] for r in runs), "meas_cpu_us_per_token": {
+               k: round(statistics.median(r["cpu_s_per_token"][k] for r in runs) * 1e6)
+               for k in runs[0]["cpu_s_per_token"]},
+           "pred_attn_busy": p["attention_busy"], "pred_expert_busy": p["expert_busy"], "workload": wl}
+    if len(st["round_profiles"]) > 1:
+        row.update(rounds_errors(st["round_profiles"], dep, wl, args.output_len, row))
+    return row
+
+
+def rounds_errors(profiles: list[dict], dep, wl: dict, output_len: int, row: dict) -> dict:
+    """The median of the predictions from each round's profile against the row's measurement (the
+    median over the same rounds): the host's drift over the run is in both sides alike."""
+    preds = [predict(prof, dep, wl, output_len) for prof in profiles]
+    tok = statistics.median(q["output_throughput"] for q in preds)
+    tpot = statistics.median(q["mean_tpot_ms"] for q in preds)
+    return {"pred_rounds_tok_s": tok, "tok_s_err_rounds": tok / row["meas_tok_s"] - 1,
+            "pred_rounds_tpot_ms": tpot, "tpot_err_rounds": tpot / row["meas_tpot_ms"] - 1,
+            "pred_round_tok_s": [q["output_throughput"] for q in preds]}
+
+
+def measure_shapes(states: dict, args) -> list[dict]:
+    """Every shape's deployments measured in --rounds rounds: each round profiles every shape again
+    (the first round takes the first profile) and then measures each deployment once on a server
+    started for it, in the order of the list in even rounds and the reverse in odd ones, so a
+    deployment's measurements and the profiles spread over the whole run alike and a drift of the
+    host over it moves both sides of the comparison (on this host the same deployment measured a
+    fifth apart minutes apart). With --fresh-profile (one round) each deployment is also predicted
+    from a profile made right after its measurement."""
+    order = [(name, d) for name, st in states.items() for d in st["deployments"]]
+    runs: dict[tuple[str, str], list[dict]] = {k: [] for k in order}
+    rows: dict[tuple[str, str], dict] = {}
+    for rnd in range(args.rounds):
+        for st in states.values():
+            st["round_profiles"].append(st["profile"] if rnd == 0 else profile_again(st, args))
+        for name, dname in order if rnd % 2 == 0 else order[::-1]:
+            st = states[name]
+            flags, batch = st["deployments"][dname]
+            runs[name, dname].append(measure(st["ckpt"], flags, batch, args, seed=rnd * args.repeats))
+            if args.rounds == 1:
+                rows[name, dname] = row = make_row(name, dname, runs[name, dname], st, args)
+                if args.fresh_profile:  # the workers and M2N (and the front) profiled again right after the measurement
+                    fresh = profile_again(st, args)
+                    f = predict(fresh, deployment_of(st, dname), row["workload"], args.output_len)
+                    row.update(fresh_profile=stored(fresh), pred_fresh_tok_s=f["output_throughput"],
+                               tok_s_err_fresh=f["output_throughput"] / row["meas_tok_s"] - 1,
+                               tpot_err_fresh=f["mean_tpot_ms"] / row["meas_tpot_ms"] - 1)
+                print(json.dumps(row), flush=True)
+            else:
+                print(json.dumps({"round": rnd, "model": name, "deployment": dname,
+                                  "tok_s": runs[name, dname][-1]["output_throughput"]}), flush=True)
+    if args.rounds > 1:
+        rows = {k: make_row(*k, runs[k], states[k[0]], args) for k in order}
+    return [rows[k] for k in order]
+
+
+def judge_pick(name: str, st: dict, rows: list[dict], args) -> dict:
+    """What a result file keeps of a shape: its profiles, its plan and, with --repeats or --rounds 2
+    or more, the pick paired against the best other row in alternating runs."""
+    info = {"profile": stored(st["profile"]), "plan": st["plan"]}
+    if len(st["round_profiles"]) > 1:
+        info["round_profiles"] = [stored(p) for p in st["round_profiles"][1:]]
+    mine = [r for r in rows if r["model"] == name]
+    pick = next((r for r in mine if r["deployment"].startswith("the plan's pick")), None)
+    others = [r for r in mine if r is not pick]
+    if pick is not None and others and max(args.repeats, args.rounds) >= 2:
         best = max(others, key=lambda r: r["meas_tok_s"])
+        deps = st["deployments"]
         try:
             info["paired"] = {"against": best["deployment"],
-                              **paired(ckpt, deployments[pick["deployment"]], deployments[best["deployment"]], args)}
+                              **paired(st["ckpt"], deps[pick["deployment"]], deps[best["deployment"]], args)}
         except RuntimeError as e:  # the rows stand without it
             info["paired"] = {"against": best["deployment"], "error": str(e)}
         print(json.dumps({"paired": info["paired"]}), flush=True)
-    return rows, info
+    return info
 
 
 def plan_pick(ckpt: Path, prof_path: Path, args) -> dict:
@@ -315,6 +399,11 @@ def main() -> None:
                    help="shuttle serve's and shuttle profile's --dtype (auto: what serve makes of the checkpoint)")
     p.add_argument("--repeats", type=int, default=1, help="measured runs per deployment on one server (the median "
                                                             "is the truth; the spread is reported)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every deployment this many times, in rounds over the whole list (each on a "
+                        "server started for it, the order reversed every other round), each round after a "
+                        "profile of its own: the rows' medians and the *_rounds errors (the median of the "
+                        "rounds' predictions) spread over the run alike")
     p.add_argument("--fresh-profile", action="store_true",
                    help="also predict each deployment from the workers and M2N profiled again right after its "
                         "measurement (the first profile's front and served factor kept): the model's error with "
@@ -341,18 +430,25 @@ def main() -> None:
         args.output_len, args.min_prompts = 16, 16
     shapes = QUICK_SHAPES if args.quick else SHAPES
     first = {k: v for k, v in DEPLOYMENTS.items() if not args.only or k in args.only.split(",")}
-    rows, extra = [], {}
+    if args.rounds < 1 or args.repeats < 1:
+        p.error("--rounds and --repeats must be at least 1")
+    if args.rounds > 1 and args.fresh_profile:
+        p.error("--fresh-profile predicts each row from a profile made right after its one measurement; with "
+                "--rounds every round profiles again (the rows' *_rounds errors)")
     with tempfile.TemporaryDirectory() as tmp:
+        states = {}
         for i, (name, shape) in enumerate(shapes.items()):
             if args.shapes and name not in args.shapes.split(","):
                 continue
             deps = first if i == 0 else {k: DEPLOYMENTS[k] for k in SECOND_SHAPE}
-            r, extra[name] = run_shape(name, shape, deps, Path(tmp), args)
-            rows += r
+            states[name] = setup_shape(name, shape, deps, Path(tmp), args)
+        rows = measure_shapes(states, args)
+        extra = {name: judge_pick(name, st, rows, args) for name, st in states.items()}
     summary = summarize(rows, extra)
     print_table(rows, ["model", "deployment", "pred_tok_s", "meas_tok_s", "tok_s_err", "meas_spread", "pred_tpot_ms",
                        "meas_tpot_ms", "tpot_err", "pred_attn_busy", "pred_expert_busy", "load_average",
-                       *(["pred_fresh_tok_s", "tok_s_err_fresh", "tpot_err_fresh"] if args.fresh_profile else [])])
+                       *(["pred_fresh_tok_s", "tok_s_err_fresh", "tpot_err_fresh"] if args.fresh_profile else []),
+                       *(["pred_rounds_tok_s", "tok_s_err_rounds", "tpot_err_rounds"] if args.rounds > 1 else [])])
     print(json.dumps(summary, indent=1))
     result = {"config": vars(args), "rows": rows, "summary": summary, "shapes": extra}
     path = save("planner_partial" if args.only or args.shapes else "planner", result)
@@ -399,14 +495,22 @@ def replay(path: Path) -> list[dict]:
             f = predict(fresh, dep, r["workload"], output_len)
             new.update(tok_s_err_fresh=f["output_throughput"] / r["meas_tok_s"] - 1,
                        tpot_err_fresh=f["mean_tpot_ms"] / r["meas_tpot_ms"] - 1)
+        if "round_profiles" in result["shapes"][r["model"]]:  # --rounds: every round's profile (the first is the first)
+            rounds = [profile, *({**q, **{k: profile.get(k) for k in CALIBRATION
+                                           if not result["config"].get("fresh_front")}}
+                                 for q in result["shapes"][r["model"]]["round_profiles"])]
+            new.update(rounds_errors(rounds, dep, r["workload"], output_len, new))
         rows.append(new)
     print_table(rows, ["model", "deployment", "pred_tok_s", "meas_tok_s", "was_tok_s_err", "tok_s_err", "pred_tpot_ms",
                        "meas_tpot_ms", "was_tpot_err", "tpot_err", "pred_ttft_ms", "meas_ttft_ms",
-                       *(["tok_s_err_fresh", "tpot_err_fresh"] if all("fresh_profile" in r for r in rows) else [])])
+                       *(["tok_s_err_fresh", "tpot_err_fresh"] if all("fresh_profile" in r for r in rows) else []),
+                       *(["tok_s_err_rounds", "tpot_err_rounds"] if all("tok_s_err_rounds" in r for r in rows)
+                         else [])])
     was = summarize(result["rows"], {})
     now = summarize(rows, {})
     keys = ("median_abs_tok_s_err", "within_10pct_tok_s", "within_15pct_tpot", "median_abs_tok_s_err_fresh",
-            "within_10pct_tok_s_fresh", "within_15pct_tpot_fresh")
+            "within_10pct_tok_s_fresh", "within_15pct_tpot_fresh", "median_abs_tok_s_err_rounds",
+            "within_10pct_tok_s_rounds", "within_15pct_tpot_rounds")
     print(json.dumps({k: {"was": was.get(k), "now": now.get(k)} for k in keys}, indent=1))
     return rows
 
@@ -423,6 +527,12 @@ def summarize(rows: list[dict], extra: dict) -> dict:
                "within_10pct_tok_s_fresh": sum(abs(r["tok_s_err_fresh"]) <= 0.10 for r in fair),
                "within_15pct_tpot_fresh": sum(abs(r["tpot_err_fresh"]) <= 0.15 for r in fair)}
               if fair and all("tok_s_err_fresh" in r for r in fair) else {}),
+           **({"median_abs_tok_s_err_rounds": statistics.median(abs(r["tok_s_err_rounds"]) for r in fair),
+               "within_10pct_tok_s_rounds": sum(abs(r["tok_s_err_rounds"]) <= 0.10 for r in fair),
+               "within_15pct_tpot_rounds": sum(abs(r["tpot_err_rounds"]) <= 0.15 for r in fair),
+               "oversubscribed_tok_s_err_rounds": {r["deployment"]: r["tok_s_err_rounds"] for r in rows
+                                                   if r["oversubscribed"]}}
+              if fair and all("tok_s_err_rounds" in r for r in fair) else {}),
            "load_average": [min(r["load_average"] for r in rows), max(r["load_average"] for r in rows)]}
     for name, e in extra.items():
         mine = [r for r in rows if r["model"] == name]

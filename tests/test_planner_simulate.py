@@ -472,9 +472,9 @@ def _bench_planner():
 def test_committed_planner_results_replay_to_their_predictions(capsys):
     """bench/results/planner.json holds predictions of the simulator as it is: replayed from the
     profiles the file keeps, every row's predicted throughput, TPOT and TTFT (first profile) and
-    throughput and TPOT (fresh profiles) come out as stored. A change to the simulator or to the
-    profile's calibration fails here until the file is made again (`python bench/planner.py --quick
-    --repeats 6 --fresh-profile`, ~9 minutes)."""
+    throughput and TPOT (fresh profiles; with --rounds, each round's) come out as stored. A change
+    to the simulator or to the profile's calibration fails here until the file is made again
+    (`python bench/planner.py --quick --rounds 6`, ~26 minutes)."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
@@ -491,6 +491,9 @@ def test_committed_planner_results_replay_to_their_predictions(capsys):
         if "fresh_profile" in old:
             assert new["tok_s_err_fresh"] == pytest.approx(old["tok_s_err_fresh"], rel=1e-6, abs=1e-9), name
             assert new["tpot_err_fresh"] == pytest.approx(old["tpot_err_fresh"], rel=1e-6, abs=1e-9), name
+        if "tok_s_err_rounds" in old:
+            assert new["pred_round_tok_s"] == pytest.approx(old["pred_round_tok_s"], rel=1e-6), name
+            assert new["tpot_err_rounds"] == pytest.approx(old["tpot_err_rounds"], rel=1e-6, abs=1e-9), name
 
 
 def test_the_plans_pick_is_paired_against_the_best_row_in_alternating_runs(monkeypatch):
@@ -537,3 +540,52 @@ def test_the_plans_pick_is_paired_against_the_best_row_in_alternating_runs(monke
     monkeypatch.setattr(bp, "run_bench", failing)
     with pytest.raises(RuntimeError, match="3 of 256 requests completed, 1 failed"):
         bp.paired(Path("ckpt"), (["A"], 64), (["B"], 64), args)
+
+
+def test_rounds_measure_every_deployment_in_alternating_order_each_after_a_profile(monkeypatch):
+    """bench/planner.py --rounds R: every round profiles each shape again (the first takes the first
+    profile), then measures each deployment once, forward in even rounds and backward in odd ones;
+    a row's measurement is the median over the rounds and its *_rounds error the median of the
+    rounds' predictions against it, so a drift of the host over the run moves both sides alike."""
+    from types import SimpleNamespace
+
+    bp = _bench_planner()
+    log, speed = [], iter(range(100))
+    states = {"s": {"ckpt": "ckpt", "profile": {"speed": 1.0}, "plan": {}, "round_profiles": [],
+                    "deployments": {"A": (["A"], 64), "B": (["B"], 64), "C": (["C"], 64)}}}
+
+    def measure(ckpt, flags, batch, args, seed=0):
+        drift = 1 + 0.1 * next(speed)  # the host speeds up run by run
+        log.append(("run", flags[0], seed))
+        tok = {"A": 100.0, "B": 200.0, "C": 300.0}[flags[0]] * drift
+        return {"output_throughput": tok, "mean_tpot_ms": 1000 / tok, "mean_ttft_ms": 1.0, "completed": 4,
+                "total_input_tokens": 32, "repeat_tok_s": [tok], "repeat_tpot_ms": [1000 / tok],
+                "repeat_failed": [0], "load_average": 1.0, "cpu_s_per_token": {"front": 1e-4}}
+
+    def profile_again(st, args):
+        log.append(("profile",))
+        return {"speed": 1 + 0.1 * (len([e for e in log if e[0] == "run"]))}  # profiled as fast as the host is
+
+    def predict(profile, dep, wl, output_len):
+        tok = {"A": 100.0, "B": 200.0, "C": 300.0}[dep] * profile["speed"]
+        return {"output_throughput": tok, "mean_tpot_ms": 1000 / tok, "mean_ttft_ms": 1.0, "attention_busy": 0.5,
+                "expert_busy": None}
+    monkeypatch.setattr(bp, "measure", measure)
+    monkeypatch.setattr(bp, "profile_again", profile_again)
+    monkeypatch.setattr(bp, "predict", predict)
+
+    class Dep(str):
+        oversubscribed = False
+    monkeypatch.setattr(bp, "deployment_of", lambda st, d: Dep(d))
+    args = SimpleNamespace(rounds=3, repeats=1, output_len=4, fresh_profile=False)
+    rows = bp.measure_shapes(states, args)
+    assert [e[1] if e[0] == "run" else "P" for e in log] == ["A", "B", "C", "P", "C", "B", "A", "P", "A", "B", "C"]
+    assert [e[2] for e in log if e[0] == "run"][::3] == [0, 1, 2]  # each round draws other prompts
+    assert len(states["s"]["round_profiles"]) == 3 and states["s"]["round_profiles"][0] is states["s"]["profile"]
+    by = {r["deployment"]: r for r in rows}
+    assert by["B"]["meas_round_tok_s"] == pytest.approx([220.0, 280.0, 340.0])
+    assert by["B"]["meas_tok_s"] == pytest.approx(280.0)
+    assert by["B"]["tok_s_err"] == pytest.approx(200 / 280 - 1)  # the first profile: the host's drift in the error
+    assert by["B"]["pred_round_tok_s"] == pytest.approx([200.0, 260.0, 320.0])
+    assert by["B"]["tok_s_err_rounds"] == pytest.approx(260 / 280 - 1)  # the rounds' profiles drift with the runs
+    assert by["B"]["pred_rounds_tpot_ms"] == pytest.approx(1000 / by["B"]["pred_rounds_tok_s"])
