@@ -23,12 +23,12 @@ their spread, the host's load average, and the CPU seconds per output token of t
 pool and the load generator (from /proc), beside the shares the model assumes. Every run serves
 HOST_WAVES batches of prompts (at least MIN_MEASURED_PROMPTS), as `shuttle plan` simulates them.
 With --rounds R every deployment is measured R times, in rounds over the whole list (each run on a
-server started for it; the order reversed every other round), and every round after the first starts
-by profiling the workers and M2N again (the first profile's front and served factors kept): a row's
-measured metrics are the medians over the rounds and its `*_rounds` errors the median of the rounds'
-predictions against them, so the host's drift over the run lands on both sides alike rather than
-between one profile at the start and a row measured at one moment minutes later (`tok_s_err` stays
-the first profile's alone, what a plan made once would get).
+server started for it; the order reversed every other round), and every round after the first
+starts with a whole profile again (the workers, M2N, the front and its served runs, as
+--fresh-front): a row's measured metrics are the medians over the rounds and its `*_rounds` errors
+the median of the rounds' predictions against them, so the host's drift over the run lands on both
+sides alike rather than between one profile at the start and a row measured at one moment minutes
+later (`tok_s_err` stays the first profile's alone, what a plan made once would get).
 With --fresh-profile (one round) each deployment is also predicted from the workers and M2N profiled again
 right after its measurement (`pred_fresh_tok_s`, `tok_s_err_fresh`): on a host
 whose speed drifts by minutes, that separates the model's own error from the drift between the
@@ -402,8 +402,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="measure every deployment this many times, in rounds over the whole list (each on a "
                         "server started for it, the order reversed every other round), each round after a "
-                        "profile of its own: the rows' medians and the *_rounds errors (the median of the "
-                        "rounds' predictions) spread over the run alike")
+                        "whole profile of its own (the front's too): the rows' medians and the *_rounds errors "
+                        "(the median of the rounds' predictions) spread over the run alike")
     p.add_argument("--fresh-profile", action="store_true",
                    help="also predict each deployment from the workers and M2N profiled again right after its "
                         "measurement (the first profile's front and served factor kept): the model's error with "
@@ -433,8 +433,12 @@ def main() -> None:
     if args.rounds < 1 or args.repeats < 1:
         p.error("--rounds and --repeats must be at least 1")
     if args.rounds > 1 and args.fresh_profile:
-        p.error("--fresh-profile predicts each row from a profile made right after its one measurement; with "
-                "--rounds every round profiles again (the rows' *_rounds errors)")
+        p.error("--fresh-profile and --fresh-front predict each row from a profile made right after its one "
+                "measurement; with --rounds every round profiles everything again (the rows' *_rounds errors)")
+    # Each round's profile is whole, the front and its served runs (the served factors) included: kept
+    # from the first profile, one measurement of the front set every round's prediction (in a run that
+    # kept it, its per-request CPU was half of the next run's, and all rows came out fast, then slow).
+    args.fresh_front = args.fresh_front or args.rounds > 1
     with tempfile.TemporaryDirectory() as tmp:
         states = {}
         for i, (name, shape) in enumerate(shapes.items()):
@@ -472,6 +476,12 @@ def replay(path: Path) -> list[dict]:
         profiles[name] = {**prof, "served_factor": served_factor(prof), "served_factors": served_factors(prof)}
         print(f"{name}: served factor {prof.get('served_factor')} -> {profiles[name]['served_factor']}, "
               f"by tokens {prof.get('served_factors')} -> {profiles[name]['served_factors']}")
+    def round_profile(name: str, q: dict) -> dict:  # its own front (solved again, as the first's), or the first's
+        if result["config"].get("fresh_front"):
+            return {**q, "served_factor": served_factor(q), "served_factors": served_factors(q)}
+        return {**q, **{k: profiles[name].get(k) for k in CALIBRATION}}
+    round_profiles = {name: [round_profile(name, q) for q in shape.get("round_profiles", [])]
+                      for name, shape in result["shapes"].items()}
     for r in result["rows"]:
         if "workload" not in r:
             raise SystemExit(f"{path}: row {r['deployment']!r} has no stored workload "
@@ -496,9 +506,7 @@ def replay(path: Path) -> list[dict]:
             new.update(tok_s_err_fresh=f["output_throughput"] / r["meas_tok_s"] - 1,
                        tpot_err_fresh=f["mean_tpot_ms"] / r["meas_tpot_ms"] - 1)
         if "round_profiles" in result["shapes"][r["model"]]:  # --rounds: every round's profile (the first is the first)
-            rounds = [profile, *({**q, **{k: profile.get(k) for k in CALIBRATION
-                                           if not result["config"].get("fresh_front")}}
-                                 for q in result["shapes"][r["model"]]["round_profiles"])]
+            rounds = [profile, *round_profiles[r["model"]]]
             new.update(rounds_errors(rounds, dep, r["workload"], output_len, new))
         rows.append(new)
     print_table(rows, ["model", "deployment", "pred_tok_s", "meas_tok_s", "was_tok_s_err", "tok_s_err", "pred_tpot_ms",

@@ -8,8 +8,8 @@ front work, drives it with `clients.bench_serve`, and reads the front's CPU time
 client's is this process's own CPU time during the load (bench serve's `client_cpu_s`: not loading
 the tokenizer, making the requests or the report, which over few tokens looked like per-token
 cost). Both are returned per output token, per request and per engine step (with the workers' CPU
-per token, which includes their waits' polling): three runs, two output lengths at the profile's
-batch and one at a quarter of it, and the server's own step count (/metrics
+per token, which includes their waits' polling): runs of two output lengths at the profile's
+batch, one at a quarter of it and one at four times it (LARGE), and the server's own step count (/metrics
 shuttle_engine_steps_total), solve cpu = per_request x requests + per_token x tokens + per_step x
 steps. The per-step part is what a step's deltas cost whatever they carry (reading the message,
 waking the engine thread and the event loop); charged per token at one batch size it made batch
@@ -43,6 +43,13 @@ from planner.metrics import lower_median
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 MICRO_BATCHES = 2  # the served run's pools both compute at once, as most deployments' do
 SERVED_REPEATS = 3  # runs at each calibrated batch size (the median one calibrates)
+# Runs at LARGE x the batch, for the split of the CPU into per token and per step only: the same
+# tokens in about half the batch-64 run's steps. With the batch-16 and batch-64 runs alone (about
+# 260 and 80 steps for the same 4,096 tokens) the split follows the host's noise: three profiles of
+# the quick Mixtral shape on one host put the load generator at 50, 69 and 23 us a token with 263,
+# 0 and 295 us a step, 13.2, 17.6 and 6.2 ms for a decode step of 256, where served runs measured
+# 60-64 us a token (15.4-16.4 ms).
+LARGE, LARGE_REPEATS = 4, 2
 
 
 def _stat_cpu(path: str) -> float:
@@ -85,7 +92,8 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
     """Serve `model` as a 1 + 1 pool (m=2, one torch thread per worker) and measure the CPU seconds of
     the front process and of the load generator per output token, per request and per engine step:
     runs of `prompts` requests, (`batch`, `output_len`) and (`batch` // 4, `output_len`)
-    SERVED_REPEATS times each and (`batch`, `short_len`) once (concurrency, tokens each);
+    SERVED_REPEATS times each, (`batch`, `short_len`) once and (LARGE x `batch`, `output_len`)
+    LARGE_REPEATS times (concurrency, tokens each; the server takes LARGE x `batch` sequences);
     split_front_cpu solves them all. `run` and `run_small` are the repeats of median duration: a
     single served run calibrated the simulator with this host's noise (the batch-16 run's load took
     1.81-2.58 s in eleven planner runs, its served factor at 8 tokens a call 1.25-2.26). Returns
@@ -104,7 +112,8 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
     runs = []
     with tempfile.NamedTemporaryFile("w+", prefix="shuttle-profile-front-", suffix=".log") as log:
         cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--port", str(port),
-               "--torch-threads", "1", "--micro-batches", str(MICRO_BATCHES), "--max-num-seqs", str(batch),
+               "--torch-threads", "1", "--micro-batches", str(MICRO_BATCHES), "--max-num-seqs",
+               str(LARGE * batch),
                *(["--dtype", dtype] if dtype else [])]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -119,7 +128,8 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
             load(batch, batch, 1000, output_len)  # warm-up: first calls, allocations
             # other prompts each run (its seed): none from the prefix cache
             plan = ([("run", batch, output_len)] * SERVED_REPEATS + [("short", batch, short_len)]
-                    + [("run_small", max(1, batch // 4), output_len)] * SERVED_REPEATS)
+                    + [("run_small", max(1, batch // 4), output_len)] * SERVED_REPEATS
+                    + [("run_large", LARGE * batch, output_len)] * LARGE_REPEATS)
             for seed, (role, concurrency, length) in enumerate(plan):
                 steps0 = engine_steps(url)
                 t0, w0 = tree_cpu(proc.pid), time.perf_counter()
