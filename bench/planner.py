@@ -29,10 +29,10 @@ starts with a whole profile again (the workers, M2N, the front and its served ru
 the median of the rounds' predictions against them, so the host's drift over the run lands on both
 sides alike rather than between one profile at the start and a row measured at one moment minutes
 later (`tok_s_err` stays the first profile's alone, what a plan made once would get).
-With --fresh-profile (one round) each deployment is also predicted from the workers and M2N profiled again
-right after its measurement (`pred_fresh_tok_s`, `tok_s_err_fresh`): on a host
-whose speed drifts by minutes, that separates the model's own error from the drift between the
-first profile and the measurement. --fresh-front re-profiles the front and its served runs too,
+With --fresh-profile (one round) each deployment is also predicted from the workers and M2N
+profiled again right after its measurement (`pred_fresh_tok_s`, `tok_s_err_fresh`): on a host whose
+speed drifts by minutes, that separates the model's own error from the drift between the first
+profile and the measurement. --fresh-front re-profiles the front and its served runs too,
 so the served factors (which carry the cost of both pools computing at once) are fresh as well.
 `--replay RESULT.json` measures nothing: it predicts a stored run's rows again with the simulator
 as it is now (from the profiles the file keeps) and prints the old and new errors side by side, so a
