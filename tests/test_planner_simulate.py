@@ -2,6 +2,7 @@
 m overlapping micro-batches, lock-step across attention workers, and a whole workload."""
 import heapq
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -589,3 +590,18 @@ def test_rounds_measure_every_deployment_in_alternating_order_each_after_a_profi
     assert by["B"]["pred_round_tok_s"] == pytest.approx([200.0, 260.0, 320.0])
     assert by["B"]["tok_s_err_rounds"] == pytest.approx(260 / 280 - 1)  # the rounds' profiles drift with the runs
     assert by["B"]["pred_rounds_tpot_ms"] == pytest.approx(1000 / by["B"]["pred_rounds_tok_s"])
+
+
+@pytest.mark.parametrize("argv", [["--rounds", "2", "--fresh-profile"], ["--rounds", "2", "--fresh-front"],
+                                  ["--rounds", "0"]])
+def test_rounds_refuse_fresh_profiles_and_nonpositive_counts(monkeypatch, capsys, argv):
+    """--rounds profiles everything every round: --fresh-profile / --fresh-front (a profile after each
+    row's one measurement) with it, or a count under 1, is a usage error (exit code 2) before
+    anything is built or measured."""
+    bp = _bench_planner()
+    monkeypatch.setattr(bp, "setup_shape", lambda *a: pytest.fail("measured despite the usage error"))
+    monkeypatch.setattr(sys, "argv", ["planner.py", "--quick", *argv])
+    with pytest.raises(SystemExit) as e:
+        bp.main()
+    assert e.value.code == 2
+    assert "--rounds" in capsys.readouterr().err
