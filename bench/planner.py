@@ -188,7 +188,7 @@ def paired(ckpt: Path, a: tuple[list[str], int], b: tuple[list[str], int], args)
     or did not complete raises."""
     tput = {"a": [], "b": []}
     deployments = {"a": a, "b": b}
-    for i in range(max(args.repeats, getattr(args, "rounds", 1))):
+    for i in range(max(args.repeats, args.rounds)):
         for key in ("a", "b") if i % 2 == 0 else ("b", "a"):
             flags, batch = deployments[key]
             n, base = _load_args(ckpt, batch, args)
@@ -470,15 +470,17 @@ def replay(path: Path) -> list[dict]:
     output_len, rows = result["config"]["output_len"], []
     # The served factors are the simulator's calibration on the profile's served runs: solved again
     # with the simulator as it is now.
+    def solved(q: dict) -> dict:
+        return {**q, "served_factor": served_factor(q), "served_factors": served_factors(q)}
     profiles = {}
     for name, shape in result["shapes"].items():
         prof = shape["profile"]
-        profiles[name] = {**prof, "served_factor": served_factor(prof), "served_factors": served_factors(prof)}
+        profiles[name] = solved(prof)
         print(f"{name}: served factor {prof.get('served_factor')} -> {profiles[name]['served_factor']}, "
               f"by tokens {prof.get('served_factors')} -> {profiles[name]['served_factors']}")
     def round_profile(name: str, q: dict) -> dict:  # its own front (solved again, as the first's), or the first's
         if result["config"].get("fresh_front"):
-            return {**q, "served_factor": served_factor(q), "served_factors": served_factors(q)}
+            return solved(q)
         return {**q, **{k: profiles[name].get(k) for k in CALIBRATION}}
     round_profiles = {name: [round_profile(name, q) for q in shape.get("round_profiles", [])]
                       for name, shape in result["shapes"].items()}

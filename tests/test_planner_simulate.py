@@ -527,7 +527,7 @@ def test_the_plans_pick_is_paired_against_the_best_row_in_alternating_runs(monke
         return {"output_throughput": speed, "completed": n, "failed": 0}
     monkeypatch.setattr(bp, "_server", server)
     monkeypatch.setattr(bp, "run_bench", run_bench)
-    args = SimpleNamespace(repeats=4, min_prompts=16, input_len=8, output_len=4)
+    args = SimpleNamespace(repeats=4, rounds=1, min_prompts=16, input_len=8, output_len=4)
     out = bp.paired(Path("ckpt"), (["A"], 64), (["B"], 256), args)
     assert log == ["A", "B", "B", "A", "A", "B", "B", "A"]
     assert len(out["a_tok_s"]) == len(out["b_tok_s"]) == 4
