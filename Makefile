@@ -73,6 +73,8 @@ bench-planner: setup
 	# predicted against measured deployments on this host, and the cluster table against the paper
 	$(BIN)/python bench/planner.py
 	$(BIN)/python bench/planner_cluster.py
+	# how much this host's own speed moves a measured deployment (the noise under the rows)
+	$(BIN)/python bench/host_noise.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

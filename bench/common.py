@@ -1,10 +1,12 @@
-"""Helpers shared by the benchmarks: timing, tables, JSON results."""
+"""Helpers shared by the benchmarks: timing, tables, JSON results, the noise of a median."""
 import json
+import math
 import platform
 import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 RESULTS = Path(__file__).parent / "results"
@@ -42,3 +44,23 @@ def save(name: str, payload: dict, device: str = "cpu") -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path
+
+
+def median_noise(values: list[float], draws: int = 20000, seed: int = 0) -> float:
+    """How far the median of `values` (measurements of one quantity, e.g. a deployment's throughput
+    in each round) moves by noise alone: the standard deviation of log(median) over bootstrap
+    resamples of as many values. 0 for fewer than two values."""
+    logs = np.log(np.asarray(values, dtype=float))
+    if len(logs) < 2:
+        return 0.0
+    picks = np.random.default_rng(seed).choice(logs, (draws, len(logs)))
+    return float(np.median(picks, axis=1).std())
+
+
+def within_by_noise(sd: float, band: float) -> float:
+    """The chance that a prediction without bias lands within `band` (0.10: 10%) of a measurement
+    when their log ratio is normal with standard deviation `sd` (1.0 for sd 0)."""
+    if sd <= 0:
+        return 1.0
+    phi = lambda z: 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))  # noqa: E731
+    return phi(math.log1p(band) / sd) - phi(math.log1p(-band) / sd)

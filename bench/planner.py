@@ -28,7 +28,11 @@ starts with a whole profile again (the workers, M2N, the front and its served ru
 --fresh-front): a row's measured metrics are the medians over the rounds and its `*_rounds` errors
 the median of the rounds' predictions against them, so the host's drift over the run lands on both
 sides alike rather than between one profile at the start and a row measured at one moment minutes
-later (`tok_s_err` stays the first profile's alone, what a plan made once would get).
+later (`tok_s_err` stays the first profile's alone, what a plan made once would get). Each such row
+also says how noisy both medians were (`noise_sd_rounds`, bootstrap over the rounds) and so how
+likely a prediction without bias was to land within 10% of it (`p_within_10pct_rounds`; the
+summary's `expected_within_10pct_by_noise` and `p_all_within_10pct_by_noise`: the targets' odds on
+this host for a perfect model; bench/host_noise.py measures the host's share of that noise).
 With --fresh-profile (one round) each deployment is also predicted from the workers and M2N
 profiled again right after its measurement (`pred_fresh_tok_s`, `tok_s_err_fresh`): on a host whose
 speed drifts by minutes, that separates the model's own error from the drift between the first
@@ -44,6 +48,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -52,7 +57,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import print_table, save  # noqa: E402
+from bench.common import median_noise, print_table, save, within_by_noise  # noqa: E402
 from clients.bench_serve import run_bench  # noqa: E402
 from planner.plan import HOST_WAVES  # noqa: E402
 from tests.live_server import LiveServer  # noqa: E402
@@ -309,13 +314,18 @@ def make_row(name: str, dname: str, runs: list[dict], st: dict, args) -> dict:
 
 def rounds_errors(profiles: list[dict], dep, wl: dict, output_len: int, row: dict) -> dict:
     """The median of the predictions from each round's profile against the row's measurement (the
-    median over the same rounds): the host's drift over the run is in both sides alike."""
+    median over the same rounds): the host's drift over the run is in both sides alike. With the
+    noise of both medians (bench.common.median_noise over the rounds' measurements and over their
+    predictions, combined as independent): `noise_sd_rounds`, and `p_within_10pct_rounds`, the
+    chance that a prediction without any bias lands within 10% of this measurement on this host."""
     preds = [predict(prof, dep, wl, output_len) for prof in profiles]
     tok = statistics.median(q["output_throughput"] for q in preds)
     tpot = statistics.median(q["mean_tpot_ms"] for q in preds)
+    noise = math.hypot(median_noise(row["meas_round_tok_s"]), median_noise([q["output_throughput"] for q in preds]))
     return {"pred_rounds_tok_s": tok, "tok_s_err_rounds": tok / row["meas_tok_s"] - 1,
             "pred_rounds_tpot_ms": tpot, "tpot_err_rounds": tpot / row["meas_tpot_ms"] - 1,
-            "pred_round_tok_s": [q["output_throughput"] for q in preds]}
+            "pred_round_tok_s": [q["output_throughput"] for q in preds],
+            "noise_sd_rounds": noise, "p_within_10pct_rounds": within_by_noise(noise, 0.10)}
 
 
 def measure_shapes(states: dict, args) -> list[dict]:
@@ -452,7 +462,8 @@ def main() -> None:
     print_table(rows, ["model", "deployment", "pred_tok_s", "meas_tok_s", "tok_s_err", "meas_spread", "pred_tpot_ms",
                        "meas_tpot_ms", "tpot_err", "pred_attn_busy", "pred_expert_busy", "load_average",
                        *(["pred_fresh_tok_s", "tok_s_err_fresh", "tpot_err_fresh"] if args.fresh_profile else []),
-                       *(["pred_rounds_tok_s", "tok_s_err_rounds", "tpot_err_rounds"] if args.rounds > 1 else [])])
+                       *(["pred_rounds_tok_s", "tok_s_err_rounds", "tpot_err_rounds", "noise_sd_rounds"]
+                         if args.rounds > 1 else [])])
     print(json.dumps(summary, indent=1))
     result = {"config": vars(args), "rows": rows, "summary": summary, "shapes": extra}
     path = save("planner_partial" if args.only or args.shapes else "planner", result)
@@ -514,13 +525,14 @@ def replay(path: Path) -> list[dict]:
     print_table(rows, ["model", "deployment", "pred_tok_s", "meas_tok_s", "was_tok_s_err", "tok_s_err", "pred_tpot_ms",
                        "meas_tpot_ms", "was_tpot_err", "tpot_err", "pred_ttft_ms", "meas_ttft_ms",
                        *(["tok_s_err_fresh", "tpot_err_fresh"] if all("fresh_profile" in r for r in rows) else []),
-                       *(["tok_s_err_rounds", "tpot_err_rounds"] if all("tok_s_err_rounds" in r for r in rows)
-                         else [])])
+                       *(["tok_s_err_rounds", "tpot_err_rounds", "noise_sd_rounds"]
+                         if all("tok_s_err_rounds" in r for r in rows) else [])])
     was = summarize(result["rows"], {})
     now = summarize(rows, {})
     keys = ("median_abs_tok_s_err", "within_10pct_tok_s", "within_15pct_tpot", "median_abs_tok_s_err_fresh",
             "within_10pct_tok_s_fresh", "within_15pct_tpot_fresh", "median_abs_tok_s_err_rounds",
-            "within_10pct_tok_s_rounds", "within_15pct_tpot_rounds")
+            "within_10pct_tok_s_rounds", "within_15pct_tpot_rounds", "expected_within_10pct_by_noise",
+            "p_all_within_10pct_by_noise")
     print(json.dumps({k: {"was": was.get(k), "now": now.get(k)} for k in keys}, indent=1))
     return rows
 
@@ -540,6 +552,10 @@ def summarize(rows: list[dict], extra: dict) -> dict:
            **({"median_abs_tok_s_err_rounds": statistics.median(abs(r["tok_s_err_rounds"]) for r in fair),
                "within_10pct_tok_s_rounds": sum(abs(r["tok_s_err_rounds"]) <= 0.10 for r in fair),
                "within_15pct_tpot_rounds": sum(abs(r["tpot_err_rounds"]) <= 0.15 for r in fair),
+               # what the rounds' noise alone allows a model without bias (rounds_errors)
+               **({"expected_within_10pct_by_noise": sum(r["p_within_10pct_rounds"] for r in fair),
+                   "p_all_within_10pct_by_noise": math.prod(r["p_within_10pct_rounds"] for r in fair)}
+                  if all("p_within_10pct_rounds" in r for r in fair) else {}),
                "oversubscribed_tok_s_err_rounds": {r["deployment"]: r["tok_s_err_rounds"] for r in rows
                                                    if r["oversubscribed"]}}
               if fair and all("tok_s_err_rounds" in r for r in fair) else {}),

@@ -590,6 +590,29 @@ def test_rounds_measure_every_deployment_in_alternating_order_each_after_a_profi
     assert by["B"]["pred_round_tok_s"] == pytest.approx([200.0, 260.0, 320.0])
     assert by["B"]["tok_s_err_rounds"] == pytest.approx(260 / 280 - 1)  # the rounds' profiles drift with the runs
     assert by["B"]["pred_rounds_tpot_ms"] == pytest.approx(1000 / by["B"]["pred_rounds_tok_s"])
+    # the noise of both medians over the rounds, and what it allows a model without bias
+    from bench.common import median_noise, within_by_noise
+    noise = np.hypot(median_noise([220.0, 280.0, 340.0]), median_noise([200.0, 260.0, 320.0]))
+    assert by["B"]["noise_sd_rounds"] == pytest.approx(noise) and noise > 0
+    assert by["B"]["p_within_10pct_rounds"] == pytest.approx(within_by_noise(noise, 0.10))
+    summary = bp.summarize(rows, {})
+    assert summary["expected_within_10pct_by_noise"] == pytest.approx(sum(r["p_within_10pct_rounds"] for r in rows))
+    assert summary["p_all_within_10pct_by_noise"] == pytest.approx(np.prod([r["p_within_10pct_rounds"] for r in rows]))
+
+
+def test_the_noise_of_a_median_and_what_it_allows_a_model_without_bias():
+    """bench.common.median_noise: the bootstrap standard deviation of log(median); within_by_noise:
+    the chance that a log-normal error of that deviation stays inside the band (asymmetric in log)."""
+    from statistics import NormalDist
+
+    from bench.common import median_noise, within_by_noise
+    assert median_noise([5.0] * 6) == pytest.approx(0.0, abs=1e-12) and median_noise([5.0]) == 0.0
+    # two values 1 and e^0.2: the median of two draws is 0, 0.1 or 0.2 in log with 1/4, 1/2, 1/4
+    assert median_noise([1.0, float(np.exp(0.2))]) == pytest.approx(np.sqrt(0.005), rel=0.03)
+    sd = 0.05
+    want = NormalDist(0, sd).cdf(np.log(1.1)) - NormalDist(0, sd).cdf(np.log(0.9))
+    assert within_by_noise(sd, 0.10) == pytest.approx(want)
+    assert within_by_noise(0.0, 0.10) == 1.0 and within_by_noise(1.0, 0.10) < 0.1
 
 
 @pytest.mark.parametrize("argv", [["--rounds", "2", "--fresh-profile"], ["--rounds", "2", "--fresh-front"],
