@@ -71,7 +71,8 @@ profile: setup
 
 bench-planner: setup
 	# predicted against measured deployments on this host, and the cluster table against the paper
-	$(BIN)/python bench/planner.py
+	# (about an hour; what bench/results/planner.json holds)
+	$(BIN)/python bench/planner.py --quick --rounds 12
 	$(BIN)/python bench/planner_cluster.py
 	# how much this host's own speed moves a measured deployment (the noise under the rows)
 	$(BIN)/python bench/host_noise.py

@@ -475,7 +475,7 @@ def test_committed_planner_results_replay_to_their_predictions(capsys):
     profiles the file keeps, every row's predicted throughput, TPOT and TTFT (first profile) and
     throughput and TPOT (fresh profiles; with --rounds, each round's) come out as stored. A change
     to the simulator or to the profile's calibration fails here until the file is made again
-    (`python bench/planner.py --quick --rounds 6`, ~32 minutes)."""
+    (`make bench-planner`: `python bench/planner.py --quick --rounds 12`, ~61 minutes)."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
