@@ -46,14 +46,14 @@ def save(name: str, payload: dict, device: str = "cpu") -> Path:
     return path
 
 
-def median_noise(values: list[float], draws: int = 20000, seed: int = 0) -> float:
+def median_noise(values: list[float], size: int | None = None, draws: int = 20000, seed: int = 0) -> float:
     """How far the median of `values` (measurements of one quantity, e.g. a deployment's throughput
     in each round) moves by noise alone: the standard deviation of log(median) over bootstrap
-    resamples of as many values. 0 for fewer than two values."""
+    resamples of `size` values (default: as many as given). 0 for fewer than two values."""
     logs = np.log(np.asarray(values, dtype=float))
     if len(logs) < 2:
         return 0.0
-    picks = np.random.default_rng(seed).choice(logs, (draws, len(logs)))
+    picks = np.random.default_rng(seed).choice(logs, (draws, size or len(logs)))
     return float(np.median(picks, axis=1).std())
 
 

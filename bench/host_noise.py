@@ -87,8 +87,7 @@ def main() -> None:
         speed = -np.log([r["probe_ms"] for r in mine])
         # the median of --rounds runs drawn from these; a row's prediction, the median over as many
         # profiles that the host's speed moves alike, taken to be as noisy
-        draws = np.random.default_rng(0).choice(np.exp(tok), (20000, args.rounds))
-        sd_median = float(np.log(np.median(draws, axis=1)).std())
+        sd_median = median_noise(np.exp(tok), size=args.rounds)
         noise = float(np.hypot(sd_median, sd_median))
         summary[name] = {"runs": len(mine), "median_tok_s": statistics.median(np.exp(tok)),
                          "spread": float(np.exp(tok.max() - tok.min()) - 1), "sd_one_run": float(tok.std(ddof=1)),
