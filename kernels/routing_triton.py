@@ -13,7 +13,7 @@ import triton.language as tl
 
 from kernels.routing import GROUP_SCORES, SCORINGS, check_route_args
 
-NEG_INF = float("-inf")
+NEG_INF = tl.constexpr(float("-inf"))  # a constexpr: compiled kernels read no other globals
 
 
 @triton.jit
