@@ -228,9 +228,13 @@ def narrows(blocks) -> bool:
 
 def _pack_for_cpu(experts: dict) -> dict:
     from kernels.cpu_linear import packing_available
-    from models.cpu_inference import PackedExperts
+    from torch import nn
+
+    from models.cpu_inference import PackedExperts, choose_kernels
 
     some = next(iter(experts.values()))
     if not packing_available(some.w13.dtype):
         return experts
-    return {layer: PackedExperts(m) for layer, m in experts.items()}
+    blocks = {layer: PackedExperts(m) for layer, m in experts.items()}
+    choose_kernels(nn.ModuleList(blocks.values()))
+    return blocks

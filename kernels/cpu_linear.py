@@ -20,14 +20,13 @@ os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from kernels import native  # noqa: E402
+from kernels import choice, native  # noqa: E402
 
 BATCH_HINT = 16  # rows oneDNN picks its blocking for; any row count works
-# Rows up to which cpu_linear uses the native bf16 kernel (kernels/csrc/skinny_gemm.c). Measured on
-# a 2-core AVX2 EPYC, 4096 x 1024 weights, against oneDNN's packed float32 GEMM (same run): 1.80x at
-# 1 row, 1.45x at 4, 1.06x at 16, 0.93x at 32 and 0.84x at 64 with 2 threads; 1.58x / 1.34x / 1.06x
-# / 0.91x / 0.88x with 1. bench/kernels_cpu.py's skinny_gemm rows repeat it (another run: 1.26x /
-# 1.29x / 0.99x / 0.87x / 0.83x at 1 / 4 / 16 / 32 / 64 rows, 2 threads).
+# Rows up to which cpu_linear streams the bf16 copy of float32 weights until kernels/choice.py has
+# measured it on this CPU (its "skinny" table, then read on every call). Measured on a 2-core AVX2
+# EPYC, 4096 x 1024 weights, against oneDNN's packed float32 GEMM: 1.80x at 1 row, 1.45x at 4, 1.06x
+# at 16, 0.93x at 32 and 0.84x at 64 with 2 threads.
 SKINNY_MAX_ROWS = 16
 
 
@@ -69,9 +68,10 @@ class CpuWeight:
     panels (kernels/native.pack_panels32, run by native.gemm_bf16_panels at any row count), instead
     of oneDNN's packing. Else packed for oneDNN, plus, for float32, a bfloat16 copy when every value
     is a bfloat16 (a bf16 checkpoint served in float32: `--dtype auto` on a CPU that emulates bf16
-    GEMMs) and the native kernels run here (kernels/native.py). Up to SKINNY_MAX_ROWS rows,
-    cpu_linear streams the bf16 copy, half the bytes of the float32 weights; above, oneDNN's float32
-    GEMM is faster. The copy costs half the float32 weights' memory again."""
+    GEMMs) and the native kernels run here (kernels/native.py). At the row counts where
+    kernels/choice.py measured it faster, cpu_linear streams the bf16 copy, half the bytes of the
+    float32 weights; elsewhere oneDNN's float32 GEMM. The copy costs half the float32 weights' memory
+    again. Which panel kernel (AVX-512 BF16 or AMX) multiplies the panels is the choice table's."""
 
     __slots__ = ("packed", "half", "panels", "out_features")
 
@@ -91,12 +91,13 @@ class CpuWeight:
 
 
 def cpu_linear(x_TI: torch.Tensor, w: CpuWeight, bias_O: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ b) for 2-D float32 x: the native bf16 kernel for up to SKINNY_MAX_ROWS rows where
-    w has its bf16 copy, else oneDNN's packed GEMM. The two agree up to summation order."""
+    """y = x W^T (+ b) for 2-D x: our panels (bf16), or for float32 x the native bf16 kernel on w's bf16
+    copy where kernels/choice.py picked it for this row count, else oneDNN's packed GEMM. They agree
+    up to summation order."""
     if w.panels is not None:
         y = native.gemm_bf16_panels(x_TI, w.panels, w.out_features)
         return y if bias_O is None else y.add_(bias_O)
-    if w.half is not None and x_TI.shape[0] <= SKINNY_MAX_ROWS:
+    if w.half is not None and choice.skinny_native(x_TI.shape[0]):
         y = native.gemm_bf16(x_TI, w.half)
         return y if bias_O is None else y.add_(bias_O)
     return packed_linear(x_TI, w.packed, bias_O)

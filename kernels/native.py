@@ -53,10 +53,24 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shuttle"
 
 
+def _digest(cc: str) -> str:
+    text = b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join([cc, *FLAGS]).encode()
+    return hashlib.sha256(text).hexdigest()[:16]
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build_digest() -> str:
+    """The hash naming this build of the library (its sources, compiler and flags), "" without one."""
+    cc = _compiler()
+    return _digest(cc) if cc and available() else ""
+
+
 def _build(cc: str) -> Path:
     """The compiled library for these sources and flags: built unless already cached."""
-    text = b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join([cc, *FLAGS]).encode()
-    digest = hashlib.sha256(text).hexdigest()[:16]
+    digest = _digest(cc)
     for where in (_cache_dir(), Path(tempfile.gettempdir()) / f"shuttle-{os.getuid()}"):
         lib = where / f"shuttle_native-{digest}.so"
         if lib.exists():
@@ -82,7 +96,7 @@ def _library() -> ctypes.CDLL | None:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         log.info("native CPU kernels unavailable: this CPU has no AVX2 (%s)", torch.backends.cpu.get_cpu_capability())
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = _compiler()
     if cc is None:
         log.info("native CPU kernels unavailable: no C compiler (install gcc, or set CC)")
         return None
@@ -112,6 +126,11 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
                    + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int])
+    for name, restype, argtypes in (("shuttle_amx_init", ctypes.c_int, []), ("shuttle_amx_built", ctypes.c_int, []),
+                                    ("shuttle_kernel_buckets", ctypes.c_int, []),
+                                    ("shuttle_use_amx", ctypes.c_int, [ctypes.c_int, ctypes.c_int64]),
+                                    ("shuttle_set_kernel_choice", ctypes.c_int, [ctypes.c_int] * 3)):
+        getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
     fn = lib.shuttle_route_softmax_topk
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
@@ -258,12 +277,54 @@ def avx512_bf16() -> bool:
 
 
 @functools.cache
-def _cpu_has_avx512_bf16() -> bool:
+def cpu_flags() -> frozenset[str]:
+    """The ISA flags /proc/cpuinfo lists for this CPU (empty where it cannot be read)."""
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
+        return frozenset()
+    return frozenset(flags.split(":", 1)[-1].split())
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags()
+
+
+@functools.cache
+def amx() -> bool:
+    """Whether the panel kernels can take AMX tiles here (kernels/csrc/amx_bf16.c): AVX-512 BF16
+    (their other half), AMX-BF16 and AMX-TILE listed by the CPU, the library built with them, and the
+    kernel's permission for the tile state granted to this process. Whether they do, per op and row
+    count, is kernels/choice.py's measurement."""
+    if not (avx512_bf16() and {"amx_bf16", "amx_tile"} <= cpu_flags() and _library().shuttle_amx_built()):
         return False
-    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= set(flags.split(":", 1)[-1].split())
+    if not _library().shuttle_amx_init():
+        log.info("AMX unavailable: the kernel refused this process the tile state (arch_prctl)")
+        return False
+    return True
+
+
+GEMM, MOE = 0, 1  # the ops of the choice table (kernels/csrc/amx_bf16.c)
+AVX512, AMX = 0, 1  # its entries
+
+
+def kernel_buckets() -> int:
+    """Row-count buckets of the choice table: 1, 2, 3-4, 5-8, ..., the last open-ended."""
+    return _library().shuttle_kernel_buckets()
+
+
+def set_kernel_choice(op: int, bucket: int, which: int) -> int:
+    """Set the panel kernels' choice for `op` (GEMM, MOE) at row bucket `bucket` to AVX512 or AMX;
+    returns the previous entry. Call only where avx512_bf16() is True (AMX: where amx() is)."""
+    was = _library().shuttle_set_kernel_choice(op, bucket, which) if which != AMX or amx() else -1
+    if was < 0:
+        raise ValueError(f"no choice table entry ({op}, {bucket}) or AMX is not ready here")
+    return was
+
+
+def uses_amx(op: int, rows: int) -> bool:
+    """Whether the table sends `rows` rows of `op` to AMX now."""
+    return bool(_library().shuttle_use_amx(op, rows))
 
 
 def pack_panels32(w_OI: torch.Tensor, in_features: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ GPU path never call this.
 import torch
 from torch import nn
 
-from kernels import native
+from kernels import choice, native
 from kernels.cpu_linear import (SKINNY_MAX_ROWS, CpuWeight, ExpertPanels, PackedLinear,  # noqa: F401 (re-exported)
                                 packing_available)
 from kernels.moe import SILU, SwiGLU, fused_moe_packed
@@ -87,7 +87,30 @@ def pack_for_cpu_inference(model: MoEForCausalLM) -> bool:
                 setattr(parent, name, PackedExperts(child))
             elif isinstance(child, nn.Linear) and not (tied and child is model.lm_head):
                 setattr(parent, name, PackedLinear(child))
+    choose_kernels(model)
     return True
+
+
+def choose_kernels(module: nn.Module) -> None:
+    """Time the CPU kernels' candidates on the weight shapes of a packed module (a model, or an expert
+    worker's blocks) and install the fastest per op and row count for the process (kernels/choice.py;
+    cached on disk, so a process pays the timing once per machine and shapes)."""
+    gemm, moe, skinny = set(), set(), set()
+    for m in module.modules():
+        weights = [m.weight] if isinstance(m, PackedLinear) else [m.cpu_weight] \
+            if isinstance(m, Router) and getattr(m, "cpu_weight", None) is not None else []
+        if isinstance(m, PackedExperts) and m.native is not None:
+            moe.add((m.w2_packed[0].out_features, m.w2_packed[0].in_features))
+        elif isinstance(m, PackedExperts):
+            weights += [*m.w13_packed, *m.w2_packed]
+        for w in weights:
+            if w.panels is not None:
+                gemm.add((w.out_features, w.panels.shape[1] * 2))
+            elif w.half is not None:
+                skinny.add(tuple(w.half.shape))
+    for op, shapes in (("gemm", gemm), ("moe", moe), ("skinny", skinny)):
+        if shapes:
+            choice.configure(op, sorted(shapes))
 
 
 def decode_is_native(model: MoEForCausalLM) -> bool:

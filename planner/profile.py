@@ -50,6 +50,7 @@ from attention_nodes.model_runner import ModelRunner
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import ScheduledBatch
 from attention_nodes.sequence import Sequence
+from kernels import choice
 from m2n_comm.m2n import ExpertBatch, run_local_experts
 from models.config import ModelConfig
 from models.loader import load_experts
@@ -458,6 +459,9 @@ def run_profile(opts: ProfileOptions) -> dict:
                 "hidden_size": cfg.hidden_size},
             "host": describe_host(), "threads": list(opts.threads), "fits": fits, "fits_passive": fits_passive,
             "transfer": transfer, "front": front,
+            # the CPU kernels the measured runners took, per op and row count (kernels/choice.py): the
+            # fits above hold for these
+            "kernels": {op: {k: t[k] for k in ("runs", "picks", "source")} for op, t in choice.chosen().items()},
             "samples": samples, "seconds": round(time.monotonic() - t0, 1),
             # the 1-minute load average before and after (this process's own work included): a host
             # busy with other jobs makes every time above slower and noisier (format_profile warns)

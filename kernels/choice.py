@@ -1,0 +1,320 @@
+"""Which CPU kernel runs each hot op at each row count, chosen by timing the candidates on this CPU.
+
+What a kernel is good at depends on the machine (AMX tiles win from a few dozen rows on an Intel
+Xeon and do not exist on an EPYC; AVX-512 BF16 dot products stream one row's weights fastest) and
+on the row count, so nothing here is decided from the ISA alone: every candidate the CPU can run is
+timed once per op, weight shape and row bucket, and the fastest is taken. The results are cached
+on disk by CPU model, ISA flags, thread count and kernel build, as oneDNN and Triton's autotuner
+cache theirs, and the table is logged once per process.
+
+Ops (each candidate reads the same weights, so the choice can change with the row count):
+  gemm    a dense bf16 linear on our panels (kernels/native.pack_panels32): q/k/v, o, router, LM head
+          avx512  AVX-512 BF16 dot products (kernels/csrc/moe_avx512bf16.c)
+          amx     AMX tiles on the same panels (kernels/csrc/amx_bf16.c)
+          onednn  oneDNN's packed bf16 GEMM, timed for the table only: it needs its own copy of every
+                  weight (the panels stay the layout wherever they can run)
+  moe     one expert's rows in the fused bf16 MoE block: avx512 or amx, chosen per expert by its rows
+  skinny  a float32 linear whose weights are exactly bf16 (a bf16 checkpoint served in float32):
+          native  our bf16 GEMM on the bf16 copy, half the bytes (kernels/csrc/skinny_gemm.c)
+          onednn  oneDNN's packed float32 GEMM
+
+Row buckets: 1, 2, 3-4, 5-8, ..., 513-1024, over 1024 (the C table's, kernels/csrc/amx_bf16.c), each
+timed at its largest count (2048 for the last). The candidates of a bucket are timed in turn, three
+rounds, the median kept; a candidate that lost by more than LOSING_RATIO in two buckets in a row is
+not timed at larger counts (it loses there too) if its ratio to the best grew between the two.
+
+SHUTTLE_KERNEL_CHOICE (this module is the only place that reads it): unset or "auto": the cached
+table, else measure; "measure": measure again; "CANDIDATE" or "op=CANDIDATE,...": that candidate at
+every row count where it can run (benchmarks set old against new with it).
+"""
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kernels import native
+
+log = logging.getLogger("shuttle")
+ENV_VAR = "SHUTTLE_KERNEL_CHOICE"
+BUCKET_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+LOSING_RATIO = 2.0
+ROUNDS = 3
+CANDIDATES = {"gemm": ("avx512", "amx", "onednn"), "moe": ("avx512", "amx"), "skinny": ("native", "onednn")}
+CHOOSABLE = {"gemm": ("avx512", "amx"), "moe": ("avx512", "amx"), "skinny": ("native", "onednn")}
+_C_OPS = {"gemm": native.GEMM, "moe": native.MOE}
+_C_CANDIDATES = {"avx512": native.AVX512, "amx": native.AMX}
+
+
+def bucket(rows: int) -> int:
+    """The row bucket of `rows` (>= 1): 0 for 1 row, b for 2^(b-1) < rows <= 2^b, the last open-ended."""
+    return min(len(BUCKET_ROWS) - 1, max(rows - 1, 0).bit_length())
+
+
+@dataclass
+class Choice:
+    """One op's table: the candidate picked per bucket, and the median microseconds each candidate took
+    per shape and bucket (None: not timed)."""
+    op: str
+    shapes: list[tuple[int, ...]]
+    picks: list[str]
+    times_us: dict[str, list[float | None]] = field(default_factory=dict)
+    source: str = "measured"  # measured, cached, or forced
+
+    def runs(self) -> str:
+        """The picks as row ranges: "1-4 avx512, 5+ amx"."""
+        parts, start = [], 0
+        for b in range(1, len(self.picks) + 1):
+            if b == len(self.picks) or self.picks[b] != self.picks[start]:
+                lo = 1 if start == 0 else BUCKET_ROWS[start - 1] + 1
+                hi = "+" if b == len(self.picks) else "" if BUCKET_ROWS[b - 1] == lo else f"-{BUCKET_ROWS[b - 1]}"
+                parts.append(f"{lo}{hi} {self.picks[start]}")
+                start = b
+        return ", ".join(parts)
+
+
+@functools.cache
+def host() -> dict:
+    """What a measurement is valid for: the CPU, its matmul ISA, the kernels' build and torch."""
+    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "")
+    isa = sorted(native.cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile",
+                                       "amx_int8", "avx_vnni"})
+    return {"cpu": model or platform.processor(), "isa": isa, "torch": torch.__version__,
+            "native": native.build_digest(), "omp_passive": native.passive_waits()}
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def _cache_path() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shuttle" / "kernel_choices.json"
+
+
+def _key(op: str, shapes: list[tuple[int, ...]], threads: int) -> str:
+    text = json.dumps([host(), op, sorted(shapes), threads], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _load_cache() -> dict:
+    try:
+        return json.loads(_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _store(key: str, choice: Choice) -> None:
+    """Add one table to the cache file (atomically; a concurrent writer's entry may be lost and is
+    measured again by the next process that needs it)."""
+    path = _cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entries = _load_cache()
+        entries[key] = {"op": choice.op, "shapes": choice.shapes, "picks": choice.picks, "times_us": choice.times_us,
+                        "host": host(), "threads": native.threads(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(entries, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.info("kernel choices not cached (%s): %s", path, e)
+
+
+def _forced() -> dict[str, str] | None:
+    """$SHUTTLE_KERNEL_CHOICE's forced candidate by op, or None (auto / measure)."""
+    value = os.environ.get(ENV_VAR, "auto").strip()
+    if value in ("", "auto", "measure"):
+        return None
+    if "=" not in value:
+        if not any(value in cands for cands in CHOOSABLE.values()):
+            raise ValueError(f"{ENV_VAR}={value!r}: expected auto, measure, a candidate or op=candidate pairs "
+                             f"(ops and their candidates: {CHOOSABLE})")
+        return {op: value for op, cands in CHOOSABLE.items() if value in cands}
+    forced = dict(pair.split("=", 1) for pair in value.split(","))
+    if not all(op in CHOOSABLE and cand in CHOOSABLE[op] for op, cand in forced.items()):
+        raise ValueError(f"{ENV_VAR}={value!r}: expected auto, measure, a candidate or op=candidate pairs "
+                         f"(ops and their candidates: {CHOOSABLE})")
+    return forced
+
+
+# -- the candidates, as functions of a row count on one shape ---------------------------------------
+
+def _gemm_runners(shape: tuple[int, int]) -> dict:
+    O, I = shape
+    w = (torch.randn(O, I) / I ** 0.5).to(torch.bfloat16)
+    panels = native.pack_panels32(w, I)
+
+    def panel_kernel(which):
+        def run(x):  # the table is the process's: each call sets its entry first
+            b = bucket(x.shape[0])
+            return lambda: (native.set_kernel_choice(native.GEMM, b, which), native.gemm_bf16_panels(x, panels, O))
+        return run
+
+    runners = {"avx512": panel_kernel(native.AVX512)}
+    if native.amx():
+        runners["amx"] = panel_kernel(native.AMX)
+    from kernels.cpu_linear import pack_weight, packed_linear, packing_available
+    if packing_available(torch.bfloat16):
+        packed = pack_weight(w)
+        runners["onednn"] = lambda x: (lambda: packed_linear(x, packed))
+    return {"make_x": lambda T: torch.randn(T, I).to(torch.bfloat16), "runners": runners}
+
+
+def _moe_runners(shape: tuple[int, int]) -> dict:
+    D, inter = shape
+    from kernels.cpu_linear import ExpertPanels
+
+    w13 = ExpertPanels((torch.randn(2 * inter, D) / D ** 0.5).to(torch.bfloat16), True, inter)
+    w2 = ExpertPanels((torch.randn(D, inter) / inter ** 0.5).to(torch.bfloat16), False, inter)
+    p13, p2 = (torch.tensor([w.panels.data_ptr()], dtype=torch.int64) for w in (w13, w2))
+
+    def expert_kernel(which):
+        def run(x):
+            b, ids, weights = bucket(x.shape[0]), torch.zeros(x.shape[0], 1, dtype=torch.int64), torch.ones(x.shape[0], 1)
+            return lambda: (native.set_kernel_choice(native.MOE, b, which),
+                            native.fused_moe_bf16(x, ids, weights, p13, p2, w13.inter_padded))
+        return run
+
+    runners = {"avx512": expert_kernel(native.AVX512)}
+    if native.amx():
+        runners["amx"] = expert_kernel(native.AMX)
+    return {"make_x": lambda T: torch.randn(T, D).to(torch.bfloat16), "runners": runners,
+            "keep": (w13, w2)}
+
+
+def _skinny_runners(shape: tuple[int, int]) -> dict:
+    O, I = shape
+    from kernels.cpu_linear import pack_weight, packed_linear
+
+    half = (torch.randn(O, I) / I ** 0.5).to(torch.bfloat16)
+    packed = pack_weight(half.float())
+    return {"make_x": lambda T: torch.randn(T, I),
+            "runners": {"native": lambda x: (lambda: native.gemm_bf16(x, half)),
+                        "onednn": lambda x: (lambda: packed_linear(x, packed))}}
+
+
+_RUNNERS = {"gemm": _gemm_runners, "moe": _moe_runners, "skinny": _skinny_runners}
+
+
+def _time_us(fn, min_s: float = 0.002) -> float:
+    """Microseconds per call of fn, over enough calls to take at least min_s (one call at least)."""
+    calls, start = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_s:
+            return 1e6 * elapsed / calls
+
+
+def measure(op: str, shapes: list[tuple[int, ...]]) -> Choice:
+    """Time op's candidates on each shape at every bucket and pick, per bucket, the choosable one with
+    the least time summed over the shapes."""
+    setups = [_RUNNERS[op](shape) for shape in shapes]
+    names = [c for c in CANDIDATES[op] if all(c in s["runners"] for s in setups)]
+    times = {c: [None] * len(BUCKET_ROWS) for c in names}
+    losses, last_ratio = {c: 0 for c in names}, {}
+    failed = set()
+    for b, rows in enumerate(BUCKET_ROWS):
+        live = [c for c in names if losses[c] < 2 and c not in failed]
+        total = dict.fromkeys(live, 0.0)
+        for setup in setups:
+            x = setup["make_x"](rows)
+            calls = {c: setup["runners"][c](x) for c in live}
+            for c in list(live):
+                try:
+                    calls[c]()  # warm: first touch of the weights, oneDNN's primitive
+                except Exception as e:  # a candidate that cannot run here is dropped, not fatal
+                    log.info("kernel candidate %s for %s dropped: %s: %s", c, op, type(e).__name__, e)
+                    failed.add(c)
+                    live.remove(c)
+                    total.pop(c)
+            if not any(c in CHOOSABLE[op] for c in live):
+                raise RuntimeError(f"no kernel candidate for {op} runs here ({', '.join(sorted(failed))} failed)")
+            rounds = {c: [] for c in live}
+            for r in range(ROUNDS):
+                for c in (live if r % 2 == 0 else live[::-1]):
+                    rounds[c].append(_time_us(calls[c]))
+            for c in live:
+                total[c] += statistics.median(rounds[c])
+        # the best choosable time sets the ratios: it is never dropped, and oneDNN (timed for the table
+        # only) is dropped against it too
+        best = min(t for c, t in total.items() if c in CHOOSABLE[op])
+        for c in total:
+            times[c][b] = round(total[c], 1)
+            ratio = total[c] / best
+            losses[c] = losses[c] + 1 if ratio > LOSING_RATIO and ratio >= last_ratio.get(c, ratio) else 0
+            last_ratio[c] = ratio
+    picks = []
+    for b in range(len(BUCKET_ROWS)):
+        timed = {c: times[c][b] for c in CHOOSABLE[op] if c in times and times[c][b] is not None and c not in failed}
+        if not timed:
+            raise RuntimeError(f"no choosable kernel for {op} ran here (timed: {sorted(times)}, failed: {sorted(failed)})")
+        picks.append(min(timed, key=timed.get))
+    return Choice(op, [tuple(s) for s in shapes], picks, times)
+
+
+def _apply(choice: Choice) -> None:
+    if choice.op == "skinny":
+        _SKINNY_NATIVE[:] = [p == "native" for p in choice.picks]
+        return
+    for b, pick in enumerate(choice.picks):
+        native.set_kernel_choice(_C_OPS[choice.op], b, _C_CANDIDATES[pick])
+
+
+# skinny's table, read on every float32 linear call (kernels/cpu_linear.cpu_linear): whether the bf16
+# copy streams at each bucket. Until measured: up to 16 rows, what an AVX2 EPYC measured.
+_SKINNY_NATIVE = [rows <= 16 for rows in BUCKET_ROWS]
+_chosen: dict[str, Choice] = {}  # this process's tables by op
+
+
+def skinny_native(rows: int) -> bool:
+    """Whether a float32 linear with a bf16 copy of its weights runs the native bf16 GEMM at `rows`."""
+    return _SKINNY_NATIVE[bucket(rows)]
+
+
+def configure(op: str, shapes: list[tuple[int, ...]]) -> Choice | None:
+    """Choose op's kernels for these weight shapes (cached, measured or forced) and install the table
+    for the whole process. None where op has no kernels to choose between here."""
+    if op in ("gemm", "moe") and not native.avx512_bf16() or op == "skinny" and not native.available():
+        return None
+    shapes = sorted({tuple(int(d) for d in s) for s in shapes})
+    if not shapes:
+        return None
+    threads = native.threads()
+    forced = _forced()
+    if forced is not None and op in forced:
+        cand = forced[op] if forced[op] != "amx" or native.amx() else "avx512"
+        choice = Choice(op, shapes, [cand] * len(BUCKET_ROWS), source="forced")
+    else:
+        key = _key(op, shapes, threads)
+        cached = None if os.environ.get(ENV_VAR) == "measure" else _load_cache().get(key)
+        if cached and (set(cached["picks"]) <= set(CHOOSABLE[op])) and ("amx" not in cached["picks"] or native.amx()):
+            choice = Choice(op, shapes, cached["picks"], cached.get("times_us", {}), source="cached")
+        else:
+            start = time.perf_counter()
+            choice = measure(op, shapes)
+            _store(key, choice)
+            log.info("kernel choice for %s measured in %.1f s", op, time.perf_counter() - start)
+    _apply(choice)
+    if _chosen.get(op) is None or _chosen[op].picks != choice.picks:
+        log.info("kernels for %s on %s (%s, %d threads, %s): %s", op, host()["cpu"], " ".join(host()["isa"]), threads,
+                 choice.source, choice.runs())
+    _chosen[op] = choice
+    return choice
+
+
+def chosen() -> dict[str, dict]:
+    """This process's tables, for reports (the planner's profile, benchmarks): op -> picks by row range,
+    the source and the times."""
+    return {op: {"runs": c.runs(), "picks": c.picks, "shapes": c.shapes, "source": c.source, "times_us": c.times_us,
+                 "bucket_rows": list(BUCKET_ROWS)} for op, c in _chosen.items()}
