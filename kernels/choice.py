@@ -21,7 +21,9 @@ Ops (each candidate reads the same weights, so the choice can change with the ro
 Row buckets: 1, 2, 3-4, 5-8, ..., 513-1024, over 1024 (the C table's, kernels/csrc/amx_bf16.c), each
 timed at its largest count (2048 for the last). The candidates of a bucket are timed in turn, three
 rounds, the median kept; a candidate that lost by more than LOSING_RATIO in two buckets in a row is
-not timed at larger counts (it loses there too) if its ratio to the best grew between the two.
+not timed at larger counts (it loses there too) if its ratio to the best grew between the two. A
+bucket keeps the previous bucket's kernel unless another is faster by more than TIE (5%), so that
+timing noise between kernels that stream the same bytes does not interleave them.
 
 SHUTTLE_KERNEL_CHOICE (this module is the only place that reads it): unset or "auto": the cached
 table, else measure; "measure": measure again; "CANDIDATE" or "op=CANDIDATE,...": that candidate at
@@ -46,6 +48,7 @@ log = logging.getLogger("shuttle")
 ENV_VAR = "SHUTTLE_KERNEL_CHOICE"
 BUCKET_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 LOSING_RATIO = 2.0
+TIE = 0.05  # a bucket keeps the previous bucket's kernel unless another is faster by more than this
 ROUNDS = 3
 CANDIDATES = {"gemm": ("avx512", "amx", "onednn"), "moe": ("avx512", "amx"), "skinny": ("native", "onednn")}
 CHOOSABLE = {"gemm": ("avx512", "amx"), "moe": ("avx512", "amx"), "skinny": ("native", "onednn")}
@@ -259,7 +262,10 @@ def measure(op: str, shapes: list[tuple[int, ...]]) -> Choice:
         timed = {c: times[c][b] for c in CHOOSABLE[op] if c in times and times[c][b] is not None and c not in failed}
         if not timed:
             raise RuntimeError(f"no choosable kernel for {op} ran here (timed: {sorted(times)}, failed: {sorted(failed)})")
-        picks.append(min(timed, key=timed.get))
+        best = min(timed, key=timed.get)
+        if picks and picks[-1] in timed and timed[picks[-1]] <= (1 + TIE) * timed[best]:
+            best = picks[-1]  # within the timing's noise of the best: keep the previous bucket's kernel
+        picks.append(best)
     return Choice(op, [tuple(s) for s in shapes], picks, times)
 
 

@@ -205,3 +205,35 @@ def test_a_candidate_that_fails_is_dropped_not_fatal(cache, table, monkeypatch, 
     got = choice.configure("gemm", [(40, 64)])
     assert set(got.picks) == {"avx512"} and all(t is None for t in got.times_us["amx"])
     assert any("candidate amx for gemm dropped: OSError: no tiles" in r.message for r in caplog.records)
+
+
+def test_picks_prune_and_ties_on_given_times(monkeypatch):
+    """measure() on times it is handed: per bucket the fastest choosable kernel; a bucket within 5% of
+    the previous bucket's kernel keeps it; oneDNN is timed but never picked; a kernel losing by over
+    2x, more each time, in two buckets in a row is not timed at larger counts; one that loses by
+    over 2x at small counts but gains on the best is still timed (and wins where it is faster)."""
+    times = {}  # candidate -> microseconds as a function of rows
+
+    def runners(shape):
+        def make(cand):
+            def run(x):
+                fn = lambda: None  # noqa: E731
+                fn.us = times[cand](x.shape[0])
+                return fn
+            return run
+        return {"make_x": lambda T: torch.zeros(T, 1), "runners": {c: make(c) for c in ("avx512", "amx", "onednn")}}
+
+    monkeypatch.setitem(choice._RUNNERS, "gemm", runners)
+    monkeypatch.setattr(choice, "_time_us", lambda fn: fn.us)
+    times.update(avx512=lambda r: 10.0 * r, amx=lambda r: 100.0 + r, onednn=lambda r: 1.0 + r)
+    got = choice.measure("gemm", [(1, 1)])
+    # avx512 10-160 against amx 101-116 at 1-16 rows: amx from 16 rows on (at 8: 80 against 108)
+    assert got.picks == ["avx512"] * 4 + ["amx"] * 8
+    # avx512 loses by >2x at 32 rows (320 vs 132) and 64 (640 vs 164, by more): not timed after
+    assert got.times_us["avx512"][5:7] == [320.0, 640.0] and got.times_us["avx512"][7:] == [None] * 5
+    assert got.times_us["amx"][-1] == 2148.0  # lost by 10x at 1 row, but gained: timed throughout
+    assert got.times_us["onednn"][0] == 2.0  # timed beside, never picked
+    # ties: amx 2% faster than avx512 from 2 rows on keeps avx512 (picked at 1 row); 10% takes over
+    for factor, want in ((0.98, ["avx512"] * 12), (0.9, ["avx512"] + ["amx"] * 11)):
+        times.update(amx=lambda r, f=factor: 20.0 if r == 1 else 10.0 * r * f, onednn=lambda r: 1e9)
+        assert choice.measure("gemm", [(1, 1)]).picks == want
