@@ -1,6 +1,6 @@
 """Which CPU kernel runs each hot op at each row count, chosen by timing the candidates on this CPU.
 
-What a kernel is good at depends on the machine (AMX tiles win from a few dozen rows on an Intel
+What a kernel is good at depends on the machine (AMX tiles won from 3 rows on the 2-core Intel
 Xeon and do not exist on an EPYC; AVX-512 BF16 dot products stream one row's weights fastest) and
 on the row count, so nothing here is decided from the ISA alone: every candidate the CPU can run is
 timed once per op, weight shape and row bucket, and the fastest is taken. The results are cached
