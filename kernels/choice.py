@@ -86,18 +86,11 @@ class Choice:
 @functools.cache
 def host() -> dict:
     """What a measurement is valid for: the CPU, its matmul ISA, the kernels' build and torch."""
-    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "")
+    model = native.cpu_model()
     isa = sorted(native.cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile",
                                        "amx_int8", "avx_vnni"})
     return {"cpu": model or platform.processor(), "isa": isa, "torch": torch.__version__,
             "native": native.build_digest(), "omp_passive": native.passive_waits()}
-
-
-def _cpuinfo() -> list[str]:
-    try:
-        return Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return []
 
 
 def _cache_path() -> Path:

@@ -277,13 +277,23 @@ def avx512_bf16() -> bool:
 
 
 @functools.cache
+def _cpuinfo(field: str) -> str:
+    """The first value /proc/cpuinfo gives `field` ("" where it cannot be read)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[-1].strip() for line in lines if line.split(":", 1)[0].strip() == field), "")
+
+
 def cpu_flags() -> frozenset[str]:
     """The ISA flags /proc/cpuinfo lists for this CPU (empty where it cannot be read)."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return frozenset()
-    return frozenset(flags.split(":", 1)[-1].split())
+    return frozenset(_cpuinfo("flags").split())
+
+
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it ("" where it cannot be read)."""
+    return _cpuinfo("model name")
 
 
 def _cpu_has_avx512_bf16() -> bool:

@@ -64,29 +64,13 @@ def test_fused_moe_candidates_equal_each_other_and_float64(T, E, K, D, I, which,
     down projection's AMX tail), experts of 1 to 255 rows, top-1 to top-3, ids of other workers (-1)
     skipped. Error against float64 no worse than 1.5x the AVX-512 kernel's (the reference the suite
     already holds to the torch path)."""
-    from kernels.moe import fused_moe
-    from models.cpu_inference import PackedExperts
-    from models.moe_decoder import Experts
-    from kernels.ops import torch_ops
+    from tests.test_native_kernels import moe_case
 
-    g = torch.Generator().manual_seed(T * 31 + D)
-    experts = Experts(E, D, I, torch_ops())
-    with torch.no_grad():
-        experts.w13.copy_(torch.randn(E, 2 * I, D, generator=g) / D ** 0.5)
-        experts.w2.copy_(torch.randn(E, D, I, generator=g) / I ** 0.5)
-    packed = PackedExperts(experts.to(torch.bfloat16))
-    x = torch.randn(T, D, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    weights = torch.softmax(torch.randn(T, K, generator=g), -1)
-    if T > 3:
-        ids[::4, 0] = -1
+    _, packed, x, ids, weights, exact = moe_case(T, E, K, D, I)
     table(native.MOE, "avx512")
     base = packed(x, ids, weights)
     table(native.MOE, which)
     got = packed(x, ids, weights)
-    keep = ids >= 0
-    exact = fused_moe(x.double(), experts.w13.detach().double(), experts.w2.detach().double(),
-                      (weights * keep).double(), ids.clamp(min=0))
     assert got.dtype == torch.bfloat16 and got.shape == (T, D)
     torch.testing.assert_close(got.float(), base.float(), rtol=2e-2, atol=2e-2)
     err, base_err = (got.double() - exact).abs().mean(), (base.double() - exact).abs().mean()
@@ -96,6 +80,7 @@ def test_fused_moe_candidates_equal_each_other_and_float64(T, E, K, D, I, which,
 @NEEDS_AMX
 def test_the_c_table_buckets_rows_as_choice_does(table):
     """Each bucket of the C table holds exactly the row counts choice.bucket gives it."""
+    assert native.kernel_buckets() == len(choice.BUCKET_ROWS)
     table(native.GEMM, "avx512")
     for b in range(len(choice.BUCKET_ROWS)):
         native.set_kernel_choice(native.GEMM, b, native.AMX)

@@ -206,24 +206,10 @@ def test_fused_moe_bf16_equals_the_torch_path(T, E, K, D, I, threads):
     kernel's error is the torch path's (within 1.5x). Odd sizes (D not a multiple of 32, I not of 16),
     an expert with more rows than one work item (130 tokens on 3 experts), top-1 and top-3, and ids
     of other workers (-1) skipped as run_local_experts' callers need."""
-    from kernels.moe import fused_moe, fused_moe_packed
-    from models.cpu_inference import PackedExperts
-    from models.moe_decoder import Experts
-    from kernels.ops import torch_ops
+    from kernels.moe import fused_moe_packed
 
-    g = torch.Generator().manual_seed(T * 31 + D)
-    experts = Experts(E, D, I, torch_ops())
-    with torch.no_grad():
-        experts.w13.copy_(torch.randn(E, 2 * I, D, generator=g) / D ** 0.5)
-        experts.w2.copy_(torch.randn(E, D, I, generator=g) / I ** 0.5)
-    experts = experts.to(torch.bfloat16)
-    packed = PackedExperts(experts)
+    experts, packed, x, ids, weights, exact = moe_case(T, E, K, D, I)
     assert packed.native is not None
-    x = torch.randn(T, D, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    weights = torch.softmax(torch.randn(T, K, generator=g), -1)
-    if T > 3:
-        ids[::4, 0] = -1  # not this worker's
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -234,12 +220,36 @@ def test_fused_moe_bf16_equals_the_torch_path(T, E, K, D, I, threads):
                                ids.clamp(min=0))
     finally:
         torch.set_num_threads(threads_before)
-    exact = fused_moe(x.double(), experts.w13.detach().double(), experts.w2.detach().double(),
-                      (weights * keep).double(), ids.clamp(min=0))
     assert got.dtype == torch.bfloat16 and got.shape == (T, D)
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
     err, ref_err = (got.double() - exact).abs().mean(), (ref.double() - exact).abs().mean()
     assert err <= 1.5 * ref_err + 1e-6, (err, ref_err)
+
+
+def moe_case(T: int, E: int, K: int, D: int, I: int):
+    """A bf16 MoE block of E experts packed for the CPU, T tokens' rows, top-K ids (every fourth token's
+    first id -1, another worker's, when T > 3) and weights, and the block in float64:
+    (experts, packed, x, ids, weights, exact)."""
+    from kernels.moe import fused_moe
+    from kernels.ops import torch_ops
+    from models.cpu_inference import PackedExperts
+    from models.moe_decoder import Experts
+
+    g = torch.Generator().manual_seed(T * 31 + D)
+    experts = Experts(E, D, I, torch_ops())
+    with torch.no_grad():
+        experts.w13.copy_(torch.randn(E, 2 * I, D, generator=g) / D ** 0.5)
+        experts.w2.copy_(torch.randn(E, D, I, generator=g) / I ** 0.5)
+    experts = experts.to(torch.bfloat16)
+    x = torch.randn(T, D, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    weights = torch.softmax(torch.randn(T, K, generator=g), -1)
+    if T > 3:
+        ids[::4, 0] = -1
+    keep = ids >= 0
+    exact = fused_moe(x.double(), experts.w13.detach().double(), experts.w2.detach().double(),
+                      (weights * keep).double(), ids.clamp(min=0))
+    return experts, PackedExperts(experts), x, ids, weights, exact
 
 
 def CpuWeightBf16(w: torch.Tensor) -> cpu_linear.CpuWeight:
