@@ -10,7 +10,7 @@ NIXL ?= 1
 RAY ?= 1
 comma := ,
 
-.PHONY: setup run generate test bench bench-vllm soak fault-test pools-test profile bench-planner clean
+.PHONY: setup run generate test test-durations bench bench-vllm soak fault-test pools-test profile bench-planner clean
 
 $(BIN)/shuttle: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,10 @@ generate: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+test-durations: setup
+	# the whole suite, then its 20 slowest tests (set-up and teardown of shared servers count too)
+	$(BIN)/python -m pytest -q --durations=20 --durations-min=0
 
 bench: setup
 	$(BIN)/python bench/engine.py

@@ -72,7 +72,7 @@ class ParallelConfig:
     between the pools. placement: a JSON file {"expert": [workers]} (default: contiguous blocks).
     torch_threads: torch threads per worker process (None: torch's default). eplb: re-place the
     experts live from their measured load every `eplb_interval` steps, with `num_redundant_experts`
-    extra copies per MoE layer (server/eplb.py).
+    extra copies per MoE layer (pools/eplb.py).
     max_worker_restarts: how many times the front restarts a dead or silent worker within
     `restart_window_s` seconds before it gives the deployment up (0: never; workers started
     elsewhere with --role are never restarted from the front)."""
@@ -91,7 +91,7 @@ class ParallelConfig:
     num_redundant_experts: int = 0
     max_worker_restarts: int = 3
     restart_window_s: float = 600.0
-    # How the pools start (server/launchers.py): "spawn" (processes of this host) or "ray" (Ray
+    # How the pools start (pools/launchers.py): "spawn" (processes of this host) or "ray" (Ray
     # actors on the cluster at ray_address, each pool on nodes carrying its resources: (name, amount)
     # pairs, e.g. (("H20", 1.0),); a dict or JSON object text is accepted and normalised).
     launcher: str = "spawn"
@@ -140,7 +140,7 @@ def worker_threads(par: ParallelConfig, cores: int) -> tuple[int, int]:
     both pools compute at once and the cores are split between all the workers, cores // (A + E):
     torch's default of every core in every process would oversubscribe the CPU, which slows
     OpenMP several-fold. Measured (bench/pingpong.py, 425M Mixtral-shaped model in float32, 2
-    cores, 1 + 1, m = 1, waits passive: server/launchers.py): 2 threads per worker gave 0.84 / 0.90
+    cores, 1 + 1, m = 1, waits passive: pools/launchers.py): 2 threads per worker gave 0.84 / 0.90
     of colocated's step at batch 16 / 64 against 0.61 / 0.64 with 1 thread each; at m = 2, 2
     threads each gave 0.48 / 0.56 (oversubscribed), below m = 1. At least 1 each."""
     if par.torch_threads:

@@ -1,4 +1,6 @@
-"""LLMEngine: continuous batching over a paged KV cache, token ids in, token ids out.
+"""LLMEngine: continuous batching over a paged KV cache, token ids in, token ids out; and Engine,
+the interface the fronts (LLM, AsyncLLM, the HTTP and gRPC servers) use of it and of the pool
+front (pools/engine.py: PoolEngine).
 
     engine.add_request("r1", prompt_token_ids, SamplingParams(max_tokens=32))
     while engine.has_unfinished_requests():
@@ -13,6 +15,7 @@ import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -54,7 +57,53 @@ class SequenceDelta:
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.. (params.prompt_logprobs), once
 
 
+class Engine(Protocol):
+    """What a front drives: requests in (validated by the front: validate_request), deltas out.
+    LLMEngine runs the model in this process; PoolEngine drives attention and expert worker pools.
+    Only the thread that calls `step` calls the others, except `wake` and `ready` (any thread)."""
+
+    cfg: EngineConfig
+    model_cfg: ModelConfig
+    eos_token_ids: set[int]
+
+    @property
+    def ready(self) -> bool:
+        """A step can run now (pools: every worker is up)."""
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+
+    def abort_request(self, request_id: str) -> list[SequenceDelta]:
+        """Retire the request; returns its finish deltas, or [] when they come through `step`."""
+
+    def stop_sequence(self, request_id: str, index: int, stop_reason: str) -> None:
+        """End one sequence because the front found a stop string in its text."""
+
+    def set_eos_token_ids(self, ids: set[int]) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[SequenceDelta]:
+        """Advance the requests: the deltas of the sequences that produced tokens."""
+
+    def step_summary(self) -> dict:
+        """What the last step ran, for a trace's step span."""
+
+    def wake(self) -> None:
+        """End a `step` that waits for workers: the caller has requests or aborts to hand over."""
+
+    def check_health(self) -> None:
+        """Notice a failed worker also while no request runs (and recover, or raise)."""
+
+    def stats(self) -> dict:
+        """Counters for /metrics and the logs (running, waiting, KV blocks, steps, tokens, ...)."""
+
+    def shutdown(self) -> None: ...
+
+
 class LLMEngine:
+    """The Engine that runs the model (its attention; its experts too unless `dispatcher` sends
+    them to expert workers) in this process."""
+
     def __init__(self, cfg: EngineConfig, eos_token_ids: set[int] | None = None, dispatcher: Dispatcher | None = None):
         """dispatcher: the experts' transport (None: the experts run in this process)."""
         self.cfg = cfg
@@ -86,12 +135,12 @@ class LLMEngine:
         output token ids already delivered (None: that sample finished). Each sample goes on from
         there: prompt + those tokens are recomputed (the preemption path), its grammar has accepted
         them and its seeded generator is moved past the draws they took, so it continues exactly as
-        it would have. Raises ValueError for an id in use, token ids outside the vocabulary, or a
-        prompt that leaves no room in the context."""
+        it would have. The front validated the prompt and params (validate_request: once, where the
+        request entered); raises ValueError for an id in use or a request that could never fit the
+        KV cache."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.check_prompt(prompt_token_ids)
-        check_params(params, self.model_cfg)
+        ids = list(prompt_token_ids)
         if resume is not None and len(resume) != params.n:
             raise ValueError(f"resume lists {len(resume)} samples, the request has n={params.n}")
         max_tokens = max_new_tokens(params, ids, self.model_cfg)
@@ -151,11 +200,6 @@ class LLMEngine:
             self._grammars = GrammarCache(tokenizer, self.model_cfg.vocab_size, self.eos_token_ids)
         return self._grammars.matcher(params.structured_outputs)
 
-    def check_prompt(self, prompt_token_ids: list[int]) -> list[int]:
-        """The prompt as a list; ValueError if it is empty, has ids outside the vocabulary, or leaves
-        no room to generate in the model's context."""
-        return check_prompt(prompt_token_ids, self.model_cfg)
-
     def abort_request(self, request_id: str) -> list[SequenceDelta]:
         """Retire every unfinished sequence of the request now; their blocks are free on return."""
         self._release_held(request_id)  # so the scheduler can retire them too
@@ -175,11 +219,18 @@ class LLMEngine:
         self._grammars = None  # a finished grammar allows the end-of-sequence ids
 
     def wake(self) -> None:
-        """Interface of the pool front (server/pools.py): end a waiting `step`. This engine's steps
+        """Interface of the pool front (pools/engine.py): end a waiting `step`. This engine's steps
         never wait."""
 
     def check_health(self) -> None:
         """Interface of the pool front: raise if a worker died. This engine has no workers."""
+
+    @property
+    def ready(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the engine lives in this process."""
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -336,6 +387,14 @@ def check_params(params: SamplingParams, model_cfg: ModelConfig) -> None:
 def max_new_tokens(params: SamplingParams, ids: list[int], model_cfg: ModelConfig) -> int:
     """params.max_tokens, at most what the model's context leaves after the prompt."""
     return min(params.max_tokens, model_cfg.max_model_len - len(ids))
+
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, model_cfg: ModelConfig) -> list[int]:
+    """The checks a request passes once, where it enters (LLM, AsyncLLM, the HTTP front); engines
+    and workers trust their front. Returns the prompt as a list; ValueError says what is wrong."""
+    ids = check_prompt(prompt_token_ids, model_cfg)
+    check_params(params, model_cfg)
+    return ids
 
 
 def check_prompt(prompt_token_ids: list[int], model_cfg: ModelConfig) -> list[int]:

@@ -31,12 +31,13 @@ from torch.distributed import TCPStore
 from attention_nodes import messages as wire
 from attention_nodes.config import EngineConfig
 from attention_nodes.engine import LLMEngine
+from m2n_comm.endpoints import open_endpoint
 from m2n_comm.m2n import M2NSender
 from m2n_comm.placement import ExpertPlacement
-from m2n_comm.trace import Tracer
-from m2n_comm.transport import PeerDeadError, TransportConfig, TransportTimeout, data_session, open_endpoint
+from m2n_comm.transport import PeerDeadError, TransportConfig, TransportTimeout, data_session
 from models.config import ModelConfig
 from models.loader import freeze_loaded_heap
+from telemetry.trace import Tracer
 
 log = logging.getLogger("shuttle.attention")
 PARK_POLL_S = 0.002  # while parked: how often to look for a WAKE between waits on the server

@@ -38,7 +38,7 @@ from attention_nodes.sampling_params import SamplingParams  # noqa: E402
 from bench.common import print_table, save  # noqa: E402
 from m2n_comm.placement import imbalance  # noqa: E402
 from models.builtin import make_random_checkpoint  # noqa: E402
-from server.pools import PoolEngine  # noqa: E402
+from pools.engine import PoolEngine  # noqa: E402
 
 VOCAB, LAYERS, EXPERTS = 2048, 4, 8
 

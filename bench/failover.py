@@ -17,7 +17,6 @@ lot: compare the rows of one run.
 """
 import argparse
 import json
-import os
 import signal
 import sys
 import tempfile
@@ -30,7 +29,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import print_table, save  # noqa: E402
-from tests.live_server import LiveServer  # noqa: E402
+from clients.live_server import LiveServer  # noqa: E402
 
 REPLICATED = {str(e): [0] if e < 4 else [0, 1] for e in range(8)}  # the built-in model has 8 experts
 
@@ -42,8 +41,8 @@ def placement_version(srv) -> float:
     return 0.0
 
 
-def fault(srv, victim: str, sup) -> dict:
-    out = sup._fault_under_load(srv, f"shuttle-expert-{victim}", signal.SIGKILL)
+def fault(srv, victim: str, sup, requests: int, concurrency: int) -> dict:
+    out = sup.fault_under_load(srv, f"shuttle-expert-{victim}", signal.SIGKILL, requests, concurrency)
     results = out["results"].items()
     failed = sum(isinstance(r, Exception) for _, r in results)
     wrong = sorted({sup.PROMPTS[i % len(sup.PROMPTS)] for i, r in results
@@ -61,7 +60,7 @@ def control(srv, sup, requests: int, concurrency: int) -> dict:
     composition alone (another GEMM blocking sums in another order), which this row shows."""
     prompts = [sup.PROMPTS[i % len(sup.PROMPTS)] for i in range(requests)]
     with ThreadPoolExecutor(concurrency) as pool:
-        texts = list(pool.map(lambda q: sup._complete(srv, q), prompts))
+        texts = list(pool.map(lambda q: sup.complete(srv, q), prompts))
     wrong = sorted({q for q, t in zip(prompts, texts) if t != srv.reference[q]})
     return {"killed": "-", "path": "no fault", "requests": requests, "failed": 0,
             "wrong_text": sum(t != srv.reference[q] for q, t in zip(prompts, texts)), "wrong_prompts": wrong}
@@ -77,9 +76,7 @@ def main() -> int:
     args = p.parse_args()
     if args.quick:
         args.rounds, args.requests, args.concurrency = 1, 12, 6
-    # tests/test_supervision.py's load generator reads its sizes from the environment at import
-    os.environ.update(SHUTTLE_FAULT_REQUESTS=str(args.requests), SHUTTLE_FAULT_CONCURRENCY=str(args.concurrency))
-    from tests import test_supervision as sup
+    from bench import fault_load as sup
 
     placement = Path(tempfile.mkdtemp()) / "placement.json"
     placement.write_text(json.dumps(REPLICATED))
@@ -91,16 +88,16 @@ def main() -> int:
         srv.model = json.loads(httpx.get(f"{srv.url}/v1/models").text)["data"][0]["id"]
         srv.client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=300)
         with ThreadPoolExecutor(len(sup.PROMPTS)) as pool:
-            srv.reference = dict(zip(sup.PROMPTS, pool.map(lambda q: sup._complete(srv, q), sup.PROMPTS)))
+            srv.reference = dict(zip(sup.PROMPTS, pool.map(lambda q: sup.complete(srv, q), sup.PROMPTS)))
         for r in range(args.rounds):
             rows.append({"round": r, **control(srv, sup, args.requests, args.concurrency)})
             version = placement_version(srv)
-            rows.append({"round": r, **fault(srv, "e1", sup)})
+            rows.append({"round": r, **fault(srv, "e1", sup, args.requests, args.concurrency)})
             deadline = time.monotonic() + 120
             while placement_version(srv) < version + 2 and time.monotonic() < deadline:
                 time.sleep(0.2)
             rows[-1]["added_back"] = placement_version(srv) >= version + 2
-            rows.append({"round": r, **fault(srv, "e0", sup)})
+            rows.append({"round": r, **fault(srv, "e0", sup, args.requests, args.concurrency)})
     print_table(rows, ["round", "killed", "path", "first_token_s", "pause_s", "requests", "failed", "wrong_text"])
     path = save("failover", {"config": vars(args), "faults": rows})
     print(f"wrote {path}")

@@ -53,8 +53,9 @@ def m2n_worker(role: str, rank: int, M: int, backend: str, port: int, sizes: lis
                spin_s: float = 1e-3) -> None:
     from torch.distributed import TCPStore
 
+    from m2n_comm.endpoints import open_endpoint
     from m2n_comm.m2n import M2NReceiver, M2NSender, Placement
-    from m2n_comm.transport import TransportConfig, open_endpoint
+    from m2n_comm.transport import TransportConfig
 
     torch.set_num_threads(1)
     name = backend
@@ -210,7 +211,8 @@ def ep_worker(role: str, rank: int, M: int, backend: str, port: int, sizes: list
     tensor to every receiver, then receive and release every reply; receivers echo from the slot."""
     from torch.distributed import TCPStore
 
-    from m2n_comm.transport import KIND_DATA, MessageMeta, TransportConfig, open_endpoint
+    from m2n_comm.endpoints import open_endpoint
+    from m2n_comm.transport import KIND_DATA, MessageMeta, TransportConfig
 
     torch.set_num_threads(1)
     if backend.startswith("nixl"):

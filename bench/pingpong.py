@@ -15,12 +15,12 @@ new tokens each (EOS ignored), submitted at once. On this machine's 2 cores: 1 a
 colocated engine (experts in the attention process) with 2 torch threads: the same total threads,
 in one run, plus 'm=1 serve': m = 1 with shuttle serve's default threads on one host (the pools
 take turns at m = 1, so each worker gets every core; attention_nodes.config.worker_threads), whose
-spawned workers wait passively (server/launchers.py). Each deployment serves every batch size in
+spawned workers wait passively (pools/launchers.py). Each deployment serves every batch size in
 turn (one start per deployment).
 
 Decode step time: the window from the moment every sequence has its first token to the last token,
 over the steps in it (new_tokens - 1). "vs colo" is the colocated step time over the pools' (higher
-is better); the issue's target for the best m is printed beside it.
+is better); the target for the best m is printed beside it.
 
 Breakdown (ms per step, from the workers' traces over the same window):
   attention worker: attn = compute inside the forward between M2N calls (embedding, attention,
@@ -50,9 +50,10 @@ from attention_nodes.engine import LLMEngine  # noqa: E402
 from attention_nodes.sampling_params import SamplingParams  # noqa: E402
 from bench.common import print_table, save  # noqa: E402
 from bench.engine import mixtral  # noqa: E402  (the 425M checkpoint's builder, shared)
-from server.pools import PoolEngine  # noqa: E402
+from pools.engine import PoolEngine  # noqa: E402
 
-TARGETS = {1: 0.7, 16: 0.8, 64: 0.95, 256: 1.0}  # issue 18: best m against colocated
+# "vs colo" of the best m (colocated's step time over the pools'), at least these
+TARGETS = {1: 0.7, 16: 0.8, 64: 0.95, 256: 1.0}
 PROMPT_LEN = 32
 ATTN_CATS = ("attention", "transfer", "wait", "step", "control")
 

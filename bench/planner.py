@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import median_noise, print_table, save, within_by_noise  # noqa: E402
 from clients.bench_serve import run_bench  # noqa: E402
 from planner.plan import HOST_WAVES  # noqa: E402
-from tests.live_server import LiveServer  # noqa: E402
+from clients.live_server import LiveServer  # noqa: E402
 
 # name -> (shuttle serve flags, batch = max_num_seqs = max concurrency)
 DEPLOYMENTS = {
@@ -145,8 +145,8 @@ def measure(ckpt: Path, flags: list[str], batch: int, args, seed: int = 0) -> di
         out[key] = statistics.median(r[key] for r in runs)
     out["repeat_tok_s"], out["repeat_spread"] = tput, max(tput) / min(tput) - 1
     out["repeat_tpot_ms"] = [r["mean_tpot_ms"] for r in runs]
-    # Requests bench serve counted as failed, per run (until the tenth round 1-3 of 1,024 in some
-    # batch-256 runs: streams whose tokens decoded to no text, which now count as served).
+    # Requests bench serve counted as failed, per run (a stream whose tokens decode to no text
+    # counts as served).
     out["repeat_failed"] = [r["failed"] for r in runs]
     return out
 
@@ -155,9 +155,9 @@ def _load_args(ckpt: Path, batch: int, args) -> tuple[int, list[str]]:
     """Prompts per measured run and bench serve's load arguments at `batch` (without --base-url,
     --seed, --num-prompts, --output-len). Prompts of exactly --input-len tokens of the model's
     tokenizer (as vllm bench serve's random dataset makes them), the workload `shuttle plan` is asked
-    for. Until issue 13's eleventh round they were --input-len random words, ~97 tokens for 64: the
-    plan chose for 64-token prompts and its pick was measured on 97 (the fine shape's pools at batch
-    256 predicted 2% ahead of colocated at 256 for 64 tokens, 8% behind for 97)."""
+    for. Not --input-len random words: those are ~97 tokens for 64, so a plan chosen for 64-token
+    prompts would be measured on 97 (the fine shape's pools at batch 256 are predicted 2% ahead of
+    colocated at 256 for 64 tokens, 8% behind for 97)."""
     n = max(args.min_prompts, HOST_WAVES * batch, MIN_MEASURED_PROMPTS)
     return n, ["--input-len", str(args.input_len), "--tokenizer", str(ckpt), "--max-concurrency", str(batch),
                "--ignore-eos", "--disable-tqdm"]

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import print_table, save  # noqa: E402
 from clients.bench_serve import run_bench  # noqa: E402
-from tests.live_server import LiveServer  # noqa: E402
+from clients.live_server import LiveServer  # noqa: E402
 
 DEPLOYMENTS = {
     "colocated": ["--colocated"],

@@ -39,7 +39,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import RESULTS, print_table, save  # noqa: E402
-from tests.live_server import LiveServer  # noqa: E402
+from clients.live_server import LiveServer  # noqa: E402
 
 WORDS = ("the for while statement list dict module function class return value object import string "
          "number loop file error exception method attribute name type call argument default").split()

@@ -3,7 +3,7 @@
     python bench/structured.py [--batch 32] [--repeats 1]
 
 Engine: the built-in model, colocated, 32 requests at once, each constrained to its own JSON schema
-(tests/json_schemas.py: 32 distinct grammars, compiled once each), greedy. The baseline runs the same
+(bench/json_schemas.py: 32 distinct grammars, compiled once each), greedy. The baseline runs the same
 prompts unconstrained for exactly the number of tokens each constrained request produced (eos
 ignored), so both runs generate the same tokens per request; the ratio is the cost of compiling,
 filling the bitmasks (xgrammar, per row) and applying them (one masked fill over the batch).
@@ -23,7 +23,7 @@ from attention_nodes.sampler import Sampler, SamplingRow  # noqa: E402
 from attention_nodes.structured import GrammarCache, StructuredOutputs  # noqa: E402
 from bench.common import best_of, print_table, save  # noqa: E402
 from server import LLM, SamplingParams  # noqa: E402
-from tests.json_schemas import schemas  # noqa: E402
+from bench.json_schemas import schemas  # noqa: E402
 
 PROMPT = 'A JSON object such as {"name": "spam"}:'
 

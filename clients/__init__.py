@@ -1,1 +1,3 @@
-"""Clients of Shuttle's wire formats (gRPC client, load-test tool); built by the server issue."""
+"""Clients of a running Shuttle: the gRPC client (grpc_client.py), `shuttle bench serve` (bench_*.py),
+readiness polling (ready.py), and LiveServer (live_server.py), a `shuttle serve` process that tests
+and benchmarks start."""

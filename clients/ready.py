@@ -1,5 +1,5 @@
 """Wait until a `shuttle serve` (or any server with GET /health) answers 200, for scripts that start
-a server and then use it: tests/live_server.py, the planner's front profile (planner/front.py).
+a server and then use it: clients/live_server.py, the planner's front profile (planner/front.py).
 `shuttle bench serve --ready-check-timeout-sec` does the same through its backends (a test request).
 """
 import subprocess

@@ -29,12 +29,13 @@ from torch.distributed import TCPStore
 
 from expert_nodes.placement import HeldExperts, epoch_placement, loader_for, watch_placements
 from kernels import native
+from m2n_comm.endpoints import open_endpoint
 from m2n_comm.m2n import M2NReceiver, run_local_experts
 from m2n_comm.placement import ExpertPlacement
-from m2n_comm.trace import Tracer
-from m2n_comm.transport import PeerDeadError, TransportConfig, TransportTimeout, data_session, open_endpoint
+from m2n_comm.transport import PeerDeadError, TransportConfig, TransportTimeout, data_session
 from models.config import ModelConfig
 from models.loader import freeze_loaded_heap
+from telemetry.trace import Tracer
 
 log = logging.getLogger("shuttle.expert")
 STATS_EVERY_S = 1.0

@@ -43,10 +43,10 @@ from pathlib import Path
 import torch
 
 from kernels import native
+from kernels.native import BUCKET_ROWS, bucket
 
 log = logging.getLogger("shuttle")
 ENV_VAR = "SHUTTLE_KERNEL_CHOICE"
-BUCKET_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 LOSING_RATIO = 2.0
 TIE = 0.05  # a bucket keeps the previous bucket's kernel unless another is faster by more than this
 ROUNDS = 3
@@ -54,11 +54,6 @@ CANDIDATES = {"gemm": ("avx512", "amx", "onednn"), "moe": ("avx512", "amx"), "sk
 CHOOSABLE = {"gemm": ("avx512", "amx"), "moe": ("avx512", "amx"), "skinny": ("native", "onednn")}
 _C_OPS = {"gemm": native.GEMM, "moe": native.MOE}
 _C_CANDIDATES = {"avx512": native.AVX512, "amx": native.AMX}
-
-
-def bucket(rows: int) -> int:
-    """The row bucket of `rows` (>= 1): 0 for 1 row, b for 2^(b-1) < rows <= 2^b, the last open-ended."""
-    return min(len(BUCKET_ROWS) - 1, max(rows - 1, 0).bit_length())
 
 
 @dataclass
@@ -264,21 +259,14 @@ def measure(op: str, shapes: list[tuple[int, ...]]) -> Choice:
 
 def _apply(choice: Choice) -> None:
     if choice.op == "skinny":
-        _SKINNY_NATIVE[:] = [p == "native" for p in choice.picks]
+        from kernels.cpu_linear import set_skinny_native
+        set_skinny_native([p == "native" for p in choice.picks])
         return
     for b, pick in enumerate(choice.picks):
         native.set_kernel_choice(_C_OPS[choice.op], b, _C_CANDIDATES[pick])
 
 
-# skinny's table, read on every float32 linear call (kernels/cpu_linear.cpu_linear): whether the bf16
-# copy streams at each bucket. Until measured: up to 16 rows, what an AVX2 EPYC measured.
-_SKINNY_NATIVE = [rows <= 16 for rows in BUCKET_ROWS]
 _chosen: dict[str, Choice] = {}  # this process's tables by op
-
-
-def skinny_native(rows: int) -> bool:
-    """Whether a float32 linear with a bf16 copy of its weights runs the native bf16 GEMM at `rows`."""
-    return _SKINNY_NATIVE[bucket(rows)]
 
 
 def configure(op: str, shapes: list[tuple[int, ...]]) -> Choice | None:

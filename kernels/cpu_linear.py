@@ -20,7 +20,7 @@ os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from kernels import choice, native  # noqa: E402
+from kernels import native  # noqa: E402
 
 BATCH_HINT = 16  # rows oneDNN picks its blocking for; any row count works
 # Rows up to which cpu_linear streams the bf16 copy of float32 weights until kernels/choice.py has
@@ -28,6 +28,20 @@ BATCH_HINT = 16  # rows oneDNN picks its blocking for; any row count works
 # EPYC, 4096 x 1024 weights, against oneDNN's packed float32 GEMM: 1.80x at 1 row, 1.45x at 4, 1.06x
 # at 16, 0.93x at 32 and 0.84x at 64 with 2 threads.
 SKINNY_MAX_ROWS = 16
+# The "skinny" table, read on every float32 linear call: whether the bf16 copy streams at each row
+# bucket (native.BUCKET_ROWS). kernels/choice.py replaces it with what it measured.
+_SKINNY_NATIVE = [rows <= SKINNY_MAX_ROWS for rows in native.BUCKET_ROWS]
+
+
+def set_skinny_native(picks: list[bool]) -> None:
+    if len(picks) != len(native.BUCKET_ROWS):
+        raise ValueError(f"{len(picks)} picks for {len(native.BUCKET_ROWS)} row buckets")
+    _SKINNY_NATIVE[:] = picks
+
+
+def skinny_native(rows: int) -> bool:
+    """Whether a float32 linear with a bf16 copy of its weights runs the native bf16 GEMM at `rows`."""
+    return _SKINNY_NATIVE[native.bucket(rows)]
 
 
 @functools.cache
@@ -97,7 +111,7 @@ def cpu_linear(x_TI: torch.Tensor, w: CpuWeight, bias_O: torch.Tensor | None = N
     if w.panels is not None:
         y = native.gemm_bf16_panels(x_TI, w.panels, w.out_features)
         return y if bias_O is None else y.add_(bias_O)
-    if w.half is not None and choice.skinny_native(x_TI.shape[0]):
+    if w.half is not None and skinny_native(x_TI.shape[0]):
         y = native.gemm_bf16(x_TI, w.half)
         return y if bias_O is None else y.add_(bias_O)
     return packed_linear(x_TI, w.packed, bias_O)

@@ -44,9 +44,17 @@ import torch
 
 log = logging.getLogger("shuttle")
 ENV_VAR = "SHUTTLE_NATIVE_KERNELS"
+# Row buckets of the kernel tables (the C library's, and kernels/cpu_linear.py's skinny one): bucket
+# b holds 2^(b-1) < rows <= 2^b, the last one every larger count. kernels/choice.py fills them.
+BUCKET_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
 HEADERS = sorted((Path(__file__).with_name("csrc")).glob("*.h"))  # hashed with the sources
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+
+def bucket(rows: int) -> int:
+    """The row bucket of `rows` (>= 1): 0 for 1 row, b for 2^(b-1) < rows <= 2^b, the last open-ended."""
+    return min(len(BUCKET_ROWS) - 1, max(rows - 1, 0).bit_length())
 
 
 def _cache_dir() -> Path:
@@ -159,7 +167,7 @@ def threads() -> int:
 
 def passive_waits() -> bool:
     """Whether OpenMP's idle threads sleep (OMP_WAIT_POLICY=passive, as the worker pools run on one
-    host: server/launchers.py), so that each parallel region first wakes them (20-60 us here). The
+    host: pools/launchers.py), so that each parallel region first wakes them (20-60 us here). The
     C kernels read the same variable (bf16_avx2.h: passive_waits)."""
     return os.environ.get("OMP_WAIT_POLICY", "").lower().startswith("p")
 

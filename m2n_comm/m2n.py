@@ -32,8 +32,8 @@ from typing import Callable
 import torch
 
 from m2n_comm.placement import ExpertPlacement, Placement
-from m2n_comm.trace import Tracer
 from m2n_comm.transport import KIND_DATA, KIND_WAKE, Endpoint, MessageMeta
+from telemetry.trace import Tracer
 
 
 class HostStaging:

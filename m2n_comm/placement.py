@@ -1,4 +1,5 @@
-"""Expert placement: which expert workers hold which (MoE layer, expert), and how to choose it.
+"""Expert placement tables: which expert workers hold which (MoE layer, expert); M2N routes by them.
+How a placement is chosen (the greedy, EPLB) is pools/eplb.py.
 
 Legend: E experts per MoE layer, W expert workers, R redundant copies per layer (E + R copies in
 all per layer), L MoE layers.
@@ -10,10 +11,7 @@ all per layer), L MoE layers.
   publishes version + 1, and the M2N headers carry the version a chunk was routed with.
   `down`: expert workers out of service (failover: a dead worker whose experts all have copies
   elsewhere); they hold nothing and attention workers do not reach them at all.
-- `greedy_placement`: MegaScale-Infer's greedy for one layer from its token counts: give the R
-  extra copies one at a time to the expert with the most tokens per copy, then place the copies,
-  heaviest first, each on the least-loaded worker that has a free slot and no copy of it yet.
-  Slots: each worker holds (E + R) // W copies per layer, the first (E + R) % W workers one more
+- Slots: each worker holds (E + R) // W copies per layer, the first (E + R) % W workers one more
   (the memory each worker has for experts, fixed at start).
 """
 import json
@@ -180,68 +178,3 @@ def check_redundancy(num_experts: int, num_workers: int, num_redundant: int) -> 
         raise ValueError(f"num_redundant_experts={num_redundant}: with {num_workers} expert workers each of the "
                          f"{num_experts} experts has at most {num_workers} copies, so at most "
                          f"{num_experts * (num_workers - 1)} extra")
-
-
-def greedy_placement(load_E: list[float], num_workers: int, num_redundant: int = 0,
-                     slots_W: list[int] | None = None) -> Placement:
-    """MegaScale-Infer's greedy for one layer (see the module docstring). load_E: tokens routed to
-    each expert over the window (any non-negative numbers). Deterministic: ties go to the lower
-    expert id, then to the lower worker id."""
-    E, W = len(load_E), num_workers
-    check_redundancy(E, W, num_redundant)
-    slots = list(slots_W) if slots_W is not None else worker_slots(E, W, num_redundant)
-    if len(slots) != W or sum(slots) != E + num_redundant:
-        raise ValueError(f"worker slots {slots} must be {W} numbers adding up to {E + num_redundant}")
-    count = [1] * E
-    for _ in range(num_redundant):  # one more copy for the expert with the most tokens per copy
-        e = max((e for e in range(E) if count[e] < W), key=lambda e: (load_E[e] / count[e], -e))
-        count[e] += 1
-    # Heaviest copies first; an expert's copies next to each other, replicated experts before single
-    # ones of equal weight, so every copy still finds a worker without one.
-    order = sorted(range(E), key=lambda e: (-load_E[e] / count[e], -count[e], e))
-    load_W, free, held = [0.0] * W, slots, [set() for _ in range(W)]
-    copies: list[list[int]] = [[] for _ in range(E)]
-    for e in order:
-        for _ in range(count[e]):
-            options = [w for w in range(W) if free[w] > 0 and e not in held[w]]
-            if not options:  # only workers that already hold e have room: trade with one that does not
-                options = [_make_room(e, held, free, copies, load_W, load_E, count)]
-            w = min(options, key=lambda w: (load_W[w], w))
-            copies[e].append(w)
-            held[w].add(e)
-            free[w] -= 1
-            load_W[w] += load_E[e] / count[e]
-    return Placement(E, W, tuple(tuple(sorted(ws)) for ws in copies))
-
-
-def _make_room(e: int, held: list[set], free: list[int], copies: list[list[int]], load_W: list[float],
-               load_E: list[float], count: list[int]) -> int:
-    """Every worker with a free slot already holds e: move a copy of some expert x from a full worker
-    v without e to a worker u with room that lacks x, freeing a slot on v for e. With balanced slots
-    such an x exists: held[v] within held[u] would need u to have 2 more slots than v."""
-    for u in (w for w in range(len(free)) if free[w] > 0):
-        for v in (w for w in range(len(free)) if free[w] == 0 and e not in held[w]):
-            for x in sorted(held[v]):
-                if x not in held[u]:
-                    copies[x][copies[x].index(v)] = u
-                    held[v].discard(x), held[u].add(x)
-                    free[u], free[v] = free[u] - 1, free[v] + 1
-                    share = load_E[x] / count[x]
-                    load_W[u], load_W[v] = load_W[u] + share, load_W[v] - share
-                    return v
-    raise ValueError(f"worker slots {[len(h) + f for h, f in zip(held, free)]} leave no room for copy "
-                     f"{len(copies[e]) + 1} of expert {e} on a worker without one")
-
-
-def rebalance(load_LE: list[list[float]], current: ExpertPlacement, num_redundant: int) -> ExpertPlacement:
-    """The greedy placement of every layer from its loads (load_LE[i]: MoE layer moe_layers[i]), as
-    version current.version + 1. Layers with no tokens keep their current placement."""
-    layers = tuple(p if not any(load) else greedy_placement(load, current.num_workers, num_redundant)
-                   for p, load in zip(current.layers, load_LE))
-    return ExpertPlacement(current.moe_layers, layers, current.version + 1)
-
-
-def imbalance(worker_load_W: list[float]) -> float:
-    """max / mean of the workers' loads (1.0 when balanced or idle)."""
-    mean = sum(worker_load_W) / max(len(worker_load_W), 1)
-    return max(worker_load_W) / mean if mean > 0 else 1.0

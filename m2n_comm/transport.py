@@ -14,7 +14,7 @@ connection) checks the peer's heartbeat and raises PeerDeadError naming the peer
 silent for `dead_after_s` or its process is gone, and TransportTimeout when an explicit deadline
 passes. Nothing waits forever.
 
-Backends: shm (one host, m2n_comm/shm.py), tcp (any hosts, m2n_comm/tcp.py), nixl (any hosts, RDMA
+Backends (opened by m2n_comm/endpoints.py, which this module does not import): shm (one host, m2n_comm/shm.py), tcp (any hosts, m2n_comm/tcp.py), nixl (any hosts, RDMA
 where the NIC has it: m2n_comm/nixl.py maps `send` to a NIXL WRITE into the peer's registered slot
 with a notification, and `recv` to polling NIXL's notifications).
 """
@@ -183,18 +183,3 @@ def data_session(session: str, epoch: int) -> str:
     """The session of a deployment's data plane in `epoch`: after a failure every endpoint is opened
     again under a new epoch, so slots, store keys and shm names never mix with the broken one's."""
     return session if epoch == 0 else f"{session}.g{epoch}"
-
-
-def open_endpoint(cfg: TransportConfig, store, session: str, me: str, peers: Sequence[str],
-                  num_slots: int) -> Endpoint:
-    """Create my receive slots, publish how to reach me through `store` (a torch.distributed Store:
-    set/get/wait), and connect to every peer. Returns when all peers are reachable (or raises
-    TransportTimeout after cfg.connect_timeout_s naming the missing peers)."""
-    if cfg.backend == "shm":
-        from m2n_comm.shm import ShmEndpoint
-        return ShmEndpoint(cfg, store, session, me, list(peers), num_slots)
-    if cfg.backend == "nixl":
-        from m2n_comm.nixl import NixlEndpoint
-        return NixlEndpoint(cfg, store, session, me, list(peers), num_slots)
-    from m2n_comm.tcp import TcpEndpoint
-    return TcpEndpoint(cfg, store, session, me, list(peers), num_slots)

@@ -1,4 +1,5 @@
-"""One MoE decoder definition (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) and Hugging Face checkpoint loading."""
+"""One MoE decoder definition for every family Shuttle serves (config.py: ARCHITECTURES), Hugging
+Face checkpoint loading, and the CPU inference paths (packed weights, the native decode step)."""
 from models.config import ARCHITECTURES, ConfigError, ModelConfig
 from models.loader import CheckpointError, load_model
 from models.moe_decoder import MoEForCausalLM

@@ -31,8 +31,9 @@ def _echo(backend: str, port: int, hidden: int, top_k: int, slot_bytes: int, tot
           delay_s: float) -> None:
     from torch.distributed import TCPStore
 
+    from m2n_comm.endpoints import open_endpoint
     from m2n_comm.m2n import M2NReceiver
-    from m2n_comm.transport import TransportConfig, open_endpoint
+    from m2n_comm.transport import TransportConfig
 
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
@@ -55,8 +56,9 @@ def measure_transfer(model: str, backend: str, dtype: torch.dtype, quick: bool =
     {"spin_s", "wake_s"}: how long a wait polls before it blocks, and what a blocked wait adds."""
     from torch.distributed import TCPStore
 
+    from m2n_comm.endpoints import open_endpoint
     from m2n_comm.m2n import M2NSender, Placement, slot_bytes_for
-    from m2n_comm.transport import TransportConfig, open_endpoint
+    from m2n_comm.transport import TransportConfig
     from models.config import ModelConfig
 
     cfg = ModelConfig.from_pretrained(model)

@@ -12,7 +12,7 @@ and each request's outputs come back through its own asyncio queue. A consumer t
 (a client that disconnects) aborts its request. If the engine thread fails, every waiting request
 gets the error and later calls raise EngineDeadError, as after shutdown(): nothing waits forever.
 The engine is LLMEngine in this process or, with colocated=False, the worker pools' front
-(server/pools.py); a worker that dies is noticed within a second even while no request runs, and
+(pools/engine.py); a worker that dies is noticed within a second even while no request runs, and
 restarted there (requests wait, and running ones resume, meanwhile); only a failure it cannot
 recover from ends the engine thread.
 
@@ -31,11 +31,11 @@ from typing import AsyncIterator, Callable, Protocol
 
 import torch
 
-from attention_nodes.engine import LLMEngine
+from attention_nodes.engine import Engine
 from attention_nodes.sampling_params import SamplingParams
-from m2n_comm.trace import Tracer
 from server.llm import LLM
 from server.outputs import RequestOutput, RequestTracker
+from telemetry.trace import Tracer
 
 log = logging.getLogger("shuttle")
 
@@ -138,7 +138,7 @@ class AsyncLLM:
     def _build_and_loop(self, args: tuple, engine_kwargs: dict, built: threading.Event, failed: list) -> None:
         try:
             self._llm = LLM(*args, **engine_kwargs)  # tokenizer, validation, engine
-            self.engine: LLMEngine = self._llm.engine
+            self.engine: Engine = self._llm.engine
         except BaseException as e:  # raised by __init__ in the caller's thread
             failed.append(e)
             return
@@ -148,14 +148,16 @@ class AsyncLLM:
 
     # -- the asyncio side ---------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       admission: Admission | None = None) -> AsyncIterator[RequestOutput]:
+                       admission: Admission | None = None, *, validated: bool = False
+                       ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its output after every step that changed it, the last one with
         finished=True. Raises ValueError for a bad request (before anything runs), QueueFullError
         when max_waiting requests already wait for their first token (unless it takes its place
-        from `admission`, reserved earlier)."""
+        from `admission`, reserved earlier). validated: the caller passed token ids it checked with
+        validate_request itself (the HTTP front does, to name the request's field in its errors)."""
         self.check_alive()
         request_id = request_id or f"req-{next(self._ids)}"
-        ids = self._llm._encode(prompt, params)
+        ids = list(prompt) if validated else self._llm._encode(prompt, params)
         tracker = RequestTracker(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer)
         out: asyncio.Queue = asyncio.Queue()
         if admission is None or not admission.take():
@@ -257,7 +259,7 @@ class AsyncLLM:
     def ready(self) -> bool:
         """A generation step can run now: the engine is alive and, with worker pools, every worker
         is up and connected (False while failed workers are restarted; requests wait meanwhile)."""
-        return self._error is None and not self._stopping and getattr(self.engine, "ready", True)
+        return self._error is None and not self._stopping and self.engine.ready
 
     def check_alive(self) -> None:
         """Raise EngineDeadError if the engine failed (a dead worker included) or was shut down."""

@@ -67,10 +67,24 @@ def _deployment_kwargs(args: argparse.Namespace, disaggregate_by_default: bool) 
     from planner.plan import plan_engine_kwargs
 
     planned = plan_engine_kwargs(args.plan, args.model)
+    logging.getLogger("shuttle").info("--plan %s: %s", args.plan, describe_plan(planned))
     kwargs = {**_engine_kwargs(args), **planned, **_eplb_kwargs(args)}
     if args.attention_device or args.device:
         kwargs["device"] = args.attention_device or args.device
     return kwargs
+
+
+def describe_plan(planned: dict) -> str:
+    """One line saying which deployment, threads and batch a plan set."""
+    p = planned
+    if p["colocated"]:
+        where = f"colocated on {p['device']}"
+    else:
+        where = (f"{p['attention_workers']} attention worker(s) on {p['device']} + {p['expert_workers']} expert "
+                 f"worker(s) on {p['expert_device'] or p['device']}, {p['micro_batches']} micro-batch(es), "
+                 f"transport {p['transport']}")
+    threads = p["torch_threads"] or "default"
+    return f"{where}; torch threads per worker: {threads}; batch up to {p['max_num_seqs']} sequences"
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -175,7 +189,7 @@ def _serve(args: argparse.Namespace) -> int:
         if not args.rendezvous:
             print("shuttle serve: error: --role attention|expert needs --rendezvous HOST:PORT", file=sys.stderr)
             return 2
-        from server.roles import run_role
+        from pools.roles import run_role
         try:
             run_role(args.role, args.rendezvous, args.host, args.torch_threads,
                      os.environ.get("SHUTTLE_DEPLOYMENT_TOKEN") or None)

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 
 from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from attention_nodes.engine import LLMEngine, default_eos_ids
+from attention_nodes.engine import Engine, LLMEngine, default_eos_ids, validate_request
 from attention_nodes.sampling_params import SamplingParams
-from m2n_comm.trace import Tracer
 from models.config import DTYPES, ModelConfig
 from server.outputs import CompletionOutput, RequestOutput, RequestTracker
+from telemetry.trace import Tracer
 
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "resolve_dtype", "engine_config"]
 log = logging.getLogger("shuttle")
@@ -113,7 +113,7 @@ class LLM:
     that emulates those GEMMs, see models.loader.auto_dtype), "float32", "bfloat16" or "float16". device:
     "cpu" or "cuda" (default: cuda when present). The keyword arguments size the scheduler and the
     KV cache and choose the deployment (see engine_config): by default everything runs in this
-    process; colocated=False starts attention and expert worker pools (server/pools.py), or meets
+    process; colocated=False starts attention and expert worker pools (pools/engine.py), or meets
     pools started elsewhere when rendezvous="HOST:PORT" is given. plan: a plan file from `shuttle
     plan` choosing the deployment (keyword arguments given here override it; a plan this host
     cannot run is refused with ValueError). deployment_token: the token every pool worker must present
@@ -145,9 +145,9 @@ class LLM:
                 raise ValueError("eplb balances expert workers: it needs colocated=False (worker pools)")
             if cfg.parallel.torch_threads:  # the engine computes in this process: its threads are ours
                 torch.set_num_threads(cfg.parallel.torch_threads)
-            self.engine = LLMEngine(cfg, eos)
+            self.engine: Engine = LLMEngine(cfg, eos)
         else:
-            from server.pools import PoolEngine
+            from pools.engine import PoolEngine
             self.engine = PoolEngine(replace(cfg, parallel=replace(cfg.parallel, colocated=False)), eos, rendezvous,
                                      deployment_token)
         self._ids = itertools.count()
@@ -161,8 +161,7 @@ class LLM:
         t0 = Tracer.now()
         deltas = self.engine.step()
         if self.tracer.enabled:
-            summary = getattr(self.engine, "step_summary", None)
-            self.tracer.span("step", "step", t0, args=summary() if summary else {"deltas": len(deltas)})
+            self.tracer.span("step", "step", t0, args=self.engine.step_summary())
         return deltas
 
     @property
@@ -216,8 +215,7 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the worker pools (nothing to do when the engine runs in this process); with trace_dir,
         write the engine loop's trace."""
-        if hasattr(self.engine, "shutdown"):
-            self.engine.shutdown()
+        self.engine.shutdown()
         if self.tracer.enabled:
             self.tracer.dump(self.trace_dir)
 
@@ -248,7 +246,8 @@ class LLM:
     def _encode(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         if self.tokenizer is None and (isinstance(prompt, str) or params.stop):
             raise ValueError(f"{self.model_dir}: no tokenizer files; pass token ids and no stop strings")
-        return self.engine.check_prompt(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return validate_request(ids, params, self.cfg)
 
 
 def _load_tokenizer(model_dir: Path):

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from attention_nodes.engine import check_params
+from attention_nodes.engine import check_params, check_prompt
 from attention_nodes.sampling_params import SamplingParams
 from server.async_llm import Admission, AsyncLLM, QueueFullError
 from server.openai_protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
@@ -148,7 +148,7 @@ class OpenAIServing:
 
     def _check_prompt(self, ids: list[int], param: str) -> list[int]:
         try:
-            return self.llm.engine.check_prompt(ids)
+            return check_prompt(ids, self.llm.model_config)
         except ValueError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise OpenAIError(str(e), param=param, code=code) from None
@@ -177,7 +177,7 @@ class OpenAIServing:
         async def run(i: int) -> None:
             try:
                 async for out in self.llm.generate(job.prompts[i], job.params, request_id=f"{job.id}-{i}",
-                                                 admission=job.admission):
+                                                 admission=job.admission, validated=True):
                     q.put_nowait((i, out))
             except BaseException as e:
                 q.put_nowait((i, e))

@@ -33,7 +33,7 @@ from clients.bench_metrics import (RequestRecord, calculate_metrics, concurrency
                                    parse_goodput)
 from clients.bench_serve import (HttpBackend, SSEDecoder, StreamRecorder, add_parser, arrival_times, bench_serve,
                                  build_parser, main, run_bench)
-from tests.live_server import free_port
+from clients.live_server import free_port
 
 # ---------------------------------------------------------------- calculate_metrics
 

@@ -123,9 +123,9 @@ def test_compiled_pools_equal_eager(make_checkpoint, family):
 
 def test_enforce_eager_config(monkeypatch):
     """The flag is one EngineConfig field; the environment only fills in an unset value."""
+    from pools.roles import engine_config_from_json, engine_config_to_json
     from server.cli import build_parser
     from server.llm import engine_config
-    from server.roles import engine_config_from_json, engine_config_to_json
 
     with pytest.raises(ValueError, match="enforce_eager"):
         EngineConfig("m", enforce_eager="yes")

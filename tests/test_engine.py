@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attention_nodes.config import CacheConfig, EngineConfig, SchedulerConfig
-from attention_nodes.engine import LLMEngine
+from attention_nodes.engine import LLMEngine, validate_request
 from attention_nodes.sampling_params import SamplingParams
 from tests.conftest import hf_model
 
@@ -157,11 +157,15 @@ def test_thousand_requests_with_random_aborts_free_every_block(make_checkpoint):
 
 
 def test_request_validation(make_checkpoint):
+    """The front's checks (validate_request) and the engine's own: an id in use, a request the KV
+    cache could never hold."""
     engine = make_engine(make_checkpoint("mixtral"), block_size=4, num_blocks=8)
     with pytest.raises(ValueError, match="vocabulary"):
-        engine.add_request("x", [1, 99999], SamplingParams())
+        validate_request([1, 99999], SamplingParams(), engine.model_cfg)
     with pytest.raises(ValueError, match="empty"):
-        engine.add_request("x", [], SamplingParams())
+        validate_request([], SamplingParams(), engine.model_cfg)
+    with pytest.raises(ValueError, match="logit_bias"):
+        validate_request([5], SamplingParams(logit_bias={99999: 1.0}), engine.model_cfg)
     with pytest.raises(ValueError, match="KV blocks"):
         engine.add_request("x", list(range(2, 30)), SamplingParams(max_tokens=10))
     engine.add_request("x", [5, 6], SamplingParams(max_tokens=2))

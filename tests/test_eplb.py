@@ -14,10 +14,11 @@ from torch.distributed import TCPStore
 
 from attention_nodes.config import ParallelConfig
 from attention_nodes.sampling_params import SamplingParams
+from m2n_comm.endpoints import open_endpoint
 from m2n_comm.m2n import M2NReceiver, M2NSender
-from m2n_comm.placement import ExpertPlacement, Placement, check_redundancy, greedy_placement, worker_slots
-from m2n_comm.transport import TransportConfig, open_endpoint
-from server.eplb import PlacementControl, eplb_policy, predicted_worker_load, step_cost
+from m2n_comm.placement import ExpertPlacement, Placement, check_redundancy, worker_slots
+from m2n_comm.transport import TransportConfig
+from pools.eplb import PlacementControl, eplb_policy, greedy_placement, predicted_worker_load, step_cost
 
 
 # -- the greedy placement ---------------------------------------------------------------------------
@@ -251,7 +252,7 @@ class FakeStore:
 
 
 def test_placement_control_phases(monkeypatch):
-    monkeypatch.setattr("server.eplb.POLL_EVERY_S", 0.0)
+    monkeypatch.setattr("pools.eplb.POLL_EVERY_S", 0.0)
     store, sent = FakeStore(), []
     v0 = ExpertPlacement.uniform(Placement.balanced(4, 2), [1])
     ctl = PlacementControl(store, "s", v0, sent.append, interval=10, num_redundant=1)
@@ -310,7 +311,7 @@ def test_greedy_output_equal_while_replacing_live(make_checkpoint):
     step): greedy ids equal the colocated engine's during the re-placements and after them."""
     from attention_nodes.config import CacheConfig, EngineConfig
     from attention_nodes.engine import LLMEngine
-    from server.pools import PoolEngine
+    from pools.engine import PoolEngine
 
     ckpt = str(make_checkpoint("mixtral"))
     prompts = [[5, 17, 33, 100, 250, 7, 9], [400, 3], [77, 78, 79, 80, 81], [12, 13]]

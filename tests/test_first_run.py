@@ -58,5 +58,5 @@ def test_pools_at_a_scripts_top_level_say_what_to_add(make_checkpoint, tmp_path)
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=ENV, timeout=180)
     assert r.returncode != 0 and "pools started" not in r.stdout
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("server.supervision.WorkerFailedError:") and 'if __name__ == "__main__":' in last, r.stderr
+    assert last.startswith("pools.supervision.WorkerFailedError:") and 'if __name__ == "__main__":' in last, r.stderr
     assert "bootstrapping phase" not in r.stderr  # multiprocessing's page per worker is gone

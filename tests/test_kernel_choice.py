@@ -164,7 +164,7 @@ def test_skinny_float32_linears_follow_their_table(monkeypatch):
     w = cpu_linear.CpuWeight(exact)
     assert w.half is not None
     for natively in (True, False):
-        monkeypatch.setattr(choice, "_SKINNY_NATIVE", [natively] * len(choice.BUCKET_ROWS))
+        monkeypatch.setattr(cpu_linear, "_SKINNY_NATIVE", [natively] * len(choice.BUCKET_ROWS))
         calls = []
         real = native.gemm_bf16
         monkeypatch.setattr(native, "gemm_bf16", lambda *a: calls.append(1) or real(*a))

@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from m2n_comm.endpoints import open_endpoint
 from m2n_comm.m2n import M2NReceiver, M2NSender, Placement
-from m2n_comm.transport import TransportConfig, open_endpoint
+from m2n_comm.transport import TransportConfig
 
 D, K, E = 16, 2, 5
 

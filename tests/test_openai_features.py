@@ -6,7 +6,7 @@ import openai
 import pytest
 import torch
 
-from tests.live_server import LiveServer
+from clients.live_server import LiveServer
 from tests.test_sampling_features import reference_prompt_logprobs
 
 pytestmark = pytest.mark.slow

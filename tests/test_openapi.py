@@ -13,7 +13,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
                                                status_code_conformance)
 
-from tests.live_server import LiveServer
+from clients.live_server import LiveServer
 
 pytestmark = pytest.mark.slow
 MAX_EXAMPLES = 25  # per operation; with max_tokens bounded by a 64-token context each answer is fast

@@ -1,13 +1,14 @@
 """Serving a plan: `shuttle serve --plan` and LLM(plan=...) run the plan's pools, and give the
 colocated engine's greedy output; plans this host cannot run are refused with exit code 2."""
 import json
+import re
 
 import httpx
 import pytest
 
+from clients.live_server import LiveServer
 from planner.shapes import shape_from
 from server.llm import LLM
-from tests.live_server import LiveServer
 
 PROMPTS = ["the quick brown fox", "a b c d e f g", "hello"]
 
@@ -55,6 +56,8 @@ def test_serve_plan_equals_colocated(model_and_reference, tmp_path):
             assert r.status_code == 200, r.text
             got.append(r.json()["choices"][0])
         assert "shuttle-attention-a0" in srv.children() and "shuttle-expert-e0" in srv.children()
+        applied = re.search(r"--plan \S+: (.*)", srv.log())  # the server says what the plan set
+        assert applied and "2 micro-batch(es)" in applied.group(1) and "batch up to 8 sequences" in applied.group(1)
     llm = LLM(model)
     texts = [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
     llm.shutdown()

@@ -1,10 +1,11 @@
 """Disaggregated pools end to end: attention and expert workers as real processes over M2N.
 
-Greedy token ids must equal the colocated engine's (float32), for every pool shape of the issue, on
+Greedy token ids must equal the colocated engine's (float32), for every pool shape in POOLS, on
 both transports and both families, with requests of different lengths joining
 mid-run; a killed worker is reported.
 """
 import json
+import logging
 import os
 import signal
 import socket
@@ -19,9 +20,9 @@ from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig, wo
 from attention_nodes.engine import LLMEngine
 from attention_nodes.sampling_params import SamplingParams
 from m2n_comm.m2n import Placement
+import pools.engine as pools_module
+from pools.engine import PoolEngine, WorkerFailedError
 from server.llm import LLM
-import server.pools as pools_module
-from server.pools import PoolEngine, WorkerFailedError
 from tests.test_transport import NEEDS_NIXL
 
 PROMPTS = [[5, 17, 33, 100, 250, 7, 9, 11, 13, 200, 301, 45, 46, 47], [400, 3], [77, 78, 79, 80, 81, 82, 83],
@@ -60,7 +61,7 @@ def reference(make_checkpoint, family: str) -> dict[str, list[int]]:
 
 
 # `make pools-test` (SHUTTLE_FULL_MATRIX=1) runs the full matrix: every pool shape x family x
-# transport (24 deployments) and nixl's three shapes of the issue on both UCX transports (6).
+# transport (24 deployments) and the three NIXL_POOLS shapes on both UCX transports (6).
 FULL_MATRIX = os.environ.get("SHUTTLE_FULL_MATRIX", "0") == "1"
 # CI, for the suite's time budget: every pool shape once; the shapes cycle through the four (family,
 # transport) pairs, so each family runs on each transport and each transport with one and with
@@ -259,7 +260,7 @@ def test_roles_meet_at_a_rendezvous(make_checkpoint, caplog):
     import subprocess
     import sys
 
-    from server.roles import run_role
+    from pools.roles import run_role
 
     ckpt = make_checkpoint("qwen2_moe")
     want = [o.outputs[0].token_ids for o in LLM(ckpt, num_kv_blocks=64).generate(PROMPTS[:3], PARAMS)]
@@ -316,9 +317,9 @@ def test_roles_meet_at_a_rendezvous(make_checkpoint, caplog):
 
 
 def test_control_listener_admits_only_the_token():
-    """server.pool_control.admitted, the control listener's gate: Hello with the token passes; a
+    """pools.control.admitted, the control listener's gate: Hello with the token passes; a
     wrong token, a missing one (another message first), garbage and silence are refused."""
-    from server import pool_control
+    from pools import control as pool_control
 
     pool_control.HELLO_TIMEOUT_S, saved = 0.5, pool_control.HELLO_TIMEOUT_S
     try:
@@ -336,9 +337,9 @@ def test_control_listener_admits_only_the_token():
 
 
 def test_role_worker_token_from_store_or_environment():
-    """server.roles.deployment_token: a published token is used (a different SHUTTLE_DEPLOYMENT_TOKEN
+    """pools.roles.deployment_token: a published token is used (a different SHUTTLE_DEPLOYMENT_TOKEN
     is refused); a token kept off the store must come from the worker's environment."""
-    from server.roles import deployment_token
+    from pools.roles import deployment_token
 
     published = {"transport": {"token": "abc"}, "token_off_store": False}
     assert deployment_token(published, "h:1", None) == "abc" == deployment_token(published, "h:1", "abc")
@@ -350,3 +351,24 @@ def test_role_worker_token_from_store_or_environment():
         deployment_token(secret, "h:1", None)
     with pytest.raises(ValueError, match="must be a non-empty string"):
         PoolEngine(engine_cfg("no-such-model", ParallelConfig(False)), {0}, deployment_token=" ")
+
+
+def test_role_worker_waits_for_its_front_with_a_logged_back_off(caplog):
+    """A --role worker started before its front says what it waits for, backs off, and gives up
+    with a clear error; once the front has published the deployment it goes on."""
+    import threading
+
+    from clients.live_server import free_port
+    from pools.roles import wait_for_front
+
+    addr = f"127.0.0.1:{free_port()}"
+    with caplog.at_level(logging.INFO, logger="shuttle"), pytest.raises(TimeoutError, match="no deployment at"):
+        wait_for_front(addr, wait_s=4, first_retry_s=0.2)
+    assert "waiting for the front's rendezvous store at " + addr in caplog.text
+    caplog.clear()
+    front = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    threading.Timer(0.5, front.set, ("shuttle/deployment", "{}")).start()
+    with caplog.at_level(logging.INFO, logger="shuttle"):
+        store = wait_for_front(f"127.0.0.1:{front.port}", wait_s=30, first_retry_s=0.2)
+    assert store.get("shuttle/deployment") == b"{}"
+    assert "waiting for its front to publish the deployment" in caplog.text

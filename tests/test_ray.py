@@ -13,7 +13,7 @@ import time
 import pytest
 
 from attention_nodes.config import ParallelConfig
-from server.pools import PoolEngine, WorkerFailedError
+from pools.engine import PoolEngine, WorkerFailedError
 from tests.test_pools import PARAMS, PROMPTS, engine_cfg, reference, run_staggered
 
 ray = pytest.importorskip("ray", reason="--launcher ray needs Ray: pip install 'shuttle-moe[ray]' (make setup does)")
@@ -90,7 +90,7 @@ def test_pools_on_ray_nodes_by_resources(cluster, make_checkpoint):
             calls += 1
         assert got == {k: v for k, v in want.items() if k.startswith("1-")}  # resumed, the same ids
         new = next(p for p in engine._procs if p.name == "e0")
-        assert new is not e0 and new.node_id == other and engine.num_restarts == 1
+        assert new is not e0 and new.node_id == other and engine.supervision.num_restarts == 1
 
         ray.kill(new.actor, no_restart=True)
         t0 = time.monotonic()

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
+from clients.live_server import LiveServer
 from server import LLM, SamplingParams
-from tests.live_server import LiveServer
 
 pytestmark = pytest.mark.slow
 PROMPT = "The for statement"

@@ -13,9 +13,9 @@ import jsonschema
 import openai
 import pytest
 
+from bench.json_schemas import schemas
 from clients.grpc_client import GrpcClient
-from tests.json_schemas import schemas
-from tests.live_server import LiveServer
+from clients.live_server import LiveServer
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 192  # the largest of the 50 schemas' outputs takes about 120 tokens of the built-in model

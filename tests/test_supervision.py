@@ -14,13 +14,13 @@ too. The fifth fault is past --max-worker-restarts 4: the clear failure of an un
 deployment.
 `make fault-test` runs the full-size version (200 requests at concurrency 32).
 """
-import collections
 import json
 import os
 import re
 import signal
 import threading
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -30,13 +30,10 @@ import pytest
 from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig
 from attention_nodes.engine import LLMEngine
 from attention_nodes.sampling_params import SamplingParams
-from server.pools import PoolEngine, WorkerFailedError, _Broken
-from tests.live_server import LiveServer
+from bench.fault_load import PROMPTS, complete, fault_under_load
+from clients.live_server import LiveServer
+from pools.supervision import Supervision, Worker, WorkerFailedError, _Broken
 
-PROMPTS = ["The for statement", "A list is", "def main():", "import os", "While the loop", "Errors are",
-           "class Foo:", "The value of"]
-SEEDED = {"The value of": {"temperature": 0.9, "top_p": 0.95, "seed": 7}}  # the others are greedy
-MAX_TOKENS = int(os.environ.get("SHUTTLE_FAULT_MAX_TOKENS", "32"))
 NUM_REQUESTS = int(os.environ.get("SHUTTLE_FAULT_REQUESTS", "12"))
 CONCURRENCY = int(os.environ.get("SHUTTLE_FAULT_CONCURRENCY", "6"))
 
@@ -96,89 +93,8 @@ def server(make_checkpoint, tmp_path_factory):
         srv.model = str(ckpt)
         srv.client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
         with ThreadPoolExecutor(len(PROMPTS)) as pool:  # the undisturbed text
-            srv.reference = dict(zip(PROMPTS, pool.map(lambda p: _complete(srv, p), PROMPTS)))
+            srv.reference = dict(zip(PROMPTS, pool.map(lambda p: complete(srv, p), PROMPTS)))
         yield srv
-
-
-def _complete(srv, prompt: str, stamps: list[float] | None = None) -> str:
-    """One streamed completion (greedy, or seeded for SEEDED prompts) through the openai client;
-    `stamps` gets each chunk's time."""
-    text = []
-    sampling = SEEDED.get(prompt, {"temperature": 0})
-    for chunk in srv.client.completions.create(model=srv.model, prompt=prompt, max_tokens=MAX_TOKENS, stream=True,
-                                               extra_body={"ignore_eos": True}, **sampling):
-        if chunk.choices and chunk.choices[0].text:
-            text.append(chunk.choices[0].text)
-            if stamps is not None:
-                stamps.append(time.monotonic())
-    return "".join(text)
-
-
-class _HealthWatch(threading.Thread):
-    """Polls /health every 50 ms; on the first 503 it sends one more request (which must wait, not fail)."""
-
-    def __init__(self, srv):
-        super().__init__(daemon=True)
-        self.srv, self.codes, self.retry_after, self.stop = srv, [], set(), threading.Event()
-        self.late: dict = {}
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            try:
-                r = httpx.get(f"{self.srv.url}/health", timeout=5)
-            except httpx.HTTPError:
-                continue
-            self.codes.append(r.status_code)
-            if r.status_code == 503:
-                self.retry_after.add(r.headers.get("retry-after"))
-                self.codes[-1] = (503, r.json()["error"]["code"])
-                if not self.late:
-                    self.late["thread"] = threading.Thread(target=self._late, daemon=True)
-                    self.late["thread"].start()
-            time.sleep(0.05)
-
-    def _late(self) -> None:
-        try:
-            self.late["text"] = _complete(self.srv, PROMPTS[0])
-        except Exception as e:  # noqa: BLE001 - the assertion names it
-            self.late["error"] = repr(e)
-
-
-def _fault_under_load(srv, victim: str, sig: int) -> dict:
-    """Send NUM_REQUESTS streams at CONCURRENCY; once several streams are under way, signal the
-    victim worker. Returns what the assertions need."""
-    stamps: list[float] = []
-    started = threading.Event()
-    results: dict[int, str | Exception] = {}
-
-    def one(i: int) -> None:
-        try:
-            results[i] = _complete(srv, PROMPTS[i % len(PROMPTS)], stamps)
-        except Exception as e:  # noqa: BLE001
-            results[i] = e
-
-    watch = _HealthWatch(srv)
-    with ThreadPoolExecutor(CONCURRENCY) as pool:
-        futures = [pool.submit(one, i) for i in range(NUM_REQUESTS)]
-        deadline = time.monotonic() + 60
-        while len(stamps) < 3 * CONCURRENCY and time.monotonic() < deadline:
-            time.sleep(0.01)
-        pid = srv.children()[victim]
-        killed_at = time.monotonic()
-        os.kill(pid, sig)
-        watch.start()
-        for f in futures:
-            f.result()
-    if watch.late.get("thread"):
-        watch.late["thread"].join(120)
-    watch.stop.set()
-    watch.join(5)
-    after = sorted(t for t in stamps if t > killed_at)
-    # Tokens already in flight may still arrive just after the fault: the outage is the longest
-    # pause in the token flow from the fault on (detection, restart, recompute).
-    pause = max((b - a for a, b in zip([killed_at] + after, after)), default=None)
-    return {"results": results, "first_after_s": after[0] - killed_at if after else None, "pause_s": pause,
-            "watch": watch}
 
 
 def _check_recovered(srv, out: dict) -> None:
@@ -206,13 +122,13 @@ def test_failover_with_replicas_loses_no_request(server):
     has the undisturbed text, tokens flow again within seconds; the restarted e1 is added back
     (placement version + 2) and computes tokens again."""
     before, version = server.children(), _metric(server, "shuttle_expert_placement_version", "model_name")
-    out = _fault_under_load(server, "shuttle-expert-e1", signal.SIGKILL)
+    out = fault_under_load(server, "shuttle-expert-e1", signal.SIGKILL, NUM_REQUESTS, CONCURRENCY)
     failed = {i: r for i, r in out["results"].items() if isinstance(r, Exception)}
     assert not failed, f"{len(failed)} requests failed: {list(failed.values())[:3]}\n{server.log()[-3000:]}"
     wrong = [i for i, text in out["results"].items() if text != server.reference[PROMPTS[i % len(PROMPTS)]]]
     assert not wrong, f"streams {wrong} differ from the undisturbed text"
-    # The issue asks for 2 s; a loaded 2-core host stretches it, so the bound is generous and the
-    # number is printed (docs/architecture.md has the measurements).
+    # Failover aims at tokens within 2 s; a loaded 2-core host stretches it, so the bound is generous and the
+    # number is printed (bench/failover.py measures it: bench/results/failover.json).
     assert out["pause_s"] is not None and out["pause_s"] < 10, out["pause_s"]
     log = server.log()
     assert "failover: expert workers e1 are out" in log and "requests resumed" not in log.split("failover:")[-1]
@@ -224,7 +140,7 @@ def test_failover_with_replicas_loses_no_request(server):
     assert after["shuttle-expert-e1"] != before["shuttle-expert-e1"]
     assert all(after[t] == before[t] for t in before if t != "shuttle-expert-e1")  # nobody else restarted
     e1_tokens = _metric(server, "shuttle_expert_worker_tokens_total", 'worker="e1"')
-    assert _complete(server, PROMPTS[5]) == server.reference[PROMPTS[5]]
+    assert complete(server, PROMPTS[5]) == server.reference[PROMPTS[5]]
     deadline = time.monotonic() + 10  # expert workers publish their counts once a second
     while _metric(server, "shuttle_expert_worker_tokens_total", 'worker="e1"') in (e1_tokens, 0) and \
             time.monotonic() < deadline:
@@ -239,7 +155,7 @@ def test_failover_with_replicas_loses_no_request(server):
                          ids=["kill-a1", "stop-e0"])
 def test_fault_under_load_loses_no_request(server, victim, sig):
     before = server.children()
-    out = _fault_under_load(server, victim, sig)
+    out = fault_under_load(server, victim, sig, NUM_REQUESTS, CONCURRENCY)
     _check_recovered(server, out)
     after = server.children()
     assert sorted(after) == sorted(before) and after[victim] != before[victim]  # a new process, same title
@@ -258,7 +174,7 @@ def test_idle_fault_is_restarted(server):
         codes.append(httpx.get(f"{server.url}/health", timeout=5).status_code)
         time.sleep(0.05)
     assert 503 in codes[:10] and codes[-1] == 200, codes  # 503 within about half a second
-    assert _complete(server, PROMPTS[2]) == server.reference[PROMPTS[2]]
+    assert complete(server, PROMPTS[2]) == server.reference[PROMPTS[2]]
 
 
 @pytest.mark.slow
@@ -290,34 +206,31 @@ class _NoStore:
         return False
 
 
-def _front(remote: bool = False, max_restarts: int = 2, window_s: float = 600.0):
-    """A PoolEngine with only what the restart budget reads (no processes)."""
-    eng = PoolEngine.__new__(PoolEngine)
-    eng.cfg = EngineConfig("unused", parallel=ParallelConfig(False, 1, 1, max_worker_restarts=max_restarts,
-                                                             restart_window_s=window_s))
-    eng._remote, eng._procs, eng._store, eng.num_restarts, eng.session = remote, [], _NoStore(), 0, "s"
-    eng._restarts = collections.deque()
-    return eng
+def _front(remote: bool = False, max_restarts: int = 2, window_s: float = 600.0) -> Supervision:
+    """The supervision of pools with only what the restart budget reads (no processes)."""
+    cfg = EngineConfig("unused", parallel=ParallelConfig(False, 1, 1, max_worker_restarts=max_restarts,
+                                                         restart_window_s=window_s))
+    return Supervision(types.SimpleNamespace(cfg=cfg, _procs=[], _store=_NoStore(), session="s"), remote)
 
 
 def test_restart_budget_and_remote_workers(monkeypatch):
     """--max-worker-restarts counts within --restart-window-s; 0 and --role workers fail at once."""
     eng = _front(max_restarts=2, window_s=100.0)
     now = [1000.0]
-    monkeypatch.setattr("server.supervision.time.monotonic", lambda: now[0])
-    eng._count_restart(_Broken("worker e0 exited with code -9"), {"e0"})
+    monkeypatch.setattr("pools.supervision.time.monotonic", lambda: now[0])
+    eng._count_restart(_Broken("worker e0 exited with code -9"), {Worker.named("e0")})
     now[0] += 50
-    eng._count_restart(_Broken("worker e0 exited with code -9"), {"e0"})
+    eng._count_restart(_Broken("worker e0 exited with code -9"), {Worker.named("e0")})
     with pytest.raises(WorkerFailedError, match=r"e0 exited.*giving up: 2 restarts within the last 100 s.*"
                                                 r"--max-worker-restarts 2"):
-        eng._count_restart(_Broken("worker e0 exited with code -9"), {"e0"})
+        eng._count_restart(_Broken("worker e0 exited with code -9"), {Worker.named("e0")})
     now[0] += 60  # the first restart left the window
-    eng._count_restart(_Broken("worker a0 exited with code 1"), {"a0"})
+    eng._count_restart(_Broken("worker a0 exited with code 1"), {Worker.named("a0")})
     assert eng.num_restarts == 3
     with pytest.raises(WorkerFailedError, match="not restarted by the server"):
-        _front(remote=True)._count_restart(_Broken("attention worker a0: M2N peer 'e1' is dead"), {"e1"})
+        _front(remote=True)._count_restart(_Broken("attention worker a0: M2N peer 'e1' is dead"), {Worker.named("e1")})
     with pytest.raises(WorkerFailedError, match="^worker e0 exited"):
-        _front(max_restarts=0)._count_restart(_Broken("worker e0 exited with code -9"), {"e0"})
+        _front(max_restarts=0)._count_restart(_Broken("worker e0 exited with code -9"), {Worker.named("e0")})
 
 
 
@@ -337,9 +250,9 @@ class _LateReport:
     def __init__(self, code: int):
         import multiprocessing as mp
 
-        self._proc = mp.get_context("fork").Process(target=_exit_with, args=(code,), name="w0")
+        self._proc = mp.get_context("fork").Process(target=_exit_with, args=(code,), name="e0")
         self._proc.start()
-        self.pid, self.name, self._joined = self._proc.pid, "w0", False
+        self.pid, self.name, self._joined = self._proc.pid, "e0", False
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and _state(self.pid) != b"Z":
             time.sleep(0.01)
@@ -353,11 +266,11 @@ class _LateReport:
         self._proc.join(timeout)
 
 
-@pytest.mark.parametrize("code,match", [(3, "re-import your script"), (1, "worker w0 exited with code 1")])
+@pytest.mark.parametrize("code,match", [(3, "re-import your script"), (1, "worker e0 exited with code 1")])
 def test_an_exited_worker_is_not_reported_as_stopped(code, match):
     """A worker that exited but whose exit code has not arrived yet (a zombie: /proc says it is
     down) is reported with its exit code, the missing main guard's hint included, not as 'stopped'."""
     eng = _front()
-    eng._procs = [_LateReport(code)]
+    eng.pools._procs = [_LateReport(code)]
     with pytest.raises((WorkerFailedError, _Broken), match=match):
-        eng._check_procs()
+        eng.check_procs()

@@ -19,9 +19,10 @@ import zlib
 import pytest
 import torch
 
+from m2n_comm.endpoints import open_endpoint
 from m2n_comm.nixl import import_nixl
 from m2n_comm.transport import (KIND_DATA, SLOT_HEADER_BYTES, MessageMeta, PeerDeadError, TransportConfig,
-                                TransportTimeout, message_nbytes, open_endpoint)
+                                TransportTimeout, message_nbytes)
 
 # nixl runs over UCX's tcp and over its shared-memory transports (UCX_TLS, read by UCX in each process).
 UCX_TLS = {"nixl-tcp": "tcp", "nixl-shm": "sm,self"}
@@ -641,7 +642,7 @@ def test_missing_nixl_and_ray_say_how_to_install(monkeypatch):
     """Without NIXL, --transport nixl names the install command; without Ray, --launcher ray its extra;
     both before any worker starts (PoolEngine checks before it reads the model)."""
     from attention_nodes.config import EngineConfig, ParallelConfig
-    from server.pools import PoolEngine
+    from pools.engine import PoolEngine
 
     for name in ("nixl_cu12", "nixl_cu13", "nixl", "ray"):
         monkeypatch.setitem(__import__("sys").modules, name, None)  # import raises ImportError

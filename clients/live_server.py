@@ -1,4 +1,4 @@
-"""A real `shuttle serve` process on a free port, for end-to-end tests.
+"""A real `shuttle serve` process on a free port, for end-to-end tests and benchmarks.
 
     with LiveServer(["--model", str(ckpt), "--grpc-port", "0"]) as srv:
         httpx.get(f"{srv.url}/health")

@@ -4,10 +4,13 @@ rank of the role, serve. Also the deployment's JSON form (EngineConfig <-> dict)
 """
 import hmac
 import json
-from dataclasses import asdict
+import logging
 import socket
+import time
+from dataclasses import asdict
+from datetime import timedelta
 
-from torch.distributed import TCPStore
+from torch.distributed import DistError, TCPStore
 
 from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from attention_nodes.worker import AttentionWorkerSpec, run_attention_worker
@@ -15,6 +18,10 @@ from expert_nodes.worker import ExpertWorkerSpec, run_expert_worker
 from m2n_comm.placement import ExpertPlacement
 from m2n_comm.transport import TransportConfig
 from models.config import DTYPES
+
+log = logging.getLogger("shuttle")
+FRONT_WAIT_S = 600.0  # how long a --role worker waits for its front (its store, then its deployment)
+MAX_RETRY_S = 30.0    # the longest pause between two tries
 
 
 def split_addr(addr: str) -> tuple[str, int]:
@@ -44,7 +51,7 @@ def run_role(role: str, rendezvous: str, host: str | None = None, torch_threads:
     host: this machine's address for the tcp transport (default: the one that reaches the store).
     token: the deployment token (SHUTTLE_DEPLOYMENT_TOKEN), needed when the front keeps it off the store."""
     store_host, port = split_addr(rendezvous)
-    store = TCPStore(store_host, port, is_master=False, wait_for_workers=False)
+    store = wait_for_front(rendezvous, FRONT_WAIT_S)
     d = json.loads(store.get("shuttle/deployment"))
     token = deployment_token(d, rendezvous, token)
     cfg = engine_config_from_json(d["engine"])
@@ -66,6 +73,31 @@ def run_role(role: str, rendezvous: str, host: str | None = None, torch_threads:
                                            torch_threads or par.torch_threads, par.trace_dir))
     else:
         raise ValueError(f"role must be attention or expert, got {role!r}")
+
+
+def wait_for_front(rendezvous: str, wait_s: float, first_retry_s: float = 1.0) -> TCPStore:
+    """The front's rendezvous store, once it has published the deployment. Until then this retries,
+    each pause twice the last (at most MAX_RETRY_S), saying each time what it waits for; TimeoutError
+    after `wait_s` seconds."""
+    host, port = split_addr(rendezvous)
+    deadline, pause, store = time.monotonic() + wait_s, first_retry_s, None
+    while True:
+        try:
+            if store is None:
+                store = TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                 timeout=timedelta(seconds=max(1.0, min(pause, MAX_RETRY_S))))
+            if store.check(["shuttle/deployment"]):
+                return store
+            what, why = "its front to publish the deployment", " (the front is still starting)"
+        except DistError as e:
+            store, what, why = None, "the front's rendezvous store", f" ({type(e).__name__}: {str(e).splitlines()[0]})"
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no deployment at {rendezvous} after {wait_s:.0f} s: start `shuttle serve "
+                               f"--rendezvous {rendezvous} ...` (the front) there, or check the address") from None
+        log.info("waiting for %s at %s%s; next try in %.1f s", what, rendezvous, why, min(pause, left))
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, MAX_RETRY_S)
 
 
 def deployment_token(deployment: dict, rendezvous: str, token: str | None) -> str:

@@ -6,19 +6,18 @@ through an engine-shaped front, so LLM (and the HTTP server) use them as they us
     deltas = engine.step()                                  # whatever the workers produced since
 
 On one host the pools are spawned processes; on a Ray cluster, Ray actors placed by each pool's
-resources (server/launchers.py: the launcher makes them, PoolEngine drives them alike). Without
+resources (pools/launchers.py: the launcher makes them, PoolEngine drives them alike). Without
 Ray, across hosts every host runs `shuttle serve --role
-attention|expert --rendezvous HOST:PORT` (server/roles.py) and the front runs with
+attention|expert --rendezvous HOST:PORT` (pools/roles.py) and the front runs with
 `rendezvous=HOST:PORT`: the deployment is published in a torch.distributed TCPStore there and
 each worker takes the next rank.
 
-Supervision (spawned pools; server/supervision.py): a worker that exits, fails, or goes silent is
+Supervision (spawned pools; pools/supervision.py): a worker that exits, fails, or goes silent is
 started again (a new epoch of the data plane; requests resumed from prompt + delivered tokens), or,
 when only expert workers failed and their experts all have copies on live expert workers, routed
 around (failover: no request resumed) and added back once restarted. Past `max_worker_restarts`
 within `restart_window_s`, or for workers started elsewhere, WorkerFailedError names it.
 """
-import collections
 import itertools
 import json
 import logging
@@ -37,7 +36,7 @@ from torch.distributed import TCPStore
 
 from attention_nodes import messages as wire
 from attention_nodes.config import EngineConfig, worker_threads
-from attention_nodes.engine import SequenceDelta, check_params, check_prompt, max_new_tokens
+from attention_nodes.engine import SequenceDelta, max_new_tokens
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import check_fits
 from attention_nodes.worker import AttentionWorkerSpec, run_attention_worker
@@ -46,20 +45,19 @@ from m2n_comm.m2n import slot_bytes_for
 from m2n_comm.placement import ExpertPlacement, Placement, check_redundancy
 from m2n_comm.transport import TransportConfig
 from models.config import ModelConfig
-from server.eplb import PlacementControl, read_expert_load
-from server.supervision import (MAIN_GUARD_EXIT, Supervision, WorkerFailedError, _Broken, _down,  # noqa: F401
-                                _Request, _suspect)
-from server.launchers import check_installed, make_launcher
-from server.pool_control import admitted as _admitted, read_events as _read_events, shutdown_pools as _shutdown  # noqa: F401
-from server.roles import engine_config_from_json, engine_config_to_json, run_role, split_addr  # noqa: F401
+from pools.control import admitted, read_events, shutdown_pools
+from pools.eplb import PlacementControl, read_expert_load
+from pools.launchers import check_installed, make_launcher
+from pools.roles import engine_config_to_json, split_addr
+from pools.supervision import (MAIN_GUARD_EXIT, Supervision, Worker, WorkerFailedError, _Broken, _down, _Request,
+                               _suspect)
 
 log = logging.getLogger("shuttle")
 START_TIMEOUT_S = 300.0  # loading big checkpoints takes a while; dead workers are noticed sooner
 
 
-class PoolEngine(Supervision):
-    """The engine interface of LLMEngine (add_request, abort_request, stop_sequence, step,
-    has_unfinished_requests, check_prompt) over attention workers in other processes.
+class PoolEngine:
+    """The Engine (attention_nodes/engine.py) over attention workers in other processes.
     rendezvous: "HOST:PORT" to wait for workers started elsewhere with --role; None spawns the
     pools here (and supervises them). deployment_token: the token every worker must present (None:
     a random one); with a rendezvous, a given token is kept off the store (the workers are given it
@@ -99,11 +97,8 @@ class PoolEngine(Supervision):
         self.transport = TransportConfig(par.transport, slot_bytes_for(
             self.model_cfg.hidden_size, self.model_cfg.top_k, dtype, cfg.scheduler.max_num_batched_tokens), host=host,
             token=deployment_token or secrets.token_hex(16))
-        self._remote = rendezvous is not None
         self.epoch = 0  # of the data plane; every restart opens the next one
         self._ready = False  # a step can run: every worker is up and joined the current epoch
-        self.num_restarts = 0
-        self._restarts: collections.deque[float] = collections.deque()  # when, within the window
         self._procs: list[mp.process.BaseProcess] = []
         self._events: queue.Queue = queue.Queue()
         self._wake_queued = False  # a _WAKE is in _events (wake)
@@ -117,14 +112,12 @@ class PoolEngine(Supervision):
         self._requests: dict[str, _Request] = {}
         self._load = [0] * par.attention_workers    # tokens queued per worker (prompt + max_tokens)
         self._worker_stats: dict[int, dict] = {}    # attention worker rank -> its latest Stats
-        # During a failover: (the placement to add the workers back with, their names, the epoch
-        # they were started for); None otherwise.
-        self._degraded: tuple[ExpertPlacement, set[str], int] | None = None
-        self._next_add_back = 0.0
-        self._finalizer = weakref.finalize(self, _shutdown, self._socks, self._procs, self._store, self.session,
+        self._last_deltas = 0                       # what the last step returned (step_summary)
+        self.supervision = Supervision(self, remote=rendezvous is not None)
+        self._finalizer = weakref.finalize(self, shutdown_pools, self._socks, self._procs, self._store, self.session,
                                            par.expert_workers if rendezvous else 0, self._launcher)
         if rendezvous:
-            self._publish()
+            self._publish(rendezvous)
         else:
             self._spawn()
         try:
@@ -150,7 +143,7 @@ class PoolEngine(Supervision):
     def apply_placement(self, placement: ExpertPlacement) -> None:
         """Start applying a new expert placement live (version = the current one + 1): expert workers
         load the new copies, then every attention worker switches at the same step boundary.
-        `step` advances it; `self.placements.current` is the placement in use (server/eplb.py)."""
+        `step` advances it; `self.placements.current` is the placement in use (pools/eplb.py)."""
         self.placements.apply(placement)
 
     def _send_placement(self, placement: ExpertPlacement) -> None:
@@ -170,29 +163,30 @@ class PoolEngine(Supervision):
         par = self.cfg.parallel
         attention, self._expert_threads = worker_threads(par, len(os.sched_getaffinity(0)))
         self._spawn_cfg = replace(self.cfg, parallel=replace(par, torch_threads=attention))
-        names = [f"e{w}" for w in range(par.expert_workers)] + [f"a{a}" for a in range(par.attention_workers)]
-        self._procs.extend(self._worker(name) for name in names)
+        workers = ([Worker("expert", w) for w in range(par.expert_workers)]
+                   + [Worker("attention", a) for a in range(par.attention_workers)])
+        self._procs.extend(self._worker(w) for w in workers)
         for p in self._procs:
             p.start()
 
-    def _worker(self, name: str, placement: ExpertPlacement | None = None,
+    def _worker(self, worker: Worker, placement: ExpertPlacement | None = None,
                 epoch: int | None = None) -> mp.process.BaseProcess:
-        """A (not yet started) process for worker `name` ("a0", "e1") that joins the current epoch
-        with the current placement (unless given): the launcher's (a spawned process, or a Ray
-        actor with the same interface)."""
+        """A (not yet started) process for `worker`, named like it ("a0", "e1"), that joins the
+        current epoch (or `epoch`) with the current placement (or `placement`): the launcher's (a
+        spawned process, or a Ray actor with the same interface)."""
         cfg, par, launch = self._spawn_cfg, self._spawn_cfg.parallel, self._launcher.worker
-        store_addr, rank = (self._launcher.host, self._store.port), int(name[1:])
+        store_addr, rank = (self._launcher.host, self._store.port), worker.rank
         placement, epoch = placement or self.placement, self.epoch if epoch is None else epoch
-        if name[0] == "e":
+        if worker.kind == "expert":
             spec = ExpertWorkerSpec(cfg.model, cfg.dtype, par.expert_device or cfg.device, cfg.kernels, rank,
                                     par.attention_workers, par.micro_batches, placement, self.transport,
                                     store_addr, self.session, self._expert_threads, par.trace_dir, epoch)
-            return launch(name, "expert", run_expert_worker, spec)
+            return launch(str(worker), "expert", run_expert_worker, spec)
         spec = AttentionWorkerSpec(cfg, rank, sorted(self.eos_token_ids), placement, self.transport,
                                    store_addr, self._listener.getsockname()[:2], self.session, epoch)
-        return launch(name, "attention", run_attention_worker, spec)
+        return launch(str(worker), "attention", run_attention_worker, spec)
 
-    def _publish(self) -> None:
+    def _publish(self, rendezvous: str) -> None:
         """For workers on other hosts: the deployment, as JSON, under a well-known key."""
         transport = asdict(self.transport)
         if self._token_off_store:  # the store has no authentication: whoever reaches it could read it
@@ -205,8 +199,9 @@ class PoolEngine(Supervision):
                 "placement": self.placement.to_json(), "transport": transport, "token_off_store":
                 self._token_off_store, "control": list(self._listener.getsockname()[:2]), "session": self.session}
         self._store.set("shuttle/deployment", json.dumps(spec))
-        log.info("waiting for %d attention and %d expert workers at %s:%d", self.cfg.parallel.attention_workers,
-                 self.cfg.parallel.expert_workers, *self._listener.getsockname()[:2])
+        log.info("waiting for %d attention and %d expert workers: start them with `shuttle serve --role "
+                 "attention|expert --rendezvous %s`", self.cfg.parallel.attention_workers,
+                 self.cfg.parallel.expert_workers, rendezvous)
 
     def _await_ready(self, ranks: set[int], timeout_s: float) -> list[SequenceDelta]:
         """Accept the control connections of (re)started attention workers and wait until every
@@ -216,32 +211,29 @@ class PoolEngine(Supervision):
         self._listener.settimeout(0.05)
         self._waiting, deadline, out = set(ranks), time.monotonic() + timeout_s, []
         while self._waiting:
-            self._check_procs()
+            self.supervision.check_procs()
             if time.monotonic() > deadline:
                 raise WorkerFailedError(f"attention workers {', '.join(f'a{r}' for r in sorted(self._waiting))} were "
-                                        f"not ready within {timeout_s:.0f} s{self._exited()}")
+                                        f"not ready within {timeout_s:.0f} s{self.supervision.exited()}")
             try:
                 conn, addr = self._listener.accept()
             except socket.timeout:
                 conn = None
-            if conn is not None and _admitted(conn, addr, self.transport.token):
+            if conn is not None and admitted(conn, addr, self.transport.token):
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 cid = next(self._conn_ids)
                 self._pending[cid] = conn
-                threading.Thread(target=_read_events, args=(conn, cid, self._events, self._worker_stats),
+                threading.Thread(target=read_events, args=(conn, cid, self._events, self._worker_stats),
                                  daemon=True).start()
             try:
                 while self._waiting:
                     out += self._handle(self._events.get_nowait())
             except queue.Empty:
                 pass
-            self._check_store()
+            self.supervision.check_store()
         return out
 
     # -- requests ----------------------------------------------------------------------------------
-    def check_prompt(self, prompt_token_ids: list[int]) -> list[int]:
-        return check_prompt(prompt_token_ids, self.model_cfg)
-
     def set_eos_token_ids(self, ids: set[int]) -> None:
         raise RuntimeError("the end-of-sequence ids of running worker pools are fixed when they start")
 
@@ -251,11 +243,11 @@ class PoolEngine(Supervision):
         return self._ready and not any(p.pid is not None and _down(p.pid) for p in list(self._procs))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue the request on the attention worker with the fewest queued tokens."""
+        """Queue the request on the attention worker with the fewest queued tokens (validated by
+        the front, as for LLMEngine.add_request)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.check_prompt(prompt_token_ids)
-        check_params(params, self.model_cfg)
+        ids = list(prompt_token_ids)
         self._check_cache(request_id, ids, params)
         w = min(range(len(self._load)), key=self._load.__getitem__)
         r = _Request(ids, params, w, (len(ids) + params.max_tokens) * params.n, set(range(params.n)),
@@ -295,10 +287,15 @@ class PoolEngine(Supervision):
         `timeout` seconds) while requests are in flight. A failure is handled here: the workers are
         restarted and the requests resumed before this returns (WorkerFailedError past the
         restart budget)."""
+        out = self._step(timeout)
+        self._last_deltas = len(out)
+        return out
+
+    def _step(self, timeout: float | None) -> list[SequenceDelta]:
         out: list[SequenceDelta] = []
         self._poll_placement()
         try:
-            out += self._poll_add_back()
+            out += self.supervision.poll_add_back()
             if not self._requests:
                 return out
             item = self._next_event(timeout)
@@ -309,8 +306,12 @@ class PoolEngine(Supervision):
                 except queue.Empty:
                     item = None
         except _Broken as b:
-            out += self._recover(b)
+            out += self.supervision.recover(b)
         return out
+
+    def step_summary(self) -> dict:
+        """What the last step returned (the workers' own steps are in their traces)."""
+        return {"deltas": self._last_deltas}
 
     def wake(self) -> None:
         """Make a `step` that is waiting for the workers return now (thread-safe): the caller has
@@ -330,11 +331,11 @@ class PoolEngine(Supervision):
         try:
             if not self._requests:
                 self._drain_events()
-            self._check_procs()
-            self._check_store()
-            self._poll_add_back()
+            self.supervision.check_procs()
+            self.supervision.check_store()
+            self.supervision.poll_add_back()
         except _Broken as b:
-            self._recover(b)
+            self.supervision.recover(b)
 
     def stats(self) -> dict:
         """The attention workers' latest Stats added up (as LLMEngine.stats), each worker's busy
@@ -358,7 +359,7 @@ class PoolEngine(Supervision):
         layers = {} if load_LE is None else dict(zip(self.placement.moe_layers, load_LE.tolist()))
         return {**total, "expert_tokens": experts, "expert_layer_tokens": layers,
                 "expert_worker_tokens": {f"e{w}": n for w, n in enumerate(per_worker)}, "busy": busy,
-                "worker_restarts": self.num_restarts, **self.placements.stats()}
+                "worker_restarts": self.supervision.num_restarts, **self.placements.stats()}
 
     def _finished(self, request_id: str, index: int) -> None:
         r = self._requests.get(request_id)
@@ -377,8 +378,8 @@ class PoolEngine(Supervision):
             try:
                 return self._events.get(timeout=0.5)
             except queue.Empty:
-                self._check_procs()
-                self._check_store()
+                self.supervision.check_procs()
+                self.supervision.check_store()
                 if deadline is not None and time.monotonic() > deadline:
                     return None
 
@@ -396,16 +397,18 @@ class PoolEngine(Supervision):
                 self._kv_blocks[msg.rank] = msg.num_kv_blocks
                 self._joined(conn, self._pending.pop(conn), msg.rank, msg.epoch)
             elif isinstance(msg, wire.Failed):
-                raise _Broken(f"attention worker a{msg.rank} failed: {msg.message}{self._exited()}", {f"a{msg.rank}"})
+                raise _Broken(f"attention worker a{msg.rank} failed: {msg.message}{self.supervision.exited()}",
+                              {Worker("attention", msg.rank)})
             return []  # a starting worker that dies is found by _check_procs
         rank = self._conn_rank.get(conn)
         if rank is None:  # the connection of a worker that was replaced
             return []
         if isinstance(msg, wire.Failed):
-            raise _Broken(f"attention worker a{rank} failed: {msg.message}{self._exited()}", {f"a{rank}"})
+            raise _Broken(f"attention worker a{rank} failed: {msg.message}{self.supervision.exited()}",
+                          {Worker("attention", rank)})
         if msg is None:
-            self._check_procs(wait=2.0)
-            raise _Broken(f"attention worker a{rank} closed its connection", {f"a{rank}"})
+            self.supervision.check_procs(wait=2.0)
+            raise _Broken(f"attention worker a{rank} closed its connection", {Worker("attention", rank)})
         if isinstance(msg, wire.Broken) and msg.epoch == self.epoch:
             raise _Broken(f"attention worker a{rank}: {msg.why}", _suspect(msg.peer, msg.why))
         if isinstance(msg, wire.Ready) and msg.epoch == self.epoch:
