@@ -20,10 +20,10 @@ Part 2, decode on a Mixtral-shaped checkpoint of ~425M parameters stored in bflo
   median of those ratios; this host's read bandwidth moves by half between phases). Memory floor: the
   weight bytes a step must read (every non-expert weight, the LM head, the experts B tokens x top-2
   are expected to hit) over the read bandwidth (a sum over 1 GiB). Compute floor: the step's matmul
-  FLOPs over a 2048^3 matmul's rate in the run's dtype. "x_floor" is step / floor; the issue's
-  targets (1.5 / 1.3 / 1.4 / 1.25 at batch 1 / 16 / 64 / 256) are printed beside it. Served in
+  FLOPs over a 2048^3 matmul's rate in the run's dtype. "x_floor" is step / floor; the targets
+  (1.5 / 1.3 / 1.4 / 1.25 at batch 1 / 16 / 64 / 256) are printed beside it. Served in
   float32, the memory floor counts float32 bytes; "ckpt_floor" counts the checkpoint's (bf16) bytes,
-  the floor issue 18 states, which a step can reach only by reading bf16 weights. Where the native
+  the floor the targets are stated against, which a step can reach only by reading bf16 weights. Where the native
   kernels run (kernels/native.py: the bf16 GEMM for few rows when serving float32, the paged decode
   attention), "native_off" is the same engine with SHUTTLE_NATIVE_KERNELS=0 (oneDNN's packed GEMMs
   at every row count, torch's flash attention over gathered pages), and native_speedup its step
@@ -190,7 +190,7 @@ def step_weight_bytes(llm: LLM, B: int) -> float:
     return sizes["other"] + lm_head + sizes["experts"] * active / E
 
 
-TARGETS = {1: 1.5, 16: 1.3, 64: 1.4, 256: 1.25}  # issue 18: step time / floor at or under these
+TARGETS = {1: 1.5, 16: 1.3, 64: 1.4, 256: 1.25}  # step time / floor at or under these
 
 
 @contextlib.contextmanager
@@ -246,7 +246,7 @@ def decode_roofline(ckpt: Path, dtype: str, batches: list[int], new_tokens: int,
                 with native_off() if mode == "native_off" else contextlib.nullcontext():
                     steps[mode].append(decode_step_time(llms[mode], B, 32, new_tokens))
         floor_r = [max(mem, comp) for _, _, mem, comp in floors]
-        ckpt_r = [max(mem * ckpt_bytes, comp) for _, _, mem, comp in floors]  # the checkpoint's bytes (issue 18's)
+        ckpt_r = [max(mem * ckpt_bytes, comp) for _, _, mem, comp in floors]  # the targets' floor
         row = {"dtype": dtype, "batch": B, "mem_floor_ms": 1e3 * statistics.median(f[2] for f in floors),
                "compute_floor_ms": 1e3 * statistics.median(f[3] for f in floors),
                "ckpt_floor_ms": 1e3 * statistics.median(ckpt_r),

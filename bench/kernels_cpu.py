@@ -1,6 +1,6 @@
 """Per-layer CPU kernel times at the shapes of the Mixtral-shaped ~425M checkpoint of bench/engine.py
-(hidden 1024, 16 query / 4 kv heads of 64, 8 experts of 2048, top-2, pages of 16 tokens), the code
-before issue 18 (baseline) beside the current code, interleaved in one run:
+(hidden 1024, 16 query / 4 kv heads of 64, 8 experts of 2048, top-2, pages of 16 tokens), a baseline
+(the reference or unfused path named per op below) beside the current code, interleaved in one run:
 
   attention  decode attention over a paged cache (pages shuffled, contexts 0.5x..1x the nominal one),
              baseline kernels.attention.paged_decode_attention_reference, current paged_decode_attention
@@ -11,7 +11,7 @@ before issue 18 (baseline) beside the current code, interleaved in one run:
              current code is the engine's one native call per block, PackedExperts with
              kernels/native.fused_moe_bf16, against oneDNN's packed bf16 GEMMs); baseline without the float32
              upcast of emulated bf16 GEMMs (upcast_min_rows=None), and for packed weights the sorted
-             path, whose 1-row batches fused_moe_packed now computes without sort/gather/scatter
+             path, whose 1-row batches fused_moe_packed computes without sort/gather/scatter
              (batch 1 is added where the dtype packs);
   qkv_proj   float32 decode q/k/v projections of 8 layers' weights in turn: baseline three packed
              GEMMs, current one GEMM of the stacked weights (models.cpu_inference.fuse_qkv), with

@@ -48,7 +48,7 @@ def model_row(model: str, args: argparse.Namespace) -> dict:
     t_a, t_e, t_c = float(r["t_a"][i]), float(r["t_e"][i]), float(r["t_c"][i])
     per_mb = b.batch / b.micro_batches
     k1 = t_a / per_mb
-    k3 = t_e / (b.attention_workers * per_mb * shape.top_k / b.expert_workers)
+    k3 = t_e / (b.attention_workers * per_mb * shape.config.top_k / b.expert_workers)
     rule_m = "3+" if t_c < 0.5 * max(t_a, t_e) else "4"
     h20, l40s = parse_hardware("H20,L40S")
     homo, _ = search(lambda a, e: RooflinePerf(shape, a, e, eff), shape, [(h20, h20)], args.max_devices,
@@ -60,7 +60,7 @@ def model_row(model: str, args: argparse.Namespace) -> dict:
             "m2/m1": tput[2] / tput[1], "m3/m2": tput[3] / tput[2], "m4/m3": tput[4] / tput[3],
             "T_a_ms": t_a * 1e3, "T_e_ms": t_e * 1e3, "T_c_ms": t_c * 1e3, "Tc/Tf": t_c / max(t_a, t_e),
             "rule_m": rule_m, "m_follows_rule": (b.micro_batches >= 3) if rule_m == "3+" else b.micro_batches == 4,
-            "n_a_rule": k1 * b.expert_workers / (k3 * shape.top_k),
+            "n_a_rule": k1 * b.expert_workers / (k3 * shape.config.top_k),
             "h20_per_cost": homo[0].per_cost if homo else None, "h20_l40s_per_cost": het[0].per_cost if het else None,
             "hetero_gain": het[0].per_cost / homo[0].per_cost if homo and het else None,
             "hetero_plan": f"{het[0].attention_workers} H20 + {het[0].expert_workers} L40S, m={het[0].micro_batches}"

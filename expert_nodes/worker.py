@@ -90,7 +90,7 @@ def _serve(spec: ExpertWorkerSpec, store: TCPStore) -> None:
     cfg = ModelConfig.from_pretrained(spec.model)
     moe_layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
     device = torch.device(spec.device)
-    pack = _pack_for_cpu if device.type == "cpu" else (lambda m: m)
+    pack = pack_for_cpu if device.type == "cpu" else (lambda m: m)
     load_fn = loader_for(spec.model, cfg, spec.dtype, device, spec.kernels, pack)
     held = HeldExperts(spec.placement, load_fn(spec.placement.experts_on(spec.rank)), spec.rank, load_fn, device)
     freeze_loaded_heap()
@@ -227,7 +227,10 @@ def narrows(blocks) -> bool:
     return native.passive_waits() and any(getattr(m, "native", None) is not None for m in blocks)
 
 
-def _pack_for_cpu(experts: dict) -> dict:
+def pack_for_cpu(experts: dict) -> dict:
+    """MoE layer -> its experts, packed for the CPU kernels where this CPU has them (the kernels
+    chosen by measurement first), as an expert worker serves them; the planner's profile times the
+    same modules."""
     from kernels.cpu_linear import packing_available
     from torch import nn
 

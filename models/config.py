@@ -9,6 +9,9 @@ attention with q/k/v biases, optional per-head q/k norm and partial rotary; Mini
 V3 without groups, norms q and k over the whole projection and ropes part of each head; gpt-oss
 has attention sinks, alternating sliding-window layers, biased router and experts, a clamped
 SwiGLU and yarn rope, and is published with MXFP4 experts (quantization_config mxfp4).
+`planning=True` also reads families that are planned for but not served (PLANNED_ARCHITECTURES:
+DBRX, whose config.json names its fields its own way); ModelConfig's sizes and per-token costs are
+what `shuttle plan` and `shuttle simulate` compute with.
 """
 import json
 import math
@@ -38,6 +41,9 @@ ARCHITECTURES = {
 MODEL_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                "kimi_k2": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                "minimax_m2": "MiniMaxM2ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+# families `shuttle plan` sizes (ModelConfig.from_dict(..., planning=True)) that the engine does not build
+PLANNED_ARCHITECTURES = {"DbrxForCausalLM": "dbrx"}
+PLANNED_MODEL_TYPES = {"dbrx": "DbrxForCausalLM"}
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 V3_ROUTER_FAMILIES = ("deepseek_v3", "glm4_moe")  # sigmoid + correction bias + groups of top-2 sums
 PARTIAL_ROTARY_FAMILIES = {"glm4_moe": 0.5, "minimax_m2": 1.0}  # family -> default partial_rotary_factor
@@ -151,22 +157,111 @@ class ModelConfig:
         """KV cache bytes per token over all layers (what a KV budget divides by; the planner's input)."""
         return self.num_layers * self.kv_values_per_token_layer * dtype.itemsize
 
+    # -- sizes and per-token costs: counted as MoEForCausalLM builds the model (models/moe_decoder.py,
+    # models/mla.py), they are the planner's inputs (planner/perf.py, planner/search.py) --
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers whose MLP is routed experts."""
+        return sum(self.moe_layers)
+
+    @property
+    def num_dense_layers(self) -> int:
+        """Layers with a dense MLP instead (first_k_dense_replace, mlp_only_layers, decoder_sparse_step)."""
+        return self.num_layers - self.num_moe_layers
+
+    def _attention_weights(self) -> int:
+        """Matmul weights one token passes through in one layer's attention: q, k, v and o
+        projections, or MLA's query, latent, absorbed up-projection (kv_b_proj) and output."""
+        D, N = self.hidden_size, self.num_heads
+        if self.mla is None:
+            return D * (self.q_size + 2 * self.kv_size) + self.q_size * D
+        m = self.mla
+        q = D * N * m.qk_head_dim if m.q_lora_rank is None else D * m.q_lora_rank + m.q_lora_rank * N * m.qk_head_dim
+        return q + D * m.cache_width + N * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim) + N * m.v_head_dim * D
+
+    def attention_params(self) -> int:
+        """Parameters of one layer's attention: projections and their biases, q/k norms (MLA: the
+        latent norms) and gpt-oss's sinks."""
+        n = self._attention_weights()
+        if self.mla is None:
+            n += (self.q_size + 2 * self.kv_size) * self.qkv_bias + self.hidden_size * self.o_bias
+            n += {"per_head": 2 * self.head_dim, "full": self.q_size + self.kv_size}.get(self.qk_norm, 0)
+            return n + self.num_heads * self.attention_sinks
+        m = self.mla
+        if m.q_lora_rank is not None:
+            n += m.q_lora_rank * (1 + self.qkv_bias)  # q_a_layernorm, q_a_proj's bias
+        return n + m.cache_width * self.qkv_bias + m.kv_lora_rank + self.hidden_size * self.o_bias
+
+    def _mlp_params(self, inter: int) -> int:
+        """A SwiGLU MLP of `inter` (a dense layer's or a shared expert), biases with mlp_bias."""
+        return 3 * self.hidden_size * inter + (2 * inter + self.hidden_size) * self.mlp_bias
+
+    def dense_mlp_params(self) -> int:
+        """One dense layer's MLP."""
+        return self._mlp_params(self.intermediate_size)
+
+    def moe_block_params(self) -> int:
+        """What one MoE layer holds besides its routed experts: the router (weight, gpt-oss's bias,
+        the correction bias) and the shared expert with Qwen2-MoE's gate."""
+        D, E, S = self.hidden_size, self.num_experts, self.shared_expert_intermediate_size
+        router = E * D + E * self.router.bias + E * self.router.correction_bias
+        return router + (self._mlp_params(S) + D * self.shared_expert_gate if S else 0)
+
+    def expert_params(self) -> int:
+        """One routed expert of one layer: gate, up and down (and gpt-oss's biases)."""
+        D, I = self.hidden_size, self.moe_intermediate_size
+        return 3 * D * I + (2 * I + D) * self.expert_bias
+
+    def embedding_params(self) -> int:
+        """Token embedding and LM head (one matrix when tied)."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+    def non_expert_params(self) -> int:
+        """Everything but the routed experts (what an attention worker holds): embeddings, LM head,
+        final norm and every layer's norms, attention, dense MLP or router and shared expert."""
+        per_layer = 2 * self.hidden_size + self.attention_params()
+        return (self.embedding_params() + self.hidden_size + self.num_layers * per_layer
+                + self.num_dense_layers * self.dense_mlp_params() + self.num_moe_layers * self.moe_block_params())
+
+    def total_params(self) -> int:
+        return self.non_expert_params() + self.num_moe_layers * self.num_experts * self.expert_params()
+
+    def non_expert_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of non_expert_params in `dtype`; the correction bias stays float32 (Router._apply)."""
+        fp32_bias = self.num_moe_layers * self.num_experts * self.router.correction_bias
+        return self.non_expert_params() * dtype.itemsize + fp32_bias * (4 - dtype.itemsize)
+
+    def expert_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one routed expert in `dtype` (FP8 and MXFP4 checkpoints are dequantised on load)."""
+        return self.expert_params() * dtype.itemsize
+
+    def context_flops(self) -> int:
+        """FLOPs of one query token against one cached token in one layer: scores and the weighted
+        sum over per-head keys and values, or (MLA, absorbed) over the latent and roped key."""
+        if self.mla is None:
+            return 4 * self.num_heads * self.head_dim
+        return 2 * self.num_heads * (self.mla.cache_width + self.mla.kv_lora_rank)
+
     def attention_flops_per_token(self, context: int) -> int:
         """FLOPs (multiply-adds x 2) of one decoded token's attention over all layers, projections
         included, against `context` cached tokens: MLA decodes in the latent space (the absorbed
         query and output projections, then scores over latent + roped key and a weighted sum of
-        latents), other families attend with per-head keys and values. The planner's T_a input."""
-        D, N = self.hidden_size, self.num_heads
-        if self.mla is None:
-            proj = D * (self.q_size + 2 * self.kv_size) + self.q_size * D
-            attend = N * context * 2 * self.head_dim
-        else:
-            m = self.mla
-            q = D * N * m.qk_head_dim if m.q_lora_rank is None else D * m.q_lora_rank + m.q_lora_rank * N * m.qk_head_dim
-            absorb = N * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim)
-            proj = q + D * m.cache_width + absorb + N * m.v_head_dim * D
-            attend = N * context * (m.cache_width + m.kv_lora_rank)
-        return 2 * self.num_layers * (proj + attend)
+        latents), other families attend with per-head keys and values."""
+        return self.num_layers * (2 * self._attention_weights() + context * self.context_flops())
+
+    def non_expert_flops_per_token(self, context: int = 0) -> int:
+        """FLOPs of one token through every layer but its routed experts (an attention worker's
+        compute): attention as attention_flops_per_token, dense MLPs, routers and shared experts.
+        The LM head is not included."""
+        D, S = self.hidden_size, self.shared_expert_intermediate_size
+        moe = self.num_experts * D + 3 * D * S + D * (self.shared_expert_gate and S > 0)
+        return (self.attention_flops_per_token(context) + 2 * self.num_dense_layers * 3 * D * self.intermediate_size
+                + 2 * self.num_moe_layers * moe)
+
+    def expert_flops_per_pair(self) -> int:
+        """FLOPs of one (token, expert) pair through one routed expert."""
+        return 2 * 3 * self.hidden_size * self.moe_intermediate_size
 
     @property
     def q_size(self) -> int:
@@ -189,22 +284,30 @@ class ModelConfig:
         return self.max_position_embeddings
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_pretrained(cls, model_dir: str | Path, planning: bool = False) -> "ModelConfig":
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"{path}: file not found (a checkpoint directory needs config.json)")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(read_config_json(path), source=str(path), planning=planning)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
-        return _parse(raw, source)
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json", planning: bool = False) -> "ModelConfig":
+        """planning: also accept PLANNED_ARCHITECTURES (sizes for the planner; the engine cannot build them)."""
+        return _parse(raw, source, planning)
 
 
-def _parse(raw: dict[str, Any], src: str) -> ModelConfig:
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """A config.json as a dict; ConfigError naming the file if it is not a JSON object."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return raw
+
+
+def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig:
     def get(key: str, default: Any = None, *aliases: str) -> Any:
         for k in (key, *aliases):
             if raw.get(k) is not None:
@@ -218,12 +321,16 @@ def _parse(raw: dict[str, Any], src: str) -> ModelConfig:
         return value
 
     archs = raw.get("architectures") or []
-    arch = next((a for a in archs if a in ARCHITECTURES), MODEL_TYPES.get(raw.get("model_type")))
+    known = {**ARCHITECTURES, **PLANNED_ARCHITECTURES} if planning else ARCHITECTURES
+    types = {**MODEL_TYPES, **PLANNED_MODEL_TYPES} if planning else MODEL_TYPES
+    arch = next((a for a in archs if a in known), types.get(raw.get("model_type")))
     if arch is None:
         raise ConfigError(
-            f"{src}: architectures {archs} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
+            f"{src}: architectures {archs} is not supported; supported: {', '.join(sorted(known))}"
         )
-    family = ARCHITECTURES[arch]
+    family = known[arch]
+    if family == "dbrx":
+        raw = _dbrx_fields(raw, src)
     raw = {**_FAMILY_DEFAULTS.get(family, {}), **raw}  # (a field present as null keeps its generic default)
     act = get("hidden_act", "silu")
     if act != "silu":
@@ -244,7 +351,7 @@ def _parse(raw: dict[str, Any], src: str) -> ModelConfig:
     router = _router(raw, family, num_experts, top_k, src)
 
     shared_inter = int(get("shared_expert_intermediate_size", 0)) if family == "qwen2_moe" else 0
-    if family in ("mixtral", "minimax_m2", "gpt_oss"):
+    if family in ("mixtral", "minimax_m2", "gpt_oss", "dbrx"):
         moe_layers = (True,) * layers
         moe_inter = int(need("intermediate_size"))
     elif mla or family == "glm4_moe":  # dense MLPs before first_k_dense_replace, MoE after (as transformers builds them)
@@ -292,7 +399,7 @@ def _parse(raw: dict[str, Any], src: str) -> ModelConfig:
         mlp_bias=family == "deepseek_v2" and bool(get("mlp_bias", False)),
         qk_norm=("per_head" if get("use_qk_norm", False) else "none") if family == "glm4_moe" else
                 {"qwen3_moe": "per_head", "olmoe": "full", "minimax_m2": "full"}.get(family, "none"),
-        clip_qkv=get("clip_qkv") if family == "olmoe" else None,
+        clip_qkv=get("clip_qkv") if family in ("olmoe", "dbrx") else None,
         rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
         rope=rope,
         max_position_embeddings=max_pos,
@@ -310,6 +417,27 @@ def _parse(raw: dict[str, Any], src: str) -> ModelConfig:
         expert_act=SwiGLU(float(get("swiglu_alpha", 1.702)), float(get("swiglu_limit", 7.0)), 1.0) if oss else SILU,
         mxfp4=mxfp4,
     )
+
+
+def _dbrx_fields(raw: dict[str, Any], src: str) -> dict[str, Any]:
+    """DBRX's config.json (d_model, n_heads, attn_config, ffn_config, ...) in the field names the
+    other families use: grouped-query attention with clipped q/k/v, experts in every layer, softmax
+    routing renormalised over the top-k (moe_normalize_expert_weights)."""
+    attn, ffn = raw.get("attn_config") or {}, raw.get("ffn_config") or {}
+    fields = {"hidden_size": raw.get("d_model"), "num_attention_heads": raw.get("n_heads"),
+              "num_hidden_layers": raw.get("n_layers"), "max_position_embeddings": raw.get("max_seq_len"),
+              "num_key_value_heads": attn.get("kv_n_heads"), "clip_qkv": attn.get("clip_qkv"),
+              "rope_theta": attn.get("rope_theta"), "intermediate_size": ffn.get("ffn_hidden_size"),
+              "num_local_experts": ffn.get("moe_num_experts"), "num_experts_per_tok": ffn.get("moe_top_k"),
+              "hidden_act": (ffn.get("ffn_act_fn") or {}).get("name", "silu"),
+              "norm_topk_prob": ffn.get("moe_normalize_expert_weights", 1) is not None}
+    for key, theirs in (("hidden_size", "d_model"), ("num_attention_heads", "n_heads"),
+                        ("num_hidden_layers", "n_layers"), ("intermediate_size", "ffn_config.ffn_hidden_size"),
+                        ("num_local_experts", "ffn_config.moe_num_experts"),
+                        ("num_experts_per_tok", "ffn_config.moe_top_k")):
+        if fields[key] is None:
+            raise ConfigError(f"{src}: required field '{theirs}' is missing")
+    return {**raw, **{k: v for k, v in fields.items() if v is not None}}
 
 
 def _rotary_dim(raw: dict[str, Any], family: str, head_dim: int, src: str) -> int | None:
@@ -439,7 +567,7 @@ def _with_scale(mla: MLAConfig, rope: RopeConfig) -> MLAConfig:
 def _sliding_windows(raw: dict[str, Any], family: str, layers: int, src: str) -> tuple[int | None, ...]:
     """Per-layer window, following each family's transformers definition."""
     window = raw.get("sliding_window") or None
-    if family in ("olmoe", "glm4_moe", "minimax_m2", *MLA_FAMILIES):
+    if family in ("olmoe", "glm4_moe", "minimax_m2", "dbrx", *MLA_FAMILIES):
         return (None,) * layers
     if family == "gpt_oss":  # layer_types, by default sliding and full alternating from layer 0
         types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"

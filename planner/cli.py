@@ -216,8 +216,7 @@ def _simulate_plan(args: argparse.Namespace) -> int:
         raise PlannerError(f"--plan {args.plan} is a plan of this host: simulate it with --profile and its flags")
     shape = shape_from(plan["model"]["path"])
     _, eff = load_catalogue()
-    mod = SimModel(shape.num_layers, shape.num_moe_layers, shape.num_experts, shape.top_k, shape.hidden_size,
-                   shape.dtype_bytes)
+    mod = SimModel.from_config(shape.config)
     dep = Deployment(d["colocated"], d["attention_workers"], d["expert_workers"], d["micro_batches"],
                      transport="rdma", max_num_seqs=d["max_num_seqs"],
                      max_num_batched_tokens=max(args.max_num_batched_tokens, d["max_num_seqs"]))
@@ -393,11 +392,10 @@ def _run(fn, name: str):
     def run(args: argparse.Namespace) -> int:
         from models.config import ConfigError
         from planner.hardware import HardwareError
-        from planner.shapes import ShapeError
 
         try:
             return fn(args)
-        except (PlannerError, HardwareError, ShapeError, ConfigError, FileNotFoundError) as e:
+        except (PlannerError, HardwareError, ConfigError, FileNotFoundError) as e:
             print(f"shuttle {name}: error: {e}", file=sys.stderr)
             return 2
     return run

@@ -50,7 +50,7 @@ class ProfilePerf:
 
     def for_pools(self) -> "ProfilePerf":
         """The costs as the worker pools of one host run them: with OpenMP's passive waits
-        (server/launchers.py), measured at 2 and more threads (profile["fits_passive"]); one thread
+        (pools/launchers.py), measured at 2 and more threads (profile["fits_passive"]); one thread
         is the same either way. Profiles without them (older ones): unchanged."""
         passive = self.profile.get("fits_passive") or {}
         if not passive:
@@ -120,7 +120,10 @@ class RooflinePerf:
     """Estimated times on catalogue devices: each op takes max(FLOPs / (peak x eff), bytes /
     (bandwidth x eff)) plus a fixed per-layer overhead; a transfer takes bytes / (NIC x eff) plus a
     message latency. Attention reads the layer's non-expert weights once per micro-batch and the
-    KV cache of every context token it attends to; experts read each active expert's weights once."""
+    KV cache of every context token it attends to; experts read each active expert's weights once.
+    Sizes and FLOPs are ModelConfig's (models/config.py), in the checkpoint's dtype; a layer's
+    attention side is the model's average over its layers (dense MLPs, routers and shared experts
+    included), so that L layers add up to the whole model."""
 
     shape: ModelShape
     attention_hw: HardwareKind
@@ -134,19 +137,20 @@ class RooflinePerf:
 
     def attention(self, tokens, kv_reads, threads: int = 1, prefill_tokens=0, kv_prefill=0):
         """(prefill_tokens and kv_prefill: a measured profile's; the roofline counts all reads alike.)"""
-        s = self.shape
+        c = self.shape.config
+        L, itemsize = c.num_layers, c.dtype.itemsize
         tokens, kv_reads = np.asarray(tokens, dtype=float), np.asarray(kv_reads, dtype=float)
-        per_layer_w = (s.non_expert_params() - 2 * s.vocab_size * s.hidden_size) / s.num_layers * s.dtype_bytes
-        flops = tokens * s.attention_flops_per_token() + kv_reads * s.context_flops_per_token()
-        nbytes = per_layer_w + kv_reads * s.kv_bytes_per_token() / s.num_layers
+        per_layer_w = (c.non_expert_bytes(c.dtype) - c.embedding_params() * itemsize) / L
+        flops = tokens * c.non_expert_flops_per_token() / L + kv_reads * c.context_flops()
+        nbytes = per_layer_w + kv_reads * c.kv_bytes_per_token(c.dtype) / L
         t = self._roof(self.attention_hw, flops, nbytes) + self.eff.layer_overhead_us * 1e-6
         return np.where(tokens > 0, t, 0.0)
 
     def head(self, rows, tokens, threads: int = 1):
-        s = self.shape
+        c = self.shape.config
         rows = np.asarray(rows, dtype=float)
-        t = self._roof(self.attention_hw, rows * 2.0 * s.hidden_size * s.vocab_size,
-                       s.hidden_size * s.vocab_size * s.dtype_bytes) + self.eff.layer_overhead_us * 1e-6
+        t = self._roof(self.attention_hw, rows * 2.0 * c.hidden_size * c.vocab_size,
+                       c.hidden_size * c.vocab_size * c.dtype.itemsize) + self.eff.layer_overhead_us * 1e-6
         return np.where(np.asarray(tokens) > 0, t, 0.0)
 
     def step(self, seqs, threads: int = 1):
@@ -157,9 +161,9 @@ class RooflinePerf:
         return 0.0 * np.asarray(tokens, dtype=float)
 
     def experts(self, pairs, active, threads: int = 1):
-        s = self.shape
+        c = self.shape.config
         pairs, active = np.asarray(pairs, dtype=float), np.asarray(active, dtype=float)
-        t = self._roof(self.expert_hw, pairs * s.expert_flops_per_pair(), active * s.expert_params() * s.dtype_bytes)
+        t = self._roof(self.expert_hw, pairs * c.expert_flops_per_pair(), active * c.expert_bytes(c.dtype))
         return np.where(pairs > 0, t + self.eff.layer_overhead_us * 1e-6, 0.0)
 
     def front_request(self) -> float:

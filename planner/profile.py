@@ -299,12 +299,12 @@ def measure_experts(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     which the worker's steps do since the narrowing; the native block's own region still wakes its
     second thread once a layer (the passive fit's constant: 33-44 us a layer against 16-22
     spinning, before and after)."""
-    from expert_nodes.worker import _pack_for_cpu, narrows
+    from expert_nodes.worker import pack_for_cpu, narrows
     from kernels import native
 
     layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
     evict = CacheEvictor(opts.model)
-    experts = _pack_for_cpu(load_experts(opts.model, list(range(cfg.num_experts)), cfg, opts.dtype))
+    experts = pack_for_cpu(load_experts(opts.model, list(range(cfg.num_experts)), cfg, opts.dtype))
     dtype = opts.dtype or cfg.dtype
     E, K, g = cfg.num_experts, cfg.top_k, torch.Generator().manual_seed(0)
     samples = []
@@ -392,7 +392,7 @@ def measure_workers(opts: ProfileOptions, cfg: ModelConfig) -> dict[str, list[di
 
 def measure_passive(opts: ProfileOptions) -> dict[str, list[dict]] | None:
     """The same samples at the thread counts of 2 and more, with OpenMP's passive waits: the worker
-    pools run so on one host (server/launchers.py), where an op's second thread sleeps between
+    pools run so on one host (pools/launchers.py), where an op's second thread sleeps between
     parallel regions and every op wakes it. OpenMP reads its wait policy once, at start, so they are
     measured in a child process. (On the AVX-512 host, 25M model, batch 64: a decode step's layers
     took 2x the spinning threads' time, and more than one thread's.) None without such counts."""
@@ -455,7 +455,7 @@ def run_profile(opts: ProfileOptions) -> dict:
     profile = {"version": PROFILE_VERSION, "kind": "measured", "model": {
                 "path": str(opts.model), "name": shape.name, "config_hash": shape.config_hash,
                 "dtype": str(dtype).replace("torch.", ""), "num_layers": cfg.num_layers,
-                "num_moe_layers": sum(cfg.moe_layers), "num_experts": cfg.num_experts, "top_k": cfg.top_k,
+                "num_moe_layers": cfg.num_moe_layers, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
                 "hidden_size": cfg.hidden_size},
             "host": describe_host(), "threads": list(opts.threads), "fits": fits, "fits_passive": fits_passive,
             "transfer": transfer, "front": front,

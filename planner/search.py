@@ -6,9 +6,10 @@ devices with n_a + n_e <= max_devices, m in 1..4 micro-batches and every per-wor
     T_a = attention(b, b x context)                per layer (profile fit or roofline)
     T_e = experts(n_a b K / n_e pairs, active)     per layer, gathered from all attention workers
     T_c = transfer(the larger of what one attention device sends and one expert device receives)
-    one layer  P = max(m T_a, m T_e, m T_c, T_a + T_e + 2 T_c)   (pipelined, or one round trip)
-    TBT = L P + min(T_a, T_e) + 2 T_c + m head + step       (= MegaScale-Infer's
-          (T_a + T_e + 2 T_c) + max(T_a, T_e)(mL - 1) when the pipeline is full)
+    one MoE layer  P = max(m T_a, m T_e, m T_c, T_a + T_e + 2 T_c)   (pipelined, or one round trip)
+    TBT = L_moe P + L_dense m T_a + min(T_a, T_e) + 2 T_c + m head + step   (= MegaScale-Infer's
+          (T_a + T_e + 2 T_c) + max(T_a, T_e)(mL - 1) when the pipeline is full and every layer is MoE;
+          dense layers have no expert stage, as in the simulator)
     throughput = n_a B / TBT decode tokens per second;  cost = n_a price_a + n_e price_e per hour
 subject to memory (attention: non-expert weights + KV of B sequences at full context; experts:
 ceil(E / n_e) experts of every MoE layer, or one with n_e / E replicas when n_e is a multiple of
@@ -69,7 +70,8 @@ def expert_counts(E: int, max_devices: int) -> np.ndarray:
 def evaluate(perf, shape: ModelShape, hw_a: HardwareKind, hw_e: HardwareKind, max_devices: int,
              context: float, max_context: int, batches=BATCHES, transport: str = "rdma") -> dict[str, np.ndarray]:
     """Every (n_e, n_a, m, B) of one hardware pair as flat arrays (the closed form above)."""
-    E, K, L = shape.num_experts, shape.top_k, shape.num_layers
+    c = shape.config
+    E, K, L, L_moe = c.num_experts, c.top_k, c.num_layers, c.num_moe_layers
     n_e1 = expert_counts(E, max_devices - 1)
     n_a1 = np.arange(1, max_devices)
     m1, B1 = np.arange(1, 5), np.asarray(batches, dtype=float)
@@ -82,20 +84,20 @@ def evaluate(perf, shape: ModelShape, hw_a: HardwareKind, hw_e: HardwareKind, ma
     local = np.maximum(E / n_e, 1.0)
     pairs = gathered * K / n_e
     t_e = perf.experts(pairs, expected_active(gathered * np.minimum(1.0, E / n_e), local, E, K))
-    row = shape.hidden_size * shape.dtype_bytes
+    row = c.hidden_size * c.dtype.itemsize
     sent_rows = b * np.minimum(K, n_e) * (row + 8 * K)  # one attention device, to all expert devices
     recv_rows = pairs * row  # one expert device, from all attention devices (upper bound: a row per pair)
     t_c = perf.transfer(np.maximum(sent_rows, recv_rows), transport)
     period = np.maximum.reduce([m * t_a, m * t_e, m * t_c, t_a + t_e + 2 * t_c])
-    tbt = L * period + np.minimum(t_a, t_e) + 2 * t_c + m * perf.head(b, b) + perf.step(B)
-    mem_a = shape.non_expert_params() * shape.dtype_bytes + B * max_context * shape.kv_bytes_per_token()
+    tbt = L_moe * period + (L - L_moe) * m * t_a + np.minimum(t_a, t_e) + 2 * t_c + m * perf.head(b, b) + perf.step(B)
+    mem_a = c.non_expert_bytes(c.dtype) + B * max_context * c.kv_bytes_per_token(c.dtype)
     experts_held = np.where(n_e <= E, np.ceil(E / n_e), 1.0)
-    mem_e = experts_held * shape.num_moe_layers * shape.expert_params() * shape.dtype_bytes
+    mem_e = experts_held * L_moe * c.expert_bytes(c.dtype)
     fits = (mem_a <= hw_a.memory_bytes * MEMORY_USABLE) & (mem_e <= hw_e.memory_bytes * MEMORY_USABLE)
     fits &= (n_e <= E) | (n_e % E == 0)
     return {"n_a": n_a, "n_e": n_e, "m": m, "B": B, "t_a": t_a, "t_e": t_e, "t_c": t_c, "tbt": tbt,
             "throughput": n_a * B / tbt, "cost": n_a * hw_a.price_per_hour + n_e * hw_e.price_per_hour,
-            "fits": fits, "util_a": L * m * t_a / tbt, "util_e": shape.num_moe_layers * m * t_e / tbt}
+            "fits": fits, "util_a": L * m * t_a / tbt, "util_e": L_moe * m * t_e / tbt}
 
 
 def search(perf_for, shape: ModelShape, pairs: list[tuple[HardwareKind, HardwareKind]], max_devices: int,

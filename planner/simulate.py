@@ -4,42 +4,14 @@
                     micro_batches=2, cores=2))
     metrics = sim.run(Workload(num_prompts=64, input_len=64, output_len=32, max_concurrency=32))
 
-What is real and what is modelled:
-- Scheduling is the real code: every attention worker has its own attention_nodes Scheduler and
-  BlockManager (continuous batching, chunked prefill, prefix caching, preemption), driven on a
-  simulated clock; requests go to the worker with the fewest queued tokens, as PoolEngine does;
-  each step is split into micro-batches by the real split_micro_batches.
-- A step's time comes from a per-layer event recurrence (`_pipeline`): on every attention worker,
-  for each layer and micro-batch i, attention starts when the worker is free and micro-batch i's
-  previous MoE output is back; its tokens reach each expert worker one transfer later; an expert
-  worker runs slot (layer, i) when the chunks of *all* attention workers have arrived (gathering,
-  hence lock-step) and its previous slot is done; the answers come back one transfer later. Then
-  each micro-batch's LM head, and the step's scheduling, sampling and control work. A worker that
-  waited longer than the transport polls (spin_s) has blocked and starts a wake-up (wake_s, both
-  measured by the profile) later. Sending keeps the sender busy for its own CPU per message
-  (`send`: packing and copying into the slot, measured), after which it computes on.
-  Colocated: attention and experts in sequence in one process, no transfer; a decode-only step
-  less what running its layers in one native call saves, where the profile measured that
-  (ProfilePerf.native_decode_saving: models/native_decode.py).
-- Cores: with `cores` set (one host), the front and the load generator's CPU per output token,
-  per delta message (one per attention worker and step) and per request (measured by the
-  profile) delay the worker on a step's critical path in proportion to the share of the cores it
-  holds (a colocated engine: always, it shares the front's interpreter lock), and a step lasts at
-  least the CPU work of all its processes divided by the cores (processes x threads beyond the
-  cores share them): `_share_cores`. The front admits requests one at a time on its fair share of
-  the busy cores (a request reaches the engine once the front is through with it and those before
-  it: `_front_share`). A step's tokens reach the client (and a finished request's concurrency slot
-  frees) the front's CPU for the step's deltas at that share after the step ends, or later where
-  the front is still working through earlier steps' deltas on the CPU the workers leave free
-  (`_delivered`); requests sent by a step's end and still in the front then wait for its deltas
-  (`_hold_in_front`).
-- OpenMP: worker pools on one host wait passively between parallel regions (server/launchers.py),
-  so their multi-thread costs are the profile's passive fits (ProfilePerf.for_pools).
-- Sharing a host also slows the workers' compute itself (cache, memory bandwidth): where both pools
-  compute at once on a shared host (m >= 2) every compute time is multiplied by the profile's
-  served factor (planner.profile.served_factor), each call's by one that depends on its tokens,
-  interpolated between served runs at two batch sizes (planner.profile.served_factors,
-  call_slowdown; the step's own work by the factor at the batch per micro-batch, served_slowdown).
+Scheduling is the real code: each attention worker's Scheduler and BlockManager on a simulated
+clock, requests to the worker with the fewest queued tokens, steps split by split_micro_batches.
+A step's time is a per-layer event recurrence (`_pipeline`): attention, M2N transfers and expert
+workers that gather every attention worker's micro-batch, each cost from a performance model
+(planner.perf: a measured profile or a roofline); colocated, attention and experts run in turn.
+On one host (`cores` set) the front's and the load generator's CPU share the cores with the
+workers (`_share_cores`, `_delivered`, `_hold_in_front`), and sharing the host slows the workers'
+compute by the profile's served factors (`call_slowdown`). docs/architecture.md has the details.
 """
 import heapq
 from collections import deque
@@ -74,9 +46,16 @@ class SimModel:
 
     @classmethod
     def from_profile(cls, p: dict) -> "SimModel":
+        """From a profile's "model" entry (ModelConfig's numbers, written by planner.profile.run_profile)."""
         m = p["model"]
         return cls(m["num_layers"], m["num_moe_layers"], m["num_experts"], m["top_k"], m["hidden_size"],
                    DTYPE_BYTES[m["dtype"]])
+
+    @classmethod
+    def from_config(cls, cfg, dtype=None) -> "SimModel":
+        """From a models.config.ModelConfig, in `dtype` (default: the checkpoint's)."""
+        return cls(cfg.num_layers, cfg.num_moe_layers, cfg.num_experts, cfg.top_k, cfg.hidden_size,
+                   (dtype or cfg.dtype).itemsize)
 
 
 @dataclass(frozen=True)
@@ -342,11 +321,11 @@ class Simulator:
         front: the first wave's replacements reached the worker ~160 ms after their requests
         finished, the batch draining from 256 to 74 (the simulator, handling deltas at full speed,
         had them back in ~75 ms, the batch at 215), then waited for the token budget behind one
-        another (TTFT 408-515 ms, TPOT 44-55): the queue. Until issue 13's eleventh round the
-        deltas were a queue at full speed: replayed over fifteen stored planner runs (195 rows),
-        mean TPOT within 15% 154 -> 174 rows with this and the requests' wait (`_hold_in_front`),
-        throughput within 10% 171 -> 172; the latency alone 166, a queue at the fair share alone 114
-        (it backed up where a step's deltas took nearly a step: colocated and m=1 at batch 64)."""
+        another (TTFT 408-515 ms, TPOT 44-55): the queue. Replayed over fifteen stored planner runs
+        (195 rows), this with the requests' wait (`_hold_in_front`) puts mean TPOT within 15% in 174
+        rows and throughput within 10% in 172; a queue at full speed gives 154 and 171, the latency
+        alone 166 in TPOT, a queue at the fair share alone 114 (it backs up where a step's deltas
+        take nearly a step: colocated and m=1 at batch 64)."""
         latency = end + self._deltas_cpu / self._front_share
         self._delivering = max(end, self._delivering) + self._deltas_cpu / self._spare
         return max(latency, self._delivering)
@@ -399,11 +378,10 @@ class Simulator:
         workers the step waits on: 1 (1/2 had put 2 + 1 and 1 + 2 at m=2 26-47% fast in six planner
         runs replayed, 1 puts them within -4% to +12%, one run's 1 + 2 at +23% with its repeats
         spreading 37%).
-        Until issue 13's eighth round every pool took 1 (the share all the workers hold together):
-        served 1 + 1 m=2 decode steps of 64 sequences were predicted at 10.9 ms, 6.7 of them the
-        front's and the load generator's, against 8.9 ms traced, the pools' own compute in it 1.6x
-        the fits' (the served factor then fell to its floor of 1; the batch-64 rows' TPOT 15-25%
-        long)."""
+        Not 1 for every pool (the share all the workers hold together): that predicts served 1 + 1
+        m=2 decode steps of 64 sequences at 10.9 ms, 6.7 of them the front's and the load
+        generator's, against 8.9 ms traced, the pools' own compute in it 1.6x the fits' (the served
+        factor falls to its floor of 1; the batch-64 rows' TPOT 15-25% long)."""
         dep = self.dep
         if dep.colocated or dep.oversubscribed:
             return 1.0
@@ -411,7 +389,14 @@ class Simulator:
 
     def _pipeline(self, t0: float, tok: np.ndarray, A: np.ndarray, H: np.ndarray, S: np.ndarray,
                   trace: bool) -> tuple[float, float, float]:
-        """The per-layer event recurrence of one disaggregated step (see the module docstring).
+        """The per-layer event recurrence of one disaggregated step: on every attention worker, for
+        each layer and micro-batch i, attention starts when the worker is free and micro-batch i's
+        previous MoE output is back; its tokens reach each expert worker one transfer later; an
+        expert worker runs slot (layer, i) once the chunks of all attention workers have arrived
+        (gathering: lock-step) and its previous slot is done; the answers come back one transfer
+        later. Dense layers have no expert stage. Then each micro-batch's LM head. A worker whose
+        wait outlasted the transport's polling (spin_s) has blocked and pays a wake-up (wake_s);
+        sending keeps the sender busy for its own CPU per message (`send`).
         Returns (end time, attention busy seconds, expert busy seconds)."""
         mod, dep, th = self.model, self.dep, self.dep.pool_threads[1]
         W, m = tok.shape

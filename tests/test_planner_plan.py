@@ -27,11 +27,29 @@ def test_closed_form_matches_the_simulator_recurrence():
     r = evaluate(perf, shape, hw, hw, 24, 640.0, 768, batches=(128,))
     i = next(j for j in range(len(r["n_a"])) if (r["n_a"][j], r["n_e"][j], r["m"][j]) == (4, 8, 3))
     t_a, t_e, t_c = r["t_a"][i], r["t_e"][i], r["t_c"][i]
-    L = shape.num_layers
+    L = shape.config.num_layers
     pipeline = (t_a + t_e + 2 * t_c) + max(t_a, t_e) * (3 * L - 1)
     assert 3 * max(t_a, t_e) >= t_a + t_e + 2 * t_c  # the full-pipeline case
     extra = 3 * perf.head(128 / 3, 128 / 3) + perf.step(128)
     assert r["tbt"][i] == pytest.approx(pipeline + extra, rel=1e-9)
+
+
+def test_closed_form_runs_dense_layers_without_experts():
+    """DeepSeek-V3's 3 dense layers (first_k_dense_replace) take m attention micro-batches each and
+    no expert stage; its 58 MoE layers pipeline as in the test above."""
+    shape = shape_from("deepseek-v3")
+    hw = parse_hardware("H100")[0]
+    _, eff = load_catalogue()
+    perf = RooflinePerf(shape, hw, hw, eff)
+    r = evaluate(perf, shape, hw, hw, 64, 640.0, 768, batches=(256,))
+    i = next(j for j in range(len(r["n_a"])) if (r["n_a"][j], r["n_e"][j], r["m"][j]) == (16, 32, 2))
+    t_a, t_e, t_c = r["t_a"][i], r["t_e"][i], r["t_c"][i]
+    c = shape.config
+    assert (c.num_dense_layers, c.num_moe_layers) == (3, 58)
+    period = max(2 * t_a, 2 * t_e, 2 * t_c, t_a + t_e + 2 * t_c)
+    extra = 2 * perf.head(128, 128) + perf.step(256)
+    assert r["tbt"][i] == pytest.approx(58 * period + 3 * 2 * t_a + min(t_a, t_e) + 2 * t_c + extra, rel=1e-9)
+    assert r["util_e"][i] == pytest.approx(58 * 2 * t_e / r["tbt"][i])
 
 
 def test_plan_prefers_overlap_and_balances_pools():

@@ -39,11 +39,12 @@ def test_fit_needs_enough_points():
 def test_shipped_shapes_match_published_sizes():
     expected = {"mixtral-8x22b": 141e9, "dbrx": 132e9, "qwen3-235b-a22b": 235e9, "deepseek-v3": 671e9}
     for name, params in expected.items():
-        s = shape_from(name)
-        assert s.total_params() == pytest.approx(params, rel=0.02), name
-    ds = shape_from("deepseek-v3")
-    assert ds.attention == "mla" and ds.kv_bytes_per_token() == 61 * (512 + 64) * 2
-    assert shape_from("mixtral-8x22b").kv_bytes_per_token() == 56 * 2 * 8 * 128 * 2
+        c = shape_from(name).config
+        assert c.total_params() == pytest.approx(params, rel=0.02), name
+    ds = shape_from("deepseek-v3").config
+    assert ds.mla is not None and ds.kv_bytes_per_token(ds.dtype) == 61 * (512 + 64) * 2
+    mixtral = shape_from("mixtral-8x22b").config
+    assert mixtral.kv_bytes_per_token(mixtral.dtype) == 56 * 2 * 8 * 128 * 2
 
 
 def test_profile_command_measures_and_names_the_host(tmp_path, make_checkpoint):
