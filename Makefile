@@ -55,7 +55,7 @@ bench-vllm: setup
 	$(BIN)/python bench/vs_vllm_cpu.py --rounds 5
 
 soak: setup
-	# 30 minutes of load above capacity with disconnects and bad input (CI runs 120 s of it:
+	# 30 minutes of load above capacity with disconnects and bad input (CI runs 60 s of it:
 	# tests/test_soak.py); writes bench/results/soak.json
 	$(BIN)/python bench/soak.py --duration-s 1800
 

@@ -470,11 +470,13 @@ def main() -> None:
     print(f"wrote {path}")
 
 
-def replay(path: Path) -> list[dict]:
+def replay(path: Path, only_rows: set[int] | None = None, only_rounds: int | None = None) -> list[dict]:
     """Predict a stored run's rows again (from its first and, where stored, fresh profiles) against
     the same measurements: a change to the simulator judged on runs already measured, not on a new
     run whose host may have drifted. Prints the table and the summary and returns the rows (with the
-    stored errors as was_*); writes nothing."""
+    stored errors as was_*); writes nothing. only_rows: replay just these rows (by index);
+    only_rounds: just the first profile and this many more of --rounds (the rounds' medians then
+    differ from the stored ones; each round's prediction, pred_round_tok_s, does not)."""
     from planner.profile import served_factor, served_factors
 
     result = json.loads(path.read_text())
@@ -493,9 +495,11 @@ def replay(path: Path) -> list[dict]:
         if result["config"].get("fresh_front"):
             return solved(q)
         return {**q, **{k: profiles[name].get(k) for k in CALIBRATION}}
-    round_profiles = {name: [round_profile(name, q) for q in shape.get("round_profiles", [])]
+    round_profiles = {name: [round_profile(name, q) for q in shape.get("round_profiles", [])[:only_rounds]]
                       for name, shape in result["shapes"].items()}
-    for r in result["rows"]:
+    for i, r in enumerate(result["rows"]):
+        if only_rows is not None and i not in only_rows:
+            continue
         if "workload" not in r:
             raise SystemExit(f"{path}: row {r['deployment']!r} has no stored workload "
                              "(the file was written before --replay existed)")
@@ -527,7 +531,7 @@ def replay(path: Path) -> list[dict]:
                        *(["tok_s_err_fresh", "tpot_err_fresh"] if all("fresh_profile" in r for r in rows) else []),
                        *(["tok_s_err_rounds", "tpot_err_rounds", "noise_sd_rounds"]
                          if all("tok_s_err_rounds" in r for r in rows) else [])])
-    was = summarize(result["rows"], {})
+    was = summarize([r for i, r in enumerate(result["rows"]) if only_rows is None or i in only_rows], {})
     now = summarize(rows, {})
     keys = ("median_abs_tok_s_err", "within_10pct_tok_s", "within_15pct_tpot", "median_abs_tok_s_err_fresh",
             "within_10pct_tok_s_fresh", "within_15pct_tpot_fresh", "median_abs_tok_s_err_rounds",
