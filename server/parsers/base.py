@@ -1,0 +1,147 @@
+"""How a model's text becomes OpenAI's reasoning_content, content and tool_calls, whole or streamed.
+
+A family writes tool calls and reasoning in its own markup. Each parser here only *finds* that
+markup in the text so far; the splitting into content, reasoning and calls, and the stream deltas,
+are computed here once for every family, so the streamed pieces always add up to the whole answer:
+
+    reasoning, answer = split_reasoning(reasoning_parser, text, final=True, starts_in_reasoning)
+    content, calls = split_tools(tool_parser, answer, final=True)
+
+On a prefix of the text (final=False) both functions return what is safe to show so far: every
+string is a prefix of what the whole text gives and every call is final (calls are sent when their
+block closes). ToolStream / ReasoningStream turn growing texts into deltas by that rule.
+
+Content around calls: with no valid call the content is the text as it is. With calls it is the
+text before the first call with trailing whitespace removed, then each stretch of text between and
+after calls, stripped, each on a new line. A block that closes but does not parse (malformed call)
+is content, as is a block still open when the text ends.
+"""
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class Call:
+    """One function call: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class Block:
+    """A stretch of tool-call markup in the text: [start, end); end None while it is not closed.
+    calls: the calls it holds (in order), or None when it closed but is not valid markup of the
+    family (then its text is content). Once closed, a block never changes as the text grows."""
+
+    start: int
+    end: int | None
+    calls: tuple[Call, ...] | None = None
+
+
+class ToolParser:
+    """A family's tool-call markup. Subclasses set `name` (the --tool-call-parser value, vLLM's name)
+    and `markers` (every string that opens a block: a text ending in a proper prefix of one is held
+    back while streaming), and implement `blocks`."""
+
+    name: ClassVar[str]
+    markers: ClassVar[tuple[str, ...]]
+    # The markup is special tokens of the family's tokenizer (they must not be skipped when decoding).
+    needs_special_tokens: ClassVar[bool] = False
+
+    def blocks(self, text: str) -> list[Block]:
+        """The blocks in `text`, in order, not overlapping; at most the last is open."""
+        raise NotImplementedError
+
+
+class ReasoningParser:
+    """A family's reasoning markup: reasoning between `start` and `end` markers, at the beginning of
+    the output (or from the first character when the prompt already opened it). Subclasses may
+    override `split` for other layouts (gpt-oss's channels)."""
+
+    name: ClassVar[str]
+    start: ClassVar[str] = "<think>"
+    end: ClassVar[str] = "</think>"
+    needs_special_tokens: ClassVar[bool] = False
+
+    def starts_in_reasoning(self, prompt: str) -> bool:
+        """Whether the rendered prompt leaves the model inside its reasoning (the template wrote the
+        start marker and no end after it)."""
+        i = prompt.rfind(self.start)
+        return i >= 0 and prompt.find(self.end, i) < 0
+
+    def split(self, text: str, final: bool, starts_in_reasoning: bool) -> tuple[str, str]:
+        """(reasoning, answer) of the text so far; on a prefix (final=False) each is a prefix of the
+        whole text's. Reasoning runs from the start marker (or, starts_in_reasoning, the first
+        character) to the end marker; the rest is the answer. Text that does not open with the start
+        marker (leading whitespace aside) has no reasoning, unless the prompt opened it; reasoning
+        never closed is all reasoning."""
+        body = 0
+        if not starts_in_reasoning:
+            lead = len(text) - len(text.lstrip())
+            rest = text[lead:]
+            if rest.startswith(self.start):
+                body = lead + len(self.start)
+            elif not final and self.start.startswith(rest):
+                return "", ""  # maybe the start marker, still arriving
+            else:
+                return "", text
+        close = text.find(self.end, body)
+        if close < 0:
+            reasoning = text[body:]
+            if not final:
+                reasoning = reasoning[:len(reasoning) - _partial_suffix(reasoning, (self.end,))]
+            return reasoning.strip(), ""
+        answer = text[close + len(self.end):].lstrip()
+        return text[body:close].strip(), answer
+
+
+def split_tools(parser: ToolParser, text: str, final: bool) -> tuple[str, list[Call]]:
+    """(content, calls) of the answer text so far (see the module docstring)."""
+    segments, calls, pos, open_at = [], [], 0, None
+    for b in parser.blocks(text):
+        if b.end is None:
+            open_at = b.start
+            break
+        if b.calls is None:
+            continue  # malformed: its text stays in the current stretch of content
+        segments.append(text[pos:b.start])
+        calls.extend(b.calls)
+        pos = b.end
+    tail = text[pos:] if open_at is None or final else text[pos:open_at]
+    if not final:
+        tail = tail[:len(tail) - _partial_suffix(tail, parser.markers)] if open_at is None else tail
+        tail = tail.rstrip()
+    if not calls:
+        return tail, []
+    parts = [segments[0].rstrip()] + [s.strip() for s in segments[1:]] + [tail.strip()]
+    return "\n".join(p for p in parts if p), calls
+
+
+def split_reasoning(parser: ReasoningParser, text: str, final: bool, starts_in_reasoning: bool) -> tuple[str, str]:
+    return parser.split(text, final, starts_in_reasoning)
+
+
+def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that is a proper start of one of the markers."""
+    best = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), best, -1):
+            if text.endswith(marker[:n]):
+                best = n
+                break
+    return best
+
+
+class Growing:
+    """Deltas of a string that only grows: `take(now)` returns what is new since the last call (a
+    value that is not an extension of what was sent gives nothing: the parsers guarantee it is)."""
+
+    def __init__(self):
+        self.sent = ""
+
+    def take(self, now: str) -> str:
+        if len(now) <= len(self.sent) or not now.startswith(self.sent):
+            return ""
+        new, self.sent = now[len(self.sent):], now
+        return new

@@ -1,0 +1,60 @@
+"""One chat choice's text as OpenAI's message: reasoning (with a --reasoning-parser), then tool
+calls in the answer (tool_choice auto, with a --tool-call-parser), the rest content; whole, or as
+stream deltas that add up to the whole."""
+import secrets
+
+from server.parsers.base import Call, Growing, ReasoningParser, ToolParser, split_tools
+
+
+def call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+def tool_call(call: Call) -> dict:
+    return {"id": call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+class ChatOutput:
+    """reasoning / tools: the parsers, or None. starts_in_reasoning: the prompt opened the reasoning
+    (ReasoningParser.starts_in_reasoning of the rendered prompt)."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, starts_in_reasoning: bool = False):
+        self.reasoning, self.tools, self.starts_in_reasoning = reasoning, tools, starts_in_reasoning
+        self._reasoning_sent, self._content_sent, self.calls_sent = Growing(), Growing(), 0
+
+    def parse(self, text: str, final: bool = True) -> tuple[str | None, str, list[Call]]:
+        """(reasoning or None without a reasoning parser, content, calls) of the text so far."""
+        reasoning, answer = None, text
+        if self.reasoning is not None:
+            reasoning, answer = self.reasoning.split(text, final, self.starts_in_reasoning)
+        if self.tools is None:
+            return reasoning, answer, []
+        content, calls = split_tools(self.tools, answer, final)
+        return reasoning, content, calls
+
+    def message(self, text: str) -> dict:
+        """The whole choice's message fields: content (None when empty beside tool calls), tool_calls
+        (only with a tool parser), reasoning_content and vLLM's alias reasoning (with a reasoning parser)."""
+        reasoning, content, calls = self.parse(text)
+        out: dict = {"content": content if content or not calls else None}
+        if self.tools is not None:
+            out["tool_calls"] = [tool_call(c) for c in calls]
+        if self.reasoning is not None:
+            out["reasoning_content"] = out["reasoning"] = reasoning or None
+        return out
+
+    def feed(self, text: str, final: bool) -> list[dict]:
+        """The deltas (without role) for the choice's whole text so far; `final` on its last text."""
+        reasoning, content, calls = self.parse(text, final)
+        out = []
+        if reasoning is not None:
+            new = self._reasoning_sent.take(reasoning)
+            if new:
+                out.append({"reasoning_content": new, "reasoning": new})
+        new = self._content_sent.take(content)
+        if new:
+            out.append({"content": new})
+        for i, c in enumerate(calls[self.calls_sent:], self.calls_sent):
+            out.append({"tool_calls": [{"index": i, **tool_call(c)}]})
+        self.calls_sent = max(self.calls_sent, len(calls))
+        return out
