@@ -47,7 +47,8 @@ class ServerConfig:
     """host/port: where HTTP listens. api_key: required as `Authorization: Bearer KEY` on every
     route but OPEN_PATHS (None: no key). grpc_port: also serve gRPC there (None: no gRPC; 0: any
     free port). max_body_bytes: larger requests get 413. tool_call_parser: reads tool calls from the
-    text under tool_choice auto (server/tool_calls.py; None: auto is refused)."""
+    text under tool_choice auto (server/parsers; None: auto is refused). reasoning_parser: tells a
+    chat answer's reasoning (reasoning_content) from its content (None: all is content)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -57,6 +58,7 @@ class ServerConfig:
     max_body_bytes: int = 32 * 2 ** 20
     log_requests: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
 
 class _BodyTooLarge(Exception):
@@ -176,7 +178,7 @@ async def _unless_disconnected(request: Request, work) -> dict | None:
 def build_app(llm: AsyncLLM, cfg: ServerConfig, metrics: ServerMetrics) -> FastAPI:
     """The FastAPI application over a running AsyncLLM (which `shuttle serve` made with `metrics`
     as its observer). With cfg.grpc_port set, the gRPC server runs in the same event loop."""
-    serving = OpenAIServing(llm, cfg.served_model_name, cfg.tool_call_parser)
+    serving = OpenAIServing(llm, cfg.served_model_name, cfg.tool_call_parser, cfg.reasoning_parser)
     metrics.bind(llm.stats)
 
     @asynccontextmanager

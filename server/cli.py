@@ -27,6 +27,7 @@ import sys
 
 from attention_nodes.sampling_params import SamplingParams
 from m2n_comm.transport import BACKENDS
+from server.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -209,7 +210,8 @@ def _serve(args: argparse.Namespace) -> int:
     model = kwargs.pop("model", args.model)
     name = args.served_model_name or (str(model).rstrip("/") if model else "shuttle-builtin")
     cfg = ServerConfig(args.host or "127.0.0.1", args.port, args.api_key or os.environ.get("SHUTTLE_API_KEY") or None,
-                       name, args.grpc_port, args.max_body_bytes, args.log_requests, args.tool_call_parser)
+                       name, args.grpc_port, args.max_body_bytes, args.log_requests, args.tool_call_parser,
+                       args.reasoning_parser)
     metrics = ServerMetrics(name)
     try:  # the ports first: a busy one should fail now, not after the pools started and the model loaded
         sock = bind(cfg.host, cfg.port)
@@ -248,9 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                                   "beyond, 503 with Retry-After")
     s.add_argument("--max-body-bytes", type=int, default=32 * 2 ** 20, help="larger request bodies get 413")
     s.add_argument("--log-requests", action="store_true", help="log every HTTP request")
-    s.add_argument("--tool-call-parser", choices=["hermes"], default=None,
-                   help="parse tool calls from the model's text under tool_choice auto (hermes: the "
-                        "<tool_call>{...}</tool_call> style of Qwen and Hermes templates)")
+    s.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="parse tool calls from the model's text under tool_choice auto, in its family's "
+                        "format (vLLM's names)")
+    s.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="return a reasoning model's thinking as reasoning_content, apart from the answer "
+                        "(vLLM's names)")
     s.add_argument("--role", choices=["attention", "expert", "server"], default="server",
                    help="server (default): the API front; attention|expert: a worker joining --rendezvous")
     _add_pool_flags(s)

@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.structured import StructuredOutputs
-from server.tool_calls import PARSERS, ToolMode
+from server.parsers import TOOL_PARSERS
+from server.tool_calls import ToolMode
 
 
 class OpenAIError(Exception):
@@ -274,6 +275,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # gpt-oss: its template's variable
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -307,7 +309,7 @@ class ChatCompletionRequest(_Sampling):
             return ToolMode("named", functions, choice.function.name)
         if choice == "auto" and parser is None:
             raise OpenAIError('"auto" tool choice needs the server started with --tool-call-parser '
-                              f"({', '.join(PARSERS)}); use tool_choice \"required\" or a named function",
+                              f"({', '.join(TOOL_PARSERS)}); use tool_choice \"required\" or a named function",
                               param="tool_choice")
         return ToolMode(choice, functions, parallel=self.parallel_tool_calls is not False)
 

@@ -7,11 +7,12 @@ tokens, finish_reason once it ends), the usage chunk when stream_options.include
 `data: [DONE]`. An error after the stream began is sent as an `error` event before [DONE].
 """
 import asyncio
+import dataclasses
 import json
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from attention_nodes.engine import check_params, check_prompt
 from attention_nodes.sampling_params import SamplingParams
@@ -19,7 +20,9 @@ from server.async_llm import Admission, AsyncLLM, QueueFullError
 from server.openai_protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                     OpenAIError, TokenizeChatRequest, TokenizeCompletionRequest)
 from server.outputs import CompletionOutput, Logprob, RequestOutput
-from server.tool_calls import PARSERS, ToolMode, ToolStreamer
+from server.parsers import REASONING_PARSERS, TOOL_PARSERS
+from server.parsers.output import ChatOutput
+from server.tool_calls import ToolMode, ToolStreamer
 
 DONE = "data: [DONE]\n\n"
 MIN_LOGPROB = -9999.0
@@ -38,6 +41,9 @@ class _Job:
     echo_logprobs: bool = False  # completions with echo and logprobs: the prompt's logprobs lead
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the response
     tools: ToolMode | None = None  # chat with tools: the text becomes tool_calls
+    # chat with a reasoning parser or tool_choice auto: a ChatOutput per choice parses its text
+    output: Callable[[], ChatOutput] | None = None
+    end_texts: tuple[str, ...] = ()  # with special tokens kept: the end-of-sequence tokens' text, cut off
     created: int = field(default_factory=lambda: int(time.time()))
     admission: Admission | None = None  # the prompts' places in the waiting queue, reserved up front
 
@@ -49,11 +55,17 @@ class OpenAIServing:
     """The logic behind the OpenAI routes; the FastAPI layer (server/api_server.py) only parses,
     authenticates and turns OpenAIError into responses."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str, tool_call_parser: str | None = None):
-        """tool_call_parser: how tool calls are read from the text under tool_choice auto (tool_calls.PARSERS)."""
-        if tool_call_parser is not None and tool_call_parser not in PARSERS:
-            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
+    def __init__(self, llm: AsyncLLM, model_name: str, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None):
+        """tool_call_parser: how tool calls are read from the text under tool_choice auto;
+        reasoning_parser: how reasoning is told from the answer (server/parsers: vLLM's names)."""
+        if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {tool_call_parser!r}")
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {reasoning_parser!r}")
         self.llm, self.model_name, self.tool_call_parser = llm, model_name, tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self.max_model_len = llm.model_config.max_model_len
 
     def models(self) -> dict:
@@ -67,8 +79,8 @@ class OpenAIServing:
         if self.llm.tokenizer is None:
             raise OpenAIError("this model has no tokenizer", param="prompt")
         if isinstance(req, TokenizeChatRequest):
-            ids = self._render(req.messages, req.add_generation_prompt, req.continue_final_message,
-                               req.chat_template_kwargs)
+            _, ids = self._render(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                  req.chat_template_kwargs)
         else:
             ids = self.llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         strs = self.llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
@@ -108,8 +120,10 @@ class OpenAIServing:
         self.check_model(req.model)
         tools = req.tool_mode(self.tool_call_parser)
         extra = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else {}
-        ids = self._render(req.messages, req.add_generation_prompt, req.continue_final_message,
-                           req.chat_template_kwargs, **extra)
+        if req.reasoning_effort is not None:
+            extra["reasoning_effort"] = req.reasoning_effort
+        text, ids = self._render(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                 req.chat_template_kwargs, **extra)
         ids = self._check_prompt(ids, "messages")
         structured = req.structured()
         if tools is not None and tools.constraint() is not None:
@@ -119,19 +133,50 @@ class OpenAIServing:
             structured = (tools.constraint(), "tool_choice")
         params = req.sampling_params(self._max_tokens(req.requested_max_tokens(), len(ids), "max_tokens"),
                                      req.requested_logprobs(), structured=structured[0] if structured else None)
+        output, end_texts = self.chat_output(text, tools, "skip_special_tokens" in req.model_fields_set)
+        if end_texts:
+            params = dataclasses.replace(params, skip_special_tokens=False)
         self._check_params(params)
         return _Job("chat.completion", f"chatcmpl-{secrets.token_hex(12)}", self.model_name, [ids], params,
-                    prompt_logprobs=req.prompt_logprobs is not None, tools=tools)
+                    prompt_logprobs=req.prompt_logprobs is not None, tools=tools, output=output,
+                    end_texts=end_texts)
+
+    def chat_output(self, prompt: str, tools: ToolMode | None, skip_given: bool
+                    ) -> tuple[Callable[[], ChatOutput] | None, tuple[str, ...]]:
+        """How a chat request's choices are parsed: a maker of ChatOutput (None: the text is the
+        content, or tool_choice is required / named), and, where a parser's markup is special tokens
+        (and the request did not set skip_special_tokens), the end-of-sequence tokens' texts to cut
+        off the text (it is then decoded with special tokens kept)."""
+        if tools is not None and tools.mode != "auto":
+            return None, ()
+        reasoning_cls = REASONING_PARSERS[self.reasoning_parser] if self.reasoning_parser else None
+        tools_cls = TOOL_PARSERS[self.tool_call_parser] if tools is not None else None
+        if reasoning_cls is None and tools_cls is None:
+            return None, ()
+        opened = reasoning_cls is not None and reasoning_cls().starts_in_reasoning(prompt)
+
+        def make() -> ChatOutput:
+            return ChatOutput(reasoning_cls() if reasoning_cls else None, tools_cls() if tools_cls else None, opened)
+
+        special = any(c is not None and c.needs_special_tokens for c in (reasoning_cls, tools_cls))
+        return make, (self._end_texts() if special and not skip_given else ())
+
+    def _end_texts(self) -> tuple[str, ...]:
+        tok = self.llm.tokenizer
+        if tok is None:
+            return ()
+        ids = sorted(self.llm.engine.eos_token_ids)
+        return tuple(t for t in tok.convert_ids_to_tokens(ids) if t)
 
     def _render(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
-                template_kwargs: dict | None, **extra) -> list[int]:
-        """The conversation's token ids, rendered by the chat template; 400 if the template refuses."""
+                template_kwargs: dict | None, **extra) -> tuple[str, list[int]]:
+        """The conversation's text and token ids, rendered by the chat template; 400 if the template
+        refuses."""
         try:
-            _, ids = self.llm.render_chat([m.as_template_input() for m in messages], add_generation_prompt,
-                                          continue_final_message, **{**(template_kwargs or {}), **extra})
+            return self.llm.render_chat([m.as_template_input() for m in messages], add_generation_prompt,
+                                        continue_final_message, **{**(template_kwargs or {}), **extra})
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from None
-        return ids
 
     def _check_params(self, params: SamplingParams) -> None:
         try:
@@ -215,7 +260,7 @@ class OpenAIServing:
         """Server-sent events of the job; the caller cancels it when the client goes away."""
         chunk_kind = "chat.completion.chunk" if job.kind == "chat.completion" else "text_completion"
         started, ended = set(), set()  # choices that sent their first chunk, their finish_reason
-        streamers: dict[int, ToolStreamer] = {}  # chat with tools: each choice's text -> tool_calls deltas
+        streamers: dict[int, ChatOutput | ToolStreamer] = {}  # chat: each choice's text -> message deltas
         final: dict[int, RequestOutput] = {}
         try:
             async for i, out in self._outputs(job):
@@ -234,7 +279,11 @@ class OpenAIServing:
                     started.add(index)
                     if c.finished:
                         ended.add(index)
-                    streamer = streamers.setdefault(index, ToolStreamer(job.tools)) if job.tools else None
+                    streamer = None
+                    if job.output is not None:
+                        streamer = streamers.setdefault(index, job.output())
+                    elif job.tools is not None:
+                        streamer = streamers.setdefault(index, ToolStreamer(job.tools))
                     choices.append(self._choice(job, out, c, text, c.delta_token_ids, lps, full=False, first=first,
                                                 streamer=streamer))
                 for choice in choices:  # one choice per chunk, as OpenAI and vLLM send them
@@ -251,7 +300,8 @@ class OpenAIServing:
         yield DONE
 
     def _choice(self, job: _Job, out: RequestOutput, c: CompletionOutput, text: str, token_ids: list[int],
-                logprobs: list, full: bool, first: bool = False, streamer: ToolStreamer | None = None) -> dict:
+                logprobs: list, full: bool, first: bool = False,
+                streamer: ChatOutput | ToolStreamer | None = None) -> dict:
         """One choice of a response (full) or of a chunk (its deltas; first: the choice's first chunk)."""
         prompt = int(out.request_id.rsplit("-", 1)[1])
         index = job.index(prompt, c.index)
@@ -276,8 +326,10 @@ class OpenAIServing:
 
     @staticmethod
     def _chat_choice(job: _Job, index: int, c: CompletionOutput, text: str, lp: dict | None, full: bool, first: bool,
-                     streamer: ToolStreamer | None) -> dict:
+                     streamer: ChatOutput | ToolStreamer | None) -> dict:
         finish = c.finish_reason
+        if job.output is not None:
+            return _parsed_choice(job, index, c, text, lp, full, first, streamer)
         if job.tools is None:
             if full:
                 return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
@@ -300,6 +352,38 @@ class OpenAIServing:
         if not delta.get("tool_calls"):
             delta.pop("tool_calls", None)
         return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason}
+
+
+def _parsed_choice(job: _Job, index: int, c: CompletionOutput, text: str, lp: dict | None, full: bool, first: bool,
+                   streamer: ChatOutput | None) -> dict:
+    """A chat choice through its ChatOutput: the whole message, or the deltas of the text so far
+    (c.text; its end-of-sequence token cut off)."""
+    finish, whole = c.finish_reason, _cut_end(c.text if not full else text, job.end_texts, c.finished)
+    if full:
+        message = job.output().message(whole)
+        if message.get("tool_calls") and finish == "stop":
+            finish = "tool_calls"
+        return {"index": index, "message": {"role": "assistant", **message}, "logprobs": lp, "finish_reason": finish,
+                "stop_reason": c.stop_reason}
+    delta: dict = {"role": "assistant"} if first else {}
+    for piece in streamer.feed(whole, c.finished):
+        for key, value in piece.items():
+            if key == "tool_calls":
+                delta.setdefault("tool_calls", []).extend(value)
+            else:
+                delta[key] = delta.get(key, "") + value
+    if finish == "stop" and streamer.calls_sent:
+        finish = "tool_calls"
+    return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason}
+
+
+def _cut_end(text: str, end_texts: tuple[str, ...], finished: bool) -> str:
+    """The text without the end-of-sequence token that ended it (decoded with special tokens kept)."""
+    if finished:
+        for end in end_texts:
+            if text.endswith(end):
+                return text[:-len(end)]
+    return text
 
 
 def _max_or_none(*values: int | None) -> int | None:

@@ -1,4 +1,4 @@
-"""Tool calling: the hermes parser on fixed text (whole and streamed in pieces), the tool_choice
+"""Tool calling: the hermes parser on fixed text (whole and streamed at every split), the tool_choice
 rules of a request, and the built-in chat template rendering tools and earlier calls. The end-to-end
 runs against a live server are in tests/test_structured_outputs.py (they share its server)."""
 import json
@@ -6,7 +6,10 @@ import json
 import pytest
 
 from server.openai_protocol import ChatCompletionRequest, OpenAIError
-from server.tool_calls import ToolMode, ToolStreamer, parse_hermes
+from server.parsers import TOOL_PARSERS
+from server.parsers.output import ChatOutput
+from server.tool_calls import ToolMode
+from tests.parser_cases import check
 
 TEXT = ('Let me look that up. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
         '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
@@ -16,33 +19,14 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
              "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
 
 
-def test_hermes_parses_calls_and_content():
-    content, calls = parse_hermes(TEXT)
-    assert content == "Let me look that up."
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
-        [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
-    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
-    assert parse_hermes("no calls here") == ("no calls here", [])
-    assert parse_hermes("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
-
-
-@pytest.mark.parametrize("step", [1, 3, 7, 1000])
-def test_hermes_streamed_in_pieces_gives_the_same(step):
-    streamer = ToolStreamer(ToolMode("auto", {}))
-    deltas = []
-    for i in range(0, len(TEXT), step):
-        deltas += streamer.feed(TEXT[i:i + step], finished=i + step >= len(TEXT))
-    content = "".join(d.get("content", "") for d in deltas)
-    calls = [c for d in deltas for c in d.get("tool_calls", [])]
-    assert content.strip() == "Let me look that up." and "<" not in content
-    assert [c["index"] for c in calls] == [0, 1]
-    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}, {"a": 1, "b": 2}]
-
-
-def test_streamed_text_without_calls_is_all_sent():
-    streamer = ToolStreamer(ToolMode("auto", {}))
-    pieces = streamer.feed("a <tool", False) + streamer.feed("box> b", True)
-    assert "".join(p["content"] for p in pieces) == "a <toolbox> b"
+def test_hermes_whole_and_streamed_carry_the_same_content():
+    """Whole and streamed in pieces of any size, the content before the calls is the same (the
+    streamed one used to keep the newline the whole one stripped) and the calls are the same."""
+    want = (None, "Let me look that up.", [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})])
+    check(TEXT, want, tools=TOOL_PARSERS["hermes"]())
+    check("a <toolbox> b", (None, "a <toolbox> b", []), tools=TOOL_PARSERS["hermes"]())
+    message = ChatOutput(None, TOOL_PARSERS["hermes"]()).message(TEXT)
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in message["tool_calls"])
 
 
 def _request(**kw) -> ChatCompletionRequest:
