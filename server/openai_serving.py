@@ -17,6 +17,7 @@ from typing import AsyncIterator, Callable
 from attention_nodes.engine import check_params, check_prompt
 from attention_nodes.sampling_params import SamplingParams
 from server.async_llm import Admission, AsyncLLM, QueueFullError
+from server.detokenizer import settled_len
 from server.openai_protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                     OpenAIError, TokenizeChatRequest, TokenizeCompletionRequest)
 from server.outputs import CompletionOutput, Logprob, RequestOutput
@@ -153,10 +154,12 @@ class OpenAIServing:
         tools_cls = TOOL_PARSERS[self.tool_call_parser] if tools is not None else None
         if reasoning_cls is None and tools_cls is None:
             return None, ()
-        opened = reasoning_cls is not None and reasoning_cls().starts_in_reasoning(prompt)
+        splitter = reasoning_cls or (tools_cls.reasoning_parser if tools_cls else None)
+        opened = splitter is not None and splitter().starts_in_reasoning(prompt)
 
         def make() -> ChatOutput:
-            return ChatOutput(reasoning_cls() if reasoning_cls else None, tools_cls() if tools_cls else None, opened)
+            return ChatOutput(reasoning_cls() if reasoning_cls else None,
+                              tools_cls(tools.functions) if tools_cls else None, opened)
 
         special = any(c is not None and c.needs_special_tokens for c in (reasoning_cls, tools_cls))
         return make, (self._end_texts() if special and not skip_given else ())
@@ -357,8 +360,10 @@ class OpenAIServing:
 def _parsed_choice(job: _Job, index: int, c: CompletionOutput, text: str, lp: dict | None, full: bool, first: bool,
                    streamer: ChatOutput | None) -> dict:
     """A chat choice through its ChatOutput: the whole message, or the deltas of the text so far
-    (c.text; its end-of-sequence token cut off)."""
+    (c.text up to a character still incomplete; its end-of-sequence token cut off)."""
     finish, whole = c.finish_reason, _cut_end(c.text if not full else text, job.end_texts, c.finished)
+    if not c.finished:
+        whole = whole[:settled_len(whole)]
     if full:
         message = job.output().message(whole)
         if message.get("tool_calls") and finish == "stop":

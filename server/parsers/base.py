@@ -42,12 +42,19 @@ class Block:
 class ToolParser:
     """A family's tool-call markup. Subclasses set `name` (the --tool-call-parser value, vLLM's name)
     and `markers` (every string that opens a block: a text ending in a proper prefix of one is held
-    back while streaming), and implement `blocks`."""
+    back while streaming), and implement `blocks`. functions: the request's tools, name -> their
+    `parameters` JSON schema, for formats whose argument values are text typed by the schema."""
 
     name: ClassVar[str]
     markers: ClassVar[tuple[str, ...]]
     # The markup is special tokens of the family's tokenizer (they must not be skipped when decoding).
     needs_special_tokens: ClassVar[bool] = False
+    # Formats whose whole output is message markup (gpt-oss's channels): the parser that takes the
+    # answer out of it, applied when the server has no --reasoning-parser (its reasoning dropped).
+    reasoning_parser: ClassVar[type["ReasoningParser"] | None] = None
+
+    def __init__(self, functions: dict[str, dict] | None = None):
+        self.functions = functions
 
     def blocks(self, text: str) -> list[Block]:
         """The blocks in `text`, in order, not overlapping; at most the last is open."""

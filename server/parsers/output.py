@@ -27,6 +27,8 @@ class ChatOutput:
         reasoning, answer = None, text
         if self.reasoning is not None:
             reasoning, answer = self.reasoning.split(text, final, self.starts_in_reasoning)
+        elif self.tools is not None and self.tools.reasoning_parser is not None:
+            _, answer = self.tools.reasoning_parser().split(text, final, self.starts_in_reasoning)
         if self.tools is None:
             return reasoning, answer, []
         content, calls = split_tools(self.tools, answer, final)

@@ -1,0 +1,180 @@
+"""DeepSeek's markup: tool calls of DeepSeek-V3 / R1 (deepseek_v3) and DeepSeek-V3.1 (deepseek_v31),
+reasoning of R1 (deepseek_r1); and SectionToolParser, the shape both families share with Kimi K2.
+
+The calls come as one section holding one or more calls (vLLM's formats, the markers are single
+tokens of the tokenizer but not special ones, so they survive skip_special_tokens):
+
+    deepseek_v3:  <｜tool▁calls▁begin｜>
+                  <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{ARGS}\\n```<｜tool▁call▁end｜>
+                  \\n<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>
+                  <｜tool▁calls▁end｜><｜end▁of▁sentence｜>
+    deepseek_v31: <｜tool▁calls▁begin｜>
+                  <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{ARGS}<｜tool▁call▁end｜>...
+                  <｜tool▁calls▁end｜>
+    (written here on several lines: the markup has no newlines but those shown as \\n)
+
+A section is one Block; it is valid when it holds at least one call, every call parses (a name, a
+JSON object of arguments) and only whitespace lies between the calls; otherwise the whole section
+is content (vLLM keeps the calls its regex finds and drops the rest). Unlike vLLM, which drops
+text after the section, that text is content (the shared rule of base.py).
+"""
+import json
+import re
+from typing import ClassVar
+
+from server.parsers.base import Block, Call, ReasoningParser, ToolParser
+
+
+def _token(words: str) -> str:
+    """A DeepSeek marker: '<｜tool calls begin｜>' spelled with U+FF5C bars and U+2581 for spaces."""
+    return "<\uff5c" + words.replace(" ", "\u2581") + "\uff5c>"
+
+
+CALLS_BEGIN, CALLS_END = _token("tool calls begin"), _token("tool calls end")
+CALL_BEGIN, CALL_END, SEP = _token("tool call begin"), _token("tool call end"), _token("tool sep")
+END_OF_SENTENCE = _token("end of sentence")
+
+_NAME = re.compile(r"[^\s<>]+")
+
+
+class SectionToolParser(ToolParser):
+    """Calls inside a section: `begins` open it (any of them), `ends` close it (any of them); inside,
+    each call runs from `call_begin` to `call_end` and `parse_call` reads what lies between.
+
+    `end_of_text`: the family's end-of-turn tokens. They are in the text when special tokens are
+    kept (a request's skip_special_tokens false, or a parser that needs them); after a valid section
+    each becomes an empty block (no calls) so it never reaches the content. Before any call they are
+    left alone: a block without calls there would take the content before it (the server cuts the
+    end-of-sequence token off the text in that case)."""
+
+    begins: ClassVar[tuple[str, ...]]
+    ends: ClassVar[tuple[str, ...]]
+    call_begin: ClassVar[str]
+    call_end: ClassVar[str]
+    end_of_text: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if hasattr(cls, "begins"):
+            cls.markers = cls.begins + cls.end_of_text
+
+    def parse_call(self, inner: str) -> Call | None:
+        """The call written between call_begin and call_end, or None when it is not valid."""
+        raise NotImplementedError
+
+    def blocks(self, text: str) -> list[Block]:
+        out, pos, called = [], 0, False
+        while True:
+            at, opener = _first(text, self.begins + (self.end_of_text if called else ()), pos)
+            if at < 0:
+                return out
+            if opener in self.end_of_text:
+                out.append(Block(at, at + len(opener), ()))
+                pos = at + len(opener)
+                continue
+            close, closer = _first(text, self.ends, at + len(opener))
+            if close < 0:
+                out.append(Block(at, None))
+                return out
+            calls = self._section(text[at + len(opener):close])
+            out.append(Block(at, close + len(closer), calls))
+            called = called or calls is not None
+            pos = close + len(closer)
+
+    def _section(self, body: str) -> tuple[Call, ...] | None:
+        calls, pos = [], 0
+        while True:
+            start = body.find(self.call_begin, pos)
+            if start < 0:
+                break
+            stop = body.find(self.call_end, start)
+            if body[pos:start].strip() or stop < 0:
+                return None
+            inner = body[start + len(self.call_begin):stop]
+            call = None if self.call_begin in inner else self.parse_call(inner)
+            if call is None:
+                return None
+            calls.append(call)
+            pos = stop + len(self.call_end)
+        if body[pos:].strip() or not calls:
+            return None
+        return tuple(calls)
+
+
+def _first(text: str, needles: tuple[str, ...], pos: int) -> tuple[int, str]:
+    """(index, needle) of the earliest of `needles` in text[pos:], or (-1, "")."""
+    best, found = -1, ""
+    for n in needles:
+        i = text.find(n, pos)
+        if i >= 0 and (best < 0 or i < best):
+            best, found = i, n
+    return best, found
+
+
+def make_call(name: str, arguments: str) -> Call | None:
+    """A Call when `name` is a plain name and `arguments` a JSON object (re-serialised), else None."""
+    name = name.strip()
+    if not _NAME.fullmatch(name):
+        return None
+    try:
+        args = json.loads(arguments)
+    except ValueError:
+        return None
+    if not isinstance(args, dict):
+        return None
+    return Call(name, json.dumps(args, ensure_ascii=False))
+
+
+# TYPE<sep>NAME, then the arguments in a ```json fence (the type is "function"; vLLM passes any)
+_V3_CALL = re.compile(r"\s*[^\s<>]*\s*" + re.escape(SEP)
+                      + r"(?P<name>[^\n]*)\n\s*```(?:json)?\s*(?P<args>.*?)\s*```\s*", re.S)
+
+
+class DeepSeekV3ToolParser(SectionToolParser):
+    name = "deepseek_v3"
+    begins, ends = (CALLS_BEGIN,), (CALLS_END,)
+    call_begin, call_end = CALL_BEGIN, CALL_END
+    end_of_text = (END_OF_SENTENCE,)
+
+    def parse_call(self, inner: str) -> Call | None:
+        m = _V3_CALL.fullmatch(inner)
+        return make_call(m["name"], m["args"]) if m else None
+
+
+class DeepSeekV31ToolParser(SectionToolParser):
+    name = "deepseek_v31"
+    begins, ends = (CALLS_BEGIN,), (CALLS_END,)
+    call_begin, call_end = CALL_BEGIN, CALL_END
+    end_of_text = (END_OF_SENTENCE,)
+
+    def parse_call(self, inner: str) -> Call | None:
+        name, sep, args = inner.partition(SEP)
+        return make_call(name, args) if sep else None
+
+
+def repeated_start(parser: ReasoningParser, text: str, final: bool) -> str | None:
+    """With the reasoning opened by the prompt: the text without a start marker the model wrote
+    again at its beginning (vLLM drops it too), or None while the text may still be one arriving."""
+    lead = len(text) - len(text.lstrip())
+    rest = text[lead:]
+    if rest.startswith(parser.start):
+        return text[lead + len(parser.start):]
+    if not final and rest and parser.start.startswith(rest):
+        return None
+    return text
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    """`<think>`...`</think>` (plain tokens, not special ones). The R1 templates (and V3.1's with
+    thinking on) end the prompt with `<think>\\n`, so the output starts inside the reasoning:
+    starts_in_reasoning of the rendered prompt says so (vLLM assumes it always); the older R1
+    template left `<think>` to the model. A `<think>` written again after the prompt's is dropped."""
+
+    name = "deepseek_r1"
+
+    def split(self, text: str, final: bool, starts_in_reasoning: bool) -> tuple[str, str]:
+        if starts_in_reasoning:
+            text = repeated_start(self, text, final)
+            if text is None:
+                return "", ""
+        return super().split(text, final, starts_in_reasoning)

@@ -1,0 +1,80 @@
+"""Kimi K2's markup (vLLM's kimi_k2 tool and reasoning parsers).
+
+Tool calls: one section of calls, each named by its id `functions.NAME:IDX` (the function's name
+is what follows the last dot before the colon; IDX counts the calls of the conversation):
+
+    <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{ARGS}<|tool_call_end|>
+    <|tool_call_begin|>...<|tool_call_end|><|tool_calls_section_end|>
+
+The model sometimes writes the section markers in the singular (`<|tool_call_section_begin|>`);
+vLLM accepts both, as here. Whitespace around the id and the arguments is allowed. Kimi's
+tokenizer drops these markers and `</think>` (id 163607) when decoding with skip_special_tokens
+(vLLM's kimi_k2 parser sets skip_special_tokens false whenever tools are given; NVIDIA Dynamo keeps
+special tokens for its Kimi parsers since `</think>` was found stripped), so both parsers need
+special tokens kept; the turn then ends with `<|im_end|>`, which after the calls never reaches the
+content.
+
+Reasoning (Kimi K2 Thinking): `<think>`...`</think>` at the start of the output (the template's
+generation prompt does not open it; where a prompt does, a `<think>` the model writes again is
+dropped); a tool-call section also ends the reasoning, as the model may start its calls without
+closing it (vLLM's kimi_k2 reasoning parser does the same).
+"""
+import re
+
+from server.parsers.base import Call, ReasoningParser, _partial_suffix
+from server.parsers.deepseek import SectionToolParser, _first, make_call, repeated_start
+
+SECTION_BEGINS = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
+SECTION_ENDS = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
+CALL_BEGIN, CALL_END, ARGUMENT_BEGIN = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
+IM_END = "<|im_end|>"
+
+_ID = re.compile(r"(?P<function>[^\s<:]+):(?P<index>\d+)")
+
+
+class KimiK2ToolParser(SectionToolParser):
+    name = "kimi_k2"
+    begins, ends = SECTION_BEGINS, SECTION_ENDS
+    call_begin, call_end = CALL_BEGIN, CALL_END
+    end_of_text = (IM_END,)
+    needs_special_tokens = True
+
+    def parse_call(self, inner: str) -> Call | None:
+        head, sep, args = inner.partition(ARGUMENT_BEGIN)
+        m = _ID.fullmatch(head.strip())
+        if not sep or m is None:
+            return None
+        return make_call(m["function"].split(".")[-1], args)
+
+
+class KimiK2ReasoningParser(ReasoningParser):
+    name = "kimi_k2"
+    needs_special_tokens = True
+
+    def split(self, text: str, final: bool, starts_in_reasoning: bool) -> tuple[str, str]:
+        """As ReasoningParser.split, but a tool-call section also closes the reasoning (the
+        section stays in the answer, for the tool parser)."""
+        body = 0
+        if starts_in_reasoning:
+            text = repeated_start(self, text, final)
+            if text is None:
+                return "", ""
+        else:
+            lead = len(text) - len(text.lstrip())
+            rest = text[lead:]
+            if rest.startswith(self.start):
+                body = lead + len(self.start)
+            elif not final and self.start.startswith(rest):
+                return "", ""  # maybe the start marker, still arriving
+            else:
+                return "", text
+        closers = (self.end,) + SECTION_BEGINS
+        close, closer = _first(text, closers, body)
+        if close < 0:
+            reasoning = text[body:]
+            if not final:
+                reasoning = reasoning[:len(reasoning) - _partial_suffix(reasoning, closers)]
+            return reasoning.strip(), ""
+        if closer == self.end:
+            return text[body:close].strip(), text[close + len(self.end):].lstrip()
+        return text[body:close].strip(), text[close:]
