@@ -3,7 +3,8 @@
     shuttle serve [--model DIR] [--port 8000] [--api-key KEY] [--grpc-port 50051] [pool flags]
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both stream as server-sent
-events with stream=true), GET /health, GET /metrics (Prometheus), GET /version. Every error is
+events with stream=true), GET /health, GET /metrics (Prometheus), GET /version, and POST
+/v1/responses (OpenAI's Responses API, over the chat machinery: server/responses.py). Every error is
 OpenAI's {"error": {"message", "type", "param", "code"}} with its status: 400 bad values, 401 bad
 key, 404 unknown model or route, 413 oversized body, 503 (with Retry-After) when more than
 max_waiting requests wait for their first token, 500 when the engine failed. /health is 200 only
@@ -34,6 +35,8 @@ from server.openai_protocol import (ChatCompletionRequest, CompletionRequest, De
 from server.openai_schemas import (AUTH_ERRORS, ERRORS_400, ChatCompletionResponse, ChatCompletionStreamResponse,
                                    CompletionResponse, CompletionStreamResponse, ErrorResponse, Health, ModelList,
                                    TokenizeResponse, DetokenizeResponse, Version, generation_responses, install_openapi, request_body)
+from server.openai_schemas import ResponseStreamEvent, responses_api_responses
+from server.responses import ResponsesRequest, ResponsesServing, parse_responses_request
 from server.openai_serving import OpenAIServing, as_openai_error
 
 log = logging.getLogger("shuttle")
@@ -122,7 +125,7 @@ class _Guard:
 def _route(path: str) -> str:
     """The path as a metric label; unknown paths are one label, so scanners cannot grow the series."""
     known = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/version", "/tokenize",
-             "/detokenize")
+             "/detokenize", "/v1/responses")
     return path if path in known else "other"
 
 
@@ -179,6 +182,7 @@ def build_app(llm: AsyncLLM, cfg: ServerConfig, metrics: ServerMetrics) -> FastA
     """The FastAPI application over a running AsyncLLM (which `shuttle serve` made with `metrics`
     as its observer). With cfg.grpc_port set, the gRPC server runs in the same event loop."""
     serving = OpenAIServing(llm, cfg.served_model_name, cfg.tool_call_parser, cfg.reasoning_parser)
+    responses_serving = ResponsesServing(serving)  # holds the stored conversations of previous_response_id
     metrics.bind(llm.stats)
 
     @asynccontextmanager
@@ -198,7 +202,8 @@ def build_app(llm: AsyncLLM, cfg: ServerConfig, metrics: ServerMetrics) -> FastA
     app.add_middleware(_Guard, cfg=cfg, metrics=metrics)
     _add_error_handlers(app)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, CompletionStreamResponse,
-                          ChatCompletionStreamResponse, TokenizeRequest, DetokenizeRequest])
+                          ChatCompletionStreamResponse, TokenizeRequest, DetokenizeRequest, ResponsesRequest,
+                          ResponseStreamEvent])
 
     @app.get("/health", response_model=None, responses={
         200: {"model": Health, "description": "a generation step can run"},
@@ -241,6 +246,13 @@ def build_app(llm: AsyncLLM, cfg: ServerConfig, metrics: ServerMetrics) -> FastA
         req = parse(ChatCompletionRequest, await request.body())
         job = serving.chat_job(req)
         return await _respond(request, serving, llm, job, req.stream, req)
+
+    @app.post("/v1/responses", response_model=None, openapi_extra=request_body(ResponsesRequest),
+              responses=responses_api_responses())
+    async def responses(request: Request) -> Response:
+        req = parse_responses_request(await request.body())
+        job = responses_serving.job(req)
+        return await _respond_responses(request, responses_serving, llm, job)
 
     @app.post("/tokenize", response_model=None, openapi_extra=request_body(TokenizeRequest),
               responses={200: {"model": TokenizeResponse}, **ERRORS_400})
@@ -286,6 +298,27 @@ async def _respond(request: Request, serving: OpenAIServing, llm: AsyncLLM, job,
         job.admission.release()
     if body is None:
         return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+    return JSONResponse(body)
+
+
+async def _respond_responses(request: Request, api: ResponsesServing, llm: AsyncLLM, job) -> Response:
+    """/v1/responses as _respond answers the chat routes: the queue place reserved first, then the
+    stream (aborted when the client goes) or the whole response (499 if the client went)."""
+    try:
+        job.admission = llm.reserve(1)
+    except QueueFullError as e:
+        raise as_openai_error(e) from None
+    except EngineDeadError as e:
+        raise OpenAIError(str(e), status=503, code="engine_dead") from None
+    if job.req.streaming:
+        return _SSEResponse(api.stream(job), on_close=job.admission.release, media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache"})
+    try:
+        body = await _unless_disconnected(request, api.full_response(job))
+    finally:
+        job.admission.release()
+    if body is None:
+        return Response(status_code=499)
     return JSONResponse(body)
 
 

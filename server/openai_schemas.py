@@ -1,16 +1,17 @@
 """The API's responses as pydantic models, and the OpenAPI document built from them and the requests.
 
 These models document the wire format (`/openapi.json`, `/docs`) and are what schemathesis checks
-every response against; server/openai_serving.py builds the same shapes as plain dicts (cheaper per
-streamed chunk), so a field added there must be added here too. Requests are parsed by hand from
-the raw body (server/openai_protocol.py: strict JSON, OpenAI-shaped errors), so their schemas are
-attached to the routes with `request_body`, not through FastAPI's parameter binding.
+every response against; server/openai_serving.py (and server/responses.py for /v1/responses) builds
+the same shapes as plain dicts (cheaper per streamed chunk), so a field added there must be added here
+too. Requests are parsed by hand from the raw body (server/openai_protocol.py: strict JSON,
+OpenAI-shaped errors), so their schemas are attached to the routes with `request_body`, not through
+FastAPI's parameter binding.
 """
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, RootModel
 from pydantic.json_schema import models_json_schema
 
 REF = "#/components/schemas/{model}"
@@ -190,6 +191,233 @@ class ChatCompletionStreamResponse(BaseModel):
     usage: Usage | None = None
 
 
+# -- /v1/responses (OpenAI's Responses API; built in server/responses.py) --------------------------------
+class ResponseOutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[dict[str, Any]] = Field(default_factory=list)
+    logprobs: list[dict[str, Any]] | None = None
+
+
+class ResponseReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ResponseOutputMessage(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[ResponseOutputText]
+
+
+class ResponseFunctionToolCall(BaseModel):
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str = Field(description="what a function_call_output input item answers")
+    name: str
+    arguments: str = Field(description="the arguments as a JSON object, in a string")
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class ResponseReasoningItem(BaseModel):
+    """The reasoning the server's --reasoning-parser told from the answer."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ResponseReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+ResponseOutputItem = Annotated[Union[ResponseOutputMessage, ResponseFunctionToolCall, ResponseReasoningItem],
+                               Field(discriminator="type")]
+
+
+class ResponseInputTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens whose prefill the prefix cache skipped")
+    cache_write_tokens: int = 0
+
+
+class ResponseOutputTokensDetails(BaseModel):
+    reasoning_tokens: int = Field(description="the reasoning's length in tokens (its text encoded again)")
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: ResponseInputTokensDetails
+    output_tokens: int
+    output_tokens_details: ResponseOutputTokensDetails
+    total_tokens: int
+
+
+class ResponseIncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+class ResponseErrorDetails(BaseModel):
+    code: str
+    message: str
+
+
+class ResponseObject(BaseModel):
+    """A response of POST /v1/responses (OpenAI's Response object)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    background: bool | None = None
+    error: ResponseErrorDetails | None = None
+    incomplete_details: ResponseIncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    metadata: dict[str, str] | None = None
+    model: str
+    output: list[ResponseOutputItem]
+    parallel_tool_calls: bool
+    previous_response_id: str | None = None
+    reasoning: dict[str, Any] | None = None
+    store: bool | None = None
+    temperature: float | None = None
+    text: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    top_p: float | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    usage: ResponseUsage | None = None
+    user: str | None = None
+
+
+class _ResponseEvent(BaseModel):
+    sequence_number: int = Field(description="the event's place in the stream, from 0")
+
+
+class ResponseCreatedEvent(_ResponseEvent):
+    type: Literal["response.created"]
+    response: ResponseObject
+
+
+class ResponseInProgressEvent(_ResponseEvent):
+    type: Literal["response.in_progress"]
+    response: ResponseObject
+
+
+class ResponseCompletedEvent(_ResponseEvent):
+    type: Literal["response.completed"]
+    response: ResponseObject
+
+
+class ResponseIncompleteEvent(_ResponseEvent):
+    """The last event when max_output_tokens cut the answer short."""
+
+    type: Literal["response.incomplete"]
+    response: ResponseObject
+
+
+class ResponseFailedEvent(_ResponseEvent):
+    type: Literal["response.failed"]
+    response: ResponseObject
+
+
+class ResponseErrorEvent(_ResponseEvent):
+    """The engine failed mid-stream (response.failed follows)."""
+
+    type: Literal["error"]
+    code: str | None = None
+    message: str
+    param: str | None = None
+
+
+class ResponseOutputItemAddedEvent(_ResponseEvent):
+    type: Literal["response.output_item.added"]
+    output_index: int
+    item: ResponseOutputItem
+
+
+class ResponseOutputItemDoneEvent(_ResponseEvent):
+    type: Literal["response.output_item.done"]
+    output_index: int
+    item: ResponseOutputItem
+
+
+class ResponseContentPartAddedEvent(_ResponseEvent):
+    type: Literal["response.content_part.added"]
+    item_id: str
+    output_index: int
+    content_index: int
+    part: Annotated[Union[ResponseOutputText, ResponseReasoningText], Field(discriminator="type")]
+
+
+class ResponseContentPartDoneEvent(_ResponseEvent):
+    type: Literal["response.content_part.done"]
+    item_id: str
+    output_index: int
+    content_index: int
+    part: Annotated[Union[ResponseOutputText, ResponseReasoningText], Field(discriminator="type")]
+
+
+class ResponseTextDeltaEvent(_ResponseEvent):
+    type: Literal["response.output_text.delta"]
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ResponseTextDoneEvent(_ResponseEvent):
+    type: Literal["response.output_text.done"]
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ResponseReasoningTextDeltaEvent(_ResponseEvent):
+    type: Literal["response.reasoning_text.delta"]
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ResponseReasoningTextDoneEvent(_ResponseEvent):
+    type: Literal["response.reasoning_text.done"]
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+
+
+class ResponseFunctionCallArgumentsDeltaEvent(_ResponseEvent):
+    type: Literal["response.function_call_arguments.delta"]
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class ResponseFunctionCallArgumentsDoneEvent(_ResponseEvent):
+    type: Literal["response.function_call_arguments.done"]
+    item_id: str
+    output_index: int
+    arguments: str
+
+
+RESPONSE_EVENTS = (ResponseCreatedEvent, ResponseInProgressEvent, ResponseOutputItemAddedEvent,
+                   ResponseContentPartAddedEvent, ResponseTextDeltaEvent, ResponseTextDoneEvent,
+                   ResponseReasoningTextDeltaEvent, ResponseReasoningTextDoneEvent,
+                   ResponseFunctionCallArgumentsDeltaEvent, ResponseFunctionCallArgumentsDoneEvent,
+                   ResponseContentPartDoneEvent, ResponseOutputItemDoneEvent, ResponseCompletedEvent,
+                   ResponseIncompleteEvent, ResponseFailedEvent, ResponseErrorEvent)
+
+
+class ResponseStreamEvent(RootModel[Annotated[Union[RESPONSE_EVENTS], Field(discriminator="type")]]):
+    """One server-sent event of a streamed response: `event: <type>` and `data: <the event as JSON>`."""
+
+
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
@@ -232,6 +460,20 @@ def generation_responses(full: type[BaseModel], chunk: type[BaseModel]) -> dict:
              "event, an error body if the engine fails mid-stream, and `data: [DONE]` last",
              "properties": {"data": {"anyOf": [{"const": "[DONE]"}, chunk_data]}}}
     return {200: {"model": full, "content": {"text/event-stream": {"schema": event}}}, **ERRORS}
+
+
+def responses_api_responses() -> dict:
+    """The responses of POST /v1/responses: a ResponseObject, or (stream true) server-sent events
+    `event: <type>` / `data: <ResponseStreamEvent as JSON>`, with no closing [DONE] (as OpenAI)."""
+    data = {"type": "string", "contentMediaType": "application/json",
+            "contentSchema": {"$ref": REF.format(model="ResponseStreamEvent")}}
+    event = {"type": "object", "required": ["data"], "description": "`event: <type>` and `data: <ResponseStreamEvent "
+             "as JSON>` per event, from response.created to response.completed (response.incomplete when "
+             "max_output_tokens cut the answer short; error then response.failed if the engine fails)",
+             "properties": {"event": {"type": "string", "enum": [m.model_fields["type"].annotation.__args__[0]
+                                                                  for m in RESPONSE_EVENTS]},
+                            "data": data}}
+    return {200: {"model": ResponseObject, "content": {"text/event-stream": {"schema": event}}}, **ERRORS}
 
 
 def request_body(model: type[BaseModel]) -> dict:

@@ -36,13 +36,13 @@ def api_schema(server):
     return schemathesis.openapi.from_url(f"{server.url}/openapi.json")
 
 
-OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-              ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/metrics"), ("GET", "/health"),
-              ("GET", "/version")]
+OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),
+              ("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/metrics"),
+              ("GET", "/health"), ("GET", "/version")]
 def test_openapi_documents_every_route(server):
     doc = httpx.get(f"{server.url}/openapi.json").json()
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", "/health", "/tokenize",
-            "/detokenize"} <= set(doc["paths"])
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/metrics", "/health",
+            "/tokenize", "/detokenize"} <= set(doc["paths"])
     for path in ("/v1/completions", "/v1/chat/completions"):
         op = doc["paths"][path]["post"]
         ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
@@ -50,6 +50,13 @@ def test_openapi_documents_every_route(server):
         assert {"model", "max_tokens", "temperature", "stream", "logit_bias"} <= set(body["properties"])
         assert {"200", "400", "401", "404", "413", "503"} <= set(op["responses"])
         assert "text/event-stream" in op["responses"]["200"]["content"]
+    op = doc["paths"]["/v1/responses"]["post"]
+    ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    body = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
+    assert {"model", "input", "instructions", "max_output_tokens", "stream", "tools", "previous_response_id"} <= \
+        set(body["properties"])
+    assert {"200", "400", "401", "404", "413", "503"} <= set(op["responses"])
+    assert "text/event-stream" in op["responses"]["200"]["content"]
     assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert httpx.get(f"{server.url}/docs").status_code == 200
 
@@ -87,7 +94,7 @@ def test_stream_chunks_match_their_schema(server, path, body, name):
 def test_the_fuzz_reached_generation(server):
     """The generated bodies were not all refused: some completions and chats really ran."""
     text = httpx.get(f"{server.url}/metrics").text
-    for route in ("/v1/completions", "/v1/chat/completions"):
+    for route in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         ok = [line for line in text.splitlines() if line.startswith("shuttle_http_requests_total")
               and f'route="{route}"' in line and 'status="200"' in line]
         assert ok and float(ok[0].rsplit(" ", 1)[1]) > 0, f"no 200 from {route}:\n{text[:2000]}"
