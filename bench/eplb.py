@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig  # noqa: E402
 from attention_nodes.sampling_params import SamplingParams  # noqa: E402
 from bench.common import print_table, save  # noqa: E402
-from m2n_comm.placement import imbalance  # noqa: E402
+from pools.eplb import imbalance  # noqa: E402
 from models.builtin import make_random_checkpoint  # noqa: E402
 from pools.engine import PoolEngine  # noqa: E402
 

@@ -399,7 +399,7 @@ class PoolEngine:
             elif isinstance(msg, wire.Failed):
                 raise _Broken(f"attention worker a{msg.rank} failed: {msg.message}{self.supervision.exited()}",
                               {Worker("attention", msg.rank)})
-            return []  # a starting worker that dies is found by _check_procs
+            return []  # a starting worker that dies is found by supervision.check_procs
         rank = self._conn_rank.get(conn)
         if rank is None:  # the connection of a worker that was replaced
             return []

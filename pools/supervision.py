@@ -286,7 +286,7 @@ class Supervision:
         """Open the next epoch without the failed expert workers (placement v + 1: their copies
         dropped); attention workers keep their requests and route around them from the epoch's first
         step. The failed workers are started again (loading the placement v + 2, the one in use now)
-        for the epoch after, which `_poll_add_back` opens once they have loaded. Returns the deltas
+        for the epoch after, which `poll_add_back` opens once they have loaded. Returns the deltas
         that came meanwhile."""
         cur = self.pools.placements.current
         without = cur.without({w.rank for w in suspects}, self.pools.placements.next_version())

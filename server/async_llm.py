@@ -154,7 +154,7 @@ class AsyncLLM:
         finished=True. Raises ValueError for a bad request (before anything runs), QueueFullError
         when max_waiting requests already wait for their first token (unless it takes its place
         from `admission`, reserved earlier). validated: the caller passed token ids it checked with
-        validate_request itself (the HTTP front does, to name the request's field in its errors)."""
+        check_prompt and check_params itself (the HTTP front does, to name the request's field in its errors)."""
         self.check_alive()
         request_id = request_id or f"req-{next(self._ids)}"
         ids = list(prompt) if validated else self._llm._encode(prompt, params)

@@ -17,12 +17,11 @@ from typing import AsyncIterator, Callable
 from attention_nodes.engine import check_params, check_prompt
 from attention_nodes.sampling_params import SamplingParams
 from server.async_llm import Admission, AsyncLLM, QueueFullError
-from server.detokenizer import settled_len
 from server.openai_protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                     OpenAIError, TokenizeChatRequest, TokenizeCompletionRequest)
 from server.outputs import CompletionOutput, Logprob, RequestOutput
 from server.parsers import REASONING_PARSERS, TOOL_PARSERS
-from server.parsers.output import ChatOutput
+from server.parsers.output import ChatOutput, cut_end
 from server.tool_calls import ToolMode, ToolStreamer
 
 DONE = "data: [DONE]\n\n"
@@ -182,6 +181,8 @@ class OpenAIServing:
             raise OpenAIError(str(e), param="messages") from None
 
     def _check_params(self, params: SamplingParams) -> None:
+        if self.llm.tokenizer is None and params.stop:  # as LLM._encode: stop strings need the text
+            raise OpenAIError("this model has no tokenizer: stop strings cannot be matched", param="stop")
         try:
             check_params(params, self.llm.model_config)
         except ValueError as e:
@@ -359,19 +360,17 @@ class OpenAIServing:
 
 def _parsed_choice(job: _Job, index: int, c: CompletionOutput, text: str, lp: dict | None, full: bool, first: bool,
                    streamer: ChatOutput | None) -> dict:
-    """A chat choice through its ChatOutput: the whole message, or the deltas of the text so far
-    (c.text up to a character still incomplete; its end-of-sequence token cut off)."""
-    finish, whole = c.finish_reason, _cut_end(c.text if not full else text, job.end_texts, c.finished)
-    if not c.finished:
-        whole = whole[:settled_len(whole)]
+    """A chat choice through its ChatOutput: the whole message, or the deltas of this chunk's text
+    (`text`: the detokenizer's delta); the end-of-sequence token's text cut off."""
+    finish = c.finish_reason
     if full:
-        message = job.output().message(whole)
+        message = job.output().message(cut_end(text, job.end_texts) if c.finished else text)
         if message.get("tool_calls") and finish == "stop":
             finish = "tool_calls"
         return {"index": index, "message": {"role": "assistant", **message}, "logprobs": lp, "finish_reason": finish,
                 "stop_reason": c.stop_reason}
     delta: dict = {"role": "assistant"} if first else {}
-    for piece in streamer.feed(whole, c.finished):
+    for piece in streamer.feed_delta(text, c.finished, job.end_texts):
         for key, value in piece.items():
             if key == "tool_calls":
                 delta.setdefault("tool_calls", []).extend(value)
@@ -380,15 +379,6 @@ def _parsed_choice(job: _Job, index: int, c: CompletionOutput, text: str, lp: di
     if finish == "stop" and streamer.calls_sent:
         finish = "tool_calls"
     return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason}
-
-
-def _cut_end(text: str, end_texts: tuple[str, ...], finished: bool) -> str:
-    """The text without the end-of-sequence token that ended it (decoded with special tokens kept)."""
-    if finished:
-        for end in end_texts:
-            if text.endswith(end):
-                return text[:-len(end)]
-    return text
 
 
 def _max_or_none(*values: int | None) -> int | None:

@@ -430,7 +430,7 @@ class ResponsesServing:
         if isinstance(streamer, ToolStreamer):
             pieces = streamer.feed(delta, c.finished)
         else:
-            pieces = streamer.feed(_cut_end(c.text, job.end_texts, c.finished), c.finished)
+            pieces = streamer.feed_delta(delta, c.finished, job.end_texts)
         complete_calls = not (isinstance(streamer, ToolStreamer) and job.tools.mode == "named")
         for piece in pieces:
             if piece.get("reasoning_content"):
@@ -522,15 +522,6 @@ def _format_echo(fmt: ResponsesTextFormat | None) -> dict:
         return {"type": fmt.type if fmt else "text"}
     return {"type": "json_schema", "name": fmt.name, "schema": fmt.schema_, "description": fmt.description,
             "strict": fmt.strict}
-
-
-def _cut_end(text: str, end_texts: tuple[str, ...], finished: bool) -> str:
-    """The text without the end-of-sequence token that ended it (decoded with special tokens kept)."""
-    if finished:
-        for end in end_texts:
-            if text.endswith(end):
-                return text[:-len(end)]
-    return text
 
 
 def _new_id(prefix: str) -> str:

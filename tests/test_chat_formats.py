@@ -58,6 +58,8 @@ CASES = {
     "openai": ("gpt_oss.jinja", "openai", "openai",
                "<|channel|>analysis<|message|>Look it up.<|end|><|start|>assistant<|channel|>commentary "
                f"to=functions.lookup <|constrain|>json<|message|>{ARGS}<|call|>", ("Look it up.", "", CALL)),
+    "stop string": ("qwen3.jinja", None, "qwen3", "<think>東京 🌧 ok</think>Zürich, ENDE then more.",
+                    ("東京 🌧 ok", "Zürich, ", [])),
     "openai answer": ("gpt_oss.jinja", None, "openai",
                       "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>"
                       "An ordered sequence.<|return|>", ("Easy.", "An ordered sequence.", [])),
@@ -73,11 +75,13 @@ def llm(make_checkpoint, tmp_path_factory):
     engine.shutdown()
 
 
-def _ask(llm, case: str, stream: bool):
+def _ask(llm, case: str, stream: bool, stop: list[str] | None = None):
     template, tool_parser, reasoning_parser, text, _ = CASES[case]
     llm.tokenizer.chat_template = (TEMPLATES / template).read_text()
     cfg = ServerConfig(tool_call_parser=tool_parser, reasoning_parser=reasoning_parser)
     extra = {"structured_outputs": {"regex": re.escape(text)}, "chat_template_kwargs": {}}
+    if stop:
+        extra["stop"] = stop
 
     async def run():
         app = build_app(llm, cfg, ServerMetrics("tiny"))
@@ -116,10 +120,18 @@ def _streamed(chunks) -> tuple:
     return (reasoning if saw_reasoning else None), content, calls
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(set(CASES) - {"stop string"}))
 def test_family_format_through_the_openai_client(llm, case):
     *_, expected = CASES[case]
     whole = _ask(llm, case, stream=False)
     assert whole.choices[0].finish_reason == ("tool_calls" if expected[2] else "stop")
     assert _message(whole) == expected
     assert _streamed(_ask(llm, case, stream=True)) == expected
+
+
+def test_stop_string_and_multibyte_characters_stream_as_whole(llm):
+    """A stop string that may arrive over several tokens and characters of several bytes: the
+    parsers see only what the detokenizer released, so the stream still adds up to the whole."""
+    *_, expected = CASES["stop string"]
+    assert _message(_ask(llm, "stop string", stream=False, stop=["END"])) == expected
+    assert _streamed(_ask(llm, "stop string", stream=True, stop=["END"])) == expected

@@ -49,7 +49,7 @@ static inline void store_bf8(uint16_t *p, __m256 f) {
 }
 
 /* Whether OpenMP runs with passive waits (OMP_WAIT_POLICY=PASSIVE, as the worker pools do:
- * server/launchers.py): the other threads sleep after each parallel region, and waking one costs
+ * pools/launchers.py): the other threads sleep after each parallel region, and waking one costs
  * 20-60 us on the AVX-512 EPYC, so a region needs more work to pay for it. An RMSNorm / rotary
  * call of 64 tokens (425M shapes) took 42 / 36 us on 2 passive threads against 34 / 28 on 1, and
  * 256 tokens about even; with spinning threads 2 threads were 1.6-1.9x faster from 64 tokens on. */

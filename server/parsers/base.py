@@ -4,12 +4,12 @@ A family writes tool calls and reasoning in its own markup. Each parser here onl
 markup in the text so far; the splitting into content, reasoning and calls, and the stream deltas,
 are computed here once for every family, so the streamed pieces always add up to the whole answer:
 
-    reasoning, answer = split_reasoning(reasoning_parser, text, final=True, starts_in_reasoning)
+    reasoning, answer = reasoning_parser.split(text, final=True, starts_in_reasoning)
     content, calls = split_tools(tool_parser, answer, final=True)
 
 On a prefix of the text (final=False) both functions return what is safe to show so far: every
 string is a prefix of what the whole text gives and every call is final (calls are sent when their
-block closes). ToolStream / ReasoningStream turn growing texts into deltas by that rule.
+block closes). ChatOutput (output.py) turns growing texts into deltas by that rule (Growing).
 
 Content around calls: with no valid call the content is the text as it is. With calls it is the
 text before the first call with trailing whitespace removed, then each stretch of text between and
@@ -123,10 +123,6 @@ def split_tools(parser: ToolParser, text: str, final: bool) -> tuple[str, list[C
         return tail, []
     parts = [segments[0].rstrip()] + [s.strip() for s in segments[1:]] + [tail.strip()]
     return "\n".join(p for p in parts if p), calls
-
-
-def split_reasoning(parser: ReasoningParser, text: str, final: bool, starts_in_reasoning: bool) -> tuple[str, str]:
-    return parser.split(text, final, starts_in_reasoning)
 
 
 def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:

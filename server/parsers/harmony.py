@@ -184,8 +184,8 @@ class HarmonyToolParser(ToolParser):
     name = "openai"
     markers = (START, CHANNEL)
     needs_special_tokens = True
-    # The parser that takes this family's answer out of its message markup. Proposed for base.py:
-    # ChatOutput applies it (dropping its reasoning) when no --reasoning-parser is given.
+    # The parser that takes this family's answer out of its message markup: ChatOutput applies it
+    # (dropping its reasoning) when no --reasoning-parser is given.
     reasoning_parser: ClassVar[type[ReasoningParser]] = GptOssReasoningParser
 
     def blocks(self, text: str) -> list[Block]:

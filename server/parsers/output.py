@@ -21,6 +21,7 @@ class ChatOutput:
     def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, starts_in_reasoning: bool = False):
         self.reasoning, self.tools, self.starts_in_reasoning = reasoning, tools, starts_in_reasoning
         self._reasoning_sent, self._content_sent, self.calls_sent = Growing(), Growing(), 0
+        self.received = ""  # feed_delta's text so far
 
     def parse(self, text: str, final: bool = True) -> tuple[str | None, str, list[Call]]:
         """(reasoning or None without a reasoning parser, content, calls) of the text so far."""
@@ -45,6 +46,13 @@ class ChatOutput:
             out["reasoning_content"] = out["reasoning"] = reasoning or None
         return out
 
+    def feed_delta(self, delta: str, final: bool, end_texts: tuple[str, ...] = ()) -> list[dict]:
+        """feed() for text that arrives as deltas, as the detokenizer releases them (never a
+        character still incomplete or a possible stop string, which the whole text may still
+        hold); on the final delta the end-of-sequence token's text (end_texts) is cut off."""
+        self.received += delta
+        return self.feed(cut_end(self.received, end_texts) if final else self.received, final)
+
     def feed(self, text: str, final: bool) -> list[dict]:
         """The deltas (without role) for the choice's whole text so far; `final` on its last text."""
         reasoning, content, calls = self.parse(text, final)
@@ -60,3 +68,12 @@ class ChatOutput:
             out.append({"tool_calls": [{"index": i, **tool_call(c)}]})
         self.calls_sent = max(self.calls_sent, len(calls))
         return out
+
+
+def cut_end(text: str, end_texts: tuple[str, ...]) -> str:
+    """The finished text without the end-of-sequence token that ended it (decoded with special
+    tokens kept: end_texts are those tokens' texts)."""
+    for end in end_texts:
+        if end and text.endswith(end):
+            return text[:-len(end)]
+    return text
