@@ -218,9 +218,14 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this result answers
+    # assistant turns: the reasoning a --reasoning-parser returned (vLLM's alias: reasoning)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
-        """The message as chat templates read it (tool call arguments as objects, as HF templates expect)."""
+        """The message as chat templates read it (tool call arguments as objects, as HF templates
+        expect; an assistant turn's reasoning as reasoning_content, which the Qwen3, GLM and
+        DeepSeek templates read, and as thinking, which gpt-oss's reads)."""
         text = self.content if isinstance(self.content, str) or self.content is None else \
             "".join(p.text for p in self.content)
         msg: dict[str, Any] = {"role": self.role, "content": text or ""}
@@ -232,6 +237,9 @@ class ChatMessage(_Request):
             msg["tool_calls"] = [{"id": c.id, "type": "function",
                                   "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
                                  for c in self.tool_calls]
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None and self.role == "assistant":
+            msg["reasoning_content"] = msg["thinking"] = reasoning
         return msg
 
 

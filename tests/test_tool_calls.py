@@ -65,3 +65,14 @@ def test_builtin_template_renders_tools_and_calls():
     assert "<|tool|>\nsunny<|end|>" in text
     plain = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert plain == "<|user|>\nhi<|end|>\n<|assistant|>\n"
+
+
+def test_an_assistant_turns_reasoning_reaches_the_template():
+    """reasoning_content (or vLLM's alias reasoning) sent back in an assistant turn is what the
+    families' templates read: reasoning_content (Qwen3, GLM, DeepSeek) and thinking (gpt-oss)."""
+    for key in ("reasoning_content", "reasoning"):
+        req = ChatCompletionRequest.model_validate({"messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", key: "weighed it"}]})
+        turn = req.messages[1].as_template_input()
+        assert turn["reasoning_content"] == turn["thinking"] == "weighed it"
+        assert "thinking" not in req.messages[0].as_template_input()
