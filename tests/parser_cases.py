@@ -26,7 +26,7 @@ def streamed(pieces: list[str], tools: ToolParser | None = None, reasoning: Reas
             assert d.get("reasoning", d.get("reasoning_content")) == d.get("reasoning_content")
             content += d.get("content", "")
             for call in d.get("tool_calls", []):
-                assert call["index"] == len(calls) and call["id"].startswith("call_")
+                assert call["index"] == len(calls) and call["id"]
                 calls.append((call["function"]["name"], json.loads(call["function"]["arguments"])))
     return (r if reasoning is not None else None), content, calls
 

@@ -264,3 +264,16 @@ def test_templates_open_the_reasoning_as_the_parsers_expect(tokenizer):
     kimi_prompt = _render(tokenizer, "kimi_k2", _conversation(), add_generation_prompt=True)
     assert "<think></think>" in kimi_prompt and kimi_prompt.endswith("<|im_assistant|>assistant<|im_middle|>")
     assert not K2_THINK.starts_in_reasoning(kimi_prompt)
+
+
+def test_kimi_keeps_the_models_call_ids():
+    """Kimi's template writes each call's id back as `functions.NAME:IDX`: the id the model wrote is
+    the tool call's id (whole and streamed); other families get fresh call_ ids."""
+    from server.parsers.output import ChatOutput
+
+    text = "Sure. " + k2(k2_call("functions.get_weather:3", WEATHER), k2_call("functions.add:4", "{}"))
+    whole = ChatOutput(None, kimi.KimiK2ToolParser()).message(text)["tool_calls"]
+    streamed = [c for d in ChatOutput(None, kimi.KimiK2ToolParser()).feed(text, True) for c in d.get("tool_calls", [])]
+    assert [c["id"] for c in whole] == [c["id"] for c in streamed] == ["functions.get_weather:3", "functions.add:4"]
+    v3 = ChatOutput(None, ds.DeepSeekV31ToolParser()).message("x" + v31(v31_call("f", "{}")))["tool_calls"]
+    assert v3[0]["id"].startswith("call_")

@@ -22,10 +22,12 @@ from typing import ClassVar
 
 @dataclass(frozen=True)
 class Call:
-    """One function call: its name and its arguments as JSON text."""
+    """One function call: its name, its arguments as JSON text, and the id the model wrote for it
+    where its format has one (Kimi K2's `functions.NAME:IDX`, which its template writes back)."""
 
     name: str
     arguments: str
+    id: str | None = None
 
 
 @dataclass(frozen=True)

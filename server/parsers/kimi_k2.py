@@ -19,6 +19,7 @@ generation prompt does not open it; where a prompt does, a `<think>` the model w
 dropped); a tool-call section also ends the reasoning, as the model may start its calls without
 closing it (vLLM's kimi_k2 reasoning parser does the same).
 """
+import dataclasses
 import re
 
 from server.parsers.base import Call, ReasoningParser, _partial_suffix
@@ -44,7 +45,8 @@ class KimiK2ToolParser(SectionToolParser):
         m = _ID.fullmatch(head.strip())
         if not sep or m is None:
             return None
-        return make_call(m["function"].split(".")[-1], args)
+        call = make_call(m["function"].split(".")[-1], args)
+        return None if call is None else dataclasses.replace(call, id=head.strip())
 
 
 class KimiK2ReasoningParser(ReasoningParser):

@@ -11,7 +11,8 @@ def call_id() -> str:
 
 
 def tool_call(call: Call) -> dict:
-    return {"id": call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return {"id": call.id or call_id(), "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
 
 
 class ChatOutput:
