@@ -63,6 +63,50 @@ class ToolParser:
         raise NotImplementedError
 
 
+class DelimitedToolParser(ToolParser):
+    """Markup whose blocks start at `open` and end at `close`. Subclasses implement `parse_body`
+    (the calls between the two, None when malformed), or `scan` for a block whose end needs more
+    than finding `close` (a value that may contain it). One instance parses one choice's growing
+    text: a closed block depends only on the text up to its end, so the closed blocks found so far
+    are kept and the next call scans only what follows them."""
+
+    open: ClassVar[str]
+    close: ClassVar[str]
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if "open" in cls.__dict__:
+            cls.markers = (cls.open,)
+
+    def __init__(self, functions: dict[str, dict] | None = None):
+        super().__init__(functions)
+        self._closed: list[Block] = []
+        self._closed_text = ""
+
+    def parse_body(self, body: str) -> tuple[Call, ...] | None:
+        raise NotImplementedError
+
+    def scan(self, text: str, start: int) -> tuple[int | None, tuple[Call, ...] | None]:
+        """(end, calls) of the block opening at `start`; end None while it is not closed."""
+        close = text.find(self.close, start + len(self.open))
+        if close < 0:
+            return None, None
+        return close + len(self.close), self.parse_body(text[start + len(self.open):close])
+
+    def blocks(self, text: str) -> list[Block]:
+        out, pos = [], 0
+        if self._closed and text.startswith(self._closed_text):
+            out, pos = list(self._closed), len(self._closed_text)
+        while (start := text.find(self.open, pos)) >= 0:
+            end, calls = self.scan(text, start)
+            if end is None:
+                break
+            out.append(Block(start, end, calls))
+            pos = end
+        self._closed, self._closed_text = list(out), text[:pos]
+        return out + [Block(start, None)] if start >= 0 else out
+
+
 class ReasoningParser:
     """A family's reasoning markup: reasoning between `start` and `end` markers, at the beginning of
     the output (or from the first character when the prompt already opened it). Subclasses may
@@ -71,6 +115,8 @@ class ReasoningParser:
     name: ClassVar[str]
     start: ClassVar[str] = "<think>"
     end: ClassVar[str] = "</think>"
+    # Markup that also ends the reasoning and belongs to the answer (Kimi K2's tool-call section).
+    also_ends: ClassVar[tuple[str, ...]] = ()
     needs_special_tokens: ClassVar[bool] = False
 
     def starts_in_reasoning(self, prompt: str) -> bool:
@@ -82,27 +128,28 @@ class ReasoningParser:
     def split(self, text: str, final: bool, starts_in_reasoning: bool) -> tuple[str, str]:
         """(reasoning, answer) of the text so far; on a prefix (final=False) each is a prefix of the
         whole text's. Reasoning runs from the start marker (or, starts_in_reasoning, the first
-        character) to the end marker; the rest is the answer. Text that does not open with the start
-        marker (leading whitespace aside) has no reasoning, unless the prompt opened it; reasoning
-        never closed is all reasoning."""
-        body = 0
-        if not starts_in_reasoning:
-            lead = len(text) - len(text.lstrip())
-            rest = text[lead:]
-            if rest.startswith(self.start):
-                body = lead + len(self.start)
-            elif not final and self.start.startswith(rest):
-                return "", ""  # maybe the start marker, still arriving
-            else:
-                return "", text
-        close = text.find(self.end, body)
+        character) to the end marker (or one of also_ends, which stays in the answer); the rest is
+        the answer. Text that does not open with the start marker (leading whitespace aside) has no
+        reasoning, unless the prompt opened it (then a start marker the model writes again is
+        dropped, as vLLM does); reasoning never closed is all reasoning."""
+        lead = len(text) - len(text.lstrip())
+        rest, body = text[lead:], 0
+        if rest.startswith(self.start):
+            body = lead + len(self.start)
+        elif not final and self.start.startswith(rest) and (rest or not starts_in_reasoning):
+            return "", ""  # maybe the start marker, still arriving
+        elif not starts_in_reasoning:
+            return "", text
+        closers = (self.end, *self.also_ends)
+        close, closer = first_of(text, closers, body)
         if close < 0:
             reasoning = text[body:]
             if not final:
-                reasoning = reasoning[:len(reasoning) - _partial_suffix(reasoning, (self.end,))]
+                reasoning = reasoning[:len(reasoning) - _partial_suffix(reasoning, closers)]
             return reasoning.strip(), ""
-        answer = text[close + len(self.end):].lstrip()
-        return text[body:close].strip(), answer
+        if closer == self.end:
+            return text[body:close].strip(), text[close + len(self.end):].lstrip()
+        return text[body:close].strip(), text[close:]
 
 
 def split_tools(parser: ToolParser, text: str, final: bool) -> tuple[str, list[Call]]:
@@ -125,6 +172,16 @@ def split_tools(parser: ToolParser, text: str, final: bool) -> tuple[str, list[C
         return tail, []
     parts = [segments[0].rstrip()] + [s.strip() for s in segments[1:]] + [tail.strip()]
     return "\n".join(p for p in parts if p), calls
+
+
+def first_of(text: str, needles: tuple[str, ...], pos: int) -> tuple[int, str]:
+    """(index, needle) of the earliest of `needles` in text[pos:], or (-1, "")."""
+    best, found = -1, ""
+    for n in needles:
+        i = text.find(n, pos)
+        if i >= 0 and (best < 0 or i < best):
+            best, found = i, n
+    return best, found
 
 
 def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:

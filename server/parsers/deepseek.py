@@ -22,7 +22,7 @@ import json
 import re
 from typing import ClassVar
 
-from server.parsers.base import Block, Call, ReasoningParser, ToolParser
+from server.parsers.base import Block, Call, ReasoningParser, ToolParser, first_of
 
 
 def _token(words: str) -> str:
@@ -65,14 +65,14 @@ class SectionToolParser(ToolParser):
     def blocks(self, text: str) -> list[Block]:
         out, pos, called = [], 0, False
         while True:
-            at, opener = _first(text, self.begins + (self.end_of_text if called else ()), pos)
+            at, opener = first_of(text, self.begins + (self.end_of_text if called else ()), pos)
             if at < 0:
                 return out
             if opener in self.end_of_text:
                 out.append(Block(at, at + len(opener), ()))
                 pos = at + len(opener)
                 continue
-            close, closer = _first(text, self.ends, at + len(opener))
+            close, closer = first_of(text, self.ends, at + len(opener))
             if close < 0:
                 out.append(Block(at, None))
                 return out
@@ -99,16 +99,6 @@ class SectionToolParser(ToolParser):
         if body[pos:].strip() or not calls:
             return None
         return tuple(calls)
-
-
-def _first(text: str, needles: tuple[str, ...], pos: int) -> tuple[int, str]:
-    """(index, needle) of the earliest of `needles` in text[pos:], or (-1, "")."""
-    best, found = -1, ""
-    for n in needles:
-        i = text.find(n, pos)
-        if i >= 0 and (best < 0 or i < best):
-            best, found = i, n
-    return best, found
 
 
 def make_call(name: str, arguments: str) -> Call | None:
@@ -152,18 +142,6 @@ class DeepSeekV31ToolParser(SectionToolParser):
         return make_call(name, args) if sep else None
 
 
-def repeated_start(parser: ReasoningParser, text: str, final: bool) -> str | None:
-    """With the reasoning opened by the prompt: the text without a start marker the model wrote
-    again at its beginning (vLLM drops it too), or None while the text may still be one arriving."""
-    lead = len(text) - len(text.lstrip())
-    rest = text[lead:]
-    if rest.startswith(parser.start):
-        return text[lead + len(parser.start):]
-    if not final and rest and parser.start.startswith(rest):
-        return None
-    return text
-
-
 class DeepSeekR1ReasoningParser(ReasoningParser):
     """`<think>`...`</think>` (plain tokens, not special ones). The R1 templates (and V3.1's with
     thinking on) end the prompt with `<think>\\n`, so the output starts inside the reasoning:
@@ -172,9 +150,3 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 
     name = "deepseek_r1"
 
-    def split(self, text: str, final: bool, starts_in_reasoning: bool) -> tuple[str, str]:
-        if starts_in_reasoning:
-            text = repeated_start(self, text, final)
-            if text is None:
-                return "", ""
-        return super().split(text, final, starts_in_reasoning)

@@ -22,40 +22,23 @@ import ast
 import json
 from typing import Any
 
-from server.parsers.base import Block, Call, ToolParser
+from server.parsers.base import Call, DelimitedToolParser
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _KEY, _KEY_END = "<arg_key>", "</arg_key>"
 _VALUE, _VALUE_END = "<arg_value>", "</arg_value>"
 
 
-class Glm45ToolParser(ToolParser):
+class Glm45ToolParser(DelimitedToolParser):
     """functions: the request's functions, name -> its `parameters` JSON schema (optional): a
     parameter typed "string" there keeps its text unparsed."""
 
     name = "glm45"
-    markers = (_OPEN,)
+    open, close = _OPEN, _CLOSE
     needs_special_tokens = True
 
-    def __init__(self, functions: dict[str, dict] | None = None):
-        self.functions = functions
-        # Streaming asks again at every step for a text that only grows, and a closed block depends
-        # only on the text up to its end: the closed blocks found so far and that text.
-        self._closed: list[Block] = []
-        self._closed_text = ""
-
-    def blocks(self, text: str) -> list[Block]:
-        out, pos = [], 0
-        if self._closed and text.startswith(self._closed_text):
-            out, pos = list(self._closed), len(self._closed_text)
-        while (start := text.find(_OPEN, pos)) >= 0:
-            close = text.find(_CLOSE, start + len(_OPEN))
-            if close < 0:
-                break
-            pos = close + len(_CLOSE)
-            out.append(Block(start, pos, _call(text[start + len(_OPEN):close], self.functions)))
-        self._closed, self._closed_text = list(out), text[:pos]
-        return out + [Block(start, None)] if start >= 0 else out
+    def parse_body(self, body: str) -> tuple[Call, ...] | None:
+        return _call(body, self.functions)
 
 
 def _call(body: str, functions: dict[str, dict] | None) -> tuple[Call, ...] | None:

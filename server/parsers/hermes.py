@@ -1,27 +1,17 @@
 """hermes: `<tool_call>{"name": N, "arguments": {...}}</tool_call>` blocks (Hermes and Qwen2.5/Qwen3
 templates)."""
 import json
-import re
 
-from server.parsers.base import Block, Call, ToolParser
-
-_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
-_OPEN = "<tool_call>"
+from server.parsers.base import Call, DelimitedToolParser
 
 
-class HermesToolParser(ToolParser):
+
+class HermesToolParser(DelimitedToolParser):
     name = "hermes"
-    markers = (_OPEN,)
+    open, close = "<tool_call>", "</tool_call>"
 
-    def blocks(self, text: str) -> list[Block]:
-        out, pos = [], 0
-        for m in _BLOCK.finditer(text):
-            out.append(Block(m.start(), m.end(), _call(m.group(1))))
-            pos = m.end()
-        start = text.find(_OPEN, pos)
-        if start >= 0:
-            out.append(Block(start, None))
-        return out
+    def parse_body(self, body: str) -> tuple[Call, ...] | None:
+        return _call(body)
 
 
 def _call(body: str) -> tuple[Call, ...] | None:

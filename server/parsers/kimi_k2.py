@@ -22,8 +22,8 @@ closing it (vLLM's kimi_k2 reasoning parser does the same).
 import dataclasses
 import re
 
-from server.parsers.base import Call, ReasoningParser, _partial_suffix
-from server.parsers.deepseek import SectionToolParser, _first, make_call, repeated_start
+from server.parsers.base import Call, ReasoningParser
+from server.parsers.deepseek import SectionToolParser, make_call
 
 SECTION_BEGINS = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
 SECTION_ENDS = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
@@ -52,31 +52,4 @@ class KimiK2ToolParser(SectionToolParser):
 class KimiK2ReasoningParser(ReasoningParser):
     name = "kimi_k2"
     needs_special_tokens = True
-
-    def split(self, text: str, final: bool, starts_in_reasoning: bool) -> tuple[str, str]:
-        """As ReasoningParser.split, but a tool-call section also closes the reasoning (the
-        section stays in the answer, for the tool parser)."""
-        body = 0
-        if starts_in_reasoning:
-            text = repeated_start(self, text, final)
-            if text is None:
-                return "", ""
-        else:
-            lead = len(text) - len(text.lstrip())
-            rest = text[lead:]
-            if rest.startswith(self.start):
-                body = lead + len(self.start)
-            elif not final and self.start.startswith(rest):
-                return "", ""  # maybe the start marker, still arriving
-            else:
-                return "", text
-        closers = (self.end,) + SECTION_BEGINS
-        close, closer = _first(text, closers, body)
-        if close < 0:
-            reasoning = text[body:]
-            if not final:
-                reasoning = reasoning[:len(reasoning) - _partial_suffix(reasoning, closers)]
-            return reasoning.strip(), ""
-        if closer == self.end:
-            return text[body:close].strip(), text[close + len(self.end):].lstrip()
-        return text[body:close].strip(), text[close:]
+    also_ends = SECTION_BEGINS  # a tool-call section ends the reasoning (it stays in the answer)

@@ -27,7 +27,7 @@ a string: '3' -> 3, '[1, 2]' -> [1, 2], 'Paris' -> "Paris".
 import json
 from typing import Any
 
-from server.parsers.base import Block, Call, ToolParser
+from server.parsers.base import Call, DelimitedToolParser
 
 _OPEN, _CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 _INVOKE, _INVOKE_END = "<invoke name=", "</invoke>"
@@ -35,32 +35,15 @@ _PARAMETER, _PARAMETER_END = "<parameter name=", "</parameter>"
 _ORDER = ("integer", "int", "number", "float", "boolean", "bool", "object", "array", "string", "str", "text")
 
 
-class MinimaxM2ToolParser(ToolParser):
+class MinimaxM2ToolParser(DelimitedToolParser):
     """functions: the request's functions, name -> its `parameters` JSON schema (optional): values
     are then converted by their parameter's types, as vLLM does."""
 
     name = "minimax_m2"
-    markers = (_OPEN,)
+    open, close = _OPEN, _CLOSE
 
-    def __init__(self, functions: dict[str, dict] | None = None):
-        self.functions = functions
-        # Streaming asks again at every step for a text that only grows, and a closed block depends
-        # only on the text up to its end: the closed blocks found so far and that text.
-        self._closed: list[Block] = []
-        self._closed_text = ""
-
-    def blocks(self, text: str) -> list[Block]:
-        out, pos = [], 0
-        if self._closed and text.startswith(self._closed_text):
-            out, pos = list(self._closed), len(self._closed_text)
-        while (start := text.find(_OPEN, pos)) >= 0:
-            close = text.find(_CLOSE, start + len(_OPEN))
-            if close < 0:
-                break
-            pos = close + len(_CLOSE)
-            out.append(Block(start, pos, _calls(text[start + len(_OPEN):close], self.functions)))
-        self._closed, self._closed_text = list(out), text[:pos]
-        return out + [Block(start, None)] if start >= 0 else out
+    def parse_body(self, body: str) -> tuple[Call, ...] | None:
+        return _calls(body, self.functions)
 
 
 def _calls(body: str, functions: dict[str, dict] | None) -> tuple[Call, ...] | None:

@@ -34,7 +34,7 @@ import json
 import re
 from typing import Any
 
-from server.parsers.base import Block, Call, ToolParser
+from server.parsers.base import Call, DelimitedToolParser
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _FUNCTION, _FUNCTION_END = "<function=", "</function>"
@@ -44,34 +44,14 @@ _BAD_NAME = re.compile(r"[\s{}<>\"']")
 _OPEN_BLOCK = object()  # the scan needs more text
 
 
-class Qwen3CoderToolParser(ToolParser):
+class Qwen3CoderToolParser(DelimitedToolParser):
     """functions: the request's functions, name -> its `parameters` JSON schema (optional): values
     are then converted by their parameter's type, as vLLM does."""
 
     name = "qwen3_coder"
-    markers = (_OPEN,)
+    open, close = _OPEN, _CLOSE
 
-    def __init__(self, functions: dict[str, dict] | None = None):
-        self.functions = functions
-        # Streaming asks again at every step for a text that only grows, and a closed block depends
-        # only on the text up to its end: the closed blocks found so far and that text.
-        self._closed: list[Block] = []
-        self._closed_text = ""
-
-    def blocks(self, text: str) -> list[Block]:
-        out, pos = [], 0
-        if self._closed and text.startswith(self._closed_text):
-            out, pos = list(self._closed), len(self._closed_text)
-        while (start := text.find(_OPEN, pos)) >= 0:
-            end, calls = self._scan(text, start)
-            if end is None:
-                break
-            out.append(Block(start, end, calls))
-            pos = end
-        self._closed, self._closed_text = list(out), text[:pos]
-        return out + [Block(start, None)] if start >= 0 else out
-
-    def _scan(self, text: str, start: int) -> tuple[int | None, tuple[Call, ...] | None]:
+    def scan(self, text: str, start: int) -> tuple[int | None, tuple[Call, ...] | None]:
         """(end, calls) of the block at `start`; end None while it is open. Malformed: calls None
         and the block ends at the next </tool_call>."""
         calls, pos = [], start + len(_OPEN)

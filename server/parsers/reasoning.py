@@ -28,21 +28,7 @@ _FUNCTION_OPEN = "<function"
 _FUNCTION = re.compile(r"<function[\s=]")  # what follows <tool_call> in an XML call
 
 
-class _Think(ReasoningParser):
-    start, end = "<think>", "</think>"
-
-    def split(self, text: str, final: bool, starts_in_reasoning: bool) -> tuple[str, str]:
-        if starts_in_reasoning:
-            lead = len(text) - len(text.lstrip())
-            rest = text[lead:]
-            if rest.startswith(self.start):
-                text = text[lead + len(self.start):]
-            elif not final and rest and self.start.startswith(rest):
-                return "", ""  # maybe a repeated start marker, still arriving
-        return super().split(text, final, starts_in_reasoning)
-
-
-class Qwen3ReasoningParser(_Think):
+class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
 
     def split(self, text: str, final: bool, starts_in_reasoning: bool) -> tuple[str, str]:
@@ -70,12 +56,12 @@ class Qwen3ReasoningParser(_Think):
         return super().split(text, final, starts_in_reasoning)
 
 
-class Glm45ReasoningParser(_Think):
+class Glm45ReasoningParser(ReasoningParser):
     name = "glm45"
     needs_special_tokens = True
 
 
-class MiniMaxM2ReasoningParser(_Think):
+class MiniMaxM2ReasoningParser(ReasoningParser):
     name = "minimax_m2"
 
     def starts_in_reasoning(self, prompt: str) -> bool:
