@@ -36,7 +36,8 @@ from server.openai_schemas import (AUTH_ERRORS, ERRORS_400, ChatCompletionRespon
                                    CompletionResponse, CompletionStreamResponse, ErrorResponse, Health, ModelList,
                                    TokenizeResponse, DetokenizeResponse, Version, generation_responses, install_openapi, request_body)
 from server.openai_schemas import ResponseStreamEvent, responses_api_responses
-from server.responses import ResponsesRequest, ResponsesServing, parse_responses_request
+from server.responses import ResponsesServing
+from server.responses_protocol import ResponsesRequest, parse_responses_request
 from server.openai_serving import OpenAIServing, as_openai_error
 
 log = logging.getLogger("shuttle")
