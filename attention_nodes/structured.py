@@ -21,7 +21,7 @@ import torch
 
 from kernels.sampling import apply_token_bitmask_
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 COMPILED_CACHE_SIZE = 256  # compiled grammars kept per process (least recently used dropped)
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
@@ -30,7 +30,8 @@ _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false:
 class StructuredOutputs:
     """What the output must match. kind: one of KINDS. spec: the JSON schema as a JSON string
     (json), a regular expression (regex), a JSON list of strings (choice), an EBNF grammar in the
-    GBNF format of llama.cpp (grammar); ignored for json_object."""
+    GBNF format of llama.cpp (grammar), xgrammar's structural tag as JSON text (structural_tag: the
+    families' tool-call markup, server/parsers/forced.py); ignored for json_object."""
 
     kind: str
     spec: str = ""
@@ -94,6 +95,8 @@ def _grammar(kind: str, spec: str):
             return xgr.Grammar.from_regex(spec)
         if kind == "choice":
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in _choices(spec)))
+        if kind == "structural_tag":
+            return xgr.Grammar.from_structural_tag(spec)
         return xgr.Grammar.from_ebnf(spec)
     except (RuntimeError, ValueError, TypeError) as e:
         reason = _XGR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)

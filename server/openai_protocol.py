@@ -314,12 +314,13 @@ class ChatCompletionRequest(_Sampling):
             if choice.function.name not in functions:
                 raise OpenAIError(f"tool_choice names {choice.function.name!r}, which is not among the tools "
                                   f"({', '.join(functions)})", param="tool_choice")
-            return ToolMode("named", functions, choice.function.name)
+            return ToolMode("named", functions, choice.function.name, parser=TOOL_PARSERS.get(parser))
         if choice == "auto" and parser is None:
             raise OpenAIError('"auto" tool choice needs the server started with --tool-call-parser '
                               f"({', '.join(TOOL_PARSERS)}); use tool_choice \"required\" or a named function",
                               param="tool_choice")
-        return ToolMode(choice, functions, parallel=self.parallel_tool_calls is not False)
+        return ToolMode(choice, functions, parallel=self.parallel_tool_calls is not False,
+                        parser=TOOL_PARSERS.get(parser))
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -8,6 +8,7 @@ tokens, finish_reason once it ends), the usage chunk when stream_options.include
 """
 import asyncio
 import dataclasses
+import functools
 import json
 import secrets
 import time
@@ -16,11 +17,13 @@ from typing import AsyncIterator, Callable
 
 from attention_nodes.engine import check_params, check_prompt
 from attention_nodes.sampling_params import SamplingParams
+from attention_nodes.structured import StructuredOutputs
 from server.async_llm import Admission, AsyncLLM, QueueFullError
 from server.openai_protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                     OpenAIError, TokenizeChatRequest, TokenizeCompletionRequest)
 from server.outputs import CompletionOutput, Logprob, RequestOutput
-from server.parsers import REASONING_PARSERS, TOOL_PARSERS
+from server.parsers import REASONING_PARSERS, TOOL_PARSERS, ReasoningParser
+from server.parsers.forced import Markup
 from server.parsers.output import ChatOutput, cut_end
 from server.tool_calls import ToolMode, ToolStreamer
 
@@ -126,11 +129,12 @@ class OpenAIServing:
                                  req.chat_template_kwargs, **extra)
         ids = self._check_prompt(ids, "messages")
         structured = req.structured()
-        if tools is not None and tools.constraint() is not None:
+        forced = self.tool_constraint(tools, text)
+        if forced is not None:
             if structured is not None:
                 raise OpenAIError(f"tool_choice {tools.mode} is itself an output constraint: drop {structured[1]}",
                                   param=structured[1])
-            structured = (tools.constraint(), "tool_choice")
+            structured = (forced, "tool_choice")
         params = req.sampling_params(self._max_tokens(req.requested_max_tokens(), len(ids), "max_tokens"),
                                      req.requested_logprobs(), structured=structured[0] if structured else None)
         output, end_texts = self.chat_output(text, tools, "skip_special_tokens" in req.model_fields_set)
@@ -141,19 +145,39 @@ class OpenAIServing:
                     prompt_logprobs=req.prompt_logprobs is not None, tools=tools, output=output,
                     end_texts=end_texts)
 
+    def tool_constraint(self, tools: ToolMode | None, prompt: str) -> StructuredOutputs | None:
+        """The grammar of tool_choice required / named (None otherwise): with a tool parser, the
+        family's markup after its reasoning, where the server parses reasoning."""
+        if tools is None or tools.parser is None:
+            return tools.constraint() if tools is not None else None
+        splitter = self._splitter(tools)
+        prefix = splitter().forced_prefix(splitter().starts_in_reasoning(prompt), self.markup) if splitter else None
+        return tools.constraint(self.markup, prefix)
+
+    @functools.cached_property
+    def markup(self) -> Markup:
+        return Markup.of(self.llm.tokenizer)
+
+    def _splitter(self, tools: ToolMode | None) -> type[ReasoningParser] | None:
+        """What tells reasoning from the answer: the --reasoning-parser, else the tool parser's own
+        (gpt-oss's channels)."""
+        if self.reasoning_parser:
+            return REASONING_PARSERS[self.reasoning_parser]
+        return tools.parser.reasoning_parser if tools is not None and tools.parser is not None else None
+
     def chat_output(self, prompt: str, tools: ToolMode | None, skip_given: bool
                     ) -> tuple[Callable[[], ChatOutput] | None, tuple[str, ...]]:
         """How a chat request's choices are parsed: a maker of ChatOutput (None: the text is the
-        content, or tool_choice is required / named), and, where a parser's markup is special tokens
-        (and the request did not set skip_special_tokens), the end-of-sequence tokens' texts to cut
-        off the text (it is then decoded with special tokens kept)."""
-        if tools is not None and tools.mode != "auto":
+        content, or tool_choice is required / named without a tool parser), and, where a parser's
+        markup is special tokens (and the request did not set skip_special_tokens), the
+        end-of-sequence tokens' texts to cut off the text (it is then decoded with special tokens kept)."""
+        if tools is not None and tools.parser is None:
             return None, ()
         reasoning_cls = REASONING_PARSERS[self.reasoning_parser] if self.reasoning_parser else None
-        tools_cls = TOOL_PARSERS[self.tool_call_parser] if tools is not None else None
+        tools_cls = tools.parser if tools is not None else None
         if reasoning_cls is None and tools_cls is None:
             return None, ()
-        splitter = reasoning_cls or (tools_cls.reasoning_parser if tools_cls else None)
+        splitter = self._splitter(tools)
         opened = splitter is not None and splitter().starts_in_reasoning(prompt)
 
         def make() -> ChatOutput:
@@ -363,9 +387,10 @@ def _parsed_choice(job: _Job, index: int, c: CompletionOutput, text: str, lp: di
     """A chat choice through its ChatOutput: the whole message, or the deltas of this chunk's text
     (`text`: the detokenizer's delta); the end-of-sequence token's text cut off."""
     finish = c.finish_reason
+    named = job.tools is not None and job.tools.mode == "named"  # as OpenAI: its call ends with "stop"
     if full:
         message = job.output().message(cut_end(text, job.end_texts) if c.finished else text)
-        if message.get("tool_calls") and finish == "stop":
+        if message.get("tool_calls") and finish == "stop" and not named:
             finish = "tool_calls"
         return {"index": index, "message": {"role": "assistant", **message}, "logprobs": lp, "finish_reason": finish,
                 "stop_reason": c.stop_reason}
@@ -376,7 +401,7 @@ def _parsed_choice(job: _Job, index: int, c: CompletionOutput, text: str, lp: di
                 delta.setdefault("tool_calls", []).extend(value)
             else:
                 delta[key] = delta.get(key, "") + value
-    if finish == "stop" and streamer.calls_sent:
+    if finish == "stop" and streamer.calls_sent and not named:
         finish = "tool_calls"
     return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason}
 

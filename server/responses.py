@@ -161,11 +161,12 @@ class ResponsesServing:
         text, ids = s._render(messages, True, False, None, **extra)
         ids = s._check_prompt(ids, "input")
         structured = chat.structured()
-        if tools is not None and tools.constraint() is not None:
+        forced = s.tool_constraint(tools, text)
+        if forced is not None:
             if structured is not None:
                 raise OpenAIError(f"tool_choice {tools.mode} is itself an output constraint: drop text.format",
                                   param="text")
-            structured = (tools.constraint(), "tool_choice")
+            structured = (forced, "tool_choice")
         params = chat.sampling_params(s._max_tokens(req.max_output_tokens, len(ids), "max_output_tokens"), None,
                                       structured=structured[0] if structured else None)
         output, end_texts = s.chat_output(text, tools, False)

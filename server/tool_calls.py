@@ -4,15 +4,19 @@ becomes OpenAI's tool_calls (whole, or as stream deltas).
     none      the tools are shown to the template; the answer is text.
     auto      the model decides; its text is parsed by the --tool-call-parser of its family
               (server/parsers: server/parsers/output.ChatOutput, whole and streamed).
-    required  structured output: a JSON array of one or more {"name", "parameters"} calls, each
-              valid for its function's parameters schema.
+    required  structured output: one or more calls, each valid for its function's parameters
+              schema; with a --tool-call-parser in the family's markup (server/parsers/forced.py)
+              and parsed as under auto, else a JSON array of {"name", "parameters"} objects.
     {"type": "function", "function": {"name": N}}
-              structured output: the arguments of N, valid for its parameters schema.
+              structured output: one call of N, in the family's markup with a parser, else the
+              arguments of N as JSON.
 """
 import json
 from dataclasses import dataclass, field
 
 from attention_nodes.structured import StructuredOutputs
+from server.parsers.base import ToolParser
+from server.parsers.forced import Markup, forced_calls
 from server.parsers.output import call_id
 
 
@@ -23,15 +27,24 @@ def tool_call(name: str, arguments: str) -> dict:
 @dataclass(frozen=True)
 class ToolMode:
     """How one request's tools are used. mode: auto | required | named. functions: name ->
-    parameters schema. name: the forced function (named)."""
+    parameters schema. name: the forced function (named). parser: the server's --tool-call-parser
+    (None: required and named write JSON)."""
 
     mode: str
     functions: dict[str, dict]
     name: str | None = None
     parallel: bool = True  # required may make several calls (parallel_tool_calls false: exactly one)
+    parser: type[ToolParser] | None = None
 
-    def constraint(self) -> StructuredOutputs | None:
-        """The grammar that enforces required and named calls (auto: none)."""
+    def constraint(self, markup: Markup | None = None, prefix: dict | None = None) -> StructuredOutputs | None:
+        """The grammar that enforces required and named calls (auto: none); in the parser's markup,
+        after `prefix` (the family's reasoning), where there is a parser."""
+        if self.mode == "auto":
+            return None
+        if self.parser is not None:
+            names = [self.name] if self.mode == "named" else list(self.functions)
+            return StructuredOutputs("structural_tag", forced_calls(
+                self.parser(self.functions), names, self.parallel and self.mode == "required", markup or Markup(), prefix))
         if self.mode == "named":
             return StructuredOutputs("json", json.dumps(self.functions[self.name]))
         if self.mode == "required":

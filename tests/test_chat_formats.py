@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -135,3 +136,43 @@ def test_stop_string_and_multibyte_characters_stream_as_whole(llm):
     *_, expected = CASES["stop string"]
     assert _message(_ask(llm, "stop string", stream=False, stop=["END"])) == expected
     assert _streamed(_ask(llm, "stop string", stream=True, stop=["END"])) == expected
+
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {
+    "type": "integer", "minimum": 0, "maximum": 9}}, "required": ["city"], "additionalProperties": False}
+FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather.", "parameters": WEATHER}},
+                {"type": "function", "function": {"name": "lookup", "description": "Look up.", "parameters": {
+                    "type": "object", "properties": {"term": {"enum": ["list", "map"]}}, "required": ["term"]}}}]
+FAMILIES = {"hermes": "qwen3.jinja", "deepseek_v3": "deepseek_v3.jinja", "deepseek_v31": "deepseek_v31.jinja",
+            "kimi_k2": "kimi_k2.jinja", "glm45": "glm45.jinja", "qwen3_coder": "qwen3_coder.jinja",
+            "minimax_m2": "minimax_m2.jinja", "openai": "gpt_oss.jinja"}
+
+
+@pytest.mark.parametrize("parser", sorted(FAMILIES))
+def test_required_and_named_calls_in_the_family_markup(llm, parser):
+    """tool_choice required and named hold the model to the family's own markup (not JSON), which
+    the family's parser turns into tool_calls: whole and streamed the same, arguments valid."""
+    llm.tokenizer.chat_template = (TEMPLATES / FAMILIES[parser]).read_text()
+    cfg = ServerConfig(tool_call_parser=parser)
+
+    async def run(choice, stream: bool):
+        app = build_app(llm, cfg, ServerMetrics("tiny"))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app)) as http:
+            client = openai.AsyncOpenAI(base_url="http://shuttle/v1", api_key="none", http_client=http)
+            kw = dict(model="shuttle", messages=MESSAGES, max_tokens=160, temperature=0, tools=FORCED_TOOLS,
+                      tool_choice=choice, parallel_tool_calls=False)
+            if not stream:
+                r = await client.chat.completions.create(**kw)
+                return _message(r), r.choices[0].finish_reason
+            chunks = [c async for c in await client.chat.completions.create(stream=True, **kw)]
+            return _streamed(chunks), [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+
+    for choice, finish in (("required", "tool_calls"), ({"type": "function", "function": {"name": "lookup"}}, "stop")):
+        whole = asyncio.run(run(choice, False))
+        assert whole == asyncio.run(run(choice, True)), parser
+        (_, content, calls), got = whole
+        assert got == finish and content == "" and len(calls) == 1, (parser, whole)
+        name, arguments = calls[0]
+        assert choice == "required" or name == "lookup"
+        schema = next(t["function"]["parameters"] for t in FORCED_TOOLS if t["function"]["name"] == name)
+        jsonschema.validate(arguments, schema)

@@ -19,6 +19,8 @@ is content, as is a block still open when the text ends.
 from dataclasses import dataclass
 from typing import ClassVar
 
+from server.parsers.forced import Markup, blank, free_text, optional, seq
+
 
 @dataclass(frozen=True)
 class Call:
@@ -54,9 +56,19 @@ class ToolParser:
     # Formats whose whole output is message markup (gpt-oss's channels): the parser that takes the
     # answer out of it, applied when the server has no --reasoning-parser (its reasoning dropped).
     reasoning_parser: ClassVar[type["ReasoningParser"] | None] = None
+    # tool_choice required / named (forced.py): the markup around all calls, between two calls, and
+    # whether one answer may hold several calls.
+    section: ClassVar[tuple[str, str]] = ("", "")
+    separator: ClassVar[str] = ""
+    parallel_calls: ClassVar[bool] = True
 
     def __init__(self, functions: dict[str, dict] | None = None):
         self.functions = functions
+
+    def call_format(self, name: str, schema: dict, markup: Markup) -> dict:
+        """The structural-tag format of one call of `name` in this family's markup, its arguments
+        held to `schema` (forced.args); markup knows the tokenizer's special tokens."""
+        raise NotImplementedError
 
     def blocks(self, text: str) -> list[Block]:
         """The blocks in `text`, in order, not overlapping; at most the last is open."""
@@ -124,6 +136,12 @@ class ReasoningParser:
         start marker and no end after it)."""
         i = prompt.rfind(self.start)
         return i >= 0 and prompt.find(self.end, i) < 0
+
+    def forced_prefix(self, starts_in_reasoning: bool, markup: Markup) -> dict:
+        """The structural-tag format of the reasoning in front of forced tool calls: free text to the
+        end marker (the prompt opened it), or an optional start ... end block; blank space after."""
+        body = seq(free_text(self.end), markup.lit(self.end))
+        return seq(body if starts_in_reasoning else optional(seq(markup.lit(self.start), body)), blank())
 
     def split(self, text: str, final: bool, starts_in_reasoning: bool) -> tuple[str, str]:
         """(reasoning, answer) of the text so far; on a prefix (final=False) each is a prefix of the

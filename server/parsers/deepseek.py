@@ -23,6 +23,7 @@ import re
 from typing import ClassVar
 
 from server.parsers.base import Block, Call, ReasoningParser, ToolParser, first_of
+from server.parsers.forced import Markup, args, seq
 
 
 def _token(words: str) -> str:
@@ -125,6 +126,11 @@ class DeepSeekV3ToolParser(SectionToolParser):
     begins, ends = (CALLS_BEGIN,), (CALLS_END,)
     call_begin, call_end = CALL_BEGIN, CALL_END
     end_of_text = (END_OF_SENTENCE,)
+    section, separator = (CALLS_BEGIN, CALLS_END), "\n"
+
+    def call_format(self, name: str, schema: dict, markup: Markup) -> dict:
+        return seq(markup.lit(f"{CALL_BEGIN}function{SEP}{name}\n```json\n"), args(schema),
+                   markup.lit(f"\n```{CALL_END}"))
 
     def parse_call(self, inner: str) -> Call | None:
         m = _V3_CALL.fullmatch(inner)
@@ -136,6 +142,10 @@ class DeepSeekV31ToolParser(SectionToolParser):
     begins, ends = (CALLS_BEGIN,), (CALLS_END,)
     call_begin, call_end = CALL_BEGIN, CALL_END
     end_of_text = (END_OF_SENTENCE,)
+    section = (CALLS_BEGIN, CALLS_END)
+
+    def call_format(self, name: str, schema: dict, markup: Markup) -> dict:
+        return seq(markup.lit(f"{CALL_BEGIN}{name}{SEP}"), args(schema), markup.lit(CALL_END))
 
     def parse_call(self, inner: str) -> Call | None:
         name, sep, args = inner.partition(SEP)

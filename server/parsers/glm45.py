@@ -23,6 +23,7 @@ import json
 from typing import Any
 
 from server.parsers.base import Call, DelimitedToolParser
+from server.parsers.forced import Markup, seq, xml_args
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _KEY, _KEY_END = "<arg_key>", "</arg_key>"
@@ -36,6 +37,11 @@ class Glm45ToolParser(DelimitedToolParser):
     name = "glm45"
     open, close = _OPEN, _CLOSE
     needs_special_tokens = True
+    separator = "\n"
+
+    def call_format(self, name: str, schema: dict, markup: Markup) -> dict:
+        pair = xml_args(schema, f"{_KEY}{{name}}{_KEY_END}\n{_VALUE}", f"{_VALUE_END}\n", markup)
+        return seq(markup.lit(f"{_OPEN}{name}\n"), pair, markup.lit(_CLOSE))
 
     def parse_body(self, body: str) -> tuple[Call, ...] | None:
         return _call(body, self.functions)

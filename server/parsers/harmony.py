@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from server.parsers.base import Block, Call, ReasoningParser, ToolParser, _partial_suffix
+from server.parsers.forced import Markup, args, free_text, optional, seq
 
 START, MESSAGE, CHANNEL, CONSTRAIN = "<|start|>", "<|message|>", "<|channel|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
@@ -147,6 +148,11 @@ class GptOssReasoningParser(ReasoningParser):
         return bool(sep) and _BODY_STOP.search(body) is None and _kind(header) == _REASONING \
             and _header(header)[1] is None
 
+    def forced_prefix(self, starts_in_reasoning: bool, markup: Markup) -> dict:
+        """An analysis message (its body, where the prompt opened it) before forced calls."""
+        body = seq(free_text(END), markup.lit(END + START + ROLE))
+        return body if starts_in_reasoning else optional(seq(markup.lit(self.start), body))
+
     def split(self, text: str, final: bool, starts_in_reasoning: bool) -> tuple[str, str]:
         msgs = _messages(text, starts_in_reasoning, final)
         if msgs is None:
@@ -187,6 +193,12 @@ class HarmonyToolParser(ToolParser):
     # The parser that takes this family's answer out of its message markup: ChatOutput applies it
     # (dropping its reasoning) when no --reasoning-parser is given.
     reasoning_parser: ClassVar[type[ReasoningParser]] = GptOssReasoningParser
+    parallel_calls = False  # a call message ends the turn (<|call|>: the model waits for the result)
+
+    def call_format(self, name: str, schema: dict, markup: Markup) -> dict:
+        """A commentary message to the function, its JSON arguments; the grammar ends there, so the
+        end-of-sequence token (<|call|>) follows."""
+        return seq(markup.lit(f"{CHANNEL}commentary to={FUNCTIONS}{name} {CONSTRAIN}json{MESSAGE}"), args(schema))
 
     def blocks(self, text: str) -> list[Block]:
         msgs = _messages(text, False, False)

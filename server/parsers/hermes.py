@@ -3,12 +3,17 @@ templates)."""
 import json
 
 from server.parsers.base import Call, DelimitedToolParser
-
+from server.parsers.forced import Markup, args, seq
 
 
 class HermesToolParser(DelimitedToolParser):
     name = "hermes"
     open, close = "<tool_call>", "</tool_call>"
+    separator = "\n"
+
+    def call_format(self, name: str, schema: dict, markup: Markup) -> dict:
+        head = f'{self.open}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+        return seq(markup.lit(head), args(schema), markup.lit(f"}}\n{self.close}"))
 
     def parse_body(self, body: str) -> tuple[Call, ...] | None:
         return _call(body)

@@ -24,6 +24,7 @@ import re
 
 from server.parsers.base import Call, ReasoningParser
 from server.parsers.deepseek import SectionToolParser, make_call
+from server.parsers.forced import Markup, args, seq
 
 SECTION_BEGINS = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
 SECTION_ENDS = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
@@ -39,6 +40,11 @@ class KimiK2ToolParser(SectionToolParser):
     call_begin, call_end = CALL_BEGIN, CALL_END
     end_of_text = (IM_END,)
     needs_special_tokens = True
+    section = (SECTION_BEGINS[0], SECTION_ENDS[0])
+
+    def call_format(self, name: str, schema: dict, markup: Markup) -> dict:
+        return seq(markup.lit(f"{CALL_BEGIN}functions.{name}:"), {"type": "regex", "pattern": "[0-9]{1,3}"},
+                   markup.lit(ARGUMENT_BEGIN), args(schema), markup.lit(CALL_END))
 
     def parse_call(self, inner: str) -> Call | None:
         head, sep, args = inner.partition(ARGUMENT_BEGIN)

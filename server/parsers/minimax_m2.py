@@ -28,6 +28,7 @@ import json
 from typing import Any
 
 from server.parsers.base import Call, DelimitedToolParser
+from server.parsers.forced import Markup, seq, xml_args
 
 _OPEN, _CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 _INVOKE, _INVOKE_END = "<invoke name=", "</invoke>"
@@ -41,6 +42,11 @@ class MinimaxM2ToolParser(DelimitedToolParser):
 
     name = "minimax_m2"
     open, close = _OPEN, _CLOSE
+    section, separator = (f"{_OPEN}\n", _CLOSE), "\n"
+
+    def call_format(self, name: str, schema: dict, markup: Markup) -> dict:
+        params = xml_args(schema, f'{_PARAMETER}"{{name}}">', f"{_PARAMETER_END}\n", markup)
+        return seq(markup.lit(f'{_INVOKE}"{name}">\n'), params, markup.lit(_INVOKE_END + "\n"))
 
     def parse_body(self, body: str) -> tuple[Call, ...] | None:
         return _calls(body, self.functions)

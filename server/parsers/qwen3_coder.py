@@ -35,6 +35,7 @@ import re
 from typing import Any
 
 from server.parsers.base import Call, DelimitedToolParser
+from server.parsers.forced import Markup, seq, xml_args
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _FUNCTION, _FUNCTION_END = "<function=", "</function>"
@@ -50,6 +51,11 @@ class Qwen3CoderToolParser(DelimitedToolParser):
 
     name = "qwen3_coder"
     open, close = _OPEN, _CLOSE
+    separator = "\n"
+
+    def call_format(self, name: str, schema: dict, markup: Markup) -> dict:
+        params = xml_args(schema, f"{_PARAMETER}{{name}}>\n", f"\n{_PARAMETER_END}\n", markup)
+        return seq(markup.lit(f"{_OPEN}\n{_FUNCTION}{name}>\n"), params, markup.lit(f"{_FUNCTION_END}\n{_CLOSE}"))
 
     def scan(self, text: str, start: int) -> tuple[int | None, tuple[Call, ...] | None]:
         """(end, calls) of the block at `start`; end None while it is open. Malformed: calls None
