@@ -4,7 +4,8 @@
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both stream as server-sent
 events with stream=true), GET /health, GET /metrics (Prometheus), GET /version, and POST
-/v1/responses (OpenAI's Responses API, over the chat machinery: server/responses.py). Every error is
+/v1/responses (OpenAI's Responses API, over the chat machinery: server/responses.py) with GET and
+DELETE /v1/responses/{id} for stored responses. Every error is
 OpenAI's {"error": {"message", "type", "param", "code"}} with its status: 400 bad values, 401 bad
 key, 404 unknown model or route, 413 oversized body, 503 (with Retry-After) when more than
 max_waiting requests wait for their first token, 500 when the engine failed. /health is 200 only
@@ -35,7 +36,8 @@ from server.openai_protocol import (ChatCompletionRequest, CompletionRequest, De
 from server.openai_schemas import (AUTH_ERRORS, ERRORS_400, ChatCompletionResponse, ChatCompletionStreamResponse,
                                    CompletionResponse, CompletionStreamResponse, ErrorResponse, Health, ModelList,
                                    TokenizeResponse, DetokenizeResponse, Version, generation_responses, install_openapi, request_body)
-from server.openai_schemas import ResponseStreamEvent, responses_api_responses
+from server.openai_schemas import (RESPONSE_LOOKUP_ERRORS, ResponseDeleted, ResponseObject, ResponseStreamEvent,
+                                   responses_api_responses)
 from server.responses import ResponsesServing
 from server.responses_protocol import ResponsesRequest, parse_responses_request
 from server.openai_serving import OpenAIServing, as_openai_error
@@ -127,6 +129,8 @@ def _route(path: str) -> str:
     """The path as a metric label; unknown paths are one label, so scanners cannot grow the series."""
     known = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/version", "/tokenize",
              "/detokenize", "/v1/responses")
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{response_id}"
     return path if path in known else "other"
 
 
@@ -254,6 +258,16 @@ def build_app(llm: AsyncLLM, cfg: ServerConfig, metrics: ServerMetrics) -> FastA
         req = parse_responses_request(await request.body())
         job = responses_serving.job(req)
         return await _respond_responses(request, responses_serving, llm, job)
+
+    @app.get("/v1/responses/{response_id}", response_model=None,
+             responses={200: {"model": ResponseObject}, **RESPONSE_LOOKUP_ERRORS})
+    async def get_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responses_serving.retrieve(response_id))
+
+    @app.delete("/v1/responses/{response_id}", response_model=None,
+                responses={200: {"model": ResponseDeleted}, **RESPONSE_LOOKUP_ERRORS})
+    async def delete_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responses_serving.delete(response_id))
 
     @app.post("/tokenize", response_model=None, openapi_extra=request_body(TokenizeRequest),
               responses={200: {"model": TokenizeResponse}, **ERRORS_400})

@@ -290,6 +290,14 @@ class ResponseObject(BaseModel):
     user: str | None = None
 
 
+class ResponseDeleted(BaseModel):
+    """The answer of DELETE /v1/responses/{id}."""
+
+    id: str
+    object: Literal["response"] = "response"
+    deleted: Literal[True] = True
+
+
 class _ResponseEvent(BaseModel):
     sequence_number: int = Field(description="the event's place in the stream, from 0")
 
@@ -447,6 +455,7 @@ ERRORS = {400: _error("invalid request: the message and `param` name what is wro
           503: _error("too many requests waiting (with Retry-After), or the engine is dead")}
 AUTH_ERRORS = {k: ERRORS[k] for k in (401, 500)}
 ERRORS_400 = {k: ERRORS[k] for k in (400, 401, 404, 413, 500)}
+RESPONSE_LOOKUP_ERRORS = {401: ERRORS[401], 404: _error("no stored response with this id"), 500: ERRORS[500]}
 
 
 def generation_responses(full: type[BaseModel], chunk: type[BaseModel]) -> dict:

@@ -80,22 +80,31 @@ def _output_message(items: list[dict]) -> ChatMessage:
 
 
 class ResponseStore:
-    """The last `capacity` responses' conversations (instructions not included), oldest dropped first."""
+    """The last `capacity` responses (oldest dropped first): each one's conversation (instructions
+    not included), what a later previous_response_id continues, and its response object (GET)."""
 
     def __init__(self, capacity: int = MAX_STORED):
         self.capacity = capacity
-        self._conversations: OrderedDict[str, list[ChatMessage]] = OrderedDict()
+        self._stored: OrderedDict[str, tuple[list[ChatMessage], dict]] = OrderedDict()
 
-    def put(self, response_id: str, conversation: list[ChatMessage]) -> None:
-        self._conversations[response_id] = conversation
-        while len(self._conversations) > self.capacity:
-            self._conversations.popitem(last=False)
+    def put(self, response_id: str, conversation: list[ChatMessage], body: dict) -> None:
+        self._stored[response_id] = (conversation, body)
+        while len(self._stored) > self.capacity:
+            self._stored.popitem(last=False)
 
     def get(self, response_id: str) -> list[ChatMessage] | None:
-        return self._conversations.get(response_id)
+        found = self._stored.get(response_id)
+        return found[0] if found else None
+
+    def body(self, response_id: str) -> dict | None:
+        found = self._stored.get(response_id)
+        return found[1] if found else None
+
+    def delete(self, response_id: str) -> bool:
+        return self._stored.pop(response_id, None) is not None
 
     def __len__(self) -> int:
-        return len(self._conversations)
+        return len(self._stored)
 
 
 # -- running --------------------------------------------------------------------------------------------
@@ -293,9 +302,25 @@ class ResponsesServing:
                  "input_tokens_details": {"cached_tokens": final.num_cached_tokens, "cache_write_tokens": 0},
                  "output_tokens": len(c.token_ids), "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                  "total_tokens": len(job.ids) + len(c.token_ids)}
+        body = self._body(job, status, items.items, usage)
         if job.req.store is not False:
-            self.store.put(job.id, [*job.conversation, _output_message(items.items)])
-        return self._body(job, status, items.items, usage)
+            self.store.put(job.id, [*job.conversation, _output_message(items.items)], body)
+        return body
+
+    def retrieve(self, response_id: str) -> dict:
+        """GET /v1/responses/{id}: the stored response object; 404 when unknown (never stored,
+        store false, deleted, or dropped as the oldest)."""
+        body = self.store.body(response_id)
+        if body is None:
+            raise _not_found(response_id)
+        return body
+
+    def delete(self, response_id: str) -> dict:
+        """DELETE /v1/responses/{id}: forget a stored response (a later previous_response_id naming
+        it is a 400, as for any unknown id); 404 when unknown."""
+        if not self.store.delete(response_id):
+            raise _not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     def _body(self, job: ResponsesJob, status: str, output: list[dict], usage: dict | None) -> dict:
         req = job.req
@@ -318,6 +343,11 @@ class ResponsesServing:
             "tools": [t.model_dump() for t in req.tools or []],
             "top_p": req.top_p, "truncation": req.truncation or "disabled", "usage": usage, "user": req.user,
         }
+
+
+def _not_found(response_id: str) -> OpenAIError:
+    return OpenAIError(f"Response with id '{response_id}' not found.", status=404, param="response_id",
+                       code="response_not_found")
 
 
 def _format_echo(fmt: ResponsesTextFormat | None) -> dict:

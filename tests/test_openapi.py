@@ -38,7 +38,8 @@ def api_schema(server):
 
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),
               ("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/metrics"),
-              ("GET", "/health"), ("GET", "/version")]
+              ("GET", "/health"), ("GET", "/version"), ("GET", "/v1/responses/{response_id}"),
+              ("DELETE", "/v1/responses/{response_id}")]
 def test_openapi_documents_every_route(server):
     doc = httpx.get(f"{server.url}/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/metrics", "/health",
@@ -57,6 +58,8 @@ def test_openapi_documents_every_route(server):
         set(body["properties"])
     assert {"200", "400", "401", "404", "413", "503"} <= set(op["responses"])
     assert "text/event-stream" in op["responses"]["200"]["content"]
+    assert {"200", "404"} <= set(doc["paths"]["/v1/responses/{response_id}"]["get"]["responses"])
+    assert {"200", "404"} <= set(doc["paths"]["/v1/responses/{response_id}"]["delete"]["responses"])
     assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert httpx.get(f"{server.url}/docs").status_code == 200
 

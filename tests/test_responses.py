@@ -344,8 +344,35 @@ def test_an_engine_failure_is_an_error(llm, monkeypatch):
 def test_the_store_is_bounded():
     store = ResponseStore(capacity=2)
     for i in range(3):
-        store.put(f"resp_{i}", [ChatMessage(role="user", content=str(i))])
+        store.put(f"resp_{i}", [ChatMessage(role="user", content=str(i))], {"id": f"resp_{i}"})
     assert len(store) == 2 and store.get("resp_0") is None and store.get("resp_2")[0].content == "2"
+    assert store.body("resp_0") is None and store.body("resp_1") == {"id": "resp_1"}
+
+
+def test_stored_responses_are_retrieved_and_deleted(llm):
+    """GET /v1/responses/{id} answers the stored response object (whole or streamed, the same body),
+    DELETE forgets it; an unknown, unstored or deleted id is a 404 OpenAI error."""
+    async def test(client, http):
+        made = await client.responses.create(model="shuttle", input="hi", max_output_tokens=3, **GREEDY)
+        streamed = (await events_of(client, model="shuttle", input="hi", max_output_tokens=3, **GREEDY))[-1].response
+        got = [await client.responses.retrieve(r.id) for r in (made, streamed)]
+        unstored = await client.responses.create(model="shuttle", input="hi", max_output_tokens=1, store=False)
+        missing = [await http.get(f"/v1/responses/{i}") for i in (unstored.id, "resp_nope")]
+        deleted = await http.delete(f"/v1/responses/{made.id}")
+        await client.responses.delete(streamed.id)
+        after = [await http.get(f"/v1/responses/{made.id}"), await http.delete(f"/v1/responses/{made.id}")]
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(streamed.id)
+        later = await http.post("/v1/responses", json={"input": "hi", "previous_response_id": made.id})
+        return made, streamed, got, missing, deleted, after, later
+
+    made, streamed, got, missing, deleted, after, later = run(llm, test)
+    assert got[0].model_dump() == made.model_dump() and got[1].model_dump() == streamed.model_dump()
+    assert got[0].output_text == made.output_text and got[1].status == streamed.status
+    assert deleted.status_code == 200 and deleted.json() == {"id": made.id, "object": "response", "deleted": True}
+    for r in missing + after:
+        assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found", r.json()
+    assert later.status_code == 400 and later.json()["error"]["code"] == "previous_response_not_found"
 
 
 @pytest.mark.parametrize("body,param", [
