@@ -243,7 +243,6 @@ class ResponsesServing:
             pieces = streamer.feed(delta, c.finished)
         else:
             pieces = streamer.feed_delta(delta, c.finished, job.end_texts)
-        complete_calls = not (isinstance(streamer, ToolStreamer) and job.tools.mode == "named")
         for piece in pieces:
             if piece.get("reasoning_content"):
                 items.reasoning(piece["reasoning_content"])
@@ -252,8 +251,7 @@ class ResponsesServing:
             for call in piece.get("tool_calls") or []:
                 fn = call.get("function") or {}
                 if "id" in call:
-                    items.call(call["index"], call["id"], fn.get("name", ""), fn.get("arguments") or "",
-                               complete_calls)
+                    items.call(call["index"], call["id"], fn.get("name", ""), fn.get("arguments") or "")
                 elif fn.get("arguments"):
                     items.arguments(call["index"], fn["arguments"])
 
@@ -424,14 +422,14 @@ class _Items:
         if delta:
             self.emit("response.output_text.delta", **self._where(item), content_index=0, delta=delta, logprobs=[])
 
-    def call(self, index: int, call_id: str, name: str, arguments: str, complete: bool) -> None:
+    def call(self, index: int, call_id: str, name: str, arguments: str) -> None:
+        """A new function call (its arguments may follow by `arguments`); it is done when the next
+        item starts or the answer ends."""
         item = self._add({"id": _new_id("fc"), "type": "function_call", "call_id": call_id, "name": name,
                           "arguments": "", "status": "in_progress"})
         self._calls[index] = item
         if arguments:
             self.arguments(index, arguments)
-        if complete:
-            self.close("completed")
 
     def arguments(self, index: int, delta: str) -> None:
         item = self._calls.get(index)

@@ -116,9 +116,12 @@ def _streamed(chunks) -> tuple:
                 saw_reasoning = True
                 reasoning += extra["reasoning_content"] or ""
             content += ch.delta.content or ""
-            for call in ch.delta.tool_calls or []:
-                calls.append((call.function.name, json.loads(call.function.arguments)))
-    return (reasoning if saw_reasoning else None), content, calls
+            for call in ch.delta.tool_calls or []:  # the first delta of a call names it, later ones add arguments
+                if call.id:
+                    assert call.index == len(calls)
+                    calls.append([call.function.name, ""])
+                calls[call.index][1] += call.function.arguments or ""
+    return (reasoning if saw_reasoning else None), content, [(name, json.loads(args)) for name, args in calls]
 
 
 @pytest.mark.parametrize("case", sorted(set(CASES) - {"stop string"}))

@@ -51,3 +51,30 @@ def test_prompt_opened_reasoning():
     assert p.starts_in_reasoning("<|user|>hi<|assistant|><think>\n")
     assert not p.starts_in_reasoning("<|assistant|><think></think>")
     assert not p.starts_in_reasoning("<|user|>hi<|assistant|>")
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("hermes", '<tool_call>\n{"name": "get", "arguments": {"q": "a long value", "n": [1, 2]}}\n</tool_call>'),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get\n```json\n"
+                    '{"q": "a long value", "n": [1, 2]}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get<｜tool▁sep｜>"
+                     '{"q": "a long value", "n": [1, 2]}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get:0<|tool_call_argument_begin|>"
+                '{"q": "a long value", "n": [1, 2]}<|tool_call_end|><|tool_calls_section_end|>'),
+    ("openai", '<|channel|>commentary to=functions.get <|constrain|>json<|message|>{"q": "a long value", "n": [1, 2]}'
+               "<|call|>"),
+])
+def test_json_arguments_stream_as_they_arrive(parser, text):
+    """The call is sent once its name is written, and its arguments piece by piece before its block
+    closes; the pieces add up to the arguments as written, which the whole answer also has."""
+    from server.parsers.output import ChatOutput
+
+    out, deltas, closed_at = ChatOutput(None, TOOL_PARSERS[parser]()), [], text.index('"n"')
+    for i in range(1, len(text) + 1):
+        for d in out.feed(text[:i], final=i == len(text)):
+            deltas.extend((i, c) for c in d.get("tool_calls", []))
+    first, args = deltas[0][1], "".join(c["function"]["arguments"] for _, c in deltas)
+    assert first["function"]["name"] == "get" and first["index"] == 0 and all(c["index"] == 0 for _, c in deltas)
+    assert sum(1 for i, _ in deltas if i < closed_at) >= 5  # streamed before the block closed
+    assert args == '{"q": "a long value", "n": [1, 2]}'
+    assert ChatOutput(None, TOOL_PARSERS[parser]()).message(text)["tool_calls"][0]["function"]["arguments"] == args

@@ -8,14 +8,20 @@ are computed here once for every family, so the streamed pieces always add up to
     content, calls = split_tools(tool_parser, answer, final=True)
 
 On a prefix of the text (final=False) both functions return what is safe to show so far: every
-string is a prefix of what the whole text gives and every call is final (calls are sent when their
-block closes). ChatOutput (output.py) turns growing texts into deltas by that rule (Growing).
+string is a prefix of what the whole text gives and every call is final. ChatOutput (output.py)
+turns growing texts into deltas by that rule (Growing). Where a family writes its arguments as JSON
+(hermes, deepseek_v3 / v31, kimi_k2, openai), a call still being written also streams
+(`pending_calls`): its name and id once written, its arguments as they arrive, the JSON text exactly
+as the model writes it (which is also the whole response's `arguments`). Should its block then not
+close as valid markup (malformed, or cut short by max_tokens), the stream has sent a call that the
+whole response has as content; the XML formats send a call when its block closes.
 
 Content around calls: with no valid call the content is the text as it is. With calls it is the
 text before the first call with trailing whitespace removed, then each stretch of text between and
 after calls, stripped, each on a new line. A block that closes but does not parse (malformed call)
 is content, as is a block still open when the text ends.
 """
+import json
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -73,6 +79,12 @@ class ToolParser:
     def blocks(self, text: str) -> list[Block]:
         """The blocks in `text`, in order, not overlapping; at most the last is open."""
         raise NotImplementedError
+
+    def pending(self, text: str, block: Block) -> list[Call]:
+        """The calls of an open block so far, the last maybe unfinished: each one's name and id as
+        they will be, its arguments a prefix of what they will be if the block closes valid. [] for
+        formats whose arguments are rewritten when the block closes (the XML ones)."""
+        return []
 
 
 class DelimitedToolParser(ToolParser):
@@ -190,6 +202,34 @@ def split_tools(parser: ToolParser, text: str, final: bool) -> tuple[str, list[C
         return tail, []
     parts = [segments[0].rstrip()] + [s.strip() for s in segments[1:]] + [tail.strip()]
     return "\n".join(p for p in parts if p), calls
+
+
+def pending_calls(parser: ToolParser, text: str) -> list[Call]:
+    """The calls of the answer's open block so far (ToolParser.pending), for streaming."""
+    blocks = parser.blocks(text)
+    return parser.pending(text, blocks[-1]) if blocks and blocks[-1].end is None else []
+
+
+def json_arguments(text: str) -> str | None:
+    """The arguments as the model wrote them (surrounding whitespace dropped) when they are a JSON
+    object, else None."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return text.strip() if isinstance(value, dict) else None
+
+
+def partial_arguments(text: str, closers: tuple[str, ...], hold: str = "") -> str:
+    """What of arguments still arriving is surely theirs: leading whitespace dropped, and at the end
+    whitespace, closing markers (whole or begun), and any of the characters in `hold` (what may close
+    the markup around them) held back."""
+    text, before = text.lstrip(), None
+    while text != before:
+        before, text = text, text.rstrip(" \t\r\n" + hold)
+        text = text[:len(text) - _partial_suffix(text, closers)]
+        text = next((text[:-len(c)] for c in closers if text.endswith(c)), text)
+    return text
 
 
 def first_of(text: str, needles: tuple[str, ...], pos: int) -> tuple[int, str]:

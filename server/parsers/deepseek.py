@@ -18,11 +18,10 @@ JSON object of arguments) and only whitespace lies between the calls; otherwise 
 is content (vLLM keeps the calls its regex finds and drops the rest). Unlike vLLM, which drops
 text after the section, that text is content (the shared rule of base.py).
 """
-import json
 import re
 from typing import ClassVar
 
-from server.parsers.base import Block, Call, ReasoningParser, ToolParser, first_of
+from server.parsers.base import Block, Call, ReasoningParser, ToolParser, first_of, json_arguments, partial_arguments
 from server.parsers.forced import Markup, args, seq
 
 
@@ -62,6 +61,26 @@ class SectionToolParser(ToolParser):
     def parse_call(self, inner: str) -> Call | None:
         """The call written between call_begin and call_end, or None when it is not valid."""
         raise NotImplementedError
+
+    def partial_call(self, inner: str) -> Call | None:
+        """A call still being written after call_begin: its name (and id) once they are whole and
+        its arguments so far (partial_arguments), or None while the name is still arriving."""
+        raise NotImplementedError
+
+    def pending(self, text: str, block: Block) -> list[Call]:
+        opener = next(b for b in self.begins if text.startswith(b, block.start))
+        body, calls, pos = text[block.start + len(opener):], [], 0
+        while (start := body.find(self.call_begin, pos)) >= 0 and not body[pos:start].strip():
+            stop = body.find(self.call_end, start)
+            inner = body[start + len(self.call_begin):len(body) if stop < 0 else stop]
+            call = self.parse_call(inner) if stop >= 0 else self.partial_call(inner)
+            if call is None:
+                break
+            calls.append(call)
+            if stop < 0:
+                break
+            pos = stop + len(self.call_end)
+        return calls
 
     def blocks(self, text: str) -> list[Block]:
         out, pos, called = [], 0, False
@@ -103,22 +122,17 @@ class SectionToolParser(ToolParser):
 
 
 def make_call(name: str, arguments: str) -> Call | None:
-    """A Call when `name` is a plain name and `arguments` a JSON object (re-serialised), else None."""
-    name = name.strip()
-    if not _NAME.fullmatch(name):
+    """A Call when `name` is a plain name and `arguments` a JSON object (kept as written), else None."""
+    name, arguments = name.strip(), json_arguments(arguments)
+    if not _NAME.fullmatch(name) or arguments is None:
         return None
-    try:
-        args = json.loads(arguments)
-    except ValueError:
-        return None
-    if not isinstance(args, dict):
-        return None
-    return Call(name, json.dumps(args, ensure_ascii=False))
+    return Call(name, arguments)
 
 
 # TYPE<sep>NAME, then the arguments in a ```json fence (the type is "function"; vLLM passes any)
 _V3_CALL = re.compile(r"\s*[^\s<>]*\s*" + re.escape(SEP)
                       + r"(?P<name>[^\n]*)\n\s*```(?:json)?\s*(?P<args>.*?)\s*```\s*", re.S)
+_V3_HEAD = re.compile(r"\s*[^\s<>]*\s*" + re.escape(SEP) + r"(?P<name>[^\n]*)\n\s*```json\s")
 
 
 class DeepSeekV3ToolParser(SectionToolParser):
@@ -136,6 +150,12 @@ class DeepSeekV3ToolParser(SectionToolParser):
         m = _V3_CALL.fullmatch(inner)
         return make_call(m["name"], m["args"]) if m else None
 
+    def partial_call(self, inner: str) -> Call | None:
+        m = _V3_HEAD.match(inner)
+        if m is None or not _NAME.fullmatch(m["name"].strip()):
+            return None
+        return Call(m["name"].strip(), partial_arguments(inner[m.end():], ("```", CALL_END)))
+
 
 class DeepSeekV31ToolParser(SectionToolParser):
     name = "deepseek_v31"
@@ -150,6 +170,12 @@ class DeepSeekV31ToolParser(SectionToolParser):
     def parse_call(self, inner: str) -> Call | None:
         name, sep, args = inner.partition(SEP)
         return make_call(name, args) if sep else None
+
+    def partial_call(self, inner: str) -> Call | None:
+        name, sep, args = inner.partition(SEP)
+        if not sep or not _NAME.fullmatch(name.strip()):
+            return None
+        return Call(name.strip(), partial_arguments(args, (CALL_END,)))
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):

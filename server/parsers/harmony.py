@@ -20,12 +20,11 @@ next message starts, or the text ends after valid arguments: the serving layer c
 off) gets `<|call|>`; one cut short (max_tokens) stays open, so its text is content.
 HarmonyToolParser (openai) finds those call messages, in that answer or in the raw text.
 """
-import json
 import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from server.parsers.base import Block, Call, ReasoningParser, ToolParser, _partial_suffix
+from server.parsers.base import Block, Call, ReasoningParser, ToolParser, _partial_suffix, json_arguments, partial_arguments
 from server.parsers.forced import Markup, args, free_text, optional, seq
 
 START, MESSAGE, CHANNEL, CONSTRAIN = "<|start|>", "<|message|>", "<|channel|>", "<|constrain|>"
@@ -122,14 +121,10 @@ def _kind(header: str) -> str:
 def _calls(header: str, body: str) -> tuple[Call, ...] | None:
     """The call of a function-call message; None unless the body is a JSON object (whatever the
     content type says: arguments are JSON) and the recipient names a function."""
-    name = _header(header)[1][len(FUNCTIONS):]
-    try:
-        args = json.loads(body)
-    except ValueError:
+    name, args = _header(header)[1][len(FUNCTIONS):], json_arguments(body)
+    if not name or args is None:
         return None
-    if not name or not isinstance(args, dict):
-        return None
-    return (Call(name, json.dumps(args, ensure_ascii=False)),)
+    return (Call(name, args),)
 
 
 class GptOssReasoningParser(ReasoningParser):
@@ -216,3 +211,11 @@ class HarmonyToolParser(ToolParser):
                 break
             out.append(Block(m.start, m.end, _calls(m.header, text[m.body:m.body_end])))
         return out
+
+    def pending(self, text: str, block: Block) -> list[Call]:
+        msgs = _messages(text, False, False)
+        m = msgs[-1] if msgs else None
+        if m is None or m.start != block.start or m.header is None or _kind(m.header) != _CALL:
+            return []
+        name = _header(m.header)[1][len(FUNCTIONS):]
+        return [Call(name, partial_arguments(text[m.body:], BODY_STOPS))] if name else []

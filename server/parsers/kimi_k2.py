@@ -22,7 +22,7 @@ closing it (vLLM's kimi_k2 reasoning parser does the same).
 import dataclasses
 import re
 
-from server.parsers.base import Call, ReasoningParser
+from server.parsers.base import Call, ReasoningParser, partial_arguments
 from server.parsers.deepseek import SectionToolParser, make_call
 from server.parsers.forced import Markup, args, seq
 
@@ -53,6 +53,13 @@ class KimiK2ToolParser(SectionToolParser):
             return None
         call = make_call(m["function"].split(".")[-1], args)
         return None if call is None else dataclasses.replace(call, id=head.strip())
+
+    def partial_call(self, inner: str) -> Call | None:
+        head, sep, args = inner.partition(ARGUMENT_BEGIN)
+        m = _ID.fullmatch(head.strip())
+        if not sep or m is None:
+            return None
+        return Call(m["function"].split(".")[-1], partial_arguments(args, (CALL_END,)), id=head.strip())
 
 
 class KimiK2ReasoningParser(ReasoningParser):

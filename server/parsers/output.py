@@ -3,7 +3,7 @@ calls in the answer (tool_choice auto, with a --tool-call-parser), the rest cont
 stream deltas that add up to the whole."""
 import secrets
 
-from server.parsers.base import Call, Growing, ReasoningParser, ToolParser, split_tools
+from server.parsers.base import Call, Growing, ReasoningParser, ToolParser, pending_calls, split_tools
 
 
 def call_id() -> str:
@@ -21,20 +21,31 @@ class ChatOutput:
 
     def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, starts_in_reasoning: bool = False):
         self.reasoning, self.tools, self.starts_in_reasoning = reasoning, tools, starts_in_reasoning
-        self._reasoning_sent, self._content_sent, self.calls_sent = Growing(), Growing(), 0
+        self._reasoning_sent, self._content_sent = Growing(), Growing()
+        self._sent: list[list[str]] = []  # each call sent so far (stream index): [name, arguments sent]
+        self._slots: list[int] = []       # the text's calls (finished, then pending) -> their stream index
         self.received = ""  # feed_delta's text so far
+
+    @property
+    def calls_sent(self) -> int:
+        return len(self._sent)
 
     def parse(self, text: str, final: bool = True) -> tuple[str | None, str, list[Call]]:
         """(reasoning or None without a reasoning parser, content, calls) of the text so far."""
+        reasoning, content, calls, _ = self._parse(text, final)
+        return reasoning, content, calls
+
+    def _parse(self, text: str, final: bool) -> tuple[str | None, str, list[Call], list[Call]]:
+        """parse(), and on a prefix the calls still being written (pending_calls)."""
         reasoning, answer = None, text
         if self.reasoning is not None:
             reasoning, answer = self.reasoning.split(text, final, self.starts_in_reasoning)
         elif self.tools is not None and self.tools.reasoning_parser is not None:
             _, answer = self.tools.reasoning_parser().split(text, final, self.starts_in_reasoning)
         if self.tools is None:
-            return reasoning, answer, []
+            return reasoning, answer, [], []
         content, calls = split_tools(self.tools, answer, final)
-        return reasoning, content, calls
+        return reasoning, content, calls, ([] if final else pending_calls(self.tools, answer))
 
     def message(self, text: str) -> dict:
         """The whole choice's message fields: content (None when empty beside tool calls), tool_calls
@@ -56,7 +67,7 @@ class ChatOutput:
 
     def feed(self, text: str, final: bool) -> list[dict]:
         """The deltas (without role) for the choice's whole text so far; `final` on its last text."""
-        reasoning, content, calls = self.parse(text, final)
+        reasoning, content, calls, pending = self._parse(text, final)
         out = []
         if reasoning is not None:
             new = self._reasoning_sent.take(reasoning)
@@ -65,9 +76,27 @@ class ChatOutput:
         new = self._content_sent.take(content)
         if new:
             out.append({"content": new})
-        for i, c in enumerate(calls[self.calls_sent:], self.calls_sent):
-            out.append({"tool_calls": [{"index": i, **tool_call(c)}]})
-        self.calls_sent = max(self.calls_sent, len(calls))
+        return out + self._calls_delta(calls + pending)
+
+    def _calls_delta(self, calls: list[Call]) -> list[dict]:
+        """A new call: its id, name and arguments so far; a call already sent: its new arguments. A
+        call sent while pending whose block did not close valid is left as sent (its place in the
+        text taken by the next call, or by none), and that next call gets a stream index of its own."""
+        out = []
+        for i, c in enumerate(calls):
+            if i < len(self._slots):
+                sent = self._sent[self._slots[i]]
+                if sent[0] == c.name and c.arguments.startswith(sent[1]):
+                    if len(c.arguments) > len(sent[1]):
+                        out.append({"tool_calls": [{"index": self._slots[i],
+                                                    "function": {"arguments": c.arguments[len(sent[1]):]}}]})
+                        sent[1] = c.arguments
+                    continue
+                del self._slots[i:]
+            self._slots.append(len(self._sent))
+            self._sent.append([c.name, c.arguments])
+            out.append({"tool_calls": [{"index": self._slots[i], **tool_call(c)}]})
+        del self._slots[len(calls):]
         return out
 
 
