@@ -5,8 +5,8 @@ StopSequence, Reset (rejoin the data plane of a new epoch: after a restart, drop
 after a failover or when a restarted expert worker is added back, keeping them and routing with
 the placement it carries), Shutdown,
 SetPlacement (a new expert placement version, once every expert worker holds it).
-worker -> server: Hello (first, with the deployment token: the server drops a connection without
-it), Ready (after loading, and after each Reset), Deltas (each step: only what changed), Stats (at
+worker -> server (after the connection's HELLO, in which both sides prove the deployment token:
+m2n_comm/_hello.py): Ready (after loading, and after each Reset), Deltas (each step: only what changed), Stats (at
 most a few times a second while busy, and once on going idle), Broken (its data plane failed: a
 peer died or went silent; it waits for Reset), Failed (it exits).
 A frame is a 4-byte big-endian length and a msgpack array [tag, field values...]. Token ids,
@@ -96,16 +96,11 @@ class Failed:
 
 
 @dataclass
-class Hello:
-    token: str  # the deployment's token (TransportConfig.token)
-
-
-@dataclass
 class SetPlacement:
     placement: str  # m2n_comm.placement.ExpertPlacement.to_json(): route with it once every expert worker agrees
 
 
-_TYPES = [AddRequest, Abort, StopSequence, Shutdown, Ready, Deltas, Failed, Stats, Hello, Reset, Broken, SetPlacement]
+_TYPES = [AddRequest, Abort, StopSequence, Shutdown, Ready, Deltas, Failed, Stats, Reset, Broken, SetPlacement]
 _TAG = {t: i for i, t in enumerate(_TYPES)}
 _LEN = struct.Struct(">I")
 

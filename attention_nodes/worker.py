@@ -31,6 +31,7 @@ from torch.distributed import TCPStore
 from attention_nodes import messages as wire
 from attention_nodes.config import EngineConfig
 from attention_nodes.engine import LLMEngine
+from m2n_comm._hello import dial_hello, hello_body
 from m2n_comm.endpoints import open_endpoint
 from m2n_comm.m2n import M2NSender
 from m2n_comm.placement import ExpertPlacement
@@ -42,6 +43,7 @@ from telemetry.trace import Tracer
 log = logging.getLogger("shuttle.attention")
 PARK_POLL_S = 0.002  # while parked: how often to look for a WAKE between waits on the server
 STATS_EVERY_S = 0.25  # while busy: how often to report Stats to the server
+CONTROL_HELLO_S = 60.0  # how long the server may take to answer the control connection's HELLO
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ def run_attention_worker(spec: AttentionWorkerSpec) -> None:
         torch.set_num_threads(par.torch_threads)
     ctl = socket.create_connection(spec.control_addr)
     ctl.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    wire.send(ctl, wire.Hello(spec.transport.token))
+    dial_hello(ctl, spec.transport.token, hello_body(f"a{spec.rank}"), CONTROL_HELLO_S)  # both prove the token
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_read_control, args=(ctl, inbox), daemon=True).start()
     tracer = Tracer(f"a{spec.rank}", enabled=par.trace_dir is not None)

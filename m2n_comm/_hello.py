@@ -1,67 +1,260 @@
-"""The HELLO every inbound M2N connection starts with (tcp data plane, nixl metadata exchange):
-u32 length + JSON {name, num_slots, slot_bytes, token, ...backend fields}. A HELLO without the
-deployment's token is refused and logged with the address it came from, so a stranger who reaches
-a listener can neither join nor inject anything; a peer with the right token but the wrong name or
-slot geometry is a configuration error (ValueError).
+"""Who may connect: the HELLO handshake that every M2N connection (tcp data plane, nixl metadata
+exchange) and every control connection (attention worker -> front) starts with, and the store
+records endpoints publish. Both prove the deployment token without sending it.
+
+Handshake, D dialing L (nD, nL: 16 fresh random bytes each; MAC: HMAC-SHA256 keyed by the token):
+    D -> L  OPEN    MAGIC (8 bytes) + nD
+    L -> D  PROOF   nL + MAC("shuttle hello listener\\0" | nL | nD)                     48 bytes
+    D -> L  HELLO   u32 length + JSON body + MAC("shuttle hello dialer\\0" | nL | nD | body)
+D checks L's proof before it sends its body, so a listener that does not know the token (a fake
+endpoint) learns a nonce and nothing else, and D raises HelloRefused. L admits D only with a valid
+MAC over D's body. Fresh nonces on both sides make a recorded handshake worthless. A stranger is
+refused and logged with its address; a connection silent for HELLO_WAIT_S is dropped; a body over
+the listener's max_body is refused. Reads never go past the HELLO, so what follows it (DATA
+frames, control messages) stays in the socket for its reader. An M2N HELLO body is {name,
+num_slots, slot_bytes, ...backend fields}; a control one is {name}. A peer with the right token
+but the wrong name or slot geometry is a configuration error (ValueError).
+
+Store records (`sign_record`, `open_record`): JSON {"body": the info as JSON text, "mac": hex of
+MAC("shuttle store record\\0" | key | "\\0" | body)}: valid only under its own key (the key names
+session and epoch); a record without a valid MAC is refused and logged naming the key.
 """
+import hashlib
 import hmac
 import json
 import logging
+import secrets
 import select
 import socket
 import struct
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
-from m2n_comm._common import check_peer_info, publish, wait_published
+from m2n_comm._common import STORE_POLL_S, check_peer_info, store_key
 from m2n_comm.transport import TransportTimeout
 
 log = logging.getLogger("shuttle.m2n")
 
 LEN = struct.Struct("<I")
-HELLO_WAIT_S = 5.0  # a connection that says nothing for this long is dropped
+HELLO_WAIT_S = 5.0  # a connection that has not completed its HELLO within this is dropped
+MAGIC = b"shuttle\x01"  # Shuttle's HELLO, version 1
+NONCE_BYTES, MAC_BYTES = 16, 32
+OPEN_BYTES, PROOF_BYTES = len(MAGIC) + NONCE_BYTES, NONCE_BYTES + MAC_BYTES
+LISTENER, DIALER, RECORD = b"shuttle hello listener\0", b"shuttle hello dialer\0", b"shuttle store record\0"
 
 
-def hello_frame(me: str, num_slots: int, slot_bytes: int, token: str, **extra: object) -> bytes:
-    """The HELLO bytes; `extra` adds backend fields (JSON-serialisable)."""
-    body = json.dumps(dict(name=me, num_slots=num_slots, slot_bytes=slot_bytes, token=token, **extra)).encode()
-    return LEN.pack(len(body)) + body
+class HelloRefused(ConnectionError):
+    """A handshake that failed: the other side does not know the token, or speaks something else."""
 
 
+def _mac(token: str, label: bytes, *parts: bytes) -> bytes:
+    return hmac.new(token.encode(), label + b"".join(parts), hashlib.sha256).digest()
+
+
+def hello_body(name: str, **fields: object) -> bytes:
+    """A HELLO body: JSON {name, **fields} (JSON-serialisable); no token."""
+    return json.dumps(dict(name=name, **fields)).encode()
+
+
+def _claimed(body: bytes) -> str:
+    try:
+        return f" (claimed to be {json.loads(body)['name']!r})"
+    except (ValueError, KeyError, TypeError):
+        return ""
+
+
+class Dialing:
+    """The dialer's side of one handshake: send `opening`, then feed the listener's bytes (read at
+    most need() at a time) until `feed` returns the HELLO frame to send."""
+
+    def __init__(self, token: str, body: bytes):
+        self.token, self.body, self.nonce, self.got = token, body, secrets.token_bytes(NONCE_BYTES), bytearray()
+        self.opening = MAGIC + self.nonce
+
+    def need(self) -> int:
+        return PROOF_BYTES - len(self.got)
+
+    def feed(self, data: bytes) -> bytes | None:
+        """The HELLO frame once the listener proved the token, None while its proof is incomplete;
+        HelloRefused when the proof is wrong."""
+        self.got += data
+        if len(self.got) < PROOF_BYTES:
+            return None
+        theirs, proof = bytes(self.got[:NONCE_BYTES]), bytes(self.got[NONCE_BYTES:PROOF_BYTES])
+        if not hmac.compare_digest(proof, _mac(self.token, LISTENER, theirs, self.nonce)):
+            raise HelloRefused("it did not prove the deployment token (a stranger's listener, or a different "
+                               "SHUTTLE_DEPLOYMENT_TOKEN)")
+        return LEN.pack(len(self.body)) + self.body + _mac(self.token, DIALER, theirs, self.nonce, self.body)
+
+
+class Listening:
+    """The listener's side of one handshake: feed the dialer's bytes (read at most need() at a
+    time); `feed` returns what to send back and, once complete and signed, the dialer's body."""
+
+    def __init__(self, token: str, max_body: int):
+        self.token, self.max_body, self.nonce = token, max_body, secrets.token_bytes(NONCE_BYTES)
+        self.theirs: bytes | None = None
+        self.got = bytearray()
+
+    def need(self) -> int:
+        if self.theirs is None:
+            return OPEN_BYTES - len(self.got)
+        if len(self.got) < LEN.size:
+            return LEN.size - len(self.got)
+        return LEN.size + LEN.unpack_from(self.got)[0] + MAC_BYTES - len(self.got)
+
+    def feed(self, data: bytes) -> tuple[bytes, bytes | None]:
+        """(bytes to send the dialer, its body or None); HelloRefused for a stranger."""
+        self.got += data
+        if self.theirs is None:
+            if not MAGIC.startswith(bytes(self.got[:len(MAGIC)])):
+                raise HelloRefused("not a Shuttle HELLO")
+            if len(self.got) < OPEN_BYTES:
+                return b"", None
+            self.theirs, self.got = bytes(self.got[len(MAGIC):OPEN_BYTES]), bytearray()
+            return self.nonce + _mac(self.token, LISTENER, self.nonce, self.theirs), None
+        if len(self.got) < LEN.size:
+            return b"", None
+        n = LEN.unpack_from(self.got)[0]
+        if n > self.max_body:
+            raise HelloRefused(f"HELLO of {n} bytes")
+        if len(self.got) < LEN.size + n + MAC_BYTES:
+            return b"", None
+        body, mac = bytes(self.got[LEN.size:LEN.size + n]), bytes(self.got[LEN.size + n:LEN.size + n + MAC_BYTES])
+        if not hmac.compare_digest(mac, _mac(self.token, DIALER, self.nonce, self.theirs, body)):
+            raise HelloRefused(f"wrong deployment token{_claimed(body)}")
+        return b"", body
+
+
+def dial_hello(sock: socket.socket, token: str, body: bytes, timeout: float) -> None:
+    """The dialer's side on a connected blocking socket (the control plane); HelloRefused when the
+    listener does not prove the token, OSError (socket.timeout) past `timeout` seconds."""
+    deadline, d = time.monotonic() + timeout, Dialing(token, body)
+    sock.settimeout(timeout)
+    sock.sendall(d.opening)
+    hello = None
+    while hello is None:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        data = sock.recv(d.need())
+        if not data:
+            raise HelloRefused("the listener closed the connection before proving the deployment token")
+        hello = d.feed(data)
+    sock.sendall(hello)
+    sock.settimeout(None)
+
+
+def accept_hello(sock: socket.socket, token: str, max_body: int, timeout: float) -> bytes:
+    """The listener's side on an accepted blocking socket (the control plane): the dialer's body;
+    HelloRefused for a stranger, OSError (socket.timeout) past `timeout` seconds."""
+    deadline, lst = time.monotonic() + timeout, Listening(token, max_body)
+    while True:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        data = sock.recv(lst.need())
+        if not data:
+            raise HelloRefused("closed before HELLO")
+        reply, body = lst.feed(data)
+        if reply:
+            sock.sendall(reply)
+        if body is not None:
+            sock.settimeout(None)
+            return body
+
+
+# -- store records -----------------------------------------------------------------------------------
+def sign_record(token: str, key: str, info: dict) -> str:
+    """The store value for `info` under `key`, signed with the token."""
+    body = json.dumps(info)
+    return json.dumps({"body": body, "mac": _mac(token, RECORD, key.encode(), b"\0", body.encode()).hex()})
+
+
+def open_record(token: str, key: str, raw: bytes | str) -> dict | None:
+    """The info of a record signed with `token` under `key`; None, logged naming the key, otherwise."""
+    try:
+        outer = json.loads(raw)
+        body, mac = outer["body"], bytes.fromhex(outer["mac"])
+        if hmac.compare_digest(mac, _mac(token, RECORD, key.encode(), b"\0", body.encode())):
+            return json.loads(body)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        pass
+    log.warning("refused the store record %r: no valid MAC by the deployment token (forged, or written with "
+                "a different SHUTTLE_DEPLOYMENT_TOKEN)", key)
+    return None
+
+
+def publish_signed(store, session: str, me: str, what: str, info: dict, token: str) -> None:
+    key = store_key(session, me, what)
+    store.set(key, sign_record(token, key, info))
+
+
+def wait_signed(store, session: str, peers: Sequence[str], what: str, token: str,
+                deadline: float) -> dict[str, dict]:
+    """Wait until every peer published a validly signed `what`; returns peer -> its info. An invalid
+    record is logged once and waited past (its owner's write replaces it); TransportTimeout after
+    `deadline` names the peers missing and the keys refused. Polls: check() never blocks."""
+    keys = {p: store_key(session, p, what) for p in peers}
+    got: dict[str, dict] = {}
+    refused: dict[str, bytes] = {}
+    while True:
+        for p in peers:
+            if p in got or not store.check([keys[p]]):
+                continue
+            raw = store.get(keys[p])
+            if refused.get(p) != raw:
+                info = open_record(token, keys[p], raw)
+                if info is None:
+                    refused[p] = raw
+                else:
+                    got[p] = info
+        if len(got) == len(peers):
+            return got
+        if time.monotonic() >= deadline:
+            missing = [p for p in peers if p not in got]
+            bad = [keys[p] for p in missing if p in refused]
+            raise TransportTimeout(f"M2N connect: peers {missing} did not publish {what!r} in time"
+                                   + (f" (refused records without a valid MAC: {bad})" if bad else ""))
+        time.sleep(STORE_POLL_S)
+
+
+# -- M2N endpoints ---------------------------------------------------------------------------------
 def dial_peers(store, session: str, me: str, peers: Sequence[str], kind: str, listener: socket.socket, host: str,
-               num_slots: int, slot_bytes: int, hello: bytes, deadline: float) -> tuple[list[socket.socket], list[int]]:
-    """Publish this endpoint's listener (under `kind`), read every peer's, check that it agrees on the
-    slot geometry, connect to it and send `hello`. Returns the outbound sockets (non-blocking,
-    TCP_NODELAY) in peer order, and my index in each peer's own list of peers."""
+               num_slots: int, slot_bytes: int, token: str, deadline: float) -> tuple[list[socket.socket], list[int]]:
+    """Publish this endpoint's listener (under `kind`, signed), read every peer's, check that it
+    agrees on the slot geometry and connect to it. Returns the outbound sockets (non-blocking,
+    TCP_NODELAY, no byte sent yet: HelloGate.meet says HELLO) in peer order, and my index in each
+    peer's own list of peers."""
     info = dict(host=host, port=listener.getsockname()[1], num_slots=num_slots, slot_bytes=slot_bytes,
                 peers=list(peers))
-    publish(store, session, me, kind, info)
-    infos = wait_published(store, session, peers, kind, deadline)
+    publish_signed(store, session, me, kind, info, token)
+    infos = wait_signed(store, session, peers, kind, token, deadline)
     socks, positions = [], []
-    for p in peers:
-        positions.append(check_peer_info(me, p, infos[p], num_slots, slot_bytes))
-        try:
-            sock = socket.create_connection((infos[p]["host"], infos[p]["port"]),
-                                            timeout=max(0.1, deadline - time.monotonic()))
+    try:
+        for p in peers:
+            positions.append(check_peer_info(me, p, infos[p], num_slots, slot_bytes))
+            try:
+                sock = socket.create_connection((infos[p]["host"], infos[p]["port"]),
+                                                timeout=max(0.1, deadline - time.monotonic()))
+            except OSError as e:
+                raise TransportTimeout(f"M2N connect: cannot reach {p!r} at {infos[p]['host']}:{infos[p]['port']}: {e}")
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(hello)
-        except OSError as e:
-            raise TransportTimeout(f"M2N connect: cannot reach {p!r} at {infos[p]['host']}:{infos[p]['port']}: {e}")
-        sock.setblocking(False)
-        socks.append(sock)
+            sock.setblocking(False)
+            socks.append(sock)
+    except BaseException:
+        for s in socks:
+            s.close()
+        raise
     return socks, positions
 
 
 class Admitted:
-    """A peer that said HELLO with the right token: its socket (non-blocking), its HELLO fields and
-    the bytes that came after the HELLO in the same reads."""
+    """A peer whose HELLO carried a valid MAC: its socket (non-blocking) and its HELLO fields."""
 
-    def __init__(self, sock: socket.socket, pi: int, hello: dict, leftover: bytes):
-        self.sock, self.pi, self.hello, self.leftover = sock, pi, hello, leftover
+    def __init__(self, sock: socket.socket, pi: int, hello: dict):
+        self.sock, self.pi, self.hello = sock, pi, hello
 
 
 class HelloGate:
-    """Accept connections on `listener` until every one of `peers` said HELLO with `token`.
+    """Say HELLO on this endpoint's connections to `peers` and accept theirs on `listener`, both at
+    once (each side waits for the other's proof, so neither may block on one direction).
 
     me/session name this endpoint in logs; max_hello: the largest HELLO body accepted (bytes)."""
 
@@ -70,21 +263,37 @@ class HelloGate:
         self.listener, self.me, self.session, self.peers = listener, me, session, list(peers)
         self.index = {p: i for i, p in enumerate(self.peers)}
         self.geometry, self.token, self.max_hello = (num_slots, slot_bytes), token, max_hello
-        self.pending: dict[socket.socket, tuple[bytearray, str, float]] = {}
+        self.pending: dict[socket.socket, tuple[Listening, str, float]] = {}  # inbound, not admitted yet
+        self.sending: dict[socket.socket, bytearray] = {}  # bytes not sent yet, either direction
+        self.outs: dict[socket.socket, int] = {}            # my connections -> peer index
+        self.dialing: dict[socket.socket, Dialing] = {}     # mine still waiting for the peer's proof
 
-    def accept_all(self, deadline: float) -> dict[int, Admitted]:
-        """Peer index -> Admitted, once all peers are in; TransportTimeout after `deadline`
-        (time.monotonic) naming the missing ones."""
+    def meet(self, outs: Sequence[socket.socket], body: bytes, deadline: float,
+             said: Callable[[int, socket.socket], None] = lambda pi, s: None) -> dict[int, Admitted]:
+        """Say HELLO with `body` on `outs` (one connected socket per peer, in peer order; said(pi, sock)
+        once ours to peer pi is sent whole) and admit every peer's; returns peer index -> Admitted.
+        HelloRefused when a peer's listener does not prove the token; TransportTimeout after
+        `deadline` (time.monotonic) naming the peers missing."""
+        self.outs = {s: pi for pi, s in enumerate(outs)}
+        self.dialing = {s: Dialing(self.token, body) for s in outs}
+        self.sending.update((s, bytearray(d.opening)) for s, d in self.dialing.items())
         got: dict[int, Admitted] = {}
         try:
-            while len(got) < len(self.peers):
+            while len(got) < len(self.peers) or self.dialing or any(s in self.sending for s in outs):
                 if time.monotonic() >= deadline:
-                    missing = [p for pi, p in enumerate(self.peers) if pi not in got]
-                    raise TransportTimeout(f"M2N connect: peers {missing} did not connect to {self.me!r} in time")
-                for s in select.select([self.listener, *self.pending], [], [], 0.05)[0]:
+                    missing = [p for pi, p in enumerate(self.peers)
+                               if pi not in got or outs[pi] in self.dialing or outs[pi] in self.sending]
+                    raise TransportTimeout(f"M2N connect: peers {missing} did not complete HELLO with {self.me!r} "
+                                           "in time")
+                r, w, _ = select.select([self.listener, *self.pending, *self.dialing], list(self.sending), [], 0.05)
+                for s in w:
+                    self._send(s, said)
+                for s in r:
                     if s is self.listener:
                         self._accept()
-                    elif (a := self._read(s, got)) is not None:
+                    elif s in self.dialing:
+                        self._dial_read(s)
+                    elif s in self.pending and (a := self._read(s, got)) is not None:
                         got[a.pi] = a
                 for s, (_, addr, until) in list(self.pending.items()):
                     if time.monotonic() > until:
@@ -97,7 +306,49 @@ class HelloGate:
             for s in self.pending:
                 s.close()
             self.pending.clear()
+            self.sending.clear()
         return got
+
+    def _send(self, s: socket.socket, said: Callable[[int, socket.socket], None]) -> None:
+        buf = self.sending[s]
+        try:
+            del buf[:s.send(buf)]
+        except BlockingIOError:
+            return
+        except OSError as e:
+            if s in self.pending:
+                return self._refuse(s, self.pending[s][1], f"connection failed during HELLO: {e}")
+            raise self._dial_error(s, f"sending failed: {e}") from None
+        if not buf:
+            del self.sending[s]
+            if s in self.outs and s not in self.dialing:
+                said(self.outs[s], s)
+
+    def _dial_read(self, s: socket.socket) -> None:
+        d = self.dialing[s]
+        try:
+            data = s.recv(d.need())
+        except BlockingIOError:
+            return
+        except OSError as e:
+            raise self._dial_error(s, f"connection failed: {e}") from None
+        if not data:
+            raise self._dial_error(s, "it closed the connection before proving the deployment token")
+        try:
+            hello = d.feed(data)
+        except HelloRefused as e:
+            raise self._dial_error(s, str(e)) from None
+        if hello is not None:
+            del self.dialing[s]
+            self.sending.setdefault(s, bytearray()).extend(hello)
+
+    def _dial_error(self, s: socket.socket, why: str) -> HelloRefused:
+        try:
+            where = "%s:%s" % s.getpeername()[:2]
+        except OSError:
+            where = "?"
+        return HelloRefused(f"M2N connect of {self.me!r} (session {self.session}): peer "
+                            f"{self.peers[self.outs[s]]!r} at {where}: {why}")
 
     def _accept(self) -> None:
         try:
@@ -105,35 +356,32 @@ class HelloGate:
         except BlockingIOError:
             return
         c.setblocking(False)
-        self.pending[c] = (bytearray(), f"{addr[0]}:{addr[1]}", time.monotonic() + HELLO_WAIT_S)
+        self.pending[c] = (Listening(self.token, self.max_hello), f"{addr[0]}:{addr[1]}",
+                           time.monotonic() + HELLO_WAIT_S)
 
     def _read(self, s: socket.socket, got: dict) -> Admitted | None:
-        buf, addr, _ = self.pending[s]
+        lst, addr, _ = self.pending[s]
         try:
-            data = s.recv(self.max_hello + LEN.size)
+            data = s.recv(lst.need())
         except BlockingIOError:
             return None
         except OSError as e:
             return self._refuse(s, addr, f"connection failed before HELLO: {e}")
         if not data:
             return self._refuse(s, addr, "closed before HELLO")
-        buf += data
-        if len(buf) < LEN.size:
-            return None
-        hlen = LEN.unpack_from(buf)[0]
-        if hlen > self.max_hello:
-            return self._refuse(s, addr, f"HELLO of {hlen} bytes")
-        if len(buf) < LEN.size + hlen:
+        try:
+            reply, body = lst.feed(data)
+        except HelloRefused as e:
+            return self._refuse(s, addr, str(e))
+        if reply:
+            self.sending.setdefault(s, bytearray()).extend(reply)
+        if body is None:
             return None
         try:
-            h = json.loads(bytes(buf[LEN.size: LEN.size + hlen]))
-            name, num_slots, slot_bytes, token = h["name"], h["num_slots"], h["slot_bytes"], h.get("token")
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            h = json.loads(body)
+            name, num_slots, slot_bytes = h["name"], h["num_slots"], h["slot_bytes"]
+        except (ValueError, KeyError, TypeError) as e:
             return self._refuse(s, addr, f"malformed HELLO: {type(e).__name__}: {e}")
-        if not isinstance(token, str):
-            return self._refuse(s, addr, f"missing deployment token (claimed to be {name!r})")
-        if not hmac.compare_digest(token.encode(), self.token.encode()):
-            return self._refuse(s, addr, f"wrong deployment token (claimed to be {name!r})")
         pi = self.index.get(name) if isinstance(name, str) else None
         if pi is None:
             why = f"{name!r} is not a peer of {self.me!r}"
@@ -146,10 +394,11 @@ class HelloGate:
             self._refuse(s, addr, why)
             raise ValueError(f"M2N connect of {self.me!r}: {why}")
         del self.pending[s]
-        return Admitted(s, pi, h, bytes(buf[LEN.size + hlen:]))
+        return Admitted(s, pi, h)
 
     def _refuse(self, s: socket.socket, addr: str, why: str) -> None:
         log.warning("M2N endpoint %r (session %s) refused a connection from %s: %s", self.me, self.session, addr, why)
         del self.pending[s]
+        self.sending.pop(s, None)
         s.close()
         return None

@@ -12,11 +12,13 @@ Credits and heartbeats are notifications too (RELEASE slot seq, HEARTBEAT); any 
 counts as a sign of life.
 
 Metadata exchange (who may write where): each endpoint listens on a tcp port (published in the
-store) and connects to every peer with a HELLO carrying the deployment token, its NIXL agent
-metadata and its receive region's address (_hello.HelloGate). A peer's metadata is loaded only
-from a HELLO with the right token; a stranger is refused and logged with its address. The HELLO
-connections stay open and carry nothing else: a killed process's kernel closes them, so its
-peers see it dead at once, without waiting dead_after_s.
+store, signed with the deployment token) and connects to every peer with _hello.py's
+challenge-response HELLO, whose body carries its NIXL agent metadata and its receive region's
+address: the token is proven, never sent; the dialer sends its metadata only after the listener
+proved the token, and a peer's metadata is loaded only from a HELLO with a valid MAC (a stranger
+is refused and logged with its address). The HELLO connections stay open and carry nothing else
+after the handshake: a killed process's kernel closes them, so its peers see it dead at once,
+without waiting dead_after_s.
 
 Waiting: NIXL's Python API gives no file descriptor to block on, and UCX over tcp only applies an
 incoming write while the target progresses its worker. So a wait polls (get_new_notifs progresses
@@ -45,9 +47,8 @@ from typing import Callable, TypeVar
 import numpy as np
 import torch
 
-from m2n_comm._common import (HEADER_WORDS, EndpointBase, TensorDesc, copy_payload, header_words, publish,
-                              wait_published)
-from m2n_comm._hello import HelloGate, dial_peers, hello_frame
+from m2n_comm._common import HEADER_WORDS, EndpointBase, TensorDesc, copy_payload, header_words
+from m2n_comm._hello import HelloGate, dial_peers, hello_body, publish_signed, wait_signed
 from m2n_comm.transport import SLOT_HEADER_BYTES, MessageMeta, PeerDeadError, TransportConfig, TransportTimeout
 
 T = TypeVar("T")
@@ -77,9 +78,10 @@ def import_nixl():
 
 class NixlEndpoint(EndpointBase):
     """One process's end of the nixl links to `peers`: registered receive and staging slots, a NIXL
-    agent named "<session>/<me>" with a UCX backend, metadata exchanged over token-checked HELLO
-    connections (their addresses published via `store`, keys under `session`); returns once every
-    peer's metadata is loaded here and ours there (TransportTimeout after connect_timeout_s)."""
+    agent named "<session>/<me>" with a UCX backend, metadata exchanged over HELLO connections
+    (_hello.py: both sides prove the token; their addresses published via `store`, keys under
+    `session`); returns once every peer's metadata is loaded here and ours there (TransportTimeout
+    after connect_timeout_s)."""
 
     def __init__(self, cfg: TransportConfig, store, session: str, me: str, peers: list[str], num_slots: int):
         super().__init__(cfg, session, me, peers, num_slots)
@@ -138,37 +140,35 @@ class NixlEndpoint(EndpointBase):
         deadline = time.monotonic() + self.cfg.connect_timeout_s
         self._listener = socket.create_server((self.cfg.host, 0), backlog=max(16, 2 * len(self.peers)))
         self._listener.setblocking(False)
-        hello = hello_frame(self.me, self.num_slots, self.slot_bytes, self.cfg.token, rx=self._rx.data_ptr(),
-                            metadata=base64.b64encode(self._agent.get_agent_metadata()).decode())
         socks, positions = dial_peers(store, self.session, self.me, self.peers, "nixl", self._listener, self.cfg.host,
-                                      self.num_slots, self.slot_bytes, hello, deadline)
+                                      self.num_slots, self.slot_bytes, self.cfg.token, deadline)
         self._out.extend(socks)
         for p, me_there in zip(self.peers, positions):
             self._remote_base[self._index[p]] = me_there * self.num_slots
         gate = HelloGate(self._listener, self.me, self.session, self.peers, self.num_slots, self.slot_bytes,
                          self.cfg.token, MAX_HELLO)
-        admitted = gate.accept_all(deadline)
+        body = hello_body(self.me, num_slots=self.num_slots, slot_bytes=self.slot_bytes, rx=self._rx.data_ptr(),
+                          metadata=base64.b64encode(self._agent.get_agent_metadata()).decode())
+        admitted = gate.meet(socks, body, deadline)
         self._in = [admitted[pi].sock for pi in range(len(self.peers))]
         self._listener.close()
         self._listener = None
         for pi, a in sorted(admitted.items()):
-            self._load_peer(pi, a.hello, a.leftover)
-        publish(store, self.session, self.me, "nixl-loaded", {})
-        wait_published(store, self.session, self.peers, "nixl-loaded", deadline)
+            self._load_peer(pi, a.hello)
+        publish_signed(store, self.session, self.me, "nixl-loaded", {}, self.cfg.token)
+        wait_signed(store, self.session, self.peers, "nixl-loaded", self.cfg.token, deadline)
         now = time.monotonic()
         self._heard = [now] * len(self.peers)
         self._heart = threading.Thread(target=self._beat, name=f"m2n-nixl-heartbeat-{self.me}", daemon=True)
         self._heart.start()
 
-    def _load_peer(self, pi: int, hello: dict, leftover: bytes) -> None:
-        """Load a token-checked peer's NIXL metadata; it must name the agent we expect."""
+    def _load_peer(self, pi: int, hello: dict) -> None:
+        """Load an admitted peer's NIXL metadata; it must name the agent we expect."""
         peer = self.peers[pi]
         try:
             md, rx = base64.b64decode(hello["metadata"], validate=True), int(hello["rx"])
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"M2N peer {peer!r}: HELLO without valid NIXL metadata ({type(e).__name__}: {e})")
-        if leftover:
-            raise ValueError(f"M2N peer {peer!r} sent {len(leftover)} bytes after its HELLO")
         name = self._agent.add_remote_agent(md)
         name = name.decode() if isinstance(name, bytes) else name
         if name != self._agents[pi]:

@@ -1,14 +1,19 @@
 """The tcp backend of the M2N slot transport: any hosts, same slots and credits as shm.
 
 Connections: one TCP connection per direction. Each endpoint listens on cfg.host (ephemeral port,
-published in the store) and connects to every peer; its outgoing connection carries everything it
-writes to that peer (DATA, RELEASE for the peer's messages, HEARTBEAT) and nothing comes back on it.
-The first frame on a connection is HELLO; a HELLO without the deployment's token (cfg.token) is
-refused and logged with the address it came from, so a stranger who reaches the port can neither
-join nor inject anything. The listener closes once every peer is in.
+published in the store in a record signed with the deployment token, cfg.token) and connects to
+every peer; its outgoing connection carries everything it writes to that peer (DATA, RELEASE for
+the peer's messages, HEARTBEAT) and, after the handshake, nothing comes back on it. Every
+connection starts with _hello.py's challenge-response HELLO: both sides prove the token without
+sending it, the dialer checks the listener's proof before it sends its HELLO body, and a dialer
+without a valid MAC is refused and logged with its address, so a stranger who reaches the port (or
+publishes a fake endpoint) can neither join nor inject anything. The listener closes once every
+peer is in.
 
 Frames (little-endian, fixed layout: no serializer on the hot path):
-    HELLO     u32 length + JSON {name, num_slots, slot_bytes, token}      first frame only
+    OPEN      b"shuttle\x01", 16-byte nonce                 dialer -> listener, first (_hello.py)
+    PROOF     16-byte nonce, 32-byte HMAC-SHA256           listener -> dialer: the only bytes that come back
+    HELLO     u32 length, JSON {name, num_slots, slot_bytes}, 32-byte HMAC-SHA256     dialer -> listener
     DATA      u32 type, u32 slot, i64 seq, HEADER_WORDS i64 header words (_common.header_words),
               then the payload (tensors at payload_offsets, zero padding between: the shm layout)
     RELEASE   u32 type, u32 slot, i64 seq            receiver -> sender: slot free again (the credit;
@@ -42,7 +47,7 @@ from typing import Callable, TypeVar
 import torch
 
 from m2n_comm._common import HEADER_WORDS, EndpointBase, TensorDesc, header_words, parse_words, tensor_bytes
-from m2n_comm._hello import HelloGate, dial_peers, hello_frame
+from m2n_comm._hello import HelloGate, dial_peers, hello_body
 from m2n_comm.transport import MessageMeta, PeerDeadError, TransportConfig, TransportTimeout
 
 T = TypeVar("T")
@@ -61,11 +66,10 @@ class _Conn:
 
     __slots__ = ("sock", "pi", "buf", "start", "end", "target", "filled", "key", "entry", "open")
 
-    def __init__(self, sock: socket.socket, pi: int, leftover: bytes):
+    def __init__(self, sock: socket.socket, pi: int):
         self.sock, self.pi, self.open = sock, pi, True
         self.buf = memoryview(bytearray(SCRATCH_BYTES))
-        self.buf[:len(leftover)] = leftover
-        self.start, self.end = 0, len(leftover)
+        self.start = self.end = 0
         self.target: memoryview | None = None  # the payload being received straight into its slot
         self.filled = self.key = 0
         self.entry: tuple = ()
@@ -128,22 +132,25 @@ class TcpEndpoint(EndpointBase):
         deadline = time.monotonic() + self.cfg.connect_timeout_s
         self._listener = socket.create_server((self.cfg.host, 0), backlog=max(16, 2 * len(self.peers)))
         self._listener.setblocking(False)
-        hello = hello_frame(self.me, self.num_slots, self.slot_bytes, self.cfg.token)
-        self._out[:], _ = dial_peers(store, self.session, self.me, self.peers, "tcp", self._listener, self.cfg.host,
-                                     self.num_slots, self.slot_bytes, hello, deadline)
-        self._accept_peers(deadline)
-        self._listener.close()
-        self._listener = None
-
-    def _accept_peers(self, deadline: float) -> None:
-        """Accept connections until every peer said HELLO with the deployment's token (_hello.HelloGate:
-        strangers are logged and dropped without stopping us)."""
+        outs, _ = dial_peers(store, self.session, self.me, self.peers, "tcp", self._listener, self.cfg.host,
+                             self.num_slots, self.slot_bytes, self.cfg.token, deadline)
+        # _hello.HelloGate: strangers are logged and dropped without stopping us. A connection joins
+        # _out (and the heartbeats) once our HELLO on it is sent whole.
         gate = HelloGate(self._listener, self.me, self.session, self.peers, self.num_slots, self.slot_bytes,
                          self.cfg.token, MAX_HELLO)
-        for pi, a in sorted(gate.accept_all(deadline).items()):
-            self._conns.append(_Conn(a.sock, pi, a.leftover))
+        try:
+            admitted = gate.meet(outs, hello_body(self.me, num_slots=self.num_slots, slot_bytes=self.slot_bytes),
+                                 deadline, said=self._out.__setitem__)
+        except BaseException:
+            for s in outs:
+                s.close()
+            raise
+        for pi, a in sorted(admitted.items()):
+            self._conns.append(_Conn(a.sock, pi))
             self._poller.register(a.sock, select.POLLIN)
             self._heard[pi] = time.monotonic()
+        self._listener.close()
+        self._listener = None
 
     # -- reading (progress) -------------------------------------------------------------------------
     def _progress(self) -> None:

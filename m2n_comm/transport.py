@@ -152,8 +152,9 @@ class TransportConfig:
     # on 2 cores, adaptive was 0.5x to 2x of fixed's round time (bench/m2n.py shm:adaptive): no
     # clear win, so fixed stays the default until a quiet machine says otherwise.
     spin_policy: str = "fixed"
-    # The deployment's shared secret: a tcp peer must present it in its HELLO (PoolEngine makes one per
-    # deployment and hands it to every worker). "" only for endpoints opened by hand (tests, benches).
+    # The deployment's shared secret: tcp and nixl peers prove it in their HELLO and sign their store
+    # records with it (_hello.py); it never crosses the wire. PoolEngine hands it to every worker.
+    # "" only for endpoints opened by hand (tests, benches).
     token: str = field(default="", repr=False)
     # nixl: NIXL's UCX backend setting ucx_error_handling_mode. "none" (default) lets UCX use shared
     # memory between processes on one host (its shm transports have no peer-failure handler; our

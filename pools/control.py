@@ -1,6 +1,6 @@
-"""The pools' control plane as the front sees it: the listener's gate (Hello with the deployment
-token), one reader thread per attention worker connection, and stopping the pools."""
-import hmac
+"""The pools' control plane as the front sees it: the listener's gate (the challenge-response HELLO
+of m2n_comm/_hello.py: the worker proves the deployment token, the front proves it back, the token
+never crosses the wire), one reader thread per attention worker connection, and stopping the pools."""
 import logging
 import queue
 import socket
@@ -9,46 +9,28 @@ import time
 from torch.distributed import TCPStore
 
 from attention_nodes import messages as wire
+from m2n_comm._hello import HelloRefused, accept_hello
 
 log = logging.getLogger("shuttle")
 
-HELLO_TIMEOUT_S = 5.0  # a connection that does not say Hello within this is dropped
+HELLO_TIMEOUT_S = 5.0  # a connection that does not complete its HELLO within this is dropped
+MAX_HELLO = 4096       # bytes of a control HELLO body ({name})
 
 
 def admitted(conn: socket.socket, addr: tuple, token: str) -> bool:
-    """Read a new control connection's first message: Hello with the deployment token, or the
-    connection is closed and the attempt logged (a stranger must not inject requests or results)."""
-    conn.settimeout(HELLO_TIMEOUT_S)
-    why = None
+    """Run the listener's side of the HELLO on a new control connection: True once the worker
+    proved the token; otherwise the connection is closed and the attempt logged with its address (a
+    stranger must not inject requests or results)."""
     try:
-        head = _recv_exact(conn, 4)
-        n = int.from_bytes(head, "big")
-        if n > 4096:
-            why = f"first message of {n} bytes"
-        else:
-            msg = wire.decode(_recv_exact(conn, n))
-            if not isinstance(msg, wire.Hello):
-                why = f"{type(msg).__name__} before Hello (missing token)"
-            elif not isinstance(msg.token, str) or not hmac.compare_digest(msg.token.encode(), token.encode()):
-                why = "wrong deployment token"
-    except Exception as e:  # timeout, reset, garbage: all the same to us
-        why = f"no valid Hello: {type(e).__name__}: {e}"
-    if why is None:
-        conn.settimeout(None)
+        accept_hello(conn, token, MAX_HELLO, HELLO_TIMEOUT_S)
         return True
+    except HelloRefused as e:
+        why = str(e)
+    except OSError as e:  # timeout, reset
+        why = f"no valid HELLO: {type(e).__name__}: {e}"
     log.warning("control listener refused a connection from %s:%s: %s", addr[0], addr[1], why)
     conn.close()
     return False
-
-
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = conn.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    return buf
 
 
 def read_events(sock: socket.socket, conn: int, events: queue.Queue, stats: dict[int, dict]) -> None:

@@ -48,7 +48,7 @@ from models.config import ModelConfig
 from pools.control import admitted, read_events, shutdown_pools
 from pools.eplb import PlacementControl, read_expert_load
 from pools.launchers import check_installed, make_launcher
-from pools.roles import engine_config_to_json, split_addr
+from pools.roles import engine_config_to_json, front_token, publish_deployment, split_addr
 from pools.supervision import (MAIN_GUARD_EXIT, Supervision, Worker, WorkerFailedError, _Broken, _down, _Request,
                                _suspect)
 
@@ -59,9 +59,9 @@ START_TIMEOUT_S = 300.0  # loading big checkpoints takes a while; dead workers a
 class PoolEngine:
     """The Engine (attention_nodes/engine.py) over attention workers in other processes.
     rendezvous: "HOST:PORT" to wait for workers started elsewhere with --role; None spawns the
-    pools here (and supervises them). deployment_token: the token every worker must present (None:
-    a random one); with a rendezvous, a given token is kept off the store (the workers are given it
-    themselves: SHUTTLE_DEPLOYMENT_TOKEN), a random one is published there for them."""
+    pools here (and supervises them). deployment_token: the token every worker must prove (None: a
+    random one, logged with a rendezvous: roles.front_token). It never enters the store: --role
+    workers are given it themselves (SHUTTLE_DEPLOYMENT_TOKEN)."""
 
     def __init__(self, cfg: EngineConfig, eos_token_ids: set[int], rendezvous: str | None = None,
                  deployment_token: str | None = None):
@@ -90,13 +90,12 @@ class PoolEngine:
         self._store = TCPStore(host, port, is_master=True, wait_for_workers=False)
         self._listener = socket.create_server((host, 0))
         dtype = cfg.dtype or self.model_cfg.dtype
-        # The deployment token: every worker gets it (spawn args, the rendezvous store, or its own
-        # SHUTTLE_DEPLOYMENT_TOKEN) and the control listener, the tcp data plane and the nixl metadata
-        # exchange refuse peers without it.
-        self._token_off_store = deployment_token is not None
+        # The deployment token: every worker gets it (spawn args, a Ray actor's spec, or its own
+        # SHUTTLE_DEPLOYMENT_TOKEN), and the control listener, the tcp data plane and the nixl metadata
+        # exchange admit only peers that prove it (m2n_comm/_hello.py).
         self.transport = TransportConfig(par.transport, slot_bytes_for(
             self.model_cfg.hidden_size, self.model_cfg.top_k, dtype, cfg.scheduler.max_num_batched_tokens), host=host,
-            token=deployment_token or secrets.token_hex(16))
+            token=front_token(deployment_token, rendezvous))
         self.epoch = 0  # of the data plane; every restart opens the next one
         self._ready = False  # a step can run: every worker is up and joined the current epoch
         self._procs: list[mp.process.BaseProcess] = []
@@ -187,18 +186,14 @@ class PoolEngine:
         return launch(str(worker), "attention", run_attention_worker, spec)
 
     def _publish(self, rendezvous: str) -> None:
-        """For workers on other hosts: the deployment, as JSON, under a well-known key."""
+        """For workers on other hosts: the deployment, as JSON, under a well-known key, signed with
+        the token and without it (the store has no authentication)."""
         transport = asdict(self.transport)
-        if self._token_off_store:  # the store has no authentication: whoever reaches it could read it
-            transport["token"] = ""
-        else:
-            log.warning("the deployment token is published in the rendezvous store, which anyone who reaches "
-                        "its port can read; set SHUTTLE_DEPLOYMENT_TOKEN on the front and on every --role "
-                        "worker to keep it off the store")
+        del transport["token"]
         spec = {"engine": engine_config_to_json(self.cfg), "eos": sorted(self.eos_token_ids),
-                "placement": self.placement.to_json(), "transport": transport, "token_off_store":
-                self._token_off_store, "control": list(self._listener.getsockname()[:2]), "session": self.session}
-        self._store.set("shuttle/deployment", json.dumps(spec))
+                "placement": self.placement.to_json(), "transport": transport,
+                "control": list(self._listener.getsockname()[:2]), "session": self.session}
+        publish_deployment(self._store, spec, self.transport.token)
         log.info("waiting for %d attention and %d expert workers: start them with `shuttle serve --role "
                  "attention|expert --rendezvous %s`", self.cfg.parallel.attention_workers,
                  self.cfg.parallel.expert_workers, rendezvous)

@@ -1,10 +1,13 @@
 """Workers of a deployment started on other hosts (`shuttle serve --role attention|expert
 --rendezvous HOST:PORT`): read the deployment the front published in the TCPStore, take the next
-rank of the role, serve. Also the deployment's JSON form (EngineConfig <-> dict).
+rank of the role, serve. Also the deployment's JSON form (EngineConfig <-> dict) and its record.
+
+The store has no authentication, so it holds nothing secret: the deployment record is signed with
+the deployment token (m2n_comm/_hello.py, sign_record) and holds no token; every --role worker
+brings the token itself (SHUTTLE_DEPLOYMENT_TOKEN) and refuses a record it cannot verify.
 """
-import hmac
-import json
 import logging
+import secrets
 import socket
 import time
 from dataclasses import asdict
@@ -15,6 +18,7 @@ from torch.distributed import DistError, TCPStore
 from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from attention_nodes.worker import AttentionWorkerSpec, run_attention_worker
 from expert_nodes.worker import ExpertWorkerSpec, run_expert_worker
+from m2n_comm._hello import open_record, sign_record
 from m2n_comm.placement import ExpertPlacement
 from m2n_comm.transport import TransportConfig
 from models.config import DTYPES
@@ -22,6 +26,7 @@ from models.config import DTYPES
 log = logging.getLogger("shuttle")
 FRONT_WAIT_S = 600.0  # how long a --role worker waits for its front (its store, then its deployment)
 MAX_RETRY_S = 30.0    # the longest pause between two tries
+DEPLOYMENT_KEY = "shuttle/deployment"
 
 
 def split_addr(addr: str) -> tuple[str, int]:
@@ -49,11 +54,15 @@ def run_role(role: str, rendezvous: str, host: str | None = None, torch_threads:
     """Run one worker of a deployment whose front waits at `rendezvous` (HOST:PORT): read the
     deployment from the store, take the next rank of `role` ("attention" or "expert"), serve.
     host: this machine's address for the tcp transport (default: the one that reaches the store).
-    token: the deployment token (SHUTTLE_DEPLOYMENT_TOKEN), needed when the front keeps it off the store."""
+    token: the deployment token (SHUTTLE_DEPLOYMENT_TOKEN); ValueError without it, before anything
+    is read, and when the published deployment is not signed with it."""
+    if not token:
+        raise ValueError(f"set SHUTTLE_DEPLOYMENT_TOKEN on this worker to the deployment token of the front at "
+                         f"{rendezvous} (the rendezvous store never holds it; a front started without one "
+                         f"logged the line to export)")
     store_host, port = split_addr(rendezvous)
     store = wait_for_front(rendezvous, FRONT_WAIT_S)
-    d = json.loads(store.get("shuttle/deployment"))
-    token = deployment_token(d, rendezvous, token)
+    d = read_deployment(store, token, rendezvous)
     cfg = engine_config_from_json(d["engine"])
     transport = TransportConfig(**{**d["transport"], "host": host or _local_address(store_host, port),
                                    "token": token})
@@ -86,7 +95,7 @@ def wait_for_front(rendezvous: str, wait_s: float, first_retry_s: float = 1.0) -
             if store is None:
                 store = TCPStore(host, port, is_master=False, wait_for_workers=False,
                                  timeout=timedelta(seconds=max(1.0, min(pause, MAX_RETRY_S))))
-            if store.check(["shuttle/deployment"]):
+            if store.check([DEPLOYMENT_KEY]):
                 return store
             what, why = "its front to publish the deployment", " (the front is still starting)"
         except DistError as e:
@@ -100,20 +109,33 @@ def wait_for_front(rendezvous: str, wait_s: float, first_retry_s: float = 1.0) -
         pause = min(2 * pause, MAX_RETRY_S)
 
 
-def deployment_token(deployment: dict, rendezvous: str, token: str | None) -> str:
-    """The token this worker presents: its own (SHUTTLE_DEPLOYMENT_TOKEN) or the published one.
-    ValueError, before the worker takes a rank, when the front kept it off the store and none was
-    given, or when the given one is not the published one."""
-    published = deployment["transport"]["token"]
-    if deployment.get("token_off_store"):
-        if not token:
-            raise ValueError(f"the front at {rendezvous} keeps the deployment token off the rendezvous store: "
-                             f"set SHUTTLE_DEPLOYMENT_TOKEN on this worker to the front's")
-        return token
-    if token and not hmac.compare_digest(token.encode(), published.encode()):
-        raise ValueError(f"SHUTTLE_DEPLOYMENT_TOKEN is not the token of the deployment at {rendezvous} (the front "
-                         f"was started without it: set it there too)")
-    return published
+def front_token(given: str | None, rendezvous: str | None) -> str:
+    """The front's deployment token: `given` (SHUTTLE_DEPLOYMENT_TOKEN), or 128 random bits. With a
+    rendezvous, on a loopback address or not, a generated token is logged once with the line that
+    gives it to the --role workers (the front does not refuse to start without one)."""
+    if given is not None:
+        return given
+    token = secrets.token_hex(16)
+    if rendezvous:
+        log.warning("no SHUTTLE_DEPLOYMENT_TOKEN given: this front generated the deployment token (it is never "
+                    "written to the rendezvous store); start every --role worker of %s with: "
+                    "export SHUTTLE_DEPLOYMENT_TOKEN=%s", rendezvous, token)
+    return token
+
+
+def publish_deployment(store: TCPStore, spec: dict, token: str) -> None:
+    """Publish the deployment (JSON, no token in it) for --role workers, signed with the token."""
+    store.set(DEPLOYMENT_KEY, sign_record(token, DEPLOYMENT_KEY, spec))
+
+
+def read_deployment(store: TCPStore, token: str, rendezvous: str) -> dict:
+    """The published deployment, verified with the token; ValueError when it is not signed with it."""
+    d = open_record(token, DEPLOYMENT_KEY, store.get(DEPLOYMENT_KEY))
+    if d is None:
+        raise ValueError(f"the deployment at {rendezvous} ({DEPLOYMENT_KEY!r}) is not signed with this worker's "
+                         f"SHUTTLE_DEPLOYMENT_TOKEN: refused (the front has a different token, or someone who "
+                         f"reached the store wrote it)")
+    return d
 
 
 def _local_address(host: str, port: int) -> str:

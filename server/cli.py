@@ -16,8 +16,9 @@ disaggregated worker pools on this host (1 attention and 1 expert worker unless 
 --colocated runs the experts in-process), or, with --rendezvous, in front of workers started on
 other hosts with `shuttle serve --role ...`. `shuttle generate` runs everything in one process
 unless a pool flag is given. The API key may also come from the SHUTTLE_API_KEY variable.
-SHUTTLE_DEPLOYMENT_TOKEN (front and --role workers alike) is the deployment token the pools' listeners
-demand; set, it is kept off the rendezvous store (which has no authentication).
+SHUTTLE_DEPLOYMENT_TOKEN (front and --role workers alike) is the deployment token the pools prove to
+each other (never sent, never in the rendezvous store); a --role worker needs it, and a front with
+--rendezvous started without it generates one and logs the line to export on the workers.
 """
 import argparse
 import json

@@ -116,9 +116,9 @@ class LLM:
     process; colocated=False starts attention and expert worker pools (pools/engine.py), or meets
     pools started elsewhere when rendezvous="HOST:PORT" is given. plan: a plan file from `shuttle
     plan` choosing the deployment (keyword arguments given here override it; a plan this host
-    cannot run is refused with ValueError). deployment_token: the token every pool worker must present
-    (default: a random one; with a rendezvous, a given one is kept off the store and the --role
-    workers get it from SHUTTLE_DEPLOYMENT_TOKEN). Call shutdown() to stop them.
+    cannot run is refused with ValueError). deployment_token: the token every pool worker must prove
+    (default: a random one; it never crosses the wire nor enters the rendezvous store: --role workers
+    get it from SHUTTLE_DEPLOYMENT_TOKEN). Call shutdown() to stop them.
     """
 
     def __init__(self, model: str | Path | None = None, dtype: str | torch.dtype | None = "auto",

@@ -253,14 +253,17 @@ def test_host_staging_round_trip_on_cuda():
 @pytest.mark.slow
 def test_roles_meet_at_a_rendezvous(make_checkpoint, caplog):
     """The multi-host path on one host: the front waits at HOST:PORT, `shuttle serve --role` workers
-    join it over tcp (with the deployment token from their SHUTTLE_DEPLOYMENT_TOKEN: the front keeps
-    it off the store), and the output equals the colocated engine's. Two strangers who reach the
-    control listener first (wrong token; no Hello) are dropped and logged; the store shows no token,
-    and a worker started without it stops before it takes a rank, saying what to set."""
+    join it over tcp (with the deployment token from their SHUTTLE_DEPLOYMENT_TOKEN: the store never
+    holds it), and the output equals the colocated engine's. Two strangers who reach the control
+    listener first (a HELLO signed with the wrong token; a control message before any HELLO) are
+    dropped and logged; the store's deployment record holds no token, is refused with a wrong
+    token, and a worker started without one stops before it takes a rank, saying what to set."""
     import subprocess
     import sys
 
-    from pools.roles import run_role
+    from m2n_comm._hello import hello_body
+    from pools.roles import read_deployment, run_role
+    from tests.test_handshake import dial_raw
 
     ckpt = make_checkpoint("qwen2_moe")
     want = [o.outputs[0].token_ids for o in LLM(ckpt, num_kv_blocks=64).generate(PROMPTS[:3], PARAMS)]
@@ -272,13 +275,18 @@ def test_roles_meet_at_a_rendezvous(make_checkpoint, caplog):
 
     def start_workers():
         time.sleep(1.0)  # the front's store must be listening first
-        # Strangers reach the control listener before the real attention worker: refused.
         store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
-        published.update(json.loads(store.get("shuttle/deployment")))
+        published["raw"] = store.get("shuttle/deployment")
+        published.update(read_deployment(store, token["SHUTTLE_DEPLOYMENT_TOKEN"], "here"))
+        try:
+            read_deployment(store, "guess", "here")
+        except ValueError as e:
+            published["wrong token"] = str(e)
+        # Strangers reach the control listener before the real attention worker: refused.
         control = tuple(published["control"])
-        for msg in (wire.Hello("guess"), wire.Ready(0, 64)):
-            strangers.append(socket.create_connection(control))
-            strangers[-1].sendall(wire.encode(msg))
+        strangers.append(dial_raw(control, "guess", hello_body("a0"), sign_anyway=True))
+        strangers.append(socket.create_connection(control))
+        strangers[-1].sendall(wire.encode(wire.Ready(0, 64)))
         try:  # a worker without the token stops before it takes a rank
             run_role("expert", f"127.0.0.1:{port}")
         except ValueError as e:
@@ -305,50 +313,19 @@ def test_roles_meet_at_a_rendezvous(make_checkpoint, caplog):
         c.settimeout(10)
         assert c.recv(1) == b""  # closed by the front
         c.close()
-    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
-    assert any("wrong deployment token" in r for r in refused), refused
-    assert any("Ready before Hello (missing token)" in r for r in refused), refused
+    refused = [r.getMessage() for r in caplog.records if "control listener refused" in r.getMessage()]
+    assert any("wrong deployment token (claimed to be 'a0')" in r for r in refused), refused
+    assert any("not a Shuttle HELLO" in r for r in refused), refused
     assert got == want
-    assert published["token_off_store"] and published["transport"]["token"] == ""
-    assert token["SHUTTLE_DEPLOYMENT_TOKEN"] not in json.dumps(published)
-    assert "keeps the deployment token off the rendezvous store: set SHUTTLE_DEPLOYMENT_TOKEN" in \
-        published["tokenless worker"]
+    assert "token" not in published["transport"] and token["SHUTTLE_DEPLOYMENT_TOKEN"].encode() not in published["raw"]
+    assert "not signed with this worker's SHUTTLE_DEPLOYMENT_TOKEN" in published["wrong token"]
+    assert "set SHUTTLE_DEPLOYMENT_TOKEN on this worker" in published["tokenless worker"]
     assert codes == [0, 0, 0], [w.stderr.read().decode()[-2000:] for w in workers]
 
 
-def test_control_listener_admits_only_the_token():
-    """pools.control.admitted, the control listener's gate: Hello with the token passes; a
-    wrong token, a missing one (another message first), garbage and silence are refused."""
-    from pools import control as pool_control
-
-    pool_control.HELLO_TIMEOUT_S, saved = 0.5, pool_control.HELLO_TIMEOUT_S
-    try:
-        with socket.create_server(("127.0.0.1", 0)) as srv:
-            cases = [(wire.encode(wire.Hello("tok")), True), (wire.encode(wire.Hello("tik")), False),
-                     (wire.encode(wire.Ready(0, 1)), False), (b"\x00\x00\x00\x03abc", False), (b"", False)]
-            for data, want in cases:
-                with socket.create_connection(srv.getsockname()) as c:
-                    c.sendall(data)
-                    conn, addr = srv.accept()
-                    assert pool_control.admitted(conn, addr, "tok") is want, data
-                    conn.close()
-    finally:
-        pool_control.HELLO_TIMEOUT_S = saved
-
-
-def test_role_worker_token_from_store_or_environment():
-    """pools.roles.deployment_token: a published token is used (a different SHUTTLE_DEPLOYMENT_TOKEN
-    is refused); a token kept off the store must come from the worker's environment."""
-    from pools.roles import deployment_token
-
-    published = {"transport": {"token": "abc"}, "token_off_store": False}
-    assert deployment_token(published, "h:1", None) == "abc" == deployment_token(published, "h:1", "abc")
-    with pytest.raises(ValueError, match="SHUTTLE_DEPLOYMENT_TOKEN is not the token of the deployment at h:1"):
-        deployment_token(published, "h:1", "abd")
-    secret = {"transport": {"token": ""}, "token_off_store": True}
-    assert deployment_token(secret, "h:1", "s3") == "s3"
-    with pytest.raises(ValueError, match="h:1 keeps the deployment token off the rendezvous store: set SHUTTLE_DEPLOY"):
-        deployment_token(secret, "h:1", None)
+def test_pool_engine_refuses_an_empty_token():
+    """deployment_token (SHUTTLE_DEPLOYMENT_TOKEN), when given, must be a non-empty string; the HELLO
+    and the signed store records are tested in tests/test_handshake.py."""
     with pytest.raises(ValueError, match="must be a non-empty string"):
         PoolEngine(engine_cfg("no-such-model", ParallelConfig(False)), {0}, deployment_token=" ")
 
