@@ -13,9 +13,10 @@ attention|expert --rendezvous HOST:PORT` (pools/roles.py) and the front runs wit
 each worker takes the next rank.
 
 Supervision (spawned pools; pools/supervision.py): a worker that exits, fails, or goes silent is
-started again (a new epoch of the data plane; requests resumed from prompt + delivered tokens), or,
-when only expert workers failed and their experts all have copies on live expert workers, routed
-around (failover: no request resumed) and added back once restarted. Past `max_worker_restarts`
+started again in a new epoch of the data plane. When only expert workers failed the attention
+workers keep their requests and caches (with copies of their experts on live expert workers they are
+routed around meanwhile: failover); when an attention worker failed, requests are resumed from
+prompt + delivered tokens. Past `max_worker_restarts`
 within `restart_window_s`, or for workers started elsewhere, WorkerFailedError names it.
 """
 import itertools
@@ -354,7 +355,8 @@ class PoolEngine:
         layers = {} if load_LE is None else dict(zip(self.placement.moe_layers, load_LE.tolist()))
         return {**total, "expert_tokens": experts, "expert_layer_tokens": layers,
                 "expert_worker_tokens": {f"e{w}": n for w, n in enumerate(per_worker)}, "busy": busy,
-                "worker_restarts": self.supervision.num_restarts, **self.placements.stats()}
+                "worker_restarts": self.supervision.num_restarts,
+                "recomputed_tokens": self.supervision.recomputed_tokens, **self.placements.stats()}
 
     def _finished(self, request_id: str, index: int) -> None:
         r = self._requests.get(request_id)

@@ -1,9 +1,11 @@
 """Supervision of spawned worker pools, the front's side: notice a worker that exits, fails or
-goes silent, and either restart it (a new data-plane epoch; survivors drop their requests, which
-are resumed from prompt + delivered tokens) or, when only expert workers failed and every expert
-they held has a copy on a live expert worker, fail over: route around them from the next epoch
-(every request goes on where it was) and add them back once restarted. docs/architecture.md,
-"Supervision", has the whole story.
+goes silent, and restart it in a new data-plane epoch. When only expert workers failed, the
+attention workers keep their requests and KV caches: with a copy of every expert they held on a live
+expert worker, fail over (route around them from the next epoch, add them back once restarted);
+without, restart them and go on where the step broke (it is computed again, nothing else). When an
+attention worker failed, survivors drop their requests, which are resumed from prompt + delivered
+tokens (`recomputed_tokens` counts what is prefilled again). docs/architecture.md, "Supervision",
+has the whole story.
 
 A PoolEngine holds one Supervision (`engine.supervision`), which keeps the restart budget and the
 failover state and drives the engine's pools through `Pools` below.
@@ -134,6 +136,7 @@ class Supervision:
         # they were started for); None otherwise.
         self.degraded: tuple[ExpertPlacement, set[Worker], int] | None = None
         self.next_add_back = 0.0
+        self.recomputed_tokens = 0  # prompt + delivered tokens of resumed requests (sent to be prefilled again)
 
     # -- failures ----------------------------------------------------------------------------------
     def check_procs(self, wait: float = 0.0) -> None:
@@ -200,6 +203,8 @@ class Supervision:
             try:
                 if self._can_fail_over(suspects):
                     return self._fail_over(suspects, b.why)
+                if self._experts_only(suspects):
+                    return self._restart_experts(suspects, b.why)
                 self._restart(suspects, b.why)
                 return self._resume()
             except _Broken as again:
@@ -271,6 +276,33 @@ class Supervision:
             if Worker.named(p.name) in suspects:
                 p.start()
         self.pools._await_ready(set(range(self.pools.cfg.parallel.attention_workers)), RESTART_TIMEOUT_S)
+
+    def _experts_only(self, suspects: set[Worker]) -> bool:
+        """Only expert workers failed, and every worker routes with the placement in use (no
+        re-placement or failover under way): the attention workers can keep their requests."""
+        return (bool(suspects) and all(w.kind == "expert" for w in suspects) and self.degraded is None
+                and self.pools.placements.pending is None)
+
+    def _restart_experts(self, suspects: set[Worker], why: str) -> list[SequenceDelta]:
+        """Start the failed expert workers again for the next epoch, with the placement in use, and
+        switch the attention workers to it keeping their requests and KV caches: the step that broke
+        is computed again, no request from its prompt. Returns the deltas that came meanwhile."""
+        cur = self.pools.placements.current
+        log.warning("restarting %s (restart %d): %s; the attention workers keep their requests", _names(suspects),
+                    self.num_restarts, why)
+        self.pools.placements.restarted()  # the new workers count tokens and steps from zero
+        self.pools.epoch += 1
+        for i, p in enumerate(self.pools._procs):
+            if Worker.named(p.name) in suspects:
+                if p.exitcode is None:
+                    p.kill()  # silent (or stopped): it is replaced
+                p.join(5.0)
+                self.pools._procs[i] = self.pools._worker(Worker.named(p.name), cur, self.pools.epoch)
+        self._switch_epoch(cur)
+        for p in self.pools._procs:
+            if Worker.named(p.name) in suspects:
+                p.start()
+        return self._switched()
 
     # -- failover ----------------------------------------------------------------------------------
     def _can_fail_over(self, suspects: set[Worker]) -> bool:
@@ -366,6 +398,8 @@ class Supervision:
             self.pools._load[r.worker] += r.cost
             resume = [r.outputs[i] if i in r.live else None for i in range(r.params.n)]
             started = any(r.outputs) or len(r.live) < r.params.n
+            self.recomputed_tokens += sum(len(r.prompt) + len(out) for out in resume if out is not None) \
+                if started else len(r.prompt)
             self.pools._send(r.worker, wire.AddRequest(rid, r.prompt, wire.params_to_wire(r.params),
                                                  resume if started else None))
         self.pools._ready = True

@@ -108,7 +108,9 @@ class _EngineCollector(Collector):
                                ("num_preemptions", "Sequences preempted for lack of KV blocks", "preemptions"),
                                ("engine_steps", "Engine steps taken (pools: by the busiest attention worker; they "
                                 "step in lock-step)", "steps"),
-                               ("worker_restarts", "Worker processes restarted after a failure", "worker_restarts")):
+                               ("worker_restarts", "Worker processes restarted after a failure", "worker_restarts"),
+                               ("recomputed_tokens", "Prompt and delivered tokens sent to be prefilled again for "
+                                "requests resumed after an attention worker failed", "recomputed_tokens")):
             c = CounterMetricFamily(f"shuttle_{name}", doc, labels=["model_name"])
             c.add_metric(m, s.get(key, 0))
             yield c

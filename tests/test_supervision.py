@@ -7,6 +7,7 @@ End to end: ONE real `shuttle serve` (2 attention + 2 expert workers) driven by 
 holds all 8 experts, e1 holds 4-7), so killing e1 is a failover (no other worker restarted, no
 request resumed, tokens again within seconds, e1 added back afterwards), while e0's experts 0-3
 have no copy: an attention worker SIGKILLed and e0 SIGSTOPped (silent) take the restart path.
+e0's restart keeps every request where it was (nothing prefilled again), a1's resumes them.
 Every request succeeds with the undisturbed text (greedy; one prompt samples with a seed), tokens
 flow again within 30 s of the fault, /health says 503 with Retry-After while the workers restart
 (and a request sent then waits and succeeds), 200 after; a worker killed while idle is restarted
@@ -154,14 +155,42 @@ def test_failover_with_replicas_loses_no_request(server):
 @pytest.mark.parametrize("victim,sig", [("shuttle-attention-a1", signal.SIGKILL), ("shuttle-expert-e0", signal.SIGSTOP)],
                          ids=["kill-a1", "stop-e0"])
 def test_fault_under_load_loses_no_request(server, victim, sig):
-    before = server.children()
+    """a1 killed: survivors drop their requests, resumed from prompt + delivered tokens. e0 stopped
+    (its experts have no copy): it is restarted and the attention workers keep their requests and
+    caches, so nothing is prefilled again."""
+    before, recomputed = server.children(), _metric(server, "shuttle_recomputed_tokens_total", "model_name")
     out = fault_under_load(server, victim, sig, NUM_REQUESTS, CONCURRENCY)
     _check_recovered(server, out)
+    grew = _metric(server, "shuttle_recomputed_tokens_total", "model_name") - recomputed
+    if victim.startswith("shuttle-expert"):
+        assert grew == 0 and "the attention workers keep their requests" in server.log().split("restarting e0")[-1]
+    else:
+        assert grew > 0
     after = server.children()
     assert sorted(after) == sorted(before) and after[victim] != before[victim]  # a new process, same title
     assert all(after[t] == before[t] for t in before if t != victim)  # the others were not restarted
     print(f"{victim} {signal.Signals(sig).name}: first token {out['first_after_s']:.2f} s after the fault, "
           f"longest pause in the token flow {out['pause_s']:.2f} s")
+
+
+@pytest.mark.slow
+def test_expert_worker_killed_in_bf16_recomputes_nothing(make_checkpoint):
+    """bf16 (the default where the CPU has native bf16, and on GPUs), 1 + 1 workers, e0 SIGKILLed
+    under streaming load: it is restarted while the attention worker keeps its requests and KV
+    cache, so every stream has exactly the undisturbed greedy text (resuming from the prompt would
+    sum in another order and may flip a near-tie) and no token is prefilled again."""
+    ckpt = make_checkpoint("mixtral")
+    with LiveServer(["--model", str(ckpt), "--dtype", "bfloat16", "--attention-workers", "1", "--expert-workers",
+                     "1", "--micro-batches", "2", "--num-kv-blocks", "256"]) as srv:
+        srv.model = str(ckpt)
+        srv.client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            srv.reference = dict(zip(PROMPTS, pool.map(lambda p: complete(srv, p), PROMPTS)))
+        out = fault_under_load(srv, "shuttle-expert-e0", signal.SIGKILL, 8, 4)
+        _check_recovered(srv, out)
+        assert _metric(srv, "shuttle_recomputed_tokens_total", "model_name") == 0
+        assert _metric(srv, "shuttle_worker_restarts_total", "model_name") == 1
+        assert "the attention workers keep their requests" in srv.log()
 
 
 @pytest.mark.slow
