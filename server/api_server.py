@@ -12,23 +12,35 @@ max_waiting requests wait for their first token, 500 when the engine failed. /he
 when a generation step can run (503 engine_not_ready with Retry-After while failed workers restart,
 503 engine_dead once the engine is gone). A client that
 disconnects aborts its request, streaming or not, which frees its KV blocks.
+
+SIGTERM or SIGINT: the server stops taking connections, running requests may finish for DRAIN_S,
+then the engine stops and what still runs ends with its error (a stream: an error event, then
+[DONE]); the caller then shuts the pools down. The process exits within EXIT_S of the signal
+however far that got, and every process of the deployment is gone within STOP_S (the workers end
+with their front: pools/launchers.py).
 """
 import asyncio
 import errno
 import json
 import logging
+import os
 import secrets
 import signal
 import socket
+import sys
+import threading
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Callable
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from models.loader import freeze_loaded_heap
+from pools.launchers import kill_descendants
 from server.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
@@ -44,6 +56,9 @@ from server.openai_serving import OpenAIServing, as_openai_error
 
 log = logging.getLogger("shuttle")
 VERSION = "0.1.0"
+DRAIN_S = 5.0   # after SIGTERM/SIGINT: how long running requests may go on before the engine stops
+EXIT_S = 10.0   # after SIGTERM/SIGINT: the front's process has exited by then, its shutdown done or not
+STOP_S = 15.0   # after SIGTERM/SIGINT (or the front's death): no process of the deployment is left
 # answered without the API key: load balancers' probes, and the API's description
 OPEN_PATHS = ("/health", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect")
 
@@ -372,24 +387,64 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(llm: AsyncLLM, cfg: ServerConfig, metrics: ServerMetrics, sock: socket.socket | None = None) -> None:
-    """Run the HTTP (and gRPC) server until SIGINT/SIGTERM; the caller shuts the engine down.
-    sock: the socket from bind() to serve on (None: bind cfg.host:cfg.port now)."""
-    import uvicorn
-
+    """Run the HTTP (and gRPC) server until SIGINT/SIGTERM (see the module docstring); the caller
+    shuts the engine down. sock: the socket from bind() to serve on (None: bind cfg.host:cfg.port now)."""
     app = build_app(llm, cfg, metrics)
+    # uvicorn waits for open connections until DRAIN_S, when the engine stops and ends every request,
+    # and cancels what is left (a connection then closes) a second later
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, loop="uvloop", http="httptools",
-                            log_level="info", access_log=cfg.log_requests, timeout_graceful_shutdown=5)
+                            log_level="info", access_log=cfg.log_requests, timeout_graceful_shutdown=DRAIN_S + 1)
     freeze_loaded_heap()  # the engine, the tokenizer and the app are built: serving allocates the rest
     # uvicorn stops on SIGTERM, then raises the signal again: with its default action the process
     # would end there, before the caller shuts the engine down (pools, traces). Leave through the
     # caller's `finally` instead, as SIGINT does with KeyboardInterrupt.
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    server = _Server(config, llm)
     try:
-        uvicorn.Server(config).run(sockets=[sock if sock is not None else bind(cfg.host, cfg.port)])
-    finally:
+        server.run(sockets=[sock if sock is not None else bind(cfg.host, cfg.port)])
+    finally:  # the signal comes back as SystemExit or KeyboardInterrupt
+        if server.stopper is not None:
+            server.stopper.join()
         signal.signal(signal.SIGTERM, previous)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which on the first SIGTERM/SIGINT also starts the exit timer (_exit_later)
+    and, DRAIN_S into its shutdown, stops the engine in the `stopper` thread: the requests still
+    running fail as the engine's do when it dies, each in its route's way."""
+
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM):
+        super().__init__(config)
+        self.llm, self.stopper = llm, None
+        self._deadline: threading.Thread | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._deadline is None:
+            self._deadline = threading.Thread(target=_exit_later, args=(sig,), daemon=True, name="shuttle-exit")
+            self._deadline.start()
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        drained = asyncio.get_running_loop().call_later(DRAIN_S, self._stop_engine)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            drained.cancel()
+
+    def _stop_engine(self) -> None:
+        self.stopper = threading.Thread(target=self.llm.shutdown, daemon=True, name="shuttle-stop")
+        self.stopper.start()
 
 
 def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
+
+def _exit_later(signum: int) -> None:
+    """End the process, and every process below it, EXIT_S from now however far its shutdown got
+    (a daemon thread's body)."""
+    time.sleep(EXIT_S)
+    log.error("still shutting down %.0f s after signal %d: killing the workers and exiting", EXIT_S, signum)
+    kill_descendants()
+    sys.stderr.flush()
+    os._exit(128 + signum)
