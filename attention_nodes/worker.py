@@ -260,6 +260,7 @@ class _StatsReporter:
 
     def send(self) -> None:
         stats = {**self.engine.stats(), "busy_ns": self.sender.tracer.totals.get("attention", 0),
+                 "waited_ns": dict(self.sender.waited_ns),
                  "placement_version": self.sender.placement_version,
                  "uptime_ns": time.monotonic_ns() - self.start_ns}
         wire.send(self.ctl, wire.Stats(self.rank, stats))

@@ -1,6 +1,7 @@
 """Failover against restart: how long the token flow stops when an expert worker is SIGKILLed under
 streaming load, with copies of its experts on another expert worker (failover: the attention workers
-route around it) and without (the restart path: kill, respawn, reload, recompute every request).
+route around it) and without (the restart path: kill, respawn, reload; the attention workers keep
+their requests and caches, so only the step that broke is computed again).
 
     python bench/failover.py [--quick] [--rounds 2] [--requests 48 --concurrency 16]
 
@@ -9,7 +10,8 @@ placement gives e0 every expert and e1 experts 4-7: killing e1 is a failover, ki
 (its experts 0-3 have no copy). Each round kills e1, waits until it is added back, then kills e0,
 each time under load from the official `openai` client (streams, greedy, one seeded prompt). Per
 fault: the first token after the kill, the longest pause in the token flow from the kill on, failed
-requests (must be 0) and streams whose text differs from the reference run; a "no fault" row runs
+requests (must be 0), tokens sent to be prefilled again (shuttle_recomputed_tokens_total: 0 on both
+paths) and streams whose text differs from the reference run; a "no fault" row runs
 the same load undisturbed first, since in bf16 (the built-in model) the batch composition alone can
 change a greedy token (tests/test_supervision.py checks exact texts on a float32 checkpoint).
 Prints a table and writes bench/results/failover.json. The machine's load moves these numbers a
@@ -34,14 +36,19 @@ from clients.live_server import LiveServer  # noqa: E402
 REPLICATED = {str(e): [0] if e < 4 else [0, 1] for e in range(8)}  # the built-in model has 8 experts
 
 
-def placement_version(srv) -> float:
+def metric(srv, name: str) -> float:
     for line in httpx.get(f"{srv.url}/metrics").text.splitlines():
-        if line.startswith("shuttle_expert_placement_version{"):
+        if line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
 
+def placement_version(srv) -> float:
+    return metric(srv, "shuttle_expert_placement_version")
+
+
 def fault(srv, victim: str, sup, requests: int, concurrency: int) -> dict:
+    recomputed = metric(srv, "shuttle_recomputed_tokens_total")
     out = sup.fault_under_load(srv, f"shuttle-expert-{victim}", signal.SIGKILL, requests, concurrency)
     results = out["results"].items()
     failed = sum(isinstance(r, Exception) for _, r in results)
@@ -50,6 +57,7 @@ def fault(srv, victim: str, sup, requests: int, concurrency: int) -> dict:
     return {"killed": victim, "path": "failover" if victim == "e1" else "restart",
             "first_token_s": round(out["first_after_s"], 3), "pause_s": round(out["pause_s"], 3),
             "requests": len(out["results"]), "failed": failed,
+            "recomputed_tokens": int(metric(srv, "shuttle_recomputed_tokens_total") - recomputed),
             "wrong_text": sum(not isinstance(r, Exception) and sup.PROMPTS[i % len(sup.PROMPTS)] in wrong
                               and r != srv.reference[sup.PROMPTS[i % len(sup.PROMPTS)]] for i, r in results),
             "wrong_prompts": wrong}
@@ -98,7 +106,8 @@ def main() -> int:
                 time.sleep(0.2)
             rows[-1]["added_back"] = placement_version(srv) >= version + 2
             rows.append({"round": r, **fault(srv, "e0", sup, args.requests, args.concurrency)})
-    print_table(rows, ["round", "killed", "path", "first_token_s", "pause_s", "requests", "failed", "wrong_text"])
+    print_table(rows, ["round", "killed", "path", "first_token_s", "pause_s", "requests", "failed", "recomputed_tokens",
+                       "wrong_text"])
     path = save("failover", {"config": vars(args), "faults": rows})
     print(f"wrote {path}")
     ok = all(x["failed"] == 0 for x in rows) and all(

@@ -21,6 +21,7 @@ import json
 import logging
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -131,7 +132,8 @@ def _serve_epoch(spec: ExpertWorkerSpec, store: TCPStore, epoch: int, held: Held
     peers = [f"a{i}" for i in range(spec.attention_workers)]
     endpoint = open_endpoint(spec.transport, store, data_session(spec.session, epoch), f"e{spec.rank}", peers,
                              spec.micro_batches)
-    receiver = M2NReceiver(endpoint, peers, moe_layers, spec.micro_batches, device, tracer=tracer)
+    receiver = M2NReceiver(endpoint, peers, moe_layers, spec.micro_batches, device, tracer=tracer,
+                           waited_ns=load.waited_ns)
     receiver.held = set(held.versions)
     try:
         _serve_steps(spec, store, receiver, held, moe_layers, load)
@@ -176,7 +178,8 @@ def _next_epoch(store: TCPStore, session: str, epoch: int) -> int | None:
 
 class _Load:
     """Tokens per (MoE layer, global expert) this worker computed, and its busy time, published in
-    the store: SESSION/stats/eN (JSON: busy_ns, uptime_ns, moe_layers, num_experts) and
+    the store: SESSION/stats/eN (JSON: busy_ns, uptime_ns, pairs, waited_ns per attention worker,
+    moe_layers, num_experts) and
     SESSION/stats/eN/tokens (the (L, E) int64 counts as raw little-endian bytes: 58 x 256 DeepSeek
     layers are 119 KB, cheap once a second)."""
 
@@ -188,6 +191,7 @@ class _Load:
         self.E = num_experts
         self.tokens_LE = torch.zeros(len(moe_layers) * num_experts, dtype=torch.long, device=device)
         self.start_ns, self.last = time.monotonic_ns(), 0.0
+        self.waited_ns: defaultdict[str, int] = defaultdict(int)  # the receivers' waits per attention worker
 
     def count(self, layer: int, global_ids: torch.Tensor, local_ids_RK: torch.Tensor) -> None:
         """Add one slot's (token, expert) pairs: local ids (-1: an expert elsewhere) -> global ids."""
@@ -197,11 +201,12 @@ class _Load:
         self.tokens_LE.index_add_(0, flat.to(self.tokens_LE.device), here.to(self.tokens_LE.dtype))
 
     def step_done(self, idle: bool) -> None:
+        """After each step; publishes at most every STATS_EVERY_S (and when idle)."""
         if idle or time.monotonic() - self.last >= STATS_EVERY_S:
             self.store.set(f"{self.key}/tokens", self.tokens_LE.cpu().numpy().astype("<i8").tobytes())
             self.store.set(self.key, json.dumps({
                 "busy_ns": self.tracer.totals.get("expert", 0), "uptime_ns": time.monotonic_ns() - self.start_ns,
-                **self.meta}))
+                "pairs": int(self.tokens_LE.sum()), "waited_ns": dict(self.waited_ns), **self.meta}))
             self.last = time.monotonic()
 
 

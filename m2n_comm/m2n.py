@@ -25,7 +25,13 @@ chunks), and each answer carries the number of tokens the expert worker gathered
 a whole step gathered nothing anywhere, attention workers with no work park (`poll_wake`) instead
 of spinning empty steps; an expert worker that saw an empty step sends WAKE (slot 0) to the other
 attention workers as soon as one of them starts the next step. A stray WAKE is skipped.
+
+Waits on peers (`waited_ns`, for pools/stragglers.py): where a slot needs several peers' messages,
+they are taken in the order they arrive, and each peer is charged the time from the previous
+arrival (or from when the wait began) to its own: a peer that is consistently late is charged the
+wait it alone caused. An expert worker does not count its wait for a step's first slot (idle time).
 """
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -166,6 +172,7 @@ class M2NSender:
         self.tracer = tracer or Tracer(endpoint.me)
         self._last_ns = 0
         self._deferred: list[Callable[[], None]] = []
+        self.waited_ns: defaultdict[str, int] = defaultdict(int)  # per expert peer (module docstring)
 
     @property
     def placement_version(self) -> int:
@@ -282,6 +289,9 @@ class M2NSender:
         """Wait for every expert worker's answer to this handle's slot; returns y_TD."""
         start = self._compute_done(handle.layer, handle.mb)
         y_TD = None
+        if len(self._live) > 1:
+            wait_in_arrival_order(self.ep, [(peer, handle.mb) for _, peer in self._live], self.timeout, start,
+                                  self.waited_ns)
         for (_, peer), rows in zip(self._live, handle.rows_W):
             msg = self._recv_data(peer, handle.mb)
             m = msg.meta
@@ -362,7 +372,7 @@ class M2NReceiver:
 
     def __init__(self, endpoint: Endpoint, attention_peers: list[str], moe_layers: list[int], num_micro_batches: int,
                  device: torch.device | str = "cpu", data_timeout_s: float | None = 300.0,
-                 tracer: Tracer | None = None):
+                 tracer: Tracer | None = None, waited_ns: defaultdict | None = None):
         self.ep, self.peers, self.moe_layers, self.m = endpoint, attention_peers, moe_layers, num_micro_batches
         self.tracer = tracer or Tracer(endpoint.me)
         self._recv_done_ns = 0
@@ -373,12 +383,16 @@ class M2NReceiver:
         self._step_tokens = 0
         self.held: set[int] = {0}
         self.version = self._offer = 0  # the step's placement version; the version its answers offer
+        # per attention peer (module docstring); the caller's, to count across epochs
+        self.waited_ns: defaultdict[str, int] = defaultdict(int) if waited_ns is None else waited_ns
 
     def recv(self, layer: int, mb: int) -> ExpertBatch:
         start = Tracer.now()
         first = layer == self.moe_layers[0] and mb == 0
         if first and self._idle:
             self._wake_parked()
+        if not first and len(self.peers) > 1:
+            wait_in_arrival_order(self.ep, [(p, mb) for p in self.peers], self.timeout, start, self.waited_ns)
         msgs = [self.ep.recv(p, mb, timeout=None if first else self.timeout) for p in self.peers]
         step = msgs[0].meta.step
         for p, msg in zip(self.peers, msgs):
@@ -450,6 +464,22 @@ class M2NReceiver:
         if batch.layer == self.moe_layers[-1] and batch.mb == self.m - 1:
             self._idle = self._step_tokens == 0
         self.tracer.span(f"reply L{batch.layer} mb{batch.mb}", "transfer", start)
+
+
+def wait_in_arrival_order(ep: Endpoint, keys: list[tuple[str, int]], timeout: float | None, start_ns: int,
+                          waited_ns: dict[str, int]) -> None:
+    """Wait until every (peer, slot) key holds a message, charging each peer in `waited_ns` the time
+    from the previous arrival (or `start_ns`) to its own. Returns early on a timeout: the recv that
+    follows raises it."""
+    pending, last = list(keys), start_ns
+    while pending:
+        got = ep.wait_any(pending, timeout)
+        if got is None:
+            return
+        now = Tracer.now()
+        waited_ns[got[0]] += now - last
+        last = now
+        pending.remove(got)
 
 
 def run_local_experts(experts, batch: ExpertBatch) -> torch.Tensor:

@@ -19,6 +19,7 @@ routed around meanwhile: failover); when an attention worker failed, requests ar
 prompt + delivered tokens. Past `max_worker_restarts`
 within `restart_window_s`, or for workers started elsewhere, WorkerFailedError names it.
 """
+import collections
 import itertools
 import json
 import logging
@@ -50,10 +51,12 @@ from pools.control import admitted, read_events, shutdown_pools
 from pools.eplb import PlacementControl, read_expert_load
 from pools.launchers import check_installed, make_launcher
 from pools.roles import engine_config_to_json, front_token, publish_deployment, split_addr
+from pools.stragglers import Stragglers
 from pools.supervision import (MAIN_GUARD_EXIT, Supervision, Worker, WorkerFailedError, _Broken, _down, _Request,
                                _suspect)
 
 log = logging.getLogger("shuttle")
+TIMING_EVERY_S = 1.0  # how often the straggler window is fed
 START_TIMEOUT_S = 300.0  # loading big checkpoints takes a while; dead workers are noticed sooner
 
 
@@ -113,6 +116,8 @@ class PoolEngine:
         self._load = [0] * par.attention_workers    # tokens queued per worker (prompt + max_tokens)
         self._worker_stats: dict[int, dict] = {}    # attention worker rank -> its latest Stats
         self._last_deltas = 0                       # what the last step returned (step_summary)
+        self.stragglers = Stragglers()              # per-worker service times, straggler scores
+        self._next_timing = 0.0
         self.supervision = Supervision(self, remote=rendezvous is not None)
         self._finalizer = weakref.finalize(self, shutdown_pools, self._socks, self._procs, self._store, self.session,
                                            par.expert_workers if rendezvous else 0, self._launcher)
@@ -285,7 +290,27 @@ class PoolEngine:
         restart budget)."""
         out = self._step(timeout)
         self._last_deltas = len(out)
+        if time.monotonic() >= self._next_timing:
+            self._sample_timings()
         return out
+
+    def _sample_timings(self) -> None:
+        """Feed the straggler window (pools/stragglers.py) with each worker's busy time and the time
+        the other pool waited on it: from the attention workers' Stats and what the expert workers
+        publish in the store."""
+        self._next_timing = time.monotonic() + TIMING_EVERY_S
+        busy, waited_on = {}, collections.Counter()
+        for r, s in self._worker_stats.items():
+            busy[("attention", f"a{r}")] = s.get("busy_ns", 0)
+            waited_on.update(s.get("waited_ns", {}))
+        for w in range(self.cfg.parallel.expert_workers):
+            key = f"{self.session}/stats/e{w}"
+            if self._store.check([key]):
+                e = json.loads(self._store.get(key))
+                busy[("expert", f"e{w}")] = e["busy_ns"]
+                waited_on.update(e.get("waited_ns", {}))
+        self.stragglers.sample(time.monotonic(), [(pool, name, b, waited_on[name])
+                                                  for (pool, name), b in sorted(busy.items())])
 
     def _step(self, timeout: float | None) -> list[SequenceDelta]:
         out: list[SequenceDelta] = []
@@ -356,7 +381,8 @@ class PoolEngine:
         return {**total, "expert_tokens": experts, "expert_layer_tokens": layers,
                 "expert_worker_tokens": {f"e{w}": n for w, n in enumerate(per_worker)}, "busy": busy,
                 "worker_restarts": self.supervision.num_restarts,
-                "recomputed_tokens": self.supervision.recomputed_tokens, **self.placements.stats()}
+                "recomputed_tokens": self.supervision.recomputed_tokens, "timings": self.stragglers.table(),
+                **self.placements.stats()}
 
     def _finished(self, request_id: str, index: int) -> None:
         r = self._requests.get(request_id)

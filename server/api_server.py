@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from models.loader import freeze_loaded_heap
 from pools.launchers import kill_descendants
+from pools.stragglers import THRESHOLD, WINDOW_S
 from server.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
@@ -49,7 +50,7 @@ from server.openai_schemas import (AUTH_ERRORS, ERRORS_400, ChatCompletionRespon
                                    CompletionResponse, CompletionStreamResponse, ErrorResponse, Health, ModelList,
                                    TokenizeResponse, DetokenizeResponse, Version, generation_responses, install_openapi, request_body)
 from server.openai_schemas import (RESPONSE_LOOKUP_ERRORS, ResponseDeleted, ResponseObject, ResponseStreamEvent,
-                                   responses_api_responses)
+                                   WorkerTimings, responses_api_responses)
 from server.responses import ResponsesServing
 from server.responses_protocol import ResponsesRequest, parse_responses_request
 from server.openai_serving import OpenAIServing, as_openai_error
@@ -142,8 +143,8 @@ class _Guard:
 
 def _route(path: str) -> str:
     """The path as a metric label; unknown paths are one label, so scanners cannot grow the series."""
-    known = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/version", "/tokenize",
-             "/detokenize", "/v1/responses")
+    known = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/version", "/workers",
+             "/tokenize", "/detokenize", "/v1/responses")
     if path.startswith("/v1/responses/"):
         return "/v1/responses/{response_id}"
     return path if path in known else "other"
@@ -241,6 +242,11 @@ def build_app(llm: AsyncLLM, cfg: ServerConfig, metrics: ServerMetrics) -> FastA
     @app.get("/version", response_model=Version)
     async def version() -> dict:
         return {"version": VERSION}
+
+    @app.get("/workers", response_model=WorkerTimings, responses=AUTH_ERRORS)
+    async def workers() -> dict:
+        s = await asyncio.get_running_loop().run_in_executor(None, llm.stats)  # reads the store
+        return {"window_s": WINDOW_S, "threshold": THRESHOLD, "workers": s.get("timings", [])}
 
     @app.get("/metrics", response_class=Response, responses={
         200: {"description": "Prometheus text exposition format",

@@ -235,6 +235,35 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _workers(args) -> int:
+    import httpx
+
+    key = args.api_key or os.environ.get("SHUTTLE_API_KEY")
+    try:
+        r = httpx.get(f"{args.url.rstrip('/')}/workers", headers={"Authorization": f"Bearer {key}"} if key else {},
+                      timeout=30)
+    except httpx.HTTPError as e:
+        print(f"shuttle workers: cannot reach {args.url}: {e}", file=sys.stderr)
+        return 1
+    if r.status_code != 200:
+        print(f"shuttle workers: {args.url} answered {r.status_code}: {r.text[:300]}", file=sys.stderr)
+        return 1
+    body = r.json()
+    if args.json:
+        print(json.dumps(body, indent=2))
+        return 0
+    if not body["workers"]:
+        print("no pool workers (a colocated engine, or no step yet)")
+        return 0
+    share = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
+    print(f"last {body['window_s']:.0f} s; a score of {body['threshold']:g} or more names a straggler")
+    print(f"{'pool':<10} {'worker':<7} {'busy':>6} {'waited on':>10} {'score':>6}")
+    for w in body["workers"]:
+        flag = "  straggler" if w["score"] >= body["threshold"] else ""
+        print(f"{w['pool']:<10} {w['worker']:<7} {share(w['busy']):>6} {share(w['waited_on']):>10} {w['score']:>6.2f}{flag}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shuttle", description="Shuttle: MoE serving with disaggregated experts")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -280,6 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_planner_parsers(sub)
     from training.cli import add_parser as add_train_parser
     add_train_parser(sub)
+    w = sub.add_parser("workers", help="a running deployment's workers over the last window: busy share, how "
+                                      "long the other pool waited on each, straggler score (GET /workers)")
+    w.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default %(default)s)")
+    w.add_argument("--api-key", default=None, help="its API key (or set SHUTTLE_API_KEY)")
+    w.add_argument("--json", action="store_true", help="print the JSON answer")
+    w.set_defaults(func=_workers)
     b = sub.add_parser("bench", help="benchmarks: `shuttle bench serve` load-tests any OpenAI-compatible server")
     from clients.bench_serve import add_parser as add_bench_serve
     add_bench_serve(b.add_subparsers(dest="bench_command", required=True))

@@ -120,6 +120,7 @@ class _EngineCollector(Collector):
             experts.add_metric([self.model_name, str(e)], n)
         yield experts
         yield from self._busy(s.get("busy", []))
+        yield from self._timings(s.get("timings", []))
         yield from self._expert_load(s)
 
     def _busy(self, workers: list[dict]) -> Iterator[Metric]:
@@ -139,6 +140,23 @@ class _EngineCollector(Collector):
             self._previous[w["worker"]] = (w["busy_ns"], now)
         yield busy_s
         yield fraction
+
+    @staticmethod
+    def _timings(rows: list[dict]) -> Iterator[Metric]:
+        if not rows:
+            return
+        score = GaugeMetricFamily("shuttle_worker_straggler_score", "The share of the last 10 s the other pool's "
+                                  "workers waited on this worker, over the median of its pool's other workers "
+                                  "(pools/stragglers.py; 1: like the others)", labels=["pool", "worker"])
+        waited = GaugeMetricFamily("shuttle_worker_waited_on_fraction", "The share of the last 10 s the other "
+                                   "pool's workers spent waiting on this worker (summed over them)",
+                                   labels=["pool", "worker"])
+        for r in rows:
+            score.add_metric([r["pool"], r["worker"]], r["score"])
+            if r["waited_on"] is not None:
+                waited.add_metric([r["pool"], r["worker"]], r["waited_on"])
+        yield score
+        yield waited
 
     def _expert_load(self, s: dict) -> Iterator[Metric]:
         workers, layers = s.get("expert_worker_tokens", {}), s.get("expert_layer_tokens", {})

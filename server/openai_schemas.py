@@ -445,6 +445,25 @@ class Version(BaseModel):
     version: str
 
 
+class WorkerTiming(BaseModel):
+    """One worker over the straggler window (pools/stragglers.py)."""
+
+    pool: Literal["attention", "expert"]
+    worker: str
+    window_s: float
+    busy: float | None = Field(description="share of the window spent computing")
+    waited_on: float | None = Field(description="share of the window the other pool's workers waited on it, summed")
+    score: float = Field(description="waited_on over the median of its pool's other workers (1: like them)")
+
+
+class WorkerTimings(BaseModel):
+    """GET /workers: each pool worker's last window (none for a colocated engine)."""
+
+    window_s: float
+    threshold: float = Field(description="the score at which a worker is logged as a straggler")
+    workers: list[WorkerTiming]
+
+
 def _error(description: str) -> dict:
     return {"model": ErrorResponse, "description": description}
 

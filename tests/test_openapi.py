@@ -39,7 +39,7 @@ def api_schema(server):
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),
               ("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/metrics"),
               ("GET", "/health"), ("GET", "/version"), ("GET", "/v1/responses/{response_id}"),
-              ("DELETE", "/v1/responses/{response_id}")]
+              ("DELETE", "/v1/responses/{response_id}"), ("GET", "/workers")]
 def test_openapi_documents_every_route(server):
     doc = httpx.get(f"{server.url}/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/metrics", "/health",

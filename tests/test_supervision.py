@@ -34,6 +34,7 @@ from attention_nodes.sampling_params import SamplingParams
 from bench.fault_load import PROMPTS, complete, fault_under_load
 from clients.live_server import LiveServer
 from pools.supervision import Supervision, Worker, WorkerFailedError, _Broken
+from server.cli import main as cli_main
 
 NUM_REQUESTS = int(os.environ.get("SHUTTLE_FAULT_REQUESTS", "12"))
 CONCURRENCY = int(os.environ.get("SHUTTLE_FAULT_CONCURRENCY", "6"))
@@ -171,6 +172,51 @@ def test_fault_under_load_loses_no_request(server, victim, sig):
     assert all(after[t] == before[t] for t in before if t != victim)  # the others were not restarted
     print(f"{victim} {signal.Signals(sig).name}: first token {out['first_after_s']:.2f} s after the fault, "
           f"longest pause in the token flow {out['pause_s']:.2f} s")
+
+
+@pytest.mark.slow
+def test_a_throttled_expert_worker_is_named(server, capsys):
+    """e1 stopped for 0.2 s of every 0.3 s (short of the front's stopped-worker check) under
+    streaming load: within the straggler window /metrics scores it a straggler and the log names it;
+    e0 is not; every stream still has the undisturbed text."""
+    pid, stop, texts = server.children()["shuttle-expert-e1"], threading.Event(), []
+
+    def throttle() -> None:
+        while not stop.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.2)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.1)
+
+    def load(i: int) -> None:
+        while not stop.is_set():
+            prompt = PROMPTS[(i + len(texts)) % len(PROMPTS)]
+            texts.append((prompt, complete(server, prompt)))
+
+    cycle = threading.Thread(target=throttle)
+    with ThreadPoolExecutor(4) as pool:
+        runs = [pool.submit(load, i) for i in range(4)]
+        cycle.start()
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline and "straggler: expert worker e1" not in server.log():
+            time.sleep(0.5)
+        named = time.monotonic() - deadline + 40
+        e1 = _metric(server, "shuttle_worker_straggler_score", 'worker="e1"')
+        e0 = _metric(server, "shuttle_worker_straggler_score", 'worker="e0"')
+        rows = {w["worker"]: w for w in httpx.get(f"{server.url}/workers").json()["workers"]}
+        assert cli_main(["workers", "--url", server.url]) == 0
+        stop.set()
+        cycle.join()
+        os.kill(pid, signal.SIGCONT)
+        for r in runs:
+            r.result()
+    assert "straggler: expert worker e1" in server.log() and "expert worker e0:" not in server.log(), server.log()[-2000:]
+    assert e1 >= 3.0 and e0 < 3.0, (e0, e1)
+    assert sorted(rows) == ["a0", "a1", "e0", "e1"] and rows["e1"]["score"] >= 3.0 > rows["e0"]["score"]
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in table[2:] if line.endswith(" straggler")] == ["e1"], table
+    print(f"straggler e1 named {named:.1f} s after its throttling began; scores e0 {e0:.2f}, e1 {e1:.2f}")
+    assert texts and all(text == server.reference[prompt] for prompt, text in texts)
 
 
 @pytest.mark.slow

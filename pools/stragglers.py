@@ -1,0 +1,84 @@
+"""Stragglers: which worker the others wait for.
+
+Every step of a deployment waits for its slowest worker, so one throttled expert worker (a noisy
+neighbour, a CPU quota, a stop/continue cycle, a slow link) slows every attention worker. The
+workers of each pool charge the workers of the other pool for the time they waited on them
+(m2n_comm/m2n.py, `waited_ns`: each peer the wait from the previous arrival to its own, so a peer
+that is consistently late is charged what it alone caused). Over a sliding window each worker's
+charge per second of wall time is its wait share; its straggler score is that share over the
+median share of the other workers of its pool, both plus FLOOR so that near-zero waits compare as
+equal (1.0: waited on like the others; a pool of one has no peer to compare with: 1.0). A worker
+whose score is at or above `threshold` over at least half a window is logged once, named, and again
+when it is back under.
+
+    s = Stragglers()
+    s.sample(now, [("expert", "e0", busy_ns, waited_on_ns), ...])   # cumulative, about once a second
+    s.table()                                                        # per worker: the window's numbers
+"""
+import logging
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+log = logging.getLogger("shuttle")
+WINDOW_S = 10.0   # the window scores are computed over
+THRESHOLD = 3.0   # a score at or above this names the worker a straggler
+FLOOR = 0.02      # added to every wait share: waits under ~2% of the time are noise, not a straggler
+
+
+@dataclass
+class _Series:
+    pool: str
+    points: deque = field(default_factory=deque)  # (time, busy_ns, waited_on_ns), cumulative
+
+
+class Stragglers:
+    """Per-worker busy time and the time its peers waited on it over the last `window_s` seconds,
+    and straggler scores (module docstring). Counters that go backwards (a restarted worker or
+    peer) start that worker's window again."""
+
+    def __init__(self, window_s: float = WINDOW_S, threshold: float = THRESHOLD):
+        self.window_s, self.threshold = window_s, threshold
+        self._series: dict[str, _Series] = {}
+        self.flagged: set[str] = set()
+
+    def sample(self, now: float, workers: list[tuple[str, str, int, int]]) -> None:
+        """Record each worker's cumulative (busy_ns, waited_on_ns) at `now`, then log changes of who
+        is a straggler. workers: (pool, name, busy_ns, waited_on_ns) tuples."""
+        for pool, name, busy_ns, waited_ns in workers:
+            s = self._series.setdefault(name, _Series(pool))
+            if s.points and (busy_ns < s.points[-1][1] or waited_ns < s.points[-1][2]):
+                s.points.clear()  # restarted: counts begin again
+            s.points.append((now, busy_ns, waited_ns))
+            while len(s.points) > 2 and now - s.points[1][0] >= self.window_s:
+                s.points.popleft()
+        self._log(self.table())
+
+    def table(self) -> list[dict]:
+        """Per worker over the window: its length, the share of it spent computing, the share its
+        peers spent waiting on it (summed over peers), and the score."""
+        rows = []
+        for name, s in sorted(list(self._series.items())):  # (a scrape reads it from another thread)
+            (t0, b0, w0), (t1, b1, w1) = s.points[0], s.points[-1]
+            span = t1 - t0
+            rows.append({"pool": s.pool, "worker": name, "window_s": round(span, 3),
+                         "busy": (b1 - b0) / 1e9 / span if span > 0 else None,
+                         "waited_on": (w1 - w0) / 1e9 / span if span > 0 else None})
+        for r in rows:
+            others = [o["waited_on"] for o in rows if o["pool"] == r["pool"] and o is not r and o["waited_on"] is not None]
+            r["score"] = ((r["waited_on"] + FLOOR) / (statistics.median(others) + FLOOR)
+                          if r["waited_on"] is not None and others else 1.0)
+        return rows
+
+    def _log(self, rows: list[dict]) -> None:
+        for r in rows:
+            name, slow = r["worker"], r["score"] >= self.threshold
+            if slow and name not in self.flagged and r["window_s"] >= self.window_s / 2:  # not on a glimpse
+                self.flagged.add(name)
+                log.warning("straggler: %s worker %s: its peers waited on it %.0f%% of the last %.0f s, %.1fx the "
+                            "median of the other %s workers", r["pool"], name, 100 * r["waited_on"], r["window_s"],
+                            r["score"], r["pool"])
+            elif not slow and name in self.flagged:
+                self.flagged.discard(name)
+                log.warning("straggler: %s worker %s is back within %.1fx of its pool (%.1fx)", r["pool"], name,
+                            self.threshold, r["score"])
