@@ -34,13 +34,22 @@ def _fmt(v: object) -> str:
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+             "amx_tile", "amx_bf16", "amx_int8", "avx_vnni")
+
+
 def save(name: str, payload: dict, device: str = "cpu") -> Path:
-    """Write bench/results/NAME.json: the machine (CPU, torch, threads, the device named) plus payload."""
+    """Write bench/results/NAME.json: the machine (CPU model and the ISA flags that pick kernels, torch,
+    threads, the device named) plus payload."""
+    from kernels.native import cpu_flags, cpu_model
+
     RESULTS.mkdir(parents=True, exist_ok=True)
     if device != "cpu" and torch.cuda.is_available():
         device = torch.cuda.get_device_name()
-    payload = {"machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-                           "threads": torch.get_num_threads(), "device": device}, **payload}
+    isa = sorted(f for f in cpu_flags() if f in ISA_FLAGS)
+    payload = {"machine": {"cpu": cpu_model() or platform.processor() or platform.machine(), "isa": isa,
+                           "torch": torch.__version__, "threads": torch.get_num_threads(), "device": device},
+               **payload}
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path
