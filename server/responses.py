@@ -18,7 +18,7 @@ templates drop earlier turns' reasoning).
 
 Not supported (400 or ignored as unknown fields): built-in tools (web search, file search, ...),
 images and files in the input, background responses, item references, logprobs
-(top_logprobs / include), GET / DELETE of stored responses.
+(top_logprobs / include). GET and DELETE /v1/responses/{id} read and forget a stored response.
 """
 import dataclasses
 import json
