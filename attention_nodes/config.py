@@ -6,6 +6,8 @@ import torch
 
 from m2n_comm.transport import BACKENDS
 
+M2N_DTYPES = ("auto", "fp8")  # ParallelConfig.m2n_dtype
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -72,7 +74,9 @@ class ParallelConfig:
     between the pools. placement: a JSON file {"expert": [workers]} (default: contiguous blocks).
     torch_threads: torch threads per worker process (None: torch's default). eplb: re-place the
     experts live from their measured load every `eplb_interval` steps, with `num_redundant_experts`
-    extra copies per MoE layer (pools/eplb.py).
+    extra copies per MoE layer (pools/eplb.py). m2n_dtype: "auto" sends tokens to the expert
+    workers in the activations' dtype, "fp8" as float8 e4m3 with per-token scales (half of bf16's
+    bytes; answers come back in the activations' dtype).
     max_worker_restarts: how many times the front restarts a dead or silent worker within
     `restart_window_s` seconds before it gives the deployment up (0: never; workers started
     elsewhere with --role are never restarted from the front)."""
@@ -98,6 +102,7 @@ class ParallelConfig:
     ray_address: str | None = None
     attention_resources: tuple[tuple[str, float], ...] = ()
     expert_resources: tuple[tuple[str, float], ...] = ()
+    m2n_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("attention_workers", "expert_workers", "micro_batches"):
@@ -106,6 +111,11 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{name} must be a positive integer, got {v!r}")
         if self.micro_batches > 4:
             raise ValueError(f"parallel.micro_batches must be 1 to 4, got {self.micro_batches}")
+        if self.m2n_dtype not in M2N_DTYPES:
+            raise ValueError(f"parallel.m2n_dtype must be one of {', '.join(M2N_DTYPES)}, got {self.m2n_dtype!r}")
+        if self.m2n_dtype != "auto" and self.colocated:
+            raise ValueError("parallel.m2n_dtype sets what crosses M2N between worker pools; a colocated engine "
+                             "has none (drop --m2n-dtype or give a pool flag)")
         if self.transport not in BACKENDS:
             raise ValueError(f"parallel.transport must be one of {', '.join(BACKENDS)}, got {self.transport!r}")
         if self.expert_device is not None and self.expert_device != "cpu" and not self.expert_device.startswith("cuda"):

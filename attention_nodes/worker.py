@@ -33,7 +33,7 @@ from attention_nodes.config import EngineConfig
 from attention_nodes.engine import LLMEngine
 from m2n_comm._hello import dial_hello, hello_body
 from m2n_comm.endpoints import open_endpoint
-from m2n_comm.m2n import M2NSender
+from m2n_comm.m2n import FP8, M2NSender
 from m2n_comm.placement import ExpertPlacement
 from m2n_comm.transport import PeerDeadError, TransportConfig, TransportTimeout, data_session
 from models.config import ModelConfig
@@ -88,7 +88,7 @@ def run_attention_worker(spec: AttentionWorkerSpec) -> None:
         model_cfg = ModelConfig.from_pretrained(spec.engine.model)
         link.open(spec.epoch, spec.placement.down)
         sender = M2NSender(link.endpoint, spec.placement, link.experts, model_cfg.hidden_size, model_cfg.top_k,
-                           tracer=tracer)
+                           tracer=tracer, wire_dtype=FP8 if par.m2n_dtype == "fp8" else None)
         engine = LLMEngine(spec.engine, set(spec.eos_token_ids), dispatcher=sender)
         freeze_loaded_heap()
         epoch = spec.epoch

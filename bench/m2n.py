@@ -22,9 +22,12 @@ Waiting: the M2N endpoints poll for --spin-s, then block (spin_policy "fixed", t
 with ":adaptive" (shm:adaptive, tcp:adaptive) stops spinning at the first contended sched_yield, so both
 policies can be measured side by side under the same load. "tcp:eager-release" is tcp with every
 credit (RELEASE) in its own sendmsg, as before credits rode with the next frame (an A/B of that cut).
+A kind with ":fp8" (shm:fp8, tcp:fp8) dispatches the same tokens as float8 e4m3 with a bf16 scale per
+token (--m2n-dtype fp8): 2 + 2/HIDDEN bytes go out for every 4 of bf16 (the answers stay bf16); the
+payload column and GB/s count the bf16 bytes, `dispatch_bytes` in the JSON what fp8 sends.
 Latency: sender 0's round time (median, p99). Throughput: bytes moved per second in both
 directions by all pairs, from the median round. Payloads 4 KiB to 4 MiB per pair.
-Writes bench/results/m2n.json (--quick: m2n_quick.json).
+Writes bench/results/m2n.json (--quick: m2n_quick.json; --name NAME: NAME.json).
 """
 import argparse
 import multiprocessing as mp
@@ -63,6 +66,7 @@ def m2n_worker(role: str, rank: int, M: int, backend: str, port: int, sizes: lis
         os.environ.update(UCX_TLS=UCX_TLS[backend.partition(":")[0]], UCX_NET_DEVICES="lo")
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
     backend, _, policy = backend.partition(":")
+    fp8, policy = policy == "fp8", ("" if policy == "fp8" else policy)
     policy = eager_release(policy)
     cfg = TransportConfig(backend.split("-")[0], slot_bytes=max(sizes) // (2 * HIDDEN) * (2 * HIDDEN + 8 * M) + (1 << 16),
                           spin_s=spin_s, spin_policy=policy or "fixed")
@@ -77,7 +81,9 @@ def m2n_worker(role: str, rank: int, M: int, backend: str, port: int, sizes: lis
                     batch = rx.recv(0, 0)
                     rx.reply(batch, batch.x_RD)
             return
-        tx = M2NSender(ep, Placement.balanced(M, M), receivers, HIDDEN, top_k=M)
+        from m2n_comm.m2n import FP8
+
+        tx = M2NSender(ep, Placement.balanced(M, M), receivers, HIDDEN, top_k=M, wire_dtype=FP8 if fp8 else None)
         for size in sizes:
             T = size // (2 * HIDDEN)
             x = torch.randn(T, HIDDEN, dtype=torch.bfloat16)
@@ -93,7 +99,9 @@ def m2n_worker(role: str, rank: int, M: int, backend: str, port: int, sizes: lis
                     times.append(time.perf_counter() - t0)
                 if i == 4:
                     before = dict(getattr(ep, "phases", {}))
-            assert torch.allclose(y.float(), x.float() * M, rtol=2e-2), "M2N returned wrong rows"
+            # fp8: e4m3 keeps 3 mantissa bits (a relative step of 1/8 at most)
+            assert torch.allclose(y.float(), x.float() * M, rtol=0.13 if fp8 else 2e-2, atol=0.02 if fp8 else 1e-8), \
+                "M2N returned wrong rows"
             if rank == 0:
                 phases = {k: (v - before[k]) / len(times) for k, v in getattr(ep, "phases", {}).items()}
                 out.put(("m2n-" + name, M, size, times, phases))
@@ -289,8 +297,10 @@ def main() -> None:
     ap.add_argument("--mn", type=int, action="append", help="M = N to run (repeat; default 1, 2)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved passes over all kinds, rounds pooled")
     ap.add_argument("--spin-s", type=float, default=1e-3, help="TransportConfig.spin_s of the M2N endpoints")
+    ap.add_argument("--name", default=None, help="results file bench/results/NAME.json (default m2n / m2n_quick)")
     ap.add_argument("--kinds", default="shm,tcp,nixl,gloo,socket",
-                    help="comma-separated: shm, tcp, nixl, nixl-tcp, gloo, socket, ep-shm, ep-tcp, ep-nixl, ep-nixl-tcp; a backend with ':adaptive' "
+                    help="comma-separated: shm, tcp, nixl, nixl-tcp, gloo, socket, ep-shm, ep-tcp, ep-nixl, ep-nixl-tcp; a backend with "
+                         "':fp8' dispatches tokens as float8 (--m2n-dtype fp8); a backend with ':adaptive' "
                          "(e.g. shm:adaptive) stops spinning at the first contended yield; tcp:eager-release "
                          "(or ep-tcp:eager-release) sends each credit on its own, as before credits rode with the next frame")
     args = ap.parse_args()
@@ -312,8 +322,10 @@ def main() -> None:
     for (name, M, size), times in samples.items():
         ts = sorted(times)
         med, p99 = statistics.median(ts), ts[min(len(ts) - 1, int(0.99 * len(ts)))]
+        T = size // (2 * HIDDEN)
+        sent = T * (HIDDEN + 2) if name.endswith(":fp8") else size  # x per pair and direction
         table[(name, M, size)] = {"median_us": med * 1e6, "p99_us": p99 * 1e6,
-                                  "gbps": 2 * M * M * size / med / 1e9, "rounds": len(ts)}
+                                  "gbps": 2 * M * M * size / med / 1e9, "rounds": len(ts), "dispatch_bytes": sent}
     phases = {k: {f: statistics.fmean(p[f] for p in v) for f in v[0]} for k, v in phases.items()}
     rows = [summary_row(table, M, size, kinds) for M in mns for size in SIZES]
     cols = ["M=N", "payload"] + [c for k in kinds if k in ("gloo", "socket") or k.startswith("ep-")
@@ -339,7 +351,8 @@ def main() -> None:
         print_table(prow, list(prow[0]))
     payload = {"args": vars(args), "load_average": os.getloadavg(), "rows": rows, "tcp_phases_per_round": prow,
                "raw": [{"kind": k[0], "M": k[1], "size": k[2], **v} for k, v in table.items()]}
-    print(f"wrote {save('m2n_quick' if args.quick else 'm2n', payload)} (load average {os.getloadavg()})")
+    name = args.name or ("m2n_quick" if args.quick else "m2n")
+    print(f"wrote {save(name, payload)} (load average {os.getloadavg()})")
 
 
 def summary_row(table: dict, M: int, size: int, kinds: list[str]) -> dict:

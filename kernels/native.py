@@ -153,6 +153,10 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4
                    + [ctypes.c_int64] * 11 + [ctypes.c_float] + [ctypes.c_int] * 4)
+    for name in ("shuttle_fp8_quantize", "shuttle_fp8_dequantize"):
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     return lib
 
 
@@ -440,6 +444,33 @@ def add_rms_norm(x_TD: torch.Tensor, residual_TD: torch.Tensor | None, weight_D:
                                     x_TD.numel() // max(D, 1), D, eps, int(x_TD.dtype == torch.bfloat16),
                                     threads())
     return y, r
+
+
+def fp8_quantize(x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels/fp8.quantize_fp8 by kernels/csrc/fp8.c: x (T, D) bf16 or float32 on the CPU (made
+    contiguous). Call only where available() is True."""
+    if x_TD.dtype not in (torch.bfloat16, torch.float32) or x_TD.dim() != 2:
+        raise ValueError(f"fp8_quantize takes (T, D) bf16 or float32 rows, got {x_TD.dtype} {tuple(x_TD.shape)}")
+    x = x_TD.contiguous()
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    scale = torch.empty((x.shape[0], 1), dtype=x.dtype)
+    _library().shuttle_fp8_quantize(x.data_ptr(), q.data_ptr(), scale.data_ptr(), x.shape[0], x.shape[1],
+                                    int(x.dtype == torch.bfloat16))
+    return q, scale
+
+
+def fp8_dequantize(q_TD: torch.Tensor, scale_T1: torch.Tensor) -> torch.Tensor:
+    """kernels/fp8.dequantize_fp8 by kernels/csrc/fp8.c: q (T, D) float8_e4m3fn, scale (T, 1) bf16 or
+    float32 on the CPU. Call only where available() is True."""
+    if q_TD.dtype != torch.float8_e4m3fn or q_TD.dim() != 2 or scale_T1.shape != (q_TD.shape[0], 1) \
+            or scale_T1.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"fp8_dequantize takes (T, D) float8_e4m3fn and (T, 1) bf16 or float32 scales, got "
+                         f"{q_TD.dtype} {tuple(q_TD.shape)} and {scale_T1.dtype} {tuple(scale_T1.shape)}")
+    q, scale = q_TD.contiguous(), scale_T1.contiguous()
+    x = torch.empty(q.shape, dtype=scale.dtype)
+    _library().shuttle_fp8_dequantize(q.data_ptr(), scale.data_ptr(), x.data_ptr(), q.shape[0], q.shape[1],
+                                      int(scale.dtype == torch.bfloat16))
+    return x
 
 
 def decode_attention(step, layer, index: int, x_ptr: int) -> None:

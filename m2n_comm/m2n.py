@@ -20,6 +20,11 @@ experts elsewhere (with a single expert worker: the router's ids as they are, in
 router weights (T_w, K). The answer is y (T_w, D): the weighted sum over the
 tokens' experts on w; the attention worker adds the answers of all expert workers.
 
+FP8 dispatch (`wire_dtype=torch.float8_e4m3fn`, --m2n-dtype fp8): x travels as float8 e4m3 with one
+scale per token (its largest magnitude / 448, in x's dtype) as a fourth tensor (T_w, 1); the expert
+worker multiplies it back into x's dtype before computing. Answers stay in x's dtype. A chunk says
+by its tensor count which it is, so expert workers need no setting.
+
 Lock-step and idling: every attention worker takes part in every step (an idle one sends empty
 chunks), and each answer carries the number of tokens the expert worker gathered for the slot. When
 a whole step gathered nothing anywhere, attention workers with no work park (`poll_wake`) instead
@@ -37,6 +42,7 @@ from typing import Callable
 
 import torch
 
+from kernels.fp8 import FP8, dequantize_fp8, quantize_fp8
 from m2n_comm.placement import ExpertPlacement, Placement
 from m2n_comm.transport import KIND_DATA, KIND_WAKE, Endpoint, MessageMeta
 from telemetry.trace import Tracer
@@ -153,7 +159,8 @@ class M2NSender:
     answers)."""
 
     def __init__(self, endpoint: Endpoint, placement: Placement | ExpertPlacement, expert_peers: list[str],
-                 hidden: int, top_k: int, data_timeout_s: float | None = 300.0, tracer: Tracer | None = None):
+                 hidden: int, top_k: int, data_timeout_s: float | None = 300.0, tracer: Tracer | None = None,
+                 wire_dtype: torch.dtype | None = None):
         if len(expert_peers) != placement.num_workers:
             raise ValueError(f"{len(expert_peers)} expert peers for a placement over {placement.num_workers} workers")
         self.ep, self.peers = endpoint, expert_peers
@@ -173,6 +180,9 @@ class M2NSender:
         self._last_ns = 0
         self._deferred: list[Callable[[], None]] = []
         self.waited_ns: defaultdict[str, int] = defaultdict(int)  # per expert peer (module docstring)
+        if wire_dtype not in (None, FP8):
+            raise ValueError(f"M2N wire dtype must be None (the activations') or {FP8}, got {wire_dtype}")
+        self.fp8 = wire_dtype == FP8
 
     @property
     def placement_version(self) -> int:
@@ -241,9 +251,10 @@ class M2NSender:
         start = self._compute_done(layer, mb)
         T, dev = x_TD.shape[0], x_TD.device
         meta = MessageMeta(KIND_DATA, self.step, layer, mb, self._aux)
+        xs = quantize_fp8(x_TD) if self.fp8 else (x_TD,)  # the rows' tensors: x, or q and its scales
         if self._single:  # the only worker holds every expert: ids are already local, no routing
             ids = topk_ids_TK if topk_ids_TK.dtype in LOCAL_ID_DTYPES else topk_ids_TK.long()
-            parts = [x_TD, ids, topk_weights_TK]
+            parts = [xs[0], ids, topk_weights_TK, *xs[1:]]
             self.ep.send(self.peers[0], mb, meta, parts if x_TD.is_cpu else self._staging.to_host(parts),
                          timeout=self.timeout)
             return self._dispatched(layer, mb, start, T, [None], x_TD)
@@ -256,7 +267,7 @@ class M2NSender:
             worker_TK = copy_EC[ids_TK, copy_TK]
         rows_W = []
         for w, peer in self._live:
-            rows, parts = self._chunk(w, x_TD, ids_TK, topk_weights_TK, worker_TK, local_WE)
+            rows, parts = self._chunk(w, xs, ids_TK, topk_weights_TK, worker_TK, local_WE)
             rows_W.append(rows)
             self.ep.send(peer, mb, meta, self._staging.to_host(parts), timeout=self.timeout)
         return self._dispatched(layer, mb, start, T, rows_W, x_TD)
@@ -271,19 +282,21 @@ class M2NSender:
             self._last_ns = now
         return Handle(self.step, layer, mb, T, rows_W, x_TD.dtype, x_TD.device)
 
-    def _chunk(self, w: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+    def _chunk(self, w: int, xs: tuple[torch.Tensor, ...], ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                worker_TK: torch.Tensor | None,
                local_WE: torch.Tensor) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-        """(rows of the micro-batch sent to worker w; [x, local ids, weights]), several workers."""
+        """(rows of the micro-batch sent to worker w; [x, local ids, weights] (+ [scales] in FP8)),
+        several workers. xs: x, or its FP8 values and scales."""
         if worker_TK is None:  # no tokens
-            return (torch.empty(0, dtype=torch.long, device=x_TD.device),
-                    [x_TD, torch.empty((0, self.top_k), dtype=torch.int32), weights_TK])
+            return (torch.empty(0, dtype=torch.long, device=xs[0].device),
+                    [xs[0], torch.empty((0, self.top_k), dtype=torch.int32), weights_TK, *xs[1:]])
         mine_TK = worker_TK == w
         rows = mine_TK.any(dim=1).nonzero().squeeze(1)
         local_TK = torch.where(mine_TK, local_WE[w][ids_TK], -1).to(torch.int32)
-        if rows.numel() == x_TD.shape[0]:  # every token has an expert here: no gather needed
-            return rows, [x_TD, local_TK, weights_TK]
-        return rows, [x_TD.index_select(0, rows), local_TK.index_select(0, rows), weights_TK.index_select(0, rows)]
+        if rows.numel() == xs[0].shape[0]:  # every token has an expert here: no gather needed
+            return rows, [xs[0], local_TK, weights_TK, *xs[1:]]
+        x_rows = [x.index_select(0, rows) for x in xs]
+        return rows, [x_rows[0], local_TK.index_select(0, rows), weights_TK.index_select(0, rows), *x_rows[1:]]
 
     def combine(self, handle: Handle) -> torch.Tensor:
         """Wait for every expert worker's answer to this handle's slot; returns y_TD."""
@@ -408,14 +421,17 @@ class M2NReceiver:
             raise RuntimeError(f"M2N protocol error: placement versions {[unpack_aux(x.meta.aux)[0] for x in msgs]} "
                                f"within step {step}, which began with version {self.version}")
         if len(msgs) == 1:  # computed straight from the slot, which reply() releases
-            x, ids, w = msgs[0].tensors
+            parts = msgs[0].tensors
         else:
-            x, ids, w = (torch.cat([msg.tensors[i] for msg in msgs]) for i in range(3))
+            parts = [torch.cat([msg.tensors[i] for msg in msgs]) for i in range(len(msgs[0].tensors))]
             for p in self.peers:
                 self.ep.release(p, mb)
         counts = [msg.tensors[0].shape[0] for msg in msgs]
         if self.device.type != "cpu":
-            x, ids, w = self._in.to_device([x, ids, w], self.device)
+            parts = self._in.to_device(parts, self.device)
+        x, ids, w = parts[:3]
+        if len(parts) == 4:  # FP8: values and per-token scales
+            x = dequantize_fp8(x, parts[3])
         self._step_tokens += x.shape[0]
         self._recv_done_ns = Tracer.now()
         self.tracer.span(f"recv L{layer} mb{mb}", "wait", start, self._recv_done_ns, {"tokens": x.shape[0]})

@@ -35,7 +35,7 @@ MAX_DIMS = 3
 SLOT_HEADER_BYTES = 512  # of every slot's slot_bytes: sequence/release words plus the fixed header
 TENSOR_ALIGN = 64        # each tensor starts at a multiple of this many bytes into the payload
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3,
-                                       torch.int32: 4, torch.int64: 5, torch.uint8: 6}
+                                       torch.int32: 4, torch.int64: 5, torch.uint8: 6, torch.float8_e4m3fn: 7}
 CODE_DTYPES: dict[int, torch.dtype] = {c: d for d, c in DTYPE_CODES.items()}
 
 

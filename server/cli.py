@@ -26,6 +26,7 @@ import logging
 import os
 import sys
 
+from attention_nodes.config import M2N_DTYPES
 from attention_nodes.sampling_params import SamplingParams
 from m2n_comm.transport import BACKENDS
 from server.parsers import REASONING_PARSERS, TOOL_PARSERS
@@ -119,7 +120,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 POOL_FLAGS = ("attention_workers", "expert_workers", "micro_batches", "transport", "placement", "launcher",
-              "ray_address", "attention_resources", "expert_resources")
+              "ray_address", "attention_resources", "expert_resources", "m2n_dtype")
 EPLB_FLAGS = ("eplb", "eplb_interval", "num_redundant_experts")
 
 
@@ -140,7 +141,7 @@ def _pool_kwargs(args: argparse.Namespace, disaggregate_by_default: bool) -> dic
                 transport=args.transport or "shm", placement=args.placement, torch_threads=args.torch_threads,
                 expert_device=args.expert_device, launcher=args.launcher or "spawn", ray_address=args.ray_address,
                 attention_resources=args.attention_resources or (), expert_resources=args.expert_resources or (),
-                **_eplb_kwargs(args))
+                m2n_dtype=args.m2n_dtype or "auto", **_eplb_kwargs(args))
 
 
 def _add_pool_flags(p: argparse.ArgumentParser) -> None:
@@ -151,6 +152,10 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--transport", choices=list(BACKENDS), default=None,
                    help="M2N backend (default shm): shm on one host, tcp or nixl (UCX: RDMA where present) across hosts")
     g.add_argument("--placement", default=None, help='JSON file {"expert": [workers]} (default: contiguous blocks)')
+    g.add_argument("--m2n-dtype", choices=M2N_DTYPES, default=None,
+                   help="what tokens cross to the expert workers in: auto (the activations' dtype, default) or fp8 "
+                        "(float8 e4m3 with per-token scales: half of bf16's bytes; answers stay in the activations' "
+                        "dtype)")
     g.add_argument("--eplb", action="store_true", default=None,
                    help="expert load balancing: re-place the experts live from their measured load")
     g.add_argument("--eplb-interval", type=int, default=None, metavar="STEPS",

@@ -69,7 +69,7 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                   torch_threads: int | None = None, expert_device: str | None = None, eplb: bool = False,
                   eplb_interval: int = 3000, num_redundant_experts: int = 0, max_worker_restarts: int = 3,
                   restart_window_s: float = 600.0, launcher: str = "spawn", ray_address: str | None = None,
-                  attention_resources: object = (), expert_resources: object = (),
+                  attention_resources: object = (), expert_resources: object = (), m2n_dtype: str = "auto",
                   enforce_eager: bool | None = None, native_decode: bool = True,
                   trace_dir: str | None = None) -> EngineConfig:
     """EngineConfig from the keyword arguments of LLM and the command line (None model: built-in).
@@ -77,6 +77,7 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
     attention_nodes.config.ParallelConfig); `device` is then the attention pool's, expert_device
     the expert pool's (default: the same). launcher="ray" starts them as Ray actors on the cluster
     at ray_address, each pool on nodes carrying its resources (dicts such as {"H20": 1}).
+    m2n_dtype="fp8" sends tokens to the expert workers as float8 with per-token scales.
     enforce_eager: None takes $SHUTTLE_ENFORCE_EAGER ("1" or "0") if set, else DEFAULT_ENFORCE_EAGER.
     native_decode: False keeps colocated bf16 decode steps eager (models/native_decode.py).
     trace_dir: each pool worker writes DIR/<worker>.trace.json (a Chrome trace) when it stops, and
@@ -103,7 +104,7 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                                        max_worker_restarts=max_worker_restarts, restart_window_s=restart_window_s,
                                        launcher=launcher, ray_address=ray_address,
                                        attention_resources=attention_resources, expert_resources=expert_resources,
-                                       trace_dir=None if trace_dir is None else str(trace_dir)),
+                                       trace_dir=None if trace_dir is None else str(trace_dir), m2n_dtype=m2n_dtype),
                         enforce_eager, native_decode)
 
 

@@ -128,3 +128,63 @@ def test_spin_policy_is_checked():
     assert TransportConfig(spin_policy="adaptive").spin_policy == "adaptive"
     with pytest.raises(ValueError, match="spin_policy must be adaptive or fixed, got 'busy'"):
         TransportConfig(spin_policy="busy")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_fp8_dispatch(workers):
+    """--m2n-dtype fp8: x crosses as float8 e4m3 with a scale per token (a fourth tensor), the expert
+    worker computes on x dequantized into its dtype, answers come back in that dtype; an all-zero
+    row and an empty micro-batch pass too."""
+    from kernels.fp8 import FP8, quantize_fp8
+
+    placement = Placement.balanced(E, 1) if workers == 1 else Placement(E, 2, ((0,), (0, 1), (1,), (1, 0), (0,)))
+    peers = [f"e{w}" for w in range(workers)]
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    cfg = TransportConfig("shm", slot_bytes=1 << 16, heartbeat_s=0.2, dead_after_s=2.0)
+    eps: dict[str, object] = {}
+    openers = [threading.Thread(target=lambda n=n, p=p: eps.update({n: open_endpoint(cfg, store, f"fp8-{workers}", n, p, 1)}))
+               for n, p in [("a0", peers)] + [(e, ["a0"]) for e in peers]]
+    for t in openers:
+        t.start()
+    for t in openers:
+        t.join()
+    seen = []
+
+    def serve_fp8(ep, w):
+        rx = M2NReceiver(ep, ["a0"], [0], 1)
+        to_global = torch.tensor(placement.experts_on(w))
+        for _ in range(3):
+            b = rx.recv(0, 0)
+            seen.append(b.x_RD.dtype)
+            glob = torch.where(b.local_ids_RK >= 0, to_global[b.local_ids_RK.clamp(min=0)], 0)
+            rx.reply(b, fake_expert_out(b.x_RD, glob, torch.where(b.local_ids_RK >= 0, b.weights_RK, 0.0)))
+
+    for w, e in enumerate(peers):
+        threading.Thread(target=serve_fp8, args=(eps[e], w), daemon=True).start()
+    try:
+        tx, g = M2NSender(eps["a0"], placement, peers, D, K, wire_dtype=FP8), torch.Generator().manual_seed(2)
+        for T, dtype in ((9, torch.bfloat16), (0, torch.bfloat16), (4, torch.float32)):
+            tx.begin_step()
+            x = (torch.randn(T, D, generator=g) * 30).to(dtype)
+            if T:
+                x[1] = 0
+            ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.empty(0, K, dtype=torch.long)
+            wts = torch.rand(T, K, generator=g)
+            y = tx.combine(tx.dispatch(0, None, x, ids, wts))
+            tx.end_step()
+            q, scale = quantize_fp8(x)
+            assert q.dtype == FP8 and q.element_size() == 1 and scale.shape == (T, 1)
+            assert y.dtype == dtype and y.shape == x.shape
+            # exactly the experts on the dequantized x; within e4m3's step of the unquantized one
+            torch.testing.assert_close(y.float(), fake_expert_out(q.to(dtype) * scale, ids, wts).float(), rtol=1e-2, atol=1e-2)
+            if T:
+                err = (y.float() - fake_expert_out(x, ids, wts).float()).abs().amax(dim=1)
+                bound = fake_expert_out(x.abs(), ids, wts).float().abs().amax(dim=1) / 8
+                assert bool((err <= bound + 1e-3).all()), (err, bound)
+                assert y[1].abs().max() == 0
+        assert set(seen) == {torch.bfloat16, torch.float32}
+        with pytest.raises(ValueError, match="wire dtype"):
+            M2NSender(eps["a0"], placement, peers, D, K, wire_dtype=torch.float16)
+    finally:
+        for ep in eps.values():
+            ep.close()

@@ -349,3 +349,33 @@ def test_role_worker_waits_for_its_front_with_a_logged_back_off(caplog):
         store = wait_for_front(f"127.0.0.1:{front.port}", wait_s=30, first_retry_s=0.2)
     assert store.get("shuttle/deployment") == b"{}"
     assert "waiting for its front to publish the deployment" in caplog.text
+
+
+@pytest.mark.slow
+def test_fp8_dispatch_serves_close_to_colocated(make_checkpoint):
+    """--m2n-dtype fp8 (1 attention + 2 expert workers): tokens cross to the experts as float8 with
+    per-token scales, a lossy step, so sampled or greedy text may part from the colocated one where
+    two logits nearly tie. Scored on the same tokens (the prompts' log-probabilities), it stays
+    within e4m3's rounding of the colocated engine, and each prompt's first new token is the same."""
+    ckpt = make_checkpoint("mixtral")
+    prompts = [list(range(3, 200, 7)), PROMPTS[0] * 3, PROMPTS[4]]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+
+    def scored(llm) -> tuple[list[float], list[int]]:
+        try:
+            outs = llm.generate(prompts, params)
+        finally:
+            llm.shutdown()
+        return ([next(iter(lp.values())).logprob for o in outs for lp in o.prompt_logprobs[1:]],
+                [o.outputs[0].token_ids[0] for o in outs])
+
+    want, want_first = scored(LLM(ckpt, num_kv_blocks=64))
+    got, got_first = scored(LLM(ckpt, num_kv_blocks=64, colocated=False, expert_workers=2, torch_threads=1,
+                                m2n_dtype="fp8"))
+    diff = [abs(a - b) for a, b in zip(got, want)]
+    print(f"fp8 dispatch: prompt log-probabilities differ by {sum(diff) / len(diff):.4f} on average, "
+          f"{max(diff):.4f} at most, over {len(diff)} tokens")
+    assert len(got) == len(want) > 80 and sum(diff) / len(diff) < 0.05 and max(diff) < 0.5
+    assert got_first == want_first
+    with pytest.raises(ValueError, match="m2n_dtype"):
+        ParallelConfig(True, m2n_dtype="fp8")
