@@ -1,6 +1,11 @@
 """The pools' control plane as the front sees it: the listener's gate (the challenge-response HELLO
 of m2n_comm/_hello.py: the worker proves the deployment token, the front proves it back, the token
-never crosses the wire), one reader thread per attention worker connection, and stopping the pools."""
+never crosses the wire), one reader thread per attention worker connection, and stopping the pools.
+
+A worker whose host stops answering (a partition, a host gone) is found by the kernel, as M2N's
+heartbeats find a silent peer: keepalive probes after 1 s of silence, and the connection fails once
+dead_after_s passed without an answer (TCP_USER_TIMEOUT, which also bounds unacknowledged data);
+its reader then reports it as closed."""
 import logging
 import queue
 import socket
@@ -10,11 +15,13 @@ from torch.distributed import TCPStore
 
 from attention_nodes import messages as wire
 from m2n_comm._hello import HelloRefused, accept_hello
+from m2n_comm.transport import TransportConfig
 
 log = logging.getLogger("shuttle")
 
 HELLO_TIMEOUT_S = 5.0  # a connection that does not complete its HELLO within this is dropped
 MAX_HELLO = 4096       # bytes of a control HELLO body ({name})
+DEAD_AFTER_S = TransportConfig.dead_after_s  # a control connection silent this long (no ACK either) fails
 
 
 def admitted(conn: socket.socket, addr: tuple, token: str) -> bool:
@@ -23,6 +30,10 @@ def admitted(conn: socket.socket, addr: tuple, token: str) -> bool:
     stranger must not inject requests or results)."""
     try:
         accept_hello(conn, token, MAX_HELLO, HELLO_TIMEOUT_S)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(DEAD_AFTER_S * 1000))
         return True
     except HelloRefused as e:
         why = str(e)
@@ -34,7 +45,12 @@ def admitted(conn: socket.socket, addr: tuple, token: str) -> bool:
 
 
 def read_events(sock: socket.socket, conn: int, events: queue.Queue, stats: dict[int, dict]) -> None:
-    """A control connection's reader: Stats are kept (latest per worker), the rest is queued."""
+    """A control connection's reader: Stats are kept (latest per worker), the rest is queued; None
+    once the connection ends (closed, reset, or silent past DEAD_AFTER_S: logged)."""
+    try:
+        peer = "%s:%s" % sock.getpeername()[:2]
+    except OSError:  # gone already
+        peer = "a worker"
     stream = sock.makefile("rb")
     try:
         while (msg := wire.recv(stream)) is not None:
@@ -42,8 +58,10 @@ def read_events(sock: socket.socket, conn: int, events: queue.Queue, stats: dict
                 stats[msg.rank] = msg.stats
             else:
                 events.put((conn, msg))
-    except OSError:
-        pass
+    except OSError as e:
+        if isinstance(e, TimeoutError):  # ETIMEDOUT: the kernel gave up (above)
+            log.warning("control connection from %s: no answer for %g s, its host is gone or cut off", peer,
+                        DEAD_AFTER_S)
     events.put((conn, None))
 
 

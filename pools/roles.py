@@ -5,10 +5,15 @@ rank of the role, serve. Also the deployment's JSON form (EngineConfig <-> dict)
 The store has no authentication, so it holds nothing secret: the deployment record is signed with
 the deployment token (m2n_comm/_hello.py, sign_record) and holds no token; every --role worker
 brings the token itself (SHUTTLE_DEPLOYMENT_TOKEN) and refuses a record it cannot verify.
+
+A --role worker watches its front's store address as a Ray actor does (launchers.watch_front): cut
+off from the front by a partition, it would otherwise wait for it (a parked attention worker for
+ever), since no FIN or reset crosses.
 """
 import logging
 import secrets
 import socket
+import threading
 import time
 from dataclasses import asdict
 from datetime import timedelta
@@ -22,6 +27,7 @@ from m2n_comm._hello import open_record, sign_record
 from m2n_comm.placement import ExpertPlacement
 from m2n_comm.transport import TransportConfig
 from models.config import DTYPES
+from pools.launchers import watch_front
 
 log = logging.getLogger("shuttle")
 FRONT_WAIT_S = 600.0  # how long a --role worker waits for its front (its store, then its deployment)
@@ -69,6 +75,10 @@ def run_role(role: str, rendezvous: str, host: str | None = None, torch_threads:
     placement = ExpertPlacement.from_json(d["placement"], cfg.parallel.expert_workers)
     rank = store.add(f"shuttle/rank/{role}", 1) - 1
     par = cfg.parallel
+    # As a Ray actor's: once the front is gone or cut off, the worker has FRONT_GRACE_S to return by
+    # itself (the process ends then; the event is never set), else the watch ends the process.
+    threading.Thread(target=watch_front, args=((store_host, port), threading.Event()), daemon=True,
+                     name="front-watch").start()
     if role == "attention":
         if rank >= par.attention_workers:
             raise ValueError(f"the deployment has {par.attention_workers} attention workers; this would be one more")

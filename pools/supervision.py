@@ -141,9 +141,10 @@ class Supervision:
     # -- failures ----------------------------------------------------------------------------------
     def check_procs(self, wait: float = 0.0) -> None:
         """Raise _Broken for a worker that exited, waiting up to `wait` s in all for one to exit
-        (a closed connection comes a moment before its process can be reaped)."""
+        (a closed connection comes a moment before its process can be reaped; --role workers have
+        none here to wait for)."""
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and all(p.exitcode is None for p in self.pools._procs):
+        while self.pools._procs and time.monotonic() < deadline and all(p.exitcode is None for p in self.pools._procs):
             time.sleep(0.02)
         for p in list(self.pools._procs):
             down = p.exitcode is None and p.pid is not None and _down(p.pid)
