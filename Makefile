@@ -65,6 +65,8 @@ fault-test: setup
 	# SIGKILLed, an expert worker SIGSTOPped (e1 SIGKILLed is a failover: its experts have copies on e0);
 	# then one fault past --max-worker-restarts
 	SHUTTLE_FAULT_REQUESTS=200 SHUTTLE_FAULT_CONCURRENCY=32 $(BIN)/python -m pytest -q -s tests/test_supervision.py
+	# shutdown by every signal with both launchers, and both network partitions (CI runs a subset)
+	SHUTTLE_FULL_FAULTS=1 $(BIN)/python -m pytest -q -s tests/test_shutdown.py tests/test_partition.py
 	# failover (copies of the killed worker's experts elsewhere) against restart: writes bench/results/failover.json
 	$(BIN)/python bench/failover.py
 
