@@ -1,7 +1,8 @@
 """Soak: `shuttle serve` under Poisson load above its capacity, with clients that disconnect and
 clients that send bad input, for a fixed time; then the verdict on leaks and on every response.
 
-    python bench/soak.py [--duration-s 1800] [--rate 40] [--max-waiting 32] [--server-arg=--colocated ...]
+    python bench/soak.py [--duration-s 1800] [--rate 40] [--max-waiting 32] [--dtype float32]
+                         [--summary bench/results/soak_rss.json --label NAME] [--server-arg=--colocated ...]
 
 The server is a real `shuttle serve` (the built-in model unless --model; 1 attention + 1 expert
 worker by default) on a free port. Requests arrive as a Poisson process at --rate per second, each
@@ -22,7 +23,9 @@ RSS tell a timeout that is the tail of an overloaded queue from a request the se
 The RSS of every process of the deployment (front and workers, from /proc) is sampled every
 --sample-s; growth is reported over the last two thirds of the run (the first third warms up
 allocator pools and caches). At the end, once the load stopped, /metrics must show no running
-request and every KV block free. Writes bench/results/soak.json; exits 1 when the verdict fails
+request and every KV block free. Writes bench/results/soak.json (or --out); --summary adds the run's
+RSS per process (start, one third, end, growth) and verdict to a file of runs under --label,
+replacing a run of that label (baseline and candidate side by side). Exits 1 when the verdict fails
 (an unexpected response, blocks still in use, or RSS growth over --max-rss-growth).
 """
 import argparse
@@ -235,15 +238,36 @@ def metric(text: str, name: str) -> float:
 
 
 def rss_growth(samples: list[dict], names: list[str]) -> dict[str, dict]:
-    """Per process: RSS (MiB) at one third of the run and at its end, and the growth between."""
+    """Per process: RSS (MiB) at the start, at one third of the run and at its end, and the growth
+    from one third to the end."""
     third = samples[len(samples) // 3]
     out = {}
     for n in names:
         a, b = third.get(n), samples[-1].get(n)
         if a and b:
-            out[n] = {"rss_third_mib": round(a / 2 ** 20, 1), "rss_end_mib": round(b / 2 ** 20, 1),
+            out[n] = {"rss_start_mib": round((samples[0].get(n) or 0) / 2 ** 20, 1),
+                      "rss_third_mib": round(a / 2 ** 20, 1), "rss_end_mib": round(b / 2 ** 20, 1),
                       "growth_pct": round(100 * (b - a) / a, 2)}
     return out
+
+
+def add_summary(path: Path, label: str, args: argparse.Namespace, growth: dict, verdict: dict,
+                samples: list[dict], every_s: float = 60.0) -> Path:
+    """Add this run to the file of runs at `path` under `label` (replacing one of that label): its
+    settings, RSS per process and verdict, and the RSS (MiB) every `every_s` seconds."""
+    runs = json.loads(path.read_text()).get("runs", []) if path.exists() else []
+    step = max(1, round(every_s / args.sample_s))
+    run = {"label": label, "dtype": args.dtype or "auto", "duration_s": args.duration_s,
+           "config": {k: v for k, v in vars(args).items() if k not in ("out", "summary", "label")},
+           "rss": growth, "verdict": verdict, "rss_every_s": every_s,
+           "rss_mib": [{k: v if k == "t" else round((v or 0) / 2 ** 20, 1) for k, v in s.items()}
+                       for s in samples[::step] + samples[-1:]]}
+    runs = [r for r in runs if r["label"] != label] + [run]
+    payload = {"runs": runs}
+    if path.parent.resolve() == RESULTS.resolve():
+        return save(path.stem, payload)
+    path.write_text(json.dumps(payload, indent=1))
+    return path
 
 
 def main() -> int:
@@ -253,6 +277,7 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=40.0, help="requests per second (Poisson)")
     p.add_argument("--max-waiting", type=int, default=32, help="the server's --max-waiting")
     p.add_argument("--max-num-seqs", type=int, default=32, help="the server's --max-num-seqs")
+    p.add_argument("--dtype", default=None, help="the server's --dtype (default: its own, auto)")
     p.add_argument("--disconnect-frac", type=float, default=0.1)
     p.add_argument("--bad-frac", type=float, default=0.05)
     # A request may legitimately wait for --max-waiting requests ahead of it and then decode beside
@@ -268,9 +293,12 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-arg", action="append", default=[], help="an extra `shuttle serve` flag (repeat)")
     p.add_argument("--out", default=str(RESULTS / "soak.json"))
+    p.add_argument("--summary", default=None, help="a JSON file of runs to add this one's RSS and verdict to")
+    p.add_argument("--label", default=None, help="this run's name in --summary (default: its dtype)")
     args = p.parse_args()
     flags = (["--model", args.model] if args.model else []) + ["--max-waiting", str(args.max_waiting),
-                                                              "--max-num-seqs", str(args.max_num_seqs)] + args.server_arg
+                                                              "--max-num-seqs", str(args.max_num_seqs)] \
+        + (["--dtype", args.dtype] if args.dtype else []) + args.server_arg
     samples: list[dict] = []
     with LiveServer(flags) as srv:
         model = json.loads(urllib.request.urlopen(f"{srv.url}/v1/models").read())["data"][0]["id"]
@@ -286,7 +314,7 @@ def main() -> int:
     verdict["passed"] = (verdict["unexpected"] == 0 and verdict["kv_blocks_in_use"] == 0 and verdict["running"] == 0
                          and verdict["max_rss_growth_pct"] <= args.max_rss_growth)
     rows = [{"process": n, **g} for n, g in growth.items()]
-    print_table(rows, ["process", "rss_third_mib", "rss_end_mib", "growth_pct"])
+    print_table(rows, ["process", "rss_start_mib", "rss_third_mib", "rss_end_mib", "growth_pct"])
     print(json.dumps({**{k: v for k, v in result.items() if k != "queue"}, **verdict}, indent=1))
     payload = {"config": {k: v for k, v in vars(args).items() if k != "out"}, **result, "verdict": verdict,
                "rss": growth, "samples": samples}
@@ -295,6 +323,9 @@ def main() -> int:
     if path is out:
         out.write_text(json.dumps(payload, indent=1))
     print(f"wrote {path}")
+    if args.summary:
+        label = args.label or args.dtype or "auto"
+        print(f"wrote {add_summary(Path(args.summary), label, args, growth, verdict, samples)}")
     return 0 if verdict["passed"] else 1
 
 

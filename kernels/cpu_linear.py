@@ -6,15 +6,16 @@ blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's 
 measured 1.6-1.8x faster for bf16 and 2-3.7x for float32 at 1-16 rows on our 2-core machines
 (bench/results/engine.json). Inference only: packed weights have no autograd.
 
-Legend: T rows, I input features, O output features, E experts.
+Legend: T rows, P rows padded (packed_rows), I input features, O output features, E experts.
 """
 import functools
 import os
 
-# oneDNN keeps one compiled primitive (with its scratch buffers, ~0.2-0.5 MiB) per weight and row
-# count; serving sees every row count from 1 to the token budget, so its default 1,024 entries grew
-# a float32 worker's RSS by ~100 MiB within minutes of varied load (tests/test_soak.py: +11.6%).
-# 512 still holds two row counts for every weight of a 425M-parameter model. Read at first use.
+# oneDNN's primitive cache and torch's own (ideep's: LRU_CACHE_CAPACITY, 1,024 entries) each keep a
+# compiled GEMM per weight shape (not per weight) and row count, ~0.55 MiB a row count between them
+# (torch 2.13, oneDNN 3.12). Serving sees every row count from 1 to the token budget, so a float32
+# worker grew by that much per new row count, up to ~560 MiB; packed_linear pads the rows to a
+# bucket (packed_rows), so each shape compiles a bounded set. oneDNN's cap, read at first use:
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")
 
 import torch  # noqa: E402
@@ -72,9 +73,25 @@ def pack_weight(w_OI: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w_OI.detach().contiguous(), BATCH_HINT)
 
 
+def packed_rows(rows: int) -> int:
+    """The rows a packed GEMM runs for `rows`: up to 16 as they are, more rounded up to one of 8
+    steps per power of two (17-32 by 2, 33-64 by 4, ...: under 1/8 more rows, ~3% more work over a
+    soak's mix), so a weight shape gets at most 16 + 8 per power of two compiled GEMMs."""
+    step = 1 << max(0, (rows - 1).bit_length() - 4)
+    return -(-rows // step) * step
+
+
 def packed_linear(x_TI: torch.Tensor, packed: torch.Tensor, bias_O: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ b) for 2-D x with the weight from pack_weight."""
-    return torch.ops.mkldnn._linear_pointwise(x_TI, packed, bias_O, "none", [], "")
+    """y = x W^T (+ b) for 2-D x with the weight from pack_weight. The rows are zero-padded to
+    packed_rows (oneDNN compiles and caches a GEMM per row count, see above) and the padding's
+    outputs dropped: each row's result does not depend on the others."""
+    rows, padded = x_TI.shape[0], packed_rows(x_TI.shape[0])
+    if padded == rows:
+        return torch.ops.mkldnn._linear_pointwise(x_TI, packed, bias_O, "none", [], "")
+    x_PI = x_TI.new_empty(padded, x_TI.shape[1])  # (about half F.pad's time)
+    x_PI[:rows] = x_TI
+    x_PI[rows:].zero_()
+    return torch.ops.mkldnn._linear_pointwise(x_PI, packed, bias_O, "none", [], "")[:rows]
 
 
 class CpuWeight:
