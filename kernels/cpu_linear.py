@@ -88,9 +88,7 @@ def packed_linear(x_TI: torch.Tensor, packed: torch.Tensor, bias_O: torch.Tensor
     rows, padded = x_TI.shape[0], packed_rows(x_TI.shape[0])
     if padded == rows:
         return torch.ops.mkldnn._linear_pointwise(x_TI, packed, bias_O, "none", [], "")
-    x_PI = x_TI.new_empty(padded, x_TI.shape[1])  # (about half F.pad's time)
-    x_PI[:rows] = x_TI
-    x_PI[rows:].zero_()
+    x_PI = torch.cat((x_TI, x_TI.new_zeros(padded - rows, x_TI.shape[1])))  # (F.pad took twice as long)
     return torch.ops.mkldnn._linear_pointwise(x_PI, packed, bias_O, "none", [], "")[:rows]
 
 
