@@ -31,7 +31,7 @@ from torch.distributed import TCPStore
 from attention_nodes import messages as wire
 from attention_nodes.config import EngineConfig
 from attention_nodes.engine import LLMEngine
-from m2n_comm._hello import dial_hello, hello_body
+from m2n_comm._hello import SignedStore, dial_hello, hello_body
 from m2n_comm.endpoints import open_endpoint
 from m2n_comm.m2n import FP8, M2NSender
 from m2n_comm.placement import ExpertPlacement
@@ -115,7 +115,9 @@ class _DataPlane:
     def __init__(self, spec: AttentionWorkerSpec, tracer: Tracer):
         self.spec, self.tracer, self.endpoint = spec, tracer, None
         self.experts = [f"e{w}" for w in range(spec.engine.parallel.expert_workers)]
-        self.store = TCPStore(*spec.store_addr, is_master=False, wait_for_workers=False)
+        # The data plane's endpoint records, signed with the deployment token (m2n_comm/_hello.py).
+        self.store = SignedStore(TCPStore(*spec.store_addr, is_master=False, wait_for_workers=False),
+                                 spec.transport.token)
 
     def open(self, epoch: int, down: tuple[int, ...] = ()) -> None:
         """Join `epoch`'s data plane with every expert worker but the `down` ones (failover)."""

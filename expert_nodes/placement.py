@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed import TCPStore
 
+from m2n_comm._hello import SignedStore
 from m2n_comm.m2n import M2NReceiver
 from m2n_comm.placement import ExpertPlacement
 from models.config import ModelConfig
@@ -126,7 +127,7 @@ def regroup(parts: list[tuple[nn.Module, int]]) -> nn.Module:
     return out.eval()
 
 
-def epoch_placement(store: TCPStore, session: str, epoch: int, num_workers: int) -> ExpertPlacement | None:
+def epoch_placement(store: SignedStore, session: str, epoch: int, num_workers: int) -> ExpertPlacement | None:
     """The placement an epoch starts with, if the front set one (SESSION/epoch/g<epoch>/placement
     names its version; failover and adding a worker back), else None."""
     key = f"{session}/epoch/g{epoch}/placement"
@@ -135,13 +136,15 @@ def epoch_placement(store: TCPStore, session: str, epoch: int, num_workers: int)
     return ExpertPlacement.from_json(store.get(f"{session}/placement/{int(store.get(key))}"), num_workers)
 
 
-def watch_placements(held: HeldExperts, store_addr: tuple[str, int], session: str, stop: threading.Event) -> None:
+def watch_placements(held: HeldExperts, store_addr: tuple[str, int], session: str, stop: threading.Event,
+                     token: str) -> None:
     """(Thread.) Build each new placement version the front publishes, in order, and say so. Its
     torch ops run on one thread: a parallel op here would start a second OpenMP pool in the process,
     after which libgomp (more threads than cores) stops spinning between the serving thread's
-    parallel regions and every expert op pays a wake-up (server/async_llm.py measured that at ~2x)."""
+    parallel regions and every expert op pays a wake-up (server/async_llm.py measured that at ~2x).
+    token: the deployment token; a placement not signed with it is refused (SignedStore)."""
     torch.set_num_threads(1)  # this thread's own team only; the serving thread keeps its count
-    store = TCPStore(*store_addr, is_master=False, wait_for_workers=False)
+    store = SignedStore(TCPStore(*store_addr, is_master=False, wait_for_workers=False), token)
     version = max(held.versions) + 1
     while not stop.is_set():
         key = f"{session}/placement/{version}"

@@ -16,6 +16,8 @@ An epoch may start with a new placement (failover without this worker or another
 worker added back: SESSION/epoch/g<epoch>/placement): it is built (from the experts held, so a
 survivor loads nothing) and held before the endpoint opens. After loading, SESSION/up/eN says the
 epoch the worker was started for (the front adds a worker started during a failover back then).
+Every value it writes or reads in the store is signed with the deployment token (SignedStore): one
+a stranger wrote is refused and logged, and acted on as if absent.
 """
 import json
 import logging
@@ -30,6 +32,7 @@ from torch.distributed import TCPStore
 
 from expert_nodes.placement import HeldExperts, epoch_placement, loader_for, watch_placements
 from kernels import native
+from m2n_comm._hello import SignedStore
 from m2n_comm.endpoints import open_endpoint
 from m2n_comm.m2n import M2NReceiver, run_local_experts
 from m2n_comm.placement import ExpertPlacement
@@ -70,7 +73,8 @@ def run_expert_worker(spec: ExpertWorkerSpec) -> None:
     setproctitle(f"shuttle-expert-e{spec.rank}")  # what ps and top show
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
-    store = TCPStore(*spec.store_addr, is_master=False, wait_for_workers=False)
+    store = SignedStore(TCPStore(*spec.store_addr, is_master=False, wait_for_workers=False),
+                        spec.transport.token)
     try:
         _serve(spec, store)
         _done(store, spec)
@@ -86,7 +90,7 @@ def run_expert_worker(spec: ExpertWorkerSpec) -> None:
             raise SystemExit(1)
 
 
-def _serve(spec: ExpertWorkerSpec, store: TCPStore) -> None:
+def _serve(spec: ExpertWorkerSpec, store: SignedStore) -> None:
     """Load the experts once, then serve one data-plane epoch after another until shutdown."""
     cfg = ModelConfig.from_pretrained(spec.model)
     moe_layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
@@ -101,8 +105,9 @@ def _serve(spec: ExpertWorkerSpec, store: TCPStore) -> None:
     tracer = Tracer(f"e{spec.rank}", enabled=spec.trace_dir is not None)
     load = _Load(spec, store, tracer, device, cfg.num_experts, moe_layers)
     stop = threading.Event()
-    watcher = threading.Thread(target=watch_placements, args=(held, spec.store_addr, spec.session, stop),
-                               daemon=True, name="placement-watcher")
+    watcher = threading.Thread(target=watch_placements,
+                               args=(held, spec.store_addr, spec.session, stop, spec.transport.token), daemon=True,
+                               name="placement-watcher")
     watcher.start()
     epoch: int | None = spec.epoch
     try:
@@ -127,7 +132,7 @@ def _serve(spec: ExpertWorkerSpec, store: TCPStore) -> None:
             tracer.dump(spec.trace_dir)
 
 
-def _serve_epoch(spec: ExpertWorkerSpec, store: TCPStore, epoch: int, held: HeldExperts, moe_layers: list[int],
+def _serve_epoch(spec: ExpertWorkerSpec, store: SignedStore, epoch: int, held: HeldExperts, moe_layers: list[int],
                  device: torch.device, tracer: Tracer, load: "_Load") -> None:
     peers = [f"a{i}" for i in range(spec.attention_workers)]
     endpoint = open_endpoint(spec.transport, store, data_session(spec.session, epoch), f"e{spec.rank}", peers,
@@ -148,7 +153,7 @@ def _serve_epoch(spec: ExpertWorkerSpec, store: TCPStore, epoch: int, held: Held
         endpoint.close()
 
 
-def _serve_steps(spec: ExpertWorkerSpec, store: TCPStore, receiver: M2NReceiver, held: HeldExperts,
+def _serve_steps(spec: ExpertWorkerSpec, store: SignedStore, receiver: M2NReceiver, held: HeldExperts,
                  moe_layers: list[int], load: "_Load") -> None:
     narrow = receiver.device.type == "cpu" and narrows(held.modules(held.active).values())
     with torch.inference_mode(), native.native_parallel_only(narrow):
@@ -163,7 +168,7 @@ def _serve_steps(spec: ExpertWorkerSpec, store: TCPStore, receiver: M2NReceiver,
             load.step_done(receiver.idle)
 
 
-def _next_epoch(store: TCPStore, session: str, epoch: int) -> int | None:
+def _next_epoch(store: SignedStore, session: str, epoch: int) -> int | None:
     """Wait for the server to publish an epoch after `epoch`; None when the deployment shuts down."""
     key = f"{session}/epoch"
     while True:
@@ -183,7 +188,7 @@ class _Load:
     SESSION/stats/eN/tokens (the (L, E) int64 counts as raw little-endian bytes: 58 x 256 DeepSeek
     layers are 119 KB, cheap once a second)."""
 
-    def __init__(self, spec: ExpertWorkerSpec, store: TCPStore, tracer: Tracer, device: torch.device,
+    def __init__(self, spec: ExpertWorkerSpec, store: SignedStore, tracer: Tracer, device: torch.device,
                  num_experts: int, moe_layers: list[int]):
         self.key, self.store, self.tracer = f"{spec.session}/stats/e{spec.rank}", store, tracer
         self.meta = {"moe_layers": moe_layers, "num_experts": num_experts}
@@ -210,14 +215,14 @@ class _Load:
             self.last = time.monotonic()
 
 
-def _done(store: TCPStore, spec: ExpertWorkerSpec) -> None:
+def _done(store: SignedStore, spec: ExpertWorkerSpec) -> None:
     try:
         store.set(f"{spec.session}/done/e{spec.rank}", "1")
     except Exception:
         pass
 
 
-def _shutting_down(store: TCPStore, session: str) -> bool:
+def _shutting_down(store: SignedStore, session: str) -> bool:
     try:
         return store.check([f"{session}/shutdown"])
     except Exception:  # the store went away with the server: nothing left to serve

@@ -153,6 +153,7 @@ def store_key(session: str, who: str, what: str) -> str:
 
 
 def publish(store, session: str, me: str, what: str, info: dict) -> None:
+    """Publish `info` as JSON (open_endpoint's store signs it: _hello.SignedStore)."""
     store.set(store_key(session, me, what), json.dumps(info))
 
 

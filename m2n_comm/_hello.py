@@ -1,6 +1,6 @@
 """Who may connect: the HELLO handshake that every M2N connection (tcp data plane, nixl metadata
-exchange) and every control connection (attention worker -> front) starts with, and the store
-records endpoints publish. Both prove the deployment token without sending it.
+exchange) and every control connection (attention worker -> front) starts with, and the values
+every party writes in the store. Both prove the deployment token without sending it.
 
 Handshake, D dialing L (nD, nL: 16 fresh random bytes each; MAC: HMAC-SHA256 keyed by the token):
     D -> L  OPEN    MAGIC (8 bytes) + nD
@@ -15,9 +15,13 @@ frames, control messages) stays in the socket for its reader. An M2N HELLO body 
 num_slots, slot_bytes, ...backend fields}; a control one is {name}. A peer with the right token
 but the wrong name or slot geometry is a configuration error (ValueError).
 
-Store records (`sign_record`, `open_record`): JSON {"body": the info as JSON text, "mac": hex of
-MAC("shuttle store record\\0" | key | "\\0" | body)}: valid only under its own key (the key names
-session and epoch); a record without a valid MAC is refused and logged naming the key.
+The store (`SignedStore`): whoever reaches the TCPStore's port may read and write it, so every value
+a party acts on carries a MAC by the token, bound to its key: "hmac-sha256:" + 64 hex digits of
+MAC("shuttle store value\\0" | u32 len(key) | key | value) + "\\n" + value (any bytes). Set signs;
+check and get accept only a value signed under its own key (keys name the session, and the epoch
+or placement version where a value is written more than once), so a value cannot be moved to
+another key; one without a valid MAC is as if absent, refused and logged once naming the key.
+Records (`sign_record`, `open_record`: endpoints, the deployment) are such values holding JSON.
 """
 import hashlib
 import hmac
@@ -28,7 +32,10 @@ import select
 import socket
 import struct
 import time
+from datetime import timedelta
 from typing import Callable, Sequence
+
+from torch.distributed import DistStoreError
 
 from m2n_comm._common import STORE_POLL_S, check_peer_info, store_key
 from m2n_comm.transport import TransportTimeout
@@ -40,7 +47,9 @@ HELLO_WAIT_S = 5.0  # a connection that has not completed its HELLO within this 
 MAGIC = b"shuttle\x01"  # Shuttle's HELLO, version 1
 NONCE_BYTES, MAC_BYTES = 16, 32
 OPEN_BYTES, PROOF_BYTES = len(MAGIC) + NONCE_BYTES, NONCE_BYTES + MAC_BYTES
-LISTENER, DIALER, RECORD = b"shuttle hello listener\0", b"shuttle hello dialer\0", b"shuttle store record\0"
+LISTENER, DIALER, VALUE = b"shuttle hello listener\0", b"shuttle hello dialer\0", b"shuttle store value\0"
+SIGNED = b"hmac-sha256:"  # a signed store value: SIGNED + hex MAC + b"\n" + the value
+VALUE_AT = len(SIGNED) + 2 * MAC_BYTES + 1
 
 
 class HelloRefused(ConnectionError):
@@ -160,30 +169,130 @@ def accept_hello(sock: socket.socket, token: str, max_body: int, timeout: float)
             return body
 
 
-# -- store records -----------------------------------------------------------------------------------
-def sign_record(token: str, key: str, info: dict) -> str:
-    """The store value for `info` under `key`, signed with the token."""
-    body = json.dumps(info)
-    return json.dumps({"body": body, "mac": _mac(token, RECORD, key.encode(), b"\0", body.encode()).hex()})
+# -- the store ---------------------------------------------------------------------------------------
+def seal(token: str, key: str, value: bytes) -> bytes:
+    """`value` as stored under `key`, signed with the token."""
+    k = key.encode()
+    return SIGNED + _mac(token, VALUE, LEN.pack(len(k)), k, value).hex().encode() + b"\n" + value
+
+
+def unseal(token: str, key: str, raw: bytes | str) -> bytes | None:
+    """The value of `raw` if it was sealed with `token` under `key`, else None."""
+    raw = raw.encode() if isinstance(raw, str) else bytes(raw)
+    if not raw.startswith(SIGNED) or raw[VALUE_AT - 1:VALUE_AT] != b"\n":
+        return None
+    try:
+        mac = bytes.fromhex(raw[len(SIGNED):VALUE_AT - 1].decode("ascii"))
+    except ValueError:
+        return None
+    k, value = key.encode(), raw[VALUE_AT:]
+    return value if hmac.compare_digest(mac, _mac(token, VALUE, LEN.pack(len(k)), k, value)) else None
+
+
+def _refusal(key: str) -> None:
+    log.warning("refused the store value %r: no valid MAC by the deployment token (forged, or written with "
+                "a different SHUTTLE_DEPLOYMENT_TOKEN)", key)
+
+
+class SignedStore:
+    """A torch.distributed store (`raw`) whose values are signed with the deployment token: `set`
+    seals; `check` is True only when every key holds a value sealed under that key, `get` returns
+    only such a value. A value without a valid MAC counts as absent: check says False, and it is
+    logged once (per key and value). `get` of a refused value returns the value `check` just
+    verified for the key (a stranger's write in between is ignored), else waits, like a get of a
+    missing key, for a signed one until the store's timeout (DistStoreError then). `add` counters
+    are not signed (the store itself adds). A deployment always has a token; endpoints opened by
+    hand without one (tests, benches) sign with the empty key, which proves nothing. Thread-safe as
+    the raw store is."""
+
+    def __init__(self, store, token: str):
+        self.raw, self.token = store, token
+        self._checked: dict[str, bytes] = {}  # verified by check, not yet read by get
+        self._refused: dict[str, bytes] = {}  # key -> digest of the value last refused (logged)
+
+    @property
+    def port(self) -> int:
+        return self.raw.port
+
+    def set(self, key: str, value: str | bytes) -> None:
+        value = value.encode() if isinstance(value, str) else bytes(value)
+        self.raw.set(key, seal(self.token, key, value))
+
+    def _open(self, key: str, raw: bytes) -> bytes | None:
+        value = unseal(self.token, key, raw)
+        if value is not None:
+            self._refused.pop(key, None)
+        elif self._refused.get(key) != (digest := hashlib.sha256(raw).digest()):
+            self._refused[key] = digest
+            _refusal(key)
+        return value
+
+    def check(self, keys: Sequence[str]) -> bool:
+        if not self.raw.check(keys):
+            return False
+        for key in keys:
+            value = self._open(key, self.raw.get(key))
+            if value is None:
+                return False
+            self._checked[key] = value
+        return True
+
+    def get(self, key: str) -> bytes:
+        value, checked = self._open(key, self.raw.get(key)), self._checked.pop(key, None)
+        if value is not None or checked is not None:
+            return checked if value is None else value
+        deadline = time.monotonic() + self._timeout_s()
+        while time.monotonic() < deadline:
+            time.sleep(STORE_POLL_S)
+            if (value := self._open(key, self.raw.get(key))) is not None:
+                return value
+        raise DistStoreError(f"store key {key!r}: no value signed by the deployment token in {self._timeout_s():g} s")
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        """Until every key holds a signed value (DistStoreError after `timeout`, default the store's)."""
+        limit = timeout.total_seconds() if timeout is not None else self._timeout_s()
+        deadline = time.monotonic() + limit
+        while not self.check(keys):
+            if time.monotonic() >= deadline:
+                raise DistStoreError(f"store keys {list(keys)}: no values signed by the deployment token in "
+                                     f"{limit:g} s")
+            time.sleep(STORE_POLL_S)
+
+    def _timeout_s(self) -> float:
+        return getattr(self.raw, "timeout", timedelta(seconds=300)).total_seconds()
+
+    def add(self, key: str, amount: int) -> int:
+        return self.raw.add(key, amount)
+
+    def refused(self, key: str) -> bool:
+        """Whether the value last read under `key` was refused."""
+        return key in self._refused
+
+
+def signed_store(store, token: str) -> SignedStore:
+    """`store` signed with `token` (itself when it already is a SignedStore)."""
+    return store if isinstance(store, SignedStore) else SignedStore(store, token)
+
+
+def sign_record(token: str, key: str, info: dict) -> bytes:
+    """The store value for `info` (JSON) under `key`, signed with the token."""
+    return seal(token, key, json.dumps(info).encode())
 
 
 def open_record(token: str, key: str, raw: bytes | str) -> dict | None:
     """The info of a record signed with `token` under `key`; None, logged naming the key, otherwise."""
+    value = unseal(token, key, raw)
     try:
-        outer = json.loads(raw)
-        body, mac = outer["body"], bytes.fromhex(outer["mac"])
-        if hmac.compare_digest(mac, _mac(token, RECORD, key.encode(), b"\0", body.encode())):
-            return json.loads(body)
-    except (ValueError, KeyError, TypeError, AttributeError):
+        if value is not None:
+            return json.loads(value)
+    except ValueError:
         pass
-    log.warning("refused the store record %r: no valid MAC by the deployment token (forged, or written with "
-                "a different SHUTTLE_DEPLOYMENT_TOKEN)", key)
+    _refusal(key)
     return None
 
 
 def publish_signed(store, session: str, me: str, what: str, info: dict, token: str) -> None:
-    key = store_key(session, me, what)
-    store.set(key, sign_record(token, key, info))
+    signed_store(store, token).set(store_key(session, me, what), json.dumps(info))
 
 
 def wait_signed(store, session: str, peers: Sequence[str], what: str, token: str,
@@ -191,25 +300,18 @@ def wait_signed(store, session: str, peers: Sequence[str], what: str, token: str
     """Wait until every peer published a validly signed `what`; returns peer -> its info. An invalid
     record is logged once and waited past (its owner's write replaces it); TransportTimeout after
     `deadline` names the peers missing and the keys refused. Polls: check() never blocks."""
+    store = signed_store(store, token)
     keys = {p: store_key(session, p, what) for p in peers}
     got: dict[str, dict] = {}
-    refused: dict[str, bytes] = {}
     while True:
         for p in peers:
-            if p in got or not store.check([keys[p]]):
-                continue
-            raw = store.get(keys[p])
-            if refused.get(p) != raw:
-                info = open_record(token, keys[p], raw)
-                if info is None:
-                    refused[p] = raw
-                else:
-                    got[p] = info
+            if p not in got and store.check([keys[p]]):
+                got[p] = json.loads(store.get(keys[p]))
         if len(got) == len(peers):
             return got
         if time.monotonic() >= deadline:
             missing = [p for p in peers if p not in got]
-            bad = [keys[p] for p in missing if p in refused]
+            bad = [keys[p] for p in missing if store.refused(keys[p])]
             raise TransportTimeout(f"M2N connect: peers {missing} did not publish {what!r} in time"
                                    + (f" (refused records without a valid MAC: {bad})" if bad else ""))
         time.sleep(STORE_POLL_S)

@@ -11,10 +11,8 @@ import queue
 import socket
 import time
 
-from torch.distributed import TCPStore
-
 from attention_nodes import messages as wire
-from m2n_comm._hello import HelloRefused, accept_hello
+from m2n_comm._hello import HelloRefused, SignedStore, accept_hello
 from m2n_comm.transport import TransportConfig
 
 log = logging.getLogger("shuttle")
@@ -65,7 +63,7 @@ def read_events(sock: socket.socket, conn: int, events: queue.Queue, stats: dict
     events.put((conn, None))
 
 
-def shutdown_pools(socks: list[socket.socket], procs: list, store: TCPStore, session: str, remote_experts: int,
+def shutdown_pools(socks: list[socket.socket], procs: list, store: SignedStore, session: str, remote_experts: int,
                    launcher=None) -> None:
     """Stop the pools: attention workers first (Shutdown), then expert workers, which see their
     peers leave and the shutdown key set; anything still alive after a grace period is killed.

@@ -34,8 +34,6 @@ import time
 import weakref
 from dataclasses import asdict, replace
 
-from torch.distributed import TCPStore
-
 from attention_nodes import messages as wire
 from attention_nodes.config import EngineConfig, worker_threads
 from attention_nodes.engine import SequenceDelta, max_new_tokens
@@ -43,6 +41,7 @@ from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import check_fits
 from attention_nodes.worker import AttentionWorkerSpec, run_attention_worker
 from expert_nodes.worker import ExpertWorkerSpec, run_expert_worker
+from m2n_comm._hello import SignedStore
 from m2n_comm.m2n import slot_bytes_for
 from m2n_comm.placement import ExpertPlacement, Placement, check_redundancy
 from m2n_comm.transport import TransportConfig
@@ -50,7 +49,7 @@ from models.config import ModelConfig
 from pools.control import admitted, read_events, shutdown_pools
 from pools.eplb import PlacementControl, read_expert_load
 from pools.launchers import check_installed, make_launcher
-from pools.roles import engine_config_to_json, front_token, publish_deployment, split_addr
+from pools.roles import engine_config_to_json, front_token, listen_store, publish_deployment, split_addr
 from pools.stragglers import Stragglers
 from pools.supervision import (MAIN_GUARD_EXIT, Supervision, Worker, WorkerFailedError, _Broken, _down, _Request,
                                _suspect)
@@ -91,15 +90,17 @@ class PoolEngine:
         self._launcher = None if rendezvous else make_launcher(par)
         host, port = split_addr(rendezvous) if rendezvous else (self._launcher.host, 0)
         self.session = f"shuttle-{os.getpid()}-{secrets.token_hex(4)}"
-        self._store = TCPStore(host, port, is_master=True, wait_for_workers=False)
-        self._listener = socket.create_server((host, 0))
-        dtype = cfg.dtype or self.model_cfg.dtype
         # The deployment token: every worker gets it (spawn args, a Ray actor's spec, or its own
         # SHUTTLE_DEPLOYMENT_TOKEN), and the control listener, the tcp data plane and the nixl metadata
-        # exchange admit only peers that prove it (m2n_comm/_hello.py).
+        # exchange admit only peers that prove it (m2n_comm/_hello.py); every value in the store is
+        # signed with it. The store listens on the control listener's address only.
+        token = front_token(deployment_token, rendezvous)
+        self._store = SignedStore(listen_store(host, port), token)
+        self._listener = socket.create_server((host, 0))
+        dtype = cfg.dtype or self.model_cfg.dtype
         self.transport = TransportConfig(par.transport, slot_bytes_for(
             self.model_cfg.hidden_size, self.model_cfg.top_k, dtype, cfg.scheduler.max_num_batched_tokens), host=host,
-            token=front_token(deployment_token, rendezvous))
+            token=token)
         self.epoch = 0  # of the data plane; every restart opens the next one
         self._ready = False  # a step can run: every worker is up and joined the current epoch
         self._procs: list[mp.process.BaseProcess] = []

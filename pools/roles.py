@@ -2,15 +2,18 @@
 --rendezvous HOST:PORT`): read the deployment the front published in the TCPStore, take the next
 rank of the role, serve. Also the deployment's JSON form (EngineConfig <-> dict) and its record.
 
-The store has no authentication, so it holds nothing secret: the deployment record is signed with
-the deployment token (m2n_comm/_hello.py, sign_record) and holds no token; every --role worker
-brings the token itself (SHUTTLE_DEPLOYMENT_TOKEN) and refuses a record it cannot verify.
+The store has no authentication, so it holds nothing secret: every value in it, the deployment record
+included, is signed with the deployment token (m2n_comm/_hello.py, SignedStore) and none holds the
+token; every --role worker brings the token itself (SHUTTLE_DEPLOYMENT_TOKEN) and refuses a record
+it cannot verify. The front's store listens on the rendezvous address only (listen_store).
 
 A --role worker watches its front's store address as a Ray actor does (launchers.watch_front): cut
 off from the front by a partition, it would otherwise wait for it (a parked attention worker for
 ever), since no FIN or reset crosses.
 """
+import json
 import logging
+import os
 import secrets
 import socket
 import threading
@@ -23,7 +26,7 @@ from torch.distributed import DistError, TCPStore
 from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from attention_nodes.worker import AttentionWorkerSpec, run_attention_worker
 from expert_nodes.worker import ExpertWorkerSpec, run_expert_worker
-from m2n_comm._hello import open_record, sign_record
+from m2n_comm._hello import open_record, signed_store
 from m2n_comm.placement import ExpertPlacement
 from m2n_comm.transport import TransportConfig
 from models.config import DTYPES
@@ -133,9 +136,20 @@ def front_token(given: str | None, rendezvous: str | None) -> str:
     return token
 
 
-def publish_deployment(store: TCPStore, spec: dict, token: str) -> None:
+def listen_store(host: str, port: int) -> TCPStore:
+    """The deployment's TCPStore server, listening on `host` only (its first address; port 0: any
+    free one). torch's server binds its port on every interface, but takes over a listening socket
+    given as master_listen_fd: it gets its own descriptor of one bound here (and closes it when it
+    goes)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    with socket.create_server((host, port), family=family) as sock:
+        return TCPStore(host, sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                        master_listen_fd=os.dup(sock.fileno()))
+
+
+def publish_deployment(store, spec: dict, token: str) -> None:
     """Publish the deployment (JSON, no token in it) for --role workers, signed with the token."""
-    store.set(DEPLOYMENT_KEY, sign_record(token, DEPLOYMENT_KEY, spec))
+    signed_store(store, token).set(DEPLOYMENT_KEY, json.dumps(spec))
 
 
 def read_deployment(store: TCPStore, token: str, rendezvous: str) -> dict:

@@ -17,13 +17,12 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from torch.distributed import TCPStore
-
 from attention_nodes import messages as wire
 from attention_nodes.config import EngineConfig
 from attention_nodes.engine import SequenceDelta
 from attention_nodes.sampling_params import SamplingParams
 from m2n_comm._common import process_gone
+from m2n_comm._hello import SignedStore
 from m2n_comm.placement import ExpertPlacement
 from pools.eplb import PlacementControl
 
@@ -111,7 +110,7 @@ class Pools(Protocol):
     epoch: int                        # of the data plane; supervision opens the next one
     placement: ExpertPlacement        # the placement new workers start with
     placements: PlacementControl
-    _store: TCPStore
+    _store: SignedStore               # the deployment's store: every value signed (m2n_comm/_hello.py)
     _procs: list                      # the worker processes (or Ray actors), each named "a0", "e1", ...
     _conn_rank: dict[int, int]        # current control connection -> attention worker rank
     _conn_epoch: dict[int, int]       # current control connection -> epoch of its Ready

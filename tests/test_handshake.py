@@ -409,14 +409,17 @@ def test_the_store_holds_no_token_and_forged_records_are_refused(master, caplog)
     with pytest.raises(ValueError, match="not signed with this worker's SHUTTLE_DEPLOYMENT_TOKEN"):
         read_deployment(master, "other", "h:1")
     forged = dict(d, control=["10.9.9.9", 1])
+    genuine, endpoint = master.get(DEPLOYMENT_KEY), master.get(store_key(sess, "a", "tcp"))
     caplog.clear()
     with caplog.at_level("WARNING", logger="shuttle"):
+        # unsigned; signed with another token; the genuine MAC over another body; a genuine record
+        # of another key moved here
         for value in (json.dumps(forged), sign_record("guess", DEPLOYMENT_KEY, forged),
-                      json.dumps({"body": json.dumps(forged), "mac": json.loads(master.get(DEPLOYMENT_KEY))["mac"]})):
+                      genuine[:_hello.VALUE_AT] + json.dumps(forged).encode(), endpoint):
             master.set(DEPLOYMENT_KEY, value)
             with pytest.raises(ValueError, match="refused"):
                 read_deployment(master, TOKEN, "h:1")
-    assert caplog.text.count(f"refused the store record {DEPLOYMENT_KEY!r}") == 3
+    assert caplog.text.count(f"refused the store value {DEPLOYMENT_KEY!r}") == 4
 
 
 def test_a_forged_endpoint_record_is_refused_and_never_dialed(master, caplog):
@@ -434,7 +437,7 @@ def test_a_forged_endpoint_record_is_refused_and_never_dialed(master, caplog):
         with caplog.at_level("WARNING", logger="shuttle.m2n"), \
                 pytest.raises(TransportTimeout, match="refused records without a valid MAC"):
             open_endpoint(cfg, client(master), sess, "a", ["b"], 2)
-        assert f"refused the store record {key!r}" in caplog.text
+        assert f"refused the store value {key!r}" in caplog.text
         with pytest.raises(BlockingIOError):
             trap.accept()
     trap.close()
