@@ -100,8 +100,9 @@ class Handle:
 
 class _Routes:
     """A placement as lookup tables on one device, per MoE layer (key None: every layer):
-    ncopies_E (copies of each expert), copy_EC (the workers holding them, padded with the first),
-    local_WE (expert e's local id on worker w, -1 where w does not hold it)."""
+    ncopies_E (round-robin slots of each expert: its copies' shares summed), copy_EC (the worker of
+    each slot, padded with the first), local_WE (expert e's local id on worker w, -1 where w does
+    not hold it)."""
 
     def __init__(self, placement: Placement | ExpertPlacement):
         if isinstance(placement, Placement):
@@ -114,9 +115,11 @@ class _Routes:
 
     @staticmethod
     def _build(p: Placement) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        C = max(len(ws) for ws in p.copies)
-        ncopies_E = torch.tensor([len(ws) for ws in p.copies])
-        copy_EC = torch.tensor([list(ws) + [ws[0]] * (C - len(ws)) for ws in p.copies])
+        # A copy with share k takes k of the expert's round-robin slots (copies interleaved).
+        slots = [_interleave(ws, p.shares_of(e)) for e, ws in enumerate(p.copies)]
+        C = max(len(ws) for ws in slots)
+        ncopies_E = torch.tensor([len(ws) for ws in slots])
+        copy_EC = torch.tensor([ws + [ws[0]] * (C - len(ws)) for ws in slots])
         local_WE = torch.full((p.num_workers, p.num_experts), -1, dtype=torch.int32)
         for w in range(p.num_workers):
             for i, e in enumerate(p.experts_on(w)):
@@ -137,6 +140,19 @@ class _Routes:
 
 
 LOCAL_ID_DTYPES = (torch.int32, torch.int64)  # expert ids travel in either; the receiver reads them as int64
+
+
+def _interleave(workers: tuple[int, ...], shares: tuple[int, ...]) -> list[int]:
+    """Round-robin slots for copies with integer shares, each copy's slots spread out (smooth
+    weighted round robin): (0, 1) with shares (1, 3) -> [1, 0, 1, 1]; a copy with share 0 gets none."""
+    workers, shares = zip(*[(w, s) for w, s in zip(workers, shares) if s])  # a copy with share 0 gets no slot
+    total, credit, out = sum(shares), [0] * len(shares), []
+    for _ in range(total):
+        credit = [c + s for c, s in zip(credit, shares)]
+        i = max(range(len(shares)), key=lambda i: (credit[i], -i))
+        credit[i] -= total
+        out.append(workers[i])
+    return out
 
 
 def pack_aux(low: int, high: int) -> int:

@@ -5,7 +5,8 @@ Legend: E experts per MoE layer, W expert workers, R redundant copies per layer 
 all per layer), L MoE layers.
 
 - `Placement`: one layer's map, copies[e] = the workers holding expert e (a hot expert may have
-  several copies: the attention side splits its tokens between them by token index).
+  several copies: the attention side splits its tokens between them by token index, in proportion
+  to `shares[e]` when the placement has shares: EPLB gives a slow worker's copies smaller shares).
 - `ExpertPlacement`: a versioned Placement per MoE layer, what attention and expert workers act on.
   Version 0 is the placement the deployment starts with; every re-placement (EPLB, failover)
   publishes version + 1, and the M2N headers carry the version a chunk was routed with.
@@ -18,6 +19,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+MAX_SHARE = 8  # the largest weight of one copy in splitting an expert's tokens (Placement.shares)
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -28,6 +31,9 @@ class Placement:
     num_workers: int
     copies: tuple[tuple[int, ...], ...]
     down: tuple[int, ...] = ()  # workers out of service (failover): they hold nothing
+    # shares[e][i]: the weight of copy copies[e][i] in splitting expert e's tokens (ints in
+    # [0, MAX_SHARE], at least one positive: a copy with 0 is held but gets no tokens); None: equal.
+    shares: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.copies) != self.num_experts:
@@ -36,6 +42,12 @@ class Placement:
             if not ws or len(set(ws)) != len(ws) or not all(0 <= w < self.num_workers for w in ws):
                 raise ValueError(f"placement of expert {e}: workers {list(ws)} must be distinct and in "
                                  f"[0, {self.num_workers})")
+        if self.shares is not None:
+            if len(self.shares) != self.num_experts or any(len(s) != len(ws) for s, ws in zip(self.shares, self.copies)):
+                raise ValueError("placement shares must give one weight per copy of every expert")
+            if not all(isinstance(x, int) and 0 <= x <= MAX_SHARE for s in self.shares for x in s) or \
+                    not all(any(s) for s in self.shares):
+                raise ValueError(f"placement shares must be integers in [0, {MAX_SHARE}], one positive per expert")
         for w in range(self.num_workers):
             if w in self.down and self.experts_on(w):
                 raise ValueError(f"placement puts experts {self.experts_on(w)} on expert worker {w}, which is down")
@@ -75,18 +87,28 @@ class Placement:
         lost = [e for e, ws in enumerate(copies) if not ws]
         if lost:
             raise ValueError(f"experts {lost} have no copy outside expert workers {sorted(down)}")
-        return Placement(self.num_experts, self.num_workers, copies, tuple(sorted(down)))
+        shares = None if self.shares is None else tuple(
+            tuple(x for w, x in zip(ws, s) if w not in down) for ws, s in zip(self.copies, self.shares))
+        if shares is not None:  # copies that got no tokens take them when the others are gone
+            shares = tuple(s if any(s) else (1,) * len(s) for s in shares)
+        return Placement(self.num_experts, self.num_workers, copies, tuple(sorted(down)), shares)
+
+    def shares_of(self, e: int) -> tuple[int, ...]:
+        """The weights of expert e's copies in splitting its tokens (1 each without shares)."""
+        return self.shares[e] if self.shares is not None else (1,) * len(self.copies[e])
 
     def experts_on(self, worker: int) -> list[int]:
         """Global ids of the experts on `worker`, ascending (local id = position in this list)."""
         return [e for e, ws in enumerate(self.copies) if worker in ws]
 
     def worker_loads(self, load_E: list[float]) -> list[float]:
-        """Tokens each worker computes when expert e gets load_E[e] tokens split evenly over its copies."""
+        """Tokens each worker computes when expert e gets load_E[e] tokens split over its copies by
+        their shares."""
         out = [0.0] * self.num_workers
         for e, ws in enumerate(self.copies):
-            for w in ws:
-                out[w] += load_E[e] / len(ws)
+            shares = self.shares_of(e)
+            for w, x in zip(ws, shares):
+                out[w] += load_E[e] * x / sum(shares)
         return out
 
 
@@ -149,14 +171,20 @@ class ExpertPlacement:
         return max(sum(len(ws) for ws in p.copies) for p in self.layers)
 
     def to_json(self) -> str:
-        return json.dumps({"version": self.version, "moe_layers": list(self.moe_layers),
-                           "copies": [[list(ws) for ws in p.copies] for p in self.layers], "down": list(self.down)})
+        d = {"version": self.version, "moe_layers": list(self.moe_layers),
+             "copies": [[list(ws) for ws in p.copies] for p in self.layers], "down": list(self.down)}
+        if any(p.shares is not None for p in self.layers):
+            d["shares"] = [[list(p.shares_of(e)) for e in range(p.num_experts)] for p in self.layers]
+        return json.dumps(d)
 
     @classmethod
     def from_json(cls, text: str | bytes, num_workers: int) -> "ExpertPlacement":
         d = json.loads(text)
         down = tuple(d.get("down", ()))
-        layers = tuple(Placement(len(c), num_workers, tuple(tuple(ws) for ws in c), down) for c in d["copies"])
+        shares = d.get("shares") or [None] * len(d["copies"])
+        layers = tuple(Placement(len(c), num_workers, tuple(tuple(ws) for ws in c), down,
+                                 None if s is None else tuple(tuple(x) for x in s))
+                       for c, s in zip(d["copies"], shares))
         return cls(tuple(d["moe_layers"]), layers, d["version"])
 
 

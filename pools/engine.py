@@ -41,6 +41,7 @@ from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import check_fits
 from attention_nodes.worker import AttentionWorkerSpec, run_attention_worker
 from expert_nodes.worker import ExpertWorkerSpec, run_expert_worker
+from m2n_comm._common import process_gone
 from m2n_comm._hello import SignedStore
 from m2n_comm.m2n import slot_bytes_for
 from m2n_comm.placement import ExpertPlacement, Placement, check_redundancy
@@ -51,7 +52,7 @@ from pools.eplb import PlacementControl, read_expert_load
 from pools.launchers import check_installed, make_launcher
 from pools.roles import engine_config_to_json, front_token, listen_store, publish_deployment, split_addr
 from pools.stragglers import Stragglers
-from pools.supervision import (MAIN_GUARD_EXIT, Supervision, Worker, WorkerFailedError, _Broken, _down, _Request,
+from pools.supervision import (MAIN_GUARD_EXIT, Supervision, Worker, WorkerFailedError, _Broken, _Request,
                                _suspect)
 
 log = logging.getLogger("shuttle")
@@ -133,6 +134,7 @@ class PoolEngine:
         self._ready = True
         self.placements = PlacementControl(self._store, self.session, self.placement, self._send_placement,
                                            par.eplb_interval if par.eplb else 0, par.num_redundant_experts)
+        self.placements.speeds = lambda: self.stragglers.speeds([f"e{w}" for w in range(par.expert_workers)])
 
     def _initial_placement(self) -> ExpertPlacement:
         """--placement FILE or contiguous blocks, the same in every MoE layer (version 0)."""
@@ -241,8 +243,10 @@ class PoolEngine:
 
     @property
     def ready(self) -> bool:
-        """A step can run now: every worker is up and joined the current epoch (thread-safe)."""
-        return self._ready and not any(p.pid is not None and _down(p.pid) for p in list(self._procs))
+        """Every worker is up and joined the current epoch (thread-safe). A worker stopped for a
+        moment (a stop/continue cycle: a straggler) still counts; one stopped for dead_after_s is
+        failed by supervision, which clears this until it is replaced."""
+        return self._ready and not any(p.pid is not None and process_gone(p.pid) for p in list(self._procs))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue the request on the attention worker with the fewest queued tokens (validated by

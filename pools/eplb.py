@@ -14,19 +14,26 @@ Nothing waits: `poll` (called from PoolEngine.step) advances the steps above; no
 
 `greedy_placement`: MegaScale-Infer's greedy for one layer from its token counts: give the R
 extra copies one at a time to the expert with the most tokens per copy, then place the copies,
-heaviest first, each on the least-loaded worker that has a free slot and no copy of it yet
-(m2n_comm/placement.py: the tables and each worker's slots).
+heaviest first, each on the worker that would finish its share soonest among those with a free slot
+and no copy of it yet (m2n_comm/placement.py: the tables and each worker's slots).
+
+Slow expert workers: every worker has a speed (1.0; pools/stragglers.py lowers it for a worker its
+peers persistently wait on). Loads are compared as time (tokens / speed), so a slow worker gets the
+lightest experts, and a replicated expert's tokens are split over its copies in proportion to their
+workers' speeds (Placement.shares). A change of speeds starts a re-placement at once (EPLB on),
+without waiting for the interval.
 
 Legend: L MoE layers, E experts, R redundant copies per layer, W expert workers.
 """
 import json
 import logging
+import math
 import time
 from typing import Callable
 
 import numpy as np
 
-from m2n_comm.placement import ExpertPlacement, Placement, check_redundancy, worker_slots
+from m2n_comm.placement import MAX_SHARE, ExpertPlacement, Placement, check_redundancy, worker_slots
 
 log = logging.getLogger("shuttle")
 POLL_EVERY_S = 0.02  # the store is asked at most this often while a re-placement is under way
@@ -45,9 +52,11 @@ class PlacementControl:
         self.pending: ExpertPlacement | None = None   # being applied
         self._phase, self._next_poll = "", 0.0
         self.interval, self.num_redundant = interval, num_redundant
-        self.policy: Callable = lambda load, cur: eplb_policy(load, cur, self.num_redundant)
+        self.policy: Callable = lambda load, cur, speed: eplb_policy(load, cur, self.num_redundant, speed)
+        self.speeds: Callable[[], list[float]] = lambda: [1.0] * placement.num_workers  # per expert worker
         self.applied = 0                               # re-placements completed
         self._window_start: tuple[int, np.ndarray | None] = (0, None)  # (steps, counts) when the window began
+        self._speeds_used = [1.0] * placement.num_workers  # the speeds of the last policy decision
 
     def apply(self, placement: ExpertPlacement) -> None:
         """Start applying `placement` (its version must be the current one + 1); poll() finishes it."""
@@ -74,14 +83,17 @@ class PlacementControl:
         self._next_poll = now + POLL_EVERY_S
         if self.pending is not None:
             self._advance()
-        elif self.interval and not self.current.down and steps - self._window_start[0] >= self.interval:
+        elif not self.interval or self.current.down:
+            return
+        elif (interval_passed := steps - self._window_start[0] >= self.interval) or self.speeds() != self._speeds_used:
             counts = load_LE()
             if counts is None:
                 return
             start = self._window_start[1]
-            window = counts if start is None else counts - start
-            self._window_start = (steps, counts)
-            chosen = self.policy(window.tolist(), self.current)
+            # A change of speeds cannot wait for a window's counts: the loads so far stand in.
+            window = counts if start is None or not interval_passed else counts - start
+            self._window_start, self._speeds_used = (steps, counts), self.speeds()
+            chosen = self.policy(window.tolist(), self.current, self._speeds_used)
             if chosen is not None:
                 self.apply(chosen)
 
@@ -135,24 +147,32 @@ class PlacementControl:
                 "placement_pending": self.pending is not None}
 
 
-def eplb_policy(load_LE: list[list[float]], current: ExpertPlacement, num_redundant: int) -> ExpertPlacement | None:
-    """MegaScale-Infer's greedy per layer from the window's loads, if it lowers the predicted expert
-    time of a step by at least MIN_GAIN; else None (no churn for nothing). A step's expert time is
-    the sum over layers of the busiest worker's tokens in that layer: every layer waits for its
-    slowest expert worker."""
+def eplb_policy(load_LE: list[list[float]], current: ExpertPlacement, num_redundant: int,
+                speed_W: list[float] | None = None) -> ExpertPlacement | None:
+    """MegaScale-Infer's greedy per layer from the window's loads and the workers' speeds, if it
+    lowers the predicted expert time of a step by at least MIN_GAIN; else None (no churn for
+    nothing). A step's expert time is the sum over layers of the slowest worker's time (tokens /
+    speed) in that layer: every layer waits for its slowest expert worker."""
     if not any(any(row) for row in load_LE):
         return None
-    new = rebalance(load_LE, current, num_redundant)
-    if step_cost(new, load_LE) > (1 - MIN_GAIN) * step_cost(current, load_LE):
+    new = rebalance(load_LE, current, num_redundant, speed_W)
+    if step_cost(new, load_LE, speed_W) > (1 - MIN_GAIN) * step_cost(current, load_LE, speed_W):
         return None
     before, after = predicted_worker_load(current, load_LE), predicted_worker_load(new, load_LE)
-    log.info("EPLB: expert-worker load max/mean %.2f -> %.2f (predicted)", imbalance(before), imbalance(after))
+    log.info("EPLB: expert-worker tokens %s -> %s (predicted shares%s)", _shares(before), _shares(after),
+             "" if speed_W is None or len(set(speed_W)) == 1 else f"; speeds {[round(v, 3) for v in speed_W]}")
     return new
 
 
-def step_cost(placement: ExpertPlacement, load_LE: list[list[float]]) -> float:
-    """Sum over MoE layers of the most tokens any expert worker computes in that layer."""
-    return sum(max(p.worker_loads(load)) for p, load in zip(placement.layers, load_LE))
+def _shares(load_W: list[float]) -> list[float]:
+    total = sum(load_W) or 1.0
+    return [round(x / total, 3) for x in load_W]
+
+
+def step_cost(placement: ExpertPlacement, load_LE: list[list[float]], speed_W: list[float] | None = None) -> float:
+    """Sum over MoE layers of the longest time (tokens / speed) any expert worker computes there."""
+    speed = speed_W or [1.0] * placement.num_workers
+    return sum(max(x / v for x, v in zip(p.worker_loads(load), speed)) for p, load in zip(placement.layers, load_LE))
 
 
 def predicted_worker_load(placement: ExpertPlacement, load_LE: list[list[float]]) -> list[float]:
@@ -182,15 +202,18 @@ def read_expert_load(store, session: str, num_workers: int) -> tuple[np.ndarray 
 
 # -- placement policies ----------------------------------------------------------------------------
 def greedy_placement(load_E: list[float], num_workers: int, num_redundant: int = 0,
-                     slots_W: list[int] | None = None) -> Placement:
+                     slots_W: list[int] | None = None, speed_W: list[float] | None = None) -> Placement:
     """MegaScale-Infer's greedy for one layer (see the module docstring). load_E: tokens routed to
-    each expert over the window (any non-negative numbers). Deterministic: ties go to the lower
-    expert id, then to the lower worker id."""
+    each expert over the window (any non-negative numbers); speed_W: each worker's relative speed
+    (None: all equal). Deterministic: ties go to the lower expert id, then to the lower worker id."""
     E, W = len(load_E), num_workers
     check_redundancy(E, W, num_redundant)
     slots = list(slots_W) if slots_W is not None else worker_slots(E, W, num_redundant)
     if len(slots) != W or sum(slots) != E + num_redundant:
         raise ValueError(f"worker slots {slots} must be {W} numbers adding up to {E + num_redundant}")
+    speed = list(speed_W) if speed_W is not None else [1.0] * W
+    if len(speed) != W or not all(v > 0 for v in speed):
+        raise ValueError(f"worker speeds {speed} must be {W} positive numbers")
     count = [1] * E
     for _ in range(num_redundant):  # one more copy for the expert with the most tokens per copy
         e = max((e for e in range(E) if count[e] < W), key=lambda e: (load_E[e] / count[e], -e))
@@ -205,12 +228,27 @@ def greedy_placement(load_E: list[float], num_workers: int, num_redundant: int =
             options = [w for w in range(W) if free[w] > 0 and e not in held[w]]
             if not options:  # only workers that already hold e have room: trade with one that does not
                 options = [_make_room(e, held, free, copies, load_W, load_E, count)]
-            w = min(options, key=lambda w: (load_W[w], w))
+            w = min(options, key=lambda w: ((load_W[w] + load_E[e] / count[e]) / speed[w], w))
             copies[e].append(w)
             held[w].add(e)
             free[w] -= 1
             load_W[w] += load_E[e] / count[e]
-    return Placement(E, W, tuple(tuple(sorted(ws)) for ws in copies))
+    copies = [sorted(ws) for ws in copies]
+    return Placement(E, W, tuple(tuple(ws) for ws in copies), shares=_speed_shares(copies, speed))
+
+
+def _speed_shares(copies: list[list[int]], speed_W: list[float]) -> tuple[tuple[int, ...], ...] | None:
+    """Integer shares of each expert's copies in proportion to their workers' speeds (the fastest
+    copy MAX_SHARE; one under 1/16 of its speed gets 0: held, but sent no tokens, since at decode
+    sizes a copy's time is reading its weights however few tokens it gets); None when every
+    expert's copies are equally fast."""
+    shares = []
+    for ws in copies:
+        top = max(speed_W[w] for w in ws)
+        s = [round(MAX_SHARE * speed_W[w] / top + 0.001) for w in ws]  # (a half rounds up)
+        g = math.gcd(*s)
+        shares.append(tuple(x // g for x in s))
+    return None if all(set(s) == {1} for s in shares) else tuple(shares)
 
 
 def _make_room(e: int, held: list[set], free: list[int], copies: list[list[int]], load_W: list[float],
@@ -232,10 +270,12 @@ def _make_room(e: int, held: list[set], free: list[int], copies: list[list[int]]
                      f"{len(copies[e]) + 1} of expert {e} on a worker without one")
 
 
-def rebalance(load_LE: list[list[float]], current: ExpertPlacement, num_redundant: int) -> ExpertPlacement:
-    """The greedy placement of every layer from its loads (load_LE[i]: MoE layer moe_layers[i]), as
-    version current.version + 1. Layers with no tokens keep their current placement."""
-    layers = tuple(p if not any(load) else greedy_placement(load, current.num_workers, num_redundant)
+def rebalance(load_LE: list[list[float]], current: ExpertPlacement, num_redundant: int,
+              speed_W: list[float] | None = None) -> ExpertPlacement:
+    """The greedy placement of every layer from its loads (load_LE[i]: MoE layer moe_layers[i]) and
+    the workers' speeds, as version current.version + 1. Layers with no tokens keep their current
+    placement."""
+    layers = tuple(p if not any(load) else greedy_placement(load, current.num_workers, num_redundant, speed_W=speed_W)
                    for p, load in zip(current.layers, load_LE))
     return ExpertPlacement(current.moe_layers, layers, current.version + 1)
 

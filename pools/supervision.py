@@ -24,6 +24,7 @@ from attention_nodes.sampling_params import SamplingParams
 from m2n_comm._common import process_gone
 from m2n_comm._hello import SignedStore
 from m2n_comm.placement import ExpertPlacement
+from m2n_comm.transport import TransportConfig
 from pools.eplb import PlacementControl
 
 log = logging.getLogger("shuttle")
@@ -81,8 +82,8 @@ class _Request:
 
 
 def _down(pid: int) -> bool:
-    """The worker process cannot take part in a step: it exited, or it is stopped (SIGSTOP, a
-    debugger), which its peers would only notice after their dead_after_s."""
+    """The worker process cannot take part in a step now: it exited, or it is stopped (SIGSTOP, a
+    debugger)."""
     if process_gone(pid):
         return True
     try:
@@ -90,6 +91,38 @@ def _down(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
     except (OSError, IndexError):
         return False
+
+
+def _switches(pid: int) -> int | None:
+    """Context switches of the process's main thread so far (they grow whenever it has run)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            return sum(int(line.split()[1]) for line in f if line.split(b":")[0].endswith(b"ctxt_switches"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class _StopWatch:
+    """How long each worker process has been stopped without running in between. A stop/continue
+    cycle (a CPU quota, a noisy neighbour, a debugger stepping) is a straggler, not a failure: a
+    worker is failed only when it is seen stopped throughout `bound` s (its peers' dead_after_s),
+    as a silent peer would be; it ran in between when its context switches grew."""
+
+    def __init__(self):
+        self._since: dict[int, tuple[float, int | None]] = {}  # pid -> (first seen stopped, switches then)
+
+    def stopped_too_long(self, pid: int, bound: float) -> bool:
+        if process_gone(pid):
+            return True
+        if not _down(pid):
+            self._since.pop(pid, None)
+            return False
+        now, switches = time.monotonic(), _switches(pid)
+        since, seen = self._since.get(pid, (now, switches))
+        if switches != seen:  # it ran since: a new stop
+            since = now
+        self._since[pid] = (since, switches)
+        return now - since >= bound
 
 
 def _suspect(peer: str, why: str) -> set[Worker]:
@@ -114,6 +147,7 @@ class Pools(Protocol):
     _procs: list                      # the worker processes (or Ray actors), each named "a0", "e1", ...
     _conn_rank: dict[int, int]        # current control connection -> attention worker rank
     _conn_epoch: dict[int, int]       # current control connection -> epoch of its Ready
+    transport: TransportConfig        # dead_after_s: how long a worker may be silent or stopped
     _requests: dict[str, _Request]
     _load: list[int]
     _ready: bool
@@ -136,6 +170,7 @@ class Supervision:
         self.degraded: tuple[ExpertPlacement, set[Worker], int] | None = None
         self.next_add_back = 0.0
         self.recomputed_tokens = 0  # prompt + delivered tokens of resumed requests (sent to be prefilled again)
+        self._stops = _StopWatch()
 
     # -- failures ----------------------------------------------------------------------------------
     def check_procs(self, wait: float = 0.0) -> None:
@@ -145,16 +180,18 @@ class Supervision:
         deadline = time.monotonic() + wait
         while self.pools._procs and time.monotonic() < deadline and all(p.exitcode is None for p in self.pools._procs):
             time.sleep(0.02)
+        bound = self.pools.transport.dead_after_s
         for p in list(self.pools._procs):
-            down = p.exitcode is None and p.pid is not None and _down(p.pid)
+            down = p.exitcode is None and p.pid is not None and self._stops.stopped_too_long(p.pid, bound)
             if down:  # an exited, not yet reaped process looks down too: reap it to report its code
                 p.join(0.2)
             if p.exitcode == MAIN_GUARD_EXIT:
                 raise WorkerFailedError(MAIN_GUARD_HINT)
             if p.exitcode is not None:
                 raise _Broken(f"worker {p.name} exited with code {p.exitcode}{self._causes()}", {Worker.named(p.name)})
-            if down:  # stopped: its peers would wait dead_after_s to say so
-                raise _Broken(f"worker {p.name} is stopped (SIGSTOP or a debugger)", {Worker.named(p.name)})
+            if down:  # stopped since dead_after_s
+                raise _Broken(f"worker {p.name} is stopped (SIGSTOP or a debugger) for {bound:g} s or more",
+                              {Worker.named(p.name)})
 
     def check_store(self) -> None:
         """Raise _Broken for an expert worker's report that its data plane broke in this epoch (an

@@ -262,10 +262,11 @@ def _workers(args) -> int:
         return 0
     share = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
     print(f"last {body['window_s']:.0f} s; a score of {body['threshold']:g} or more names a straggler")
-    print(f"{'pool':<10} {'worker':<7} {'busy':>6} {'waited on':>10} {'score':>6}")
+    print(f"{'pool':<10} {'worker':<7} {'busy':>6} {'waited on':>10} {'score':>6} {'speed':>6}")
     for w in body["workers"]:
         flag = "  straggler" if w["score"] >= body["threshold"] else ""
-        print(f"{w['pool']:<10} {w['worker']:<7} {share(w['busy']):>6} {share(w['waited_on']):>10} {w['score']:>6.2f}{flag}")
+        print(f"{w['pool']:<10} {w['worker']:<7} {share(w['busy']):>6} {share(w['waited_on']):>10} {w['score']:>6.2f} "
+              f"{w.get('speed', 1.0):>6.3g}{flag}")
     return 0
 
 

@@ -151,12 +151,16 @@ class _EngineCollector(Collector):
         waited = GaugeMetricFamily("shuttle_worker_waited_on_fraction", "The share of the last 10 s the other "
                                    "pool's workers spent waiting on this worker (summed over them)",
                                    labels=["pool", "worker"])
+        speed = GaugeMetricFamily("shuttle_worker_speed", "The speed expert placement (EPLB) gives this worker: 1, "
+                                  "lower while it is a straggler (pools/stragglers.py)", labels=["pool", "worker"])
         for r in rows:
             score.add_metric([r["pool"], r["worker"]], r["score"])
+            speed.add_metric([r["pool"], r["worker"]], r.get("speed", 1.0))
             if r["waited_on"] is not None:
                 waited.add_metric([r["pool"], r["worker"]], r["waited_on"])
         yield score
         yield waited
+        yield speed
 
     def _expert_load(self, s: dict) -> Iterator[Metric]:
         workers, layers = s.get("expert_worker_tokens", {}), s.get("expert_layer_tokens", {})

@@ -454,6 +454,7 @@ class WorkerTiming(BaseModel):
     busy: float | None = Field(description="share of the window spent computing")
     waited_on: float | None = Field(description="share of the window the other pool's workers waited on it, summed")
     score: float = Field(description="waited_on over the median of its pool's other workers (1: like them)")
+    speed: float = Field(1.0, description="the speed expert placement (EPLB) gives it: 1.0, lower while a straggler")
 
 
 class WorkerTimings(BaseModel):

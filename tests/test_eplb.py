@@ -84,6 +84,41 @@ def test_eplb_policy_moves_only_when_it_pays():
     assert ExpertPlacement.from_json(new.to_json(), 2) == new
 
 
+def test_a_slow_worker_gets_the_lightest_experts_and_small_shares():
+    """Speeds (pools/stragglers.py): loads compared as tokens / speed, so a worker at a quarter of
+    the speed fills its slots last, with the lightest experts, and its copies of replicated experts
+    take a quarter of the share of a full-speed copy."""
+    load = [8, 7, 6, 5, 4, 3, 2, 1]
+    p = greedy_placement(load, 2, 0, speed_W=[1.0, 0.25])
+    # 8, 7, 6 -> w0 (w1's time would be 32, 28, 24); 5 -> w1 (20 < 26); 4 -> w0 (30 < 36, w0 full).
+    assert p.experts_on(1) == [3, 5, 6, 7] and p.worker_loads(load) == [25.0, 11.0] and p.shares is None
+    assert greedy_placement(load, 2, 0).worker_loads(load) == [18.0, 18.0]
+    hot = [100, 10, 10, 10, 10, 10, 10, 40]
+    p = greedy_placement(hot, 2, 2, speed_W=[1.0, 0.25])
+    assert p.copies[0] == p.copies[7] == (0, 1) and p.shares[0] == p.shares[7] == (4, 1)
+    assert p.worker_loads(hot) == [142.0, 58.0]  # 80 + 32 + 3 x 10 on w0; 20 + 8 + 3 x 10 on w1
+    with pytest.raises(ValueError, match="speeds"):
+        greedy_placement(hot, 2, 2, speed_W=[1.0, 0.0])
+    # At MIN_SPEED (1/32) a copy gets no tokens: with every expert on both workers, none reach w1.
+    p = greedy_placement(hot, 2, 8, speed_W=[1.0, 1 / 32])
+    assert all(ws == (0, 1) for ws in p.copies) and set(p.shares) == {(1, 0)} and p.worker_loads(hot)[1] == 0
+
+
+def test_eplb_policy_moves_load_off_a_slow_worker_when_copies_allow():
+    current = ExpertPlacement.uniform(Placement.balanced(4, 2), [1])
+    even = [[10, 10, 10, 10]]
+    assert eplb_policy(even, current, 0, [1.0, 0.25]) is None  # 2 equal experts each: nothing to move
+    assert eplb_policy(even, current, 2, [1.0, 1.0]) is None  # balanced already
+    new = eplb_policy(even, current, 2, [1.0, 0.25])
+    # Copies of two experts on both workers, the slow one's share 1 of 5: w0 16 + 10, w1 4 + 10.
+    assert new.of(1).copies == ((0, 1), (0, 1), (1,), (0,)) and new.of(1).shares == ((4, 1), (4, 1), (1,), (1,))
+    assert step_cost(current, even, [1.0, 0.25]) == 80 and step_cost(new, even, [1.0, 0.25]) == 56
+    assert ExpertPlacement.from_json(new.to_json(), 2) == new
+    both = Placement(3, 3, ((0, 1, 2), (1, 2), (0,)), shares=((8, 0, 1), (0, 1), (1,)))
+    # Failover keeps the others' shares; held copies that got no tokens take them when alone.
+    assert both.without({2}).shares == ((8, 0), (1,), (1,)) and both.without({1}).shares == ((8, 1), (1,), (1,))
+
+
 def test_failover_placement_without_workers():
     """Failover: a worker is out only when every expert it holds has a copy elsewhere in every
     layer; the placement without it keeps the other copies, marks it down and survives JSON."""
@@ -278,6 +313,23 @@ def test_placement_control_phases(monkeypatch):
     store.set("s/placement/2/failed/e1", "CheckpointError: gone")
     ctl.poll(14, lambda: counts)
     assert ctl.pending is None and ctl.current.version == 2 and ctl.current.layers == v1.layers
+
+
+def test_a_change_of_speeds_replaces_at_once(monkeypatch):
+    """EPLB waits for its interval, except when a worker's speed changes: then the loads so far
+    decide at once, and the placement sent splits replicated experts by speed."""
+    monkeypatch.setattr("pools.eplb.POLL_EVERY_S", 0.0)
+    store, speeds = FakeStore(), [1.0, 1.0]
+    v0 = ExpertPlacement.uniform(Placement.balanced(4, 2), [1])
+    ctl = PlacementControl(store, "s", v0, lambda msg: None, interval=1000, num_redundant=2)
+    ctl.speeds = lambda: list(speeds)
+    counts = np.array([[10, 10, 10, 10]])
+    ctl.poll(5, lambda: counts)
+    assert ctl.pending is None
+    speeds[1] = 0.25
+    ctl.poll(6, lambda: counts)
+    assert ctl.pending.version == 1 and json.loads(store.get("s/placement/1"))["shares"] == [[[4, 1], [4, 1], [1], [1]]]
+    assert ctl.pending.of(1).worker_loads([10] * 4) == [26.0, 14.0]
 
 
 # -- end to end -------------------------------------------------------------------------------------

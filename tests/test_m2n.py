@@ -32,9 +32,9 @@ def serve(ep, placement: Placement, worker: int, slots: list[tuple[int, int]], r
             rx.reply(b, fake_expert_out(b.x_RD, glob, w))
 
 
-@pytest.mark.parametrize("backend", ["shm", "tcp"])
-def test_routing_replicas_and_out_of_order_combine(backend):
-    placement = Placement(E, 2, ((0,), (0, 1), (1,), (1, 0), (0,)))  # experts 1 and 3 on both workers
+@pytest.mark.parametrize("backend,shares", [("shm", None), ("tcp", None), ("shm", ((1,), (1, 3), (1,), (2, 1), (1,)))])
+def test_routing_replicas_and_out_of_order_combine(backend, shares):
+    placement = Placement(E, 2, ((0,), (0, 1), (1,), (1, 0), (0,)), shares=shares)  # experts 1 and 3 on both workers
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     cfg = TransportConfig(backend, slot_bytes=1 << 16, heartbeat_s=0.2, dead_after_s=2.0)
     m, slots = 3, [(0, 0), (0, 1), (0, 2)]
@@ -75,6 +75,26 @@ def test_routing_replicas_and_out_of_order_combine(backend):
     finally:
         for ep in eps.values():
             ep.close()
+
+
+def test_replicas_split_tokens_by_their_shares():
+    """A replicated expert's tokens go round-robin over its copies' slots: a copy with share k takes
+    k of them, spread out (token indices 0..T-1 in turn)."""
+    from m2n_comm.m2n import _Routes
+    placement = Placement(3, 3, ((0, 1), (2,), (1, 2)), shares=((1, 3), (1,), (1, 1)))
+    ncopies_E, copy_EC, _ = _Routes(placement).of(None, torch.device("cpu"))
+    T = 400
+    ids = torch.zeros(T, dtype=torch.long)
+    worker = copy_EC[ids, torch.arange(T) % ncopies_E[ids]]
+    assert torch.bincount(worker, minlength=3).tolist() == [100, 300, 0]
+    assert worker[:4].tolist() == [1, 0, 1, 1]  # interleaved, not 1 then 3 in a row
+    ids = torch.full((T,), 2)
+    assert torch.bincount(copy_EC[ids, torch.arange(T) % ncopies_E[ids]], minlength=3).tolist() == [0, 200, 200]
+    held = Placement(2, 2, ((0, 1), (0, 1)), shares=((0, 1), (3, 0)))  # copies held that get no tokens
+    ncopies_E, copy_EC, _ = _Routes(held).of(None, torch.device("cpu"))
+    assert ncopies_E.tolist() == [1, 3] and copy_EC[0, 0] == 1 and copy_EC[1].tolist() == [0, 0, 0]
+    with pytest.raises(ValueError, match="one positive per expert"):
+        Placement(2, 2, ((0, 1), (0,)), shares=((0, 0), (1,)))
 
 
 def test_single_worker_fast_path_and_deferred_work():

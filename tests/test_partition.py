@@ -271,7 +271,7 @@ def test_workers_cut_off_from_their_front_are_reported_and_leave(network, make_c
 def test_a_front_of_role_workers_waits_for_no_process():
     """A closed (or timed out) control connection makes the front look for the worker's exit code
     for up to 2 s; a front of --role workers has no process to look at and reports at once."""
-    supervision = Supervision(types.SimpleNamespace(_procs=[]), remote=True)
+    supervision = Supervision(types.SimpleNamespace(_procs=[], transport=types.SimpleNamespace(dead_after_s=3.0)), remote=True)
     t0 = time.monotonic()
     supervision.check_procs(wait=2.0)
     assert time.monotonic() - t0 < 0.5

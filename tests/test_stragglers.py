@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from m2n_comm.m2n import wait_in_arrival_order
-from pools.stragglers import FLOOR, Stragglers
+from pools.stragglers import FLOOR, MIN_SPEED, RECOVER_S, Stragglers
 
 
 def _feed(s: Stragglers, seconds: int, shares: dict[str, float], start: int = 0) -> None:
@@ -73,3 +73,51 @@ def test_each_peer_is_charged_the_wait_it_alone_caused(monkeypatch):
     ep = _Arrivals([("e2", 0), ("e0", 0), ("e1", 0)], [100, 130, 900], clock)
     wait_in_arrival_order(ep, [("e0", 0), ("e1", 0), ("e2", 0)], None, 0, waited)
     assert waited == {"e2": 100, "e0": 30, "e1": 770}
+
+
+class _Clock:
+    """Samples once a second with each expert worker waited on for a chosen share of every second."""
+
+    def __init__(self, s: Stragglers):
+        self.s, self.t, self.waited = s, 0, {"e0": 0.0, "e1": 0.0, "e2": 0.0}
+
+    def run(self, seconds: int, slow_share: float) -> None:
+        for _ in range(seconds):
+            self.t += 1
+            for name in self.waited:
+                self.waited[name] += slow_share if name == "e1" else 0.01
+            self.s.sample(float(self.t), [("expert", n, 0, int(w * 1e9)) for n, w in self.waited.items()])
+
+
+def test_a_stragglers_speed_falls_while_it_is_waited_on_and_comes_back_slowly(caplog):
+    """EPLB's speed of a straggler halves when it is named and every window it stays one (down to
+    MIN_SPEED); after RECOVER_S as no straggler it doubles, and a relapse doubles that wait."""
+    s = Stragglers(window_s=10.0, threshold=3.0)
+    c = _Clock(s)
+
+    def until(condition, slow_share: float, limit: int = 1000) -> int:
+        for _ in range(limit):
+            c.run(1, slow_share)
+            if condition():
+                return c.t
+        raise AssertionError(f"not by t={c.t}")
+
+    speed = lambda: s.speeds(["e1"])[0]  # noqa: E731
+    with caplog.at_level(logging.INFO, logger="shuttle"):
+        c.run(4, 0.6)
+        assert s.speeds(["e0", "e1", "e9"]) == [1.0, 1.0, 1.0]  # not named on a glimpse
+        named = until(lambda: speed() == 0.5, 0.6)
+        assert named == 6 and "e1" in s.flagged  # half a window after the first sample (t=1)
+        assert until(lambda: speed() == 0.25, 0.6) == named + 10  # still waited on a window later
+        assert until(lambda: speed() == MIN_SPEED, 0.6) == named + 40
+        c.run(30, 0.6)
+        assert speed() == MIN_SPEED  # the floor
+        cleared = until(lambda: "e1" not in s.flagged, 0.01)  # e1 keeps up from now on
+        assert until(lambda: speed() == 2 * MIN_SPEED, 0.01) == cleared + RECOVER_S
+        until(lambda: speed() == MIN_SPEED, 0.6)  # slow again: a relapse
+        cleared = until(lambda: "e1" not in s.flagged, 0.01)
+        assert until(lambda: speed() == 2 * MIN_SPEED, 0.01) == cleared + 2 * RECOVER_S
+        assert s.table()[1]["speed"] == 2 * MIN_SPEED and s.table()[0]["speed"] == 1.0
+    lines = [r.getMessage() for r in caplog.records if "speed for expert placement" in r.getMessage()]
+    assert lines[0] == "straggler: expert worker e1: speed for expert placement 0.5", lines
+    assert lines[5] == "straggler: expert worker e1: speed for expert placement raised to 0.0625", lines

@@ -285,7 +285,8 @@ def _front(remote: bool = False, max_restarts: int = 2, window_s: float = 600.0)
     """The supervision of pools with only what the restart budget reads (no processes)."""
     cfg = EngineConfig("unused", parallel=ParallelConfig(False, 1, 1, max_worker_restarts=max_restarts,
                                                          restart_window_s=window_s))
-    return Supervision(types.SimpleNamespace(cfg=cfg, _procs=[], _store=_NoStore(), session="s"), remote)
+    return Supervision(types.SimpleNamespace(cfg=cfg, _procs=[], _store=_NoStore(), session="s",
+                                             transport=types.SimpleNamespace(dead_after_s=3.0)), remote)
 
 
 def test_restart_budget_and_remote_workers(monkeypatch):
@@ -349,3 +350,32 @@ def test_an_exited_worker_is_not_reported_as_stopped(code, match):
     eng.pools._procs = [_LateReport(code)]
     with pytest.raises((WorkerFailedError, _Broken), match=match):
         eng.check_procs()
+
+
+def test_a_worker_is_failed_only_when_stopped_throughout_dead_after_s():
+    """A stop/continue cycle is a straggler, not a failure: supervision fails a stopped worker only
+    when it was seen stopped without running in between for dead_after_s (then promptly)."""
+    import subprocess
+    import sys
+
+    eng = _front()
+    eng.pools.transport.dead_after_s = 0.6
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    eng.pools._procs = [types.SimpleNamespace(pid=child.pid, name="e0", exitcode=None, join=lambda t: None)]
+    try:
+        time.sleep(0.2)
+        for _ in range(4):  # stopped 0.3 s of every 0.35 s for 1.4 s: never failed
+            os.kill(child.pid, signal.SIGSTOP)
+            for _ in range(3):
+                time.sleep(0.1)
+                eng.check_procs()
+            os.kill(child.pid, signal.SIGCONT)
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGSTOP)
+        eng.check_procs()
+        time.sleep(0.65)
+        with pytest.raises(_Broken, match="worker e0 is stopped .* for 0.6 s or more"):
+            eng.check_procs()
+    finally:
+        child.kill()
+        child.wait()
