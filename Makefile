@@ -10,7 +10,7 @@ NIXL ?= 1
 RAY ?= 1
 comma := ,
 
-.PHONY: setup run generate test test-durations bench bench-vllm soak fault-test pools-test profile bench-planner clean
+.PHONY: setup run generate test test-durations bench bench-vllm soak soak-faults fault-test pools-test profile bench-planner clean
 
 $(BIN)/shuttle: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -58,6 +58,14 @@ soak: setup
 	# 30 minutes of load above capacity with disconnects and bad input (CI runs 60 s of it:
 	# tests/test_soak.py); writes bench/results/soak.json
 	$(BIN)/python bench/soak.py --duration-s 1800
+
+soak-faults: setup
+	# 30 minutes each in float32 and bf16 with workers killed, stopped and throttled every 150 s
+	# (each kind twice); RSS per process added to bench/results/soak_rss.json
+	$(BIN)/python bench/soak.py --duration-s 1800 --dtype float32 --faults every=150 \
+		--out bench/results/soak_faults_float32.json --summary bench/results/soak_rss.json --label float32-faults
+	$(BIN)/python bench/soak.py --duration-s 1800 --dtype bfloat16 --faults every=150 \
+		--out bench/results/soak_faults_bf16.json --summary bench/results/soak_rss.json --label bfloat16-faults
 
 fault-test: setup
 	# the issue's full-size fault tests (tests/test_supervision.py runs 12 streams at concurrency 6 in CI):

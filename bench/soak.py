@@ -1,14 +1,17 @@
-"""Soak: `shuttle serve` under Poisson load above its capacity, with clients that disconnect and
-clients that send bad input, for a fixed time; then the verdict on leaks and on every response.
+"""Soak: `shuttle serve` under Poisson load above its capacity, with clients that disconnect, clients
+that send bad input and, with --faults, workers killed, stopped and throttled on a schedule, for a
+fixed time; then the verdict on leaks, on every response and on greedy text.
 
     python bench/soak.py [--duration-s 1800] [--rate 40] [--max-waiting 32] [--dtype float32]
+                         [--faults every=150] [--greedy-frac 0.1]
                          [--summary bench/results/soak_rss.json --label NAME] [--server-arg=--colocated ...]
 
 The server is a real `shuttle serve` (the built-in model unless --model; 1 attention + 1 expert
-worker by default) on a free port. Requests arrive as a Poisson process at --rate per second, each
-one of: a streamed or non-streamed completion or chat of random length (a --disconnect-frac share
-of them hang up after a random delay, mid-stream or while waiting), or a malformed request
-(--bad-frac) that must get a 400 in OpenAI's error shape. Every response is classified:
+worker by default, 2 expert workers when the fault schedule has a straggler phase) on a free port.
+Requests arrive as a Poisson process at --rate per second, each one of: a streamed or non-streamed
+completion or chat of random length (a --disconnect-frac share of them hang up after a random delay,
+mid-stream or while waiting), a malformed request (--bad-frac) that must get a 400 in OpenAI's error
+shape, or a greedy check (--greedy-frac, below). Every response is classified:
   ok          200 with a complete body (a stream ends in [DONE] with no error event)
   bad_input   400 for a malformed request (expected)
   queue_full  503 with Retry-After and code queue_full (expected: the load is above capacity)
@@ -20,28 +23,83 @@ of them hang up after a random delay, mid-stream or while waiting), or a malform
 Latencies of the completed requests (percentiles of arrival to last byte, and to the first token of
 streams) and the server's queue (/metrics: running, waiting for a first token) sampled with the
 RSS tell a timeout that is the tail of an overloaded queue from a request the server lost.
-The RSS of every process of the deployment (front and workers, from /proc) is sampled every
---sample-s; growth is reported over the last two thirds of the run (the first third warms up
-allocator pools and caches). At the end, once the load stopped, /metrics must show no running
-request and every KV block free. Writes bench/results/soak.json (or --out); --summary adds the run's
-RSS per process (start, one third, end, growth) and verdict to a file of runs under --label,
-replacing a run of that label (baseline and candidate side by side). Exits 1 when the verdict fails
-(an unexpected response, blocks still in use, or RSS growth over --max-rss-growth).
+
+Greedy checks: a --greedy-frac share of the requests are greedy completions (temperature 0,
+ignore_eos, GREEDY_MAX_TOKENS tokens) of a few fixed prompts, streamed or not, never hung up on. Each
+prompt's reference text is taken before the load, non-streamed and alone. Served in float32, a
+completed greedy request whose text differs from its reference is `wrong` and fails the verdict. In
+bf16 (or fp16) the greedy text depends on the batch it was computed in (those kernels are not batch
+invariant: another batch shape sums in another order and can flip a near tie), so a differing text
+is counted as `diverged` and reported, never failed on. The served dtype is --dtype (or the last
+`--dtype` server flag); for auto, the checkpoint's unless the server logged serving it in float32.
+
+Faults: --faults schedules faults injected into the live deployment while the load runs:
+
+    --faults every=S[,start=S][,kinds=KIND+KIND+...][,stop-s=S][,straggler-s=S]
+
+one fault every `every` seconds from `start` (default: a third into the run, once the warm-up is
+over), cycling through `kinds` (default kill-expert+kill-attention+stop+straggler), for as long as a
+fault and RECOVERY_S to recover from it fit before the load ends. A kind may name its target,
+`stop@a0`; the defaults are below.
+  kill-expert@e0      SIGKILL of an expert worker: it is restarted and the attention workers keep
+                      their requests (a failover instead where its experts have copies elsewhere)
+  kill-attention@a0   SIGKILL of an attention worker: it is restarted and the requests it had are
+                      resumed from prompt + delivered tokens; they must complete ok
+  stop@e0             SIGSTOP for stop-s (2) seconds, then SIGCONT: shorter than the bound on a
+                      silent or stopped worker (dead_after_s, 3 s), so it is not to be declared
+                      dead; the record says whether the front replaced it all the same
+  straggler@e1        the worker stopped 0.2 s of every 0.3 s for straggler-s (30) seconds; its
+                      score is its peers' wait on it over the median of its pool's other workers,
+                      so naming it needs a second worker in its pool
+With a straggler phase in the schedule soak passes `--expert-workers 2`, and with any fault
+`--max-worker-restarts` of the number of faults + 3 (the default budget, 3 within 600 s, would end
+the deployment); a --server-arg setting either flag wins. Each fault is recorded under "faults": its
+kind, worker, pid and time; the worker's pid afterwards (replaced or not); the restarts
+(shuttle_worker_restarts_total) and recomputed tokens from it to the next fault; /health's 503s from
+it on; the token flow (the first token after it, the longest pause in the flow until the next fault:
+the outage of detection, restart and recompute, and when tokens came again); the unexpected
+responses and differing greedy texts that finished in its window, and the greedy checks in flight
+at the fault (a killed attention worker's are resumed: their text is checked all the same). A
+straggler phase also records whether GET /workers (whose scores /metrics exports as
+shuttle_worker_straggler_score) scored the worker at or over its threshold during the phase and how
+soon, the highest scores of it and of its pool's others, and whether the server's log named it.
+
+RSS: every process of the deployment (front and workers, from /proc) is sampled every --sample-s; a
+worker that a fault replaced starts a new series named by its incarnation (`expert-e0.2`). Growth is
+measured over the last two thirds of the run (the first third warms up allocator pools and caches)
+for a process that lived through the run, and over the last two thirds of its own life for one that
+a fault started or ended. The verdict judges the processes alive at the end that lived at least a
+third of the run; the rest (ended by a fault, or started too late to outlive a warm-up as long as
+the run's) are reported, not judged.
+
+At the end, once the load stopped, /metrics must show no running request and every KV block free.
+Writes bench/results/soak.json (or --out); --summary adds the run's RSS per process (start, one
+third, end, growth), faults and verdict to a file of runs under --label, replacing a run of that
+label (baseline and candidate side by side). Exits 1 when the verdict fails: an unexpected response,
+a wrong greedy text (float32), a scheduled fault whose worker was not found, blocks still in use, or
+judged RSS growth over --max-rss-growth.
 """
 import argparse
 import asyncio
+import bisect
 import json
+import os
 import random
 import re
+import signal
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import RESULTS, print_table, save  # noqa: E402
+from bench.fault_load import PROMPTS, SEEDED  # noqa: E402
 from clients.live_server import LiveServer  # noqa: E402
 
 WORDS = ("the for while statement list dict module function class return value object import string "
@@ -54,6 +112,17 @@ BAD_BODIES = [  # (body, why it is bad): each must give 400
     ({"prompt": "hi", "n": 0}, "n = 0"),
     ({"prompt": "hi", "top_p": 7}, "top_p over 1"),
 ]
+GREEDY_PROMPTS = [p for p in PROMPTS if p not in SEEDED]
+GREEDY_MAX_TOKENS = 32
+EXACT_DTYPES = ("float32",)  # greedy text must match its reference (batch invariant)
+
+FAULT_TARGETS = {"kill-expert": "e0", "kill-attention": "a0", "stop": "e0", "straggler": "e1"}  # kind: default
+RECOVERY_S = 30.0  # a fault is scheduled only when it and this much time after it fit in the load
+STRAGGLER_STOP_S, STRAGGLER_RUN_S = 0.2, 0.1  # the straggler's stop/continue cycle
+HEALTH_POLL_S = 0.1
+WORKERS_POLL_S = 1.0
+WATCH_AFTER_S = 3.0  # after a fault's action: how long /health is watched when it never said 503
+WATCH_MAX_S = 180.0  # the longest /health is watched after a fault
 
 
 def rss_bytes(pid: int) -> int | None:
@@ -66,15 +135,48 @@ def rss_bytes(pid: int) -> int | None:
     return None
 
 
+# -- the run's record --------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """What the load records as it goes (times are time.monotonic()): completed requests' latencies,
+    the arrival of every token (each stream chunk, each ok non-streamed answer), unexpected responses,
+    and the greedy checks against `reference` (prompt -> its text taken alone before the load)."""
+
+    reference: dict[str, str]
+    exact: bool  # float32: a differing greedy text is wrong; otherwise it diverged
+    start: float = 0.0
+    latencies: list[tuple] = field(default_factory=list)  # (sent, stream, to last byte s, to first token s)
+    token_times: list[float] = field(default_factory=list)
+    unexpected: list[tuple[float, str]] = field(default_factory=list)  # (finished, class)
+    greedy_checks: list[tuple[float, float]] = field(default_factory=list)  # (sent, finished)
+    greedy_differed: list[dict] = field(default_factory=list)  # sent, finished, prompt, text
+
+    def check_greedy(self, prompt: str, text: str, sent: float) -> None:
+        self.greedy_checks.append((sent, time.monotonic()))
+        if text != self.reference[prompt]:
+            self.greedy_differed.append({"sent": sent, "finished": time.monotonic(), "prompt": prompt, "text": text})
+
+
+# -- requests ----------------------------------------------------------------------------------------
 async def one_request(session: aiohttp.ClientSession, url: str, model: str, rng: random.Random,
-                      args: argparse.Namespace, latencies: list | None = None) -> str:
-    """One request of a random kind; returns its class (see the module docstring). latencies gets
-    (sent at, stream, seconds to the last byte, seconds to the first token or None) of an ok one."""
+                      args: argparse.Namespace, run: Run) -> str:
+    """One request of a random kind; returns its class (see the module docstring). An ok one adds
+    its latencies to `run`, an ok greedy one its check."""
     if rng.random() < args.bad_frac:
         body, _ = rng.choice(BAD_BODIES)
         async with session.post(f"{url}/v1/completions", json={"model": model, **body}) as r:
             err = (await r.json()).get("error", {})
             return "bad_input" if r.status == 400 and err.get("message") else f"unexpected:{r.status}"
+    if rng.random() < args.greedy_frac:
+        prompt, stream = rng.choice(GREEDY_PROMPTS), rng.random() < 0.7
+        body = {"model": model, "prompt": prompt, "max_tokens": GREEDY_MAX_TOKENS, "temperature": 0.0,
+                "ignore_eos": True, "stream": stream}
+        trace = {"sent": time.monotonic(), "stream": stream, "chunks": 0, "text": []}
+        kind = await _answer(_post(session, f"{url}/v1/completions", body, stream, trace, args.stall_s, run),
+                             trace, args, run)
+        if kind == "ok":
+            run.check_greedy(prompt, "".join(trace["text"]), trace["sent"])
+        return kind
     chat, stream = rng.random() < 0.5, rng.random() < 0.7
     text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 96)))
     body = {"model": model, "max_tokens": rng.randint(4, 64), "stream": stream,
@@ -86,22 +188,28 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, rng:
     hang_up = rng.random() < args.disconnect_frac
     trace = {"sent": time.monotonic(), "stream": stream, "chunks": 0}
     work = _post(session, f"{url}/v1/{'chat/completions' if chat else 'completions'}", body, stream, trace,
-                 args.stall_s)
+                 args.stall_s, run)
     if hang_up:
         try:
             await asyncio.wait_for(work, timeout=rng.uniform(0.01, 2.0))
         except asyncio.TimeoutError:  # cancelling the request closes its connection: a disconnect
             return "hung_up"
         return "hung_up"  # it finished first; the server saw an ordinary request
+    return await _answer(work, trace, args, run)
+
+
+async def _answer(work, trace: dict, args: argparse.Namespace, run: Run) -> str:
+    """The class of request `work` awaited under the whole-answer deadline; an ok one's latencies
+    go to `run`."""
     try:
         kind = await asyncio.wait_for(work, timeout=args.request_timeout_s)
     except asyncio.TimeoutError:
         return "unexpected:timeout:" + _how_far(trace)
     except _Stalled:
         return "unexpected:stalled:" + _how_far(trace)
-    if kind == "ok" and latencies is not None:
-        latencies.append((trace["sent"], stream, time.monotonic() - trace["sent"],
-                          trace["first"] - trace["sent"] if "first" in trace else None))
+    if kind == "ok":
+        run.latencies.append((trace["sent"], trace["stream"], time.monotonic() - trace["sent"],
+                              trace["first"] - trace["sent"] if "first" in trace else None))
     return kind
 
 
@@ -132,7 +240,9 @@ async def _next_line(r: aiohttp.ClientResponse, trace: dict, stall_s: float) -> 
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: dict, stream: bool, trace: dict,
-                stall_s: float) -> str:
+                stall_s: float, run: Run) -> str:
+    """Send one request and read its answer; the class of the response. Each token's arrival goes to
+    run.token_times; with trace["text"] (a list) the completion's text is collected there."""
     async with session.post(url, json=body) as r:
         trace["headers"] = time.monotonic()
         if r.status == 503:
@@ -143,7 +253,12 @@ async def _post(session: aiohttp.ClientSession, url: str, body: dict, stream: bo
             return f"unexpected:{r.status}:{(await r.text())[:200]}"
         if not stream:
             out = await r.json()
-            return "ok" if out.get("choices") else "unexpected:no choices"
+            if not out.get("choices"):
+                return "unexpected:no choices"
+            run.token_times.append(time.monotonic())
+            if "text" in trace:
+                trace["text"].append(out["choices"][0]["text"])
+            return "ok"
         done = False
         while line := await _next_line(r, trace, stall_s):
             line = line.strip()
@@ -151,6 +266,9 @@ async def _post(session: aiohttp.ClientSession, url: str, body: dict, stream: bo
                 trace["last"] = time.monotonic()
                 trace.setdefault("first", trace["last"])
                 trace["chunks"] += 1
+                run.token_times.append(trace["last"])
+                if "text" in trace and b'"error"' not in line[:20]:
+                    trace["text"] += [c["text"] for c in json.loads(line[6:])["choices"]]
             if line == b"data: [DONE]":
                 done = True
             elif line.startswith(b"data: ") and b'"error"' in line[:20]:
@@ -158,7 +276,309 @@ async def _post(session: aiohttp.ClientSession, url: str, body: dict, stream: bo
         return "ok" if done else "unexpected:stream without [DONE]"
 
 
-async def load(url: str, model: str, args: argparse.Namespace, samples: list, pids: dict[str, int]) -> dict:
+def greedy_references(url: str, model: str) -> dict[str, str]:
+    """Each greedy prompt's text, asked non-streamed and alone (before any load)."""
+    out = {}
+    for prompt in GREEDY_PROMPTS:
+        body = {"model": model, "prompt": prompt, "max_tokens": GREEDY_MAX_TOKENS, "temperature": 0.0,
+                "ignore_eos": True}
+        req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        out[prompt] = json.loads(urllib.request.urlopen(req, timeout=120).read())["choices"][0]["text"]
+    return out
+
+
+# -- the deployment's processes ------------------------------------------------------------------
+class Processes:
+    """The deployment's processes by series name: "front", and each worker by its process title
+    without "shuttle-" ("expert-e0"); a worker's later incarnations (a restart is a new pid under
+    the same title) are "expert-e0.2", "expert-e0.3", ..."""
+
+    def __init__(self, srv: LiveServer):
+        self.srv = srv
+        self.names: dict[int, str] = {srv.proc.pid: "front"}
+        self.incarnations: dict[str, int] = {}
+
+    def current(self) -> dict[str, int]:
+        out = {"front": self.srv.proc.pid}
+        for title, pid in self.srv.children().items():
+            if pid not in self.names:
+                base = title.removeprefix("shuttle-")
+                n = self.incarnations[base] = self.incarnations.get(base, 0) + 1
+                self.names[pid] = base if n == 1 else f"{base}.{n}"
+            out[self.names[pid]] = pid
+        return out
+
+    def sample(self, start: float) -> dict:
+        """Every process's RSS now (bytes) with the time since `start`."""
+        return {"t": round(time.monotonic() - start, 2), **{n: rss_bytes(p) for n, p in self.current().items()}}
+
+
+# -- faults --------------------------------------------------------------------------------------------
+@dataclass
+class Fault:
+    at_s: float  # seconds into the load
+    kind: str    # a key of FAULT_TARGETS
+    worker: str  # "e0", "a1", ...
+
+
+@dataclass
+class FaultSchedule:
+    spec: str
+    faults: list[Fault]
+    stop_s: float
+    straggler_s: float
+
+    def kinds(self) -> set[str]:
+        return {f.kind for f in self.faults}
+
+
+def parse_faults(spec: str | None, duration_s: float) -> FaultSchedule | None:
+    """The schedule of --faults (module docstring); None for no spec or "none". ValueError names what
+    is wrong."""
+    if not spec or spec == "none":
+        return None
+    fields = {}
+    for part in spec.split(","):
+        key, eq, value = part.partition("=")
+        if not eq or key not in ("every", "start", "kinds", "stop-s", "straggler-s"):
+            raise ValueError(f"--faults: {part!r} is not every=S, start=S, kinds=K+K, stop-s=S or straggler-s=S")
+        fields[key] = value
+    if "every" not in fields:
+        raise ValueError("--faults needs every=S (seconds between faults)")
+    every, start = float(fields["every"]), float(fields.get("start", duration_s / 3))
+    stop_s, straggler_s = float(fields.get("stop-s", 2.0)), float(fields.get("straggler-s", 30.0))
+    if every <= 0 or start < 0 or stop_s <= 0 or straggler_s <= 0:
+        raise ValueError(f"--faults {spec}: every, stop-s and straggler-s must be positive, start at least 0")
+    cycle = []
+    for item in fields.get("kinds", "+".join(FAULT_TARGETS)).split("+"):
+        kind, _, worker = item.partition("@")
+        if kind not in FAULT_TARGETS:
+            raise ValueError(f"--faults: unknown kind {kind!r} (kinds: {', '.join(FAULT_TARGETS)})")
+        worker = worker or FAULT_TARGETS[kind]
+        if not re.fullmatch(r"[ae]\d+", worker) or (kind.startswith("kill-") and worker[0] != kind[5]):
+            raise ValueError(f"--faults: {item!r}: the target must be a worker of its pool (a0, e1, ...)")
+        cycle.append((kind, worker))
+    faults, t = [], start
+    while True:
+        kind, worker = cycle[len(faults) % len(cycle)]
+        lasts = {"stop": stop_s, "straggler": straggler_s}.get(kind, 0.0)
+        if t + lasts + RECOVERY_S > duration_s:
+            break
+        faults.append(Fault(round(t, 1), kind, worker))
+        t += every
+    if not faults:
+        raise ValueError(f"--faults {spec}: no fault fits in {duration_s:g} s (each needs {RECOVERY_S:g} s after it)")
+    return FaultSchedule(spec, faults, stop_s, straggler_s)
+
+
+def fault_server_flags(schedule: FaultSchedule | None) -> list[str]:
+    """The `shuttle serve` flags a schedule needs (placed before --server-arg, which overrides them)."""
+    if schedule is None:
+        return []
+    flags = ["--max-worker-restarts", str(len(schedule.faults) + 3)]
+    return flags + (["--expert-workers", "2"] if "straggler" in schedule.kinds() else [])
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int | None, bytes]:
+    """GET url: (status, body); (None, b"") when it could not be reached."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except (OSError, urllib.error.URLError):
+        return None, b""
+
+
+def _title(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text(errors="replace").split("\0")[0]
+    except OSError:
+        return ""
+
+
+def _signal(pid: int, title: str, sig: int) -> bool:
+    """Send sig to pid if it still is the process titled `title`; whether it was."""
+    if _title(pid) != title:
+        return False
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class FaultInjector(threading.Thread):
+    """Carries out a FaultSchedule against the live server (module docstring), from `start` on;
+    `records` gets one dict per fault (with "_t0", its monotonic time, for `fault_outcomes`)."""
+
+    def __init__(self, srv: LiveServer, schedule: FaultSchedule, start: float):
+        super().__init__(name="soak-faults", daemon=True)
+        self.srv, self.schedule, self.load_start = srv, schedule, start
+        self.records: list[dict] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        for f in self.schedule.faults:
+            if self.stop.wait(max(0.0, self.load_start + f.at_s - time.monotonic())):
+                return
+            self.records.append(self._inject(f))
+
+    def _metrics(self) -> str:
+        return _get(f"{self.srv.url}/metrics")[1].decode()
+
+    def _inject(self, f: Fault) -> dict:
+        title = f"shuttle-{'expert' if f.worker[0] == 'e' else 'attention'}-{f.worker}"
+        text = self._metrics()
+        pid = self.srv.children().get(title)
+        t0 = time.monotonic()
+        rec = {"kind": f.kind, "worker": f.worker, "pid": pid, "at_s": round(t0 - self.load_start, 1),
+               "_t0": t0, "_restarts": metric(text, "shuttle_worker_restarts_total"),
+               "_recomputed": metric(text, "shuttle_recomputed_tokens_total")}
+        if pid is None:
+            rec["error"] = f"no process titled {title}"
+            return rec
+        watch = _Watch(self.srv.url, t0, f.worker if f.kind == "straggler" else None, self.stop)
+        watch.start()
+        log_at = Path(self.srv._log.name).stat().st_size
+        if f.kind.startswith("kill-"):
+            os.kill(pid, signal.SIGKILL)
+        elif f.kind == "stop":
+            os.kill(pid, signal.SIGSTOP)
+            self.stop.wait(self.schedule.stop_s)
+            rec["continued"] = _signal(pid, title, signal.SIGCONT)  # False: the front replaced it meanwhile
+        else:
+            rec["cycles"], rec["replaced_during"] = self._throttle(pid, title)
+            self.srv._log.flush()
+            with open(self.srv._log.name, errors="replace") as log:
+                log.seek(log_at)
+                named = re.search(rf"straggler: \w+ worker {f.worker}: its peers waited", log.read())
+            rec["logged"] = named is not None
+        rec["action_s"] = round(time.monotonic() - t0, 1)
+        watch.action_done.set()
+        watch.join()
+        rec["health"] = watch.health()
+        if f.kind == "straggler":
+            rec.update(watch.straggler())
+        rec["pid_after"] = self.srv.children().get(title)
+        rec["replaced"] = rec["pid_after"] != pid
+        return rec
+
+    def _throttle(self, pid: int, title: str) -> tuple[int, bool]:
+        """Stop the worker STRAGGLER_STOP_S of every STRAGGLER_STOP_S + STRAGGLER_RUN_S for the phase;
+        (cycles done, whether the worker was replaced meanwhile)."""
+        end, cycles = time.monotonic() + self.schedule.straggler_s, 0
+        try:
+            while time.monotonic() < end and not self.stop.is_set():
+                if not _signal(pid, title, signal.SIGSTOP):
+                    return cycles, True
+                time.sleep(STRAGGLER_STOP_S)
+                _signal(pid, title, signal.SIGCONT)
+                time.sleep(STRAGGLER_RUN_S)
+                cycles += 1
+        finally:
+            _signal(pid, title, signal.SIGCONT)
+        return cycles, False
+
+
+class _Watch(threading.Thread):
+    """During and after one fault: /health every HEALTH_POLL_S (until it answered 200 after a 503,
+    or WATCH_AFTER_S after the action with no 503 seen) and, for a straggler (`worker`), GET /workers
+    every WORKERS_POLL_S until the action is done; `stop` ends it early."""
+
+    def __init__(self, url: str, t0: float, worker: str | None, stop: threading.Event):
+        super().__init__(daemon=True)
+        self.url, self.t0, self.worker, self.stop = url, t0, worker, stop
+        self.codes: list[tuple[float, int | None]] = []  # (s after t0, status)
+        self.scores: list[tuple[float, dict]] = []  # (s after t0, {worker: row}), with the threshold under ""
+        self.action_done = threading.Event()
+
+    def run(self) -> None:
+        next_workers, done_at = time.monotonic(), None
+        while time.monotonic() - self.t0 < WATCH_MAX_S and not self.stop.is_set():
+            now = time.monotonic()
+            self.codes.append((now - self.t0, _get(f"{self.url}/health")[0]))
+            if self.worker and not self.action_done.is_set() and now >= next_workers:
+                next_workers = now + WORKERS_POLL_S
+                status, body = _get(f"{self.url}/workers")
+                if status == 200:
+                    table = json.loads(body)
+                    self.scores.append((now - self.t0, {"": table["threshold"],
+                                                        **{w["worker"]: w for w in table["workers"]}}))
+            if self.action_done.is_set():
+                done_at = done_at or now
+                saw_503 = any(c == 503 for _, c in self.codes)
+                if (saw_503 and self.codes[-1][1] == 200) or (not saw_503 and now - done_at >= WATCH_AFTER_S):
+                    return
+            time.sleep(HEALTH_POLL_S)
+
+    def health(self) -> dict:
+        """/health from the fault on: polls, 503s, the first and last 503 and the first 200 after it (s)."""
+        bad = [t for t, c in self.codes if c != 200]
+        last = bad[-1] if bad else None
+        again = next((t for t, c in self.codes if c == 200 and last is not None and t > last), None)
+        return {"polls": len(self.codes), "not_200": len(bad), "first_not_200_s": _r(bad[0] if bad else None),
+                "last_not_200_s": _r(last), "200_again_s": _r(again)}
+
+    def straggler(self) -> dict:
+        """Whether GET /workers scored the worker at or over its threshold during the phase, when
+        first (s after the phase began), and the highest scores of it and of its pool's others."""
+        mine, others, named_at = [], [], None
+        for t, rows in self.scores:
+            me = rows.get(self.worker)
+            if me is None:
+                continue
+            mine.append(me["score"])
+            others += [r["score"] for n, r in rows.items() if n and n != self.worker and r["pool"] == me["pool"]]
+            if named_at is None and me["score"] >= rows[""]:
+                named_at = t
+        return {"named": named_at is not None, "named_after_s": _r(named_at),
+                "max_score": _r(max(mine, default=None), 2), "others_max_score": _r(max(others, default=None), 2),
+                "workers_polls": len(self.scores)}
+
+
+def _r(x: float | None, digits: int = 1) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def _count(x: float) -> int | None:
+    """A counter's difference; None where /metrics could not be read (NaN)."""
+    return None if x != x else int(x)
+
+
+def fault_outcomes(records: list[dict], run: Run, end: float, final_metrics: str) -> list[dict]:
+    """Each fault's record completed from the load's record: per window from the fault to the next
+    (or the end of the load), the restarts and recomputed tokens, the token flow (first token after
+    it, the longest pause from it on and when tokens came again), the unexpected responses and the
+    differing greedy texts that finished in it, and the greedy checks in flight at the fault."""
+    times = run.token_times
+    starts = [r["_t0"] for r in records] + [end]
+    after = [(r.get("_restarts"), r.get("_recomputed")) for r in records[1:]] + [
+        (metric(final_metrics, "shuttle_worker_restarts_total"),
+         metric(final_metrics, "shuttle_recomputed_tokens_total"))]
+    out = []
+    for i, rec in enumerate(records):
+        t0, t1 = starts[i], starts[i + 1]
+        flow = times[bisect.bisect_left(times, t0):bisect.bisect_left(times, t1)]
+        gaps = [(b - a, b) for a, b in zip([t0] + flow, flow)]
+        longest, resumed = max(gaps, default=(None, None))
+        r = {k: v for k, v in rec.items() if not k.startswith("_")}
+        r.update({"window_s": round(t1 - t0, 1), "restarts": _count(after[i][0] - rec["_restarts"]),
+                  "recomputed_tokens": _count(after[i][1] - rec["_recomputed"]),
+                  "first_token_s": _r(flow[0] - t0 if flow else None, 2), "pause_s": _r(longest, 2),
+                  "tokens_again_s": _r(resumed - t0 if resumed else None, 2),
+                  "unexpected": sum(t0 <= t < t1 for t, _ in run.unexpected),
+                  "greedy_in_flight": sum(sent < t0 < finished for sent, finished in run.greedy_checks),
+                  "greedy_differed": sum(t0 <= g["finished"] < t1 for g in run.greedy_differed)})
+        out.append(r)
+    return out
+
+
+# -- the load --------------------------------------------------------------------------------------
+async def load(srv: LiveServer, model: str, args: argparse.Namespace, run: Run, samples: list,
+               processes: Processes, schedule: FaultSchedule | None) -> dict:
+    url = srv.url
     rng = random.Random(args.seed)
     counts: dict[str, int] = {}
     examples: list[str] = []
@@ -169,39 +589,46 @@ async def load(url: str, model: str, args: argparse.Namespace, samples: list, pi
         kind = t.result() if not t.exception() else f"unexpected:{type(t.exception()).__name__}: {t.exception()}"
         key = kind.split(":")[0]
         counts[key] = counts.get(key, 0) + 1
-        if key == "unexpected" and len(examples) < 10:
-            examples.append(kind)
+        if key == "unexpected":
+            run.unexpected.append((time.monotonic(), kind))
+            if len(examples) < 10:
+                examples.append(f"{time.monotonic() - run.start:.1f} s: {kind}")
 
     connector = aiohttp.TCPConnector(limit=0)
-    latencies: list[tuple] = []
     queue: list[dict] = []
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
-        start = time.monotonic()
+        start = run.start = time.monotonic()
+        injector = FaultInjector(srv, schedule, start) if schedule else None
+        if injector:
+            injector.start()
         watcher = asyncio.create_task(watch_queue(session, url, start, args.sample_s, queue))
         next_sample = start
         t = start
         sent = 0
         while (now := time.monotonic()) - start < args.duration_s:
             if now >= next_sample:
-                samples.append({"t": round(now - start, 2), **{n: rss_bytes(p) for n, p in pids.items()}})
+                samples.append(processes.sample(start))
                 next_sample += args.sample_s
             t += rng.expovariate(args.rate)
             await asyncio.sleep(max(0.0, min(t, next_sample) - time.monotonic()))
             if time.monotonic() < t:
                 continue
-            task = asyncio.create_task(one_request(session, url, model, random.Random(rng.random()), args,
-                                                   latencies))
+            task = asyncio.create_task(one_request(session, url, model, random.Random(rng.random()), args, run))
             task.add_done_callback(done)
             tasks.add(task)
             sent += 1
+        load_end = time.monotonic()
         if tasks:
             await asyncio.wait(set(tasks), timeout=args.request_timeout_s + 10)
         left = len(tasks)
-        samples.append({"t": round(time.monotonic() - start, 2), **{n: rss_bytes(p) for n, p in pids.items()}})
+        if injector:
+            injector.stop.set()
+            await asyncio.to_thread(injector.join)
+        samples.append(processes.sample(start))
         watcher.cancel()
     return {"sent": sent, "counts": counts, "unfinished": left, "unexpected_examples": examples,
-            "seconds": round(time.monotonic() - start, 1), "latency_s": latency_summary(latencies, start),
-            "queue": queue}
+            "seconds": round(time.monotonic() - start, 1), "latency_s": latency_summary(run.latencies, start),
+            "queue": queue, "_fault_records": injector.records if injector else [], "_load_end": load_end}
 
 
 async def watch_queue(session: aiohttp.ClientSession, url: str, start: float, every_s: float,
@@ -232,34 +659,81 @@ def latency_summary(latencies: list[tuple], start: float) -> dict:
                         for t, st, tot, _ in slowest]}
 
 
+def greedy_summary(run: Run) -> dict:
+    """The greedy checks: how many completed, how many differed from their reference (wrong in
+    float32, diverged otherwise), and the first differing ones with when they were sent and finished."""
+    differed = len(run.greedy_differed)
+    return {"checked": len(run.greedy_checks), "matched": len(run.greedy_checks) - differed,
+            "wrong" if run.exact else "diverged": differed,
+            "examples": [{"sent_at_s": round(g["sent"] - run.start, 1),
+                          "finished_at_s": round(g["finished"] - run.start, 1), "prompt": g["prompt"],
+                          "text": g["text"], "reference": run.reference[g["prompt"]]}
+                         for g in run.greedy_differed[:5]]}
+
+
 def metric(text: str, name: str) -> float:
     m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
     return float(m.group(1)) if m else float("nan")
 
 
-def rss_growth(samples: list[dict], names: list[str]) -> dict[str, dict]:
-    """Per process: RSS (MiB) at the start, at one third of the run and at its end, and the growth
-    from one third to the end."""
-    third = samples[len(samples) // 3]
+def served_dtype(flags: list[str], model: str | None, log: str) -> str:
+    """The dtype the server computes in: the last --dtype flag, or for auto the checkpoint's unless
+    the server logged that it serves it in float32."""
+    dtype = "auto"
+    for i, f in enumerate(flags):
+        if f == "--dtype" and i + 1 < len(flags):
+            dtype = flags[i + 1]
+        elif f.startswith("--dtype="):
+            dtype = f.split("=", 1)[1]
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(dtype, dtype)
+    if dtype != "auto":
+        return dtype
+    if re.search(r"--dtype auto serves the \w+ checkpoint in float32", log):
+        return "float32"
+    from models.builtin import builtin_model_dir
+
+    config = json.loads((Path(model) if model else builtin_model_dir()).joinpath("config.json").read_text())
+    return config.get("dtype") or config.get("torch_dtype") or "float32"
+
+
+def rss_growth(samples: list[dict], duration_s: float) -> dict[str, dict]:
+    """Per process series: RSS (MiB) at its first sample, at one third and at its end, and the growth
+    from one third to the end: one third of the run for a process that lived through it, of its own
+    life for one a fault started or ended; `judged` when it is alive at the end and lived at least a
+    third of the run (module docstring)."""
+    names = list(dict.fromkeys(k for s in samples for k in s if k != "t"))
+    third, first, last = samples[len(samples) // 3], samples[0], samples[-1]
     out = {}
     for n in names:
-        a, b = third.get(n), samples[-1].get(n)
-        if a and b:
-            out[n] = {"rss_start_mib": round((samples[0].get(n) or 0) / 2 ** 20, 1),
-                      "rss_third_mib": round(a / 2 ** 20, 1), "rss_end_mib": round(b / 2 ** 20, 1),
-                      "growth_pct": round(100 * (b - a) / a, 2)}
+        points = [(s["t"], s[n]) for s in samples if s.get(n)]
+        if not points:
+            continue
+        whole = first.get(n) is not None and last.get(n) is not None
+        t_a, a = (third["t"], third.get(n)) if whole else points[len(points) // 3]
+        b = points[-1][1]
+        if not a:
+            continue
+        out[n] = {"rss_start_mib": round(points[0][1] / 2 ** 20, 1), "rss_third_mib": round(a / 2 ** 20, 1),
+                  "rss_end_mib": round(b / 2 ** 20, 1), "growth_pct": round(100 * (b - a) / a, 2),
+                  "from_s": points[0][0], "to_s": points[-1][0], "growth_from_s": t_a,
+                  "judged": last.get(n) is not None and points[-1][0] - points[0][0] >= duration_s / 3}
     return out
 
 
 def add_summary(path: Path, label: str, args: argparse.Namespace, growth: dict, verdict: dict,
-                samples: list[dict], every_s: float = 60.0) -> Path:
+                samples: list[dict], faults: list[dict], greedy: dict, every_s: float = 60.0) -> Path:
     """Add this run to the file of runs at `path` under `label` (replacing one of that label): its
-    settings, RSS per process and verdict, and the RSS (MiB) every `every_s` seconds."""
+    settings, RSS per process, faults, greedy checks and verdict, and the RSS (MiB) every `every_s`
+    seconds."""
     runs = json.loads(path.read_text()).get("runs", []) if path.exists() else []
     step = max(1, round(every_s / args.sample_s))
     run = {"label": label, "dtype": args.dtype or "auto", "duration_s": args.duration_s,
            "config": {k: v for k, v in vars(args).items() if k not in ("out", "summary", "label")},
            "rss": growth, "verdict": verdict, "rss_every_s": every_s,
+           "faults": [{k: f.get(k) for k in ("kind", "worker", "at_s", "replaced", "restarts", "pause_s",
+                                             "tokens_again_s", "unexpected", "greedy_in_flight", "greedy_differed",
+                                             "named", "named_after_s", "max_score", "error")} for f in faults],
+           "greedy": {k: v for k, v in greedy.items() if k != "examples"},
            "rss_mib": [{k: v if k == "t" else round((v or 0) / 2 ** 20, 1) for k, v in s.items()}
                        for s in samples[::step] + samples[-1:]]}
     runs = [r for r in runs if r["label"] != label] + [run]
@@ -280,6 +754,10 @@ def main() -> int:
     p.add_argument("--dtype", default=None, help="the server's --dtype (default: its own, auto)")
     p.add_argument("--disconnect-frac", type=float, default=0.1)
     p.add_argument("--bad-frac", type=float, default=0.05)
+    p.add_argument("--greedy-frac", type=float, default=0.1,
+                   help="share of the requests that are greedy checks against a reference text")
+    p.add_argument("--faults", default=None, metavar="SPEC",
+                   help="every=S[,start=S][,kinds=K+K...][,stop-s=S][,straggler-s=S] (see above; default none)")
     # A request may legitimately wait for --max-waiting requests ahead of it and then decode beside
     # --max-num-seqs others: 112 s at the worst on the 2-core host at load average 12 (the 30-minute
     # run's 13 timeouts at 120 s were that tail, not lost requests). So the total deadline is
@@ -296,27 +774,46 @@ def main() -> int:
     p.add_argument("--summary", default=None, help="a JSON file of runs to add this one's RSS and verdict to")
     p.add_argument("--label", default=None, help="this run's name in --summary (default: its dtype)")
     args = p.parse_args()
+    try:
+        schedule = parse_faults(args.faults, args.duration_s)
+    except ValueError as e:
+        p.error(str(e))
     flags = (["--model", args.model] if args.model else []) + ["--max-waiting", str(args.max_waiting),
                                                               "--max-num-seqs", str(args.max_num_seqs)] \
-        + (["--dtype", args.dtype] if args.dtype else []) + args.server_arg
+        + (["--dtype", args.dtype] if args.dtype else []) + fault_server_flags(schedule) + args.server_arg
+    if schedule:
+        print("faults: " + ", ".join(f"{f.at_s:g} s {f.kind}@{f.worker}" for f in schedule.faults))
     samples: list[dict] = []
     with LiveServer(flags) as srv:
         model = json.loads(urllib.request.urlopen(f"{srv.url}/v1/models").read())["data"][0]["id"]
-        pids = {"front": srv.proc.pid, **{t.removeprefix("shuttle-"): p for t, p in srv.children().items()}}
-        result = asyncio.run(load(srv.url, model, args, samples, pids))
+        dtype = served_dtype(flags, args.model, srv.log())
+        run = Run(greedy_references(srv.url, model), dtype in EXACT_DTYPES)
+        processes = Processes(srv)
+        result = asyncio.run(load(srv, model, args, run, samples, processes, schedule))
         time.sleep(2.0)  # aborts and the last Stats reach the front
         text = urllib.request.urlopen(f"{srv.url}/metrics").read().decode()
+    faults = fault_outcomes(result.pop("_fault_records"), run, result.pop("_load_end"), text)
+    greedy = greedy_summary(run)
     blocks, free = metric(text, "shuttle_kv_cache_blocks"), metric(text, "shuttle_kv_cache_free_blocks")
-    growth = rss_growth(samples, list(pids))
+    growth = rss_growth(samples, args.duration_s)
     verdict = {"unexpected": result["counts"].get("unexpected", 0) + result["unfinished"],
+               "wrong": greedy.get("wrong", 0), "faults_missed": sum("error" in f for f in faults),
                "kv_blocks_in_use": blocks - free, "running": metric(text, "shuttle_num_requests_running"),
-               "max_rss_growth_pct": max((g["growth_pct"] for g in growth.values()), default=0.0)}
-    verdict["passed"] = (verdict["unexpected"] == 0 and verdict["kv_blocks_in_use"] == 0 and verdict["running"] == 0
+               "max_rss_growth_pct": max((g["growth_pct"] for g in growth.values() if g["judged"]), default=0.0)}
+    verdict["passed"] = (verdict["unexpected"] == 0 and verdict["wrong"] == 0 and verdict["faults_missed"] == 0
+                         and verdict["kv_blocks_in_use"] == 0 and verdict["running"] == 0
                          and verdict["max_rss_growth_pct"] <= args.max_rss_growth)
     rows = [{"process": n, **g} for n, g in growth.items()]
-    print_table(rows, ["process", "rss_start_mib", "rss_third_mib", "rss_end_mib", "growth_pct"])
-    print(json.dumps({**{k: v for k, v in result.items() if k != "queue"}, **verdict}, indent=1))
-    payload = {"config": {k: v for k, v in vars(args).items() if k != "out"}, **result, "verdict": verdict,
+    print_table(rows, ["process", "from_s", "to_s", "rss_start_mib", "rss_third_mib", "rss_end_mib", "growth_pct",
+                       "judged"])
+    if faults:
+        print_table(faults, ["at_s", "kind", "worker", "replaced", "restarts", "recomputed_tokens", "first_token_s",
+                             "pause_s", "tokens_again_s", "unexpected", "greedy_in_flight", "greedy_differed", "named",
+                             "named_after_s", "max_score"])
+    print(json.dumps({**{k: v for k, v in result.items() if k != "queue"}, "served_dtype": dtype,
+                      "greedy": {k: v for k, v in greedy.items() if k != "examples"}, **verdict}, indent=1))
+    payload = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "server_flags": flags,
+               "served_dtype": dtype, **result, "greedy": greedy, "faults": faults, "verdict": verdict,
                "rss": growth, "samples": samples}
     out = Path(args.out)
     path = save(out.stem, payload) if out.parent.resolve() == RESULTS.resolve() else out
@@ -325,7 +822,7 @@ def main() -> int:
     print(f"wrote {path}")
     if args.summary:
         label = args.label or args.dtype or "auto"
-        print(f"wrote {add_summary(Path(args.summary), label, args, growth, verdict, samples)}")
+        print(f"wrote {add_summary(Path(args.summary), label, args, growth, verdict, samples, faults, greedy)}")
     return 0 if verdict["passed"] else 1
 
 

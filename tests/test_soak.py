@@ -2,7 +2,8 @@
 its capacity, with clients that hang up and clients that send bad input, for SHUTTLE_SOAK_S
 seconds (60 by default; with start-up and drain about 90 s), in bf16. bench/soak.py judges it: every response is a 200, a 400 for bad input or
 a 503 queue_full; no KV block is held and no request runs at the end; no process's RSS grew by more
-than 10% over the last two thirds of the run."""
+than 10% over the last two thirds of the run. Unit level: the --faults schedule, RSS series of
+restarted workers, and each fault's window of the load's record."""
 import json
 import os
 import subprocess
@@ -10,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from bench.soak import Run, fault_outcomes, fault_server_flags, parse_faults, rss_growth, served_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,3 +42,64 @@ def test_soak_short(tmp_path):
     # The load did what it is for: requests completed, hung up, were refused as bad and as too many.
     assert all(counts.get(k, 0) > 0 for k in ("ok", "hung_up", "bad_input", "queue_full")), counts
     assert proc.returncode == 0, proc.stdout[-3000:]
+
+
+def test_fault_schedule():
+    """every=S cycles through the four kinds from a third into the run while a fault and 30 s to
+    recover fit; a straggler brings a second expert worker; a target must be a worker of its pool."""
+    s = parse_faults("every=150", 1800)
+    assert [(f.at_s, f.kind, f.worker) for f in s.faults] == [
+        (600, "kill-expert", "e0"), (750, "kill-attention", "a0"), (900, "stop", "e0"), (1050, "straggler", "e1"),
+        (1200, "kill-expert", "e0"), (1350, "kill-attention", "a0"), (1500, "stop", "e0"), (1650, "straggler", "e1")]
+    assert fault_server_flags(s) == ["--max-worker-restarts", "11", "--expert-workers", "2"]
+    s = parse_faults("every=20,start=10,kinds=stop@a0+kill-expert@e1,stop-s=1,straggler-s=5", 100)
+    assert [(f.at_s, f.kind, f.worker) for f in s.faults] == [(10, "stop", "a0"), (30, "kill-expert", "e1"),
+                                                              (50, "stop", "a0"), (70, "kill-expert", "e1")]
+    assert s.stop_s == 1 and fault_server_flags(s) == ["--max-worker-restarts", "7"]
+    assert parse_faults(None, 100) is None and parse_faults("none", 100) is None
+    for bad in ("start=5", "every=10,kinds=kill-expert@a0", "every=10,kinds=nap", "every=10,foo=1", "every=0",
+                "every=10,start=90"):
+        with pytest.raises(ValueError, match="--faults"):
+            parse_faults(bad, 100)
+
+
+def test_rss_series_of_restarted_workers():
+    """A process that lived through the run grows from the run's one third; one a fault ended or
+    started from a third of its own life; only those alive at the end that lived a third of the run
+    are judged."""
+    mib = 2 ** 20
+    samples = [{"t": t, "front": 100 * mib, "expert-e0": (100 + t) * mib if t < 50 else None,
+                "expert-e0.2": (200 + t) * mib if t >= 55 else None, "expert-e0.3": None} for t in range(0, 151, 5)]
+    samples[-1]["expert-e0.3"] = 300 * mib  # one sample: started just before the end
+    g = rss_growth(samples, 150)
+    assert g["front"]["growth_pct"] == 0 and g["front"]["growth_from_s"] == 50 and g["front"]["judged"]
+    first, second = g["expert-e0"], g["expert-e0.2"]
+    assert first["growth_from_s"] == 15 and first["rss_end_mib"] == 145 and not first["judged"]
+    assert second["growth_from_s"] == 85 and second["rss_end_mib"] == 350 and second["judged"]
+    assert not g["expert-e0.3"]["judged"]
+
+
+def test_fault_windows():
+    """Each fault's window runs to the next: restarts from the counters, the longest pause in the
+    token flow, unexpected responses and greedy checks in it."""
+    run = Run({"p": "ref"}, exact=True, start=0.0)
+    run.token_times = [0.5, 1.0, 10.1, 13.5, 14.0, 20.1, 20.2, 25.0]
+    run.unexpected = [(12.0, "unexpected:timeout")]
+    run.greedy_checks = [(9.0, 12.0), (15.0, 16.0)]
+    run.greedy_differed = [{"sent": 9.0, "finished": 12.0, "prompt": "p", "text": "x"}]
+    records = [{"kind": "kill-attention", "worker": "a0", "_t0": 10.0, "_restarts": 0.0, "_recomputed": 0.0},
+               {"kind": "straggler", "worker": "e1", "_t0": 20.0, "_restarts": 1.0, "_recomputed": 50.0}]
+    final = ('shuttle_worker_restarts_total{model_name="m"} 1.0\n'
+             'shuttle_recomputed_tokens_total{model_name="m"} 50.0\n')
+    a, b = fault_outcomes(records, run, 30.0, final)
+    assert (a["restarts"], a["recomputed_tokens"], a["first_token_s"], a["pause_s"], a["tokens_again_s"]) == \
+        (1, 50, 0.1, 3.4, 3.5)
+    assert (a["unexpected"], a["greedy_in_flight"], a["greedy_differed"]) == (1, 1, 1) and "_t0" not in a
+    assert (b["restarts"], b["pause_s"], b["tokens_again_s"], b["unexpected"]) == (0, 4.8, 5.0, 0)
+
+
+def test_served_dtype():
+    assert served_dtype(["--dtype", "float32", "--dtype=bf16"], None, "") == "bfloat16"
+    log = "dtype: this CPU has no native bfloat16 GEMMs, so --dtype auto serves the bfloat16 checkpoint in float32"
+    assert served_dtype([], None, log) == "float32"
+    assert served_dtype(["--dtype", "auto"], None, "") == "bfloat16"  # the built-in checkpoint's
