@@ -52,7 +52,8 @@ class PlacementControl:
         self.pending: ExpertPlacement | None = None   # being applied
         self._phase, self._next_poll = "", 0.0
         self.interval, self.num_redundant = interval, num_redundant
-        self.policy: Callable = lambda load, cur, speed: eplb_policy(load, cur, self.num_redundant, speed)
+        self.policy: Callable = lambda load, cur, speed: eplb_policy(load, cur, self.num_redundant, speed,
+                                                                     also=placement.layers)
         self.speeds: Callable[[], list[float]] = lambda: [1.0] * placement.num_workers  # per expert worker
         self.applied = 0                               # re-placements completed
         self._window_start: tuple[int, np.ndarray | None] = (0, None)  # (steps, counts) when the window began
@@ -148,14 +149,22 @@ class PlacementControl:
 
 
 def eplb_policy(load_LE: list[list[float]], current: ExpertPlacement, num_redundant: int,
-                speed_W: list[float] | None = None) -> ExpertPlacement | None:
-    """MegaScale-Infer's greedy per layer from the window's loads and the workers' speeds, if it
-    lowers the predicted expert time of a step by at least MIN_GAIN; else None (no churn for
-    nothing). A step's expert time is the sum over layers of the slowest worker's time (tokens /
-    speed) in that layer: every layer waits for its slowest expert worker."""
+                speed_W: list[float] | None = None, also: tuple[Placement, ...] | None = None) -> ExpertPlacement | None:
+    """MegaScale-Infer's greedy per layer from the window's loads and the workers' speeds, or the
+    layers `also` (the deployment's first placement) where they cost no more and send tokens to fewer
+    copies, if that lowers the predicted expert time of a step by at least MIN_GAIN; else None (no
+    churn for nothing). A step's expert time is the sum over layers of the slowest worker's time
+    (tokens / speed) in that layer: every layer waits for its slowest expert worker. (Fewer copies
+    win ties since at decode sizes each copy that gets tokens reads all its weights: after a slow
+    worker recovers, even loads go back to the first placement rather than to copies everywhere.)"""
     if not any(any(row) for row in load_LE):
         return None
     new = rebalance(load_LE, current, num_redundant, speed_W)
+    if also is not None:
+        first = ExpertPlacement(current.moe_layers, also, new.version)
+        if (step_cost(first, load_LE, speed_W), active_copies(first)) <= (step_cost(new, load_LE, speed_W),
+                                                                          active_copies(new)):
+            new = first
     if step_cost(new, load_LE, speed_W) > (1 - MIN_GAIN) * step_cost(current, load_LE, speed_W):
         return None
     before, after = predicted_worker_load(current, load_LE), predicted_worker_load(new, load_LE)
@@ -173,6 +182,11 @@ def step_cost(placement: ExpertPlacement, load_LE: list[list[float]], speed_W: l
     """Sum over MoE layers of the longest time (tokens / speed) any expert worker computes there."""
     speed = speed_W or [1.0] * placement.num_workers
     return sum(max(x / v for x, v in zip(p.worker_loads(load), speed)) for p, load in zip(placement.layers, load_LE))
+
+
+def active_copies(placement: ExpertPlacement) -> int:
+    """Copies that get tokens (a share above 0), summed over layers."""
+    return sum(x > 0 for p in placement.layers for e in range(p.num_experts) for x in p.shares_of(e))
 
 
 def predicted_worker_load(placement: ExpertPlacement, load_LE: list[list[float]]) -> list[float]:

@@ -114,6 +114,12 @@ def test_eplb_policy_moves_load_off_a_slow_worker_when_copies_allow():
     assert new.of(1).copies == ((0, 1), (0, 1), (1,), (0,)) and new.of(1).shares == ((4, 1), (4, 1), (1,), (1,))
     assert step_cost(current, even, [1.0, 0.25]) == 80 and step_cost(new, even, [1.0, 0.25]) == 56
     assert ExpertPlacement.from_json(new.to_json(), 2) == new
+    # Back at full speed, even loads cost the same on the first placement with fewer copies read.
+    first = ExpertPlacement.uniform(Placement.balanced(8, 2), [1])
+    slow = eplb_policy([[10] * 8], first, 8, [1.0, 1 / 32], also=first.layers)
+    assert set(slow.of(1).shares) == {(1, 0)} and step_cost(slow, [[10] * 8], [1.0, 1 / 32]) == 80
+    back = eplb_policy([[10] * 8], slow, 8, [1.0, 1.0], also=first.layers)
+    assert back.layers == first.layers and back.version == slow.version + 1
     both = Placement(3, 3, ((0, 1, 2), (1, 2), (0,)), shares=((8, 0, 1), (0, 1), (1,)))
     # Failover keeps the others' shares; held copies that got no tokens take them when alone.
     assert both.without({2}).shares == ((8, 0), (1,), (1,)) and both.without({1}).shares == ((8, 1), (1,), (1,))
