@@ -304,7 +304,7 @@ class PoolEngine:
         the other pool waited on it: from the attention workers' Stats and what the expert workers
         publish in the store."""
         self._next_timing = time.monotonic() + TIMING_EVERY_S
-        busy, waited_on = {}, collections.Counter()
+        busy, waited_on, pairs = {}, collections.Counter(), {}
         for r, s in self._worker_stats.items():
             busy[("attention", f"a{r}")] = s.get("busy_ns", 0)
             waited_on.update(s.get("waited_ns", {}))
@@ -313,8 +313,9 @@ class PoolEngine:
             if self._store.check([key]):
                 e = json.loads(self._store.get(key))
                 busy[("expert", f"e{w}")] = e["busy_ns"]
+                pairs[f"e{w}"] = e.get("pairs")
                 waited_on.update(e.get("waited_ns", {}))
-        self.stragglers.sample(time.monotonic(), [(pool, name, b, waited_on[name])
+        self.stragglers.sample(time.monotonic(), [(pool, name, b, waited_on[name], pairs.get(name))
                                                   for (pool, name), b in sorted(busy.items())])
 
     def _step(self, timeout: float | None) -> list[SequenceDelta]:

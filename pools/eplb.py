@@ -151,19 +151,19 @@ class PlacementControl:
 def eplb_policy(load_LE: list[list[float]], current: ExpertPlacement, num_redundant: int,
                 speed_W: list[float] | None = None, also: tuple[Placement, ...] | None = None) -> ExpertPlacement | None:
     """MegaScale-Infer's greedy per layer from the window's loads and the workers' speeds, or the
-    layers `also` (the deployment's first placement) where they cost no more and send tokens to fewer
-    copies, if that lowers the predicted expert time of a step by at least MIN_GAIN; else None (no
+    layers `also` (the deployment's first placement) unless the greedy's costs MIN_GAIN less or the
+    first sends tokens to more copies, if that lowers the predicted expert time of a step by at least MIN_GAIN; else None (no
     churn for nothing). A step's expert time is the sum over layers of the slowest worker's time
-    (tokens / speed) in that layer: every layer waits for its slowest expert worker. (Fewer copies
-    win ties since at decode sizes each copy that gets tokens reads all its weights: after a slow
-    worker recovers, even loads go back to the first placement rather than to copies everywhere.)"""
+    (tokens / speed) in that layer: every layer waits for its slowest expert worker. (The first
+    placement wins near-ties since at decode sizes each copy that gets tokens reads all its weights:
+    after a slow worker recovers, even loads go back to it rather than to copies everywhere.)"""
     if not any(any(row) for row in load_LE):
         return None
     new = rebalance(load_LE, current, num_redundant, speed_W)
     if also is not None:
         first = ExpertPlacement(current.moe_layers, also, new.version)
-        if (step_cost(first, load_LE, speed_W), active_copies(first)) <= (step_cost(new, load_LE, speed_W),
-                                                                          active_copies(new)):
+        if (1 - MIN_GAIN) * step_cost(first, load_LE, speed_W) <= step_cost(new, load_LE, speed_W) and \
+                active_copies(first) <= active_copies(new):
             new = first
     if step_cost(new, load_LE, speed_W) > (1 - MIN_GAIN) * step_cost(current, load_LE, speed_W):
         return None

@@ -13,7 +13,10 @@ when it is back under.
 
 Each expert worker also has a speed for EPLB (pools/eplb.py: loads compared as tokens / speed), 1.0 until
 it is a straggler. A straggler's speed halves (down to MIN_SPEED), and halves again for every
-window it stays one, so EPLB moves load off it step by step until its peers stop waiting on it.
+window it stays one, so EPLB moves load off it step by step until its peers stop waiting on it;
+unless it computed over CARRIES fair shares of its pool's work in the window: then it is waited on
+for the work it carries (a hot expert, or the load moved off a slower worker), which EPLB's token
+counts balance, and lowering its speed too would only swing the load back and forth.
 Whether it is still slow then is only seen by giving load back: after it has been no straggler for
 RECOVER_S its speed doubles, and each time it turns out slow again the wait before the next doubling
 doubles (at most 16x), so a persistently slow worker settles at the load it can carry.
@@ -35,6 +38,7 @@ THRESHOLD = 3.0   # a score at or above this names the worker a straggler
 FLOOR = 0.02      # added to every wait share: waits under ~2% of the time are noise, not a straggler
 MIN_SPEED = 1 / 32  # the lowest speed a straggler gets: its copies of replicated experts get no tokens
 RECOVER_S = 60.0   # a slowed worker's speed doubles after this long (times 2 per relapse) as no straggler
+CARRIES = 1.5      # a straggler with over this many fair shares of its pool's work keeps its speed
 
 
 @dataclass
@@ -58,27 +62,33 @@ class Stragglers:
         self._flagged_at: dict[str, float] = {}  # when each flagged worker was last named
         self._cleared_at: dict[str, float] = collections.defaultdict(lambda: float("-inf"))  # ... and back
 
-    def sample(self, now: float, workers: list[tuple[str, str, int, int]]) -> None:
+    def sample(self, now: float, workers: list[tuple]) -> None:
         """Record each worker's cumulative (busy_ns, waited_on_ns) at `now`, then log changes of who
-        is a straggler. workers: (pool, name, busy_ns, waited_on_ns) tuples."""
-        for pool, name, busy_ns, waited_ns in workers:
+        is a straggler. workers: (pool, name, busy_ns, waited_on_ns[, work]) tuples; work: the
+        units it computed so far (an expert worker's (token, expert) pairs)."""
+        for pool, name, busy_ns, waited_ns, *work in workers:
             s = self._series.setdefault(name, _Series(pool))
             if s.points and (busy_ns < s.points[-1][1] or waited_ns < s.points[-1][2]):
                 s.points.clear()  # restarted: counts begin again
-            s.points.append((now, busy_ns, waited_ns))
+            s.points.append((now, busy_ns, waited_ns, work[0] if work else None))
             while len(s.points) > 2 and now - s.points[1][0] >= self.window_s:
                 s.points.popleft()
-        self._log(self.table(), now)
-        self._adjust_speeds(now)
+        rows = self.table()
+        self._log(rows, now)
+        self._adjust_speeds(now, rows)
 
     def speeds(self, names: list[str]) -> list[float]:
         """EPLB's speed of each named worker (1.0 for one not seen)."""
         return [self._series[n].speed if n in self._series else 1.0 for n in names]
 
-    def _adjust_speeds(self, now: float) -> None:
+    def _adjust_speeds(self, now: float, rows: list[dict]) -> None:
+        work = {r["worker"]: r["work"] for r in rows if r["pool"] == "expert"}
+        total = sum(w for w in work.values() if w)
         for name, s in self._series.items():
             if s.pool != "expert":  # only expert placement acts on speeds
                 continue
+            if work.get(name) and total and work[name] / total > CARRIES / len(work):
+                continue  # waited on because it carries the pool's work (EPLB's tokens balance that)
             if name in self.flagged:
                 newly = s.changed_at < self._flagged_at[name]  # named since its speed last changed
                 if s.speed > MIN_SPEED and (newly or now - s.changed_at >= self.window_s):
@@ -94,11 +104,12 @@ class Stragglers:
         peers spent waiting on it (summed over peers), and the score."""
         rows = []
         for name, s in sorted(list(self._series.items())):  # (a scrape reads it from another thread)
-            (t0, b0, w0), (t1, b1, w1) = s.points[0], s.points[-1]
+            (t0, b0, w0, k0), (t1, b1, w1, k1) = s.points[0], s.points[-1]
             span = t1 - t0
             rows.append({"pool": s.pool, "worker": name, "window_s": round(span, 3),
                          "busy": (b1 - b0) / 1e9 / span if span > 0 else None,
-                         "waited_on": (w1 - w0) / 1e9 / span if span > 0 else None, "speed": s.speed})
+                         "waited_on": (w1 - w0) / 1e9 / span if span > 0 else None, "speed": s.speed,
+                         "work": None if k0 is None or k1 < k0 else k1 - k0})
         for r in rows:
             others = [o["waited_on"] for o in rows if o["pool"] == r["pool"] and o is not r and o["waited_on"] is not None]
             r["score"] = ((r["waited_on"] + FLOOR) / (statistics.median(others) + FLOOR)

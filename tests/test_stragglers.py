@@ -121,3 +121,17 @@ def test_a_stragglers_speed_falls_while_it_is_waited_on_and_comes_back_slowly(ca
     lines = [r.getMessage() for r in caplog.records if "speed for expert placement" in r.getMessage()]
     assert lines[0] == "straggler: expert worker e1: speed for expert placement 0.5", lines
     assert lines[5] == "straggler: expert worker e1: speed for expert placement raised to 0.0625", lines
+
+
+def test_a_worker_waited_on_for_the_work_it_carries_keeps_its_speed():
+    """e0 computes 90% of the pool's (token, expert) pairs (a hot expert, or the load moved off a
+    slow e1): its peers wait on it, it is named, but its speed for EPLB stays 1.0; e1, waited on
+    as much with a fair share of the work, is slowed."""
+    s = Stragglers(window_s=10.0, threshold=3.0)
+    for t in range(1, 20):
+        s.sample(float(t), [("expert", "e0", 0, int(t * 0.6e9), 90 * t), ("expert", "e1", 0, int(t * 0.01e9), 10 * t)])
+    assert "e0" in s.flagged and s.speeds(["e0", "e1"]) == [1.0, 1.0]
+    s2 = Stragglers(window_s=10.0, threshold=3.0)
+    for t in range(1, 20):
+        s2.sample(float(t), [("expert", "e0", 0, int(t * 0.01e9), 50 * t), ("expert", "e1", 0, int(t * 0.6e9), 50 * t)])
+    assert "e1" in s2.flagged and s2.speeds(["e1"])[0] < 1.0
