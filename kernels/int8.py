@@ -1,0 +1,195 @@
+"""Weight-only INT8 linear layers for the CPU: int8 codes with one float32 scale per output channel,
+multiplied by C kernels that dequantise them on the fly (kernels/csrc/int8_gemm.c, in the native library).
+
+- `quantize_int8(w)`: symmetric per-output-channel codes, scale = absmax / 127 in float32 (a row of
+  zeros: scale 1, codes 0), packed into the kernels' panels (`Int8Weight`). Only the int8 codes and
+  the scales are kept: a quarter of float32's bytes, half of bf16's.
+- `int8_linear(x, w, bias)`: y = x (q scale)^T (+ bias) for bf16 or float32 x (y in x's dtype), any
+  row count and any I, O. Equal to `int8_linear_reference` (torch: x.float() @ dequantised
+  weights^T) up to float32 summation order and, for bf16, the one rounding of y.
+
+Kernels (`kernels()` lists those that run here):
+  AVX2, AVX512  widen the codes to float32 in registers for FMA against float32 x (bf16 x widened
+                once): AVX2 + FMA, or AVX-512 F/BW/VL;
+  BF16DOT, AMX  bf16 x only: each panel is dequantised once per block of rows into a bf16 copy
+                that stays in cache (exact: |q| <= 127), multiplied by x's bf16 values with AVX-512
+                BF16 dot products or AMX-BF16 tiles, float32 accumulation. AMX runs from
+                AMX_MIN_ROWS rows; BF16DOT only when asked for.
+The AVX-512 and AMX kernels are compiled with target attributes and run where /proc/cpuinfo lists
+their ISA (AMX also needs the kernel's permission for the tile state, asked once). Where the native
+library cannot run (no AVX2, no compiler, a failed build, SHUTTLE_NATIVE_KERNELS=0) int8_linear is
+the torch reference.
+
+Legend: T rows, I input features, O output features, P panels of PANEL outputs, Ip I rounded up to even.
+"""
+import ctypes
+import functools
+import logging
+
+import torch
+
+from kernels import native
+
+log = logging.getLogger("shuttle")
+PANEL = 16  # output channels per weight panel
+AVX2, AVX512, BF16DOT, AMX = 0, 1, 2, 3  # the C kernel's `kernel` argument
+_KERNEL_FLAGS = {AVX2: {"avx2", "fma"}, AVX512: {"avx512f", "avx512bw", "avx512vl"},
+                 BF16DOT: {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
+                 AMX: {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"}}
+# Rows from which bf16 x takes AMX where it runs (its per-panel dequantisation is paid once per block
+# of rows, the FMA kernel's widening once per tile of 8 rows). On the 2-core AMX Xeon
+# (bench/results/int8_cpu.json) AVX512 was faster at 1-6 rows, AMX at 12 and more; at 8 it depended
+# on the shape (1024 x 2048: AMX 1.6x faster; 4096 x 14336: AVX512 1.4x). BF16DOT was slower than
+# AVX512 at every row count there, so it runs only when asked (a candidate for AVX-512 BF16 CPUs
+# without AMX).
+AMX_MIN_ROWS = 8
+
+
+class Int8Weight:
+    """A weight (O, I) as int8 codes and float32 per-output-channel scales, w ~= q * scale[:, None].
+
+    panels: int8 (P, Ip / 2, PANEL, 2), P = ceil(O / PANEL): output channels in panels of PANEL,
+    inputs in pairs, element [p, j, o, k] = q[p * PANEL + o, 2j + k]; channels past O and the input
+    past an odd I are zero. scales: float32 (P * PANEL,), 1 past O."""
+
+    __slots__ = ("panels", "scales", "out_features", "in_features")
+
+    def __init__(self, panels: torch.Tensor, scales: torch.Tensor, out_features: int, in_features: int):
+        self.panels, self.scales = panels, scales
+        self.out_features, self.in_features = out_features, in_features
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The O output channels' scales, float32."""
+        return self.scales[:self.out_features]
+
+    def codes(self) -> torch.Tensor:
+        """The int8 codes q (O, I)."""
+        P, pairs = self.panels.shape[:2]
+        return self.panels.permute(0, 2, 1, 3).reshape(P * PANEL, pairs * 2)[:self.out_features, :self.in_features]
+
+    def dequantize(self) -> torch.Tensor:
+        """q * scale (O, I) in float32."""
+        return self.codes().float() * self.scale[:, None]
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.numel() + self.scales.numel() * 4
+
+
+def quantize_int8(w_OI: torch.Tensor, rows_per_chunk: int = 4096) -> Int8Weight:
+    """Symmetric per-output-channel int8 codes of w (O, I) (any float dtype, on the CPU): scale =
+    max |w[o]| / 127 in float32, q = round(w / scale) (to nearest even) in [-127, 127]; a row of zeros
+    gets scale 1 and codes 0. Packed into panels (Int8Weight); float32 temporaries of at most
+    rows_per_chunk rows at a time."""
+    w_OI = w_OI.detach()
+    if w_OI.dim() != 2 or not w_OI.is_floating_point():
+        raise ValueError(f"quantize_int8 takes a floating-point (O, I) weight; got {w_OI.dtype} {tuple(w_OI.shape)}")
+    O, I = w_OI.shape
+    P, Ip = -(-O // PANEL), I + I % 2
+    q = torch.zeros(P * PANEL, Ip, dtype=torch.int8)
+    scales = torch.ones(P * PANEL, dtype=torch.float32)
+    for o0 in range(0, O, rows_per_chunk):
+        w = w_OI[o0:o0 + rows_per_chunk].float()
+        absmax = w.abs().amax(dim=1)
+        scale = torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
+        q[o0:o0 + w.shape[0], :I] = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        scales[o0:o0 + w.shape[0]] = scale
+    panels = q.view(P, PANEL, Ip // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return Int8Weight(panels, scales, O, I)
+
+
+def int8_linear_reference(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch path: x.float() @ (q * scale)^T (+ bias) in float32, returned in x's dtype."""
+    y = x.float() @ w.dequantize().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The native library (kernels/native.py) with the int8 kernels' signatures set, or None where
+    it cannot run here (native says why, once)."""
+    lib = native._library()
+    if lib is None:
+        return None
+    for name in ("shuttle_int8_kernels", "shuttle_int8_amx_init"):
+        getattr(lib, name).restype, getattr(lib, name).argtypes = ctypes.c_int, []
+    fn = lib.shuttle_int8_linear
+    fn.restype = ctypes.c_int
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
+                   + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int])
+    return lib
+
+
+def available() -> bool:
+    """Whether the int8 kernels run here (builds them on the first call)."""
+    return _library() is not None
+
+
+@functools.cache
+def _kernels_here(lib: ctypes.CDLL) -> frozenset[int]:
+    built, flags = lib.shuttle_int8_kernels(), native.cpu_flags()
+    here = {k for k, need in _KERNEL_FLAGS.items() if built >> k & 1 and need <= flags}
+    if AMX in here and not lib.shuttle_int8_amx_init():
+        log.info("int8 AMX kernel unavailable: the kernel refused this process the tile state (arch_prctl)")
+        here.discard(AMX)
+    return frozenset(here)
+
+
+def kernels() -> frozenset[int]:
+    """The kernels that run here: built into the library and the CPU lists their ISA (empty where
+    the library is unavailable)."""
+    lib = _library()
+    return frozenset() if lib is None else _kernels_here(lib)
+
+
+def avx512() -> bool:
+    """Whether the AVX-512 FMA kernel runs here (float32 x; bf16 x below AMX_MIN_ROWS where AMX runs)."""
+    return AVX512 in kernels()
+
+
+def _default_kernel(x_dtype: torch.dtype, rows: int, here: frozenset[int]) -> int:
+    if x_dtype == torch.bfloat16 and rows >= AMX_MIN_ROWS and AMX in here:
+        return AMX
+    return AVX512 if AVX512 in here else AVX2
+
+
+def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None,
+                kernel: int | None = None) -> torch.Tensor:
+    """y = x (q scale)^T (+ bias) in x's dtype (bfloat16 or float32), float32 accumulation, rounded
+    once: x (..., I) on the CPU, bias (O,) of any float dtype. kernel: AVX2, AVX512, BF16DOT or AMX
+    (these two bf16 x only), one of kernels(); by default AMX for bf16 x from AMX_MIN_ROWS rows where
+    it runs, else AVX512 where it runs, else AVX2. The torch reference where the kernels are
+    unavailable, for other dtypes, and where autograd or torch.compile needs it."""
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"int8_linear: x has {x.shape[-1]} input features, the weight {w.in_features}")
+    if x.dtype not in (torch.bfloat16, torch.float32) or not _eager_cpu(x, bias):
+        return int8_linear_reference(x, w, bias)
+    lead, I, O = x.shape[:-1], w.in_features, w.out_features
+    x_TI = x.reshape(-1, I).contiguous()
+    T = x_TI.shape[0]
+    here = _kernels_here(_library())
+    if kernel is None:
+        kernel = _default_kernel(x.dtype, T, here)
+    elif kernel not in here or kernel in (BF16DOT, AMX) and x.dtype != torch.bfloat16:
+        raise ValueError(f"int8_linear: kernel {kernel} does not run here for {x.dtype} x (here: {sorted(here)})")
+    y_TO = torch.empty(T, O, dtype=x.dtype)
+    b = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    bf16 = int(x.dtype == torch.bfloat16)
+    rc = _library().shuttle_int8_linear(x_TI.data_ptr(), bf16, T, I, w.panels.data_ptr(), w.scales.data_ptr(),
+                                        0 if b is None else b.data_ptr(), O, y_TO.data_ptr(), bf16, native.threads(),
+                                        kernel)
+    if rc != 0:
+        raise MemoryError(f"int8_linear: out of memory for the buffers of {T} x {I} activations")
+    return y_TO.view(*lead, O)
+
+
+def _eager_cpu(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """What native.eager_cpu checks, for this library: CPU tensors, no gradient wanted, not traced by
+    torch.compile, the kernels available."""
+    tensors = (x,) if bias is None else (x, bias)
+    return (all(t.device.type == "cpu" for t in tensors)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            and not torch.compiler.is_compiling() and available())
