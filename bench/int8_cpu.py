@@ -22,7 +22,6 @@ weight bytes over best_int8's time; int8_vs_bf16 > 1: int8 is faster.
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import print_table, save  # noqa: E402
 from kernels import int8, native  # noqa: E402
+from kernels.choice import time_us  # noqa: E402
 from kernels.cpu_linear import CpuWeight, cpu_linear  # noqa: E402
 from kernels.int8 import int8_linear, int8_linear_reference, quantize_int8  # noqa: E402
 
@@ -50,17 +50,6 @@ def int8_kernels() -> dict[str, int]:
     return kernels
 
 
-def time_per_call(fn: Callable[[], object], min_s: float) -> float:
-    """Seconds per call of fn over back-to-back calls taking at least min_s (one call at least)."""
-    calls, start = 0, time.perf_counter()
-    while True:
-        fn()
-        calls += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_s:
-            return elapsed / calls
-
-
 def alternating(fns: dict[str, Callable[[], object]], rounds: int, min_s: float) -> dict[str, float]:
     """Median seconds per call of each function, the functions taking turns each round (the order
     reversed every other round) so that load shifts hit all alike."""
@@ -70,7 +59,7 @@ def alternating(fns: dict[str, Callable[[], object]], rounds: int, min_s: float)
     names = list(fns)
     for r in range(rounds):
         for k in (names if r % 2 == 0 else names[::-1]):
-            times[k].append(time_per_call(fns[k], min_s))
+            times[k].append(time_us(fns[k], min_s) / 1e6)
     return {k: statistics.median(v) for k, v in times.items()}
 
 

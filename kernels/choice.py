@@ -196,7 +196,7 @@ def _skinny_runners(shape: tuple[int, int]) -> dict:
 _RUNNERS = {"gemm": _gemm_runners, "moe": _moe_runners, "skinny": _skinny_runners}
 
 
-def _time_us(fn, min_s: float = 0.002) -> float:
+def time_us(fn, min_s: float = 0.002) -> float:
     """Microseconds per call of fn, over enough calls to take at least min_s (one call at least)."""
     calls, start = 0, time.perf_counter()
     while True:
@@ -234,7 +234,7 @@ def measure(op: str, shapes: list[tuple[int, ...]]) -> Choice:
             rounds = {c: [] for c in live}
             for r in range(ROUNDS):
                 for c in (live if r % 2 == 0 else live[::-1]):
-                    rounds[c].append(_time_us(calls[c]))
+                    rounds[c].append(time_us(calls[c]))
             for c in live:
                 total[c] += statistics.median(rounds[c])
         # the best choosable time sets the ratios: it is never dropped, and oneDNN (timed for the table

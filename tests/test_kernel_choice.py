@@ -209,7 +209,7 @@ def test_picks_prune_and_ties_on_given_times(monkeypatch):
         return {"make_x": lambda T: torch.zeros(T, 1), "runners": {c: make(c) for c in ("avx512", "amx", "onednn")}}
 
     monkeypatch.setitem(choice._RUNNERS, "gemm", runners)
-    monkeypatch.setattr(choice, "_time_us", lambda fn: fn.us)
+    monkeypatch.setattr(choice, "time_us", lambda fn: fn.us)
     times.update(avx512=lambda r: 10.0 * r, amx=lambda r: 100.0 + r, onednn=lambda r: 1.0 + r)
     got = choice.measure("gemm", [(1, 1)])
     # avx512 10-160 against amx 101-116 at 1-16 rows: amx from 16 rows on (at 8: 80 against 108)

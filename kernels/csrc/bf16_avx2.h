@@ -71,4 +71,18 @@ static inline int passive_waits(void) {
 #define EXP_P3 4.1665795894e-2f
 #define EXP_P4 1.6666665459e-1f
 #define EXP_P5 5.0000001201e-1f
+/* Run call(R) with R a compile-time constant 1..8 (R > 8 or < 1: 1), so row-blocked kernels get
+   their accumulators in registers for every row count of a tile. */
+#define BY_ROWS(n, call)        \
+    switch (n) {                \
+        case 8: call(8); break; \
+        case 7: call(7); break; \
+        case 6: call(6); break; \
+        case 5: call(5); break; \
+        case 4: call(4); break; \
+        case 3: call(3); break; \
+        case 2: call(2); break; \
+        default: call(1); break; \
+    }
+
 #endif

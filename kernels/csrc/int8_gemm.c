@@ -124,18 +124,6 @@ AI512 void tile512(const float *x, int64_t ldx, const int R, const int8_t *pw, i
                 scale, bias, nv, (char *)y + r * ldy * (y_bf16 ? 2 : 4), y_bf16);
 }
 
-#define BY_ROWS(R, call)                                                                      \
-    switch (R) {                                                                              \
-        case 8: call(8); break;                                                               \
-        case 7: call(7); break;                                                               \
-        case 6: call(6); break;                                                               \
-        case 5: call(5); break;                                                               \
-        case 4: call(4); break;                                                               \
-        case 3: call(3); break;                                                               \
-        case 2: call(2); break;                                                               \
-        default: call(1); break;                                                              \
-    }
-
 T512 static void tile_avx512(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *scale,
                              const float *bias, int nv, void *y, int64_t ldy, int y_bf16) {
 #define CALL(n) tile512((const float *)x, ldx, n, (const int8_t *)pw, pairs, scale, bias, nv, y, ldy, y_bf16)

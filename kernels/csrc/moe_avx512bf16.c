@@ -188,18 +188,6 @@ static uint16_t *bf16_buffer(int64_t rows, int64_t cols) {
     return aligned_alloc(64, bytes ? bytes : 64);
 }
 
-#define BY_ROWS(n, call)                \
-    switch (n) {                        \
-        case 8: call(8); break;         \
-        case 7: call(7); break;         \
-        case 6: call(6); break;         \
-        case 5: call(5); break;         \
-        case 4: call(4); break;         \
-        case 3: call(3); break;         \
-        case 2: call(2); break;         \
-        default: call(1); break;        \
-    }
-
 /* masks of the valid outputs among a panel's 32 (o0: its first output of O) */
 static inline void panel_masks(int64_t O, int64_t o0, __mmask16 *m0, __mmask16 *m1) {
     const int64_t nv = O - o0 < 32 ? O - o0 : 32;
