@@ -73,18 +73,36 @@ def pack_weight(w_OI: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w_OI.detach().contiguous(), BATCH_HINT)
 
 
+# The most rows one packed GEMM runs; more run in chunks of this many. From 128 rows a GEMM does 64+
+# FLOP per weight byte it reads in float32, far past where any CPU stops waiting on memory: oneDNN's
+# float32 rate was flat from 128 to 2,048 rows (AMX Xeon, 2 vCPUs, 4096x1024 and 1024x2048: 199-219
+# GFLOP/s). What chunking buys is a bounded set of row counts whatever the token budget, so no later
+# load (resumes re-prefilling a whole batch at once) compiles GEMMs that earlier load had not.
+PACKED_MAX_ROWS = 256
+
+
 def packed_rows(rows: int) -> int:
-    """The rows a packed GEMM runs for `rows`: up to 16 as they are, more rounded up to one of 8
-    steps per power of two (17-32 by 2, 33-64 by 4, ...: under 1/8 more rows, ~3% more work over a
-    soak's mix), so a weight shape gets at most 16 + 8 per power of two compiled GEMMs."""
+    """The rows a packed GEMM runs for `rows` (at most PACKED_MAX_ROWS): up to 16 as they are, more
+    rounded up to one of 8 steps per power of two (17-32 by 2, 33-64 by 4, ...: under 1/8 more rows,
+    ~3% more work over a soak's mix), so a weight shape gets at most 16 + 8 * 4 = 48 compiled GEMMs."""
+    if rows > PACKED_MAX_ROWS:
+        raise ValueError(f"{rows} rows: packed GEMMs run at most {PACKED_MAX_ROWS} (packed_linear chunks)")
     step = 1 << max(0, (rows - 1).bit_length() - 4)
     return -(-rows // step) * step
 
 
 def packed_linear(x_TI: torch.Tensor, packed: torch.Tensor, bias_O: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ b) for 2-D x with the weight from pack_weight. The rows are zero-padded to
-    packed_rows (oneDNN compiles and caches a GEMM per row count, see above) and the padding's
-    outputs dropped: each row's result does not depend on the others."""
+    """y = x W^T (+ b) for 2-D x with the weight from pack_weight. Rows run in chunks of
+    PACKED_MAX_ROWS, the last chunk zero-padded to packed_rows (oneDNN compiles and caches a GEMM per
+    row count, see above) and the padding's outputs dropped: each row's result does not depend on the
+    others."""
+    rows = x_TI.shape[0]
+    if rows <= PACKED_MAX_ROWS:
+        return _packed_chunk(x_TI, packed, bias_O)
+    return torch.cat([_packed_chunk(x_CI, packed, bias_O) for x_CI in x_TI.split(PACKED_MAX_ROWS)])
+
+
+def _packed_chunk(x_TI: torch.Tensor, packed: torch.Tensor, bias_O: torch.Tensor | None) -> torch.Tensor:
     rows, padded = x_TI.shape[0], packed_rows(x_TI.shape[0])
     if padded == rows:
         return torch.ops.mkldnn._linear_pointwise(x_TI, packed, bias_O, "none", [], "")

@@ -1,8 +1,8 @@
 """Memory that must not grow with the load: oneDNN (and torch's cache in front of it) compile and keep
 a GEMM per weight shape and row count, ~0.55 MiB each, so a packed float32 GEMM that saw every row
 count grew a serving worker by hundreds of MiB (issue 44). kernels.cpu_linear.packed_linear pads the
-rows to packed_rows' buckets: the row counts reaching oneDNN are bounded, and the results are those of
-the unpadded GEMM."""
+rows to packed_rows' buckets in chunks of at most PACKED_MAX_ROWS: the row counts reaching oneDNN are
+bounded whatever the load, and the results are those of the unpadded GEMM."""
 import ctypes
 import ctypes.util
 
@@ -10,17 +10,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_linear import pack_weight, packed_linear, packed_rows, packing_available
+from kernels.cpu_linear import PACKED_MAX_ROWS, pack_weight, packed_linear, packed_rows, packing_available
 from kernels.native import BUCKET_ROWS
 
 
 def test_packed_rows_buckets() -> None:
-    rows = range(1, 4097)
+    rows = range(1, PACKED_MAX_ROWS + 1)
     assert all(packed_rows(r) == r for r in range(17))  # decode's few rows as they are
     assert all(r <= packed_rows(r) < r * 9 / 8 for r in rows)  # under 1/8 more work
     assert all(packed_rows(packed_rows(r)) == packed_rows(r) for r in rows)
-    assert all(packed_rows(r) == r for r in BUCKET_ROWS)  # kernels/choice.py times these unpadded
-    assert len({packed_rows(r) for r in range(1, 2049)}) == 16 + 8 * 7  # 17-32, ..., 1025-2048
+    assert all(packed_rows(r) == r for r in BUCKET_ROWS if r <= PACKED_MAX_ROWS)  # kernels/choice.py times these
+    assert len({packed_rows(r) for r in rows}) == 16 + 8 * 4  # 17-32, ..., 129-256
+    with pytest.raises(ValueError, match="at most"):
+        packed_rows(PACKED_MAX_ROWS + 1)
 
 
 @pytest.fixture
@@ -38,12 +40,14 @@ def test_padded_rows_give_the_unpadded_result(dtype: torch.dtype, onednn_rows: l
     torch.manual_seed(0)
     w, b = torch.randn(45, 67).to(dtype), torch.randn(45).to(dtype)
     packed = pack_weight(w)
-    for rows in (17, 19, 33, 71, 127, 129, 301, 1025):
+    for rows in (17, 19, 33, 71, 127, 129, 255, 257, 301, 1025):
         x = torch.randn(rows, 67).to(dtype)
         y = packed_linear(x, packed, b)
-        assert y.shape == (rows, 45) and y.is_contiguous() and onednn_rows[-1] == packed_rows(rows) > rows
-        # the same op on the unpadded rows; bitwise equal on oneDNN's brgemm kernels (AVX-512), within
-        # summation order wherever oneDNN blocks the inputs by the row count
+        last = rows % PACKED_MAX_ROWS  # the last chunk's rows
+        assert y.shape == (rows, 45) and y.is_contiguous() and onednn_rows[-1] == packed_rows(last)
+        assert onednn_rows[-1 - rows // PACKED_MAX_ROWS:-1] == [PACKED_MAX_ROWS] * (rows // PACKED_MAX_ROWS)
+        # the same op on the unpadded, unchunked rows; bitwise equal on oneDNN's brgemm kernels
+        # (AVX-512), within summation order wherever oneDNN blocks the inputs by the row count
         unpadded = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
         torch.testing.assert_close(y, unpadded, **({} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}))
         tol = 1e-4 if dtype == torch.float32 else 5e-2
@@ -57,7 +61,7 @@ def test_row_counts_reaching_onednn_are_bounded(onednn_rows: list[int]) -> None:
     x = torch.randn(2048, 40)
     for rows in range(1, 2049):
         packed_linear(x[:rows], packed)
-    assert len(onednn_rows) == 2048 and len(set(onednn_rows)) == 72
+    assert len(set(onednn_rows)) == 48 and max(onednn_rows) == PACKED_MAX_ROWS
 
 
 def _heap_in_use() -> int | None:
@@ -74,7 +78,7 @@ def _heap_in_use() -> int | None:
 
 
 def test_every_row_count_keeps_memory_bounded() -> None:
-    """Every row count from 1 to 1024 through one float32 weight shape: 64 compiled GEMMs, ~35 MiB
+    """Every row count from 1 to 1024 through one float32 weight shape: 48 compiled GEMMs, ~26 MiB
     (unpadded: 1,024, ~320 MiB with the caches' default caps; torch 2.13, oneDNN 3.12)."""
     if not packing_available(torch.float32) or _heap_in_use() is None:
         pytest.skip("needs oneDNN's float32 packing and glibc's mallinfo2")
