@@ -7,6 +7,7 @@ import torch
 from m2n_comm.transport import BACKENDS
 
 M2N_DTYPES = ("auto", "fp8")  # ParallelConfig.m2n_dtype
+QUANTIZATIONS = ("int8",)  # EngineConfig.quantization
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,10 @@ class EngineConfig:
     torch.compile at start-up where that applies (CPU with torch kernels; models/stages.py).
     native_decode: run bf16 decode steps' layers from C where the model takes it: colocated the
     whole step in one call, on an attention worker each layer's attention side
-    (models/native_decode.py); False keeps the eager layers."""
+    (models/native_decode.py); False keeps the eager layers.
+    quantization: "int8" keeps the expert weights as int8 codes with per-output-channel scales,
+    quantised at load from a float checkpoint (weight-only; kernels/int8.py), on CPU workers with
+    torch kernels; None serves them in `dtype`. vLLM's name "experts_int8" means the same."""
 
     model: str
     dtype: torch.dtype | None = None
@@ -181,8 +185,19 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     enforce_eager: bool = True
     native_decode: bool = True
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("enforce_eager", "native_decode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.quantization == "experts_int8":
+            object.__setattr__(self, "quantization", "int8")
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATIONS:
+                raise ValueError(f"quantization {self.quantization!r} is not supported; choose from "
+                                 f"{', '.join(QUANTIZATIONS)} (or experts_int8, its vLLM name)")
+            devices = {self.device, self.parallel.expert_device or self.device}
+            if devices != {"cpu"} or (self.kernels or "torch") != "torch":
+                raise ValueError(f"quantization {self.quantization!r} runs on CPU workers with torch kernels "
+                                 f"(kernels/int8.py); got device(s) {sorted(devices)}, kernels {self.kernels!r}")

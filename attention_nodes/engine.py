@@ -346,7 +346,7 @@ class LLMEngine:
                 "kv_cache_usage": 1 - b.num_free_blocks / b.num_blocks, "prefix_cache_queries": b.prefix_queries,
                 "prefix_cache_hits": b.prefix_hits, "preemptions": self.scheduler.num_preemptions,
                 "steps": self.num_steps, "generated_tokens": self.num_generated_tokens,
-                "expert_tokens": self._expert_tokens()}
+                "expert_tokens": self._expert_tokens(), "weight_bytes": dict(self.runner.resident_bytes)}
 
     def _expert_tokens(self) -> dict[int, int]:
         """Tokens routed to each expert so far (colocated: counted here; else the expert workers count)."""

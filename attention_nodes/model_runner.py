@@ -12,7 +12,8 @@ from attention_nodes.scheduler import ScheduledBatch
 from models.config import ModelConfig
 from models.dispatcher import Dispatcher, LocalDispatcher
 from kernels import native
-from models.cpu_inference import SKINNY_MAX_ROWS, decode_is_native, half_copy_bytes, pack_for_cpu_inference
+from models.cpu_inference import (SKINNY_MAX_ROWS, decode_is_native, half_copy_bytes, pack_for_cpu_inference,
+                                  resident_weight_bytes)
 from models.kv_cache import AttentionBatch, cache_bytes_per_block, make_paged_cache
 from models.loader import load_model
 from models.native_decode import NativeDecode, why_not
@@ -57,7 +58,8 @@ class ModelRunner:
         self.dtype = self.model.lm_head.weight.dtype
         self.weight_bytes = _weight_bytes(self.model)
         cpu_torch = self.device.type == "cpu" and self.model.ops.backend == "torch"
-        self.packed = cpu_torch and pack_for_cpu_inference(self.model)
+        self.packed = cpu_torch and pack_for_cpu_inference(self.model, cfg.quantization)
+        self.resident_bytes = resident_weight_bytes(self.model)  # after packing / quantising
         # Under passive OpenMP waits (the pools on one host) a decode step whose heavy work is all
         # native keeps torch's small ops on one thread: each would wake the pool (native.py).
         self.narrow_decode = self.packed and native.passive_waits() and decode_is_native(self.model)
@@ -84,6 +86,10 @@ class ModelRunner:
                  "" if not self.packed else " (weights packed for oneDNN" + (
                      f"; bf16 copies for up to {SKINNY_MAX_ROWS} rows, {half / 2 ** 30:.2f} GiB)"
                      if (half := half_copy_bytes(self.model)) else ")"))
+        r = self.resident_bytes
+        log.info("weights: %.3f GiB resident (experts %.3f GiB%s, embedding %.3f GiB, other %.3f GiB)",
+                 sum(r.values()) / 2 ** 30, r["experts"] / 2 ** 30, f" {cfg.quantization}" if cfg.quantization else "",
+                 r["embedding"] / 2 ** 30, r["other"] / 2 ** 30)
 
     def _block_bytes(self) -> int:
         return cache_bytes_per_block(self.model_cfg, self.block_size, self.dtype)

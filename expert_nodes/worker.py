@@ -19,6 +19,7 @@ epoch the worker was started for (the front adds a worker started during a failo
 Every value it writes or reads in the store is signed with the deployment token (SignedStore): one
 a stranger wrote is refused and logged, and acted on as if absent.
 """
+import functools
 import json
 import logging
 import threading
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 from setproctitle import setproctitle
+from torch import nn
 from torch.distributed import TCPStore
 
 from expert_nodes.placement import HeldExperts, epoch_placement, loader_for, watch_placements
@@ -38,6 +40,7 @@ from m2n_comm.m2n import M2NReceiver, run_local_experts
 from m2n_comm.placement import ExpertPlacement
 from m2n_comm.transport import PeerDeadError, TransportConfig, TransportTimeout, data_session
 from models.config import ModelConfig
+from models.cpu_inference import resident_weight_bytes
 from models.loader import freeze_loaded_heap
 from telemetry.trace import Tracer
 
@@ -64,6 +67,7 @@ class ExpertWorkerSpec:
     torch_threads: int | None = None
     trace_dir: str | None = None
     epoch: int = 0  # the data plane epoch to join first
+    quantization: str | None = None  # EngineConfig.quantization
 
 
 def run_expert_worker(spec: ExpertWorkerSpec) -> None:
@@ -95,15 +99,18 @@ def _serve(spec: ExpertWorkerSpec, store: SignedStore) -> None:
     cfg = ModelConfig.from_pretrained(spec.model)
     moe_layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
     device = torch.device(spec.device)
-    pack = pack_for_cpu if device.type == "cpu" else (lambda m: m)
+    pack = functools.partial(pack_for_cpu, quantization=spec.quantization) if device.type == "cpu" else (lambda m: m)
     load_fn = loader_for(spec.model, cfg, spec.dtype, device, spec.kernels, pack)
     held = HeldExperts(spec.placement, load_fn(spec.placement.experts_on(spec.rank)), spec.rank, load_fn, device)
     freeze_loaded_heap()
-    log.info("serving %d MoE layers, placement version %d, %d torch thread(s)", len(moe_layers),
-             spec.placement.version, torch.get_num_threads())
+    weight_bytes = resident_weight_bytes(nn.ModuleList(held.modules(spec.placement.version).values()))["experts"]
+    log.info("serving %d MoE layers, placement version %d, %d torch thread(s); expert weights %.3f GiB resident%s",
+             len(moe_layers), spec.placement.version, torch.get_num_threads(), weight_bytes / 2 ** 30,
+             f" ({spec.quantization})" if spec.quantization else "")
     store.set(f"{spec.session}/up/e{spec.rank}", str(spec.epoch))  # loaded: the front may add it back now
     tracer = Tracer(f"e{spec.rank}", enabled=spec.trace_dir is not None)
     load = _Load(spec, store, tracer, device, cfg.num_experts, moe_layers)
+    load.meta["weight_bytes"] = weight_bytes  # (as loaded; re-placements change what is held)
     stop = threading.Event()
     watcher = threading.Thread(target=watch_placements,
                                args=(held, spec.store_addr, spec.session, stop, spec.transport.token), daemon=True,
@@ -237,18 +244,17 @@ def narrows(blocks) -> bool:
     return native.passive_waits() and any(getattr(m, "native", None) is not None for m in blocks)
 
 
-def pack_for_cpu(experts: dict) -> dict:
+def pack_for_cpu(experts: dict, quantization: str | None = None) -> dict:
     """MoE layer -> its experts, packed for the CPU kernels where this CPU has them (the kernels
-    chosen by measurement first), as an expert worker serves them; the planner's profile times the
-    same modules."""
+    chosen by measurement first), or quantised ("int8": kernels/int8.py, any CPU), as an expert
+    worker serves them; the planner's profile times the same modules."""
     from kernels.cpu_linear import packing_available
-    from torch import nn
 
     from models.cpu_inference import PackedExperts, choose_kernels
 
     some = next(iter(experts.values()))
-    if not packing_available(some.w13.dtype):
+    if quantization is None and not packing_available(some.w13.dtype):
         return experts
-    blocks = {layer: PackedExperts(m) for layer, m in experts.items()}
+    blocks = {layer: PackedExperts(m, quantization) for layer, m in experts.items()}
     choose_kernels(nn.ModuleList(blocks.values()))
     return blocks

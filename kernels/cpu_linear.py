@@ -22,6 +22,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from kernels import native  # noqa: E402
+from kernels.int8 import int8_linear, quantize_int8  # noqa: E402
 
 BATCH_HINT = 16  # rows oneDNN picks its blocking for; any row count works
 # Rows up to which cpu_linear streams the bf16 copy of float32 weights until kernels/choice.py has
@@ -118,14 +119,21 @@ class CpuWeight:
     GEMMs) and the native kernels run here (kernels/native.py). At the row counts where
     kernels/choice.py measured it faster, cpu_linear streams the bf16 copy, half the bytes of the
     float32 weights; elsewhere oneDNN's float32 GEMM. The copy costs half the float32 weights' memory
-    again. Which panel kernel (AVX-512 BF16 or AMX) multiplies the panels is the choice table's."""
+    again. Which panel kernel (AVX-512 BF16 or AMX) multiplies the panels is the choice table's.
+    quantization="int8": int8 codes with per-output-channel scales only (kernels/int8.py), for bf16 or
+    float32 activations on any CPU the native library runs on."""
 
-    __slots__ = ("packed", "half", "panels", "out_features")
+    __slots__ = ("packed", "half", "panels", "int8", "out_features")
 
-    def __init__(self, w_OI: torch.Tensor):
+    def __init__(self, w_OI: torch.Tensor, quantization: str | None = None):
         w_OI = w_OI.detach()
         self.out_features = w_OI.shape[0]
-        self.packed = self.half = self.panels = None
+        self.packed = self.half = self.panels = self.int8 = None
+        if quantization == "int8":
+            self.int8 = quantize_int8(w_OI)
+            return
+        if quantization is not None:
+            raise ValueError(f"CpuWeight: unknown quantization {quantization!r}")
         if w_OI.dtype == torch.bfloat16 and w_OI.shape[1] % 2 == 0 and native.avx512_bf16():
             # bf16 on AVX-512 BF16: our panels instead of oneDNN's packing, at every row count
             self.panels = native.pack_panels32(w_OI, w_OI.shape[1])
@@ -140,7 +148,9 @@ class CpuWeight:
 def cpu_linear(x_TI: torch.Tensor, w: CpuWeight, bias_O: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ b) for 2-D x: our panels (bf16), or for float32 x the native bf16 kernel on w's bf16
     copy where kernels/choice.py picked it for this row count, else oneDNN's packed GEMM. They agree
-    up to summation order."""
+    up to summation order. An int8 weight runs kernels/int8.int8_linear."""
+    if w.int8 is not None:
+        return int8_linear(x_TI, w.int8, bias_O)
     if w.panels is not None:
         y = native.gemm_bf16_panels(x_TI, w.panels, w.out_features)
         return y if bias_O is None else y.add_(bias_O)
@@ -173,7 +183,7 @@ class ExpertPanels:
     Else w is the down projection (D, I), its inputs zero-padded to I16."""
 
     __slots__ = ("panels", "out_features", "in_features", "inter_padded")
-    half = None  # (no bf16 copy for cpu_linear: these weights are only the fused kernel's)
+    half = int8 = None  # (no bf16 copy or codes for cpu_linear: these weights are only the fused kernel's)
 
     def __init__(self, w: torch.Tensor, gate_up: bool, inter: int):
         w = w.detach().to(torch.bfloat16)

@@ -26,12 +26,16 @@ class PackedExperts(nn.Module):
     """Experts with per-expert w13 (2I, D) and w2 (D, I), their biases (if any) and activation. Each
     weight is a CpuWeight (packed for oneDNN, plus a bf16 copy for few rows where it applies) that
     kernels.moe.fused_moe_packed runs, or, where fused_native_experts says so, an ExpertPanels that
-    the whole block's native kernel runs (then the oneDNN copies are never made)."""
+    the whole block's native kernel runs (then the oneDNN copies are never made). quantization="int8":
+    each weight as int8 codes and per-channel scales (CpuWeight), whatever the dtype and CPU."""
 
-    def __init__(self, experts: Experts | None = None):
+    def __init__(self, experts: Experts | None = None, quantization: str | None = None):
         super().__init__()
         self.w13_packed, self.w2_packed = [], []
-        if experts is not None and fused_native_experts(experts):
+        if experts is not None and quantization is not None:
+            self.w13_packed = [CpuWeight(w, quantization) for w in experts.w13.detach()]
+            self.w2_packed = [CpuWeight(w, quantization) for w in experts.w2.detach()]
+        elif experts is not None and fused_native_experts(experts):
             inter = experts.w2.shape[2]
             self.w13_packed = [ExpertPanels(w, True, inter) for w in experts.w13.detach()]
             self.w2_packed = [ExpertPanels(w, False, inter) for w in experts.w2.detach()]
@@ -69,11 +73,20 @@ class PackedExperts(nn.Module):
                                 b13_EI2=self.b13, b2_ED=self.b2, act=self.act)
 
 
-def pack_for_cpu_inference(model: MoEForCausalLM) -> bool:
-    """Swap linears and experts for packed ones in place. Returns False (and changes nothing) where
-    the weights are not on the CPU or oneDNN cannot pack their dtype here (see packing_available)."""
+def pack_for_cpu_inference(model: MoEForCausalLM, quantization: str | None = None) -> bool:
+    """Swap linears and experts for packed ones in place; quantization="int8": the experts' weights
+    as int8 (PackedExperts). Returns False where the weights are not on the CPU or oneDNN cannot pack
+    their dtype here (see packing_available): then only the experts are swapped, and only if
+    quantised."""
     w = model.lm_head.weight
-    if w.device.type != "cpu" or not packing_available(w.dtype):
+    if w.device.type != "cpu":
+        return False
+    if not packing_available(w.dtype):
+        if quantization is not None:
+            for parent in list(model.modules()):
+                for name, child in list(parent.named_children()):
+                    if isinstance(child, Experts):
+                        setattr(parent, name, PackedExperts(child, quantization))
         return False
     tied = model.cfg.tie_word_embeddings
     for attn in [m for m in model.modules() if isinstance(m, Attention)]:
@@ -84,7 +97,7 @@ def pack_for_cpu_inference(model: MoEForCausalLM) -> bool:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Experts):
-                setattr(parent, name, PackedExperts(child))
+                setattr(parent, name, PackedExperts(child, quantization))
             elif isinstance(child, nn.Linear) and not (tied and child is model.lm_head):
                 setattr(parent, name, PackedLinear(child))
     choose_kernels(model)
@@ -152,3 +165,34 @@ def half_copy_bytes(module: nn.Module) -> int:
             if isinstance(m, PackedExperts) else []
         total += sum(w.half.numel() * 2 for w in weights if w.half is not None)
     return total
+
+
+def resident_weight_bytes(module: nn.Module) -> dict[str, int]:
+    """Bytes the weights of a model (or an expert worker's blocks) hold now, after packing or
+    quantising, as {"embedding", "experts", "other"}: parameters and buffers, each once, plus the
+    packed, panel, bf16-copy and int8 forms (kernels/cpu_linear.py) the CPU modules keep."""
+    out, seen = {"embedding": 0, "experts": 0, "other": 0}, set()
+
+    def add(kind: str, t: torch.Tensor | None) -> None:
+        if t is not None and id(t) not in seen:
+            seen.add(id(t))
+            out[kind] += t.numel() * t.element_size()
+
+    for name, m in module.named_modules():
+        kind = ("experts" if isinstance(m, (Experts, PackedExperts)) or ".experts" in f".{name}"
+                else "embedding" if "embed_tokens" in name else "other")
+        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+            add(kind, t)
+        weights = [m.weight] if isinstance(m, PackedLinear) else [m.cpu_weight] \
+            if isinstance(m, Router) and getattr(m, "cpu_weight", None) is not None else \
+            [*m.w13_packed, *m.w2_packed] if isinstance(m, PackedExperts) else []
+        for w in weights:
+            for t in (getattr(w, "packed", None), w.half, w.panels):
+                add(kind, t)
+            if w.int8 is not None:
+                add(kind, w.int8.panels)
+                add(kind, w.int8.scales)
+        for t in (getattr(m, "bias", None), getattr(m, "b13", None), getattr(m, "b2", None)):
+            if isinstance(t, torch.Tensor):
+                add(kind, t)
+    return out

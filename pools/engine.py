@@ -188,7 +188,8 @@ class PoolEngine:
         if worker.kind == "expert":
             spec = ExpertWorkerSpec(cfg.model, cfg.dtype, par.expert_device or cfg.device, cfg.kernels, rank,
                                     par.attention_workers, par.micro_batches, placement, self.transport,
-                                    store_addr, self.session, self._expert_threads, par.trace_dir, epoch)
+                                    store_addr, self.session, self._expert_threads, par.trace_dir, epoch,
+                                    cfg.quantization)
             return launch(str(worker), "expert", run_expert_worker, spec)
         spec = AttentionWorkerSpec(cfg, rank, sorted(self.eos_token_ids), placement, self.transport,
                                    store_addr, self._listener.getsockname()[:2], self.session, epoch)
@@ -376,16 +377,20 @@ class PoolEngine:
         total["kv_cache_usage"] = 1 - total["free_blocks"] / total["num_blocks"] if total["num_blocks"] else 0.0
         busy = [{"pool": "attention", "worker": f"a{w['rank']}", "busy_ns": w["busy_ns"], "uptime_ns": w["uptime_ns"]}
                 for w in workers]
+        weights = [{"pool": "attention", "worker": f"a{w['rank']}", "kind": kind, "bytes": n}
+                   for w in workers for kind, n in w.get("weight_bytes", {}).items()]
         for w in range(self.cfg.parallel.expert_workers):
             key = f"{self.session}/stats/e{w}"
             if self._store.check([key]):
                 e = json.loads(self._store.get(key))
                 busy.append({"pool": "expert", "worker": f"e{w}", "busy_ns": e["busy_ns"], "uptime_ns": e["uptime_ns"]})
+                if "weight_bytes" in e:
+                    weights.append({"pool": "expert", "worker": f"e{w}", "kind": "experts", "bytes": e["weight_bytes"]})
         load_LE, per_worker = read_expert_load(self._store, self.session, self.cfg.parallel.expert_workers)
         experts = {} if load_LE is None else dict(enumerate(load_LE.sum(axis=0).tolist()))
         layers = {} if load_LE is None else dict(zip(self.placement.moe_layers, load_LE.tolist()))
         return {**total, "expert_tokens": experts, "expert_layer_tokens": layers,
-                "expert_worker_tokens": {f"e{w}": n for w, n in enumerate(per_worker)}, "busy": busy,
+                "expert_worker_tokens": {f"e{w}": n for w, n in enumerate(per_worker)}, "busy": busy, "weights": weights,
                 "worker_restarts": self.supervision.num_restarts,
                 "recomputed_tokens": self.supervision.recomputed_tokens, "timings": self.stragglers.table(),
                 **self.placements.stats()}

@@ -55,7 +55,7 @@ def engine_config_from_json(d: dict) -> EngineConfig:
     return EngineConfig(d["model"], None if d["dtype"] is None else DTYPES[d["dtype"]], d["device"], d["kernels"],
                         d["seed"], SchedulerConfig(**d["scheduler"]), CacheConfig(**d["cache"]),
                         ParallelConfig(**d["parallel"]), d.get("enforce_eager", EngineConfig.enforce_eager),
-                        d.get("native_decode", EngineConfig.native_decode))
+                        d.get("native_decode", EngineConfig.native_decode), d.get("quantization"))
 
 
 def run_role(role: str, rendezvous: str, host: str | None = None, torch_threads: int | None = None,
@@ -92,7 +92,8 @@ def run_role(role: str, rendezvous: str, host: str | None = None, torch_threads:
             raise ValueError(f"the deployment has {par.expert_workers} expert workers; this would be one more")
         run_expert_worker(ExpertWorkerSpec(cfg.model, cfg.dtype, cfg.device, cfg.kernels, rank, par.attention_workers,
                                            par.micro_batches, placement, transport, (store_host, port), d["session"],
-                                           torch_threads or par.torch_threads, par.trace_dir))
+                                           torch_threads or par.torch_threads, par.trace_dir,
+                                           quantization=cfg.quantization))
     else:
         raise ValueError(f"role must be attention or expert, got {role!r}")
 

@@ -26,7 +26,7 @@ import logging
 import os
 import sys
 
-from attention_nodes.config import M2N_DTYPES
+from attention_nodes.config import M2N_DTYPES, QUANTIZATIONS
 from attention_nodes.sampling_params import SamplingParams
 from m2n_comm.transport import BACKENDS
 from server.parsers import REASONING_PARSERS, TOOL_PARSERS
@@ -95,7 +95,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
                 max_worker_restarts=args.max_worker_restarts, restart_window_s=args.restart_window_s,
-                enforce_eager=args.enforce_eager, native_decode=args.native_decode, trace_dir=args.trace_dir)
+                enforce_eager=args.enforce_eager, native_decode=args.native_decode, trace_dir=args.trace_dir,
+                quantization=args.quantization)
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -104,6 +105,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "bf16/fp16 GEMMs), float32, bfloat16, float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--kernels", default=None, choices=["torch", "triton"], help="override the device's kernels")
+    p.add_argument("--quantization", "-q", default=None, choices=[*QUANTIZATIONS, "experts_int8"],
+                   help="int8: keep the expert weights as int8 with per-channel scales, quantised at load from a "
+                        "float checkpoint (weight-only; half of bf16's bytes; CPU workers; experts_int8 is vLLM's "
+                        "name for it)")
     p.add_argument("--max-num-seqs", type=int, default=128, help="sequences per step, per attention worker")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")

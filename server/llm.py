@@ -71,7 +71,7 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                   restart_window_s: float = 600.0, launcher: str = "spawn", ray_address: str | None = None,
                   attention_resources: object = (), expert_resources: object = (), m2n_dtype: str = "auto",
                   enforce_eager: bool | None = None, native_decode: bool = True,
-                  trace_dir: str | None = None) -> EngineConfig:
+                  trace_dir: str | None = None, quantization: str | None = None) -> EngineConfig:
     """EngineConfig from the keyword arguments of LLM and the command line (None model: built-in).
     colocated=False runs attention_workers and expert_workers as separate processes (see
     attention_nodes.config.ParallelConfig); `device` is then the attention pool's, expert_device
@@ -80,6 +80,8 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
     m2n_dtype="fp8" sends tokens to the expert workers as float8 with per-token scales.
     enforce_eager: None takes $SHUTTLE_ENFORCE_EAGER ("1" or "0") if set, else DEFAULT_ENFORCE_EAGER.
     native_decode: False keeps colocated bf16 decode steps eager (models/native_decode.py).
+    quantization: "int8" keeps the expert weights as int8 (see EngineConfig); refused for a
+    checkpoint that is already quantised (FP8 block, MXFP4).
     trace_dir: each pool worker writes DIR/<worker>.trace.json (a Chrome trace) when it stops, and
     the engine's own loop (colocated: DIR/engine.trace.json, else the front's DIR/front.trace.json)
     when LLM or AsyncLLM shuts down."""
@@ -95,7 +97,7 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
         if env not in (None, "0", "1"):
             raise ValueError(f"{ENFORCE_EAGER_ENV} must be 0 or 1, got {env!r}")
         enforce_eager = DEFAULT_ENFORCE_EAGER if env is None else env == "1"
-    return EngineConfig(str(model), serving_dtype(model, dtype, (device, expert_device or device)), device, kernels, seed,
+    cfg = EngineConfig(str(model), serving_dtype(model, dtype, (device, expert_device or device)), device, kernels, seed,
                         SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
                         CacheConfig(block_size, num_kv_blocks, kv_cache_gib, enable_prefix_caching),
                         ParallelConfig(colocated, attention_workers, expert_workers, micro_batches, transport, placement,
@@ -105,7 +107,14 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                                        launcher=launcher, ray_address=ray_address,
                                        attention_resources=attention_resources, expert_resources=expert_resources,
                                        trace_dir=None if trace_dir is None else str(trace_dir), m2n_dtype=m2n_dtype),
-                        enforce_eager, native_decode)
+                        enforce_eager, native_decode, quantization)
+    if cfg.quantization is not None:
+        model_cfg = ModelConfig.from_pretrained(cfg.model)
+        shipped = "FP8 block" if model_cfg.fp8_block else "MXFP4" if model_cfg.mxfp4 else None
+        if shipped:
+            raise ValueError(f"{cfg.model}: the checkpoint is already {shipped}-quantised; --quantization "
+                             f"{cfg.quantization} quantises float checkpoints (serve this one without it)")
+    return cfg
 
 
 class LLM:

@@ -120,6 +120,7 @@ class _EngineCollector(Collector):
             experts.add_metric([self.model_name, str(e)], n)
         yield experts
         yield from self._busy(s.get("busy", []))
+        yield self._weights(s)
         yield from self._timings(s.get("timings", []))
         yield from self._expert_load(s)
 
@@ -140,6 +141,19 @@ class _EngineCollector(Collector):
             self._previous[w["worker"]] = (w["busy_ns"], now)
         yield busy_s
         yield fraction
+
+    @staticmethod
+    def _weights(s: dict) -> Metric:
+        """Resident weight bytes per worker and kind (pools: each worker's; colocated: the engine's)."""
+        rows = s.get("weights")
+        if rows is None:
+            rows = [{"pool": "colocated", "worker": "engine", "kind": k, "bytes": n}
+                    for k, n in s.get("weight_bytes", {}).items()]
+        g = GaugeMetricFamily("shuttle_weight_bytes", "Bytes the model's weights hold in each worker as served "
+                              "(packed, quantised): embedding, experts, other", labels=["pool", "worker", "kind"])
+        for r in rows:
+            g.add_metric([r["pool"], r["worker"], r["kind"]], r["bytes"])
+        return g
 
     @staticmethod
     def _timings(rows: list[dict]) -> Iterator[Metric]:

@@ -1,0 +1,128 @@
+"""--quantization int8: expert weights kept as int8 codes with per-channel scales (kernels/int8.py),
+quantised at load. The oracle is transformers on a checkpoint whose expert weights were replaced by
+their dequantised codes (q * scale): the same numbers, so the int8 model must equal it up to
+summation order, colocated and in pools; the experts' resident bytes shrink to what int8 holds, and
+the start-up log, engine stats and /metrics say so."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kernels.int8 import quantize_int8
+from server import LLM, SamplingParams
+from server.metrics import _EngineCollector
+from tests.conftest import PROMPTS
+from tests.test_sampling_features import reference_prompt_logprobs
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def dequantised_copy(ckpt: Path, out: Path) -> Path:
+    """ckpt with every expert weight (Mixtral's experts.E.w1/w2/w3, (out, in)) replaced by q * scale."""
+    shutil.copytree(ckpt, out)
+    for f in out.glob("*.safetensors"):
+        tensors = load_file(f)
+        for name, w in tensors.items():
+            if ".experts." in name and name.endswith(".weight"):
+                tensors[name] = quantize_int8(w).dequantize().to(w.dtype)
+        save_file(tensors, f, metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def ckpts(make_checkpoint, tmp_path_factory):
+    ckpt = make_checkpoint("mixtral")
+    return ckpt, dequantised_copy(ckpt, tmp_path_factory.mktemp("int8") / "dequantised")
+
+
+def expert_weights(llm: LLM) -> list:
+    from models.cpu_inference import PackedExperts
+
+    return [w for m in llm.engine.runner.model.modules() if isinstance(m, PackedExperts)
+            for w in (*m.w13_packed, *m.w2_packed)]
+
+
+@pytest.fixture(scope="module")
+def llm_int8(ckpts):
+    llm = LLM(ckpts[0], quantization="int8")
+    yield llm
+    llm.shutdown()
+
+
+def _prompt_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    return torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
+
+
+def test_int8_experts_equal_transformers_on_their_dequantised_weights(ckpts, llm_int8):
+    ckpt, deq = ckpts
+    assert all(w.int8 is not None for w in expert_weights(llm_int8))
+    for prompt in PROMPTS[:3]:
+        torch.testing.assert_close(_prompt_logprobs(llm_int8, prompt), reference_prompt_logprobs(deq, prompt),
+                                   atol=1e-4, rtol=0)
+    plain = LLM(deq)  # the dequantised weights served in float32: the same greedy tokens
+    try:
+        want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    finally:
+        plain.shutdown()
+    assert [o.outputs[0].token_ids for o in llm_int8.generate(PROMPTS, GREEDY)] == want
+
+
+def test_int8_in_bf16_within_bf16s_tolerance(ckpts):
+    llm = LLM(ckpts[0], dtype="bfloat16", quantization="experts_int8")  # vLLM's name
+    try:
+        assert all(w.int8 is not None for w in expert_weights(llm))
+        got = _prompt_logprobs(llm, PROMPTS[0])
+    finally:
+        llm.shutdown()
+    torch.testing.assert_close(got, reference_prompt_logprobs(ckpts[1], PROMPTS[0]), atol=0.1, rtol=0.05)
+
+
+def test_resident_bytes_in_stats_metrics_and_log(ckpts, llm_int8, caplog):
+    int8 = llm_int8.engine.runner.resident_bytes
+    with caplog.at_level("INFO", logger="shuttle"):
+        plain = LLM(ckpts[0])
+    try:
+        full = plain.engine.runner.resident_bytes
+    finally:
+        plain.shutdown()
+    # codes are a quarter of float32's bytes; the scales (4 bytes per output channel of 48-64 inputs) add ~8%
+    assert 0.2 < int8["experts"] / full["experts"] < 0.35
+    assert int8["embedding"] == full["embedding"] > 0 and int8["other"] == full["other"] > 0
+    assert any("weights:" in r.getMessage() and "resident" in r.getMessage() for r in caplog.records)
+    stats = llm_int8.engine.stats()
+    assert stats["weight_bytes"] == int8
+    [metric] = [m for m in _EngineCollector(lambda: stats, "m").collect() if m.name == "shuttle_weight_bytes"]
+    assert {(s.labels["pool"], s.labels["kind"]): s.value for s in metric.samples} == \
+        {("colocated", k): float(v) for k, v in int8.items()}
+
+
+def test_pools_serve_int8_experts(ckpts, llm_int8):
+    want = [o.outputs[0].token_ids for o in llm_int8.generate(PROMPTS, GREEDY)]
+    llm = LLM(ckpts[0], quantization="int8", colocated=False, attention_workers=1, expert_workers=1)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+        rows = {(r["pool"], r["kind"]): r["bytes"] for r in llm.engine.stats()["weights"]}
+    finally:
+        llm.shutdown()
+    # the expert worker holds the int8 experts; the attention worker none
+    assert rows[("expert", "experts")] == llm_int8.engine.runner.resident_bytes["experts"]
+    assert rows[("attention", "experts")] == 0
+
+
+def test_unsupported_quantizations_are_refused(ckpts, tmp_path):
+    ckpt = ckpts[0]
+    with pytest.raises(ValueError, match="'fp8' is not supported; choose from int8"):
+        LLM(ckpt, quantization="fp8")
+    with pytest.raises(ValueError, match="CPU workers with torch kernels"):
+        LLM(ckpt, quantization="int8", kernels="triton")
+    fp8 = tmp_path / "fp8"
+    shutil.copytree(ckpt, fp8)
+    cfg = json.loads((fp8 / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="already FP8 block-quantised"):
+        LLM(fp8, quantization="int8")
