@@ -232,9 +232,18 @@ class ModelConfig:
         fp32_bias = self.num_moe_layers * self.num_experts * self.router.correction_bias
         return self.non_expert_params() * dtype.itemsize + fp32_bias * (4 - dtype.itemsize)
 
-    def expert_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of one routed expert in `dtype` (FP8 and MXFP4 checkpoints are dequantised on load)."""
-        return self.expert_params() * dtype.itemsize
+    def expert_bytes(self, dtype: torch.dtype, quantization: str | None = None) -> int:
+        """Bytes of one routed expert in `dtype` (FP8 and MXFP4 checkpoints are dequantised on load).
+        quantization="int8" (EngineConfig.quantization): one byte per weight plus a float32 scale per
+        output channel of gate and up (2 x moe_intermediate_size) and down (hidden_size), biases in
+        `dtype`; kernels/int8.py pads each matrix to panels of 16 channels and an even input on top."""
+        if quantization is None:
+            return self.expert_params() * dtype.itemsize
+        if quantization != "int8":
+            raise ValueError(f"expert_bytes: quantization {quantization!r} is not supported (int8 or None)")
+        D, I = self.hidden_size, self.moe_intermediate_size
+        channels = 2 * I + D
+        return 3 * D * I + 4 * channels + channels * self.expert_bias * dtype.itemsize
 
     def context_flops(self) -> int:
         """FLOPs of one query token against one cached token in one layer: scores and the weighted

@@ -1,8 +1,13 @@
 """The planner's subcommands of `shuttle`: profile, simulate, plan.
 
-    shuttle profile [--model DIR] [--dtype D] [--torch-threads 1,2] [--transport shm,tcp] [--quick] --out PROFILE.json
+    shuttle profile [--model DIR] [--dtype D] [--quantization int8] [--torch-threads 1,2] [--transport shm,tcp]
+                    [--quick] --out PROFILE.json
     shuttle simulate --profile PROFILE.json (--colocated | --attention-workers A --expert-workers E --micro-batches M) ...
     shuttle plan --model DIR|NAME --hardware KIND[=PRICE][,KIND...] --tbt-slo-ms X --max-devices N ... --out PLAN.json
+
+--quantization int8 (-q; vLLM's experts_int8 too) profiles, simulates and plans the experts as
+int8, as `shuttle serve --quantization int8` serves them; plan and simulate take a profile's or
+plan's own quantization unless asked for one (none: unquantised), and refuse one made for another.
 
 Every user error ends with a one-line message naming what is wrong and exit code 2.
 """
@@ -39,8 +44,9 @@ def _profile(args: argparse.Namespace) -> int:
         raise PlannerError(f"--torch-threads must be positive, got {args.torch_threads}")
     if args.device not in (None, "cpu"):
         raise PlannerError(f"--device {args.device}: this build profiles the CPU path only")
+    quantization = _asked_quantization(args, model)
     kw = dict(model=model, dtype=_dtype(args.dtype, model), threads=args.torch_threads, transports=args.transport,
-              front=args.front)
+              front=args.front, quantization=None if quantization is ANY else quantization)
     opts = ProfileOptions.quick_options(**kw) if args.quick else ProfileOptions(**kw)
     torch.manual_seed(0)
     profile = run_profile(opts)
@@ -48,6 +54,27 @@ def _profile(args: argparse.Namespace) -> int:
     print(format_profile(profile))
     print(f"wrote {args.out} ({profile['seconds']} s)")
     return 0
+
+
+ANY = object()  # no --quantization given: a profile's or plan's own is taken
+
+
+def _asked_quantization(args: argparse.Namespace, model: str | None = None):
+    """--quantization as EngineConfig names it (None or "int8"), or ANY where it is not given; with
+    `model`, refused for a checkpoint that is already quantised."""
+    from planner.shapes import quantization_of, shape_from
+
+    if args.quantization is None:
+        return ANY
+    try:
+        return quantization_of(args.quantization, None if model is None else shape_from(model).config,
+                               str(model))
+    except ValueError as e:
+        raise PlannerError(f"--quantization {args.quantization}: {e}") from None
+
+
+def _quantization_name(q: str | None) -> str:
+    return q or "none"
 
 
 def _dtype(name: str, model: str):
@@ -66,7 +93,9 @@ def format_profile(p: dict) -> str:
     """The fits as a short table: coefficients in microseconds, residuals in percent."""
     h = p["host"]
     ident = f" ({h['cpu_id']})" if h.get("cpu_id") else ""
-    lines = [f"model {p['model']['name']} ({p['model']['dtype']}, config {p['model']['config_hash']}) on {h['cpu']}{ident}, "
+    quant = f", experts {q}" if (q := p["model"].get("quantization")) else ""
+    lines = [f"model {p['model']['name']} ({p['model']['dtype']}{quant}, config {p['model']['config_hash']}) on "
+             f"{h['cpu']}{ident}, "
              f"{h['cores']} cores, {h['memory_gib']} GiB, {h['device']}, ISA {'+'.join(h['isa']) or '?'}, "
              f"bf16 packed: {h['bf16_packed']}"]
     load = max(p.get("load_average") or [0.0])
@@ -105,8 +134,9 @@ def format_profile(p: dict) -> str:
     return "\n".join(lines)
 
 
-def load_profile(path: str, model: str | None = None) -> dict:
-    """A profile written by `shuttle profile`; with `model`, check it was measured on that model."""
+def load_profile(path: str, model: str | None = None, quantization=ANY) -> dict:
+    """A profile written by `shuttle profile`; with `model`, check it was measured on that model, and
+    with `quantization` (None or "int8"), with the experts so (profiles without the key: None)."""
     try:
         p = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -123,6 +153,11 @@ def load_profile(path: str, model: str | None = None) -> dict:
             raise PlannerError(f"--profile {path} was measured on model {p['model']['name']} (config "
                                f"{p['model']['config_hash']}), not on {model} (config {shape.config_hash}); "
                                f"profile this model with shuttle profile --model {model}")
+    measured = p["model"].get("quantization")
+    if quantization is not ANY and quantization != measured:
+        raise PlannerError(f"--profile {path} was measured with quantization {_quantization_name(measured)}, not "
+                           f"{_quantization_name(quantization)}; profile again with shuttle profile --quantization "
+                           f"{_quantization_name(quantization)}")
     return p
 
 
@@ -162,7 +197,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.profile is None:
         raise PlannerError("--profile PROFILE.json (from shuttle profile) or --plan PLAN.json (from shuttle plan) "
                            "is required")
-    profile = load_profile(args.profile)
+    profile = load_profile(args.profile, quantization=_asked_quantization(args))
     mod = SimModel.from_profile(profile)
     pools = any(v is not None for v in (args.attention_workers, args.expert_workers, args.micro_batches))
     if args.colocated and pools:
@@ -188,8 +223,9 @@ def _simulate(args: argparse.Namespace) -> int:
     result["deployment"] = {"colocated": dep.colocated, "attention_workers": dep.attention_workers,
                             "expert_workers": dep.expert_workers, "micro_batches": dep.micro_batches,
                             "torch_threads": dep.threads, "expert_threads": dep.pool_threads[1], "cores": dep.cores,
-                            "transport": dep.transport}
-    print(format_metrics(result, f"simulated: {_describe(dep)} on {profile['host']['cpu']}"))
+                            "transport": dep.transport, "quantization": profile["model"].get("quantization")}
+    print(format_metrics(result, f"simulated: {_describe(dep)}{_experts(result['deployment']['quantization'])} on "
+                                 f"{profile['host']['cpu']}"))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}")
@@ -203,7 +239,7 @@ def _simulate_plan(args: argparse.Namespace) -> int:
     """Simulate a plan of catalogue devices (roofline models: estimated) on the workload flags."""
     from planner.hardware import HardwareKind, load_catalogue
     from planner.perf import RooflinePerf
-    from planner.shapes import shape_from
+    from planner.shapes import quantization_of, shape_from
     from planner.simulate import Deployment, SimModel, Simulator, Workload
 
     try:
@@ -215,21 +251,35 @@ def _simulate_plan(args: argparse.Namespace) -> int:
     if hw["attention"].name == "host":
         raise PlannerError(f"--plan {args.plan} is a plan of this host: simulate it with --profile and its flags")
     shape = shape_from(plan["model"]["path"])
+    try:
+        quantization = quantization_of(d.get("quantization"))
+    except ValueError as e:
+        raise PlannerError(f"--plan {args.plan}: {e}") from None
+    asked = _asked_quantization(args)
+    if asked is not ANY and asked != quantization:
+        raise PlannerError(f"--plan {args.plan} was made for quantization {_quantization_name(quantization)}, not "
+                           f"{_quantization_name(asked)}; plan again with shuttle plan --quantization "
+                           f"{_quantization_name(asked)}")
     _, eff = load_catalogue()
     mod = SimModel.from_config(shape.config)
     dep = Deployment(d["colocated"], d["attention_workers"], d["expert_workers"], d["micro_batches"],
                      transport="rdma", max_num_seqs=d["max_num_seqs"],
                      max_num_batched_tokens=max(args.max_num_batched_tokens, d["max_num_seqs"]))
     wl = Workload(args.num_prompts, args.input_len, args.output_len, args.max_concurrency, args.request_rate, args.seed)
-    sim = Simulator(RooflinePerf(shape, hw["attention"], hw["expert"], eff), mod, dep,
+    sim = Simulator(RooflinePerf(shape, hw["attention"], hw["expert"], eff, quantization), mod, dep,
                     trace_steps=args.trace_steps if args.trace else 0)
     result = sim.run(wl)
-    print(format_metrics(result, f"simulated: {_describe(dep)} ({hw['attention'].name} / {hw['expert'].name})"))
+    print(format_metrics(result, f"simulated: {_describe(dep)}{_experts(quantization)} ({hw['attention'].name} / "
+                                 f"{hw['expert'].name})"))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.trace:
         Path(args.trace).write_text(json.dumps({"traceEvents": sim.chrome_trace(), "displayTimeUnit": "ms"}))
     return 0
+
+
+def _experts(quantization: str | None) -> str:
+    return f", {quantization} experts" if quantization else ""
 
 
 def _describe(dep) -> str:
@@ -273,7 +323,7 @@ def _plan(args: argparse.Namespace) -> int:
     from planner.hardware import HOST, describe_host, load_catalogue
     from planner.perf import ProfilePerf, RooflinePerf
     from planner.plan import HostSearch, format_plans, plan_file, search_host
-    from planner.search import search
+    from planner.search import search, serving_pairs
     from planner.shapes import shape_from
     from planner.simulate import SimModel
 
@@ -283,10 +333,12 @@ def _plan(args: argparse.Namespace) -> int:
     pairs = _hardware_pairs(args)
     host = pairs[0][0].name == HOST
     workload = {"input_len": args.input_len, "output_len": args.output_len}
+    quantization = _asked_quantization(args, args.model)
     if host:
         if args.profile is None:
             raise PlannerError("planning for this host needs --profile PROFILE.json (from shuttle profile)")
-        profile = load_profile(args.profile, args.model)
+        profile = load_profile(args.profile, args.model, quantization)
+        quantization = profile["model"].get("quantization")
         here = describe_host()
         if other := _other_host(profile["host"], here):
             print(f"warning: --profile {args.profile} was measured on another host ({other}): its times may not hold "
@@ -303,15 +355,26 @@ def _plan(args: argparse.Namespace) -> int:
         cands, why = search_host(ProfilePerf(profile), SimModel.from_profile(profile), hs,
                                  pairs[0][0].price_per_hour, args.tbt_slo_ms / 1e3, args.top)
     else:
+        quantization = None if quantization is ANY else quantization
+        pairs, skipped = serving_pairs(pairs, quantization)
+        if skipped and not pairs:
+            raise PlannerError(f"--quantization {quantization} runs on CPU workers only (kernels/int8.py), and "
+                               f"{', '.join(skipped)} {'is a GPU kind' if len(skipped) == 1 else 'are GPU kinds'}; "
+                               "plan CPU kinds (device cpu in planner/hardware.json) or without --quantization")
+        if skipped:
+            print(f"note: --quantization {quantization} runs on CPU workers only: skipped the GPU kind(s) "
+                  f"{', '.join(skipped)}", file=sys.stderr)
         _, eff = load_catalogue()
         ctx = args.input_len + args.output_len / 2
-        cands, why = search(lambda a, e: RooflinePerf(shape, a, e, eff), shape, pairs, args.max_devices,
-                            args.tbt_slo_ms / 1e3, ctx, args.input_len + args.output_len, args.top)
+        cands, why = search(lambda a, e: RooflinePerf(shape, a, e, eff, quantization), shape, pairs, args.max_devices,
+                            args.tbt_slo_ms / 1e3, ctx, args.input_len + args.output_len, args.top, quantization)
     if not cands:
-        raise PlannerError(_infeasible(why, args))
+        raise PlannerError(_infeasible(why, args, quantization))
     print(format_plans(cands))
+    if quantization:
+        print(f"experts as {quantization}: their memory and weight reads are {quantization}'s bytes")
     hw = {k.name: k for pair in pairs for k in pair}
-    plan = plan_file(cands[0], hw, shape, str(args.model), args.tbt_slo_ms, workload)
+    plan = plan_file(cands[0], hw, shape, str(args.model), args.tbt_slo_ms, workload, quantization)
     if args.out:
         Path(args.out).write_text(json.dumps(plan, indent=1))
         print(f"wrote the best plan to {args.out}")
@@ -320,9 +383,10 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _infeasible(why: dict, args: argparse.Namespace) -> str:
+def _infeasible(why: dict, args: argparse.Namespace, quantization: str | None = None) -> str:
     if not why["memory_ok"] or why["fastest"] is None:
-        return (f"no deployment of at most {args.max_devices} devices holds {args.model} in memory; "
+        experts = f" (its experts as {quantization})" if quantization else ""
+        return (f"no deployment of at most {args.max_devices} devices holds {args.model}{experts} in memory; "
                 f"allow more devices or larger ones")
     f = why["fastest"]
     est = " (estimated)" if f.estimated else ""
@@ -331,12 +395,18 @@ def _infeasible(why: dict, args: argparse.Namespace) -> str:
             f"expert {f.expert_hw}, m={f.micro_batches}, batch {f.batch})")
 
 
+def _add_quantization(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--quantization", "-q", default=None, choices=["none", "int8", "experts_int8"], help=help)
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure this host's worker, expert and M2N costs for the planner")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
     p.add_argument("--dtype", default="auto", help="auto (as shuttle serve's: the checkpoint's, but float32 for bf16/fp16 on a CPU "
                         "without native bf16/fp16 GEMMs), float32, bfloat16, float16")
     p.add_argument("--device", default=None, help="cpu (the only device profiled by this build)")
+    _add_quantization(p, "int8: measure with the expert weights as int8, as shuttle serve --quantization int8 "
+                         "serves them (the profile records it; default none)")
     p.add_argument("--torch-threads", type=_csv(int), default=(1, 2), help="thread counts to profile (default 1,2)")
     p.add_argument("--transport", type=_csv(str), default=("shm", "tcp"), help="M2N backends (default shm,tcp)")
     p.add_argument("--quick", action="store_true", help="a smaller grid and fewer repeats (about a third)")
@@ -349,6 +419,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--profile", default=None, help="PROFILE.json from shuttle profile")
     s.add_argument("--plan", default=None, help="PLAN.json from shuttle plan on catalogue kinds (estimated)")
     s.add_argument("--colocated", action="store_true", help="experts in the attention process")
+    _add_quantization(s, "the experts' quantization (default: the profile's or plan's; one it was not made "
+                         "for is refused)")
     s.add_argument("--attention-workers", type=int, default=None)
     s.add_argument("--expert-workers", type=int, default=None)
     s.add_argument("--micro-batches", type=int, default=None)
@@ -376,6 +448,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--attention-hardware", default=None, help="kind(s) for the attention pool")
     q.add_argument("--expert-hardware", default=None, help="kind(s) for the expert pool")
     q.add_argument("--profile", default=None, help="this host's profile (for --hardware host)")
+    _add_quantization(q, "int8: plan the expert weights as int8 (CPU kinds only; host: default the profile's, "
+                         "which must match); the plan records it and shuttle serve --plan serves it")
     q.add_argument("--tbt-slo-ms", type=float, required=True, help="time-between-tokens SLO")
     q.add_argument("--max-devices", type=int, required=True, help="devices in one deployment (host: cores)")
     q.add_argument("--input-len", type=int, default=512, help="workload: prompt tokens")

@@ -88,7 +88,7 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 
 
 
 def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts: int = 256, input_len: int = 64,
-                  output_len: int = 16, short_len: int = 1) -> dict:
+                  output_len: int = 16, short_len: int = 1, quantization: str | None = None) -> dict:
     """Serve `model` as a 1 + 1 pool (m=2, one torch thread per worker) and measure the CPU seconds of
     the front process and of the load generator per output token, per request and per engine step:
     runs of `prompts` requests, (`batch`, `output_len`) and (`batch` // 4, `output_len`)
@@ -101,7 +101,8 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
     "client_s_per_request", "client_s_per_step", "workers_s_per_token", "tokens", "wall_s", "run",
     "run_small", "runs"} (the workers' and the wall time of `run`; `run` and `run_small` the
     batch-64 and batch-16 runs as served, with their mean TTFT (kept for comparison, not used by
-    the simulator); `runs` what the split was solved from). 256 requests: the
+    the simulator); `runs` what the split was solved from). quantization: served with
+    --quantization (the experts as the profile's other measurements hold them). 256 requests: the
     CPU times come from /proc in 10 ms ticks, and with 64 the 1-token run was a few ticks, so the
     per-request cost came out 0 on the AVX-512 EPYC where 256 measure it at ~0.7 ms (the front) and
     ~0.19 ms (the load generator)."""
@@ -114,7 +115,7 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
         cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--port", str(port),
                "--torch-threads", "1", "--micro-batches", str(MICRO_BATCHES), "--max-num-seqs",
                str(LARGE * batch),
-               *(["--dtype", dtype] if dtype else [])]
+               *(["--dtype", dtype] if dtype else []), *(["--quantization", quantization] if quantization else [])]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             _wait_ready(proc, url, Path(log.name))

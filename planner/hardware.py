@@ -37,7 +37,8 @@ class Efficiency:
 
 @dataclass(frozen=True)
 class HardwareKind:
-    """One device kind. Bandwidths: GB/s (10^9 bytes); NIC: Gbit/s; FLOP/s: 10^12 (dense bf16)."""
+    """One device kind. Bandwidths: GB/s (10^9 bytes); NIC: Gbit/s; FLOP/s: 10^12 (dense bf16).
+    device: "cuda" (a GPU) or "cpu" (a CPU server; the only kind that serves int8 experts)."""
 
     name: str
     memory_gib: float
@@ -47,6 +48,7 @@ class HardwareKind:
     nic_gbps: float
     price_per_hour: float
     source: str = ""
+    device: str = "cuda"  # what shuttle serve runs a worker of this kind on: "cuda" or "cpu"
 
     @property
     def memory_bytes(self) -> float:
@@ -90,7 +92,7 @@ def parse_hardware(spec: str, host_price: float | None = None) -> list[HardwareK
 def host_kind(price_per_hour: float = 1.0) -> HardwareKind:
     """This machine as a kind: one device is one core (a worker process with one torch thread)."""
     info = describe_host()
-    return HardwareKind(HOST, info["memory_gib"], 0.0, 0.0, 0.0, 0.0, price_per_hour, info["cpu"])
+    return HardwareKind(HOST, info["memory_gib"], 0.0, 0.0, 0.0, 0.0, price_per_hour, info["cpu"], "cpu")
 
 
 def parse_cpuinfo(text: str) -> tuple[str, str, set[str]]:

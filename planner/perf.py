@@ -121,7 +121,8 @@ class RooflinePerf:
     (bandwidth x eff)) plus a fixed per-layer overhead; a transfer takes bytes / (NIC x eff) plus a
     message latency. Attention reads the layer's non-expert weights once per micro-batch and the
     KV cache of every context token it attends to; experts read each active expert's weights once.
-    Sizes and FLOPs are ModelConfig's (models/config.py), in the checkpoint's dtype; a layer's
+    Sizes and FLOPs are ModelConfig's (models/config.py), in the checkpoint's dtype, the experts'
+    bytes in `quantization` (EngineConfig.quantization; their FLOPs are the same); a layer's
     attention side is the model's average over its layers (dense MLPs, routers and shared experts
     included), so that L layers add up to the whole model."""
 
@@ -129,6 +130,7 @@ class RooflinePerf:
     attention_hw: HardwareKind
     expert_hw: HardwareKind
     eff: Efficiency
+    quantization: str | None = None
     estimated = True
 
     def _roof(self, hw: HardwareKind, flops, nbytes):
@@ -163,7 +165,8 @@ class RooflinePerf:
     def experts(self, pairs, active, threads: int = 1):
         c = self.shape.config
         pairs, active = np.asarray(pairs, dtype=float), np.asarray(active, dtype=float)
-        t = self._roof(self.expert_hw, pairs * c.expert_flops_per_pair(), active * c.expert_bytes(c.dtype))
+        nbytes = active * c.expert_bytes(c.dtype, self.quantization)
+        t = self._roof(self.expert_hw, pairs * c.expert_flops_per_pair(), nbytes)
         return np.where(pairs > 0, t + self.eff.layer_overhead_us * 1e-6, 0.0)
 
     def front_request(self) -> float:

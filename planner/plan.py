@@ -5,7 +5,7 @@ Plan file (JSON):
     {"version": 1, "model": {"name", "path", "config_hash"},
      "hardware": {"attention": {kind...}, "expert": {kind...}},
      "deployment": {"colocated", "attention_workers", "expert_workers", "micro_batches", "max_num_seqs",
-                    "torch_threads", "transport", "attention_device", "expert_device"},
+                    "torch_threads", "transport", "attention_device", "expert_device", "quantization"},
      "predicted": {"throughput", "tbt_ms", "cost_per_hour", ...}, "estimated": bool, "slo": {...}, "workload": {...}}
 """
 from dataclasses import dataclass
@@ -90,9 +90,10 @@ def _with_threads(c: Candidate, dep) -> HostCandidate:
 
 
 def plan_file(c: Candidate, hw: dict[str, HardwareKind], shape, model_path: str, slo_ms: float,
-              workload: dict) -> dict:
+              workload: dict, quantization: str | None = None) -> dict:
+    """The plan file of candidate `c`; quantization: the experts' (EngineConfig.quantization, None
+    or "int8"), which the plan was searched for and is served with."""
     colocated = c.attention_workers == 0
-    dev = "cpu" if c.attention_hw == HOST else "cuda"
     return {"version": PLAN_VERSION,
             "model": {"name": shape.name, "path": model_path, "config_hash": shape.config_hash},
             "hardware": {"attention": hw[c.attention_hw].__dict__, "expert": hw[c.expert_hw].__dict__},
@@ -100,7 +101,8 @@ def plan_file(c: Candidate, hw: dict[str, HardwareKind], shape, model_path: str,
                            "expert_workers": max(1, c.expert_workers), "micro_batches": c.micro_batches,
                            "max_num_seqs": c.batch, "torch_threads": getattr(c, "torch_threads", None),
                            "transport": "shm" if c.attention_hw == HOST else "tcp",
-                           "attention_device": dev, "expert_device": dev},
+                           "attention_device": hw[c.attention_hw].device, "expert_device": hw[c.expert_hw].device,
+                           "quantization": quantization},
             "predicted": c.to_dict(), "estimated": c.estimated, "slo": {"tbt_ms": slo_ms}, "workload": workload}
 
 
@@ -124,17 +126,22 @@ def format_plans(cands: list[Candidate]) -> str:
     return "\n".join(lines)
 
 
-def plan_engine_kwargs(path: str | Path, model: str | None = None) -> dict:
+ANY = object()  # plan_engine_kwargs: no quantization asked for (the plan's is taken)
+
+
+def plan_engine_kwargs(path: str | Path, model: str | None = None, quantization=ANY) -> dict:
     """LLM / engine_config keyword arguments that run the plan file's deployment on this host:
-    model (the plan's unless given), device and expert_device, the pool layout, threads and batch.
-    ValueError, naming what is wrong, for a file that is not a plan, a plan of another model, or a
-    plan this host cannot hold (more worker processes than cores, or CUDA devices it lacks)."""
+    model (the plan's unless given), device and expert_device, the pool layout, threads, batch and
+    the experts' quantization (None for plans written before it was recorded). ValueError, naming
+    what is wrong, for a file that is not a plan, a plan of another model or, where `quantization`
+    is given (None or "int8"), of another quantization, or a plan this host cannot hold (more
+    worker processes than cores, or CUDA devices it lacks)."""
     import json
     import os
 
     import torch
 
-    from planner.shapes import shape_from
+    from planner.shapes import quantization_of, shape_from
 
     try:
         plan = json.loads(Path(path).read_text())
@@ -151,6 +158,15 @@ def plan_engine_kwargs(path: str | Path, model: str | None = None) -> dict:
     if shape_from(model).config_hash != plan["model"]["config_hash"]:
         raise ValueError(f"plan {path} is for model {plan['model']['name']} (config {plan['model']['config_hash']}), "
                          f"not {model}")
+    try:
+        planned_q = quantization_of(dep.get("quantization"))
+        asked_q = planned_q if quantization is ANY else quantization_of(quantization)
+    except ValueError as e:
+        raise ValueError(f"plan {path}: {e}") from None
+    if asked_q != planned_q:
+        raise ValueError(f"plan {path} was made for quantization {planned_q or 'none'} (its experts' memory and "
+                         f"times), not {asked_q or 'none'}; plan again with shuttle plan --quantization "
+                         f"{asked_q or 'none'}")
     devices = {dep.get("attention_device", "cpu"), dep.get("expert_device", "cpu")}
     if any(d.startswith("cuda") for d in devices) and not torch.cuda.is_available():
         raise ValueError(f"plan {path} runs on {plan['hardware']['attention']['name']} / "
@@ -167,4 +183,4 @@ def plan_engine_kwargs(path: str | Path, model: str | None = None) -> dict:
             "colocated": bool(dep["colocated"]), "attention_workers": int(dep["attention_workers"]),
             "expert_workers": int(dep["expert_workers"]), "micro_batches": int(dep["micro_batches"]),
             "transport": dep["transport"], "torch_threads": dep.get("torch_threads"),
-            "max_num_seqs": int(dep["max_num_seqs"])}
+            "max_num_seqs": int(dep["max_num_seqs"]), "quantization": planned_q}

@@ -28,7 +28,10 @@ median of three does not reject):
 - M2N, per backend: planner.profile_m2n (a real M2NSender / M2NReceiver pair in two processes).
 - the front and the load generator, CPU seconds per output token: planner.front (a real 1 + 1
   `shuttle serve` driven by `shuttle bench serve`'s client; skipped with front=False).
-Each thread count is measured in this process with torch.set_num_threads.
+Each thread count is measured in this process with torch.set_num_threads. With quantization="int8"
+every runner, engine, expert sample and served run holds its experts as serving does
+(EngineConfig.quantization, expert_nodes.worker.pack_for_cpu), and the profile records it: a
+profile is used only for the quantization it was measured with (planner.cli.load_profile).
 """
 import json
 import logging
@@ -88,6 +91,7 @@ class ProfileOptions:
     expert_tokens: tuple[int, ...] = (1, 8, 64, 256, 1024, 2048)
     max_kv_reads: int = 32768
     front: bool = True
+    quantization: str | None = None  # the experts' (EngineConfig.quantization): None or "int8"
 
     @classmethod
     def quick_options(cls, **kw) -> "ProfileOptions":
@@ -212,8 +216,8 @@ def measure_attention(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     num_blocks = blocks_for(max(max_ctx + 1, *pre, *(n for _, n in chunks), 1), block_size) + 1
     evict = CacheEvictor(opts.model)
     disp = _StampingDispatcher(evict)
-    runner = ModelRunner(EngineConfig(opts.model, dtype=opts.dtype, cache=CacheConfig(block_size, num_blocks)),
-                         cfg, disp, 1)
+    runner = ModelRunner(EngineConfig(opts.model, dtype=opts.dtype, cache=CacheConfig(block_size, num_blocks),
+                                      quantization=opts.quantization), cfg, disp, 1)
     L = cfg.num_layers
     # Large batches at long context cost seconds per point (the CPU's paged attention reads every
     # token): bounded by max_kv_reads, which still spans the fit's range.
@@ -267,7 +271,8 @@ def measure_step(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     num_blocks = B * blocks_for(8 + steps + 2, 16) + 4
     engine = LLMEngine(EngineConfig(opts.model, dtype=opts.dtype,
                                     scheduler=SchedulerConfig(max_num_seqs=B, max_num_batched_tokens=max(2048, 8 * B)),
-                                    cache=CacheConfig(16, num_blocks, enable_prefix_caching=False)),
+                                    cache=CacheConfig(16, num_blocks, enable_prefix_caching=False),
+                                    quantization=opts.quantization),
                        set(), dispatcher=disp)
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     rng, samples = torch.Generator().manual_seed(0), []
@@ -304,7 +309,7 @@ def measure_experts(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
 
     layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
     evict = CacheEvictor(opts.model)
-    experts = pack_for_cpu(load_experts(opts.model, list(range(cfg.num_experts)), cfg, opts.dtype))
+    experts = pack_for_cpu(load_experts(opts.model, list(range(cfg.num_experts)), cfg, opts.dtype), opts.quantization)
     dtype = opts.dtype or cfg.dtype
     E, K, g = cfg.num_experts, cfg.top_k, torch.Generator().manual_seed(0)
     samples = []
@@ -357,7 +362,8 @@ def measure_native_decode(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     ctx = contexts[len(contexts) // 2] if contexts else 16
     block_size = 16
     num_blocks = blocks_for(ctx + 1, block_size) + 1
-    runner = ModelRunner(EngineConfig(opts.model, dtype=opts.dtype, cache=CacheConfig(block_size, num_blocks)), cfg)
+    runner = ModelRunner(EngineConfig(opts.model, dtype=opts.dtype, cache=CacheConfig(block_size, num_blocks),
+                                      quantization=opts.quantization), cfg)
     nd = runner.model.native_decode
     if nd is None:
         return []
@@ -400,7 +406,8 @@ def measure_passive(opts: ProfileOptions) -> dict[str, list[dict]] | None:
     if not threads:
         return None
     spec = {**{k: getattr(opts, k) for k in _GRID}, "model": str(opts.model), "threads": threads,
-            "dtype": None if opts.dtype is None else str(opts.dtype).removeprefix("torch.")}
+            "dtype": None if opts.dtype is None else str(opts.dtype).removeprefix("torch."),
+            "quantization": opts.quantization}
     out = subprocess.run([sys.executable, "-c", "from planner.profile import _passive_child; _passive_child()"],
                          input=json.dumps(spec), capture_output=True, text=True,
                          env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
@@ -415,7 +422,8 @@ def _passive_child() -> None:
     grid = {k: tuple(map(tuple, v)) if k == "prefill_chunks" else tuple(v) if isinstance(v, list) else v
             for k, v in spec.items() if k in _GRID}
     opts = ProfileOptions(spec["model"], getattr(torch, spec["dtype"]) if spec["dtype"] else None,
-                          tuple(spec["threads"]), transports=(), front=False, **grid)
+                          tuple(spec["threads"]), transports=(), front=False, quantization=spec["quantization"],
+                          **grid)
     samples = measure_workers(opts, ModelConfig.from_pretrained(opts.model))
     print(json.dumps(samples))
 
@@ -444,7 +452,8 @@ def run_profile(opts: ProfileOptions) -> dict:
     if opts.front:
         from planner.front import measure_front
 
-        front = measure_front(opts.model, str(dtype).replace("torch.", "") if opts.dtype else None)
+        front = measure_front(opts.model, str(dtype).replace("torch.", "") if opts.dtype else None,
+                              quantization=opts.quantization)
     transfer = {}
     for backend in opts.transports:
         tsamples, wake = measure_transfer(opts.model, backend, dtype, quick=opts.quick)
@@ -454,7 +463,8 @@ def run_profile(opts: ProfileOptions) -> dict:
                                                         ("bytes", "const")).to_dict()}
     profile = {"version": PROFILE_VERSION, "kind": "measured", "model": {
                 "path": str(opts.model), "name": shape.name, "config_hash": shape.config_hash,
-                "dtype": str(dtype).replace("torch.", ""), "num_layers": cfg.num_layers,
+                "dtype": str(dtype).replace("torch.", ""), "quantization": opts.quantization,
+                "num_layers": cfg.num_layers,
                 "num_moe_layers": cfg.num_moe_layers, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
                 "hidden_size": cfg.hidden_size},
             "host": describe_host(), "threads": list(opts.threads), "fits": fits, "fits_passive": fits_passive,

@@ -13,9 +13,10 @@ devices with n_a + n_e <= max_devices, m in 1..4 micro-batches and every per-wor
     throughput = n_a B / TBT decode tokens per second;  cost = n_a price_a + n_e price_e per hour
 subject to memory (attention: non-expert weights + KV of B sequences at full context; experts:
 ceil(E / n_e) experts of every MoE layer, or one with n_e / E replicas when n_e is a multiple of
-E) and TBT <= the SLO; plans are ranked by throughput per cost. Expert parallelism only: no tensor
-parallelism within a pool (a stated simplification). The host kind (a measured profile) is ranked
-by the discrete-event simulator instead (planner.host_plan), where cores are shared.
+E, in the plan's quantization: ModelConfig.expert_bytes) and TBT <= the SLO; plans are ranked by
+throughput per cost. Expert parallelism only: no tensor parallelism within a pool (a stated
+simplification). The host kind (a measured profile) is ranked by the discrete-event simulator
+instead (planner.host_plan), where cores are shared.
 """
 from dataclasses import dataclass
 
@@ -68,8 +69,10 @@ def expert_counts(E: int, max_devices: int) -> np.ndarray:
 
 
 def evaluate(perf, shape: ModelShape, hw_a: HardwareKind, hw_e: HardwareKind, max_devices: int,
-             context: float, max_context: int, batches=BATCHES, transport: str = "rdma") -> dict[str, np.ndarray]:
-    """Every (n_e, n_a, m, B) of one hardware pair as flat arrays (the closed form above)."""
+             context: float, max_context: int, batches=BATCHES, transport: str = "rdma",
+             quantization: str | None = None) -> dict[str, np.ndarray]:
+    """Every (n_e, n_a, m, B) of one hardware pair as flat arrays (the closed form above);
+    quantization: the experts' (EngineConfig.quantization), for their memory."""
     c = shape.config
     E, K, L, L_moe = c.num_experts, c.top_k, c.num_layers, c.num_moe_layers
     n_e1 = expert_counts(E, max_devices - 1)
@@ -92,7 +95,7 @@ def evaluate(perf, shape: ModelShape, hw_a: HardwareKind, hw_e: HardwareKind, ma
     tbt = L_moe * period + (L - L_moe) * m * t_a + np.minimum(t_a, t_e) + 2 * t_c + m * perf.head(b, b) + perf.step(B)
     mem_a = c.non_expert_bytes(c.dtype) + B * max_context * c.kv_bytes_per_token(c.dtype)
     experts_held = np.where(n_e <= E, np.ceil(E / n_e), 1.0)
-    mem_e = experts_held * L_moe * c.expert_bytes(c.dtype)
+    mem_e = experts_held * L_moe * c.expert_bytes(c.dtype, quantization)
     fits = (mem_a <= hw_a.memory_bytes * MEMORY_USABLE) & (mem_e <= hw_e.memory_bytes * MEMORY_USABLE)
     fits &= (n_e <= E) | (n_e % E == 0)
     return {"n_a": n_a, "n_e": n_e, "m": m, "B": B, "t_a": t_a, "t_e": t_e, "t_c": t_c, "tbt": tbt,
@@ -100,15 +103,29 @@ def evaluate(perf, shape: ModelShape, hw_a: HardwareKind, hw_e: HardwareKind, ma
             "fits": fits, "util_a": L * m * t_a / tbt, "util_e": L_moe * m * t_e / tbt}
 
 
+def serving_pairs(pairs: list[tuple[HardwareKind, HardwareKind]], quantization: str | None
+                  ) -> tuple[list[tuple[HardwareKind, HardwareKind]], list[str]]:
+    """The hardware pairs that can serve experts in `quantization`, and the kinds left out: int8 runs
+    on CPU workers only (kernels/int8.py; EngineConfig refuses it with any CUDA device), so with it
+    both pools must be CPU kinds (HardwareKind.device)."""
+    if quantization is None:
+        return list(pairs), []
+    kept = [(a, e) for a, e in pairs if a.device == e.device == "cpu"]
+    skipped = sorted({k.name for a, e in pairs for k in (a, e) if k.device != "cpu"})
+    return kept, skipped
+
+
 def search(perf_for, shape: ModelShape, pairs: list[tuple[HardwareKind, HardwareKind]], max_devices: int,
-           tbt_slo_s: float, context: float, max_context: int, top: int = 5) -> tuple[list[Candidate], dict]:
+           tbt_slo_s: float, context: float, max_context: int, top: int = 5,
+           quantization: str | None = None) -> tuple[list[Candidate], dict]:
     """Best `top` plans by throughput per cost over every hardware pair, and what bound the search:
     {"feasible": n, "memory_ok": n, "best_tbt_s": fastest TBT among those that fit in memory,
-    "fastest": that Candidate}. perf_for(hw_a, hw_e) gives the pair's performance model."""
+    "fastest": that Candidate}. perf_for(hw_a, hw_e) gives the pair's performance model;
+    quantization: the experts' (their memory; the pairs are the caller's to choose)."""
     cands, fastest, n_mem, n_ok = [], None, 0, 0
     for hw_a, hw_e in pairs:
         perf = perf_for(hw_a, hw_e)
-        r = evaluate(perf, shape, hw_a, hw_e, max_devices, context, max_context)
+        r = evaluate(perf, shape, hw_a, hw_e, max_devices, context, max_context, quantization=quantization)
         ok = r["fits"] & (r["tbt"] <= tbt_slo_s)
         n_mem, n_ok = n_mem + int(r["fits"].sum()), n_ok + int(ok.sum())
         if r["fits"].any():

@@ -4,6 +4,7 @@ profiles and plans record so that they are used only on the model they were made
 
 Shipped configs (no weights) live in planner/models/NAME/config.json; `shape_from` takes a name.
 Families that are planned for but not served (DBRX) are read with planning=True.
+`quantization_of` names the expert quantization a profile or plan is for (EngineConfig.quantization).
 """
 import hashlib
 import json
@@ -49,3 +50,22 @@ def config_hash(raw: dict[str, Any]) -> str:
     keep = {k: v for k, v in raw.items() if k not in ("_name_or_path", "transformers_version", "bos_token_id",
                                                       "eos_token_id", "pad_token_id", "auto_map")}
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def quantization_of(name: str | None, cfg: ModelConfig | None = None, model: str = "the model") -> str | None:
+    """EngineConfig.quantization as profiles and plans record it: None (also "none") or "int8" (also
+    vLLM's "experts_int8"). ValueError for another name, or for int8 of a checkpoint that is already
+    quantised (FP8 block, MXFP4), which engine_config refuses to serve."""
+    from attention_nodes.config import QUANTIZATIONS
+
+    if name is None or name == "none":
+        return None
+    q = "int8" if name == "experts_int8" else name
+    if q not in QUANTIZATIONS:
+        raise ValueError(f"quantization {name!r} is not supported; choose from none, {', '.join(QUANTIZATIONS)} "
+                         "(or experts_int8, vLLM's name for int8)")
+    shipped = None if cfg is None else "FP8 block" if cfg.fp8_block else "MXFP4" if cfg.mxfp4 else None
+    if shipped:
+        raise ValueError(f"{model}: the checkpoint is already {shipped}-quantised; quantization {q} quantises "
+                         "float checkpoints (plan this one without it)")
+    return q

@@ -69,7 +69,8 @@ def _deployment_kwargs(args: argparse.Namespace, disaggregate_by_default: bool) 
         raise ValueError(f"--plan sets the deployment; it takes no {', '.join(given) or '--rendezvous'}")
     from planner.plan import plan_engine_kwargs
 
-    planned = plan_engine_kwargs(args.plan, args.model)
+    asked = {} if args.quantization is None else {"quantization": args.quantization}
+    planned = plan_engine_kwargs(args.plan, args.model, **asked)  # a plan made for another quantization: refused
     logging.getLogger("shuttle").info("--plan %s: %s", args.plan, describe_plan(planned))
     kwargs = {**_engine_kwargs(args), **planned, **_eplb_kwargs(args)}
     if args.attention_device or args.device:
@@ -87,7 +88,8 @@ def describe_plan(planned: dict) -> str:
                  f"worker(s) on {p['expert_device'] or p['device']}, {p['micro_batches']} micro-batch(es), "
                  f"transport {p['transport']}")
     threads = p["torch_threads"] or "default"
-    return f"{where}; torch threads per worker: {threads}; batch up to {p['max_num_seqs']} sequences"
+    quantized = f"; experts {p['quantization']}" if p.get("quantization") else ""
+    return f"{where}; torch threads per worker: {threads}; batch up to {p['max_num_seqs']} sequences{quantized}"
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:

@@ -137,7 +137,8 @@ class LLM:
         if plan is not None:
             from planner.plan import plan_engine_kwargs
 
-            planned = plan_engine_kwargs(plan, None if model is None else str(model))
+            asked = {k: engine_kwargs[k] for k in ("quantization",) if k in engine_kwargs}  # another: refused
+            planned = plan_engine_kwargs(plan, None if model is None else str(model), **asked)
             model = model if model is not None else planned.pop("model")
             planned.pop("model", None)
             device = device if device is not None else planned.pop("device")

@@ -94,6 +94,11 @@ def test_plan_command_writes_a_plan_and_reports_infeasible(tmp_path, capsys):
     (["--hardware", "L20", "--max-devices", "1"], "holds"),
     (["--hardware", "host", "--profile", "PROFILE"], "measured on model"),
     (["--hardware", "host", "--profile", "PROFILE", "--model", "MODEL", "--max-devices", "64"], "bigger than this host"),
+    # a profile measured without --quantization plans no int8 deployment
+    (["--hardware", "host", "--profile", "PROFILE", "--model", "MODEL", "-q", "int8"],
+     "was measured with quantization none, not int8; profile again with shuttle profile --quantization int8"),
+    (["--hardware", "H100,L40S", "--quantization", "experts_int8"],
+     "--quantization int8 runs on CPU workers only (kernels/int8.py), and H100, L40S are GPU kinds"),
 ])
 def test_plan_errors_exit_2(argv, message, tmp_path, capsys, make_checkpoint):
     from server.cli import main
@@ -118,6 +123,7 @@ def test_host_plan_is_the_best_simulated_deployment(tmp_path, make_checkpoint, c
     model = make_checkpoint("mixtral")
     p = profile(a=1.0, a_tok=0.01, e=1.0, e_pair=0.005, c=0.05, layers=2)
     p["model"]["config_hash"] = shape_from(model).config_hash
+    p["model"]["quantization"] = "int8"  # measured with --quantization int8: the plan is served so
     prof, out, js = tmp_path / "p.json", tmp_path / "plan.json", tmp_path / "all.json"
     prof.write_text(json.dumps(p))
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})  # this process on one core, the profile's 2
@@ -128,6 +134,7 @@ def test_host_plan_is_the_best_simulated_deployment(tmp_path, make_checkpoint, c
     best = json.loads(out.read_text())
     assert best["predicted"]["throughput"] == max(c["throughput"] for c in plans)
     assert not best["estimated"] and best["deployment"]["attention_device"] == "cpu"
+    assert best["deployment"]["quantization"] == "int8"
     assert {c["micro_batches"] for c in plans if c["attention_workers"]} == {1, 2, 3, 4}
     # the toy profile's host is not this one, nor its cores this process's: the plan says so
     err = capsys.readouterr().err
@@ -156,3 +163,83 @@ def test_cpuinfo_gives_the_first_cpus_name_family_and_flags():
     arm = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd\nCPU implementer\t: 0x41\n"
     assert parse_cpuinfo(arm) == ("", "", set())
     assert parse_cpuinfo("a line without a colon\n\n") == ("", "", set())
+
+
+def test_int8_experts_fit_where_bf16_ones_do_not():
+    """The memory check counts the experts in the plan's quantization (ModelConfig.expert_bytes):
+    Mixtral-8x22B's experts on one CPU server of 200 GiB (180 usable) are 252 GiB in bf16 and 126
+    GiB as int8; the roofline reads the int8 bytes too."""
+    from dataclasses import replace
+
+    shape = shape_from("mixtral-8x22b")
+    cpu = replace(parse_hardware("cpu-epyc-64c")[0], memory_gib=200)
+    _, eff = load_catalogue()
+    c = shape.config
+    experts_gib = {q: c.num_moe_layers * c.num_experts * c.expert_bytes(c.dtype, q) / 2 ** 30 for q in (None, "int8")}
+    assert experts_gib == {None: pytest.approx(252.0, abs=0.1), "int8": pytest.approx(126.1, abs=0.1)}
+    bf16 = evaluate(RooflinePerf(shape, cpu, cpu, eff), shape, cpu, cpu, 2, 640.0, 768)
+    int8 = evaluate(RooflinePerf(shape, cpu, cpu, eff, "int8"), shape, cpu, cpu, 2, 640.0, 768, quantization="int8")
+    assert not bf16["fits"].any() and int8["fits"].any()
+    # fewer bytes per active expert: faster where the experts are memory-bound, the same where compute-bound
+    assert (int8["t_e"] <= bf16["t_e"]).all() and int8["t_e"][0] < bf16["t_e"][0]
+    best, why = search(lambda a, e: RooflinePerf(shape, a, e, eff), shape, [(cpu, cpu)], 2, 1e3, 640.0, 768)
+    assert not best and why["memory_ok"] == 0
+    best, why = search(lambda a, e: RooflinePerf(shape, a, e, eff, "int8"), shape, [(cpu, cpu)], 2, 1e3, 640.0, 768,
+                       quantization="int8")
+    assert best and (best[0].attention_workers, best[0].expert_workers) == (1, 1)
+
+
+def test_int8_plans_only_cpu_kinds():
+    from planner.search import serving_pairs
+
+    h100, epyc = parse_hardware("H100,cpu-epyc-64c")
+    pairs = [(h100, h100), (h100, epyc), (epyc, epyc)]
+    assert serving_pairs(pairs, None) == (pairs, [])
+    assert serving_pairs(pairs, "int8") == ([(epyc, epyc)], ["H100"])
+    assert epyc.device == "cpu" and h100.device == "cuda"
+
+
+def test_a_quantised_plan_round_trips_to_the_engine(tmp_path, capsys, monkeypatch):
+    """shuttle plan --quantization int8 writes it into the plan (with CPU devices for a CPU kind),
+    plan_engine_kwargs gives it to LLM / shuttle serve, and refuses to serve the plan otherwise."""
+    from planner.plan import plan_engine_kwargs
+    from server.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "mixtral-8x22b", "--hardware", "H100,cpu-epyc-64c", "-q", "int8",
+                 "--tbt-slo-ms", "1e6", "--max-devices", "4", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "skipped the GPU kind(s) H100" in captured.err and "experts as int8" in captured.out
+    plan = json.loads(out.read_text())
+    d = plan["deployment"]
+    assert d["quantization"] == "int8" and d["attention_device"] == d["expert_device"] == "cpu"
+    assert plan["hardware"]["expert"]["name"] == "cpu-epyc-64c"
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))  # a host big enough to run it
+    assert plan_engine_kwargs(out)["quantization"] == "int8"
+    assert plan_engine_kwargs(out, quantization="experts_int8")["quantization"] == "int8"
+    with pytest.raises(ValueError, match="was made for quantization int8 .*, not none; plan again"):
+        plan_engine_kwargs(out, quantization=None)
+    # plans written before quantization was recorded: unquantised
+    del d["quantization"]
+    out.write_text(json.dumps(plan))
+    assert plan_engine_kwargs(out)["quantization"] is None
+    with pytest.raises(ValueError, match="was made for quantization none .*, not int8"):
+        plan_engine_kwargs(out, quantization="int8")
+    # and without --quantization the same search keeps bf16 experts, on GPUs too
+    assert main(["plan", "--model", "mixtral-8x22b", "--hardware", "H100", "--tbt-slo-ms", "1e6",
+                 "--max-devices", "16", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())["deployment"]
+    assert d["quantization"] is None and d["attention_device"] == "cuda"
+
+
+def test_simulate_takes_a_plans_quantization_and_refuses_another(tmp_path, capsys):
+    from server.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "mixtral-8x22b", "--hardware", "cpu-epyc-64c", "-q", "int8",
+                 "--tbt-slo-ms", "1e6", "--max-devices", "4", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", "--plan", str(out), "--num-prompts", "4", "--input-len", "8", "--output-len", "2"]) == 0
+    assert "int8 experts (cpu-epyc-64c / cpu-epyc-64c)" in capsys.readouterr().out
+    assert main(["simulate", "--plan", str(out), "-q", "none", "--num-prompts", "4"]) == 2
+    assert "was made for quantization int8, not none" in capsys.readouterr().err

@@ -179,3 +179,80 @@ def test_prefill_features_count_only_the_prefilling_sequences():
     # of context read 1 + ... + 5 = 15 and 3 * 4 + 6 = 18 positions
     assert prefill_features([1, 1, 5, 3], [10, 20, 0, 4]) == {"prefill_tokens": 8, "kv_prefill": 33}
     assert prefill_features([1, 1], [7, 9]) == {"prefill_tokens": 0, "kv_prefill": 0}
+
+
+def test_profile_quantization_reaches_every_measurement(tmp_path, make_checkpoint, monkeypatch):
+    """shuttle profile --quantization int8 (-q, or vLLM's experts_int8): the runners and the engine it
+    builds, the expert samples, the passive-waits child and the served front hold the experts as
+    int8, as serving does, and the profile records it. Stubbed where a step would be timed, except
+    the expert samples (a tiny grid)."""
+    import io
+    import sys
+    from types import SimpleNamespace
+
+    import planner.front as front
+    import planner.profile as prof
+    from models.config import ModelConfig
+    from planner.cli import PlannerError, load_profile
+    from planner.profile import ProfileOptions
+    from server.cli import main
+
+    ckpt = make_checkpoint("mixtral")
+    cfg = ModelConfig.from_pretrained(ckpt)
+    got = []
+
+    def stop(x, *args, **kw):
+        got.append(x)
+        raise PlannerError("stopped")
+
+    with monkeypatch.context() as m:
+        m.setattr(prof, "run_profile", stop)
+        for flags, q in ((["-q", "experts_int8"], "int8"), (["--quantization", "int8"], "int8"), ([], None)):
+            assert main(["profile", "--model", str(ckpt), *flags, "--quick", "--out", str(tmp_path / "p.json")]) == 2
+            assert got.pop().quantization == q
+
+    opts = ProfileOptions(str(ckpt), threads=(1, 2), repeats=1, batches=(1,), contexts=(16,), prefill=(32,),
+                          prefill_chunks=(), expert_tokens=(1, 4), quantization="int8")
+    with monkeypatch.context() as m:  # the runners and the engine: EngineConfig.quantization
+        m.setattr(prof, "ModelRunner", stop)
+        m.setattr(prof, "LLMEngine", stop)
+        for measure in (prof.measure_attention, prof.measure_step, prof.measure_native_decode):
+            with pytest.raises(PlannerError):
+                measure(opts, cfg)
+            assert got.pop().quantization == "int8"
+
+    held, run = [], prof.run_local_experts
+    monkeypatch.setattr(prof, "run_local_experts", lambda experts, batch: held.append(experts) or run(experts, batch))
+    samples = prof.measure_experts(ProfileOptions(**{**opts.__dict__, "threads": (1,)}), cfg)
+    assert [s["tokens"] for s in samples] == [1, 4, 4] and held
+    assert all(w.int8 is not None for e in held for w in e.w13_packed + e.w2_packed)
+
+    with monkeypatch.context() as m:  # the passive-waits child gets it in its spec, and builds its options with it
+        m.setattr(prof.subprocess, "run", lambda argv, input, **kw: got.append(input) or SimpleNamespace(
+            returncode=0, stdout="{}\n"))
+        prof.measure_passive(opts)
+        spec = got.pop()
+        assert json.loads(spec)["quantization"] == "int8"
+        m.setattr(sys, "stdin", io.StringIO(spec))
+        m.setattr(prof, "measure_workers", lambda o, c: got.append(o) or {})
+        prof._passive_child()
+        assert got.pop().quantization == "int8"
+
+    with monkeypatch.context() as m:  # the served 1 + 1 run: shuttle serve --quantization int8
+        m.setattr(front.subprocess, "Popen", stop)
+        with pytest.raises(PlannerError):
+            front.measure_front(str(ckpt), quantization="int8")
+        cmd = got.pop()
+        assert cmd[cmd.index("--quantization") + 1] == "int8"
+
+    # the profile's model block records it; plan and simulate refuse it for unquantised experts
+    monkeypatch.setattr(prof, "measure_workers", lambda o, c: {})
+    monkeypatch.setattr(prof, "measure_native_decode", lambda o, c: [])
+    monkeypatch.setattr(prof, "fit_samples", lambda s, t: {})
+    p = prof.run_profile(ProfileOptions(str(ckpt), threads=(1,), transports=(), front=False, quantization="int8"))
+    assert p["model"]["quantization"] == "int8"
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(p))
+    assert load_profile(str(path), str(ckpt), "int8")["model"]["quantization"] == "int8"
+    with pytest.raises(PlannerError, match="was measured with quantization int8, not none"):
+        load_profile(str(path), str(ckpt), None)

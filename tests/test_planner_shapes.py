@@ -207,6 +207,9 @@ def test_planner_numbers_are_the_built_models(raw):
         nbytes(tensors), rel=1e-9)
     assert float(perf.experts(1, 1)) * 1e9 == pytest.approx(nbytes(experts[0].parameters()) / c.num_experts,
                                                             rel=1e-9)
+    # int8 experts (--quantization int8): the roofline reads their int8 bytes, at the same FLOPs
+    int8 = RooflinePerf(shape, hw, hw, eff, "int8")
+    assert float(int8.experts(1, 1)) * 1e9 == pytest.approx(c.expert_bytes(c.dtype, "int8"), rel=1e-9)
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
@@ -247,3 +250,54 @@ def test_shape_from_errors_name_the_file(tmp_path):
     with pytest.raises(ConfigError, match="config.json: not valid JSON"):
         shape_from(tmp_path)
     assert Path(shape_from("mixtral-8x22b").name) == Path("mixtral-8x22b")
+
+
+@pytest.mark.parametrize("family,dtype,overrides", [
+    ("mixtral", "float32", {}),
+    ("mixtral", "bfloat16", {"intermediate_size": 21}),  # gate/up 42 rows and an odd down input: padded
+    ("gpt_oss", "bfloat16", {}),  # expert biases, kept in the serving dtype
+])
+def test_int8_expert_bytes_are_what_a_quantised_worker_holds(make_checkpoint, family, dtype, overrides):
+    """ModelConfig.expert_bytes(dtype, "int8") is the resident bytes (models.cpu_inference.
+    resident_weight_bytes) of the experts quantised as serving quantises them (PackedExperts(experts,
+    "int8")), up to kernels/int8.py's panel padding: each matrix's output channels are padded to a
+    multiple of PANEL = 16 (at most 15 rows of the even-padded input's codes + a 4-byte scale each)
+    and an odd input gets one zero code per row. Without padding (sizes multiples of 16) they are equal."""
+    from kernels.int8 import PANEL
+    from models.cpu_inference import PackedExperts, resident_weight_bytes
+    from models.loader import load_experts
+
+    ckpt = make_checkpoint(family, dtype, **overrides)
+    c = ModelConfig.from_pretrained(ckpt)
+    assert not c.mxfp4 and not c.fp8_block
+    experts = load_experts(ckpt, list(range(c.num_experts)), c)
+    held = torch.nn.ModuleList(PackedExperts(m, "int8") for m in experts.values())
+    resident = resident_weight_bytes(held)["experts"]
+    count = c.num_experts * c.num_moe_layers
+    D, I = c.hidden_size, c.moe_intermediate_size
+    bound = (PANEL - 1) * (D + 1 + 4) + 2 * I * (D % 2) + (PANEL - 1) * (I + 1 + 4) + D * (I % 2)  # per expert
+    assert 0 <= resident - count * c.expert_bytes(c.dtype, "int8") <= count * bound
+    if (2 * I) % PANEL == D % PANEL == D % 2 == I % 2 == 0:
+        assert resident == count * c.expert_bytes(c.dtype, "int8")
+    else:
+        assert resident > count * c.expert_bytes(c.dtype, "int8")
+    # int8 is about a byte a weight: a quarter of float32's, half of bf16's (plus the scales)
+    assert c.expert_bytes(c.dtype, "int8") < c.expert_bytes(c.dtype) / c.dtype.itemsize * 1.15
+    assert c.expert_bytes(c.dtype, None) == c.expert_params() * c.dtype.itemsize  # unquantised: as before
+    with pytest.raises(ValueError, match="quantization 'fp8' is not supported"):
+        c.expert_bytes(c.dtype, "fp8")
+
+
+def test_quantization_names_and_checkpoints_already_quantised():
+    import dataclasses
+
+    from planner.shapes import quantization_of
+
+    assert [quantization_of(n) for n in (None, "none", "int8", "experts_int8")] == [None, None, "int8", "int8"]
+    with pytest.raises(ValueError, match="quantization 'int4' is not supported; choose from none, int8"):
+        quantization_of("int4")
+    c = shape_from("mixtral-8x22b").config
+    assert quantization_of("int8", c) == "int8"
+    with pytest.raises(ValueError, match="already FP8 block-quantised"):
+        quantization_of("int8", dataclasses.replace(c, fp8_block=(128, 128)), "v3")
+    assert quantization_of(None, dataclasses.replace(c, mxfp4=True)) is None

@@ -216,6 +216,27 @@ def test_simulate_command_json_trace_and_errors(tmp_path, capsys):
     assert "tcp" in capsys.readouterr().err
     assert main(["simulate", "--profile", str(prof), "--micro-batches", "5"]) == 2
     assert "micro_batches" in capsys.readouterr().err
+    assert main(["simulate", "--profile", str(prof), "--quantization", "int8"]) == 2
+    assert ("was measured with quantization none, not int8; profile again with shuttle profile --quantization int8"
+            in capsys.readouterr().err)
+
+
+def test_simulate_takes_the_profiles_quantization(tmp_path, capsys):
+    """A profile measured with --quantization int8 simulates int8 experts (its fits are theirs); asked
+    for unquantised experts it is refused."""
+    from server.cli import main
+
+    p = profile()
+    p["model"]["quantization"] = "int8"
+    prof, out = tmp_path / "p.json", tmp_path / "r.json"
+    prof.write_text(json.dumps(p))
+    for flags in ([], ["-q", "int8"], ["-q", "experts_int8"]):
+        assert main(["simulate", "--profile", str(prof), "--colocated", "--num-prompts", "4", "--input-len", "8",
+                     "--output-len", "2", "--json", str(out), *flags]) == 0
+        assert json.loads(out.read_text())["deployment"]["quantization"] == "int8"
+        assert "colocated, 2 thread(s), int8 experts on toy" in capsys.readouterr().out
+    assert main(["simulate", "--profile", str(prof), "--quantization", "none"]) == 2
+    assert "was measured with quantization int8, not none" in capsys.readouterr().err
 
 
 def test_the_front_admits_on_its_fair_share_of_a_busy_host():
