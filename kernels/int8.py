@@ -20,7 +20,21 @@ their ISA (AMX also needs the kernel's permission for the tile state, asked once
 library cannot run (no AVX2, no compiler, a failed build, SHUTTLE_NATIVE_KERNELS=0) int8_linear is
 the torch reference.
 
-Legend: T rows, I input features, O output features, P panels of PANEL outputs, Ip I rounded up to even.
+The fused MoE block (kernels/csrc/moe_int8.c, the same kernels):
+- `Int8ExpertPanels(w, gate_up, inter)`: one expert weight for it, as cpu_linear.ExpertPanels is for
+  the bf16 block: w13 (2I, D) quantised with its rows reordered so that panels 2u and 2u + 1 hold 16
+  gate rows and the same 16 up rows (each half zero-padded to I16 rows; the codes and scales of every
+  row are those quantize_int8 gives w13 itself), or w2 (D, I) as it is. `Int8Experts`: a layer's E
+  experts and the table of addresses the kernel reads.
+- `fused_moe_int8(x, ids, weights, experts)`: kernels/moe.fused_moe_packed on these weights (SiLU
+  experts without biases) in one native call: the pairs sorted by expert, the gate/up GEMM with
+  silu(gate) * up in its epilogue, the down GEMM adding each token's weighted rows in ascending expert
+  id; bf16 rounded where fused_moe_packed's ops round. The torch path (`fused_moe_int8_reference`,
+  fused_moe_packed's ops on int8_linear) where the kernels are unavailable.
+
+Legend: T rows (tokens), I input features, O output features, P panels of PANEL outputs, Ip I rounded
+up to even; in the MoE block D hidden, I intermediate, I16 I rounded up to 16, K experts per token,
+E experts, N = T*K pairs.
 """
 import ctypes
 import functools
@@ -120,6 +134,11 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
                    + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int])
+    fn = lib.shuttle_fused_moe_int8
+    fn.restype = ctypes.c_int
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                    ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+                   + [ctypes.c_int] * 3 + [ctypes.c_int64])
     return lib
 
 
@@ -186,10 +205,146 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None
     return y_TO.view(*lead, O)
 
 
-def _eager_cpu(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """What native.eager_cpu checks, for this library: CPU tensors, no gradient wanted, not traced by
-    torch.compile, the kernels available."""
-    tensors = (x,) if bias is None else (x, bias)
+def _eager_cpu(*tensors: torch.Tensor | None) -> bool:
+    """What native.eager_cpu checks, for this library: CPU tensors (Nones skipped), no gradient wanted,
+    not traced by torch.compile, the kernels available."""
+    tensors = [t for t in tensors if t is not None]
     return (all(t.device.type == "cpu" for t in tensors)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
             and not torch.compiler.is_compiling() and available())
+
+
+class Int8ExpertPanels:
+    """One expert weight for fused_moe_int8, in place of a CpuWeight (as cpu_linear.ExpertPanels is for
+    the bf16 block). gate_up=True: w (2I, D) holds the gate rows then the up rows; they are quantised
+    in the order gate rows 16u..16u+15, then the same up rows, for each u (each half zero-padded to
+    I16 rows), so panels 2u and 2u + 1 are one block of h's columns for the kernel's epilogue. Each
+    row's codes and scale are quantize_int8(w)'s (quantisation is per row); `order` (2I,) gives each
+    row of w its output in `int8`. Else w is the down projection (D, I), quantised as it is."""
+
+    __slots__ = ("int8", "order", "out_features", "in_features", "inter", "inter_padded")
+    half = panels = packed = None  # (no bf16 copy, bf16 panels or oneDNN packing: only int8 codes)
+
+    def __init__(self, w: torch.Tensor, gate_up: bool, inter: int):
+        w = w.detach()
+        self.out_features, self.in_features = w.shape
+        self.inter, self.inter_padded = inter, -(-inter // PANEL) * PANEL
+        if gate_up:
+            if self.out_features != 2 * inter:
+                raise ValueError(f"Int8ExpertPanels: a gate/up weight has 2 * {inter} rows, got {self.out_features}")
+            I16, D = self.inter_padded, self.in_features
+            halves = torch.zeros(2, I16, D, dtype=w.dtype)  # (gate/up, row, input)
+            halves[:, :inter] = w.reshape(2, inter, D)
+            self.int8 = quantize_int8(halves.view(2, I16 // PANEL, PANEL, D).transpose(0, 1).reshape(2 * I16, D))
+            i = torch.arange(inter)
+            within = i // PANEL * 2 * PANEL + i % PANEL
+            self.order = torch.cat((within, within + PANEL))
+        else:
+            if self.in_features != inter:
+                raise ValueError(f"Int8ExpertPanels: a down weight has {inter} inputs, got {self.in_features}")
+            self.int8, self.order = quantize_int8(w), None
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T with the rows of w in their own order (gate then up): int8_linear on the panels."""
+        y = int8_linear(x, self.int8)
+        return y if self.order is None else y.index_select(-1, self.order)
+
+
+class Int8Experts:
+    """One layer's E experts for fused_moe_int8: w13_E, w2_E lists of Int8ExpertPanels (gate/up, down),
+    and `table` (4, E) int64, the addresses of every expert's gate/up codes and scales and down codes
+    and scales that the kernel reads (the lists keep those tensors alive)."""
+
+    __slots__ = ("w13_E", "w2_E", "hidden", "inter", "table")
+
+    def __init__(self, w13_E: list[Int8ExpertPanels], w2_E: list[Int8ExpertPanels]):
+        if not w13_E or len(w13_E) != len(w2_E):
+            raise ValueError(f"Int8Experts: {len(w13_E)} gate/up and {len(w2_E)} down weights")
+        self.w13_E, self.w2_E = list(w13_E), list(w2_E)
+        self.hidden, self.inter = w13_E[0].in_features, w13_E[0].inter
+        if any(w.order is None or (w.in_features, w.inter) != (self.hidden, self.inter) for w in self.w13_E) or any(
+                w.order is not None or (w.out_features, w.in_features) != (self.hidden, self.inter) for w in self.w2_E):
+            raise ValueError("Int8Experts: every expert needs a gate/up weight (2I, D) and a down weight (D, I) of "
+                             "one D and I")
+        self.table = torch.tensor([[w.int8.panels.data_ptr() for w in self.w13_E],
+                                   [w.int8.scales.data_ptr() for w in self.w13_E],
+                                   [w.int8.panels.data_ptr() for w in self.w2_E],
+                                   [w.int8.scales.data_ptr() for w in self.w2_E]], dtype=torch.int64)
+
+    @classmethod
+    def quantize(cls, w13_EID2: torch.Tensor | list[torch.Tensor],
+                 w2_EDI: torch.Tensor | list[torch.Tensor]) -> "Int8Experts":
+        """The experts of float weights w13 (E, 2I, D) and w2 (E, D, I) (or per-expert lists), quantised."""
+        inter = w2_EDI[0].shape[1]
+        return cls([Int8ExpertPanels(w, True, inter) for w in w13_EID2],
+                   [Int8ExpertPanels(w, False, inter) for w in w2_EDI])
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.w13_E)
+
+
+def fused_moe_int8_reference(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                             experts: Int8Experts) -> torch.Tensor:
+    """The torch path: kernels/moe.fused_moe_packed's ops (the one-token path for T = 1; else permute,
+    grouped_swiglu, unpermute) with int8_linear on each expert's panels; pairs whose id is outside
+    [0, E) are left out, as the kernel skips them."""
+    from kernels.moe import SILU, Permutation, _one_token_moe, grouped_swiglu, unpermute
+
+    E, (T, K) = experts.num_experts, topk_ids_TK.shape
+    linear = lambda x, w, bias=None: w.linear(x)  # noqa: E731 (no biases: SiLU experts)
+    keep_TK = (topk_ids_TK >= 0) & (topk_ids_TK < E)
+    if T == 1:
+        keep = keep_TK[0]
+        return _one_token_moe(x_TD, experts.w13_E, experts.w2_E, topk_weights_TK[:, keep], topk_ids_TK[:, keep],
+                              linear, None, None, SILU)
+    flat_ids_N = torch.where(keep_TK, topk_ids_TK, E).reshape(-1)
+    pair_idx_N = torch.argsort(flat_ids_N, stable=True)[:int(keep_TK.sum())]
+    token_idx_N = torch.div(pair_idx_N, K, rounding_mode="floor")
+    counts_E = torch.bincount(flat_ids_N, minlength=E + 1)[:E].tolist()
+    perm = Permutation(token_idx_N, pair_idx_N, counts_E, T)
+    y_ND = grouped_swiglu(x_TD.index_select(0, token_idx_N), counts_E, experts.w13_E, experts.w2_E, linear=linear)
+    return unpermute(y_ND, perm, topk_weights_TK)
+
+
+def _default_moe_kernels(x_dtype: torch.dtype, here: frozenset[int]) -> tuple[int, int, int]:
+    """(kernel, big_kernel, big_rows): an expert's rows take int8_linear's default kernel for as many rows."""
+    small = _default_kernel(x_dtype, 1, here)
+    return small, _default_kernel(x_dtype, AMX_MIN_ROWS, here), AMX_MIN_ROWS
+
+
+def fused_moe_int8(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                   experts: Int8Experts, kernel: int | None = None) -> torch.Tensor:
+    """y_TD (x's dtype) = sum over each token's top-k experts of weight * SiLU-MLP(x) on int8 experts, in
+    one native call (kernels/csrc/moe_int8.c). x: bf16 or float32 (T, D); ids (T, K) integers (ids
+    outside [0, E) are skipped); weights (T, K) float32 or bf16. kernel: AVX2, AVX512, BF16DOT or AMX
+    (these two bf16 x only), one of kernels(), for every expert; by default each expert as
+    int8_linear's default takes its rows (AMX for bf16 x from AMX_MIN_ROWS rows where it runs, else
+    AVX512 where it runs, else AVX2). fused_moe_int8_reference where the kernels are unavailable, for
+    other dtypes, and where autograd or torch.compile needs it."""
+    T, D = x_TD.shape
+    if D != experts.hidden or topk_ids_TK.shape[0] != T or topk_weights_TK.shape != topk_ids_TK.shape:
+        raise ValueError(f"fused_moe_int8 takes x (T, {experts.hidden}) and (T, K) ids and weights; got x "
+                         f"{tuple(x_TD.shape)}, ids {tuple(topk_ids_TK.shape)}, weights {tuple(topk_weights_TK.shape)}")
+    if x_TD.dtype not in (torch.bfloat16, torch.float32) or not _eager_cpu(x_TD, topk_weights_TK):
+        return fused_moe_int8_reference(x_TD, topk_ids_TK, topk_weights_TK, experts)
+    here = _kernels_here(_library())
+    if kernel is None:
+        small, big, big_rows = _default_moe_kernels(x_TD.dtype, here)
+    elif kernel not in here or kernel in (BF16DOT, AMX) and x_TD.dtype != torch.bfloat16:
+        raise ValueError(f"fused_moe_int8: kernel {kernel} does not run here for {x_TD.dtype} x (here: {sorted(here)})")
+    else:
+        small, big, big_rows = kernel, kernel, 0
+    x_TD = x_TD.contiguous()
+    ids_TK = topk_ids_TK.to(torch.int64).contiguous()
+    wk_TK = topk_weights_TK.to(torch.float32).contiguous()
+    y_TD = torch.zeros(T, D, dtype=x_TD.dtype)
+    rc = _library().shuttle_fused_moe_int8(
+        x_TD.data_ptr(), int(x_TD.dtype == torch.bfloat16), T, D, ids_TK.data_ptr(), wk_TK.data_ptr(), ids_TK.shape[1],
+        *(experts.table[i].data_ptr() for i in range(4)), experts.num_experts, experts.inter, y_TD.data_ptr(),
+        native.threads(), small, big, big_rows)
+    if rc == -1:
+        raise MemoryError(f"fused_moe_int8: out of memory for {T} tokens x {ids_TK.shape[1]} experts")
+    if rc != 0:
+        raise RuntimeError(f"fused_moe_int8: the library cannot run kernels {small}/{big} ({rc})")
+    return y_TD

@@ -1,6 +1,9 @@
-"""Weight-only INT8 (kernels/int8.py, kernels/csrc/int8_gemm.c): the codes and scales of
-quantize_int8, and int8_linear's kernels (AVX2, AVX-512, AVX-512 BF16) against the torch reference at
-odd shapes, bf16 and float32, with and without bias; the torch path where the library is unavailable."""
+"""Weight-only INT8 (kernels/int8.py, kernels/csrc/int8_gemm.c, moe_int8.c): the codes and scales of
+quantize_int8, and int8_linear's kernels (AVX2, AVX-512, AVX-512 BF16, AMX) against the torch reference
+at odd shapes, bf16 and float32, with and without bias; the fused MoE block (fused_moe_int8) with each
+kernel against fused_moe_packed on CpuWeight(w, "int8"); the torch paths where the library is
+unavailable."""
+import functools
 import logging
 
 import pytest
@@ -112,6 +115,14 @@ def test_the_default_kernel():
     assert int8._default_kernel(torch.bfloat16, 256, frozenset((int8.AVX2,))) == int8.AVX2
 
 
+def test_the_default_moe_kernels():
+    """Each expert of the fused block takes int8_linear's default kernel for its row count."""
+    every = frozenset((int8.AVX2, int8.AVX512, int8.BF16DOT, int8.AMX))
+    assert int8._default_moe_kernels(torch.bfloat16, every) == (int8.AVX512, int8.AMX, int8.AMX_MIN_ROWS)
+    assert int8._default_moe_kernels(torch.float32, every)[:2] == (int8.AVX512, int8.AVX512)
+    assert int8._default_moe_kernels(torch.bfloat16, frozenset((int8.AVX2,)))[:2] == (int8.AVX2, int8.AVX2)
+
+
 def test_without_the_library_int8_linear_is_the_torch_reference(monkeypatch, caplog):
     w = int8.quantize_int8(_weight(77, 1000, 1))
     x, bias = torch.randn(3, 1000).bfloat16(), torch.randn(77)
@@ -149,3 +160,149 @@ def test_int8_linear_with_autograd_takes_the_reference():
 def test_int8_linear_rejects_a_wrong_width():
     with pytest.raises(ValueError, match="input features"):
         int8.int8_linear(torch.randn(2, 7), int8.quantize_int8(torch.randn(3, 8)))
+
+
+# The fused int8 MoE block (kernels/csrc/moe_int8.c)
+
+MOE_KERNELS = [pytest.param(None, id="default"), *KERNELS]
+
+
+def _moe_weights(E: int, D: int, I: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(E, 2 * I, D, generator=g) / D ** 0.5, torch.randn(E, D, I, generator=g) / I ** 0.5
+
+
+@functools.cache
+def _moe_experts(E: int, D: int, I: int) -> tuple:
+    """E experts' weights quantised for fused_moe_int8 and as CpuWeight(w, "int8") lists."""
+    from kernels.cpu_linear import CpuWeight
+
+    w13, w2 = _moe_weights(E, D, I, E * D + I)
+    return (int8.Int8Experts.quantize(w13, w2), [CpuWeight(w, "int8") for w in w13],
+            [CpuWeight(w, "int8") for w in w2])
+
+
+@functools.cache
+def _moe_case(E: int, D: int, I: int, T: int, K: int, dtype: torch.dtype):
+    """E experts (the last gets no pair), T tokens' x, top-K ids and weights (every fourth token's first
+    id -1, another worker's, when T > 3), and fused_moe_packed's result on CpuWeight(w, "int8") with
+    those pairs' weights 0: (experts, x, ids, weights, want)."""
+    from kernels.moe import fused_moe_packed
+
+    experts, c13, c2 = _moe_experts(E, D, I)
+    g = torch.Generator().manual_seed(T * 7 + K)
+    x = torch.randn(T, D, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(T)])
+    weights = torch.softmax(torch.randn(T, K, generator=g), -1)
+    if T > 3:
+        ids[::4, 0] = -1
+    keep = ids >= 0
+    return experts, x, ids, weights, fused_moe_packed(x, c13, c2, weights * keep, ids.clamp(min=0))
+
+
+def _moe_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """float32: summation order (and exp's last bits); bf16: roundings of the block's intermediates too."""
+    if got.dtype == torch.bfloat16:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
+
+
+def test_int8_expert_panels_quantise_each_row_as_quantize_int8():
+    """Reordered gate/up rows (16 gate, the same 16 up, each half padded to I16) get the codes and scales
+    quantize_int8 gives w13 itself, bitwise; padded rows are zero with scale 1; w2 is quantised as is."""
+    E, D, I = 2, 37, 41
+    w13, w2 = _moe_weights(E, D, I, 0)
+    experts = int8.Int8Experts.quantize(w13.bfloat16(), w2.bfloat16())
+    for e in range(E):
+        p, want = experts.w13_E[e], int8.quantize_int8(w13[e].bfloat16())
+        assert p.inter_padded == 48 and p.int8.out_features == 96 and p.int8.panels.shape == (6, 19, int8.PANEL, 2)
+        assert torch.equal(p.int8.codes()[p.order], want.codes()) and torch.equal(p.int8.scale[p.order], want.scale)
+        assert torch.equal(p.order[[0, 15, 16, 40, 41, 57, 81]], torch.tensor([0, 15, 32, 72, 16, 48, 88]))
+        padded = torch.ones(96, dtype=torch.bool)
+        padded[p.order] = False
+        assert padded.sum() == 14 and not p.int8.codes()[padded].any() and p.int8.scale[padded].eq(1).all()
+        assert torch.equal(experts.w2_E[e].int8.codes(), int8.quantize_int8(w2[e].bfloat16()).codes())
+        x = torch.randn(3, D)
+        torch.testing.assert_close(p.linear(x), int8.int8_linear(x, want))
+    assert experts.table.shape == (4, E) and experts.table[0, 1] == experts.w13_E[1].int8.panels.data_ptr()
+    assert experts.table[3, 0] == experts.w2_E[0].int8.scales.data_ptr()
+    with pytest.raises(ValueError, match="2 \\* 41 rows"):
+        int8.Int8ExpertPanels(w13[0][:80], True, I)
+    with pytest.raises(ValueError, match="one D and I"):
+        int8.Int8Experts(experts.w13_E, [int8.Int8ExpertPanels(w2[0][:, :40], False, 40)] * E)
+
+
+@NEEDS_INT8
+@pytest.mark.parametrize("kernel", MOE_KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,K", [(1, 1), (1, 4), (3, 2), (17, 4), (64, 2), (300, 1), (300, 4)])
+@pytest.mark.parametrize("E,D,I", [(6, 100, 72), (7, 57, 41)])
+def test_fused_moe_int8_equals_fused_moe_packed(E, D, I, T, K, dtype, kernel):
+    """One native call per block against the torch path on the same codes: D and I not multiples of
+    16 (57 and 41 odd), one token to 300, top-1 to top-4, an expert with no pairs, ids -1 skipped."""
+    experts, x, ids, weights, want = _moe_case(E, D, I, T, K, dtype)
+    if kernel in BF16_ONLY and dtype == torch.float32:
+        with pytest.raises(ValueError, match="does not run"):
+            int8.fused_moe_int8(x, ids, weights, experts, kernel=kernel)
+        return
+    got = int8.fused_moe_int8(x, ids, weights, experts, kernel=kernel)
+    assert got.dtype == dtype and got.shape == (T, D)
+    _moe_close(got, want)
+    if T > 3:  # tokens whose every pair is skipped get zeros; bf16 weights give the same bits
+        assert torch.equal(int8.fused_moe_int8(x, ids, weights.bfloat16().float(), experts, kernel=kernel),
+                           int8.fused_moe_int8(x, ids, weights.bfloat16(), experts, kernel=kernel))
+
+
+@NEEDS_INT8
+@pytest.mark.parametrize("kernel", MOE_KERNELS)
+@pytest.mark.parametrize("D,I", [(64, 4000), (4000, 48)])
+def test_fused_moe_int8_is_the_same_on_any_thread_count(D, I, kernel):
+    """Every output value is one thread's, summed in one order, so 1, 2 and 3 threads give the same
+    bits; ~140 rows per expert: several blocks of rows in the down GEMM (D 64, h rows of 4000) or the
+    up GEMM (x rows of 4000)."""
+    E, T, K = 3, 140, 2
+    w13, w2 = _moe_weights(E, D, I, D + I)
+    experts = int8.Int8Experts.quantize(w13, w2)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(T, D, generator=g).to(torch.float32 if kernel in (int8.AVX2, int8.AVX512) else torch.bfloat16)
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(T)])
+    weights = torch.rand(T, K, generator=g)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(int8.fused_moe_int8(x, ids, weights, experts, kernel=kernel))
+    finally:
+        torch.set_num_threads(before)
+    assert outs[0].abs().sum() > 0
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    _moe_close(outs[0], int8.fused_moe_int8_reference(x, ids, weights, experts))
+
+
+def test_without_the_library_fused_moe_int8_is_the_torch_path(monkeypatch):
+    """SHUTTLE_NATIVE_KERNELS=0, autograd and other dtypes: fused_moe_packed's ops on int8_linear's torch
+    reference, the same as on CpuWeight(w, "int8"); ids outside [0, E) left out there too."""
+    experts, x, ids, weights, want = _moe_case(6, 100, 72, 17, 4, torch.bfloat16)
+    monkeypatch.setenv(int8.native.ENV_VAR, "0")
+    clear = lambda: (int8._library.cache_clear(), int8.native._library.cache_clear())  # noqa: E731
+    clear()
+    try:
+        assert not int8.available()
+        got = int8.fused_moe_int8(x, ids, weights, experts)
+        _moe_close(got, want)
+        assert torch.equal(got, int8.fused_moe_int8_reference(x, ids, weights, experts))
+        one = int8.fused_moe_int8(x[:1], ids[:1], weights[:1], experts)
+        _moe_close(one, want[:1])
+    finally:
+        monkeypatch.undo()
+        clear()
+    xg = x.float().requires_grad_()
+    y = int8.fused_moe_int8(xg, ids, weights, experts)
+    assert y.grad_fn is not None
+    y16 = int8.fused_moe_int8(x.half(), ids, weights, experts)
+    assert y16.dtype == torch.float16
+    torch.testing.assert_close(y16.float(), want.float(), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="fused_moe_int8 takes"):
+        int8.fused_moe_int8(x[:, :99], ids, weights, experts)

@@ -1,0 +1,226 @@
+/* The inner loops over int8 weight panels that int8_gemm.c (int8_linear) and moe_int8.c (the fused
+ * int8 MoE block) share. Panels (kernels/int8.py: quantize_int8): 16 output channels x the inputs
+ * padded to an even count, stored in pairs, (ceil(O / 16), pairs, 16, 2): byte 2o + k of pair j is
+ * q[o][2j + k]; one float32 scale per output channel, 16 per panel (1 past O).
+ *
+ * Each kernel's dot computes R rows of x (rows ldx values apart) times one panel into 16 unscaled
+ * float32 sums per row, in registers; the callers apply the scales in their own epilogues.
+ *  AVX2     dot256: codes widened to float32, FMA against float32 x, up to MAX_R2 rows.
+ *  AVX512   dot512: the same with AVX-512 F/BW/VL, up to MAX_R512 rows sharing each widened pair.
+ *  BF16DOT  dotbf: a panel dequantised once to bf16 (dequant_bf16: 64 bytes per pair, lane o =
+ *           (q[o][2j], q[o][2j+1]); codes -127..127 are exact in bf16) times bf16 x pairs, AVX-512
+ *           BF16 dot products, float32 accumulation.
+ *  AMX      amx_block: blocks of 16 or 32 bf16 rows times two dequantised panels (B tiles of 16
+ *           pairs x 16 outputs x 2 values), 4 accumulator tiles; dequant_tiles pads a panel with
+ *           zero pairs to a multiple of 16.
+ * AVX-512, BF16 and AMX code carries target attributes (the library is built for AVX2 + FMA). */
+#ifndef SHUTTLE_INT8_PANELS_H
+#define SHUTTLE_INT8_PANELS_H
+#include "bf16_avx2.h"
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PANEL 16
+#ifndef PF_LINES
+#define PF_LINES 64 /* cache lines (128 pairs, 4 KiB) ahead of the panel read, prefetched into L1 */
+#endif
+#define KERNEL_AVX2 0
+#define KERNEL_AVX512 1
+#define KERNEL_BF16DOT 2
+#define KERNEL_AMX 3
+#define MAX_R2 3
+
+/* AVX2: a pair j is four vectors of 8 lanes (outputs 4k..4k+3, two lanes each). */
+static inline __attribute__((always_inline)) void pair256(const float *x, int64_t ldx, const int8_t *pw, int64_t j,
+                                                          const int R, __m256 acc[][4]) {
+    __m256 xv[MAX_R2];
+    for (int r = 0; r < R; r++)
+        xv[r] = _mm256_castsi256_ps(_mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(x + r * ldx + 2 * j))));
+    for (int k = 0; k < 4; k++) {
+        const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(pw + j * 32 + 8 * k))));
+        for (int r = 0; r < R; r++) acc[r][k] = _mm256_fmadd_ps(xv[r], w, acc[r][k]);
+    }
+}
+
+/* sum[r][h]: outputs 8h..8h+7 of row r, unscaled */
+static inline __attribute__((always_inline)) void dot256(const float *x, int64_t ldx, const int R, const int8_t *pw,
+                                                         int64_t pairs, __m256 sum[][2]) {
+    __m256 acc[MAX_R2][4];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 2 <= pairs; j += 2) {
+        _mm_prefetch((const char *)(pw + (j + 2 * PF_LINES) * 32), _MM_HINT_T0);
+        pair256(x, ldx, pw, j, R, acc);
+        pair256(x, ldx, pw, j + 1, R, acc);
+    }
+    if (j < pairs) pair256(x, ldx, pw, j, R, acc);
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) {
+            /* hadd: [0+1, 2+3 of acc 2h; 0+1, 2+3 of acc 2h+1; 4+5, 6+7 of 2h; 4+5, 6+7 of 2h+1], i.e.
+             * outputs 0, 1, 4, 5, 2, 3, 6, 7 of the eight; the 64-bit permute puts them in order */
+            const __m256 s = _mm256_hadd_ps(acc[r][2 * h], acc[r][2 * h + 1]);
+            sum[r][h] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(s), 0xD8));
+        }
+}
+
+#if defined(__clang__) ? __clang_major__ >= 8 : __GNUC__ >= 8
+#define HAVE_AVX512 1
+#define T512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define AI512 T512 static inline __attribute__((always_inline))
+#define MAX_R512 8
+#ifndef SPLIT_R
+#define SPLIT_R 4
+#endif
+
+/* 16 codes of a panel pair, widened to float32 */
+AI512 __m512 codes16(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+
+/* x[2j], x[2j + 1] in every pair of lanes */
+AI512 __m512 xpair16(const float *x) { return _mm512_castsi512_ps(_mm512_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)x))); }
+
+/* One pair j of the panel for R rows: acc[r][0] (outputs 0-7) and acc[r][1] (8-15) += q x. */
+AI512 void pair512(const float *x, int64_t ldx, const int8_t *pw, int64_t j, const int R, __m512 acc[][2]) {
+    const __m512 w0 = codes16(pw + j * 32), w1 = codes16(pw + j * 32 + 16);
+    for (int r = 0; r < R; r++) {
+        const __m512 xv = xpair16(x + r * ldx + 2 * j);
+        acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+    }
+}
+
+/* bf16 bits (nearest even, NaN kept quiet) of 16 floats, packed */
+AI512 __m256i to_bf16x16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* y[0..nv) = sum * scale (+ bias), float32 or rounded to bf16 */
+AI512 void store16(__m512 sum, const float *scale, const float *bias, int nv, void *y, int y_bf16) {
+    const __mmask16 m = nv >= 16 ? 0xFFFF : (__mmask16)((1u << nv) - 1);
+    const __m512 v = bias ? _mm512_fmadd_ps(sum, _mm512_loadu_ps(scale), _mm512_maskz_loadu_ps(m, bias))
+                          : _mm512_mul_ps(sum, _mm512_loadu_ps(scale));
+    if (y_bf16) _mm256_mask_storeu_epi16(y, m, to_bf16x16(v));
+    else _mm512_mask_storeu_ps(y, m, v);
+}
+
+/* sum[r]: the 16 outputs of row r, unscaled. acc[s]: the even pairs (s = 0) and the odd ones (s = 1,
+ * up to SPLIT_R rows: more chains of FMAs in flight where few rows give few). */
+AI512 void dot512(const float *x, int64_t ldx, const int R, const int8_t *pw, int64_t pairs, __m512 sum[]) {
+    const int S = R <= SPLIT_R ? 2 : 1;
+    __m512 acc[2][MAX_R512][2];
+    for (int s = 0; s < S; s++)
+        for (int r = 0; r < R; r++) acc[s][r][0] = acc[s][r][1] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 2 <= pairs; j += 2) { /* one 64-byte line of the panel per iteration */
+        _mm_prefetch((const char *)(pw + (j + 2 * PF_LINES) * 32), _MM_HINT_T0);
+        pair512(x, ldx, pw, j, R, acc[0]);
+        pair512(x, ldx, pw, j + 1, R, acc[S - 1]);
+    }
+    if (j < pairs) pair512(x, ldx, pw, j, R, acc[0]);
+    if (S == 2)
+        for (int r = 0; r < R; r++)
+            acc[0][r][0] = _mm512_add_ps(acc[0][r][0], acc[1][r][0]), acc[0][r][1] = _mm512_add_ps(acc[0][r][1], acc[1][r][1]);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int r = 0; r < R; r++)
+        sum[r] = _mm512_add_ps(_mm512_permutex2var_ps(acc[0][r][0], even, acc[0][r][1]),
+                               _mm512_permutex2var_ps(acc[0][r][0], odd, acc[0][r][1]));
+}
+
+#if defined(__clang__) ? __clang_major__ >= 9 : __GNUC__ >= 10
+#define HAVE_BF16DOT 1
+#define TBF __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+/* A panel's codes (`pairs` pairs) as bf16 pairs in d, 64-byte aligned */
+TBF static inline void dequant_bf16(const int8_t *pw, int64_t pairs, uint16_t *d) {
+    for (int64_t j = 0; j < pairs; j++) { /* [codes 0-15, codes 16-31]: cvtne2ps puts its second operand low */
+        if (!(j & 1)) _mm_prefetch((const char *)(pw + (j + 2 * PF_LINES) * 32), _MM_HINT_T0);
+        _mm512_store_si512(d + 32 * j, (__m512i)_mm512_cvtne2ps_pbh(codes16(pw + 32 * j + 16), codes16(pw + 32 * j)));
+    }
+}
+
+/* sum[r] = x pairs of row r (one 32-bit broadcast each, rows ldx pairs apart) . the bf16 panel d, lane =
+ * output; acc[r][j % 2] */
+TBF static inline __attribute__((always_inline)) void dotbf(const uint32_t *x, int64_t ldx, const int R,
+                                                            const uint16_t *d, int64_t pairs, __m512 sum[]) {
+    __m512 acc[MAX_R512][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 2 <= pairs; j += 2) {
+        const __m512bh w0 = (__m512bh)_mm512_load_si512(d + 32 * j), w1 = (__m512bh)_mm512_load_si512(d + 32 * j + 32);
+        for (int r = 0; r < R; r++) {
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32((int)x[r * ldx + j]), w0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_set1_epi32((int)x[r * ldx + j + 1]), w1);
+        }
+    }
+    if (j < pairs) {
+        const __m512bh w0 = (__m512bh)_mm512_load_si512(d + 32 * j);
+        for (int r = 0; r < R; r++) acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32((int)x[r * ldx + j]), w0);
+    }
+    for (int r = 0; r < R; r++) sum[r] = _mm512_add_ps(acc[r][0], acc[r][1]);
+}
+#endif
+
+#if (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11) && defined(HAVE_BF16DOT) && defined(__x86_64__)
+#define HAVE_AMX 1
+#define TAMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+#define AMX_ROWS 32 /* rows of one block of tiles: 2 A tiles of 16 */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* every tile 16 rows x 64 bytes (a constant: ldtilecfg's operand does not tell the compiler that the
+ * 64 bytes are read, so stores to a stack copy may be dropped) */
+static const tile_config TILES = {1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+/* The calling thread's tiles configured / released (after shuttle_int8_amx_init granted them). */
+TAMX static inline void amx_begin(void) { _tile_loadconfig(&TILES); }
+TAMX static inline void amx_end(void) { _tile_release(); }
+
+/* A panel dequantised for B tiles: its `pairs` pairs, then zero pairs up to kb * 16. */
+TAMX static inline void dequant_tiles(const int8_t *pw, int64_t pairs, int64_t kb, uint16_t *d) {
+    dequant_bf16(pw, pairs, d);
+    memset(d + 32 * pairs, 0, 64 * (size_t)(kb * 16 - pairs));
+}
+
+/* c (32 x 32 float32) = 16 or 32 (two) rows of a (bf16, lda_bytes apart, kb * 32 values each) times
+ * two dequantised panels b0, b1 (kb * 16 pairs each): tiles 0-3 = (row tile, panel). A panel's 16
+ * pairs are one B tile, 16 rows (pairs) x 64 bytes (16 outputs x 2), contiguous. */
+TAMX static inline void amx_block(const uint16_t *a, int64_t lda_bytes, const uint16_t *b0, const uint16_t *b1,
+                                  int64_t kb, int two, float *c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const char *a0 = (const char *)a, *a1 = a0 + 16 * lda_bytes;
+    for (int64_t k = 0; k < kb; k++) {
+        _tile_loadd(6, b0 + k * 512, 64);
+        _tile_loadd(7, b1 + k * 512, 64);
+        _tile_loadd(4, a0 + k * 64, lda_bytes);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, a1 + k * 64, lda_bytes);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    if (two) {
+        _tile_stored(2, c + 16 * 32, 128);
+        _tile_stored(3, c + 16 * 32 + 16, 128);
+    }
+}
+#endif
+#endif
+
+#endif

@@ -1,0 +1,468 @@
+/* The whole MoE block of one layer in one call on weight-only int8 experts, x and y in float32 or
+ * bfloat16 (kernels/int8.py: fused_moe_int8 on Int8ExpertPanels):
+ *     y[t] = sum over t's top-k experts e of w[t,k] * (silu(x[t] W1_e^T) * (x[t] W3_e^T)) W2_e^T
+ * with W = q * scale (int8 codes, one float32 scale per output channel), float32 accumulation. For
+ * bf16 x it rounds to bf16 wherever kernels/moe.py's fused_moe_packed on int8 weights rounds (each
+ * int8_linear output, silu(gate), the product, the weighted output, every partial sum of a token's
+ * outputs, added in ascending expert id as unpermute's index_add_ adds); for float32 x nowhere. So
+ * the two differ only in summation order and in how exp rounds.
+ *
+ * The algorithm is moe_avx512bf16.c's, on int8_panels.h's inner loops:
+ *  1. a counting sort of the T*K (token, expert) pairs by expert (stable); ids outside [0, E) are
+ *     skipped (an expert worker's pairs for other workers);
+ *  2. the pairs' x rows gathered in that order, in the format their expert's kernel reads (float32
+ *     for AVX2 / AVX512, bf16 for BF16DOT / AMX; zero-padded to its width);
+ *  3. the gate/up GEMM with SiLU(gate) * up in its epilogue: W13's rows are reordered so that panels
+ *     2u and 2u + 1 hold 16 gate rows and the same 16 up rows (Int8ExpertPanels, each half padded
+ *     with zero rows to I16, a multiple of 16: h = silu(0) * 0 = 0 there); threads claim (expert,
+ *     block of rows, panel pair) items in chunks as they go;
+ *  4. the down GEMM, each thread owning a range of 16-column output panels and walking every expert
+ *     in ascending id for its columns, adding the weighted rows into y: no two threads write one
+ *     value, and each value's sum has one order whatever the thread count.
+ * Kernels per expert (`kernel` below big_rows rows, `big_kernel` from there; int8_panels.h): AVX2 or
+ * AVX512 (codes widened to float32 in registers, FMA), or for bf16 x BF16DOT or AMX (each panel
+ * dequantised to bf16 once per block of rows, then AVX-512 BF16 dot products or AMX tiles). Blocks
+ * of rows: their x or h (about X_BLOCK_BYTES) stays in L2 while each panel streams past once. The
+ * epilogues are AVX2 for every kernel: they run once per 16 outputs of a row, the dots once per pair. */
+#include "int8_panels.h"
+#include <immintrin.h>
+#include <omp.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define X_BLOCK_BYTES (1 << 20)
+#define UP_CHUNK 4 /* up items (panel pairs) a thread claims at once: neighbouring panels, one stream */
+#define C_ROWS 32  /* rows of the epilogue's buffer of sums: one AMX block, or one FMA tile */
+
+int shuttle_int8_kernels(void);   /* int8_gemm.c: the kernels this build has */
+int shuttle_int8_amx_ready(void); /* int8_gemm.c: whether this process may use the tiles */
+
+/* c rows (ldc floats apart) = the 16 unscaled sums of R rows of x (ldx values apart) times one panel:
+ * its codes (AVX2, AVX512), or its bf16 copy (BF16DOT, x bf16). */
+typedef void (*dot_fn)(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, float *c, int64_t ldc);
+
+static inline __attribute__((always_inline)) void dot256_c(const float *x, int64_t ldx, const int R, const int8_t *pw,
+                                                           int64_t pairs, float *c, int64_t ldc) {
+    __m256 sum[MAX_R2][2];
+    dot256(x, ldx, R, pw, pairs, sum);
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(c + r * ldc, sum[r][0]), _mm256_storeu_ps(c + r * ldc + 8, sum[r][1]);
+}
+
+static void dot_avx2(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, float *c, int64_t ldc) {
+    switch (R) {
+        case 3: dot256_c((const float *)x, ldx, 3, (const int8_t *)pw, pairs, c, ldc); break;
+        case 2: dot256_c((const float *)x, ldx, 2, (const int8_t *)pw, pairs, c, ldc); break;
+        default: dot256_c((const float *)x, ldx, 1, (const int8_t *)pw, pairs, c, ldc); break;
+    }
+}
+
+#ifdef HAVE_AVX512
+AI512 void dot512_c(const float *x, int64_t ldx, const int R, const int8_t *pw, int64_t pairs, float *c, int64_t ldc) {
+    __m512 sum[MAX_R512];
+    dot512(x, ldx, R, pw, pairs, sum);
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(c + r * ldc, sum[r]);
+}
+
+T512 static void dot_avx512(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, float *c, int64_t ldc) {
+#define CALL(n) dot512_c((const float *)x, ldx, n, (const int8_t *)pw, pairs, c, ldc)
+    BY_ROWS(R, CALL)
+#undef CALL
+}
+#endif
+
+#ifdef HAVE_BF16DOT
+TBF static inline __attribute__((always_inline)) void dotbf_c(const uint32_t *x, int64_t ldx, const int R,
+                                                              const uint16_t *d, int64_t pairs, float *c, int64_t ldc) {
+    __m512 sum[MAX_R512];
+    dotbf(x, ldx, R, d, pairs, sum);
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(c + r * ldc, sum[r]);
+}
+
+TBF static void dot_bf16dot(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, float *c, int64_t ldc) {
+    /* x: bf16 values, ldx of them a row; as pairs, ldx / 2 */
+#define CALL(n) dotbf_c((const uint32_t *)x, ldx / 2, n, (const uint16_t *)pw, pairs, c, ldc)
+    BY_ROWS(R, CALL)
+#undef CALL
+}
+#endif
+
+/* e^x for any float x, relative error ~2e-7 (Cephes' expf, as moe_avx512bf16.c's exp16): +inf above
+ * 88.72, 0 below -87.34. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.7228f), lo = _mm256_set1_ps(-87.3365f);
+    const __m256 over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ), under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), x);
+    __m256 y = _mm256_set1_ps(EXP_P0);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P1));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P2));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P3));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P4));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P5));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    /* 2^n in two halves, so that n = 128 (x near 88.7) does not overflow the exponent field */
+    const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1), bias = _mm256_set1_epi32(127);
+    const __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+    const __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
+    y = _mm256_mul_ps(_mm256_mul_ps(y, p1), p2);
+    y = _mm256_blendv_ps(y, _mm256_set1_ps(__builtin_inff()), over);
+    return _mm256_andnot_ps(under, y);
+}
+
+/* One row's h[0..16): silu(gate) * up from its 16 gate sums c[0..16) and 16 up sums c[16..32), scaled
+ * by gs and us; round: bf16 x, rounded where torch rounds (gate, up, silu(gate), the product). h is
+ * float32 (the FMA kernels' input) or bf16 (h_bf16: BF16DOT's and AMX's). */
+static inline void up_store(const float *c, const float *gs, const float *us, int round, void *h, int h_bf16) {
+    for (int k = 0; k < 2; k++) {
+        __m256 g = _mm256_mul_ps(_mm256_loadu_ps(c + 8 * k), _mm256_loadu_ps(gs + 8 * k));
+        __m256 u = _mm256_mul_ps(_mm256_loadu_ps(c + 16 + 8 * k), _mm256_loadu_ps(us + 8 * k));
+        if (round) g = rbf8(g), u = rbf8(u);
+        __m256 s = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        if (round) s = rbf8(s);
+        const __m256 v = _mm256_mul_ps(s, u);
+        if (h_bf16) store_bf8((uint16_t *)h + 8 * k, v);
+        else _mm256_storeu_ps((float *)h + 8 * k, round ? rbf8(v) : v);
+    }
+}
+
+/* y[0..nv) += w * (the 16 sums c scaled); round (bf16 y): the expert's output, its weighted value
+ * and the sum each rounded to bf16, as int8_linear, unpermute's product and index_add_ round. */
+static inline void down_store(const float *c, const float *scale, float w, void *y, int nv, int round) {
+    float prev[PANEL] = {0}, out[PANEL];
+    if (nv < PANEL)
+        for (int o = 0; o < nv; o++) prev[o] = round ? bf16_to_f32(((const uint16_t *)y)[o]) : ((const float *)y)[o];
+    const __m256 wv = _mm256_set1_ps(w);
+    for (int k = 0; k < 2; k++) {
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(c + 8 * k), _mm256_loadu_ps(scale + 8 * k));
+        if (round) v = rbf8(v);
+        v = _mm256_mul_ps(v, wv);
+        if (round) v = rbf8(v);
+        const __m256 p = nv < PANEL ? _mm256_loadu_ps(prev + 8 * k)
+                         : round    ? bf16x8_to_f32((const uint16_t *)y + 8 * k)
+                                    : _mm256_loadu_ps((const float *)y + 8 * k);
+        v = _mm256_add_ps(p, v);
+        if (nv < PANEL) _mm256_storeu_ps(out + 8 * k, round ? rbf8(v) : v);
+        else if (round) store_bf8((uint16_t *)y + 8 * k, v);
+        else _mm256_storeu_ps((float *)y + 8 * k, v);
+    }
+    if (nv < PANEL)
+        for (int o = 0; o < nv; o++) {
+            if (round) {
+                uint32_t u;
+                memcpy(&u, out + o, 4);
+                ((uint16_t *)y)[o] = (uint16_t)(u >> 16);
+            } else {
+                ((float *)y)[o] = out[o];
+            }
+        }
+}
+
+/* Every thread of the team waits here until all `nt` have arrived (one counter per barrier): it spins,
+ * then yields the core, instead of sleeping in an omp barrier under passive waits (a 20-60 us
+ * wake-up). The release/acquire pair publishes the rows written before it. */
+static inline void team_barrier(int64_t *arrived, int nt) {
+    __atomic_add_fetch(arrived, 1, __ATOMIC_ACQ_REL);
+    for (int64_t i = 0; __atomic_load_n(arrived, __ATOMIC_ACQUIRE) < nt; i++) {
+        if (i < 2000) _mm_pause();
+        else sched_yield();
+    }
+}
+
+/* The layout of one call: sizes, and per kernel the rows of its blocks. */
+typedef struct {
+    int64_t D, Dp, xpairs, kbx, Ik;   /* hidden size, even, in pairs, in AMX blocks of 16 pairs, AMX width */
+    int64_t I16, hpairs, kbh, Hk, P2; /* h width, W2's input pairs, its AMX blocks and width; output panels */
+    int64_t xb, hb;                   /* bytes of a gathered x row / an h row (the widest format in use) */
+    int64_t up_rows[4], down_rows[4]; /* rows of an up / down block, per kernel */
+    int round;                        /* bf16 x and y */
+} layout;
+
+static int tile_rows_max(int k) { return k == KERNEL_AVX2 ? MAX_R2 : k == KERNEL_AMX ? 32 : 8; }
+
+/* bytes of an x row / an h row in kernel k's format */
+static int64_t x_bytes(const layout *L, int k) {
+    return k == KERNEL_AMX ? L->Ik * 2 : k == KERNEL_BF16DOT ? L->Dp * 2 : L->Dp * 4;
+}
+static int64_t h_bytes(const layout *L, int k) {
+    return k == KERNEL_AMX ? L->Hk * 2 : k == KERNEL_BF16DOT ? L->I16 * 2 : L->I16 * 4;
+}
+
+/* Rows of one block of kernel k reading rows of `bytes`: about X_BLOCK_BYTES, whole tiles. */
+static int64_t block_rows(int k, int64_t bytes) {
+    const int64_t m = tile_rows_max(k), b = X_BLOCK_BYTES / bytes / m * m;
+    return b < m ? m : b;
+}
+
+static dot_fn dot_of(int k) {
+#ifdef HAVE_AVX512
+    if (k == KERNEL_AVX512) return dot_avx512;
+#endif
+#ifdef HAVE_BF16DOT
+    if (k == KERNEL_BF16DOT) return dot_bf16dot;
+#endif
+    return dot_avx2;
+}
+
+/* Row r of the gathered x: token t's x in kernel k's format (float32 of Dp values, or bf16 of Dp or Ik
+ * values), zero-padded; for AMX also the zero columns [I16, Hk) of its h row. */
+static void gather_row(const layout *L, const void *x, int x_bf16, int64_t t, int k, char *xr, char *hr) {
+    const int64_t D = L->D;
+    if (k == KERNEL_AVX2 || k == KERNEL_AVX512) {
+        float *d = (float *)xr;
+        if (x_bf16) {
+            const uint16_t *s = (const uint16_t *)x + t * D;
+            int64_t i = 0;
+            for (; i + 8 <= D; i += 8) _mm256_storeu_ps(d + i, bf16x8_to_f32(s + i));
+            for (; i < D; i++) d[i] = bf16_to_f32(s[i]);
+        } else {
+            memcpy(d, (const float *)x + t * D, 4 * (size_t)D);
+        }
+        if (L->Dp != D) d[D] = 0.0f;
+        return;
+    }
+    const int64_t width = k == KERNEL_AMX ? L->Ik : L->Dp;
+    memcpy(xr, (const uint16_t *)x + t * D, 2 * (size_t)D);
+    memset(xr + 2 * D, 0, 2 * (size_t)(width - D));
+    if (k == KERNEL_AMX) memset(hr + 2 * L->I16, 0, 2 * (size_t)(L->Hk - L->I16));
+}
+
+/* Up, one item with an FMA or BF16DOT kernel: rows [r0, r1) of the gathered x times gate panel pg and up
+ * panel pu, h at column col (d0, d1: this thread's bf16 copies of the panels for BF16DOT). */
+static void up_item(const layout *L, int k, const char *xs, int64_t r0, int64_t r1, const int8_t *pg, const int8_t *pu,
+                    const float *gs, const float *us, char *hs, int64_t col, uint16_t *d0, uint16_t *d1, float *c) {
+    const void *wg = pg, *wu = pu;
+    const int bf = k == KERNEL_BF16DOT, max_r = tile_rows_max(k);
+    const dot_fn dot = dot_of(k);
+#ifdef HAVE_BF16DOT
+    if (bf) dequant_bf16(pg, L->xpairs, d0), dequant_bf16(pu, L->xpairs, d1), wg = d0, wu = d1;
+#else
+    (void)d0, (void)d1;
+#endif
+    const int64_t ldx = L->xb / (bf ? 2 : 4), tiles = (r1 - r0 + max_r - 1) / max_r;
+    for (int64_t r = r0, ti = 0, n; r < r1; r += n, ti++) {
+        n = (r1 - r + (tiles - ti) - 1) / (tiles - ti); /* even tiles: 17 rows -> 6, 6, 5 */
+        dot(xs + r * L->xb, ldx, (int)n, wg, L->xpairs, c, 32);
+        dot(xs + r * L->xb, ldx, (int)n, wu, L->xpairs, c + 16, 32);
+        for (int i = 0; i < n; i++)
+            up_store(c + i * 32, gs, us, L->round, hs + (r + i) * L->hb + col * (bf ? 2 : 4), bf);
+    }
+}
+
+/* Down, rows [r0, r1) of one expert over output panels [lo, hi) with an FMA or BF16DOT kernel. */
+static void down_rows(const layout *L, int k, const char *hs, int64_t r0, int64_t r1, const int8_t *w2, const float *s2,
+                      int64_t lo, int64_t hi, const int64_t *tok, const float *wgt, char *y, uint16_t *d0, float *c) {
+    const int bf = k == KERNEL_BF16DOT, max_r = tile_rows_max(k), ysize = L->round ? 2 : 4;
+    const dot_fn dot = dot_of(k);
+    const int64_t ldh = L->hb / (bf ? 2 : 4), tiles = (r1 - r0 + max_r - 1) / max_r;
+    for (int64_t p = lo; p < hi; p++) {
+        const void *pw = w2 + p * L->hpairs * 32;
+#ifdef HAVE_BF16DOT
+        if (bf) dequant_bf16(w2 + p * L->hpairs * 32, L->hpairs, d0), pw = d0;
+#else
+        (void)d0;
+#endif
+        const int nv = L->D - p * PANEL < PANEL ? (int)(L->D - p * PANEL) : PANEL;
+        for (int64_t r = r0, ti = 0, n; r < r1; r += n, ti++) {
+            n = (r1 - r + (tiles - ti) - 1) / (tiles - ti);
+            dot(hs + r * L->hb, ldh, (int)n, pw, L->hpairs, c, 32);
+            for (int i = 0; i < n; i++)
+                down_store(c + i * 32, s2 + p * PANEL, wgt[r + i], y + (tok[r + i] * L->D + p * PANEL) * ysize, nv,
+                           L->round);
+        }
+    }
+}
+
+#ifdef HAVE_AMX
+/* Up, one item on AMX: both panels dequantised, then blocks of 32 rows (the gathered x has 32 spare
+ * rows, so a partial block reads inside it; its extra rows are never stored). */
+TAMX static void up_item_amx(const layout *L, const char *xs, int64_t r0, int64_t r1, const int8_t *pg,
+                             const int8_t *pu, const float *gs, const float *us, char *hs, int64_t col, uint16_t *d0,
+                             uint16_t *d1, float *c) {
+    dequant_tiles(pg, L->xpairs, L->kbx, d0);
+    dequant_tiles(pu, L->xpairs, L->kbx, d1);
+    for (int64_t r = r0; r < r1; r += AMX_ROWS) {
+        const int n = r1 - r < AMX_ROWS ? (int)(r1 - r) : AMX_ROWS;
+        amx_block((const uint16_t *)(xs + r * L->xb), L->xb, d0, d1, L->kbx, n > 16, c);
+        for (int i = 0; i < n; i++) up_store(c + i * 32, gs, us, L->round, hs + (r + i) * L->hb + col * 2, 1);
+    }
+}
+
+/* Down on AMX: output panels two at a time. */
+TAMX static void down_rows_amx(const layout *L, const char *hs, int64_t r0, int64_t r1, const int8_t *w2,
+                               const float *s2, int64_t lo, int64_t hi, const int64_t *tok, const float *wgt, char *y,
+                               uint16_t *d0, uint16_t *d1, float *c) {
+    const int ysize = L->round ? 2 : 4;
+    for (int64_t p = lo; p < hi; p += 2) {
+        const int two_panels = p + 1 < hi;
+        dequant_tiles(w2 + p * L->hpairs * 32, L->hpairs, L->kbh, d0);
+        if (two_panels) dequant_tiles(w2 + (p + 1) * L->hpairs * 32, L->hpairs, L->kbh, d1);
+        for (int64_t r = r0; r < r1; r += AMX_ROWS) {
+            const int n = r1 - r < AMX_ROWS ? (int)(r1 - r) : AMX_ROWS;
+            amx_block((const uint16_t *)(hs + r * L->hb), L->hb, d0, two_panels ? d1 : d0, L->kbh, n > 16, c);
+            for (int64_t q = p; q < p + 1 + two_panels; q++) {
+                const int nv = L->D - q * PANEL < PANEL ? (int)(L->D - q * PANEL) : PANEL;
+                for (int i = 0; i < n; i++)
+                    down_store(c + i * 32 + (q - p) * 16, s2 + q * PANEL, wgt[r + i],
+                               y + (tok[r + i] * L->D + q * PANEL) * ysize, nv, L->round);
+            }
+        }
+    }
+}
+#endif
+
+/* Whether kernel k can run this call (built, bf16 x for BF16DOT / AMX, AMX's tiles granted). */
+static int kernel_runs(int k, int x_bf16) {
+    if (k < KERNEL_AVX2 || k > KERNEL_AMX || !(shuttle_int8_kernels() >> k & 1)) return 0;
+    if (k >= KERNEL_BF16DOT && !x_bf16) return 0;
+    return k != KERNEL_AMX || shuttle_int8_amx_ready();
+}
+
+/* x (T, D) float32 or bf16 (x_bf16), contiguous; ids (T, K) int64; wk (T, K) float32; per expert e:
+ * w13[e] / s13[e] the codes and scales of its gate/up panels (2 * ceil(I / 16) panels of 16 outputs
+ * over ceil(D / 2) pairs: panel 2u the gate rows 16u..16u+15, panel 2u + 1 the same up rows, rows
+ * past I zero), w2[e] / s2[e] those of its down projection (ceil(D / 16) panels over ceil(I / 2)
+ * pairs), as addresses; y (T, D) in x's dtype, zeroed. An expert with at least big_rows rows runs
+ * big_kernel, the others `kernel` (KERNEL_*: AVX2, AVX512, or for bf16 x BF16DOT, AMX after
+ * shuttle_int8_amx_init). Returns 0; -1 if memory ran out (y is then unchanged); -2 for a kernel
+ * this build or call cannot run. */
+int shuttle_fused_moe_int8(const void *x, int x_bf16, int64_t T, int64_t D, const int64_t *ids, const float *wk,
+                           int64_t K, const int64_t *w13, const int64_t *s13, const int64_t *w2, const int64_t *s2,
+                           int64_t E, int64_t I, void *y, int nthreads, int kernel, int big_kernel, int64_t big_rows) {
+    if (!kernel_runs(kernel, x_bf16) || !kernel_runs(big_kernel, x_bf16)) return -2;
+    const int64_t N = T * K;
+    if (N <= 0 || D <= 0 || I <= 0 || E <= 0) return 0;
+    layout L = {.D = D, .Dp = D + (D & 1), .I16 = (I + 15) / 16 * 16, .hpairs = (I + 1) / 2,
+                .P2 = (D + PANEL - 1) / PANEL, .round = x_bf16};
+    L.xpairs = L.Dp / 2, L.kbx = (L.xpairs + 15) / 16, L.Ik = L.kbx * 32;
+    L.kbh = (L.hpairs + 15) / 16, L.Hk = L.kbh * 32;
+    const int64_t U = L.I16 / 16; /* panel pairs of W13 */
+    int64_t *count = calloc(E + 1, sizeof(int64_t)), *tok = malloc(sizeof(int64_t) * (N + 1)), *items = NULL;
+    float *wgt = malloc(sizeof(float) * (N + 1));
+    int8_t *kern = malloc(E + 1);
+    char *xs = NULL, *hs = NULL;
+    uint16_t *dq = NULL;
+    if (!count || !tok || !wgt || !kern) goto fail;
+    for (int64_t n = 0; n < N; n++)
+        if (ids[n] >= 0 && ids[n] < E) count[ids[n] + 1]++;
+    int uses[4] = {0};
+    for (int64_t e = 0; e < E; e++) {
+        kern[e] = (int8_t)(count[e + 1] >= big_rows ? big_kernel : kernel);
+        if (count[e + 1]) uses[kern[e]] = 1;
+    }
+    L.xb = L.hb = 64;
+    for (int k = 0; k < 4; k++)
+        if (uses[k]) {
+            if (x_bytes(&L, k) > L.xb) L.xb = x_bytes(&L, k);
+            if (h_bytes(&L, k) > L.hb) L.hb = h_bytes(&L, k);
+        }
+    L.xb = (L.xb + 63) / 64 * 64, L.hb = (L.hb + 63) / 64 * 64;
+    for (int k = 0; k < 4; k++) L.up_rows[k] = block_rows(k, x_bytes(&L, k));
+    for (int k = 0; k < 4; k++) L.down_rows[k] = block_rows(k, h_bytes(&L, k));
+    int64_t nitems = 0;
+    for (int64_t e = 0; e < E; e++) {
+        nitems += (count[e + 1] + L.up_rows[kern[e]] - 1) / L.up_rows[kern[e]] * U;
+        count[e + 1] += count[e]; /* count[e]: expert e's first row */
+    }
+    const int64_t rows = count[E]; /* the pairs not skipped */
+    items = malloc(sizeof(int64_t) * 3 * (nitems + 1));
+    if (!items) goto fail;
+    {
+        int64_t *fill = malloc(sizeof(int64_t) * (E + 1)), it = 0;
+        if (!fill) goto fail;
+        memcpy(fill, count, sizeof(int64_t) * (size_t)E);
+        for (int64_t n = 0; n < N; n++) /* stable: pairs of one expert keep token order */
+            if (ids[n] >= 0 && ids[n] < E) {
+                const int64_t i = fill[ids[n]]++;
+                tok[i] = n / K;
+                wgt[i] = wk[n];
+            }
+        free(fill);
+        for (int64_t e = 0; e < E; e++) {
+            const int64_t block = L.up_rows[kern[e]];
+            for (int64_t r0 = count[e]; r0 < count[e + 1]; r0 += block)
+                for (int64_t u = 0; u < U; u++, it++) items[3 * it] = e, items[3 * it + 1] = r0, items[3 * it + 2] = u;
+        }
+    }
+    /* under passive waits a second thread must be worth its wake-up (as shuttle_int8_linear) */
+    if (passive_waits() && rows * 3 * I * D < (1 << 23)) nthreads = 1;
+    if (nthreads > (nitems > L.P2 ? nitems : L.P2)) nthreads = (int)(nitems > L.P2 ? nitems : L.P2);
+    if (nthreads < 1) nthreads = 1;
+    /* 32 spare rows (zeros) after the last, where an AMX block may read */
+    xs = aligned_alloc(64, (size_t)((rows + 32) * L.xb)), hs = aligned_alloc(64, (size_t)((rows + 32) * L.hb));
+    const size_t panel_bytes = (size_t)(L.kbx > L.kbh ? L.kbx : L.kbh) * 1024; /* one panel in bf16, padded */
+    if (uses[KERNEL_BF16DOT] || uses[KERNEL_AMX]) dq = aligned_alloc(64, 2 * panel_bytes * (size_t)nthreads);
+    if (!xs || !hs || ((uses[KERNEL_BF16DOT] || uses[KERNEL_AMX]) && !dq)) goto fail;
+    memset(xs + rows * L.xb, 0, (size_t)(32 * L.xb));
+    memset(hs + rows * L.hb, 0, (size_t)(32 * L.hb));
+    int64_t taken = 0, gathered = 0, arrived = 0; /* the up items' chunks handed out; the two barriers */
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float c[C_ROWS * 32] __attribute__((aligned(64)));
+        const int th = omp_get_thread_num(), nt = omp_get_num_threads();
+        uint16_t *d0 = dq ? (uint16_t *)((char *)dq + 2 * panel_bytes * (size_t)th) : NULL;
+        uint16_t *d1 = dq ? (uint16_t *)((char *)d0 + panel_bytes) : NULL;
+        int amx_on = 0;
+        /* gather: this thread's share of the sorted rows */
+        {
+            int64_t r = rows * th / nt, e = 0;
+            const int64_t r_hi = rows * (th + 1) / nt;
+            for (; r < r_hi; r++) {
+                while (count[e + 1] <= r) e++;
+                gather_row(&L, x, x_bf16, tok[r], kern[e], xs + r * L.xb, hs + r * L.hb);
+            }
+        }
+        if (nt > 1) team_barrier(&gathered, nt);
+        /* up: chunks of UP_CHUNK items, claimed as threads get to them */
+        for (int64_t it0 = UP_CHUNK * __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED); it0 < nitems;
+             it0 = UP_CHUNK * __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED)) {
+            for (int64_t it = it0; it < it0 + UP_CHUNK && it < nitems; it++) {
+                const int64_t e = items[3 * it], r0 = items[3 * it + 1], u = items[3 * it + 2];
+                const int k = kern[e];
+                const int64_t r1 = count[e + 1] - r0 < L.up_rows[k] ? count[e + 1] : r0 + L.up_rows[k];
+                const int8_t *pg = (const int8_t *)(uintptr_t)w13[e] + 2 * u * L.xpairs * 32, *pu = pg + L.xpairs * 32;
+                const float *gs = (const float *)(uintptr_t)s13[e] + 2 * u * PANEL, *us = gs + PANEL;
+#ifdef HAVE_AMX
+                if (k == KERNEL_AMX) {
+                    if (!amx_on) amx_begin(), amx_on = 1;
+                    up_item_amx(&L, xs, r0, r1, pg, pu, gs, us, hs, 16 * u, d0, d1, c);
+                    continue;
+                }
+#endif
+                up_item(&L, k, xs, r0, r1, pg, pu, gs, us, hs, 16 * u, d0, d1, c);
+            }
+        }
+        if (nt > 1) team_barrier(&arrived, nt);
+        /* down: output panels [lo, hi), every expert in ascending id, blocks of its rows */
+        const int64_t lo = L.P2 * th / nt, hi = L.P2 * (th + 1) / nt;
+        for (int64_t e = 0; e < E && lo < hi; e++) {
+            const int k = kern[e];
+            const int64_t block = L.down_rows[k];
+            const int8_t *pw = (const int8_t *)(uintptr_t)w2[e];
+            const float *ps = (const float *)(uintptr_t)s2[e];
+            for (int64_t r0 = count[e]; r0 < count[e + 1]; r0 += block) {
+                const int64_t r1 = count[e + 1] - r0 < block ? count[e + 1] : r0 + block;
+#ifdef HAVE_AMX
+                if (k == KERNEL_AMX) {
+                    if (!amx_on) amx_begin(), amx_on = 1;
+                    down_rows_amx(&L, hs, r0, r1, pw, ps, lo, hi, tok, wgt, (char *)y, d0, d1, c);
+                    continue;
+                }
+#endif
+                down_rows(&L, k, hs, r0, r1, pw, ps, lo, hi, tok, wgt, (char *)y, d0, c);
+            }
+        }
+#ifdef HAVE_AMX
+        if (amx_on) amx_end();
+#endif
+    }
+    free(items), free(count), free(tok), free(wgt), free(kern), free(xs), free(hs), free(dq);
+    return 0;
+fail:
+    free(items), free(count), free(tok), free(wgt), free(kern), free(xs), free(hs), free(dq);
+    return -1;
+}
