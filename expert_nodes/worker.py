@@ -239,9 +239,12 @@ def _shutting_down(store: SignedStore, session: str) -> bool:
 def narrows(blocks) -> bool:
     """Whether an expert worker's steps run under native.native_parallel_only (CPU blocks): under
     passive OpenMP waits, torch's own ops (the slot copies, the load counts) stay on one thread when
-    the blocks are the native kernel's, which alone uses the cores (kernels/native.py). The
-    planner's profile times the blocks the same way."""
-    return native.passive_waits() and any(getattr(m, "native", None) is not None for m in blocks)
+    the blocks are a native kernel's (the fused bf16 or int8 block), which alone uses the cores
+    (kernels/native.py). The planner's profile times the blocks the same way."""
+    from kernels import int8
+
+    return native.passive_waits() and any(getattr(m, "native", None) is not None
+                                          or (getattr(m, "int8", None) is not None and int8.available()) for m in blocks)
 
 
 def pack_for_cpu(experts: dict, quantization: str | None = None) -> dict:

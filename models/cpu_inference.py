@@ -11,6 +11,7 @@ from torch import nn
 from kernels import choice, native
 from kernels.cpu_linear import (SKINNY_MAX_ROWS, CpuWeight, ExpertPanels, PackedLinear,  # noqa: F401 (re-exported)
                                 packing_available)
+from kernels.int8 import Int8Experts, Int8ExpertPanels, fused_moe_int8
 from kernels.moe import SILU, SwiGLU, fused_moe_packed
 from models.moe_decoder import Attention, Experts, MoEForCausalLM, Router
 
@@ -22,17 +23,29 @@ def fused_native_experts(experts: Experts) -> bool:
             and experts.w13.shape[2] % 2 == 0 and native.avx512_bf16())
 
 
+def fused_int8_experts(experts: Experts) -> bool:
+    """Whether int8 experts run as one call per layer (kernels/int8.fused_moe_int8; its torch
+    reference where the native library cannot run): SiLU experts without biases."""
+    return experts.act.is_silu and experts.b13 is None and experts.b2 is None
+
+
 class PackedExperts(nn.Module):
     """Experts with per-expert w13 (2I, D) and w2 (D, I), their biases (if any) and activation. Each
     weight is a CpuWeight (packed for oneDNN, plus a bf16 copy for few rows where it applies) that
     kernels.moe.fused_moe_packed runs, or, where fused_native_experts says so, an ExpertPanels that
     the whole block's native kernel runs (then the oneDNN copies are never made). quantization="int8":
-    each weight as int8 codes and per-channel scales (CpuWeight), whatever the dtype and CPU."""
+    each weight as int8 codes and per-channel scales, whatever the dtype and CPU: Int8ExpertPanels
+    that kernels/int8.fused_moe_int8 runs as one block where fused_int8_experts says so, else
+    CpuWeights for fused_moe_packed (biases, other activations)."""
 
     def __init__(self, experts: Experts | None = None, quantization: str | None = None):
         super().__init__()
         self.w13_packed, self.w2_packed = [], []
-        if experts is not None and quantization is not None:
+        if experts is not None and quantization == "int8" and fused_int8_experts(experts):
+            inter = experts.w2.shape[2]
+            self.w13_packed = [Int8ExpertPanels(w, True, inter) for w in experts.w13.detach()]
+            self.w2_packed = [Int8ExpertPanels(w, False, inter) for w in experts.w2.detach()]
+        elif experts is not None and quantization is not None:
             self.w13_packed = [CpuWeight(w, quantization) for w in experts.w13.detach()]
             self.w2_packed = [CpuWeight(w, quantization) for w in experts.w2.detach()]
         elif experts is not None and fused_native_experts(experts):
@@ -48,9 +61,12 @@ class PackedExperts(nn.Module):
         self._index_native()
 
     def _index_native(self) -> None:
-        """The data pointers the native kernel takes (its weights stay owned by the lists)."""
-        self.native = None
-        if self.w13_packed and isinstance(self.w13_packed[0], ExpertPanels):
+        """The data pointers the native kernel takes (its weights stay owned by the lists); int8: the
+        fused int8 block's table (Int8Experts)."""
+        self.native = self.int8 = None
+        if self.w13_packed and isinstance(self.w13_packed[0], Int8ExpertPanels):
+            self.int8 = Int8Experts(self.w13_packed, self.w2_packed)
+        elif self.w13_packed and isinstance(self.w13_packed[0], ExpertPanels):
             self.native = (torch.tensor([w.panels.data_ptr() for w in self.w13_packed], dtype=torch.int64),
                            torch.tensor([w.panels.data_ptr() for w in self.w2_packed], dtype=torch.int64),
                            self.w13_packed[0].inter_padded)
@@ -69,6 +85,8 @@ class PackedExperts(nn.Module):
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
             return native.fused_moe_bf16(x_TD, topk_ids_TK, topk_weights_TK, *self.native)
+        if self.int8 is not None:
+            return fused_moe_int8(x_TD, topk_ids_TK, topk_weights_TK, self.int8)
         return fused_moe_packed(x_TD, self.w13_packed, self.w2_packed, topk_weights_TK, topk_ids_TK,
                                 b13_EI2=self.b13, b2_ED=self.b2, act=self.act)
 

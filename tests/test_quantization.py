@@ -126,3 +126,42 @@ def test_unsupported_quantizations_are_refused(ckpts, tmp_path):
     (fp8 / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="already FP8 block-quantised"):
         LLM(fp8, quantization="int8")
+
+
+@pytest.mark.parametrize("variant", ["silu", "biased_clamped"])
+@pytest.mark.parametrize("T", [1, 5, 40])
+def test_packed_int8_experts_equal_fused_moe_on_dequantised_weights(variant, T):
+    """PackedExperts(experts, "int8"): SiLU experts without biases run the fused int8 block, others
+    (gpt-oss's biases and clamped SwiGLU) int8_linear per expert; both equal the reference MoE on the
+    dequantised weights, and regrouped experts (EPLB) the same."""
+    from expert_nodes.placement import regroup
+    from kernels.moe import SwiGLU, fused_moe
+    from kernels.ops import torch_ops
+    from models.cpu_inference import PackedExperts
+    from models.moe_decoder import Experts
+
+    g = torch.Generator().manual_seed(T)
+    E, D, I, K = 6, 40, 27, 2
+    act = SwiGLU() if variant == "silu" else SwiGLU(alpha=1.702, limit=0.5, up_offset=1.0)
+    experts = Experts(E, D, I, torch_ops(), bias=variant != "silu", act=act).eval()
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    deq13 = torch.stack([quantize_int8(w).dequantize() for w in experts.w13.detach()])
+    deq2 = torch.stack([quantize_int8(w).dequantize() for w in experts.w2.detach()])
+    packed = PackedExperts(experts, "int8")
+    assert (packed.int8 is not None) == (variant == "silu")
+    x = torch.randn(T, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    want = fused_moe(x, deq13, deq2, w, ids, b13_EI2=experts.b13, b2_ED=experts.b2, act=act, upcast_min_rows=None)
+    torch.testing.assert_close(packed(x, ids, w), want, atol=1e-5, rtol=1e-5)
+    # two of its experts regrouped, as a re-placement holds them: their ids renumbered 0, 1
+    pick = [4, 1]
+    sub = regroup([(packed, e) for e in pick])
+    local = torch.tensor(pick)[torch.randint(0, 2, (T, K), generator=g)]
+    local_ids = (local == pick[1]).long()
+    want = fused_moe(x, deq13[pick], deq2[pick], w, local_ids, act=act, upcast_min_rows=None,
+                     b13_EI2=None if experts.b13 is None else experts.b13.detach()[pick],
+                     b2_ED=None if experts.b2 is None else experts.b2.detach()[pick])
+    torch.testing.assert_close(sub(x, local_ids, w), want, atol=1e-5, rtol=1e-5)
