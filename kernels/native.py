@@ -485,7 +485,8 @@ def decode_step(step, layers, num_layers: int) -> None:
     (ctypes structures, passed by reference). Call only where avx512_bf16() is True."""
     rc = _library().shuttle_decode_step(step, layers, num_layers)
     if rc == -2:
-        raise RuntimeError("decode_step: the native library was built without AVX-512 BF16 support")
+        raise RuntimeError("decode_step: a kernel of the step cannot run here (built without AVX-512 BF16, or "
+                           "the int8 MoE block's kernel)")
     if rc != 0:
         raise MemoryError("decode_step: out of memory in the MoE block")
 

@@ -14,7 +14,7 @@ The model keeps every other path: prefill and mixed steps, compiled stages, and 
 does not take.
 
 It takes a model (`why_not` says what a model lacks) where every layer is: MoE without shared
-experts, colocated with the fused native experts (bf16 SiLU experts on panels); a softmax router
+experts, colocated with fused native experts (bf16 SiLU experts on panels, or int8 ones); a softmax router
 on panels without groups, bias or correction bias; attention with fused q/k/v and o on panels, no
 biases, no sinks, no clamp, q/k norm none / per head / full; a bf16 paged cache. That is Mixtral,
 Qwen3-MoE and OLMoE served in bf16 on a CPU with AVX-512 BF16; the rest keep the eager path.
@@ -25,7 +25,7 @@ import ctypes
 
 import torch
 
-from kernels import native
+from kernels import int8, native
 from kernels.attention import _native_layout
 from models.cpu_inference import PackedExperts
 from models.dispatcher import LocalDispatcher
@@ -38,8 +38,8 @@ MAX_BUFFER_SETS = 8  # (batch size, micro-batch) pairs whose buffers are kept (s
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(n, _P) for n in ("in_norm", "post_norm", "qkv", "o", "router", "q_norm", "k_norm", "w13", "w2",
-                                  "k_cache", "v_cache")] + [("window", _I)]
+    _fields_ = ([(n, _P) for n in ("in_norm", "post_norm", "qkv", "o", "router", "q_norm", "k_norm", "w13", "w2",
+                                   "k_cache", "v_cache")] + [("window", _I)] + [(n, _P) for n in ("s13", "s2")])
 
 
 class _Step(ctypes.Structure):
@@ -47,8 +47,14 @@ class _Step(ctypes.Structure):
                                    "renormalize", "weights_bf16", "threads")]
                 + [(n, _F) for n in ("eps", "qk_eps", "scale", "scaling")]
                 + [(n, _P) for n in ("final_norm", "x", "cos", "sin", "slots", "table", "len", "start", "h", "r",
-                                     "qkv", "q", "o", "a", "logits", "moe", "scratch", "y", "lse", "wk", "ids")])
+                                     "qkv", "q", "o", "a", "logits", "moe", "scratch", "y", "lse", "wk", "ids")]
+                + [(n, _I) for n in ("inter", "int8_kernel", "int8_big_kernel", "int8_big_rows")])
 _BUFFERS = ("start", "h", "r", "qkv", "q", "o", "a", "logits", "moe", "scratch")
+
+
+def int8_moe_kernels() -> tuple[int, int, int]:
+    """(kernel, big_kernel, big_rows) for fused_moe_int8 on bf16 rows, as its eager calls take them."""
+    return int8._default_moe_kernels(torch.bfloat16, int8.kernels())
 
 
 def why_not(model, cache, local: bool = True) -> str | None:
@@ -76,8 +82,9 @@ def why_not(model, cache, local: bool = True) -> str | None:
         if attn.sinks is not None or attn.head_spec.clip_qkv is not None or attn.stages is not EAGER:
             return f"layer {i}: attention sinks, a qkv clamp or compiled stages"
         gate, experts, r = mlp.gate, mlp.experts, cfg.router
-        if mlp.shared_name is not None or (local and (not isinstance(experts, PackedExperts) or experts.native is None)):
-            return f"layer {i}: shared experts or experts outside the fused native kernel"
+        if mlp.shared_name is not None or (local and not (isinstance(experts, PackedExperts) and (
+                experts.native is not None or (experts.int8 is not None and int8.available())))):
+            return f"layer {i}: shared experts or experts outside the fused native (bf16 or int8) blocks"
         if (gate.cpu_weight is None or gate.cpu_weight.panels is None or gate.bias is not None
                 or gate.e_score_correction_bias is not None or r.scoring != "softmax" or r.num_groups != 1
                 or mlp.stages is not EAGER):
@@ -95,21 +102,27 @@ class NativeDecode:
         cfg, spec = model.cfg, model.model.layers[0].self_attn.head_spec
         self.cfg, self.num_layers, self.local, self.layer_by_layer = cfg, cfg.num_layers, local, False
         self._keep = []  # tensors whose pointers the tables hold
-        self.inter_padded = 0
+        self.inter_padded = self.inter = 0
+        self.int8_kernels = (0, 0, 0)  # fused_moe_int8's (kernel, big_kernel, big_rows) for int8 experts
         layers = (_Layer * self.num_layers)()
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if spec.qk_norm != "none" else (None, None)
-            w13 = w2 = None
-            if local:
+            w13 = w2 = s13 = s2 = None
+            if local and mlp.experts.int8 is not None:  # int8 experts: codes and scales (kernels/int8.py)
+                table = mlp.experts.int8.table
+                w13, s13, w2, s2 = table
+                self.inter = mlp.experts.int8.inter
+                self.int8_kernels = int8_moe_kernels()
+                self._keep.append(table)
+            elif local:
                 w13, w2, self.inter_padded = mlp.experts.native
                 self._keep += [w13, w2]
+            ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
             layers[i] = _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                                attn.qkv_proj.weight.panels.data_ptr(), attn.o_proj.weight.panels.data_ptr(),
-                               mlp.gate.cpu_weight.panels.data_ptr(), qn.data_ptr() if qn is not None else None,
-                               kn.data_ptr() if kn is not None else None,
-                               None if w13 is None else w13.data_ptr(), None if w2 is None else w2.data_ptr(),
-                               cache.k[i].data_ptr(), cache.v[i].data_ptr(), attn.window or 0)
+                               mlp.gate.cpu_weight.panels.data_ptr(), ptr(qn), ptr(kn), ptr(w13), ptr(w2),
+                               cache.k[i].data_ptr(), cache.v[i].data_ptr(), attn.window or 0, ptr(s13), ptr(s2))
         self.layers = layers
         self.cache = cache  # the pages the tables point at (a step for another cache runs eagerly)
         self.final_norm = model.model.norm.weight
@@ -166,7 +179,7 @@ class NativeDecode:
                      int(route.renormalize), int(route.weights_dtype is not None), native.threads(),
                      cfg.rms_norm_eps, spec.eps, spec.head_dim ** -0.5, route.scaling, self.final_norm.data_ptr(),
                      *(t[n].data_ptr() for n in ("x", "cos", "sin", "slots", "table", "len", *_BUFFERS, "y", "lse",
-                                                 "wk", "ids")))
+                                                 "wk", "ids")), self.inter, *self.int8_kernels)
         return step, t
 
     def __call__(self, x_BD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,

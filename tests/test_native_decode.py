@@ -59,15 +59,17 @@ def _checkpoint(make_checkpoint, family):
 
 @NEEDS_AVX512_BF16
 @pytest.mark.parametrize("layer_by_layer", [False, True], ids=["whole-step", "layer-by-layer"])
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe"])
-def test_native_decode_step_gives_the_eager_steps_bits(family, layer_by_layer, make_checkpoint, monkeypatch):
+@pytest.mark.parametrize("family,quantization", [("mixtral", None), ("qwen3_moe", None), ("olmoe", None),
+                                                 ("mixtral", "int8")])
+def test_native_decode_step_gives_the_eager_steps_bits(family, quantization, layer_by_layer, make_checkpoint,
+                                                        monkeypatch):
     """Every decode step of a generation (batches that shrink as requests end, contexts across page
     boundaries, Mixtral with a sliding window of 7, Qwen3-MoE's per-head and OLMoE's whole-projection
-    q/k norm) computes the same hidden states natively as the eager layers, and the experts' load
-    counts are the same: the whole step in one call, and each layer's attention side in one call with
-    the experts dispatched (as an attention worker runs it)."""
+    q/k norm, int8 experts) computes the same hidden states natively as the eager layers, and the
+    experts' load counts are the same: the whole step in one call, and each layer's attention side in
+    one call with the experts dispatched (as an attention worker runs it)."""
     ckpt = _checkpoint(make_checkpoint, family)
-    llm = LLM(ckpt, device="cpu", num_kv_blocks=32, block_size=4)
+    llm = LLM(ckpt, device="cpu", num_kv_blocks=32, block_size=4, quantization=quantization)
     try:
         model = llm.engine.runner.model
         nd = model.native_decode
