@@ -1,0 +1,142 @@
+"""--quantization int8 against the same checkpoint served unquantised: decode speed, memory, quality.
+
+Speed: a Mixtral-shaped checkpoint with random weights (hidden 1024, 8 layers, 16 query / 4 KV heads,
+8 experts of 2048, top-2; ~428M parameters, the shape of the CPU throughput issue), served colocated
+by `LLM` in --dtype with and without `quantization="int8"`, both loaded in this process. Per batch B:
+B prompts of 32 tokens, --output-len new tokens, greedy, EOS ignored; output tokens/s of the whole
+generate (prefill included), the median of --rounds rounds, the two configurations alternated within
+a round. Beside it each configuration's memory floor at that batch: its resident weight bytes that a
+decode step reads (everything but the embedding table, and of the experts the expected share B
+tokens touch, 1 - (1 - K/E)^B) over this machine's read bandwidth, as tokens/s.
+
+Quality: the built-in model (bf16 weights) in --dtype with and without int8 experts: perplexity on
+its held-out documents (the first --ppl-tokens tokens of each, from prompt log-probabilities) and
+greedy agreement over --agree-prompts prompts cut from the same documents (share of sequences whose
+--agree-tokens generated tokens are identical, and share of tokens before the first difference).
+
+    python bench/quant.py [--quick] [--batch-sizes 1 16 64 256] [--dtype bfloat16]
+
+--quick: batches 1 and 16, 16 new tokens, 2 rounds, fewer quality prompts. Writes
+bench/results/quant.json (quant_quick.json).
+"""
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import print_table, save  # noqa: E402
+from bench.engine import mixtral, read_bandwidth  # noqa: E402
+from server import LLM, SamplingParams  # noqa: E402
+
+CONFIGS = {"base": None, "int8": "int8"}
+
+
+def step_bytes(llm: LLM, batch: int) -> float:
+    """Weight bytes one decode step of `batch` tokens reads: all but the embedding table, and of the
+    experts the expected share the batch's tokens route to."""
+    r, cfg = llm.engine.runner.resident_bytes, llm.cfg
+    touched = 1 - (1 - cfg.top_k / cfg.num_experts) ** batch
+    return r["other"] + r["experts"] * touched
+
+
+def speed(args: argparse.Namespace, tmp: Path) -> tuple[list[dict], dict, float]:
+    ckpt = mixtral(tmp / "mixtral", "bfloat16", 1024, 2048, 8, 16, 4)
+    llms = {name: LLM(ckpt, dtype=args.dtype, quantization=q, max_num_seqs=max(args.batch_sizes),
+                      max_num_batched_tokens=max(2048, 32 * max(args.batch_sizes)))
+            for name, q in CONFIGS.items()}
+    bandwidth = read_bandwidth()
+    rows = []
+    try:
+        for B in args.batch_sizes:
+            prompts = torch.randint(10, 4000, (B, 32), generator=torch.Generator().manual_seed(B)).tolist()
+            sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+            for llm in llms.values():  # warm-up: this batch's shapes once
+                llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+            rates = {name: [] for name in llms}
+            for rnd in range(args.rounds):
+                for name in (list(llms) if rnd % 2 == 0 else list(llms)[::-1]):
+                    t0 = time.perf_counter()
+                    llms[name].generate(prompts, sp)
+                    rates[name].append(B * args.output_len / (time.perf_counter() - t0))
+            row = {"batch": B}
+            for name, llm in llms.items():
+                row[f"{name}_tok_s"] = statistics.median(rates[name])
+                row[f"{name}_rounds"] = [round(r, 1) for r in rates[name]]
+                row[f"{name}_floor_tok_s"] = B * bandwidth / step_bytes(llm, B)
+            row["int8_vs_base"] = row["int8_tok_s"] / row["base_tok_s"]
+            rows.append(row)
+            print_table([row], ["batch", "base_tok_s", "int8_tok_s", "int8_vs_base", "base_floor_tok_s",
+                                "int8_floor_tok_s"])
+        memory = {name: dict(llm.engine.runner.resident_bytes) for name, llm in llms.items()}
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    return rows, memory, bandwidth
+
+
+def quality(args: argparse.Namespace) -> dict:
+    from models.builtin import builtin_model_dir
+    from training.builtin import documents, is_held_out
+
+    llms = {name: LLM(builtin_model_dir(), dtype=args.dtype, quantization=q) for name, q in CONFIGS.items()}
+    try:
+        tok = llms["base"].tokenizer
+        docs = [tok.encode(text)[:args.ppl_tokens] for name, text in documents() if is_held_out(name)]
+        docs = [d for d in docs if len(d) > 16]
+        out = {}
+        for name, llm in llms.items():
+            outs = llm.generate(docs, SamplingParams(max_tokens=1, prompt_logprobs=0))
+            nll = [-o.prompt_logprobs[i][d[i]].logprob for o, d in zip(outs, docs) for i in range(1, len(d))]
+            out[f"{name}_ppl"] = float(torch.tensor(nll).mean().exp())
+        out["held_out_tokens"] = sum(len(d) - 1 for d in docs)
+        out["int8_ppl_vs_base"] = out["int8_ppl"] / out["base_ppl"]
+        step = max(1, sum(map(len, docs)) // args.agree_prompts)
+        flat = [t for d in docs for t in d]
+        prompts = [flat[i:i + 16] for i in range(0, len(flat) - 16, step)][:args.agree_prompts]
+        sp = SamplingParams(max_tokens=args.agree_tokens, temperature=0, ignore_eos=True)
+        ids = {name: [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] for name, llm in llms.items()}
+        same_prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+                       for x, y in zip(ids["base"], ids["int8"])]
+        out["agree_prompts"] = len(prompts)
+        out["greedy_identical_share"] = sum(n == args.agree_tokens for n in same_prefix) / len(prompts)
+        out["greedy_tokens_before_first_difference_share"] = sum(same_prefix) / (len(prompts) * args.agree_tokens)
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=None)
+    ap.add_argument("--dtype", default="bfloat16", help="the activations' (and the base weights') dtype")
+    ap.add_argument("--output-len", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--ppl-tokens", type=int, default=512)
+    ap.add_argument("--agree-prompts", type=int, default=None)
+    ap.add_argument("--agree-tokens", type=int, default=32)
+    args = ap.parse_args()
+    args.batch_sizes = args.batch_sizes or ([1, 16] if args.quick else [1, 16, 64, 256])
+    args.output_len = args.output_len or (16 if args.quick else 64)
+    args.rounds = args.rounds or (2 if args.quick else 3)
+    args.agree_prompts = args.agree_prompts or (20 if args.quick else 100)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows, memory, bandwidth = speed(args, Path(tmp))
+    q = quality(args)
+    print_table([q], ["base_ppl", "int8_ppl", "int8_ppl_vs_base", "greedy_identical_share",
+                      "greedy_tokens_before_first_difference_share"])
+    print({name: {k: f"{v / 2 ** 20:.1f} MiB" for k, v in m.items()} for name, m in memory.items()})
+    path = save("quant_quick" if args.quick else "quant",
+                {"config": {k: v for k, v in vars(args).items()}, "read_bandwidth_GBps": bandwidth / 1e9,
+                 "resident_bytes": memory, "speed": rows, "quality": q})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
