@@ -6,7 +6,7 @@ top-2, uniform random routing) and 1-256 tokens:
                 where AMX runs, else the AVX-512 FMA kernel, else AVX2)
   int8_fused_*  the same with one kernel forced for every expert, each that runs here: fma (AVX-512,
                 else AVX2), bf16dot, amx
-  int8_packed   kernels.moe.fused_moe_packed on CpuWeight(w, "int8") (int8_linear twice per active
+  int8_packed   kernels.moe.fused_moe_packed on CpuWeight.quantized(quantize_int8(w)) (int8_linear twice per
                 expert, torch's permute / SiLU * up / unpermute)
   bf16_*        native.fused_moe_bf16 on ExpertPanels of the same bf16 weights, timed with each entry
                 of the kernel choice table (bf16_avx512; bf16_amx where AMX runs); on a CPU without
@@ -83,7 +83,8 @@ def shape_rows(D: int, I: int, tokens: list[int], threads: list[int], rounds: in
     w13 = [(torch.randn(2 * I, D, generator=g) / D ** 0.5).bfloat16() for _ in range(E)]
     w2 = [(torch.randn(D, I, generator=g) / I ** 0.5).bfloat16() for _ in range(E)]
     experts = int8.Int8Experts.quantize(w13, w2)
-    c13, c2 = [CpuWeight(w, "int8") for w in w13], [CpuWeight(w, "int8") for w in w2]
+    c13 = [CpuWeight.quantized(int8.quantize_int8(w)) for w in w13]
+    c2 = [CpuWeight.quantized(int8.quantize_int8(w)) for w in w2]
     bf16 = bf16_candidates(w13, w2, I)
     del w13, w2
     fused = fused_kernels()

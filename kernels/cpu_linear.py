@@ -22,7 +22,6 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from kernels import native  # noqa: E402
-from kernels.int8 import int8_linear, quantize_int8  # noqa: E402
 
 BATCH_HINT = 16  # rows oneDNN picks its blocking for; any row count works
 # Rows up to which cpu_linear streams the bf16 copy of float32 weights until kernels/choice.py has
@@ -120,20 +119,17 @@ class CpuWeight:
     kernels/choice.py measured it faster, cpu_linear streams the bf16 copy, half the bytes of the
     float32 weights; elsewhere oneDNN's float32 GEMM. The copy costs half the float32 weights' memory
     again. Which panel kernel (AVX-512 BF16 or AMX) multiplies the panels is the choice table's.
-    quantization="int8": int8 codes with per-output-channel scales only (kernels/int8.py), for bf16 or
-    float32 activations on any CPU the native library runs on."""
+    `CpuWeight.quantized(kernels.int8.quantize_int8(w))`: int8 codes with per-output-channel scales
+    only, for bf16 or float32 activations on any CPU the native library runs on."""
 
     __slots__ = ("packed", "half", "panels", "int8", "out_features")
 
-    def __init__(self, w_OI: torch.Tensor, quantization: str | None = None):
+    def __init__(self, w_OI: torch.Tensor | None):
+        self.packed = self.half = self.panels = self.int8 = None
+        if w_OI is None:
+            return
         w_OI = w_OI.detach()
         self.out_features = w_OI.shape[0]
-        self.packed = self.half = self.panels = self.int8 = None
-        if quantization == "int8":
-            self.int8 = quantize_int8(w_OI)
-            return
-        if quantization is not None:
-            raise ValueError(f"CpuWeight: unknown quantization {quantization!r}")
         if w_OI.dtype == torch.bfloat16 and w_OI.shape[1] % 2 == 0 and native.avx512_bf16():
             # bf16 on AVX-512 BF16: our panels instead of oneDNN's packing, at every row count
             self.panels = native.pack_panels32(w_OI, w_OI.shape[1])
@@ -144,13 +140,20 @@ class CpuWeight:
             if torch.equal(half.float(), w_OI):
                 self.half = half
 
+    @classmethod
+    def quantized(cls, q) -> "CpuWeight":
+        """A CpuWeight of an int8 weight (kernels/int8.Int8Weight), which cpu_linear runs with q.linear()."""
+        w = cls(None)
+        w.int8, w.out_features = q, q.out_features
+        return w
+
 
 def cpu_linear(x_TI: torch.Tensor, w: CpuWeight, bias_O: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ b) for 2-D x: our panels (bf16), or for float32 x the native bf16 kernel on w's bf16
     copy where kernels/choice.py picked it for this row count, else oneDNN's packed GEMM. They agree
     up to summation order. An int8 weight runs kernels/int8.int8_linear."""
     if w.int8 is not None:
-        return int8_linear(x_TI, w.int8, bias_O)
+        return w.int8.linear(x_TI, bias_O)
     if w.panels is not None:
         y = native.gemm_bf16_panels(x_TI, w.panels, w.out_features)
         return y if bias_O is None else y.add_(bias_O)

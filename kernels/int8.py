@@ -90,6 +90,10 @@ class Int8Weight:
     def nbytes(self) -> int:
         return self.panels.numel() + self.scales.numel() * 4
 
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """int8_linear(x, self, bias)."""
+        return int8_linear(x, self, bias)
+
 
 def quantize_int8(w_OI: torch.Tensor, rows_per_chunk: int = 4096) -> Int8Weight:
     """Symmetric per-output-channel int8 codes of w (O, I) (any float dtype, on the CPU): scale =

@@ -11,7 +11,7 @@ from torch import nn
 from kernels import choice, native
 from kernels.cpu_linear import (SKINNY_MAX_ROWS, CpuWeight, ExpertPanels, PackedLinear,  # noqa: F401 (re-exported)
                                 packing_available)
-from kernels.int8 import Int8Experts, Int8ExpertPanels, fused_moe_int8
+from kernels.int8 import Int8Experts, Int8ExpertPanels, fused_moe_int8, quantize_int8
 from kernels.moe import SILU, SwiGLU, fused_moe_packed
 from models.moe_decoder import Attention, Experts, MoEForCausalLM, Router
 
@@ -36,7 +36,7 @@ class PackedExperts(nn.Module):
     the whole block's native kernel runs (then the oneDNN copies are never made). quantization="int8":
     each weight as int8 codes and per-channel scales, whatever the dtype and CPU: Int8ExpertPanels
     that kernels/int8.fused_moe_int8 runs as one block where fused_int8_experts says so, else
-    CpuWeights for fused_moe_packed (biases, other activations)."""
+    CpuWeight.quantized for fused_moe_packed (biases, other activations)."""
 
     def __init__(self, experts: Experts | None = None, quantization: str | None = None):
         super().__init__()
@@ -46,8 +46,8 @@ class PackedExperts(nn.Module):
             self.w13_packed = [Int8ExpertPanels(w, True, inter) for w in experts.w13.detach()]
             self.w2_packed = [Int8ExpertPanels(w, False, inter) for w in experts.w2.detach()]
         elif experts is not None and quantization is not None:
-            self.w13_packed = [CpuWeight(w, quantization) for w in experts.w13.detach()]
-            self.w2_packed = [CpuWeight(w, quantization) for w in experts.w2.detach()]
+            self.w13_packed = [CpuWeight.quantized(quantize_int8(w)) for w in experts.w13.detach()]
+            self.w2_packed = [CpuWeight.quantized(quantize_int8(w)) for w in experts.w2.detach()]
         elif experts is not None and fused_native_experts(experts):
             inter = experts.w2.shape[2]
             self.w13_packed = [ExpertPanels(w, True, inter) for w in experts.w13.detach()]
@@ -147,8 +147,8 @@ def choose_kernels(module: nn.Module) -> None:
 def decode_is_native(model: MoEForCausalLM) -> bool:
     """Whether a packed model's decode step does its heavy work in the native kernels alone: every
     packed linear and router on our bf16 panels, every expert block a fused native one (bf16 or
-    int8), attention the native paged kernel (MLA's latent attention is torch's). Then torch runs only small ops beside them
-    (kernels.native.native_parallel_only). The LM head is left out: the runner widens it."""
+    int8), attention the native paged kernel (MLA's latent attention is torch's). Then torch runs
+    only small ops beside them (kernels.native.native_parallel_only). The LM head is left out: the runner widens it."""
     if not native.available() or model.cfg.mla is not None:
         return False
     for m in model.modules():

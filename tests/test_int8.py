@@ -1,7 +1,7 @@
 """Weight-only INT8 (kernels/int8.py, kernels/csrc/int8_gemm.c, moe_int8.c): the codes and scales of
 quantize_int8, and int8_linear's kernels (AVX2, AVX-512, AVX-512 BF16, AMX) against the torch reference
 at odd shapes, bf16 and float32, with and without bias; the fused MoE block (fused_moe_int8) with each
-kernel against fused_moe_packed on CpuWeight(w, "int8"); the torch paths where the library is
+kernel against fused_moe_packed on CpuWeight.quantized(quantize_int8(w)); the torch paths where the library is
 unavailable."""
 import functools
 import logging
@@ -174,18 +174,18 @@ def _moe_weights(E: int, D: int, I: int, seed: int) -> tuple[torch.Tensor, torch
 
 @functools.cache
 def _moe_experts(E: int, D: int, I: int) -> tuple:
-    """E experts' weights quantised for fused_moe_int8 and as CpuWeight(w, "int8") lists."""
+    """E experts' weights quantised for fused_moe_int8 and as CpuWeight.quantized lists."""
     from kernels.cpu_linear import CpuWeight
 
     w13, w2 = _moe_weights(E, D, I, E * D + I)
-    return (int8.Int8Experts.quantize(w13, w2), [CpuWeight(w, "int8") for w in w13],
-            [CpuWeight(w, "int8") for w in w2])
+    return (int8.Int8Experts.quantize(w13, w2), [CpuWeight.quantized(int8.quantize_int8(w)) for w in w13],
+            [CpuWeight.quantized(int8.quantize_int8(w)) for w in w2])
 
 
 @functools.cache
 def _moe_case(E: int, D: int, I: int, T: int, K: int, dtype: torch.dtype):
     """E experts (the last gets no pair), T tokens' x, top-K ids and weights (every fourth token's first
-    id -1, another worker's, when T > 3), and fused_moe_packed's result on CpuWeight(w, "int8") with
+    id -1, another worker's, when T > 3), and fused_moe_packed's result on CpuWeight.quantized(quantize_int8(w)) with
     those pairs' weights 0: (experts, x, ids, weights, want)."""
     from kernels.moe import fused_moe_packed
 
@@ -283,7 +283,7 @@ def test_fused_moe_int8_is_the_same_on_any_thread_count(D, I, kernel):
 
 def test_without_the_library_fused_moe_int8_is_the_torch_path(monkeypatch):
     """SHUTTLE_NATIVE_KERNELS=0, autograd and other dtypes: fused_moe_packed's ops on int8_linear's torch
-    reference, the same as on CpuWeight(w, "int8"); ids outside [0, E) left out there too."""
+    reference, the same as on CpuWeight.quantized(...); ids outside [0, E) left out there too."""
     experts, x, ids, weights, want = _moe_case(6, 100, 72, 17, 4, torch.bfloat16)
     monkeypatch.setenv(int8.native.ENV_VAR, "0")
     clear = lambda: (int8._library.cache_clear(), int8.native._library.cache_clear())  # noqa: E731
