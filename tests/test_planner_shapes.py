@@ -260,8 +260,9 @@ def test_shape_from_errors_name_the_file(tmp_path):
 def test_int8_expert_bytes_are_what_a_quantised_worker_holds(make_checkpoint, family, dtype, overrides):
     """ModelConfig.expert_bytes(dtype, "int8") is the resident bytes (models.cpu_inference.
     resident_weight_bytes) of the experts quantised as serving quantises them (PackedExperts(experts,
-    "int8")), up to kernels/int8.py's panel padding: each matrix's output channels are padded to a
-    multiple of PANEL = 16 (at most 15 rows of the even-padded input's codes + a 4-byte scale each)
+    "int8")), up to kernels/int8.py's panel padding: each matrix's output channels (gate and up each)
+    are padded to a multiple of PANEL = 16 (at most 15 rows of the even-padded input's codes + a
+    4-byte scale each)
     and an odd input gets one zero code per row. Without padding (sizes multiples of 16) they are equal."""
     from kernels.int8 import PANEL
     from models.cpu_inference import PackedExperts, resident_weight_bytes
@@ -275,7 +276,8 @@ def test_int8_expert_bytes_are_what_a_quantised_worker_holds(make_checkpoint, fa
     resident = resident_weight_bytes(held)["experts"]
     count = c.num_experts * c.num_moe_layers
     D, I = c.hidden_size, c.moe_intermediate_size
-    bound = (PANEL - 1) * (D + 1 + 4) + 2 * I * (D % 2) + (PANEL - 1) * (I + 1 + 4) + D * (I % 2)  # per expert
+    # per expert: gate and up each padded to whole panels (the fused block's layout), down likewise
+    bound = 2 * (PANEL - 1) * (D + 1 + 4) + 2 * I * (D % 2) + (PANEL - 1) * (I + 1 + 4) + D * (I % 2)
     assert 0 <= resident - count * c.expert_bytes(c.dtype, "int8") <= count * bound
     if (2 * I) % PANEL == D % PANEL == D % 2 == I % 2 == 0:
         assert resident == count * c.expert_bytes(c.dtype, "int8")
