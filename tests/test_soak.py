@@ -1,6 +1,6 @@
 """The short soak (`make soak` runs 30 minutes): a real `shuttle serve` under Poisson load above
 its capacity, with clients that hang up and clients that send bad input, for SHUTTLE_SOAK_S
-seconds (60 by default; with start-up and drain about 90 s), in bf16. bench/soak.py judges it: every response is a 200, a 400 for bad input or
+seconds (45 by default; with start-up and drain about 60 s), in bf16. bench/soak.py judges it: every response is a 200, a 400 for bad input or
 a 503 queue_full; no KV block is held and no request runs at the end; no process's RSS grew by more
 than 10% over the last two thirds of the run. Unit level: the --faults schedule, RSS series of
 restarted workers, and each fault's window of the load's record."""
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_soak_short(tmp_path):
-    seconds = float(os.environ.get("SHUTTLE_SOAK_S", "60"))
+    seconds = float(os.environ.get("SHUTTLE_SOAK_S", "45"))
     out = tmp_path / "soak.json"
     # bf16 as the checkpoint stores it: served in float32 (--dtype auto on this AVX2 CPU) the workers'
     # RSS still grew 5.6% (expert) and 11.2% (attention) over this short run's last two thirds, with
