@@ -17,6 +17,9 @@ Ops (each candidate reads the same weights, so the choice can change with the ro
   skinny  a float32 linear whose weights are exactly bf16 (a bf16 checkpoint served in float32):
           native  our bf16 GEMM on the bf16 copy, half the bytes (kernels/csrc/skinny_gemm.c)
           onednn  oneDNN's packed float32 GEMM
+  int8_moe  one int8 expert's bf16 rows in the fused int8 block (kernels/int8.fused_moe_int8): fma
+          (codes widened in registers; AVX-512, else AVX2) or amx (each panel dequantised to bf16);
+          the kernel takes one threshold, so AMX runs from the first bucket after which it always won
 
 Row buckets: 1, 2, 3-4, 5-8, ..., 513-1024, over 1024 (the C table's, kernels/csrc/amx_bf16.c), each
 timed at its largest count (2048 for the last). The candidates of a bucket are timed in turn, three
@@ -50,8 +53,10 @@ ENV_VAR = "SHUTTLE_KERNEL_CHOICE"
 LOSING_RATIO = 2.0
 TIE = 0.05  # a bucket keeps the previous bucket's kernel unless another is faster by more than this
 ROUNDS = 3
-CANDIDATES = {"gemm": ("avx512", "amx", "onednn"), "moe": ("avx512", "amx"), "skinny": ("native", "onednn")}
-CHOOSABLE = {"gemm": ("avx512", "amx"), "moe": ("avx512", "amx"), "skinny": ("native", "onednn")}
+CANDIDATES = {"gemm": ("avx512", "amx", "onednn"), "moe": ("avx512", "amx"), "skinny": ("native", "onednn"),
+              "int8_moe": ("fma", "amx")}
+CHOOSABLE = {"gemm": ("avx512", "amx"), "moe": ("avx512", "amx"), "skinny": ("native", "onednn"),
+             "int8_moe": ("fma", "amx")}
 _C_OPS = {"gemm": native.GEMM, "moe": native.MOE}
 _C_CANDIDATES = {"avx512": native.AVX512, "amx": native.AMX}
 
@@ -193,7 +198,26 @@ def _skinny_runners(shape: tuple[int, int]) -> dict:
                         "onednn": lambda x: (lambda: packed_linear(x, packed))}}
 
 
-_RUNNERS = {"gemm": _gemm_runners, "moe": _moe_runners, "skinny": _skinny_runners}
+def _int8_moe_runners(shape: tuple[int, int]) -> dict:
+    D, inter = shape
+    from kernels import int8
+
+    experts = int8.Int8Experts.quantize(torch.randn(1, 2 * inter, D) / D ** 0.5,
+                                        torch.randn(1, D, inter) / inter ** 0.5)
+    here = int8.kernels()
+    kernels = {"fma": int8.AVX512 if int8.AVX512 in here else int8.AVX2}
+    if int8.AMX in here:
+        kernels["amx"] = int8.AMX
+
+    def run(kernel):
+        return lambda x: (lambda: int8.fused_moe_int8(x, torch.zeros(x.shape[0], 1, dtype=torch.int64),
+                                                       torch.ones(x.shape[0], 1), experts, kernel=kernel))
+
+    return {"make_x": lambda T: torch.randn(T, D).to(torch.bfloat16),
+            "runners": {name: run(k) for name, k in kernels.items()}, "keep": experts}
+
+
+_RUNNERS = {"gemm": _gemm_runners, "moe": _moe_runners, "skinny": _skinny_runners, "int8_moe": _int8_moe_runners}
 
 
 def time_us(fn, min_s: float = 0.002) -> float:
@@ -258,6 +282,11 @@ def measure(op: str, shapes: list[tuple[int, ...]]) -> Choice:
 
 
 def _apply(choice: Choice) -> None:
+    if choice.op == "int8_moe":
+        from kernels import int8
+        first = next((b for b in range(len(choice.picks)) if set(choice.picks[b:]) == {"amx"}), None)
+        int8.set_moe_amx_rows(1 << 62 if first is None else 1 if first == 0 else BUCKET_ROWS[first - 1] + 1)
+        return
     if choice.op == "skinny":
         from kernels.cpu_linear import set_skinny_native
         set_skinny_native([p == "native" for p in choice.picks])
@@ -274,6 +303,10 @@ def configure(op: str, shapes: list[tuple[int, ...]]) -> Choice | None:
     for the whole process. None where op has no kernels to choose between here."""
     if op in ("gemm", "moe") and not native.avx512_bf16() or op == "skinny" and not native.available():
         return None
+    if op == "int8_moe":
+        from kernels import int8
+        if int8.AMX not in int8.kernels():  # one candidate: nothing to choose
+            return None
     shapes = sorted({tuple(int(d) for d in s) for s in shapes})
     if not shapes:
         return None

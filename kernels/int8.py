@@ -311,10 +311,23 @@ def fused_moe_int8_reference(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk
     return unpermute(y_ND, perm, topk_weights_TK)
 
 
+# Rows of one expert from which bf16 x takes AMX in fused_moe_int8, where kernels/choice.py measured
+# it ("int8_moe"); None: AMX_MIN_ROWS.
+_moe_amx_rows: list[int | None] = [None]
+
+
+def set_moe_amx_rows(rows: int | None) -> None:
+    """The measured threshold (kernels/choice.py); a huge value keeps AMX off, None restores AMX_MIN_ROWS."""
+    _moe_amx_rows[0] = rows
+
+
 def _default_moe_kernels(x_dtype: torch.dtype, here: frozenset[int]) -> tuple[int, int, int]:
-    """(kernel, big_kernel, big_rows): an expert's rows take int8_linear's default kernel for as many rows."""
+    """(kernel, big_kernel, big_rows): an expert's rows take int8_linear's default kernel for as many
+    rows, bf16 x AMX from the measured threshold where kernels/choice.py set one."""
     small = _default_kernel(x_dtype, 1, here)
-    return small, _default_kernel(x_dtype, AMX_MIN_ROWS, here), AMX_MIN_ROWS
+    big_rows = AMX_MIN_ROWS if _moe_amx_rows[0] is None else _moe_amx_rows[0]
+    big = AMX if x_dtype == torch.bfloat16 and AMX in here else small
+    return small, big, big_rows
 
 
 def fused_moe_int8(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,

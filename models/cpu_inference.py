@@ -126,8 +126,10 @@ def choose_kernels(module: nn.Module) -> None:
     """Time the CPU kernels' candidates on the weight shapes of a packed module (a model, or an expert
     worker's blocks) and install the fastest per op and row count for the process (kernels/choice.py;
     cached on disk, so a process pays the timing once per machine and shapes)."""
-    gemm, moe, skinny = set(), set(), set()
+    gemm, moe, skinny, int8_moe = set(), set(), set(), set()
     for m in module.modules():
+        if isinstance(m, PackedExperts) and m.int8 is not None:
+            int8_moe.add((m.int8.hidden, m.int8.inter))
         weights = [m.weight] if isinstance(m, PackedLinear) else [m.cpu_weight] \
             if isinstance(m, Router) and getattr(m, "cpu_weight", None) is not None else []
         if isinstance(m, PackedExperts) and m.native is not None:
@@ -139,7 +141,7 @@ def choose_kernels(module: nn.Module) -> None:
                 gemm.add((w.out_features, w.panels.shape[1] * 2))
             elif w.half is not None:
                 skinny.add(tuple(w.half.shape))
-    for op, shapes in (("gemm", gemm), ("moe", moe), ("skinny", skinny)):
+    for op, shapes in (("gemm", gemm), ("moe", moe), ("skinny", skinny), ("int8_moe", int8_moe)):
         if shapes:
             choice.configure(op, sorted(shapes))
 

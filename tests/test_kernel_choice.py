@@ -222,3 +222,23 @@ def test_picks_prune_and_ties_on_given_times(monkeypatch):
     for factor, want in ((0.98, ["avx512"] * 12), (0.9, ["avx512"] + ["amx"] * 11)):
         times.update(amx=lambda r, f=factor: 20.0 if r == 1 else 10.0 * r * f, onednn=lambda r: 1e9)
         assert choice.measure("gemm", [(1, 1)]).picks == want
+
+
+@pytest.mark.skipif(not native.amx(), reason="int8_moe has one candidate without AMX")
+def test_int8_moe_threshold_follows_its_table(cache, monkeypatch):
+    """The int8 block takes one row threshold: AMX from the first bucket after which it always won;
+    measured on the model's shapes (here forced and given), and the native decode step takes the same."""
+    from kernels import int8
+    from models.native_decode import int8_moe_kernels
+
+    monkeypatch.setattr(int8, "_moe_amx_rows", [None])
+    for picks, rows in ((["fma"] * 4 + ["amx"] * 8, 9), (["amx"] * 12, 1), (["fma"] * 12, 1 << 62),
+                        (["fma", "amx", "fma"] + ["amx"] * 9, 5)):
+        choice._apply(choice.Choice("int8_moe", [(64, 32)], picks))
+        assert int8._default_moe_kernels(torch.bfloat16, int8.kernels()) == (int8.AVX512, int8.AMX, rows)
+        assert int8_moe_kernels() == (int8.AVX512, int8.AMX, rows)
+    monkeypatch.setenv(choice.ENV_VAR, "int8_moe=fma")
+    assert choice.configure("int8_moe", [(64, 32)]).source == "forced" and int8._moe_amx_rows[0] == 1 << 62
+    monkeypatch.setenv(choice.ENV_VAR, "measure")
+    c = choice.configure("int8_moe", [(64, 32)])
+    assert c.source == "measured" and set(c.picks) <= {"fma", "amx"}
