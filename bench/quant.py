@@ -9,6 +9,10 @@ a round. Beside it each configuration's memory floor at that batch: its resident
 decode step reads (everything but the embedding table, and of the experts the expected share B
 tokens touch, 1 - (1 - K/E)^B) over this machine's read bandwidth, as tokens/s.
 
+Memory: the same checkpoint served by 1 + 1 pools with and without int8, the expert worker's
+resident set (VmRSS, by its process title shuttle-expert-e0) after a short generate, beside the
+expert bytes its start-up log reports.
+
 Quality: the built-in model (bf16 weights) in --dtype with and without int8 experts: perplexity on
 its held-out documents (the first --ppl-tokens tokens of each, from prompt log-probabilities) and
 greedy agreement over --agree-prompts prompts cut from the same documents (share of sequences whose
@@ -44,8 +48,7 @@ def step_bytes(llm: LLM, batch: int) -> float:
     return r["other"] + r["experts"] * touched
 
 
-def speed(args: argparse.Namespace, tmp: Path) -> tuple[list[dict], dict, float]:
-    ckpt = mixtral(tmp / "mixtral", "bfloat16", 1024, 2048, 8, 16, 4)
+def speed(args: argparse.Namespace, ckpt: Path) -> tuple[list[dict], dict, float]:
     llms = {name: LLM(ckpt, dtype=args.dtype, quantization=q, max_num_seqs=max(args.batch_sizes),
                       max_num_batched_tokens=max(2048, 32 * max(args.batch_sizes)))
             for name, q in CONFIGS.items()}
@@ -77,6 +80,35 @@ def speed(args: argparse.Namespace, tmp: Path) -> tuple[list[dict], dict, float]
         for llm in llms.values():
             llm.shutdown()
     return rows, memory, bandwidth
+
+
+def _rss_mib(title: str) -> float | None:
+    """VmRSS in MiB of this process's descendant whose command line is `title`, or None."""
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and (d / "cmdline").read_bytes().split(b"\0")[0].decode() == title:
+                status = (d / "status").read_text()
+                return int(status.split("VmRSS:")[1].split()[0]) / 1024
+        except (OSError, IndexError, UnicodeDecodeError):
+            continue
+    return None
+
+
+def pools_memory(args: argparse.Namespace, ckpt: Path) -> dict:
+    """The expert worker's RSS and reported expert bytes with and without int8 (1 + 1 pools)."""
+    out = {}
+    for name, q in CONFIGS.items():
+        llm = LLM(ckpt, dtype=args.dtype, quantization=q, colocated=False, attention_workers=1, expert_workers=1)
+        try:
+            llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+            weights = {(r["pool"], r["kind"]): r["bytes"] for r in llm.engine.stats()["weights"]}
+            out[name] = {"expert_rss_mib": _rss_mib("shuttle-expert-e0"),
+                         "expert_weights_mib": weights.get(("expert", "experts"), 0) / 2 ** 20}
+        finally:
+            llm.shutdown()
+    if all(v["expert_rss_mib"] for v in out.values()):
+        out["int8_rss_vs_base"] = out["int8"]["expert_rss_mib"] / out["base"]["expert_rss_mib"]
+    return out
 
 
 def quality(args: argparse.Namespace) -> dict:
@@ -121,20 +153,26 @@ def main() -> None:
     ap.add_argument("--ppl-tokens", type=int, default=512)
     ap.add_argument("--agree-prompts", type=int, default=None)
     ap.add_argument("--agree-tokens", type=int, default=32)
+    ap.add_argument("--no-pools-memory", dest="pools_memory", action="store_false",
+                    help="skip the 1 + 1 pools' expert worker RSS")
     args = ap.parse_args()
     args.batch_sizes = args.batch_sizes or ([1, 16] if args.quick else [1, 16, 64, 256])
     args.output_len = args.output_len or (16 if args.quick else 64)
     args.rounds = args.rounds or (2 if args.quick else 3)
     args.agree_prompts = args.agree_prompts or (20 if args.quick else 100)
     with tempfile.TemporaryDirectory() as tmp:
-        rows, memory, bandwidth = speed(args, Path(tmp))
+        ckpt = mixtral(Path(tmp) / "mixtral", "bfloat16", 1024, 2048, 8, 16, 4)
+        pools = pools_memory(args, ckpt) if args.pools_memory else None
+        rows, memory, bandwidth = speed(args, ckpt)
+    if pools:
+        print({k: v for k, v in pools.items()})
     q = quality(args)
     print_table([q], ["base_ppl", "int8_ppl", "int8_ppl_vs_base", "greedy_identical_share",
                       "greedy_tokens_before_first_difference_share"])
     print({name: {k: f"{v / 2 ** 20:.1f} MiB" for k, v in m.items()} for name, m in memory.items()})
     path = save("quant_quick" if args.quick else "quant",
                 {"config": {k: v for k, v in vars(args).items()}, "read_bandwidth_GBps": bandwidth / 1e9,
-                 "resident_bytes": memory, "speed": rows, "quality": q})
+                 "resident_bytes": memory, "pools_memory": pools, "speed": rows, "quality": q})
     print(f"wrote {path}")
 
 
