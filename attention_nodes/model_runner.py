@@ -87,9 +87,9 @@ class ModelRunner:
                      f"; bf16 copies for up to {SKINNY_MAX_ROWS} rows, {half / 2 ** 30:.2f} GiB)"
                      if (half := half_copy_bytes(self.model)) else ")"))
         r = self.resident_bytes
-        log.info("weights: %.3f GiB resident (experts %.3f GiB%s, embedding %.3f GiB, other %.3f GiB)",
-                 sum(r.values()) / 2 ** 30, r["experts"] / 2 ** 30, f" {cfg.quantization}" if cfg.quantization else "",
-                 r["embedding"] / 2 ** 30, r["other"] / 2 ** 30)
+        log.info("weights: %s resident (experts %s%s, embedding %s, other %s)", _size(sum(r.values())),
+                 _size(r["experts"]), f" {cfg.quantization}" if cfg.quantization and r["experts"] else "",
+                 _size(r["embedding"]), _size(r["other"]))
 
     def _block_bytes(self) -> int:
         return cache_bytes_per_block(self.model_cfg, self.block_size, self.dtype)
@@ -200,6 +200,11 @@ def split_micro_batches(num_tokens: list[int], m: int) -> list[range]:
         groups.append(range(start, end))
         start = end
     return groups
+
+
+def _size(nbytes: int) -> str:
+    """Bytes for a log line: GiB from 1 GiB, else MiB."""
+    return f"{nbytes / 2 ** 30:.2f} GiB" if nbytes >= 2 ** 30 else f"{nbytes / 2 ** 20:.1f} MiB"
 
 
 def _weight_bytes(model: torch.nn.Module) -> dict[str, int]:

@@ -103,14 +103,14 @@ def _serve(spec: ExpertWorkerSpec, store: SignedStore) -> None:
     load_fn = loader_for(spec.model, cfg, spec.dtype, device, spec.kernels, pack)
     held = HeldExperts(spec.placement, load_fn(spec.placement.experts_on(spec.rank)), spec.rank, load_fn, device)
     freeze_loaded_heap()
-    weight_bytes = resident_weight_bytes(nn.ModuleList(held.modules(spec.placement.version).values()))["experts"]
-    log.info("serving %d MoE layers, placement version %d, %d torch thread(s); expert weights %.3f GiB resident%s",
-             len(moe_layers), spec.placement.version, torch.get_num_threads(), weight_bytes / 2 ** 30,
+    weight_bytes = _expert_bytes(held)
+    log.info("serving %d MoE layers, placement version %d, %d torch thread(s); expert weights %.1f MiB resident%s",
+             len(moe_layers), spec.placement.version, torch.get_num_threads(), weight_bytes / 2 ** 20,
              f" ({spec.quantization})" if spec.quantization else "")
     store.set(f"{spec.session}/up/e{spec.rank}", str(spec.epoch))  # loaded: the front may add it back now
     tracer = Tracer(f"e{spec.rank}", enabled=spec.trace_dir is not None)
     load = _Load(spec, store, tracer, device, cfg.num_experts, moe_layers)
-    load.meta["weight_bytes"] = weight_bytes  # (as loaded; re-placements change what is held)
+    load.meta["weight_bytes"] = weight_bytes  # the version in use's; re-placements update it
     stop = threading.Event()
     watcher = threading.Thread(target=watch_placements,
                                args=(held, spec.store_addr, spec.session, stop, spec.transport.token), daemon=True,
@@ -122,6 +122,7 @@ def _serve(spec: ExpertWorkerSpec, store: SignedStore) -> None:
             placement = epoch_placement(store, spec.session, epoch, spec.placement.num_workers)
             if placement is not None:  # failover or a worker added back: routed with from the first step
                 held.hold_now(placement)
+                load.meta["weight_bytes"] = _expert_bytes(held, placement.version)
             try:
                 _serve_epoch(spec, store, epoch, held, moe_layers, device, tracer, load)
             except (PeerDeadError, TransportTimeout) as e:
@@ -137,6 +138,12 @@ def _serve(spec: ExpertWorkerSpec, store: SignedStore) -> None:
         watcher.join(timeout=5)
         if spec.trace_dir:
             tracer.dump(spec.trace_dir)
+
+
+def _expert_bytes(held: HeldExperts, version: int | None = None) -> int:
+    """Bytes of the experts a placement version (default: the one in use) holds here, as served."""
+    modules = held.modules(held.active if version is None else version)
+    return resident_weight_bytes(nn.ModuleList(modules.values()))["experts"]
 
 
 def _serve_epoch(spec: ExpertWorkerSpec, store: SignedStore, epoch: int, held: HeldExperts, moe_layers: list[int],
@@ -172,6 +179,7 @@ def _serve_steps(spec: ExpertWorkerSpec, store: SignedStore, receiver: M2NReceiv
                     receiver.reply(batch, run_local_experts(held.modules(batch.version)[layer], batch))
             if held.step_done(receiver):
                 store.set(f"{spec.session}/placement/active/e{spec.rank}", str(held.active))
+                load.meta["weight_bytes"] = _expert_bytes(held)
             load.step_done(receiver.idle)
 
 

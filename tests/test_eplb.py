@@ -18,6 +18,7 @@ from m2n_comm.endpoints import open_endpoint
 from m2n_comm.m2n import M2NReceiver, M2NSender
 from m2n_comm.placement import ExpertPlacement, Placement, check_redundancy, worker_slots
 from m2n_comm.transport import TransportConfig
+from models.config import ModelConfig
 from pools.eplb import PlacementControl, eplb_policy, greedy_placement, predicted_worker_load, step_cost
 
 
@@ -400,3 +401,8 @@ def test_greedy_output_equal_while_replacing_live(make_checkpoint):
     assert changes >= 2, f"only {changes} live re-placements during generation"
     assert stats["placement_version"] == engine.placements.current.version >= 2
     assert sum(stats["expert_worker_tokens"].values()) == sum(map(sum, stats["expert_layer_tokens"].values()))
+    # each expert worker reports the bytes of the experts it holds now (the redundant copies included)
+    held = {f"e{w}": sum(map(len, engine.placements.current.experts_on(w).values())) for w in range(2)}
+    reported = {r["worker"]: r["bytes"] for r in stats["weights"] if r["pool"] == "expert"}
+    per_expert = ModelConfig.from_pretrained(ckpt).expert_bytes(torch.float32)  # packed float32: as stored
+    assert reported == {w: n * per_expert for w, n in held.items()} and sum(held.values()) > 16
