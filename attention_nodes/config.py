@@ -172,8 +172,9 @@ class EngineConfig:
     whole step in one call, on an attention worker each layer's attention side
     (models/native_decode.py); False keeps the eager layers.
     quantization: "int8" keeps the expert weights as int8 codes with per-output-channel scales,
-    quantised at load from a float checkpoint (weight-only; kernels/int8.py), on CPU workers with
-    torch kernels; None serves them in `dtype`. vLLM's name "experts_int8" means the same."""
+    quantised at load from a float checkpoint (weight-only; kernels/int8.py), where the experts run
+    on CPU workers with torch kernels (the attention pool may be on a GPU); None serves them in
+    `dtype`. vLLM's name "experts_int8" means the same."""
 
     model: str
     dtype: torch.dtype | None = None
@@ -197,7 +198,9 @@ class EngineConfig:
             if self.quantization not in QUANTIZATIONS:
                 raise ValueError(f"quantization {self.quantization!r} is not supported; choose from "
                                  f"{', '.join(QUANTIZATIONS)} (or experts_int8, its vLLM name)")
-            devices = {self.device, self.parallel.expert_device or self.device}
-            if devices != {"cpu"} or (self.kernels or "torch") != "torch":
-                raise ValueError(f"quantization {self.quantization!r} runs on CPU workers with torch kernels "
-                                 f"(kernels/int8.py); got device(s) {sorted(devices)}, kernels {self.kernels!r}")
+            # the devices that hold experts: the engine's colocated, else the expert pool's
+            experts_on = self.device if self.parallel.colocated else self.parallel.expert_device or self.device
+            if experts_on != "cpu" or self.kernels == "triton":
+                raise ValueError(f"quantization {self.quantization!r} runs the experts on CPU workers with torch "
+                                 f"kernels (kernels/int8.py); got experts on {experts_on!r}, kernels "
+                                 f"{self.kernels!r}")

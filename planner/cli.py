@@ -358,12 +358,13 @@ def _plan(args: argparse.Namespace) -> int:
         quantization = None if quantization is ANY else quantization
         pairs, skipped = serving_pairs(pairs, quantization)
         if skipped and not pairs:
-            raise PlannerError(f"--quantization {quantization} runs on CPU workers only (kernels/int8.py), and "
-                               f"{', '.join(skipped)} {'is a GPU kind' if len(skipped) == 1 else 'are GPU kinds'}; "
-                               "plan CPU kinds (device cpu in planner/hardware.json) or without --quantization")
+            raise PlannerError(f"--quantization {quantization} runs the experts on CPU workers only "
+                               f"(kernels/int8.py), and {', '.join(skipped)} "
+                               f"{'is a GPU kind' if len(skipped) == 1 else 'are GPU kinds'}; give a CPU kind for "
+                               "the expert pool (device cpu in planner/hardware.json) or plan without --quantization")
         if skipped:
-            print(f"note: --quantization {quantization} runs on CPU workers only: skipped the GPU kind(s) "
-                  f"{', '.join(skipped)}", file=sys.stderr)
+            print(f"note: --quantization {quantization} runs the experts on CPU workers only: skipped expert pools "
+                  f"of the GPU kind(s) {', '.join(skipped)}", file=sys.stderr)
         _, eff = load_catalogue()
         ctx = args.input_len + args.output_len / 2
         cands, why = search(lambda a, e: RooflinePerf(shape, a, e, eff, quantization), shape, pairs, args.max_devices,

@@ -105,13 +105,14 @@ def evaluate(perf, shape: ModelShape, hw_a: HardwareKind, hw_e: HardwareKind, ma
 
 def serving_pairs(pairs: list[tuple[HardwareKind, HardwareKind]], quantization: str | None
                   ) -> tuple[list[tuple[HardwareKind, HardwareKind]], list[str]]:
-    """The hardware pairs that can serve experts in `quantization`, and the kinds left out: int8 runs
-    on CPU workers only (kernels/int8.py; EngineConfig refuses it with any CUDA device), so with it
-    both pools must be CPU kinds (HardwareKind.device)."""
+    """The hardware pairs that can serve experts in `quantization`, and the kinds left out as expert
+    pools: int8 experts run on CPU workers only (kernels/int8.py; EngineConfig refuses them on a
+    CUDA device), so with it the expert pool must be a CPU kind (HardwareKind.device); the
+    attention pool may be any."""
     if quantization is None:
         return list(pairs), []
-    kept = [(a, e) for a, e in pairs if a.device == e.device == "cpu"]
-    skipped = sorted({k.name for a, e in pairs for k in (a, e) if k.device != "cpu"})
+    kept = [(a, e) for a, e in pairs if e.device == "cpu"]
+    skipped = sorted({e.name for _, e in pairs if e.device != "cpu"})
     return kept, skipped
 
 

@@ -98,7 +98,7 @@ def test_plan_command_writes_a_plan_and_reports_infeasible(tmp_path, capsys):
     (["--hardware", "host", "--profile", "PROFILE", "--model", "MODEL", "-q", "int8"],
      "was measured with quantization none, not int8; profile again with shuttle profile --quantization int8"),
     (["--hardware", "H100,L40S", "--quantization", "experts_int8"],
-     "--quantization int8 runs on CPU workers only (kernels/int8.py), and H100, L40S are GPU kinds"),
+     "--quantization int8 runs the experts on CPU workers only (kernels/int8.py), and H100, L40S are GPU kinds"),
 ])
 def test_plan_errors_exit_2(argv, message, tmp_path, capsys, make_checkpoint):
     from server.cli import main
@@ -189,18 +189,19 @@ def test_int8_experts_fit_where_bf16_ones_do_not():
     assert best and (best[0].attention_workers, best[0].expert_workers) == (1, 1)
 
 
-def test_int8_plans_only_cpu_kinds():
+def test_int8_plans_only_cpu_kinds_for_the_experts():
     from planner.search import serving_pairs
 
     h100, epyc = parse_hardware("H100,cpu-epyc-64c")
-    pairs = [(h100, h100), (h100, epyc), (epyc, epyc)]
+    pairs = [(h100, h100), (h100, epyc), (epyc, h100), (epyc, epyc)]
     assert serving_pairs(pairs, None) == (pairs, [])
-    assert serving_pairs(pairs, "int8") == ([(epyc, epyc)], ["H100"])
+    assert serving_pairs(pairs, "int8") == ([(h100, epyc), (epyc, epyc)], ["H100"])
     assert epyc.device == "cpu" and h100.device == "cuda"
 
 
 def test_a_quantised_plan_round_trips_to_the_engine(tmp_path, capsys, monkeypatch):
-    """shuttle plan --quantization int8 writes it into the plan (with CPU devices for a CPU kind),
+    """shuttle plan --quantization int8 writes it into the plan (experts on a CPU kind; the attention
+    pool may be a GPU's),
     plan_engine_kwargs gives it to LLM / shuttle serve, and refuses to serve the plan otherwise."""
     from planner.plan import plan_engine_kwargs
     from server.cli import main
@@ -209,11 +210,16 @@ def test_a_quantised_plan_round_trips_to_the_engine(tmp_path, capsys, monkeypatc
     assert main(["plan", "--model", "mixtral-8x22b", "--hardware", "H100,cpu-epyc-64c", "-q", "int8",
                  "--tbt-slo-ms", "1e6", "--max-devices", "4", "--out", str(out)]) == 0
     captured = capsys.readouterr()
-    assert "skipped the GPU kind(s) H100" in captured.err and "experts as int8" in captured.out
+    assert "skipped expert pools of the GPU kind(s) H100" in captured.err and "experts as int8" in captured.out
+    plan = json.loads(out.read_text())
+    d = plan["deployment"]
+    assert d["quantization"] == "int8" and d["expert_device"] == "cpu"
+    assert plan["hardware"]["expert"]["name"] == "cpu-epyc-64c"
+    assert main(["plan", "--model", "mixtral-8x22b", "--hardware", "cpu-epyc-64c", "-q", "int8",
+                 "--tbt-slo-ms", "1e6", "--max-devices", "4", "--out", str(out)]) == 0
     plan = json.loads(out.read_text())
     d = plan["deployment"]
     assert d["quantization"] == "int8" and d["attention_device"] == d["expert_device"] == "cpu"
-    assert plan["hardware"]["expert"]["name"] == "cpu-epyc-64c"
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))  # a host big enough to run it
     assert plan_engine_kwargs(out)["quantization"] == "int8"
     assert plan_engine_kwargs(out, quantization="experts_int8")["quantization"] == "int8"

@@ -113,6 +113,13 @@ def test_unsupported_quantizations_are_refused(ckpts, tmp_path):
         LLM(ckpt, quantization="fp8")
     with pytest.raises(ValueError, match="CPU workers with torch kernels"):
         LLM(ckpt, quantization="int8", kernels="triton")
+    # the experts' device decides: a GPU attention pool may feed int8 experts on CPU workers
+    from attention_nodes.config import EngineConfig, ParallelConfig
+    EngineConfig(str(ckpt), device="cuda", parallel=ParallelConfig(False, expert_device="cpu"), quantization="int8")
+    for colocated, expert_device in ((True, None), (False, "cuda")):
+        with pytest.raises(ValueError, match="experts on 'cuda'"):
+            EngineConfig(str(ckpt), device="cuda", parallel=ParallelConfig(colocated, expert_device=expert_device),
+                         quantization="int8")
     fp8 = tmp_path / "fp8"
     shutil.copytree(ckpt, fp8)
     cfg = json.loads((fp8 / "config.json").read_text())
