@@ -15,6 +15,8 @@ a tensor is rearranged into the model's stacked form. Multi-token-prediction lay
 num_nextn_predict_layers, stored as the layers past num_hidden_layers) are skipped with one log line.
 """
 import atexit
+import ctypes
+import ctypes.util
 import gc
 import json
 import logging
@@ -251,10 +253,16 @@ def freeze_loaded_heap() -> None:
     loaded heap and stopped the process for 100-180 ms (the GIL held), in the middle of a burst of
     requests (measured in a colocated `shuttle serve`: an engine step of 210 ms wall, 10 ms CPU).
     vLLM's engine core does the same after start-up. Thawed at exit, so that the interpreter's
-    last collection still finalizes them (else Triton's bindings report leaked objects)."""
+    last collection still finalizes them (else Triton's bindings report leaked objects). Then the
+    heap's free pages go back to the system (glibc's malloc_trim): the float copies that packing or
+    quantising replaced were freed into the heap, where they stayed resident."""
     gc.collect()
     gc.freeze()
     atexit.register(gc.unfreeze)
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: torch.dtype | None = None,
