@@ -1,10 +1,12 @@
 /* Helpers the native kernels share: bfloat16 is the top half of a float32, so widening is a
  * zero-extend and a shift by 16; rounding back to it; the horizontal sum of 8 floats; OpenMP's wait
- * policy; and the constants of Cephes' expf (e^x = 2^n e^r, n = round(x log2 e), r = x - n ln 2 in
- * two parts, e^r a degree-6 polynomial) that the AVX2 exp8 and the AVX-512 exp16 both evaluate. */
+ * policy; the MoE blocks' spin-then-yield barrier; and Cephes' expf (e^x = 2^n e^r, n = round(x
+ * log2 e), r = x - n ln 2 in two parts, e^r a degree-6 polynomial) that the AVX2 exp8 and the
+ * AVX-512 exp16 both evaluate. */
 #ifndef SHUTTLE_BF16_AVX2_H
 #define SHUTTLE_BF16_AVX2_H
 #include <immintrin.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -71,6 +73,46 @@ static inline int passive_waits(void) {
 #define EXP_P3 4.1665795894e-2f
 #define EXP_P4 1.6666665459e-1f
 #define EXP_P5 5.0000001201e-1f
+
+/* e^x for any float x, relative error ~2e-7 (as moe_avx512bf16.c's exp16): +inf above 88.72, 0
+ * below -87.34. Paged attention's scores (minus their running max) and the int8 block's SiLU. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.7228f), lo = _mm256_set1_ps(-87.3365f);
+    const __m256 over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ), under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), x);
+    __m256 y = _mm256_set1_ps(EXP_P0);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P1));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P2));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P3));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P4));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P5));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    /* 2^n in two halves, so that n = 128 (x near 88.7) does not overflow the exponent field */
+    const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1), bias = _mm256_set1_epi32(127);
+    const __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+    const __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
+    y = _mm256_mul_ps(_mm256_mul_ps(y, p1), p2);
+    y = _mm256_blendv_ps(y, _mm256_set1_ps(__builtin_inff()), over);
+    return _mm256_andnot_ps(under, y);
+}
+
+/* Every thread of the team waits here until all `nt` have arrived (once per counter; the bf16 and
+ * int8 MoE blocks). The wait is the up phase's imbalance, a few us; under passive waits an omp barrier would put the early thread to
+ * sleep and wake it (20-60 us here, once per MoE layer). It spins, then yields the core, so that an
+ * oversubscribed host still lets the late thread run. The release/acquire pair publishes the up
+ * phase's h rows to every thread's down phase. */
+static inline void spin_barrier(int64_t *arrived, int nt) {
+    __atomic_add_fetch(arrived, 1, __ATOMIC_ACQ_REL);
+    for (int64_t i = 0; __atomic_load_n(arrived, __ATOMIC_ACQUIRE) < nt; i++) {
+        if (i < 2000) _mm_pause(); /* ~50 us here; then every poll offers the core to whoever waits for it */
+        else sched_yield();
+    }
+}
+
 /* Run call(R) with R a compile-time constant 1..8 (R > 8 or < 1: 1), so row-blocked kernels get
    their accumulators in registers for every row count of a tile. */
 #define BY_ROWS(n, call)        \

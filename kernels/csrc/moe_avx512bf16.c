@@ -105,19 +105,6 @@ AI512 void panel_dot(const uint32_t *const *xr, const uint32_t *pw, int64_t pair
     }
 }
 
-/* Every thread of the team waits here until all `nt` have arrived (once per counter). The wait is the
- * up phase's imbalance, a few us; under passive waits an omp barrier would put the early thread to
- * sleep and wake it (20-60 us here, once per MoE layer). It spins, then yields the core, so that an
- * oversubscribed host still lets the late thread run. The release/acquire pair publishes the up
- * phase's h rows to every thread's down phase. */
-static inline void spin_barrier(int64_t *arrived, int nt) {
-    __atomic_add_fetch(arrived, 1, __ATOMIC_ACQ_REL);
-    for (int64_t i = 0; __atomic_load_n(arrived, __ATOMIC_ACQUIRE) < nt; i++) {
-        if (i < 2000) _mm_pause(); /* ~50 us here; then every poll offers the core to whoever waits for it */
-        else sched_yield();
-    }
-}
-
 /* Rows of the next of `tiles` tiles over `rows` rows: as even as they go (17 rows: 6, 6, 5 rather
  * than 8, 8, 1; a tile of few rows waits on its few accumulators' latency about as long as a full
  * one computes). */

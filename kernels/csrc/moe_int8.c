@@ -88,32 +88,6 @@ TBF static void dot_bf16dot(const void *x, int64_t ldx, int R, const void *pw, i
 }
 #endif
 
-/* e^x for any float x, relative error ~2e-7 (Cephes' expf, as moe_avx512bf16.c's exp16): +inf above
- * 88.72, 0 below -87.34. */
-static inline __m256 exp8(__m256 x) {
-    const __m256 hi = _mm256_set1_ps(88.7228f), lo = _mm256_set1_ps(-87.3365f);
-    const __m256 over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ), under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), x);
-    __m256 y = _mm256_set1_ps(EXP_P0);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P1));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P2));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P3));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P4));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P5));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    /* 2^n in two halves, so that n = 128 (x near 88.7) does not overflow the exponent field */
-    const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1), bias = _mm256_set1_epi32(127);
-    const __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
-    const __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
-    y = _mm256_mul_ps(_mm256_mul_ps(y, p1), p2);
-    y = _mm256_blendv_ps(y, _mm256_set1_ps(__builtin_inff()), over);
-    return _mm256_andnot_ps(under, y);
-}
-
 /* One row's h[0..16): silu(gate) * up from its 16 gate sums c[0..16) and 16 up sums c[16..32), scaled
  * by gs and us; round: bf16 x, rounded where torch rounds (gate, up, silu(gate), the product). h is
  * float32 (the FMA kernels' input) or bf16 (h_bf16: BF16DOT's and AMX's). */
@@ -160,17 +134,6 @@ static inline void down_store(const float *c, const float *scale, float w, void 
                 ((float *)y)[o] = out[o];
             }
         }
-}
-
-/* Every thread of the team waits here until all `nt` have arrived (one counter per barrier): it spins,
- * then yields the core, instead of sleeping in an omp barrier under passive waits (a 20-60 us
- * wake-up). The release/acquire pair publishes the rows written before it. */
-static inline void team_barrier(int64_t *arrived, int nt) {
-    __atomic_add_fetch(arrived, 1, __ATOMIC_ACQ_REL);
-    for (int64_t i = 0; __atomic_load_n(arrived, __ATOMIC_ACQUIRE) < nt; i++) {
-        if (i < 2000) _mm_pause();
-        else sched_yield();
-    }
 }
 
 /* The layout of one call: sizes, and per kernel the rows of its blocks. */
@@ -416,7 +379,7 @@ int shuttle_fused_moe_int8(const void *x, int x_bf16, int64_t T, int64_t D, cons
                 gather_row(&L, x, x_bf16, tok[r], kern[e], xs + r * L.xb, hs + r * L.hb);
             }
         }
-        if (nt > 1) team_barrier(&gathered, nt);
+        if (nt > 1) spin_barrier(&gathered, nt);
         /* up: chunks of UP_CHUNK items, claimed as threads get to them */
         for (int64_t it0 = UP_CHUNK * __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED); it0 < nitems;
              it0 = UP_CHUNK * __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED)) {
@@ -436,7 +399,7 @@ int shuttle_fused_moe_int8(const void *x, int x_bf16, int64_t T, int64_t D, cons
                 up_item(&L, k, xs, r0, r1, pg, pu, gs, us, hs, 16 * u, d0, d1, c);
             }
         }
-        if (nt > 1) team_barrier(&arrived, nt);
+        if (nt > 1) spin_barrier(&arrived, nt);
         /* down: output panels [lo, hi), every expert in ascending id, blocks of its rows */
         const int64_t lo = L.P2 * th / nt, hi = L.P2 * (th + 1) / nt;
         for (int64_t e = 0; e < E && lo < hi; e++) {

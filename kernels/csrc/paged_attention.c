@@ -35,27 +35,6 @@ static inline float load1(const void *base, int64_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
-/* e^x for x <= 0 (scores minus their running max), relative error ~2e-7: 2^n times a degree-6
- * polynomial of the remainder (Cephes' expf constants). Below -87 it returns 0. */
-static inline __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), x);
-    __m256 y = _mm256_set1_ps(EXP_P0);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P1));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P2));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P3));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P4));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P5));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
-}
-
 #define AI static inline __attribute__((always_inline))
 
 /* s[g] = scale q_g . k for GN query heads at once: each widened key vector feeds GN FMAs. */
