@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import print_table, save  # noqa: E402
 from bench.engine import mixtral, read_bandwidth  # noqa: E402
+from bench.soak import process_title, rss_bytes  # noqa: E402
 from server import LLM, SamplingParams  # noqa: E402
 
 CONFIGS = {"base": None, "int8": "int8"}
@@ -83,15 +84,11 @@ def speed(args: argparse.Namespace, ckpt: Path) -> tuple[list[dict], dict, float
 
 
 def _rss_mib(title: str) -> float | None:
-    """VmRSS in MiB of this process's descendant whose command line is `title`, or None."""
-    for d in Path("/proc").iterdir():
-        try:
-            if d.name.isdigit() and (d / "cmdline").read_bytes().split(b"\0")[0].decode() == title:
-                status = (d / "status").read_text()
-                return int(status.split("VmRSS:")[1].split()[0]) / 1024
-        except (OSError, IndexError, UnicodeDecodeError):
-            continue
-    return None
+    """VmRSS in MiB of the process whose title is `title` (this run's only one), or None."""
+    pids = (int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit())
+    pid = next((p for p in pids if process_title(p) == title), None)
+    nbytes = None if pid is None else rss_bytes(pid)
+    return None if nbytes is None else nbytes / 2 ** 20
 
 
 def pools_memory(args: argparse.Namespace, ckpt: Path) -> dict:

@@ -391,7 +391,8 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int | None, bytes]:
         return None, b""
 
 
-def _title(pid: int) -> str:
+def process_title(pid: int) -> str:
+    """The process title (first word of its command line), "" when it is gone."""
     try:
         return Path(f"/proc/{pid}/cmdline").read_text(errors="replace").split("\0")[0]
     except OSError:
@@ -400,7 +401,7 @@ def _title(pid: int) -> str:
 
 def _signal(pid: int, title: str, sig: int) -> bool:
     """Send sig to pid if it still is the process titled `title`; whether it was."""
-    if _title(pid) != title:
+    if process_title(pid) != title:
         return False
     try:
         os.kill(pid, sig)

@@ -130,13 +130,11 @@ def choose_kernels(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, PackedExperts) and m.int8 is not None:
             int8_moe.add((m.int8.hidden, m.int8.inter))
-        weights = [m.weight] if isinstance(m, PackedLinear) else [m.cpu_weight] \
-            if isinstance(m, Router) and getattr(m, "cpu_weight", None) is not None else []
+            continue
         if isinstance(m, PackedExperts) and m.native is not None:
             moe.add((m.w2_packed[0].out_features, m.w2_packed[0].in_features))
-        elif isinstance(m, PackedExperts):
-            weights += [*m.w13_packed, *m.w2_packed]
-        for w in weights:
+            continue
+        for w in cpu_weights(m):
             if w.panels is not None:
                 gemm.add((w.out_features, w.panels.shape[1] * 2))
             elif w.half is not None:
@@ -177,14 +175,21 @@ def fuse_qkv(attn: Attention) -> None:
     del attn.q_proj, attn.k_proj, attn.v_proj
 
 
+def cpu_weights(m: nn.Module) -> list:
+    """The weights prepared for the CPU that module `m` itself holds (CpuWeight, ExpertPanels or
+    Int8ExpertPanels): a PackedLinear's, a Router's copy, every expert's of PackedExperts."""
+    if isinstance(m, PackedLinear):
+        return [m.weight]
+    if isinstance(m, Router):
+        return [] if getattr(m, "cpu_weight", None) is None else [m.cpu_weight]
+    return [*m.w13_packed, *m.w2_packed] if isinstance(m, PackedExperts) else []
+
+
 def half_copy_bytes(module: nn.Module) -> int:
-    """Bytes of the bf16 copies that cpu_linear streams for few rows (kernels/cpu_linear.CpuWeight)."""
-    total = 0
-    for m in module.modules():
-        weights = [m.weight] if isinstance(m, PackedLinear) else [*m.w13_packed, *m.w2_packed] \
-            if isinstance(m, PackedExperts) else []
-        total += sum(w.half.numel() * 2 for w in weights if w.half is not None)
-    return total
+    """Bytes of the bf16 copies that cpu_linear streams for few rows (kernels/cpu_linear.CpuWeight) in
+    linears and experts."""
+    return sum(w.half.numel() * 2 for m in module.modules() if not isinstance(m, Router)
+               for w in cpu_weights(m) if w.half is not None)
 
 
 def resident_weight_bytes(module: nn.Module) -> dict[str, int]:
@@ -203,10 +208,7 @@ def resident_weight_bytes(module: nn.Module) -> dict[str, int]:
                 else "embedding" if "embed_tokens" in name else "other")
         for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
             add(kind, t)
-        weights = [m.weight] if isinstance(m, PackedLinear) else [m.cpu_weight] \
-            if isinstance(m, Router) and getattr(m, "cpu_weight", None) is not None else \
-            [*m.w13_packed, *m.w2_packed] if isinstance(m, PackedExperts) else []
-        for w in weights:
+        for w in cpu_weights(m):
             for t in (getattr(w, "packed", None), w.half, w.panels):
                 add(kind, t)
             if w.int8 is not None:
