@@ -33,7 +33,7 @@ from attention_nodes.engine import LLMEngine
 from attention_nodes.sampling_params import SamplingParams
 from bench.fault_load import PROMPTS, complete, fault_under_load
 from clients.live_server import LiveServer
-from pools.supervision import Supervision, Worker, WorkerFailedError, _Broken
+from pools.supervision import Supervision, Worker, WorkerFailedError, _Broken, _down
 from server.cli import main as cli_main
 
 NUM_REQUESTS = int(os.environ.get("SHUTTLE_FAULT_REQUESTS", "12"))
@@ -372,6 +372,12 @@ def test_a_worker_is_failed_only_when_stopped_throughout_dead_after_s():
             os.kill(child.pid, signal.SIGCONT)
             time.sleep(0.05)
         os.kill(child.pid, signal.SIGSTOP)
+        # A stop takes effect when the child is next scheduled, and its last context switch is
+        # counted as it stops: on a loaded host the first look could come before either.
+        deadline = time.monotonic() + 5
+        while not _down(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
         eng.check_procs()
         time.sleep(0.65)
         with pytest.raises(_Broken, match="worker e0 is stopped .* for 0.6 s or more"):
