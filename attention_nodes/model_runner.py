@@ -60,6 +60,9 @@ class ModelRunner:
         cpu_torch = self.device.type == "cpu" and self.model.ops.backend == "torch"
         self.packed = cpu_torch and pack_for_cpu_inference(self.model, cfg.quantization)
         self.resident_bytes = resident_weight_bytes(self.model)  # after packing / quantising
+        # What --quantization saved against the unquantised weights: the CPU's default KV budget gets it
+        self.freed_bytes = max(0, sum(self.weight_bytes.values()) - sum(self.resident_bytes.values())) \
+            if cfg.quantization else 0
         # Under passive OpenMP waits (the pools on one host) a decode step whose heavy work is all
         # native keeps torch's small ops on one thread: each would wake the pool (native.py).
         self.narrow_decode = self.packed and native.passive_waits() and decode_is_native(self.model)
@@ -69,6 +72,7 @@ class ModelRunner:
         if self.compiled:
             compile_stages(self.model)
         self.block_size = cfg.cache.block_size
+        self.kv_from_freed = 0  # of the KV budget (_num_blocks)
         self.num_blocks = self._num_blocks(cfg)
         self.cache = make_paged_cache(self.model_cfg, self.num_blocks, self.block_size, self.dtype, self.device,
                                       self.model.ops)
@@ -79,9 +83,11 @@ class ModelRunner:
             log.info("native decode: %s", ("each step's layers in one call" if dispatcher is None else
                                            "each layer's attention side in one call")
                      if self.model.native_decode else f"off ({why_not(self.model, self.cache, dispatcher is None)})")
-        log.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %d bytes per token%s), kernels: %s%s",
+        log.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB%s, %d bytes per token%s), kernels: %s%s",
                  self.num_blocks, self.block_size, self.num_blocks * self.block_size,
-                 self.num_blocks * self._block_bytes() / 2 ** 30, self.model_cfg.kv_bytes_per_token(self.dtype),
+                 self.num_blocks * self._block_bytes() / 2 ** 30,
+                 f"; {_size(self.kv_from_freed)} of it freed by {cfg.quantization} weights" if self.kv_from_freed else "",
+                 self.model_cfg.kv_bytes_per_token(self.dtype),
                  ": MLA latents" if self.model_cfg.mla else "", self.model.ops.backend,
                  "" if not self.packed else " (weights packed for oneDNN" + (
                      f"; bf16 copies for up to {SKINNY_MAX_ROWS} rows, {half / 2 ** 30:.2f} GiB)"
@@ -96,7 +102,9 @@ class ModelRunner:
 
     def _num_blocks(self, cfg: EngineConfig) -> int:
         """cache.num_blocks, else cache.kv_cache_gib, else (CPU) enough for every sequence at full
-        context capped at 2 GiB, or (CUDA) a fraction of the free memory."""
+        context capped at 2 GiB plus what quantising the weights freed (the same memory as the
+        unquantised model's weights and cache), or (CUDA) a fraction of the free memory (which the
+        freed bytes are part of)."""
         if cfg.cache.num_blocks is not None:
             return cfg.cache.num_blocks
         per_block = self._block_bytes()
@@ -106,7 +114,8 @@ class ModelRunner:
             budget = torch.cuda.mem_get_info(self.device)[0] * CUDA_MEMORY_FRACTION
         else:
             full = cfg.scheduler.max_num_seqs * -(-self.model_cfg.max_model_len // self.block_size) * per_block
-            budget = min(full, CPU_DEFAULT_KV_GIB * 2 ** 30)
+            budget = min(full, CPU_DEFAULT_KV_GIB * 2 ** 30 + self.freed_bytes)
+            self.kv_from_freed = int(max(0, budget - CPU_DEFAULT_KV_GIB * 2 ** 30))
         blocks = int(budget // per_block)
         if blocks < 1:
             raise ValueError(f"the KV cache budget of {budget / 2 ** 30:.3f} GiB holds no block of {per_block} bytes")
@@ -138,8 +147,10 @@ class ModelRunner:
     def decode_threads(self, num_new_tokens: list[int]):
         """The threads a step with these new tokens per sequence runs on: under passive waits a
         decode-only step of a model whose heavy work is native keeps torch on one thread
-        (native.native_parallel_only); otherwise unchanged."""
-        return native.native_parallel_only(self.narrow_decode and max(num_new_tokens) == 1)
+        (native.native_parallel_only), unless attention's measured choice at this batch is torch's
+        (kernels/choice.py); otherwise unchanged."""
+        return native.native_parallel_only(self.narrow_decode and max(num_new_tokens) == 1
+                                           and native.runs_native("attention", len(num_new_tokens)))
 
     def logits(self, h_TD: torch.Tensor) -> torch.Tensor:
         """The LM head of these rows on every thread, also inside decode_threads: the cast of rows x

@@ -166,3 +166,24 @@ def test_packed_int8_experts_equal_fused_moe_on_dequantised_weights(variant, T):
                      b13_EI2=None if experts.b13 is None else experts.b13.detach()[pick],
                      b2_ED=None if experts.b2 is None else experts.b2.detach()[pick])
     torch.testing.assert_close(sub(x, local_ids, w), want, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_kv_budget_gets_what_int8_freed(ckpts, monkeypatch, caplog):
+    """On the CPU the default KV budget is the unquantised model's plus what quantising freed, so the
+    weights and the cache take the same memory as before; the log says how much of it came so."""
+    from attention_nodes import model_runner
+    from attention_nodes.config import CacheConfig, EngineConfig
+
+    monkeypatch.setattr(model_runner, "CPU_DEFAULT_KV_GIB", 2 ** -14)  # 64 KiB: below the full-context need
+    plain = model_runner.ModelRunner(EngineConfig(str(ckpts[0])))
+    with caplog.at_level("INFO", logger="shuttle"):
+        int8 = model_runner.ModelRunner(EngineConfig(str(ckpts[0]), quantization="int8"))
+    per_block = plain._block_bytes()
+    assert plain.freed_bytes == 0 and plain.num_blocks == 2 ** 16 // per_block
+    freed = sum(int8.weight_bytes.values()) - sum(int8.resident_bytes.values())
+    assert freed > 0 and int8.freed_bytes == freed
+    assert int8.num_blocks == (2 ** 16 + freed) // per_block > plain.num_blocks
+    assert any("freed by int8 weights" in r.getMessage() for r in caplog.records)
+    # an explicit budget is the user's: nothing added
+    explicit = model_runner.ModelRunner(EngineConfig(str(ckpts[0]), quantization="int8", cache=CacheConfig(num_blocks=4)))
+    assert explicit.num_blocks == 4 and explicit.kv_from_freed == 0
