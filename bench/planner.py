@@ -1,7 +1,7 @@
 """The planner's predictions against measured runs on this host, side by side.
 
-    python bench/planner.py [--quick] [--dtype bfloat16] [--serve-dtype auto] [--rounds R] [--repeats N]
-                            [--shapes mixtral,fine] [--only NAME,...] [--fresh-profile] [--fresh-front]
+    python bench/planner.py [--quick] [--dtype bfloat16] [--serve-dtype auto] [--quantization int8] [--rounds R]
+                            [--repeats N] [--shapes mixtral,fine] [--only NAME,...] [--fresh-profile] [--fresh-front]
 
 For each model shape (built locally with random weights: "mixtral" about 400M parameters, 8
 experts of 2048, top-2; "fine" the same size in 32 experts of 512, top-4; --quick: about 25M):
@@ -16,7 +16,8 @@ experts of 2048, top-2; "fine" the same size in 32 experts of 512, top-4; --quic
    between rows minutes apart.
 The table gives output throughput and mean TPOT, predicted and measured, and their errors; the
 summary: median absolute throughput error and how many are within 10% (throughput) and 15% (TPOT)
-over the deployments that do not oversubscribe the cores. Writes bench/results/planner.json.
+over the deployments that do not oversubscribe the cores. Writes bench/results/planner.json
+(planner_int8.json with --quantization int8: every profile, plan and server with int8 experts).
 Each measurement follows a warm-up run of one batch on the same server; with --repeats N each
 compared metric (throughput, mean TPOT, mean TTFT) is the median of N runs, and every row keeps
 their spread, the host's load average, and the CPU seconds per output token of the front, each
@@ -167,7 +168,7 @@ def _load_args(ckpt: Path, batch: int, args) -> tuple[int, list[str]]:
 def _server(ckpt: Path, flags: list[str], batch: int, args):
     """A live `shuttle serve` of the deployment, warmed up with one batch of short requests."""
     dtype = [] if args.serve_dtype == "auto" else ["--dtype", args.serve_dtype]
-    with LiveServer(["--model", str(ckpt), "--max-num-seqs", str(batch), *dtype, *flags]) as srv:
+    with LiveServer(["--model", str(ckpt), "--max-num-seqs", str(batch), *dtype, *quantization(args), *flags]) as srv:
         # Every run draws other prompts (its own --seed): a prompt the server saw before is served from
         # its prefix cache, and the simulated workload has no repeated prompt. (With one seed for all,
         # the measured runs re-sent the warm-up's prompts: half the prompts at batch < 256, all at
@@ -253,7 +254,7 @@ def setup_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> 
     prof_path = tmp / f"{name}.profile.json"
     cmd = [sys.executable, "-m", "server.cli", "profile", "--model", str(ckpt), "--out", str(prof_path),
            "--torch-threads", "1,2", "--transport", "shm,tcp", "--dtype", args.serve_dtype,
-           *(["--quick"] if args.quick else [])]
+           *(["--quick"] if args.quick else []), *quantization(args)]
     subprocess.run(cmd, check=True)
     profile = json.loads(prof_path.read_text())
     fresh_path = tmp / f"{name}.fresh.json"
@@ -388,9 +389,15 @@ def plan_pick(ckpt: Path, prof_path: Path, args) -> dict:
     out = prof_path.with_suffix(".plan.json")
     cmd = [sys.executable, "-m", "server.cli", "plan", "--model", str(ckpt), "--hardware", "host", "--profile",
            str(prof_path), "--max-devices", "2", "--tbt-slo-ms", "100000", "--input-len", str(args.input_len),
-           "--output-len", str(args.output_len), "--out", str(out), *(["--quick"] if args.quick else [])]
+           "--output-len", str(args.output_len), "--out", str(out), *(["--quick"] if args.quick else []),
+           *quantization(args)]
     subprocess.run(cmd, check=True)
     return json.loads(out.read_text()), out
+
+
+def quantization(args) -> list[str]:
+    """The --quantization flag of profile, plan and serve (none for unquantised weights)."""
+    return ["--quantization", args.quantization] if args.quantization else []
 
 
 def plan_deployment(plan: dict, cores: int):
@@ -421,6 +428,9 @@ def main() -> None:
     p.add_argument("--fresh-front", action="store_true",
                    help="with --fresh-profile, profile the front and its served runs again too (about 12 s more "
                         "a deployment), so the served factors are as fresh as the workers' fits")
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="profile, plan and serve with these weights (shuttle serve --quantization); the result "
+                        "goes to planner_int8.json")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--min-prompts", type=int, default=32,
@@ -466,7 +476,8 @@ def main() -> None:
                          if args.rounds > 1 else [])])
     print(json.dumps(summary, indent=1))
     result = {"config": vars(args), "rows": rows, "summary": summary, "shapes": extra}
-    path = save("planner_partial" if args.only or args.shapes else "planner", result)
+    path = save("planner_partial" if args.only or args.shapes else
+                f"planner_{args.quantization}" if args.quantization else "planner", result)
     print(f"wrote {path}")
 
 
