@@ -9,12 +9,14 @@ column to that head's scaled scores before the softmax and dropped after it, so 
 weight "nowhere" (the outputs are scaled down by the sink's share).
 
 CPU decode path (paged_decode_attention, paged_latent_decode_attention, and cached_attention's
-one-token case): the visible pages are gathered into one (B, S', K, H) tensor in the compute dtype,
-and torch's fused flash-attention CPU kernel runs with each kv head's G query heads as its G "query
-rows", so every key is read once per group, and the kernel splits (sequence, kv head) pairs across
-torch's intra-op threads. A key-padding bias masks each sequence's tail (and what lies outside its
-sliding window); sinks rescale the output with the kernel's log-sum-exp (o * sigmoid(lse - sink)),
-which is exactly the extra softmax column. The compute dtype is float32 for bf16/fp16 where oneDNN
+one-token case; paged_decode_attention runs the native kernel instead, pages read in place, where
+it takes the batch and kernels/choice.py measured it faster at the batch size): the visible pages
+are gathered into one (B, S', K, H) tensor in the compute dtype, and torch's fused flash-attention
+CPU kernel runs with each kv head's G query heads as its G "query rows", so every key is read once
+per group, and the kernel splits (sequence, kv head) pairs across torch's intra-op threads. A
+key-padding bias masks each sequence's tail (and what lies outside its sliding window); sinks
+rescale the output with the kernel's log-sum-exp (o * sigmoid(lse - sink)), which is exactly the
+extra softmax column. The compute dtype is float32 for bf16/fp16 where oneDNN
 has no fast path for them (AVX2-only CPUs emulate reduced-precision GEMMs about 10x slower than
 float32); the softmax is float32 in every case. The *_reference functions (two batched matmuls
 over every page, any device) are the oracles and the baselines of bench/kernels_cpu.py.
@@ -331,12 +333,14 @@ def paged_decode_attention(
     context length of each sequence including its new token (>= 1), whose key and value must already
     be in the cache. Visibility as in cached_attention (window: keys j > p - w). sinks_N: optional
     per-head sink logits (float32 or q's dtype). Returns o_BNH in q's dtype.
-    On the CPU: the flash path of the module docstring; elsewhere paged_decode_attention_reference.
+    On the CPU: the native kernel where it takes the batch and kernels/choice.py measured it faster at
+    this many sequences (op "attention"), else the flash path of the module docstring; elsewhere
+    paged_decode_attention_reference.
     """
     if q_BNH.device.type != "cpu":
         return paged_decode_attention_reference(q_BNH, k_cache_PSKH, v_cache_PSKH, block_table_BM, seq_lens_B, scale,
                                                 sliding_window, sinks_N)
-    if _native_decode_ok(q_BNH, k_cache_PSKH, v_cache_PSKH):
+    if _native_decode_ok(q_BNH, k_cache_PSKH, v_cache_PSKH) and native.runs_native("attention", q_BNH.shape[0]):
         return _paged_native(q_BNH, k_cache_PSKH, v_cache_PSKH, block_table_BM, seq_lens_B, scale, sliding_window,
                              sinks_N)
     return _paged_flash(q_BNH, k_cache_PSKH, v_cache_PSKH, block_table_BM, seq_lens_B, scale, sliding_window,

@@ -20,17 +20,33 @@ Ops (each candidate reads the same weights, so the choice can change with the ro
   int8_moe  one int8 expert's bf16 rows in the fused int8 block (kernels/int8.fused_moe_int8): fma
           (codes widened in registers; AVX-512, else AVX2) or amx (each panel dequantised to bf16);
           the kernel takes one threshold, so AMX runs from the first bucket after which it always won
+  attention  paged decode attention (kernels/attention.paged_decode_attention) per bucket of the
+          batch's sequences, each attending over ATTENTION_CONTEXT (256) tokens in pages of
+          ATTENTION_PAGE (16) slots scattered over the cache; shape (N, K, H, bytes per element):
+          native  the pages read in place (kernels/csrc/paged_attention.c)
+          torch   the pages gathered, then torch's flash-attention CPU kernel (_paged_flash)
+  rmsnorm  residual add + RMSNorm of rows of D, shape (D, bytes per element) (kernels/rmsnorm.py; the
+          q/k norms, without the add, run the same kernel): native (kernels/csrc/rmsnorm.c) or torch
+  routing  softmax top-k of (T, E) logits, shape (E, top_k, bytes per element) (kernels/routing.py;
+          other routers have no kernel): native (decode_step.c's route, one thread) or torch
+(Bytes per element 2: bf16, 4: float32.) These three are kernels/native.NATIVE_OR_TORCH: their picks
+fill its tables, read by every eager call; without the library nothing is chosen and torch runs. The
+native decode step (models/native_decode.py) calls the same kernels from C, so it takes a batch only
+where all three tables say native at its size (elsewhere the eager layers run, each op as picked).
 
 Row buckets: 1, 2, 3-4, 5-8, ..., 513-1024, over 1024 (the C table's, kernels/csrc/amx_bf16.c), each
-timed at its largest count (2048 for the last). The candidates of a bucket are timed in turn, three
-rounds, the median kept; a candidate that lost by more than LOSING_RATIO in two buckets in a row is
-not timed at larger counts (it loses there too) if its ratio to the best grew between the two. A
-bucket keeps the previous bucket's kernel unless another is faster by more than TIE (5%), so that
-timing noise between kernels that stream the same bytes does not interleave them.
+timed at its largest count (2048 for the last); the three cheap ops only up to the largest bucket
+whose input fits TIMED_BYTES (larger ones take its pick: the work per row is the same), each timing
+STEP_MIN_S long: tenths of a second each, once per machine and shapes. The candidates of a bucket are
+timed in turn, three rounds, the median kept; a candidate that lost by more than LOSING_RATIO in two
+buckets in a row is not timed at larger counts (it loses there too) if its ratio to the best grew
+between the two. A bucket keeps the previous bucket's kernel unless another is faster by more than
+TIE (5%), so that timing noise between kernels that stream the same bytes does not interleave them.
 
 SHUTTLE_KERNEL_CHOICE (this module is the only place that reads it): unset or "auto": the cached
 table, else measure; "measure": measure again; "CANDIDATE" or "op=CANDIDATE,...": that candidate at
-every row count where it can run (benchmarks set old against new with it).
+every row count where it can run (benchmarks set old against new with it; "torch" sends every op
+that has a torch path there, "attention=torch" attention alone).
 """
 import functools
 import hashlib
@@ -53,10 +69,16 @@ ENV_VAR = "SHUTTLE_KERNEL_CHOICE"
 LOSING_RATIO = 2.0
 TIE = 0.05  # a bucket keeps the previous bucket's kernel unless another is faster by more than this
 ROUNDS = 3
+MIN_S = 0.002  # each timing runs the call for at least this long
+STEP_MIN_S = 0.0005  # the same for the cheap ops (native.NATIVE_OR_TORCH)
+TIMED_BYTES = 16 << 20  # the cheap ops' largest timed input (attention: the keys and values it reads)
+ATTENTION_CONTEXT = 256  # tokens per sequence where attention is timed
+ATTENTION_PAGE = 16  # token slots per page there (CacheConfig.block_size's default)
 CANDIDATES = {"gemm": ("avx512", "amx", "onednn"), "moe": ("avx512", "amx"), "skinny": ("native", "onednn"),
-              "int8_moe": ("fma", "amx")}
+              "int8_moe": ("fma", "amx"), **{op: ("native", "torch") for op in native.NATIVE_OR_TORCH}}
 CHOOSABLE = {"gemm": ("avx512", "amx"), "moe": ("avx512", "amx"), "skinny": ("native", "onednn"),
-             "int8_moe": ("fma", "amx")}
+             "int8_moe": ("fma", "amx"), **{op: ("native", "torch") for op in native.NATIVE_OR_TORCH}}
+_DTYPES = {2: torch.bfloat16, 4: torch.float32}  # the cheap ops' shapes name their dtype by its size
 _C_OPS = {"gemm": native.GEMM, "moe": native.MOE}
 _C_CANDIDATES = {"avx512": native.AVX512, "amx": native.AMX}
 
@@ -97,8 +119,16 @@ def _cache_path() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shuttle" / "kernel_choices.json"
 
 
+def _method(op: str) -> list:
+    """How op is timed, where that can change without the op's name changing (in its cache key)."""
+    if op in native.NATIVE_OR_TORCH:
+        return [CANDIDATES[op], STEP_MIN_S, TIMED_BYTES] + ([ATTENTION_CONTEXT, ATTENTION_PAGE] if op == "attention"
+                                                            else [])
+    return []
+
+
 def _key(op: str, shapes: list[tuple[int, ...]], threads: int) -> str:
-    text = json.dumps([host(), op, sorted(shapes), threads], sort_keys=True)
+    text = json.dumps([host(), op, sorted(shapes), threads, *_method(op)], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -217,10 +247,65 @@ def _int8_moe_runners(shape: tuple[int, int]) -> dict:
             "runners": {name: run(k) for name, k in kernels.items()}, "keep": experts}
 
 
-_RUNNERS = {"gemm": _gemm_runners, "moe": _moe_runners, "skinny": _skinny_runners, "int8_moe": _int8_moe_runners}
+def _timed_rows(row_bytes: int) -> int:
+    """The largest bucket row count whose input of row_bytes a row stays within TIMED_BYTES (1 at least)."""
+    return max([1] + [r for r in BUCKET_ROWS if r * row_bytes <= TIMED_BYTES])
 
 
-def time_us(fn, min_s: float = 0.002) -> float:
+def _attention_runners(shape: tuple[int, int, int, int]) -> dict:
+    N, K, H, size = shape
+    dt, S, pages = _DTYPES[size], ATTENTION_PAGE, -(-ATTENTION_CONTEXT // ATTENTION_PAGE)
+    row_bytes = 2 * pages * S * K * H * size
+    most = _timed_rows(row_bytes)
+    k_cache, v_cache = (torch.empty(most * pages, S, K, H, dtype=dt).uniform_(-1, 1) for _ in range(2))
+    table = torch.randperm(most * pages).view(most, pages)  # each sequence's pages scattered, as served
+    lens = torch.full((most,), ATTENTION_CONTEXT, dtype=torch.int64)
+    q = torch.empty(most, N, H, dtype=dt).uniform_(-1, 1)
+    scale = H ** -0.5
+    from kernels.attention import _paged_flash, _paged_native
+
+    def make_x(B):  # the tables are sliced once per bucket, so the per-step layout is reused as by layers
+        return q[:B], table[:B], lens[:B]
+
+    return {"make_x": make_x, "row_bytes": row_bytes, "min_s": STEP_MIN_S, "runners": {
+        "native": lambda x: (lambda: _paged_native(x[0], k_cache, v_cache, x[1], x[2], scale, None, None)),
+        "torch": lambda x: (lambda: _paged_flash(x[0], k_cache, v_cache, x[1], x[2], scale, None, None).to(dt))}}
+
+
+def _rmsnorm_runners(shape: tuple[int, int]) -> dict:
+    D, size = shape
+    dt = _DTYPES[size]
+    from kernels.rmsnorm import rms_norm_torch
+
+    most = _timed_rows(2 * D * size)
+    x, res = torch.empty(2, most, D, dtype=dt).uniform_(-2, 2)
+    w = torch.empty(D, dtype=dt).uniform_(0.5, 1.5)
+
+    def torch_path(x, res):
+        r = x + res
+        return rms_norm_torch(r, w, 1e-6), r
+
+    return {"make_x": lambda T: (x[:T], res[:T]), "row_bytes": 2 * D * size, "min_s": STEP_MIN_S, "runners": {
+        "native": lambda xr: (lambda: native.add_rms_norm(xr[0], xr[1], w, 1e-6)),
+        "torch": lambda xr: (lambda: torch_path(*xr))}}
+
+
+def _routing_runners(shape: tuple[int, int, int]) -> dict:
+    E, top_k, size = shape
+    from kernels.routing import topk_route_torch
+
+    most = _timed_rows(E * size)
+    logits = (torch.randn(most, E) * 2).to(_DTYPES[size])
+    return {"make_x": lambda T: logits[:T], "row_bytes": E * size, "min_s": STEP_MIN_S, "runners": {
+        "native": lambda x: (lambda: native.route_softmax_topk(x, top_k, True, 1.0)),
+        "torch": lambda x: (lambda: topk_route_torch(x, top_k, "softmax", True))}}
+
+
+_RUNNERS = {"gemm": _gemm_runners, "moe": _moe_runners, "skinny": _skinny_runners, "int8_moe": _int8_moe_runners,
+            "attention": _attention_runners, "rmsnorm": _rmsnorm_runners, "routing": _routing_runners}
+
+
+def time_us(fn, min_s: float = MIN_S) -> float:
     """Microseconds per call of fn, over enough calls to take at least min_s (one call at least)."""
     calls, start = 0, time.perf_counter()
     while True:
@@ -232,14 +317,17 @@ def time_us(fn, min_s: float = 0.002) -> float:
 
 
 def measure(op: str, shapes: list[tuple[int, ...]]) -> Choice:
-    """Time op's candidates on each shape at every bucket and pick, per bucket, the choosable one with
-    the least time summed over the shapes."""
+    """Time op's candidates on each shape at every bucket (the cheap ops: those within TIMED_BYTES on
+    every shape) and pick, per bucket, the choosable one with the least time summed over the shapes."""
     setups = [_RUNNERS[op](shape) for shape in shapes]
     names = [c for c in CANDIDATES[op] if all(c in s["runners"] for s in setups)]
     times = {c: [None] * len(BUCKET_ROWS) for c in names}
     losses, last_ratio = {c: 0 for c in names}, {}
     failed = set()
+    timed_rows = min(_timed_rows(s["row_bytes"]) if "row_bytes" in s else BUCKET_ROWS[-1] for s in setups)
     for b, rows in enumerate(BUCKET_ROWS):
+        if rows > timed_rows:
+            break
         live = [c for c in names if losses[c] < 2 and c not in failed]
         total = dict.fromkeys(live, 0.0)
         for setup in setups:
@@ -255,10 +343,10 @@ def measure(op: str, shapes: list[tuple[int, ...]]) -> Choice:
                     total.pop(c)
             if not any(c in CHOOSABLE[op] for c in live):
                 raise RuntimeError(f"no kernel candidate for {op} runs here ({', '.join(sorted(failed))} failed)")
-            rounds = {c: [] for c in live}
+            rounds, min_s = {c: [] for c in live}, setup.get("min_s", MIN_S)
             for r in range(ROUNDS):
                 for c in (live if r % 2 == 0 else live[::-1]):
-                    rounds[c].append(time_us(calls[c]))
+                    rounds[c].append(time_us(calls[c], min_s))
             for c in live:
                 total[c] += statistics.median(rounds[c])
         # the best choosable time sets the ratios: it is never dropped, and oneDNN (timed for the table
@@ -271,6 +359,9 @@ def measure(op: str, shapes: list[tuple[int, ...]]) -> Choice:
             last_ratio[c] = ratio
     picks = []
     for b in range(len(BUCKET_ROWS)):
+        if BUCKET_ROWS[b] > timed_rows:  # not timed (TIMED_BYTES): the largest timed bucket's pick
+            picks.append(picks[-1])
+            continue
         timed = {c: times[c][b] for c in CHOOSABLE[op] if c in times and times[c][b] is not None and c not in failed}
         if not timed:
             raise RuntimeError(f"no choosable kernel for {op} ran here (timed: {sorted(times)}, failed: {sorted(failed)})")
@@ -282,6 +373,9 @@ def measure(op: str, shapes: list[tuple[int, ...]]) -> Choice:
 
 
 def _apply(choice: Choice) -> None:
+    if choice.op in native.NATIVE_OR_TORCH:
+        native.set_runs_native(choice.op, [p == "native" for p in choice.picks])
+        return
     if choice.op == "int8_moe":
         from kernels import int8
         first = next((b for b in range(len(choice.picks)) if set(choice.picks[b:]) == {"amx"}), None)
@@ -301,7 +395,8 @@ _chosen: dict[str, Choice] = {}  # this process's tables by op
 def configure(op: str, shapes: list[tuple[int, ...]]) -> Choice | None:
     """Choose op's kernels for these weight shapes (cached, measured or forced) and install the table
     for the whole process. None where op has no kernels to choose between here."""
-    if op in ("gemm", "moe") and not native.avx512_bf16() or op == "skinny" and not native.available():
+    if op in ("gemm", "moe") and not native.avx512_bf16() or op in ("skinny", *native.NATIVE_OR_TORCH) \
+            and not native.available():
         return None
     if op == "int8_moe":
         from kernels import int8

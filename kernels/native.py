@@ -349,6 +349,27 @@ def uses_amx(op: int, rows: int) -> bool:
     return bool(_library().shuttle_use_amx(op, rows))
 
 
+# Ops with a native kernel and a torch path (the paged decode attention, RMSNorm, softmax routing),
+# and per row bucket whether the kernel runs: kernels/choice.py sets them by measurement; until then,
+# and where nothing is measured, the kernel wherever it can run. Read on every eager call.
+NATIVE_OR_TORCH = ("attention", "rmsnorm", "routing")
+_NATIVE_ROWS = {op: [True] * len(BUCKET_ROWS) for op in NATIVE_OR_TORCH}
+
+
+def set_runs_native(op: str, picks: list[bool]) -> None:
+    """Install op's table (one entry per row bucket; True: the native kernel)."""
+    if op not in _NATIVE_ROWS or len(picks) != len(BUCKET_ROWS):
+        raise ValueError(f"set_runs_native: op {op!r} (one of {NATIVE_OR_TORCH}) takes {len(BUCKET_ROWS)} picks, "
+                         f"got {len(picks)}")
+    _NATIVE_ROWS[op][:] = picks
+
+
+def runs_native(op: str, rows: int) -> bool:
+    """Whether op (NATIVE_OR_TORCH) takes its native kernel at `rows` rows (attention: sequences)
+    where the kernel can take the call; its torch path otherwise."""
+    return _NATIVE_ROWS[op][bucket(rows)]
+
+
 def pack_panels32(w_OI: torch.Tensor, in_features: int) -> torch.Tensor:
     """w (O, I) as fused_moe_bf16's weight panels, bf16: outputs in panels of 32 (zero rows past O),
     inputs zero-padded to in_features (even, >= I) and stored in pairs: (ceil(O/32), in/2, 32, 2)."""

@@ -1,8 +1,9 @@
 """RMSNorm (optionally with the residual add fused), computed in float32 as Hugging Face's reference does.
 
 On the CPU, outside autograd and torch.compile, contiguous bf16/float32 inputs go to one native call
-(kernels/native.add_rms_norm, kernels/csrc/rmsnorm.c) that rounds where these ops round; the torch
-ops below stay the reference and everything else's path.
+(kernels/native.add_rms_norm, kernels/csrc/rmsnorm.c) that rounds where these ops round, at the row
+counts where kernels/choice.py measured it faster (op "rmsnorm"); the torch ops below stay the
+reference and everything else's path.
 
 Legend: T tokens, D hidden (the normalised dimension, last axis).
 """
@@ -13,10 +14,11 @@ from kernels import native
 
 def _native(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
     tensors = (x, weight) if residual is None else (x, weight, residual)
+    # the table last: under torch.compile eager_cpu is False first, so no graph guards on it
     return (x.dtype in (torch.bfloat16, torch.float32)
             and all(t.dtype == x.dtype and t.is_contiguous() for t in tensors)
             and (residual is None or residual.shape == x.shape) and x.shape[-1] == weight.shape[0]
-            and native.eager_cpu(*tensors))
+            and native.eager_cpu(*tensors) and native.runs_native("rmsnorm", x.numel() // max(x.shape[-1], 1)))
 
 
 def rms_norm(x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
@@ -28,6 +30,11 @@ def rms_norm(x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Te
     """
     if _native(x_TD, weight_D):
         return native.add_rms_norm(x_TD, None, weight_D, eps)[0]
+    return rms_norm_torch(x_TD, weight_D, eps)
+
+
+def rms_norm_torch(x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm by torch ops alone (any device; autograd follows them)."""
     x32 = x_TD.float()
     var = x32.pow(2).mean(-1, keepdim=True)
     return weight_D * (x32 * torch.rsqrt(var + eps)).to(x_TD.dtype)

@@ -13,8 +13,10 @@ ranking, and softmax(all)[chosen] / sum of those = softmax(chosen)); its logits 
 
 On the CPU, outside autograd and torch.compile, softmax routing without groups or a correction bias
 runs in one native call (kernels/native.route_softmax_topk, the routing of the native decode step:
-kernels/csrc/decode_step.c), a handful of torch ops fewer per layer; its weights agree with the torch
-ops below up to the last bit of the softmax's exp, the ids but for exact ties.
+kernels/csrc/decode_step.c), a handful of torch ops fewer per layer, at the row counts where
+kernels/choice.py measured it faster (op "routing": the call walks its rows on one thread, torch's
+top-k is vectorised); its weights agree with the torch ops below up to the last bit of the
+softmax's exp, the ids but for exact ties.
 """
 from dataclasses import dataclass
 
@@ -76,7 +78,7 @@ def check_route_args(E: int, top_k: int, scoring: str, num_groups: int, topk_gro
 
 def _native(logits_TE: torch.Tensor) -> bool:
     return (logits_TE.dtype in (torch.bfloat16, torch.float32) and logits_TE.dim() == 2 and logits_TE.is_contiguous()
-            and native.eager_cpu(logits_TE))
+            and native.eager_cpu(logits_TE) and native.runs_native("routing", logits_TE.shape[0]))
 
 
 def topk_route(
@@ -95,6 +97,17 @@ def topk_route(
     check_route_args(E, top_k, scoring, num_groups, topk_groups, group_score)
     if scoring == "softmax" and num_groups == 1 and correction_bias_E is None and _native(logits_TE):
         return native.route_softmax_topk(logits_TE, top_k, renormalize, scaling)
+    return topk_route_torch(logits_TE, top_k, scoring, renormalize, correction_bias_E=correction_bias_E,
+                            num_groups=num_groups, topk_groups=topk_groups, group_score=group_score, scaling=scaling)
+
+
+def topk_route_torch(
+    logits_TE: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = False, *,
+    correction_bias_E: torch.Tensor | None = None, num_groups: int = 1, topk_groups: int = 1,
+    group_score: str = "max", scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_route by torch ops alone (any device), on arguments topk_route has checked."""
+    E = logits_TE.shape[-1]
     logits = logits_TE.float()
     scores_TE = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
     choice_TE = scores_TE if correction_bias_E is None else scores_TE + correction_bias_E.float()

@@ -13,7 +13,8 @@ from kernels.cpu_linear import (SKINNY_MAX_ROWS, CpuWeight, ExpertPanels, Packed
                                 packing_available)
 from kernels.int8 import Int8Experts, Int8ExpertPanels, fused_moe_int8, quantize_int8
 from kernels.moe import SILU, SwiGLU, fused_moe_packed
-from models.moe_decoder import Attention, Experts, MoEForCausalLM, Router
+from models.moe_decoder import Attention, DecoderLayer, Experts, MoEForCausalLM, Router, SparseMoE
+from models.norm import RMSNorm
 
 
 def fused_native_experts(experts: Experts) -> bool:
@@ -105,6 +106,7 @@ def pack_for_cpu_inference(model: MoEForCausalLM, quantization: str | None = Non
                 for name, child in list(parent.named_children()):
                     if isinstance(child, Experts):
                         setattr(parent, name, PackedExperts(child, quantization))
+        choose_kernels(model)  # what needs no packing: int8 experts, attention, norms, routing
         return False
     tied = model.cfg.tie_word_embeddings
     for attn in [m for m in model.modules() if isinstance(m, Attention)]:
@@ -124,8 +126,9 @@ def pack_for_cpu_inference(model: MoEForCausalLM, quantization: str | None = Non
 
 def choose_kernels(module: nn.Module) -> None:
     """Time the CPU kernels' candidates on the weight shapes of a packed module (a model, or an expert
-    worker's blocks) and install the fastest per op and row count for the process (kernels/choice.py;
-    cached on disk, so a process pays the timing once per machine and shapes)."""
+    worker's blocks), and on a model's attention, norm and routing shapes, and install the fastest per
+    op and row count for the process (kernels/choice.py; cached on disk, so a process pays the timing
+    once per machine and shapes)."""
     gemm, moe, skinny, int8_moe = set(), set(), set(), set()
     for m in module.modules():
         if isinstance(m, PackedExperts) and m.int8 is not None:
@@ -139,9 +142,28 @@ def choose_kernels(module: nn.Module) -> None:
                 gemm.add((w.out_features, w.panels.shape[1] * 2))
             elif w.half is not None:
                 skinny.add(tuple(w.half.shape))
-    for op, shapes in (("gemm", gemm), ("moe", moe), ("skinny", skinny), ("int8_moe", int8_moe)):
+    for op, shapes in (("gemm", gemm), ("moe", moe), ("skinny", skinny), ("int8_moe", int8_moe),
+                       *step_op_shapes(module).items()):
         if shapes:
             choice.configure(op, sorted(shapes))
+
+
+def step_op_shapes(module: nn.Module) -> dict[str, set]:
+    """The shapes (kernels/choice.py) of the ops with a native kernel and a torch path that a model's
+    decode layers run in bf16 or float32: per-head attention, every RMSNorm, softmax routing without
+    groups or a correction bias (the others have no native kernel)."""
+    out = {op: set() for op in native.NATIVE_OR_TORCH}
+    for layer in (m for m in module.modules() if isinstance(m, DecoderLayer)):
+        dtype = layer.input_layernorm.weight.dtype
+        if dtype in (torch.bfloat16, torch.float32):
+            out["rmsnorm"] |= {(m.weight.shape[0], dtype.itemsize) for m in layer.modules() if isinstance(m, RMSNorm)}
+            if isinstance(layer.self_attn, Attention):
+                c = layer.self_attn.cfg
+                out["attention"].add((c.num_heads, c.num_kv_heads, c.head_dim, dtype.itemsize))
+            if isinstance(layer.mlp, SparseMoE) and (r := layer.mlp.cfg.router).scoring == "softmax" \
+                    and r.num_groups == 1 and not r.correction_bias:
+                out["routing"].add((layer.mlp.cfg.num_experts, r.top_k, 4 if r.logits_fp32 else dtype.itemsize))
+    return out
 
 
 def decode_is_native(model: MoEForCausalLM) -> bool:

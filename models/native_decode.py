@@ -20,6 +20,9 @@ biases, no sinks, no clamp, q/k norm none / per head / full; a bf16 paged cache.
 Qwen3-MoE and OLMoE served in bf16 on a CPU with AVX-512 BF16; the rest keep the eager path.
 `native_decode=False` (EngineConfig, --no-native-decode) turns it off; the eager path stays the
 oracle: the kernels and their arguments are the same, so are the bits (tests/test_native_decode.py).
+Of those kernels, attention, RMSNorm and routing also have torch paths, chosen per batch size by
+measurement (kernels/choice.py); a step runs here only at batch sizes where all three picked the
+native kernel, and eagerly, each op as picked, elsewhere (`chosen_native`).
 """
 import ctypes
 
@@ -141,11 +144,19 @@ class NativeDecode:
         cache other than the one the tables point at)."""
         if cache is not self.cache or torch.is_grad_enabled() or all(i is None for i in inputs):
             return None
-        if any(i is not None and (i[1].max_q_len != 1 or i[1].parts is not None or i[1].block_table_BM is None)
-               for i in inputs):
+        if any(i is not None and (i[1].max_q_len != 1 or i[1].parts is not None or i[1].block_table_BM is None
+                                  or not self.chosen_native(i[1].block_table_BM.shape[0])) for i in inputs):
             return None
         whole = self.local and len(inputs) == 1 and type(dispatcher) is LocalDispatcher and not self.layer_by_layer
         return "step" if whole else "layers"
+
+    def chosen_native(self, B: int) -> bool:
+        """Whether kernels/choice.py picked the native kernel at a batch of B for each op of the step
+        that has a torch path (attention; the norms, at B rows and, per head, B N and B K; routing):
+        the step runs those kernels, so it runs only where the eager layers would run them too."""
+        rows = (B, B * self.cfg.num_heads, B * self.cfg.num_kv_heads) if self.spec.qk_norm == "per_head" else (B,)
+        return (native.runs_native("attention", B) and native.runs_native("routing", B)
+                and all(native.runs_native("rmsnorm", r) for r in rows))
 
     def _buffers_for(self, B: int, mb: int) -> dict[str, torch.Tensor]:
         bufs = self._buffers.get((B, mb))

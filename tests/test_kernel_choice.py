@@ -1,6 +1,8 @@
 """Kernels chosen by measurement (kernels/choice.py) and the AMX kernels on our panels
 (kernels/csrc/amx_bf16.c): every candidate against the float64 reference at odd shapes, the C table
-against the Python buckets, the chooser's cache, forcing and fallbacks."""
+against the Python buckets, the chooser's cache, forcing and fallbacks; the ops with a native kernel
+and a torch path (attention, rmsnorm, routing): each candidate against the reference, their tables
+followed, forced, measured and left alone without the library."""
 import json
 import logging
 
@@ -10,6 +12,7 @@ import torch
 import kernels.choice as choice
 import kernels.native as native
 
+NEEDS_NATIVE = pytest.mark.skipif(not native.available(), reason="native kernels unavailable here (no AVX2 or no cc)")
 NEEDS_AVX512_BF16 = pytest.mark.skipif(not native.avx512_bf16(), reason="this CPU has no AVX-512 BF16")
 NEEDS_AMX = pytest.mark.skipif(not native.amx(), reason="no AMX here (needs amx_bf16 and amx_tile, and the "
                                                          "kernel's permission for the tile state)")
@@ -209,7 +212,7 @@ def test_picks_prune_and_ties_on_given_times(monkeypatch):
         return {"make_x": lambda T: torch.zeros(T, 1), "runners": {c: make(c) for c in ("avx512", "amx", "onednn")}}
 
     monkeypatch.setitem(choice._RUNNERS, "gemm", runners)
-    monkeypatch.setattr(choice, "time_us", lambda fn: fn.us)
+    monkeypatch.setattr(choice, "time_us", lambda fn, min_s=None: fn.us)
     times.update(avx512=lambda r: 10.0 * r, amx=lambda r: 100.0 + r, onednn=lambda r: 1.0 + r)
     got = choice.measure("gemm", [(1, 1)])
     # avx512 10-160 against amx 101-116 at 1-16 rows: amx from 16 rows on (at 8: 80 against 108)
@@ -242,3 +245,195 @@ def test_int8_moe_threshold_follows_its_table(cache, monkeypatch):
     monkeypatch.setenv(choice.ENV_VAR, "measure")
     c = choice.configure("int8_moe", [(64, 32)])
     assert c.source == "measured" and set(c.picks) <= {"fma", "amx"}
+
+
+# -- the ops with a native kernel and a torch path (native.NATIVE_OR_TORCH) ------------------------
+
+@pytest.fixture
+def step_tables():
+    """Set every bucket of attention's, rmsnorm's or routing's table to one candidate; put back after."""
+    saved = {op: list(native._NATIVE_ROWS[op]) for op in native.NATIVE_OR_TORCH}
+    yield lambda op, which: native.set_runs_native(op, [which == "native"] * len(choice.BUCKET_ROWS))
+    for op, picks in saved.items():
+        native.set_runs_native(op, picks)
+
+
+def spy(monkeypatch, name: str) -> list:
+    """Count the calls of native.<name>."""
+    calls, real = [], getattr(native, name)
+    monkeypatch.setattr(native, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+def torch_rms_norm(x, w, res=None):
+    """The torch ops of kernels/rmsnorm.py, written out: (y, x + res)."""
+    r = x if res is None else x + res
+    x32 = r.float()
+    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(r.dtype), r
+
+
+@NEEDS_NATIVE
+@pytest.mark.parametrize("which", ["native", "torch"])
+@pytest.mark.parametrize("T", [1, 3, 17, 255])
+@pytest.mark.parametrize("D", [37, 100, 1030])
+def test_rmsnorm_candidates_equal_the_torch_ops(T, D, which, step_tables, monkeypatch):
+    """Both candidates of rmsnorm, with and without the residual: torch's is the torch ops; the kernel
+    sums the squares in another order, so its float32 values are within float32 rounding and its bf16
+    values the ops' bits but for a rare one-ulp step (3 of 255 x 1030 here); the table decides which
+    runs."""
+    from kernels import rmsnorm
+
+    step_tables("rmsnorm", which)
+    calls = spy(monkeypatch, "add_rms_norm")
+    g = torch.Generator().manual_seed(T * D)
+    for dtype in (torch.bfloat16, torch.float32):
+        x, res, w = (torch.randn(*shape, generator=g).to(dtype) for shape in ((T, D), (T, D), (D,)))
+        (y, r), y_alone = rmsnorm.fused_add_rms_norm(x, res, w, 1e-6), rmsnorm.rms_norm(x, w, 1e-6)
+        (y_ref, r_ref), y_alone_ref = torch_rms_norm(x, w, res), torch_rms_norm(x, w)[0]
+        assert torch.equal(r, r_ref)
+        if which == "torch":
+            assert torch.equal(y, y_ref) and torch.equal(y_alone, y_alone_ref)
+            continue
+        tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-6)
+        torch.testing.assert_close(y, y_ref, **tol)
+        torch.testing.assert_close(y_alone, y_alone_ref, **tol)
+        if dtype == torch.bfloat16:
+            assert (y != y_ref).float().mean() < 1e-3
+    assert len(calls) == (4 if which == "native" else 0)
+
+
+@NEEDS_NATIVE
+@pytest.mark.parametrize("which", ["native", "torch"])
+@pytest.mark.parametrize("T", [1, 3, 17, 255])
+@pytest.mark.parametrize("E,K,renormalize", [(7, 2, True), (60, 8, False), (130, 5, True)])
+def test_routing_candidates_equal_the_torch_ops(T, E, K, renormalize, which, step_tables, monkeypatch):
+    """Both candidates of routing: the torch ops' experts (where no two scores tie at the k-th) and
+    weights, to the bit for torch's, within a few float32 ulps for the kernel (its exp and sums differ)."""
+    from kernels.routing import topk_route
+    from tests.test_native_decode import torch_route
+
+    step_tables("routing", which)
+    calls = spy(monkeypatch, "route_softmax_topk")
+    g = torch.Generator().manual_seed(T * E + K)
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = (torch.randn(T, E, generator=g) * 2).to(dtype)
+        w, ids = topk_route(logits, K, "softmax", renormalize, scaling=1.5)
+        w_ref, ids_ref = torch_route(logits, K, renormalize, 1.5)
+        assert ids.dtype == torch.int64 and w.dtype == torch.float32 and w.shape == ids.shape == (T, K)
+        top = torch.softmax(logits.float(), -1).sort(-1, descending=True).values
+        untied = top[:, K - 1] != top[:, K]
+        assert torch.equal(ids[untied].sort(-1).values, ids_ref[untied].sort(-1).values)
+        got, ref = (v.gather(1, i.argsort(-1))[untied] for v, i in ((w, ids), (w_ref, ids_ref)))
+        torch.testing.assert_close(got, ref, rtol=0 if which == "torch" else 2e-6, atol=0 if which == "torch" else 1e-9)
+    assert len(calls) == (2 if which == "native" else 0)
+
+
+@NEEDS_NATIVE
+@pytest.mark.parametrize("which", ["native", "torch"])
+@pytest.mark.parametrize("B", [1, 3, 17, 255])
+@pytest.mark.parametrize("N,K,H,S,window", [(6, 2, 20, 5, None), (5, 1, 24, 3, 4), (4, 4, 36, 16, 9)])
+def test_attention_candidates_equal_the_reference(B, N, K, H, S, window, which, step_tables, monkeypatch):
+    """Both candidates of attention (head sizes not a multiple of 16, odd pages, a sliding window,
+    sinks) against the float64 reference: within float32 rounding in float32, bf16's in bf16."""
+    from kernels import attention
+    from tests.test_cpu_attention import paged
+
+    step_tables("attention", which)
+    calls = spy(monkeypatch, "paged_decode_attention")
+    g = torch.Generator().manual_seed(B * H + N)
+    lens = torch.randint(1, 3 * S + 2, (B,), generator=g).tolist()
+    for dtype in (torch.float32, torch.bfloat16):
+        args = paged(lens, K, H, S, dtype, seed=B)
+        q = torch.randn(B, H, N, generator=g).to(dtype).transpose(1, 2)  # strided, as the model's views are
+        sinks = torch.randn(N, generator=g)
+        got = attention.paged_decode_attention(q, **args, scale=H ** -0.5, sliding_window=window, sinks_N=sinks)
+        args64 = {k: v.double() if v.is_floating_point() else v for k, v in args.items()}
+        ref = attention.paged_decode_attention_reference(q.double(), **args64, scale=H ** -0.5, sliding_window=window,
+                                                         sinks_N=sinks).to(dtype)
+        assert got.dtype == dtype and got.shape == (B, N, H)
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got, ref, **tol)
+    assert len(calls) == (2 if which == "native" else 0)
+
+
+@NEEDS_NATIVE
+def test_step_ops_forced(cache, step_tables, monkeypatch):
+    """SHUTTLE_KERNEL_CHOICE=attention=torch forces attention alone; "torch" every op with a torch
+    path, "native" every op with a native candidate; the tables follow, nothing is measured."""
+    from kernels import attention
+    from tests.test_cpu_attention import paged
+
+    monkeypatch.setenv(choice.ENV_VAR, "attention=torch")
+    got = choice.configure("attention", [(4, 2, 16, 4)])
+    assert got.source == "forced" and set(got.picks) == {"torch"}
+    assert not any(native.runs_native("attention", r) for r in choice.BUCKET_ROWS)
+    calls = spy(monkeypatch, "paged_decode_attention")
+    q = torch.randn(3, 4, 16)
+    attention.paged_decode_attention(q, **paged([5, 9, 1], 2, 16, 4, torch.float32), scale=0.25)
+    assert not calls
+    monkeypatch.setenv(choice.ENV_VAR, "torch")
+    assert {choice.configure(op, [(64, 4)] if op == "rmsnorm" else [(8, 2, 4)]).picks[0]
+            for op in ("rmsnorm", "routing")} == {"torch"}
+    monkeypatch.setenv(choice.ENV_VAR, "native")
+    assert set(choice.configure("routing", [(8, 2, 4)]).picks) == {"native"} and native.runs_native("routing", 3)
+    assert not cache.exists()
+    monkeypatch.setenv(choice.ENV_VAR, "routing=amx")
+    with pytest.raises(ValueError, match="op=candidate"):
+        choice.configure("routing", [(8, 2, 4)])
+
+
+@NEEDS_NATIVE
+def test_step_ops_measured_cached_and_reported(cache, step_tables, monkeypatch):
+    """Each op is measured on its shapes, its table installed and cached, and reported by chosen();
+    buckets past TIMED_BYTES are not timed and take the largest timed bucket's pick; TIMED_BYTES is
+    part of the cache key (another budget measures again)."""
+    shapes = {"attention": [(4, 2, 16, 2)], "rmsnorm": [(48, 4), (16, 4)], "routing": [(10, 3, 2)]}
+    monkeypatch.setattr(choice, "TIMED_BYTES", 64 * 4 * 2 * 48)  # rmsnorm: 64 rows of 48 (x and residual)
+    for op, s in shapes.items():
+        got = choice.configure(op, s)
+        assert got.source == "measured" and set(got.picks) <= {"native", "torch"}
+        assert [native.runs_native(op, r) for r in choice.BUCKET_ROWS] == [p == "native" for p in got.picks]
+        assert choice.chosen()[op]["runs"] == got.runs()
+        assert choice.configure(op, s).source == "cached"
+    rms = choice.chosen()["rmsnorm"]
+    last = choice.BUCKET_ROWS.index(64)
+    assert all(rms["times_us"][c][last + 1:] == [None] * (len(choice.BUCKET_ROWS) - last - 1) for c in rms["times_us"])
+    assert rms["picks"][last:] == [rms["picks"][last]] * (len(choice.BUCKET_ROWS) - last)
+    assert any(t is not None for t in rms["times_us"]["native"][:last + 1])
+    monkeypatch.setattr(choice, "TIMED_BYTES", 1 << 20)
+    assert choice.configure("rmsnorm", shapes["rmsnorm"]).source == "measured"
+
+
+def test_step_ops_without_the_library(cache, step_tables, monkeypatch):
+    """Without the native library nothing is chosen for the three ops (one candidate) and each runs its
+    torch path; a native candidate that fails when first run is dropped and torch is picked."""
+    from kernels import rmsnorm
+    from kernels.routing import topk_route
+    from tests.test_native_decode import torch_route
+
+    if native.available():
+        real = choice._RUNNERS["routing"]
+
+        def broken(shape):
+            setup = real(shape)
+            setup["runners"]["native"] = lambda x: (lambda: (_ for _ in ()).throw(OSError("no kernel")))
+            return setup
+
+        monkeypatch.setitem(choice._RUNNERS, "routing", broken)
+        assert set(choice.configure("routing", [(6, 2, 4)]).picks) == {"torch"}
+        assert not native.runs_native("routing", 1)
+    step_tables("routing", "native")
+    monkeypatch.setenv(native.ENV_VAR, "0")
+    native._library.cache_clear()
+    try:
+        assert all(choice.configure(op, s) is None for op, s in (
+            ("attention", [(4, 2, 16, 4)]), ("rmsnorm", [(40, 4)]), ("routing", [(6, 2, 4)])))
+        x, res, w = torch.randn(3, 40), torch.randn(3, 40), torch.randn(40)
+        assert all(torch.equal(a, b) for a, b in zip(rmsnorm.fused_add_rms_norm(x, res, w, 1e-6),
+                                                     torch_rms_norm(x, w, res)))
+        logits = torch.randn(5, 6)
+        assert all(torch.equal(a, b) for a, b in zip(topk_route(logits, 2, "softmax", True),
+                                                     torch_route(logits, 2, True, 1.0)))
+        assert "attention" not in choice.chosen()
+    finally:
+        native._library.cache_clear()

@@ -114,7 +114,8 @@ def test_native_decode_step_gives_the_eager_steps_bits(family, quantization, lay
 @NEEDS_AVX512_BF16
 def test_native_decode_greedy_ids_and_the_flag(make_checkpoint):
     """Greedy ids with the native step equal those with --no-native-decode (which leaves the model
-    without it), and the models it does not take keep the eager step with a reason."""
+    without it), a batch runs eagerly where the measured choice picked torch for attention, a norm or
+    the routing at its size, and the models it does not take keep the eager step with a reason."""
     ckpt = _checkpoint(make_checkpoint, "mixtral")
     prompts, params = [[5, 9, 14, 3], [7, 7, 2], [1, 2, 3, 4, 5, 6]], SamplingParams(max_tokens=8, temperature=0,
                                                                                       ignore_eos=True)
@@ -130,6 +131,14 @@ def test_native_decode_greedy_ids_and_the_flag(make_checkpoint):
                 with torch.inference_mode():
                     nd, disp = runner.model.native_decode, runner.model.dispatcher
                     assert nd.mode(decode, disp, runner.cache) == "step" and nd.mode(decode, disp, other) is None
+                    # where kernels/choice.py picked torch for an op of the step at this batch: eagerly
+                    for op in native.NATIVE_OR_TORCH:
+                        saved = list(native._NATIVE_ROWS[op])
+                        native.set_runs_native(op, [False] + saved[1:])
+                        try:
+                            assert nd.mode(decode, disp, runner.cache) is None
+                        finally:
+                            native.set_runs_native(op, saved)
             out[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         finally:
             llm.shutdown()

@@ -80,16 +80,21 @@ static void route(const void *logits, int logits_bf16, int64_t E, int64_t K, int
     for (int64_t e = 0; e < E; e++) p[e] = expf(p[e] - m), sum += p[e];
     const float inv = 1.0f / sum;
     for (int64_t e = 0; e < E; e++) p[e] *= inv;
-    float total = 0.0f;
-    for (int64_t j = 0; j < K; j++) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; e++) {
-            int taken = 0;
-            for (int64_t i = 0; i < j; i++) taken |= ids[i] == e;
-            if (!taken && (best < 0 || p[e] > p[best])) best = e;
-        }
-        ids[j] = best, wk[j] = p[best], total += p[best];
+    /* The K largest in descending order, ties by the lowest id (as K rounds of selection would take
+     * them), in one pass: each probability above the K-th kept so far is inserted in order, an equal
+     * one after the ones it equals. (Selection took O(E K^2): slower than torch's top-k from 3 rows
+     * of 64 experts, top 8; kernels/choice.py times the two.) */
+    int64_t n = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (n == K && !(p[e] > wk[K - 1]))
+            continue;
+        int64_t j = n < K ? n++ : K - 1;
+        for (; j > 0 && p[e] > wk[j - 1]; j--)
+            wk[j] = wk[j - 1], ids[j] = ids[j - 1];
+        wk[j] = p[e], ids[j] = e;
     }
+    float total = 0.0f;
+    for (int64_t j = 0; j < K; j++) total += wk[j];
     for (int64_t j = 0; j < K; j++) {
         float w = renorm ? wk[j] / total : wk[j];
         if (scaling != 1.0f) w *= scaling;
