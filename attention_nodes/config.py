@@ -8,6 +8,8 @@ from m2n_comm.transport import BACKENDS
 
 M2N_DTYPES = ("auto", "fp8")  # ParallelConfig.m2n_dtype
 QUANTIZATIONS = ("int8",)  # EngineConfig.quantization
+SPEC_METHODS = ("ngram",)  # SpeculativeConfig.method
+DEFAULT_DISABLE_BY_BATCH_SIZE = 32  # SpeculativeConfig.disable_by_batch_size when not given
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,66 @@ class SchedulerConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"scheduler.{name} must be a positive integer, got {v!r}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's --speculative-config spells it. method "ngram": the drafts of
+    a sequence are the tokens that followed the latest earlier occurrence of its longest suffix of
+    prompt_lookup_min..prompt_lookup_max tokens (prompt lookup; both default to 5, one given sets
+    the other, as vLLM); num_speculative_tokens: drafts per sequence and step. Each step verifies
+    every draft of the batch in one forward pass (attention_nodes/speculative.py). Above
+    disable_by_batch_size running sequences a step drafts nothing (None: DEFAULT_DISABLE_BY_BATCH_SIZE)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config method {self.method!r} is not supported; choose from "
+                             f"{', '.join(SPEC_METHODS)}" + (" (mtp and draft_model are not built yet)"
+                                                             if self.method in ("mtp", "draft_model") else ""))
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"speculative_config {name} must be a positive integer, got {v!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        lo, hi = (lo or hi or 5), (hi or lo or 5)
+        if lo > hi:
+            raise ValueError(f"speculative_config prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        if self.disable_by_batch_size is None:
+            object.__setattr__(self, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig | None":
+        """From a SpeculativeConfig, a dict or JSON object text (None: no speculation); ValueError
+        naming the key for anything else."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"speculative_config must be a JSON object such as "
+                                 f'{{"method": "ngram", "num_speculative_tokens": 3}}: {e}') from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} (known: "
+                             f"{', '.join(cls.__dataclass_fields__)})")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in value:
+                raise ValueError(f"speculative_config needs {key!r}")
+        return cls(**value)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
 @dataclass(frozen=True)
@@ -174,7 +236,8 @@ class EngineConfig:
     quantization: "int8" keeps the expert weights as int8 codes with per-output-channel scales,
     quantised at load from a float checkpoint (weight-only; kernels/int8.py), where the experts run
     on CPU workers with torch kernels (the attention pool may be on a GPU); None serves them in
-    `dtype`. vLLM's name "experts_int8" means the same."""
+    `dtype`. vLLM's name "experts_int8" means the same. speculative: SpeculativeConfig (or its dict
+    or JSON text), None without speculative decoding."""
 
     model: str
     dtype: torch.dtype | None = None
@@ -187,8 +250,10 @@ class EngineConfig:
     enforce_eager: bool = True
     native_decode: bool = True
     quantization: str | None = None
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
         for name in ("enforce_eager", "native_decode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

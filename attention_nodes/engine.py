@@ -13,6 +13,7 @@ here; stop strings are text, so the server checks them and calls `stop_sequence`
 """
 import itertools
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -26,10 +27,13 @@ from attention_nodes.sampler import Sampler, SamplingRow
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import ScheduledBatch, Scheduler
 from attention_nodes.sequence import Sequence, SequenceStatus
+from attention_nodes.speculative import SpecStats, propose_ngram
 from attention_nodes.structured import GrammarCache
 from kernels.sampling import compute_logprobs
 from models.config import ModelConfig
 from models.dispatcher import Dispatcher
+
+log = logging.getLogger("shuttle")
 
 
 @dataclass
@@ -124,6 +128,9 @@ class LLMEngine:
         self._held: dict[str, list[Sequence]] = {}
         self._arrival = itertools.count()
         self.num_steps = self.num_prefill_tokens = self.num_generated_tokens = 0
+        self.spec = cfg.speculative  # speculative decoding (attention_nodes/speculative.py), or None
+        self.spec_stats = SpecStats(self.spec.num_speculative_tokens) if self.spec else None
+        self._spec_on = True  # whether the last step drafted (disable_by_batch_size)
         self.last_batch: ScheduledBatch | None = None  # what the last step scheduled (step_summary)
 
     # -- requests -----------------------------------------------------------------------------
@@ -240,6 +247,8 @@ class LLMEngine:
         """schedule -> execute -> update. Returns the deltas of the sequences that sampled a token."""
         for rid in [rid for rid in self._held if self._prompt_computed(rid)]:
             self._release_held(rid)
+        if self.spec is not None:
+            self._draft()
         batch = self.last_batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.scheduler.has_work():  # an invariant broke: fail loudly rather than spin for ever
@@ -249,28 +258,81 @@ class LLMEngine:
         logits_RV, prompt_logits = self.runner.execute(batch)
         if prompt_logits:
             self._prompt_logprobs(batch, prompt_logits)
-        self.scheduler.finish_computed(batch)
+        self.scheduler.finish_computed(batch)  # all but the sequences with drafts (_sample)
         sampled = [seq for seq, s in zip(batch.seqs, batch.sample) if s]
-        out = self.sampler(logits_RV, [SamplingRow(s.params, self._prompt_if_needed(s), s.output_token_ids, s.generator,
-                                                   s.grammar) for s in sampled])
         self.num_steps += 1
-        self.num_prefill_tokens += sum(n for n, s in zip(batch.num_new_tokens, batch.seqs) if n > 1)
+        self.num_prefill_tokens += sum(n for n, s in zip(batch.num_new_tokens, batch.seqs) if n > 1 and
+                                       not s.num_draft_tokens)
+        new = self._sample(logits_RV, sampled)
         deltas = []
-        for r, seq in enumerate(sampled):
-            tok = out.token_ids[r]
-            seq.token_ids.append(tok)
-            self.num_generated_tokens += 1
-            lp = None
-            if out.logprobs is not None and seq.params.logprobs is not None:
-                lp = [TokenLogprobs(tok, out.logprobs[r], out.ranks[r], out.top_logprobs[r])]
-            reason, stop_reason = self._stop_reason(seq, tok)
-            if reason:
-                self.scheduler.finish(seq, reason, stop_reason)
+        for seq, (toks, lps, reason, stop_reason) in zip(sampled, new):
+            self.num_generated_tokens += len(toks)
             prompt_lps, seq.pending_prompt_logprobs = seq.pending_prompt_logprobs or None, []
-            deltas.append(SequenceDelta(seq.request_id, seq.index, [tok], lp, reason, stop_reason,
+            deltas.append(SequenceDelta(seq.request_id, seq.index, toks, lps, reason, stop_reason,
                                         seq.num_cached_prompt_tokens, prompt_lps))
             self._forget_if_done(seq.request_id)
         return deltas
+
+    def _sample(self, logits_RV: torch.Tensor, sampled: list[Sequence]) -> list[tuple]:
+        """The tokens of the sampled sequences, as (token ids, logprobs or None, finish reason, stop
+        reason) each. Position j of every sequence still verifying drafts is sampled in turn (one
+        sampler call per position over those sequences; without drafts, one call), appended, and
+        checked for a stop; a sequence goes on to j + 1 while its token equals its draft j
+        (attention_nodes/speculative.py). logits_RV: each sequence's d + 1 rows, in order."""
+        drafts = [seq.drop_drafts() for seq in sampled]
+        offsets, acc = [], 0
+        for d in drafts:
+            offsets.append(acc)
+            acc += len(d) + 1
+        done = [([], None if seq.params.logprobs is None else [], None, None) for seq in sampled]
+        active, j = list(range(len(sampled))), 0
+        while active:
+            rows = logits_RV if acc == len(active) else logits_RV[torch.tensor([offsets[i] + j for i in active])]
+            seqs = [sampled[i] for i in active]
+            out = self.sampler(rows, [SamplingRow(s.params, self._prompt_if_needed(s), s.output_token_ids, s.generator,
+                                                  s.grammar) for s in seqs])
+            still = []
+            for r, (i, seq) in enumerate(zip(active, seqs)):
+                tok = out.token_ids[r]
+                seq.token_ids.append(tok)
+                toks, lps, _, _ = done[i]
+                toks.append(tok)
+                if lps is not None and out.logprobs is not None:
+                    lps.append(TokenLogprobs(tok, out.logprobs[r], out.ranks[r], out.top_logprobs[r]))
+                reason, stop_reason = self._stop_reason(seq, tok)
+                if reason:
+                    done[i] = (toks, lps, reason, stop_reason)
+                elif j < len(drafts[i]) and tok == drafts[i][j]:
+                    still.append(i)
+            active, j = still, j + 1
+        for seq, d, (toks, _, reason, stop_reason) in zip(sampled, drafts, done):
+            if d:
+                accepted = next((a for a, (t, x) in enumerate(zip(toks, d)) if t != x), min(len(toks), len(d)))
+                self.spec_stats.count(len(d), accepted)
+                self.scheduler.computed(seq, 1 + accepted)  # the token before the drafts, and those accepted
+            if reason:
+                self.scheduler.finish(seq, reason, stop_reason)
+        return [(toks, lps or None, reason, stop_reason) for toks, lps, reason, stop_reason in done]
+
+    def _draft(self) -> None:
+        """Propose drafts for the running sequences that decode (speculative decoding), unless more
+        than disable_by_batch_size of them run (logged when that changes)."""
+        spec, running = self.spec, self.scheduler.running
+        on = len(running) <= spec.disable_by_batch_size
+        if on != self._spec_on:
+            self._spec_on = on
+            log.info("speculative decoding %s: %d sequences running (disable_by_batch_size %d)",
+                     "on again" if on else "off", len(running), spec.disable_by_batch_size)
+        if not on:
+            return
+        for seq in running:
+            if seq.num_computed_tokens != seq.num_tokens - 1 or seq.grammar is not None and seq.grammar.is_terminated():
+                continue
+            room = min(spec.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1)
+            drafts = propose_ngram(seq.token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if drafts:
+                seq.token_ids.extend(drafts)
+                seq.num_draft_tokens = len(drafts)
 
     def step_summary(self) -> dict:
         """What the last step ran, for a trace's step span: its sequences, those with one new token
@@ -346,7 +408,8 @@ class LLMEngine:
                 "kv_cache_usage": 1 - b.num_free_blocks / b.num_blocks, "prefix_cache_queries": b.prefix_queries,
                 "prefix_cache_hits": b.prefix_hits, "preemptions": self.scheduler.num_preemptions,
                 "steps": self.num_steps, "generated_tokens": self.num_generated_tokens,
-                "expert_tokens": self._expert_tokens(), "weight_bytes": dict(self.runner.resident_bytes)}
+                "expert_tokens": self._expert_tokens(), "weight_bytes": dict(self.runner.resident_bytes),
+                **({"spec_decode": self.spec_stats.to_dict()} if self.spec_stats else {})}
 
     def _expert_tokens(self) -> dict[int, int]:
         """Tokens routed to each expert so far (colocated: counted here; else the expert workers count)."""

@@ -124,7 +124,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[PromptLogits]]:
         """Compute the batch's scheduled tokens. Returns float32 logits (R, V) of the last token of
-        each sequence whose batch.sample flag is set, in batch order, and the logits of the prompt
+        each sequence whose batch.sample flag is set (of its last d + 1 with d drafts), in batch order, and the logits of the prompt
         positions of this step for the sequences that need their prompt's logprobs."""
         with self.decode_threads(batch.num_new_tokens):
             inputs = [None if not group else self._prepare(batch, group)
@@ -177,8 +177,9 @@ class ModelRunner:
 
     def _prepare(self, batch: ScheduledBatch, group: range) -> tuple[torch.Tensor, AttentionBatch, torch.Tensor, list]:
         """(input ids, AttentionBatch, rows to compute logits of, prompt spans) of the sequences
-        `group` of the batch: the rows are the sampled sequences' last tokens, then the prompt
-        positions of each PromptLogits span (sequences that need their prompt's logprobs)."""
+        `group` of the batch: the rows are the sampled sequences' last tokens (with d speculative
+        drafts, the last d + 1), then the prompt positions of each PromptLogits span (sequences that
+        need their prompt's logprobs)."""
         seqs, q_lens = batch.seqs[group.start:group.stop], batch.num_new_tokens[group.start:group.stop]
         ctx_lens, ids, spans, prompt_rows, offset = [], [], [], [], 0
         for i, (seq, n) in enumerate(zip(seqs, q_lens)):
@@ -194,7 +195,13 @@ class ModelRunner:
         attn = AttentionBatch.build_paged(q_lens, ctx_lens, [s.block_table for s in seqs], self.block_size,
                                           self.device)
         ends = torch.tensor(q_lens).cumsum(0) - 1
-        rows = torch.cat([ends[torch.tensor(batch.sample[group.start:group.stop], dtype=torch.bool)], *prompt_rows])
+        ends = ends[torch.tensor(batch.sample[group.start:group.stop], dtype=torch.bool)]
+        drafts = [s.num_draft_tokens for s, sampled in zip(seqs, batch.sample[group.start:group.stop]) if sampled]
+        if any(drafts):  # a sequence with d drafts: its last d + 1 positions, in order
+            counts = torch.tensor(drafts) + 1
+            ends = (ends + 1 - counts).repeat_interleave(counts) + torch.arange(int(counts.sum())) \
+                - (counts.cumsum(0) - counts).repeat_interleave(counts)
+        rows = torch.cat([ends, *prompt_rows])
         return torch.tensor(ids, dtype=torch.long, device=self.device), attn, rows.to(self.device), spans
 
 

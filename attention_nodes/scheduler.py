@@ -62,6 +62,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_draft_tokens:  # drafts only whole and where they fit: never preempt for one
+                keep = min(seq.num_draft_tokens, budget - 1)
+                while keep and self.blocks.blocks_needed(seq, seq.num_computed_tokens + 1 + keep) > \
+                        self.blocks.num_free_blocks:
+                    keep -= 1
+                seq.drop_drafts(seq.num_draft_tokens - keep)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while self.blocks.blocks_needed(seq, seq.num_computed_tokens + n) > self.blocks.num_free_blocks:
                 victim = self.running.pop()
@@ -110,21 +116,30 @@ class Scheduler:
         batch.sample.append(seq.num_computed_tokens + n == seq.num_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.drop_drafts()
         self.blocks.free_sequence(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def finish_computed(self, batch: ScheduledBatch) -> None:
-        """After the forward pass: the scheduled tokens now have their keys and values cached."""
+        """After the forward pass: the scheduled tokens now have their keys and values cached. A
+        sequence with drafts is left to `computed` once they are verified."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            self.blocks.register_computed(seq)
+            if not seq.num_draft_tokens:
+                self.computed(seq, n)
+
+    def computed(self, seq: Sequence, n: int) -> None:
+        """n more of seq's tokens have their keys and values cached (and its full blocks are entered
+        in the prefix cache)."""
+        seq.num_computed_tokens += n
+        self.blocks.register_computed(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Retire a sequence (finished or aborted) wherever it is; its blocks are freed now."""
         if seq.is_finished:
             return
+        seq.drop_drafts()
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:

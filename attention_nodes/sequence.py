@@ -50,10 +50,10 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """token_ids holds the prompt then the generated tokens. The first num_computed_tokens of them
-    have their keys and values in the cache blocks of block_table; the rest are computed by the next
-    steps (a prompt or its remaining chunk, the newest sampled token, or everything after a
-    preemption)."""
+    """token_ids holds the prompt then the generated tokens (then, during a speculative step, the
+    last num_draft_tokens are drafts). The first num_computed_tokens of them have their keys and
+    values in the cache blocks of block_table; the rest are computed by the next steps (a prompt or
+    its remaining chunk, the newest sampled token and its drafts, or everything after a preemption)."""
 
     request_id: str
     index: int  # which of the request's n samples
@@ -75,6 +75,17 @@ class Sequence:
     grammar: object | None = None  # xgrammar GrammarMatcher of params.structured_outputs
     num_prompt_logprobs: int = 0  # prompt positions whose next token's logprob was computed
     pending_prompt_logprobs: list = field(default_factory=list)  # engine.TokenLogprobs, sent with the next delta
+    num_draft_tokens: int = 0  # speculative drafts at the end of token_ids, not yet verified
+
+    def drop_drafts(self, count: int | None = None) -> list[int]:
+        """Remove the last `count` drafts (None: all) from token_ids; returns them."""
+        count = self.num_draft_tokens if count is None else count
+        if count <= 0:
+            return []
+        dropped = self.token_ids[-count:]
+        del self.token_ids[-count:]
+        self.num_draft_tokens -= count
+        return dropped
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -374,6 +374,10 @@ class PoolEngine:
                   "prefix_cache_hits",
                   "preemptions", "generated_tokens")}
         total["steps"] = max((w.get("steps", 0) for w in workers), default=0)
+        spec = [w["spec_decode"] for w in workers if "spec_decode" in w]
+        if spec:
+            total["spec_decode"] = {k: sum(d[k] for d in spec) for k in spec[0] if k != "accepted_per_pos"}
+            total["spec_decode"]["accepted_per_pos"] = [sum(p) for p in zip(*(d["accepted_per_pos"] for d in spec))]
         total["kv_cache_usage"] = 1 - total["free_blocks"] / total["num_blocks"] if total["num_blocks"] else 0.0
         busy = [{"pool": "attention", "worker": f"a{w['rank']}", "busy_ns": w["busy_ns"], "uptime_ns": w["uptime_ns"]}
                 for w in workers]

@@ -55,7 +55,8 @@ def engine_config_from_json(d: dict) -> EngineConfig:
     return EngineConfig(d["model"], None if d["dtype"] is None else DTYPES[d["dtype"]], d["device"], d["kernels"],
                         d["seed"], SchedulerConfig(**d["scheduler"]), CacheConfig(**d["cache"]),
                         ParallelConfig(**d["parallel"]), d.get("enforce_eager", EngineConfig.enforce_eager),
-                        d.get("native_decode", EngineConfig.native_decode), d.get("quantization"))
+                        d.get("native_decode", EngineConfig.native_decode), d.get("quantization"),
+                        d.get("speculative"))
 
 
 def run_role(role: str, rendezvous: str, host: str | None = None, torch_threads: int | None = None,

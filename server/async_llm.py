@@ -133,6 +133,7 @@ class AsyncLLM:
             self._thread.join()
             raise failed[0]
         self.tokenizer, self.model_config, self.model_dir = self._llm.tokenizer, self._llm.cfg, self._llm.model_dir
+        self.engine_cfg = self._llm.engine_cfg
         self.render_chat = self._llm.render_chat
 
     def _build_and_loop(self, args: tuple, engine_kwargs: dict, built: threading.Event, failed: list) -> None:

@@ -98,7 +98,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
                 max_worker_restarts=args.max_worker_restarts, restart_window_s=args.restart_window_s,
                 enforce_eager=args.enforce_eager, native_decode=args.native_decode, trace_dir=args.trace_dir,
-                quantization=args.quantization)
+                quantization=args.quantization, speculative_config=args.speculative_config)
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -111,6 +111,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="int8: keep the expert weights as int8 with per-channel scales, quantised at load from a "
                         "float checkpoint (weight-only; half of bf16's bytes; CPU workers; experts_int8 is vLLM's "
                         "name for it)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM: {"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 4} (also prompt_lookup_min, disable_by_batch_size)')
     p.add_argument("--max-num-seqs", type=int, default=128, help="sequences per step, per attention worker")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")

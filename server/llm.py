@@ -71,7 +71,8 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                   restart_window_s: float = 600.0, launcher: str = "spawn", ray_address: str | None = None,
                   attention_resources: object = (), expert_resources: object = (), m2n_dtype: str = "auto",
                   enforce_eager: bool | None = None, native_decode: bool = True,
-                  trace_dir: str | None = None, quantization: str | None = None) -> EngineConfig:
+                  trace_dir: str | None = None, quantization: str | None = None,
+                  speculative_config: object = None) -> EngineConfig:
     """EngineConfig from the keyword arguments of LLM and the command line (None model: built-in).
     colocated=False runs attention_workers and expert_workers as separate processes (see
     attention_nodes.config.ParallelConfig); `device` is then the attention pool's, expert_device
@@ -82,6 +83,8 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
     native_decode: False keeps colocated bf16 decode steps eager (models/native_decode.py).
     quantization: "int8" keeps the expert weights as int8 (see EngineConfig); refused for a
     checkpoint that is already quantised (FP8 block, MXFP4).
+    speculative_config: speculative decoding as vLLM's (a dict or JSON text such as {"method": "ngram",
+    "num_speculative_tokens": 3}; attention_nodes.config.SpeculativeConfig).
     trace_dir: each pool worker writes DIR/<worker>.trace.json (a Chrome trace) when it stops, and
     the engine's own loop (colocated: DIR/engine.trace.json, else the front's DIR/front.trace.json)
     when LLM or AsyncLLM shuts down."""
@@ -107,7 +110,7 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                                        launcher=launcher, ray_address=ray_address,
                                        attention_resources=attention_resources, expert_resources=expert_resources,
                                        trace_dir=None if trace_dir is None else str(trace_dir), m2n_dtype=m2n_dtype),
-                        enforce_eager, native_decode, quantization)
+                        enforce_eager, native_decode, quantization, speculative_config)
     if cfg.quantization is not None:
         model_cfg = ModelConfig.from_pretrained(cfg.model)
         shipped = "FP8 block" if model_cfg.fp8_block else "MXFP4" if model_cfg.mxfp4 else None
@@ -145,7 +148,7 @@ class LLM:
             planned.pop("device", None)
             engine_kwargs = {**planned, **engine_kwargs}
         cfg = engine_config(model, dtype, device, kernels, **engine_kwargs)
-        self.model_dir = Path(cfg.model)
+        self.model_dir, self.engine_cfg = Path(cfg.model), cfg
         self.cfg = ModelConfig.from_pretrained(self.model_dir)
         self.tokenizer = _load_tokenizer(self.model_dir)
         eos = default_eos_ids(self.model_dir, self.cfg)

@@ -114,6 +114,7 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(f"shuttle_{name}", doc, labels=["model_name"])
             c.add_metric(m, s.get(key, 0))
             yield c
+        yield from self._spec_decode(s.get("spec_decode"))
         experts = CounterMetricFamily("shuttle_expert_tokens", "Tokens routed to each expert, summed over "
                                       "MoE layers", labels=["model_name", "expert"])
         for e, n in s.get("expert_tokens", {}).items():
@@ -123,6 +124,22 @@ class _EngineCollector(Collector):
         yield self._weights(s)
         yield from self._timings(s.get("timings", []))
         yield from self._expert_load(s)
+
+    def _spec_decode(self, spec: dict | None) -> Iterator[Metric]:
+        """Speculative decoding's counters, as vLLM's vllm:spec_decode_* (none without speculation)."""
+        if spec is None:
+            return
+        m = [self.model_name]
+        for name, doc in (("num_drafts", "Sequences a step drafted for"), ("num_draft_tokens", "Draft tokens proposed"),
+                          ("num_accepted_tokens", "Draft tokens the target model accepted")):
+            c = CounterMetricFamily(f"shuttle_spec_decode_{name}", doc, labels=["model_name"])
+            c.add_metric(m, spec[name])
+            yield c
+        per_pos = CounterMetricFamily("shuttle_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted "
+                                      "at each draft position (0: the first draft)", labels=["model_name", "position"])
+        for pos, n in enumerate(spec["accepted_per_pos"]):
+            per_pos.add_metric([self.model_name, str(pos)], n)
+        yield per_pos
 
     def _busy(self, workers: list[dict]) -> Iterator[Metric]:
         busy_s = CounterMetricFamily("shuttle_pool_busy_seconds", "Time each worker spent computing",

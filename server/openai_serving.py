@@ -72,9 +72,12 @@ class OpenAIServing:
         self.max_model_len = llm.model_config.max_model_len
 
     def models(self) -> dict:
+        """The served model; with speculative decoding, its config under vLLM's keys."""
+        spec = getattr(getattr(self.llm, "engine_cfg", None), "speculative", None)
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "shuttle", "root": str(self.llm.model_dir),
-                                            "max_model_len": self.max_model_len}]}
+                                            "max_model_len": self.max_model_len,
+                                            **({"speculative_config": spec.to_dict()} if spec else {})}]}
 
     def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict:
         """vLLM's /tokenize: the prompt's (or the rendered conversation's) token ids."""

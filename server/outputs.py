@@ -71,16 +71,24 @@ class RequestTracker:
         out, detok = self.output.outputs[delta.index], self.detoks[delta.index]
         if out.finished:  # a stop string ended it already
             return None
-        out.token_ids += delta.new_token_ids
+        ids, stop = list(delta.new_token_ids), None
+        if detok is not None and ids:
+            if len(ids) == 1 or not self.params.stop:
+                stop = detok.add_tokens(ids)
+            else:  # several tokens (speculative decoding): those after the one that ends a stop string are not output
+                for n, tok in enumerate(ids, 1):
+                    if (stop := detok.add_tokens([tok])) is not None:
+                        ids = ids[:n]
+                        break
+        out.token_ids += ids
         self.output.num_cached_tokens = max(self.output.num_cached_tokens, delta.num_cached_tokens)
-        out.delta_token_ids = out.delta_token_ids + list(delta.new_token_ids)  # a new list: snapshots keep theirs
+        out.delta_token_ids = out.delta_token_ids + ids  # a new list: snapshots keep theirs
         if out.logprobs is not None and delta.new_logprobs:
-            out.logprobs += [self._entry(lp) for lp in delta.new_logprobs]
+            out.logprobs += [self._entry(lp) for lp in delta.new_logprobs[:len(ids)]]
         if delta.prompt_logprobs:
             if self.output.prompt_logprobs is None:
                 self.output.prompt_logprobs = [None]
             self.output.prompt_logprobs += [self._entry(lp) for lp in delta.prompt_logprobs]
-        stop = detok.add_tokens(delta.new_token_ids) if detok is not None and delta.new_token_ids else None
         if stop is not None:
             out.finish_reason, out.stop_reason = "stop", stop
         elif delta.finish_reason:
