@@ -85,7 +85,8 @@ def randomize_correction_bias(model_dir: str | Path, seed: int = 0, scale: float
 
 def randomize_biases(model_dir: str | Path, seed: int = 0, scale: float = 0.1, sink_scale: float = 1.0) -> None:
     """transformers initialises linear biases (and gpt-oss's expert biases) to zeros; tests rewrite
-    every `*bias` tensor with normal(0, scale) values and gpt-oss's attention `sinks` with
+    every `*bias` tensor with normal(0, scale) values and the attention sinks (gpt-oss's `sinks`,
+    MiMo-V2-Flash's `attention_sink_bias`) with
     normal(0, sink_scale) ones, so a model that forgot one of them differs. Correction biases get
     randomize_correction_bias's uniform values."""
     import torch
@@ -98,7 +99,7 @@ def randomize_biases(model_dir: str | Path, seed: int = 0, scale: float = 0.1, s
             if name.endswith("e_score_correction_bias"):
                 tensors[name] = torch.rand(t.shape, generator=gen) * 0.2
             elif name.endswith(("bias", "sinks")):
-                s = sink_scale if name.endswith("sinks") else scale
+                s = sink_scale if name.endswith(("sinks", "attention_sink_bias")) else scale  # (MiMo's name)
                 tensors[name] = (torch.randn(t.shape, generator=gen) * s).to(t.dtype)
         save_file(tensors, f, metadata={"format": "pt"})
 

@@ -8,7 +8,9 @@ layers before first_k_dense_replace. GLM-4.5/4.6/4.7 is DeepSeek-V3's MoE block 
 attention with q/k/v biases, optional per-head q/k norm and partial rotary; MiniMax-M2 routes like
 V3 without groups, norms q and k over the whole projection and ropes part of each head; gpt-oss
 has attention sinks, alternating sliding-window layers, biased router and experts, a clamped
-SwiGLU and yarn rope, and is published with MXFP4 experts (quantization_config mxfp4).
+SwiGLU and yarn rope, and is published with MXFP4 experts (quantization_config mxfp4). Llama 4
+and MiMo-V2-Flash lay their layers out their own way: models/families.py reads them (and holds every
+family's defaults).
 `planning=True` also reads families that are planned for but not served (PLANNED_ARCHITECTURES:
 DBRX, whose config.json names its fields its own way); ModelConfig's sizes and per-token costs are
 what `shuttle plan` and `shuttle simulate` compute with.
@@ -24,6 +26,8 @@ import torch
 from kernels.moe import SILU, SwiGLU
 from kernels.rotary import ROPE_TYPES, RopeConfig
 from kernels.routing import RouterConfig
+from models import families
+from models.errors import ConfigError
 
 # architectures entry -> family; each family's semantics follow transformers' definition of it.
 ARCHITECTURES = {
@@ -36,38 +40,23 @@ ARCHITECTURES = {
     "Glm4MoeForCausalLM": "glm4_moe",
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "GptOssForCausalLM": "gpt_oss",
+    "Llama4ForCausalLM": "llama4",
+    "Llama4ForConditionalGeneration": "llama4",  # its language model (text_config; tensors under language_model.)
+    "MiMoV2FlashForCausalLM": "mimo_v2_flash",
 }
 # model_type -> architectures entry, for a config.json that lists no known architecture
 MODEL_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                "kimi_k2": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-               "minimax_m2": "MiniMaxM2ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+               "minimax_m2": "MiniMaxM2ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+               "llama4": "Llama4ForConditionalGeneration", "llama4_text": "Llama4ForCausalLM",
+               "mimo_v2_flash": "MiMoV2FlashForCausalLM"}
 # families `shuttle plan` sizes (ModelConfig.from_dict(..., planning=True)) that the engine does not build
 PLANNED_ARCHITECTURES = {"DbrxForCausalLM": "dbrx"}
 PLANNED_MODEL_TYPES = {"dbrx": "DbrxForCausalLM"}
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
-V3_ROUTER_FAMILIES = ("deepseek_v3", "glm4_moe")  # sigmoid + correction bias + groups of top-2 sums
+V3_ROUTER_FAMILIES = ("deepseek_v3", "glm4_moe", "mimo_v2_flash")  # sigmoid + correction bias + groups of top-2 sums
 PARTIAL_ROTARY_FAMILIES = {"glm4_moe": 0.5, "minimax_m2": 1.0}  # family -> default partial_rotary_factor
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DEFAULT_THETA = {"mixtral": 1e6, "minimax_m2": 5e6, "gpt_oss": 150000.0}  # transformers' default_theta
-# transformers 5's defaults for fields a config.json may leave out, where they differ from the
-# generic ones below (which families without an entry keep)
-_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "glm4_moe": {"num_key_value_heads": 8, "num_experts_per_tok": 8, "n_routed_experts": 128,
-                 "moe_intermediate_size": 1408, "intermediate_size": 10944, "rms_norm_eps": 1e-5,
-                 "max_position_embeddings": 131072},
-    "minimax_m2": {"num_key_value_heads": 8, "head_dim": 128, "num_experts_per_tok": 8, "num_local_experts": 256,
-                   "intermediate_size": 1536, "rms_norm_eps": 1e-6, "max_position_embeddings": 196608},
-    "gpt_oss": {"num_key_value_heads": 8, "head_dim": 64, "num_experts_per_tok": 4, "num_local_experts": 128,
-                "intermediate_size": 2880, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
-                "sliding_window": 128},
-}
-# gpt-oss's rope when config.json gives neither rope_parameters nor rope_scaling
-_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                 "original_max_position_embeddings": 4096}
-
-
-class ConfigError(ValueError):
-    """A config.json that Shuttle cannot serve; the message names the file and the field."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +107,7 @@ class ModelConfig:
     qkv_bias: bool  # MLA: q_a_proj and kv_a_proj_with_mqa
     o_bias: bool
     mlp_bias: bool  # dense MLPs and shared experts (DeepSeek-V2's mlp_bias)
-    qk_norm: str  # "none", "per_head" (Qwen3-MoE) or "full" (OLMoE: over the whole projection)
+    qk_norm: str  # "none", "per_head" (Qwen3-MoE), "full" (OLMoE: the whole projection), "l2" (Llama 4: no weight)
     clip_qkv: float | None
     rms_norm_eps: float
     rope: RopeConfig
@@ -135,6 +124,24 @@ class ModelConfig:
     expert_bias: bool = False  # gpt-oss: experts have biases (w13 and w2 rows)
     expert_act: SwiGLU = SILU  # the experts' activation (gpt-oss: clamped, alpha 1.702, up + 1)
     mxfp4: bool = False  # quantization_config.quant_method mxfp4: expert weights as *_blocks + *_scales
+    # Llama 4 (models/families.py): layers without rope (False; None: every layer ropes), chunked local
+    # attention (a query at p sees keys from p - p % C on; None: none), rope on the pairs (0, 1), (2, 3), ...
+    # instead of the two halves, the no-rope layers' query temperature (floor_scale, attn_scale), and the
+    # router's weight multiplying the expert's input instead of its output
+    rope_layers: tuple[bool, ...] | None = None
+    attention_chunks: tuple[int | None, ...] | None = None
+    rope_interleave: bool = False
+    attn_temperature: tuple[float, float] | None = None
+    router_scales_input: bool = False
+    # MiMo-V2-Flash (models/families.py): value heads narrower than query/key heads (None: head_dim),
+    # kv heads per layer (None: num_kv_heads everywhere), the layers with sinks (None: every layer when
+    # attention_sinks), a factor on the values, and the sliding layers' own rope and rotary dims
+    v_head_dim: int | None = None
+    layer_kv_heads: tuple[int, ...] | None = None
+    sink_layers: tuple[bool, ...] | None = None
+    v_scale: float = 1.0
+    sliding_rope: RopeConfig | None = None
+    sliding_rotary_dim: int | None = None
 
     @property
     def rope_dim(self) -> int:
@@ -146,16 +153,32 @@ class ModelConfig:
         return self.router.top_k
 
     @property
-    def kv_values_per_token_layer(self) -> int:
-        """Values the KV cache keeps per token and layer: keys and values of every kv head, or MLA's
+    def v_dim(self) -> int:
+        """Size of each value head (MiMo-V2-Flash's are narrower than its query/key heads)."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    def kv_heads(self, layer: int) -> int:
+        """Key/value heads of one layer (MiMo-V2-Flash's sliding layers have twice its full layers')."""
+        return self.num_kv_heads if self.layer_kv_heads is None else self.layer_kv_heads[layer]
+
+    def has_sinks(self, layer: int) -> bool:
+        return self.attention_sinks and (self.sink_layers is None or self.sink_layers[layer])
+
+    def kv_values(self, layer: int) -> int:
+        """Values the KV cache keeps per token in one layer: keys and values of every kv head, or MLA's
         latent plus its roped key (576 for DeepSeek-V3's shape instead of 2 x 128 x 128 = 32,768)."""
         if self.mla is not None:
             return self.mla.cache_width
-        return 2 * self.num_kv_heads * self.head_dim
+        return self.kv_heads(layer) * (self.head_dim + self.v_dim)
+
+    @property
+    def kv_values_per_token_layer(self) -> int:
+        """kv_values of the first layer: of every layer, but in MiMo-V2-Flash's."""
+        return self.kv_values(0)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """KV cache bytes per token over all layers (what a KV budget divides by; the planner's input)."""
-        return self.num_layers * self.kv_values_per_token_layer * dtype.itemsize
+        return sum(self.kv_values(i) for i in range(self.num_layers)) * dtype.itemsize
 
     # -- sizes and per-token costs: counted as MoEForCausalLM builds the model (models/moe_decoder.py,
     # models/mla.py), they are the planner's inputs (planner/perf.py, planner/search.py) --
@@ -170,24 +193,28 @@ class ModelConfig:
         """Layers with a dense MLP instead (first_k_dense_replace, mlp_only_layers, decoder_sparse_step)."""
         return self.num_layers - self.num_moe_layers
 
-    def _attention_weights(self) -> int:
+    def attention_weights(self, layer: int) -> int:
         """Matmul weights one token passes through in one layer's attention: q, k, v and o
         projections, or MLA's query, latent, absorbed up-projection (kv_b_proj) and output."""
         D, N = self.hidden_size, self.num_heads
         if self.mla is None:
-            return D * (self.q_size + 2 * self.kv_size) + self.q_size * D
+            return D * (self.q_size + self._kv_width(layer)) + N * self.v_dim * D
         m = self.mla
         q = D * N * m.qk_head_dim if m.q_lora_rank is None else D * m.q_lora_rank + m.q_lora_rank * N * m.qk_head_dim
         return q + D * m.cache_width + N * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim) + N * m.v_head_dim * D
 
-    def attention_params(self) -> int:
+    def _kv_width(self, layer: int) -> int:
+        """Outputs of one layer's k and v projections together."""
+        return self.kv_heads(layer) * (self.head_dim + self.v_dim)
+
+    def attention_params(self, layer: int) -> int:
         """Parameters of one layer's attention: projections and their biases, q/k norms (MLA: the
-        latent norms) and gpt-oss's sinks."""
-        n = self._attention_weights()
+        latent norms) and the sinks of gpt-oss and MiMo-V2-Flash."""
+        n = self.attention_weights(layer)
         if self.mla is None:
-            n += (self.q_size + 2 * self.kv_size) * self.qkv_bias + self.hidden_size * self.o_bias
+            n += (self.q_size + self._kv_width(layer)) * self.qkv_bias + self.hidden_size * self.o_bias
             n += {"per_head": 2 * self.head_dim, "full": self.q_size + self.kv_size}.get(self.qk_norm, 0)
-            return n + self.num_heads * self.attention_sinks
+            return n + self.num_heads * self.has_sinks(layer)
         m = self.mla
         if m.q_lora_rank is not None:
             n += m.q_lora_rank * (1 + self.qkv_bias)  # q_a_layernorm, q_a_proj's bias
@@ -220,8 +247,8 @@ class ModelConfig:
     def non_expert_params(self) -> int:
         """Everything but the routed experts (what an attention worker holds): embeddings, LM head,
         final norm and every layer's norms, attention, dense MLP or router and shared expert."""
-        per_layer = 2 * self.hidden_size + self.attention_params()
-        return (self.embedding_params() + self.hidden_size + self.num_layers * per_layer
+        layers = sum(2 * self.hidden_size + self.attention_params(i) for i in range(self.num_layers))
+        return (self.embedding_params() + self.hidden_size + layers
                 + self.num_dense_layers * self.dense_mlp_params() + self.num_moe_layers * self.moe_block_params())
 
     def total_params(self) -> int:
@@ -249,7 +276,7 @@ class ModelConfig:
         """FLOPs of one query token against one cached token in one layer: scores and the weighted
         sum over per-head keys and values, or (MLA, absorbed) over the latent and roped key."""
         if self.mla is None:
-            return 4 * self.num_heads * self.head_dim
+            return 2 * self.num_heads * (self.head_dim + self.v_dim)
         return 2 * self.num_heads * (self.mla.cache_width + self.mla.kv_lora_rank)
 
     def attention_flops_per_token(self, context: int) -> int:
@@ -257,7 +284,8 @@ class ModelConfig:
         included, against `context` cached tokens: MLA decodes in the latent space (the absorbed
         query and output projections, then scores over latent + roped key and a weighted sum of
         latents), other families attend with per-head keys and values."""
-        return self.num_layers * (2 * self._attention_weights() + context * self.context_flops())
+        return (sum(2 * self.attention_weights(i) for i in range(self.num_layers))
+                + self.num_layers * context * self.context_flops())
 
     def non_expert_flops_per_token(self, context: int = 0) -> int:
         """FLOPs of one token through every layer but its routed experts (an attention worker's
@@ -339,8 +367,10 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
         )
     family = known[arch]
     if family == "dbrx":
-        raw = _dbrx_fields(raw, src)
-    raw = {**_FAMILY_DEFAULTS.get(family, {}), **raw}  # (a field present as null keeps its generic default)
+        raw = families.dbrx_fields(raw, src)
+    if family == "llama4":
+        raw = families.llama4_text_config(raw, src)
+    raw = {**families.DEFAULTS.get(family, {}), **raw}  # (a field present as null keeps its generic default)
     act = get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{src}: hidden_act={act!r} is not supported (only 'silu')")
@@ -358,9 +388,14 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
     if not 1 <= top_k <= num_experts:
         raise ConfigError(f"{src}: num_experts_per_tok ({top_k}) must be in [1, num_experts={num_experts}]")
     router = _router(raw, family, num_experts, top_k, src)
+    max_pos = int(get("max_position_embeddings", 4096))
+    rope_of = lambda params: _rope({"rope_parameters": params}, family, max_pos, src)  # noqa: E731
+    extra = families.FIELDS[family](raw, layers, src, rope_of) if family in families.FIELDS else {}
 
     shared_inter = int(get("shared_expert_intermediate_size", 0)) if family == "qwen2_moe" else 0
-    if family in ("mixtral", "minimax_m2", "gpt_oss", "dbrx"):
+    if extra:
+        moe_layers, moe_inter = extra["moe_layers"], extra["moe_intermediate_size"]
+    elif family in ("mixtral", "minimax_m2", "gpt_oss", "dbrx"):
         moe_layers = (True,) * layers
         moe_inter = int(need("intermediate_size"))
     elif mla or family == "glm4_moe":  # dense MLPs before first_k_dense_replace, MoE after (as transformers builds them)
@@ -373,12 +408,11 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
         mlp_only = set(get("mlp_only_layers", []))
         moe_layers = tuple(i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 for i in range(layers))
         moe_inter = int(need("moe_intermediate_size")) if family != "olmoe" else int(need("intermediate_size"))
-    max_pos = int(get("max_position_embeddings", 4096))
     dtype_name = str(get("dtype", "float32", "torch_dtype")).replace("torch.", "")
     if dtype_name not in DTYPES:
         raise ConfigError(f"{src}: dtype {dtype_name!r} is not supported; supported: {', '.join(DTYPES)}")
     eos = get("eos_token_id", [])
-    rope = _rope(raw, family, max_pos, src)
+    rope = extra.pop("rope") if "rope" in extra else _rope(raw, family, max_pos, src)
     rotary_dim = _rotary_dim(raw, family, head_dim, src)
     oss = family == "gpt_oss"
     bias = bool(get("attention_bias", oss))  # gpt-oss's default is True
@@ -386,7 +420,7 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
     if mxfp4 and (hidden % 32 or moe_inter % 32):  # (each block packs 32 values along the input dim)
         raise ConfigError(f"{src}: MXFP4 experts need hidden_size ({hidden}) and intermediate_size ({moe_inter}) "
                           f"to be multiples of 32")
-    return ModelConfig(
+    return ModelConfig(**{**dict(
         architecture=arch,
         family=family,
         vocab_size=int(need("vocab_size")),
@@ -404,7 +438,7 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
         moe_layers=moe_layers,
         sliding_windows=_sliding_windows(raw, family, layers, src),
         qkv_bias=bool(get("qkv_bias", True)) if family == "qwen2_moe" else bias,
-        o_bias=family in ("qwen3_moe", "olmoe", "gpt_oss", *MLA_FAMILIES) and bias,  # GLM: q/k/v only
+        o_bias=family in ("qwen3_moe", "olmoe", "gpt_oss", "llama4", *MLA_FAMILIES) and bias,  # GLM: q/k/v only
         mlp_bias=family == "deepseek_v2" and bool(get("mlp_bias", False)),
         qk_norm=("per_head" if get("use_qk_norm", False) else "none") if family == "glm4_moe" else
                 {"qwen3_moe": "per_head", "olmoe": "full", "minimax_m2": "full"}.get(family, "none"),
@@ -418,35 +452,14 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
         bos_token_id=get("bos_token_id"),
         mla=_with_scale(mla, rope) if mla else None,
         num_mtp_layers=(int(get("num_nextn_predict_layers", 0, "num_mtp_layers"))
-                        if family in V3_ROUTER_FAMILIES else 0),
+                        if family in ("deepseek_v3", "glm4_moe") else 0),
         fp8_block=_fp8_block(raw.get("quantization_config"), src),
         rotary_dim=rotary_dim,
         attention_sinks=oss,
         expert_bias=oss,
         expert_act=SwiGLU(float(get("swiglu_alpha", 1.702)), float(get("swiglu_limit", 7.0)), 1.0) if oss else SILU,
         mxfp4=mxfp4,
-    )
-
-
-def _dbrx_fields(raw: dict[str, Any], src: str) -> dict[str, Any]:
-    """DBRX's config.json (d_model, n_heads, attn_config, ffn_config, ...) in the field names the
-    other families use: grouped-query attention with clipped q/k/v, experts in every layer, softmax
-    routing renormalised over the top-k (moe_normalize_expert_weights)."""
-    attn, ffn = raw.get("attn_config") or {}, raw.get("ffn_config") or {}
-    fields = {"hidden_size": raw.get("d_model"), "num_attention_heads": raw.get("n_heads"),
-              "num_hidden_layers": raw.get("n_layers"), "max_position_embeddings": raw.get("max_seq_len"),
-              "num_key_value_heads": attn.get("kv_n_heads"), "clip_qkv": attn.get("clip_qkv"),
-              "rope_theta": attn.get("rope_theta"), "intermediate_size": ffn.get("ffn_hidden_size"),
-              "num_local_experts": ffn.get("moe_num_experts"), "num_experts_per_tok": ffn.get("moe_top_k"),
-              "hidden_act": (ffn.get("ffn_act_fn") or {}).get("name", "silu"),
-              "norm_topk_prob": ffn.get("moe_normalize_expert_weights", 1) is not None}
-    for key, theirs in (("hidden_size", "d_model"), ("num_attention_heads", "n_heads"),
-                        ("num_hidden_layers", "n_layers"), ("intermediate_size", "ffn_config.ffn_hidden_size"),
-                        ("num_local_experts", "ffn_config.moe_num_experts"),
-                        ("num_experts_per_tok", "ffn_config.moe_top_k")):
-        if fields[key] is None:
-            raise ConfigError(f"{src}: required field '{theirs}' is missing")
-    return {**raw, **{k: v for k, v in fields.items() if v is not None}}
+    ), **extra})
 
 
 def _rotary_dim(raw: dict[str, Any], family: str, head_dim: int, src: str) -> int | None:
@@ -506,13 +519,15 @@ def _router(raw: dict[str, Any], family: str, num_experts: int, top_k: int, src:
         # (use_routing_bias false: checkpoints without the bias, which transformers then reads as zeros)
         return RouterConfig(top_k, "sigmoid", renormalize=True, correction_bias=bool(raw.get("use_routing_bias", True)),
                             weights_fp32=True)
+    if family == "llama4":  # sigmoid of the top-k logits, not renormalised, in the activations' dtype
+        return RouterConfig(top_k, "sigmoid")
     if family == "gpt_oss":  # softmax of the top-k biased logits, weights in the activations' dtype
         return RouterConfig(top_k, "softmax", renormalize=True, bias=True)
-    if family not in (*MLA_FAMILIES, "glm4_moe"):
+    if family not in (*MLA_FAMILIES, *V3_ROUTER_FAMILIES):
         return RouterConfig(top_k, "softmax", renormalize=family == "mixtral" or bool(raw.get("norm_topk_prob", False)),
                             weights_fp32=family == "mixtral")
     v3 = family in V3_ROUTER_FAMILIES
-    glm = family == "glm4_moe"  # (transformers' GLM reads neither field: always sigmoid, noaux_tc)
+    glm = family in ("glm4_moe", "mimo_v2_flash")  # (transformers reads neither field: always sigmoid, noaux_tc)
     scoring = (None if glm else raw.get("scoring_func")) or ("sigmoid" if v3 else "softmax")
     method = (None if glm else raw.get("topk_method")) or ("noaux_tc" if v3 else "greedy")
     known = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
@@ -576,7 +591,7 @@ def _with_scale(mla: MLAConfig, rope: RopeConfig) -> MLAConfig:
 def _sliding_windows(raw: dict[str, Any], family: str, layers: int, src: str) -> tuple[int | None, ...]:
     """Per-layer window, following each family's transformers definition."""
     window = raw.get("sliding_window") or None
-    if family in ("olmoe", "glm4_moe", "minimax_m2", "dbrx", *MLA_FAMILIES):
+    if family in ("olmoe", "glm4_moe", "minimax_m2", "dbrx", "llama4", *MLA_FAMILIES):
         return (None,) * layers
     if family == "gpt_oss":  # layer_types, by default sliding and full alternating from layer 0
         types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
@@ -608,11 +623,11 @@ def _sliding_windows(raw: dict[str, Any], family: str, layers: int, src: str) ->
 
 
 def _rope(raw: dict[str, Any], family: str, max_pos: int, src: str) -> RopeConfig:
-    default = _GPT_OSS_ROPE if family == "gpt_oss" else {}
+    default = families.GPT_OSS_ROPE if family == "gpt_oss" else {}
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or default)
     if any(isinstance(v, dict) for v in params.values()):
         raise ConfigError(f"{src}: per-layer-type rope_parameters are not supported by {family}")
-    theta = params.get("rope_theta", raw.get("rope_theta", _DEFAULT_THETA.get(family, 10000.0)))
+    theta = params.get("rope_theta", raw.get("rope_theta", families.DEFAULT_THETA.get(family, 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{src}: rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")

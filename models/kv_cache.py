@@ -8,7 +8,7 @@ cache (the engine's) or no cache at all can be injected in place of this one.
 """
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -16,7 +16,8 @@ import torch
 if TYPE_CHECKING:
     from kernels.ops import KernelOps
     from models.config import ModelConfig
-from kernels.attention import cached_attention, gather_pages, paged_decode_attention, paged_latent_decode_attention
+from kernels.attention import (cached_attention, gather_pages, paged_decode_attention,
+                               paged_decode_attention_reference, paged_latent_decode_attention)
 
 
 @dataclass(frozen=True)
@@ -104,10 +105,31 @@ def _token_layout(q_lens: list[int], ctx_lens: list[int]) -> tuple[torch.Tensor,
 class KVCache(Protocol):
     def attend(self, layer: int, q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor,
                batch: AttentionBatch, scale: float, sliding_window: int | None,
-               sinks_N: torch.Tensor | None = None) -> torch.Tensor:
+               sinks_N: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
         """Store this call's keys and values, then return attention output o_TNH. sinks_N: per-head
-        sink logits (gpt-oss; see kernels/attention.py), None for none."""
+        sink logits (gpt-oss; see kernels/attention.py), None for none. chunk: Llama 4's chunked
+        attention (see chunked_attention), None for none."""
         ...
+
+
+def chunked_attention(q_TNH: torch.Tensor, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor, seq_idx_T: torch.Tensor,
+                      tok_idx_T: torch.Tensor, positions_T: torch.Tensor, scale: float, chunk: int,
+                      sinks_N: torch.Tensor | None = None) -> torch.Tensor:
+    """cached_attention where a query at position p sees only the keys of its chunk, j in
+    [p - p % chunk, p] (Llama 4's attention_chunk_size). Every (sequence, chunk) pair the queries
+    touch becomes a sequence of its own whose keys start at the chunk's first position, so plain
+    causal attention computes it; a pair's keys are gathered up to the furthest query position."""
+    S = k_BKSH.shape[2]
+    per_seq = -(-S // chunk)
+    pairs_P, pair_T = torch.unique(seq_idx_T * per_seq + positions_T // chunk, return_inverse=True)
+    seq_P, start_P = pairs_P // per_seq, pairs_P % per_seq * chunk
+    pos_T = positions_T - start_P[pair_T]
+    first_P = torch.full_like(pairs_P, tok_idx_T.numel()).scatter_reduce_(0, pair_T, tok_idx_T, "amin")
+    tok_T = tok_idx_T - first_P[pair_T]
+    # keys past S clamp to S - 1: they lie past every query of their pair, so causality hides them
+    key_PL = (start_P[:, None] + torch.arange(int(pos_T.max()) + 1, device=q_TNH.device)).clamp_(max=S - 1)
+    k_PKLH, v_PKLH = (t[seq_P[:, None], :, key_PL].transpose(1, 2) for t in (k_BKSH, v_BKSH))
+    return cached_attention(q_TNH, k_PKLH, v_PKLH, pair_T, tok_T, pos_T, int(tok_T.max()) + 1, scale, None, sinks_N)
 
 
 class LatentProjections(Protocol):
@@ -145,7 +167,7 @@ class DenseKVCache:
 
     def attend(self, layer: int, q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor,
                batch: AttentionBatch, scale: float, sliding_window: int | None,
-               sinks_N: torch.Tensor | None = None) -> torch.Tensor:
+               sinks_N: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
         if batch.max_kv_len > self.max_len:
             raise ValueError(f"context of {batch.max_kv_len} tokens exceeds the KV cache length {self.max_len}")
         slot_T = batch.slots_B[batch.seq_idx_T]
@@ -156,26 +178,32 @@ class DenseKVCache:
             k_BKSH, v_BKSH = self.k[layer][first:first + B, :, :S], self.v[layer][first:first + B, :, :S]  # views
         else:
             k_BKSH, v_BKSH = self.k[layer][batch.slots_B, :, :S], self.v[layer][batch.slots_B, :, :S]
+        if chunk:
+            return chunked_attention(q_TNH, k_BKSH, v_BKSH, batch.seq_idx_T, batch.tok_idx_T, batch.positions_T,
+                                     scale, chunk, sinks_N)
         return cached_attention(q_TNH, k_BKSH, v_BKSH, batch.seq_idx_T, batch.tok_idx_T, batch.positions_T,
                                 batch.max_q_len, scale, sliding_window, sinks_N)
 
 
 class PagedKVCache:
-    """Fixed-size pages shared by all sequences: k[l] and v[l] are (P pages, S slots, K, H).
+    """Fixed-size pages shared by all sequences: k[l] is (P pages, S slots, K, H) and v[l] (P, S, K, V).
 
     Which pages a sequence owns is the block manager's business (attention_nodes/block_manager.py);
     the batch carries the block tables and each token's slot. Decode-only steps use the paged decode
-    attention op given at construction (the Triton kernel on CUDA); steps with prefill gather each
-    sequence's pages and run the reference attention.
+    attention op given at construction (the Triton kernel on CUDA; values narrower than keys, as
+    MiMo-V2-Flash's, take the reference, which the op's kernels do not cover); steps with prefill
+    gather each sequence's pages and run the reference attention. num_kv_heads: one count for every
+    layer or one per layer (MiMo-V2-Flash); v_head_dim: the values' size (None: head_dim).
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu",
-                 decode_attention: Callable = paged_decode_attention):
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.decode_attention = decode_attention
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int | Sequence[int],
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 decode_attention: Callable = paged_decode_attention, v_head_dim: int | None = None):
+        heads = [num_kv_heads] * num_layers if isinstance(num_kv_heads, int) else list(num_kv_heads)
+        V = head_dim if v_head_dim is None else v_head_dim
+        self.k = [torch.zeros((num_blocks, block_size, K, head_dim), dtype=dtype, device=device) for K in heads]
+        self.v = [torch.zeros((num_blocks, block_size, K, V), dtype=dtype, device=device) for K in heads]
+        self.decode_attention = decode_attention if V == head_dim else paged_decode_attention_reference
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -183,30 +211,54 @@ class PagedKVCache:
 
     def attend(self, layer: int, q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor,
                batch: AttentionBatch, scale: float, sliding_window: int | None,
-               sinks_N: torch.Tensor | None = None) -> torch.Tensor:
+               sinks_N: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
         assert batch.block_table_BM is not None and batch.slot_mapping_T is not None, "build the batch with build_paged"
         k_pages, v_pages = self.k[layer], self.v[layer]
-        K, H = k_pages.shape[2:]
-        k_pages.view(-1, K, H).index_copy_(0, batch.slot_mapping_T, k_TKH)
-        v_pages.view(-1, K, H).index_copy_(0, batch.slot_mapping_T, v_TKH)
+        k_pages.view(-1, *k_pages.shape[2:]).index_copy_(0, batch.slot_mapping_T, k_TKH)
+        v_pages.view(-1, *v_pages.shape[2:]).index_copy_(0, batch.slot_mapping_T, v_TKH)
         if batch.max_q_len == 1:  # one token per sequence, in sequence order
-            return self.decode_attention(q_TNH, k_pages, v_pages, batch.block_table_BM, batch.kv_lens_B, scale,
-                                         sliding_window, sinks_N)
+            return self._decode(q_TNH, k_pages, v_pages, batch.block_table_BM, batch.kv_lens_B, scale,
+                                sliding_window, sinks_N, chunk)
         if batch.parts is not None:  # decodes through the decode op; only prefilling sequences are gathered
             decode_T, decode_B, prefill_T, prefill = batch.parts
-            o_TNH = torch.empty_like(q_TNH)
-            o_TNH[decode_T] = self.decode_attention(q_TNH[decode_T], k_pages, v_pages, batch.block_table_BM[decode_B],
-                                                    batch.kv_lens_B[decode_B], scale, sliding_window, sinks_N)
+            o_TNH = q_TNH.new_empty(*q_TNH.shape[:2], v_pages.shape[-1])  # (values may be narrower than keys)
+            o_TNH[decode_T] = self._decode(q_TNH[decode_T], k_pages, v_pages, batch.block_table_BM[decode_B],
+                                           batch.kv_lens_B[decode_B], scale, sliding_window, sinks_N, chunk)
             o_TNH[prefill_T] = self._gathered(q_TNH[prefill_T], k_pages, v_pages, prefill, scale, sliding_window,
-                                              sinks_N)
+                                              sinks_N, chunk)
             return o_TNH
-        return self._gathered(q_TNH, k_pages, v_pages, batch, scale, sliding_window, sinks_N)
+        return self._gathered(q_TNH, k_pages, v_pages, batch, scale, sliding_window, sinks_N, chunk)
+
+    def _decode(self, q_BNH: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table_BM: torch.Tensor,
+                lens_B: torch.Tensor, scale: float, sliding_window: int | None, sinks_N: torch.Tensor | None,
+                chunk: int | None) -> torch.Tensor:
+        """The decode op; with a chunk that starts on a page boundary, over each sequence's table from
+        its chunk's first page (keys before it are outside the chunk); otherwise gathered."""
+        S = k_pages.shape[1]
+        if chunk is None:
+            return self.decode_attention(q_BNH, k_pages, v_pages, table_BM, lens_B, scale, sliding_window, sinks_N)
+        if chunk % S == 0:
+            first_B = (lens_B.long() - 1) // chunk * (chunk // S)
+            pages = min(table_BM.shape[1], chunk // S)
+            cols_BM = (first_B[:, None] + torch.arange(pages, device=table_BM.device)).clamp_(max=table_BM.shape[1] - 1)
+            return self.decode_attention(q_BNH, k_pages, v_pages, table_BM.gather(1, cols_BM),
+                                         (lens_B - first_B * S).to(lens_B.dtype), scale, None, sinks_N)
+        B = q_BNH.shape[0]
+        S_max = int(lens_B.max())
+        k_BKSH, v_BKSH = gather_pages(k_pages, table_BM, S_max), gather_pages(v_pages, table_BM, S_max)
+        zeros_B = torch.zeros(B, dtype=torch.long, device=q_BNH.device)
+        return chunked_attention(q_BNH, k_BKSH, v_BKSH, torch.arange(B, device=q_BNH.device), zeros_B,
+                                 lens_B.long() - 1, scale, chunk, sinks_N)
 
     def _gathered(self, q_TNH: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: AttentionBatch,
-                  scale: float, sliding_window: int | None, sinks_N: torch.Tensor | None) -> torch.Tensor:
+                  scale: float, sliding_window: int | None, sinks_N: torch.Tensor | None,
+                  chunk: int | None = None) -> torch.Tensor:
         """Reference attention over each sequence's pages copied into one (B, K, S, H) tensor."""
         k_BKSH = gather_pages(k_pages, batch.block_table_BM, batch.max_kv_len)
         v_BKSH = gather_pages(v_pages, batch.block_table_BM, batch.max_kv_len)
+        if chunk:
+            return chunked_attention(q_TNH, k_BKSH, v_BKSH, batch.seq_idx_T, batch.tok_idx_T, batch.positions_T,
+                                     scale, chunk, sinks_N)
         return cached_attention(q_TNH, k_BKSH, v_BKSH, batch.seq_idx_T, batch.tok_idx_T, batch.positions_T,
                                 batch.max_q_len, scale, sliding_window, sinks_N)
 
@@ -270,8 +322,8 @@ def make_paged_cache(cfg: "ModelConfig", num_blocks: int, block_size: int, dtype
     if cfg.mla is not None:
         return PagedLatentCache(cfg.num_layers, num_blocks, block_size, cfg.mla.cache_width, cfg.mla.kv_lora_rank,
                                 dtype, device, decode_attention=ops.paged_latent_decode_attention)
-    return PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device,
-                        decode_attention=ops.paged_decode_attention)
+    return PagedKVCache(cfg.num_layers, num_blocks, block_size, [cfg.kv_heads(i) for i in range(cfg.num_layers)],
+                        cfg.head_dim, dtype, device, decode_attention=ops.paged_decode_attention, v_head_dim=cfg.v_dim)
 
 
 def cache_bytes_per_block(cfg: "ModelConfig", block_size: int, dtype: torch.dtype) -> int:

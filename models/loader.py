@@ -13,6 +13,11 @@ each expert matrix as `X_blocks` + `X_scales` (out-major (E, O, D/32, 16) uint8 
 scales), dequantised on read into the same (E, D, 2I) / (E, I, D) tensors. A Target's layout says how
 a tensor is rearranged into the model's stacked form. Multi-token-prediction layers (DeepSeek's
 num_nextn_predict_layers, stored as the layers past num_hidden_layers) are skipped with one log line.
+Llama 4 names its MLP `feed_forward` (router `router`, ungated `shared_expert`) and fuses its experts
+transposed (`gate_up_proj` (E, D, 2I) gate then up, `down_proj` (E, I, D)); a multimodal checkpoint
+keeps its language model under `language_model.` and its vision tower, which is skipped, beside it.
+MiMo-V2-Flash names its sinks `attention_sink_bias` and keeps its MTP layers under `model.mtp.` (skipped).
+RENAMES holds each family's (checkpoint, model) name pieces; training/checkpoint.py writes them back.
 """
 import atexit
 import ctypes
@@ -39,7 +44,9 @@ from models.moe_decoder import Experts, MoEForCausalLM
 STACKED_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(w13|w2)$")  # the model's stacked tensors
 _EXPERT = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _FUSED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
-_IGNORED = re.compile(r"(rotary_emb\.inv_freq$)")
+# (a Llama4ForConditionalGeneration's vision tower and projector: only its language model is served;
+# MiMo-V2-Flash's multi-token-prediction layers, which transformers skips too)
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq$)|^(vision_model|multi_modal_projector)\.|^model\.mtp\.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` scales the FP8 `X.weight`
 MXFP4_SUFFIXES = ("_blocks", "_scales")  # `X_blocks` + `X_scales` hold the MXFP4 tensor `X`
@@ -179,13 +186,23 @@ class CheckpointReader:
         return dequantize_fp8_blocks(w, scale, self.fp8_block)
 
 
+# family -> (checkpoint piece, model piece) of tensor names, applied in order
+RENAMES = {"gpt_oss": ((".mlp.router.", ".mlp.gate."),),
+           "llama4": ((".feed_forward.router.", ".mlp.gate."), (".feed_forward.shared_expert.", ".mlp.shared_experts."),
+                      (".feed_forward.", ".mlp.")),
+           "mimo_v2_flash": ((".self_attn.attention_sink_bias", ".self_attn.sinks"),)}
+FUSED_TRANSPOSED = ("gpt_oss", "llama4")  # experts stored (E, D, 2I) / (E, I, D)
+
+
 def checkpoint_targets(name: str, cfg: ModelConfig) -> list[Target] | None:
     """Map a checkpoint tensor name to its model targets; None when the name belongs to no parameter."""
     name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's (and MiniMax-M2's) module name on disk
     if name.endswith(".mlp.e_score_correction_bias"):  # MiniMax-M2 keeps it beside the gate
         name = name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
-    if cfg.family == "gpt_oss":
-        name = name.replace(".mlp.router.", ".mlp.gate.")
+    if cfg.family == "llama4":
+        name = name.removeprefix("language_model.")
+    for theirs, ours in RENAMES.get(cfg.family, ()):
+        name = name.replace(theirs, ours)
     I = cfg.moe_intermediate_size
     if m := _EXPERT.match(name):
         prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
@@ -199,6 +216,8 @@ def checkpoint_targets(name: str, cfg: ModelConfig) -> list[Target] | None:
     if m := _FUSED.match(name):
         gate_up, bias = m.group(2) == "gate_up_proj", m.group(3) is not None
         param = f"{m.group(1)}.mlp.experts.{('b' if bias else 'w') + ('13' if gate_up else '2')}"
+        if cfg.family == "llama4":  # transposed, gate then up
+            return [Target(param, layout="T")]
         if cfg.family != "gpt_oss":  # transformers 5's in-memory layout: (E, 2I, D) gate then up, (E, D, I)
             return [Target(param)]
         return [Target(param, layout=("i" if gate_up else "") if bias else ("iT" if gate_up else "T"))]
@@ -429,6 +448,7 @@ def _expected_names(param: str, cfg: ModelConfig) -> list[str]:
     mod, (gate, up, down) = expert_checkpoint_names(cfg.family)
     names = (gate, up) if m.group(2) == "w13" else (down,)
     prefix = m.group(1)
-    if cfg.family == "gpt_oss":  # fused on disk
-        return [f"{prefix}.mlp.experts.{'gate_up_proj' if m.group(2) == 'w13' else 'down_proj'}"]
+    if cfg.family in FUSED_TRANSPOSED:  # fused on disk
+        module = "feed_forward" if cfg.family == "llama4" else "mlp"
+        return [f"{prefix}.{module}.experts.{'gate_up_proj' if m.group(2) == 'w13' else 'down_proj'}"]
     return [f"{prefix}.{mod}.experts.{e}.{n}.weight" for e in range(cfg.num_experts) for n in names]

@@ -1,12 +1,14 @@
-"""The MoE decoder: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4.5, MiniMax-M2 and
-gpt-oss in one definition, single device.
+"""The MoE decoder: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4.5, MiniMax-M2,
+gpt-oss, Llama 4 and MiMo-V2-Flash in one definition, single device.
 
 Legend: T tokens (a flat batch of all sequences), D hidden, N query heads, K kv heads, H head dim,
 R rotary dims of a head (R <= H), E experts, I expert intermediate size, V vocabulary.
 Family differences are ModelConfig fields: q/k/v and o biases (qkv_bias, o_bias), q/k norm per head
 or over the whole projection (qk_norm), partial rotary (rotary_dim: the first R dims of each head are
 roped, the rest pass), per-head attention sinks (attention_sinks), per-layer sliding windows
-(sliding_windows), shared experts (gated or not), dense layers, the router (RouterConfig: scoring,
+(sliding_windows), Llama 4's chunked attention, no-rope layers with query temperature, interleaved
+rope pairs and L2 q/k norm, MiMo-V2-Flash's kv heads per layer, narrower scaled values (V) and second
+rope, shared experts (gated or not), dense layers, the router (RouterConfig: scoring,
 correction bias, groups, renormalisation, scaling, a biased router), expert biases and the expert
 activation (expert_bias, expert_act: kernels.moe.SwiGLU), MLA (MLAConfig: DeepSeek's attention lives
 in models/mla.py);
@@ -36,25 +38,32 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ops: KernelOps):
         super().__init__()
         self.layer, self.cfg, self.ops = layer, cfg, ops
-        self.window, self.scale, self.rope_dim = cfg.sliding_windows[layer], cfg.head_dim ** -0.5, cfg.rope_dim
-        D = cfg.hidden_size
+        self.window, self.scale = cfg.sliding_windows[layer], cfg.head_dim ** -0.5
+        # MiMo-V2-Flash's sliding layers rope with their own theta and rotary dims (cos_sin: the model's other table)
+        self.sliding_rope = cfg.sliding_rope is not None and self.window is not None
+        self.rope_dim = cfg.sliding_rotary_dim if self.sliding_rope else cfg.rope_dim
+        ropes = cfg.rope_layers is None or cfg.rope_layers[layer]
+        self.chunk = cfg.attention_chunks[layer] if cfg.attention_chunks else None  # Llama 4's local chunks
+        self.temperature = None if ropes else cfg.attn_temperature  # Llama 4's no-rope layers
+        D, K, V = cfg.hidden_size, cfg.kv_heads(layer), cfg.v_dim
         self.q_proj = nn.Linear(D, cfg.q_size, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(D, cfg.kv_size, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(D, cfg.kv_size, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(D, K * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(D, K * V, bias=cfg.qkv_bias)
         # CPU inference fuses q/k/v into one packed GEMM (models/cpu_inference.py) and drops the three
         self.qkv_proj: nn.Module | None = None
-        self.qkv_split = (cfg.q_size, cfg.kv_size, cfg.kv_size)
-        self.o_proj = nn.Linear(cfg.q_size, D, bias=cfg.o_bias)
+        self.qkv_split = (cfg.q_size, K * cfg.head_dim, K * V)
+        self.o_proj = nn.Linear(cfg.num_heads * V, D, bias=cfg.o_bias)
         if cfg.qk_norm == "per_head":  # Qwen3-MoE: over each head's H values
             self.q_norm, self.k_norm = (RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops),
                                         RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops))
         elif cfg.qk_norm == "full":  # OLMoE: over the whole projection
             self.q_norm, self.k_norm = (RMSNorm(cfg.q_size, cfg.rms_norm_eps, ops),
                                         RMSNorm(cfg.kv_size, cfg.rms_norm_eps, ops))
-        # gpt-oss: one logit per query head joins every softmax as an extra column (N,)
-        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attention_sinks else None
-        self.head_spec = interned(HeadSpec(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_dim, cfg.qk_norm,
-                                           cfg.rms_norm_eps, cfg.clip_qkv))
+        # gpt-oss, MiMo-V2-Flash: one logit per query head joins every softmax as an extra column (N,)
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.has_sinks(layer) else None
+        qk_norm = "none" if cfg.qk_norm == "l2" and not ropes else cfg.qk_norm  # (Llama 4: on rope layers only)
+        self.head_spec = interned(HeadSpec(cfg.num_heads, K, cfg.head_dim, self.rope_dim if ropes else 0, qk_norm,
+                                           cfg.rms_norm_eps, cfg.clip_qkv, cfg.rope_interleave, V))
         self.stages: DecodeStages = EAGER  # models/stages.py: compile_stages swaps in compiled ones
 
     def forward(self, x_TD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
@@ -64,8 +73,15 @@ class Attention(nn.Module):
         q_TQ, k_TC, v_TC = self._projections(x_TD)
         q_TNH, k_TKH, v_TKH = self.stages.q_k_v_heads(q_TQ, k_TC, v_TC, *cos_sin, q_norm_w, k_norm_w, self.head_spec,
                                                       self.ops)
-        o_TNH = cache.attend(self.layer, q_TNH, k_TKH, v_TKH, batch, self.scale, self.window, self.sinks)
-        return self.o_proj(o_TNH.reshape(T, self.cfg.q_size))
+        if self.temperature is not None:  # q * (log1p(floor((p + 1) / floor_scale)) * attn_scale + 1), in float32
+            floor_scale, attn_scale = self.temperature
+            t_T = torch.log1p(torch.floor((batch.positions_T.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+            q_TNH = (q_TNH * t_T[:, None, None]).to(q_TNH.dtype)
+        if self.cfg.v_scale != 1.0:  # MiMo-V2-Flash's attention_value_scale, on the values it caches
+            v_TKH = v_TKH * self.cfg.v_scale
+        o_TNV = cache.attend(self.layer, q_TNH, k_TKH, v_TKH, batch, self.scale, self.window, self.sinks,
+                             chunk=self.chunk)
+        return self.o_proj(o_TNV.reshape(T, -1))
 
     def _projections(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q_TQ, k_TC, v_TC: with a fused qkv_proj, column slices of its one (T, Q + 2C) output."""
@@ -179,7 +195,14 @@ class SparseMoE(nn.Module):
         """Route and dispatch (non-blocking for remote dispatchers); the shared expert runs while
         the routed experts work. `finish` turns the returned state into y_TD."""
         weights_TK, ids_TK = self.route(x_TD)
-        handle = dispatcher.dispatch(self.layer, self.experts, x_TD, ids_TK, weights_TK, mb=mb)
+        routed_TD = x_TD
+        if self.cfg.router_scales_input:
+            # Llama 4 weighs the expert's input, expert(w * x), which differs from w * expert(x) (SwiGLU
+            # is not linear). With one expert per token (config.py refuses more) the row a token sends
+            # is scaled here, on the attention side, and sent with weight 1: expert workers and every
+            # transport compute as for any family.
+            routed_TD, weights_TK = x_TD * weights_TK, torch.ones_like(weights_TK)
+        handle = dispatcher.dispatch(self.layer, self.experts, routed_TD, ids_TK, weights_TK, mb=mb)
         shared_TD = None
         if self.shared_name is not None:
             shared_TD = getattr(self, self.shared_name)(x_TD)
@@ -290,6 +313,7 @@ class MoEForCausalLM(nn.Module):
         self.dispatcher: Dispatcher = LocalDispatcher()
         self.native_decode = None  # models/native_decode.NativeDecode, set by the CPU runner where it applies
         self._rotary: RotaryEmbedding | None = None  # built on first use, on the weights' device
+        self._sliding_rotary: RotaryEmbedding | None = None  # (MiMo-V2-Flash's sliding layers)
 
     def forward(self, input_ids_T: torch.Tensor, batch: AttentionBatch, cache: KVCache) -> torch.Tensor:
         return self.forward_micro_batches([(input_ids_T, batch)], cache)[0]
@@ -303,7 +327,7 @@ class MoEForCausalLM(nn.Module):
         Returns hidden_TD per micro-batch ((0, D) for an empty one), or head(i, hidden_TD) when a
         head is given: it runs on micro-batch i while the experts finish micro-batch i+1."""
         D = self.cfg.hidden_size
-        xs, residuals, cos_sins = [], [], []
+        xs, residuals, cos_sins, sliding_cos_sins = [], [], [], {}
         for inp in inputs:
             if inp is None:
                 emb = self.model.embed_tokens.weight
@@ -314,7 +338,13 @@ class MoEForCausalLM(nn.Module):
                 xs.append(self.model.embed_tokens(ids_T))
                 if self._rotary is None:
                     self._rotary = RotaryEmbedding(self.cfg.rope, self.cfg.rope_dim, xs[-1].device)
-                cos_sins.append(self._rotary(batch.positions_T, xs[-1].dtype, batch.kv_lens_B[batch.seq_idx_T]))
+                    if self.cfg.sliding_rope is not None:
+                        self._sliding_rotary = RotaryEmbedding(self.cfg.sliding_rope, self.cfg.sliding_rotary_dim,
+                                                               xs[-1].device)
+                lens_T = batch.kv_lens_B[batch.seq_idx_T]
+                cos_sins.append(self._rotary(batch.positions_T, xs[-1].dtype, lens_T))
+                if self.cfg.sliding_rope is not None:
+                    sliding_cos_sins[len(cos_sins) - 1] = self._sliding_rotary(batch.positions_T, xs[-1].dtype, lens_T)
             residuals.append(None)
         mode = None if self.native_decode is None else self.native_decode.mode(inputs, self.dispatcher, cache)
         if mode == "step":  # every layer and its experts in one native call
@@ -330,7 +360,8 @@ class MoEForCausalLM(nn.Module):
                 if inp is None:
                     pending[i] = layer.start_mlp(xs[i], self.dispatcher, i, empty=True)
                     continue
-                h_TD, residuals[i] = layer.attention(xs[i], residuals[i], cos_sins[i], cache, inp[1])
+                cos_sin = sliding_cos_sins[i] if getattr(layer.self_attn, "sliding_rope", False) else cos_sins[i]
+                h_TD, residuals[i] = layer.attention(xs[i], residuals[i], cos_sin, cache, inp[1])
                 pending[i] = layer.start_mlp(h_TD, self.dispatcher, i)
         outs = []
         for i, inp in enumerate(inputs):

@@ -75,6 +75,8 @@ def why_not(model, cache, local: bool = True) -> str | None:
         return "not a contiguous bf16 paged cache"
     if cfg.hidden_size % 2 or cfg.rope_dim % 2:
         return "odd hidden size or rotary dims"
+    if cfg.v_dim != cfg.head_dim or cfg.layer_kv_heads is not None or cfg.v_scale != 1.0 or cfg.sliding_rope:
+        return "MiMo-V2-Flash's narrower or scaled values, kv heads per layer or second rope"
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(attn, Attention) or not isinstance(mlp, SparseMoE):
@@ -82,15 +84,19 @@ def why_not(model, cache, local: bool = True) -> str | None:
         if not all(isinstance(p, PackedLinear) and p.weight.panels is not None and p.bias is None
                    for p in (attn.qkv_proj, attn.o_proj)):
             return f"layer {i}: q/k/v or o not on bias-free bf16 panels"
-        if attn.sinks is not None or attn.head_spec.clip_qkv is not None or attn.stages is not EAGER:
+        spec = attn.head_spec
+        if attn.sinks is not None or spec.clip_qkv is not None or attn.stages is not EAGER:
             return f"layer {i}: attention sinks, a qkv clamp or compiled stages"
+        if (attn.chunk or attn.temperature is not None or spec.qk_norm not in QK_NORMS or spec.rope_interleave
+                or spec.rope_dim != cfg.rope_dim):
+            return f"layer {i}: Llama 4's chunks, no-rope layers, L2 q/k norm or interleaved rope"
         gate, experts, r = mlp.gate, mlp.experts, cfg.router
         if mlp.shared_name is not None or (local and not (isinstance(experts, PackedExperts) and (
                 experts.native is not None or (experts.int8 is not None and int8.available())))):
             return f"layer {i}: shared experts or experts outside the fused native (bf16 or int8) blocks"
         if (gate.cpu_weight is None or gate.cpu_weight.panels is None or gate.bias is not None
                 or gate.e_score_correction_bias is not None or r.scoring != "softmax" or r.num_groups != 1
-                or mlp.stages is not EAGER):
+                or cfg.router_scales_input or mlp.stages is not EAGER):
             return f"layer {i}: a router other than softmax top-k on bf16 panels"
     return None
 

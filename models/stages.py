@@ -39,8 +39,10 @@ COMPILE_OPTIONS = {"emulate_precision_casts": True, "cpp.threads": 1}  # see com
 
 @dataclass(frozen=True)
 class HeadSpec:
-    """What q_k_v_heads needs of the config: head counts and size, rotary dims (R <= H), q/k norm
-    ("none", "per_head" or "full") with its eps, and the qkv clamp (OLMoE's clip_qkv) or None."""
+    """What q_k_v_heads needs of the config: head counts and size, rotary dims (R <= H; 0: a layer
+    without rope), q/k norm ("none", "per_head", "full" or "l2") with its eps, the qkv clamp (OLMoE's
+    clip_qkv) or None, whether the rotary pairs are interleaved (Llama 4), and the value heads' size
+    (MiMo-V2-Flash's are narrower; 0: head_dim)."""
 
     num_heads: int
     num_kv_heads: int
@@ -49,6 +51,8 @@ class HeadSpec:
     qk_norm: str
     eps: float
     clip_qkv: float | None
+    rope_interleave: bool = False
+    v_head_dim: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,18 +80,25 @@ def q_k_v_heads(q_TQ: torch.Tensor, k_TC: torch.Tensor, v_TC: torch.Tensor, cos_
                 sin_TR: torch.Tensor, q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None, spec: HeadSpec,
                 ops: KernelOps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The projections (T, N*H) / (T, K*H) -> roped q_TNH, k_TKH and v_TKH: q/k norm (per head or
-    over the whole projection), the qkv clamp, then rotary on the first R dims of each head."""
+    over the whole projection), the qkv clamp, then rotary on the first R dims of each head; Llama 4's
+    weightless "l2" norm comes after the rotary, as transformers applies it."""
     T, H = q_TQ.shape[0], spec.head_dim
     q, k, v = q_TQ, k_TC, v_TC
     if spec.qk_norm == "full":
         q, k = ops.rms_norm(q, q_norm_w, spec.eps), ops.rms_norm(k, k_norm_w, spec.eps)
     if spec.clip_qkv is not None:
         q, k, v = (t.clamp(-spec.clip_qkv, spec.clip_qkv) for t in (q, k, v))
-    q_TNH, k_TKH, v_TKH = q.view(T, spec.num_heads, H), k.view(T, spec.num_kv_heads, H), v.view(T, spec.num_kv_heads, H)
+    q_TNH, k_TKH = q.view(T, spec.num_heads, H), k.view(T, spec.num_kv_heads, H)
+    v_TKH = v.view(T, spec.num_kv_heads, spec.v_head_dim or H)
     if spec.qk_norm == "per_head":
         q_TNH, k_TKH = ops.rms_norm(q_TNH, q_norm_w, spec.eps), ops.rms_norm(k_TKH, k_norm_w, spec.eps)
     R = spec.rope_dim
-    if torch.compiler.is_compiling():
+    interleaved = spec.rope_interleave and R > 0
+    if interleaved:
+        # Llama 4 rotates the pairs (0, 1), (2, 3), ...: moved to the halves layout (copies), the
+        # rotation below gives its result in that order, the same for q and k, so the scores are equal
+        q_TNH, k_TKH = _deinterleave(q_TNH, R), _deinterleave(k_TKH, R)
+    if torch.compiler.is_compiling() and not interleaved:
         # Without a q/k norm, q and k are still views of the inputs here (with the fused projection,
         # column slices of its output: rows Q + 2C apart). Rotated in place, the graph would return
         # aliases of mutated inputs, which torch 2.13 rebuilds wrongly: with contiguous strides when
@@ -100,10 +111,23 @@ def q_k_v_heads(q_TQ: torch.Tensor, k_TC: torch.Tensor, v_TC: torch.Tensor, cos_
         k_TKH = k_TKH.clone(memory_format=torch.contiguous_format)
     if R == H:
         q_TNH, k_TKH = ops.apply_rotary_(q_TNH, k_TKH, cos_TR, sin_TR)
-    else:  # partial rotary: rotate the first R dims of each head in place (strided views)
+    elif R:  # partial rotary: rotate the first R dims of each head in place (strided views)
         q_TNH, k_TKH = q_TNH.contiguous(), k_TKH.contiguous()
         ops.apply_rotary_(q_TNH[..., :R], k_TKH[..., :R], cos_TR, sin_TR)
+    if spec.qk_norm == "l2":
+        q_TNH, k_TKH = _l2_norm(q_TNH, spec.eps), _l2_norm(k_TKH, spec.eps)
     return q_TNH, k_TKH, v_TKH
+
+
+def _deinterleave(x_TNH: torch.Tensor, R: int) -> torch.Tensor:
+    """The first R dims of each head from pairs (0, 1), (2, 3), ... to halves (0, 2, ..., 1, 3, ...)."""
+    return torch.cat((x_TNH[..., 0:R:2], x_TNH[..., 1:R:2], x_TNH[..., R:]), dim=-1)
+
+
+def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama 4's q/k norm: RMSNorm over each head without a weight, in float32."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def route(logits_TE: torch.Tensor, correction_bias_E: torch.Tensor | None, spec: RouteSpec,

@@ -60,8 +60,30 @@ FAMILIES = {
     # experts of 32 (MXFP4 packs 32 values per block along D and I)
     "gpt_oss": ("GptOssConfig", dict(num_hidden_layers=3, head_dim=20, intermediate_size=32, num_local_experts=5,
                                      num_experts_per_tok=3, sliding_window=5, swiglu_limit=0.6)),
+    # Llama 4: 6 heads of 10 over 2 kv heads, layers 1 and 3 MoE (5 experts, top-1 scaling the input,
+    # a shared expert), 0 and 2 dense (intermediate_size_mlp); rope layers 0 and 2 attend in chunks of 8
+    # (2 pages of 4: the decode op's path) with the L2 q/k norm, 1 and 3 are global and without rope,
+    # with a temperature that changes every 3 positions; llama3 rope
+    "llama4": ("Llama4TextConfig", dict(num_hidden_layers=4, num_attention_heads=6, head_dim=10, intermediate_size=24,
+                                        intermediate_size_mlp=40, num_local_experts=5, interleave_moe_layer_step=2,
+                                        attention_chunk_size=8, no_rope_layer_interval=2, floor_scale=3, attn_scale=0.5,
+                                        rope_parameters={"rope_type": "llama3", "rope_theta": 1000.0, "factor": 8.0,
+                                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 16})),
+    # MiMo-V2-Flash: 6 heads of 14 (values of 10, scaled by 0.707) over 1 kv head in full layers 0 and 3,
+    # 2 with sinks and a window of 5 in sliding layers 1 and 2; 8 of 14 dims roped at theta 50000
+    # there, 4 at 1000 here; layer 0 dense; V3 routing in 4 groups of 2 (top 2 groups), no shared expert
+    "mimo_v2_flash": ("MiMoV2FlashConfig", dict(
+        num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=1, head_dim=14, v_head_dim=10,
+        intermediate_size=40, moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+        topk_group=2, sliding_window=5, layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                                                     "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 50000.0,
+                                            "partial_rotary_factor": 0.6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0,
+                                               "partial_rotary_factor": 0.3}})),
 }
-BIASED = ("glm4_moe", "minimax_m2", "gpt_oss")  # families whose biases and sinks are made non-zero
+BIASED = ("glm4_moe", "minimax_m2", "gpt_oss", "mimo_v2_flash")  # families whose biases and sinks are made non-zero
 
 
 def hf_config(family: str, **overrides):

@@ -87,7 +87,8 @@ def test_unknown_architecture_lists_supported(make_checkpoint, tmp_path):
     cfg["architectures"] = ["LlamaForCausalLM"]
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=r"LlamaForCausalLM.*supported: DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, "
-                                          r"Glm4MoeForCausalLM, GptOssForCausalLM, MiniMaxM2ForCausalLM, "
+                                          r"Glm4MoeForCausalLM, GptOssForCausalLM, Llama4ForCausalLM, "
+                                          r"Llama4ForConditionalGeneration, MiMoV2FlashForCausalLM, MiniMaxM2ForCausalLM, "
                                           r"MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM"):
         ModelConfig.from_pretrained(d)
 

@@ -95,19 +95,52 @@ GPT_OSS_120B = {"architectures": ["GptOssForCausalLM"], "attention_bias": True, 
                                                         "rope_type": "yarn", "truncate": False},
                 "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
                 "vocab_size": 201088, "torch_dtype": "bfloat16"}
-# name -> (config.json, published total parameters without MTP layers)
+# Llama 4 as Meta publishes it: the language model in text_config beside the vision tower's (left
+# out here: not served); Maverick interleaves dense layers (intermediate_size_mlp) with MoE ones
+LLAMA4_SCOUT_TEXT = {"attention_bias": False, "attention_chunk_size": 8192, "attention_dropout": 0.0, "attn_scale": 0.1,
+                     "attn_temperature_tuning": True, "bos_token_id": 200000, "eos_token_id": [200001, 200007, 200008],
+                     "floor_scale": 8192, "for_llm_compressor": False, "head_dim": 128, "hidden_act": "silu",
+                     "hidden_size": 5120, "interleave_moe_layer_step": 1, "intermediate_size": 8192,
+                     "intermediate_size_mlp": 16384, "max_position_embeddings": 10485760, "model_type": "llama4_text",
+                     "no_rope_layers": [], "num_attention_heads": 40, "num_experts_per_tok": 1, "num_hidden_layers": 48,
+                     "num_key_value_heads": 8, "num_local_experts": 16, "output_router_logits": False,
+                     "pad_token_id": 200018, "rms_norm_eps": 1e-05,
+                     "rope_scaling": {"factor": 16.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                     "rope_theta": 500000.0, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0,
+                     "torch_dtype": "bfloat16", "use_cache": True, "use_qk_norm": True, "vocab_size": 202048}
+LLAMA4_SCOUT = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "torch_dtype": "bfloat16",
+                "boi_token_index": 200080, "eoi_token_index": 200081, "image_token_index": 200092,
+                "text_config": LLAMA4_SCOUT_TEXT, "vision_config": {"model_type": "llama4_vision_model"}}
+LLAMA4_MAVERICK = {**LLAMA4_SCOUT, "text_config": {**LLAMA4_SCOUT_TEXT, "interleave_moe_layer_step": 2,
+                                                   "num_local_experts": 128, "use_qk_norm": False,
+                                                   "max_position_embeddings": 1048576,
+                                                   "rope_scaling": None}}
+# MiMo-V2-Flash as transformers 5 writes it (the sliding layers' kv heads doubled, values of 128)
+MIMO_V2_FLASH = {"architectures": ["MiMoV2FlashForCausalLM"], "model_type": "mimo_v2_flash", "attention_bias": False,
+                 "attention_value_scale": 0.707, "head_dim": 192, "hidden_act": "silu", "hidden_size": 4096,
+                 "intermediate_size": 16384, "max_position_embeddings": 262144, "moe_intermediate_size": 2048,
+                 "n_group": 1, "n_routed_experts": 256, "norm_topk_prob": True, "num_attention_heads": 64,
+                 "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "rms_norm_eps": 1e-05,
+                 "routed_scaling_factor": None, "sliding_window": 128, "topk_group": 1, "v_head_dim": 128,
+                 "vocab_size": 152576, "torch_dtype": "bfloat16"}
+# name -> (config.json, published total parameters without MTP layers; Llama 4: 109B and 400B with
+# the vision tower, which is left out)
 PUBLISHED = {"mixtral-8x7b": (MIXTRAL_8X7B, 46.7e9), "qwen1.5-moe-a2.7b": (QWEN15_MOE, 14.3e9),
              "olmoe-1b-7b": (OLMOE, 6.9e9), "deepseek-v2": (DEEPSEEK_V2, 236e9), "deepseek-v3": (DEEPSEEK_V3, 671e9),
              "kimi-k2": (KIMI_K2, 1.04e12), "glm-4.5": (GLM_45, 355e9), "minimax-m2": (MINIMAX_M2, 230e9),
-             "gpt-oss-120b": (GPT_OSS_120B, 116.8e9)}
+             "gpt-oss-120b": (GPT_OSS_120B, 116.8e9), "llama-4-scout": (LLAMA4_SCOUT, 109e9),
+             "llama-4-maverick": (LLAMA4_MAVERICK, 400e9), "mimo-v2-flash": (MIMO_V2_FLASH, 309e9)}
 SHIPPED = sorted(p.name for p in MODELS_DIR.iterdir() if (p / "config.json").is_file())
 # tiny configs as transformers 5 writes them (tests/conftest.py), with dense layers placed every way
 TINY = [(family, {}) for family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
-                                    "glm4_moe", "minimax_m2", "gpt_oss")]
+                                    "glm4_moe", "minimax_m2", "gpt_oss", "llama4", "mimo_v2_flash")]
 TINY += [("qwen2_moe", {"num_hidden_layers": 4, "decoder_sparse_step": 2}),
          ("qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}),
          ("deepseek_v3", {"num_hidden_layers": 4, "first_k_dense_replace": 2, "n_shared_experts": 3}),
-         ("glm4_moe", {"tie_word_embeddings": True, "n_shared_experts": 2})]
+         ("glm4_moe", {"tie_word_embeddings": True, "n_shared_experts": 2}),
+         ("llama4", {"moe_layers": [2], "tie_word_embeddings": True}),
+         ("mimo_v2_flash", {"attention_bias": True, "layer_types": None, "mlp_layer_types": ["sparse", "dense"] * 2})]
 
 
 def tiny_config(family: str, overrides: dict) -> dict:

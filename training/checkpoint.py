@@ -15,7 +15,7 @@ renamed when complete, and only then is `latest` replaced (os.replace of a fsync
 so `latest` always names a complete checkpoint, after a power loss too.
 Tensor names are the checkpoints' own (models/loader.py maps them): per-expert matrices, Mixtral's
 and MiniMax-M2's `block_sparse_moe` module; gpt-oss's fused, transposed, gate/up-interleaved experts
-and its `mlp.router`.
+and its `mlp.router`; Llama 4's `feed_forward` module (models.loader.RENAMES) and fused, transposed experts.
 """
 import json
 import os
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from models.config import DTYPES
-from models.loader import STACKED_EXPERTS, expert_checkpoint_names
+from models.loader import FUSED_TRANSPOSED, RENAMES, STACKED_EXPERTS, expert_checkpoint_names
 from models.moe_decoder import MoEForCausalLM
 from training.data import TOKENIZER_FILES
 from training.parallel import ParallelContext
@@ -45,12 +45,16 @@ def hf_tensors(model: MoEForCausalLM, expert_ids: tuple[int, ...], dtype: torch.
     I = cfg.moe_intermediate_size
     module, names = expert_checkpoint_names(cfg.family)
     out = {}
+    renames = [(ours, theirs) for theirs, ours in RENAMES.get(cfg.family, ())]
     for name, p in model.named_parameters():  # a tied lm_head is listed once, as embed_tokens
         # DeepSeek-V3's correction bias stays float32 (transformers keeps it so: it orders close scores)
         t = p.detach().to(torch.float32 if name.endswith("e_score_correction_bias") else dtype)
-        if cfg.family == "gpt_oss" and (m := _GPT_OSS_EXPERTS.match(name)):
+        for ours, theirs in renames:
+            name = name.replace(ours, theirs)
+        if cfg.family in FUSED_TRANSPOSED and (m := _FUSED_EXPERTS.match(name)):
             if experts:
-                out[f"{m.group(1)}.mlp.experts.{_GPT_OSS_NAMES[m.group(2)]}"] = _gpt_oss_layout(t, m.group(2))
+                t = _gpt_oss_layout(t, m.group(3)) if cfg.family == "gpt_oss" else t.transpose(1, 2).contiguous()
+                out[f"{m.group(1)}.{m.group(2)}.experts.{_FUSED_NAMES[m.group(3)]}"] = t
             continue
         if name.endswith(".mlp.gate.e_score_correction_bias") and cfg.family == "minimax_m2":
             if replicated:
@@ -67,13 +71,12 @@ def hf_tensors(model: MoEForCausalLM, expert_ids: tuple[int, ...], dtype: torch.
                 else:
                     out[f"{prefix}.{e}.{names[2]}.weight"] = t[i].clone()
         elif replicated:
-            gate = ".mlp.router." if cfg.family == "gpt_oss" else f".{module}.gate."  # Mixtral: block_sparse_moe
-            out[name.replace(".mlp.gate.", gate)] = t.contiguous().clone()
+            out[name.replace(".mlp.gate.", f".{module}.gate.")] = t.contiguous().clone()  # Mixtral: block_sparse_moe
     return out
 
 
-_GPT_OSS_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(w13|w2|b13|b2)$")
-_GPT_OSS_NAMES = {"w13": "gate_up_proj", "w2": "down_proj", "b13": "gate_up_proj_bias", "b2": "down_proj_bias"}
+_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.(mlp|feed_forward)\.experts\.(w13|w2|b13|b2)$")
+_FUSED_NAMES = {"w13": "gate_up_proj", "w2": "down_proj", "b13": "gate_up_proj_bias", "b2": "down_proj_bias"}
 
 
 def _gpt_oss_layout(t: torch.Tensor, param: str) -> torch.Tensor:
@@ -94,9 +97,9 @@ def write_model(directory: Path, model: MoEForCausalLM, ctx: ParallelContext, dt
     One rank: model.safetensors. Expert parallel: ranks 0..ep-1 each write their experts' shard (rank
     0 also the rest) and rank 0 the index."""
     expert_ids = ctx.expert_ids(model.cfg.num_experts)
-    if ctx.ep_size > 1 and model.cfg.family == "gpt_oss":
-        raise ValueError("gpt-oss checkpoints store each layer's experts as one fused tensor: save them from one "
-                         "expert-parallel rank (--expert-parallel 1)")
+    if ctx.ep_size > 1 and model.cfg.family in FUSED_TRANSPOSED:
+        raise ValueError(f"{model.cfg.family} checkpoints store each layer's experts as one fused tensor: save them "
+                         f"from one expert-parallel rank (--expert-parallel 1)")
     if ctx.ep_size == 1:
         if ctx.is_main:
             save_file(hf_tensors(model, expert_ids, dtype), str(directory / "model.safetensors"), {"format": "pt"})

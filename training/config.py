@@ -9,7 +9,8 @@ from typing import Any
 
 from models.config import ARCHITECTURES, DTYPES
 
-FAMILIES = {family: arch for arch, family in ARCHITECTURES.items()}
+FAMILIES = {family: arch for arch, family in reversed(ARCHITECTURES.items())}  # (Llama 4: Llama4ForCausalLM)
+_MODEL_TYPES = {"llama4": "llama4_text"}  # a new model's transformers config, where it is not the family's name
 SAVE_DTYPES = tuple(DTYPES)  # model files: any dtype the loader reads (models.config.DTYPES)
 AUTOCAST_DTYPES = ("float32", "bfloat16")  # float16 autocast would need loss scaling, which we do not do
 # Shape flags of a new model: TrainConfig.model_flags key -> (command-line flag, type).
@@ -26,12 +27,14 @@ SHAPE_FLAGS: dict[str, tuple[str, type]] = {
 _FIELD = {
     "num_experts": {"mixtral": "num_local_experts", "deepseek_v2": "n_routed_experts",
                     "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts",
-                    "minimax_m2": "num_local_experts", "gpt_oss": "num_local_experts"},
+                    "minimax_m2": "num_local_experts", "gpt_oss": "num_local_experts", "llama4": "num_local_experts",
+                    "mimo_v2_flash": "n_routed_experts"},
     "expert_intermediate_size": {"mixtral": "intermediate_size", "olmoe": "intermediate_size",
                                  "minimax_m2": "intermediate_size", "gpt_oss": "intermediate_size",
-                                 "*": "moe_intermediate_size"},
-    # these families size experts with it
-    "intermediate_size": {"mixtral": None, "olmoe": None, "minimax_m2": None, "gpt_oss": None},
+                                 "llama4": "intermediate_size", "*": "moe_intermediate_size"},
+    # these families size experts with it (Llama 4: its dense layers' is intermediate_size_mlp)
+    "intermediate_size": {"mixtral": None, "olmoe": None, "minimax_m2": None, "gpt_oss": None,
+                          "llama4": "intermediate_size_mlp"},
 }
 _READ_IF_PRESENT = {"head_dim"}  # fields every family's transformers model reads when config.json has them
 
@@ -142,7 +145,8 @@ def new_model_config(family: str, flags: dict[str, Any]) -> dict[str, Any]:
     transformers config does not define is an error naming the flag (transformers would ignore it)."""
     import transformers
 
-    defaults = transformers.AutoConfig.for_model(family)
+    model_type = _MODEL_TYPES.get(family, family)
+    defaults = transformers.AutoConfig.for_model(model_type)
     fields: dict[str, Any] = {}
     for flag, value in flags.items():
         names = _FIELD.get(flag, {})
@@ -154,7 +158,7 @@ def new_model_config(family: str, flags: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{flag_name(flag)} does not apply to --family {family} (its config has no {name})")
         fields[name] = value
     try:
-        config = transformers.AutoConfig.for_model(family, **fields)
+        config = transformers.AutoConfig.for_model(model_type, **fields)
     except (TypeError, ValueError) as e:
         raise ValueError(f"--family {family}: invalid shape ({e})") from None
     raw = config.to_diff_dict()  # what save_pretrained writes

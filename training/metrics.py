@@ -17,10 +17,9 @@ def active_params(cfg: ModelConfig) -> int:
     """Parameters one token's forward multiplies by: attention, routers, the top_k chosen experts
     (not all E), shared experts, dense MLPs and the LM head; the embedding lookup is no matmul."""
     D = cfg.hidden_size
-    attn = D * cfg.q_size + 2 * D * cfg.kv_size + cfg.q_size * D
     total = cfg.vocab_size * D
-    for moe in cfg.moe_layers:
-        total += attn
+    for i, moe in enumerate(cfg.moe_layers):
+        total += cfg.attention_weights(i)  # (per layer: MiMo-V2-Flash's kv heads differ)
         if moe:
             total += D * cfg.num_experts + cfg.top_k * 3 * D * cfg.moe_intermediate_size
             if cfg.shared_expert_intermediate_size:

@@ -19,7 +19,7 @@ from torch import nn
 from kernels.attention import cached_attention
 from kernels.ops import KernelOps, torch_ops
 from models.config import ModelConfig
-from models.kv_cache import AttentionBatch, LatentProjections
+from models.kv_cache import AttentionBatch, LatentProjections, chunked_attention
 from models.loader import load_experts, load_model
 from models.moe_decoder import Experts, MoEForCausalLM
 
@@ -34,12 +34,12 @@ def training_ops() -> KernelOps:
 class CausalAttention:
     """A KVCache that stores nothing: each sequence of the batch attends causally to its own tokens
     of this call (every sequence starts at position 0). Rows of equal length take one
-    scaled_dot_product_attention over a (B, N, L, H) view; other layouts (and attention sinks, which
-    it has no column for) the reference attention."""
+    scaled_dot_product_attention over a (B, N, L, H) view (masked for a sliding window or Llama 4's
+    chunks); other layouts (and attention sinks, which it has no column for) the reference attention."""
 
     def attend(self, layer: int, q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor,
                batch: AttentionBatch, scale: float, sliding_window: int | None,
-               sinks_N: torch.Tensor | None = None) -> torch.Tensor:
+               sinks_N: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
         T, N, H = q_TNH.shape
         B, L, K = batch.kv_lens_B.numel(), batch.max_q_len, k_TKH.shape[1]
         if batch.max_kv_len != L:
@@ -50,13 +50,18 @@ class CausalAttention:
             if K != N:
                 k, v = k.repeat_interleave(N // K, dim=1), v.repeat_interleave(N // K, dim=1)
             mask = None
+            i, j = torch.arange(L, device=q.device)[:, None], torch.arange(L, device=q.device)[None, :]
             if sliding_window and sliding_window < L:  # key j visible from query i: i - w < j <= i
-                i, j = torch.arange(L, device=q.device)[:, None], torch.arange(L, device=q.device)[None, :]
                 mask = (j <= i) & (j > i - sliding_window)
+            elif chunk and chunk < L:  # in i's chunk: i - i % chunk <= j <= i
+                mask = (j <= i) & (j // chunk == i // chunk)
             o_BNLH = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
             return o_BNLH.transpose(1, 2).reshape(T, N, -1)  # (values may be narrower than keys: MLA)
         k_BSKH = k_TKH.new_zeros(B, L, K, H).index_put((batch.seq_idx_T, batch.tok_idx_T), k_TKH)
         v_BSKH = v_TKH.new_zeros(B, L, *v_TKH.shape[1:]).index_put((batch.seq_idx_T, batch.tok_idx_T), v_TKH)
+        if chunk:
+            return chunked_attention(q_TNH, k_BSKH.transpose(1, 2), v_BSKH.transpose(1, 2), batch.seq_idx_T,
+                                     batch.tok_idx_T, batch.positions_T, scale, chunk, sinks_N)
         return cached_attention(q_TNH, k_BSKH.transpose(1, 2), v_BSKH.transpose(1, 2), batch.seq_idx_T,
                                 batch.tok_idx_T, batch.positions_T, L, scale, sliding_window, sinks_N)
 

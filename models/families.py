@@ -1,0 +1,205 @@
+"""What models/config.py reads family by family: transformers 5's defaults for fields a config.json
+leaves out (DEFAULTS, DEFAULT_THETA, GPT_OSS_ROPE), DBRX's own field names, and the readers of the
+families whose config.json lays a model out its own way, Llama 4 (text) and MiMo-V2-Flash (FIELDS).
+
+Each reader turns a config.json (already merged with DEFAULTS) into the ModelConfig fields that
+differ from the generic reading, following transformers' definition of the family; every field
+transformers reads is used or refused with a ConfigError naming it.
+- Llama 4: interleaved dense and MoE layers (moe_layers / interleave_moe_layer_step, dense layers of
+  intermediate_size_mlp), a shared expert of intermediate_size beside top-1 sigmoid routing that
+  weighs the expert's input, layers without rope (no_rope_layers / no_rope_layer_interval) that
+  attend globally with temperature tuning, rope layers that attend within chunks
+  (attention_chunk_size, layer_types) with a weightless q/k L2 norm, and its complex-pair rope.
+- MiMo-V2-Flash: full and sliding-window layers (layer_types) where the sliding ones have twice the
+  kv heads, attention sinks and their own rope (rope_parameters per layer type: theta, partial
+  rotary factor); value heads narrower than query/key heads (v_head_dim), scaled by
+  attention_value_scale; dense and MoE layers (mlp_layer_types); DeepSeek-V3's routing without a
+  shared expert.
+"""
+from typing import Any, Callable
+
+from kernels.rotary import RopeConfig
+from models.errors import ConfigError
+
+RopeOf = Callable[[dict[str, Any]], RopeConfig]  # rope_parameters -> RopeConfig (models/config.py: _rope)
+
+# transformers' default_theta
+DEFAULT_THETA = {"mixtral": 1e6, "minimax_m2": 5e6, "gpt_oss": 150000.0, "llama4": 500000.0}
+# transformers 5's defaults for fields a config.json may leave out, where they differ from the
+# generic ones of models/config.py (which families without an entry keep)
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "glm4_moe": {"num_key_value_heads": 8, "num_experts_per_tok": 8, "n_routed_experts": 128,
+                 "moe_intermediate_size": 1408, "intermediate_size": 10944, "rms_norm_eps": 1e-5,
+                 "max_position_embeddings": 131072},
+    "minimax_m2": {"num_key_value_heads": 8, "head_dim": 128, "num_experts_per_tok": 8, "num_local_experts": 256,
+                   "intermediate_size": 1536, "rms_norm_eps": 1e-6, "max_position_embeddings": 196608},
+    "gpt_oss": {"num_key_value_heads": 8, "head_dim": 64, "num_experts_per_tok": 4, "num_local_experts": 128,
+                "intermediate_size": 2880, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+                "sliding_window": 128},
+    "llama4": {"num_key_value_heads": 8, "head_dim": 128, "num_experts_per_tok": 1, "num_local_experts": 16,
+               "intermediate_size": 8192, "intermediate_size_mlp": 16384, "rms_norm_eps": 1e-5,
+               "max_position_embeddings": 131072, "attention_chunk_size": 8192, "bos_token_id": 1, "eos_token_id": 2},
+    "mimo_v2_flash": {"num_key_value_heads": 4, "head_dim": 192, "v_head_dim": 128, "num_experts_per_tok": 8,
+                      "n_routed_experts": 256, "moe_intermediate_size": 2048, "intermediate_size": 16384,
+                      "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "sliding_window": 129,
+                      "attention_value_scale": 0.707, "bos_token_id": 1},
+}
+# gpt-oss's rope when config.json gives neither rope_parameters nor rope_scaling
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+
+
+def dbrx_fields(raw: dict[str, Any], src: str) -> dict[str, Any]:
+    """DBRX's config.json (d_model, n_heads, attn_config, ffn_config, ...) in the field names the
+    other families use: grouped-query attention with clipped q/k/v, experts in every layer, softmax
+    routing renormalised over the top-k (moe_normalize_expert_weights)."""
+    attn, ffn = raw.get("attn_config") or {}, raw.get("ffn_config") or {}
+    fields = {"hidden_size": raw.get("d_model"), "num_attention_heads": raw.get("n_heads"),
+              "num_hidden_layers": raw.get("n_layers"), "max_position_embeddings": raw.get("max_seq_len"),
+              "num_key_value_heads": attn.get("kv_n_heads"), "clip_qkv": attn.get("clip_qkv"),
+              "rope_theta": attn.get("rope_theta"), "intermediate_size": ffn.get("ffn_hidden_size"),
+              "num_local_experts": ffn.get("moe_num_experts"), "num_experts_per_tok": ffn.get("moe_top_k"),
+              "hidden_act": (ffn.get("ffn_act_fn") or {}).get("name", "silu"),
+              "norm_topk_prob": ffn.get("moe_normalize_expert_weights", 1) is not None}
+    for key, theirs in (("hidden_size", "d_model"), ("num_attention_heads", "n_heads"),
+                        ("num_hidden_layers", "n_layers"), ("intermediate_size", "ffn_config.ffn_hidden_size"),
+                        ("num_local_experts", "ffn_config.moe_num_experts"),
+                        ("num_experts_per_tok", "ffn_config.moe_top_k")):
+        if fields[key] is None:
+            raise ConfigError(f"{src}: required field '{theirs}' is missing")
+    return {**raw, **{k: v for k, v in fields.items() if v is not None}}
+
+
+def llama4_text_config(raw: dict[str, Any], src: str) -> dict[str, Any]:
+    """Llama4ForConditionalGeneration's config.json holds the language model in text_config: its
+    fields, with the top level's dtype, quantization and token ids where text_config has none. A
+    Llama4ForCausalLM (llama4_text) config.json is flat and returned as it is."""
+    text = raw.get("text_config")
+    if text is None:
+        return raw
+    if not isinstance(text, dict):
+        raise ConfigError(f"{src}: text_config must be an object")
+    inherited = ("dtype", "torch_dtype", "quantization_config", "bos_token_id", "eos_token_id", "pad_token_id")
+    return {**{k: raw[k] for k in inherited if raw.get(k) is not None}, **text,
+            "architectures": raw.get("architectures") or [], "model_type": raw.get("model_type")}
+
+
+def _check_no_dropout(raw: dict[str, Any], src: str) -> None:
+    if float(raw.get("attention_dropout") or 0.0) != 0.0:
+        raise ConfigError(f"{src}: attention_dropout={raw['attention_dropout']} is not supported (only 0)")
+
+
+def llama4_fields(raw: dict[str, Any], layers: int, src: str, rope_of: RopeOf) -> dict[str, Any]:
+    """ModelConfig fields of a Llama 4 text model (transformers' Llama4TextConfig.__post_init__)."""
+    _check_no_dropout(raw, src)
+    top_k = int(raw.get("num_experts_per_tok") or 1)
+    if top_k != 1:  # (models/moe_decoder.py: SparseMoE.start scales the one row each token sends)
+        raise ConfigError(f"{src}: num_experts_per_tok={top_k} is not supported by llama4: its router weighs each "
+                          f"expert's input, which is dispatched once per token (only 1 is supported)")
+    if raw.get("moe_layers") is not None:
+        moe = raw["moe_layers"]
+        if not isinstance(moe, list) or not all(isinstance(i, int) and 0 <= i < layers for i in moe):
+            raise ConfigError(f"{src}: moe_layers must list layer indices in [0, num_hidden_layers={layers}), "
+                              f"got {moe}")
+    else:
+        step = int(raw.get("interleave_moe_layer_step") or 1)
+        if step < 1:
+            raise ConfigError(f"{src}: interleave_moe_layer_step must be >= 1, got {step}")
+        moe = list(range(step - 1, layers, step))
+    interval = int(raw.get("no_rope_layer_interval") or 4)
+    no_rope = raw.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]  # 1: the layer ropes
+    if not isinstance(no_rope, list) or len(no_rope) < layers or not set(no_rope[:layers]) <= {0, 1}:
+        raise ConfigError(f"{src}: no_rope_layers must list 0 or 1 for each of num_hidden_layers={layers} layers, "
+                          f"got {no_rope!r}")
+    ropes = tuple(bool(r) for r in no_rope[:layers])
+    chunk = raw.get("attention_chunk_size")
+    types = raw.get("layer_types") or ["chunked_attention" if r and chunk is not None else "full_attention"
+                                       for r in ropes]
+    if len(types) != layers or not set(types) <= {"chunked_attention", "full_attention"}:
+        raise ConfigError(f"{src}: layer_types must list num_hidden_layers={layers} entries of 'chunked_attention' / "
+                          f"'full_attention', got {types}")
+    if "chunked_attention" in types and (not isinstance(chunk, int) or chunk <= 0):
+        raise ConfigError(f"{src}: attention_chunk_size must be a positive int when layer_types has "
+                          f"'chunked_attention' layers, got {chunk!r}")
+    temperature = None
+    if raw.get("attn_temperature_tuning", True) and not all(ropes):
+        floor_scale, attn_scale = float(raw.get("floor_scale", 8192)), float(raw.get("attn_scale", 0.1))
+        if floor_scale <= 0:
+            raise ConfigError(f"{src}: floor_scale must be positive, got {floor_scale}")
+        temperature = (floor_scale, attn_scale)
+    inter = int(raw.get("intermediate_size") or 8192)
+    return dict(
+        moe_layers=tuple(i in set(moe) for i in range(layers)),
+        moe_intermediate_size=inter,
+        shared_expert_intermediate_size=inter,  # one ungated shared expert of the experts' size
+        intermediate_size=int(raw.get("intermediate_size_mlp") or 16384),
+        rope_layers=None if all(ropes) else ropes,
+        attention_chunks=tuple(chunk if t == "chunked_attention" else None for t in types),
+        rope_interleave=True,
+        qk_norm="l2" if raw.get("use_qk_norm", True) else "none",
+        attn_temperature=temperature,
+        router_scales_input=True,
+    )
+
+
+def _layer_types(raw: dict[str, Any], key: str, default: list[str], kinds: tuple[str, str], src: str) -> list[str]:
+    types = raw.get(key) or default
+    if not isinstance(types, list) or len(types) != len(default) or not set(types) <= set(kinds):
+        raise ConfigError(f"{src}: {key} must list num_hidden_layers={len(default)} entries of "
+                          f"{' / '.join(repr(k) for k in kinds)}, got {types!r}")
+    return types
+
+
+def _rotary_dims(params: dict[str, Any], head_dim: int, key: str, src: str) -> int:
+    factor = float(params.get("partial_rotary_factor", 0.334))  # (transformers' default for MiMo)
+    dim = int(head_dim * factor)  # (transformers' rounding)
+    if not 0 < dim <= head_dim or dim % 2:
+        raise ConfigError(f"{src}: rope_parameters.{key}.partial_rotary_factor {factor} gives {dim} rotary dims of "
+                          f"head_dim {head_dim}; need an even number in [2, head_dim]")
+    return dim
+
+
+def mimo_fields(raw: dict[str, Any], layers: int, src: str, rope_of: RopeOf) -> dict[str, Any]:
+    """ModelConfig fields of MiMo-V2-Flash (transformers' MiMoV2FlashConfig and MiMoV2FlashAttention)."""
+    _check_no_dropout(raw, src)
+    types = _layer_types(raw, "layer_types", ["full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention"
+                                              for i in range(layers)], ("full_attention", "sliding_attention"), src)
+    mlp = _layer_types(raw, "mlp_layer_types", ["dense"] + ["sparse"] * (layers - 1), ("dense", "sparse"), src)
+    sliding = [t == "sliding_attention" for t in types]
+    # the reference implementation's sliding_window_size counts the previous tokens, without the query
+    window = raw["sliding_window_size"] + 1 if raw.get("sliding_window_size") is not None else raw.get("sliding_window")
+    if any(sliding) and (not isinstance(window, int) or window <= 0):
+        raise ConfigError(f"{src}: sliding_window must be a positive int when layer_types has 'sliding_attention' "
+                          f"layers, got {window!r}")
+    heads, kv = int(raw["num_attention_heads"]), int(raw["num_key_value_heads"])
+    if any(sliding) and heads % (2 * kv):
+        raise ConfigError(f"{src}: num_attention_heads ({heads}) must be a multiple of the sliding layers' "
+                          f"2 x num_key_value_heads ({2 * kv})")
+    head_dim, v_head_dim = int(raw["head_dim"]), int(raw["v_head_dim"])
+    ropes = raw.get("rope_parameters") or {
+        "full_attention": {"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.334},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.334}}
+    for kind in set(types):
+        if not isinstance(ropes.get(kind), dict):
+            raise ConfigError(f"{src}: rope_parameters must hold an object for each layer type, '{kind}' has none")
+    full = ropes.get("full_attention") or ropes["sliding_attention"]  # (a model without full layers)
+    swa = ropes.get("sliding_attention") or full
+    value_scale = raw.get("attention_value_scale")
+    return dict(
+        moe_layers=tuple(m == "sparse" for m in mlp),
+        moe_intermediate_size=int(raw["moe_intermediate_size"]),
+        shared_expert_intermediate_size=0,
+        sliding_windows=tuple(window if s else None for s in sliding),
+        layer_kv_heads=tuple(2 * kv if s else kv for s in sliding),
+        attention_sinks=any(sliding),
+        sink_layers=tuple(sliding),
+        v_head_dim=v_head_dim,
+        v_scale=1.0 if value_scale is None else float(value_scale),
+        rope=rope_of(full),
+        rotary_dim=_rotary_dims(full, head_dim, "full_attention", src),
+        sliding_rope=rope_of(swa),
+        sliding_rotary_dim=_rotary_dims(swa, head_dim, "sliding_attention", src),
+    )
+
+
+FIELDS = {"llama4": llama4_fields, "mimo_v2_flash": mimo_fields}
