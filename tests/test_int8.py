@@ -115,8 +115,10 @@ def test_the_default_kernel():
     assert int8._default_kernel(torch.bfloat16, 256, frozenset((int8.AVX2,))) == int8.AVX2
 
 
-def test_the_default_moe_kernels():
-    """Each expert of the fused block takes int8_linear's default kernel for its row count."""
+def test_the_default_moe_kernels(monkeypatch):
+    """Each expert of the fused block takes int8_linear's default kernel for its row count (AMX from
+    AMX_MIN_ROWS where nothing was measured)."""
+    monkeypatch.setattr(int8, "_moe_amx_rows", [None])  # whatever an earlier test's model measured
     every = frozenset((int8.AVX2, int8.AVX512, int8.BF16DOT, int8.AMX))
     assert int8._default_moe_kernels(torch.bfloat16, every) == (int8.AVX512, int8.AMX, int8.AMX_MIN_ROWS)
     assert int8._default_moe_kernels(torch.float32, every)[:2] == (int8.AVX512, int8.AVX512)
