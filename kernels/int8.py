@@ -32,6 +32,9 @@ The fused MoE block (kernels/csrc/moe_int8.c, the same kernels):
   id; bf16 rounded where fused_moe_packed's ops round. The torch path (`fused_moe_int8_reference`,
   fused_moe_packed's ops on int8_linear) where the kernels are unavailable.
 
+kernels/fp8_weights.py runs FP8 block-scaled checkpoint weights on the same panels, kernels and fused
+block (`PanelExperts`, `to_panels`, `interleave_gate_up` are shared; int8_panels.h's codes_fmt).
+
 Legend: T rows (tokens), I input features, O output features, P panels of PANEL outputs, Ip I rounded
 up to even; in the MoE block D hidden, I intermediate, I16 I rounded up to 16, K experts per token,
 E experts, N = T*K pairs.
@@ -79,8 +82,7 @@ class Int8Weight:
 
     def codes(self) -> torch.Tensor:
         """The int8 codes q (O, I)."""
-        P, pairs = self.panels.shape[:2]
-        return self.panels.permute(0, 2, 1, 3).reshape(P * PANEL, pairs * 2)[:self.out_features, :self.in_features]
+        return from_panels(self.panels, self.out_features, self.in_features)
 
     def dequantize(self) -> torch.Tensor:
         """q * scale (O, I) in float32."""
@@ -93,6 +95,22 @@ class Int8Weight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """int8_linear(x, self, bias)."""
         return int8_linear(x, self, bias)
+
+
+def to_panels(codes_OI: torch.Tensor) -> torch.Tensor:
+    """One-byte codes (O, I) (int8, uint8) as the kernels' panels (P, Ip / 2, PANEL, 2), bit for bit,
+    zero past O and past an odd I."""
+    O, I = codes_OI.shape
+    P, Ip = -(-O // PANEL), I + I % 2
+    padded = codes_OI.new_zeros(P * PANEL, Ip)
+    padded[:O, :I] = codes_OI
+    return padded.view(P, PANEL, Ip // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def from_panels(panels: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The codes (O, I) that to_panels packed (a copy)."""
+    P, pairs = panels.shape[:2]
+    return panels.permute(0, 2, 1, 3).reshape(P * PANEL, pairs * 2)[:out_features, :in_features]
 
 
 def quantize_int8(w_OI: torch.Tensor, rows_per_chunk: int = 4096) -> Int8Weight:
@@ -218,6 +236,23 @@ def _eager_cpu(*tensors: torch.Tensor | None) -> bool:
             and not torch.compiler.is_compiling() and available())
 
 
+def interleave_gate_up(w_2ID: torch.Tensor, inter: int) -> torch.Tensor:
+    """w13 (2I, D) (gate rows, then up rows; any dtype) with its rows in the fused kernels' order:
+    gate rows 16u..16u+15, then the same up rows, for each u, each half zero-padded to I16 rows:
+    (2 * I16, D). Row r of w13 lands at gate_up_order(inter)[r]."""
+    I16, D = -(-inter // PANEL) * PANEL, w_2ID.shape[1]
+    halves = w_2ID.new_zeros(2, I16, D)  # (gate/up, row, input)
+    halves[:, :inter] = w_2ID.reshape(2, inter, D)
+    return halves.view(2, I16 // PANEL, PANEL, D).transpose(0, 1).reshape(2 * I16, D)
+
+
+def gate_up_order(inter: int) -> torch.Tensor:
+    """(2I,) int64: where interleave_gate_up puts each row of w13."""
+    i = torch.arange(inter)
+    within = i // PANEL * 2 * PANEL + i % PANEL
+    return torch.cat((within, within + PANEL))
+
+
 class Int8ExpertPanels:
     """One expert weight for fused_moe_int8, in place of a CpuWeight (as cpu_linear.ExpertPanels is for
     the bf16 block). gate_up=True: w (2I, D) holds the gate rows then the up rows; they are quantised
@@ -236,17 +271,16 @@ class Int8ExpertPanels:
         if gate_up:
             if self.out_features != 2 * inter:
                 raise ValueError(f"Int8ExpertPanels: a gate/up weight has 2 * {inter} rows, got {self.out_features}")
-            I16, D = self.inter_padded, self.in_features
-            halves = torch.zeros(2, I16, D, dtype=w.dtype)  # (gate/up, row, input)
-            halves[:, :inter] = w.reshape(2, inter, D)
-            self.int8 = quantize_int8(halves.view(2, I16 // PANEL, PANEL, D).transpose(0, 1).reshape(2 * I16, D))
-            i = torch.arange(inter)
-            within = i // PANEL * 2 * PANEL + i % PANEL
-            self.order = torch.cat((within, within + PANEL))
+            self.int8, self.order = quantize_int8(interleave_gate_up(w, inter)), gate_up_order(inter)
         else:
             if self.in_features != inter:
                 raise ValueError(f"Int8ExpertPanels: a down weight has {inter} inputs, got {self.in_features}")
             self.int8, self.order = quantize_int8(w), None
+
+    @property
+    def weight(self) -> Int8Weight:
+        """The panels the kernels read."""
+        return self.int8
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T with the rows of w in their own order (gate then up): int8_linear on the panels."""
@@ -254,26 +288,38 @@ class Int8ExpertPanels:
         return y if self.order is None else y.index_select(-1, self.order)
 
 
-class Int8Experts:
-    """One layer's E experts for fused_moe_int8: w13_E, w2_E lists of Int8ExpertPanels (gate/up, down),
-    and `table` (4, E) int64, the addresses of every expert's gate/up codes and scales and down codes
-    and scales that the kernel reads (the lists keep those tensors alive)."""
+class PanelExperts:
+    """One layer's E experts for a fused block on panels (fused_moe_int8; kernels/fp8_weights.py's
+    fused_moe_fp8): w13_E, w2_E lists of expert panels (Int8ExpertPanels or Fp8ExpertPanels: gate/up,
+    down), and `table` (4, E) int64, the addresses of every expert's gate/up codes and scales and down
+    codes and scales that the kernel reads (the lists keep those tensors alive)."""
 
     __slots__ = ("w13_E", "w2_E", "hidden", "inter", "table")
 
-    def __init__(self, w13_E: list[Int8ExpertPanels], w2_E: list[Int8ExpertPanels]):
+    def __init__(self, w13_E: list, w2_E: list):
+        name = type(self).__name__
         if not w13_E or len(w13_E) != len(w2_E):
-            raise ValueError(f"Int8Experts: {len(w13_E)} gate/up and {len(w2_E)} down weights")
+            raise ValueError(f"{name}: {len(w13_E)} gate/up and {len(w2_E)} down weights")
         self.w13_E, self.w2_E = list(w13_E), list(w2_E)
         self.hidden, self.inter = w13_E[0].in_features, w13_E[0].inter
         if any(w.order is None or (w.in_features, w.inter) != (self.hidden, self.inter) for w in self.w13_E) or any(
                 w.order is not None or (w.out_features, w.in_features) != (self.hidden, self.inter) for w in self.w2_E):
-            raise ValueError("Int8Experts: every expert needs a gate/up weight (2I, D) and a down weight (D, I) of "
+            raise ValueError(f"{name}: every expert needs a gate/up weight (2I, D) and a down weight (D, I) of "
                              "one D and I")
-        self.table = torch.tensor([[w.int8.panels.data_ptr() for w in self.w13_E],
-                                   [w.int8.scales.data_ptr() for w in self.w13_E],
-                                   [w.int8.panels.data_ptr() for w in self.w2_E],
-                                   [w.int8.scales.data_ptr() for w in self.w2_E]], dtype=torch.int64)
+        self.table = torch.tensor([[w.weight.panels.data_ptr() for w in self.w13_E],
+                                   [w.weight.scales.data_ptr() for w in self.w13_E],
+                                   [w.weight.panels.data_ptr() for w in self.w2_E],
+                                   [w.weight.scales.data_ptr() for w in self.w2_E]], dtype=torch.int64)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.w13_E)
+
+
+class Int8Experts(PanelExperts):
+    """One layer's E experts for fused_moe_int8 (PanelExperts of Int8ExpertPanels)."""
+
+    __slots__ = ()
 
     @classmethod
     def quantize(cls, w13_EID2: torch.Tensor | list[torch.Tensor],
@@ -283,16 +329,12 @@ class Int8Experts:
         return cls([Int8ExpertPanels(w, True, inter) for w in w13_EID2],
                    [Int8ExpertPanels(w, False, inter) for w in w2_EDI])
 
-    @property
-    def num_experts(self) -> int:
-        return len(self.w13_E)
-
 
 def fused_moe_int8_reference(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                             experts: Int8Experts) -> torch.Tensor:
+                             experts: PanelExperts) -> torch.Tensor:
     """The torch path: kernels/moe.fused_moe_packed's ops (the one-token path for T = 1; else permute,
-    grouped_swiglu, unpermute) with int8_linear on each expert's panels; pairs whose id is outside
-    [0, E) are left out, as the kernel skips them."""
+    grouped_swiglu, unpermute) with each expert panels' linear (int8_linear; fp8_linear for FP8
+    experts); pairs whose id is outside [0, E) are left out, as the kernel skips them."""
     from kernels.moe import SILU, Permutation, _one_token_moe, grouped_swiglu, unpermute
 
     E, (T, K) = experts.num_experts, topk_ids_TK.shape
@@ -321,11 +363,14 @@ def set_moe_amx_rows(rows: int | None) -> None:
     _moe_amx_rows[0] = rows
 
 
-def _default_moe_kernels(x_dtype: torch.dtype, here: frozenset[int]) -> tuple[int, int, int]:
+def _default_moe_kernels(x_dtype: torch.dtype, here: frozenset[int],
+                         measured: list[int | None] | None = None) -> tuple[int, int, int]:
     """(kernel, big_kernel, big_rows): an expert's rows take int8_linear's default kernel for as many
-    rows, bf16 x AMX from the measured threshold where kernels/choice.py set one."""
+    rows, bf16 x AMX from the measured threshold where kernels/choice.py set one (`measured`: None
+    for the int8 block's; fp8_weights passes its own)."""
     small = _default_kernel(x_dtype, 1, here)
-    big_rows = AMX_MIN_ROWS if _moe_amx_rows[0] is None else _moe_amx_rows[0]
+    measured = _moe_amx_rows if measured is None else measured
+    big_rows = AMX_MIN_ROWS if measured[0] is None else measured[0]
     big = AMX if x_dtype == torch.bfloat16 and AMX in here else small
     return small, big, big_rows
 

@@ -1,5 +1,5 @@
-/* Weight-only INT8 linear: y[t][o] = scale[o] * sum_i q[o][i] x[t][i] (+ bias[o]) for int8 codes q
- * with one float32 scale per output channel, x and y in float32 or bfloat16.
+/* Weight-only INT8 (and FP8) linear: y[t][o] = scale[o] * sum_i q[o][i] x[t][i] (+ bias[o]) for int8
+ * codes q with one float32 scale per output channel, x and y in float32 or bfloat16.
  *
  * The codes are dequantised in registers: 16 int8 codes are loaded, sign-extended to int32
  * (vpmovsxbd), converted to float32 and multiplied into float32 accumulators with FMA against the
@@ -14,6 +14,11 @@
  * (outputs 0-7) and of the second (outputs 8-15). A row's x pair (x[2j], x[2j + 1]) is broadcast as
  * one 64-bit value, so lane 2o + k accumulates q[o][2j + k] x[2j + k]; the two lanes of an output
  * are added once at the end. Scales are padded to 16 per panel (rows past O: scale 1, codes 0).
+ *
+ * FP8 (shuttle_fp8_linear, kernels/fp8_weights.py): the same panels holding E4M3 codes, with one scale
+ * per panel and block of input pairs (int8_panels.h: codes_fmt). The dots decode the codes exactly
+ * and scale each block's partial sums; the epilogue then scales by 1. Every kernel below runs on
+ * either format through the same driver (linear_panels); FP8 AMX needs blocks of whole k-steps.
  *
  * Kernels (`kernel` argument):
  *  AVX2     AVX2 + FMA (the flags the library is built with): tiles of up to 3 rows.
@@ -40,42 +45,56 @@
 #define X_BLOCK_BYTES (1 << 20)
 
 /* One tile: R rows of x (float32, or bf16 for BF16DOT; rows ldx values apart, 2 * pairs values each)
- * times one panel (its codes, or for BF16DOT its bf16 copy); writes y rows (ldy values apart) at the
- * panel's first output: nv valid outputs, float32 or bf16. */
-typedef void (*tile_fn)(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *scale,
-                        const float *bias, int nv, void *y, int64_t ldy, int y_bf16);
-/* A panel's codes as bf16 pairs (BF16DOT) */
-typedef void (*dequant_fn)(const int8_t *pw, int64_t pairs, uint16_t *d);
+ * times one panel (its codes, or for BF16DOT its bf16 copy; bs: its FP8 block scales, bpairs pairs
+ * each); writes y rows (ldy values apart) at the panel's first output, the sums times `scale` (+ bias):
+ * nv valid outputs, float32 or bf16. */
+typedef void (*tile_fn)(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *bs,
+                        int64_t bpairs, const float *scale, const float *bias, int nv, void *y, int64_t ldy,
+                        int y_bf16);
 
 #ifdef HAVE_AVX512
-AI512 void tile512(const float *x, int64_t ldx, const int R, const int8_t *pw, int64_t pairs, const float *scale,
-                   const float *bias, int nv, void *y, int64_t ldy, int y_bf16) {
+AI512 void tile512(const float *x, int64_t ldx, const int R, const int8_t *pw, int64_t pairs, const int fp8,
+                   const float *bs, int64_t bpairs, const float *scale, const float *bias, int nv, void *y,
+                   int64_t ldy, int y_bf16) {
     __m512 sum[MAX_R512];
-    dot512(x, ldx, R, pw, pairs, sum);
+    dot512(x, ldx, R, pw, pairs, sum, fp8, bs, bpairs);
     for (int r = 0; r < R; r++) store16(sum[r], scale, bias, nv, (char *)y + r * ldy * (y_bf16 ? 2 : 4), y_bf16);
 }
 
-T512 static void tile_avx512(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *scale,
-                             const float *bias, int nv, void *y, int64_t ldy, int y_bf16) {
-#define CALL(n) tile512((const float *)x, ldx, n, (const int8_t *)pw, pairs, scale, bias, nv, y, ldy, y_bf16)
+#define CALL(n) \
+    tile512((const float *)x, ldx, n, (const int8_t *)pw, pairs, FP8, bs, bpairs, scale, bias, nv, y, ldy, y_bf16)
+#define FP8 0
+T512 static void tile_avx512(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *bs,
+                             int64_t bpairs, const float *scale, const float *bias, int nv, void *y, int64_t ldy,
+                             int y_bf16) {
     BY_ROWS(R, CALL)
-#undef CALL
 }
+#undef FP8
+#define FP8 1
+T512 static void tile_avx512_fp8(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *bs,
+                                 int64_t bpairs, const float *scale, const float *bias, int nv, void *y, int64_t ldy,
+                                 int y_bf16) {
+    BY_ROWS(R, CALL)
+}
+#undef FP8
+#undef CALL
 
 #ifdef HAVE_BF16DOT
 TBF static inline __attribute__((always_inline)) void tilebf(const uint32_t *x, int64_t ldx, const int R,
-                                                             const uint16_t *d, int64_t pairs, const float *scale,
-                                                             const float *bias, int nv, void *y, int64_t ldy,
-                                                             int y_bf16) {
+                                                             const uint16_t *d, int64_t pairs, const float *bs,
+                                                             int64_t bpairs, const float *scale, const float *bias,
+                                                             int nv, void *y, int64_t ldy, int y_bf16) {
     __m512 sum[MAX_R512];
-    dotbf(x, ldx, R, d, pairs, sum);
+    dotbf_s(x, ldx, R, d, pairs, sum, bs, bpairs);
     for (int r = 0; r < R; r++) store16(sum[r], scale, bias, nv, (char *)y + r * ldy * (y_bf16 ? 2 : 4), y_bf16);
 }
 
-TBF static void tile_bf16dot(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *scale,
-                             const float *bias, int nv, void *y, int64_t ldy, int y_bf16) {
-    /* x: bf16 values, ldx of them a row; as pairs, ldx / 2 */
-#define CALL(n) tilebf((const uint32_t *)x, ldx / 2, n, (const uint16_t *)pw, pairs, scale, bias, nv, y, ldy, y_bf16)
+TBF static void tile_bf16dot(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *bs,
+                             int64_t bpairs, const float *scale, const float *bias, int nv, void *y, int64_t ldy,
+                             int y_bf16) {
+    /* x: bf16 values, ldx of them a row; as pairs, ldx / 2; bs: FP8 block scales, NULL for int8 */
+#define CALL(n) \
+    tilebf((const uint32_t *)x, ldx / 2, n, (const uint16_t *)pw, pairs, bs, bpairs, scale, bias, nv, y, ldy, y_bf16)
     BY_ROWS(R, CALL)
 #undef CALL
 }
@@ -101,7 +120,7 @@ int shuttle_int8_amx_ready(void) { return amx_ready; }
  * T padded to a multiple of 32 rows, so every tile reads inside it; panels in pairs (32 outputs),
  * each dequantised once per row block into the thread's bf16 copy (zeros past the panel's pairs). */
 TAMX static int linear_amx(const uint16_t *x, int64_t T, int64_t I, const int8_t *panels, const float *scales,
-                           const float *bias, int64_t O, void *y, int y_bf16, int nthreads) {
+                           const codes_fmt *f, const float *bias, int64_t O, void *y, int y_bf16, int nthreads) {
     const int64_t P = (O + PANEL - 1) / PANEL, pairs = (I + 1) / 2, kb = (pairs + 15) / 16, Ik = kb * 32;
     const int64_t U = (P + 1) / 2, tiles = (T + AMX_ROWS - 1) / AMX_ROWS, Tp = tiles * AMX_ROWS;
     if (nthreads > U * tiles) nthreads = (int)(U * tiles);
@@ -141,17 +160,20 @@ TAMX static int linear_amx(const uint16_t *x, int64_t T, int64_t I, const int8_t
                     const int64_t p0 = 2 * u, p1 = 2 * u + 1;
                     const int nv0 = O - p0 * PANEL < PANEL ? (int)(O - p0 * PANEL) : PANEL;
                     const int nv1 = p1 < P ? (O - p1 * PANEL < PANEL ? (int)(O - p1 * PANEL) : PANEL) : 0;
-                    dequant_tiles(panels + p0 * pairs * 32, pairs, kb, d0);
-                    if (nv1) dequant_tiles(panels + p1 * pairs * 32, pairs, kb, d1);
+                    dequant_tiles(panels + p0 * pairs * 32, pairs, kb, d0, f->fp8);
+                    if (nv1) dequant_tiles(panels + p1 * pairs * 32, pairs, kb, d1, f->fp8);
+                    const float *bs0 = panel_scales(f, scales, p0), *bs1 = nv1 ? panel_scales(f, scales, p1) : bs0;
                     for (int64_t t = t0; t < t1; t += AMX_ROWS) {
                         const int n = t1 - t < AMX_ROWS ? (int)(t1 - t) : AMX_ROWS;
-                        amx_block(xs + t * Ik, Ik * 2, d0, nv1 ? d1 : d0, kb, n > 16, c);
+                        const uint16_t *b1 = nv1 ? d1 : d0;
+                        if (f->fp8) amx_block_fp8(xs + t * Ik, Ik * 2, d0, b1, kb, n > 16, c, f->bpairs / 16, bs0, bs1);
+                        else amx_block(xs + t * Ik, Ik * 2, d0, b1, kb, n > 16, c);
                         for (int r = 0; r < n; r++) {
                             char *yr = (char *)y + ((t + r) * O + p0 * PANEL) * (y_bf16 ? 2 : 4);
-                            store16(_mm512_load_ps(c + r * 32), scales + p0 * PANEL, bias ? bias + p0 * PANEL : NULL,
-                                    nv0, yr, y_bf16);
+                            store16(_mm512_load_ps(c + r * 32), out_scales(f, scales, p0),
+                                    bias ? bias + p0 * PANEL : NULL, nv0, yr, y_bf16);
                             if (nv1)
-                                store16(_mm512_load_ps(c + r * 32 + 16), scales + p1 * PANEL,
+                                store16(_mm512_load_ps(c + r * 32 + 16), out_scales(f, scales, p1),
                                         bias ? bias + p1 * PANEL : NULL, nv1, yr + PANEL * (y_bf16 ? 2 : 4), y_bf16);
                         }
                     }
@@ -167,10 +189,11 @@ TAMX static int linear_amx(const uint16_t *x, int64_t T, int64_t I, const int8_t
 #endif
 
 static inline __attribute__((always_inline)) void tile256(const float *x, int64_t ldx, const int R, const int8_t *pw,
-                                                          int64_t pairs, const float *scale, const float *bias, int nv,
-                                                          void *y, int64_t ldy, int y_bf16) {
+                                                          int64_t pairs, const int fp8, const float *bs, int64_t bpairs,
+                                                          const float *scale, const float *bias, int nv, void *y,
+                                                          int64_t ldy, int y_bf16) {
     __m256 sum[MAX_R2][2];
-    dot256(x, ldx, R, pw, pairs, sum);
+    dot256(x, ldx, R, pw, pairs, sum, fp8, bs, bpairs);
     float b[PANEL] = {0};
     if (bias) memcpy(b, bias, sizeof(float) * (size_t)nv);
     for (int r = 0; r < R; r++) {
@@ -187,16 +210,29 @@ static inline __attribute__((always_inline)) void tile256(const float *x, int64_
     }
 }
 
-static void tile_avx2(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *scale,
-                      const float *bias, int nv, void *y, int64_t ldy, int y_bf16) {
-    const float *xf = (const float *)x;
-    const int8_t *codes = (const int8_t *)pw;
-    switch (R) {
-        case 3: tile256(xf, ldx, 3, codes, pairs, scale, bias, nv, y, ldy, y_bf16); break;
-        case 2: tile256(xf, ldx, 2, codes, pairs, scale, bias, nv, y, ldy, y_bf16); break;
-        default: tile256(xf, ldx, 1, codes, pairs, scale, bias, nv, y, ldy, y_bf16); break;
+#define CALL(n) \
+    tile256((const float *)x, ldx, n, (const int8_t *)pw, pairs, FP8, bs, bpairs, scale, bias, nv, y, ldy, y_bf16)
+#define BY_ROWS3(R) \
+    switch (R) {        \
+        case 3: CALL(3); break; \
+        case 2: CALL(2); break; \
+        default: CALL(1); break; \
     }
+#define FP8 0
+static void tile_avx2(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *bs, int64_t bpairs,
+                      const float *scale, const float *bias, int nv, void *y, int64_t ldy, int y_bf16) {
+    BY_ROWS3(R)
 }
+#undef FP8
+#define FP8 1
+static void tile_avx2_fp8(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *bs,
+                          int64_t bpairs, const float *scale, const float *bias, int nv, void *y, int64_t ldy,
+                          int y_bf16) {
+    BY_ROWS3(R)
+}
+#undef FP8
+#undef BY_ROWS3
+#undef CALL
 
 #ifndef HAVE_AMX
 int shuttle_int8_amx_init(void) { return 0; }
@@ -218,33 +254,30 @@ int shuttle_int8_kernels(void) {
     return k;
 }
 
-/* x (T, I) float32 or bf16 (x_bf16), contiguous; panels and scales as above (P = ceil(O / 16));
- * bias: O float32 values or NULL; y (T, O) float32 or bf16 (y_bf16), contiguous. kernel: AVX2,
- * AVX512, BF16DOT or AMX (bf16 x only; AMX after shuttle_int8_amx_init). Returns 0; -1 if a buffer (a float32 copy of bf16 x or of x of
- * odd I, a bf16 copy of x of odd I, the panels' bf16 copies) cannot be allocated; -2 for a kernel
- * this build lacks or that cannot take these arguments. */
-int shuttle_int8_linear(const void *x, int x_bf16, int64_t T, int64_t I, const int8_t *panels, const float *scales,
-                        const float *bias, int64_t O, void *y, int y_bf16, int nthreads, int kernel) {
-    tile_fn tile = tile_avx2;
-    dequant_fn dequant = NULL;
+/* int8_linear / fp8_linear: panels and scales of format f; the arguments as shuttle_int8_linear's. */
+static int linear_panels(const void *x, int x_bf16, int64_t T, int64_t I, const int8_t *panels, const float *scales,
+                         const codes_fmt *f, const float *bias, int64_t O, void *y, int y_bf16, int nthreads,
+                         int kernel) {
+    tile_fn tile = f->fp8 ? tile_avx2_fp8 : tile_avx2;
+    int dequant = 0; /* BF16DOT: the tiles read each panel's bf16 copy */
     int max_r = MAX_R2;
     if (kernel == KERNEL_AVX512) {
 #ifdef HAVE_AVX512
-        tile = tile_avx512, max_r = MAX_R512;
+        tile = f->fp8 ? tile_avx512_fp8 : tile_avx512, max_r = MAX_R512;
 #else
         return -2;
 #endif
     } else if (kernel == KERNEL_BF16DOT) {
 #ifdef HAVE_BF16DOT
         if (!x_bf16) return -2;
-        tile = tile_bf16dot, dequant = dequant_bf16, max_r = MAX_R512;
+        tile = tile_bf16dot, dequant = 1, max_r = MAX_R512;
 #else
         return -2;
 #endif
     } else if (kernel == KERNEL_AMX) {
 #ifdef HAVE_AMX
-        if (!x_bf16 || !amx_ready) return -2;
-        return linear_amx((const uint16_t *)x, T, I, panels, scales, bias, O, y, y_bf16, nthreads);
+        if (!x_bf16 || !amx_ready || (f->fp8 && f->bpairs % 16)) return -2; /* FP8: blocks of whole k-steps */
+        return linear_amx((const uint16_t *)x, T, I, panels, scales, f, bias, O, y, y_bf16, nthreads);
 #else
         return -2;
 #endif
@@ -260,7 +293,7 @@ int shuttle_int8_linear(const void *x, int x_bf16, int64_t T, int64_t I, const i
     if (nthreads < 1) nthreads = 1;
     /* the kernels read x as float32 (bf16 for BF16DOT) rows of Ip values: in place where x is that
      * already, else a copy, zero-padded to Ip */
-    const int wide = dequant == NULL; /* float32 rows */
+    const int wide = !dequant; /* float32 rows */
     const size_t xsize = wide ? 4 : 2;
     const int copy = (wide && x_bf16) || Ip != I;
     void *xs = copy ? aligned_alloc(64, ((size_t)(T * Ip) * xsize + 63) / 64 * 64) : (void *)x;
@@ -310,12 +343,15 @@ int shuttle_int8_linear(const void *x, int x_bf16, int64_t T, int64_t I, const i
                     const int64_t o0 = p * PANEL;
                     const int nv = O - o0 < PANEL ? (int)(O - o0) : PANEL;
                     const void *pw = panels + p * pairs * 32;
-                    if (dequant) dequant(panels + p * pairs * 32, pairs, my_dq), pw = my_dq;
+                    const float *ps = panel_scales(f, scales, p), *os = out_scales(f, scales, p);
+#ifdef HAVE_BF16DOT
+                    if (dequant) dequant_bf16(panels + p * pairs * 32, pairs, my_dq, f->fp8), pw = my_dq;
+#endif
                     for (int64_t t = t0, ti = 0, n; t < t1; t += n, ti++) {
                         n = (t1 - t + (ntiles - ti) - 1) / (ntiles - ti); /* even tiles: 17 rows -> 6, 6, 5 */
                         void *yt = (char *)y + (t * O + o0) * (y_bf16 ? 2 : 4);
-                        tile((const char *)xs + t * Ip * (int64_t)xsize, Ip, (int)n, pw, pairs, scales + o0,
-                             bias ? bias + o0 : NULL, nv, yt, O, y_bf16);
+                        tile((const char *)xs + t * Ip * (int64_t)xsize, Ip, (int)n, pw, pairs, f->fp8 ? ps : NULL,
+                             f->bpairs, os, bias ? bias + o0 : NULL, nv, yt, O, y_bf16);
                     }
                 }
             }
@@ -324,4 +360,26 @@ int shuttle_int8_linear(const void *x, int x_bf16, int64_t T, int64_t I, const i
     if (copy) free(xs);
     free(dq);
     return 0;
+}
+
+/* x (T, I) float32 or bf16 (x_bf16), contiguous; int8 panels and scales as above (P = ceil(O / 16));
+ * bias: O float32 values or NULL; y (T, O) float32 or bf16 (y_bf16), contiguous. kernel: AVX2,
+ * AVX512, BF16DOT or AMX (bf16 x only; AMX after shuttle_int8_amx_init). Returns 0; -1 if a buffer (a
+ * float32 copy of bf16 x or of x of odd I, a bf16 copy of x of odd I, the panels' bf16 copies) cannot
+ * be allocated; -2 for a kernel this build lacks or that cannot take these arguments. */
+int shuttle_int8_linear(const void *x, int x_bf16, int64_t T, int64_t I, const int8_t *panels, const float *scales,
+                        const float *bias, int64_t O, void *y, int y_bf16, int nthreads, int kernel) {
+    const codes_fmt f = {0, 0, 0};
+    return linear_panels(x, x_bf16, T, I, panels, scales, &f, bias, O, y, y_bf16, nthreads, kernel);
+}
+
+/* shuttle_int8_linear on FP8 E4M3 panels (kernels/fp8_weights.py: Fp8Weight): scales (P, nb) float32,
+ * panel p's scale for each block of bpairs input pairs (nb = ceil(ceil(I / 2) / bpairs)). The AVX2
+ * kernel needs F16C. */
+int shuttle_fp8_linear(const void *x, int x_bf16, int64_t T, int64_t I, const uint8_t *panels, const float *scales,
+                       int64_t bpairs, const float *bias, int64_t O, void *y, int y_bf16, int nthreads, int kernel) {
+    if (bpairs < 1) return -2;
+    const int64_t pairs = (I + 1) / 2;
+    const codes_fmt f = {1, bpairs, (pairs + bpairs - 1) / bpairs};
+    return linear_panels(x, x_bf16, T, I, (const int8_t *)panels, scales, &f, bias, O, y, y_bf16, nthreads, kernel);
 }

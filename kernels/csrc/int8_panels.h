@@ -1,18 +1,33 @@
-/* The inner loops over int8 weight panels that int8_gemm.c (int8_linear) and moe_int8.c (the fused
- * int8 MoE block) share. Panels (kernels/int8.py: quantize_int8): 16 output channels x the inputs
- * padded to an even count, stored in pairs, (ceil(O / 16), pairs, 16, 2): byte 2o + k of pair j is
- * q[o][2j + k]; one float32 scale per output channel, 16 per panel (1 past O).
+/* The inner loops over weight panels that int8_gemm.c (int8_linear, fp8_linear) and moe_int8.c (the
+ * fused int8 and FP8 MoE blocks) share. Panels (kernels/int8.py: quantize_int8; kernels/fp8_weights.py):
+ * 16 output channels x the inputs padded to an even count, stored in pairs, (ceil(O / 16), pairs, 16,
+ * 2): byte 2o + k of pair j is code[o][2j + k]. Two code formats (codes_fmt):
+ *  int8  one float32 scale per output channel, 16 per panel (1 past O), applied by the callers'
+ *        epilogues to the dots' unscaled sums;
+ *  FP8   E4M3 codes with one float32 scale per panel and block of `bpairs` input pairs (a checkpoint's
+ *        weight_scale_inv of the panel's 128-row block: a panel lies inside one), `nb` per panel,
+ *        applied inside the dots (each block's partial sums times its scale); the epilogues scale by 1.
  *
- * Each kernel's dot computes R rows of x (rows ldx values apart) times one panel into 16 unscaled
- * float32 sums per row, in registers; the callers apply the scales in their own epilogues.
- *  AVX2     dot256: codes widened to float32, FMA against float32 x, up to MAX_R2 rows.
- *  AVX512   dot512: the same with AVX-512 F/BW/VL, up to MAX_R512 rows sharing each widened pair.
+ * Each kernel's dot computes R rows of x (rows ldx values apart) times one panel into 16 float32 sums
+ * per row, in registers.
+ *  AVX2     dot256: codes decoded to float32, FMA against float32 x, up to MAX_R2 rows.
+ *  AVX512   dot512: the same with AVX-512 F/BW/VL, up to MAX_R512 rows sharing each decoded pair.
  *  BF16DOT  dotbf: a panel dequantised once to bf16 (dequant_bf16: 64 bytes per pair, lane o =
- *           (q[o][2j], q[o][2j+1]); codes -127..127 are exact in bf16) times bf16 x pairs, AVX-512
- *           BF16 dot products, float32 accumulation.
+ *           (q[o][2j], q[o][2j+1]); int8 codes and E4M3 values are exact in bf16) times bf16 x pairs,
+ *           AVX-512 BF16 dot products, float32 accumulation (FP8: dotbf_s, per block, scaled).
  *  AMX      amx_block: blocks of 16 or 32 bf16 rows times two dequantised panels (B tiles of 16
  *           pairs x 16 outputs x 2 values), 4 accumulator tiles; dequant_tiles pads a panel with
- *           zero pairs to a multiple of 16.
+ *           zero pairs to a multiple of 16. FP8: amx_block_fp8 stores the tiles once per input block
+ *           to scale them (blocks of whole k-steps, 16 pairs).
+ * So for either format every product is exact and only the float32 order of summation differs from
+ * the reference (the scale applied per output for int8, per block for FP8, once per weight there).
+ * Decoding E4M3 without a table: byte b as the half ((b & 0x80) << 8) | ((b & 0x7F) << 7) is b's value
+ * times 2^-8, normals and subnormals alike (the exponent field moves from bias 7 to bias 15, the 3
+ * mantissa bits to the top of the 10), so vcvtph2ps decodes 8 or 16 codes exactly and the 2^8 goes
+ * into the block's scale (a power of two: the product rounds as code * scale would). The NaN codes
+ * 0x7F / 0xFF would decode to +-480: they do not occur in weights (quantize_fp8_blocks saturates at
+ * 448). The AVX2 decode is F16C's vcvtph2ps in inline assembly, so that the loops shared with int8
+ * need no F16C target; kernels/fp8_weights.py runs it only where the CPU lists f16c.
  * AVX-512, BF16 and AMX code carries target attributes (the library is built for AVX2 + FMA). */
 #ifndef SHUTTLE_INT8_PANELS_H
 #define SHUTTLE_INT8_PANELS_H
@@ -30,31 +45,63 @@
 #define KERNEL_BF16DOT 2
 #define KERNEL_AMX 3
 #define MAX_R2 3
+#define FP8_UNIT 256.0f /* the fp8 decodes give code * 2^-8: their blocks' scales are multiplied by 2^8 */
+
+/* A call's code format (see above): fp8 0 or 1; FP8: input pairs per scale block and blocks per panel. */
+typedef struct {
+    int fp8;
+    int64_t bpairs, nb;
+} codes_fmt;
+
+/* float32 scales of one panel (int8: its 16 outputs'; FP8: its nb blocks') */
+static inline const float *panel_scales(const codes_fmt *f, const float *scales, int64_t p) {
+    return scales + p * (f->fp8 ? f->nb : PANEL);
+}
+
+/* The scales an epilogue applies to one panel's sums: int8 the panel's, FP8 none (ones). */
+static const float ONES[PANEL] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+static inline const float *out_scales(const codes_fmt *f, const float *scales, int64_t p) {
+    return f->fp8 ? ONES : scales + p * PANEL;
+}
+
+/* 8 E4M3 codes as float32, times 2^-8 (F16C) */
+static inline __attribute__((always_inline)) __m256 fp8x8(const int8_t *p) {
+    const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)); /* sign-extended: bit 8 = sign */
+    const __m128i h = _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16((short)0xBF80));
+    __m256 f;
+    __asm__("vcvtph2ps %1, %0" : "=x"(f) : "x"(h));
+    return f;
+}
+
+/* 8 codes of either format as float32 (FP8: times 2^-8) */
+static inline __attribute__((always_inline)) __m256 codes8(const int8_t *p, const int fp8) {
+    return fp8 ? fp8x8(p) : _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
 
 /* AVX2: a pair j is four vectors of 8 lanes (outputs 4k..4k+3, two lanes each). */
 static inline __attribute__((always_inline)) void pair256(const float *x, int64_t ldx, const int8_t *pw, int64_t j,
-                                                          const int R, __m256 acc[][4]) {
+                                                          const int R, __m256 acc[][4], const int fp8) {
     __m256 xv[MAX_R2];
     for (int r = 0; r < R; r++)
         xv[r] = _mm256_castsi256_ps(_mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(x + r * ldx + 2 * j))));
     for (int k = 0; k < 4; k++) {
-        const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(pw + j * 32 + 8 * k))));
+        const __m256 w = codes8(pw + j * 32 + 8 * k, fp8);
         for (int r = 0; r < R; r++) acc[r][k] = _mm256_fmadd_ps(xv[r], w, acc[r][k]);
     }
 }
 
-/* sum[r][h]: outputs 8h..8h+7 of row r, unscaled */
-static inline __attribute__((always_inline)) void dot256(const float *x, int64_t ldx, const int R, const int8_t *pw,
-                                                         int64_t pairs, __m256 sum[][2]) {
+/* sum[r][h]: outputs 8h..8h+7 of row r, unscaled (FP8: times 2^-8) */
+static inline __attribute__((always_inline)) void dot256u(const float *x, int64_t ldx, const int R, const int8_t *pw,
+                                                          int64_t pairs, __m256 sum[][2], const int fp8) {
     __m256 acc[MAX_R2][4];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 2 <= pairs; j += 2) {
         _mm_prefetch((const char *)(pw + (j + 2 * PF_LINES) * 32), _MM_HINT_T0);
-        pair256(x, ldx, pw, j, R, acc);
-        pair256(x, ldx, pw, j + 1, R, acc);
+        pair256(x, ldx, pw, j, R, acc, fp8);
+        pair256(x, ldx, pw, j + 1, R, acc, fp8);
     }
-    if (j < pairs) pair256(x, ldx, pw, j, R, acc);
+    if (j < pairs) pair256(x, ldx, pw, j, R, acc, fp8);
     for (int r = 0; r < R; r++)
         for (int h = 0; h < 2; h++) {
             /* hadd: [0+1, 2+3 of acc 2h; 0+1, 2+3 of acc 2h+1; 4+5, 6+7 of 2h; 4+5, 6+7 of 2h+1], i.e.
@@ -62,6 +109,25 @@ static inline __attribute__((always_inline)) void dot256(const float *x, int64_t
             const __m256 s = _mm256_hadd_ps(acc[r][2 * h], acc[r][2 * h + 1]);
             sum[r][h] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(s), 0xD8));
         }
+}
+
+/* sum[r][h]: outputs 8h..8h+7 of row r; int8 unscaled, FP8 each block's partial sums times its scale
+ * bs[b] (the panel's) */
+static inline __attribute__((always_inline)) void dot256(const float *x, int64_t ldx, const int R, const int8_t *pw,
+                                                         int64_t pairs, __m256 sum[][2], const int fp8,
+                                                         const float *bs, int64_t bpairs) {
+    if (!fp8) {
+        dot256u(x, ldx, R, pw, pairs, sum, 0);
+        return;
+    }
+    for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
+    for (int64_t j0 = 0, b = 0; j0 < pairs; j0 += bpairs, b++) {
+        __m256 part[MAX_R2][2];
+        dot256u(x + 2 * j0, ldx, R, pw + 32 * j0, pairs - j0 < bpairs ? pairs - j0 : bpairs, part, 1);
+        const __m256 s = _mm256_set1_ps(bs[b] * FP8_UNIT);
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < 2; h++) sum[r][h] = _mm256_fmadd_ps(part[r][h], s, sum[r][h]);
+    }
 }
 
 #if defined(__clang__) ? __clang_major__ >= 8 : __GNUC__ >= 8
@@ -76,12 +142,28 @@ static inline __attribute__((always_inline)) void dot256(const float *x, int64_t
 /* 16 codes of a panel pair, widened to float32 */
 AI512 __m512 codes16(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 
+/* 32 E4M3 codes (one panel pair) as float32 times 2^-8: w0 codes 0-15, w1 codes 16-31 */
+AI512 void fp8x32(const int8_t *p, __m512 *w0, __m512 *w1) {
+    const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); /* bit 8 = sign */
+    const __m512i h = _mm512_and_si512(_mm512_slli_epi16(b, 7), _mm512_set1_epi16((short)0xBF80));
+    *w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    *w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+
+/* One panel pair's 32 codes of either format as float32 (FP8: times 2^-8) */
+AI512 void pair_codes(const int8_t *p, const int fp8, __m512 *w0, __m512 *w1) {
+    if (fp8) fp8x32(p, w0, w1);
+    else *w0 = codes16(p), *w1 = codes16(p + 16);
+}
+
 /* x[2j], x[2j + 1] in every pair of lanes */
 AI512 __m512 xpair16(const float *x) { return _mm512_castsi512_ps(_mm512_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)x))); }
 
 /* One pair j of the panel for R rows: acc[r][0] (outputs 0-7) and acc[r][1] (8-15) += q x. */
-AI512 void pair512(const float *x, int64_t ldx, const int8_t *pw, int64_t j, const int R, __m512 acc[][2]) {
-    const __m512 w0 = codes16(pw + j * 32), w1 = codes16(pw + j * 32 + 16);
+AI512 void pair512(const float *x, int64_t ldx, const int8_t *pw, int64_t j, const int R, __m512 acc[][2],
+                   const int fp8) {
+    __m512 w0, w1;
+    pair_codes(pw + j * 32, fp8, &w0, &w1);
     for (int r = 0; r < R; r++) {
         const __m512 xv = xpair16(x + r * ldx + 2 * j);
         acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
@@ -108,9 +190,10 @@ AI512 void store16(__m512 sum, const float *scale, const float *bias, int nv, vo
     else _mm512_mask_storeu_ps(y, m, v);
 }
 
-/* sum[r]: the 16 outputs of row r, unscaled. acc[s]: the even pairs (s = 0) and the odd ones (s = 1,
- * up to SPLIT_R rows: more chains of FMAs in flight where few rows give few). */
-AI512 void dot512(const float *x, int64_t ldx, const int R, const int8_t *pw, int64_t pairs, __m512 sum[]) {
+/* sum[r]: the 16 outputs of row r, unscaled (FP8: times 2^-8). acc[s]: the even pairs (s = 0) and the
+ * odd ones (s = 1, up to SPLIT_R rows: more chains of FMAs in flight where few rows give few). */
+AI512 void dot512u(const float *x, int64_t ldx, const int R, const int8_t *pw, int64_t pairs, __m512 sum[],
+                   const int fp8) {
     const int S = R <= SPLIT_R ? 2 : 1;
     __m512 acc[2][MAX_R512][2];
     for (int s = 0; s < S; s++)
@@ -118,10 +201,10 @@ AI512 void dot512(const float *x, int64_t ldx, const int R, const int8_t *pw, in
     int64_t j = 0;
     for (; j + 2 <= pairs; j += 2) { /* one 64-byte line of the panel per iteration */
         _mm_prefetch((const char *)(pw + (j + 2 * PF_LINES) * 32), _MM_HINT_T0);
-        pair512(x, ldx, pw, j, R, acc[0]);
-        pair512(x, ldx, pw, j + 1, R, acc[S - 1]);
+        pair512(x, ldx, pw, j, R, acc[0], fp8);
+        pair512(x, ldx, pw, j + 1, R, acc[S - 1], fp8);
     }
-    if (j < pairs) pair512(x, ldx, pw, j, R, acc[0]);
+    if (j < pairs) pair512(x, ldx, pw, j, R, acc[0], fp8);
     if (S == 2)
         for (int r = 0; r < R; r++)
             acc[0][r][0] = _mm512_add_ps(acc[0][r][0], acc[1][r][0]), acc[0][r][1] = _mm512_add_ps(acc[0][r][1], acc[1][r][1]);
@@ -132,15 +215,34 @@ AI512 void dot512(const float *x, int64_t ldx, const int R, const int8_t *pw, in
                                _mm512_permutex2var_ps(acc[0][r][0], odd, acc[0][r][1]));
 }
 
+/* sum[r]: the 16 outputs of row r; int8 unscaled, FP8 each block's partial sums times its scale bs[b] */
+AI512 void dot512(const float *x, int64_t ldx, const int R, const int8_t *pw, int64_t pairs, __m512 sum[],
+                  const int fp8, const float *bs, int64_t bpairs) {
+    if (!fp8) {
+        dot512u(x, ldx, R, pw, pairs, sum, 0);
+        return;
+    }
+    for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_ps();
+    for (int64_t j0 = 0, b = 0; j0 < pairs; j0 += bpairs, b++) {
+        __m512 part[MAX_R512];
+        dot512u(x + 2 * j0, ldx, R, pw + 32 * j0, pairs - j0 < bpairs ? pairs - j0 : bpairs, part, 1);
+        const __m512 s = _mm512_set1_ps(bs[b] * FP8_UNIT);
+        for (int r = 0; r < R; r++) sum[r] = _mm512_fmadd_ps(part[r], s, sum[r]);
+    }
+}
+
 #if defined(__clang__) ? __clang_major__ >= 9 : __GNUC__ >= 10
 #define HAVE_BF16DOT 1
 #define TBF __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
-/* A panel's codes (`pairs` pairs) as bf16 pairs in d, 64-byte aligned */
-TBF static inline void dequant_bf16(const int8_t *pw, int64_t pairs, uint16_t *d) {
+/* A panel's codes (`pairs` pairs) as bf16 pairs in d, 64-byte aligned: int8 codes; FP8 codes times 2^-8
+ * (E4M3 values, 2^-9..448, times 2^-8 are exact in bf16); the scales stay out, for the dots. */
+TBF static inline void dequant_bf16(const int8_t *pw, int64_t pairs, uint16_t *d, const int fp8) {
     for (int64_t j = 0; j < pairs; j++) { /* [codes 0-15, codes 16-31]: cvtne2ps puts its second operand low */
         if (!(j & 1)) _mm_prefetch((const char *)(pw + (j + 2 * PF_LINES) * 32), _MM_HINT_T0);
-        _mm512_store_si512(d + 32 * j, (__m512i)_mm512_cvtne2ps_pbh(codes16(pw + 32 * j + 16), codes16(pw + 32 * j)));
+        __m512 w0, w1;
+        pair_codes(pw + 32 * j, fp8, &w0, &w1);
+        _mm512_store_si512(d + 32 * j, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
     }
 }
 
@@ -164,6 +266,24 @@ TBF static inline __attribute__((always_inline)) void dotbf(const uint32_t *x, i
     }
     for (int r = 0; r < R; r++) sum[r] = _mm512_add_ps(acc[r][0], acc[r][1]);
 }
+
+/* dotbf over a panel of either format: int8 unscaled; FP8 (bs set) each block of bpairs pairs' sums
+ * times its scale bs[b] */
+TBF static inline __attribute__((always_inline)) void dotbf_s(const uint32_t *x, int64_t ldx, const int R,
+                                                              const uint16_t *d, int64_t pairs, __m512 sum[],
+                                                              const float *bs, int64_t bpairs) {
+    if (!bs) {
+        dotbf(x, ldx, R, d, pairs, sum);
+        return;
+    }
+    for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_ps();
+    for (int64_t j0 = 0, b = 0; j0 < pairs; j0 += bpairs, b++) {
+        __m512 part[MAX_R512];
+        dotbf(x + j0, ldx, R, d + 32 * j0, pairs - j0 < bpairs ? pairs - j0 : bpairs, part);
+        const __m512 s = _mm512_set1_ps(bs[b] * FP8_UNIT);
+        for (int r = 0; r < R; r++) sum[r] = _mm512_fmadd_ps(part[r], s, sum[r]);
+    }
+}
 #endif
 
 #if (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11) && defined(HAVE_BF16DOT) && defined(__x86_64__)
@@ -186,8 +306,8 @@ TAMX static inline void amx_begin(void) { _tile_loadconfig(&TILES); }
 TAMX static inline void amx_end(void) { _tile_release(); }
 
 /* A panel dequantised for B tiles: its `pairs` pairs, then zero pairs up to kb * 16. */
-TAMX static inline void dequant_tiles(const int8_t *pw, int64_t pairs, int64_t kb, uint16_t *d) {
-    dequant_bf16(pw, pairs, d);
+TAMX static inline void dequant_tiles(const int8_t *pw, int64_t pairs, int64_t kb, uint16_t *d, const int fp8) {
+    dequant_bf16(pw, pairs, d, fp8);
     memset(d + 32 * pairs, 0, 64 * (size_t)(kb * 16 - pairs));
 }
 
@@ -218,6 +338,26 @@ TAMX static inline void amx_block(const uint16_t *a, int64_t lda_bytes, const ui
     if (two) {
         _tile_stored(2, c + 16 * 32, 128);
         _tile_stored(3, c + 16 * 32 + 16, 128);
+    }
+}
+
+/* amx_block on FP8 panels: c (32 x 32) = sum over the blocks of bk k-steps (bpairs / 16: blocks of whole
+ * tiles) of each block's tiles times its scales, bs0[b] for panel b0's columns, bs1[b] for b1's. The
+ * tiles are stored once per block and added into c with AVX-512. */
+TAMX static inline void amx_block_fp8(const uint16_t *a, int64_t lda_bytes, const uint16_t *b0, const uint16_t *b1,
+                                      int64_t kb, int two, float *c, int64_t bk, const float *bs0, const float *bs1) {
+    float part[AMX_ROWS * 32] __attribute__((aligned(64)));
+    const int rows = two ? 32 : 16;
+    for (int i = 0; i < rows * 32; i += 16) _mm512_store_ps(c + i, _mm512_setzero_ps());
+    for (int64_t k0 = 0, b = 0; k0 < kb; k0 += bk, b++) {
+        const int64_t n = kb - k0 < bk ? kb - k0 : bk;
+        amx_block((const uint16_t *)((const char *)a + k0 * 64), lda_bytes, b0 + k0 * 512, b1 + k0 * 512, n, two, part);
+        const __m512 s0 = _mm512_set1_ps(bs0[b] * FP8_UNIT), s1 = _mm512_set1_ps(bs1[b] * FP8_UNIT);
+        for (int r = 0; r < rows; r++) {
+            _mm512_store_ps(c + 32 * r, _mm512_fmadd_ps(_mm512_load_ps(part + 32 * r), s0, _mm512_load_ps(c + 32 * r)));
+            _mm512_store_ps(c + 32 * r + 16,
+                            _mm512_fmadd_ps(_mm512_load_ps(part + 32 * r + 16), s1, _mm512_load_ps(c + 32 * r + 16)));
+        }
     }
 }
 #endif

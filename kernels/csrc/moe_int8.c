@@ -1,5 +1,6 @@
-/* The whole MoE block of one layer in one call on weight-only int8 experts, x and y in float32 or
- * bfloat16 (kernels/int8.py: fused_moe_int8 on Int8ExpertPanels):
+/* The whole MoE block of one layer in one call on weight-only int8 experts, or FP8 E4M3 ones with block
+ * scales (shuttle_fused_moe_fp8: kernels/fp8_weights.py, the same loops on int8_panels.h's codes_fmt),
+ * x and y in float32 or bfloat16 (kernels/int8.py: fused_moe_int8 on Int8ExpertPanels):
  *     y[t] = sum over t's top-k experts e of w[t,k] * (silu(x[t] W1_e^T) * (x[t] W3_e^T)) W2_e^T
  * with W = q * scale (int8 codes, one float32 scale per output channel), float32 accumulation. For
  * bf16 x it rounds to bf16 wherever kernels/moe.py's fused_moe_packed on int8 weights rounds (each
@@ -39,50 +40,79 @@
 int shuttle_int8_kernels(void);   /* int8_gemm.c: the kernels this build has */
 int shuttle_int8_amx_ready(void); /* int8_gemm.c: whether this process may use the tiles */
 
-/* c rows (ldc floats apart) = the 16 unscaled sums of R rows of x (ldx values apart) times one panel:
- * its codes (AVX2, AVX512), or its bf16 copy (BF16DOT, x bf16). */
-typedef void (*dot_fn)(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, float *c, int64_t ldc);
+/* c rows (ldc floats apart) = the 16 sums of R rows of x (ldx values apart) times one panel: its codes
+ * (AVX2, AVX512; FP8: its block scales bs, bpairs pairs each, applied), or its bf16 copy (BF16DOT, x
+ * bf16). Unscaled for int8 (the epilogues scale). */
+typedef void (*dot_fn)(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *bs,
+                       int64_t bpairs, float *c, int64_t ldc); /* bs: FP8 block scales, NULL for int8 */
 
 static inline __attribute__((always_inline)) void dot256_c(const float *x, int64_t ldx, const int R, const int8_t *pw,
-                                                           int64_t pairs, float *c, int64_t ldc) {
+                                                           int64_t pairs, const int fp8, const float *bs,
+                                                           int64_t bpairs, float *c, int64_t ldc) {
     __m256 sum[MAX_R2][2];
-    dot256(x, ldx, R, pw, pairs, sum);
+    dot256(x, ldx, R, pw, pairs, sum, fp8, bs, bpairs);
     for (int r = 0; r < R; r++) _mm256_storeu_ps(c + r * ldc, sum[r][0]), _mm256_storeu_ps(c + r * ldc + 8, sum[r][1]);
 }
 
-static void dot_avx2(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, float *c, int64_t ldc) {
-    switch (R) {
-        case 3: dot256_c((const float *)x, ldx, 3, (const int8_t *)pw, pairs, c, ldc); break;
-        case 2: dot256_c((const float *)x, ldx, 2, (const int8_t *)pw, pairs, c, ldc); break;
-        default: dot256_c((const float *)x, ldx, 1, (const int8_t *)pw, pairs, c, ldc); break;
+#define CALL(n) dot256_c((const float *)x, ldx, n, (const int8_t *)pw, pairs, FP8, bs, bpairs, c, ldc)
+#define BY_ROWS3(R)             \
+    switch (R) {                \
+        case 3: CALL(3); break; \
+        case 2: CALL(2); break; \
+        default: CALL(1); break; \
     }
+#define FP8 0
+static void dot_avx2(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *bs, int64_t bpairs,
+                     float *c, int64_t ldc) {
+    BY_ROWS3(R)
 }
+#undef FP8
+#define FP8 1
+static void dot_avx2_fp8(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *bs,
+                         int64_t bpairs, float *c, int64_t ldc) {
+    BY_ROWS3(R)
+}
+#undef FP8
+#undef BY_ROWS3
+#undef CALL
 
 #ifdef HAVE_AVX512
-AI512 void dot512_c(const float *x, int64_t ldx, const int R, const int8_t *pw, int64_t pairs, float *c, int64_t ldc) {
+AI512 void dot512_c(const float *x, int64_t ldx, const int R, const int8_t *pw, int64_t pairs, const int fp8,
+                    const float *bs, int64_t bpairs, float *c, int64_t ldc) {
     __m512 sum[MAX_R512];
-    dot512(x, ldx, R, pw, pairs, sum);
+    dot512(x, ldx, R, pw, pairs, sum, fp8, bs, bpairs);
     for (int r = 0; r < R; r++) _mm512_storeu_ps(c + r * ldc, sum[r]);
 }
 
-T512 static void dot_avx512(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, float *c, int64_t ldc) {
-#define CALL(n) dot512_c((const float *)x, ldx, n, (const int8_t *)pw, pairs, c, ldc)
+#define CALL(n) dot512_c((const float *)x, ldx, n, (const int8_t *)pw, pairs, FP8, bs, bpairs, c, ldc)
+#define FP8 0
+T512 static void dot_avx512(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *bs,
+                            int64_t bpairs, float *c, int64_t ldc) {
     BY_ROWS(R, CALL)
-#undef CALL
 }
+#undef FP8
+#define FP8 1
+T512 static void dot_avx512_fp8(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *bs,
+                                int64_t bpairs, float *c, int64_t ldc) {
+    BY_ROWS(R, CALL)
+}
+#undef FP8
+#undef CALL
 #endif
 
 #ifdef HAVE_BF16DOT
 TBF static inline __attribute__((always_inline)) void dotbf_c(const uint32_t *x, int64_t ldx, const int R,
-                                                              const uint16_t *d, int64_t pairs, float *c, int64_t ldc) {
+                                                              const uint16_t *d, int64_t pairs, const float *bs,
+                                                              int64_t bpairs, float *c, int64_t ldc) {
     __m512 sum[MAX_R512];
-    dotbf(x, ldx, R, d, pairs, sum);
+    dotbf_s(x, ldx, R, d, pairs, sum, bs, bpairs);
     for (int r = 0; r < R; r++) _mm512_storeu_ps(c + r * ldc, sum[r]);
 }
 
-TBF static void dot_bf16dot(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, float *c, int64_t ldc) {
+TBF static void dot_bf16dot(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *bs,
+                            int64_t bpairs, float *c, int64_t ldc) {
     /* x: bf16 values, ldx of them a row; as pairs, ldx / 2 */
-#define CALL(n) dotbf_c((const uint32_t *)x, ldx / 2, n, (const uint16_t *)pw, pairs, c, ldc)
+#define CALL(n) dotbf_c((const uint32_t *)x, ldx / 2, n, (const uint16_t *)pw, pairs, bs, bpairs, c, ldc)
     BY_ROWS(R, CALL)
 #undef CALL
 }
@@ -143,6 +173,7 @@ typedef struct {
     int64_t xb, hb;                   /* bytes of a gathered x row / an h row (the widest format in use) */
     int64_t up_rows[4], down_rows[4]; /* rows of an up / down block, per kernel */
     int round;                        /* bf16 x and y */
+    codes_fmt f13, f2;                /* the code format of W13 (over D's pairs) and of W2 (over I's) */
 } layout;
 
 static int tile_rows_max(int k) { return k == KERNEL_AVX2 ? MAX_R2 : k == KERNEL_AMX ? 32 : 8; }
@@ -161,14 +192,14 @@ static int64_t block_rows(int k, int64_t bytes) {
     return b < m ? m : b;
 }
 
-static dot_fn dot_of(int k) {
+static dot_fn dot_of(int k, int fp8) {
 #ifdef HAVE_AVX512
-    if (k == KERNEL_AVX512) return dot_avx512;
+    if (k == KERNEL_AVX512) return fp8 ? dot_avx512_fp8 : dot_avx512;
 #endif
 #ifdef HAVE_BF16DOT
     if (k == KERNEL_BF16DOT) return dot_bf16dot;
 #endif
-    return dot_avx2;
+    return fp8 ? dot_avx2_fp8 : dot_avx2;
 }
 
 /* Row r of the gathered x: token t's x in kernel k's format (float32 of Dp values, or bf16 of Dp or Ik
@@ -195,47 +226,51 @@ static void gather_row(const layout *L, const void *x, int x_bf16, int64_t t, in
 }
 
 /* Up, one item with an FMA or BF16DOT kernel: rows [r0, r1) of the gathered x times gate panel pg and up
- * panel pu, h at column col (d0, d1: this thread's bf16 copies of the panels for BF16DOT). */
+ * panel pu (gs, us: their scales, panel_scales), h at column col (d0, d1: this thread's bf16 copies of
+ * the panels for BF16DOT). */
 static void up_item(const layout *L, int k, const char *xs, int64_t r0, int64_t r1, const int8_t *pg, const int8_t *pu,
                     const float *gs, const float *us, char *hs, int64_t col, uint16_t *d0, uint16_t *d1, float *c) {
+    const codes_fmt *f = &L->f13;
     const void *wg = pg, *wu = pu;
     const int bf = k == KERNEL_BF16DOT, max_r = tile_rows_max(k);
-    const dot_fn dot = dot_of(k);
+    const dot_fn dot = dot_of(k, f->fp8);
 #ifdef HAVE_BF16DOT
-    if (bf) dequant_bf16(pg, L->xpairs, d0), dequant_bf16(pu, L->xpairs, d1), wg = d0, wu = d1;
+    if (bf) dequant_bf16(pg, L->xpairs, d0, f->fp8), dequant_bf16(pu, L->xpairs, d1, f->fp8), wg = d0, wu = d1;
 #else
     (void)d0, (void)d1;
 #endif
+    const float *gso = f->fp8 ? ONES : gs, *uso = f->fp8 ? ONES : us;
     const int64_t ldx = L->xb / (bf ? 2 : 4), tiles = (r1 - r0 + max_r - 1) / max_r;
     for (int64_t r = r0, ti = 0, n; r < r1; r += n, ti++) {
         n = (r1 - r + (tiles - ti) - 1) / (tiles - ti); /* even tiles: 17 rows -> 6, 6, 5 */
-        dot(xs + r * L->xb, ldx, (int)n, wg, L->xpairs, c, 32);
-        dot(xs + r * L->xb, ldx, (int)n, wu, L->xpairs, c + 16, 32);
+        dot(xs + r * L->xb, ldx, (int)n, wg, L->xpairs, f->fp8 ? gs : NULL, f->bpairs, c, 32);
+        dot(xs + r * L->xb, ldx, (int)n, wu, L->xpairs, f->fp8 ? us : NULL, f->bpairs, c + 16, 32);
         for (int i = 0; i < n; i++)
-            up_store(c + i * 32, gs, us, L->round, hs + (r + i) * L->hb + col * (bf ? 2 : 4), bf);
+            up_store(c + i * 32, gso, uso, L->round, hs + (r + i) * L->hb + col * (bf ? 2 : 4), bf);
     }
 }
 
 /* Down, rows [r0, r1) of one expert over output panels [lo, hi) with an FMA or BF16DOT kernel. */
 static void down_rows(const layout *L, int k, const char *hs, int64_t r0, int64_t r1, const int8_t *w2, const float *s2,
                       int64_t lo, int64_t hi, const int64_t *tok, const float *wgt, char *y, uint16_t *d0, float *c) {
+    const codes_fmt *f = &L->f2;
     const int bf = k == KERNEL_BF16DOT, max_r = tile_rows_max(k), ysize = L->round ? 2 : 4;
-    const dot_fn dot = dot_of(k);
+    const dot_fn dot = dot_of(k, f->fp8);
     const int64_t ldh = L->hb / (bf ? 2 : 4), tiles = (r1 - r0 + max_r - 1) / max_r;
     for (int64_t p = lo; p < hi; p++) {
         const void *pw = w2 + p * L->hpairs * 32;
+        const float *ps = panel_scales(f, s2, p), *os = out_scales(f, s2, p);
 #ifdef HAVE_BF16DOT
-        if (bf) dequant_bf16(w2 + p * L->hpairs * 32, L->hpairs, d0), pw = d0;
+        if (bf) dequant_bf16(w2 + p * L->hpairs * 32, L->hpairs, d0, f->fp8), pw = d0;
 #else
         (void)d0;
 #endif
         const int nv = L->D - p * PANEL < PANEL ? (int)(L->D - p * PANEL) : PANEL;
         for (int64_t r = r0, ti = 0, n; r < r1; r += n, ti++) {
             n = (r1 - r + (tiles - ti) - 1) / (tiles - ti);
-            dot(hs + r * L->hb, ldh, (int)n, pw, L->hpairs, c, 32);
+            dot(hs + r * L->hb, ldh, (int)n, pw, L->hpairs, f->fp8 ? ps : NULL, f->bpairs, c, 32);
             for (int i = 0; i < n; i++)
-                down_store(c + i * 32, s2 + p * PANEL, wgt[r + i], y + (tok[r + i] * L->D + p * PANEL) * ysize, nv,
-                           L->round);
+                down_store(c + i * 32, os, wgt[r + i], y + (tok[r + i] * L->D + p * PANEL) * ysize, nv, L->round);
         }
     }
 }
@@ -246,12 +281,16 @@ static void down_rows(const layout *L, int k, const char *hs, int64_t r0, int64_
 TAMX static void up_item_amx(const layout *L, const char *xs, int64_t r0, int64_t r1, const int8_t *pg,
                              const int8_t *pu, const float *gs, const float *us, char *hs, int64_t col, uint16_t *d0,
                              uint16_t *d1, float *c) {
-    dequant_tiles(pg, L->xpairs, L->kbx, d0);
-    dequant_tiles(pu, L->xpairs, L->kbx, d1);
+    const codes_fmt *f = &L->f13;
+    dequant_tiles(pg, L->xpairs, L->kbx, d0, f->fp8);
+    dequant_tiles(pu, L->xpairs, L->kbx, d1, f->fp8);
+    const float *gso = f->fp8 ? ONES : gs, *uso = f->fp8 ? ONES : us;
     for (int64_t r = r0; r < r1; r += AMX_ROWS) {
         const int n = r1 - r < AMX_ROWS ? (int)(r1 - r) : AMX_ROWS;
-        amx_block((const uint16_t *)(xs + r * L->xb), L->xb, d0, d1, L->kbx, n > 16, c);
-        for (int i = 0; i < n; i++) up_store(c + i * 32, gs, us, L->round, hs + (r + i) * L->hb + col * 2, 1);
+        const uint16_t *a = (const uint16_t *)(xs + r * L->xb);
+        if (f->fp8) amx_block_fp8(a, L->xb, d0, d1, L->kbx, n > 16, c, f->bpairs / 16, gs, us);
+        else amx_block(a, L->xb, d0, d1, L->kbx, n > 16, c);
+        for (int i = 0; i < n; i++) up_store(c + i * 32, gso, uso, L->round, hs + (r + i) * L->hb + col * 2, 1);
     }
 }
 
@@ -262,15 +301,19 @@ TAMX static void down_rows_amx(const layout *L, const char *hs, int64_t r0, int6
     const int ysize = L->round ? 2 : 4;
     for (int64_t p = lo; p < hi; p += 2) {
         const int two_panels = p + 1 < hi;
-        dequant_tiles(w2 + p * L->hpairs * 32, L->hpairs, L->kbh, d0);
-        if (two_panels) dequant_tiles(w2 + (p + 1) * L->hpairs * 32, L->hpairs, L->kbh, d1);
+        dequant_tiles(w2 + p * L->hpairs * 32, L->hpairs, L->kbh, d0, L->f2.fp8);
+        if (two_panels) dequant_tiles(w2 + (p + 1) * L->hpairs * 32, L->hpairs, L->kbh, d1, L->f2.fp8);
+        const float *bs0 = panel_scales(&L->f2, s2, p), *bs1 = two_panels ? panel_scales(&L->f2, s2, p + 1) : bs0;
         for (int64_t r = r0; r < r1; r += AMX_ROWS) {
             const int n = r1 - r < AMX_ROWS ? (int)(r1 - r) : AMX_ROWS;
-            amx_block((const uint16_t *)(hs + r * L->hb), L->hb, d0, two_panels ? d1 : d0, L->kbh, n > 16, c);
+            if (L->f2.fp8)
+                amx_block_fp8((const uint16_t *)(hs + r * L->hb), L->hb, d0, two_panels ? d1 : d0, L->kbh, n > 16, c,
+                              L->f2.bpairs / 16, bs0, bs1);
+            else amx_block((const uint16_t *)(hs + r * L->hb), L->hb, d0, two_panels ? d1 : d0, L->kbh, n > 16, c);
             for (int64_t q = p; q < p + 1 + two_panels; q++) {
                 const int nv = L->D - q * PANEL < PANEL ? (int)(L->D - q * PANEL) : PANEL;
                 for (int i = 0; i < n; i++)
-                    down_store(c + i * 32 + (q - p) * 16, s2 + q * PANEL, wgt[r + i],
+                    down_store(c + i * 32 + (q - p) * 16, out_scales(&L->f2, s2, q), wgt[r + i],
                                y + (tok[r + i] * L->D + q * PANEL) * ysize, nv, L->round);
             }
         }
@@ -285,22 +328,16 @@ static int kernel_runs(int k, int x_bf16) {
     return k != KERNEL_AMX || shuttle_int8_amx_ready();
 }
 
-/* x (T, D) float32 or bf16 (x_bf16), contiguous; ids (T, K) int64; wk (T, K) float32; per expert e:
- * w13[e] / s13[e] the codes and scales of its gate/up panels (2 * ceil(I / 16) panels of 16 outputs
- * over ceil(D / 2) pairs: panel 2u the gate rows 16u..16u+15, panel 2u + 1 the same up rows, rows
- * past I zero), w2[e] / s2[e] those of its down projection (ceil(D / 16) panels over ceil(I / 2)
- * pairs), as addresses; y (T, D) in x's dtype, zeroed. An expert with at least big_rows rows runs
- * big_kernel, the others `kernel` (KERNEL_*: AVX2, AVX512, or for bf16 x BF16DOT, AMX after
- * shuttle_int8_amx_init). Returns 0; -1 if memory ran out (y is then unchanged); -2 for a kernel
- * this build or call cannot run. */
-int shuttle_fused_moe_int8(const void *x, int x_bf16, int64_t T, int64_t D, const int64_t *ids, const float *wk,
-                           int64_t K, const int64_t *w13, const int64_t *s13, const int64_t *w2, const int64_t *s2,
-                           int64_t E, int64_t I, void *y, int nthreads, int kernel, int big_kernel, int64_t big_rows) {
+/* The fused block on panels of formats f13 (W13) and f2 (W2); the arguments as shuttle_fused_moe_int8's. */
+static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int64_t *ids, const float *wk, int64_t K,
+                      const int64_t *w13, const int64_t *s13, const int64_t *w2, const int64_t *s2, int64_t E, int64_t I,
+                      const codes_fmt *f13, const codes_fmt *f2, void *y, int nthreads, int kernel, int big_kernel,
+                      int64_t big_rows) {
     if (!kernel_runs(kernel, x_bf16) || !kernel_runs(big_kernel, x_bf16)) return -2;
     const int64_t N = T * K;
     if (N <= 0 || D <= 0 || I <= 0 || E <= 0) return 0;
     layout L = {.D = D, .Dp = D + (D & 1), .I16 = (I + 15) / 16 * 16, .hpairs = (I + 1) / 2,
-                .P2 = (D + PANEL - 1) / PANEL, .round = x_bf16};
+                .P2 = (D + PANEL - 1) / PANEL, .round = x_bf16, .f13 = *f13, .f2 = *f2};
     L.xpairs = L.Dp / 2, L.kbx = (L.xpairs + 15) / 16, L.Ik = L.kbx * 32;
     L.kbh = (L.hpairs + 15) / 16, L.Hk = L.kbh * 32;
     const int64_t U = L.I16 / 16; /* panel pairs of W13 */
@@ -388,7 +425,8 @@ int shuttle_fused_moe_int8(const void *x, int x_bf16, int64_t T, int64_t D, cons
                 const int k = kern[e];
                 const int64_t r1 = count[e + 1] - r0 < L.up_rows[k] ? count[e + 1] : r0 + L.up_rows[k];
                 const int8_t *pg = (const int8_t *)(uintptr_t)w13[e] + 2 * u * L.xpairs * 32, *pu = pg + L.xpairs * 32;
-                const float *gs = (const float *)(uintptr_t)s13[e] + 2 * u * PANEL, *us = gs + PANEL;
+                const float *gs = panel_scales(&L.f13, (const float *)(uintptr_t)s13[e], 2 * u);
+                const float *us = panel_scales(&L.f13, (const float *)(uintptr_t)s13[e], 2 * u + 1);
 #ifdef HAVE_AMX
                 if (k == KERNEL_AMX) {
                     if (!amx_on) amx_begin(), amx_on = 1;
@@ -428,4 +466,37 @@ int shuttle_fused_moe_int8(const void *x, int x_bf16, int64_t T, int64_t D, cons
 fail:
     free(items), free(count), free(tok), free(wgt), free(kern), free(xs), free(hs), free(dq);
     return -1;
+}
+
+/* x (T, D) float32 or bf16 (x_bf16), contiguous; ids (T, K) int64; wk (T, K) float32; per expert e:
+ * w13[e] / s13[e] the codes and scales of its gate/up panels (2 * ceil(I / 16) panels of 16 outputs
+ * over ceil(D / 2) pairs: panel 2u the gate rows 16u..16u+15, panel 2u + 1 the same up rows, rows
+ * past I zero), w2[e] / s2[e] those of its down projection (ceil(D / 16) panels over ceil(I / 2)
+ * pairs), as addresses; y (T, D) in x's dtype, zeroed. An expert with at least big_rows rows runs
+ * big_kernel, the others `kernel` (KERNEL_*: AVX2, AVX512, or for bf16 x BF16DOT, AMX after
+ * shuttle_int8_amx_init). Returns 0; -1 if memory ran out (y is then unchanged); -2 for a kernel
+ * this build or call cannot run. */
+int shuttle_fused_moe_int8(const void *x, int x_bf16, int64_t T, int64_t D, const int64_t *ids, const float *wk,
+                           int64_t K, const int64_t *w13, const int64_t *s13, const int64_t *w2, const int64_t *s2,
+                           int64_t E, int64_t I, void *y, int nthreads, int kernel, int big_kernel, int64_t big_rows) {
+    const codes_fmt f = {0, 0, 0};
+    return moe_panels(x, x_bf16, T, D, ids, wk, K, w13, s13, w2, s2, E, I, &f, &f, y, nthreads, kernel, big_kernel,
+                      big_rows);
+}
+
+/* shuttle_fused_moe_int8 on FP8 E4M3 experts (kernels/fp8_weights.py: Fp8Experts): s13[e] / s2[e] the
+ * addresses of each panel's block scales (fp8_linear's layout: W13's blocks of bpairs13 pairs of x,
+ * W2's of bpairs2 pairs of h). The AVX2 kernel needs F16C. */
+int shuttle_fused_moe_fp8(const void *x, int x_bf16, int64_t T, int64_t D, const int64_t *ids, const float *wk,
+                          int64_t K, const int64_t *w13, const int64_t *s13, const int64_t *w2, const int64_t *s2,
+                          int64_t E, int64_t I, int64_t bpairs13, int64_t bpairs2, void *y, int nthreads, int kernel,
+                          int big_kernel, int64_t big_rows) {
+    if (bpairs13 < 1 || bpairs2 < 1) return -2;
+    if ((kernel == KERNEL_AMX || big_kernel == KERNEL_AMX) && (bpairs13 % 16 || bpairs2 % 16))
+        return -2; /* AMX: blocks of whole k-steps */
+    const int64_t xpairs = (D + 1) / 2, hpairs = (I + 1) / 2;
+    const codes_fmt f13 = {1, bpairs13, (xpairs + bpairs13 - 1) / bpairs13};
+    const codes_fmt f2 = {1, bpairs2, (hpairs + bpairs2 - 1) / bpairs2};
+    return moe_panels(x, x_bf16, T, D, ids, wk, K, w13, s13, w2, s2, E, I, &f13, &f2, y, nthreads, kernel, big_kernel,
+                      big_rows);
 }
