@@ -5,8 +5,9 @@ All times are seconds. Per layer and micro-batch: `attention(tokens, kv_reads, p
 kv_prefill)` on an attention worker (kv_reads: context tokens read, summed over the micro-batch's
 query tokens; the last two: the same over its prefilling sequences), `experts(pairs,
 active)` on an expert worker (pairs: gathered (token, expert) pairs; active: its experts receiving
-at least one). Per micro-batch and step: `head(rows, tokens)` (embedding, final norm, LM head on
-the sampled rows). Per step: `step(seqs)` (scheduling, sampling, control messages). Per message:
+at least one); per colocated step, `colocated(tokens, kv_reads, ..., active)` where whole steps were
+measured (None otherwise). Per micro-batch and step: `head(rows, tokens)` (embedding, final norm, LM head on
+the sampled rows). Per step: `step(seqs, prefill_tokens)` (scheduling, sampling, control messages). Per message:
 `transfer(nbytes, backend)`, `send(nbytes, backend)` (the sender's own CPU per message) and
 `wake(backend)` (what a message adds when its receiver's wait has blocked, how long a wait polls
 before it blocks). Per step, on a shared host: `front(tokens, messages)`, the CPU seconds that the
@@ -74,13 +75,23 @@ class ProfilePerf:
         f, s = self._fit("head", threads)
         return np.where(np.asarray(tokens) > 0, f(rows=rows, tokens=tokens) * s, 0.0)
 
-    def step(self, seqs, threads: int = 1):
+    def step(self, seqs, threads: int = 1, prefill_tokens=0):
         f, s = self._fit("step", threads)
-        return f(seqs=seqs) * s
+        return f(seqs=seqs, prefill_tokens=prefill_tokens) * s
 
     def experts(self, pairs, active, threads: int = 1):
         f, s = self._fit("experts", threads)
         return np.where(np.asarray(pairs) > 0, f(pairs=pairs, active=active) * s, 0.0)
+
+    def colocated(self, tokens, kv_reads, threads: int = 1, prefill_tokens=0, kv_prefill=0, active=0):
+        """A colocated step's compute (every layer, its experts and the head) from whole steps
+        measured as such (planner.profile.measure_colocated); None for profiles without them (then
+        the parts' fits and native_decode_saving apply)."""
+        f, s = self._fit("colocated", threads)
+        if f is None:
+            return None
+        t = f(tokens=tokens, kv_reads=kv_reads, prefill_tokens=prefill_tokens, kv_prefill=kv_prefill, active=active)
+        return np.where(np.asarray(tokens) > 0, t * s, 0.0)
 
     def native_decode_saving(self, tokens, threads: int = 1):
         """What a colocated decode-only step of `tokens` sequences saves by running whole in one
@@ -155,8 +166,12 @@ class RooflinePerf:
                        c.hidden_size * c.vocab_size * c.dtype.itemsize) + self.eff.layer_overhead_us * 1e-6
         return np.where(np.asarray(tokens) > 0, t, 0.0)
 
-    def step(self, seqs, threads: int = 1):
+    def step(self, seqs, threads: int = 1, prefill_tokens=0):
         return self.eff.step_overhead_us * 1e-6 + 0.0 * np.asarray(seqs, dtype=float)
+
+    def colocated(self, tokens, kv_reads, threads: int = 1, prefill_tokens=0, kv_prefill=0, active=0):
+        """(A CPU engine's measurement; none for a catalogue device: its parts apply.)"""
+        return None
 
     def native_decode_saving(self, tokens, threads: int = 1):
         """(A CPU engine's measurement; none for a catalogue device.)"""

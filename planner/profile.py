@@ -18,7 +18,7 @@ median of three does not reject):
 - outside the layers, per step: embedding, final norm and LM head on the sampled rows (timed on
   their own), and what a real LLMEngine.step spends outside its forward (input preparation,
   sampling, scheduling, each sequence's bookkeeping) plus encoding the step's Deltas.
-  Fits: head = h1 rows + h2 tokens + h0; step = s1 seqs + s0.
+  Fits: head = h1 rows + h2 tokens + h0; step = s1 seqs + s0 + sp prefill_tokens.
 - expert side, per layer and micro-batch: run_local_experts (what an expert worker runs between
   recv and reply) through every MoE layer's experts in turn, packed as the worker packs them, for
   R gathered tokens routed uniformly at random over a chosen number of experts.
@@ -58,6 +58,7 @@ from m2n_comm.m2n import ExpertBatch, run_local_experts
 from models.config import ModelConfig
 from models.loader import load_experts
 from planner.fit import Fit, fit_linear
+from planner.perf import expected_active
 from planner.hardware import describe_host
 from planner.shapes import shape_from
 
@@ -68,9 +69,10 @@ PROFILE_VERSION = 1
 # TTFT came out 10-25% short and TPOT 10-30% long; prefill's own terms split them.
 ATTN_TERMS = ("tokens", "const", "kv_reads", "prefill_tokens", "kv_prefill")
 HEAD_TERMS = ("rows", "tokens", "const")
-STEP_TERMS = ("seqs", "const")
+STEP_TERMS = ("seqs", "const", "prefill_tokens")
 EXPERT_TERMS = ("pairs", "const", "active")
 NATIVE_DECODE_TERMS = ("tokens", "const")
+COLOCATED_TERMS = ("tokens", "const", "kv_reads", "prefill_tokens", "kv_prefill", "active")
 
 
 @dataclass(frozen=True)
@@ -181,13 +183,17 @@ class _StampingDispatcher:
         self.stamps.append(time.perf_counter())
 
 
-def _batch(q_lens: list[int], ctx_lens: list[int], block_size: int, num_blocks: int) -> ScheduledBatch:
+def _batch(q_lens: list[int], ctx_lens: list[int], block_size: int, num_blocks: int,
+           vocab: int | None = None) -> ScheduledBatch:
     """Sequences computing q_lens[b] tokens after ctx_lens[b] cached ones. Every sequence reads the
-    same blocks (the values do not matter for timing), so a large batch needs no large cache."""
+    same blocks (the values do not matter for timing), so a large batch needs no large cache. The
+    tokens are all 1, or with `vocab` drawn at random below it (seeded): where the experts run, one
+    token everywhere would route every row to the same top-k experts."""
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    seqs = []
+    seqs, g = [], torch.Generator().manual_seed(len(q_lens))
     for i, (q, c) in enumerate(zip(q_lens, ctx_lens)):
-        seq = Sequence(str(i), 0, [1] * (q + c), q + c, params, 1, i)
+        ids = [1] * (q + c) if vocab is None else torch.randint(2, vocab, (q + c,), generator=g).tolist()
+        seq = Sequence(str(i), 0, ids, q + c, params, 1, i)
         seq.num_computed_tokens = c
         seq.block_table = [b % num_blocks for b in range(blocks_for(q + c, block_size))]
         seqs.append(seq)
@@ -265,10 +271,13 @@ def measure_step(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     (begin_step..end_step: embedding, layers, final norm, LM head) is the input preparation,
     sampling, scheduling and every sequence's bookkeeping; plus encoding the step's Deltas (what an
     attention worker sends the front). The median of 12 steps per point. (Timing the scheduler,
-    sampler and encoding on their own missed about half of it: 0.3 against 1.0 ms at batch 64.)"""
-    B, steps = max(opts.batches), 12
+    sampler and encoding on their own missed about half of it: 0.3 against 1.0 ms at batch 64.) The
+    steps that compute the b prompts (32 tokens each) are samples too, one each, with their
+    prefill_tokens: admitting and hashing prompts costs per token (a colocated 1-thread step of
+    2,048 prompt tokens spent ~10 ms outside its forward, the decode steps' fit said 0.9)."""
+    B, steps, prompt = max(opts.batches), 12, 32
     disp = _StampingDispatcher()
-    num_blocks = B * blocks_for(8 + steps + 2, 16) + 4
+    num_blocks = B * blocks_for(prompt + steps + 2, 16) + 4
     engine = LLMEngine(EngineConfig(opts.model, dtype=opts.dtype,
                                     scheduler=SchedulerConfig(max_num_seqs=B, max_num_batched_tokens=max(2048, 8 * B)),
                                     cache=CacheConfig(16, num_blocks, enable_prefix_caching=False),
@@ -280,9 +289,17 @@ def measure_step(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
         torch.set_num_threads(threads)
         for b in opts.batches:
             for i in range(b):
-                engine.add_request(f"{threads}-{b}-{i}", torch.randint(2, cfg.vocab_size, (8,), generator=rng).tolist(),
-                                   params)
-            engine.step()  # the prompts
+                engine.add_request(f"{threads}-{b}-{i}",
+                                   torch.randint(2, cfg.vocab_size, (prompt,), generator=rng).tolist(), params)
+            while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                                  for s in engine.scheduler.running):  # the prompts
+                t0 = time.perf_counter()
+                deltas = engine.step()
+                encode(Deltas([encode_delta(d) for d in deltas]))
+                batch = engine.last_batch
+                samples.append({"threads": threads, "seqs": len(batch.seqs),
+                                "prefill_tokens": sum(n for n in batch.num_new_tokens if n > 1),
+                                "step_s": time.perf_counter() - t0 - (disp.stamps[-1] - disp.stamps[0])})
             outside = []
             for _ in range(steps):
                 t0 = time.perf_counter()
@@ -291,7 +308,7 @@ def measure_step(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
                 outside.append(time.perf_counter() - t0 - (disp.stamps[-1] - disp.stamps[0]))
             while engine.has_unfinished_requests():
                 engine.step()
-            samples.append({"threads": threads, "seqs": b, "step_s": statistics.median(outside)})
+            samples.append({"threads": threads, "seqs": b, "prefill_tokens": 0, "step_s": statistics.median(outside)})
     return samples
 
 
@@ -346,7 +363,46 @@ def fit_samples(samples: dict[str, list[dict]], threads: int) -> dict[str, Fit]:
     if samples.get("native_decode"):
         n = pick("native_decode")
         fits["native_decode"] = fit_linear(n, [r["saving_s"] for r in n], NATIVE_DECODE_TERMS)
+    if samples.get("colocated"):
+        c = pick("colocated")
+        fits["colocated"] = fit_linear(c, [r["step_s"] for r in c], COLOCATED_TERMS)
     return fits
+
+
+def measure_colocated(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
+    """Whole colocated steps as a colocated engine computes them: ModelRunner.execute with the
+    experts in this process (the native decode step where the model takes it), random tokens, the
+    caches evicted first, over measure_attention's grid of decode batches and prefill chunks, per
+    thread count, the fastest of opts.repeats. Fit: T = k1 tokens + k0 + kc kv_reads + kp
+    prefill_tokens + kq kv_prefill + ke active (COLOCATED_TERMS; active: the experts the tokens are
+    expected to reach), which the simulator takes for a colocated step's compute. The parts measured
+    one at a time (attention with the experts stubbed, the experts through an expert worker's call,
+    the head) added up to less than such a step: on the 2-core AMX Xeon a 1-thread step of 2,048
+    prompt tokens took 1.55x their sum and decode steps 1.25-1.3x, so served colocated runs came
+    out 22-39% slower than predicted from them."""
+    max_ctx = max(c for c in opts.contexts if c < cfg.max_model_len) if opts.contexts else 16
+    pre = [n for n in opts.prefill if n < cfg.max_model_len]
+    chunks = [(b, n) for b, n in opts.prefill_chunks if n < cfg.max_model_len]
+    block_size = 16
+    num_blocks = blocks_for(max(max_ctx + 1, *pre, *(n for _, n in chunks), 1), block_size) + 1
+    runner = ModelRunner(EngineConfig(opts.model, dtype=opts.dtype, cache=CacheConfig(block_size, num_blocks),
+                                      quantization=opts.quantization), cfg)
+    evict = CacheEvictor(opts.model)
+    shapes = [([1] * b, [c] * b) for b in opts.batches for c in opts.contexts
+              if c < cfg.max_model_len and b * c <= opts.max_kv_reads]
+    shapes += [([n], [0]) for n in pre] + [([n] * b, [0] * b) for b, n in chunks]
+    E, K = cfg.num_experts, cfg.top_k
+    samples = []
+    for threads in opts.threads:
+        torch.set_num_threads(threads)
+        for q_lens, ctx_lens in shapes:
+            batch = _batch(q_lens, ctx_lens, block_size, num_blocks, cfg.vocab_size)
+            t = best_time(lambda: runner.execute(batch), opts.repeats, before=evict)
+            tokens = sum(q_lens)
+            samples.append({"threads": threads, "tokens": tokens, "seqs": len(q_lens),
+                            "kv_reads": _kv_reads(q_lens, ctx_lens), **prefill_features(q_lens, ctx_lens),
+                            "active": float(expected_active(tokens, E, E, K)), "step_s": t})
+    return samples
 
 
 def measure_native_decode(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
@@ -439,6 +495,7 @@ def run_profile(opts: ProfileOptions) -> dict:
     old_threads = torch.get_num_threads()
     try:  # colocated engines only (spinning threads): not in the passive samples
         samples["native_decode"] = measure_native_decode(opts, cfg)
+        samples["colocated"] = measure_colocated(opts, cfg)
     finally:
         torch.set_num_threads(old_threads)
     fits = {str(t): {k: f.to_dict() for k, f in fit_samples(samples, t).items()} for t in opts.threads}

@@ -238,15 +238,20 @@ class Simulator:
         slow = self._slow_at(tok)
         A = self.perf.attention(tok, kv, th, prefill_tokens=ptok, kv_prefill=pkv) * slow
         H = self.perf.head(rows, tok, th) * slow
-        S = self.perf.step(seqs, th) * self.slow
+        S = self.perf.step(seqs, th, prefill_tokens=ptok.sum(1)) * self.slow
         trace = step < self.trace_steps
         if dep.colocated:
             X = self.perf.experts(tok * mod.top_k, expected_active(tok, mod.num_experts, mod.num_experts, mod.top_k),
                                   th) * self.slow
-            work = S + (mod.num_layers * A + mod.num_moe_layers * X + H).sum(1)
-            if not ptok.any() and dep.micro_batches == 1:  # a decode-only step runs its layers in one native call where the model takes it
-                n = tok.sum(1)
-                work = work - np.where(n > 0, self.perf.native_decode_saving(n, th), 0.0) * self.slow
+            n = tok.sum(1)
+            whole = self.perf.colocated(n, kv.sum(1), th, prefill_tokens=ptok.sum(1), kv_prefill=pkv.sum(1),
+                                        active=expected_active(n, mod.num_experts, mod.num_experts, mod.top_k))
+            if whole is not None and dep.micro_batches == 1:  # whole steps as measured
+                work = S + whole * self.slow
+            else:  # the parts (and the native decode step's saving, measured on its own)
+                work = S + (mod.num_layers * A + mod.num_moe_layers * X + H).sum(1)
+                if not ptok.any() and dep.micro_batches == 1:  # a decode-only step runs its layers in one native call where the model takes it
+                    work = work - np.where(n > 0, self.perf.native_decode_saving(n, th), 0.0) * self.slow
             self.busy["attention"] += float(work.sum())
             if trace:
                 self.events.append(("step", "attention", "a0", t0, t0 + float(work[0])))

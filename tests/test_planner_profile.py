@@ -63,6 +63,9 @@ def test_profile_command_measures_and_names_the_host(tmp_path, make_checkpoint):
         for name in ("attention", "head", "step", "experts"):
             assert fits[name]["samples"] >= 3 and sum(fits[name]["coef"]) > 0
     assert p["transfer"]["shm"]["coef"][1] > 0 and p["front"] is None
+    # whole colocated steps, per thread count, on random tokens (the experts they reach vary)
+    assert all(p["fits"][t]["colocated"]["samples"] >= 6 for t in ("1", "2"))
+    assert {round(s["active"], 3) for s in p["samples"]["colocated"]} > {2.0}
     # a float32 model keeps the eager decode step: nothing measured for the native one
     assert p["samples"]["native_decode"] == [] and "native_decode" not in p["fits"]["1"]
 
@@ -216,7 +219,8 @@ def test_profile_quantization_reaches_every_measurement(tmp_path, make_checkpoin
     with monkeypatch.context() as m:  # the runners and the engine: EngineConfig.quantization
         m.setattr(prof, "ModelRunner", stop)
         m.setattr(prof, "LLMEngine", stop)
-        for measure in (prof.measure_attention, prof.measure_step, prof.measure_native_decode):
+        for measure in (prof.measure_attention, prof.measure_step, prof.measure_native_decode,
+                        prof.measure_colocated):
             with pytest.raises(PlannerError):
                 measure(opts, cfg)
             assert got.pop().quantization == "int8"
@@ -248,6 +252,7 @@ def test_profile_quantization_reaches_every_measurement(tmp_path, make_checkpoin
     # the profile's model block records it; plan and simulate refuse it for unquantised experts
     monkeypatch.setattr(prof, "measure_workers", lambda o, c: {})
     monkeypatch.setattr(prof, "measure_native_decode", lambda o, c: [])
+    monkeypatch.setattr(prof, "measure_colocated", lambda o, c: [])
     monkeypatch.setattr(prof, "fit_samples", lambda s, t: {})
     p = prof.run_profile(ProfileOptions(str(ckpt), threads=(1,), transports=(), front=False, quantization="int8"))
     assert p["model"]["quantization"] == "int8"

@@ -480,6 +480,24 @@ def test_colocated_decode_steps_take_the_native_decode_saving():
     assert sim(p).step_time(0.0, decode) == pytest.approx(pools.step_time(0.0, decode))
 
 
+def test_colocated_steps_take_the_whole_step_fit():
+    """Where the profile measured whole colocated steps (its "colocated" fit), a colocated step
+    takes that fit at its tokens, context reads, prompt tokens and expected active experts, plus the
+    step overhead, in place of its parts and the native decode saving; the pools' steps keep theirs."""
+    p = profile(a=1.0, e=2.0, h=0.5, s=0.25, c=0.1, layers=4)
+    pools = sim(p).step_time(0.0, [batch([1, 1])])
+    p["fits"]["1"]["native_decode"] = fit(("tokens", "const"), (0.01 * MS, 0.5 * MS))
+    p["fits"]["1"]["colocated"] = fit(("tokens", "const", "kv_reads", "prefill_tokens", "kv_prefill", "active"),
+                                      (0.1 * MS, 3.0 * MS, 0.0, 0.05 * MS, 0.0, 0.2 * MS))
+    decode, mixed = [batch([1, 1])], [batch([3, 1])]
+    # 2 tokens reach 1 - (6/8)^2 of 8 experts (top-2) on average: 3.5 active
+    assert sim(p, colocated=True).step_time(0.0, decode) == pytest.approx((0.25 + 0.2 + 3.0 + 0.2 * 3.5) * MS)
+    active = 8 * (1 - (6 / 8) ** 4)
+    assert sim(p, colocated=True).step_time(0.0, mixed) == pytest.approx(
+        (0.25 + 0.4 + 3.0 + 0.05 * 3 + 0.2 * active) * MS)
+    assert sim(p).step_time(0.0, decode) == pytest.approx(pools)
+
+
 def _bench_planner():
     """bench/planner.py as a module (bench/ is a directory of scripts, not a package)."""
     import importlib.util
