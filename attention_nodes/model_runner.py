@@ -181,9 +181,18 @@ class ModelRunner:
         drafts, the last d + 1), then the prompt positions of each PromptLogits span (sequences that
         need their prompt's logprobs)."""
         seqs, q_lens = batch.seqs[group.start:group.stop], batch.num_new_tokens[group.start:group.stop]
-        ctx_lens, ids, spans, prompt_rows, offset = [], [], [], [], 0
+        ids, spans, prompt_rows, offset = [], [], [], 0
+        rows_q, rows_ctx, rows_table = [], [], []  # the attention batch's sequences
         for i, (seq, n) in enumerate(zip(seqs, q_lens)):
-            ctx_lens.append(seq.num_computed_tokens)
+            c = seq.num_computed_tokens
+            if seq.num_draft_tokens:  # verifying drafts: each token a decode row of its own (below)
+                rows_q += [1] * n
+                rows_ctx += range(c, c + n)
+                rows_table += [seq.block_table] * n
+            else:
+                rows_q.append(n)
+                rows_ctx.append(c)
+                rows_table.append(seq.block_table)
             ids.extend(seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n])
             if seq.needs_prompt_logprobs:  # positions whose next token is a prompt token
                 start = max(seq.num_computed_tokens, seq.num_prompt_logprobs)
@@ -192,8 +201,11 @@ class ModelRunner:
                     spans.append(PromptLogits(group.start + i, start, count=count))
                     prompt_rows.append(torch.arange(count) + offset + start - seq.num_computed_tokens)
             offset += n
-        attn = AttentionBatch.build_paged(q_lens, ctx_lens, [s.block_table for s in seqs], self.block_size,
-                                          self.device)
+        # A sequence's 1 + d tokens of a speculative step are d + 1 one-token rows over its blocks with
+        # contexts c .. c + d: every token's key and value is cached before any row attends, so each
+        # sees the ones before it, as causal attention over the d + 1 would, and the step is a decode
+        # step (the native decode kernels and step take it) rather than a prefill chunk.
+        attn = AttentionBatch.build_paged(rows_q, rows_ctx, rows_table, self.block_size, self.device)
         ends = torch.tensor(q_lens).cumsum(0) - 1
         ends = ends[torch.tensor(batch.sample[group.start:group.stop], dtype=torch.bool)]
         drafts = [s.num_draft_tokens for s, sampled in zip(seqs, batch.sample[group.start:group.stop]) if sampled]
