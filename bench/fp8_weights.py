@@ -5,7 +5,8 @@ linear (I, O):
   fp8       fp8_linear, its default kernel (AMX from AMX_MIN_ROWS rows where it runs, else the FMA one)
   fp8_fma   fp8_linear with the FMA kernel forced (AVX-512, else AVX2): what float32 x always runs
   bf16      kernels.cpu_linear.cpu_linear on a CpuWeight of the dequantised bf16 weight (our panels
-            on AVX-512 BF16 CPUs, with the kernel choice table as it stands; else oneDNN)
+            on AVX-512 BF16 CPUs, each row count on the kernel kernels/choice.py measured fastest for
+            the shape, as served; else oneDNN)
   int8      int8_linear on quantize_int8 of the same dequantised weight, its default kernel
 MoE block (E = 8 experts, top-2, D, I):
   fp8       fused_moe_fp8 on Fp8Experts, its default kernels
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import ISA_FLAGS, print_table, save  # noqa: E402
 from bench.int8_cpu import alternating  # noqa: E402
 from bench.moe_int8 import E, K  # noqa: E402
-from kernels import fp8_weights as fp8, int8, native  # noqa: E402
+from kernels import choice, fp8_weights as fp8, int8, native  # noqa: E402
 from kernels.cpu_linear import CpuWeight, ExpertPanels, cpu_linear  # noqa: E402
 from kernels.moe import fused_moe_packed  # noqa: E402
 from kernels.quant import dequantize_fp8_blocks, quantize_fp8_blocks  # noqa: E402
@@ -56,6 +57,8 @@ def linear_rows(I: int, O: int, rounds: int, min_s: float) -> list[dict]:
     (q, s), w16 = checkpoint(O, I, g)
     wf, cw, wi = fp8.Fp8Weight.from_checkpoint(q, s, BLOCK), CpuWeight(w16), int8.quantize_int8(w16)
     fma = fp8.AVX512 if fp8.AVX512 in fp8.kernels() else fp8.AVX2
+    if cw.panels is not None:  # bf16 as served: the measured kernel per row count (AMX where it won)
+        choice.configure("gemm", [(cw.out_features, cw.panels.shape[1] * 2)])
     del q, w16
     out = []
     for T in ROWS:
@@ -80,6 +83,7 @@ def bf16_moe(w13: list[torch.Tensor], w2: list[torch.Tensor], inter: int):
         c13, c2 = [CpuWeight(w) for w in w13], [CpuWeight(w) for w in w2]
         return lambda x, ids, wk: fused_moe_packed(x, c13, c2, wk, ids)
     p13, p2 = [ExpertPanels(w, True, inter) for w in w13], [ExpertPanels(w, False, inter) for w in w2]
+    choice.configure("moe", [(w2[0].shape[0], w2[0].shape[1])])  # as served (models/cpu_inference.choose_kernels)
     t13, t2 = torch.tensor([p.panels.data_ptr() for p in p13]), torch.tensor([p.panels.data_ptr() for p in p2])
     run = lambda x, ids, wk: native.fused_moe_bf16(x, ids, wk, t13, t2, p13[0].inter_padded)  # noqa: E731
     run.panels = (p13, p2)  # (the tables hold their addresses only)
@@ -94,6 +98,7 @@ def moe_rows(D: int, I: int, rounds: int, min_s: float) -> list[dict]:
     w13 = [torch.cat((a, b)) for (_, a), (_, b) in zip(gate, up)]
     w2 = [w for _, w in down]
     bf16, i8 = bf16_moe(w13, w2, I), int8.Int8Experts.quantize(w13, w2)
+    choice.configure("int8_moe", [(D, I)])  # int8's AMX threshold as served
     del gate, up, down, w13, w2
     expert_bytes = experts.w13_E[0].fp8.nbytes + experts.w2_E[0].fp8.nbytes
     out = []
