@@ -2,8 +2,9 @@
 
 - `gemm_bf16`: y = x W^T with W in bfloat16 and x, y in float32, for decode's few rows
   (kernels/csrc/skinny_gemm.c; kernels/cpu_linear.py decides when it runs).
-- `paged_decode_attention`: one query token per sequence against a paged bf16 or float32 KV cache,
-  read in place (kernels/csrc/paged_attention.c; kernels/attention.py decides when it runs).
+- `paged_decode_attention`: one query token per sequence against a paged bf16 or float32 KV cache
+  (values may be narrower than keys; each sequence from its own first visible position), read in
+  place (kernels/csrc/paged_attention.c; kernels/attention.py decides when it runs).
 - `add_rms_norm`: RMSNorm with the residual add fused, bf16 or float32, one call instead of six torch
   ops (kernels/csrc/rmsnorm.c; kernels/rmsnorm.py decides when it runs).
 - `gemm_bf16_panels`: y = x W^T in bf16 with AVX-512 BF16 on W packed by `pack_panels32`, any row
@@ -152,7 +153,7 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.shuttle_paged_decode_attention
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4
-                   + [ctypes.c_int64] * 11 + [ctypes.c_float] + [ctypes.c_int] * 4)
+                   + [ctypes.c_int64] * 12 + [ctypes.c_float] + [ctypes.c_int] * 4)
     for name in ("shuttle_fp8_quantize", "shuttle_fp8_dequantize"):
         fn = getattr(lib, name)
         fn.restype = None
@@ -255,31 +256,35 @@ def paged_decode_attention(q_BKGH: torch.Tensor, k_cache_PSKH: torch.Tensor, v_c
                            table_BM: torch.Tensor, start_B: torch.Tensor, len_B: torch.Tensor,
                            scale: float, wide: bool = True,
                            out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o_BKGH, lse_BKG): softmax(scale q k^T) v for each sequence's one query token over its cached
+    """(o_BKGV, lse_BKG): softmax(scale q k^T) v for each sequence's one query token over its cached
     positions [start_B[b], len_B[b]) (at least one), read in place from the pages table_BM names.
     q: float32 or bfloat16, contiguous (bf16 is widened inside: no cast of its own); o in `out_dtype`
     (float32, or bfloat16 rounded to nearest even as torch's cast; default q's dtype), lse float32.
-    Caches: one dtype of ATTENTION_DTYPES, (P, S, K, H) with the last dimension contiguous; table,
-    start, len: int64, contiguous. lse is the natural-log log-sum-exp of the scaled scores. wide: the
-    AVX-512 loops where H % 16 == 0 and the CPU has them (False: the AVX2 ones everywhere; tests
-    compare both). Call only where available() is True."""
+    Caches: one dtype of ATTENTION_DTYPES, keys (P, S, K, H) and values (P, S, K, V) (V may be
+    narrower than H: MiMo-V2-Flash), the last dimension contiguous; table, start,
+    len: int64, contiguous. lse is the natural-log log-sum-exp of the scaled scores. wide: the
+    AVX-512 loops where H % 16 == V % 16 == 0 and the CPU has them (False: the AVX2 ones everywhere;
+    tests compare both). Call only where available() is True."""
     B, K, G, H = q_BKGH.shape
     kc, vc = k_cache_PSKH, v_cache_PSKH
+    V = vc.shape[-1]
     out_dtype = out_dtype or q_BKGH.dtype
     if (q_BKGH.dtype not in ATTENTION_DTYPES or out_dtype not in ATTENTION_DTYPES or kc.dtype not in ATTENTION_DTYPES
             or vc.dtype != kc.dtype or kc.stride(-1) != 1 or vc.stride(-1) != 1 or not q_BKGH.is_contiguous()
-            or any(t.dtype != torch.int64 or not t.is_contiguous() for t in (table_BM, start_B, len_B))):
+            or any(t.dtype != torch.int64 or not t.is_contiguous() for t in (table_BM, start_B, len_B))
+            or kc.shape[:3] != vc.shape[:3] or kc.shape[-1] != H):
         raise ValueError("paged_decode_attention: float32/bf16 contiguous q and output, bf16/float32 caches with "
-                         f"contiguous heads, int64 tables; got q {q_BKGH.dtype}, output {out_dtype}, caches "
-                         f"{kc.dtype}/{vc.dtype}")
-    o_BKGH = torch.empty(B, K, G, H, dtype=out_dtype)
+                         f"contiguous heads (keys of q's head size), int64 tables; got q {q_BKGH.dtype} "
+                         f"{tuple(q_BKGH.shape)}, output {out_dtype}, caches {kc.dtype} {tuple(kc.shape)}/{vc.dtype} "
+                         f"{tuple(vc.shape)}")
+    o_BKGV = torch.empty(B, K, G, V, dtype=out_dtype)
     lse_BKG = torch.empty(B, K, G, dtype=torch.float32)
     _library().shuttle_paged_decode_attention(
         q_BKGH.data_ptr(), kc.data_ptr(), vc.data_ptr(), int(kc.dtype == torch.bfloat16), table_BM.data_ptr(),
-        table_BM.shape[1], start_B.data_ptr(), len_B.data_ptr(), o_BKGH.data_ptr(), lse_BKG.data_ptr(), B, K, G, H,
-        kc.shape[1], kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), scale,
+        table_BM.shape[1], start_B.data_ptr(), len_B.data_ptr(), o_BKGV.data_ptr(), lse_BKG.data_ptr(), B, K, G, H,
+        V, kc.shape[1], kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), scale,
         threads(), int(q_BKGH.dtype == torch.bfloat16), int(out_dtype == torch.bfloat16), int(wide))
-    return o_BKGH, lse_BKG
+    return o_BKGV, lse_BKG
 
 
 def avx512_bf16() -> bool:

@@ -12,8 +12,9 @@ Every entry has the signature of its torch reference:
   topk_route(logits_TE, top_k, scoring, renormalize) -> (weights_TK float32, ids_TK int64)
   fused_moe(x_TD, w13_EID2, w2_EDI, weights_TK, ids_TK, *, b13_EI2=None, b2_ED=None, act=SILU) -> y_TD
       (expert biases and the SwiGLU variant of kernels.moe.SwiGLU: gpt-oss)
-  paged_decode_attention(q_BNH, k_cache_PSKH, v_cache_PSKH, block_table_BM, seq_lens_B, scale, window,
-                         sinks_N=None) -> o_BNH   (sinks: one extra softmax logit per query head, gpt-oss)
+  paged_decode_attention(q_BNH, k_cache_PSKH, v_cache_PSKV, block_table_BM, seq_lens_B, scale, window,
+                         sinks_N=None, start_B=None) -> o_BNV   (sinks: one extra softmax logit per query
+      head, gpt-oss; start_B: each sequence's first visible key, Llama 4's chunks; V <= H: MiMo-V2-Flash)
   paged_latent_decode_attention(q_BNW, cache_PSW, block_table_BM, seq_lens_B, scale, latent_dim) -> o_BNC  (MLA)
 """
 import functools

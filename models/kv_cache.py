@@ -16,8 +16,7 @@ import torch
 if TYPE_CHECKING:
     from kernels.ops import KernelOps
     from models.config import ModelConfig
-from kernels.attention import (cached_attention, gather_pages, paged_decode_attention,
-                               paged_decode_attention_reference, paged_latent_decode_attention)
+from kernels.attention import cached_attention, gather_pages, paged_decode_attention, paged_latent_decode_attention
 
 
 @dataclass(frozen=True)
@@ -190,10 +189,11 @@ class PagedKVCache:
 
     Which pages a sequence owns is the block manager's business (attention_nodes/block_manager.py);
     the batch carries the block tables and each token's slot. Decode-only steps use the paged decode
-    attention op given at construction (the Triton kernel on CUDA; values narrower than keys, as
-    MiMo-V2-Flash's, take the reference, which the op's kernels do not cover); steps with prefill
-    gather each sequence's pages and run the reference attention. num_kv_heads: one count for every
-    layer or one per layer (MiMo-V2-Flash); v_head_dim: the values' size (None: head_dim).
+    attention op given at construction (the Triton kernel on CUDA), also for values narrower than
+    keys (MiMo-V2-Flash) and for chunked attention (Llama 4: each sequence from its chunk's start);
+    steps with prefill gather each sequence's pages and run the reference attention. num_kv_heads:
+    one count for every layer or one per layer (MiMo-V2-Flash); v_head_dim: the values' size (None:
+    head_dim).
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int | Sequence[int],
@@ -203,7 +203,8 @@ class PagedKVCache:
         V = head_dim if v_head_dim is None else v_head_dim
         self.k = [torch.zeros((num_blocks, block_size, K, head_dim), dtype=dtype, device=device) for K in heads]
         self.v = [torch.zeros((num_blocks, block_size, K, V), dtype=dtype, device=device) for K in heads]
-        self.decode_attention = decode_attention if V == head_dim else paged_decode_attention_reference
+        self.decode_attention = decode_attention
+        self._chunk_start: tuple | None = None  # (lens_B, (chunk, version), start_B): the last chunked decode
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -232,23 +233,24 @@ class PagedKVCache:
     def _decode(self, q_BNH: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table_BM: torch.Tensor,
                 lens_B: torch.Tensor, scale: float, sliding_window: int | None, sinks_N: torch.Tensor | None,
                 chunk: int | None) -> torch.Tensor:
-        """The decode op; with a chunk that starts on a page boundary, over each sequence's table from
-        its chunk's first page (keys before it are outside the chunk); otherwise gathered."""
-        S = k_pages.shape[1]
+        """The decode op, in place over the pages; with a chunk, each sequence sees the keys from its
+        chunk's first position (the one holding its last token, p - p % chunk) to p, any chunk size."""
         if chunk is None:
             return self.decode_attention(q_BNH, k_pages, v_pages, table_BM, lens_B, scale, sliding_window, sinks_N)
-        if chunk % S == 0:
-            first_B = (lens_B.long() - 1) // chunk * (chunk // S)
-            pages = min(table_BM.shape[1], chunk // S)
-            cols_BM = (first_B[:, None] + torch.arange(pages, device=table_BM.device)).clamp_(max=table_BM.shape[1] - 1)
-            return self.decode_attention(q_BNH, k_pages, v_pages, table_BM.gather(1, cols_BM),
-                                         (lens_B - first_B * S).to(lens_B.dtype), scale, None, sinks_N)
-        B = q_BNH.shape[0]
-        S_max = int(lens_B.max())
-        k_BKSH, v_BKSH = gather_pages(k_pages, table_BM, S_max), gather_pages(v_pages, table_BM, S_max)
-        zeros_B = torch.zeros(B, dtype=torch.long, device=q_BNH.device)
-        return chunked_attention(q_BNH, k_BKSH, v_BKSH, torch.arange(B, device=q_BNH.device), zeros_B,
-                                 lens_B.long() - 1, scale, chunk, sinks_N)
+        return self.decode_attention(q_BNH, k_pages, v_pages, table_BM, lens_B, scale, sliding_window, sinks_N,
+                                     self._chunk_starts(lens_B, chunk))
+
+    def _chunk_starts(self, lens_B: torch.Tensor, chunk: int) -> torch.Tensor:
+        """start_B: each sequence's chunk start for its last token, computed once per step (every
+        chunked layer of a step passes the same lengths tensor, and the decode op's per-step layout
+        is reused only for the same start tensor)."""
+        key = (chunk, -1 if lens_B.is_inference() else lens_B._version)  # (inference tensors: identity alone)
+        last = self._chunk_start
+        if last is not None and last[0] is lens_B and last[1] == key:
+            return last[2]
+        start_B = (lens_B - 1).div_(chunk, rounding_mode="floor").mul_(chunk)
+        self._chunk_start = (lens_B, key, start_B)
+        return start_B
 
     def _gathered(self, q_TNH: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, batch: AttentionBatch,
                   scale: float, sliding_window: int | None, sinks_N: torch.Tensor | None,

@@ -1,22 +1,26 @@
 """The CPU attention paths (kernels/attention.py: flash-kernel decode over gathered pages, the prefill
 path) against the plain references, on odd shapes: contexts that are not multiples of the page size,
 batch 1, head counts that are not powers of two, windows shorter and longer than a page, sinks, MLA
-latent rows, bf16 and float32, and the chunked path for large batches."""
+latent rows, values narrower than keys, per-sequence first visible keys (chunk starts), bf16 and
+float32, and the chunked path for large batches."""
 import math
 
 import pytest
 import torch
 
-from kernels.attention import (_decode_attention_reference, _paged_flash, cached_attention, cached_attention_reference,
+from kernels import native
+from kernels.attention import (_decode_attention_reference, _paged_flash, _paged_native, cached_attention,
+                               cached_attention_reference,
                                paged_decode_attention, paged_decode_attention_reference,
                                paged_latent_decode_attention, paged_latent_decode_attention_reference)
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
-def paged(lens: list[int], K: int, H: int, S: int, dtype: torch.dtype, seed: int = 0) -> dict:
+def paged(lens: list[int], K: int, H: int, S: int, dtype: torch.dtype, seed: int = 0, V: int | None = None) -> dict:
     """A shuffled paged cache of `lens` tokens per sequence (table padded with -1 past each end,
-    pages of different sequences interleaved, stale values in unused slots)."""
+    pages of different sequences interleaved, stale values in unused slots); values of V entries
+    (None: H)."""
     g = torch.Generator().manual_seed(seed)
     npages = [math.ceil(n / S) for n in lens]
     P, M = sum(npages) + 2, max(npages) + 1
@@ -24,7 +28,7 @@ def paged(lens: list[int], K: int, H: int, S: int, dtype: torch.dtype, seed: int
     table = torch.full((len(lens), M), -1, dtype=torch.int32)
     for b, pages in enumerate(npages):
         table[b, :pages] = torch.tensor([order.pop() for _ in range(pages)], dtype=torch.int32)
-    k, v = (torch.randn(P, S, K, H, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(P, S, K, width, generator=g).to(dtype) for width in (H, V or H))
     return dict(k_cache_PSKH=k, v_cache_PSKH=v, block_table_BM=table, seq_lens_B=torch.tensor(lens))
 
 
@@ -47,6 +51,39 @@ def test_paged_decode_matches_reference(N, K, H, S, lens, window, dtype):
                                                               for k, v in args.items()},
                                                scale=H ** -0.5, sliding_window=window).float()
     torch.testing.assert_close(got, ref, **TOL[dtype])
+
+
+def _float64(args: dict) -> dict:
+    return {k: v.double() if v.is_floating_point() else v for k, v in args.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B", [1, 3, 17])
+@pytest.mark.parametrize("N,K,H,V,S,chunk,window", [
+    (6, 2, 24, 16, 5, 7, None),  # V < H, chunks of 7 over pages of 5
+    (10, 5, 48, 32, 4, 6, 5),  # G = 2 over 5 kv heads, V and H multiples of 16 (AVX-512 loops), a window too
+    (3, 3, 20, 20, 3, 8, None),  # V == H, G = 1
+    (5, 1, 40, 24, 16, 5, None),  # G = 5, chunks shorter than a page
+])
+def test_paged_decode_narrow_values_and_first_visible_keys(N, K, H, V, S, chunk, window, B, dtype):
+    """Values narrower than keys (MiMo-V2-Flash) and each sequence seeing keys from its chunk's start
+    (Llama 4, start_B), with sinks: the op, its native and its flash path against the float64 oracle."""
+    g = torch.Generator().manual_seed(B * H + V)
+    lens = [1, 7, 8][:B] if B < 17 else torch.randint(1, 5 * chunk, (B,), generator=g).tolist()
+    args = paged(lens, K, H, S, dtype, seed=B, V=V)
+    q = torch.randn(B, H, N, generator=g).to(dtype).transpose(1, 2)  # strided, as the model's views are
+    start = (args["seq_lens_B"] - 1) // chunk * chunk
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for kw in (dict(start_B=start), dict(start_B=start.int(), sinks_N=torch.randn(N, generator=g)), {}):
+        ref = paged_decode_attention_reference(q.double(), **_float64(args), scale=0.3, sliding_window=window,
+                                               **kw).to(dtype)
+        flash = _paged_flash(q, *args.values(), 0.3, window, kw.get("sinks_N"), start_B=kw.get("start_B"))
+        paths = [paged_decode_attention(q, **args, scale=0.3, sliding_window=window, **kw), flash.to(dtype)]
+        if native.available():
+            paths.append(_paged_native(q, *args.values(), 0.3, window, kw.get("sinks_N"), kw.get("start_B")))
+        for got in paths:
+            assert got.dtype == dtype and got.shape == (B, N, V)
+            torch.testing.assert_close(got, ref, **tol)
 
 
 @pytest.mark.parametrize("window", [None, 6])

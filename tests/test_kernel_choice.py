@@ -331,10 +331,12 @@ def test_routing_candidates_equal_the_torch_ops(T, E, K, renormalize, which, ste
 @NEEDS_NATIVE
 @pytest.mark.parametrize("which", ["native", "torch"])
 @pytest.mark.parametrize("B", [1, 3, 17, 255])
-@pytest.mark.parametrize("N,K,H,S,window", [(6, 2, 20, 5, None), (5, 1, 24, 3, 4), (4, 4, 36, 16, 9)])
-def test_attention_candidates_equal_the_reference(B, N, K, H, S, window, which, step_tables, monkeypatch):
-    """Both candidates of attention (head sizes not a multiple of 16, odd pages, a sliding window,
-    sinks) against the float64 reference: within float32 rounding in float32, bf16's in bf16."""
+@pytest.mark.parametrize("N,K,H,V,S,window", [(6, 2, 20, 20, 5, None), (5, 1, 24, 24, 3, 4), (4, 4, 36, 36, 16, 9),
+                                              (6, 3, 40, 24, 5, None)])
+def test_attention_candidates_equal_the_reference(B, N, K, H, V, S, window, which, step_tables, monkeypatch):
+    """Both candidates of attention (head sizes not a multiple of 16, values narrower than keys, odd
+    pages, a sliding window, sinks) against the float64 reference: within float32 rounding in float32,
+    bf16's in bf16."""
     from kernels import attention
     from tests.test_cpu_attention import paged
 
@@ -343,14 +345,14 @@ def test_attention_candidates_equal_the_reference(B, N, K, H, S, window, which, 
     g = torch.Generator().manual_seed(B * H + N)
     lens = torch.randint(1, 3 * S + 2, (B,), generator=g).tolist()
     for dtype in (torch.float32, torch.bfloat16):
-        args = paged(lens, K, H, S, dtype, seed=B)
+        args = paged(lens, K, H, S, dtype, seed=B, V=V)
         q = torch.randn(B, H, N, generator=g).to(dtype).transpose(1, 2)  # strided, as the model's views are
         sinks = torch.randn(N, generator=g)
         got = attention.paged_decode_attention(q, **args, scale=H ** -0.5, sliding_window=window, sinks_N=sinks)
         args64 = {k: v.double() if v.is_floating_point() else v for k, v in args.items()}
         ref = attention.paged_decode_attention_reference(q.double(), **args64, scale=H ** -0.5, sliding_window=window,
                                                          sinks_N=sinks).to(dtype)
-        assert got.dtype == dtype and got.shape == (B, N, H)
+        assert got.dtype == dtype and got.shape == (B, N, V)
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(got, ref, **tol)
     assert len(calls) == (2 if which == "native" else 0)

@@ -95,15 +95,16 @@ def _chunk_reference(q_TNH, k_BSKH, v_BSKH, seqs, positions, scale, chunk):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("chunk", [8, 5])  # whole pages of 4 (the decode op on the chunk's pages), or not (gathered)
-def test_chunked_attention_on_every_paged_path(chunk):
+@pytest.mark.parametrize("V", [10, 6])  # values as wide as keys, or narrower (MiMo-V2-Flash's shape)
+@pytest.mark.parametrize("chunk", [8, 5])  # whole pages of 4, or not: decode reads in place from each chunk's start
+def test_chunked_attention_on_every_paged_path(chunk, V):
     """Prefill, decode and mixed steps (a 1-token prefill chunk beside decodes) over the paged cache
     equal attention over each query's chunk computed one query at a time."""
     torch.manual_seed(chunk)
     N, K, H, S, lens = 6, 2, 10, 4, [19, 3, 11]
-    k_BSKH, v_BSKH = torch.randn(3, 24, K, H), torch.randn(3, 24, K, H)
+    k_BSKH, v_BSKH = torch.randn(3, 24, K, H), torch.randn(3, 24, K, V)
     tables = [list(range(6 * b, 6 * b + 6)) for b in range(3)]
-    cache = PagedKVCache(1, 18, S, K, H, torch.float32)
+    cache = PagedKVCache(1, 18, S, K, H, torch.float32, v_head_dim=V)
     steps = [(lens, [0, 0, 0]), ([1, 1, 1], lens), ([1, 1, 1], [n + 1 for n in lens]),  # prefill, 2 decodes
              ([1, 1, 2], [n + 2 for n in lens])]  # decodes beside a prefill chunk
     for q_lens, ctx in steps:

@@ -155,6 +155,34 @@ def test_native_paged_decode_attention(N, K, H, S, lens, window, dtype, threads,
 
 
 @NEEDS_NATIVE
+@pytest.mark.parametrize("wide", [True, False], ids=["avx512", "avx2"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("N,K,H,V,S", [(6, 2, 48, 32, 5), (5, 1, 40, 24, 3), (4, 2, 192, 128, 16), (3, 3, 16, 8, 4)])
+def test_native_decode_with_narrow_values_from_given_starts(N, K, H, V, S, threads, wide):
+    """Values narrower than keys (MiMo-V2-Flash's 192/128 among them) from per-sequence first visible
+    keys (Llama 4's chunk starts, any chunk size): the kernel equals the float64 reference within
+    float32 rounding, in its AVX-512 loops (H, V multiples of 16) and its AVX2 ones (scalar tails)."""
+    from kernels.attention import paged_decode_attention_reference
+
+    lens = [1, 9, 70, 33, 130]
+    args = paged(lens, K, H, S, torch.float32, seed=H + V, V=V)
+    table, len_B = args["block_table_BM"].long(), args["seq_lens_B"].long()
+    start_B = torch.tensor([0, 5, 66, 0, 77])  # the start of a chunk of 11 (or of 65, crossing a block)
+    q = torch.randn(len(lens), N, H)
+    ref = paged_decode_attention_reference(q.double(), args["k_cache_PSKH"].double(), args["v_cache_PSKH"].double(),
+                                           table, len_B, 0.3, start_B=start_B).float()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        o, lse = native.paged_decode_attention(q.view(len(lens), K, N // K, H), args["k_cache_PSKH"],
+                                               args["v_cache_PSKH"], table, start_B, len_B, 0.3, wide=wide)
+    finally:
+        torch.set_num_threads(before)
+    assert o.shape == (len(lens), K, N // K, V) and lse.shape == (len(lens), K, N // K)
+    torch.testing.assert_close(o.view(len(lens), N, V), ref, rtol=1e-5, atol=1e-5)
+
+
+@NEEDS_NATIVE
 def test_native_paged_decode_attention_rejects_what_it_cannot_read():
     args = paged([3, 5], 2, 8, 4, torch.bfloat16)
     table, lens = args["block_table_BM"].long(), args["seq_lens_B"].long()
@@ -170,6 +198,9 @@ def test_native_paged_decode_attention_rejects_what_it_cannot_read():
                                       torch.zeros_like(lens), lens, 1.0)
     with pytest.raises(ValueError, match="caches"):
         native.paged_decode_attention(q, args["k_cache_PSKH"].half(), args["v_cache_PSKH"].half(), table,
+                                      torch.zeros_like(lens), lens, 1.0)
+    with pytest.raises(ValueError, match="caches"):  # values of other kv heads than the keys
+        native.paged_decode_attention(q, args["k_cache_PSKH"], args["v_cache_PSKH"][:, :, :1], table,
                                       torch.zeros_like(lens), lens, 1.0)
 
 

@@ -21,8 +21,8 @@ TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.float16: dict(rtol=1e-2,
 
 
 def paged_inputs(lens: list[int], N: int, K: int, H: int, S: int, dtype: torch.dtype = torch.float32,
-                 table_dtype: torch.dtype = torch.int32) -> dict:
-    """Random q and a shuffled paged cache for sequences of `lens` tokens.
+                 table_dtype: torch.dtype = torch.int32, V: int | None = None) -> dict:
+    """Random q and a shuffled paged cache for sequences of `lens` tokens (values of V entries, H if None).
 
     Returns kwargs for both implementations plus "k_clean"/"v_clean" (NaN-free copies for the
     reference). Pages of different sequences are interleaved at random; table entries past a
@@ -39,10 +39,10 @@ def paged_inputs(lens: list[int], N: int, K: int, H: int, S: int, dtype: torch.d
         table[b, :pages] = torch.tensor(ids, dtype=table_dtype)
         used[ids] = torch.arange(pages * S).view(pages, S) < n
     caches = []
-    for _ in range(2):
-        big = torch.full((P, S, K + 1, H + 5), float("nan"), dtype=dtype, device=dev)
-        cache = big[:, :, 1:, :H]
-        cache[used.to(dev)] = torch.randn(int(used.sum()), K, H, device=dev).to(dtype)
+    for width in (H, V or H):
+        big = torch.full((P, S, K + 1, width + 5), float("nan"), dtype=dtype, device=dev)
+        cache = big[:, :, 1:, :width]
+        cache[used.to(dev)] = torch.randn(int(used.sum()), K, width, device=dev).to(dtype)
         caches.append(cache)
     q = torch.randn(len(lens), H, N, device=dev).to(dtype).transpose(1, 2)
     clean = [c.nan_to_num(0.0) for c in caches]
@@ -50,11 +50,13 @@ def paged_inputs(lens: list[int], N: int, K: int, H: int, S: int, dtype: torch.d
                 seq_lens_B=torch.tensor(lens, device=dev), scale=H ** -0.5, k_clean=clean[0], v_clean=clean[1])
 
 
-def check(inputs: dict, dtype: torch.dtype, sliding_window: int | None = None, num_splits: int | None = None) -> None:
+def check(inputs: dict, dtype: torch.dtype, sliding_window: int | None = None, num_splits: int | None = None,
+          **extra) -> None:
+    """The kernel against the CPU path on the NaN-free caches; extra: sinks_N, start_B."""
     args = {k: v for k, v in inputs.items() if not k.endswith("_clean")}
-    out = paged_decode_attention(**args, sliding_window=sliding_window, num_splits=num_splits)
+    out = paged_decode_attention(**args, sliding_window=sliding_window, num_splits=num_splits, **extra)
     ref_args = {**args, "k_cache_PSKH": inputs["k_clean"], "v_cache_PSKH": inputs["v_clean"]}
-    expected = reference(**ref_args, sliding_window=sliding_window)
+    expected = reference(**ref_args, sliding_window=sliding_window, **extra)
     assert out.shape == expected.shape and out.dtype == expected.dtype
     torch.testing.assert_close(out, expected, **TOL[dtype])
 
@@ -119,6 +121,18 @@ def test_bfloat16(poison, num_splits):
     check(paged_inputs(mixed_lens(16, 150), 16, 4, 128, 16, torch.bfloat16), torch.bfloat16, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("N,K,H,V,S,window", [(6, 2, 24, 16, 5, None), (3, 1, 40, 40, 4, 9), (10, 5, 48, 20, 3, 6)])
+def test_narrow_values_and_first_visible_keys(poison, N, K, H, V, S, window, num_splits):
+    """Values narrower than keys (MiMo-V2-Flash) and per-sequence first visible keys (Llama 4's chunk
+    starts, chunks of 7 over pages of S), with and without a window and sinks; V == H as well."""
+    lens = [1, 3, 7, 8, 17, 30]
+    inputs = paged_inputs(lens, N, K, H, S, V=V, table_dtype=torch.int64)
+    start = torch.tensor([(n - 1) // 7 * 7 for n in lens], device=inputs["q_BNH"].device)
+    for extra in ({}, dict(start_B=start), dict(start_B=start.int(), sinks_N=torch.randn(N, device=start.device))):
+        check(inputs, torch.float32, window, num_splits, **extra)
+
+
 def test_empty_batch(poison):
     inputs = paged_inputs([3], 4, 2, 16, 4)
     q = inputs["q_BNH"][:0]
@@ -143,6 +157,8 @@ BAD = {
     "seq_lens shape": lambda a: {**a, "seq_lens_B": a["seq_lens_B"][:1]},
     "cache rank": lambda a: {**a, "k_cache_PSKH": a["k_cache_PSKH"][0]},
     "k/v shape": lambda a: {**a, "v_cache_PSKH": a["v_cache_PSKH"][:, :, :1]},
+    "values wider than keys": lambda a: {**a, "v_cache_PSKH": torch.cat([a["v_cache_PSKH"]] * 2, -1)},
+    "start shape": lambda a: {**a, "start_B": a["seq_lens_B"][:1]},
     "negative window": lambda a: {**a, "sliding_window": -1},
     "zero splits": lambda a: {**a, "num_splits": 0},
 }

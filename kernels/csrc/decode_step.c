@@ -32,9 +32,9 @@ void shuttle_rotary(void *q, int64_t NQ, int64_t q_tok, int64_t q_head, void *k,
                     int64_t k_head, const void *cos, const void *sin, int64_t T, int64_t R, int bf16, int nthreads);
 void shuttle_paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, int bf16,
                                     const int64_t *table, int64_t M, const int64_t *start, const int64_t *len, void *o,
-                                    float *lse, int64_t B, int64_t K, int64_t G, int64_t H, int64_t S, int64_t k_page,
-                                    int64_t k_slot, int64_t k_head, int64_t v_page, int64_t v_slot, int64_t v_head,
-                                    float scale, int nthreads, int q_bf16, int o_bf16, int allow_wide);
+                                    float *lse, int64_t B, int64_t K, int64_t G, int64_t H, int64_t V, int64_t S,
+                                    int64_t k_page, int64_t k_slot, int64_t k_head, int64_t v_page, int64_t v_slot,
+                                    int64_t v_head, float scale, int nthreads, int q_bf16, int o_bf16, int allow_wide);
 
 /* One layer's weights and cache (pointers stay valid while the model lives). Only pointers, int64
  * and double fields, so the ctypes mirror (models/native_decode.py: _Layer) has no padding to match. */
@@ -155,7 +155,7 @@ void shuttle_decode_attention(const shuttle_step *s, const shuttle_layer *ly, in
         s->start[b] = ly->window && s->len[b] > ly->window ? s->len[b] - ly->window : 0;
     }
     shuttle_paged_decode_attention(q, ly->k_cache, ly->v_cache, 1, s->table, s->M, s->start, s->len, s->o, s->lse, B,
-                                   K, N / K, H, s->S, s->S * C, C, H, s->S * C, C, H, (float)s->scale, nt, 1, 1, 1);
+                                   K, N / K, H, H, s->S, s->S * C, C, H, s->S * C, C, H, (float)s->scale, nt, 1, 1, 1);
     shuttle_gemm_bf16_panels(s->o, B, Q, ly->o, D, s->a, nt);
     shuttle_add_rms_norm(s->a, s->r, ly->post_norm, s->h, s->r, B, D, eps, 1, nt);
     shuttle_gemm_bf16_panels(s->h, B, D, ly->router, s->E, s->logits, nt);

@@ -10,9 +10,11 @@
  * (dynamic: contexts differ). AVX2 + FMA, H any size (vectors of 8, then a scalar tail); or AVX-512
  * (vectors of 16) where H is a multiple of 16 and the CPU has it.
  *
- * Visibility: sequence b sees positions [start[b], len[b]) (start > 0 under a sliding window);
- * position j lives in page table[b*M + j/S], slot j%S. Outputs o (B, K, G, H) and the natural-log
- * log-sum-exp of the scaled scores (B, K, G), which attention sinks need. */
+ * Visibility: sequence b sees positions [start[b], len[b]) (start > 0 under a sliding window or in a
+ * later chunk of chunked attention); position j lives in page table[b*M + j/S], slot j%S. Keys have
+ * H entries, values V (V < H: MiMo-V2-Flash's narrower value heads). Outputs o (B, K, G, V) and the
+ * natural-log log-sum-exp of the scaled scores (B, K, G), which attention sinks need. The AVX-512
+ * loops need both H and V multiples of 16. */
 #include "bf16_avx2.h"
 #include <immintrin.h>
 #include <math.h>
@@ -54,23 +56,23 @@ AI void score_group(const float *qb, const void *kr, const int bf16, int64_t H, 
     }
 }
 
-/* acc_g += sum_j p_g[j] v_j over n positions for GN query heads, 8 columns at a time in registers. */
+/* acc_g += sum_j p_g[j] v_j over n positions (V columns) for GN query heads, 8 columns at a time in registers. */
 AI void value_group(float *acc, const float *p, int64_t pstride, const char *vp, const int64_t *vrow, int64_t n,
-                    const int bf16, int64_t H, const int GN) {
-    const int64_t H8 = H & ~(int64_t)7;
-    for (int64_t i = 0; i < H8; i += 8) {
+                    const int bf16, int64_t V, const int GN) {
+    const int64_t V8 = V & ~(int64_t)7;
+    for (int64_t i = 0; i < V8; i += 8) {
         __m256 a[4];
-        for (int g = 0; g < GN; g++) a[g] = _mm256_loadu_ps(acc + g * H + i);
+        for (int g = 0; g < GN; g++) a[g] = _mm256_loadu_ps(acc + g * V + i);
         for (int64_t j = 0; j < n; j++) {
             const __m256 v = load8(vp + vrow[j], i, bf16);
             for (int g = 0; g < GN; g++) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * pstride + j), v, a[g]);
         }
-        for (int g = 0; g < GN; g++) _mm256_storeu_ps(acc + g * H + i, a[g]);
+        for (int g = 0; g < GN; g++) _mm256_storeu_ps(acc + g * V + i, a[g]);
     }
-    for (int64_t i = H8; i < H; i++)
+    for (int64_t i = V8; i < V; i++)
         for (int64_t j = 0; j < n; j++) {
             const float v = load1(vp + vrow[j], i, bf16);
-            for (int g = 0; g < GN; g++) acc[g * H + i] += p[g * pstride + j] * v;
+            for (int g = 0; g < GN; g++) acc[g * V + i] += p[g * pstride + j] * v;
         }
 }
 
@@ -113,15 +115,15 @@ T512 static inline void score_group16(const float *qb, const void *kr, const int
 }
 
 T512 static inline void value_group16(float *acc, const float *p, int64_t pstride, const char *vp,
-                                      const int64_t *vrow, int64_t n, const int bf16, int64_t H, const int GN) {
-    for (int64_t i = 0; i < H; i += 16) {
+                                      const int64_t *vrow, int64_t n, const int bf16, int64_t V, const int GN) {
+    for (int64_t i = 0; i < V; i += 16) {
         __m512 a[4];
-        for (int g = 0; g < GN; g++) a[g] = _mm512_loadu_ps(acc + g * H + i);
+        for (int g = 0; g < GN; g++) a[g] = _mm512_loadu_ps(acc + g * V + i);
         for (int64_t j = 0; j < n; j++) {
             const __m512 v = load16(vp + vrow[j], i, bf16);
             for (int g = 0; g < GN; g++) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * pstride + j]), v, a[g]);
         }
-        for (int g = 0; g < GN; g++) _mm512_storeu_ps(acc + g * H + i, a[g]);
+        for (int g = 0; g < GN; g++) _mm512_storeu_ps(acc + g * V + i, a[g]);
     }
 }
 
@@ -137,18 +139,19 @@ T512 static inline void value_group16(float *acc, const float *p, int64_t pstrid
 
 AI void attend(const int wide, const void *q, const void *k_cache, const void *v_cache, const int bf16, const int64_t *table,
                int64_t M, const int64_t *start, const int64_t *len, void *o, float *lse, int64_t B, int64_t K,
-               int64_t G, int64_t H, int64_t S, int64_t k_page, int64_t k_slot, int64_t k_head, int64_t v_page,
-               int64_t v_slot, int64_t v_head, float scale, int nthreads, const int q_bf16, const int o_bf16) {
-    const int64_t H8 = H & ~(int64_t)7, esz = bf16 ? 2 : 4, row_bytes = H * esz;
+               int64_t G, int64_t H, int64_t V, int64_t S, int64_t k_page, int64_t k_slot, int64_t k_head,
+               int64_t v_page, int64_t v_slot, int64_t v_head, float scale, int nthreads, const int q_bf16,
+               const int o_bf16) {
+    const int64_t V8 = V & ~(int64_t)7, esz = bf16 ? 2 : 4, row_bytes = H * esz, v_bytes = V * esz;
     const char *kp = (const char *)k_cache, *vp = (const char *)v_cache;
-    if (passive_waits()) { /* one thread unless the call is worth a wake-up: ~100 us of key rows */
+    if (passive_waits()) { /* one thread unless the call is worth a wake-up: ~100 us of key and value rows */
         int64_t rows = 0;
         for (int64_t b = 0; b < B; b++) rows += len[b] - start[b];
-        if (rows * K * H < 320 * 1024) nthreads = 1;
+        if (rows * K * (H + V) < 640 * 1024) nthreads = 1;
     }
     #pragma omp parallel num_threads(nthreads)
     {
-        float s[G][BLOCK + 8], m[G], l[G], acc[G * H], qf[q_bf16 ? G * H : 1];
+        float s[G][BLOCK + 8], m[G], l[G], acc[G * V], qf[q_bf16 ? G * H : 1];
         int64_t krow[BLOCK], vrow[BLOCK];
         #pragma omp for schedule(dynamic, 4)
         for (int64_t pair = 0; pair < B * K; pair++) {
@@ -160,7 +163,7 @@ AI void attend(const int wide, const void *q, const void *k_cache, const void *v
                 qb = qf;
             }
             for (int64_t g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f;
-            memset(acc, 0, sizeof(float) * G * H);
+            memset(acc, 0, sizeof(float) * G * V);
             for (int64_t j0 = start[b]; j0 < len[b];) {
                 /* a block of up to BLOCK positions, across pages: one softmax rescale per block */
                 const int64_t n = len[b] - j0 < BLOCK ? len[b] - j0 : BLOCK;
@@ -175,7 +178,7 @@ AI void attend(const int wide, const void *q, const void *k_cache, const void *v
                 for (int64_t j = 0; j < n && j < PREFETCH; j++) prefetch_row(kp + krow[j], row_bytes);
                 for (int64_t j = 0; j < n; j++) {
                     if (j + PREFETCH < n) prefetch_row(kp + krow[j + PREFETCH], row_bytes);
-                    prefetch_row(vp + vrow[j], row_bytes);
+                    prefetch_row(vp + vrow[j], v_bytes);
                     const void *kr = kp + krow[j];
 #define SCORE(GN) if (wide) score_group16(qb + g0 * H, kr, bf16, H, scale, GN, &s[g0][j], BLOCK + 8); \
                   else score_group(qb + g0 * H, kr, bf16, H, scale, GN, &s[g0][j], BLOCK + 8)
@@ -197,14 +200,15 @@ AI void attend(const int wide, const void *q, const void *k_cache, const void *v
                     l[g] = l[g] * corr + hsum8(sum);
                     m[g] = mx;
                     if (corr != 1.0f) {
-                        float *ag = acc + g * H;
+                        float *ag = acc + g * V;
                         const __m256 c = _mm256_set1_ps(corr);
-                        for (int64_t i = 0; i < H8; i += 8) _mm256_storeu_ps(ag + i, _mm256_mul_ps(_mm256_loadu_ps(ag + i), c));
-                        for (int64_t i = H8; i < H; i++) ag[i] *= corr;
+                        for (int64_t i = 0; i < V8; i += 8)
+                            _mm256_storeu_ps(ag + i, _mm256_mul_ps(_mm256_loadu_ps(ag + i), c));
+                        for (int64_t i = V8; i < V; i++) ag[i] *= corr;
                     }
                 }
-#define VALUE(GN) if (wide) value_group16(acc + g0 * H, s[g0], BLOCK + 8, vp, vrow, n, bf16, H, GN); \
-                  else value_group(acc + g0 * H, s[g0], BLOCK + 8, vp, vrow, n, bf16, H, GN)
+#define VALUE(GN) if (wide) value_group16(acc + g0 * V, s[g0], BLOCK + 8, vp, vrow, n, bf16, V, GN); \
+                  else value_group(acc + g0 * V, s[g0], BLOCK + 8, vp, vrow, n, bf16, V, GN)
                 BY_GROUP(VALUE)
 #undef VALUE
                 j0 += n;
@@ -212,11 +216,11 @@ AI void attend(const int wide, const void *q, const void *k_cache, const void *v
             for (int64_t g = 0; g < G; g++) {
                 const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
                 if (o_bf16) { /* rounded to nearest even, as torch's cast to bf16 */
-                    uint16_t *og = (uint16_t *)o + (pair * G + g) * H;
-                    for (int64_t i = 0; i < H; i++) og[i] = to_bf(acc[g * H + i] * inv);
+                    uint16_t *og = (uint16_t *)o + (pair * G + g) * V;
+                    for (int64_t i = 0; i < V; i++) og[i] = to_bf(acc[g * V + i] * inv);
                 } else {
-                    float *og = (float *)o + (pair * G + g) * H;
-                    for (int64_t i = 0; i < H; i++) og[i] = acc[g * H + i] * inv;
+                    float *og = (float *)o + (pair * G + g) * V;
+                    for (int64_t i = 0; i < V; i++) og[i] = acc[g * V + i] * inv;
                 }
                 lse[pair * G + g] = l[g] > 0.0f ? m[g] + logf(l[g]) : -INFINITY;
             }
@@ -224,32 +228,32 @@ AI void attend(const int wide, const void *q, const void *k_cache, const void *v
     }
 }
 
-#define ARGS q, k_cache, v_cache, bf16, table, M, start, len, o, lse, B, K, G, H, S, k_page, k_slot, k_head, v_page, \
-             v_slot, v_head, scale, nthreads, q_bf16, o_bf16
+#define ARGS q, k_cache, v_cache, bf16, table, M, start, len, o, lse, B, K, G, H, V, S, k_page, k_slot, k_head, \
+             v_page, v_slot, v_head, scale, nthreads, q_bf16, o_bf16
 #define PARAMS const void *q, const void *k_cache, const void *v_cache, int bf16, const int64_t *table, int64_t M, \
                const int64_t *start, const int64_t *len, void *o, float *lse, int64_t B, int64_t K, int64_t G, \
-               int64_t H, int64_t S, int64_t k_page, int64_t k_slot, int64_t k_head, int64_t v_page, int64_t v_slot, \
-               int64_t v_head, float scale, int nthreads, int q_bf16, int o_bf16
+               int64_t H, int64_t V, int64_t S, int64_t k_page, int64_t k_slot, int64_t k_head, int64_t v_page, \
+               int64_t v_slot, int64_t v_head, float scale, int nthreads, int q_bf16, int o_bf16
 
 static void attend_avx2(PARAMS) {
-    if (bf16) attend(0, q, k_cache, v_cache, 1, table, M, start, len, o, lse, B, K, G, H, S, k_page, k_slot, k_head,
+    if (bf16) attend(0, q, k_cache, v_cache, 1, table, M, start, len, o, lse, B, K, G, H, V, S, k_page, k_slot, k_head,
                      v_page, v_slot, v_head, scale, nthreads, q_bf16, o_bf16);
-    else attend(0, q, k_cache, v_cache, 0, table, M, start, len, o, lse, B, K, G, H, S, k_page, k_slot, k_head,
+    else attend(0, q, k_cache, v_cache, 0, table, M, start, len, o, lse, B, K, G, H, V, S, k_page, k_slot, k_head,
                 v_page, v_slot, v_head, scale, nthreads, q_bf16, o_bf16);
 }
 
 T512 static void attend_avx512(PARAMS) {
-    if (bf16) attend(1, q, k_cache, v_cache, 1, table, M, start, len, o, lse, B, K, G, H, S, k_page, k_slot, k_head,
+    if (bf16) attend(1, q, k_cache, v_cache, 1, table, M, start, len, o, lse, B, K, G, H, V, S, k_page, k_slot, k_head,
                      v_page, v_slot, v_head, scale, nthreads, q_bf16, o_bf16);
-    else attend(1, q, k_cache, v_cache, 0, table, M, start, len, o, lse, B, K, G, H, S, k_page, k_slot, k_head,
+    else attend(1, q, k_cache, v_cache, 0, table, M, start, len, o, lse, B, K, G, H, V, S, k_page, k_slot, k_head,
                 v_page, v_slot, v_head, scale, nthreads, q_bf16, o_bf16);
 }
 
 /* q_bf16 / o_bf16: the query is read, the output written, in bf16 (else float32; the log-sum-exp is
- * float32 always). allow_wide: take the AVX-512 loops where H allows and the CPU has them (0: the
+ * float32 always). allow_wide: take the AVX-512 loops where H and V allow and the CPU has them (0: the
  * AVX2 ones, for tests). */
 void shuttle_paged_decode_attention(PARAMS, int allow_wide) {
-    if (allow_wide && H % 16 == 0 && __builtin_cpu_supports("avx512f"))
+    if (allow_wide && H % 16 == 0 && V % 16 == 0 && __builtin_cpu_supports("avx512f"))
         attend_avx512(ARGS);
     else
         attend_avx2(ARGS);
