@@ -7,7 +7,7 @@ import torch
 from m2n_comm.transport import BACKENDS
 
 M2N_DTYPES = ("auto", "fp8")  # ParallelConfig.m2n_dtype
-QUANTIZATIONS = ("int8",)  # EngineConfig.quantization
+QUANTIZATIONS = ("int8", "fp8")  # EngineConfig.quantization ("none" too: served in dtype)
 SPEC_METHODS = ("ngram",)  # SpeculativeConfig.method
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32  # SpeculativeConfig.disable_by_batch_size when not given
 
@@ -235,9 +235,12 @@ class EngineConfig:
     (models/native_decode.py); False keeps the eager layers.
     quantization: "int8" keeps the expert weights as int8 codes with per-output-channel scales,
     quantised at load from a float checkpoint (weight-only; kernels/int8.py), where the experts run
-    on CPU workers with torch kernels (the attention pool may be on a GPU); None serves them in
-    `dtype`. vLLM's name "experts_int8" means the same. speculative: SpeculativeConfig (or its dict
-    or JSON text), None without speculative decoding."""
+    on CPU workers with torch kernels (the attention pool may be on a GPU); None (or "none") serves
+    them in `dtype`. vLLM's name "experts_int8" means the same. "fp8" (same placement): FP8 E4M3 codes
+    in 128 x 128 blocks (kernels/fp8_weights.py); an FP8 block checkpoint's experts and FP8 linears
+    keep their codes and scales as shipped, a float checkpoint's experts are quantised at load;
+    server.llm.engine_config picks "fp8" for FP8 checkpoints where this placement allows.
+    speculative: SpeculativeConfig (or its dict or JSON text), None without speculative decoding."""
 
     model: str
     dtype: torch.dtype | None = None
@@ -257,15 +260,24 @@ class EngineConfig:
         for name in ("enforce_eager", "native_decode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.quantization == "experts_int8":
-            object.__setattr__(self, "quantization", "int8")
+        if self.quantization in ("experts_int8", "none"):
+            object.__setattr__(self, "quantization", {"experts_int8": "int8", "none": None}[self.quantization])
         if self.quantization is not None:
             if self.quantization not in QUANTIZATIONS:
-                raise ValueError(f"quantization {self.quantization!r} is not supported; choose from "
-                                 f"{', '.join(QUANTIZATIONS)} (or experts_int8, its vLLM name)")
-            # the devices that hold experts: the engine's colocated, else the expert pool's
-            experts_on = self.device if self.parallel.colocated else self.parallel.expert_device or self.device
-            if experts_on != "cpu" or self.kernels == "triton":
+                raise ValueError(f"quantization {self.quantization!r} is not supported; choose from none, "
+                                 f"{', '.join(QUANTIZATIONS)} (or experts_int8, int8's vLLM name)")
+            if not self.experts_on_cpu_torch:
+                kernels = "kernels/int8.py" if self.quantization == "int8" else "kernels/fp8_weights.py"
                 raise ValueError(f"quantization {self.quantization!r} runs the experts on CPU workers with torch "
-                                 f"kernels (kernels/int8.py); got experts on {experts_on!r}, kernels "
+                                 f"kernels ({kernels}); got experts on {self.experts_device!r}, kernels "
                                  f"{self.kernels!r}")
+
+    @property
+    def experts_device(self) -> str:
+        """The device that holds the experts: the engine's colocated, else the expert pool's."""
+        return self.device if self.parallel.colocated else self.parallel.expert_device or self.device
+
+    @property
+    def experts_on_cpu_torch(self) -> bool:
+        """Whether the experts run on CPU workers with torch kernels (where int8 and FP8 weights run)."""
+        return self.experts_device == "cpu" and self.kernels != "triton"

@@ -48,8 +48,12 @@ class ModelRunner:
                  micro_batches: int = 1):
         self.model_cfg = model_cfg or ModelConfig.from_pretrained(cfg.model)
         self.device = torch.device(cfg.device)
+        # quantization fp8 of an FP8 checkpoint on the CPU with torch kernels: its codes and scales as
+        # shipped go to the packed modules (a GPU attention pool serves its linears dequantised)
+        keep_fp8 = (cfg.quantization == "fp8" and self.model_cfg.fp8_block is not None
+                    and self.device.type == "cpu" and cfg.kernels != "triton")
         self.model = load_model(cfg.model, self.model_cfg, dtype=cfg.dtype, device=self.device, kernels=cfg.kernels,
-                                with_experts=dispatcher is None)
+                                with_experts=dispatcher is None, keep_fp8=keep_fp8)
         self.model.dispatcher = dispatcher or LocalDispatcher(self.model_cfg.num_experts, self.device)  # counts load
         if not 1 <= micro_batches <= 4:
             raise ValueError(f"micro_batches must be 1 to 4, got {micro_batches}")

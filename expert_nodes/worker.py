@@ -100,7 +100,8 @@ def _serve(spec: ExpertWorkerSpec, store: SignedStore) -> None:
     moe_layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
     device = torch.device(spec.device)
     pack = functools.partial(pack_for_cpu, quantization=spec.quantization) if device.type == "cpu" else (lambda m: m)
-    load_fn = loader_for(spec.model, cfg, spec.dtype, device, spec.kernels, pack)
+    keep_fp8 = spec.quantization == "fp8" and cfg.fp8_block is not None  # the checkpoint's codes as shipped
+    load_fn = loader_for(spec.model, cfg, spec.dtype, device, spec.kernels, pack, keep_fp8)
     held = HeldExperts(spec.placement, load_fn(spec.placement.experts_on(spec.rank)), spec.rank, load_fn, device)
     freeze_loaded_heap()
     weight_bytes = _expert_bytes(held)
@@ -251,13 +252,18 @@ def narrows(blocks) -> bool:
     (kernels/native.py). The planner's profile times the blocks the same way."""
     from kernels import int8
 
+    from kernels import fp8_weights
+
     return native.passive_waits() and any(getattr(m, "native", None) is not None
-                                          or (getattr(m, "int8", None) is not None and int8.available()) for m in blocks)
+                                          or (getattr(m, "int8", None) is not None and int8.available())
+                                          or (getattr(m, "fp8", None) is not None and fp8_weights.available())
+                                          for m in blocks)
 
 
 def pack_for_cpu(experts: dict, quantization: str | None = None) -> dict:
     """MoE layer -> its experts, packed for the CPU kernels where this CPU has them (the kernels
-    chosen by measurement first), or quantised ("int8": kernels/int8.py, any CPU), as an expert
+    chosen by measurement first), or quantised ("int8": kernels/int8.py, any CPU; "fp8":
+    kernels/fp8_weights.py, the checkpoint's codes where load_experts kept them), as an expert
     worker serves them; the planner's profile times the same modules."""
     from kernels.cpu_linear import packing_available
 

@@ -142,7 +142,8 @@ class CpuWeight:
 
     @classmethod
     def quantized(cls, q) -> "CpuWeight":
-        """A CpuWeight of an int8 weight (kernels/int8.Int8Weight), which cpu_linear runs with q.linear()."""
+        """A CpuWeight of an int8 weight (kernels/int8.Int8Weight) or an FP8 one (kernels/fp8_weights.Fp8Weight),
+        which cpu_linear runs with q.linear()."""
         w = cls(None)
         w.int8, w.out_features = q, q.out_features
         return w
@@ -166,11 +167,12 @@ def cpu_linear(x_TI: torch.Tensor, w: CpuWeight, bias_O: torch.Tensor | None = N
 class PackedLinear(nn.Module):
     """Drop-in for an nn.Linear at inference: any leading shape, same result up to summation order."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, weight: CpuWeight | None = None):
+        """weight: the CpuWeight to run (CpuWeight.quantized), default linear's weight packed."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = linear.weight.dtype
-        self.weight = CpuWeight(linear.weight)
+        self.weight = CpuWeight(linear.weight) if weight is None else weight
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

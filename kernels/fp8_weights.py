@@ -97,6 +97,15 @@ class Fp8Weight:
                              "multiple of 16 rows)")
         return cls(int8.to_panels(codes_OI.view(torch.uint8)), scales, block_in, O, I)
 
+    @classmethod
+    def stack(cls, weights: list["Fp8Weight"]) -> "Fp8Weight":
+        """The weights' rows one after another (fused q/k/v): one input block size and input count;
+        ValueError where a panel of 16 rows would straddle two weights' scales."""
+        if len({(w.block_in, w.in_features) for w in weights}) != 1:
+            raise ValueError("Fp8Weight.stack: the weights need one input block size and input count")
+        return cls.from_rows(torch.cat([w.codes() for w in weights]), torch.cat([w.row_scales() for w in weights]),
+                             weights[0].block_in)
+
     def codes(self) -> torch.Tensor:
         """The E4M3 codes (O, I)."""
         return int8.from_panels(self.panels, self.out_features, self.in_features).view(E4M3)

@@ -263,14 +263,21 @@ class ModelConfig:
         """Bytes of one routed expert in `dtype` (FP8 and MXFP4 checkpoints are dequantised on load).
         quantization="int8" (EngineConfig.quantization): one byte per weight plus a float32 scale per
         output channel of gate and up (2 x moe_intermediate_size) and down (hidden_size), biases in
-        `dtype`; kernels/int8.py pads each matrix to panels of 16 channels and an even input on top."""
+        `dtype`; kernels/int8.py pads each matrix to panels of 16 channels and an even input on top.
+        "fp8": one byte per weight plus a float32 scale per 16 output rows (a panel) per block of
+        inputs (kernels/fp8_weights.py; the checkpoint's blocks, or 128 x 128 quantised at load)."""
         if quantization is None:
             return self.expert_params() * dtype.itemsize
-        if quantization != "int8":
-            raise ValueError(f"expert_bytes: quantization {quantization!r} is not supported (int8 or None)")
+        if quantization not in ("int8", "fp8"):
+            raise ValueError(f"expert_bytes: quantization {quantization!r} is not supported (int8, fp8 or None)")
         D, I = self.hidden_size, self.moe_intermediate_size
         channels = 2 * I + D
-        return 3 * D * I + 4 * channels + channels * self.expert_bias * dtype.itemsize
+        biases = channels * self.expert_bias * dtype.itemsize
+        if quantization == "int8":
+            return 3 * D * I + 4 * channels + biases
+        bi = (self.fp8_block or (128, 128))[1]
+        panel_blocks = 2 * -(-I // 16) * -(-D // bi) + -(-D // 16) * -(-I // bi)
+        return 3 * D * I + 4 * panel_blocks + biases
 
     def context_flops(self) -> int:
         """FLOPs of one query token against one cached token in one layer: scores and the weighted

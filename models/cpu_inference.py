@@ -11,6 +11,7 @@ from torch import nn
 from kernels import choice, native
 from kernels.cpu_linear import (SKINNY_MAX_ROWS, CpuWeight, ExpertPanels, PackedLinear,  # noqa: F401 (re-exported)
                                 packing_available)
+from kernels.fp8_weights import Fp8ExpertPanels, Fp8Experts, Fp8Weight, fused_moe_fp8
 from kernels.int8 import Int8Experts, Int8ExpertPanels, fused_moe_int8, quantize_int8
 from kernels.moe import SILU, SwiGLU, fused_moe_packed
 from models.moe_decoder import Attention, DecoderLayer, Experts, MoEForCausalLM, Router, SparseMoE
@@ -37,12 +38,17 @@ class PackedExperts(nn.Module):
     the whole block's native kernel runs (then the oneDNN copies are never made). quantization="int8":
     each weight as int8 codes and per-channel scales, whatever the dtype and CPU: Int8ExpertPanels
     that kernels/int8.fused_moe_int8 runs as one block where fused_int8_experts says so, else
-    CpuWeight.quantized for fused_moe_packed (biases, other activations)."""
+    CpuWeight.quantized for fused_moe_packed (biases, other activations). quantization="fp8": FP8
+    codes with 128 x 128 block scales (kernels/fp8_weights.py), the checkpoint's own where the loader
+    kept them (keep_fp8), else quantised from the float weights; Fp8ExpertPanels run by
+    fused_moe_fp8 for SiLU experts without biases, else CpuWeight.quantized(Fp8Weight)."""
 
     def __init__(self, experts: Experts | None = None, quantization: str | None = None):
         super().__init__()
         self.w13_packed, self.w2_packed = [], []
-        if experts is not None and quantization == "int8" and fused_int8_experts(experts):
+        if experts is not None and quantization == "fp8":
+            self.w13_packed, self.w2_packed = _fp8_experts(experts)
+        elif experts is not None and quantization == "int8" and fused_int8_experts(experts):
             inter = experts.w2.shape[2]
             self.w13_packed = [Int8ExpertPanels(w, True, inter) for w in experts.w13.detach()]
             self.w2_packed = [Int8ExpertPanels(w, False, inter) for w in experts.w2.detach()]
@@ -64,8 +70,10 @@ class PackedExperts(nn.Module):
     def _index_native(self) -> None:
         """The data pointers the native kernel takes (its weights stay owned by the lists); int8: the
         fused int8 block's table (Int8Experts)."""
-        self.native = self.int8 = None
-        if self.w13_packed and isinstance(self.w13_packed[0], Int8ExpertPanels):
+        self.native = self.int8 = self.fp8 = None
+        if self.w13_packed and isinstance(self.w13_packed[0], Fp8ExpertPanels):
+            self.fp8 = Fp8Experts(self.w13_packed, self.w2_packed)
+        elif self.w13_packed and isinstance(self.w13_packed[0], Int8ExpertPanels):
             self.int8 = Int8Experts(self.w13_packed, self.w2_packed)
         elif self.w13_packed and isinstance(self.w13_packed[0], ExpertPanels):
             self.native = (torch.tensor([w.panels.data_ptr() for w in self.w13_packed], dtype=torch.int64),
@@ -88,13 +96,44 @@ class PackedExperts(nn.Module):
             return native.fused_moe_bf16(x_TD, topk_ids_TK, topk_weights_TK, *self.native)
         if self.int8 is not None:
             return fused_moe_int8(x_TD, topk_ids_TK, topk_weights_TK, self.int8)
+        if self.fp8 is not None:
+            return fused_moe_fp8(x_TD, topk_ids_TK, topk_weights_TK, self.fp8)
         return fused_moe_packed(x_TD, self.w13_packed, self.w2_packed, topk_weights_TK, topk_ids_TK,
                                 b13_EI2=self.b13, b2_ED=self.b2, act=self.act)
 
 
+FP8_BLOCK = (128, 128)  # --quantization fp8 of a float checkpoint: DeepSeek-V3's and Qwen3 FP8's blocks
+
+
+def _fp8_experts(experts: Experts) -> tuple[list, list]:
+    """(w13, w2) per expert as FP8 (PackedExperts' quantization "fp8"): the codes the loader kept
+    (Experts.fp8_checkpoint) where it kept every one, else quantised in FP8_BLOCK blocks."""
+    kept, inter, E = getattr(experts, "fp8_checkpoint", None), experts.w2.shape[2], experts.w13.shape[0]
+    if not fused_int8_experts(experts):  # biases or another activation: per-expert linears
+        w13 = [Fp8Weight.quantize(w, FP8_BLOCK) for w in experts.w13.detach()]
+        w2 = [Fp8Weight.quantize(w, FP8_BLOCK) for w in experts.w2.detach()]
+        return [CpuWeight.quantized(w) for w in w13], [CpuWeight.quantized(w) for w in w2]
+    if kept is not None and all((k, e) in kept for k in ("w1", "w3", "w2") for e in range(E)):
+        b = kept["block"]
+        return ([Fp8ExpertPanels.gate_up(*kept["w1", e], *kept["w3", e], b) for e in range(E)],
+                [Fp8ExpertPanels.down(*kept["w2", e], b) for e in range(E)])
+    return ([Fp8ExpertPanels.quantize(w, True, inter, FP8_BLOCK) for w in experts.w13.detach()],
+            [Fp8ExpertPanels.quantize(w, False, inter, FP8_BLOCK) for w in experts.w2.detach()])
+
+
+def _packed_linear(linear: nn.Linear, quantization: str | None) -> PackedLinear:
+    """PackedLinear of `linear`; with quantization "fp8", an FP8 weight the loader kept as shipped
+    (fp8_checkpoint) stays FP8 (kernels/fp8_weights.Fp8Weight)."""
+    kept = getattr(linear, "fp8_checkpoint", None)
+    if quantization != "fp8" or kept is None:
+        return PackedLinear(linear)
+    return PackedLinear(linear, CpuWeight.quantized(Fp8Weight.from_checkpoint(*kept)))
+
+
 def pack_for_cpu_inference(model: MoEForCausalLM, quantization: str | None = None) -> bool:
     """Swap linears and experts for packed ones in place; quantization="int8": the experts' weights
-    as int8 (PackedExperts). Returns False where the weights are not on the CPU or oneDNN cannot pack
+    as int8 (PackedExperts); "fp8": the experts as FP8, and the linears the loader kept FP8 as
+    shipped (keep_fp8) too. Returns False where the weights are not on the CPU or oneDNN cannot pack
     their dtype here (see packing_available): then only the experts are swapped, and only if
     quantised."""
     w = model.lm_head.weight
@@ -110,7 +149,7 @@ def pack_for_cpu_inference(model: MoEForCausalLM, quantization: str | None = Non
         return False
     tied = model.cfg.tie_word_embeddings
     for attn in [m for m in model.modules() if isinstance(m, Attention)]:
-        fuse_qkv(attn)
+        fuse_qkv(attn, quantization)
     for router in [m for m in model.modules() if isinstance(m, Router)]:
         w = router.weight.detach()
         router.cpu_weight = CpuWeight(w.float() if router.logits_fp32 else w)
@@ -119,7 +158,7 @@ def pack_for_cpu_inference(model: MoEForCausalLM, quantization: str | None = Non
             if isinstance(child, Experts):
                 setattr(parent, name, PackedExperts(child, quantization))
             elif isinstance(child, nn.Linear) and not (tied and child is model.lm_head):
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, _packed_linear(child, quantization))
     choose_kernels(model)
     return True
 
@@ -134,6 +173,8 @@ def choose_kernels(module: nn.Module) -> None:
         if isinstance(m, PackedExperts) and m.int8 is not None:
             int8_moe.add((m.int8.hidden, m.int8.inter))
             continue
+        if isinstance(m, PackedExperts) and m.fp8 is not None:
+            continue  # fused_moe_fp8 takes int8's default kernels (kernels/fp8_weights.py)
         if isinstance(m, PackedExperts) and m.native is not None:
             moe.add((m.w2_packed[0].out_features, m.w2_packed[0].in_features))
             continue
@@ -183,17 +224,26 @@ def decode_is_native(model: MoEForCausalLM) -> bool:
     return True
 
 
-def fuse_qkv(attn: Attention) -> None:
+def fuse_qkv(attn: Attention, quantization: str | None = None) -> None:
     """Replace q_proj, k_proj and v_proj by one packed GEMM of their stacked weights (Q + 2C, D):
     one oneDNN call instead of three, and a larger one, which streams its weights closer to the
-    memory's rate at decode sizes (the k/v matrices alone are 256 KB-1 MB)."""
+    memory's rate at decode sizes (the k/v matrices alone are 256 KB-1 MB). quantization "fp8" with
+    all three kept FP8 as shipped: their codes stacked (each a whole number of 16-row panels), else
+    the float weights."""
     projs = [attn.q_proj, attn.k_proj, attn.v_proj]
+    kept = [getattr(p, "fp8_checkpoint", None) for p in projs]
+    fp8 = None
+    if quantization == "fp8" and all(k is not None for k in kept):
+        try:
+            fp8 = CpuWeight.quantized(Fp8Weight.stack([Fp8Weight.from_checkpoint(*k) for k in kept]))
+        except ValueError:  # a projection's rows are not whole panels: its scales would straddle one
+            fp8 = None
     fused = nn.Linear(projs[0].in_features, sum(p.out_features for p in projs), bias=projs[0].bias is not None,
                       device="meta")
     fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in projs]), requires_grad=False)
     if fused.bias is not None:
         fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in projs]), requires_grad=False)
-    attn.qkv_proj = PackedLinear(fused)
+    attn.qkv_proj = PackedLinear(fused, fp8)
     del attn.q_proj, attn.k_proj, attn.v_proj
 
 
@@ -233,9 +283,10 @@ def resident_weight_bytes(module: nn.Module) -> dict[str, int]:
         for w in cpu_weights(m):
             for t in (getattr(w, "packed", None), w.half, w.panels):
                 add(kind, t)
-            if w.int8 is not None:
-                add(kind, w.int8.panels)
-                add(kind, w.int8.scales)
+            for q in (w.int8, getattr(w, "fp8", None)):  # int8 or FP8 codes and their scales
+                if q is not None:
+                    add(kind, q.panels)
+                    add(kind, q.scales)
         for t in (getattr(m, "bias", None), getattr(m, "b13", None), getattr(m, "b2", None)):
             if isinstance(t, torch.Tensor):
                 add(kind, t)

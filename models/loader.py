@@ -6,7 +6,8 @@ Checkpoint experts are per-expert matrices (`experts.{e}.gate_proj|up_proj|down_
 `block_sparse_moe.experts.{e}.w1|w3|w2`); fused `experts.gate_up_proj` / `experts.down_proj` tensors
 are accepted too. In the model they are stacked: w13 (E, 2I, D) and w2 (E, D, I).
 FP8 block-quantised weights (quantization_config quant_method fp8) are dequantised to the model's
-dtype as they are read, each with its `weight_scale_inv`. gpt-oss stores its experts fused and
+dtype as they are read, each with its `weight_scale_inv`; with keep_fp8 their E4M3 codes and scales
+are also handed to the modules as shipped (`fp8_checkpoint`, for kernels/fp8_weights.py). gpt-oss stores its experts fused and
 transposed (`experts.gate_up_proj` (E, D, 2I) with gate and up interleaved, `down_proj` (E, I, D),
 biases `gate_up_proj_bias` / `down_proj_bias`) and its router as `mlp.router`; MXFP4 checkpoints hold
 each expert matrix as `X_blocks` + `X_scales` (out-major (E, O, D/32, 16) uint8 nibbles and E8M0
@@ -127,8 +128,10 @@ class CheckpointReader:
         with safe_open(self.files[name], framework="pt") as h:
             return 0 in self.shape(h, name)
 
-    def read(self, wanted: dict[str, list[Target]], model_shape: dict[Target, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-        """Check then read the `wanted` tensors, one file at a time."""
+    def read(self, wanted: dict[str, list[Target]], model_shape: dict[Target, tuple[int, ...]],
+             kept: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+        """Check then read the `wanted` tensors, one file at a time. kept: filled with the FP8 ones'
+        (codes, scale_inv) as shipped (read_fp8), beside their dequantised values."""
         by_file: dict[Path, list[str]] = defaultdict(list)
         for name in wanted:
             by_file[self.files[name]].append(name)
@@ -150,8 +153,29 @@ class CheckpointReader:
                         continue
                     out[name] = h.get_tensor(name)
                     if out[name].dtype in FP8_DTYPES:
+                        if kept is not None:
+                            kept[name] = self._checked_fp8(f, name, out[name])
                         out[name] = self._dequantize(f, name, out[name])
         return out
+
+    def read_fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """An FP8 block-quantised weight as shipped: (codes float8_e4m3fn (O, I), scale_inv float32
+        (ceil(O / bo), ceil(I / bi))), checked: E4M3, 2-D, its scale present and of that shape, no NaN
+        codes (0x7F / 0xFF). CheckpointError naming the file and the tensor otherwise."""
+        if name not in self.files:
+            raise CheckpointError(f"{self.dir}: no tensor '{name}' in the checkpoint")
+        with safe_open(self.files[name], framework="pt") as h:
+            return self._checked_fp8(self.files[name], name, h.get_tensor(name))
+
+    def _checked_fp8(self, f: Path, name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if w.dtype != torch.float8_e4m3fn:
+            raise CheckpointError(f"{f}: tensor '{name}' is {w.dtype}; FP8 weights are kept as shipped only as "
+                                  f"float8_e4m3fn (serve with --quantization none to dequantise them)")
+        scale = self._scale(f, name, w)
+        for o0 in range(0, w.shape[0], 4096):  # E4M3's NaN codes, a row chunk at a time
+            if (w[o0:o0 + 4096].view(torch.uint8) & 0x7F).eq(0x7F).any():
+                raise CheckpointError(f"{f}: FP8 tensor '{name}' holds NaN codes (0x7F / 0xFF)")
+        return w, scale.float()
 
     def _dequantize_mxfp4(self, f: Path, name: str, blocks: torch.Tensor) -> torch.Tensor:
         """`name`_blocks (E, O, G, 16) uint8 with `name`_scales (E, O, G) -> float32 (E, G * 32, O)."""
@@ -168,6 +192,10 @@ class CheckpointReader:
 
     def _dequantize(self, f: Path, name: str, w: torch.Tensor) -> torch.Tensor:
         """An FP8 weight times its per-block weight_scale_inv, as float32."""
+        return dequantize_fp8_blocks(w, self._scale(f, name, w), self.fp8_block)
+
+    def _scale(self, f: Path, name: str, w: torch.Tensor) -> torch.Tensor:
+        """FP8 weight `name`'s weight_scale_inv, its shape checked."""
         scale_name = name + SCALE_SUFFIX
         if self.fp8_block is None:
             raise CheckpointError(f"{f}: tensor '{name}' is {w.dtype} but config.json has no FP8 quantization_config "
@@ -183,7 +211,7 @@ class CheckpointReader:
         if tuple(scale.shape) != want:
             raise CheckpointError(f"{self.scales[name]}: tensor '{scale_name}' has shape {list(scale.shape)}, expected "
                                   f"{list(want)} for {list(w.shape)} in blocks of {list(self.fp8_block)}")
-        return dequantize_fp8_blocks(w, scale, self.fp8_block)
+        return scale
 
 
 # family -> (checkpoint piece, model piece) of tensor names, applied in order
@@ -286,10 +314,11 @@ def freeze_loaded_heap() -> None:
 
 def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: torch.dtype | None = None,
                device: torch.device | str = "cpu", with_experts: bool = True,
-               kernels: str | None = None) -> MoEForCausalLM:
+               kernels: str | None = None, keep_fp8: bool = False) -> MoEForCausalLM:
     """Build MoEForCausalLM from a checkpoint directory, in `dtype` (default: the checkpoint's).
 
     kernels: "torch" or "triton" to override the device's default ops (see kernels.ops).
+    keep_fp8: each FP8 weight's codes and scales as shipped also go to its module (keep_fp8_on).
     """
     cfg = cfg or ModelConfig.from_pretrained(model_dir)
     dtype = dtype or cfg.dtype
@@ -337,7 +366,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: tor
         log.info("%s: skipped %d tensors of %d multi-token-prediction layer(s) (num_nextn_predict_layers; not "
                  "served)", reader.dir, len(mtp), cfg.num_mtp_layers)
     model_shape = {t: _target_shape(t, params[t.param].shape) for ts in wanted.values() for t in ts}
-    tensors = reader.read(wanted, model_shape)
+    kept = {} if keep_fp8 else None
+    tensors = reader.read(wanted, model_shape, kept)
     model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -351,16 +381,37 @@ def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: tor
                 if t.rows is not None:
                     dst = dst[t.rows[0]:t.rows[1]]
                 dst.copy_(apply_layout(tensors[name], t.layout))
+    if kept:
+        keep_fp8_on(model.get_submodule, wanted, kept, cfg.fp8_block)
     return model.eval()
+
+
+def keep_fp8_on(module_of, wanted: dict[str, list[Target]], kept: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                block: tuple[int, int]) -> None:
+    """Hand FP8 codes and scales as shipped (CheckpointReader.read with kept) to the modules that hold
+    their weights (module_of: a module's name -> the module): a Linear's `fp8_checkpoint` =
+    (codes (O, I), scale_inv, block); per-expert tensors go to their Experts' `fp8_checkpoint`, a dict
+    {("w1" | "w3" | "w2", local expert): (codes, scale_inv)} plus "block". Fused expert tensors are
+    left out (they are served dequantised)."""
+    for name, (codes, scale) in kept.items():
+        for t in wanted[name]:
+            owner, _, leaf = t.param.rpartition(".")
+            if STACKED_EXPERTS.match(t.param) and t.expert is not None and not t.layout:
+                kind = "w2" if leaf == "w2" else "w1" if t.rows[0] == 0 else "w3"
+                d = module_of(owner).__dict__.setdefault("fp8_checkpoint", {"block": block})
+                d[(kind, t.expert)] = (codes, scale)
+            elif leaf == "weight" and t.expert is None and t.rows is None and not t.layout:
+                module_of(owner).fp8_checkpoint = (codes, scale, block)
 
 
 def load_experts(model_dir: str | Path, expert_ids: list[int] | dict[int, list[int]], cfg: ModelConfig | None = None,
                  dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-                 kernels: str | None = None) -> dict[int, Experts]:
+                 kernels: str | None = None, keep_fp8: bool = False) -> dict[int, Experts]:
     """An expert worker's share: for every MoE layer, an Experts module holding the global experts
     `expert_ids` in that order (local index i is expert expert_ids[i]); a dict {layer: ids} gives
     each listed MoE layer its own experts (other layers are not loaded). Reads only their tensors
-    (a fused checkpoint tensor is read whole, then sliced). Returns {layer: Experts}."""
+    (a fused checkpoint tensor is read whole, then sliced). Returns {layer: Experts}. keep_fp8: their
+    FP8 codes and scales as shipped also go to each Experts (keep_fp8_on)."""
     cfg = cfg or ModelConfig.from_pretrained(model_dir)
     dtype, ops = dtype or cfg.dtype, select_ops(device, kernels)
     moe = [i for i, is_moe in enumerate(cfg.moe_layers) if is_moe]
@@ -395,7 +446,8 @@ def load_experts(model_dir: str | Path, expert_ids: list[int] | dict[int, list[i
             missing = [n for n in _expected_names(pname, cfg) if n not in reader.files]
             raise CheckpointError(f"{reader.dir}: missing tensor '{missing[0] if missing else pname}' for "
                                   f"parameter {pname} (experts {by_layer[int(_LAYER.match(pname).group(1))]})")
-    tensors = reader.read(wanted, model_shape)
+    kept = {} if keep_fp8 else None
+    tensors = reader.read(wanted, model_shape, kept)
     for m in experts.values():
         m.to_empty(device=device)
     params = _expert_params(experts)
@@ -411,6 +463,8 @@ def load_experts(model_dir: str | Path, expert_ids: list[int] | dict[int, list[i
                 if t.rows is not None:
                     dst = dst[t.rows[0]:t.rows[1]]
                 dst.copy_(src)
+    if kept:
+        keep_fp8_on(lambda owner: experts[int(_LAYER.match(owner + ".").group(1))], wanted, kept, cfg.fp8_block)
     return {i: m.eval() for i, m in experts.items()}
 
 

@@ -60,7 +60,7 @@ ANY = object()  # no --quantization given: a profile's or plan's own is taken
 
 
 def _asked_quantization(args: argparse.Namespace, model: str | None = None):
-    """--quantization as EngineConfig names it (None or "int8"), or ANY where it is not given; with
+    """--quantization as EngineConfig names it (None, "int8" or "fp8"), or ANY where it is not given; with
     `model`, refused for a checkpoint that is already quantised."""
     from planner.shapes import quantization_of, shape_from
 
@@ -397,7 +397,9 @@ def _infeasible(why: dict, args: argparse.Namespace, quantization: str | None = 
 
 
 def _add_quantization(p: argparse.ArgumentParser, help: str) -> None:
-    p.add_argument("--quantization", "-q", default=None, choices=["none", "int8", "experts_int8"], help=help)
+    from attention_nodes.config import QUANTIZATIONS
+
+    p.add_argument("--quantization", "-q", default=None, choices=["none", *QUANTIZATIONS, "experts_int8"], help=help)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -406,8 +408,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", help="auto (as shuttle serve's: the checkpoint's, but float32 for bf16/fp16 on a CPU "
                         "without native bf16/fp16 GEMMs), float32, bfloat16, float16")
     p.add_argument("--device", default=None, help="cpu (the only device profiled by this build)")
-    _add_quantization(p, "int8: measure with the expert weights as int8, as shuttle serve --quantization int8 "
-                         "serves them (the profile records it; default none)")
+    _add_quantization(p, "int8 / fp8: measure with the expert weights as int8 / FP8, as shuttle serve "
+                         "--quantization int8 / fp8 serves them (the profile records it; default none)")
     p.add_argument("--torch-threads", type=_csv(int), default=(1, 2), help="thread counts to profile (default 1,2)")
     p.add_argument("--transport", type=_csv(str), default=("shm", "tcp"), help="M2N backends (default shm,tcp)")
     p.add_argument("--quick", action="store_true", help="a smaller grid and fewer repeats (about a third)")
@@ -449,7 +451,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--attention-hardware", default=None, help="kind(s) for the attention pool")
     q.add_argument("--expert-hardware", default=None, help="kind(s) for the expert pool")
     q.add_argument("--profile", default=None, help="this host's profile (for --hardware host)")
-    _add_quantization(q, "int8: plan the expert weights as int8 (CPU kinds only; host: default the profile's, "
+    _add_quantization(q, "int8 / fp8: plan the expert weights as int8 / FP8 (CPU kinds only; host: default the profile's, "
                          "which must match); the plan records it and shuttle serve --plan serves it")
     q.add_argument("--tbt-slo-ms", type=float, required=True, help="time-between-tokens SLO")
     q.add_argument("--max-devices", type=int, required=True, help="devices in one deployment (host: cores)")

@@ -106,7 +106,7 @@ def evaluate(perf, shape: ModelShape, hw_a: HardwareKind, hw_e: HardwareKind, ma
 def serving_pairs(pairs: list[tuple[HardwareKind, HardwareKind]], quantization: str | None
                   ) -> tuple[list[tuple[HardwareKind, HardwareKind]], list[str]]:
     """The hardware pairs that can serve experts in `quantization`, and the kinds left out as expert
-    pools: int8 experts run on CPU workers only (kernels/int8.py; EngineConfig refuses them on a
+    pools: int8 and FP8 experts run on CPU workers only (kernels/int8.py; EngineConfig refuses them on a
     CUDA device), so with it the expert pool must be a CPU kind (HardwareKind.device); the
     attention pool may be any."""
     if quantization is None:

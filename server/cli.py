@@ -107,10 +107,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "bf16/fp16 GEMMs), float32, bfloat16, float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--kernels", default=None, choices=["torch", "triton"], help="override the device's kernels")
-    p.add_argument("--quantization", "-q", default=None, choices=[*QUANTIZATIONS, "experts_int8"],
+    p.add_argument("--quantization", "-q", default=None, choices=["none", *QUANTIZATIONS, "experts_int8"],
                    help="int8: keep the expert weights as int8 with per-channel scales, quantised at load from a "
                         "float checkpoint (weight-only; half of bf16's bytes; CPU workers; experts_int8 is vLLM's "
-                        "name for it)")
+                        "name for it). fp8: as FP8 E4M3 in 128x128 blocks (the same bytes). An FP8 block "
+                        "checkpoint is served in FP8 as shipped (experts and FP8 linears) where its experts run "
+                        "on CPU workers with torch kernels; none: dequantise it at load instead")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: {"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4} (also prompt_lookup_min, disable_by_batch_size)')

@@ -81,8 +81,11 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
     m2n_dtype="fp8" sends tokens to the expert workers as float8 with per-token scales.
     enforce_eager: None takes $SHUTTLE_ENFORCE_EAGER ("1" or "0") if set, else DEFAULT_ENFORCE_EAGER.
     native_decode: False keeps colocated bf16 decode steps eager (models/native_decode.py).
-    quantization: "int8" keeps the expert weights as int8 (see EngineConfig); refused for a
-    checkpoint that is already quantised (FP8 block, MXFP4).
+    quantization: "int8" keeps the expert weights as int8, "fp8" as FP8 128 x 128 blocks (see
+    EngineConfig); both refused for a checkpoint that is already quantised (MXFP4; FP8 block but for
+    "fp8"). None: an FP8 block checkpoint is served in FP8 as shipped where its experts run on CPU
+    workers with torch kernels (a log line says so), else in `dtype`; "none": in `dtype` always
+    (an FP8 checkpoint dequantised at load).
     speculative_config: speculative decoding as vLLM's (a dict or JSON text such as {"method": "ngram",
     "num_speculative_tokens": 3}; attention_nodes.config.SpeculativeConfig).
     trace_dir: each pool worker writes DIR/<worker>.trace.json (a Chrome trace) when it stops, and
@@ -111,12 +114,33 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                                        attention_resources=attention_resources, expert_resources=expert_resources,
                                        trace_dir=None if trace_dir is None else str(trace_dir), m2n_dtype=m2n_dtype),
                         enforce_eager, native_decode, quantization, speculative_config)
-    if cfg.quantization is not None:
-        model_cfg = ModelConfig.from_pretrained(cfg.model)
-        shipped = "FP8 block" if model_cfg.fp8_block else "MXFP4" if model_cfg.mxfp4 else None
-        if shipped:
-            raise ValueError(f"{cfg.model}: the checkpoint is already {shipped}-quantised; --quantization "
-                             f"{cfg.quantization} quantises float checkpoints (serve this one without it)")
+    return _checkpoint_quantization(cfg, quantization)
+
+
+def _checkpoint_quantization(cfg: EngineConfig, asked: str | None) -> EngineConfig:
+    """cfg with the quantization the checkpoint takes. An FP8 block checkpoint is served in FP8 as
+    shipped (quantization "fp8", as vLLM serves FP8 checkpoints) where its experts run on CPU
+    workers with torch kernels, unless asked otherwise ("none": dequantised at load, as elsewhere);
+    quantising an already quantised checkpoint again (int8 of FP8, any of MXFP4) is refused."""
+    model_cfg = ModelConfig.from_pretrained(cfg.model)
+    shipped = "FP8 block" if model_cfg.fp8_block else "MXFP4" if model_cfg.mxfp4 else None
+    if shipped and cfg.quantization is not None and not (shipped == "FP8 block" and cfg.quantization == "fp8"):
+        raise ValueError(f"{cfg.model}: the checkpoint is already {shipped}-quantised; --quantization "
+                         f"{cfg.quantization} quantises float checkpoints (serve this one without it"
+                         f"{', or with --quantization fp8 to keep its FP8 weights' if shipped == 'FP8 block' else ''})")
+    if shipped != "FP8 block":
+        return cfg
+    if asked is None and cfg.experts_on_cpu_torch:
+        cfg = replace(cfg, quantization="fp8")
+    dtype = str(cfg.dtype or model_cfg.dtype).removeprefix("torch.")
+    if cfg.quantization == "fp8":
+        log.info("weights: FP8 as shipped (E4M3 codes and %s block scales of the experts and FP8 linears; "
+                 "--quantization none dequantises them to %s at load)", "x".join(map(str, model_cfg.fp8_block)),
+                 dtype)
+    else:
+        log.info("weights: the FP8 checkpoint dequantised to %s at load (%s)", dtype,
+                 "--quantization none" if asked == "none" else "FP8 weights are kept only for experts on CPU "
+                 "workers with torch kernels")
     return cfg
 
 

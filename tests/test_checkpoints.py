@@ -117,9 +117,9 @@ def test_attention_worker_share_reads_no_expert_tensor(make_checkpoint, monkeypa
     read: list[str] = []
     orig = CheckpointReader.read
 
-    def spy(self, wanted, shapes):
+    def spy(self, wanted, shapes, *rest):
         read.extend(wanted)
-        return orig(self, wanted, shapes)
+        return orig(self, wanted, shapes, *rest)
 
     monkeypatch.setattr(CheckpointReader, "read", spy)
     model = load_model(d, with_experts=False)

@@ -319,8 +319,13 @@ def test_int8_expert_bytes_are_what_a_quantised_worker_holds(make_checkpoint, fa
     # int8 is about a byte a weight: a quarter of float32's, half of bf16's (plus the scales)
     assert c.expert_bytes(c.dtype, "int8") < c.expert_bytes(c.dtype) / c.dtype.itemsize * 1.15
     assert c.expert_bytes(c.dtype, None) == c.expert_params() * c.dtype.itemsize  # unquantised: as before
-    with pytest.raises(ValueError, match="quantization 'fp8' is not supported"):
-        c.expert_bytes(c.dtype, "fp8")
+    with pytest.raises(ValueError, match="quantization 'int4' is not supported"):
+        c.expert_bytes(c.dtype, "int4")
+    # fp8: a byte a weight plus a scale per panel of 16 rows per 128 inputs, what the fused FP8 block holds
+    assert c.expert_bytes(c.dtype, "fp8") < c.expert_bytes(c.dtype) / c.dtype.itemsize * 1.15
+    if I % PANEL == D % PANEL == 0 and not c.expert_bias:
+        fp8 = resident_weight_bytes(torch.nn.ModuleList(PackedExperts(m, "fp8") for m in experts.values()))
+        assert fp8["experts"] == count * c.expert_bytes(c.dtype, "fp8")
 
 
 def test_quantization_names_and_checkpoints_already_quantised():

@@ -109,8 +109,8 @@ def test_pools_serve_int8_experts(ckpts, llm_int8):
 
 def test_unsupported_quantizations_are_refused(ckpts, tmp_path):
     ckpt = ckpts[0]
-    with pytest.raises(ValueError, match="'fp8' is not supported; choose from int8"):
-        LLM(ckpt, quantization="fp8")
+    with pytest.raises(ValueError, match="'int4' is not supported; choose from none, int8, fp8"):
+        LLM(ckpt, quantization="int4")
     with pytest.raises(ValueError, match="CPU workers with torch kernels"):
         LLM(ckpt, quantization="int8", kernels="triton")
     # the experts' device decides: a GPU attention pool may feed int8 experts on CPU workers
