@@ -1,19 +1,21 @@
-"""--quantization int8 against the same checkpoint served unquantised: decode speed, memory, quality.
+"""--quantization int8 and fp8 against the same checkpoint served unquantised: decode speed, memory, quality.
 
 Speed: a Mixtral-shaped checkpoint with random weights (hidden 1024, 8 layers, 16 query / 4 KV heads,
 8 experts of 2048, top-2; ~428M parameters, the shape of the CPU throughput issue), served colocated
-by `LLM` in --dtype with and without `quantization="int8"`, both loaded in this process. Per batch B:
+by `LLM` in --dtype unquantised ("base"), with `quantization="int8"` and with "fp8" (FP8 128 x 128
+blocks quantised at load: the layout and kernels an FP8 checkpoint is served with), all loaded in
+this process. Per batch B:
 B prompts of 32 tokens, --output-len new tokens, greedy, EOS ignored; output tokens/s of the whole
-generate (prefill included), the median of --rounds rounds, the two configurations alternated within
+generate (prefill included), the median of --rounds rounds, the configurations alternated within
 a round. Beside it each configuration's memory floor at that batch: its resident weight bytes that a
 decode step reads (everything but the embedding table, and of the experts the expected share B
 tokens touch, 1 - (1 - K/E)^B) over this machine's read bandwidth, as tokens/s.
 
-Memory: the same checkpoint served by 1 + 1 pools with and without int8, the expert worker's
+Memory: the same checkpoint served by 1 + 1 pools in each configuration, the expert worker's
 resident set (VmRSS, by its process title shuttle-expert-e0) after a short generate, beside the
 expert bytes its start-up log reports.
 
-Quality: the built-in model (bf16 weights) in --dtype with and without int8 experts: perplexity on
+Quality: the built-in model (bf16 weights) in --dtype in each configuration: perplexity on
 its held-out documents (the first --ppl-tokens tokens of each, from prompt log-probabilities) and
 greedy agreement over --agree-prompts prompts cut from the same documents (share of sequences whose
 --agree-tokens generated tokens are identical, and share of tokens before the first difference).
@@ -38,7 +40,8 @@ from bench.engine import mixtral, read_bandwidth  # noqa: E402
 from bench.soak import process_title, rss_bytes  # noqa: E402
 from server import LLM, SamplingParams  # noqa: E402
 
-CONFIGS = {"base": None, "int8": "int8"}
+CONFIGS = {"base": None, "int8": "int8", "fp8": "fp8"}
+QUANTIZED = [name for name in CONFIGS if name != "base"]
 
 
 def step_bytes(llm: LLM, batch: int) -> float:
@@ -72,10 +75,11 @@ def speed(args: argparse.Namespace, ckpt: Path) -> tuple[list[dict], dict, float
                 row[f"{name}_tok_s"] = statistics.median(rates[name])
                 row[f"{name}_rounds"] = [round(r, 1) for r in rates[name]]
                 row[f"{name}_floor_tok_s"] = B * bandwidth / step_bytes(llm, B)
-            row["int8_vs_base"] = row["int8_tok_s"] / row["base_tok_s"]
+            for name in QUANTIZED:
+                row[f"{name}_vs_base"] = row[f"{name}_tok_s"] / row["base_tok_s"]
             rows.append(row)
-            print_table([row], ["batch", "base_tok_s", "int8_tok_s", "int8_vs_base", "base_floor_tok_s",
-                                "int8_floor_tok_s"])
+            print_table([row], ["batch", *(f"{n}_tok_s" for n in CONFIGS), *(f"{n}_vs_base" for n in QUANTIZED),
+                                *(f"{n}_floor_tok_s" for n in CONFIGS)])
         memory = {name: dict(llm.engine.runner.resident_bytes) for name, llm in llms.items()}
     finally:
         for llm in llms.values():
@@ -92,7 +96,7 @@ def _rss_mib(title: str) -> float | None:
 
 
 def pools_memory(args: argparse.Namespace, ckpt: Path) -> dict:
-    """The expert worker's RSS and reported expert bytes with and without int8 (1 + 1 pools)."""
+    """The expert worker's RSS and reported expert bytes of every configuration (1 + 1 pools)."""
     out = {}
     for name, q in CONFIGS.items():
         llm = LLM(ckpt, dtype=args.dtype, quantization=q, colocated=False, attention_workers=1, expert_workers=1)
@@ -104,7 +108,8 @@ def pools_memory(args: argparse.Namespace, ckpt: Path) -> dict:
         finally:
             llm.shutdown()
     if all(v["expert_rss_mib"] for v in out.values()):
-        out["int8_rss_vs_base"] = out["int8"]["expert_rss_mib"] / out["base"]["expert_rss_mib"]
+        for name in QUANTIZED:
+            out[f"{name}_rss_vs_base"] = out[name]["expert_rss_mib"] / out["base"]["expert_rss_mib"]
     return out
 
 
@@ -123,17 +128,20 @@ def quality(args: argparse.Namespace) -> dict:
             nll = [-o.prompt_logprobs[i][d[i]].logprob for o, d in zip(outs, docs) for i in range(1, len(d))]
             out[f"{name}_ppl"] = float(torch.tensor(nll).mean().exp())
         out["held_out_tokens"] = sum(len(d) - 1 for d in docs)
-        out["int8_ppl_vs_base"] = out["int8_ppl"] / out["base_ppl"]
+        for name in QUANTIZED:
+            out[f"{name}_ppl_vs_base"] = out[f"{name}_ppl"] / out["base_ppl"]
         step = max(1, sum(map(len, docs)) // args.agree_prompts)
         flat = [t for d in docs for t in d]
         prompts = [flat[i:i + 16] for i in range(0, len(flat) - 16, step)][:args.agree_prompts]
         sp = SamplingParams(max_tokens=args.agree_tokens, temperature=0, ignore_eos=True)
         ids = {name: [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] for name, llm in llms.items()}
-        same_prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
-                       for x, y in zip(ids["base"], ids["int8"])]
         out["agree_prompts"] = len(prompts)
-        out["greedy_identical_share"] = sum(n == args.agree_tokens for n in same_prefix) / len(prompts)
-        out["greedy_tokens_before_first_difference_share"] = sum(same_prefix) / (len(prompts) * args.agree_tokens)
+        for name in QUANTIZED:
+            same_prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+                           for x, y in zip(ids["base"], ids[name])]
+            out[f"{name}_greedy_identical_share"] = sum(n == args.agree_tokens for n in same_prefix) / len(prompts)
+            out[f"{name}_greedy_tokens_before_first_difference_share"] = \
+                sum(same_prefix) / (len(prompts) * args.agree_tokens)
     finally:
         for llm in llms.values():
             llm.shutdown()
@@ -164,8 +172,8 @@ def main() -> None:
     if pools:
         print({k: v for k, v in pools.items()})
     q = quality(args)
-    print_table([q], ["base_ppl", "int8_ppl", "int8_ppl_vs_base", "greedy_identical_share",
-                      "greedy_tokens_before_first_difference_share"])
+    print_table([q], ["base_ppl", *(f"{n}_ppl" for n in QUANTIZED), *(f"{n}_ppl_vs_base" for n in QUANTIZED),
+                      *(f"{n}_greedy_identical_share" for n in QUANTIZED)])
     print({name: {k: f"{v / 2 ** 20:.1f} MiB" for k, v in m.items()} for name, m in memory.items()})
     path = save("quant_quick" if args.quick else "quant",
                 {"config": {k: v for k, v in vars(args).items()}, "read_bandwidth_GBps": bandwidth / 1e9,
