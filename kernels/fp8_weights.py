@@ -340,6 +340,17 @@ def set_moe_amx_rows(rows: int | None) -> None:
     _moe_amx_rows[0] = rows
 
 
+def moe_kernels(experts: "Fp8Experts", x_dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int] | None:
+    """(kernel, big_kernel, big_rows) that fused_moe_fp8 takes by default for x_dtype rows of these
+    experts (also the native decode step's, models/native_decode.py); None where no kernel runs them
+    here (no library, or AVX2 without F16C): then the torch reference does."""
+    if not available():
+        return None
+    here = _here_for(experts.block13, experts.block2)
+    small, big, big_rows = int8._default_moe_kernels(x_dtype, here, _moe_amx_rows)
+    return None if small not in here else (small, big, big_rows)
+
+
 def fused_moe_fp8(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                   experts: Fp8Experts, kernel: int | None = None) -> torch.Tensor:
     """int8.fused_moe_int8 on FP8 experts: y_TD (x's dtype) = sum over each token's top-k experts of
@@ -357,9 +368,10 @@ def fused_moe_fp8(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK
         return fused_moe_fp8_reference(x_TD, topk_ids_TK, topk_weights_TK, experts)
     here = _here_for(experts.block13, experts.block2)
     if kernel is None:
-        small, big, big_rows = int8._default_moe_kernels(x_TD.dtype, here, _moe_amx_rows)
-        if small not in here:  # AVX2 without F16C
+        chosen = moe_kernels(experts, x_TD.dtype)
+        if chosen is None:  # AVX2 without F16C
             return fused_moe_fp8_reference(x_TD, topk_ids_TK, topk_weights_TK, experts)
+        small, big, big_rows = chosen
     else:
         small = big = _kernel(x_TD.dtype, T, kernel, here, "fused_moe_fp8")
         big_rows = 0

@@ -209,15 +209,15 @@ def step_op_shapes(module: nn.Module) -> dict[str, set]:
 
 def decode_is_native(model: MoEForCausalLM) -> bool:
     """Whether a packed model's decode step does its heavy work in the native kernels alone: every
-    packed linear and router on our bf16 panels, every expert block a fused native one (bf16 or
-    int8), attention the native paged kernel (MLA's latent attention is torch's). Then torch runs
+    packed linear and router on our bf16 panels, every expert block a fused native one (bf16, int8
+    or FP8), attention the native paged kernel (MLA's latent attention is torch's). Then torch runs
     only small ops beside them (kernels.native.native_parallel_only). The LM head is left out: the runner widens it."""
     if not native.available() or model.cfg.mla is not None:
         return False
     for m in model.modules():
         if isinstance(m, PackedLinear) and m.weight.panels is None and m is not model.lm_head:
             return False
-        if isinstance(m, PackedExperts) and m.w13_packed and m.native is None and m.int8 is None:
+        if isinstance(m, PackedExperts) and m.w13_packed and m.native is None and m.int8 is None and m.fp8 is None:
             return False
         if isinstance(m, Router) and getattr(m, "cpu_weight", None) is not None and m.cpu_weight.panels is None:
             return False  # a float32 router (logits_fp32: GLM, DeepSeek) runs oneDNN's GEMM, torch's threads

@@ -28,7 +28,7 @@ import ctypes
 
 import torch
 
-from kernels import int8, native
+from kernels import fp8_weights, int8, native
 from kernels.attention import _native_layout
 from models.cpu_inference import PackedExperts
 from models.dispatcher import LocalDispatcher
@@ -51,7 +51,8 @@ class _Step(ctypes.Structure):
                 + [(n, _F) for n in ("eps", "qk_eps", "scale", "scaling")]
                 + [(n, _P) for n in ("final_norm", "x", "cos", "sin", "slots", "table", "len", "start", "h", "r",
                                      "qkv", "q", "o", "a", "logits", "moe", "scratch", "y", "lse", "wk", "ids")]
-                + [(n, _I) for n in ("inter", "int8_kernel", "int8_big_kernel", "int8_big_rows")])
+                + [(n, _I) for n in ("inter", "int8_kernel", "int8_big_kernel", "int8_big_rows", "fp8_bpairs13",
+                                     "fp8_bpairs2")])
 _BUFFERS = ("start", "h", "r", "qkv", "q", "o", "a", "logits", "moe", "scratch")
 
 
@@ -92,8 +93,9 @@ def why_not(model, cache, local: bool = True) -> str | None:
             return f"layer {i}: Llama 4's chunks, no-rope layers, L2 q/k norm or interleaved rope"
         gate, experts, r = mlp.gate, mlp.experts, cfg.router
         if mlp.shared_name is not None or (local and not (isinstance(experts, PackedExperts) and (
-                experts.native is not None or (experts.int8 is not None and int8.available())))):
-            return f"layer {i}: shared experts or experts outside the fused native (bf16 or int8) blocks"
+                experts.native is not None or (experts.int8 is not None and int8.available())
+                or (experts.fp8 is not None and fp8_weights.moe_kernels(experts.fp8) is not None)))):
+            return f"layer {i}: shared experts or experts outside the fused native (bf16, int8 or FP8) blocks"
         if (gate.cpu_weight is None or gate.cpu_weight.panels is None or gate.bias is not None
                 or gate.e_score_correction_bias is not None or r.scoring != "softmax" or r.num_groups != 1
                 or cfg.router_scales_input or mlp.stages is not EAGER):
@@ -112,7 +114,8 @@ class NativeDecode:
         self.cfg, self.num_layers, self.local, self.layer_by_layer = cfg, cfg.num_layers, local, False
         self._keep = []  # tensors whose pointers the tables hold
         self.inter_padded = self.inter = 0
-        self.int8_kernels = (0, 0, 0)  # fused_moe_int8's (kernel, big_kernel, big_rows) for int8 experts
+        self.int8_kernels = (0, 0, 0)  # fused_moe_int8's (kernel, big_kernel, big_rows) for int8 / FP8 experts
+        self.fp8_bpairs = (0, 0)  # FP8 experts: input pairs per scale block of w13, w2 (0: not FP8)
         layers = (_Layer * self.num_layers)()
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -124,6 +127,12 @@ class NativeDecode:
                 self.inter = mlp.experts.int8.inter
                 self.int8_kernels = int8_moe_kernels()
                 self._keep.append(table)
+            elif local and mlp.experts.fp8 is not None:  # FP8 experts: codes and block scales (kernels/fp8_weights.py)
+                f = mlp.experts.fp8
+                w13, s13, w2, s2 = f.table
+                self.inter, self.fp8_bpairs = f.inter, (f.block13 // 2, f.block2 // 2)
+                self.int8_kernels = fp8_weights.moe_kernels(f)
+                self._keep.append(f.table)
             elif local:
                 w13, w2, self.inter_padded = mlp.experts.native
                 self._keep += [w13, w2]
@@ -196,7 +205,7 @@ class NativeDecode:
                      int(route.renormalize), int(route.weights_dtype is not None), native.threads(),
                      cfg.rms_norm_eps, spec.eps, spec.head_dim ** -0.5, route.scaling, self.final_norm.data_ptr(),
                      *(t[n].data_ptr() for n in ("x", "cos", "sin", "slots", "table", "len", *_BUFFERS, "y", "lse",
-                                                 "wk", "ids")), self.inter, *self.int8_kernels)
+                                                 "wk", "ids")), self.inter, *self.int8_kernels, *self.fp8_bpairs)
         return step, t
 
     def __call__(self, x_BD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,

@@ -14,7 +14,7 @@
  *   h, r   = add_rms_norm(a, r)
  *   logits = h W_router^T                    (bf16, as the eager router's panels give them)
  *   ids, w = softmax, top-k, renormalise, scale, (round to bf16)   (route() below)
- *   x      = fused_moe_bf16(h, ids, w)        (int8 experts: fused_moe_int8)
+ *   x      = fused_moe_bf16(h, ids, w)        (int8 / FP8 experts: fused_moe_int8 / fused_moe_fp8)
  * and at the end y = add_rms_norm(x, r) with the final norm. An attention worker, whose experts are
  * remote, calls the attention side of one layer at a time (shuttle_decode_attention) and sends h,
  * the ids and the weights through M2N in between.
@@ -45,7 +45,7 @@ typedef struct {
     const int64_t *w13, *w2;          /* the experts' panel pointers, (E) */
     void *k_cache, *v_cache;          /* (P, S, K, H) bf16, contiguous */
     int64_t window;                   /* sliding window, 0: none */
-    const int64_t *s13, *s2;          /* int8 experts: their scales' pointers, (E) (w13, w2: their codes'); */
+    const int64_t *s13, *s2;          /* int8 or FP8 experts: their scales' pointers, (E) (w13, w2: their codes'); */
                                       /* NULL: bf16 experts on panels */
 } shuttle_layer;
 
@@ -63,7 +63,8 @@ typedef struct {
     void *moe, *scratch, *y;                      /* (B, D), (B top_k, I16), (B, D) bf16 */
     float *lse, *wk;                              /* (B, N), (L, B, top_k) */
     int64_t *ids;                                 /* (L, B, top_k): every layer's choice (load counts, M2N) */
-    int64_t inter, int8_kernel, int8_big_kernel, int8_big_rows; /* int8 experts: fused_moe_int8's arguments */
+    int64_t inter, int8_kernel, int8_big_kernel, int8_big_rows; /* int8 / FP8 experts: the fused block's arguments */
+    int64_t fp8_bpairs13, fp8_bpairs2; /* FP8 experts: input pairs per scale block of w13 and w2; 0: int8 experts */
 } shuttle_step;
 
 /* Softmax over the E logits in float32 (bf16 or float32 logits), the K largest probabilities (ties:
@@ -119,6 +120,10 @@ int shuttle_fused_moe_bf16(const uint16_t *x, int64_t T, int64_t D, const int64_
 int shuttle_fused_moe_int8(const void *x, int x_bf16, int64_t T, int64_t D, const int64_t *ids, const float *wk,
                            int64_t K, const int64_t *w13, const int64_t *s13, const int64_t *w2, const int64_t *s2,
                            int64_t E, int64_t I, void *y, int nthreads, int kernel, int big_kernel, int64_t big_rows);
+int shuttle_fused_moe_fp8(const void *x, int x_bf16, int64_t T, int64_t D, const int64_t *ids, const float *wk,
+                          int64_t K, const int64_t *w13, const int64_t *s13, const int64_t *w2, const int64_t *s2,
+                          int64_t E, int64_t I, int64_t bpairs13, int64_t bpairs2, void *y, int nthreads, int kernel,
+                          int big_kernel, int64_t big_rows);
 
 /* Layer l's attention side for the step's B tokens: from x (the embeddings at layer 0, else the
  * previous layer's combined MoE output) to the MoE's input s->h and the router's choice (layer l's
@@ -166,7 +171,8 @@ void shuttle_decode_attention(const shuttle_step *s, const shuttle_layer *ly, in
               (int)s->weights_bf16, ids + b * s->top_k, wk + b * s->top_k);
 }
 
-/* The whole step, experts in this process (bf16 on panels, or int8: the layer's s13 set). Returns 0,
+/* The whole step, experts in this process (bf16 on panels, or int8 / FP8: the layer's s13 set, FP8 where
+ * s->fp8_bpairs13 is). Returns 0,
  * or the MoE block's error (-1: out of memory, -2: its kernel cannot run; nothing after it ran). */
 int shuttle_decode_step(const shuttle_step *s, const shuttle_layer *layers, int64_t L) {
     const int64_t B = s->B, D = s->D, BK = s->B * s->top_k;
@@ -174,7 +180,12 @@ int shuttle_decode_step(const shuttle_step *s, const shuttle_layer *layers, int6
         const shuttle_layer *ly = &layers[l];
         shuttle_decode_attention(s, ly, l, l ? s->moe : s->x);
         memset(s->moe, 0, (size_t)(B * D) * 2);
-        int rc = ly->s13 ? shuttle_fused_moe_int8(s->h, 1, B, D, s->ids + l * BK, s->wk + l * BK, s->top_k, ly->w13,
+        int rc = ly->s13 && s->fp8_bpairs13
+                     ? shuttle_fused_moe_fp8(s->h, 1, B, D, s->ids + l * BK, s->wk + l * BK, s->top_k, ly->w13, ly->s13,
+                                             ly->w2, ly->s2, s->E, s->inter, s->fp8_bpairs13, s->fp8_bpairs2, s->moe,
+                                             (int)s->threads, (int)s->int8_kernel, (int)s->int8_big_kernel,
+                                             s->int8_big_rows)
+                 : ly->s13 ? shuttle_fused_moe_int8(s->h, 1, B, D, s->ids + l * BK, s->wk + l * BK, s->top_k, ly->w13,
                                                   ly->s13, ly->w2, ly->s2, s->E, s->inter, s->moe, (int)s->threads,
                                                   (int)s->int8_kernel, (int)s->int8_big_kernel, s->int8_big_rows)
                          : shuttle_fused_moe_bf16(s->h, B, D, s->ids + l * BK, s->wk + l * BK, s->top_k, ly->w13,
