@@ -147,10 +147,7 @@ def _checkpoint_rows(w_OI: torch.Tensor, scale_inv: torch.Tensor,
 
 def fp8_linear_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The torch path: x.float() @ (code * scale)^T (+ bias) in float32, returned in x's dtype."""
-    y = x.float() @ w.dequantize().t()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
+    return int8.int8_linear_reference(x, w, bias)
 
 
 @functools.cache

@@ -136,7 +136,8 @@ def quantize_int8(w_OI: torch.Tensor, rows_per_chunk: int = 4096) -> Int8Weight:
 
 
 def int8_linear_reference(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch path: x.float() @ (q * scale)^T (+ bias) in float32, returned in x's dtype."""
+    """The torch path: x.float() @ (q * scale)^T (+ bias) in float32, returned in x's dtype (any weight
+    with a float32 `dequantize()`: kernels/fp8_weights.py's too)."""
     y = x.float() @ w.dequantize().t()
     if bias is not None:
         y = y + bias.float()

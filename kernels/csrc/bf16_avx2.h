@@ -127,4 +127,12 @@ static inline void spin_barrier(int64_t *arrived, int nt) {
         default: call(1); break; \
     }
 
+/* The same for 1..3 rows (the AVX2 kernels' tiles: 16 accumulators of two rows fit its registers). */
+#define BY_ROWS3(n, call)       \
+    switch (n) {                \
+        case 3: call(3); break; \
+        case 2: call(2); break; \
+        default: call(1); break; \
+    }
+
 #endif

@@ -212,26 +212,19 @@ static inline __attribute__((always_inline)) void tile256(const float *x, int64_
 
 #define CALL(n) \
     tile256((const float *)x, ldx, n, (const int8_t *)pw, pairs, FP8, bs, bpairs, scale, bias, nv, y, ldy, y_bf16)
-#define BY_ROWS3(R) \
-    switch (R) {        \
-        case 3: CALL(3); break; \
-        case 2: CALL(2); break; \
-        default: CALL(1); break; \
-    }
 #define FP8 0
 static void tile_avx2(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *bs, int64_t bpairs,
                       const float *scale, const float *bias, int nv, void *y, int64_t ldy, int y_bf16) {
-    BY_ROWS3(R)
+    BY_ROWS3(R, CALL)
 }
 #undef FP8
 #define FP8 1
 static void tile_avx2_fp8(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *bs,
                           int64_t bpairs, const float *scale, const float *bias, int nv, void *y, int64_t ldy,
                           int y_bf16) {
-    BY_ROWS3(R)
+    BY_ROWS3(R, CALL)
 }
 #undef FP8
-#undef BY_ROWS3
 #undef CALL
 
 #ifndef HAVE_AMX

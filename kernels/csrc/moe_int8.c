@@ -55,25 +55,18 @@ static inline __attribute__((always_inline)) void dot256_c(const float *x, int64
 }
 
 #define CALL(n) dot256_c((const float *)x, ldx, n, (const int8_t *)pw, pairs, FP8, bs, bpairs, c, ldc)
-#define BY_ROWS3(R)             \
-    switch (R) {                \
-        case 3: CALL(3); break; \
-        case 2: CALL(2); break; \
-        default: CALL(1); break; \
-    }
 #define FP8 0
 static void dot_avx2(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *bs, int64_t bpairs,
                      float *c, int64_t ldc) {
-    BY_ROWS3(R)
+    BY_ROWS3(R, CALL)
 }
 #undef FP8
 #define FP8 1
 static void dot_avx2_fp8(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *bs,
                          int64_t bpairs, float *c, int64_t ldc) {
-    BY_ROWS3(R)
+    BY_ROWS3(R, CALL)
 }
 #undef FP8
-#undef BY_ROWS3
 #undef CALL
 
 #ifdef HAVE_AVX512
