@@ -7,7 +7,9 @@ workers of each pool charge the workers of the other pool for the time they wait
 that is consistently late is charged what it alone caused). Over a sliding window each worker's
 charge per second of wall time is its wait share; its straggler score is that share over the
 median share of the other workers of its pool, both plus FLOOR so that near-zero waits compare as
-equal (1.0: waited on like the others; a pool of one has no peer to compare with: 1.0). A worker
+equal (1.0: waited on like the others; a pool of one has no peer to compare with: 1.0). A
+straggler can make a worker of the other pool late in turn (the one whose micro-batches it serves
+last reaches the straggler's peers last), which may then score high in its own pool too. A worker
 whose score is at or above `threshold` over at least half a window is logged once, named, and again
 when it is back under.
 

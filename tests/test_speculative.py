@@ -3,6 +3,8 @@ verified in one forward pass. Greedy ids equal the engine's without speculation,
 samples (each emitted token is one draw from the target distribution); drafts are accepted and
 rejected in the runs checked (the counters say so), also with chunked prefill, preemption, stop
 strings, logprobs and in pools."""
+import time
+
 import pytest
 
 from attention_nodes.config import SpeculativeConfig
@@ -122,6 +124,11 @@ def test_pools_verify_drafts_as_colocated(ckpt, plain):
               micro_batches=2)
     try:
         assert _ids(llm, SPEC_PROMPTS, GREEDY) == want
+        # The worker reports its Stats every 0.25 s and once when it parks, on another channel
+        # than the tokens: wait for the report that counts every token generate returned.
+        emitted, deadline = sum(len(i) for o in want for i in o), time.monotonic() + 10
+        while llm.engine.stats()["generated_tokens"] < emitted and time.monotonic() < deadline:
+            time.sleep(0.05)
         spec = llm.engine.stats()["spec_decode"]
     finally:
         llm.shutdown()

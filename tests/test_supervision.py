@@ -178,7 +178,8 @@ def test_fault_under_load_loses_no_request(server, victim, sig):
 def test_a_throttled_expert_worker_is_named(server, capsys):
     """e1 stopped for 0.2 s of every 0.3 s (short of the front's stopped-worker check) under
     streaming load: within the straggler window /metrics scores it a straggler and the log names it;
-    e0 is not; every stream still has the undisturbed text."""
+    e0 is not (the attention pool is not judged, see below); every stream still has the undisturbed
+    text."""
     pid, stop, texts = server.children()["shuttle-expert-e1"], threading.Event(), []
 
     def throttle() -> None:
@@ -214,7 +215,10 @@ def test_a_throttled_expert_worker_is_named(server, capsys):
     assert e1 >= 3.0 and e0 < 3.0, (e0, e1)
     assert sorted(rows) == ["a0", "a1", "e0", "e1"] and rows["e1"]["score"] >= 3.0 > rows["e0"]["score"]
     table = capsys.readouterr().out.splitlines()
-    assert [line.split()[1] for line in table[2:] if line.endswith(" straggler")] == ["e1"], table
+    # The expert pool names e1 alone. The attention pool is not judged: e1 serves one attention
+    # worker's micro-batches last, so that worker reaches e0 late in turn and may score high too.
+    flagged = [line.split()[:2] for line in table[2:] if line.endswith(" straggler")]
+    assert [w for pool, w in flagged if pool == "expert"] == ["e1"], table
     print(f"straggler e1 named {named:.1f} s after its throttling began; scores e0 {e0:.2f}, e1 {e1:.2f}")
     assert texts and all(text == server.reference[prompt] for prompt, text in texts)
 
