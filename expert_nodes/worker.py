@@ -267,11 +267,12 @@ def pack_for_cpu(experts: dict, quantization: str | None = None) -> dict:
     worker serves them; the planner's profile times the same modules."""
     from kernels.cpu_linear import packing_available
 
-    from models.cpu_inference import PackedExperts, choose_kernels
+    from models.cpu_inference import PackedExperts, choose_kernels, compile_expert_gemms
 
     some = next(iter(experts.values()))
     if quantization is None and not packing_available(some.w13.dtype):
         return experts
     blocks = {layer: PackedExperts(m, quantization) for layer, m in experts.items()}
     choose_kernels(nn.ModuleList(blocks.values()))
+    compile_expert_gemms(nn.ModuleList(blocks.values()))
     return blocks

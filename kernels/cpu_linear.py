@@ -91,6 +91,23 @@ def packed_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+# Every row count packed_linear hands oneDNN (16 + 8 * 4 of them).
+PACKED_ROW_COUNTS = tuple(sorted({packed_rows(r) for r in range(1, PACKED_MAX_ROWS + 1)}))
+
+
+def compile_packed(w: "CpuWeight", bias_O: torch.Tensor | None = None) -> int:
+    """Run w's packed GEMM once at every row count where cpu_linear gives it to oneDNN, so each is
+    compiled and cached at start rather than when load first reaches that count (a process's RSS
+    then stays flat under any later mix of row counts). The cache is per shape: one weight of each
+    shape is enough. Returns the GEMMs run."""
+    if w.packed is None:
+        return 0
+    counts = [r for r in PACKED_ROW_COUNTS if w.half is None or not skinny_native(r)]
+    for rows in counts:
+        packed_linear(torch.zeros(rows, w.packed.shape[1], dtype=w.packed.dtype), w.packed, bias_O)
+    return len(counts)
+
+
 def packed_linear(x_TI: torch.Tensor, packed: torch.Tensor, bias_O: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ b) for 2-D x with the weight from pack_weight. Rows run in chunks of
     PACKED_MAX_ROWS, the last chunk zero-padded to packed_rows (oneDNN compiles and caches a GEMM per

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from kernels import choice, native
-from kernels.cpu_linear import (SKINNY_MAX_ROWS, CpuWeight, ExpertPanels, PackedLinear,  # noqa: F401 (re-exported)
+from kernels.cpu_linear import (SKINNY_MAX_ROWS, CpuWeight, ExpertPanels, PackedLinear, compile_packed,  # noqa: F401 (re-exported)
                                 packing_available)
 from kernels.fp8_weights import Fp8ExpertPanels, Fp8Experts, Fp8Weight, fused_moe_fp8
 from kernels.int8 import Int8Experts, Int8ExpertPanels, fused_moe_int8, quantize_int8
@@ -160,7 +160,28 @@ def pack_for_cpu_inference(model: MoEForCausalLM, quantization: str | None = Non
             elif isinstance(child, nn.Linear) and not (tied and child is model.lm_head):
                 setattr(parent, name, _packed_linear(child, quantization))
     choose_kernels(model)
+    compile_expert_gemms(model)
     return True
+
+
+def compile_expert_gemms(module: nn.Module) -> int:
+    """Compile the oneDNN GEMMs of every expert weight shape in `module` at every row count now
+    (kernels/cpu_linear.compile_packed; experts packed for oneDNN only: float32, or bf16 without our
+    panels). An expert's rows are whatever its share of a step is, so under serving load the counts
+    keep arriving for a long time (a resumed batch's re-prefill reaches new ones); compiled at start,
+    the worker's RSS stays flat. About 0.5 ms a GEMM to compile, 96 a shape pair. Returns the GEMMs run."""
+    done, run = set(), 0
+    for m in module.modules():
+        if not isinstance(m, PackedExperts) or not m.w13_packed or not isinstance(m.w13_packed[0], CpuWeight):
+            continue
+        for ws, bias in ((m.w13_packed, m.b13), (m.w2_packed, m.b2)):
+            w = ws[0]
+            key = (None if w.packed is None else tuple(w.packed.shape), w.packed is not None and w.packed.dtype,
+                   bias is not None)
+            if w.packed is not None and key not in done:
+                done.add(key)
+                run += compile_packed(w, None if bias is None else bias[0])
+    return run
 
 
 def choose_kernels(module: nn.Module) -> None:

@@ -89,3 +89,30 @@ def test_every_row_count_keeps_memory_bounded() -> None:
         packed_linear(x[:rows], packed)
     grown_mib = (_heap_in_use() - before) / 2 ** 20
     assert grown_mib < 100, f"{grown_mib:.0f} MiB for {len({packed_rows(r) for r in range(1, 1025)})} row buckets"
+
+
+def test_compiled_at_start_nothing_grows_later(onednn_rows: list[int]) -> None:
+    """compile_expert_gemms runs each expert weight shape (w13, w2) at all 48 row counts once; after
+    it, every row count through those shapes compiles nothing new: the heap stays within a few MiB
+    (the 48 GEMMs themselves took ~26 MiB above)."""
+    from models.cpu_inference import PackedExperts, compile_expert_gemms
+    from models.moe_decoder import Experts
+    from kernels.cpu_linear import PACKED_ROW_COUNTS, cpu_linear
+    from kernels.ops import select_ops
+
+    if not packing_available(torch.float32) or _heap_in_use() is None:
+        pytest.skip("needs oneDNN's float32 packing and glibc's mallinfo2")
+    torch.manual_seed(0)
+    experts = Experts(3, 52, 44, select_ops(torch.device("cpu")))  # shapes no other test uses
+    torch.nn.init.normal_(experts.w13)
+    torch.nn.init.normal_(experts.w2)
+    packed = PackedExperts(experts)
+    assert compile_expert_gemms(packed) == 2 * len(PACKED_ROW_COUNTS) == 96
+    assert sorted(onednn_rows) == sorted(2 * PACKED_ROW_COUNTS)
+    x13, x2 = torch.randn(PACKED_MAX_ROWS, 52), torch.randn(PACKED_MAX_ROWS, 44)
+    cpu_linear(x13, packed.w13_packed[1]), cpu_linear(x2, packed.w2_packed[2])  # the allocator's first use
+    before = _heap_in_use()
+    for rows in range(1, PACKED_MAX_ROWS + 1):
+        cpu_linear(x13[:rows], packed.w13_packed[rows % 3]), cpu_linear(x2[:rows], packed.w2_packed[rows % 3])
+    grown_mib = (_heap_in_use() - before) / 2 ** 20
+    assert grown_mib < 4, f"{grown_mib:.1f} MiB after compiling every row count first"
