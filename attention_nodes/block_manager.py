@@ -28,10 +28,16 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    """KV blocks, shared through the prefix cache, and (state_slots > 0: models with linear-attention
+    layers) the slots of their per-sequence states, one per running sequence: taken on admission,
+    given back with the blocks (finished, aborted or preempted)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, state_slots: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one KV block of at least one token, got {num_blocks} x {block_size}")
         self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
+        self.num_state_slots = state_slots
+        self.free_state_slots = list(range(state_slots - 1, -1, -1))  # popped from the end: 0 first
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
@@ -118,3 +124,12 @@ class BlockManager:
                 self.free[b] = None
         seq.block_table, seq.num_computed_tokens = [], 0
         seq.num_hashed_blocks, seq.last_block_hash = 0, None
+        if seq.state_slot is not None:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = None
+
+    def take_state_slot(self, seq: Sequence) -> None:
+        """Give an admitted sequence a state slot (models with linear-attention layers; the scheduler
+        runs at most as many sequences as there are slots)."""
+        if self.free_state_slots and seq.state_slot is None:
+            seq.state_slot = self.free_state_slots.pop()

@@ -112,8 +112,17 @@ class LLMEngine:
         """dispatcher: the experts' transport (None: the experts run in this process)."""
         self.cfg = cfg
         self.model_cfg = ModelConfig.from_pretrained(cfg.model)
+        prefix_caching = cfg.cache.enable_prefix_caching
+        if self.model_cfg.linear_layers is not None:  # (Qwen3-Next) a sequence's state is not in its blocks
+            if cfg.speculative is not None:
+                raise ValueError(f"speculative decoding is not supported for {self.model_cfg.architecture}: its "
+                                 f"linear-attention layers' state would take in the rejected drafts")
+            if prefix_caching:
+                log.info("prefix caching off: the linear-attention layers' per-sequence state is not kept per block")
+                prefix_caching = False
         self.runner = ModelRunner(cfg, self.model_cfg, dispatcher, cfg.parallel.micro_batches)
-        self.blocks = BlockManager(self.runner.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
+        self.blocks = BlockManager(self.runner.num_blocks, cfg.cache.block_size, prefix_caching,
+                                   self.runner.state_slots)
         if not cfg.scheduler.enable_chunked_prefill and cfg.scheduler.max_num_batched_tokens < self.model_cfg.max_model_len:
             raise ValueError(f"without chunked prefill, scheduler.max_num_batched_tokens "
                              f"({cfg.scheduler.max_num_batched_tokens}) must be at least the context length "
@@ -161,7 +170,7 @@ class LLMEngine:
             self._forget_if_done(request_id)
             return
         self.scheduler.add(seqs[0])  # checks the cache can ever hold it (the others are the same size)
-        if len(seqs) > 1 and self.cfg.cache.enable_prefix_caching and len(ids) > self.blocks.block_size:
+        if len(seqs) > 1 and self.blocks.enable_prefix_caching and len(ids) > self.blocks.block_size:
             self._held[request_id] = seqs[1:]
         else:
             for seq in seqs[1:]:
@@ -405,6 +414,7 @@ class LLMEngine:
         return {"running": len(self.scheduler.running), "waiting": waiting,
                 "num_blocks": b.num_blocks, "free_blocks": b.num_free_blocks,
                 "kv_cache_tokens": b.num_blocks * b.block_size,  # capacity (MLA's latent cache holds more per byte)
+                "state_slots": b.num_state_slots,  # linear-attention layers' per-sequence states (0: none)
                 "kv_cache_usage": 1 - b.num_free_blocks / b.num_blocks, "prefix_cache_queries": b.prefix_queries,
                 "prefix_cache_hits": b.prefix_hits, "preemptions": self.scheduler.num_preemptions,
                 "steps": self.num_steps, "generated_tokens": self.num_generated_tokens,

@@ -77,9 +77,12 @@ class ModelRunner:
             compile_stages(self.model)
         self.block_size = cfg.cache.block_size
         self.kv_from_freed = 0  # of the KV budget (_num_blocks)
+        # linear-attention layers (Qwen3-Next): a state per running sequence, taken from the KV budget
+        self.state_slots = cfg.scheduler.max_num_seqs if self.model_cfg.linear_layers is not None else 0
+        self.state_bytes = self.state_slots * self.model_cfg.state_bytes_per_sequence(self.dtype)
         self.num_blocks = self._num_blocks(cfg)
         self.cache = make_paged_cache(self.model_cfg, self.num_blocks, self.block_size, self.dtype, self.device,
-                                      self.model.ops)
+                                      self.model.ops, self.state_slots)
         # A bf16 decode step's layers as native calls, where the model takes it: colocated the whole
         # step in one, on an attention worker each layer's attention side (models/native_decode.py)
         if self.packed and cfg.native_decode:
@@ -96,6 +99,10 @@ class ModelRunner:
                  "" if not self.packed else " (weights packed for oneDNN" + (
                      f"; bf16 copies for up to {SKINNY_MAX_ROWS} rows, {half / 2 ** 30:.2f} GiB)"
                      if (half := half_copy_bytes(self.model)) else ")"))
+        if self.state_slots:
+            log.info("linear-attention state: %d sequences x %s = %s (%d of %d layers)", self.state_slots,
+                     _size(self.model_cfg.state_bytes_per_sequence(self.dtype)), _size(self.state_bytes),
+                     self.model_cfg.num_linear_layers, self.model_cfg.num_layers)
         r = self.resident_bytes
         log.info("weights: %s resident (experts %s%s, embedding %s, other %s)", _size(sum(r.values())),
                  _size(r["experts"]), f" {cfg.quantization}" if cfg.quantization and r["experts"] else "",
@@ -108,7 +115,8 @@ class ModelRunner:
         """cache.num_blocks, else cache.kv_cache_gib, else (CPU) enough for every sequence at full
         context capped at 2 GiB plus what quantising the weights freed (the same memory as the
         unquantised model's weights and cache), or (CUDA) a fraction of the free memory (which the
-        freed bytes are part of)."""
+        freed bytes are part of). The linear-attention states come out of an explicit or CUDA
+        budget, and on top of the CPU's default one."""
         if cfg.cache.num_blocks is not None:
             return cfg.cache.num_blocks
         per_block = self._block_bytes()
@@ -120,9 +128,12 @@ class ModelRunner:
             full = cfg.scheduler.max_num_seqs * -(-self.model_cfg.max_model_len // self.block_size) * per_block
             budget = min(full, CPU_DEFAULT_KV_GIB * 2 ** 30 + self.freed_bytes)
             self.kv_from_freed = int(max(0, budget - CPU_DEFAULT_KV_GIB * 2 ** 30))
-        blocks = int(budget // per_block)
+            budget += self.state_bytes  # (the states come on top of the default KV budget)
+        blocks = int((budget - self.state_bytes) // per_block)
         if blocks < 1:
-            raise ValueError(f"the KV cache budget of {budget / 2 ** 30:.3f} GiB holds no block of {per_block} bytes")
+            raise ValueError(f"the KV cache budget of {budget / 2 ** 30:.3f} GiB holds no block of {per_block} bytes"
+                             + (f" beside the linear-attention states ({_size(self.state_bytes)})"
+                                if self.state_bytes else ""))
         return blocks
 
     @torch.inference_mode()
@@ -187,6 +198,7 @@ class ModelRunner:
         seqs, q_lens = batch.seqs[group.start:group.stop], batch.num_new_tokens[group.start:group.stop]
         ids, spans, prompt_rows, offset = [], [], [], 0
         rows_q, rows_ctx, rows_table = [], [], []  # the attention batch's sequences
+        state_slots = [] if self.state_slots else None  # (linear-attention layers; no drafts there)
         for i, (seq, n) in enumerate(zip(seqs, q_lens)):
             c = seq.num_computed_tokens
             if seq.num_draft_tokens:  # verifying drafts: each token a decode row of its own (below)
@@ -198,6 +210,8 @@ class ModelRunner:
                 rows_ctx.append(c)
                 rows_table.append(seq.block_table)
             ids.extend(seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n])
+            if self.state_slots:
+                state_slots.append(seq.state_slot)
             if seq.needs_prompt_logprobs:  # positions whose next token is a prompt token
                 start = max(seq.num_computed_tokens, seq.num_prompt_logprobs)
                 count = min(seq.num_computed_tokens + n, seq.num_prompt_tokens - 1) - start
@@ -209,7 +223,7 @@ class ModelRunner:
         # contexts c .. c + d: every token's key and value is cached before any row attends, so each
         # sees the ones before it, as causal attention over the d + 1 would, and the step is a decode
         # step (the native decode kernels and step take it) rather than a prefill chunk.
-        attn = AttentionBatch.build_paged(rows_q, rows_ctx, rows_table, self.block_size, self.device)
+        attn = AttentionBatch.build_paged(rows_q, rows_ctx, rows_table, self.block_size, self.device, state_slots)
         ends = torch.tensor(q_lens).cumsum(0) - 1
         ends = ends[torch.tensor(batch.sample[group.start:group.stop], dtype=torch.bool)]
         drafts = [s.num_draft_tokens for s, sampled in zip(seqs, batch.sample[group.start:group.stop]) if sampled]

@@ -99,6 +99,7 @@ class Scheduler:
             self.waiting.popleft()
             self.blocks.share_prefix(seq, prefix)
             self.blocks.grow(seq, total)
+            self.blocks.take_state_slot(seq)
             if seq.num_admissions == 0:  # not a recomputation: count the prompt
                 self.blocks.prefix_queries += seq.num_tokens
                 self.blocks.prefix_hits += seq.num_computed_tokens

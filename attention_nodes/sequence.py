@@ -76,6 +76,7 @@ class Sequence:
     num_prompt_logprobs: int = 0  # prompt positions whose next token's logprob was computed
     pending_prompt_logprobs: list = field(default_factory=list)  # engine.TokenLogprobs, sent with the next delta
     num_draft_tokens: int = 0  # speculative drafts at the end of token_ids, not yet verified
+    state_slot: int | None = None  # linear-attention models: its state's slot while running (BlockManager)
 
     def drop_drafts(self, count: int | None = None) -> list[int]:
         """Remove the last `count` drafts (None: all) from token_ids; returns them."""

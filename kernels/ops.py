@@ -16,6 +16,10 @@ Every entry has the signature of its torch reference:
                          sinks_N=None, start_B=None) -> o_BNV   (sinks: one extra softmax logit per query
       head, gpt-oss; start_B: each sequence's first visible key, Llama 4's chunks; V <= H: MiMo-V2-Flash)
   paged_latent_decode_attention(q_BNW, cache_PSW, block_table_BM, seq_lens_B, scale, latent_dim) -> o_BNC  (MLA)
+  causal_conv1d(x_BLC, lens_B, state_BCW, weight_CK) -> (y_BLC, new_state_BCW)   (Qwen3-Next's linear
+      attention: depthwise causal convolution + SiLU after each sequence's state; kernels/delta_rule.py)
+  gated_delta_rule_recurrent(q_BHK, k_BHK, v_BHV, g_BH, beta_BH, state_BHKV) -> (o_BHV, new_state_BHKV)
+  gated_delta_rule_chunked(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH, state_BHKV) -> (o_BLHV, new_state_BHKV)
 """
 import functools
 import os
@@ -38,6 +42,9 @@ class KernelOps:
     fused_moe: Callable
     paged_decode_attention: Callable
     paged_latent_decode_attention: Callable
+    causal_conv1d: Callable
+    gated_delta_rule_recurrent: Callable
+    gated_delta_rule_chunked: Callable
 
 
 def choose_backend(device: torch.device | str, backend: str | None = None) -> str:
@@ -54,18 +61,21 @@ def choose_backend(device: torch.device | str, backend: str | None = None) -> st
 @functools.cache  # one table per process: compiled code (models/stages.py) guards on its identity
 def torch_ops() -> KernelOps:
     from kernels.attention import paged_decode_attention, paged_latent_decode_attention
+    from kernels.delta_rule import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_recurrent
     from kernels.moe import fused_moe
     from kernels.rmsnorm import fused_add_rms_norm, rms_norm
     from kernels.rotary import apply_rotary_
     from kernels.routing import topk_route
 
     return KernelOps("torch", rms_norm, fused_add_rms_norm, apply_rotary_, topk_route, fused_moe,
-                     paged_decode_attention, paged_latent_decode_attention)
+                     paged_decode_attention, paged_latent_decode_attention, causal_conv1d, gated_delta_rule_recurrent,
+                     gated_delta_rule_chunked)
 
 
 @functools.cache
 def triton_ops() -> KernelOps:
     from kernels.attention_triton import paged_decode_attention
+    from kernels.delta_rule_triton import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_recurrent
     from kernels.mla_triton import paged_latent_decode_attention
     from kernels.moe_triton import fused_moe
     from kernels.rmsnorm_triton import fused_add_rms_norm, rms_norm
@@ -73,7 +83,8 @@ def triton_ops() -> KernelOps:
     from kernels.routing_triton import topk_route
 
     return KernelOps("triton", rms_norm, fused_add_rms_norm, apply_rotary_, topk_route, fused_moe,
-                     paged_decode_attention, paged_latent_decode_attention)
+                     paged_decode_attention, paged_latent_decode_attention, causal_conv1d, gated_delta_rule_recurrent,
+                     gated_delta_rule_chunked)
 
 
 def select_ops(device: torch.device | str, backend: str | None = None) -> KernelOps:

@@ -83,6 +83,21 @@ def randomize_correction_bias(model_dir: str | Path, seed: int = 0, scale: float
         save_file(tensors, f, metadata={"format": "pt"})
 
 
+def randomize_norms(model_dir: str | Path, seed: int = 0, scale: float = 0.2) -> None:
+    """Rewrite every `*norm.weight` tensor with normal(0, scale) values in place: Qwen3-Next's
+    transformers initialisation leaves its norms at zeros (they scale by 1 + weight), so tests could
+    not tell a norm that lost its weight, or its offset."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors = load_file(f)
+        for name in [n for n in tensors if n.endswith("norm.weight")]:
+            tensors[name] = (torch.randn(tensors[name].shape, generator=gen) * scale).to(tensors[name].dtype)
+        save_file(tensors, f, metadata={"format": "pt"})
+
+
 def randomize_biases(model_dir: str | Path, seed: int = 0, scale: float = 0.1, sink_scale: float = 1.0) -> None:
     """transformers initialises linear biases (and gpt-oss's expert biases) to zeros; tests rewrite
     every `*bias` tensor with normal(0, scale) values and the attention sinks (gpt-oss's `sinks`,

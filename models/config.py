@@ -9,8 +9,9 @@ attention with q/k/v biases, optional per-head q/k norm and partial rotary; Mini
 V3 without groups, norms q and k over the whole projection and ropes part of each head; gpt-oss
 has attention sinks, alternating sliding-window layers, biased router and experts, a clamped
 SwiGLU and yarn rope, and is published with MXFP4 experts (quantization_config mxfp4). Llama 4
-and MiMo-V2-Flash lay their layers out their own way: models/families.py reads them (and holds every
-family's defaults).
+and MiMo-V2-Flash lay their layers out their own way, and Qwen3-Next interleaves gated DeltaNet
+(linear attention, LinearAttentionConfig) with gated full-attention layers: models/families.py reads
+them (and holds every family's defaults).
 `planning=True` also reads families that are planned for but not served (PLANNED_ARCHITECTURES:
 DBRX, whose config.json names its fields its own way); ModelConfig's sizes and per-token costs are
 what `shuttle plan` and `shuttle simulate` compute with.
@@ -43,19 +44,20 @@ ARCHITECTURES = {
     "Llama4ForCausalLM": "llama4",
     "Llama4ForConditionalGeneration": "llama4",  # its language model (text_config; tensors under language_model.)
     "MiMoV2FlashForCausalLM": "mimo_v2_flash",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 # model_type -> architectures entry, for a config.json that lists no known architecture
 MODEL_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                "kimi_k2": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                "minimax_m2": "MiniMaxM2ForCausalLM", "gpt_oss": "GptOssForCausalLM",
                "llama4": "Llama4ForConditionalGeneration", "llama4_text": "Llama4ForCausalLM",
-               "mimo_v2_flash": "MiMoV2FlashForCausalLM"}
+               "mimo_v2_flash": "MiMoV2FlashForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 # families `shuttle plan` sizes (ModelConfig.from_dict(..., planning=True)) that the engine does not build
 PLANNED_ARCHITECTURES = {"DbrxForCausalLM": "dbrx"}
 PLANNED_MODEL_TYPES = {"dbrx": "DbrxForCausalLM"}
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 V3_ROUTER_FAMILIES = ("deepseek_v3", "glm4_moe", "mimo_v2_flash")  # sigmoid + correction bias + groups of top-2 sums
-PARTIAL_ROTARY_FAMILIES = {"glm4_moe": 0.5, "minimax_m2": 1.0}  # family -> default partial_rotary_factor
+PARTIAL_ROTARY_FAMILIES = {"glm4_moe": 0.5, "minimax_m2": 1.0, "qwen3_next": 0.25}  # family -> default partial_rotary_factor
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -82,6 +84,36 @@ class MLAConfig:
     def cache_width(self) -> int:
         """Values cached per token and layer: the latent and the roped key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet layers (Qwen3-Next; models/linear_attention.py): key_heads query/key heads of
+    key_dim, value_heads (a multiple of key_heads) value heads of value_dim, a depthwise causal
+    convolution of conv_kernel taps over q, k and v. Each sequence carries, per linear layer, the
+    convolution's last conv_kernel - 1 inputs and a (value_heads, key_dim, value_dim) float32 state."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels convolved: q and k of every key head, v of every value head."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """One sequence's state in one layer: the convolution's inputs in `dtype`, the recurrent
+        state in float32."""
+        return self.conv_dim * (self.conv_kernel - 1) * dtype.itemsize + self.value_heads * self.key_dim * self.value_dim * 4
+
+    def params(self, hidden: int) -> int:
+        """One layer's parameters: in_proj_qkvz, in_proj_ba, conv1d, dt_bias, A_log, the gated norm, out_proj."""
+        v = self.value_heads * self.value_dim
+        return (hidden * (self.conv_dim + v + 2 * self.value_heads) + self.conv_dim * self.conv_kernel
+                + 2 * self.value_heads + self.value_dim + v * hidden)
 
 
 @dataclass(frozen=True)
@@ -142,6 +174,26 @@ class ModelConfig:
     v_scale: float = 1.0
     sliding_rope: RopeConfig | None = None
     sliding_rotary_dim: int | None = None
+    # Qwen3-Next (models/families.py): the gated DeltaNet layers (True) among full-attention ones, their
+    # shape, a sigmoid gate on each full-attention head's output (q_proj gives it beside the query), and
+    # RMSNorms that scale by 1 + weight (checkpoints store weight - 1: models/loader.py adds the 1)
+    linear_layers: tuple[bool, ...] | None = None
+    linear_attention: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False
+    norm_offset: float = 0.0
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether `layer` is a linear-attention (gated DeltaNet) layer: no KV cache, a state per sequence."""
+        return self.linear_layers is not None and self.linear_layers[layer]
+
+    @property
+    def num_linear_layers(self) -> int:
+        return 0 if self.linear_layers is None else sum(self.linear_layers)
+
+    def state_bytes_per_sequence(self, dtype: torch.dtype) -> int:
+        """Bytes of one sequence's linear-attention state over all layers (0 without such layers)."""
+        la = self.linear_attention
+        return 0 if la is None else self.num_linear_layers * la.state_bytes(dtype)
 
     @property
     def rope_dim(self) -> int:
@@ -169,6 +221,8 @@ class ModelConfig:
         latent plus its roped key (576 for DeepSeek-V3's shape instead of 2 x 128 x 128 = 32,768)."""
         if self.mla is not None:
             return self.mla.cache_width
+        if self.is_linear(layer):
+            return 0
         return self.kv_heads(layer) * (self.head_dim + self.v_dim)
 
     @property
@@ -197,8 +251,12 @@ class ModelConfig:
         """Matmul weights one token passes through in one layer's attention: q, k, v and o
         projections, or MLA's query, latent, absorbed up-projection (kv_b_proj) and output."""
         D, N = self.hidden_size, self.num_heads
+        if self.is_linear(layer):  # (the convolution and the gated norm are not matmuls)
+            la = self.linear_attention
+            v = la.value_heads * la.value_dim
+            return D * (la.conv_dim + v + 2 * la.value_heads) + v * D
         if self.mla is None:
-            return D * (self.q_size + self._kv_width(layer)) + N * self.v_dim * D
+            return D * (self.q_size * (1 + self.attn_output_gate) + self._kv_width(layer)) + N * self.v_dim * D
         m = self.mla
         q = D * N * m.qk_head_dim if m.q_lora_rank is None else D * m.q_lora_rank + m.q_lora_rank * N * m.qk_head_dim
         return q + D * m.cache_width + N * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim) + N * m.v_head_dim * D
@@ -210,6 +268,8 @@ class ModelConfig:
     def attention_params(self, layer: int) -> int:
         """Parameters of one layer's attention: projections and their biases, q/k norms (MLA: the
         latent norms) and the sinks of gpt-oss and MiMo-V2-Flash."""
+        if self.is_linear(layer):
+            return self.linear_attention.params(self.hidden_size)
         n = self.attention_weights(layer)
         if self.mla is None:
             n += (self.q_size + self._kv_width(layer)) * self.qkv_bias + self.hidden_size * self.o_bias
@@ -290,9 +350,12 @@ class ModelConfig:
         """FLOPs (multiply-adds x 2) of one decoded token's attention over all layers, projections
         included, against `context` cached tokens: MLA decodes in the latent space (the absorbed
         query and output projections, then scores over latent + roped key and a weighted sum of
-        latents), other families attend with per-head keys and values."""
+        latents), other families attend with per-head keys and values; linear-attention layers
+        update and read their state whatever the context."""
+        la, linear = self.linear_attention, self.num_linear_layers
+        state = 0 if la is None else 2 * 3 * la.value_heads * la.key_dim * la.value_dim  # decay, read, write, output
         return (sum(2 * self.attention_weights(i) for i in range(self.num_layers))
-                + self.num_layers * context * self.context_flops())
+                + (self.num_layers - linear) * context * self.context_flops() + linear * state)
 
     def non_expert_flops_per_token(self, context: int = 0) -> int:
         """FLOPs of one token through every layer but its routed experts (an attention worker's
@@ -398,6 +461,8 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
     max_pos = int(get("max_position_embeddings", 4096))
     rope_of = lambda params: _rope({"rope_parameters": params}, family, max_pos, src)  # noqa: E731
     extra = families.FIELDS[family](raw, layers, src, rope_of) if family in families.FIELDS else {}
+    if "linear_attention" in extra:
+        extra["linear_attention"] = LinearAttentionConfig(**extra["linear_attention"])
 
     shared_inter = int(get("shared_expert_intermediate_size", 0)) if family == "qwen2_moe" else 0
     if extra:

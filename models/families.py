@@ -15,6 +15,10 @@ transformers reads is used or refused with a ConfigError naming it.
   rotary factor); value heads narrower than query/key heads (v_head_dim), scaled by
   attention_value_scale; dense and MoE layers (mlp_layer_types); DeepSeek-V3's routing without a
   shared expert.
+- Qwen3-Next: gated DeltaNet layers (linear_attention) and full-attention layers (layer_types, by
+  default every full_attention_interval-th), the full ones with a sigmoid output gate per head, q/k
+  norms and partial rotary (0.25); Qwen2-MoE's gated shared expert beside softmax routing;
+  RMSNorms that scale by 1 + weight; dense layers by mlp_only_layers / decoder_sparse_step.
 """
 from typing import Any, Callable
 
@@ -39,6 +43,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "llama4": {"num_key_value_heads": 8, "head_dim": 128, "num_experts_per_tok": 1, "num_local_experts": 16,
                "intermediate_size": 8192, "intermediate_size_mlp": 16384, "rms_norm_eps": 1e-5,
                "max_position_embeddings": 131072, "attention_chunk_size": 8192, "bos_token_id": 1, "eos_token_id": 2},
+    "qwen3_next": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 48, "num_attention_heads": 16,
+                   "num_key_value_heads": 2, "head_dim": 256, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+                   "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts_per_tok": 10,
+                   "num_experts": 512, "norm_topk_prob": True, "vocab_size": 151936},
     "mimo_v2_flash": {"num_key_value_heads": 4, "head_dim": 192, "v_head_dim": 128, "num_experts_per_tok": 8,
                       "n_routed_experts": 256, "moe_intermediate_size": 2048, "intermediate_size": 16384,
                       "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "sliding_window": 129,
@@ -202,4 +210,45 @@ def mimo_fields(raw: dict[str, Any], layers: int, src: str, rope_of: RopeOf) -> 
     )
 
 
-FIELDS = {"llama4": llama4_fields, "mimo_v2_flash": mimo_fields}
+def qwen3_next_fields(raw: dict[str, Any], layers: int, src: str, rope_of: RopeOf) -> dict[str, Any]:
+    """ModelConfig fields of Qwen3-Next (transformers' Qwen3NextConfig and Qwen3NextDecoderLayer);
+    linear_attention: LinearAttentionConfig's fields (models/config.py builds it)."""
+    _check_no_dropout(raw, src)
+    interval = int(raw.get("full_attention_interval") or 4)
+    if interval < 1:
+        raise ConfigError(f"{src}: full_attention_interval must be >= 1, got {interval}")
+    types = _layer_types(raw, "layer_types", ["linear_attention" if (i + 1) % interval else "full_attention"
+                                              for i in range(layers)], ("linear_attention", "full_attention"), src)
+
+    def positive(key: str, default: int) -> int:
+        value = raw.get(key, default)
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{src}: {key} must be a positive int, got {value!r}")
+        return value
+
+    la = dict(key_heads=positive("linear_num_key_heads", 16), value_heads=positive("linear_num_value_heads", 32),
+              key_dim=positive("linear_key_head_dim", 128), value_dim=positive("linear_value_head_dim", 128),
+              conv_kernel=positive("linear_conv_kernel_dim", 4))
+    if la["value_heads"] % la["key_heads"]:
+        raise ConfigError(f"{src}: linear_num_value_heads ({la['value_heads']}) must be a multiple of "
+                          f"linear_num_key_heads ({la['key_heads']})")
+    step, mlp_only = positive("decoder_sparse_step", 1), raw.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
+        raise ConfigError(f"{src}: mlp_only_layers must list layer indices, got {mlp_only!r}")
+    experts = int(raw.get("num_experts") or 0)
+    bias = bool(raw.get("attention_bias", False))
+    return dict(
+        moe_layers=tuple(i not in mlp_only and experts > 0 and (i + 1) % step == 0 for i in range(layers)),
+        moe_intermediate_size=int(raw["moe_intermediate_size"]),
+        shared_expert_intermediate_size=int(raw["shared_expert_intermediate_size"]),
+        shared_expert_gate=True,
+        qk_norm="per_head",
+        o_bias=bias,
+        linear_layers=tuple(t == "linear_attention" for t in types),
+        linear_attention=la,
+        attn_output_gate=True,
+        norm_offset=1.0,
+    )
+
+
+FIELDS = {"llama4": llama4_fields, "mimo_v2_flash": mimo_fields, "qwen3_next": qwen3_next_fields}

@@ -1,4 +1,5 @@
-"""The attention batch description, a dense per-sequence KV cache and the engine's paged one.
+"""The attention batch description, a dense per-sequence KV cache, the engine's paged one, and the
+per-sequence states of linear-attention layers (LinearStates).
 
 Legend: T tokens of the flat batch, B sequences, L layers, K key/value heads, S cache length,
 H head dim, N query heads.
@@ -42,22 +43,25 @@ class AttentionBatch:
     # Steps that mix decodes with prefill chunks: (tokens of the one-token sequences, those sequences,
     # tokens of the others, an AttentionBatch of the others alone), so each part takes its own path.
     parts: "tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionBatch] | None" = None
+    # linear-attention layers (models/linear_attention.py): each sequence's state slot
+    state_slots_B: torch.Tensor | None = None
 
     @classmethod
     def build(cls, q_lens: list[int], ctx_lens: list[int], slots: list[int], device: torch.device | str = "cpu") -> "AttentionBatch":
         """Batch of B sequences; sequence b adds q_lens[b] tokens after ctx_lens[b] cached ones."""
         seq_idx, tok_idx, positions, kv_lens = _token_layout(q_lens, ctx_lens)
         contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
-        return cls(seq_idx.to(device), tok_idx.to(device), positions.to(device),
-                   torch.tensor(slots, dtype=torch.long, device=device),
+        slots_B = torch.tensor(slots, dtype=torch.long, device=device)
+        return cls(seq_idx.to(device), tok_idx.to(device), positions.to(device), slots_B,
                    torch.tensor(kv_lens, dtype=torch.long, device=device), max(q_lens), max(kv_lens),
-                   slots[0] if contiguous else None)
+                   slots[0] if contiguous else None, state_slots_B=slots_B)
 
 
     @classmethod
     def build_paged(cls, q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
-                    device: torch.device | str = "cpu") -> "AttentionBatch":
-        """Batch over a paged cache: sequence b's tokens live in the pages block_tables[b]."""
+                    device: torch.device | str = "cpu", state_slots: list[int] | None = None) -> "AttentionBatch":
+        """Batch over a paged cache: sequence b's tokens live in the pages block_tables[b] (and its
+        linear-attention state in slot state_slots[b], for models with such layers)."""
         B = len(q_lens)
         seq_idx, tok_idx, positions, kv_lens = _token_layout(q_lens, ctx_lens)
         table = _padded_table(block_tables)
@@ -70,10 +74,12 @@ class AttentionBatch:
             parts = (torch.nonzero(is_decode_T)[:, 0].to(device), torch.tensor(decode_seqs, device=device),
                      torch.nonzero(~is_decode_T)[:, 0].to(device),
                      cls.build_paged([q_lens[b] for b in prefill_seqs], [ctx_lens[b] for b in prefill_seqs],
-                                     [block_tables[b] for b in prefill_seqs], block_size, device))
+                                     [block_tables[b] for b in prefill_seqs], block_size, device,
+                                     None if state_slots is None else [state_slots[b] for b in prefill_seqs]))
         return cls(seq_idx.to(device), tok_idx.to(device), positions.to(device), torch.arange(B, device=device),
                    torch.tensor(kv_lens, dtype=torch.long, device=device), max(q_lens), max(kv_lens), 0,
-                   table.to(device=device, dtype=torch.int32), slots.to(device), parts)
+                   table.to(device=device, dtype=torch.int32), slots.to(device), parts,
+                   None if state_slots is None else torch.tensor(state_slots, dtype=torch.long, device=device))
 
 
 def _padded_table(block_tables: list[list[int]]) -> torch.Tensor:
@@ -163,6 +169,7 @@ class DenseKVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len = max_len
+        self.linear_states: LinearStates | None = None  # (linear-attention layers; slots: the batch's slots_B)
 
     def attend(self, layer: int, q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor,
                batch: AttentionBatch, scale: float, sliding_window: int | None,
@@ -204,6 +211,7 @@ class PagedKVCache:
         self.k = [torch.zeros((num_blocks, block_size, K, head_dim), dtype=dtype, device=device) for K in heads]
         self.v = [torch.zeros((num_blocks, block_size, K, V), dtype=dtype, device=device) for K in heads]
         self.decode_attention = decode_attention
+        self.linear_states: LinearStates | None = None  # models with linear-attention layers
         self._chunk_start: tuple | None = None  # (lens_B, (chunk, version), start_B): the last chunked decode
 
     @staticmethod
@@ -318,14 +326,40 @@ class PagedLatentCache:
                                 batch.max_q_len, scale, None)
 
 
+class LinearStates:
+    """The per-sequence states of linear-attention layers (models/linear_attention.py): conv[l]
+    (S slots, C channels, W = conv_kernel - 1 inputs) in the model's dtype and rec[l] (S, Hv, K, V)
+    float32 for each linear layer l; slot s belongs to one running sequence at a time."""
+
+    def __init__(self, cfg: "ModelConfig", num_slots: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        la = cfg.linear_attention
+        layers = [i for i in range(cfg.num_layers) if cfg.is_linear(i)]
+        self.num_slots = num_slots
+        self.conv = {i: torch.zeros(num_slots, la.conv_dim, la.conv_kernel - 1, dtype=dtype, device=device)
+                     for i in layers}
+        self.rec = {i: torch.zeros(num_slots, la.value_heads, la.key_dim, la.value_dim, device=device)
+                    for i in layers}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.conv, self.rec) for t in d.values())
+
+
 def make_paged_cache(cfg: "ModelConfig", num_blocks: int, block_size: int, dtype: torch.dtype,
-                     device: torch.device | str, ops: "KernelOps") -> "PagedKVCache | PagedLatentCache":
-    """The engine's paged cache for a model: latent rows for MLA, per-head keys and values otherwise."""
+                     device: torch.device | str, ops: "KernelOps",
+                     state_slots: int = 0) -> "PagedKVCache | PagedLatentCache":
+    """The engine's paged cache for a model: latent rows for MLA, per-head keys and values otherwise
+    (none for linear-attention layers, which keep `state_slots` per-sequence states instead:
+    cache.linear_states, models/linear_attention.py)."""
     if cfg.mla is not None:
         return PagedLatentCache(cfg.num_layers, num_blocks, block_size, cfg.mla.cache_width, cfg.mla.kv_lora_rank,
                                 dtype, device, decode_attention=ops.paged_latent_decode_attention)
-    return PagedKVCache(cfg.num_layers, num_blocks, block_size, [cfg.kv_heads(i) for i in range(cfg.num_layers)],
-                        cfg.head_dim, dtype, device, decode_attention=ops.paged_decode_attention, v_head_dim=cfg.v_dim)
+    cache = PagedKVCache(cfg.num_layers, num_blocks, block_size,
+                         [0 if cfg.is_linear(i) else cfg.kv_heads(i) for i in range(cfg.num_layers)],
+                         cfg.head_dim, dtype, device, decode_attention=ops.paged_decode_attention, v_head_dim=cfg.v_dim)
+    if cfg.linear_layers is not None:
+        cache.linear_states = LinearStates(cfg, state_slots, dtype, device)
+    return cache
 
 
 def cache_bytes_per_block(cfg: "ModelConfig", block_size: int, dtype: torch.dtype) -> int:

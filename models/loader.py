@@ -383,7 +383,20 @@ def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: tor
                 dst.copy_(apply_layout(tensors[name], t.layout))
     if kept:
         keep_fp8_on(model.get_submodule, wanted, kept, cfg.fp8_block)
+    offset_norms(model, cfg.norm_offset)
     return model.eval()
+
+
+def offset_norms(model: torch.nn.Module, offset: float) -> None:
+    """Add `offset` to every RMSNorm's weight: Qwen3-Next's norms scale by 1 + weight and its
+    checkpoints store weight (ModelConfig.norm_offset); training/checkpoint.py takes it off again."""
+    if offset:
+        from models.norm import RMSNorm
+
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, RMSNorm):
+                    m.weight.add_(offset)
 
 
 def keep_fp8_on(module_of, wanted: dict[str, list[Target]], kept: dict[str, tuple[torch.Tensor, torch.Tensor]],

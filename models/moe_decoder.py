@@ -1,5 +1,5 @@
 """The MoE decoder: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4.5, MiniMax-M2,
-gpt-oss, Llama 4 and MiMo-V2-Flash in one definition, single device.
+gpt-oss, Llama 4, MiMo-V2-Flash and Qwen3-Next in one definition, single device.
 
 Legend: T tokens (a flat batch of all sequences), D hidden, N query heads, K kv heads, H head dim,
 R rotary dims of a head (R <= H), E experts, I expert intermediate size, V vocabulary.
@@ -11,7 +11,8 @@ rope pairs and L2 q/k norm, MiMo-V2-Flash's kv heads per layer, narrower scaled 
 rope, shared experts (gated or not), dense layers, the router (RouterConfig: scoring,
 correction bias, groups, renormalisation, scaling, a biased router), expert biases and the expert
 activation (expert_bias, expert_act: kernels.moe.SwiGLU), MLA (MLAConfig: DeepSeek's attention lives
-in models/mla.py);
+in models/mla.py), Qwen3-Next's sigmoid gate on each attention head's output (attn_output_gate) and
+its gated DeltaNet layers (linear_layers: models/linear_attention.py, in place of self_attn);
 the KV cache and the expert dispatcher are injected, so serving and training share this code.
 The compute ops (torch references or Triton kernels) come from one KernelOps table chosen at
 construction. Layers pass (hidden, residual) pairs so each norm fuses the residual add.
@@ -29,6 +30,7 @@ from kernels.rotary import RotaryEmbedding
 from models.config import ModelConfig
 from models.dispatcher import Dispatcher, LocalDispatcher
 from models.kv_cache import AttentionBatch, KVCache
+from models.linear_attention import GatedDeltaNet
 from models.mla import MLAttention
 from models.norm import RMSNorm
 from models.stages import EAGER, DecodeStages, HeadSpec, RouteSpec, interned
@@ -46,12 +48,14 @@ class Attention(nn.Module):
         self.chunk = cfg.attention_chunks[layer] if cfg.attention_chunks else None  # Llama 4's local chunks
         self.temperature = None if ropes else cfg.attn_temperature  # Llama 4's no-rope layers
         D, K, V = cfg.hidden_size, cfg.kv_heads(layer), cfg.v_dim
-        self.q_proj = nn.Linear(D, cfg.q_size, bias=cfg.qkv_bias)
+        # Qwen3-Next: q_proj gives each head's query and then its output gate, (N, 2H)
+        self.gated = cfg.attn_output_gate
+        self.q_proj = nn.Linear(D, cfg.q_size * (1 + self.gated), bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(D, K * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(D, K * V, bias=cfg.qkv_bias)
         # CPU inference fuses q/k/v into one packed GEMM (models/cpu_inference.py) and drops the three
         self.qkv_proj: nn.Module | None = None
-        self.qkv_split = (cfg.q_size, K * cfg.head_dim, K * V)
+        self.qkv_split = (cfg.q_size * (1 + self.gated), K * cfg.head_dim, K * V)
         self.o_proj = nn.Linear(cfg.num_heads * V, D, bias=cfg.o_bias)
         if cfg.qk_norm == "per_head":  # Qwen3-MoE: over each head's H values
             self.q_norm, self.k_norm = (RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops),
@@ -71,6 +75,10 @@ class Attention(nn.Module):
         T = x_TD.shape[0]
         q_norm_w, k_norm_w = (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else (None, None)
         q_TQ, k_TC, v_TC = self._projections(x_TD)
+        if self.gated:
+            q_TNH2 = q_TQ.view(T, self.cfg.num_heads, 2 * self.cfg.head_dim)
+            q_TQ, gate_TQ = q_TNH2.chunk(2, dim=-1)
+            q_TQ, gate_TQ = q_TQ.reshape(T, -1), gate_TQ.reshape(T, -1)
         q_TNH, k_TKH, v_TKH = self.stages.q_k_v_heads(q_TQ, k_TC, v_TC, *cos_sin, q_norm_w, k_norm_w, self.head_spec,
                                                       self.ops)
         if self.temperature is not None:  # q * (log1p(floor((p + 1) / floor_scale)) * attn_scale + 1), in float32
@@ -81,6 +89,8 @@ class Attention(nn.Module):
             v_TKH = v_TKH * self.cfg.v_scale
         o_TNV = cache.attend(self.layer, q_TNH, k_TKH, v_TKH, batch, self.scale, self.window, self.sinks,
                              chunk=self.chunk)
+        if self.gated:
+            return self.o_proj(o_TNV.reshape(T, -1) * torch.sigmoid(gate_TQ))
         return self.o_proj(o_TNV.reshape(T, -1))
 
     def _projections(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,6 +105,8 @@ class Attention(nn.Module):
         q, k, v = torch.zeros(T, sum(self.qkv_split), dtype=dtype, device=device).split(self.qkv_split, dim=-1)
         if self.qkv_proj is None:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if self.gated:  # (forward passes the query half as a contiguous copy)
+            q = q[:, :cfg.q_size].contiguous()
         cos, sin = (torch.ones(T, self.rope_dim, dtype=dtype, device=device),
                     torch.zeros(T, self.rope_dim, dtype=dtype, device=device))
         q_norm_w, k_norm_w = (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else (None, None)
@@ -245,7 +257,10 @@ class SparseMoE(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, with_experts: bool, ops: KernelOps):
         super().__init__()
-        self.self_attn = Attention(cfg, layer, ops) if cfg.mla is None else MLAttention(cfg, layer, ops)
+        # a linear-attention layer has linear_attn instead (self_attn None)
+        self.linear_attn = GatedDeltaNet(cfg, layer, ops) if cfg.is_linear(layer) else None
+        self.self_attn = (None if self.linear_attn is not None else Attention(cfg, layer, ops) if cfg.mla is None
+                          else MLAttention(cfg, layer, ops))
         self.is_moe = cfg.moe_layers[layer]
         self.mlp = (SparseMoE(cfg, layer, with_experts, ops) if self.is_moe
                     else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias))
@@ -256,12 +271,15 @@ class DecoderLayer(nn.Module):
                   cache: KVCache, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (the MLP's input, residual): the residual stream is x + residual."""
         h_TD, residual_TD = self.input_layernorm.add_and_norm(x_TD, residual_TD)
-        h_TD = self.self_attn(h_TD, cos_sin, cache, batch)
+        if self.linear_attn is not None:
+            h_TD = self.linear_attn(h_TD, cache, batch)
+        else:
+            h_TD = self.self_attn(h_TD, cos_sin, cache, batch)
         return self.post_attention_layernorm.add_and_norm(h_TD, residual_TD)
 
     def stage_key(self) -> tuple:
         """Layers of one key call the same stages with the same shapes (models/stages.py: warm_up)."""
-        return type(self.self_attn).__name__, self.is_moe
+        return type(self.linear_attn or self.self_attn).__name__, self.is_moe
 
     def warm_up_stages(self, T: int) -> None:
         w = self.input_layernorm.weight

@@ -72,6 +72,8 @@ def why_not(model, cache, local: bool = True) -> str | None:
         return "no AVX-512 BF16 (or no native kernels)"
     if model.model.norm.weight.dtype != torch.bfloat16 or cfg.mla is not None:
         return "not a bf16 model with per-head attention"
+    if cfg.linear_layers is not None or cfg.attn_output_gate:
+        return "linear-attention layers or gated attention heads (Qwen3-Next)"
     if not isinstance(cache, PagedKVCache) or cache.k[0].dtype != torch.bfloat16 or not cache.k[0].is_contiguous():
         return "not a contiguous bf16 paged cache"
     if cfg.hidden_size % 2 or cfg.rope_dim % 2:

@@ -154,8 +154,10 @@ class RooflinePerf:
         L, itemsize = c.num_layers, c.dtype.itemsize
         tokens, kv_reads = np.asarray(tokens, dtype=float), np.asarray(kv_reads, dtype=float)
         per_layer_w = (c.non_expert_bytes(c.dtype) - c.embedding_params() * itemsize) / L
-        flops = tokens * c.non_expert_flops_per_token() / L + kv_reads * c.context_flops()
-        nbytes = per_layer_w + kv_reads * c.kv_bytes_per_token(c.dtype) / L
+        full = (L - c.num_linear_layers) / L  # layers that read a KV cache (linear ones read and write a state)
+        flops = tokens * c.non_expert_flops_per_token() / L + kv_reads * full * c.context_flops()
+        nbytes = (per_layer_w + kv_reads * c.kv_bytes_per_token(c.dtype) / L
+                  + tokens * 2 * c.state_bytes_per_sequence(c.dtype) / L)
         t = self._roof(self.attention_hw, flops, nbytes) + self.eff.layer_overhead_us * 1e-6
         return np.where(tokens > 0, t, 0.0)
 

@@ -370,7 +370,8 @@ class PoolEngine:
         time, the expert workers' load (published in the store) and the restarts so far."""
         workers = [dict(self._worker_stats[r], rank=r) for r in sorted(self._worker_stats)]
         total = {k: sum(w.get(k, 0) for w in workers) for k in
-                 ("running", "waiting", "num_blocks", "free_blocks", "kv_cache_tokens", "prefix_cache_queries",
+                 ("running", "waiting", "num_blocks", "free_blocks", "kv_cache_tokens", "state_slots",
+                  "prefix_cache_queries",
                   "prefix_cache_hits",
                   "preemptions", "generated_tokens")}
         total["steps"] = max((w.get("steps", 0) for w in workers), default=0)

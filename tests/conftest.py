@@ -26,7 +26,8 @@ os.environ.setdefault("SHUTTLE_ENFORCE_EAGER", "1")
 # tests/test_kernel_choice.py measures and forces them itself.
 os.environ.setdefault("SHUTTLE_KERNEL_CHOICE", "attention=native,rmsnorm=native,routing=native")
 
-from models.builtin import make_random_checkpoint, randomize_biases, randomize_correction_bias, train_tokenizer
+from models.builtin import (make_random_checkpoint, randomize_biases, randomize_correction_bias, randomize_norms,
+                            train_tokenizer)
 from models.kv_cache import AttentionBatch, make_paged_cache
 
 VOCAB = 512
@@ -87,6 +88,15 @@ FAMILIES = {
                                             "partial_rotary_factor": 0.6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0,
                                                "partial_rotary_factor": 0.3}})),
+    # Qwen3-Next: gated DeltaNet layers 0 and 2 (3 key heads of 10, 6 value heads of 14, 4 conv taps)
+    # around a gated full-attention layer 1 (4 heads of 24 over 2, 6 dims roped) whose MLP is dense
+    # (mlp_only_layers); 8 experts top-2 beside a gated shared expert
+    "qwen3_next": ("Qwen3NextConfig", dict(num_hidden_layers=3, head_dim=24, intermediate_size=48,
+                                           moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
+                                           shared_expert_intermediate_size=40, mlp_only_layers=[1],
+                                           layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                           linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=10,
+                                           linear_value_head_dim=14)),
 }
 BIASED = ("glm4_moe", "minimax_m2", "gpt_oss", "mimo_v2_flash")  # families whose biases and sinks are made non-zero
 
@@ -120,6 +130,9 @@ def make_checkpoint(tmp_path_factory, tokenizer_dir):
                 randomize_correction_bias(out, seed)
             elif family in BIASED:
                 randomize_biases(out, seed)
+            elif family == "qwen3_next":  # (its norms are stored as weight - 1, zeros; dt_bias ones)
+                randomize_biases(out, seed)
+                randomize_norms(out, seed)
         return cache[key]
 
     return make
@@ -174,12 +187,13 @@ def paged_batch(prompts: list[list[int]], block_size: int = 4) -> tuple[Attentio
         k = -(-len(p) // block_size)
         tables.append(list(range(n, n + k)))
         n += k
-    return AttentionBatch.build_paged([len(p) for p in prompts], [0] * len(prompts), tables, block_size), n
+    return AttentionBatch.build_paged([len(p) for p in prompts], [0] * len(prompts), tables, block_size,
+                                      state_slots=list(range(len(prompts)))), n
 
 
 def our_logits(model, prompts: list[list[int]]) -> torch.Tensor:
     batch, blocks = paged_batch(prompts)
-    cache = make_paged_cache(model.cfg, blocks, 4, torch.float32, "cpu", model.ops)
+    cache = make_paged_cache(model.cfg, blocks, 4, torch.float32, "cpu", model.ops, state_slots=len(prompts))
     with torch.no_grad():
         return model.logits(model(torch.tensor([t for p in prompts for t in p]), batch, cache))
 

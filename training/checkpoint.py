@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from models.config import DTYPES
 from models.loader import FUSED_TRANSPOSED, RENAMES, STACKED_EXPERTS, expert_checkpoint_names
 from models.moe_decoder import MoEForCausalLM
+from models.norm import RMSNorm
 from training.data import TOKENIZER_FILES
 from training.parallel import ParallelContext
 
@@ -46,9 +47,12 @@ def hf_tensors(model: MoEForCausalLM, expert_ids: tuple[int, ...], dtype: torch.
     module, names = expert_checkpoint_names(cfg.family)
     out = {}
     renames = [(ours, theirs) for theirs, ours in RENAMES.get(cfg.family, ())]
+    offset = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)} if cfg.norm_offset else set()
     for name, p in model.named_parameters():  # a tied lm_head is listed once, as embed_tokens
         # DeepSeek-V3's correction bias stays float32 (transformers keeps it so: it orders close scores)
         t = p.detach().to(torch.float32 if name.endswith("e_score_correction_bias") else dtype)
+        if id(p) in offset:  # Qwen3-Next's checkpoints store weight - 1 (models/loader.offset_norms)
+            t = (p.detach().float() - cfg.norm_offset).to(t.dtype)
         for ours, theirs in renames:
             name = name.replace(ours, theirs)
         if cfg.family in FUSED_TRANSPOSED and (m := _FUSED_EXPERTS.match(name)):

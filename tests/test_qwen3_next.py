@@ -1,0 +1,159 @@
+"""Qwen3-Next (gated DeltaNet layers beside gated full attention; models/linear_attention.py) against
+transformers: its config.json read as transformers fills it, logits with prompts longer than a
+delta-rule chunk, greedy ids through LLM with preemption and chunked prefill down to one token,
+seeded samples reproducible, the per-sequence state slots given back, pools over shm and tcp, a
+served stream, and training. (The delta rule and convolution themselves: tests/test_delta_rule.py.)"""
+import logging
+
+import pytest
+import torch
+
+from models.config import ConfigError, ModelConfig
+from models.loader import load_model
+from server import LLM, SamplingParams
+from tests.conftest import PROMPTS, assert_close_to_transformers, hf_model, our_logits
+from tests.test_more_families import GREEDY_PROMPTS, corpus  # noqa: F401 (a fixture)
+
+LONG = [(7 * i) % 500 + 2 for i in range(150)]  # three chunks of the chunked delta rule (64 tokens each)
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+_EXPECTED: dict = {}
+
+
+def expected(make_checkpoint) -> tuple:
+    """(checkpoint, transformers' greedy ids for GREEDY_PROMPTS), computed once."""
+    if not _EXPECTED:
+        d = make_checkpoint("qwen3_next")
+        ref = hf_model(d)
+        ref.generation_config.eos_token_id = None
+        _EXPECTED["v"] = d, [ref.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                                          pad_token_id=1)[0, len(p):].tolist() for p in GREEDY_PROMPTS]
+    return _EXPECTED["v"]
+
+
+def test_config_reads_as_transformers_fills_it():
+    import transformers
+
+    minimal = {"architectures": ["Qwen3NextForCausalLM"], "num_hidden_layers": 8, "vocab_size": 512}
+    c, theirs = ModelConfig.from_dict(minimal), transformers.Qwen3NextConfig(**minimal)
+    assert [("linear_attention" if c.is_linear(i) else "full_attention") for i in range(8)] == theirs.layer_types
+    la = c.linear_attention
+    assert (la.key_heads, la.value_heads, la.key_dim, la.value_dim, la.conv_kernel) == (
+        theirs.linear_num_key_heads, theirs.linear_num_value_heads, theirs.linear_key_head_dim,
+        theirs.linear_value_head_dim, theirs.linear_conv_kernel_dim)
+    assert (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.num_experts, c.top_k) == (
+        theirs.hidden_size, theirs.num_attention_heads, theirs.num_key_value_heads, theirs.head_dim,
+        theirs.num_experts, theirs.num_experts_per_tok)
+    assert c.rotary_dim == 64 and c.shared_expert_gate and c.attn_output_gate and c.norm_offset == 1.0
+    assert c.router.scoring == "softmax" and c.router.renormalize and c.qk_norm == "per_head"
+    # KV only in the full-attention layers; the state per sequence: conv inputs and a float32 matrix
+    assert c.kv_bytes_per_token(torch.bfloat16) == 2 * 2 * 2 * 256 * 2
+    assert c.state_bytes_per_sequence(torch.bfloat16) == 6 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)
+    small = {**minimal, "hidden_size": 64, "num_experts": 4, "num_experts_per_tok": 2, "num_attention_heads": 4,
+             "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+             "linear_value_head_dim": 12, "intermediate_size": 40, "moe_intermediate_size": 8,
+             "shared_expert_intermediate_size": 8, "mlp_only_layers": [2]}
+    model_params = sum(p.numel() for p in transformers.Qwen3NextForCausalLM(
+        transformers.Qwen3NextConfig(**small)).parameters())
+    small = ModelConfig.from_dict(small)
+    assert small.total_params() == model_params  # the planner's sizes count what transformers builds
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"linear_num_value_heads": 5}, r"linear_num_value_heads \(5\) must be a multiple of linear_num_key_heads"),
+    ({"layer_types": ["linear_attention"] * 3}, "layer_types must list num_hidden_layers=8 entries"),
+    ({"layer_types": ["sliding_attention"] * 8}, "layer_types must list num_hidden_layers=8 entries"),
+    ({"linear_conv_kernel_dim": 0}, "linear_conv_kernel_dim must be a positive int"),
+    ({"attention_dropout": 0.1}, "attention_dropout=0.1 is not supported"),
+    ({"head_dim": 20}, "partial_rotary_factor 0.25 gives 5 rotary dims of head_dim 20"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+])
+def test_refusals_name_the_field(change, match):
+    raw = {"architectures": ["Qwen3NextForCausalLM"], "num_hidden_layers": 8, "vocab_size": 512, **change}
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    # one value head per key head, 3 conv taps, the default layer pattern (every 4th full), MoE on
+    # every second layer, q/k/v/o biases, tied embeddings
+    {"linear_num_value_heads": 3, "linear_conv_kernel_dim": 3, "layer_types": None, "num_hidden_layers": 4,
+     "mlp_only_layers": [], "decoder_sparse_step": 2, "attention_bias": True, "tie_word_embeddings": True},
+], ids=["default", "plain-heads-biases"])
+def test_logits_equal_transformers(make_checkpoint, overrides):
+    d = make_checkpoint("qwen3_next", **overrides)
+    model = load_model(d, kernels="torch")
+    prompts = [*PROMPTS, LONG]
+    assert_close_to_transformers(our_logits(model, prompts), hf_model(d), prompts)
+
+
+def test_greedy_through_llm_with_preemption_and_chunked_prefill(make_checkpoint, caplog):
+    """LLM over 20 KV blocks of 4 for 4 sequences of up to 43 tokens (preemptions: a preempted
+    sequence starts its state again from zeros), with 16 tokens a step and with 3 (prompts in
+    chunks of 1 to 3 tokens beside the others' decodes: the state carried from chunk to chunk
+    through the chunked and the recurrent forms); seeded n=2 samples equal across the two. Prefix caching is off (logged), every
+    block and state slot comes back, and speculative decoding is refused."""
+    d, want = expected(make_checkpoint)
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=3, n=2, ignore_eos=True)
+    samples = []
+    for kw in ({"num_kv_blocks": 20, "block_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 16},
+               {"max_num_batched_tokens": 3, "max_num_seqs": 4}):
+        with caplog.at_level(logging.INFO, logger="shuttle"):
+            llm = LLM(d, **kw)
+        assert "prefix caching off" in caplog.text
+        assert [o.outputs[0].token_ids for o in llm.generate(GREEDY_PROMPTS, GREEDY)] == want
+        samples.append([[c.token_ids for c in o.outputs] for o in llm.generate(GREEDY_PROMPTS[:2], seeded)])
+        eng = llm.engine
+        assert eng.blocks.num_free_blocks == eng.blocks.num_blocks and eng.blocks.prefix_hits == 0
+        assert sorted(eng.blocks.free_state_slots) == list(range(4))
+        if kw.get("num_kv_blocks"):
+            assert eng.scheduler.num_preemptions > 0
+        llm.shutdown()
+    assert samples[0] == samples[1]
+    with pytest.raises(ValueError, match="speculative decoding is not supported for Qwen3NextForCausalLM"):
+        LLM(d, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_pools_equal_transformers(make_checkpoint, transport):
+    """1 attention worker (every state and cache) + 2 expert workers (the MoE layers only), 2 micro-batches."""
+    d, want = expected(make_checkpoint)
+    llm = LLM(d, num_kv_blocks=96, colocated=False, attention_workers=1, expert_workers=2, micro_batches=2,
+              transport=transport, torch_threads=1)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(GREEDY_PROMPTS, GREEDY)] == want
+    finally:
+        llm.shutdown()
+
+
+def test_served_stream_equals_transformers(make_checkpoint):
+    """`shuttle serve --model DIR` streams, through the official client, transformers' greedy text;
+    the start-up log and /metrics give the state capacity (one state per sequence that can run)."""
+    import re
+
+    import httpx
+    import openai
+
+    from clients.live_server import LiveServer
+
+    d, want = expected(make_checkpoint)
+    with LiveServer(["--model", str(d), "--max-num-seqs", "8"]) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="-")
+        stream = client.completions.create(model=str(d), prompt=GREEDY_PROMPTS[0], max_tokens=GREEDY.max_tokens,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        text = "".join(c.choices[0].text for c in stream)
+        metrics = httpx.get(f"{srv.url}/metrics").text
+        assert re.search(r"^shuttle_linear_state_slots\{[^}]*\} 8\.0$", metrics, re.M), metrics
+        assert "linear-attention state: 8 sequences" in srv.log()
+    from transformers import AutoTokenizer
+
+    assert text == AutoTokenizer.from_pretrained(d).decode(want[0])
+
+
+def test_train_loss_equals_transformers_and_the_result_serves(make_checkpoint, corpus, tmp_path):  # noqa: F811
+    """`shuttle train` on Qwen3-Next: the loss equals transformers', two steps lower it, and the saved
+    checkpoint (norms stored as weight - 1 again) serves equal to the trained model."""
+    from tests.test_more_families import test_train_loss_equals_transformers_and_the_result_serves as check
+
+    check(make_checkpoint, corpus, tmp_path, "qwen3_next")
