@@ -27,7 +27,7 @@ from attention_nodes.sampler import Sampler, SamplingRow
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import ScheduledBatch, Scheduler
 from attention_nodes.sequence import Sequence, SequenceStatus
-from attention_nodes.speculative import SpecStats, propose_ngram
+from attention_nodes.speculative import SpecStats, backoff, propose_ngram
 from attention_nodes.structured import GrammarCache
 from kernels.sampling import compute_logprobs
 from models.config import ModelConfig
@@ -318,6 +318,8 @@ class LLMEngine:
             if d:
                 accepted = next((a for a, (t, x) in enumerate(zip(toks, d)) if t != x), min(len(toks), len(d)))
                 self.spec_stats.count(len(d), accepted)
+                seq.spec_misses = 0 if accepted else min(seq.spec_misses + 1, 8)
+                seq.spec_skip = backoff(seq.spec_misses)
                 self.scheduler.computed(seq, 1 + accepted)  # the token before the drafts, and those accepted
             if reason:
                 self.scheduler.finish(seq, reason, stop_reason)
@@ -336,6 +338,9 @@ class LLMEngine:
             return
         for seq in running:
             if seq.num_computed_tokens != seq.num_tokens - 1 or seq.grammar is not None and seq.grammar.is_terminated():
+                continue
+            if seq.spec_skip:  # its last drafts were rejected whole (speculative.backoff)
+                seq.spec_skip -= 1
                 continue
             room = min(spec.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1)
             drafts = propose_ngram(seq.token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)

@@ -77,6 +77,8 @@ class Sequence:
     pending_prompt_logprobs: list = field(default_factory=list)  # engine.TokenLogprobs, sent with the next delta
     num_draft_tokens: int = 0  # speculative drafts at the end of token_ids, not yet verified
     state_slot: int | None = None  # linear-attention models: its state's slot while running (BlockManager)
+    spec_misses: int = 0  # speculative drafts rejected whole in a row (speculative.backoff)
+    spec_skip: int = 0  # decode steps left before it is drafted for again
 
     def drop_drafts(self, count: int | None = None) -> list[int]:
         """Remove the last `count` drafts (None: all) from token_ids; returns them."""

@@ -245,6 +245,68 @@ def per_request_dict(records: list[RequestRecord]) -> dict[str, list]:
             "generated_texts": [r.generated_text for r in records], "errors": [r.error for r in records]}
 
 
+_SPEC_PREFIXES = ("shuttle_spec_decode_", "vllm:spec_decode_")  # (ours, and a vLLM server's)
+
+
+def spec_counters(metrics_text: str) -> dict[str, Any] | None:
+    """Speculative decoding's counters from a Prometheus /metrics page (Shuttle's or vLLM's names):
+    drafts, draft tokens, accepted tokens and accepted tokens per position, summed over label sets;
+    None where the page has none (no speculation)."""
+    out: dict[str, Any] = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "per_pos": {}}
+    found = False
+    for line in metrics_text.splitlines():
+        prefix = next((p for p in _SPEC_PREFIXES if line.startswith(p)), None)
+        if prefix is None:
+            continue
+        name, _, value = line.rpartition(" ")
+        metric = name.split("{")[0][len(prefix):]
+        if not metric.endswith("_total"):
+            continue
+        found, metric = True, metric.removesuffix("_total")
+        try:
+            v = int(float(value))
+        except ValueError:
+            continue
+        if metric == "num_accepted_tokens_per_pos" and 'position="' in name:
+            pos = int(name.split('position="')[1].split('"')[0])
+            out["per_pos"][pos] = out["per_pos"].get(pos, 0) + v
+        elif metric in out:
+            out[metric] += v
+    return out if found else None
+
+
+def spec_decode_stats(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """vLLM's speculative-decoding summary of a run from the counters before and after it: acceptance
+    rate (% of draft tokens), acceptance length (1 + accepted tokens per draft: tokens a verifying
+    step emits per sequence), per-position acceptance; None without drafts."""
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    if d["num_draft_tokens"] <= 0:
+        return None
+    per_pos = [(after["per_pos"].get(p, 0) - before["per_pos"].get(p, 0)) / d["num_drafts"]
+               for p in sorted(after["per_pos"])]
+    return {"num_drafts": d["num_drafts"], "draft_tokens": d["num_draft_tokens"],
+            "accepted_tokens": d["num_accepted_tokens"],
+            "acceptance_rate": 100 * d["num_accepted_tokens"] / d["num_draft_tokens"],
+            "acceptance_length": 1 + d["num_accepted_tokens"] / d["num_drafts"], "per_position_acceptance_rates": per_pos}
+
+
+def format_spec_table(stats: dict[str, Any]) -> str:
+    """The "Speculative Decoding" section of the report, as vLLM prints it."""
+    lines = ["{s:{c}^{n}}".format(s="Speculative Decoding", n=50, c="-"),
+             "{:<40} {:<10.2f}".format("Acceptance rate (%):", stats["acceptance_rate"]),
+             "{:<40} {:<10.2f}".format("Acceptance length:", stats["acceptance_length"]),
+             "{:<40} {:<10}".format("Drafts:", stats["num_drafts"]),
+             "{:<40} {:<10}".format("Draft tokens:", stats["draft_tokens"]),
+             "{:<40} {:<10}".format("Accepted tokens:", stats["accepted_tokens"])]
+    if stats["per_position_acceptance_rates"]:
+        lines.append("Per-position acceptance (%):")
+        lines += ["{:<40} {:<10.2f}".format(f"  Position {i}:", 100 * r)
+                  for i, r in enumerate(stats["per_position_acceptance_rates"])]
+    return "\n".join(lines + ["=" * 50])
+
+
 def error_summary(records: list[RequestRecord], limit: int = 5) -> list[str]:
     """The most frequent error texts of failed requests, as 'N x text' lines."""
     counts = Counter(r.error for r in records if not r.success)

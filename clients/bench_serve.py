@@ -35,8 +35,9 @@ import numpy as np
 from tqdm import tqdm
 
 from clients.bench_datasets import BenchError, BenchRequest, load_jsonl, random_requests
-from clients.bench_metrics import (METRICS, RequestRecord, calculate_metrics, error_summary, format_table,
-                                   metrics_dict, parse_goodput, per_request_dict, plot_results)
+from clients.bench_metrics import (METRICS, RequestRecord, calculate_metrics, error_summary, format_spec_table,
+                                   format_table, metrics_dict, parse_goodput, per_request_dict, plot_results,
+                                   spec_counters, spec_decode_stats)
 from clients.bench_stream import SSEDecoder, StreamRecorder
 
 ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
@@ -82,6 +83,10 @@ class Backend(Protocol):
 
     async def send(self, req: BenchRequest) -> RequestRecord: ...
 
+    async def spec_counters(self) -> dict[str, Any] | None:
+        """Speculative decoding's counters now (bench_metrics.spec_counters), None where unknown."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -120,6 +125,15 @@ class HttpBackend:
             raise BenchError(f"GET {url}: {detail}; pass --model NAME")
         self.model = model or ids[0]
         return self.model
+
+    async def spec_counters(self) -> dict[str, Any] | None:
+        """From GET /metrics (a server without speculation, or without the page: None)."""
+        try:
+            async with self._session.get(self.base + "/metrics", headers=self.headers,
+                                         timeout=aiohttp.ClientTimeout(total=30)) as r:
+                return spec_counters(await r.text()) if r.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return None
 
     def payload(self, req: BenchRequest) -> dict[str, Any]:
         """The JSON body of one request."""
@@ -234,6 +248,9 @@ class GrpcBackend:
             return rec.finish(_grpc_error(e))
         return rec.finish()
 
+    async def spec_counters(self) -> dict[str, Any] | None:
+        return None  # (the gRPC service has no /metrics; run against the HTTP port for them)
+
     async def close(self) -> None:
         await self._client.close()
 
@@ -304,14 +321,16 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         print(f"Model: {model}\nTraffic request rate: {args.request_rate}\nBurstiness factor: {args.burstiness} "
               f"({kind})\nMaximum request concurrency: {args.max_concurrency}", flush=True)
         send_at = arrival_times(len(requests), args.request_rate, args.burstiness, args.seed + 1)
+        spec_before = await backend.spec_counters()
         cpu0 = _process_cpu_s()
         records, duration = await dispatch(backend, requests, send_at, args.max_concurrency, not args.disable_tqdm)
         cpu_s = _process_cpu_s() - cpu0
+        spec = spec_decode_stats(spec_before, await backend.spec_counters())
     finally:
         await backend.close()
     # This process's CPU seconds during the load alone (not loading the tokenizer, making the
     # requests, the readiness check or the report): what a planner charges per request and token.
-    return {**report(args, model, records, duration), "client_cpu_s": cpu_s}
+    return {**report(args, model, records, duration, spec), "client_cpu_s": cpu_s}
 
 
 def _process_cpu_s() -> float:
@@ -348,12 +367,16 @@ async def wait_until_ready(backend: Backend, args: argparse.Namespace, first: Be
         await asyncio.sleep(min(READY_RETRY_S, left))
 
 
-def report(args: argparse.Namespace, model: str, records: list[RequestRecord], duration: float) -> dict[str, Any]:
-    """Print the errors and the table, write --save-result and --plot; return the result dict."""
+def report(args: argparse.Namespace, model: str, records: list[RequestRecord], duration: float,
+           spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Print the errors and the table (with speculative decoding's section where the server drafted:
+    `spec`, bench_metrics.spec_decode_stats), write --save-result and --plot; return the result dict."""
     m = calculate_metrics(records, duration, args.metric_percentiles, args.goodput, args.num_gpus)
     for line in error_summary(records):
         print(f"Failed: {line}")
     print(format_table(m, args.percentile_metrics, args.max_concurrency, args.request_rate))
+    if spec is not None:
+        print(format_spec_table(spec))
     if m.requests_without_usage:
         print(f"Note: {m.requests_without_usage} of {m.completed} requests came back without `usage`: their output "
               "tokens are the streamed chunks counted, their input tokens the prompt's estimated length.")
@@ -365,6 +388,9 @@ def report(args: argparse.Namespace, model: str, records: list[RequestRecord], d
         **metrics_dict(m, args.percentile_metrics), **per_request_dict(records)}
     if args.goodput:
         result.update(goodput=m.request_goodput, goodput_slos_ms=args.goodput)
+    if spec is not None:  # (vLLM's keys)
+        result.update({f"spec_decode_{k}": v for k, v in spec.items() if k != "per_position_acceptance_rates"},
+                      spec_decode_per_position_acceptance_rates=spec["per_position_acceptance_rates"])
     if args.save_result:
         Path(args.save_result).parent.mkdir(parents=True, exist_ok=True)
         Path(args.save_result).write_text(json.dumps(result))

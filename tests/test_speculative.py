@@ -9,6 +9,7 @@ import pytest
 
 from attention_nodes.config import SpeculativeConfig
 from attention_nodes.speculative import propose_ngram
+from clients.bench_metrics import spec_counters, spec_decode_stats
 from server import LLM, SamplingParams
 from tests.conftest import PROMPTS
 
@@ -144,6 +145,7 @@ def test_served_with_speculation_streams_the_same_tokens(ckpt, plain):
     import openai
 
     from clients.live_server import LiveServer
+    from tests.test_bench_serve import run_bench
 
     prompt = SPEC_PROMPTS[-1]
     want = plain.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0].outputs[0].text
@@ -156,6 +158,58 @@ def test_served_with_speculation_streams_the_same_tokens(ckpt, plain):
         [model] = client.models.list().data
         assert model.model_extra["speculative_config"] == {**NGRAM, "disable_by_batch_size": 32}
         metrics = httpx.get(f"{srv.url}/metrics").text
+        # `shuttle bench serve` reports the run's acceptance as vLLM's does, from /metrics before and after
+        result = run_bench(["--base-url", srv.url, "--num-prompts", "4", "--input-len", "12", "--output-len", "16",
+                            "--ignore-eos", "--disable-tqdm"])
+        after = spec_counters(httpx.get(f"{srv.url}/metrics").text)
     drafts = [line for line in metrics.splitlines() if line.startswith("shuttle_spec_decode_num_drafts_total")]
     assert drafts and float(drafts[0].split()[-1]) > 0
     assert 'shuttle_spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="2"}' in metrics
+    before = spec_counters(metrics)
+    n, accepted = (after[k] - before[k] for k in ("num_drafts", "num_accepted_tokens"))
+    # (the bench's 1-token readiness request ran between `metrics` and the bench's own first read)
+    assert 0 < result["spec_decode_num_drafts"] <= n and result["spec_decode_accepted_tokens"] <= accepted
+    assert result["spec_decode_acceptance_length"] == pytest.approx(
+        1 + result["spec_decode_accepted_tokens"] / result["spec_decode_num_drafts"])
+    assert len(result["spec_decode_per_position_acceptance_rates"]) == NGRAM["num_speculative_tokens"]
+
+
+def test_spec_counters_read_shuttle_and_vllm_pages():
+    page = "\n".join([
+        "# HELP x", 'shuttle_spec_decode_num_drafts_total{model_name="m"} 10.0',
+        'shuttle_spec_decode_num_draft_tokens_total{model_name="m"} 30.0',
+        'shuttle_spec_decode_num_accepted_tokens_total{model_name="m"} 12.0',
+        'shuttle_spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 7.0',
+        'shuttle_spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 5.0',
+        'shuttle_spec_decode_num_drafts_created 1.7e9'])
+    c = spec_counters(page)
+    assert c == {"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 12, "per_pos": {0: 7, 1: 5}}
+    vllm = page.replace("shuttle_spec_decode_", "vllm:spec_decode_")
+    for was, now in (("} 10.0", "} 14.0"), ("} 30.0", "} 42.0"), ("} 12.0", "} 14.0"), ("} 7.0", "} 9.0")):
+        vllm = vllm.replace(was, now)
+    stats = spec_decode_stats(c, spec_counters(vllm))
+    assert (stats["num_drafts"], stats["draft_tokens"], stats["accepted_tokens"]) == (4, 12, 2)
+    assert stats["acceptance_rate"] == pytest.approx(100 * 2 / 12) and stats["acceptance_length"] == 1.5
+    assert stats["per_position_acceptance_rates"] == [0.5, 0.0]
+    assert spec_counters("shuttle_requests_total 3.0") is None and spec_decode_stats(c, c) is None
+
+
+def test_rejected_drafts_back_off(ckpt, plain, monkeypatch):
+    """Drafts that are always rejected: after r rejections in a row the sequence goes backoff(r)
+    decode steps (1, 3, 7, 15) without drafts, so 24 greedy tokens verify drafts at decode steps
+    0, 2, 6 and 14 only; the output is the plain engine's."""
+    import attention_nodes.engine as engine_module
+    from attention_nodes.speculative import backoff
+
+    assert [backoff(r) for r in range(6)] == [0, 1, 3, 7, 15, 15]
+    prompt = SPEC_PROMPTS[0]
+    want = _ids(plain, [prompt], GREEDY)
+    never = next(t for t in range(plain.engine.model_cfg.vocab_size) if t not in want[0][0])
+    monkeypatch.setattr(engine_module, "propose_ngram", lambda ids, k, lo, hi: [never] * k)
+    llm = LLM(ckpt, speculative_config=NGRAM)
+    try:
+        assert _ids(llm, [prompt], GREEDY) == want
+        spec = _spec(llm)
+    finally:
+        llm.shutdown()
+    assert (spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]) == (4, 12, 0)
