@@ -9,9 +9,9 @@ attention with q/k/v biases, optional per-head q/k norm and partial rotary; Mini
 V3 without groups, norms q and k over the whole projection and ropes part of each head; gpt-oss
 has attention sinks, alternating sliding-window layers, biased router and experts, a clamped
 SwiGLU and yarn rope, and is published with MXFP4 experts (quantization_config mxfp4). Llama 4
-and MiMo-V2-Flash lay their layers out their own way, and Qwen3-Next interleaves gated DeltaNet
-(linear attention, LinearAttentionConfig) with gated full-attention layers: models/families.py reads
-them (and holds every family's defaults).
+and MiMo-V2-Flash lay their layers out their own way, and Qwen3-Next and Qwen3.5-MoE interleave gated
+DeltaNet (linear attention, LinearAttentionConfig) with gated full-attention layers: models/families.py
+reads them (and holds every family's defaults).
 `planning=True` also reads families that are planned for but not served (PLANNED_ARCHITECTURES:
 DBRX, whose config.json names its fields its own way); ModelConfig's sizes and per-token costs are
 what `shuttle plan` and `shuttle simulate` compute with.
@@ -45,19 +45,23 @@ ARCHITECTURES = {
     "Llama4ForConditionalGeneration": "llama4",  # its language model (text_config; tensors under language_model.)
     "MiMoV2FlashForCausalLM": "mimo_v2_flash",
     "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",  # its language model (text_config; under language_model.)
 }
 # model_type -> architectures entry, for a config.json that lists no known architecture
 MODEL_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                "kimi_k2": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                "minimax_m2": "MiniMaxM2ForCausalLM", "gpt_oss": "GptOssForCausalLM",
                "llama4": "Llama4ForConditionalGeneration", "llama4_text": "Llama4ForCausalLM",
-               "mimo_v2_flash": "MiMoV2FlashForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+               "mimo_v2_flash": "MiMoV2FlashForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+               "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 # families `shuttle plan` sizes (ModelConfig.from_dict(..., planning=True)) that the engine does not build
 PLANNED_ARCHITECTURES = {"DbrxForCausalLM": "dbrx"}
 PLANNED_MODEL_TYPES = {"dbrx": "DbrxForCausalLM"}
-MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
-V3_ROUTER_FAMILIES = ("deepseek_v3", "glm4_moe", "mimo_v2_flash")  # sigmoid + correction bias + groups of top-2 sums
-PARTIAL_ROTARY_FAMILIES = {"glm4_moe": 0.5, "minimax_m2": 1.0, "qwen3_next": 0.25}  # family -> default partial_rotary_factor
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
+V3_ROUTER_FAMILIES = ("deepseek_v3", "deepseek_v32", "glm4_moe", "mimo_v2_flash")  # sigmoid + correction bias + groups of top-2 sums
+# family -> default partial_rotary_factor
+PARTIAL_ROTARY_FAMILIES = {"glm4_moe": 0.5, "minimax_m2": 1.0, "qwen3_next": 0.25, "qwen3_5_moe": 0.25}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -88,16 +92,20 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class LinearAttentionConfig:
-    """Gated DeltaNet layers (Qwen3-Next; models/linear_attention.py): key_heads query/key heads of
-    key_dim, value_heads (a multiple of key_heads) value heads of value_dim, a depthwise causal
+    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5-MoE; models/linear_attention.py): key_heads query/key
+    heads of key_dim, value_heads (a multiple of key_heads) value heads of value_dim, a depthwise causal
     convolution of conv_kernel taps over q, k and v. Each sequence carries, per linear layer, the
-    convolution's last conv_kernel - 1 inputs and a (value_heads, key_dim, value_dim) float32 state."""
+    convolution's last conv_kernel - 1 inputs and a (value_heads, key_dim, value_dim) float32 state.
+    split_projections: the checkpoint's input projections are Qwen3.5's in_proj_qkv (q of every key
+    head, then k, then v), in_proj_z, in_proj_b and in_proj_a, not Qwen3-Next's in_proj_qkvz and
+    in_proj_ba grouped per key head (the same weights, laid out differently)."""
 
     key_heads: int
     value_heads: int
     key_dim: int
     value_dim: int
     conv_kernel: int
+    split_projections: bool = False
 
     @property
     def conv_dim(self) -> int:
@@ -110,7 +118,8 @@ class LinearAttentionConfig:
         return self.conv_dim * (self.conv_kernel - 1) * dtype.itemsize + self.value_heads * self.key_dim * self.value_dim * 4
 
     def params(self, hidden: int) -> int:
-        """One layer's parameters: in_proj_qkvz, in_proj_ba, conv1d, dt_bias, A_log, the gated norm, out_proj."""
+        """One layer's parameters: the input projections (q, k, v, z, b, a), conv1d, dt_bias, A_log, the
+        gated norm, out_proj."""
         v = self.value_heads * self.value_dim
         return (hidden * (self.conv_dim + v + 2 * self.value_heads) + self.conv_dim * self.conv_kernel
                 + 2 * self.value_heads + self.value_dim + v * hidden)
@@ -174,9 +183,9 @@ class ModelConfig:
     v_scale: float = 1.0
     sliding_rope: RopeConfig | None = None
     sliding_rotary_dim: int | None = None
-    # Qwen3-Next (models/families.py): the gated DeltaNet layers (True) among full-attention ones, their
-    # shape, a sigmoid gate on each full-attention head's output (q_proj gives it beside the query), and
-    # RMSNorms that scale by 1 + weight (checkpoints store weight - 1: models/loader.py adds the 1)
+    # Qwen3-Next, Qwen3.5-MoE (models/families.py): the gated DeltaNet layers (True) among full-attention
+    # ones, their shape, a sigmoid gate on each full-attention head's output (q_proj gives it beside the
+    # query), and RMSNorms that scale by 1 + weight (checkpoints store weight - 1: models/loader.py adds the 1)
     linear_layers: tuple[bool, ...] | None = None
     linear_attention: LinearAttentionConfig | None = None
     attn_output_gate: bool = False
@@ -272,7 +281,8 @@ class ModelConfig:
             return self.linear_attention.params(self.hidden_size)
         n = self.attention_weights(layer)
         if self.mla is None:
-            n += (self.q_size + self._kv_width(layer)) * self.qkv_bias + self.hidden_size * self.o_bias
+            n += ((self.q_size * (1 + self.attn_output_gate) + self._kv_width(layer)) * self.qkv_bias
+                  + self.hidden_size * self.o_bias)
             n += {"per_head": 2 * self.head_dim, "full": self.q_size + self.kv_size}.get(self.qk_norm, 0)
             return n + self.num_heads * self.has_sinks(layer)
         m = self.mla
@@ -438,8 +448,8 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
     family = known[arch]
     if family == "dbrx":
         raw = families.dbrx_fields(raw, src)
-    if family == "llama4":
-        raw = families.llama4_text_config(raw, src)
+    if family in ("llama4", "qwen3_5_moe"):
+        raw = families.text_config(raw, family, src)
     raw = {**families.DEFAULTS.get(family, {}), **raw}  # (a field present as null keeps its generic default)
     act = get("hidden_act", "silu")
     if act != "silu":
@@ -596,7 +606,9 @@ def _router(raw: dict[str, Any], family: str, num_experts: int, top_k: int, src:
     if family == "gpt_oss":  # softmax of the top-k biased logits, weights in the activations' dtype
         return RouterConfig(top_k, "softmax", renormalize=True, bias=True)
     if family not in (*MLA_FAMILIES, *V3_ROUTER_FAMILIES):
-        return RouterConfig(top_k, "softmax", renormalize=family == "mixtral" or bool(raw.get("norm_topk_prob", False)),
+        # (Qwen3.5-MoE's router always renormalises: transformers does not read norm_topk_prob)
+        return RouterConfig(top_k, "softmax", renormalize=family in ("mixtral", "qwen3_5_moe")
+                            or bool(raw.get("norm_topk_prob", False)),
                             weights_fp32=family == "mixtral")
     v3 = family in V3_ROUTER_FAMILIES
     glm = family in ("glm4_moe", "mimo_v2_flash")  # (transformers reads neither field: always sigmoid, noaux_tc)

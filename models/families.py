@@ -1,6 +1,7 @@
 """What models/config.py reads family by family: transformers 5's defaults for fields a config.json
 leaves out (DEFAULTS, DEFAULT_THETA, GPT_OSS_ROPE), DBRX's own field names, and the readers of the
-families whose config.json lays a model out its own way, Llama 4 (text) and MiMo-V2-Flash (FIELDS).
+families whose config.json lays a model out its own way (FIELDS), and the language model of a
+multimodal config.json (text_config: Llama 4, Qwen3.5-MoE).
 
 Each reader turns a config.json (already merged with DEFAULTS) into the ModelConfig fields that
 differ from the generic reading, following transformers' definition of the family; every field
@@ -19,6 +20,10 @@ transformers reads is used or refused with a ConfigError naming it.
   default every full_attention_interval-th), the full ones with a sigmoid output gate per head, q/k
   norms and partial rotary (0.25); Qwen2-MoE's gated shared expert beside softmax routing;
   RMSNorms that scale by 1 + weight; dense layers by mlp_only_layers / decoder_sparse_step.
+- Qwen3.5-MoE (text): Qwen3-Next's layers with the linear layers' input projections split
+  (in_proj_qkv of q, k, v one after the other; in_proj_z, in_proj_b, in_proj_a), experts in every
+  layer, the router always renormalised, and multimodal rope (mrope_section), which for text (the
+  three position ids equal) is plain rope over partial_rotary_factor (0.25) of each head.
 """
 from typing import Any, Callable
 
@@ -47,6 +52,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                    "num_key_value_heads": 2, "head_dim": 256, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
                    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts_per_tok": 10,
                    "num_experts": 512, "norm_topk_prob": True, "vocab_size": 151936},
+    "qwen3_5_moe": {"hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
+                    "head_dim": 256, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+                    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts_per_tok": 8,
+                    "num_experts": 256, "vocab_size": 248320},
     "mimo_v2_flash": {"num_key_value_heads": 4, "head_dim": 192, "v_head_dim": 128, "num_experts_per_tok": 8,
                       "n_routed_experts": 256, "moe_intermediate_size": 2048, "intermediate_size": 16384,
                       "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "sliding_window": 129,
@@ -78,17 +87,20 @@ def dbrx_fields(raw: dict[str, Any], src: str) -> dict[str, Any]:
     return {**raw, **{k: v for k, v in fields.items() if v is not None}}
 
 
-def llama4_text_config(raw: dict[str, Any], src: str) -> dict[str, Any]:
-    """Llama4ForConditionalGeneration's config.json holds the language model in text_config: its
-    fields, with the top level's dtype, quantization and token ids where text_config has none. A
-    Llama4ForCausalLM (llama4_text) config.json is flat and returned as it is."""
+def text_config(raw: dict[str, Any], family: str, src: str) -> dict[str, Any]:
+    """A multimodal config.json (Llama4ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration)
+    holds the language model in text_config: its fields, with the top level's dtype, quantization and
+    token ids where text_config has none. Qwen3.5-MoE's wrapper ties its lm_head by the top level's
+    tie_word_embeddings (default false), whatever text_config says. A text model's (llama4_text,
+    qwen3_5_moe_text) config.json is flat and returned as it is."""
     text = raw.get("text_config")
     if text is None:
         return raw
     if not isinstance(text, dict):
         raise ConfigError(f"{src}: text_config must be an object")
     inherited = ("dtype", "torch_dtype", "quantization_config", "bos_token_id", "eos_token_id", "pad_token_id")
-    return {**{k: raw[k] for k in inherited if raw.get(k) is not None}, **text,
+    own = {"tie_word_embeddings": bool(raw.get("tie_word_embeddings", False))} if family == "qwen3_5_moe" else {}
+    return {**{k: raw[k] for k in inherited if raw.get(k) is not None}, **text, **own,
             "architectures": raw.get("architectures") or [], "model_type": raw.get("model_type")}
 
 
@@ -150,7 +162,8 @@ def llama4_fields(raw: dict[str, Any], layers: int, src: str, rope_of: RopeOf) -
     )
 
 
-def _layer_types(raw: dict[str, Any], key: str, default: list[str], kinds: tuple[str, str], src: str) -> list[str]:
+def layer_types(raw: dict[str, Any], key: str, default: list[str], kinds: tuple[str, str], src: str) -> list[str]:
+    """raw[key] (default where absent): one of `kinds` per layer, else a ConfigError naming the field."""
     types = raw.get(key) or default
     if not isinstance(types, list) or len(types) != len(default) or not set(types) <= set(kinds):
         raise ConfigError(f"{src}: {key} must list num_hidden_layers={len(default)} entries of "
@@ -170,9 +183,9 @@ def _rotary_dims(params: dict[str, Any], head_dim: int, key: str, src: str) -> i
 def mimo_fields(raw: dict[str, Any], layers: int, src: str, rope_of: RopeOf) -> dict[str, Any]:
     """ModelConfig fields of MiMo-V2-Flash (transformers' MiMoV2FlashConfig and MiMoV2FlashAttention)."""
     _check_no_dropout(raw, src)
-    types = _layer_types(raw, "layer_types", ["full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention"
+    types = layer_types(raw, "layer_types", ["full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention"
                                               for i in range(layers)], ("full_attention", "sliding_attention"), src)
-    mlp = _layer_types(raw, "mlp_layer_types", ["dense"] + ["sparse"] * (layers - 1), ("dense", "sparse"), src)
+    mlp = layer_types(raw, "mlp_layer_types", ["dense"] + ["sparse"] * (layers - 1), ("dense", "sparse"), src)
     sliding = [t == "sliding_attention" for t in types]
     # the reference implementation's sliding_window_size counts the previous tokens, without the query
     window = raw["sliding_window_size"] + 1 if raw.get("sliding_window_size") is not None else raw.get("sliding_window")
@@ -217,7 +230,7 @@ def qwen3_next_fields(raw: dict[str, Any], layers: int, src: str, rope_of: RopeO
     interval = int(raw.get("full_attention_interval") or 4)
     if interval < 1:
         raise ConfigError(f"{src}: full_attention_interval must be >= 1, got {interval}")
-    types = _layer_types(raw, "layer_types", ["linear_attention" if (i + 1) % interval else "full_attention"
+    types = layer_types(raw, "layer_types", ["linear_attention" if (i + 1) % interval else "full_attention"
                                               for i in range(layers)], ("linear_attention", "full_attention"), src)
 
     def positive(key: str, default: int) -> int:
@@ -251,4 +264,16 @@ def qwen3_next_fields(raw: dict[str, Any], layers: int, src: str, rope_of: RopeO
     )
 
 
-FIELDS = {"llama4": llama4_fields, "mimo_v2_flash": mimo_fields, "qwen3_next": qwen3_next_fields}
+def qwen3_5_moe_fields(raw: dict[str, Any], layers: int, src: str, rope_of: RopeOf) -> dict[str, Any]:
+    """ModelConfig fields of Qwen3.5-MoE's language model (transformers' Qwen3_5MoeTextConfig and
+    Qwen3_5MoeDecoderLayer): Qwen3-Next's, with the linear layers' projections split and experts in
+    every layer (transformers reads neither decoder_sparse_step nor mlp_only_layers). Its rope's
+    mrope_section / mrope_interleaved only choose which of the three position ids (temporal, height,
+    width) each frequency takes; for text the three are equal, so they change nothing and are not read."""
+    fields = qwen3_next_fields({**raw, "decoder_sparse_step": 1, "mlp_only_layers": []}, layers, src, rope_of)
+    return {**fields, "moe_layers": (True,) * layers,
+            "linear_attention": {**fields["linear_attention"], "split_projections": True}}
+
+
+FIELDS = {"llama4": llama4_fields, "mimo_v2_flash": mimo_fields, "qwen3_next": qwen3_next_fields,
+          "qwen3_5_moe": qwen3_5_moe_fields}

@@ -1,4 +1,4 @@
-"""Gated DeltaNet: Qwen3-Next's linear-attention layers, and the per-sequence state they keep.
+"""Gated DeltaNet: Qwen3-Next's and Qwen3.5-MoE's linear-attention layers, and the per-sequence state they keep.
 
 Legend: T tokens of the flat batch, B sequences, L the longest chunk of one sequence in this call,
 D hidden, Hk query/key heads, Hv value heads (r = Hv / Hk per key head), K key head dim, V value
@@ -38,32 +38,51 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """One linear-attention layer; parameter names follow the checkpoints (transformers'
-    Qwen3NextGatedDeltaNet): in_proj_qkvz gives, per key head, [q (K), k (K), v (r V), z (r V)];
-    in_proj_ba per key head [b (r), a (r)]; beta = sigmoid(b), the log decay
-    g = -exp(A_log) softplus(a + dt_bias)."""
+    """One linear-attention layer; parameter names follow the checkpoints, so the loader maps them 1:1
+    and training saves them back unchanged. Qwen3-Next (transformers' Qwen3NextGatedDeltaNet):
+    in_proj_qkvz gives, per key head, [q (K), k (K), v (r V), z (r V)], in_proj_ba per key head
+    [b (r), a (r)]. Qwen3.5-MoE (LinearAttentionConfig.split_projections; Qwen3_5MoeGatedDeltaNet):
+    in_proj_qkv gives q of every key head, then k, then v (the convolution's channel order), and
+    in_proj_z, in_proj_b, in_proj_a one value head after another. Then beta = sigmoid(b) and the log
+    decay g = -exp(A_log) softplus(a + dt_bias)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, ops: KernelOps):
         super().__init__()
         la: LinearAttentionConfig = cfg.linear_attention
         self.layer, self.la, self.ops = layer, la, ops
         D, Hk, Hv, K, V = cfg.hidden_size, la.key_heads, la.value_heads, la.key_dim, la.value_dim
-        self.in_proj_qkvz = nn.Linear(D, 2 * Hk * K + 2 * Hv * V, bias=False)
-        self.in_proj_ba = nn.Linear(D, 2 * Hv, bias=False)
+        if la.split_projections:
+            self.in_proj_qkv = nn.Linear(D, la.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(D, Hv * V, bias=False)
+            self.in_proj_b = nn.Linear(D, Hv, bias=False)
+            self.in_proj_a = nn.Linear(D, Hv, bias=False)
+        else:
+            self.in_proj_qkvz = nn.Linear(D, 2 * Hk * K + 2 * Hv * V, bias=False)
+            self.in_proj_ba = nn.Linear(D, 2 * Hv, bias=False)
         self.conv1d = nn.Conv1d(la.conv_dim, la.conv_dim, la.conv_kernel, groups=la.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(Hv))
         self.A_log = nn.Parameter(torch.zeros(Hv))
         self.norm = GatedRMSNorm(V, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(Hv * V, D, bias=False)
 
-    def forward(self, x_TD: torch.Tensor, cache, batch: AttentionBatch) -> torch.Tensor:
+    def _inputs(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(mixed_TC: q, k, v of every head in the convolution's order, z_TX (T, Hv V), b_TH, a_TH)
+        from the checkpoint's projections, whichever layout they have."""
         la, T = self.la, x_TD.shape[0]
+        if la.split_projections:
+            return self.in_proj_qkv(x_TD), self.in_proj_z(x_TD), self.in_proj_b(x_TD), self.in_proj_a(x_TD)
         Hk, Hv, K, V, r = la.key_heads, la.value_heads, la.key_dim, la.value_dim, la.value_heads // la.key_heads
         q, k, v, z = self.in_proj_qkvz(x_TD).view(T, Hk, -1).split((K, K, r * V, r * V), dim=-1)
         b, a = self.in_proj_ba(x_TD).view(T, Hk, 2 * r).split((r, r), dim=-1)
         mixed_TC = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)
-        beta_TH = torch.sigmoid(b.reshape(T, Hv))
-        g_TH = -self.A_log.float().exp() * F.softplus(a.reshape(T, Hv).float() + self.dt_bias)
+        return mixed_TC, z.reshape(T, Hv * V), b.reshape(T, Hv), a.reshape(T, Hv)
+
+    def forward(self, x_TD: torch.Tensor, cache, batch: AttentionBatch) -> torch.Tensor:
+        la, T = self.la, x_TD.shape[0]
+        Hv, V = la.value_heads, la.value_dim
+        mixed_TC, z_TX, b_TH, a_TH = self._inputs(x_TD)
+        beta_TH = torch.sigmoid(b_TH)
+        g_TH = -self.A_log.float().exp() * F.softplus(a_TH.float() + self.dt_bias)
         states = getattr(cache, "linear_states", None)
         if batch.parts is None:
             o_THV = self._mix(mixed_TC, beta_TH, g_TH, batch, states)
@@ -75,7 +94,7 @@ class GatedDeltaNet(nn.Module):
             o_THV[decode_T] = self._mix(mixed_TC[decode_T], beta_TH[decode_T], g_TH[decode_T], decodes, states,
                                         batch.state_slots_B[decode_B])
             o_THV[prefill_T] = self._mix(mixed_TC[prefill_T], beta_TH[prefill_T], g_TH[prefill_T], prefill, states)
-        o = self.norm(o_THV.to(x_TD.dtype).reshape(T * Hv, V), z.reshape(T * Hv, V))
+        o = self.norm(o_THV.to(x_TD.dtype).reshape(T * Hv, V), z_TX.reshape(T * Hv, V))
         return self.out_proj(o.view(T, Hv * V))
 
     def _mix(self, mixed_TC: torch.Tensor, beta_TH: torch.Tensor, g_TH: torch.Tensor, batch: AttentionBatch,

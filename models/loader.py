@@ -18,6 +18,8 @@ Llama 4 names its MLP `feed_forward` (router `router`, ungated `shared_expert`) 
 transposed (`gate_up_proj` (E, D, 2I) gate then up, `down_proj` (E, I, D)); a multimodal checkpoint
 keeps its language model under `language_model.` and its vision tower, which is skipped, beside it.
 MiMo-V2-Flash names its sinks `attention_sink_bias` and keeps its MTP layers under `model.mtp.` (skipped).
+A Qwen3_5MoeForConditionalGeneration checkpoint keeps its language model under `model.language_model.`
+and its vision tower under `model.visual.` (skipped); Qwen3-Next's and Qwen3.5's MTP layers (`mtp.`) are skipped.
 RENAMES holds each family's (checkpoint, model) name pieces; training/checkpoint.py writes them back.
 """
 import atexit
@@ -45,9 +47,10 @@ from models.moe_decoder import Experts, MoEForCausalLM
 STACKED_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(w13|w2)$")  # the model's stacked tensors
 _EXPERT = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _FUSED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
-# (a Llama4ForConditionalGeneration's vision tower and projector: only its language model is served;
-# MiMo-V2-Flash's multi-token-prediction layers, which transformers skips too)
-_IGNORED = re.compile(r"(rotary_emb\.inv_freq$)|^(vision_model|multi_modal_projector)\.|^model\.mtp\.")
+# (a Llama4ForConditionalGeneration's vision tower and projector, a Qwen3_5MoeForConditionalGeneration's
+# vision tower: only the language model is served; the multi-token-prediction layers of MiMo-V2-Flash and
+# of Qwen3-Next / Qwen3.5, which transformers skips too)
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq$)|^(vision_model|multi_modal_projector|model\.visual|model\.mtp|mtp)\.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` scales the FP8 `X.weight`
 MXFP4_SUFFIXES = ("_blocks", "_scales")  # `X_blocks` + `X_scales` hold the MXFP4 tensor `X`
@@ -229,6 +232,8 @@ def checkpoint_targets(name: str, cfg: ModelConfig) -> list[Target] | None:
         name = name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
     if cfg.family == "llama4":
         name = name.removeprefix("language_model.")
+    elif cfg.family == "qwen3_5_moe" and name.startswith("model.language_model."):
+        name = "model." + name.removeprefix("model.language_model.")
     for theirs, ours in RENAMES.get(cfg.family, ()):
         name = name.replace(theirs, ours)
     I = cfg.moe_intermediate_size

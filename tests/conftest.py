@@ -97,6 +97,19 @@ FAMILIES = {
                                            layer_types=["linear_attention", "full_attention", "linear_attention"],
                                            linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=10,
                                            linear_value_head_dim=14)),
+    # Qwen3.5-MoE (text): its split projections, gated DeltaNet layers 0 and 2 (2 key heads of 10, 6
+    # value heads of 14: 3 per key head) around a gated full-attention layer 1 (4 heads of 20 over 2,
+    # 6 dims roped: partial_rotary_factor 0.3, multimodal rope sections as published); 6 experts
+    # top-3 in every layer beside a gated shared expert
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(num_hidden_layers=3, head_dim=20, moe_intermediate_size=20,
+                                                 num_experts=6, num_experts_per_tok=3,
+                                                 shared_expert_intermediate_size=36, full_attention_interval=2,
+                                                 linear_num_key_heads=2, linear_num_value_heads=6,
+                                                 linear_key_head_dim=10, linear_value_head_dim=14,
+                                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                  "partial_rotary_factor": 0.3,
+                                                                  "mrope_section": [1, 1, 1],
+                                                                  "mrope_interleaved": True})),
 }
 BIASED = ("glm4_moe", "minimax_m2", "gpt_oss", "mimo_v2_flash")  # families whose biases and sinks are made non-zero
 
@@ -130,7 +143,7 @@ def make_checkpoint(tmp_path_factory, tokenizer_dir):
                 randomize_correction_bias(out, seed)
             elif family in BIASED:
                 randomize_biases(out, seed)
-            elif family == "qwen3_next":  # (its norms are stored as weight - 1, zeros; dt_bias ones)
+            elif family in ("qwen3_next", "qwen3_5_moe"):  # (norms stored as weight - 1, zeros; dt_bias ones)
                 randomize_biases(out, seed)
                 randomize_norms(out, seed)
         return cache[key]

@@ -50,7 +50,8 @@ def test_compiled_greedy_ids_equal_eager(make_checkpoint):
     assert _graphs() == graphs, "serving compiled a graph (warm-up missed a bucket or a guard)"
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != FAMILY])
+# (Qwen3.5-MoE's stages are Qwen3-Next's: only its linear layers' eager input projections differ)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in (FAMILY, "qwen3_5_moe")])
 def test_compiled_greedy_ids_every_family(make_checkpoint, family):
     """Prefill chunks and decode at batch 4 and 1 give the eager engine's greedy ids on every family."""
     from server import LLM
