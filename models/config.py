@@ -38,6 +38,7 @@ ARCHITECTURES = {
     "OlmoeForCausalLM": "olmoe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "DeepseekV32ForCausalLM": "deepseek_v32",
     "Glm4MoeForCausalLM": "glm4_moe",
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "GptOssForCausalLM": "gpt_oss",
@@ -50,6 +51,7 @@ ARCHITECTURES = {
 }
 # model_type -> architectures entry, for a config.json that lists no known architecture
 MODEL_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+               "deepseek_v32": "DeepseekV32ForCausalLM",
                "kimi_k2": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                "minimax_m2": "MiniMaxM2ForCausalLM", "gpt_oss": "GptOssForCausalLM",
                "llama4": "Llama4ForConditionalGeneration", "llama4_text": "Llama4ForCausalLM",
@@ -79,6 +81,12 @@ class MLAConfig:
     v_head_dim: int
     rope_interleave: bool  # the rope dims pair up as (0, 1), (2, 3), ... instead of the two halves
     softmax_scale: float
+    # DeepSeek Sparse Attention (V3.2; models/mla.py Indexer): each query attends to the index_topk
+    # cached tokens its index_heads heads of index_head_dim score highest (0: dense MLA); the cache
+    # keeps each token's index key (index_head_dim values) beside its latent
+    index_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
 
     @property
     def qk_head_dim(self) -> int:
@@ -229,7 +237,7 @@ class ModelConfig:
         """Values the KV cache keeps per token in one layer: keys and values of every kv head, or MLA's
         latent plus its roped key (576 for DeepSeek-V3's shape instead of 2 x 128 x 128 = 32,768)."""
         if self.mla is not None:
-            return self.mla.cache_width
+            return self.mla.cache_width + self.mla.index_head_dim
         if self.is_linear(layer):
             return 0
         return self.kv_heads(layer) * (self.head_dim + self.v_dim)
@@ -457,7 +465,7 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
 
     hidden, layers, heads = int(need("hidden_size")), int(need("num_hidden_layers")), int(need("num_attention_heads"))
     kv_heads = int(get("num_key_value_heads", heads))
-    mla = _mla(raw, src) if family in MLA_FAMILIES else None
+    mla = _mla(raw, family, src) if family in MLA_FAMILIES else None
     head_dim = mla.qk_rope_head_dim if mla else int(get("head_dim", hidden // heads))  # MLA: the rotary dim
     if heads % kv_heads:
         raise ConfigError(f"{src}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
@@ -481,8 +489,12 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
         moe_layers = (True,) * layers
         moe_inter = int(need("intermediate_size"))
     elif mla or family == "glm4_moe":  # dense MLPs before first_k_dense_replace, MoE after (as transformers builds them)
-        first_dense = int(get("first_k_dense_replace", 1 if family == "glm4_moe" else 0))
+        first_dense = int(get("first_k_dense_replace", 3 if family == "deepseek_v32" else 1 if family == "glm4_moe"
+                                  else 0))
         moe_layers = tuple(i >= first_dense for i in range(layers))
+        if family == "deepseek_v32" and raw.get("mlp_layer_types") is not None:  # (it wins over first_k_dense_replace)
+            types = families.layer_types(raw, "mlp_layer_types", ["dense"] * layers, ("dense", "sparse"), src)
+            moe_layers = tuple(t == "sparse" for t in types)
         moe_inter = int(need("moe_intermediate_size"))
         shared_inter = moe_inter * int(get("n_shared_experts", 2 if family == "deepseek_v2" else 1))
     else:
@@ -534,7 +546,7 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
         bos_token_id=get("bos_token_id"),
         mla=_with_scale(mla, rope) if mla else None,
         num_mtp_layers=(int(get("num_nextn_predict_layers", 0, "num_mtp_layers"))
-                        if family in ("deepseek_v3", "glm4_moe") else 0),
+                        if family in ("deepseek_v3", "deepseek_v32", "glm4_moe") else 0),
         fp8_block=_fp8_block(raw.get("quantization_config"), src),
         rotary_dim=rotary_dim,
         attention_sinks=oss,
@@ -635,11 +647,11 @@ def _router(raw: dict[str, Any], family: str, num_experts: int, top_k: int, src:
     # transformers' V2 router never renormalises (norm_topk_prob is read by V3 only)
     return RouterConfig(top_k, scoring, renormalize=v3 and bool(raw.get("norm_topk_prob", True)), num_groups=groups,
                         topk_groups=topk_groups, group_score="top2_sum" if v3 else "max",
-                        scaling=float(raw.get("routed_scaling_factor") or (2.5 if family == "deepseek_v3" else 1.0)),
+                        scaling=float(raw.get("routed_scaling_factor") or (2.5 if family in ("deepseek_v3", "deepseek_v32") else 1.0)),
                         correction_bias=v3, logits_fp32=True, weights_fp32=True)
 
 
-def _mla(raw: dict[str, Any], src: str) -> MLAConfig:
+def _mla(raw: dict[str, Any], family: str, src: str) -> MLAConfig:
     """MLA shapes (the softmax scale is filled in by _with_scale once the rope is known)."""
     def need(key: str) -> int:
         if raw.get(key) is None:
@@ -655,11 +667,20 @@ def _mla(raw: dict[str, Any], src: str) -> MLAConfig:
     q_lora = raw.get("q_lora_rank")
     if q_lora is not None and int(q_lora) <= 0:
         raise ConfigError(f"{src}: q_lora_rank must be positive or null, got {q_lora}")
-    # V2 always pairs rope dims interleaved; V3 configs say so (rope_interleave, default true)
-    interleave = raw.get("model_type") == "deepseek_v2" or "DeepseekV2ForCausalLM" in (raw.get("architectures") or [])
+    # V2 always pairs rope dims interleaved (and V3.2); V3 configs say so (rope_interleave, default true)
+    interleave = family in ("deepseek_v2", "deepseek_v32")
+    index = {}
+    if family == "deepseek_v32":  # (transformers' DeepseekV32Attention has no q_proj path: the indexer reads q_a)
+        if q_lora is None:
+            raise ConfigError(f"{src}: q_lora_rank must be set for deepseek_v32 (its indexer reads the query latent)")
+        index = dict(index_heads=need("index_n_heads"), index_head_dim=need("index_head_dim"),
+                     index_topk=need("index_topk"))
+        if index["index_head_dim"] < rope_dim:
+            raise ConfigError(f"{src}: index_head_dim ({index['index_head_dim']}) must be at least qk_rope_head_dim "
+                              f"({rope_dim}): the indexer ropes the first qk_rope_head_dim of its heads")
     return MLAConfig(q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=need("kv_lora_rank"),
                      qk_nope_head_dim=need("qk_nope_head_dim"), qk_rope_head_dim=rope_dim, v_head_dim=need("v_head_dim"),
-                     rope_interleave=interleave or bool(raw.get("rope_interleave", True)), softmax_scale=0.0)
+                     rope_interleave=interleave or bool(raw.get("rope_interleave", True)), softmax_scale=0.0, **index)
 
 
 def _with_scale(mla: MLAConfig, rope: RopeConfig) -> MLAConfig:

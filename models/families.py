@@ -37,6 +37,14 @@ DEFAULT_THETA = {"mixtral": 1e6, "minimax_m2": 5e6, "gpt_oss": 150000.0, "llama4
 # transformers 5's defaults for fields a config.json may leave out, where they differ from the
 # generic ones of models/config.py (which families without an entry keep)
 DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v32": {"vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+                     "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+                     "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+                     "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+                     "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4,
+                     "num_experts_per_tok": 8, "norm_topk_prob": True, "max_position_embeddings": 163840,
+                     "rms_norm_eps": 1e-6, "bos_token_id": 0, "eos_token_id": 1, "index_topk": 2048,
+                     "index_head_dim": 128, "index_n_heads": 64, "first_k_dense_replace": 3},
     "glm4_moe": {"num_key_value_heads": 8, "num_experts_per_tok": 8, "n_routed_experts": 128,
                  "moe_intermediate_size": 1408, "intermediate_size": 10944, "rms_norm_eps": 1e-5,
                  "max_position_embeddings": 131072},

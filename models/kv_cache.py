@@ -155,9 +155,43 @@ class LatentProjections(Protocol):
 
 class LatentKVCache(Protocol):
     def attend_latent(self, layer: int, q_nope_TNP: torch.Tensor, q_pe_TNR: torch.Tensor, cached_TW: torch.Tensor,
-                      batch: AttentionBatch, scale: float, mla: LatentProjections) -> torch.Tensor:
-        """Store this call's MLA rows [latent, roped key] (T, W), then return o_TNV."""
+                      batch: AttentionBatch, scale: float, mla: LatentProjections, index=None) -> torch.Tensor:
+        """Store this call's MLA rows [latent, roped key] (T, W), then return o_TNV. index: DeepSeek
+        Sparse Attention's models/mla.IndexQuery (its keys stored too; sparse_latent_attention), or None."""
         ...
+
+
+# Index scores computed at once, per chunk of queries: at most this many (query, index head, token) values.
+SPARSE_SCORES_PER_CHUNK = 1 << 24
+
+
+def sparse_latent_attention(q_nope_TNP: torch.Tensor, q_pe_TNR: torch.Tensor, cached_BSW: torch.Tensor,
+                            keys_BSI: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor, scale: float,
+                            mla: LatentProjections, index) -> torch.Tensor:
+    """DeepSeek Sparse Attention over B sequences' cached rows (B, S, W) and index keys (B, S, I):
+    each query t scores the tokens of its sequence up to its position with the index (index.q_THI,
+    index.w_TH: sum_h w_h relu(q_h . k_s)), keeps the index.topk highest (fewer where fewer are
+    visible) and attends in the latent space (absorbed) to those alone. Queries run in chunks
+    that bound the scores to SPARSE_SCORES_PER_CHUNK values. Returns o_TNV."""
+    T, S = q_nope_TNP.shape[0], cached_BSW.shape[1]
+    H, C = index.q_THI.shape[1], cached_BSW.shape[-1] - q_pe_TNR.shape[-1]
+    k = min(index.topk, S)
+    q_TNW = mla.absorb_query(q_nope_TNP, q_pe_TNR).to(cached_BSW.dtype)
+    rows = max(1, SPARSE_SCORES_PER_CHUNK // (H * S))
+    out = []
+    for start in range(0, T, rows):  # (chunks of queries, never one per token)
+        t = slice(start, start + rows)
+        b_c, pos_c = seq_idx_T[t], positions_T[t]
+        scores_cHS = torch.bmm(index.q_THI[t], keys_BSI[b_c].float().transpose(1, 2)).relu_()
+        scores_cS = torch.bmm(index.w_TH[t][:, None, :], scores_cHS)[:, 0]
+        visible_cS = torch.arange(S, device=pos_c.device)[None, :] <= pos_c[:, None]
+        top_cK, idx_cK = scores_cS.masked_fill(~visible_cS, float("-inf")).topk(k, dim=-1)
+        valid_cK = visible_cS.gather(1, idx_cK)  # (a query seeing fewer than k tokens gets invisible ones too)
+        rows_cKW = cached_BSW[b_c[:, None], idx_cK]
+        logits_cNK = torch.bmm(q_TNW[t], rows_cKW.transpose(1, 2)).float() * scale
+        probs_cNK = logits_cNK.masked_fill(~valid_cK[:, None, :], float("-inf")).softmax(-1)
+        out.append(torch.bmm(probs_cNK.to(rows_cKW.dtype), rows_cKW[..., :C]))
+    return mla.output(torch.cat(out))
 
 
 class DenseKVCache:
@@ -286,19 +320,30 @@ class PagedLatentCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, width: int, latent_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu",
-                 decode_attention: Callable = paged_latent_decode_attention):
+                 decode_attention: Callable = paged_latent_decode_attention, index_dim: int = 0):
         self.kv = [torch.zeros((num_blocks, block_size, width), dtype=dtype, device=device) for _ in range(num_layers)]
         self.latent_dim, self.decode_attention = latent_dim, decode_attention
+        # DeepSeek Sparse Attention: each token's index key, paged as its latent row (I values)
+        self.index_k = [torch.zeros((num_blocks, block_size, index_dim), dtype=dtype, device=device)
+                        for _ in range(num_layers)] if index_dim else None
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, width: int, dtype: torch.dtype) -> int:
         return num_layers * block_size * width * dtype.itemsize
 
     def attend_latent(self, layer: int, q_nope_TNP: torch.Tensor, q_pe_TNR: torch.Tensor, cached_TW: torch.Tensor,
-                      batch: AttentionBatch, scale: float, mla: LatentProjections) -> torch.Tensor:
+                      batch: AttentionBatch, scale: float, mla: LatentProjections, index=None) -> torch.Tensor:
         assert batch.block_table_BM is not None and batch.slot_mapping_T is not None, "build the batch with build_paged"
         pages = self.kv[layer]
         pages.view(-1, pages.shape[-1]).index_copy_(0, batch.slot_mapping_T, cached_TW.to(pages.dtype))
+        if index is not None:
+            keys = self.index_k[layer]
+            keys.view(-1, keys.shape[-1]).index_copy_(0, batch.slot_mapping_T, index.k_TI.to(keys.dtype))
+            if batch.max_kv_len > index.topk:  # else every visible token is chosen: dense MLA below
+                table, S = batch.block_table_BM, batch.max_kv_len
+                return sparse_latent_attention(q_nope_TNP, q_pe_TNR, gather_pages(pages[:, :, None, :], table, S)[:, 0],
+                                               gather_pages(keys[:, :, None, :], table, S)[:, 0], batch.seq_idx_T,
+                                               batch.positions_T, scale, mla, index)
         if batch.max_q_len == 1:
             return self._absorbed(q_nope_TNP, q_pe_TNR, pages, batch.block_table_BM, batch.kv_lens_B, scale, mla)
         if batch.parts is not None:
@@ -353,7 +398,8 @@ def make_paged_cache(cfg: "ModelConfig", num_blocks: int, block_size: int, dtype
     cache.linear_states, models/linear_attention.py)."""
     if cfg.mla is not None:
         return PagedLatentCache(cfg.num_layers, num_blocks, block_size, cfg.mla.cache_width, cfg.mla.kv_lora_rank,
-                                dtype, device, decode_attention=ops.paged_latent_decode_attention)
+                                dtype, device, decode_attention=ops.paged_latent_decode_attention,
+                                index_dim=cfg.mla.index_head_dim)
     cache = PagedKVCache(cfg.num_layers, num_blocks, block_size,
                          [0 if cfg.is_linear(i) else cfg.kv_heads(i) for i in range(cfg.num_layers)],
                          cfg.head_dim, dtype, device, decode_attention=ops.paged_decode_attention, v_head_dim=cfg.v_dim)

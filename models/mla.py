@@ -1,7 +1,8 @@
-"""Multi-head Latent Attention (DeepSeek-V2/V3, Kimi K2), as transformers defines it.
+"""Multi-head Latent Attention (DeepSeek-V2/V3, Kimi K2, and V3.2's sparse form), as transformers defines it.
 
 Legend: T tokens, D hidden, N heads, P qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim,
-C kv_lora_rank, W = C + R (the cached width), B sequences, S cached tokens.
+C kv_lora_rank, W = C + R (the cached width), B sequences, S cached tokens; the indexer's
+H index heads of I dims.
 
 Each token's keys and values come from one latent: kv_a_proj_with_mqa(x) = [latent_C, k_pe_R];
 the latent is normalised (kv_a_layernorm) and kv_b_proj expands it to every head's key part (P)
@@ -12,7 +13,16 @@ and value (V); k_pe is roped and shared by all heads. The KV cache keeps only [l
   [q_C, q_pe] . [latent, k_pe] against the cache itself, the output is a weighted sum of latents
   (C per head) which kv_b's value part (W_uv) and o_proj turn back into D.
 The cache decides which (models/kv_cache.py: MLA caches call `expand` or `absorb_query` / `output`).
+
+DeepSeek Sparse Attention (V3.2): a lightweight `Indexer` gives each token an index key (I values,
+cached beside its latent) and each query H index heads with weights; a query's score of cached
+token t is sum_h w_h relu(q_h . k_t / sqrt(I)) / sqrt(H), and it attends (absorbed, in the latent
+space) only to the index_topk tokens scoring highest among those it may see. Where no sequence of
+the step has more than index_topk tokens that is every visible token: plain MLA, as transformers
+(whose top-k then selects them all).
 """
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -56,11 +66,13 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS, ops)
         self.kv_b_proj = KVUpProjection(m.kv_lora_rank, N * (m.qk_nope_head_dim + m.v_head_dim))
         self.o_proj = nn.Linear(N * m.v_head_dim, D, bias=cfg.o_bias)
+        self.indexer = Indexer(cfg) if m.index_topk else None
 
     def forward(self, x_TD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], cache: LatentKVCache,
                 batch: AttentionBatch) -> torch.Tensor:
         m, T, N = self.m, x_TD.shape[0], self.cfg.num_heads
-        q = self.q_proj(x_TD) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD)))
+        q_resid = None if m.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x_TD))
+        q = self.q_proj(x_TD) if q_resid is None else self.q_b_proj(q_resid)
         q_TNH = q.view(T, N, m.qk_head_dim)
         kv_TW = self.kv_a_proj_with_mqa(x_TD)
         latent_TC = self.kv_a_layernorm(kv_TW[:, :m.kv_lora_rank])
@@ -74,8 +86,9 @@ class MLAttention(nn.Module):
             q_pe_TNR, k_pe_T1R = q_pe_TNR.clone(), k_pe_T1R.clone()
         q_pe_TNR, k_pe_T1R = self.ops.apply_rotary_(q_pe_TNR, k_pe_T1R, *cos_sin)
         cached_TW = torch.cat((latent_TC, k_pe_T1R[:, 0]), dim=-1)
+        index = None if self.indexer is None else self.indexer(x_TD, q_resid, cos_sin, self.ops)
         o_TNV = cache.attend_latent(self.layer, q_TNH[..., :m.qk_nope_head_dim], q_pe_TNR, cached_TW, batch,
-                                    m.softmax_scale, self)
+                                    m.softmax_scale, self, index)
         return self.o_proj(o_TNV.reshape(T, N * m.v_head_dim))
 
     # --- the two ways to use the cached latents (called by the cache) ---
@@ -111,6 +124,44 @@ class MLAttention(nn.Module):
     def output(self, o_latent_TNC: torch.Tensor) -> torch.Tensor:
         """Attention-weighted latents (T, N, C) -> per-head values (T, N, V) through W_uv."""
         return torch.bmm(o_latent_TNC.transpose(0, 1), self._kv_b()[1]).transpose(0, 1)
+
+
+class Indexer(nn.Module):
+    """DeepSeek-V3.2's lightning indexer (names as the checkpoints: wq_b, wk, k_norm, weights_proj).
+    Returns an IndexQuery: the query's H heads (T, H, I) and weights (T, H), float32, and the
+    token's index key (T, I) for the cache; the first R dims of queries and keys are roped (the
+    halves layout, unlike MLA's interleaved pairs). No gradient flows through the choice it makes
+    (transformers runs it under no_grad; its weights do not train)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        m = cfg.mla
+        self.heads, self.dim, self.topk, self.rope = m.index_heads, m.index_head_dim, m.index_topk, m.qk_rope_head_dim
+        self.wq_b = nn.Linear(m.q_lora_rank, self.heads * self.dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.heads, bias=False)
+
+    @torch.no_grad()
+    def forward(self, x_TD: torch.Tensor, q_resid_TQ: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                ops: KernelOps) -> "IndexQuery":
+        T, R = x_TD.shape[0], self.rope
+        q_THI = self.wq_b(q_resid_TQ).view(T, self.heads, self.dim)
+        k_T1I = self.k_norm(self.wk(x_TD)).view(T, 1, self.dim)
+        q_pe, k_pe = ops.apply_rotary_(q_THI[..., :R].clone(), k_T1I[..., :R].clone(), *cos_sin)
+        q_THI = torch.cat((q_pe, q_THI[..., R:]), dim=-1).float() * self.dim ** -0.5
+        k_TI = torch.cat((k_pe, k_T1I[..., R:]), dim=-1)[:, 0]
+        w_TH = self.weights_proj(x_TD).float() * self.heads ** -0.5
+        return IndexQuery(q_THI, w_TH, k_TI, self.topk)
+
+
+class IndexQuery(NamedTuple):
+    """What an MLA layer with an indexer gives its cache (Indexer.forward)."""
+
+    q_THI: torch.Tensor  # float32, scaled by I^-1/2
+    w_TH: torch.Tensor  # float32, scaled by H^-1/2
+    k_TI: torch.Tensor  # this call's index keys, to cache
+    topk: int
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:

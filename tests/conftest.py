@@ -47,6 +47,14 @@ FAMILIES = {
                                              n_group=4, topk_group=2, first_k_dense_replace=1, n_shared_experts=2,
                                              kv_lora_rank=20, q_lora_rank=24, qk_rope_head_dim=6,
                                              qk_nope_head_dim=10, v_head_dim=14, routed_scaling_factor=2.5)),
+    # DeepSeek-V3.2: V3's shape plus the indexer, 16 index heads of 12 (enough that scores do not tie)
+    # choosing the top 5 tokens, so the prompts past 5 tokens take the sparse path
+    "deepseek_v32": ("DeepseekV32Config", dict(num_hidden_layers=3, num_key_value_heads=4, intermediate_size=48,
+                                               moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2,
+                                               n_group=4, topk_group=2, first_k_dense_replace=1, n_shared_experts=1,
+                                               kv_lora_rank=20, q_lora_rank=24, qk_rope_head_dim=6,
+                                               qk_nope_head_dim=10, v_head_dim=14, routed_scaling_factor=2.5,
+                                               index_n_heads=16, index_head_dim=12, index_topk=5)),
     "deepseek_v2": ("DeepseekV2Config", dict(num_hidden_layers=3, num_key_value_heads=4, intermediate_size=48,
                                              moe_intermediate_size=24, n_routed_experts=6, num_experts_per_tok=2,
                                              first_k_dense_replace=1, n_shared_experts=1, kv_lora_rank=20,
@@ -139,7 +147,7 @@ def make_checkpoint(tmp_path_factory, tokenizer_dir):
             out = tmp_path_factory.mktemp(f"{family}-{key}")
             cache[key] = make_random_checkpoint(out, hf_config(family, **overrides), seed=seed, dtype=dtype,
                                                 tokenizer_dir=tokenizer_dir)
-            if family == "deepseek_v3":
+            if family in ("deepseek_v3", "deepseek_v32"):
                 randomize_correction_bias(out, seed)
             elif family in BIASED:
                 randomize_biases(out, seed)

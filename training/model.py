@@ -19,7 +19,7 @@ from torch import nn
 from kernels.attention import cached_attention
 from kernels.ops import KernelOps, torch_ops
 from models.config import ModelConfig
-from models.kv_cache import AttentionBatch, LatentProjections, chunked_attention
+from models.kv_cache import AttentionBatch, LatentProjections, chunked_attention, sparse_latent_attention
 from models.loader import load_experts, load_model
 from models.moe_decoder import Experts, MoEForCausalLM
 
@@ -66,9 +66,17 @@ class CausalAttention:
                                 batch.tok_idx_T, batch.positions_T, L, scale, sliding_window, sinks_N)
 
     def attend_latent(self, layer: int, q_nope_TNP: torch.Tensor, q_pe_TNR: torch.Tensor, cached_TW: torch.Tensor,
-                      batch: AttentionBatch, scale: float, mla: LatentProjections) -> torch.Tensor:
+                      batch: AttentionBatch, scale: float, mla: LatentProjections, index=None) -> torch.Tensor:
         """MLA without a cache: expand this call's latents into per-head keys and values (as
-        transformers computes them), then attend like any other layer."""
+        transformers computes them), then attend like any other layer; with DeepSeek Sparse
+        Attention's index (models/mla.IndexQuery) and rows longer than its top-k, each query attends
+        to the tokens it chose (models/kv_cache.sparse_latent_attention over this call's rows)."""
+        if index is not None and batch.max_q_len > index.topk:
+            B, L, where = batch.kv_lens_B.numel(), batch.max_q_len, (batch.seq_idx_T, batch.tok_idx_T)
+            rows_BLW = cached_TW.new_zeros(B, L, cached_TW.shape[-1]).index_put(where, cached_TW)
+            keys_BLI = index.k_TI.new_zeros(B, L, index.k_TI.shape[-1]).index_put(where, index.k_TI)
+            return sparse_latent_attention(q_nope_TNP, q_pe_TNR, rows_BLW, keys_BLI, batch.seq_idx_T,
+                                           batch.positions_T, scale, mla, index)
         k_TNH, v_TNV = mla.expand(cached_TW)
         return self.attend(layer, torch.cat((q_nope_TNP, q_pe_TNR), dim=-1), k_TNH, v_TNV, batch, scale, None)
 
