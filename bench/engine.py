@@ -146,28 +146,33 @@ def mixed_workload(ckpt: Path, n: int, in_flight: int) -> list[dict]:
     return rows
 
 
-def decode_step_time(llm: LLM, B: int, prompt_len: int, new_tokens: int) -> float:
+def decode_step_time(llm: LLM, B: int, prompt_len: int, new_tokens: int, probe=None):
     """Median wall time of the engine steps in which every sequence decodes one token (about
     new_tokens of them: the prompts are prefilled in chunks, and the sequences prefilled first
-    decode while the rest are prefilled, so they get that many more tokens to stay until then)."""
+    decode while the rest are prefilled, so they get that many more tokens to stay until then).
+    probe: a callable returning a running total (seconds spent somewhere, say): then (that median,
+    the median of the probe's growth over the same steps)."""
     rng = random.Random(B)
     engine = llm.engine
     chunk = engine.scheduler.cfg.max_num_batched_tokens
     params = SamplingParams(max_tokens=new_tokens + -(-B * prompt_len // chunk), temperature=0, ignore_eos=True)
     for b in range(B):
         engine.add_request(f"d{B}-{b}-{rng.random()}", [rng.randrange(10, 4000) for _ in range(prompt_len)], params)
-    times = []
+    times, probed = [], []
     while engine.has_unfinished_requests():
         running = engine.scheduler.running
         decoding = (len(running) == B and not engine.scheduler.waiting
                     and all(s.num_computed_tokens >= s.num_prompt_tokens for s in running))
+        p0 = probe() if probe else 0.0
         t0 = time.perf_counter()
         engine.step()
         if decoding:
             times.append(time.perf_counter() - t0)
+            probed.append((probe() if probe else 0.0) - p0)
     if not times:
         raise RuntimeError(f"batch {B}: no step decoded all {B} sequences at once (too few KV blocks?)")
-    return sorted(times)[len(times) // 2]
+    median = sorted(times)[len(times) // 2]
+    return (median, statistics.median(probed)) if probe else median
 
 
 def prefill_tok_s(llm: LLM, n: int, prompt_len: int) -> float:

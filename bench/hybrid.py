@@ -1,20 +1,25 @@
-"""Decode on a Qwen3-Next-shaped checkpoint (gated DeltaNet layers beside gated attention) against
-this machine's floor, with the linear-attention state's cost broken out.
+"""Decode on the 2026 attention forms against this machine's floor, their own cost broken out: a
+Qwen3-Next-shaped checkpoint (gated DeltaNet layers beside gated attention) and a DeepSeek-V3.2-shaped
+one (MLA with the sparse attention's indexer).
 
-    python bench/hybrid.py [--quick] [--rounds 3] [--batches 1 64]
+    python bench/hybrid.py [--quick] [--rounds 3] [--batches 1 64] [--models qwen3_next deepseek_v32]
 
-The checkpoint (random weights, bf16 on disk, served in the dtype `--dtype auto` resolves to here):
-hidden 1024, 8 layers (every 4th full attention: 6 gated DeltaNet layers of 8 key heads and 16 value
-heads of 64, conv 4; 2 attention layers of 8 gated heads of 128 over 2 kv heads, 32 of 128 dims
-roped), 32 experts of 512 top-4 beside a gated shared expert of 512, vocabulary 8192 (~0.4B
-parameters). 32-token prompts; the median step in which every sequence decodes one token
-(bench/engine.decode_step_time), per round, against that round's floor = max(memory floor, compute
-floor): memory = the weights the step reads (bench/engine.step_weight_bytes) plus each sequence's
-state read and written once (ModelConfig.state_bytes_per_sequence x 2) over the read bandwidth;
-compute = the step's matmul FLOPs (ModelConfig.non_expert_flops_per_token and the experts' pairs)
-over a 2048^3 matmul's rate. "state_ms": the time the steps spent in the linear layers' convolution
-and delta rule (GatedDeltaNet._mix, timed around each call), and "state_floor_ms" the state bytes'
-share of the memory floor.
+Both checkpoints have random weights, bf16 on disk, served in the dtype `--dtype auto` resolves to
+here, hidden 1024, 8 layers, 32 experts of 512 top-4 beside a shared expert of 512, vocabulary 8192:
+- qwen3_next: every 4th layer full attention; 6 gated DeltaNet layers of 8 key heads and 16 value
+  heads of 64, conv 4; 2 attention layers of 8 gated heads of 128 over 2 kv heads. 32-token prompts.
+- deepseek_v32: MLA (16 heads, q latent 384, kv latent 256, 64 + 32 roped dims, values of 64), the
+  first layer dense; an indexer of 16 heads of 64 picking the top 64 tokens. 96-token prompts, so
+  every decode step is past index_topk and takes the sparse path.
+The median step in which every sequence decodes one token (bench/engine.decode_step_time), per
+round, against that round's floor = max(memory floor, compute floor): memory = the weights the step
+reads (bench/engine.step_weight_bytes) plus the cache it reads (the context's latents and index keys;
+each sequence's linear-attention state read and written once) over the read bandwidth; compute =
+the step's matmul FLOPs (ModelConfig.non_expert_flops_per_token and the experts' pairs) over a
+2048^3 matmul's rate. "own_ms": the median over the same decode steps of the time spent in the
+form's own code (qwen3_next: the convolution and delta rule, GatedDeltaNet._mix; deepseek_v32: the
+Indexer and sparse_latent_attention's scoring, choice and attention), timed around each call;
+"own_floor_ms" the memory floor of the state or index bytes.
 Writes bench/results/hybrid.json (--quick: hybrid_quick.json), with the host named.
 """
 import argparse
@@ -47,27 +52,61 @@ def qwen3_next(out: Path) -> Path:
     return make_random_checkpoint(out, cfg, seed=0, dtype="bfloat16", tokenizer_dir=None)
 
 
-class StateTimer:
-    """Seconds spent in GatedDeltaNet._mix (the convolution and the delta rule) while active."""
+def deepseek_v32(out: Path) -> Path:
+    from transformers import DeepseekV32Config
 
-    def __init__(self):
-        self.seconds, self._mix = 0.0, GatedDeltaNet._mix
+    cfg = DeepseekV32Config(vocab_size=8192, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+                            num_key_value_heads=16, q_lora_rank=384, kv_lora_rank=256, qk_rope_head_dim=32,
+                            qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=32, num_experts_per_tok=4,
+                            moe_intermediate_size=512, n_shared_experts=1, intermediate_size=2048, n_group=4,
+                            topk_group=2, first_k_dense_replace=1, index_n_heads=16, index_head_dim=64, index_topk=64,
+                            max_position_embeddings=1024, bos_token_id=0, eos_token_id=0)
+    return make_random_checkpoint(out, cfg, seed=0, dtype="bfloat16", tokenizer_dir=None)
+
+
+MODELS = {"qwen3_next": (qwen3_next, 32), "deepseek_v32": (deepseek_v32, 96)}  # name -> (checkpoint, prompt tokens)
+
+
+class OwnTimer:
+    """Seconds spent in the given (owner, attribute) functions while active (replaced by timed
+    wrappers, put back on exit)."""
+
+    def __init__(self, targets: list[tuple[object, str]]):
+        self.seconds, self.targets = 0.0, [(o, a, getattr(o, a)) for o, a in targets]
 
     def __enter__(self):
-        timer, mix = self, self._mix
+        for owner, attr, fn in self.targets:
+            setattr(owner, attr, self._timed(fn))
+        return self
 
+    def _timed(self, fn):
         def timed(*a, **k):
             t0 = time.perf_counter()
             try:
-                return mix(*a, **k)
+                return fn(*a, **k)
             finally:
-                timer.seconds += time.perf_counter() - t0
-
-        GatedDeltaNet._mix = timed
-        return self
+                self.seconds += time.perf_counter() - t0
+        return timed
 
     def __exit__(self, *exc):
-        GatedDeltaNet._mix = self._mix
+        for owner, attr, fn in self.targets:
+            setattr(owner, attr, fn)
+
+
+def own_code(name: str) -> list[tuple[object, str]]:
+    import models.kv_cache as kv_cache
+    from models.mla import Indexer
+
+    if name == "qwen3_next":
+        return [(GatedDeltaNet, "_mix")]
+    return [(Indexer, "forward"), (kv_cache, "sparse_latent_attention")]
+
+
+def own_bytes(cfg: ModelConfig, dtype: torch.dtype, B: int, context: int) -> float:
+    """The bytes of the form's own cache a decode step reads: states read and written, or index keys."""
+    if cfg.linear_attention is not None:
+        return 2 * B * cfg.state_bytes_per_sequence(dtype)
+    return B * context * cfg.num_layers * cfg.mla.index_head_dim * dtype.itemsize
 
 
 def step_flops(cfg: ModelConfig, B: int, context: int) -> float:
@@ -80,46 +119,46 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one round, 16 decode steps")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     args = ap.parse_args()
     rounds, new_tokens = (1, 16) if args.quick else (args.rounds, 48)
-    prompt = 32
+    rows, shapes = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = qwen3_next(Path(tmp) / "qwen3-next")
-        cfg = ModelConfig.from_pretrained(ckpt)
-        dtype, why = auto_dtype(cfg.dtype, ["cpu"])
-        llm = LLM(ckpt, dtype=str(dtype).removeprefix("torch."), max_num_seqs=max(args.batches),
-                  max_num_batched_tokens=2048)
-        state_bytes = 2 * cfg.state_bytes_per_sequence(dtype)  # read and written each step
-        rows = []
-        for B in args.batches:
-            decode_step_time(llm, min(B, 4), prompt, 4)  # warm-up
-            times, floors, state_ms, state_floor = [], [], [], []
-            for _ in range(rounds):
-                bw, rate = read_bandwidth(), matmul_rate(dtype)
-                weights = step_weight_bytes(llm, B)
-                mem = (weights + B * state_bytes) / bw
-                floors.append(max(mem, step_flops(cfg, B, prompt + new_tokens // 2) / rate))
-                state_floor.append(B * state_bytes / bw)
-                steps_before = llm.engine.num_steps
-                with StateTimer() as timer:
-                    times.append(decode_step_time(llm, B, prompt, new_tokens))
-                state_ms.append(1e3 * timer.seconds / max(1, llm.engine.num_steps - steps_before))
-            step = statistics.median(times)
-            rows.append({"batch": B, "step_ms": 1e3 * step, "tok_per_s": B / step,
-                         "floor_ms": 1e3 * statistics.median(floors),
-                         "x_floor": statistics.median(t / f for t, f in zip(times, floors)),
-                         "state_ms": statistics.median(state_ms), "state_share": statistics.median(state_ms) / 1e3 / step,
-                         "state_floor_ms": 1e3 * statistics.median(state_floor),
-                         "state_mib_per_seq": cfg.state_bytes_per_sequence(dtype) / 2 ** 20})
-        llm.shutdown()
-    print(f"Qwen3-Next-shaped decode, {cfg.num_linear_layers} linear + {cfg.num_layers - cfg.num_linear_layers} "
-          f"full layers, served in {dtype}" + (f" ({why})" if why else ""))
-    print_table(rows, ["batch", "step_ms", "tok_per_s", "floor_ms", "x_floor", "state_ms", "state_share",
-                       "state_floor_ms", "state_mib_per_seq"])
+        for name in args.models:
+            make, prompt = MODELS[name]
+            ckpt = make(Path(tmp) / name)
+            cfg = ModelConfig.from_pretrained(ckpt)
+            dtype, why = auto_dtype(cfg.dtype, ["cpu"])
+            shapes[name] = {"params": cfg.total_params(), "prompt_tokens": prompt, "dtype": str(dtype),
+                            "dtype_resolution": why}
+            llm = LLM(ckpt, dtype=str(dtype).removeprefix("torch."), max_num_seqs=max(args.batches),
+                      max_num_batched_tokens=2048)
+            for B in args.batches:
+                decode_step_time(llm, min(B, 4), prompt, 4)  # warm-up
+                context = prompt + new_tokens // 2
+                times, floors, own_ms, own_floor = [], [], [], []
+                for _ in range(rounds):
+                    bw, rate = read_bandwidth(), matmul_rate(dtype)
+                    cache = B * context * cfg.kv_bytes_per_token(dtype) + own_bytes(cfg, dtype, B, context) * (
+                        cfg.linear_attention is not None)  # (index keys are in kv_bytes_per_token already)
+                    floors.append(max((step_weight_bytes(llm, B) + cache) / bw, step_flops(cfg, B, context) / rate))
+                    own_floor.append(own_bytes(cfg, dtype, B, context) / bw)
+                    with OwnTimer(own_code(name)) as timer:
+                        step, own = decode_step_time(llm, B, prompt, new_tokens, probe=lambda: timer.seconds)
+                    times.append(step)
+                    own_ms.append(1e3 * own)
+                step = statistics.median(times)
+                rows.append({"model": name, "batch": B, "step_ms": 1e3 * step, "tok_per_s": B / step,
+                             "floor_ms": 1e3 * statistics.median(floors),
+                             "x_floor": statistics.median(t / f for t, f in zip(times, floors)),
+                             "own_ms": statistics.median(own_ms), "own_share": statistics.median(own_ms) / 1e3 / step,
+                             "own_floor_ms": 1e3 * statistics.median(own_floor)})
+            llm.shutdown()
+    print(f"Decode steps of the 2026 attention forms, served in {', '.join(sorted({s['dtype'] for s in shapes.values()}))}")
+    print_table(rows, ["model", "batch", "step_ms", "tok_per_s", "floor_ms", "x_floor", "own_ms", "own_share",
+                       "own_floor_ms"])
     path = save("hybrid_quick" if args.quick else "hybrid",
-                {"config": {"rounds": rounds, "prompt_tokens": prompt, "new_tokens": new_tokens,
-                            "dtype": str(dtype), "dtype_resolution": why, "params": cfg.total_params()},
-                 "rows": rows})
+                {"config": {"rounds": rounds, "new_tokens": new_tokens, "models": shapes}, "rows": rows})
     print(f"wrote {path}")
 
 
