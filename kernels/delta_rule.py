@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 
-def _norm_qk(q_xHK: torch.Tensor, k_xHK: torch.Tensor, Hv: int) -> tuple[torch.Tensor, torch.Tensor]:
+def normalize_qk(q_xHK: torch.Tensor, k_xHK: torch.Tensor, Hv: int) -> tuple[torch.Tensor, torch.Tensor]:
     """L2-normalise q and k over K in float32, scale q by K**-0.5, repeat heads Hk -> Hv."""
     q, k = q_xHK.float(), k_xHK.float()
     q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
@@ -37,7 +37,7 @@ def _norm_qk(q_xHK: torch.Tensor, k_xHK: torch.Tensor, Hv: int) -> tuple[torch.T
 def gated_delta_rule_recurrent(q_BHK: torch.Tensor, k_BHK: torch.Tensor, v_BHV: torch.Tensor, g_BH: torch.Tensor,
                                beta_BH: torch.Tensor, state_BHKV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step per sequence: returns (o_BHV float32, new state_BHKV float32). Hk q/k heads, Hv v heads."""
-    q_BHK, k_BHK = _norm_qk(q_BHK, k_BHK, v_BHV.shape[-2])
+    q_BHK, k_BHK = normalize_qk(q_BHK, k_BHK, v_BHV.shape[-2])
     S_BHKV = state_BHKV.float() * g_BH.float().exp()[..., None, None]
     delta_BHV = (v_BHV.float() - torch.einsum("bhkv,bhk->bhv", S_BHKV, k_BHK)) * beta_BH.float()[..., None]
     S_BHKV = S_BHKV + k_BHK[..., :, None] * delta_BHV[..., None, :]
@@ -52,7 +52,7 @@ def gated_delta_rule_chunked(q_BLHK: torch.Tensor, k_BLHK: torch.Tensor, v_BLHV:
     Padding rows must have beta = 0 and g = 0; they then leave the state exactly unchanged.
     """
     B, L, Hv, V = v_BLHV.shape
-    q_BLHK, k_BLHK = _norm_qk(q_BLHK, k_BLHK, Hv)
+    q_BLHK, k_BLHK = normalize_qk(q_BLHK, k_BLHK, Hv)
     P = (-L) % chunk  # pad to whole chunks with rows that are exact no-ops
     N, M = (L + P) // chunk, chunk
 
@@ -96,8 +96,30 @@ def causal_conv1d(x_BLC: torch.Tensor, lens_B: torch.Tensor, state_BCW: torch.Te
     """
     B, L, C = x_BLC.shape
     W = state_BCW.shape[-1]
+    if L == 1:  # decode: the window is the state and the new input, no convolution call or gather
+        xs_BCK = torch.cat([state_BCW.to(weight_CK.dtype), x_BLC.transpose(1, 2).to(weight_CK.dtype)], -1)
+        y_BC = F.silu((xs_BCK.float() * weight_CK.float()).sum(-1).to(weight_CK.dtype))
+        return y_BC[:, None].to(x_BLC.dtype), xs_BCK[..., 1:].to(state_BCW.dtype)
     xs_BCT = torch.cat([state_BCW.to(weight_CK.dtype), x_BLC.transpose(1, 2).to(weight_CK.dtype)], -1)  # T = W + L
     y_BCL = F.silu(F.conv1d(xs_BCT, weight_CK[:, None, :], groups=C))
     idx_BW = lens_B.to(device=x_BLC.device, dtype=torch.int64)[:, None] + torch.arange(W, device=x_BLC.device)
     new_state_BCW = xs_BCT.gather(-1, idx_BW[:, None, :].expand(B, C, W)).to(state_BCW.dtype)
     return y_BCL.transpose(1, 2).to(x_BLC.dtype), new_state_BCW
+
+
+def gated_delta_rule_decode_(q_BHK: torch.Tensor, k_BHK: torch.Tensor, v_BHV: torch.Tensor, g_BH: torch.Tensor,
+                             beta_BH: torch.Tensor, states_SHKV: torch.Tensor, slots_B: torch.Tensor,
+                             fresh_B: torch.Tensor, recurrent=gated_delta_rule_recurrent) -> torch.Tensor:
+    """One decode step whose states live in a state cache: row slots_B[b] of states_SHKV is sequence
+    b's (zeros first where fresh_B), updated in place. On the CPU where the native kernels run,
+    kernels/csrc/delta_rule.c reads and writes each state once; elsewhere `recurrent` (this module's,
+    or the op table's) on the gathered states, written back. Returns o_BHV float32."""
+    from kernels import native
+
+    if states_SHKV.device.type == "cpu" and states_SHKV.dtype == torch.float32 and native.available():
+        q, k = normalize_qk(q_BHK, k_BHK, v_BHV.shape[-2])
+        return native.delta_rule_decode_(q, k, v_BHV, g_BH, beta_BH, states_SHKV, slots_B, fresh_B)
+    o_BHV, new_BHKV = recurrent(q_BHK, k_BHK, v_BHV, g_BH, beta_BH,
+                                states_SHKV[slots_B] * (~fresh_B)[:, None, None, None])
+    states_SHKV.index_copy_(0, slots_B, new_BHKV)
+    return o_BHV

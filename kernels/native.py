@@ -158,6 +158,9 @@ def _library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    fn = lib.shuttle_delta_rule_decode
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 4 + [ctypes.c_int]
     return lib
 
 
@@ -470,6 +473,28 @@ def add_rms_norm(x_TD: torch.Tensor, residual_TD: torch.Tensor | None, weight_D:
                                     x_TD.numel() // max(D, 1), D, eps, int(x_TD.dtype == torch.bfloat16),
                                     threads())
     return y, r
+
+
+def delta_rule_decode_(q_BHK: torch.Tensor, k_BHK: torch.Tensor, v_BHV: torch.Tensor, g_BH: torch.Tensor,
+                       beta_BH: torch.Tensor, states_SHKV: torch.Tensor, slots_B: torch.Tensor,
+                       fresh_B: torch.Tensor) -> torch.Tensor:
+    """One decode step of the gated delta rule by kernels/csrc/delta_rule.c, each sequence's state
+    (row slots_B[b] of states_SHKV, float32 contiguous; zeros first where fresh_B) updated in place:
+    kernels/delta_rule.gated_delta_rule_recurrent's result without gathering or writing back the
+    states. q, k: (B, Hv, K), L2-normalised (q scaled by K^-1/2) and repeated to the value heads.
+    Returns o_BHV float32. Call only where available() is True."""
+    B, H, K = q_BHK.shape
+    V = v_BHV.shape[-1]
+    if not (states_SHKV.dtype == torch.float32 and states_SHKV.is_contiguous() and states_SHKV.shape[1:] == (H, K, V)):
+        raise ValueError(f"delta_rule_decode_ takes contiguous float32 states of (S, {H}, {K}, {V}); got "
+                         f"{states_SHKV.dtype} {tuple(states_SHKV.shape)}")
+    q, k, v, g, beta = (t.float().contiguous() for t in (q_BHK, k_BHK, v_BHV, g_BH, beta_BH))
+    slots, fresh = slots_B.to(torch.int64).contiguous(), fresh_B.to(torch.uint8).contiguous()
+    out = torch.empty(B, H, V)
+    _library().shuttle_delta_rule_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+                                         states_SHKV.data_ptr(), slots.data_ptr(), fresh.data_ptr(), out.data_ptr(),
+                                         B, H, K, V, threads())
+    return out
 
 
 def fp8_quantize(x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

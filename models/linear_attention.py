@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.delta_rule import gated_delta_rule_decode_
 from kernels.ops import KernelOps
 from models.config import LinearAttentionConfig, ModelConfig
 from models.kv_cache import AttentionBatch, LinearStates
@@ -114,13 +115,17 @@ class GatedDeltaNet(nn.Module):
         else:
             going_B = (batch.kv_lens_B.to(slots_B.device) - q_lens_B > 0)  # False: from position 0, from zeros
             conv_BCW = states.conv[self.layer][slots_B] * going_B[:, None, None]
-            rec_BHKV = states.rec[self.layer][slots_B] * going_B[:, None, None, None]
+            rec_BHKV = None if L == 1 else states.rec[self.layer][slots_B] * going_B[:, None, None, None]
         weight_CK = self.conv1d.weight[:, 0]
         if L == 1:  # one token per sequence, in sequence order
             y_TC, conv_BCW = self.ops.causal_conv1d(mixed_TC[:, None], q_lens_B, conv_BCW, weight_CK)
             q, k, v = y_TC[:, 0].split((Hk * K, Hk * K, Hv * V), dim=-1)
-            o_THV, rec_BHKV = self.ops.gated_delta_rule_recurrent(q.view(T, Hk, K), k.view(T, Hk, K),
-                                                                  v.view(T, Hv, V), g_TH, beta_TH, rec_BHKV)
+            q, k, v = q.view(T, Hk, K), k.view(T, Hk, K), v.view(T, Hv, V)
+            if states is None:
+                o_THV, rec_BHKV = self.ops.gated_delta_rule_recurrent(q, k, v, g_TH, beta_TH, rec_BHKV)
+            else:  # the states updated where they are (kernels/delta_rule.gated_delta_rule_decode_)
+                o_THV = gated_delta_rule_decode_(q, k, v, g_TH, beta_TH, states.rec[self.layer], slots_B, ~going_B,
+                                                 self.ops.gated_delta_rule_recurrent)
         else:
             where = (batch.seq_idx_T, batch.tok_idx_T)
             x_BLC = mixed_TC.new_zeros(B, L, la.conv_dim).index_put_(where, mixed_TC)
@@ -134,5 +139,6 @@ class GatedDeltaNet(nn.Module):
             o_THV = o_BLHV[where]
         if states is not None:
             states.conv[self.layer].index_copy_(0, slots_B, conv_BCW.to(states.conv[self.layer].dtype))
-            states.rec[self.layer].index_copy_(0, slots_B, rec_BHKV)
+            if rec_BHKV is not None:
+                states.rec[self.layer].index_copy_(0, slots_B, rec_BHKV)
         return o_THV

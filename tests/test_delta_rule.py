@@ -109,6 +109,32 @@ def conv_inputs(B, L, C=10, W=3, seed=0, device="cpu"):
     return tuple(torch.randn(*s, generator=gen).to(device) for s in ((B, L, C), (B, C, W), (C, W + 1)))
 
 
+@pytest.mark.parametrize("native_kernels", [True, False], ids=["native", "torch"])
+def test_decode_in_place_equals_the_recurrent_step(native_kernels, monkeypatch):
+    """gated_delta_rule_decode_: each sequence's state updated in its slot of the state cache (native:
+    kernels/csrc/delta_rule.c; else gather, recurrent step, write back), fresh ones from zeros,
+    other slots untouched; the output and states are gated_delta_rule_recurrent's."""
+    from kernels import native
+    from kernels.delta_rule import gated_delta_rule_decode_
+
+    if native_kernels and not native.available():
+        pytest.skip("no native kernels here")
+    monkeypatch.setattr(native, "available", lambda: native_kernels and native._library() is not None)
+    torch.manual_seed(3)
+    B, Hk, Hv, K, V, S = 5, 3, 6, 20, 12, 9
+    q, k, v = torch.randn(B, Hk, K), torch.randn(B, Hk, K), torch.randn(B, Hv, V)
+    g, beta = -torch.rand(B, Hv) * 2, torch.rand(B, Hv)
+    states, slots = torch.randn(S, Hv, K, V), torch.tensor([7, 2, 0, 5, 3])
+    fresh = torch.tensor([False, True, False, False, True])
+    want_o, want_s = gated_delta_rule_recurrent(q, k, v, g, beta, states[slots] * (~fresh)[:, None, None, None])
+    cache = states.clone()
+    o = gated_delta_rule_decode_(q, k, v, g, beta, cache, slots, fresh)
+    torch.testing.assert_close(o, want_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache[slots], want_s, atol=1e-5, rtol=1e-5)
+    others = [i for i in range(S) if i not in slots.tolist()]
+    assert torch.equal(cache[others], states[others])
+
+
 def test_conv_matches_transformers():
     x, state, w = conv_inputs(2, 11)
     lens = torch.tensor([11, 11])
