@@ -106,7 +106,8 @@ def own_bytes(cfg: ModelConfig, dtype: torch.dtype, B: int, context: int) -> flo
     """The bytes of the form's own cache a decode step reads: states read and written, or index keys."""
     if cfg.linear_attention is not None:
         return 2 * B * cfg.state_bytes_per_sequence(dtype)
-    return B * context * cfg.num_layers * cfg.mla.index_head_dim * dtype.itemsize
+    indexed = sum(cfg.mla.runs_indexer(i) for i in range(cfg.num_layers))  # (GLM-5's shared layers cache none)
+    return B * context * indexed * cfg.mla.index_head_dim * dtype.itemsize
 
 
 def step_flops(cfg: ModelConfig, B: int, context: int) -> float:

@@ -4,9 +4,10 @@ Both writers are understood: transformers 4 (`torch_dtype`, top-level `rope_thet
 and transformers 5 (`dtype`, `rope_parameters`, `layer_types`). Errors name the file and the field.
 DeepSeek-V2/V3 (and Kimi K2, which declares the V3 architecture) add Multi-head Latent Attention
 (MLAConfig), grouped routing (kernels.routing.RouterConfig), ungated shared experts and dense
-layers before first_k_dense_replace. GLM-4.5/4.6/4.7 is DeepSeek-V3's MoE block behind grouped-query
-attention with q/k/v biases, optional per-head q/k norm and partial rotary; MiniMax-M2 routes like
-V3 without groups, norms q and k over the whole projection and ropes part of each head; gpt-oss
+layers before first_k_dense_replace; DeepSeek-V3.2 and GLM-5 (glm_moe_dsa) add DeepSeek Sparse
+Attention (MLAConfig.index_*; GLM-5: only its indexer_types "full" layers run an indexer).
+GLM-4.5/4.6/4.7 is DeepSeek-V3's MoE block behind grouped-query attention with q/k/v biases,
+optional per-head q/k norm and partial rotary; MiniMax-M2 routes like V3 without groups, norms q and k over the whole projection and ropes part of each head; gpt-oss
 has attention sinks, alternating sliding-window layers, biased router and experts, a clamped
 SwiGLU and yarn rope, and is published with MXFP4 experts (quantization_config mxfp4). Llama 4
 and MiMo-V2-Flash lay their layers out their own way, and Qwen3-Next and Qwen3.5-MoE interleave gated
@@ -39,6 +40,7 @@ ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "DeepseekV32ForCausalLM": "deepseek_v32",
+    "GlmMoeDsaForCausalLM": "glm_moe_dsa",  # GLM-5
     "Glm4MoeForCausalLM": "glm4_moe",
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "GptOssForCausalLM": "gpt_oss",
@@ -51,7 +53,7 @@ ARCHITECTURES = {
 }
 # model_type -> architectures entry, for a config.json that lists no known architecture
 MODEL_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-               "deepseek_v32": "DeepseekV32ForCausalLM",
+               "deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM",
                "kimi_k2": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                "minimax_m2": "MiniMaxM2ForCausalLM", "gpt_oss": "GptOssForCausalLM",
                "llama4": "Llama4ForConditionalGeneration", "llama4_text": "Llama4ForCausalLM",
@@ -60,8 +62,9 @@ MODEL_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV
 # families `shuttle plan` sizes (ModelConfig.from_dict(..., planning=True)) that the engine does not build
 PLANNED_ARCHITECTURES = {"DbrxForCausalLM": "dbrx"}
 PLANNED_MODEL_TYPES = {"dbrx": "DbrxForCausalLM"}
-MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
-V3_ROUTER_FAMILIES = ("deepseek_v3", "deepseek_v32", "glm4_moe", "mimo_v2_flash")  # sigmoid + correction bias + groups of top-2 sums
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")  # MLA with DeepSeek Sparse Attention's indexer
+V3_ROUTER_FAMILIES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe", "mimo_v2_flash")  # sigmoid + correction bias + groups of top-2 sums
 # family -> default partial_rotary_factor
 PARTIAL_ROTARY_FAMILIES = {"glm4_moe": 0.5, "minimax_m2": 1.0, "qwen3_next": 0.25, "qwen3_5_moe": 0.25}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,12 +84,17 @@ class MLAConfig:
     v_head_dim: int
     rope_interleave: bool  # the rope dims pair up as (0, 1), (2, 3), ... instead of the two halves
     softmax_scale: float
-    # DeepSeek Sparse Attention (V3.2; models/mla.py Indexer): each query attends to the index_topk
+    # DeepSeek Sparse Attention (V3.2, GLM-5; models/mla.py Indexer): each query attends to the index_topk
     # cached tokens its index_heads heads of index_head_dim score highest (0: dense MLA); the cache
     # keeps each token's index key (index_head_dim values) beside its latent
     index_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    # with index_topk, one per layer: True where the layer runs its own indexer, False where it reuses
+    # the choice of the last layer before it that did (GLM-5's indexer_types "shared": such a layer has
+    # no indexer weights and caches no index keys); V3.2: all True
+    index_layers: tuple[bool, ...] = ()
+    index_rope_interleave: bool = False  # the indexer's rope dims pair up as (0, 1), ... (GLM-5), not halves (V3.2)
 
     @property
     def qk_head_dim(self) -> int:
@@ -96,6 +104,17 @@ class MLAConfig:
     def cache_width(self) -> int:
         """Values cached per token and layer: the latent and the roped key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def runs_indexer(self, layer: int) -> bool:
+        """Whether `layer` scores tokens with its own indexer (and caches index keys)."""
+        return self.index_topk > 0 and self.index_layers[layer]
+
+    def index_source(self, layer: int) -> int | None:
+        """The layer whose choice of tokens `layer` reuses (the last one up to it that runs its
+        indexer: itself if it does), or None without sparse attention."""
+        if not self.index_topk:
+            return None
+        return max(i for i in range(layer + 1) if self.index_layers[i])
 
 
 @dataclass(frozen=True)
@@ -237,7 +256,7 @@ class ModelConfig:
         """Values the KV cache keeps per token in one layer: keys and values of every kv head, or MLA's
         latent plus its roped key (576 for DeepSeek-V3's shape instead of 2 x 128 x 128 = 32,768)."""
         if self.mla is not None:
-            return self.mla.cache_width + self.mla.index_head_dim
+            return self.mla.cache_width + self.mla.index_head_dim * self.mla.runs_indexer(layer)
         if self.is_linear(layer):
             return 0
         return self.kv_heads(layer) * (self.head_dim + self.v_dim)
@@ -465,7 +484,7 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
 
     hidden, layers, heads = int(need("hidden_size")), int(need("num_hidden_layers")), int(need("num_attention_heads"))
     kv_heads = int(get("num_key_value_heads", heads))
-    mla = _mla(raw, family, src) if family in MLA_FAMILIES else None
+    mla = _mla(raw, family, layers, src) if family in MLA_FAMILIES else None
     head_dim = mla.qk_rope_head_dim if mla else int(get("head_dim", hidden // heads))  # MLA: the rotary dim
     if heads % kv_heads:
         raise ConfigError(f"{src}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
@@ -489,10 +508,10 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
         moe_layers = (True,) * layers
         moe_inter = int(need("intermediate_size"))
     elif mla or family == "glm4_moe":  # dense MLPs before first_k_dense_replace, MoE after (as transformers builds them)
-        first_dense = int(get("first_k_dense_replace", 3 if family == "deepseek_v32" else 1 if family == "glm4_moe"
+        first_dense = int(get("first_k_dense_replace", 3 if family in DSA_FAMILIES else 1 if family == "glm4_moe"
                                   else 0))
         moe_layers = tuple(i >= first_dense for i in range(layers))
-        if family == "deepseek_v32" and raw.get("mlp_layer_types") is not None:  # (it wins over first_k_dense_replace)
+        if family in DSA_FAMILIES and raw.get("mlp_layer_types") is not None:  # (it wins over first_k_dense_replace)
             types = families.layer_types(raw, "mlp_layer_types", ["dense"] * layers, ("dense", "sparse"), src)
             moe_layers = tuple(t == "sparse" for t in types)
         moe_inter = int(need("moe_intermediate_size"))
@@ -546,7 +565,7 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
         bos_token_id=get("bos_token_id"),
         mla=_with_scale(mla, rope) if mla else None,
         num_mtp_layers=(int(get("num_nextn_predict_layers", 0, "num_mtp_layers"))
-                        if family in ("deepseek_v3", "deepseek_v32", "glm4_moe") else 0),
+                        if family in ("deepseek_v3", *DSA_FAMILIES, "glm4_moe") else 0),
         fp8_block=_fp8_block(raw.get("quantization_config"), src),
         rotary_dim=rotary_dim,
         attention_sinks=oss,
@@ -623,7 +642,8 @@ def _router(raw: dict[str, Any], family: str, num_experts: int, top_k: int, src:
                             or bool(raw.get("norm_topk_prob", False)),
                             weights_fp32=family == "mixtral")
     v3 = family in V3_ROUTER_FAMILIES
-    glm = family in ("glm4_moe", "mimo_v2_flash")  # (transformers reads neither field: always sigmoid, noaux_tc)
+    # (transformers reads neither field: always sigmoid, noaux_tc)
+    glm = family in ("glm4_moe", "glm_moe_dsa", "mimo_v2_flash")
     scoring = (None if glm else raw.get("scoring_func")) or ("sigmoid" if v3 else "softmax")
     method = (None if glm else raw.get("topk_method")) or ("noaux_tc" if v3 else "greedy")
     known = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
@@ -647,11 +667,11 @@ def _router(raw: dict[str, Any], family: str, num_experts: int, top_k: int, src:
     # transformers' V2 router never renormalises (norm_topk_prob is read by V3 only)
     return RouterConfig(top_k, scoring, renormalize=v3 and bool(raw.get("norm_topk_prob", True)), num_groups=groups,
                         topk_groups=topk_groups, group_score="top2_sum" if v3 else "max",
-                        scaling=float(raw.get("routed_scaling_factor") or (2.5 if family in ("deepseek_v3", "deepseek_v32") else 1.0)),
+                        scaling=float(raw.get("routed_scaling_factor") or (2.5 if family in ("deepseek_v3", *DSA_FAMILIES) else 1.0)),
                         correction_bias=v3, logits_fp32=True, weights_fp32=True)
 
 
-def _mla(raw: dict[str, Any], family: str, src: str) -> MLAConfig:
+def _mla(raw: dict[str, Any], family: str, layers: int, src: str) -> MLAConfig:
     """MLA shapes (the softmax scale is filled in by _with_scale once the rope is known)."""
     def need(key: str) -> int:
         if raw.get(key) is None:
@@ -667,14 +687,17 @@ def _mla(raw: dict[str, Any], family: str, src: str) -> MLAConfig:
     q_lora = raw.get("q_lora_rank")
     if q_lora is not None and int(q_lora) <= 0:
         raise ConfigError(f"{src}: q_lora_rank must be positive or null, got {q_lora}")
-    # V2 always pairs rope dims interleaved (and V3.2); V3 configs say so (rope_interleave, default true)
-    interleave = family in ("deepseek_v2", "deepseek_v32")
+    # V2 always pairs rope dims interleaved (and V3.2, GLM-5); V3 configs say so (rope_interleave, default true)
+    interleave = family in ("deepseek_v2", *DSA_FAMILIES)
     index = {}
-    if family == "deepseek_v32":  # (transformers' DeepseekV32Attention has no q_proj path: the indexer reads q_a)
+    if family in DSA_FAMILIES:  # (transformers' attention has no q_proj path there: the indexer reads q_a)
         if q_lora is None:
-            raise ConfigError(f"{src}: q_lora_rank must be set for deepseek_v32 (its indexer reads the query latent)")
+            raise ConfigError(f"{src}: q_lora_rank must be set for {family} (its indexer reads the query latent)")
+        families.check_no_dropout(raw, src)  # (transformers drops attention weights out in training)
         index = dict(index_heads=need("index_n_heads"), index_head_dim=need("index_head_dim"),
-                     index_topk=need("index_topk"))
+                     index_topk=need("index_topk"), index_rope_interleave=family == "glm_moe_dsa",
+                     index_layers=(families.indexer_layers(raw, layers, src) if family == "glm_moe_dsa"
+                                   else (True,) * layers))
         if index["index_head_dim"] < rope_dim:
             raise ConfigError(f"{src}: index_head_dim ({index['index_head_dim']}) must be at least qk_rope_head_dim "
                               f"({rope_dim}): the indexer ropes the first qk_rope_head_dim of its heads")

@@ -20,6 +20,8 @@ transformers reads is used or refused with a ConfigError naming it.
   default every full_attention_interval-th), the full ones with a sigmoid output gate per head, q/k
   norms and partial rotary (0.25); Qwen2-MoE's gated shared expert beside softmax routing;
   RMSNorms that scale by 1 + weight; dense layers by mlp_only_layers / decoder_sparse_step.
+- GLM-5 (glm_moe_dsa; its attention is models/config.py's DSA): indexer_types, which layers run
+  their indexer and which reuse the last one's choice (indexer_layers).
 - Qwen3.5-MoE (text): Qwen3-Next's layers with the linear layers' input projections split
   (in_proj_qkv of q, k, v one after the other; in_proj_z, in_proj_b, in_proj_a), experts in every
   layer, the router always renormalised, and multimodal rope (mrope_section), which for text (the
@@ -45,6 +47,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                      "num_experts_per_tok": 8, "norm_topk_prob": True, "max_position_embeddings": 163840,
                      "rms_norm_eps": 1e-6, "bos_token_id": 0, "eos_token_id": 1, "index_topk": 2048,
                      "index_head_dim": 128, "index_n_heads": 64, "first_k_dense_replace": 3},
+    "glm_moe_dsa": {"vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288,
+                    "moe_intermediate_size": 2048, "num_hidden_layers": 78, "num_attention_heads": 64,
+                    "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 256,
+                    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 2048, "qk_rope_head_dim": 64,
+                    "v_head_dim": 256, "qk_nope_head_dim": 192, "n_group": 1, "topk_group": 1,
+                    "num_experts_per_tok": 8, "norm_topk_prob": True, "max_position_embeddings": 202752,
+                    "rms_norm_eps": 1e-5, "bos_token_id": 0, "eos_token_id": 1, "index_topk": 2048,
+                    "index_head_dim": 128, "index_n_heads": 32, "first_k_dense_replace": 3},
     "glm4_moe": {"num_key_value_heads": 8, "num_experts_per_tok": 8, "n_routed_experts": 128,
                  "moe_intermediate_size": 1408, "intermediate_size": 10944, "rms_norm_eps": 1e-5,
                  "max_position_embeddings": 131072},
@@ -112,14 +122,41 @@ def text_config(raw: dict[str, Any], family: str, src: str) -> dict[str, Any]:
             "architectures": raw.get("architectures") or [], "model_type": raw.get("model_type")}
 
 
-def _check_no_dropout(raw: dict[str, Any], src: str) -> None:
+def indexer_layers(raw: dict[str, Any], layers: int, src: str) -> tuple[bool, ...]:
+    """GLM-5's indexer_types (transformers' GlmMoeDsaConfig.__post_init__) as one bool per layer: True
+    where the layer runs its indexer ("full"), False where it reuses the choice of the last full layer
+    before it ("shared"). Where indexer_types is absent: index_topk_pattern ("F"/"S" per layer, or a
+    list of the names), else every index_topk_freq-th layer from index_skip_topk_offset - 1 on is full
+    and the layers before it too (defaults 1 and 2: all full). Layer 0 must be full (a shared layer
+    has no choice to reuse there; transformers' forward fails)."""
+    types = raw.get("indexer_types")
+    key = "indexer_types"
+    if types is None and raw.get("index_topk_pattern") is not None:
+        key, pattern = "index_topk_pattern", raw["index_topk_pattern"]
+        if isinstance(pattern, str):
+            if not set(pattern) <= {"F", "S"}:
+                raise ConfigError(f"{src}: index_topk_pattern must be a string of 'F' / 'S', got {pattern!r}")
+            pattern = [{"F": "full", "S": "shared"}[c] for c in pattern]
+        types = pattern
+    elif types is None:
+        freq = max(int(raw.get("index_topk_freq") or 1), 1)
+        offset = int(raw["index_skip_topk_offset"] if raw.get("index_skip_topk_offset") is not None else 2)
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+    types = layer_types({key: types}, key, ["full"] * layers, ("full", "shared"), src)
+    if types[0] != "full":
+        raise ConfigError(f"{src}: {key} must start with a 'full' layer (layer 0 has no earlier choice of tokens "
+                          f"to share), got {types!r}")
+    return tuple(t == "full" for t in types)
+
+
+def check_no_dropout(raw: dict[str, Any], src: str) -> None:
     if float(raw.get("attention_dropout") or 0.0) != 0.0:
         raise ConfigError(f"{src}: attention_dropout={raw['attention_dropout']} is not supported (only 0)")
 
 
 def llama4_fields(raw: dict[str, Any], layers: int, src: str, rope_of: RopeOf) -> dict[str, Any]:
     """ModelConfig fields of a Llama 4 text model (transformers' Llama4TextConfig.__post_init__)."""
-    _check_no_dropout(raw, src)
+    check_no_dropout(raw, src)
     top_k = int(raw.get("num_experts_per_tok") or 1)
     if top_k != 1:  # (models/moe_decoder.py: SparseMoE.start scales the one row each token sends)
         raise ConfigError(f"{src}: num_experts_per_tok={top_k} is not supported by llama4: its router weighs each "
@@ -190,7 +227,7 @@ def _rotary_dims(params: dict[str, Any], head_dim: int, key: str, src: str) -> i
 
 def mimo_fields(raw: dict[str, Any], layers: int, src: str, rope_of: RopeOf) -> dict[str, Any]:
     """ModelConfig fields of MiMo-V2-Flash (transformers' MiMoV2FlashConfig and MiMoV2FlashAttention)."""
-    _check_no_dropout(raw, src)
+    check_no_dropout(raw, src)
     types = layer_types(raw, "layer_types", ["full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention"
                                               for i in range(layers)], ("full_attention", "sliding_attention"), src)
     mlp = layer_types(raw, "mlp_layer_types", ["dense"] + ["sparse"] * (layers - 1), ("dense", "sparse"), src)
@@ -234,7 +271,7 @@ def mimo_fields(raw: dict[str, Any], layers: int, src: str, rope_of: RopeOf) -> 
 def qwen3_next_fields(raw: dict[str, Any], layers: int, src: str, rope_of: RopeOf) -> dict[str, Any]:
     """ModelConfig fields of Qwen3-Next (transformers' Qwen3NextConfig and Qwen3NextDecoderLayer);
     linear_attention: LinearAttentionConfig's fields (models/config.py builds it)."""
-    _check_no_dropout(raw, src)
+    check_no_dropout(raw, src)
     interval = int(raw.get("full_attention_interval") or 4)
     if interval < 1:
         raise ConfigError(f"{src}: full_attention_interval must be >= 1, got {interval}")

@@ -8,7 +8,7 @@ The model never sees how keys are stored: each attention layer calls `cache.atte
 cache (the engine's) or no cache at all can be injected in place of this one.
 """
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import numpy as np
@@ -45,6 +45,11 @@ class AttentionBatch:
     parts: "tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionBatch] | None" = None
     # linear-attention layers (models/linear_attention.py): each sequence's state slot
     state_slots_B: torch.Tensor | None = None
+    # DeepSeek Sparse Attention (sparse_latent_attention): {layer: (token index (T, k), valid (T, k))},
+    # the last choice of tokens a layer made for this call that later layers reuse (GLM-5's "shared"
+    # layers). Kept on the batch object, not the cache: micro-batches run layer by layer interleaved,
+    # each with its own batch, so each finds its own choice.
+    index_choice: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, q_lens: list[int], ctx_lens: list[int], slots: list[int], device: torch.device | str = "cpu") -> "AttentionBatch":
@@ -157,7 +162,8 @@ class LatentKVCache(Protocol):
     def attend_latent(self, layer: int, q_nope_TNP: torch.Tensor, q_pe_TNR: torch.Tensor, cached_TW: torch.Tensor,
                       batch: AttentionBatch, scale: float, mla: LatentProjections, index=None) -> torch.Tensor:
         """Store this call's MLA rows [latent, roped key] (T, W), then return o_TNV. index: DeepSeek
-        Sparse Attention's models/mla.IndexQuery (its keys stored too; sparse_latent_attention), or None."""
+        Sparse Attention's models/mla.IndexQuery (its keys stored too, where the layer has an indexer;
+        sparse_latent_attention), or None."""
         ...
 
 
@@ -166,31 +172,45 @@ SPARSE_SCORES_PER_CHUNK = 1 << 24
 
 
 def sparse_latent_attention(q_nope_TNP: torch.Tensor, q_pe_TNR: torch.Tensor, cached_BSW: torch.Tensor,
-                            keys_BSI: torch.Tensor, seq_idx_T: torch.Tensor, positions_T: torch.Tensor, scale: float,
-                            mla: LatentProjections, index) -> torch.Tensor:
-    """DeepSeek Sparse Attention over B sequences' cached rows (B, S, W) and index keys (B, S, I):
-    each query t scores the tokens of its sequence up to its position with the index (index.q_THI,
-    index.w_TH: sum_h w_h relu(q_h . k_s)), keeps the index.topk highest (fewer where fewer are
-    visible) and attends in the latent space (absorbed) to those alone. Queries run in chunks
-    that bound the scores to SPARSE_SCORES_PER_CHUNK values. Returns o_TNV."""
+                            keys_BSI: torch.Tensor | None, batch: AttentionBatch, scale: float, mla: LatentProjections,
+                            index) -> torch.Tensor:
+    """DeepSeek Sparse Attention over the batch's B sequences' cached rows (B, S, W) and index keys
+    (B, S, I): each query t scores the tokens of its sequence up to its position with the index
+    (index.q_THI, index.w_TH: sum_h w_h relu(q_h . k_s)), keeps the index.topk highest (fewer where
+    fewer are visible) and attends in the latent space (absorbed) to those alone. Queries run in
+    chunks that bound the scores to SPARSE_SCORES_PER_CHUNK values. A layer without an indexer
+    (index.q_THI None; keys_BSI unused) attends to the tokens layer index.source chose, which that
+    layer left in batch.index_choice (index.keep; only the last such choice is kept). Returns o_TNV."""
     T, S = q_nope_TNP.shape[0], cached_BSW.shape[1]
-    H, C = index.q_THI.shape[1], cached_BSW.shape[-1] - q_pe_TNR.shape[-1]
+    C, N = cached_BSW.shape[-1] - q_pe_TNR.shape[-1], q_nope_TNP.shape[1]
     k = min(index.topk, S)
+    reused = None
+    if index.q_THI is None:
+        assert index.source in batch.index_choice, f"layer {index.source}'s choice of tokens is not on this batch"
+        reused = batch.index_choice[index.source]
     q_TNW = mla.absorb_query(q_nope_TNP, q_pe_TNR).to(cached_BSW.dtype)
-    rows = max(1, SPARSE_SCORES_PER_CHUNK // (H * S))
-    out = []
+    rows = max(1, SPARSE_SCORES_PER_CHUNK // (N * k if reused is not None else index.q_THI.shape[1] * S))
+    out, chosen = [], []
     for start in range(0, T, rows):  # (chunks of queries, never one per token)
         t = slice(start, start + rows)
-        b_c, pos_c = seq_idx_T[t], positions_T[t]
-        scores_cHS = torch.bmm(index.q_THI[t], keys_BSI[b_c].float().transpose(1, 2)).relu_()
-        scores_cS = torch.bmm(index.w_TH[t][:, None, :], scores_cHS)[:, 0]
-        visible_cS = torch.arange(S, device=pos_c.device)[None, :] <= pos_c[:, None]
-        top_cK, idx_cK = scores_cS.masked_fill(~visible_cS, float("-inf")).topk(k, dim=-1)
-        valid_cK = visible_cS.gather(1, idx_cK)  # (a query seeing fewer than k tokens gets invisible ones too)
+        b_c = batch.seq_idx_T[t]
+        if reused is None:
+            scores_cHS = torch.bmm(index.q_THI[t], keys_BSI[b_c].float().transpose(1, 2)).relu_()
+            scores_cS = torch.bmm(index.w_TH[t][:, None, :], scores_cHS)[:, 0]
+            visible_cS = torch.arange(S, device=b_c.device)[None, :] <= batch.positions_T[t][:, None]
+            idx_cK = scores_cS.masked_fill(~visible_cS, float("-inf")).topk(k, dim=-1)[1]
+            valid_cK = visible_cS.gather(1, idx_cK)  # (a query seeing fewer than k tokens gets invisible ones too)
+            if index.keep:
+                chosen.append((idx_cK, valid_cK))
+        else:
+            idx_cK, valid_cK = reused[0][t], reused[1][t]
         rows_cKW = cached_BSW[b_c[:, None], idx_cK]
         logits_cNK = torch.bmm(q_TNW[t], rows_cKW.transpose(1, 2)).float() * scale
         probs_cNK = logits_cNK.masked_fill(~valid_cK[:, None, :], float("-inf")).softmax(-1)
         out.append(torch.bmm(probs_cNK.to(rows_cKW.dtype), rows_cKW[..., :C]))
+    if index.keep and reused is None:  # (a shared layer passes the choice it read on as it is)
+        batch.index_choice.clear()
+        batch.index_choice[index.source] = (torch.cat([c[0] for c in chosen]), torch.cat([c[1] for c in chosen]))
     return mla.output(torch.cat(out))
 
 
@@ -320,12 +340,14 @@ class PagedLatentCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, width: int, latent_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu",
-                 decode_attention: Callable = paged_latent_decode_attention, index_dim: int = 0):
+                 decode_attention: Callable = paged_latent_decode_attention, index_dim: int = 0,
+                 index_layers: "tuple[bool, ...] | None" = None):
         self.kv = [torch.zeros((num_blocks, block_size, width), dtype=dtype, device=device) for _ in range(num_layers)]
         self.latent_dim, self.decode_attention = latent_dim, decode_attention
-        # DeepSeek Sparse Attention: each token's index key, paged as its latent row (I values)
+        # DeepSeek Sparse Attention: each token's index key, paged as its latent row (I values), in the
+        # layers that run an indexer (index_layers; default all); None in the others
         self.index_k = [torch.zeros((num_blocks, block_size, index_dim), dtype=dtype, device=device)
-                        for _ in range(num_layers)] if index_dim else None
+                        if index_dim and (index_layers is None or index_layers[i]) else None for i in range(num_layers)]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, width: int, dtype: torch.dtype) -> int:
@@ -337,13 +359,14 @@ class PagedLatentCache:
         pages = self.kv[layer]
         pages.view(-1, pages.shape[-1]).index_copy_(0, batch.slot_mapping_T, cached_TW.to(pages.dtype))
         if index is not None:
-            keys = self.index_k[layer]
-            keys.view(-1, keys.shape[-1]).index_copy_(0, batch.slot_mapping_T, index.k_TI.to(keys.dtype))
+            keys = self.index_k[layer]  # (None in a layer that reuses another's choice)
+            if keys is not None:
+                keys.view(-1, keys.shape[-1]).index_copy_(0, batch.slot_mapping_T, index.k_TI.to(keys.dtype))
             if batch.max_kv_len > index.topk:  # else every visible token is chosen: dense MLA below
                 table, S = batch.block_table_BM, batch.max_kv_len
+                keys_BSI = None if keys is None else gather_pages(keys[:, :, None, :], table, S)[:, 0]
                 return sparse_latent_attention(q_nope_TNP, q_pe_TNR, gather_pages(pages[:, :, None, :], table, S)[:, 0],
-                                               gather_pages(keys[:, :, None, :], table, S)[:, 0], batch.seq_idx_T,
-                                               batch.positions_T, scale, mla, index)
+                                               keys_BSI, batch, scale, mla, index)
         if batch.max_q_len == 1:
             return self._absorbed(q_nope_TNP, q_pe_TNR, pages, batch.block_table_BM, batch.kv_lens_B, scale, mla)
         if batch.parts is not None:
@@ -399,7 +422,7 @@ def make_paged_cache(cfg: "ModelConfig", num_blocks: int, block_size: int, dtype
     if cfg.mla is not None:
         return PagedLatentCache(cfg.num_layers, num_blocks, block_size, cfg.mla.cache_width, cfg.mla.kv_lora_rank,
                                 dtype, device, decode_attention=ops.paged_latent_decode_attention,
-                                index_dim=cfg.mla.index_head_dim)
+                                index_dim=cfg.mla.index_head_dim, index_layers=cfg.mla.index_layers or None)
     cache = PagedKVCache(cfg.num_layers, num_blocks, block_size,
                          [0 if cfg.is_linear(i) else cfg.kv_heads(i) for i in range(cfg.num_layers)],
                          cfg.head_dim, dtype, device, decode_attention=ops.paged_decode_attention, v_head_dim=cfg.v_dim)

@@ -1,4 +1,5 @@
-"""Multi-head Latent Attention (DeepSeek-V2/V3, Kimi K2, and V3.2's sparse form), as transformers defines it.
+"""Multi-head Latent Attention (DeepSeek-V2/V3, Kimi K2, and the sparse form of V3.2 and GLM-5), as transformers
+defines it.
 
 Legend: T tokens, D hidden, N heads, P qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim,
 C kv_lora_rank, W = C + R (the cached width), B sequences, S cached tokens; the indexer's
@@ -19,7 +20,10 @@ cached beside its latent) and each query H index heads with weights; a query's s
 token t is sum_h w_h relu(q_h . k_t / sqrt(I)) / sqrt(H), and it attends (absorbed, in the latent
 space) only to the index_topk tokens scoring highest among those it may see. Where no sequence of
 the step has more than index_topk tokens that is every visible token: plain MLA, as transformers
-(whose top-k then selects them all).
+(whose top-k then selects them all). GLM-5 ropes the indexer's dims in interleaved pairs (V3.2: the
+halves), and only some layers run an indexer (MLAConfig.index_layers, its indexer_types "full"): the
+others ("shared", without indexer weights or cached index keys) attend to the tokens the last full
+layer chose for the same queries.
 """
 from typing import NamedTuple
 
@@ -66,7 +70,9 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS, ops)
         self.kv_b_proj = KVUpProjection(m.kv_lora_rank, N * (m.qk_nope_head_dim + m.v_head_dim))
         self.o_proj = nn.Linear(N * m.v_head_dim, D, bias=cfg.o_bias)
-        self.indexer = Indexer(cfg) if m.index_topk else None
+        self.indexer = Indexer(cfg) if m.index_topk and m.runs_indexer(layer) else None
+        # a later layer reuses this one's choice of tokens (GLM-5's "shared" layers): the cache keeps it
+        self.keep_choice = bool(m.index_topk) and layer + 1 < cfg.num_layers and not m.index_layers[layer + 1]
 
     def forward(self, x_TD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], cache: LatentKVCache,
                 batch: AttentionBatch) -> torch.Tensor:
@@ -86,7 +92,11 @@ class MLAttention(nn.Module):
             q_pe_TNR, k_pe_T1R = q_pe_TNR.clone(), k_pe_T1R.clone()
         q_pe_TNR, k_pe_T1R = self.ops.apply_rotary_(q_pe_TNR, k_pe_T1R, *cos_sin)
         cached_TW = torch.cat((latent_TC, k_pe_T1R[:, 0]), dim=-1)
-        index = None if self.indexer is None else self.indexer(x_TD, q_resid, cos_sin, self.ops)
+        index = None
+        if self.indexer is not None:
+            index = self.indexer(x_TD, q_resid, cos_sin, self.ops, self.layer, self.keep_choice)
+        elif m.index_topk:  # (a shared layer: the choice of the last layer that ran its indexer)
+            index = IndexQuery(m.index_topk, m.index_source(self.layer), keep=self.keep_choice)
         o_TNV = cache.attend_latent(self.layer, q_TNH[..., :m.qk_nope_head_dim], q_pe_TNR, cached_TW, batch,
                                     m.softmax_scale, self, index)
         return self.o_proj(o_TNV.reshape(T, N * m.v_head_dim))
@@ -127,16 +137,19 @@ class MLAttention(nn.Module):
 
 
 class Indexer(nn.Module):
-    """DeepSeek-V3.2's lightning indexer (names as the checkpoints: wq_b, wk, k_norm, weights_proj).
-    Returns an IndexQuery: the query's H heads (T, H, I) and weights (T, H), float32, and the
-    token's index key (T, I) for the cache; the first R dims of queries and keys are roped (the
-    halves layout, unlike MLA's interleaved pairs). No gradient flows through the choice it makes
-    (transformers runs it under no_grad; its weights do not train)."""
+    """DeepSeek-V3.2's lightning indexer, also GLM-5's (names as the checkpoints: wq_b, wk, k_norm,
+    weights_proj). Returns an IndexQuery: the query's H heads (T, H, I) and weights (T, H), float32,
+    and the token's index key (T, I) for the cache; the first R dims of queries and keys are roped
+    (V3.2: the halves layout, unlike MLA's interleaved pairs; GLM-5: interleaved pairs, turned into
+    the halves layout first as MLAttention does: the same permutation of q and k, equal scores). No
+    gradient flows through the choice it makes (transformers runs it under no_grad; its weights do
+    not train)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         m = cfg.mla
         self.heads, self.dim, self.topk, self.rope = m.index_heads, m.index_head_dim, m.index_topk, m.qk_rope_head_dim
+        self.interleave = m.index_rope_interleave
         self.wq_b = nn.Linear(m.q_lora_rank, self.heads * self.dim, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, self.dim, bias=False)
         self.k_norm = nn.LayerNorm(self.dim, eps=1e-6)
@@ -144,24 +157,32 @@ class Indexer(nn.Module):
 
     @torch.no_grad()
     def forward(self, x_TD: torch.Tensor, q_resid_TQ: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                ops: KernelOps) -> "IndexQuery":
+                ops: KernelOps, layer: int, keep: bool = False) -> "IndexQuery":
         T, R = x_TD.shape[0], self.rope
         q_THI = self.wq_b(q_resid_TQ).view(T, self.heads, self.dim)
         k_T1I = self.k_norm(self.wk(x_TD)).view(T, 1, self.dim)
-        q_pe, k_pe = ops.apply_rotary_(q_THI[..., :R].clone(), k_T1I[..., :R].clone(), *cos_sin)
+        q_pe, k_pe = q_THI[..., :R], k_T1I[..., :R]
+        q_pe, k_pe = (_deinterleave(q_pe), _deinterleave(k_pe)) if self.interleave else (q_pe.clone(), k_pe.clone())
+        q_pe, k_pe = ops.apply_rotary_(q_pe, k_pe, *cos_sin)
         q_THI = torch.cat((q_pe, q_THI[..., R:]), dim=-1).float() * self.dim ** -0.5
         k_TI = torch.cat((k_pe, k_T1I[..., R:]), dim=-1)[:, 0]
         w_TH = self.weights_proj(x_TD).float() * self.heads ** -0.5
-        return IndexQuery(q_THI, w_TH, k_TI, self.topk)
+        return IndexQuery(self.topk, layer, q_THI, w_TH, k_TI, keep)
 
 
 class IndexQuery(NamedTuple):
-    """What an MLA layer with an indexer gives its cache (Indexer.forward)."""
+    """What an MLA layer with DeepSeek Sparse Attention gives its cache: from its Indexer, the
+    queries' index heads and weights and this call's index keys (Indexer.forward); from a layer
+    that reuses an earlier layer's choice of tokens (GLM-5's "shared" layers), only which layer
+    made it (source). keep: a later layer reuses this choice, so the cache leaves it on the call's
+    AttentionBatch (models/kv_cache.sparse_latent_attention)."""
 
-    q_THI: torch.Tensor  # float32, scaled by I^-1/2
-    w_TH: torch.Tensor  # float32, scaled by H^-1/2
-    k_TI: torch.Tensor  # this call's index keys, to cache
     topk: int
+    source: int  # the layer whose choice of tokens this one attends to (itself where it runs its indexer)
+    q_THI: torch.Tensor | None = None  # float32, scaled by I^-1/2
+    w_TH: torch.Tensor | None = None  # float32, scaled by H^-1/2
+    k_TI: torch.Tensor | None = None  # this call's index keys, to cache
+    keep: bool = False
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,16 @@ FAMILIES = {
                                                kv_lora_rank=20, q_lora_rank=24, qk_rope_head_dim=6,
                                                qk_nope_head_dim=10, v_head_dim=14, routed_scaling_factor=2.5,
                                                index_n_heads=16, index_head_dim=12, index_topk=5)),
+    # GLM-5: V3.2's shape over 4 layers, its indexer roped in interleaved pairs, and layers 1 and 3
+    # without one ("shared": index_topk_freq 2 from index_skip_topk_offset 1), which attend to the
+    # tokens layers 0 and 2 chose
+    "glm_moe_dsa": ("GlmMoeDsaConfig", dict(num_hidden_layers=4, num_key_value_heads=4, intermediate_size=48,
+                                            moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2,
+                                            n_group=4, topk_group=2, first_k_dense_replace=1, n_shared_experts=1,
+                                            kv_lora_rank=20, q_lora_rank=24, qk_rope_head_dim=6,
+                                            qk_nope_head_dim=10, v_head_dim=14, routed_scaling_factor=2.5,
+                                            index_n_heads=16, index_head_dim=12, index_topk=5, index_topk_freq=2,
+                                            index_skip_topk_offset=1)),
     "deepseek_v2": ("DeepseekV2Config", dict(num_hidden_layers=3, num_key_value_heads=4, intermediate_size=48,
                                              moe_intermediate_size=24, n_routed_experts=6, num_experts_per_tok=2,
                                              first_k_dense_replace=1, n_shared_experts=1, kv_lora_rank=20,
@@ -147,7 +157,7 @@ def make_checkpoint(tmp_path_factory, tokenizer_dir):
             out = tmp_path_factory.mktemp(f"{family}-{key}")
             cache[key] = make_random_checkpoint(out, hf_config(family, **overrides), seed=seed, dtype=dtype,
                                                 tokenizer_dir=tokenizer_dir)
-            if family in ("deepseek_v3", "deepseek_v32"):
+            if family in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
                 randomize_correction_bias(out, seed)
             elif family in BIASED:
                 randomize_biases(out, seed)

@@ -1,8 +1,11 @@
-"""DeepSeek-V3.2 (DeepSeek Sparse Attention: MLA over the index_topk tokens its indexer scores
-highest; models/mla.py Indexer, models/kv_cache.sparse_latent_attention) against transformers:
+"""DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention: MLA over the index_topk tokens its indexer
+scores highest; models/mla.py Indexer, models/kv_cache.sparse_latent_attention; GLM-5's "shared"
+layers attend to the tokens the last layer with an indexer chose) against transformers:
 config.json as transformers fills it, logits with prompts longer than index_topk (the sparse path,
-which a dense MLA misses by far), greedy ids through LLM with preemption, chunked prefill and
-prefix hits, in pools, and training."""
+which a dense MLA misses by far, as it misses GLM-5 where a shared layer chooses its own tokens,
+takes an earlier layer's choice or ropes the index in halves), greedy ids through LLM with
+preemption, chunked prefill and prefix hits, in pools of two micro-batches (each keeps its own
+choice), and training."""
 import pytest
 import torch
 
@@ -14,18 +17,19 @@ from tests.test_more_families import GREEDY_PROMPTS, corpus  # noqa: F401 (a fix
 from tests.test_qwen3_next import LONG
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+DSA = ["deepseek_v32", "glm_moe_dsa"]
 _EXPECTED: dict = {}
 
 
-def expected(make_checkpoint) -> tuple:
-    """(checkpoint, transformers' greedy ids for GREEDY_PROMPTS), computed once."""
-    if not _EXPECTED:
-        d = make_checkpoint("deepseek_v32")
+def expected(make_checkpoint, family: str) -> tuple:
+    """(checkpoint, transformers' greedy ids for GREEDY_PROMPTS), computed once per family."""
+    if family not in _EXPECTED:
+        d = make_checkpoint(family)
         ref = hf_model(d)
         ref.generation_config.eos_token_id = None
-        _EXPECTED["v"] = d, [ref.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
-                                          pad_token_id=1)[0, len(p):].tolist() for p in GREEDY_PROMPTS]
-    return _EXPECTED["v"]
+        _EXPECTED[family] = d, [ref.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                                             pad_token_id=1)[0, len(p):].tolist() for p in GREEDY_PROMPTS]
+    return _EXPECTED[family]
 
 
 def test_config_reads_as_transformers_fills_it():
@@ -44,38 +48,87 @@ def test_config_reads_as_transformers_fills_it():
     assert explicit.moe_layers == (False, True) * 3
 
 
+@pytest.mark.parametrize("fields", [{}, {"index_topk_freq": 3, "index_skip_topk_offset": 1}, {"index_topk_freq": 4},
+                                    {"index_topk_pattern": "FSSFFS"}, {"index_topk_pattern": ["full", "shared"] * 3},
+                                    {"indexer_types": ["full"] * 5 + ["shared"], "index_topk_freq": 2}],
+                         ids=["all-full", "every-3rd", "offset-2", "pattern", "pattern-list", "indexer_types"])
+def test_glm5_config_reads_as_transformers_fills_it(fields):
+    """GLM-5's own defaults (32 index heads, one expert group, ...) and which layers run an indexer:
+    indexer_types, else index_topk_pattern, else index_topk_freq from index_skip_topk_offset."""
+    import transformers
+
+    minimal = {"architectures": ["GlmMoeDsaForCausalLM"], "num_hidden_layers": 6, "vocab_size": 512, **fields}
+    c, theirs = ModelConfig.from_dict(minimal), transformers.GlmMoeDsaConfig(**minimal)
+    m = c.mla
+    assert m.index_layers == tuple(t == "full" for t in theirs.indexer_types)
+    assert (m.index_heads, m.index_head_dim, m.index_topk, m.q_lora_rank, m.qk_nope_head_dim, m.v_head_dim) == (
+        theirs.index_n_heads, theirs.index_head_dim, theirs.index_topk, theirs.q_lora_rank, theirs.qk_nope_head_dim,
+        theirs.v_head_dim)
+    assert [("sparse" if x else "dense") for x in c.moe_layers] == theirs.mlp_layer_types
+    assert (c.router.num_groups, c.router.topk_groups, c.rms_norm_eps, c.max_position_embeddings) == (
+        theirs.n_group, theirs.topk_group, theirs.rms_norm_eps, theirs.max_position_embeddings)
+    assert m.rope_interleave and m.index_rope_interleave and c.router.scaling == 2.5 and c.router.correction_bias
+    # every layer caches its latent and roped key; only those with an indexer an index key
+    assert c.kv_bytes_per_token(torch.bfloat16) == (6 * (512 + 64) + 128 * sum(m.index_layers)) * 2
+
+
+@pytest.mark.parametrize("family", DSA)
 @pytest.mark.parametrize("change,match", [
-    ({"q_lora_rank": None}, "q_lora_rank must be set for deepseek_v32"),
+    ({"q_lora_rank": None}, "q_lora_rank must be set for {family}"),
     ({"index_head_dim": 32}, r"index_head_dim \(32\) must be at least qk_rope_head_dim \(64\)"),
     ({"index_topk": 0}, "index_topk must be positive"),
     ({"mlp_layer_types": ["dense"]}, "mlp_layer_types must list num_hidden_layers=6 entries"),
+    ({"attention_dropout": 0.1}, r"attention_dropout=0.1 is not supported \(only 0\)"),
 ])
-def test_refusals_name_the_field(change, match):
-    raw = {"architectures": ["DeepseekV32ForCausalLM"], "num_hidden_layers": 6, "vocab_size": 512, **change}
+def test_refusals_name_the_field(family, change, match):
+    arch = {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}[family]
+    raw = {"architectures": [arch], "num_hidden_layers": 6, "vocab_size": 512, **change}
+    with pytest.raises(ConfigError, match=match.format(family=family)):
+        ModelConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("change,match", [
+    # a shared layer 0 has no earlier choice to reuse (transformers' forward fails on it)
+    ({"indexer_types": ["shared"] + ["full"] * 5}, "indexer_types must start with a 'full' layer"),
+    ({"index_topk_freq": 2, "index_skip_topk_offset": 0}, "indexer_types must start with a 'full' layer"),
+    ({"index_topk_pattern": "SFFFFF"}, "index_topk_pattern must start with a 'full' layer"),
+    ({"indexer_types": ["full", "dense"] * 3}, "indexer_types must list num_hidden_layers=6 entries of 'full' / 'shared'"),
+    ({"indexer_types": ["full"] * 5}, "indexer_types must list num_hidden_layers=6 entries"),
+    ({"index_topk_pattern": "FSXFFF"}, "index_topk_pattern must be a string of 'F' / 'S'"),
+])
+def test_glm5_refusals_name_the_field(change, match):
+    raw = {"architectures": ["GlmMoeDsaForCausalLM"], "num_hidden_layers": 6, "vocab_size": 512, **change}
     with pytest.raises(ConfigError, match=match):
         ModelConfig.from_dict(raw)
 
 
-@pytest.mark.parametrize("overrides", [
-    {},
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+        "mscale_all_dim": 1.0, "rope_theta": 10000.0, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("deepseek_v32", {}),
     # the top 9 by 24 index heads of 8 dims (6 of them roped), yarn rope with mscale, every layer MoE
-    {"index_topk": 9, "index_n_heads": 24, "index_head_dim": 8, "mlp_layer_types": ["sparse"] * 3,
-     "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                         "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0, "beta_fast": 32.0,
-                         "beta_slow": 1.0}},
-], ids=["top5", "top9-yarn-all-moe"])
-def test_logits_equal_transformers(make_checkpoint, overrides):
-    d = make_checkpoint("deepseek_v32", **overrides)
+    ("deepseek_v32", {"index_topk": 9, "index_n_heads": 24, "index_head_dim": 8, "mlp_layer_types": ["sparse"] * 3,
+                      "rope_parameters": YARN}),
+    ("glm_moe_dsa", {}),  # layers 1 and 3 reuse the choices of layers 0 and 2
+    # layers 1 and 2 both reuse layer 0's choice, the top 9 by 24 index heads of 8, yarn rope
+    ("glm_moe_dsa", {"index_topk": 9, "index_n_heads": 24, "index_head_dim": 8, "index_topk_freq": 3,
+                     "rope_parameters": YARN}),
+], ids=["v32-top5", "v32-top9-yarn-all-moe", "glm5-top5", "glm5-top9-yarn-shared-twice"])
+def test_logits_equal_transformers(make_checkpoint, family, overrides):
+    d = make_checkpoint(family, **overrides)
     model = load_model(d, kernels="torch")
     prompts = [*PROMPTS, LONG[:40]]  # 1 to 40 tokens against a top-5 / top-9
     assert_close_to_transformers(our_logits(model, prompts), hf_model(d), prompts)
 
 
-def test_greedy_through_llm_with_preemption_chunked_prefill_and_prefix_hits(make_checkpoint):
+@pytest.mark.parametrize("family", DSA)
+def test_greedy_through_llm_with_preemption_chunked_prefill_and_prefix_hits(make_checkpoint, family):
     """18 KV blocks of 4 for 4 sequences of up to 35 tokens (preemptions), 5 tokens a step (prefill
     chunks of 1 to 4 beside sparse decodes) and 12 shared prompt tokens (prefix hits: the index keys
     are paged with the latents)."""
-    d, want = expected(make_checkpoint)
+    d, want = expected(make_checkpoint, family)
     llm = LLM(d, num_kv_blocks=18, block_size=4, max_num_seqs=4, max_num_batched_tokens=5)
     assert [o.outputs[0].token_ids for o in llm.generate(GREEDY_PROMPTS, GREEDY)] == want
     eng = llm.engine
@@ -84,8 +137,10 @@ def test_greedy_through_llm_with_preemption_chunked_prefill_and_prefix_hits(make
 
 
 @pytest.mark.slow
-def test_pools_equal_transformers(make_checkpoint):
-    d, want = expected(make_checkpoint)
+@pytest.mark.parametrize("family", DSA)
+def test_pools_equal_transformers(make_checkpoint, family):
+    """Two micro-batches through the layers in turn: each keeps its own choice of tokens (GLM-5)."""
+    d, want = expected(make_checkpoint, family)
     llm = LLM(d, num_kv_blocks=96, colocated=False, attention_workers=1, expert_workers=2, micro_batches=2,
               torch_threads=1)
     try:
@@ -94,8 +149,10 @@ def test_pools_equal_transformers(make_checkpoint):
         llm.shutdown()
 
 
-def test_train_loss_equals_transformers_and_the_result_serves(make_checkpoint, corpus, tmp_path):  # noqa: F811
-    """Rows of 19 and 16 tokens against a top-5: training attends sparsely too, as transformers does."""
+@pytest.mark.parametrize("family", DSA)
+def test_train_loss_equals_transformers_and_the_result_serves(make_checkpoint, corpus, tmp_path, family):  # noqa: F811
+    """Rows of 19 and 16 tokens against a top-5: training attends sparsely too, as transformers does
+    (GLM-5's shared layers with the choices of the layers before them)."""
     from tests.test_more_families import test_train_loss_equals_transformers_and_the_result_serves as check
 
-    check(make_checkpoint, corpus, tmp_path, "deepseek_v32")
+    check(make_checkpoint, corpus, tmp_path, family)

@@ -26,7 +26,8 @@ SHAPE_FLAGS: dict[str, tuple[str, type]] = {
 # Shape flags -> the config.json field of each family (default: same name; None: the family has none).
 _FIELD = {
     "num_experts": {"mixtral": "num_local_experts", "deepseek_v2": "n_routed_experts",
-                    "deepseek_v3": "n_routed_experts", "deepseek_v32": "n_routed_experts", "glm4_moe": "n_routed_experts",
+                    "deepseek_v3": "n_routed_experts", "deepseek_v32": "n_routed_experts",
+                    "glm_moe_dsa": "n_routed_experts", "glm4_moe": "n_routed_experts",
                     "minimax_m2": "num_local_experts", "gpt_oss": "num_local_experts", "llama4": "num_local_experts",
                     "mimo_v2_flash": "n_routed_experts"},
     "expert_intermediate_size": {"mixtral": "intermediate_size", "olmoe": "intermediate_size",

@@ -74,9 +74,9 @@ class CausalAttention:
         if index is not None and batch.max_q_len > index.topk:
             B, L, where = batch.kv_lens_B.numel(), batch.max_q_len, (batch.seq_idx_T, batch.tok_idx_T)
             rows_BLW = cached_TW.new_zeros(B, L, cached_TW.shape[-1]).index_put(where, cached_TW)
-            keys_BLI = index.k_TI.new_zeros(B, L, index.k_TI.shape[-1]).index_put(where, index.k_TI)
-            return sparse_latent_attention(q_nope_TNP, q_pe_TNR, rows_BLW, keys_BLI, batch.seq_idx_T,
-                                           batch.positions_T, scale, mla, index)
+            keys_BLI = (None if index.k_TI is None  # (a layer reusing another's choice has no index keys)
+                        else index.k_TI.new_zeros(B, L, index.k_TI.shape[-1]).index_put(where, index.k_TI))
+            return sparse_latent_attention(q_nope_TNP, q_pe_TNR, rows_BLW, keys_BLI, batch, scale, mla, index)
         k_TNH, v_TNV = mla.expand(cached_TW)
         return self.attend(layer, torch.cat((q_nope_TNP, q_pe_TNR), dim=-1), k_TNH, v_TNV, batch, scale, None)
 
