@@ -295,7 +295,10 @@ class ModelConfig:
             return D * (self.q_size * (1 + self.attn_output_gate) + self._kv_width(layer)) + N * self.v_dim * D
         m = self.mla
         q = D * N * m.qk_head_dim if m.q_lora_rank is None else D * m.q_lora_rank + m.q_lora_rank * N * m.qk_head_dim
-        return q + D * m.cache_width + N * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim) + N * m.v_head_dim * D
+        index = (m.q_lora_rank * m.index_heads * m.index_head_dim + D * (m.index_head_dim + m.index_heads)
+                 if m.runs_indexer(layer) else 0)  # (DSA's indexer: wq_b, wk, weights_proj)
+        return (q + D * m.cache_width + N * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim) + N * m.v_head_dim * D
+                + index)
 
     def _kv_width(self, layer: int) -> int:
         """Outputs of one layer's k and v projections together."""
@@ -315,6 +318,7 @@ class ModelConfig:
         m = self.mla
         if m.q_lora_rank is not None:
             n += m.q_lora_rank * (1 + self.qkv_bias)  # q_a_layernorm, q_a_proj's bias
+        n += 2 * m.index_head_dim * m.runs_indexer(layer)  # the indexer's k_norm (LayerNorm: weight, bias)
         return n + m.cache_width * self.qkv_bias + m.kv_lora_rank + self.hidden_size * self.o_bias
 
     def _mlp_params(self, inter: int) -> int:
@@ -378,10 +382,14 @@ class ModelConfig:
 
     def context_flops(self) -> int:
         """FLOPs of one query token against one cached token in one layer: scores and the weighted
-        sum over per-head keys and values, or (MLA, absorbed) over the latent and roped key."""
+        sum over per-head keys and values, or (MLA, absorbed) over the latent and roped key, plus
+        DSA's index scores (averaged over the layers that run an indexer; the attention itself is
+        counted over every cached token, an upper bound past index_topk)."""
         if self.mla is None:
             return 2 * self.num_heads * (self.head_dim + self.v_dim)
-        return 2 * self.num_heads * (self.mla.cache_width + self.mla.kv_lora_rank)
+        m = self.mla
+        indexed = sum(m.runs_indexer(i) for i in range(self.num_layers)) / self.num_layers if m.index_topk else 0
+        return 2 * self.num_heads * (m.cache_width + m.kv_lora_rank) + round(indexed * 2 * m.index_heads * m.index_head_dim)
 
     def attention_flops_per_token(self, context: int) -> int:
         """FLOPs (multiply-adds x 2) of one decoded token's attention over all layers, projections

@@ -72,6 +72,21 @@ def test_glm5_config_reads_as_transformers_fills_it(fields):
     assert c.kv_bytes_per_token(torch.bfloat16) == (6 * (512 + 64) + 128 * sum(m.index_layers)) * 2
 
 
+@pytest.mark.parametrize("family, cls", [("deepseek_v32", "DeepseekV32ForCausalLM"),
+                                         ("glm_moe_dsa", "GlmMoeDsaForCausalLM")])
+def test_sizes_count_what_transformers_builds(family, cls):
+    """The planner's sizes (ModelConfig.total_params) count the indexers where they run; transformers
+    keeps the correction bias as a buffer, not a parameter."""
+    import transformers
+
+    from tests.conftest import hf_config
+
+    model = getattr(transformers, cls)(hf_config(family))
+    buffers = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    ours = ModelConfig.from_dict({**hf_config(family).to_dict(), "architectures": [cls]})
+    assert ours.total_params() == sum(p.numel() for p in model.parameters()) + buffers
+
+
 @pytest.mark.parametrize("family", DSA)
 @pytest.mark.parametrize("change,match", [
     ({"q_lora_rank": None}, "q_lora_rank must be set for {family}"),
