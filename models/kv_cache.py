@@ -171,31 +171,42 @@ class LatentKVCache(Protocol):
 SPARSE_SCORES_PER_CHUNK = 1 << 24
 
 
-def sparse_latent_attention(q_nope_TNP: torch.Tensor, q_pe_TNR: torch.Tensor, cached_BSW: torch.Tensor,
+def sparse_latent_attention(q_nope_TNP: torch.Tensor, q_pe_TNR: torch.Tensor,
+                            cached: "torch.Tensor | tuple[torch.Tensor, torch.Tensor, int]",
                             keys_BSI: torch.Tensor | None, batch: AttentionBatch, scale: float, mla: LatentProjections,
                             index) -> torch.Tensor:
-    """DeepSeek Sparse Attention over the batch's B sequences' cached rows (B, S, W) and index keys
-    (B, S, I): each query t scores the tokens of its sequence up to its position with the index
+    """DeepSeek Sparse Attention over the batch's B sequences' cached rows (`cached`: (B, S, W), or
+    (pages (P, page, W), block table (B, M), S) to read only the chosen rows from the pages) and index
+    keys (B, S, I): each query t scores the tokens of its sequence up to its position with the index
     (index.q_THI, index.w_TH: sum_h w_h relu(q_h . k_s)), keeps the index.topk highest (fewer where
     fewer are visible) and attends in the latent space (absorbed) to those alone. Queries run in
     chunks that bound the scores to SPARSE_SCORES_PER_CHUNK values. A layer without an indexer
     (index.q_THI None; keys_BSI unused) attends to the tokens layer index.source chose, which that
     layer left in batch.index_choice (index.keep; only the last such choice is kept). Returns o_TNV."""
-    T, S = q_nope_TNP.shape[0], cached_BSW.shape[1]
-    C, N = cached_BSW.shape[-1] - q_pe_TNR.shape[-1], q_nope_TNP.shape[1]
+    if isinstance(cached, torch.Tensor):
+        S, W, dtype = cached.shape[1], cached.shape[2], cached.dtype
+        rows_of = lambda b_c, idx_cK: cached[b_c[:, None], idx_cK]  # noqa: E731
+    else:
+        pages, table, S = cached
+        size, W, dtype, flat = pages.shape[1], pages.shape[2], pages.dtype, pages.view(-1, pages.shape[2])
+        rows_of = lambda b_c, idx_cK: flat[table[b_c[:, None], idx_cK // size].long() * size + idx_cK % size]  # noqa: E731
+    T = q_nope_TNP.shape[0]
+    C, N = W - q_pe_TNR.shape[-1], q_nope_TNP.shape[1]
     k = min(index.topk, S)
+    own = batch.max_q_len == 1 and keys_BSI is not None and T == keys_BSI.shape[0]  # decode: token t is sequence t
     reused = None
     if index.q_THI is None:
         assert index.source in batch.index_choice, f"layer {index.source}'s choice of tokens is not on this batch"
         reused = batch.index_choice[index.source]
-    q_TNW = mla.absorb_query(q_nope_TNP, q_pe_TNR).to(cached_BSW.dtype)
+    q_TNW = mla.absorb_query(q_nope_TNP, q_pe_TNR).to(dtype)
     rows = max(1, SPARSE_SCORES_PER_CHUNK // (N * k if reused is not None else index.q_THI.shape[1] * S))
     out, chosen = [], []
     for start in range(0, T, rows):  # (chunks of queries, never one per token)
         t = slice(start, start + rows)
         b_c = batch.seq_idx_T[t]
         if reused is None:
-            scores_cHS = torch.bmm(index.q_THI[t], keys_BSI[b_c].float().transpose(1, 2)).relu_()
+            keys_cSI = keys_BSI[t] if own else keys_BSI[b_c]
+            scores_cHS = torch.bmm(index.q_THI[t], keys_cSI.float().transpose(1, 2)).relu_()
             scores_cS = torch.bmm(index.w_TH[t][:, None, :], scores_cHS)[:, 0]
             visible_cS = torch.arange(S, device=b_c.device)[None, :] <= batch.positions_T[t][:, None]
             idx_cK = scores_cS.masked_fill(~visible_cS, float("-inf")).topk(k, dim=-1)[1]
@@ -204,7 +215,7 @@ def sparse_latent_attention(q_nope_TNP: torch.Tensor, q_pe_TNR: torch.Tensor, ca
                 chosen.append((idx_cK, valid_cK))
         else:
             idx_cK, valid_cK = reused[0][t], reused[1][t]
-        rows_cKW = cached_BSW[b_c[:, None], idx_cK]
+        rows_cKW = rows_of(b_c, idx_cK)
         logits_cNK = torch.bmm(q_TNW[t], rows_cKW.transpose(1, 2)).float() * scale
         probs_cNK = logits_cNK.masked_fill(~valid_cK[:, None, :], float("-inf")).softmax(-1)
         out.append(torch.bmm(probs_cNK.to(rows_cKW.dtype), rows_cKW[..., :C]))
@@ -365,8 +376,9 @@ class PagedLatentCache:
             if batch.max_kv_len > index.topk:  # else every visible token is chosen: dense MLA below
                 table, S = batch.block_table_BM, batch.max_kv_len
                 keys_BSI = None if keys is None else gather_pages(keys[:, :, None, :], table, S)[:, 0]
-                return sparse_latent_attention(q_nope_TNP, q_pe_TNR, gather_pages(pages[:, :, None, :], table, S)[:, 0],
-                                               keys_BSI, batch, scale, mla, index)
+                S_pages = -(-S // pages.shape[1]) * pages.shape[1]  # (gather_pages' length: whole pages)
+                return sparse_latent_attention(q_nope_TNP, q_pe_TNR, (pages, table, S_pages), keys_BSI, batch, scale,
+                                               mla, index)
         if batch.max_q_len == 1:
             return self._absorbed(q_nope_TNP, q_pe_TNR, pages, batch.block_table_BM, batch.kv_lens_B, scale, mla)
         if batch.parts is not None:
