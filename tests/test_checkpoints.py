@@ -86,10 +86,12 @@ def test_unknown_architecture_lists_supported(make_checkpoint, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["architectures"] = ["LlamaForCausalLM"]
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match=r"LlamaForCausalLM.*supported: DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, "
-                                          r"Glm4MoeForCausalLM, GptOssForCausalLM, Llama4ForCausalLM, "
-                                          r"Llama4ForConditionalGeneration, MiMoV2FlashForCausalLM, MiniMaxM2ForCausalLM, "
-                                          r"MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM"):
+    with pytest.raises(ConfigError, match=r"LlamaForCausalLM.*supported: DeepseekV2ForCausalLM, DeepseekV32ForCausalLM, "
+                                          r"DeepseekV3ForCausalLM, Glm4MoeForCausalLM, GlmMoeDsaForCausalLM, "
+                                          r"GptOssForCausalLM, Llama4ForCausalLM, Llama4ForConditionalGeneration, "
+                                          r"MiMoV2FlashForCausalLM, MiniMaxM2ForCausalLM, MixtralForCausalLM, "
+                                          r"OlmoeForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, "
+                                          r"Qwen3NextForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration"):
         ModelConfig.from_pretrained(d)
 
 

@@ -50,8 +50,10 @@ def test_compiled_greedy_ids_equal_eager(make_checkpoint):
     assert _graphs() == graphs, "serving compiled a graph (warm-up missed a bucket or a guard)"
 
 
-# (Qwen3.5-MoE's stages are Qwen3-Next's: only its linear layers' eager input projections differ)
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in (FAMILY, "qwen3_5_moe")])
+# (Qwen3.5-MoE's stages are Qwen3-Next's: only its linear layers' eager input projections differ;
+# DeepSeek-V3.2's and GLM-5's are DeepSeek-V3's MLA stages, the indexer and sparse attention eager)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in (FAMILY, "qwen3_5_moe", "deepseek_v32",
+                                                                       "glm_moe_dsa")])
 def test_compiled_greedy_ids_every_family(make_checkpoint, family):
     """Prefill chunks and decode at batch 4 and 1 give the eager engine's greedy ids on every family."""
     from server import LLM

@@ -180,16 +180,21 @@ def test_pools_equal_transformers(make_checkpoint, family):
     assert got == want
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama4", "mimo_v2_flash", "deepseek_v32", "glm_moe_dsa"])
 def test_served_stream_equals_transformers(make_checkpoint, family):
-    """`shuttle serve --model DIR` streams, through the official client, transformers' greedy text
-    (Llama 4's chunked and global layers, MiMo-V2-Flash's windows and narrow values, DeepSeek-V3.2's
-    and GLM-5's sparse attention: the 15-token prompt is past their top-5)."""
+    """The server's app (in process; tests/test_qwen3_next.py runs `shuttle serve` itself) streams,
+    through the official client, transformers' greedy text: Llama 4's chunked and global layers,
+    MiMo-V2-Flash's windows and narrow values, DeepSeek-V3.2's and GLM-5's sparse attention (the
+    15-token prompt is past their top-5)."""
+    import asyncio
+
+    import httpx
     import openai
     from transformers import AutoTokenizer
 
-    from clients.live_server import LiveServer
+    from server.api_server import ServerConfig, build_app
+    from server.async_llm import AsyncLLM
+    from server.metrics import ServerMetrics
 
     if family in _EXPECTED:  # (computed for this module's other tests)
         d, want = _EXPECTED[family][0], _EXPECTED[family][1][0][:16]
@@ -199,12 +204,20 @@ def test_served_stream_equals_transformers(make_checkpoint, family):
         ref.generation_config.eos_token_id = None
         p = GREEDY_PROMPTS[0]
         want = ref.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=1)[0, len(p):].tolist()
-    # (colocated: the pools tests serve each family through workers)
-    with LiveServer(["--model", str(d), "--served-model-name", family, "--colocated"]) as srv:
-        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="-", max_retries=0, timeout=120)
-        stream = client.completions.create(model=family, prompt=GREEDY_PROMPTS[0], max_tokens=16, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True})
-        text = "".join(c.choices[0].text for c in stream if c.choices)
+    metrics = ServerMetrics(family)
+    llm = AsyncLLM(d, observer=metrics)
+
+    async def stream() -> str:
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(llm, ServerConfig(), metrics)))
+        client = openai.AsyncOpenAI(base_url="http://shuttle/v1", api_key="none", http_client=http)
+        chunks = await client.completions.create(model="shuttle", prompt=GREEDY_PROMPTS[0], max_tokens=16, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+    try:
+        text = asyncio.run(stream())
+    finally:
+        llm.shutdown()
     assert text == AutoTokenizer.from_pretrained(d).decode(want)
 
 
