@@ -153,7 +153,7 @@ class Indexer(nn.Module):
         self.wq_b = nn.Linear(m.q_lora_rank, self.heads * self.dim, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, self.dim, bias=False)
         self.k_norm = nn.LayerNorm(self.dim, eps=1e-6)
-        self.weights_proj = nn.Linear(cfg.hidden_size, self.heads, bias=False)
+        self.weights_proj = Float32Linear(cfg.hidden_size, self.heads)
 
     @torch.no_grad()
     def forward(self, x_TD: torch.Tensor, q_resid_TQ: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
@@ -166,8 +166,27 @@ class Indexer(nn.Module):
         q_pe, k_pe = ops.apply_rotary_(q_pe, k_pe, *cos_sin)
         q_THI = torch.cat((q_pe, q_THI[..., R:]), dim=-1).float() * self.dim ** -0.5
         k_TI = torch.cat((k_pe, k_T1I[..., R:]), dim=-1)[:, 0]
-        w_TH = self.weights_proj(x_TD).float() * self.heads ** -0.5
+        w_TH = self.weights_proj(x_TD) * self.heads ** -0.5
         return IndexQuery(self.topk, layer, q_THI, w_TH, k_TI, keep)
+
+
+class Float32Linear(nn.Module):
+    """A bias-free linear whose weight stays float32 whatever dtype the model is cast to, applied to
+    float32 inputs (transformers keeps the indexer's weights_proj in float32: _keep_in_fp32_modules).
+    Not an nn.Linear, so CPU inference leaves it unpacked (it is (H, D), a few KiB)."""
+
+    def __init__(self, inputs: int, outputs: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(outputs, inputs))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super()._apply(fn, recurse)
+        if self.weight.is_floating_point() and self.weight.dtype != torch.float32:
+            self.weight.data = self.weight.data.float()
+        return out
 
 
 class IndexQuery(NamedTuple):

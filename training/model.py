@@ -123,7 +123,8 @@ def build_model(cfg: ModelConfig, shard: Shard, device: torch.device, init_from:
 
 def init_weights(model: MoEForCausalLM, shard: Shard, seed: int, std: float, pad_token_id: int | None) -> None:
     """transformers' _init_weights: linear, embedding, router and expert weights ~ normal(0, std),
-    biases 0, norms 1, the padding token's embedding 0. Each tensor (each expert) draws from its own
+    biases 0, norms 1, the padding token's embedding 0, gated DeltaNet's dt_bias 1 and A_log the log
+    of uniform(0.01, 16). Each tensor (each expert) draws from its own
     generator seeded by (seed, name, expert id), so the weights do not depend on how experts are
     sharded over ranks."""
 
@@ -137,6 +138,11 @@ def init_weights(model: MoEForCausalLM, shard: Shard, seed: int, std: float, pad
                 p.fill_(1.0)
             elif name.endswith((".bias", "e_score_correction_bias", ".experts.b13", ".experts.b2")):
                 p.zero_()
+            elif name.endswith(".dt_bias"):  # gated DeltaNet's time step bias, as transformers: ones
+                p.fill_(1.0)
+            elif name.endswith(".A_log"):  # ... and its decay rates: log of uniform(0.01, 16)
+                gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+                p.copy_(torch.empty(p.shape).uniform_(0.01, 16, generator=gen).log_())
             elif is_expert_param(name):  # (E_local, ...): one draw per global expert
                 for i, e in enumerate(shard.expert_ids):
                     p[i].copy_(normal(tuple(p.shape[1:]), name, e))
