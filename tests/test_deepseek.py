@@ -221,10 +221,11 @@ def test_config_errors_name_the_field(make_checkpoint, field, value, match):
         ModelConfig.from_dict({**raw, field: value})
 
 
-def _quantize_checkpoint(src, dst, block=(128, 128)) -> dict:
+def _quantize_checkpoint(src, dst, block=(128, 128), extra: tuple[str, ...] = ()) -> dict:
     """Copy a checkpoint with every 2-D linear weight (attention, experts, shared experts, dense MLPs;
-    not the embeddings, router, norms or lm_head, as DeepSeek publishes them) stored as float8_e4m3fn
-    plus a weight_scale_inv per block. Returns the dequantised float32 weights by name."""
+    not the embeddings, router, norms or lm_head, as DeepSeek publishes them; and names containing
+    any of `extra`) stored as float8_e4m3fn plus a weight_scale_inv per block. Returns the
+    dequantised float32 weights by name."""
     from safetensors.torch import load_file, save_file
 
     from kernels.quant import dequantize_fp8_blocks, quantize_fp8_blocks
@@ -232,7 +233,7 @@ def _quantize_checkpoint(src, dst, block=(128, 128)) -> dict:
     shutil.copytree(src, dst)
     f = next(dst.glob("*.safetensors"))
     tensors, dequantised = load_file(f), {}
-    for name in [n for n, t in tensors.items() if t.dim() == 2 and "proj" in n]:
+    for name in [n for n, t in tensors.items() if t.dim() == 2 and any(k in n for k in ("proj", *extra))]:
         q, scale = quantize_fp8_blocks(tensors[name], block)
         tensors[name], tensors[name + "_scale_inv"] = q, scale
         dequantised[name] = dequantize_fp8_blocks(q, scale, block)

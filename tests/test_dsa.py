@@ -171,3 +171,36 @@ def test_train_loss_equals_transformers_and_the_result_serves(make_checkpoint, c
     from tests.test_more_families import test_train_loss_equals_transformers_and_the_result_serves as check
 
     check(make_checkpoint, corpus, tmp_path, family)
+
+
+def test_fp8_block_checkpoint_serves_as_its_dequantised_weights(make_checkpoint, tmp_path):
+    """DeepSeek-V3.2 as published: every projection, the indexer's wq_b and wk among them, FP8 with
+    128 x 128 block scales (partial blocks at these sizes). Served as shipped (the CPU default for an
+    FP8 checkpoint), its greedy ids are transformers' on the dequantised float checkpoint."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_deepseek import _quantize_checkpoint
+
+    src = make_checkpoint("deepseek_v32", hidden_size=200, moe_intermediate_size=132, intermediate_size=136)
+    dequantised = _quantize_checkpoint(src, tmp_path / "fp8", extra=(".indexer.wq_b.", ".indexer.wk."))
+    shipped = load_file(next((tmp_path / "fp8").glob("*.safetensors")))
+    assert shipped["model.layers.0.self_attn.indexer.wq_b.weight"].dtype == torch.float8_e4m3fn
+    deq = tmp_path / "deq"
+    shutil.copytree(src, deq)
+    f = next(deq.glob("*.safetensors"))
+    save_file({**load_file(f), **dequantised}, f, metadata={"format": "pt"})
+    ref = hf_model(deq)
+    ref.generation_config.eos_token_id = None
+    prompts = GREEDY_PROMPTS[:2]
+    want = [ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, pad_token_id=1)[0, len(p):].tolist()
+            for p in prompts]
+    llm = LLM(tmp_path / "fp8")
+    try:
+        assert llm.engine_cfg.quantization == "fp8"
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0,
+                                                                                      ignore_eos=True))]
+    finally:
+        llm.shutdown()
+    assert got == want
