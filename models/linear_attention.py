@@ -90,30 +90,31 @@ class GatedDeltaNet(nn.Module):
         else:  # decodes by the recurrent update, prefill chunks by the chunked form
             decode_T, decode_B, prefill_T, prefill = batch.parts
             o_THV = mixed_TC.new_empty(T, Hv, V, dtype=torch.float32)
-            decodes = AttentionBatch.build([1] * len(decode_B), (batch.kv_lens_B[decode_B] - 1).tolist(),
-                                           list(range(len(decode_B))))
-            o_THV[decode_T] = self._mix(mixed_TC[decode_T], beta_TH[decode_T], g_TH[decode_T], decodes, states,
-                                        batch.state_slots_B[decode_B])
+            o_THV[decode_T] = self._mix(mixed_TC[decode_T], beta_TH[decode_T], g_TH[decode_T], batch, states,
+                                        decode_B)
             o_THV[prefill_T] = self._mix(mixed_TC[prefill_T], beta_TH[prefill_T], g_TH[prefill_T], prefill, states)
         o = self.norm(o_THV.to(x_TD.dtype).reshape(T * Hv, V), z_TX.reshape(T * Hv, V))
         return self.out_proj(o.view(T, Hv * V))
 
     def _mix(self, mixed_TC: torch.Tensor, beta_TH: torch.Tensor, g_TH: torch.Tensor, batch: AttentionBatch,
-             states: LinearStates | None, slots_B: torch.Tensor | None = None) -> torch.Tensor:
-        """The convolution and the delta rule of one group of sequences (all decodes, or chunks
-        padded to L): o_THV float32; their states read from and written back to `states`."""
+             states: LinearStates | None, decode_B: torch.Tensor | None = None) -> torch.Tensor:
+        """The convolution and the delta rule of one group of sequences (the batch's: all decodes, or
+        chunks padded to L; or, decode_B given, those sequences of a mixed batch, one token each):
+        o_THV float32; their states read from and written back to `states`."""
         la, T = self.la, mixed_TC.shape[0]
         Hk, Hv, K, V = la.key_heads, la.value_heads, la.key_dim, la.value_dim
-        B, L = batch.kv_lens_B.numel(), batch.max_q_len
+        kv_lens_B, slots_B = batch.kv_lens_B, batch.state_slots_B
+        if decode_B is not None:
+            kv_lens_B, slots_B = kv_lens_B[decode_B], slots_B[decode_B]
+        B, L = kv_lens_B.numel(), 1 if decode_B is not None else batch.max_q_len
         q_lens_B = torch.bincount(batch.seq_idx_T, minlength=B) if L > 1 else torch.ones(B, dtype=torch.long)
-        slots_B = batch.state_slots_B if slots_B is None else slots_B
         if states is None:  # no cache: every sequence from position 0, nothing kept
             if int(batch.max_kv_len) != L:
                 raise ValueError("linear attention without a state cache: every sequence must start at position 0")
             conv_BCW = mixed_TC.new_zeros(B, la.conv_dim, la.conv_kernel - 1)
             rec_BHKV = mixed_TC.new_zeros(B, Hv, K, V, dtype=torch.float32)
         else:
-            going_B = (batch.kv_lens_B.to(slots_B.device) - q_lens_B > 0)  # False: from position 0, from zeros
+            going_B = (kv_lens_B.to(slots_B.device) - q_lens_B > 0)  # False: from position 0, from zeros
             conv_BCW = states.conv[self.layer][slots_B] * going_B[:, None, None]
             rec_BHKV = None if L == 1 else states.rec[self.layer][slots_B] * going_B[:, None, None, None]
         weight_CK = self.conv1d.weight[:, 0]
