@@ -175,6 +175,15 @@ def hf_model(model_dir: Path, dtype: torch.dtype = torch.float32):
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
 
 
+def transformers_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy new tokens for each prompt alone, EOS ignored: the oracle of the engine
+    tests of each family."""
+    ref = hf_model(model_dir)
+    ref.generation_config.eos_token_id = None
+    return [ref.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=1)[0, len(p):].tolist() for p in prompts]
+
+
 PROMPTS = [
     [5, 17, 33, 100, 250, 7, 9, 11, 13, 200, 301, 45, 46, 47],
     [400, 3],

@@ -12,7 +12,7 @@ import torch
 from models.config import ConfigError, ModelConfig
 from models.loader import load_model
 from server import LLM, SamplingParams
-from tests.conftest import PROMPTS, assert_close_to_transformers, hf_model, our_logits
+from tests.conftest import PROMPTS, assert_close_to_transformers, hf_model, our_logits, transformers_greedy
 from tests.test_more_families import GREEDY_PROMPTS, corpus  # noqa: F401 (a fixture)
 from tests.test_qwen3_next import LONG
 
@@ -25,10 +25,7 @@ def expected(make_checkpoint, family: str) -> tuple:
     """(checkpoint, transformers' greedy ids for GREEDY_PROMPTS), computed once per family."""
     if family not in _EXPECTED:
         d = make_checkpoint(family)
-        ref = hf_model(d)
-        ref.generation_config.eos_token_id = None
-        _EXPECTED[family] = d, [ref.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
-                                             pad_token_id=1)[0, len(p):].tolist() for p in GREEDY_PROMPTS]
+        _EXPECTED[family] = d, transformers_greedy(d, GREEDY_PROMPTS, GREEDY.max_tokens)
     return _EXPECTED[family]
 
 
@@ -191,11 +188,8 @@ def test_fp8_block_checkpoint_serves_as_its_dequantised_weights(make_checkpoint,
     shutil.copytree(src, deq)
     f = next(deq.glob("*.safetensors"))
     save_file({**load_file(f), **dequantised}, f, metadata={"format": "pt"})
-    ref = hf_model(deq)
-    ref.generation_config.eos_token_id = None
     prompts = GREEDY_PROMPTS[:2]
-    want = [ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, pad_token_id=1)[0, len(p):].tolist()
-            for p in prompts]
+    want = transformers_greedy(deq, prompts, 8)
     llm = LLM(tmp_path / "fp8")
     try:
         assert llm.engine_cfg.quantization == "fp8"

@@ -7,7 +7,7 @@ import torch
 from models.config import ModelConfig
 from models.kv_cache import AttentionBatch, make_paged_cache
 from models.loader import load_model
-from tests.conftest import PROMPTS, assert_close_to_transformers, hf_model, our_logits
+from tests.conftest import PROMPTS, assert_close_to_transformers, hf_model, our_logits, transformers_greedy
 
 VARIANTS = [
     ("glm4_moe", {}),
@@ -131,11 +131,7 @@ def expected_greedy(make_checkpoint, family: str) -> tuple:
     """(checkpoint, transformers' greedy tokens (params) for each of GREEDY_PROMPTS), computed once."""
     if family not in _EXPECTED:
         d = make_checkpoint(family)
-        ref = hf_model(d)
-        ref.generation_config.eos_token_id = None
-        n = params(family)["max_tokens"]
-        _EXPECTED[family] = d, [ref.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
-                                             pad_token_id=1)[0, len(p):].tolist() for p in GREEDY_PROMPTS]
+        _EXPECTED[family] = d, transformers_greedy(d, GREEDY_PROMPTS, params(family)["max_tokens"])
     return _EXPECTED[family]
 
 
@@ -200,10 +196,7 @@ def test_served_stream_equals_transformers(make_checkpoint, family):
         d, want = _EXPECTED[family][0], _EXPECTED[family][1][0][:16]
     else:  # transformers' 16 greedy tokens of the one prompt streamed
         d = make_checkpoint(family)
-        ref = hf_model(d)
-        ref.generation_config.eos_token_id = None
-        p = GREEDY_PROMPTS[0]
-        want = ref.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=1)[0, len(p):].tolist()
+        want = transformers_greedy(d, GREEDY_PROMPTS[:1], 16)[0]
     metrics = ServerMetrics(family)
     llm = AsyncLLM(d, observer=metrics)
 

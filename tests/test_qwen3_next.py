@@ -13,7 +13,7 @@ import torch
 from models.config import ConfigError, ModelConfig
 from models.loader import load_model
 from server import LLM, SamplingParams
-from tests.conftest import PROMPTS, assert_close_to_transformers, hf_model, our_logits
+from tests.conftest import PROMPTS, assert_close_to_transformers, hf_model, our_logits, transformers_greedy
 from tests.test_more_families import GREEDY_PROMPTS, corpus  # noqa: F401 (a fixture)
 
 LONG = [(7 * i) % 500 + 2 for i in range(150)]  # three chunks of the chunked delta rule (64 tokens each)
@@ -25,10 +25,7 @@ def expected(make_checkpoint, family: str = "qwen3_next", params: SamplingParams
     """(checkpoint, transformers' greedy ids for GREEDY_PROMPTS, params.max_tokens each), computed once."""
     if family not in _EXPECTED:
         d = make_checkpoint(family)
-        ref = hf_model(d)
-        ref.generation_config.eos_token_id = None
-        _EXPECTED[family] = d, [ref.generate(torch.tensor([p]), max_new_tokens=params.max_tokens, do_sample=False,
-                                             pad_token_id=1)[0, len(p):].tolist() for p in GREEDY_PROMPTS]
+        _EXPECTED[family] = d, transformers_greedy(d, GREEDY_PROMPTS, params.max_tokens)
     return _EXPECTED[family]
 
 
