@@ -113,12 +113,14 @@ class LLMEngine:
         self.cfg = cfg
         self.model_cfg = ModelConfig.from_pretrained(cfg.model)
         prefix_caching = cfg.cache.enable_prefix_caching
-        if self.model_cfg.linear_layers is not None:  # (Qwen3-Next) a sequence's state is not in its blocks
+        if self.model_cfg.has_sequence_state:  # (Qwen3-Next, DeepSeek-V4) a sequence's state is not in its blocks
+            what = ("linear-attention layers' state" if self.model_cfg.v4 is None
+                    else "sliding window and compressors' pending rows")
             if cfg.speculative is not None:
                 raise ValueError(f"speculative decoding is not supported for {self.model_cfg.architecture}: its "
-                                 f"linear-attention layers' state would take in the rejected drafts")
+                                 f"{what} would take in the rejected drafts")
             if prefix_caching:
-                log.info("prefix caching off: the linear-attention layers' per-sequence state is not kept per block")
+                log.info("prefix caching off: the %s per sequence is not kept per block", what)
                 prefix_caching = False
         self.runner = ModelRunner(cfg, self.model_cfg, dispatcher, cfg.parallel.micro_batches)
         self.blocks = BlockManager(self.runner.num_blocks, cfg.cache.block_size, prefix_caching,

@@ -78,7 +78,7 @@ class ModelRunner:
         self.block_size = cfg.cache.block_size
         self.kv_from_freed = 0  # of the KV budget (_num_blocks)
         # linear-attention layers (Qwen3-Next): a state per running sequence, taken from the KV budget
-        self.state_slots = cfg.scheduler.max_num_seqs if self.model_cfg.linear_layers is not None else 0
+        self.state_slots = cfg.scheduler.max_num_seqs if self.model_cfg.has_sequence_state else 0
         self.state_bytes = self.state_slots * self.model_cfg.state_bytes_per_sequence(self.dtype)
         self.num_blocks = self._num_blocks(cfg)
         self.cache = make_paged_cache(self.model_cfg, self.num_blocks, self.block_size, self.dtype, self.device,
@@ -100,9 +100,11 @@ class ModelRunner:
                      f"; bf16 copies for up to {SKINNY_MAX_ROWS} rows, {half / 2 ** 30:.2f} GiB)"
                      if (half := half_copy_bytes(self.model)) else ")"))
         if self.state_slots:
-            log.info("linear-attention state: %d sequences x %s = %s (%d of %d layers)", self.state_slots,
-                     _size(self.model_cfg.state_bytes_per_sequence(self.dtype)), _size(self.state_bytes),
-                     self.model_cfg.num_linear_layers, self.model_cfg.num_layers)
+            c = self.model_cfg
+            log.info("per-sequence state: %d sequences x %s = %s (%s)", self.state_slots,
+                     _size(c.state_bytes_per_sequence(self.dtype)), _size(self.state_bytes),
+                     "DeepSeek-V4's sliding windows and pending compressor rows" if c.v4 is not None
+                     else f"linear attention, {c.num_linear_layers} of {c.num_layers} layers")
         r = self.resident_bytes
         log.info("weights: %s resident (experts %s%s, embedding %s, other %s)", _size(sum(r.values())),
                  _size(r["experts"]), f" {cfg.quantization}" if cfg.quantization and r["experts"] else "",

@@ -150,8 +150,8 @@ def decode_step_time(llm: LLM, B: int, prompt_len: int, new_tokens: int, probe=N
     """Median wall time of the engine steps in which every sequence decodes one token (about
     new_tokens of them: the prompts are prefilled in chunks, and the sequences prefilled first
     decode while the rest are prefilled, so they get that many more tokens to stay until then).
-    probe: a callable returning a running total (seconds spent somewhere, say): then (that median,
-    the median of the probe's growth over the same steps)."""
+    probe: a callable returning a running total (seconds spent somewhere, say), or a tuple of them:
+    then (that median, the median of the probe's growth over the same steps; per element for a tuple)."""
     rng = random.Random(B)
     engine = llm.engine
     chunk = engine.scheduler.cfg.max_num_batched_tokens
@@ -168,10 +168,13 @@ def decode_step_time(llm: LLM, B: int, prompt_len: int, new_tokens: int, probe=N
         engine.step()
         if decoding:
             times.append(time.perf_counter() - t0)
-            probed.append((probe() if probe else 0.0) - p0)
+            p1 = probe() if probe else 0.0
+            probed.append(tuple(a - b for a, b in zip(p1, p0)) if isinstance(p1, tuple) else p1 - p0)
     if not times:
         raise RuntimeError(f"batch {B}: no step decoded all {B} sequences at once (too few KV blocks?)")
     median = sorted(times)[len(times) // 2]
+    if probe and isinstance(probed[0], tuple):
+        return median, tuple(statistics.median(p[i] for p in probed) for i in range(len(probed[0])))
     return (median, statistics.median(probed)) if probe else median
 
 

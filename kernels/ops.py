@@ -20,6 +20,9 @@ Every entry has the signature of its torch reference:
       attention: depthwise causal convolution + SiLU after each sequence's state; kernels/delta_rule.py)
   gated_delta_rule_recurrent(q_BHK, k_BHK, v_BHV, g_BH, beta_BH, state_BHKV) -> (o_BHV, new_state_BHKV)
   gated_delta_rule_chunked(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH, state_BHKV) -> (o_BLHV, new_state_BHKV)
+  compressed_decode_attention(q_BNH, ring_SWH, slot_B, lens_B, pages_PEH, table_BM, idx_BK, rate, block_size,
+                              sinks_N, scale) -> o_BNH   (DeepSeek-V4: one shared key=value head over the
+      sliding window's ring plus the chosen compressed entries, with sinks; kernels/compressed_attention.py)
 """
 import functools
 import os
@@ -45,6 +48,7 @@ class KernelOps:
     causal_conv1d: Callable
     gated_delta_rule_recurrent: Callable
     gated_delta_rule_chunked: Callable
+    compressed_decode_attention: Callable
 
 
 def choose_backend(device: torch.device | str, backend: str | None = None) -> str:
@@ -61,6 +65,7 @@ def choose_backend(device: torch.device | str, backend: str | None = None) -> st
 @functools.cache  # one table per process: compiled code (models/stages.py) guards on its identity
 def torch_ops() -> KernelOps:
     from kernels.attention import paged_decode_attention, paged_latent_decode_attention
+    from kernels.compressed_attention import compressed_decode_attention
     from kernels.delta_rule import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_recurrent
     from kernels.moe import fused_moe
     from kernels.rmsnorm import fused_add_rms_norm, rms_norm
@@ -69,12 +74,13 @@ def torch_ops() -> KernelOps:
 
     return KernelOps("torch", rms_norm, fused_add_rms_norm, apply_rotary_, topk_route, fused_moe,
                      paged_decode_attention, paged_latent_decode_attention, causal_conv1d, gated_delta_rule_recurrent,
-                     gated_delta_rule_chunked)
+                     gated_delta_rule_chunked, compressed_decode_attention)
 
 
 @functools.cache
 def triton_ops() -> KernelOps:
     from kernels.attention_triton import paged_decode_attention
+    from kernels.compressed_attention_triton import compressed_decode_attention
     from kernels.delta_rule_triton import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_recurrent
     from kernels.mla_triton import paged_latent_decode_attention
     from kernels.moe_triton import fused_moe
@@ -84,7 +90,7 @@ def triton_ops() -> KernelOps:
 
     return KernelOps("triton", rms_norm, fused_add_rms_norm, apply_rotary_, topk_route, fused_moe,
                      paged_decode_attention, paged_latent_decode_attention, causal_conv1d, gated_delta_rule_recurrent,
-                     gated_delta_rule_chunked)
+                     gated_delta_rule_chunked, compressed_decode_attention)
 
 
 def select_ops(device: torch.device | str, backend: str | None = None) -> KernelOps:

@@ -75,3 +75,42 @@ def quantize_mxfp4(w_XI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     idx = (scaled[..., None] - lut).abs().argmin(-1).to(torch.uint8)  # nearest FP4 value's code
     blocks = idx[..., 0::2] | (idx[..., 1::2] << 4)
     return blocks, (exp + 127).to(torch.uint8)
+
+
+# --- DeepSeek-V4's released formats (quantization_config scale_fmt / expert_dtype) ---
+# scale_fmt "ue8m0": each scale is one byte e, the power of two 2 ** (e - 127) (torch.float8_e8m0fnu,
+# or uint8 holding the same bytes; 0xFF is NaN). expert_dtype "fp4": a routed expert's weight (O, I)
+# is stored int8 (O, I / 2), two E2M1 values per byte (column 2j in the low nibble of byte j, 2j + 1
+# in the high one), with one scale per row per FP4_GROUP inputs: scale_inv (O, ceil(I / 32)).
+E8M0 = getattr(torch, "float8_e8m0fnu", None)
+FP4_GROUP = 32
+
+
+def decode_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Scales as float32: UE8M0 bytes (float8_e8m0fnu or uint8) as 2 ** (byte - 127), float ones as they are."""
+    if scale.dtype == torch.uint8 or (E8M0 is not None and scale.dtype == E8M0):
+        exp = scale.view(torch.uint8).to(torch.int32) - 127
+        return torch.ldexp(torch.ones(exp.shape, dtype=torch.float32, device=exp.device), exp)
+    return scale.float()
+
+
+def has_nan_e8m0(scale: torch.Tensor) -> bool:
+    """Whether UE8M0 scales (float8_e8m0fnu or uint8) hold the NaN byte 0xFF."""
+    return bool(scale.view(torch.uint8).eq(0xFF).any())
+
+
+def fp4_scale_shape(packed_shape_OH: tuple[int, ...]) -> tuple[int, int]:
+    """(O, ceil(I / 32)) of a packed FP4 weight (O, I / 2): its scale_inv's shape."""
+    return packed_shape_OH[0], -(-2 * packed_shape_OH[1] // FP4_GROUP)
+
+
+def dequantize_fp4_packed(packed_OH: torch.Tensor, scale_inv: torch.Tensor,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed FP4 (O, I / 2) int8 (or uint8) with scale_inv (O, ceil(I / 32)) (float32 or UE8M0)
+    -> (O, I) in `dtype`: each E2M1 value times its group's scale, the product in float32 (as
+    transformers' Fp8Dequantize and DeepSeek's reference cast)."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=packed_OH.device)
+    b = packed_OH.contiguous().view(torch.uint8)
+    vals = torch.stack((lut[(b & 0x0F).long()], lut[(b >> 4).long()]), dim=-1).flatten(-2)  # (O, I)
+    s = decode_scales(scale_inv).repeat_interleave(FP4_GROUP, -1)[..., :vals.shape[-1]]
+    return (vals * s).to(dtype)

@@ -3,7 +3,8 @@
 Legend: T tokens, E experts, K experts chosen per token, G expert groups.
 
 What the families need (see RouterConfig): softmax (Mixtral, Qwen, OLMoE, DeepSeek-V2, gpt-oss) or
-sigmoid scores (DeepSeek-V3, Kimi K2, GLM-4.5, MiniMax-M2); a per-expert correction bias added only
+sigmoid scores (DeepSeek-V3, Kimi K2, GLM-4.5, MiniMax-M2) or sqrt(softplus) ones (DeepSeek-V4, whose
+first layers take their experts from a token-id table instead: hash_route); a per-expert correction bias added only
 to choose experts, never to weigh them (V3's, GLM's and MiniMax-M2's e_score_correction_bias); grouped top-k, where only the topk_groups best of G equal
 groups of experts may be chosen, a group scored by its best expert (V2's group_limited_greedy) or
 by the sum of its best two (V3, GLM); renormalisation of the chosen scores; a final scaling factor.
@@ -21,10 +22,11 @@ softmax's exp, the ids but for exact ties.
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kernels import native
 
-SCORINGS = ("softmax", "sigmoid")
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 GROUP_SCORES = ("max", "top2_sum")
 
 
@@ -64,7 +66,7 @@ class RouterConfig:
 def check_route_args(E: int, top_k: int, scoring: str, num_groups: int, topk_groups: int, group_score: str) -> None:
     """Raise ValueError naming the argument that cannot route E experts."""
     if scoring not in SCORINGS:
-        raise ValueError(f"unknown router scoring {scoring!r}; expected 'softmax' or 'sigmoid'")
+        raise ValueError(f"unknown router scoring {scoring!r}; expected one of {', '.join(SCORINGS)}")
     if group_score not in GROUP_SCORES:
         raise ValueError(f"unknown group_score {group_score!r}; expected one of {', '.join(GROUP_SCORES)}")
     if num_groups < 1 or E % num_groups:
@@ -101,6 +103,25 @@ def topk_route(
                             num_groups=num_groups, topk_groups=topk_groups, group_score=group_score, scaling=scaling)
 
 
+def score(logits_TE: torch.Tensor, scoring: str) -> torch.Tensor:
+    """float32 scores of the logits: softmax, sigmoid or sqrt(softplus) (DeepSeek-V4)."""
+    logits = logits_TE.float()
+    if scoring == "softmax":
+        return torch.softmax(logits, dim=-1)
+    return torch.sigmoid(logits) if scoring == "sigmoid" else F.softplus(logits).sqrt()
+
+
+def hash_route(logits_TE: torch.Tensor, ids_TK: torch.Tensor, scoring: str, renormalize: bool,
+               scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4's hash-routed layers: the experts are given (ids_TK, from a token-id table) and
+    weighed by their scores, renormalised (over the sum + 1e-20, as transformers) and scaled.
+    Returns (weights_TK float32, ids_TK int64)."""
+    weights_TK = score(logits_TE, scoring).gather(1, ids_TK)
+    if renormalize:
+        weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights_TK * scaling if scaling != 1.0 else weights_TK, ids_TK
+
+
 def topk_route_torch(
     logits_TE: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = False, *,
     correction_bias_E: torch.Tensor | None = None, num_groups: int = 1, topk_groups: int = 1,
@@ -108,8 +129,7 @@ def topk_route_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_route by torch ops alone (any device), on arguments topk_route has checked."""
     E = logits_TE.shape[-1]
-    logits = logits_TE.float()
-    scores_TE = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    scores_TE = score(logits_TE, scoring)
     choice_TE = scores_TE if correction_bias_E is None else scores_TE + correction_bias_E.float()
     if num_groups > 1:
         T = choice_TE.shape[0]

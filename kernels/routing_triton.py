@@ -2,7 +2,7 @@
 
 Legend: T tokens, E experts, K experts chosen per token, G expert groups.
 One program handles BLOCK_T tokens with all E scores in registers (E padded to a power of two):
-softmax or sigmoid in float32, the correction bias added for the choice only, the group scores and
+softmax, sigmoid or sqrt(softplus) in float32, the correction bias added for the choice only, the group scores and
 the eligible groups (G rounds of a masked max, then topk_groups rounds of "take the best group"),
 then K rounds of "take the maximum, mask it out". Ties go to the lower expert (and group) id
 (torch.topk leaves the order of ties unspecified).
@@ -55,8 +55,10 @@ def _topk_route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, E, stride_l, gro
         x = tl.where(valid_E[None, :], x, NEG_INF)  # rows past T stay finite: no NaN
         num = tl.exp(x - tl.max(x, axis=1)[:, None])
         scores = num / tl.sum(num, axis=1)[:, None]
-    else:
+    elif SCORING == 1:
         scores = 1.0 / (1.0 + tl.exp(-x))
+    else:  # sqrtsoftplus: sqrt(log(1 + e^x)), written so that large x does not overflow
+        scores = tl.sqrt(tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
     choice = scores
     if HAS_BIAS:
         choice = choice + tl.load(bias_ptr + cols, mask=valid_E, other=0.0).to(tl.float32)[None, :]

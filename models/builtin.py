@@ -4,6 +4,7 @@
 Tokenizers are byte-level BPE trained with `tokenizers` on text every Python install carries
 (pydoc_data's topics), saved so that `AutoTokenizer.from_pretrained` loads them offline.
 """
+import json
 import shutil
 from pathlib import Path
 from typing import Iterable
@@ -116,6 +117,28 @@ def randomize_biases(model_dir: str | Path, seed: int = 0, scale: float = 0.1, s
             elif name.endswith(("bias", "sinks")):
                 s = sink_scale if name.endswith(("sinks", "attention_sink_bias")) else scale  # (MiMo's name)
                 tensors[name] = (torch.randn(t.shape, generator=gen) * s).to(t.dtype)
+        save_file(tensors, f, metadata={"format": "pt"})
+
+
+def randomize_v4(model_dir: str | Path, seed: int = 0) -> None:
+    """DeepSeek-V4's tensors that transformers initialises to constants, made random so a model that
+    forgot one differs: the sinks (attn_sink), compressors' position biases (ape), mHC's biases,
+    correction biases (ffn.gate.bias), and each hash layer's token-to-experts table (tid2eid:
+    distinct experts per token; transformers' zeros would send every token to expert 0 twice)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(seed + 2)
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors = load_file(f)
+        for name, t in tensors.items():
+            if name.endswith("tid2eid"):
+                experts = int(json.loads((Path(model_dir) / "config.json").read_text())["n_routed_experts"])
+                tensors[name] = torch.rand(t.shape[0], experts, generator=gen).argsort(-1)[:, :t.shape[1]].contiguous().to(t.dtype)
+            elif name.endswith("gate.bias"):
+                tensors[name] = torch.rand(t.shape, generator=gen) * 0.2
+            elif name.endswith(("attn_sink", "ape", "_base", "hc_base")):
+                tensors[name] = (torch.randn(t.shape, generator=gen) * 0.5).to(t.dtype)
         save_file(tensors, f, metadata={"format": "pt"})
 
 

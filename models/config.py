@@ -30,6 +30,7 @@ from kernels.rotary import ROPE_TYPES, RopeConfig
 from kernels.routing import RouterConfig
 from models import families
 from models.errors import ConfigError
+from models.v4_config import V4Config, v4_attention_params, v4_attention_weights, v4_context_flops
 
 # architectures entry -> family; each family's semantics follow transformers' definition of it.
 ARCHITECTURES = {
@@ -50,6 +51,7 @@ ARCHITECTURES = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",  # its language model (text_config; under language_model.)
+    "DeepseekV4ForCausalLM": "deepseek_v4",
 }
 # model_type -> architectures entry, for a config.json that lists no known architecture
 MODEL_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
@@ -58,7 +60,8 @@ MODEL_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV
                "minimax_m2": "MiniMaxM2ForCausalLM", "gpt_oss": "GptOssForCausalLM",
                "llama4": "Llama4ForConditionalGeneration", "llama4_text": "Llama4ForCausalLM",
                "mimo_v2_flash": "MiMoV2FlashForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
-               "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+               "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+               "deepseek_v4": "DeepseekV4ForCausalLM"}
 # families `shuttle plan` sizes (ModelConfig.from_dict(..., planning=True)) that the engine does not build
 PLANNED_ARCHITECTURES = {"DbrxForCausalLM": "dbrx"}
 PLANNED_MODEL_TYPES = {"dbrx": "DbrxForCausalLM"}
@@ -187,6 +190,10 @@ class ModelConfig:
     mla: MLAConfig | None = None
     num_mtp_layers: int = 0  # multi-token-prediction layers stored after the last layer (not served)
     fp8_block: tuple[int, int] | None = None  # FP8 block-quantised weights: (rows, cols) per weight_scale_inv
+    # quantization_config's scale_fmt: "float" (float32 scales) or "ue8m0" (one byte per scale, 2 ** (e - 127));
+    # expert_dtype "fp4" (DeepSeek-V4): routed experts stored as packed FP4 with a scale per 32 inputs
+    fp8_scale_fmt: str = "float"
+    fp4_experts: bool = False
     rotary_dim: int | None = None  # partial rotary (GLM, MiniMax-M2): rope the first rotary_dim of each head
     attention_sinks: bool = False  # gpt-oss: one learned sink logit per query head (self_attn.sinks)
     expert_bias: bool = False  # gpt-oss: experts have biases (w13 and w2 rows)
@@ -217,6 +224,8 @@ class ModelConfig:
     linear_attention: LinearAttentionConfig | None = None
     attn_output_gate: bool = False
     norm_offset: float = 0.0
+    # DeepSeek-V4 (models/deepseek_v4.py): its attention layers, caches, mHC and hash-routed layers
+    v4: V4Config | None = None
 
     def is_linear(self, layer: int) -> bool:
         """Whether `layer` is a linear-attention (gated DeltaNet) layer: no KV cache, a state per sequence."""
@@ -226,8 +235,17 @@ class ModelConfig:
     def num_linear_layers(self) -> int:
         return 0 if self.linear_layers is None else sum(self.linear_layers)
 
+    @property
+    def has_sequence_state(self) -> bool:
+        """Whether a running sequence keeps a state outside its KV blocks (a state slot): the linear-attention
+        layers' (Qwen3-Next), DeepSeek-V4's window and compressors'."""
+        return self.linear_layers is not None or self.v4 is not None
+
     def state_bytes_per_sequence(self, dtype: torch.dtype) -> int:
-        """Bytes of one sequence's linear-attention state over all layers (0 without such layers)."""
+        """Bytes of one sequence's state over all layers (0 without one): linear attention's, or
+        DeepSeek-V4's sliding window and pending compressor rows."""
+        if self.v4 is not None:
+            return self.v4.state_bytes(self.head_dim, dtype)
         la = self.linear_attention
         return 0 if la is None else self.num_linear_layers * la.state_bytes(dtype)
 
@@ -257,6 +275,9 @@ class ModelConfig:
         latent plus its roped key (576 for DeepSeek-V3's shape instead of 2 x 128 x 128 = 32,768)."""
         if self.mla is not None:
             return self.mla.cache_width + self.mla.index_head_dim * self.mla.runs_indexer(layer)
+        if self.v4 is not None:  # its compressed entries (and index entries), one per `rate` tokens, rounded up
+            r = self.v4.rate(layer)
+            return 0 if not r else -(-(self.head_dim + self.v4.index_head_dim * self.v4.is_csa(layer)) // r)
         if self.is_linear(layer):
             return 0
         return self.kv_heads(layer) * (self.head_dim + self.v_dim)
@@ -287,6 +308,8 @@ class ModelConfig:
         """Matmul weights one token passes through in one layer's attention: q, k, v and o
         projections, or MLA's query, latent, absorbed up-projection (kv_b_proj) and output."""
         D, N = self.hidden_size, self.num_heads
+        if self.v4 is not None:
+            return v4_attention_weights(self.v4, layer, D, N, self.head_dim)
         if self.is_linear(layer):  # (the convolution and the gated norm are not matmuls)
             la = self.linear_attention
             v = la.value_heads * la.value_dim
@@ -309,6 +332,8 @@ class ModelConfig:
         latent norms) and the sinks of gpt-oss and MiMo-V2-Flash."""
         if self.is_linear(layer):
             return self.linear_attention.params(self.hidden_size)
+        if self.v4 is not None:
+            return v4_attention_params(self.v4, layer, self.hidden_size, self.num_heads, self.head_dim)
         n = self.attention_weights(layer)
         if self.mla is None:
             n += ((self.q_size * (1 + self.attn_output_gate) + self._kv_width(layer)) * self.qkv_bias
@@ -349,7 +374,11 @@ class ModelConfig:
         """Everything but the routed experts (what an attention worker holds): embeddings, LM head,
         final norm and every layer's norms, attention, dense MLP or router and shared expert."""
         layers = sum(2 * self.hidden_size + self.attention_params(i) for i in range(self.num_layers))
-        return (self.embedding_params() + self.hidden_size + layers
+        head = 0
+        if self.v4 is not None:  # hc_head; hash-routed layers hold tid2eid (V, K) instead of the correction bias
+            head = (self.v4.hc_mult * (self.v4.hc_mult * self.hidden_size + 1) + 1
+                    + sum(self.v4.hash_layers) * (self.vocab_size * self.top_k - self.num_experts))
+        return (self.embedding_params() + self.hidden_size + layers + head
                 + self.num_dense_layers * self.dense_mlp_params() + self.num_moe_layers * self.moe_block_params())
 
     def total_params(self) -> int:
@@ -397,6 +426,9 @@ class ModelConfig:
         query and output projections, then scores over latent + roped key and a weighted sum of
         latents), other families attend with per-head keys and values; linear-attention layers
         update and read their state whatever the context."""
+        if self.v4 is not None:
+            return sum(2 * self.attention_weights(i) + v4_context_flops(self.v4, i, context, self.num_heads,
+                                                                        self.head_dim) for i in range(self.num_layers))
         la, linear = self.linear_attention, self.num_linear_layers
         state = 0 if la is None else 2 * 3 * la.value_heads * la.key_dim * la.value_dim  # decay, read, write, output
         return (sum(2 * self.attention_weights(i) for i in range(self.num_layers))
@@ -508,6 +540,8 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
     extra = families.FIELDS[family](raw, layers, src, rope_of) if family in families.FIELDS else {}
     if "linear_attention" in extra:
         extra["linear_attention"] = LinearAttentionConfig(**extra["linear_attention"])
+    if "v4" in extra:
+        extra["v4"] = V4Config(**extra["v4"])
 
     shared_inter = int(get("shared_expert_intermediate_size", 0)) if family == "qwen2_moe" else 0
     if extra:
@@ -534,7 +568,7 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
         raise ConfigError(f"{src}: dtype {dtype_name!r} is not supported; supported: {', '.join(DTYPES)}")
     eos = get("eos_token_id", [])
     rope = extra.pop("rope") if "rope" in extra else _rope(raw, family, max_pos, src)
-    rotary_dim = _rotary_dim(raw, family, head_dim, src)
+    rotary_dim = extra.pop("rotary_dim") if "rotary_dim" in extra else _rotary_dim(raw, family, head_dim, src)
     oss = family == "gpt_oss"
     bias = bool(get("attention_bias", oss))  # gpt-oss's default is True
     mxfp4 = _is_mxfp4(raw.get("quantization_config"), family, src)
@@ -573,8 +607,9 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
         bos_token_id=get("bos_token_id"),
         mla=_with_scale(mla, rope) if mla else None,
         num_mtp_layers=(int(get("num_nextn_predict_layers", 0, "num_mtp_layers"))
-                        if family in ("deepseek_v3", *DSA_FAMILIES, "glm4_moe") else 0),
+                        if family in ("deepseek_v3", *DSA_FAMILIES, "glm4_moe", "deepseek_v4") else 0),
         fp8_block=_fp8_block(raw.get("quantization_config"), src),
+        **_fp8_formats(raw, family, src),
         rotary_dim=rotary_dim,
         attention_sinks=oss,
         expert_bias=oss,
@@ -632,6 +667,28 @@ def _fp8_block(quant: Any, src: str) -> tuple[int, int] | None:
     if fmt not in ("e4m3", "float8_e4m3fn"):  # (DeepSeek spells it e4m3, MiniMax-M2 float8_e4m3fn)
         raise ConfigError(f"{src}: quantization_config.fmt={fmt!r} is not supported (only 'e4m3')")
     return int(block[0]), int(block[1])
+
+
+def _fp8_formats(raw: dict[str, Any], family: str, src: str) -> dict[str, Any]:
+    """An FP8 quantization_config's scale_fmt ("float" or "ue8m0") and expert_dtype ("fp8" or "fp4",
+    DeepSeek-V4 only; V4's released config.json has it at the top level, V4.1's in quantization_config,
+    as transformers reads both) as ModelConfig's fp8_scale_fmt and fp4_experts."""
+    quant = raw.get("quantization_config")
+    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
+        return {}
+    scale_fmt = quant.get("scale_fmt") or "float"
+    if scale_fmt not in ("float", "ue8m0"):
+        raise ConfigError(f"{src}: quantization_config.scale_fmt={scale_fmt!r} is not supported (only 'float' "
+                          f"and 'ue8m0')")
+    field, expert_dtype = "quantization_config.expert_dtype", quant.get("expert_dtype")
+    if expert_dtype is None and family == "deepseek_v4":
+        field, expert_dtype = "expert_dtype", raw.get("expert_dtype")
+    expert_dtype = expert_dtype or "fp8"
+    if expert_dtype not in ("fp8", "fp4"):
+        raise ConfigError(f"{src}: {field}={expert_dtype!r} is not supported (only 'fp8' and 'fp4')")
+    if expert_dtype == "fp4" and family != "deepseek_v4":
+        raise ConfigError(f"{src}: {field}='fp4' (packed FP4 experts) is supported for DeepSeek-V4 checkpoints only")
+    return {"fp8_scale_fmt": scale_fmt, "fp4_experts": expert_dtype == "fp4"}
 
 
 def _router(raw: dict[str, Any], family: str, num_experts: int, top_k: int, src: str) -> RouterConfig:

@@ -74,6 +74,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                     "head_dim": 256, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
                     "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts_per_tok": 8,
                     "num_experts": 256, "vocab_size": 248320},
+    "deepseek_v4": {"vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048, "num_hidden_layers": 43,
+                    "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "q_lora_rank": 1024,
+                    "num_experts_per_tok": 6, "n_routed_experts": 256, "n_shared_experts": 1,
+                    "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5, "max_position_embeddings": 1048576,
+                    "rope_theta": 10000.0, "compress_rope_theta": 160000.0, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+                    "hc_eps": 1e-6, "swiglu_limit": 10.0, "sliding_window": 128, "o_groups": 8, "o_lora_rank": 1024,
+                    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "rms_norm_eps": 1e-6,
+                    "bos_token_id": 0, "eos_token_id": 1},
     "mimo_v2_flash": {"num_key_value_heads": 4, "head_dim": 192, "v_head_dim": 128, "num_experts_per_tok": 8,
                       "n_routed_experts": 256, "moe_intermediate_size": 2048, "intermediate_size": 16384,
                       "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "sliding_window": 129,
@@ -320,5 +328,104 @@ def qwen3_5_moe_fields(raw: dict[str, Any], layers: int, src: str, rope_of: Rope
             "linear_attention": {**fields["linear_attention"], "split_projections": True}}
 
 
-FIELDS = {"llama4": llama4_fields, "mimo_v2_flash": mimo_fields, "qwen3_next": qwen3_next_fields,
+def deepseek_v4_fields(raw: dict[str, Any], layers: int, src: str, rope_of: RopeOf) -> dict[str, Any]:
+    """ModelConfig fields of DeepSeek-V4 (transformers' DeepseekV4Config): layer_types (or the legacy
+    compress_ratios 0 / 4 / 128; default two heavily compressed layers then compressed sparse and
+    heavily compressed alternating), compress_rates, mlp_layer_types (or num_hash_layers; default 3
+    hash-routed), two ropes (rope_parameters main and compress, or rope_theta and compress_rope_theta
+    with a top-level yarn for the compressed layers, whose attention_factor is 1), mHC, the grouped
+    output projection, sqrtsoftplus (or softmax / sigmoid) routing with a correction bias, always
+    renormalised, clamped SwiGLU experts and shared experts. v4: models/deepseek_v4.V4Config's fields."""
+    from kernels.moe import SwiGLU
+    from kernels.routing import RouterConfig
+
+    check_no_dropout(raw, src)
+
+    def positive(key: str) -> int:
+        value = raw.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{src}: {key} must be a positive int, got {value!r}")
+        return value
+
+    rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128, **(raw.get("compress_rates") or {})}
+    for key, legacy in (("compressed_sparse_attention", "compress_rate_csa"), ("heavily_compressed_attention",
+                                                                              "compress_rate_hca")):
+        rates[key] = raw.get(legacy, rates[key])
+        if not isinstance(rates[key], int) or rates[key] < 1 or rates[key] & (rates[key] - 1):
+            raise ConfigError(f"{src}: compress_rates.{key} must be a power of two, got {rates[key]!r}")
+    kinds = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa", "heavily_compressed_attention": "hca"}
+    by_ratio = {0: "sliding_attention", rates["compressed_sparse_attention"]: "compressed_sparse_attention",
+                rates["heavily_compressed_attention"]: "heavily_compressed_attention"}
+    default = ["heavily_compressed_attention"] * min(layers, 2) + [
+        "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(layers - 2, 0))]
+    if raw.get("layer_types") is None and isinstance(raw.get("compress_ratios"), list):
+        ratios = raw["compress_ratios"][:layers]
+        if any(r not in by_ratio for r in ratios):
+            raise ConfigError(f"{src}: compress_ratios must hold 0 or the compress rates {sorted(by_ratio)}, got {ratios}")
+        default = [by_ratio[r] for r in ratios]
+    types = raw.get("layer_types") or default
+    types = list(types)[:layers] if len(types) >= layers else types
+    if len(types) != layers or any(t not in kinds for t in types):
+        raise ConfigError(f"{src}: layer_types must list num_hidden_layers={layers} entries of {', '.join(kinds)}, "
+                          f"got {types}")
+    n_hash = raw.get("num_hash_layers", 3)
+    mlp_types = raw.get("mlp_layer_types") or ["hash_moe"] * min(layers, n_hash) + ["moe"] * max(0, layers - n_hash)
+    mlp_types = list(mlp_types)[:layers]
+    if len(mlp_types) != layers or any(t not in ("hash_moe", "moe") for t in mlp_types):
+        raise ConfigError(f"{src}: mlp_layer_types must list num_hidden_layers={layers} entries of hash_moe, moe, "
+                          f"got {mlp_types}")
+    head_dim = positive("head_dim")
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    factor = raw.get("partial_rotary_factor")
+    if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
+        main, compress = dict(params["main"]), dict(params["compress"])
+        factor = main.get("partial_rotary_factor", factor)
+    else:
+        yarn = {k: v for k, v in params.items() if k not in ("main", "compress", "partial_rotary_factor")}
+        main = {"rope_type": "default", "rope_theta": raw.get("rope_theta", 10000.0)}
+        compress = {**yarn, "rope_theta": raw.get("compress_rope_theta", 160000.0)}
+        factor = params.get("partial_rotary_factor", factor)
+    if compress.get("rope_type", compress.get("type")) == "yarn":
+        compress.setdefault("attention_factor", 1.0)
+    if factor is None:
+        factor = 64 / 512 if raw.get("qk_rope_head_dim") is None else raw["qk_rope_head_dim"] / head_dim
+    rope_dim = int(head_dim * float(factor))
+    if rope_dim < 2 or rope_dim % 2 or rope_dim > head_dim:
+        raise ConfigError(f"{src}: partial_rotary_factor {factor} gives {rope_dim} rotary dims of head_dim {head_dim}; "
+                          f"need an even number in [2, head_dim]")
+    heads, groups = positive("num_attention_heads"), positive("o_groups")
+    if heads % groups:
+        raise ConfigError(f"{src}: o_groups ({groups}) must divide num_attention_heads ({heads})")
+    if int(raw.get("num_key_value_heads", 1)) != 1:
+        raise ConfigError(f"{src}: DeepSeek-V4 attention has one key/value head, got num_key_value_heads="
+                          f"{raw['num_key_value_heads']}")
+    index_dim = positive("index_head_dim")
+    if index_dim < rope_dim:
+        raise ConfigError(f"{src}: index_head_dim ({index_dim}) must be at least the {rope_dim} rotary dims")
+    scoring = raw.get("scoring_func", "sqrtsoftplus")
+    if scoring not in ("sqrtsoftplus", "softmax", "sigmoid"):
+        raise ConfigError(f"{src}: scoring_func={scoring!r} is not supported; supported: sqrtsoftplus, softmax, sigmoid")
+    top_k, inter = positive("num_experts_per_tok"), positive("moe_intermediate_size")
+    limit = float(raw.get("swiglu_limit") or 0) or None
+    return dict(
+        moe_layers=(True,) * layers,
+        moe_intermediate_size=inter,
+        shared_expert_intermediate_size=inter * int(raw.get("n_shared_experts", 1)),
+        sliding_windows=(None,) * layers,
+        rope=rope_of(main),
+        rotary_dim=rope_dim,
+        router=RouterConfig(top_k, scoring, renormalize=True, scaling=float(raw.get("routed_scaling_factor", 1.5)),
+                            correction_bias=True, weights_fp32=True),
+        expert_act=SwiGLU(1.0, limit, 0.0),
+        v4=dict(layer_types=tuple(kinds[t] for t in types), csa_rate=rates["compressed_sparse_attention"],
+                hca_rate=rates["heavily_compressed_attention"], window=positive("sliding_window"),
+                rope_dim=rope_dim, q_lora_rank=positive("q_lora_rank"), o_groups=groups,
+                o_lora_rank=positive("o_lora_rank"), index_heads=positive("index_n_heads"), index_head_dim=index_dim,
+                index_topk=positive("index_topk"), compress_rope=rope_of(compress), hc_mult=positive("hc_mult"),
+                hc_iters=positive("hc_sinkhorn_iters"), hc_eps=float(raw.get("hc_eps", 1e-6)),
+                hash_layers=tuple(t == "hash_moe" for t in mlp_types)),
+    )
+
+
+FIELDS = {"deepseek_v4": deepseek_v4_fields, "llama4": llama4_fields, "mimo_v2_flash": mimo_fields, "qwen3_next": qwen3_next_fields,
           "qwen3_5_moe": qwen3_5_moe_fields}

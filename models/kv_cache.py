@@ -1,5 +1,5 @@
-"""The attention batch description, a dense per-sequence KV cache, the engine's paged one, and the
-per-sequence states of linear-attention layers (LinearStates).
+"""The attention batch description, a dense per-sequence KV cache, the engine's paged one, the
+per-sequence states of linear-attention layers (LinearStates) and DeepSeek-V4's cache (V4Cache).
 
 Legend: T tokens of the flat batch, B sequences, L layers, K key/value heads, S cache length,
 H head dim, N query heads.
@@ -425,12 +425,51 @@ class LinearStates:
         return sum(t.numel() * t.element_size() for d in (self.conv, self.rec) for t in d.values())
 
 
+class V4Cache:
+    """What DeepSeek-V4's layers keep (models/deepseek_v4.py): per layer ring[l] (S, W, H); per
+    compressed layer entries[l] (P, E, H), buf_kv[l] / buf_gate[l] (S, rows, F) float32; per CSA
+    layer also index_entries[l] (P, E, I) and ibuf_kv[l] / ibuf_gate[l]."""
+
+    def __init__(self, cfg, num_blocks: int, block_size: int, num_slots: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        v4 = cfg.v4
+        H, I = cfg.head_dim, v4.index_head_dim
+        self.block_size, self.num_slots = block_size, num_slots
+        self.no_entries = torch.zeros(1, 1, H, dtype=dtype, device=device)  # (the decode op's pages in sliding layers)
+        self.ring, self.entries, self.buf_kv, self.buf_gate = {}, {}, {}, {}
+        self.index_entries, self.ibuf_kv, self.ibuf_gate = {}, {}, {}
+        f32 = dict(dtype=torch.float32, device=device)
+        for i in range(cfg.num_layers):
+            self.ring[i] = torch.zeros(num_slots, v4.window, H, dtype=dtype, device=device)
+            r = v4.rate(i)
+            if not r:
+                continue
+            E, rows = v4.entries_per_page(r, block_size), v4.state_rows(i)
+            self.entries[i] = torch.zeros(num_blocks, E, H, dtype=dtype, device=device)
+            width = 2 * H if v4.is_csa(i) else H
+            self.buf_kv[i], self.buf_gate[i] = torch.zeros(num_slots, rows, width, **f32), torch.zeros(num_slots, rows, width, **f32)
+            if v4.is_csa(i):
+                self.index_entries[i] = torch.zeros(num_blocks, E, I, dtype=dtype, device=device)
+                self.ibuf_kv[i] = torch.zeros(num_slots, rows, 2 * I, **f32)
+                self.ibuf_gate[i] = torch.zeros(num_slots, rows, 2 * I, **f32)
+
+
+class V4PagedCache:
+    """The engine's cache for DeepSeek-V4: its layers find their storage as `cache.v4`."""
+
+    def __init__(self, store: V4Cache):
+        self.v4 = store
+        self.linear_states = None
+
+
 def make_paged_cache(cfg: "ModelConfig", num_blocks: int, block_size: int, dtype: torch.dtype,
                      device: torch.device | str, ops: "KernelOps",
                      state_slots: int = 0) -> "PagedKVCache | PagedLatentCache":
     """The engine's paged cache for a model: latent rows for MLA, per-head keys and values otherwise
     (none for linear-attention layers, which keep `state_slots` per-sequence states instead:
     cache.linear_states, models/linear_attention.py)."""
+    if cfg.v4 is not None:  # (its window and compressor rows live in `state_slots` slots)
+        return V4PagedCache(V4Cache(cfg, num_blocks, block_size, state_slots, dtype, device))
     if cfg.mla is not None:
         return PagedLatentCache(cfg.num_layers, num_blocks, block_size, cfg.mla.cache_width, cfg.mla.kv_lora_rank,
                                 dtype, device, decode_attention=ops.paged_latent_decode_attention,
@@ -444,5 +483,8 @@ def make_paged_cache(cfg: "ModelConfig", num_blocks: int, block_size: int, dtype
 
 
 def cache_bytes_per_block(cfg: "ModelConfig", block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block of block_size tokens takes over all layers (from ModelConfig.kv_bytes_per_token)."""
+    """Bytes one block of block_size tokens takes over all layers (from ModelConfig.kv_bytes_per_token;
+    DeepSeek-V4: the entries its pages hold, models/deepseek_v4.V4Config.page_values)."""
+    if cfg.v4 is not None:
+        return cfg.v4.page_values(cfg.head_dim, block_size) * dtype.itemsize
     return block_size * cfg.kv_bytes_per_token(dtype)

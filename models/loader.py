@@ -7,7 +7,11 @@ Checkpoint experts are per-expert matrices (`experts.{e}.gate_proj|up_proj|down_
 are accepted too. In the model they are stacked: w13 (E, 2I, D) and w2 (E, D, I).
 FP8 block-quantised weights (quantization_config quant_method fp8) are dequantised to the model's
 dtype as they are read, each with its `weight_scale_inv`; with keep_fp8 their E4M3 codes and scales
-are also handed to the modules as shipped (`fp8_checkpoint`, for kernels/fp8_weights.py). gpt-oss stores its experts fused and
+are also handed to the modules as shipped (`fp8_checkpoint`, for kernels/fp8_weights.py). DeepSeek-V4's released
+files name each scale `X.scale` (beside `X.weight`), store scales as UE8M0 bytes (scale_fmt ue8m0) and, with
+expert_dtype fp4, routed experts as packed FP4 (int8 (O, I/2), a scale per row per 32 inputs): dequantised on
+read too (keep_fp8 keeps no FP4 codes: those experts are served, or requantised, from their dequantised values).
+gpt-oss stores its experts fused and
 transposed (`experts.gate_up_proj` (E, D, 2I) with gate and up interleaved, `down_proj` (E, I, D),
 biases `gate_up_proj_bias` / `down_proj_bias`) and its router as `mlp.router`; MXFP4 checkpoints hold
 each expert matrix as `X_blocks` + `X_scales` (out-major (E, O, D/32, 16) uint8 nibbles and E8M0
@@ -39,7 +43,8 @@ from safetensors import safe_open
 
 from kernels.cpu_linear import gemm_is_emulated
 from kernels.ops import select_ops
-from kernels.quant import FP8_DTYPES, dequantize_fp8_blocks, dequantize_mxfp4, fp8_block_scale_shape, mxfp4_shape
+from kernels.quant import (E8M0, FP8_DTYPES, decode_scales, dequantize_fp4_packed, dequantize_fp8_blocks,
+                           dequantize_mxfp4, fp4_scale_shape, fp8_block_scale_shape, has_nan_e8m0, mxfp4_shape)
 
 from models.config import ModelConfig
 from models.moe_decoder import Experts, MoEForCausalLM
@@ -53,6 +58,9 @@ _FUSED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_pr
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq$)|^(vision_model|multi_modal_projector|model\.visual|model\.mtp|mtp)\.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` scales the FP8 `X.weight`
+RELEASED_SCALE = ".scale"  # DeepSeek-V4's released files name it `X.scale` (beside `X.weight`)
+# a routed expert's weight (checkpoint name), which DeepSeek-V4 ships as packed FP4 (expert_dtype fp4)
+_ROUTED_EXPERT_WEIGHT = re.compile(r"(^|\.)experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 MXFP4_SUFFIXES = ("_blocks", "_scales")  # `X_blocks` + `X_scales` hold the MXFP4 tensor `X`
 log = logging.getLogger("shuttle")
 
@@ -77,8 +85,12 @@ class Target:
 class CheckpointReader:
     """Index of the tensors of a checkpoint directory: name -> safetensors file."""
 
-    def __init__(self, model_dir: str | Path, fp8_block: tuple[int, int] | None = None):
+    def __init__(self, model_dir: str | Path, fp8_block: tuple[int, int] | None = None, scale_fmt: str = "float",
+                 fp4_experts: bool = False):
+        """fp8_block, scale_fmt, fp4_experts: the config's quantization (ModelConfig.fp8_block,
+        fp8_scale_fmt, fp4_experts; CheckpointReader.of reads them from a ModelConfig)."""
         self.dir, self.fp8_block = Path(model_dir), fp8_block
+        self.scale_fmt, self.fp4_experts = scale_fmt, fp4_experts
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text()).get("weight_map")
@@ -98,10 +110,24 @@ class CheckpointReader:
                 with safe_open(f, framework="pt") as h:
                     for name in h.keys():
                         self.files[name] = f
-        # FP8 scales are read with their weights, never as tensors of their own
-        self.scales = {n[:-len(SCALE_SUFFIX)]: f for n, f in self.files.items() if n.endswith(SCALE_SUFFIX)}
-        self.files = {n: f for n, f in self.files.items() if not n.endswith(SCALE_SUFFIX)}
+        # FP8 (and FP4) scales are read with their weights, never as tensors of their own: `X.weight_scale_inv`,
+        # or `X.scale` where `X.weight` is in the checkpoint (DeepSeek-V4's released files)
+        self.scale_names = {n[:-len(SCALE_SUFFIX)]: n for n in self.files if n.endswith(SCALE_SUFFIX)}
+        for n in [n for n in self.files if n.endswith(RELEASED_SCALE)]:
+            weight = n[:-len(RELEASED_SCALE)] + ".weight"
+            if weight not in self.files:
+                continue
+            if weight in self.scale_names:
+                raise CheckpointError(f"{self.files[n]}: tensor '{weight}' has two scales, '{n}' and "
+                                      f"'{self.scale_names[weight]}'")
+            self.scale_names[weight] = n
+        self.scales = {w: self.files.pop(n) for w, n in self.scale_names.items()}
         self.mxfp4 = self._pair_mxfp4()
+
+    @classmethod
+    def of(cls, model_dir: str | Path, cfg: ModelConfig) -> "CheckpointReader":
+        """A reader of model_dir with cfg's quantization (fp8_block, fp8_scale_fmt, fp4_experts)."""
+        return cls(model_dir, cfg.fp8_block, cfg.fp8_scale_fmt, cfg.fp4_experts)
 
     def _pair_mxfp4(self) -> dict[str, tuple[Path, Path]]:
         """MXFP4 tensors `X` stored as `X_blocks` + `X_scales` (experts of gpt-oss): each pair becomes
@@ -124,7 +150,20 @@ class CheckpointReader:
         if name in self.mxfp4:
             e, o, *rest = mxfp4_shape(tuple(h.get_slice(name + "_blocks").get_shape()))
             return (e, *rest, o)
-        return tuple(h.get_slice(name).get_shape())
+        shape = tuple(h.get_slice(name).get_shape())
+        if self._is_fp4(h, name):  # packed FP4 (O, I / 2): (O, I) unpacked
+            return (*shape[:-1], 2 * shape[-1])
+        return shape
+
+    def _is_fp4(self, h, name: str) -> bool:
+        """Whether tensor `name` is a packed FP4 routed-expert weight (int8, expert_dtype fp4); an int8
+        expert weight without expert_dtype fp4 in the config is a CheckpointError."""
+        if h.get_slice(name).get_dtype() != "I8" or not _ROUTED_EXPERT_WEIGHT.search(name):
+            return False
+        if not self.fp4_experts:
+            raise CheckpointError(f"{self.files[name]}: expert tensor '{name}' is int8 (packed FP4?) but config.json "
+                                  f"does not declare expert_dtype 'fp4' (with quant_method fp8)")
+        return True
 
     def is_empty(self, name: str) -> bool:
         """Whether tensor `name` has no elements (transformers saves n_shared_experts=0 as (0, D) MLPs)."""
@@ -148,13 +187,22 @@ class CheckpointReader:
                     got = self.shape(h, name)
                     for t in wanted[name]:
                         if got != model_shape[t]:
-                            raise CheckpointError(f"{f}: tensor '{name}' has shape {list(got)}, expected "
+                            packed = (f" (unpacked from packed FP4 {list(h.get_slice(name).get_shape())})"
+                                      if self._is_fp4(h, name) else "")
+                            raise CheckpointError(f"{f}: tensor '{name}' has shape {list(got)}{packed}, expected "
                                                   f"{list(model_shape[t])} for {t.param}")
                 for name in names:
                     if name in self.mxfp4:
                         out[name] = self._dequantize_mxfp4(f, name, h.get_tensor(name + "_blocks"))
                         continue
                     out[name] = h.get_tensor(name)
+                    if out[name].dtype == torch.int8 and (name in self.scales or _ROUTED_EXPERT_WEIGHT.search(name)):
+                        # (packed FP4 routed experts; no FP8 codes to keep: served from the dequantised values)
+                        if not self._is_fp4(h, name):
+                            raise CheckpointError(f"{f}: tensor '{name}' is int8 with a scale; packed FP4 is read "
+                                                  f"only for routed experts' weights (expert_dtype fp4)")
+                        out[name] = self._dequantize_fp4(f, name, out[name])
+                        continue
                     if out[name].dtype in FP8_DTYPES:
                         if kept is not None:
                             kept[name] = self._checked_fp8(f, name, out[name])
@@ -178,7 +226,7 @@ class CheckpointReader:
         for o0 in range(0, w.shape[0], 4096):  # E4M3's NaN codes, a row chunk at a time
             if (w[o0:o0 + 4096].view(torch.uint8) & 0x7F).eq(0x7F).any():
                 raise CheckpointError(f"{f}: FP8 tensor '{name}' holds NaN codes (0x7F / 0xFF)")
-        return w, scale.float()
+        return w, decode_scales(scale)
 
     def _dequantize_mxfp4(self, f: Path, name: str, blocks: torch.Tensor) -> torch.Tensor:
         """`name`_blocks (E, O, G, 16) uint8 with `name`_scales (E, O, G) -> float32 (E, G * 32, O)."""
@@ -195,25 +243,40 @@ class CheckpointReader:
 
     def _dequantize(self, f: Path, name: str, w: torch.Tensor) -> torch.Tensor:
         """An FP8 weight times its per-block weight_scale_inv, as float32."""
-        return dequantize_fp8_blocks(w, self._scale(f, name, w), self.fp8_block)
+        return dequantize_fp8_blocks(w, decode_scales(self._scale(f, name, w)), self.fp8_block)
 
-    def _scale(self, f: Path, name: str, w: torch.Tensor) -> torch.Tensor:
-        """FP8 weight `name`'s weight_scale_inv, its shape checked."""
-        scale_name = name + SCALE_SUFFIX
+    def _dequantize_fp4(self, f: Path, name: str, w: torch.Tensor) -> torch.Tensor:
+        """A packed FP4 expert weight (O, I / 2) times its scale per row per 32 inputs, as float32 (O, I)."""
+        return dequantize_fp4_packed(w, self._scale(f, name, w, fp4=True))
+
+    def _scale(self, f: Path, name: str, w: torch.Tensor, fp4: bool = False) -> torch.Tensor:
+        """Quantised weight `name`'s scale (weight_scale_inv or .scale) as stored, its shape and dtype checked:
+        FP8 (O, I): one per fp8_block block; packed FP4 (O, I / 2): one per row per 32 inputs."""
+        kind = "packed FP4" if fp4 else "FP8"
         if self.fp8_block is None:
             raise CheckpointError(f"{f}: tensor '{name}' is {w.dtype} but config.json has no FP8 quantization_config "
                                   f"(quant_method fp8 with weight_block_size)")
         if name not in self.scales:
-            raise CheckpointError(f"{f}: FP8 tensor '{name}' has no '{scale_name}' in the checkpoint")
+            raise CheckpointError(f"{f}: {kind} tensor '{name}' has no '{name}{SCALE_SUFFIX}' (or "
+                                  f"'{name.removesuffix('.weight')}{RELEASED_SCALE}') in the checkpoint")
+        scale_name = self.scale_names[name]
         if w.dim() != 2:
-            raise CheckpointError(f"{f}: FP8 tensor '{name}' has shape {list(w.shape)}; only 2-D block-quantised "
+            raise CheckpointError(f"{f}: {kind} tensor '{name}' has shape {list(w.shape)}; only 2-D quantised "
                                   f"weights are supported")
         with safe_open(self.scales[name], framework="pt") as h:
             scale = h.get_tensor(scale_name)
-        want = fp8_block_scale_shape(tuple(w.shape), self.fp8_block)
+        want = fp4_scale_shape(tuple(w.shape)) if fp4 else fp8_block_scale_shape(tuple(w.shape), self.fp8_block)
         if tuple(scale.shape) != want:
+            grid = "one per row per 32 inputs" if fp4 else f"blocks of {list(self.fp8_block)}"
             raise CheckpointError(f"{self.scales[name]}: tensor '{scale_name}' has shape {list(scale.shape)}, expected "
-                                  f"{list(want)} for {list(w.shape)} in blocks of {list(self.fp8_block)}")
+                                  f"{list(want)} for {kind} {list(w.shape)} ({grid})")
+        ue8m0 = scale.dtype == torch.uint8 or (E8M0 is not None and scale.dtype == E8M0)
+        if not (scale.is_floating_point() or ue8m0) or (scale.dtype == torch.uint8 and self.scale_fmt != "ue8m0"):
+            raise CheckpointError(f"{self.scales[name]}: tensor '{scale_name}' is {scale.dtype}; scales are float, "
+                                  f"or float8_e8m0fnu / uint8 exponents (uint8 only with quantization_config "
+                                  f"scale_fmt 'ue8m0')")
+        if ue8m0 and has_nan_e8m0(scale):
+            raise CheckpointError(f"{self.scales[name]}: tensor '{scale_name}' holds NaN scales (UE8M0 byte 0xFF)")
         return scale
 
 
@@ -223,6 +286,60 @@ RENAMES = {"gpt_oss": ((".mlp.router.", ".mlp.gate."),),
                       (".feed_forward.", ".mlp.")),
            "mimo_v2_flash": ((".self_attn.attention_sink_bias", ".self_attn.sinks"),)}
 FUSED_TRANSPOSED = ("gpt_oss", "llama4")  # experts stored (E, D, 2I) / (E, I, D)
+# DeepSeek-V4's released names (embed, head, layers.N.attn.wq_a, ffn.experts.E.w1, hc_attn_fn, ...; with or
+# without "model."; transformers' save_pretrained writes them back so) -> transformers' module names, in order
+V4_RENAMES = ((r"^model\.hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"), (r"\.attn\.", ".self_attn."),
+              (r"\.ffn\.", ".mlp."), (r"\.self_attn\.indexer\.compressor\.", ".self_attn.compressor.indexer."),
+              (r"\.self_attn\.indexer\.weights_proj\.", ".self_attn.compressor.indexer.scorer.weights_proj."),
+              (r"\.self_attn\.indexer\.wq_b\.", ".self_attn.compressor.indexer.q_b_proj."),
+              (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+              (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"), (r"\.attn_sink$", ".sinks"),
+              (r"(\.self_attn\.(?:.*\.)?)norm\.", r"\1kv_norm."), (r"\.ape$", ".position_bias"),
+              (r"\.wq_a\.", ".q_a_proj."), (r"\.wq_b\.", ".q_b_proj."), (r"\.wkv\.", ".kv_proj."),
+              (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."),
+              (r"\.q_norm\.", ".q_a_norm."), (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+              (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+              (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+              (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."))
+
+
+V4_NAMES_BACK = ((r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
+                 (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
+                 (r"\.self_attn\.compressor\.indexer\.", ".attn.indexer.compressor."), (r"\.self_attn\.", ".attn."),
+                 (r"\.mlp\.", ".ffn."), (r"\.input_layernorm\.", ".attn_norm."),
+                 (r"\.post_attention_layernorm\.", ".ffn_norm."), (r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2"),
+                 (r"\.sinks$", ".attn_sink"), (r"\.kv_norm\.", ".norm."), (r"\.position_bias$", ".ape"),
+                 (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
+                 (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
+                 (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."), (r"\.q_a_proj\.", ".wq_a."),
+                 (r"\.q_b_proj\.", ".wq_b."), (r"\.kv_proj\.", ".wkv."), (r"\.gate_proj\.", ".wgate."),
+                 (r"\.o_a_proj\.", ".wo_a."), (r"\.o_b_proj\.", ".wo_b."), (r"\.q_a_norm\.", ".q_norm."),
+                 (r"\.gate\.e_score_correction_bias$", ".gate.bias"))
+
+
+def v4_checkpoint_name(name: str) -> str:
+    """A DeepSeek-V4 model parameter's name as transformers' save_pretrained writes it (the released
+    names under "model.", head.weight); v4_model_name reads it back."""
+    if name == "lm_head.weight":
+        return "head.weight"
+    if not name.startswith("model.layers."):
+        return name
+    for pattern, repl in V4_NAMES_BACK:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+def v4_model_name(name: str) -> str:
+    """A DeepSeek-V4 checkpoint tensor's name in the model (V4_RENAMES; names already in transformers'
+    form pass unchanged)."""
+    if name in ("head.weight", "lm_head.weight"):
+        return "lm_head.weight"
+    if name == "embed.weight":
+        return "model.embed_tokens.weight"
+    name = name if name.startswith("model.") else "model." + name
+    for pattern, repl in V4_RENAMES:
+        name = re.sub(pattern, repl, name)
+    return name
 
 
 def checkpoint_targets(name: str, cfg: ModelConfig) -> list[Target] | None:
@@ -230,7 +347,9 @@ def checkpoint_targets(name: str, cfg: ModelConfig) -> list[Target] | None:
     name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's (and MiniMax-M2's) module name on disk
     if name.endswith(".mlp.e_score_correction_bias"):  # MiniMax-M2 keeps it beside the gate
         name = name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
-    if cfg.family == "llama4":
+    if cfg.family == "deepseek_v4":
+        name = v4_model_name(name)
+    elif cfg.family == "llama4":
         name = name.removeprefix("language_model.")
     elif cfg.family == "qwen3_5_moe" and name.startswith("model.language_model."):
         name = "model." + name.removeprefix("model.language_model.")
@@ -332,16 +451,17 @@ def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: tor
         model = MoEForCausalLM(cfg, with_experts=with_experts, ops=ops).to(dtype)
         full = dict((model if with_experts else MoEForCausalLM(cfg, with_experts=True, ops=ops)).named_parameters())
     params = dict(model.named_parameters(remove_duplicate=False))
-    reader = CheckpointReader(model_dir, cfg.fp8_block)
+    reader = CheckpointReader.of(model_dir, cfg)
     for weight, f in reader.scales.items():
         if weight not in reader.files:
-            raise CheckpointError(f"{f}: unexpected tensor '{weight}{SCALE_SUFFIX}' (no FP8 weight '{weight}')")
+            raise CheckpointError(f"{f}: unexpected tensor '{reader.scale_names[weight]}' (no FP8 weight '{weight}')")
     wanted: dict[str, list[Target]] = {}
     covered: dict[str, int] = defaultdict(int)  # param -> number of elements assigned
     mtp = []
     for name, f in reader.files.items():
         targets = checkpoint_targets(name, cfg)
-        if _IGNORED.search(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+        if (_IGNORED.search(name) and cfg.family != "deepseek_v4") or (cfg.tie_word_embeddings
+                                                                         and name == "lm_head.weight"):
             continue
         if is_mtp_tensor(name, cfg):
             mtp.append(name)
@@ -444,7 +564,7 @@ def load_experts(model_dir: str | Path, expert_ids: list[int] | dict[int, list[i
         experts = {i: Experts.of(cfg, len(ids), ops).to(dtype) for i, ids in by_layer.items()}
     params = _expert_params(experts)
     full_shape = {n: (cfg.num_experts,) + tuple(p.shape[1:]) for n, p in params.items()}
-    reader = CheckpointReader(model_dir, cfg.fp8_block)
+    reader = CheckpointReader.of(model_dir, cfg)
     wanted: dict[str, list[Target]] = {}
     model_shape: dict[Target, tuple[int, ...]] = {}
     covered: dict[str, int] = defaultdict(int)
@@ -488,7 +608,10 @@ def load_experts(model_dir: str | Path, expert_ids: list[int] | dict[int, list[i
 
 def is_mtp_tensor(name: str, cfg: ModelConfig) -> bool:
     """Whether a checkpoint tensor belongs to a multi-token-prediction layer (layer index in
-    [num_layers, num_layers + num_mtp_layers)), which serving does not use."""
+    [num_layers, num_layers + num_mtp_layers)), which the target model does not use (models/mtp.py
+    loads the first as speculative method mtp's drafter)."""
+    if cfg.family == "deepseek_v4":  # (its MTP layers are mtp.N.*)
+        return name.startswith(("mtp.", "model.mtp."))
     m = _LAYER.match(name)
     return m is not None and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + cfg.num_mtp_layers
 
@@ -509,6 +632,8 @@ def expert_checkpoint_names(family: str) -> tuple[str, tuple[str, str, str]]:
     `model.layers.{i}.{module}.experts.{e}.{gate}.weight`."""
     if family in ("mixtral", "minimax_m2"):
         return "block_sparse_moe", ("w1", "w3", "w2")
+    if family == "deepseek_v4":  # (as the model names it; training/checkpoint.py writes its released names)
+        return "mlp", ("w1", "w3", "w2")
     return "mlp", ("gate_proj", "up_proj", "down_proj")
 
 

@@ -27,7 +27,9 @@ from torch import nn
 from kernels.moe import SILU, SwiGLU
 from kernels.ops import KernelOps, select_ops
 from kernels.rotary import RotaryEmbedding
+from kernels.routing import hash_route
 from models.config import ModelConfig
+from models.deepseek_v4 import HyperConnection, HyperHead, V4Attention, expand
 from models.dispatcher import Dispatcher, LocalDispatcher
 from models.kv_cache import AttentionBatch, KVCache
 from models.linear_attention import GatedDeltaNet
@@ -114,16 +116,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: dense layers and shared experts."""
+    """SwiGLU feed-forward: dense layers and shared experts (act: DeepSeek-V4's are clamped)."""
 
-    def __init__(self, hidden: int, inter: int, bias: bool = False):
+    def __init__(self, hidden: int, inter: int, bias: bool = False, act: SwiGLU = SILU):
         super().__init__()
+        self.act = act
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
+        if self.act.is_silu:
+            return self.down_proj(F.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
+        return self.down_proj(self.act(self.gate_proj(x_TD), self.up_proj(x_TD)))
 
 
 class Experts(nn.Module):
@@ -155,15 +160,18 @@ class Router(nn.Module):
     """The router's weight (E, D), gpt-oss's bias (E), and the e_score_correction_bias of DeepSeek-V3,
     GLM and MiniMax-M2 (E, float32, added to the scores to choose experts only; not trained by
     gradients, as transformers keeps it a buffer). Returns the logits (T, E);
-    kernels.routing.topk_route turns them into choices (RouterConfig)."""
+    kernels.routing.topk_route turns them into choices (RouterConfig). A DeepSeek-V4 hash-routed
+    layer's router has tid2eid (V, K) int64 instead of the correction bias: each token id's experts."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, hashed: bool = False):
         super().__init__()
         self.logits_fp32 = cfg.router.logits_fp32
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router.bias else None
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
-                                        if cfg.router.correction_bias else None)
+                                        if cfg.router.correction_bias and not hashed else None)
+        self.tid2eid = (nn.Parameter(torch.zeros(cfg.vocab_size, cfg.top_k, dtype=torch.long), requires_grad=False)
+                        if hashed else None)
         # CPU inference only (models/cpu_inference.py): the weight prepared for kernels.cpu_linear, in
         # the dtype the logits are computed in (a 1-16 row bf16 F.linear cost 35-105 us a call)
         self.cpu_weight = None
@@ -193,20 +201,24 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, with_experts: bool, ops: KernelOps):
         super().__init__()
         self.layer, self.cfg, self.ops = layer, cfg, ops
-        self.gate = Router(cfg)
+        self.hashed = cfg.v4 is not None and cfg.v4.hash_layers[layer]
+        self.gate = Router(cfg, self.hashed)
         self.stages: DecodeStages = EAGER  # models/stages.py: compile_stages swaps in compiled ones
         self.experts = Experts.of(cfg, cfg.num_experts, ops) if with_experts else None
         self.shared_name = None  # named as in the checkpoints: Qwen2-MoE's gated shared_expert, DeepSeek's shared_experts
         if cfg.shared_expert_intermediate_size:
             self.shared_name = "shared_expert" if cfg.shared_expert_gate else "shared_experts"
-            self.add_module(self.shared_name, MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.mlp_bias))
+            self.add_module(self.shared_name, MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.mlp_bias,
+                                                  cfg.expert_act if cfg.v4 is not None else SILU))
             if cfg.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
-    def start(self, x_TD: torch.Tensor, dispatcher: Dispatcher, mb: int = 0) -> tuple:
+    def start(self, x_TD: torch.Tensor, dispatcher: Dispatcher, mb: int = 0,
+              token_ids_T: torch.Tensor | None = None) -> tuple:
         """Route and dispatch (non-blocking for remote dispatchers); the shared expert runs while
-        the routed experts work. `finish` turns the returned state into y_TD."""
-        weights_TK, ids_TK = self.route(x_TD)
+        the routed experts work. `finish` turns the returned state into y_TD. token_ids_T: the
+        tokens' ids, which a hash-routed layer's experts are looked up by."""
+        weights_TK, ids_TK = self.route(x_TD, token_ids_T)
         routed_TD = x_TD
         if self.cfg.router_scales_input:
             # Llama 4 weighs the expert's input, expert(w * x), which differs from w * expert(x) (SwiGLU
@@ -222,8 +234,15 @@ class SparseMoE(nn.Module):
                 shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
         return dispatcher, handle, shared_TD
 
-    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights_TK, ids_TK) of the router's choice (kernels.routing.topk_route)."""
+    def route(self, x_TD: torch.Tensor, token_ids_T: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights_TK, ids_TK) of the router's choice (kernels.routing.topk_route, or hash_route)."""
+        if self.hashed:
+            if token_ids_T is None:
+                raise ValueError(f"layer {self.layer} routes by token id (DeepSeek-V4's hash layers): pass token_ids_T")
+            r = self.cfg.router
+            weights_TK, ids_TK = hash_route(self.gate(x_TD), self.gate.tid2eid[token_ids_T], r.scoring, r.renormalize,
+                                            r.scaling)
+            return weights_TK if r.weights_fp32 else weights_TK.to(x_TD.dtype), ids_TK
         return self.stages.route(self.gate(x_TD), self.gate.e_score_correction_bias, self.route_spec(x_TD.dtype),
                                  self.ops)
 
@@ -234,7 +253,8 @@ class SparseMoE(nn.Module):
                                   r.scaling, None if r.weights_fp32 else dtype))
 
     def warm_up_stages(self, T: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.route(torch.zeros(T, self.cfg.hidden_size, dtype=dtype, device=device))
+        if not self.hashed:  # (hash routing runs eagerly: no stage)
+            self.route(torch.zeros(T, self.cfg.hidden_size, dtype=dtype, device=device))
 
     def start_empty(self, x_TD: torch.Tensor, dispatcher: Dispatcher, mb: int) -> tuple:
         """An empty micro-batch still takes its (empty) turn, so remote experts see every slot."""
@@ -259,23 +279,41 @@ class DecoderLayer(nn.Module):
         super().__init__()
         # a linear-attention layer has linear_attn instead (self_attn None)
         self.linear_attn = GatedDeltaNet(cfg, layer, ops) if cfg.is_linear(layer) else None
-        self.self_attn = (None if self.linear_attn is not None else Attention(cfg, layer, ops) if cfg.mla is None
-                          else MLAttention(cfg, layer, ops))
+        self.self_attn = (None if self.linear_attn is not None else V4Attention(cfg, layer, ops) if cfg.v4 is not None
+                          else Attention(cfg, layer, ops) if cfg.mla is None else MLAttention(cfg, layer, ops))
         self.is_moe = cfg.moe_layers[layer]
         self.mlp = (SparseMoE(cfg, layer, with_experts, ops) if self.is_moe
                     else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        if cfg.v4 is not None:  # DeepSeek-V4's hyper-connections in place of the residual add
+            v4 = cfg.v4
+            self.attn_hc, self.ffn_hc = (HyperConnection(cfg.hidden_size, v4.hc_mult, v4.hc_iters, v4.hc_eps,
+                                                         cfg.rms_norm_eps) for _ in range(2))
 
     def attention(self, x_TD: torch.Tensor, residual_TD: torch.Tensor | None, cos_sin: tuple[torch.Tensor, torch.Tensor],
                   cache: KVCache, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual) -> (the MLP's input, residual): the residual stream is x + residual."""
+        """(x, residual) -> (the MLP's input, residual): the residual stream is x + residual. With
+        hyper-connections (DeepSeek-V4) the residual is (streams, post, comb) of the last MLP, whose
+        output x they take in (the first layer's: None, x the embeddings)."""
+        if hasattr(self, "attn_hc"):
+            return self._hyper_attention(x_TD, residual_TD, cos_sin, cache, batch)
         h_TD, residual_TD = self.input_layernorm.add_and_norm(x_TD, residual_TD)
         if self.linear_attn is not None:
             h_TD = self.linear_attn(h_TD, cache, batch)
         else:
             h_TD = self.self_attn(h_TD, cos_sin, cache, batch)
         return self.post_attention_layernorm.add_and_norm(h_TD, residual_TD)
+
+    def _hyper_attention(self, x_TD, residual, cos_sin, cache, batch):
+        if residual is None:
+            streams = x_TD.unsqueeze(1).expand(-1, self.attn_hc.n, -1).contiguous()
+        else:
+            streams = expand(*residual, x_TD)
+        post, comb, collapsed = self.attn_hc(streams)
+        streams = expand(streams, post, comb, self.self_attn(self.input_layernorm(collapsed), cos_sin, cache, batch))
+        post, comb, collapsed = self.ffn_hc(streams)
+        return self.post_attention_layernorm(collapsed), (streams, post, comb)
 
     def stage_key(self) -> tuple:
         """Layers of one key call the same stages with the same shapes (models/stages.py: warm_up)."""
@@ -290,11 +328,14 @@ class DecoderLayer(nn.Module):
         if self.is_moe:
             self.mlp.warm_up_stages(T, w.dtype, w.device)
 
-    def start_mlp(self, h_TD: torch.Tensor, dispatcher: Dispatcher, mb: int, empty: bool = False) -> tuple:
-        """Begin the MLP; `SparseMoE.finish` of the result gives its output. Dense layers compute now."""
+    def start_mlp(self, h_TD: torch.Tensor, dispatcher: Dispatcher, mb: int, empty: bool = False,
+                  token_ids_T: torch.Tensor | None = None) -> tuple:
+        """Begin the MLP; `SparseMoE.finish` of the result gives its output. Dense layers compute now.
+        token_ids_T: the tokens' ids (hash-routed layers)."""
         if not self.is_moe:
             return _Done(), h_TD if empty else self.mlp(h_TD), None
-        return self.mlp.start_empty(h_TD, dispatcher, mb) if empty else self.mlp.start(h_TD, dispatcher, mb)
+        return (self.mlp.start_empty(h_TD, dispatcher, mb) if empty
+                else self.mlp.start(h_TD, dispatcher, mb, token_ids_T))
 
 
 class _Done:
@@ -311,6 +352,15 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, with_experts, ops) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        if cfg.v4 is not None:
+            self.hc_head = HyperHead(cfg.hidden_size, cfg.v4.hc_mult, cfg.v4.hc_eps, cfg.rms_norm_eps)
+
+    def final_norm(self, x_TD: torch.Tensor, residual) -> torch.Tensor:
+        """The last MLP's output x with the residual, normed: norm(x + residual), or with
+        hyper-connections norm(hc_head(streams taking in x))."""
+        if hasattr(self, "hc_head"):
+            return self.norm(self.hc_head(expand(*residual, x_TD)))
+        return self.norm.add_and_norm(x_TD, residual)[0]
 
 
 class MoEForCausalLM(nn.Module):
@@ -380,12 +430,12 @@ class MoEForCausalLM(nn.Module):
                     continue
                 cos_sin = sliding_cos_sins[i] if getattr(layer.self_attn, "sliding_rope", False) else cos_sins[i]
                 h_TD, residuals[i] = layer.attention(xs[i], residuals[i], cos_sin, cache, inp[1])
-                pending[i] = layer.start_mlp(h_TD, self.dispatcher, i)
+                pending[i] = layer.start_mlp(h_TD, self.dispatcher, i, token_ids_T=inp[0])
         outs = []
         for i, inp in enumerate(inputs):
             x_TD = SparseMoE.finish(pending[i])
             if inp is not None:
-                x_TD = self.model.norm.add_and_norm(x_TD, residuals[i])[0]
+                x_TD = self.model.final_norm(x_TD, residuals[i])
                 x_TD = x_TD if head is None else head(i, x_TD)
             outs.append(x_TD)
         return outs

@@ -27,7 +27,7 @@ os.environ.setdefault("SHUTTLE_ENFORCE_EAGER", "1")
 os.environ.setdefault("SHUTTLE_KERNEL_CHOICE", "attention=native,rmsnorm=native,routing=native")
 
 from models.builtin import (make_random_checkpoint, randomize_biases, randomize_correction_bias, randomize_norms,
-                            train_tokenizer)
+                            randomize_v4, train_tokenizer)
 from models.kv_cache import AttentionBatch, make_paged_cache
 
 VOCAB = 512
@@ -128,6 +128,17 @@ FAMILIES = {
                                                                   "partial_rotary_factor": 0.3,
                                                                   "mrope_section": [1, 1, 1],
                                                                   "mrope_interleaved": True})),
+    # DeepSeek-V4: one layer of each attention kind (sliding; compressed sparse every 4 tokens with 16 index
+    # heads of 12 choosing the top 3 entries; heavily compressed every 8), a window of 6, one kv head of 24
+    # (6 dims roped), 2 output groups, 3 hyper-connection streams, hash-routed layers 0 and 2
+    "deepseek_v4": ("DeepseekV4Config", dict(
+        num_hidden_layers=4, num_key_value_heads=1, head_dim=24, q_lora_rank=20, moe_intermediate_size=24,
+        n_routed_experts=6, num_experts_per_tok=2, partial_rotary_factor=0.25, sliding_window=6, o_groups=2,
+        o_lora_rank=20, index_n_heads=16, index_head_dim=12, index_topk=3, hc_mult=3, hc_sinkhorn_iters=4,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        mlp_layer_types=["hash_moe", "moe", "hash_moe", "moe"])),
 }
 BIASED = ("glm4_moe", "minimax_m2", "gpt_oss", "mimo_v2_flash")  # families whose biases and sinks are made non-zero
 
@@ -161,6 +172,8 @@ def make_checkpoint(tmp_path_factory, tokenizer_dir):
                 randomize_correction_bias(out, seed)
             elif family in BIASED:
                 randomize_biases(out, seed)
+            elif family == "deepseek_v4":
+                randomize_v4(out, seed)
             elif family in ("qwen3_next", "qwen3_5_moe"):  # (norms stored as weight - 1, zeros; dt_bias ones)
                 randomize_biases(out, seed)
                 randomize_norms(out, seed)

@@ -87,7 +87,7 @@ def test_unknown_architecture_lists_supported(make_checkpoint, tmp_path):
     cfg["architectures"] = ["LlamaForCausalLM"]
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=r"LlamaForCausalLM.*supported: DeepseekV2ForCausalLM, DeepseekV32ForCausalLM, "
-                                          r"DeepseekV3ForCausalLM, Glm4MoeForCausalLM, GlmMoeDsaForCausalLM, "
+                                          r"DeepseekV3ForCausalLM, DeepseekV4ForCausalLM, Glm4MoeForCausalLM, GlmMoeDsaForCausalLM, "
                                           r"GptOssForCausalLM, Llama4ForCausalLM, Llama4ForConditionalGeneration, "
                                           r"MiMoV2FlashForCausalLM, MiniMaxM2ForCausalLM, MixtralForCausalLM, "
                                           r"OlmoeForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, "

@@ -144,7 +144,7 @@ def test_served_stream_equals_transformers(make_checkpoint):
         text = "".join(c.choices[0].text for c in stream)
         metrics = httpx.get(f"{srv.url}/metrics").text
         assert re.search(r"^shuttle_linear_state_slots\{[^}]*\} 8\.0$", metrics, re.M), metrics
-        assert "linear-attention state: 8 sequences" in srv.log()
+        assert "per-sequence state: 8 sequences" in srv.log()
     from transformers import AutoTokenizer
 
     assert text == AutoTokenizer.from_pretrained(d).decode(want[0])

@@ -74,7 +74,7 @@ def test_rotary_in_place(T, N, K, H, dtype):
 
 
 @pytest.mark.parametrize("scoring,renormalize", [("softmax", False), ("softmax", True), ("sigmoid", True),
-                                                 ("sigmoid", False)])
+                                                 ("sigmoid", False), ("sqrtsoftplus", True)])
 @pytest.mark.parametrize("T,E,K", [(1, 4, 1), (7, 5, 2), (33, 60, 8), (130, 8, 2), (3, 128, 8), (20, 128, 1)])
 def test_topk_route(poison, T, E, K, scoring, renormalize):
     from kernels import routing_triton

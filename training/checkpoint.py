@@ -29,7 +29,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from models.config import DTYPES
-from models.loader import FUSED_TRANSPOSED, RENAMES, STACKED_EXPERTS, expert_checkpoint_names
+from models.loader import FUSED_TRANSPOSED, RENAMES, STACKED_EXPERTS, expert_checkpoint_names, v4_checkpoint_name
 from models.moe_decoder import MoEForCausalLM
 from models.norm import RMSNorm
 from training.data import TOKENIZER_FILES
@@ -51,6 +51,8 @@ def hf_tensors(model: MoEForCausalLM, expert_ids: tuple[int, ...], dtype: torch.
     for name, p in model.named_parameters():  # a tied lm_head is listed once, as embed_tokens
         # DeepSeek-V3's correction bias stays float32 (transformers keeps it so: it orders close scores)
         t = p.detach().to(torch.float32 if name.endswith("e_score_correction_bias") else dtype)
+        if not p.is_floating_point():  # (DeepSeek-V4's token-to-experts tables)
+            t = p.detach()
         if id(p) in offset:  # Qwen3-Next's checkpoints store weight - 1 (models/loader.offset_norms)
             t = (p.detach().float() - cfg.norm_offset).to(t.dtype)
         for ours, theirs in renames:
@@ -76,6 +78,8 @@ def hf_tensors(model: MoEForCausalLM, expert_ids: tuple[int, ...], dtype: torch.
                     out[f"{prefix}.{e}.{names[2]}.weight"] = t[i].clone()
         elif replicated:
             out[name.replace(".mlp.gate.", f".{module}.gate.")] = t.contiguous().clone()  # Mixtral: block_sparse_moe
+    if cfg.family == "deepseek_v4":
+        out = {v4_checkpoint_name(name): t for name, t in out.items()}
     return out
 
 
