@@ -289,7 +289,9 @@ class LLMEngine:
         reason) each. Position j of every sequence still verifying drafts is sampled in turn (one
         sampler call per position over those sequences; without drafts, one call), appended, and
         checked for a stop; a sequence goes on to j + 1 while its token equals its draft j
-        (attention_nodes/speculative.py). logits_RV: each sequence's d + 1 rows, in order."""
+        (attention_nodes/speculative.py: drafts with a distribution are rejection-sampled by the
+        sampler). logits_RV: each sequence's d + 1 rows, in order."""
+        qs = [seq.draft_probs for seq in sampled]
         drafts = [seq.drop_drafts() for seq in sampled]
         offsets, acc = [], 0
         for d in drafts:
@@ -301,7 +303,9 @@ class LLMEngine:
             rows = logits_RV if acc == len(active) else logits_RV[torch.tensor([offsets[i] + j for i in active])]
             seqs = [sampled[i] for i in active]
             out = self.sampler(rows, [SamplingRow(s.params, self._prompt_if_needed(s), s.output_token_ids, s.generator,
-                                                  s.grammar) for s in seqs])
+                                                  s.grammar, *((drafts[i][j], qs[i][j]) if qs[i] is not None and
+                                                               j < len(drafts[i]) else ()))
+                                      for i, s in zip(active, seqs)])
             still = []
             for r, (i, seq) in enumerate(zip(active, seqs)):
                 tok = out.token_ids[r]

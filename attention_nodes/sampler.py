@@ -3,7 +3,9 @@
 Per step, as vLLM: raw logits (logprobs are taken from these) -> min_tokens bans -> logit_bias -> penalties -> grammar masks (structured outputs) ->
 greedy argmax, or temperature -> top-k / min-p / top-p -> draw. Work no row needs is skipped: no
 penalty tensors when every row is neutral, argmax only for an all-greedy batch, no sort without
-a filter, no logprobs unless a row asked.
+a filter, no logprobs unless a row asked. A sampled row that verifies a draft drawn from a
+distribution (SamplingRow.draft_probs) takes the draft or a token of the residual instead of the
+draw (speculative.rejection_sample), from the same distribution (`probs`).
 
 Legend: B rows (one per sampled sequence), V vocabulary (valid ids only), L top alternatives.
 """
@@ -14,7 +16,8 @@ import torch
 
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.structured import apply_grammar_masks
-from kernels.sampling import apply_penalties, compute_logprobs, sample, token_counts
+from attention_nodes.speculative import rejection_sample
+from kernels.sampling import apply_penalties, compute_logprobs, filtered_probs, sample, token_counts
 
 
 @dataclass
@@ -27,6 +30,11 @@ class SamplingRow:
     output_token_ids: Sequence[int]  # generated so far (penalties, min_tokens): a list or a TokenSpan view
     generator: torch.Generator | None = None
     grammar: object | None = None  # xgrammar GrammarMatcher: only tokens it allows may be picked
+    # A draft this position verifies and the distribution it was drawn from ((>= V,) float): a
+    # sampled row then accepts it or draws from the residual (speculative.rejection_sample), a
+    # greedy row takes the argmax as always. None: an ordinary draw.
+    draft_token: int | None = None
+    draft_probs: torch.Tensor | None = None
 
 
 @dataclass
@@ -64,13 +72,58 @@ class Sampler:
             raise ValueError(f"logits must be ({len(rows)}, >= {self.vocab_size}) for {len(rows)} rows, "
                              f"got {tuple(logits_BV.shape)}")
         raw_BV = logits_BV[:, :self.vocab_size].float()
+        logits_BV = self._process(raw_BV, rows)
+        verify = [b for b, r in enumerate(rows) if r.draft_probs is not None and r.params.temperature > 0]
+        if not verify:
+            token_ids_B = self._pick(logits_BV, rows)
+        else:  # (the rows draw from their generators independently: the order does not matter)
+            token_ids_B = torch.empty(len(rows), dtype=torch.long, device=logits_BV.device)
+            rest = sorted(set(range(len(rows))) - set(verify))
+            if rest:
+                token_ids_B[rest] = self._pick(logits_BV[rest], [rows[b] for b in rest])
+            token_ids_B[verify] = self._verify(logits_BV[verify], [rows[b] for b in verify])
+        return self._output(raw_BV, token_ids_B, rows)
+
+    @torch.inference_mode()
+    def probs(self, logits_BV: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The distributions (B, vocab_size) float32 that `__call__` draws the rows' tokens from:
+        the logits after min_tokens bans, logit bias, penalties and grammar masks, tempered and
+        filtered (top-k, min-p, top-p: kernels.sampling.filtered_probs). A greedy row gets a one-hot
+        of its argmax."""
+        return self._distributions(self._process(logits_BV[:, :self.vocab_size].float(), rows), rows)
+
+    def _distributions(self, logits_BV: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """`probs` of logits already processed (_process)."""
+        temperature_B = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32,
+                                     device=logits_BV.device)
+        greedy_B = temperature_B <= 0
+        top_p_B, top_k_B, min_p_B = self._filters(rows, logits_BV.device)
+        probs_BV = filtered_probs(logits_BV / torch.where(greedy_B, 1.0, temperature_B)[:, None],
+                                  top_p_B, top_k_B, min_p_B)
+        if bool(greedy_B.any()):
+            one_hot_BV = torch.nn.functional.one_hot(logits_BV.argmax(dim=-1), self.vocab_size).float()
+            probs_BV = torch.where(greedy_B[:, None], one_hot_BV, probs_BV)
+        return probs_BV
+
+    def _process(self, raw_BV: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The logits the rows draw from: min_tokens bans, logit bias, penalties, grammar masks (raw_BV
+        is left alone)."""
         logits_BV = self._penalise(self._bias(self._ban_early_stops(raw_BV, rows), rows), rows)
         if any(r.grammar is not None for r in rows):
             if logits_BV is raw_BV:  # masked in place: keep the raw logits for logprobs
                 logits_BV = logits_BV.clone()
             apply_grammar_masks(logits_BV, [r.grammar for r in rows], self.vocab_size)
-        token_ids_B = self._pick(logits_BV, rows)
-        return self._output(raw_BV, token_ids_B, rows)
+        return logits_BV
+
+    def _verify(self, logits_RV: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Sampled rows with a draft from a distribution: the draft, accepted with probability
+        min(1, p/q), else a draw from the residual (speculative.rejection_sample); two uniforms each."""
+        p_RV = self._distributions(logits_RV, rows)
+        q_RV = torch.stack([r.draft_probs[:self.vocab_size] for r in rows]).to(p_RV.device, torch.float32)
+        x_R = torch.tensor([r.draft_token for r in rows], device=p_RV.device)
+        token_ids_R2, _ = rejection_sample(p_RV[:, None], q_RV[:, None], x_R[:, None], None,
+                                           [r.generator for r in rows])
+        return token_ids_R2[:, 0]
 
     def _ban_early_stops(self, logits_BV: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """-inf on eos (unless ignore_eos) and stop_token_ids of rows still under min_tokens."""
@@ -129,7 +182,15 @@ class Sampler:
         sampled = [r for r in rows if r.params.temperature > 0]
         if not sampled:
             return logits_BV.argmax(dim=-1)
-        device, V = logits_BV.device, self.vocab_size
+        top_p_B, top_k_B, min_p_B = self._filters(rows, logits_BV.device)
+        temperature_B = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=logits_BV.device)
+        generators = [r.generator if r.params.temperature > 0 else None for r in rows]
+        return sample(logits_BV, temperature_B, top_p_B, top_k_B, generators, min_p_B=min_p_B)
+
+    def _filters(self, rows: list[SamplingRow], device: torch.device) -> tuple[torch.Tensor | None, ...]:
+        """top_p_B, top_k_B, min_p_B of the rows (kernels.sampling.filter_mask), each None where no
+        sampled row filters that way."""
+        sampled, V = [r for r in rows if r.params.temperature > 0], self.vocab_size
 
         def column(name: str, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor([getattr(r.params, name) for r in rows], dtype=dtype, device=device)
@@ -137,8 +198,7 @@ class Sampler:
         top_p_B = column("top_p", torch.float32) if any(r.params.top_p < 1 for r in sampled) else None
         top_k_B = column("top_k", torch.long) if any(0 < r.params.top_k < V for r in sampled) else None
         min_p_B = column("min_p", torch.float32) if any(r.params.min_p > 0 for r in sampled) else None
-        generators = [r.generator if r.params.temperature > 0 else None for r in rows]
-        return sample(logits_BV, column("temperature", torch.float32), top_p_B, top_k_B, generators, min_p_B=min_p_B)
+        return top_p_B, top_k_B, min_p_B
 
     def _output(self, raw_BV: torch.Tensor, token_ids_B: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Move the picks to Python; add logprobs (of the raw logits) when some row asked."""

@@ -76,6 +76,9 @@ class Sequence:
     num_prompt_logprobs: int = 0  # prompt positions whose next token's logprob was computed
     pending_prompt_logprobs: list = field(default_factory=list)  # engine.TokenLogprobs, sent with the next delta
     num_draft_tokens: int = 0  # speculative drafts at the end of token_ids, not yet verified
+    # (num_draft_tokens, >= V) float: the distribution each draft was drawn from (an MTP head's or a
+    # draft model's), verified by speculative.rejection_sample; None: point masses (n-gram drafts)
+    draft_probs: torch.Tensor | None = None
     state_slot: int | None = None  # linear-attention models: its state's slot while running (BlockManager)
     spec_misses: int = 0  # speculative drafts rejected whole in a row (speculative.backoff)
     spec_skip: int = 0  # decode steps left before it is drafted for again
@@ -88,6 +91,8 @@ class Sequence:
         dropped = self.token_ids[-count:]
         del self.token_ids[-count:]
         self.num_draft_tokens -= count
+        if self.draft_probs is not None:
+            self.draft_probs = self.draft_probs[:self.num_draft_tokens] if self.num_draft_tokens else None
         return dropped
 
     @property

@@ -8,24 +8,42 @@ for a sequence with d drafts (fewer drafts where the step's token budget or the 
 are short: a draft never preempts anything; attention_nodes/scheduler.py) and the runner returns
 the logits of all of those positions. The engine then samples position j of every sequence still
 verifying, in turn, each with the sampler as a decode step would (penalties, logit bias, grammar
-masks, the request's generator), and keeps going while the token sampled equals draft j + 1. A
-draft is one token, not a distribution (a point mass q), and for such a q "sample from the target
-p, accept the draft when the sample equals it, else emit the sample" gives each position's token
-with probability p exactly: the rejection rule min(1, p/q) then the residual (p - q)+ come to the
-same law. Each emitted token is one draw, so a seeded request draws what it would without
-speculation and its output is the same. The KV entries of rejected drafts stay in the blocks past
-num_computed_tokens, overwritten when those positions are computed; only verified tokens are
-entered in the prefix cache.
+masks, the request's generator), and keeps going while the token emitted equals draft j + 1. What
+the sampler emits at a draft position depends on what the draft is:
+
+- A draft that is one token (n-gram: a point mass q), and any draft of a greedy request: the
+  sampler draws from the target p (the argmax, for greedy) as a decode step would. For a point
+  mass "accept the draft when the sample equals it, else emit the sample" gives each token with
+  probability p exactly (the rejection rule below comes to the same law), and each emitted token
+  is one draw, so a seeded request draws what it would without speculation and its output is the
+  same; greedy output is the same as without speculation whatever the drafts.
+- A draft x drawn from a distribution q (an MTP head's or a draft model's: Sequence.draft_probs)
+  for a request that samples: speculative sampling (Leviathan et al. 2023, Chen et al. 2023;
+  vLLM's rejection sampler), `rejection_sample`. x is accepted with probability
+  min(1, p(x)/q(x)); otherwise the token is drawn from the residual (p - q)+ renormalised, which
+  never holds x. p is the distribution the sampler draws from there (Sampler.probs: after
+  min_tokens bans, logit bias, penalties, grammar masks, temperature and top-k / min-p / top-p),
+  so every emitted token has the law a plain decode step gives it, whatever q. A verified
+  position takes two uniforms from the request's generator, so a seeded request with the same
+  drafts gives the same tokens (not those it gives without speculation, and not on a resume after
+  a failure: engine.skip_draws counts one uniform a token).
+
+After the last accepted draft the next position is sampled from p as usual (the bonus token). The
+KV entries of rejected drafts stay in the blocks past num_computed_tokens, overwritten when those
+positions are computed; only verified tokens are entered in the prefix cache.
 
 A draft costs its verification whether it is accepted or not: at batch 1 a step of 1 + k tokens
 took 5-10% longer than a step of one, all of it lost where nothing is accepted. So a sequence whose
 drafts were rejected whole r times in a row is not drafted for the next backoff(r) steps (1, 3,
-7, then 15), and one accepted draft token resets r: output tokens do not change, only which steps
-verify drafts.
+7, then 15), and one accepted draft token resets r: which steps verify drafts changes, not the
+output's law (nor greedy output, nor the tokens of n-gram drafts).
 """
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+
+from kernels.sampling import _inverse_cdf
 
 
 def propose_ngram(token_ids: list[int], k: int, lo: int, hi: int) -> list[int]:
@@ -48,6 +66,86 @@ def propose_ngram(token_ids: list[int], k: int, lo: int, hi: int) -> list[int]:
         if n >= lo:
             best = int(ends[ok][-1])
     return [] if best is None else arr[best + 1:best + 1 + k].tolist()
+
+
+def rejection_sample(
+    target_probs_BKV: torch.Tensor,
+    draft_probs_BKV: torch.Tensor | None,
+    draft_ids_BK: torch.Tensor,
+    bonus_probs_BV: torch.Tensor | None = None,
+    generator: torch.Generator | list[torch.Generator | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling of B rows of K drafts each. Returns (token_ids_BK1, num_accepted_B).
+
+    target_probs_BKV: p at each draft position, the distribution the request samples from there
+    (Sampler.probs: after penalties, grammar masks, temperature and filters), given the drafts
+    before it. draft_probs_BKV: q, the distribution each draft was drawn from; None for point
+    masses (each draft's q is 1 on itself). draft_ids_BK: the drafts (int). bonus_probs_BV: p at
+    the position after the K drafts, or None to leave that token to the caller. generator: the
+    uniforms' source: one generator for all rows, one per row (None in the list: the global one),
+    or None (the global one). Each row takes K + 1 uniforms, in one call per generator. K may be 0
+    (then bonus_probs_BV is needed): a plain draw.
+
+    Draft j of a row is accepted, while all before it were, with probability min(1, p(x)/q(x))
+    (uniform u_j: u_j q(x) < p(x)); at the first rejected position the row's next token is drawn
+    from the residual (p - q)+ renormalised (from p less the draft where rounding left that empty:
+    p = q), which is never the draft; with all K accepted it is drawn from bonus_probs_BV (uniform
+    u_K either way). token_ids_BK1 row b: its num_accepted_B[b] accepted drafts, that next token,
+    then -1 (and -1 for the next token when all K were accepted and bonus_probs_BV is None).
+    Each emitted token then has the target's law, whatever q.
+    """
+    B, K = draft_ids_BK.shape
+    device = target_probs_BKV.device
+    u_BK1 = _uniforms(generator, B, K + 1, device)
+    ids_BK = draft_ids_BK.to(device=device, dtype=torch.long)
+    rows_B = torch.arange(B, device=device)
+    if K:
+        p_BK = target_probs_BKV.gather(2, ids_BK[..., None]).squeeze(2)
+        q_BK = (torch.ones_like(p_BK) if draft_probs_BKV is None
+                else draft_probs_BKV.gather(2, ids_BK[..., None]).squeeze(2))
+        accept_BK = u_BK1[:, :K] * q_BK < p_BK
+        num_accepted_B = accept_BK.long().cumprod(dim=1).sum(dim=1)
+        # the first rejected position (or the last, unused, where all were accepted)
+        pos_B = num_accepted_B.clamp(max=K - 1)
+        p_BV, x_B = target_probs_BKV[rows_B, pos_B].float(), ids_BK[rows_B, pos_B]
+        if draft_probs_BKV is None:
+            q_BV = torch.zeros_like(p_BV).index_put_((rows_B, x_B), torch.ones(B, device=device))
+        else:
+            q_BV = draft_probs_BKV[rows_B, pos_B].float()
+        weights_BV = (p_BV - q_BV).clamp_(min=0)
+        empty_B1 = weights_BV.sum(dim=1, keepdim=True) <= 0
+        if bool(empty_B1.any()):
+            weights_BV = torch.where(empty_B1, p_BV.index_put((rows_B, x_B), torch.zeros(B, device=device)), weights_BV)
+    else:
+        num_accepted_B = torch.zeros(B, dtype=torch.long, device=device)
+        weights_BV = bonus_probs_BV.float()
+    rejected_B = num_accepted_B < K
+    if bonus_probs_BV is not None and K:
+        weights_BV = torch.where(rejected_B[:, None], weights_BV, bonus_probs_BV.float())
+    next_B = _inverse_cdf(weights_BV.cumsum(dim=1), u_BK1[:, K])
+    if bonus_probs_BV is None:
+        next_B = torch.where(rejected_B, next_B, -1)
+    cols_K1 = torch.arange(K + 1, device=device)
+    out_BK1 = torch.where(cols_K1[None, :] < num_accepted_B[:, None],
+                          torch.nn.functional.pad(ids_BK, (0, 1), value=-1), -1)
+    out_BK1[rows_B, num_accepted_B] = next_B
+    return out_BK1, num_accepted_B
+
+
+def _uniforms(generator: torch.Generator | list[torch.Generator | None] | None, B: int, n: int,
+              device: torch.device) -> torch.Tensor:
+    """(B, n) U[0, 1) float32 values: from one generator (or the global one) in one call, or row b's
+    from generator[b] (None: the global one)."""
+    if not isinstance(generator, list):
+        return torch.rand(B, n, generator=generator, device=device)
+    u_Bn = torch.empty(B, n, device=device)
+    unseeded = [b for b, g in enumerate(generator) if g is None]
+    if unseeded:
+        u_Bn[unseeded] = torch.rand(len(unseeded), n, device=device)
+    for b, g in enumerate(generator):
+        if g is not None:
+            u_Bn[b] = torch.rand(n, generator=g, device=device)
+    return u_Bn
 
 
 MAX_BACKOFF = 15  # the most decode steps a sequence goes without drafts after rejected ones
