@@ -8,7 +8,7 @@ from m2n_comm.transport import BACKENDS
 
 M2N_DTYPES = ("auto", "fp8")  # ParallelConfig.m2n_dtype
 QUANTIZATIONS = ("int8", "fp8")  # EngineConfig.quantization ("none" too: served in dtype)
-SPEC_METHODS = ("ngram",)  # SpeculativeConfig.method
+SPEC_METHODS = ("ngram", "mtp")  # SpeculativeConfig.method
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32  # SpeculativeConfig.disable_by_batch_size when not given
 
 
@@ -34,7 +34,9 @@ class SpeculativeConfig:
     """Speculative decoding, as vLLM's --speculative-config spells it. method "ngram": the drafts of
     a sequence are the tokens that followed the latest earlier occurrence of its longest suffix of
     prompt_lookup_min..prompt_lookup_max tokens (prompt lookup; both default to 5, one given sets
-    the other, as vLLM); num_speculative_tokens: drafts per sequence and step. Each step verifies
+    the other, as vLLM; method mtp ignores them); method "mtp": the greedy drafts of the checkpoint's
+    multi-token-prediction layer (DeepSeek-V3, GLM-4.5: num_nextn_predict_layers; models/mtp.py),
+    chained for k > 1; num_speculative_tokens: drafts per sequence and step. Each step verifies
     every draft of the batch in one forward pass (attention_nodes/speculative.py). Above
     disable_by_batch_size running sequences a step drafts nothing (None: DEFAULT_DISABLE_BY_BATCH_SIZE)."""
 
@@ -47,8 +49,8 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config method {self.method!r} is not supported; choose from "
-                             f"{', '.join(SPEC_METHODS)}" + (" (mtp and draft_model are not built yet)"
-                                                             if self.method in ("mtp", "draft_model") else ""))
+                             f"{', '.join(SPEC_METHODS)}" + (" (draft_model is not built yet)"
+                                                             if self.method == "draft_model" else ""))
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):

@@ -142,6 +142,7 @@ class LLMEngine:
         self.spec = cfg.speculative  # speculative decoding (attention_nodes/speculative.py), or None
         self.spec_stats = SpecStats(self.spec.num_speculative_tokens) if self.spec else None
         self._spec_on = True  # whether the last step drafted (disable_by_batch_size)
+        self._mtp_drafts: dict[tuple[str, int], tuple[int, list[int]]] = {}  # (mtp) drafts proposed after the last step
         self.last_batch: ScheduledBatch | None = None  # what the last step scheduled (step_summary)
 
     # -- requests -----------------------------------------------------------------------------
@@ -266,6 +267,7 @@ class LLMEngine:
                 raise RuntimeError(f"the scheduler can run none of {len(self.scheduler.waiting)} waiting sequences "
                                    f"({self.blocks.num_free_blocks} free KV blocks)")
             return []
+        starts = [seq.num_computed_tokens for seq in batch.seqs]  # (mtp: the positions this step computes)
         logits_RV, prompt_logits = self.runner.execute(batch)
         if prompt_logits:
             self._prompt_logprobs(batch, prompt_logits)
@@ -275,6 +277,8 @@ class LLMEngine:
         self.num_prefill_tokens += sum(n for n, s in zip(batch.num_new_tokens, batch.seqs) if n > 1 and
                                        not s.num_draft_tokens)
         new = self._sample(logits_RV, sampled)
+        if self.runner.mtp is not None:
+            self._mtp_propose(batch, starts)
         deltas = []
         for seq, (toks, lps, reason, stop_reason) in zip(sampled, new):
             self.num_generated_tokens += len(toks)
@@ -349,10 +353,31 @@ class LLMEngine:
                 seq.spec_skip -= 1
                 continue
             room = min(spec.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1)
-            drafts = propose_ngram(seq.token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if spec.method == "mtp":  # proposed after the last step (_mtp_propose), for this very state
+                num_tokens, drafts = self._mtp_drafts.get((seq.request_id, seq.index), (-1, []))
+                drafts = drafts[:room] if num_tokens == seq.num_tokens else []
+            else:
+                drafts = propose_ngram(seq.token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
             if drafts:
                 seq.token_ids.extend(drafts)
                 seq.num_draft_tokens = len(drafts)
+
+    def _mtp_propose(self, batch: ScheduledBatch, starts: list[int]) -> None:
+        """Speculative method mtp, after a step: the MTP layer takes in the positions the step computed
+        and kept (every sequence still running, so its drafts see the whole context later) and
+        proposes greedy drafts for the sequences the next step may draft for (point masses: verified
+        exactly, attention_nodes/speculative.py); `_draft` appends them."""
+        spec, self._mtp_drafts = self.spec, {}
+        on = len(self.scheduler.running) <= spec.disable_by_batch_size
+        wanted = []
+        for seq in batch.seqs:
+            decoding = seq.num_computed_tokens == seq.num_tokens - 1 and not seq.spec_skip and on and not (
+                seq.grammar is not None and seq.grammar.is_terminated())
+            wanted.append(-1 if seq.is_finished else 0 if not decoding else
+                          max(0, min(spec.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1)))
+        for seq, drafts in zip(batch.seqs, self.runner.mtp_draft(batch, starts, wanted)):
+            if drafts:
+                self._mtp_drafts[(seq.request_id, seq.index)] = (seq.num_tokens, drafts)
 
     def step_summary(self) -> dict:
         """What the last step ran, for a trace's step span: its sequences, those with one new token

@@ -52,9 +52,24 @@ class ModelRunner:
         # shipped go to the packed modules (a GPU attention pool serves its linears dequantised)
         keep_fp8 = (cfg.quantization == "fp8" and self.model_cfg.fp8_block is not None
                     and self.device.type == "cpu" and cfg.kernels != "triton")
+        if cfg.speculative is not None and cfg.speculative.method == "mtp":  # (before loading anything)
+            from models.mtp import check_mtp_checkpoint
+            check_mtp_checkpoint(cfg.model, self.model_cfg)
         self.model = load_model(cfg.model, self.model_cfg, dtype=cfg.dtype, device=self.device, kernels=cfg.kernels,
                                 with_experts=dispatcher is None, keep_fp8=keep_fp8)
         self.model.dispatcher = dispatcher or LocalDispatcher(self.model_cfg.num_experts, self.device)  # counts load
+        # speculative method mtp: the checkpoint's MTP layer (models/mtp.py), its experts with it, and the
+        # paged cache one layer deeper for its keys and values (cache_cfg: the model config with that layer)
+        self.mtp = None
+        if cfg.speculative is not None and cfg.speculative.method == "mtp":
+            from models.mtp import load_mtp
+            self.mtp = load_mtp(cfg.model, self.model_cfg, self.model, dtype=self.model.lm_head.weight.dtype,
+                                device=self.device, kernels=cfg.kernels)
+            log.info("speculative decoding: up to %d drafts a step from the MTP layer (model.layers.%d, %s; its keys "
+                     "and values in one more KV cache layer)", cfg.speculative.num_speculative_tokens,
+                     self.model_cfg.num_layers, "MoE" if self.mtp.layer.is_moe else "dense MLP")
+        self.cache_cfg = self.model_cfg if self.mtp is None else self.mtp.cfg
+        self.last_hidden_TD: torch.Tensor | None = None  # (mtp) the last step's final hidden states, batch order
         if not 1 <= micro_batches <= 4:
             raise ValueError(f"micro_batches must be 1 to 4, got {micro_batches}")
         self.micro_batches = micro_batches
@@ -81,7 +96,7 @@ class ModelRunner:
         self.state_slots = cfg.scheduler.max_num_seqs if self.model_cfg.has_sequence_state else 0
         self.state_bytes = self.state_slots * self.model_cfg.state_bytes_per_sequence(self.dtype)
         self.num_blocks = self._num_blocks(cfg)
-        self.cache = make_paged_cache(self.model_cfg, self.num_blocks, self.block_size, self.dtype, self.device,
+        self.cache = make_paged_cache(self.cache_cfg, self.num_blocks, self.block_size, self.dtype, self.device,
                                       self.model.ops, self.state_slots)
         # A bf16 decode step's layers as native calls, where the model takes it: colocated the whole
         # step in one, on an attention worker each layer's attention side (models/native_decode.py)
@@ -94,7 +109,7 @@ class ModelRunner:
                  self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                  self.num_blocks * self._block_bytes() / 2 ** 30,
                  f"; {_size(self.kv_from_freed)} of it freed by {cfg.quantization} weights" if self.kv_from_freed else "",
-                 self.model_cfg.kv_bytes_per_token(self.dtype),
+                 self.cache_cfg.kv_bytes_per_token(self.dtype),
                  ": MLA latents" if self.model_cfg.mla else "", self.model.ops.backend,
                  "" if not self.packed else " (weights packed for oneDNN" + (
                      f"; bf16 copies for up to {SKINNY_MAX_ROWS} rows, {half / 2 ** 30:.2f} GiB)"
@@ -111,7 +126,7 @@ class ModelRunner:
                  _size(r["embedding"]), _size(r["other"]))
 
     def _block_bytes(self) -> int:
-        return cache_bytes_per_block(self.model_cfg, self.block_size, self.dtype)
+        return cache_bytes_per_block(self.cache_cfg, self.block_size, self.dtype)
 
     def _num_blocks(self, cfg: EngineConfig) -> int:
         """cache.num_blocks, else cache.kv_cache_gib, else (CPU) enough for every sequence at full
@@ -148,7 +163,10 @@ class ModelRunner:
                       for group in split_micro_batches(batch.num_new_tokens, self.micro_batches)]
             # Each micro-batch's LM head runs as soon as its last layer is combined (overlapping the
             # experts of the next micro-batch's last layer).
-            logits = self._forward(inputs, self._head(inputs))
+            hidden = [None] * len(inputs)
+            logits = self._forward(inputs, self._head(inputs, hidden))
+        if self.mtp is not None:  # every computed row's hidden state, for the MTP layer (mtp_draft)
+            self.last_hidden_TD = torch.cat([h for h in hidden if h is not None])
         sampled, prompt = [], []
         for lg, inp in zip(logits, inputs):
             if inp is None:
@@ -175,8 +193,66 @@ class ModelRunner:
         with native.torch_parallel():
             return self.model.logits(h_TD)
 
-    def _head(self, inputs: list):
-        return lambda i, h_TD: self.logits(h_TD[inputs[i][2]])
+    def _head(self, inputs: list, hidden: list | None = None):
+        def head(i: int, h_TD: torch.Tensor) -> torch.Tensor:
+            if hidden is not None and self.mtp is not None:
+                hidden[i] = h_TD
+            return self.logits(h_TD[inputs[i][2]])
+        return head
+
+    @torch.inference_mode()
+    def mtp_draft(self, batch: ScheduledBatch, starts: list[int], num_drafts: list[int]) -> list[list[int]]:
+        """After a step (sampled and verified): run the MTP layer over the positions each sequence of
+        `batch` computed and kept, so its keys and values of those positions are cached, and propose
+        greedy drafts. starts[b]: batch.seqs[b].num_computed_tokens before the step; num_drafts[b]:
+        drafts wanted (0: only cache the MTP layer's keys and values; < 0: skip the sequence, e.g.
+        finished). Position p's row combines the target's hidden state at p with token p + 1 (known
+        now: the prompt's, or the one just sampled); the last kept position's output gives the first
+        draft, and draft j + 1 comes from the layer run again at the next position on its own output
+        and draft j (only where the sequence's blocks already hold that position: a chain stops at
+        the end of its last block). Drafted positions' entries are overwritten when those positions
+        are kept: every kept position is run here once, in order, after every position before it."""
+        mtp, bs = self.mtp, self.block_size
+        rows, ids, q_lens, ctx, tables, who = [], [], [], [], [], []
+        offset = 0
+        for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            c = starts[b]
+            kept = min(seq.num_computed_tokens - c, len(seq.token_ids) - 1 - c, n)
+            if num_drafts[b] >= 0 and kept > 0:
+                rows.append(torch.arange(offset, offset + kept))
+                ids += seq.token_ids[c + 1:c + 1 + kept]
+                q_lens.append(kept)
+                ctx.append(c)
+                tables.append(seq.block_table)
+                who.append(b)
+            offset += n
+        drafts: list[list[int]] = [[] for _ in batch.seqs]
+        if not who:
+            return drafts
+        h_TD = self.last_hidden_TD[torch.cat(rows).to(self.device)]
+        attn = AttentionBatch.build_paged(q_lens, ctx, tables, bs, self.device)
+        y_TD = mtp.forward(torch.tensor(ids, dtype=torch.long, device=self.device), h_TD, attn, self.cache)
+        last = torch.tensor(q_lens).cumsum(0) - 1
+        y_BD = y_TD[last.to(self.device)]
+        pos = [c + q - 1 for c, q in zip(ctx, q_lens)]
+        active = [i for i, b in enumerate(who) if num_drafts[b] > 0]
+        y_AD, j = y_BD[torch.tensor(active, dtype=torch.long, device=self.device)], 0
+        while active:
+            if j:  # chained: at position pos + j, on the layer's previous output and the previous draft
+                fits = [r for r, i in enumerate(active) if pos[i] + j < len(tables[i]) * bs]
+                if not fits:
+                    break
+                active, y_AD = [active[r] for r in fits], y_AD[torch.tensor(fits, device=self.device)]
+                attn = AttentionBatch.build_paged([1] * len(active), [pos[i] + j for i in active],
+                                                  [tables[i] for i in active], bs, self.device)
+                toks = torch.tensor([drafts[who[i]][-1] for i in active], dtype=torch.long, device=self.device)
+                y_AD = mtp.forward(toks, y_AD, attn, self.cache)
+            for i, t in zip(active, mtp.logits(y_AD)[:, :self.model_cfg.vocab_size].argmax(-1).tolist()):
+                drafts[who[i]].append(t)
+            j += 1
+            more = [r for r, i in enumerate(active) if len(drafts[who[i]]) < num_drafts[who[i]]]
+            active, y_AD = [active[r] for r in more], y_AD[torch.tensor(more, dtype=torch.long, device=self.device)]
+        return drafts
 
     @torch.inference_mode()
     def idle_step(self) -> None:

@@ -17,7 +17,8 @@ biases `gate_up_proj_bias` / `down_proj_bias`) and its router as `mlp.router`; M
 each expert matrix as `X_blocks` + `X_scales` (out-major (E, O, D/32, 16) uint8 nibbles and E8M0
 scales), dequantised on read into the same (E, D, 2I) / (E, I, D) tensors. A Target's layout says how
 a tensor is rearranged into the model's stacked form. Multi-token-prediction layers (DeepSeek's
-num_nextn_predict_layers, stored as the layers past num_hidden_layers) are skipped with one log line.
+num_nextn_predict_layers, stored as the layers past num_hidden_layers) are skipped with one log line
+(speculative method mtp reads the first of them apart: models/mtp.load_mtp).
 Llama 4 names its MLP `feed_forward` (router `router`, ungated `shared_expert`) and fuses its experts
 transposed (`gate_up_proj` (E, D, 2I) gate then up, `down_proj` (E, I, D)); a multimodal checkpoint
 keeps its language model under `language_model.` and its vision tower, which is skipped, beside it.
@@ -488,8 +489,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: tor
             raise CheckpointError(f"{reader.dir}: missing tensor '{missing[0] if missing else pname}' "
                                   f"for parameter {pname}" + (f" ({len(missing)} missing)" if len(missing) > 1 else ""))
     if mtp:
-        log.info("%s: skipped %d tensors of %d multi-token-prediction layer(s) (num_nextn_predict_layers; not "
-                 "served)", reader.dir, len(mtp), cfg.num_mtp_layers)
+        log.info("%s: skipped %d tensors of %d multi-token-prediction layer(s) (num_nextn_predict_layers; used "
+                 "only as speculative method mtp's drafter, models/mtp.py)", reader.dir, len(mtp), cfg.num_mtp_layers)
     model_shape = {t: _target_shape(t, params[t.param].shape) for ts in wanted.values() for t in ts}
     kept = {} if keep_fp8 else None
     tensors = reader.read(wanted, model_shape, kept)

@@ -32,7 +32,7 @@ def test_propose_ngram_takes_the_longest_suffix_at_its_latest_occurrence():
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"method": "mtp", "num_speculative_tokens": 1}, "not supported.*mtp and draft_model are not built"),
+    ({"method": "draft_model", "num_speculative_tokens": 1}, "not supported.*draft_model is not built"),
     ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "<="),

@@ -1,5 +1,6 @@
 """Training losses: next-token cross entropy, the MoE load-balancing loss (Switch / Mixtral, as
-transformers' `load_balancing_loss_func` computes it) and the router z-loss (ST-MoE).
+transformers' `load_balancing_loss_func` computes it), the router z-loss (ST-MoE) and DeepSeek-V3's
+multi-token-prediction loss (mtp_loss).
 
 Legend: T tokens, E experts, K experts per token, V vocabulary.
 """
@@ -26,6 +27,23 @@ def lm_loss(logits_TV: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
     """Mean cross entropy over the positions whose label is not IGNORE (labels are already the next
     tokens: the caller shifts)."""
     return F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE)
+
+
+def mtp_targets(labels_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's multi-token prediction (depth 1; models/mtp.py): at position t the MTP module
+    takes the target's hidden state h_t and the token x_{t+1} and predicts x_{t+2}. From the shifted
+    labels (labels[t] = x_{t+1}) of B rows of L: (its input tokens (B, L - 1), IGNORE ones as 0, and
+    its labels (B, L - 1): labels[t + 1], IGNORE where either token is unknown). Rows lose their last
+    position: nothing follows it twice."""
+    inputs_BL1 = labels_BL[:, :-1]
+    targets_BL1 = labels_BL[:, 1:].masked_fill(inputs_BL1 == IGNORE, IGNORE)
+    return inputs_BL1.clamp(min=0), targets_BL1
+
+
+def mtp_loss(mtp_logits_TV: torch.Tensor, targets_T: torch.Tensor, coef: float) -> torch.Tensor:
+    """coef (DeepSeek's lambda: 0.3, then 0.1 late in V3's training) times the mean cross entropy of
+    the MTP module's predictions of x_{t+2} (targets from mtp_targets, flattened)."""
+    return coef * F.cross_entropy(mtp_logits_TV.float(), targets_T, ignore_index=IGNORE)
 
 
 def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_k: int,

@@ -184,3 +184,19 @@ def forward_logits(model: MoEForCausalLM, ids_BL: torch.Tensor) -> torch.Tensor:
     B, L = ids_BL.shape
     hidden_TD = model(ids_BL.reshape(-1), rows_batch(B, L, ids_BL.device), CausalAttention())
     return model.logits(hidden_TD)
+
+
+def forward_mtp(model: MoEForCausalLM, mtp, ids_BL: torch.Tensor,
+                labels_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One forward of the target and its MTP layer (models/mtp.MTPDrafter, depth 1), no KV cache:
+    (the target's logits (B*L, V), the MTP layer's logits (B*(L-1), V) of x_{t+2}, their labels
+    (B*(L-1),): losses.mtp_targets). The MTP layer sees the target's hidden states after its final
+    norm, as serving gives them (attention_nodes/model_runner.py), and its gradient reaches the target."""
+    from training.losses import mtp_targets
+
+    B, L = ids_BL.shape
+    hidden_TD = model(ids_BL.reshape(-1), rows_batch(B, L, ids_BL.device), CausalAttention())
+    inputs_BL1, targets_BL1 = mtp_targets(labels_BL)
+    h_TD = hidden_TD.view(B, L, -1)[:, :-1].reshape(B * (L - 1), -1)
+    y_TD = mtp.forward(inputs_BL1.reshape(-1), h_TD, rows_batch(B, L - 1, ids_BL.device), CausalAttention())
+    return model.logits(hidden_TD), mtp.logits(y_TD), targets_BL1.reshape(-1)

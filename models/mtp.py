@@ -1,0 +1,204 @@
+"""Multi-token prediction (DeepSeek-V3, GLM-4.5: config.json's num_nextn_predict_layers) as a draft
+model for speculative decoding (--speculative-config '{"method": "mtp", "num_speculative_tokens": k}').
+
+The checkpoint stores the MTP module as the layer past the last one, model.layers.{L}. (L =
+num_hidden_layers): a decoder layer of the usual names (self_attn, mlp, input_layernorm,
+post_attention_layernorm) plus enorm, hnorm, eh_proj, shared_head.norm, shared_head.head and
+embed_tokens (the last two optional: the target's embedding and LM head where it has none). Given
+the target's last hidden state h_t at position t (after its final norm, as vLLM's deepseek_mtp
+takes it) and the token x_{t+1} that follows:
+
+    x = eh_proj(cat(enorm(embed(x_{t+1})), hnorm(h_t)))       # (embedding first, as vLLM and SGLang)
+    y = x + attn(input_layernorm(x)); y = y + mlp(post_attention_layernorm(y))  # one decoder layer, at position t
+    logits(x_{t+2}) = shared_head.head(shared_head.norm(y))
+
+The layer runs at position t (vLLM's and SGLang's MTP reuse the target's positions), so its keys go
+to the sequence's own KV slots: the engine's paged cache gets one layer more (index L) for it, and
+the block tables are the target's (attention_nodes/model_runner.py). For k > 1 drafts the same layer
+is chained on its own output y (before shared_head.norm, as vLLM chains it) with the draft it just
+proposed, at positions t + 1, t + 2, ...
+
+vLLM also zeroes the embedding of the token at position 0; SGLang and the published formula do not,
+and neither does this module (it only changes the drafts of position 0, never an output token).
+
+The MTP layer's experts live with it (a LocalDispatcher of its own), also on an attention worker of
+the pools, whose target model has no experts: drafting never crosses M2N.
+"""
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from kernels.ops import KernelOps, select_ops
+from kernels.rotary import RotaryEmbedding
+from models.config import ModelConfig
+from models.dispatcher import LocalDispatcher
+from models.kv_cache import AttentionBatch
+from models.moe_decoder import DecoderLayer, MoEForCausalLM, SparseMoE
+from models.norm import RMSNorm
+
+OWN_OPTIONAL = ("embed_tokens.weight", "shared_head.head.weight")  # the target's are used where these are absent
+
+
+def mtp_prefix(cfg: ModelConfig) -> str:
+    """The checkpoint name prefix of the (first) MTP layer."""
+    return f"model.layers.{cfg.num_layers}."
+
+
+def check_mtp_checkpoint(model_dir, cfg: ModelConfig, names=None) -> None:
+    """ValueError naming the checkpoint unless it ships an MTP layer this module can serve: config.json's
+    num_nextn_predict_layers > 0 and the tensors model.layers.{num_hidden_layers}.eh_proj etc. present.
+    names: the checkpoint's tensor names (read from the checkpoint when None)."""
+    if cfg.num_mtp_layers < 1:
+        raise ValueError(f"speculative method mtp needs multi-token-prediction layers, but {model_dir} has none "
+                         f"(config.json: num_nextn_predict_layers is 0 or absent for {cfg.architecture}); use "
+                         f"method ngram, or a checkpoint that ships MTP layers (DeepSeek-V3, GLM-4.5)")
+    if cfg.linear_layers is not None:
+        raise ValueError(f"speculative method mtp is not supported for {cfg.architecture} (linear-attention layers)")
+    if names is None:
+        from models.loader import CheckpointReader
+        names = CheckpointReader.of(model_dir, cfg).files
+    prefix = mtp_prefix(cfg)
+    need = [prefix + n for n in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight")]
+    missing = [n for n in need if n not in names]
+    if missing:
+        raise ValueError(f"speculative method mtp: {model_dir} sets num_nextn_predict_layers = {cfg.num_mtp_layers} "
+                         f"in config.json but has no tensor '{missing[0]}' (its MTP layer, {prefix}*, was not saved "
+                         f"with the checkpoint)")
+
+
+def mtp_model_config(cfg: ModelConfig, is_moe: bool, has_indexer: bool = False) -> ModelConfig:
+    """cfg with one layer more, the MTP layer (index cfg.num_layers): its per-layer fields extended
+    for it (full attention, MoE or dense as the checkpoint's tensors say). The paged cache made from
+    it has the MTP layer's KV as its last layer."""
+    def more(t, value):
+        return None if t is None else tuple(t) + (value,)
+
+    mla = cfg.mla
+    if mla is not None and mla.index_topk:
+        if not has_indexer:
+            raise ValueError("speculative method mtp: this checkpoint's MTP layer has no indexer of its own "
+                             "(DeepSeek Sparse Attention reusing another layer's choice is not supported there)")
+        mla = replace(mla, index_layers=tuple(mla.index_layers) + (True,))
+    return replace(cfg, num_layers=cfg.num_layers + 1, moe_layers=tuple(cfg.moe_layers) + (is_moe,),
+                   sliding_windows=tuple(cfg.sliding_windows) + (None,), mla=mla,
+                   rope_layers=more(cfg.rope_layers, True), attention_chunks=more(cfg.attention_chunks, None),
+                   layer_kv_heads=more(cfg.layer_kv_heads, cfg.num_kv_heads),
+                   sink_layers=more(cfg.sink_layers, False), linear_layers=more(cfg.linear_layers, False))
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, own_head: bool):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_head else None
+
+
+class MTPLayer(DecoderLayer):
+    """The MTP layer: a DecoderLayer (index L of `mtp_cfg`, so its attention uses the cache's last
+    layer) plus enorm, hnorm, eh_proj and shared_head, named as the checkpoint names them under
+    model.layers.{L}. own_embed / own_head: the checkpoint ships embed_tokens / shared_head.head
+    (else the target's embedding and LM head are used)."""
+
+    def __init__(self, mtp_cfg: ModelConfig, ops: KernelOps, own_embed: bool = True, own_head: bool = True):
+        super().__init__(mtp_cfg, mtp_cfg.num_layers - 1, True, ops)
+        D = mtp_cfg.hidden_size
+        self.enorm = RMSNorm(D, mtp_cfg.rms_norm_eps, ops)
+        self.hnorm = RMSNorm(D, mtp_cfg.rms_norm_eps, ops)
+        self.eh_proj = nn.Linear(2 * D, D, bias=False)
+        self.shared_head = SharedHead(mtp_cfg, ops, own_head)
+        self.embed_tokens = nn.Embedding(mtp_cfg.vocab_size, D) if own_embed else None
+
+
+class MTPDrafter:
+    """An MTP layer beside its target model: `forward` runs it over a flat batch (the paged cache's
+    last layer holds its keys and values), `logits` maps its outputs to vocabulary scores."""
+
+    def __init__(self, layer: MTPLayer, target: MoEForCausalLM, mtp_cfg: ModelConfig):
+        self.layer, self.target, self.cfg = layer, target, mtp_cfg
+        self.dispatcher = LocalDispatcher()
+        self._rotary: RotaryEmbedding | None = None
+
+    def embed(self, ids_T: torch.Tensor) -> torch.Tensor:
+        if self.layer.embed_tokens is not None:
+            return self.layer.embed_tokens(ids_T)
+        return self.target.model.embed_tokens(ids_T)
+
+    def forward(self, ids_T: torch.Tensor, h_TD: torch.Tensor, batch: AttentionBatch, cache) -> torch.Tensor:
+        """ids_T: the tokens x_{t+1}; h_TD: the hidden states h_t (the target's after its final norm,
+        or this layer's own output when chaining); batch: positions t. Returns the layer's output
+        (T, D) before shared_head.norm."""
+        layer = self.layer
+        e_TD = self.embed(ids_T).to(h_TD.dtype)
+        x_TD = layer.eh_proj(torch.cat((layer.enorm(e_TD), layer.hnorm(h_TD)), dim=-1))
+        if self._rotary is None:
+            self._rotary = RotaryEmbedding(self.cfg.rope, self.cfg.rope_dim, x_TD.device)
+        cos_sin = self._rotary(batch.positions_T, x_TD.dtype, batch.kv_lens_B[batch.seq_idx_T])
+        h_TD, residual_TD = layer.attention(x_TD, None, cos_sin, cache, batch)
+        self.dispatcher.begin_step()
+        y_TD = SparseMoE.finish(layer.start_mlp(h_TD, self.dispatcher, 0))
+        self.dispatcher.end_step()
+        return y_TD + residual_TD
+
+    def logits(self, y_TD: torch.Tensor) -> torch.Tensor:
+        """float32 (T, V) logits of the next-next token from the layer's outputs."""
+        h_TD = self.layer.shared_head.norm(y_TD)
+        if self.layer.shared_head.head is not None:
+            return self.layer.shared_head.head(h_TD).float()
+        return self.target.logits(h_TD)
+
+
+def load_mtp(model_dir, cfg: ModelConfig, target: MoEForCausalLM, dtype: torch.dtype | None = None,
+             device: torch.device | str = "cpu", kernels: str | None = None) -> MTPDrafter:
+    """The checkpoint's first MTP layer (model.layers.{num_hidden_layers}.*), in `dtype`, beside the
+    loaded `target` (whose embedding and LM head it uses where the checkpoint has none of its own).
+    Its tensors are read with the loader's checks (FP8 ones dequantised); ValueError where the
+    checkpoint has none (check_mtp_checkpoint)."""
+    from models.loader import (CheckpointError, CheckpointReader, _numel, _target_shape, apply_layout,
+                               checkpoint_targets, offset_norms)
+
+    dtype = dtype or cfg.dtype
+    reader = CheckpointReader.of(model_dir, cfg)
+    check_mtp_checkpoint(model_dir, cfg, reader.files)
+    prefix = mtp_prefix(cfg)
+    names = [n for n in reader.files if n.startswith(prefix)]
+    is_moe = any(n.startswith(prefix + "mlp.gate.") or n.startswith(prefix + "mlp.experts.")
+                 or n.startswith(prefix + "block_sparse_moe.") for n in names)
+    mtp_cfg = mtp_model_config(cfg, is_moe, any(".self_attn.indexer." in n for n in names))
+    own_embed, own_head = (prefix + OWN_OPTIONAL[0]) in reader.files, (prefix + OWN_OPTIONAL[1]) in reader.files
+    ops = select_ops(device, kernels)
+    with torch.device("meta"):
+        layer = MTPLayer(mtp_cfg, ops, own_embed, own_head).to(dtype)
+    params = {prefix + n: p for n, p in layer.named_parameters()}
+    wanted, covered = {}, {}
+    for name in names:
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        targets = checkpoint_targets(name, mtp_cfg)
+        if ".shared_expert" in name and not cfg.shared_expert_intermediate_size and reader.is_empty(name):
+            continue
+        if targets is None or any(t.param not in params for t in targets):
+            raise CheckpointError(f"{reader.files[name]}: unexpected tensor '{name}' (no such parameter in the MTP "
+                                  f"layer of {cfg.architecture})")
+        wanted[name] = targets
+        for t in targets:
+            shape = _target_shape(t, params[t.param].shape)
+            covered[t.param] = covered.get(t.param, 0) + _numel(shape)
+    for pname, p in params.items():
+        if covered.get(pname, 0) != p.numel():
+            raise CheckpointError(f"{reader.dir}: MTP layer tensor for parameter {pname} is missing or incomplete")
+    model_shape = {t: _target_shape(t, params[t.param].shape) for ts in wanted.values() for t in ts}
+    tensors = reader.read(wanted, model_shape)
+    layer.to_empty(device=device)
+    params = {prefix + n: p for n, p in layer.named_parameters()}
+    with torch.no_grad():
+        for name, targets in wanted.items():
+            for t in targets:
+                dst = params[t.param]
+                if t.expert is not None:
+                    dst = dst[t.expert]
+                if t.rows is not None:
+                    dst = dst[t.rows[0]:t.rows[1]]
+                dst.copy_(apply_layout(tensors[name], t.layout))
+    offset_norms(layer, cfg.norm_offset)
+    return MTPDrafter(layer.eval(), target, mtp_cfg)

@@ -1,0 +1,319 @@
+"""MTP speculative decoding (models/mtp.py, --speculative-config '{"method": "mtp", ...}') on a tiny
+DeepSeek-V3 checkpoint whose MTP layer (model.layers.{L}.*, which transformers does not build) is
+added with random values: the layer's logits equal a float64 reference of the published formula;
+greedy ids with k = 1 and k = 3 equal the engine's without speculation (also chunked and
+preempting); drafts are accepted (counters); the MTP layer's cached keys of every kept position
+equal a fresh pass over the final sequence, whatever drafts were rejected on the way; a checkpoint
+without MTP layers is refused by name."""
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from attention_nodes.config import SpeculativeConfig
+from attention_nodes.engine import LLMEngine
+from models.config import ModelConfig
+from models.kv_cache import AttentionBatch, make_paged_cache
+from models.loader import load_model
+from models.mtp import load_mtp
+from server import LLM, SamplingParams
+from server.llm import engine_config
+from tests.conftest import PROMPTS, hf_config
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+MTP_PROMPTS = [*PROMPTS, [9, 8, 7, 6, 9, 8, 7, 6, 9, 8, 7], [300, 301, 302, 303, 304, 305, 306, 307, 308, 309,
+                                                              310, 311, 312, 313, 314, 315, 316, 317, 318]]
+
+
+def add_mtp_layer(src, dst, seed: int = 0, passthrough: bool = False):
+    """A copy of checkpoint src with an MTP layer model.layers.{L}.*: random values (norms near 1), or
+    (passthrough) one that copies the target: eh_proj takes hnorm(h) alone, attention and MLP add
+    nothing, the shared head is the target's LM head; its drafts are then the target's argmax at
+    the previous position (accepted where the greedy output repeats a token)."""
+    shutil.copytree(src, dst)
+    cfg = ModelConfig.from_pretrained(dst)
+    f = next(dst.glob("*.safetensors"))
+    tensors = load_file(f)
+    L, D, V = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.1):
+        return torch.randn(*shape, generator=g) * scale
+
+    new = {}
+    for name in [n for n in tensors if n.startswith(f"model.layers.{L - 1}.")]:
+        t, mine = tensors[name], name.replace(f"model.layers.{L - 1}.", f"model.layers.{L}.")
+        if name.endswith("norm.weight"):
+            new[mine] = torch.ones_like(t) if passthrough else 1 + rand(*t.shape, scale=0.2)
+        elif name.endswith("e_score_correction_bias"):
+            new[mine] = torch.rand(*t.shape, generator=g) * 0.2
+        elif passthrough and (name.endswith("o_proj.weight") or "down_proj" in name):
+            new[mine] = torch.zeros_like(t)
+        else:
+            new[mine] = rand(*t.shape)
+    p = f"model.layers.{L}."
+    if passthrough:
+        new.update({p + "enorm.weight": torch.ones(D), p + "hnorm.weight": torch.ones(D),
+                    p + "shared_head.norm.weight": torch.ones(D),
+                    p + "eh_proj.weight": torch.cat((torch.zeros(D, D), torch.eye(D)), dim=1)})
+    else:
+        new.update({p + "enorm.weight": 1 + rand(D, scale=0.2), p + "hnorm.weight": 1 + rand(D, scale=0.2),
+                    p + "shared_head.norm.weight": 1 + rand(D, scale=0.2), p + "eh_proj.weight": rand(D, 2 * D),
+                    p + "shared_head.head.weight": rand(V, D), p + "embed_tokens.weight": rand(V, D, scale=1.0)})
+    tensors.update(new)
+    save_file(tensors, f, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def base(make_checkpoint):
+    return make_checkpoint("deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def mtp_ckpt(base, tmp_path_factory):
+    return add_mtp_layer(base, tmp_path_factory.mktemp("mtp") / "ckpt", seed=1)
+
+
+@pytest.fixture(scope="module")
+def repeating(base, tmp_path_factory):
+    """base with the embedding added to its LM head: its greedy outputs repeat tokens in runs (3 to 13
+    long in MTP_PROMPTS' outputs) between other tokens, so a copying MTP layer's drafts are accepted
+    whole, in part and not at all."""
+    d = tmp_path_factory.mktemp("repeating") / "ckpt"
+    shutil.copytree(base, d)
+    f = next(d.glob("*.safetensors"))
+    t = load_file(f)
+    t["lm_head.weight"] = t["lm_head.weight"] + t["model.embed_tokens.weight"]
+    save_file(t, f, metadata={"format": "pt"})
+    return d
+
+
+@pytest.fixture(scope="module")
+def copy_ckpt(repeating, tmp_path_factory):
+    return add_mtp_layer(repeating, tmp_path_factory.mktemp("mtp_copy") / "ckpt", passthrough=True)
+
+
+SEEDED = SamplingParams(max_tokens=16, temperature=0.8, seed=7, n=2, ignore_eos=True)
+
+
+def _ids(llm: LLM, params: SamplingParams) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(MTP_PROMPTS, params)]
+
+
+@pytest.fixture(scope="module")
+def plain_ids(base, repeating):
+    out = {}
+    for which, d in (("random", base), ("copy", repeating)):
+        llm = LLM(d)
+        try:
+            out[which] = _ids(llm, GREEDY), _ids(llm, SEEDED)
+        finally:
+            llm.shutdown()
+    return out
+
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def test_mtp_logits_equal_a_float64_reference_of_the_formula(mtp_ckpt):
+    """logits(x_{t+2}) = head(norm(layer(eh_proj(cat(enorm(embed(x_{t+1})), hnorm(h_t)))))) with the
+    decoder layer at positions t (transformers' DeepseekV3DecoderLayer in float64 on the MTP weights,
+    causal over the sequence), against ours through the paged cache's extra layer."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RotaryEmbedding
+
+    cfg = ModelConfig.from_pretrained(mtp_ckpt)
+    L, eps = cfg.num_layers, cfg.rms_norm_eps
+    target = load_model(mtp_ckpt)
+    drafter = load_mtp(mtp_ckpt, cfg, target)
+    ids = PROMPTS[0]
+    T = len(ids) - 1
+    cache = make_paged_cache(drafter.cfg, 8, 4, torch.float32, "cpu", target.ops)
+    batch = AttentionBatch.build_paged([T], [0], [list(range(8))], 4)
+    with torch.no_grad():
+        h_TD = target(torch.tensor(ids[:T]), batch, cache)  # the target's hidden states, after its final norm
+        got = drafter.logits(drafter.forward(torch.tensor(ids[1:]), h_TD, batch, cache))
+    prefix = f"model.layers.{L}."
+    W = {n[len(prefix):]: t.double() for n, t in load_file(next(mtp_ckpt.glob("*.safetensors"))).items()
+         if n.startswith(prefix)}
+    hf = hf_config("deepseek_v3")
+    hf._attn_implementation = "eager"
+    layer = DeepseekV3DecoderLayer(hf, layer_idx=L).double().eval()
+    state = {n: t for n, t in W.items() if n.startswith(("self_attn.", "input_layernorm", "post_attention_layernorm",
+                                                         "mlp.gate.", "mlp.shared_experts."))}
+    E = cfg.num_experts
+    state["mlp.experts.gate_up_proj"] = torch.stack([torch.cat((W[f"mlp.experts.{e}.gate_proj.weight"],
+                                                                W[f"mlp.experts.{e}.up_proj.weight"]))
+                                                     for e in range(E)])
+    state["mlp.experts.down_proj"] = torch.stack([W[f"mlp.experts.{e}.down_proj.weight"] for e in range(E)])
+    layer.load_state_dict(state, strict=True)
+    h = h_TD.double()[None]
+    e = W["embed_tokens.weight"][torch.tensor(ids[1:])][None]
+    x = torch.cat((_rms(e, W["enorm.weight"], eps), _rms(h, W["hnorm.weight"], eps)), dim=-1) @ W["eh_proj.weight"].T
+    pos = torch.arange(T)[None]
+    rope = DeepseekV3RotaryEmbedding(hf).double()
+    mask = torch.full((T, T), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    with torch.no_grad():
+        y = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=rope(x, pos))
+    want = (_rms(y, W["shared_head.norm.weight"], eps) @ W["shared_head.head.weight"].T)[0]
+    assert (got.double() - want).abs().max().item() < 1e-4 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("which,k,kwargs", [("random", 1, {}), ("random", 3, {}), ("copy", 3, {}),
+                                            ("copy", 2, {"max_num_batched_tokens": 8, "num_kv_blocks": 6})],
+                         ids=["random-k1", "random-k3", "copy-k3", "copy-k2-chunked-preempting"])
+def test_greedy_ids_equal_without_speculation(mtp_ckpt, copy_ckpt, plain_ids, which, k, kwargs):
+    d = mtp_ckpt if which == "random" else copy_ckpt
+    llm = LLM(d, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kwargs)
+    try:
+        got = _ids(llm, GREEDY)
+        stats = llm.engine.stats()
+        # seeded samples (n = 2: the second shares the first's prompt blocks) draw as without drafts
+        assert _ids(llm, SEEDED) == plain_ids[which][1]
+    finally:
+        llm.shutdown()
+    assert got == plain_ids[which][0]
+    spec = stats["spec_decode"]
+    assert stats["preemptions"] > 0 if "num_kv_blocks" in kwargs else stats["preemptions"] == 0
+    assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] > spec["num_accepted_tokens"]
+    assert len(spec["accepted_per_pos"]) == k
+    if which == "copy":  # its drafts repeat the last token: accepted where the greedy output does
+        per_pos = spec["accepted_per_pos"]
+        assert per_pos[-1] > 0 and per_pos == sorted(per_pos, reverse=True)
+        assert sum(per_pos) == spec["num_accepted_tokens"]
+    else:  # a random layer's drafts are (almost) never accepted
+        assert spec["num_accepted_tokens"] <= 1
+
+
+def test_acceptance_counters_reach_the_metrics(copy_ckpt):
+    from server.metrics import _EngineCollector
+
+    llm = LLM(copy_ckpt, speculative_config='{"method": "mtp", "num_speculative_tokens": 2}')
+    try:
+        llm.generate(MTP_PROMPTS[4:], GREEDY)
+        s = llm.engine.stats()["spec_decode"]
+        families = {f.name: f for f in _EngineCollector(llm.engine.stats, "tiny").collect()}
+    finally:
+        llm.shutdown()
+    assert s["num_drafts"] > 0 and 0 < s["num_accepted_tokens"] < s["num_draft_tokens"]
+    accepted = families["shuttle_spec_decode_num_accepted_tokens"].samples
+    assert [x.value for x in accepted if x.name.endswith("_total")] == [s["num_accepted_tokens"]]
+
+
+@pytest.mark.parametrize("which", ["random", "copy"])
+def test_mtp_cache_of_kept_positions_equals_a_fresh_pass(mtp_ckpt, copy_ckpt, which):
+    """Drafted positions' MTP keys are overwritten once those positions are kept: after steps that
+    rejected (random) or accepted (copy) drafts, the MTP layer's cached rows of every computed
+    position equal one pass of the target then the MTP layer over the final tokens."""
+    d = mtp_ckpt if which == "random" else copy_ckpt
+    engine = LLMEngine(engine_config(d, speculative_config={"method": "mtp", "num_speculative_tokens": 3},
+                                     block_size=4))
+    for i, p in enumerate(MTP_PROMPTS[:3]):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    for _ in range(10):
+        engine.step()
+    runner = engine.runner
+    L, bs = engine.model_cfg.num_layers, runner.block_size
+    assert engine.stats()["spec_decode"]["num_draft_tokens"] > 0
+    for seqs in engine.requests.values():
+        seq = seqs[0]
+        n = seq.num_computed_tokens  # positions 0..n-1 computed; token n is the last sampled
+        assert seq.num_tokens == n + 1 and not seq.num_draft_tokens
+        blocks = -(-n // bs)
+        cache = make_paged_cache(runner.cache_cfg, blocks, bs, runner.dtype, "cpu", runner.model.ops)
+        batch = AttentionBatch.build_paged([n], [0], [list(range(blocks))], bs)
+        with torch.no_grad():
+            h = runner.model(torch.tensor(seq.token_ids[:n]), batch, cache)
+            runner.mtp.forward(torch.tensor(seq.token_ids[1:n + 1]), h, batch, cache)
+        want = cache.kv[L].view(-1, cache.kv[L].shape[-1])[:n]
+        pages = runner.cache.kv[L]
+        slots = torch.tensor([seq.block_table[p // bs] * bs + p % bs for p in range(n)])
+        got = pages.view(-1, pages.shape[-1])[slots]
+        assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item(), f"request {seq.request_id}"
+
+
+def test_a_checkpoint_without_mtp_layers_is_refused(base, make_checkpoint):
+    # transformers writes num_nextn_predict_layers = 1 but saves no MTP tensors
+    with pytest.raises(ValueError, match=f"{base}.*num_nextn_predict_layers = 1.*model.layers.3.eh_proj.weight"):
+        LLM(base, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    mixtral = make_checkpoint("mixtral")
+    with pytest.raises(ValueError, match=f"mtp needs multi-token-prediction layers, but {mixtral} has none.*"
+                                         f"num_nextn_predict_layers"):
+        LLM(mixtral, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    assert SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 2}).method == "mtp"
+    with pytest.raises(ValueError, match="draft_model is not built"):
+        SpeculativeConfig.parse({"method": "draft_model", "num_speculative_tokens": 2})
+
+
+def test_pools_draft_on_the_attention_worker(copy_ckpt, plain_ids):
+    """1 + 1 workers: the attention worker (its target model without experts) runs the MTP layer with
+    the layer's own experts; the expert worker sees the 1 + d rows of each verification."""
+    import time
+
+    llm = LLM(copy_ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, colocated=False,
+              attention_workers=1, expert_workers=1)
+    try:
+        want = plain_ids["copy"][0]
+        assert _ids(llm, GREEDY) == want
+        emitted, deadline = sum(len(i) for o in want for i in o), time.monotonic() + 10
+        while llm.engine.stats()["generated_tokens"] < emitted and time.monotonic() < deadline:
+            time.sleep(0.05)  # (the worker's Stats arrive apart from its tokens)
+        spec = llm.engine.stats()["spec_decode"]
+    finally:
+        llm.shutdown()
+    assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"]
+
+
+def test_glm_mtp_layer_over_the_per_head_cache(make_checkpoint, tmp_path):
+    """GLM-4.5 (per-head keys and values, partial rotary, biases): the MTP layer's keys and values in
+    the paged cache's extra layer; greedy ids with k = 2 equal those without speculation."""
+    base = make_checkpoint("glm4_moe")
+    d = add_mtp_layer(base, tmp_path / "glm", seed=2)
+    llm = LLM(base)
+    try:
+        want = _ids(llm, GREEDY)
+    finally:
+        llm.shutdown()
+    llm = LLM(d, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, block_size=4)
+    try:
+        assert len(llm.engine.runner.cache.k) == ModelConfig.from_pretrained(d).num_layers + 1
+        assert _ids(llm, GREEDY) == want
+        assert llm.engine.stats()["spec_decode"]["num_draft_tokens"] > 0
+    finally:
+        llm.shutdown()
+
+
+def test_mtp_loss_scores_x_t_plus_2_and_trains_the_layer_and_the_trunk(mtp_ckpt):
+    """training: the MTP layer over the target's rows without a cache predicts x_{t+2} from (h_t,
+    x_{t+1}); its logits equal serving's over the paged cache, and lambda times its cross entropy
+    sends gradients to the layer and to the target's weights below it."""
+    import torch.nn.functional as F
+
+    from training.losses import IGNORE, lm_loss, mtp_loss, mtp_targets
+    from training.model import forward_mtp
+
+    cfg = ModelConfig.from_pretrained(mtp_ckpt)
+    target = load_model(mtp_ckpt, kernels="torch").train()
+    drafter = load_mtp(mtp_ckpt, cfg, target, kernels="torch")
+    drafter.layer.train()
+    rows = [PROMPTS[0][:8], PROMPTS[2] + [IGNORE]]  # (8 tokens each; the second's last is padding)
+    ids = torch.tensor([[max(t, 0) for t in r] for r in rows])
+    labels = torch.tensor([r[1:] + [IGNORE] for r in rows])
+    inputs, targets = mtp_targets(labels)
+    assert inputs[1].tolist() == PROMPTS[2][1:] + [0] and targets[1].tolist() == PROMPTS[2][2:] + [IGNORE, IGNORE]
+    logits, mtp_logits, mtp_labels = forward_mtp(target, drafter, ids, labels)
+    assert mtp_logits.shape == (2 * 7, cfg.vocab_size) and mtp_labels.tolist() == targets.reshape(-1).tolist()
+    loss = mtp_loss(mtp_logits, mtp_labels, 0.3)
+    keep = mtp_labels != IGNORE
+    assert torch.allclose(loss, 0.3 * F.cross_entropy(mtp_logits[keep], mtp_labels[keep]))
+    (lm_loss(logits, labels.reshape(-1)) + loss).backward()
+    assert drafter.layer.eh_proj.weight.grad.abs().sum() > 0 and drafter.layer.mlp.experts.w13.grad.abs().sum() > 0
+    assert target.model.layers[0].self_attn.kv_a_proj_with_mqa.weight.grad.abs().sum() > 0
+    with torch.no_grad():  # row 0 as serving computes it: the target, then the MTP layer, over a paged cache
+        cache = make_paged_cache(drafter.cfg, 2, 4, torch.float32, "cpu", target.ops)
+        batch = AttentionBatch.build_paged([7], [0], [[0, 1]], 4)
+        h = target(ids[0, :7], batch, cache)
+        served = drafter.logits(drafter.forward(inputs[0], h, batch, cache))
+    assert (served - mtp_logits[:7].detach()).abs().max() < 1e-4 * served.abs().max()
