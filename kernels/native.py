@@ -161,6 +161,9 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.shuttle_delta_rule_decode
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    fn = lib.shuttle_hyper_weights
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_float]
     return lib
 
 
@@ -495,6 +498,19 @@ def delta_rule_decode_(q_BHK: torch.Tensor, k_BHK: torch.Tensor, v_BHV: torch.Te
                                          states_SHKV.data_ptr(), slots.data_ptr(), fresh.data_ptr(), out.data_ptr(),
                                          B, H, K, V, threads())
     return out
+
+
+def hyper_weights(mixed_TW: torch.Tensor, base_W: torch.Tensor, scale_3: torch.Tensor, n: int, iters: int,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4's hyper-connection weights (pre (T, n), post (T, n), comb (T, n, n), float32) from the
+    learned map's output mixed_TW (T, (2 + n) n) by kernels/csrc/hyper.c: models/deepseek_v4's torch
+    path in one pass. Call only where available() is True."""
+    T = mixed_TW.shape[0]
+    mixed, base, scale = (t.float().contiguous() for t in (mixed_TW, base_W, scale_3))
+    pre, post, comb = torch.empty(T, n), torch.empty(T, n), torch.empty(T, n, n)
+    _library().shuttle_hyper_weights(mixed.data_ptr(), base.data_ptr(), scale.data_ptr(), pre.data_ptr(),
+                                     post.data_ptr(), comb.data_ptr(), T, n, iters, eps)
+    return pre, post, comb
 
 
 def fp8_quantize(x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -101,6 +101,43 @@ def test_routing_sqrtsoftplus_and_hash():
     torch.testing.assert_close(w, scores[:2].gather(1, table) / scores[:2].gather(1, table).sum(-1, keepdim=True) * 2)
 
 
+def test_native_hyper_weights_equal_torch(monkeypatch):
+    """kernels/csrc/hyper.c gives the torch path's pre, post and comb (odd stream counts and iterations)."""
+    from kernels import native
+    from models.deepseek_v4 import HyperConnection
+
+    if not native.available():
+        pytest.skip("no native kernels here")
+    for n, iters in ((1, 1), (3, 7), (4, 20)):
+        h = HyperConnection(40, n, iters, 1e-6, 1e-6)
+        torch.nn.init.normal_(h.fn, std=0.1), torch.nn.init.normal_(h.base, std=0.5), torch.nn.init.uniform_(h.scale, 0.5, 1.5)
+        x = torch.randn(9, n, 40)
+        with torch.no_grad():
+            got = h(x)
+            monkeypatch.setattr(native, "eager_cpu", lambda *t: False)
+            want = h(x)
+            monkeypatch.undo()
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_mtp_layers_are_skipped_with_one_line(make_checkpoint, tmp_path, caplog):
+    """The released files' mtp.N.* tensors (not served) load as nothing, said once."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "with_mtp"
+    shutil.copytree(make_checkpoint("deepseek_v4"), d)
+    f = next(d.glob("*.safetensors"))
+    tensors = load_file(f)
+    tensors.update({"mtp.0.enorm.weight": torch.ones(64), "mtp.0.attn.wq_a.weight": torch.zeros(20, 64)})
+    save_file(tensors, f, metadata={"format": "pt"})
+    with caplog.at_level(logging.INFO, logger="shuttle"):
+        load_model(d)
+    assert "skipped 2 tensors of 1 multi-token-prediction layer(s)" in caplog.text
+
+
 def test_logits_match_transformers(make_checkpoint):
     """Through the paged cache (entries in pages of 4, window and compressor rows in state slots) and
     without a cache (training's path), prompts batched together."""
