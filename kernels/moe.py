@@ -40,9 +40,16 @@ class SwiGLU:
     def is_silu(self) -> bool:
         return self.alpha == 1.0 and self.limit is None and self.up_offset == 0.0
 
+    @property
+    def is_clamped_silu(self) -> bool:
+        """silu(min(gate, limit)) * clamp(up, -limit, limit), or plain SiLU-mul (DeepSeek-V4's experts)."""
+        return self.alpha == 1.0 and self.up_offset == 0.0
+
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.is_silu:
             return F.silu(gate) * up
+        if self.is_clamped_silu:  # (rounded as transformers' DeepSeek-V4: F.silu, then the product)
+            return F.silu(gate.clamp(max=self.limit)) * up.clamp(-self.limit, self.limit)
         if self.limit is not None:
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
         return gate * torch.sigmoid(gate * self.alpha) * (up + self.up_offset)

@@ -123,7 +123,7 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                    ctypes.c_int])
+                    ctypes.c_float, ctypes.c_int])
     fn = lib.shuttle_add_rms_norm
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -392,11 +392,13 @@ def pack_panels32(w_OI: torch.Tensor, in_features: int) -> torch.Tensor:
 
 
 def fused_moe_bf16(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                   w13_ptrs_E: torch.Tensor, w2_ptrs_E: torch.Tensor, inter_padded: int) -> torch.Tensor:
+                   w13_ptrs_E: torch.Tensor, w2_ptrs_E: torch.Tensor, inter_padded: int,
+                   limit: float | None = None) -> torch.Tensor:
     """out_TD (bf16) = sum over each token's top-k experts of weight * SiLU-MLP(x), on panels from
     pack_panels32 (w13: 16 gate and the same 16 up rows per panel; w2 over inter_padded inputs), whose
     data pointers w13_ptrs_E / w2_ptrs_E (int64) list. x: bf16 (T, D), D even; ids int64 (ids outside
-    [0, E) are skipped); weights float32 or bf16. Call only where avx512_bf16() is True."""
+    [0, E) are skipped); weights float32 or bf16; limit: gate clamped to <= limit and up to [-limit,
+    limit] before the SiLU-mul (DeepSeek-V4's swiglu_limit). Call only where avx512_bf16() is True."""
     T, D = x_TD.shape
     if x_TD.dtype != torch.bfloat16 or D % 2 or topk_ids_TK.shape[0] != T:
         raise ValueError(f"fused_moe_bf16 takes bf16 x (T, D) with D even and (T, K) ids; got {x_TD.dtype} "
@@ -410,7 +412,7 @@ def fused_moe_bf16(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
     rc = _library().shuttle_fused_moe_bf16(x_TD.data_ptr(), T, D, ids_TK.data_ptr(), wk_TK.data_ptr(), K,
                                            w13_ptrs_E.data_ptr(), w2_ptrs_E.data_ptr(), w13_ptrs_E.numel(),
                                            inter_padded, scratch.data_ptr(), out_TD.data_ptr(),
-                                           threads())
+                                           float("inf") if limit is None else limit, threads())
     if rc != 0:
         raise MemoryError(f"fused_moe_bf16: out of memory for {T} tokens x {K} experts")
     return out_TD

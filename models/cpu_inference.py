@@ -20,8 +20,9 @@ from models.norm import RMSNorm
 
 def fused_native_experts(experts: Experts) -> bool:
     """Whether these experts run as one native call per layer (kernels/native.fused_moe_bf16): bf16
-    SiLU experts without biases, an even hidden size, on a CPU with AVX-512 BF16."""
-    return (experts.w13.dtype == torch.bfloat16 and experts.act.is_silu and experts.b13 is None
+    SiLU experts (clamped or not: DeepSeek-V4) without biases, an even hidden size, on a CPU with
+    AVX-512 BF16."""
+    return (experts.w13.dtype == torch.bfloat16 and experts.act.is_clamped_silu and experts.b13 is None
             and experts.w13.shape[2] % 2 == 0 and native.avx512_bf16())
 
 
@@ -93,7 +94,7 @@ class PackedExperts(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
-            return native.fused_moe_bf16(x_TD, topk_ids_TK, topk_weights_TK, *self.native)
+            return native.fused_moe_bf16(x_TD, topk_ids_TK, topk_weights_TK, *self.native, self.act.limit)
         if self.int8 is not None:
             return fused_moe_int8(x_TD, topk_ids_TK, topk_weights_TK, self.int8)
         if self.fp8 is not None:

@@ -257,6 +257,29 @@ def test_fused_moe_bf16_equals_the_torch_path(T, E, K, D, I, threads):
     assert err <= 1.5 * ref_err + 1e-6, (err, ref_err)
 
 
+@NEEDS_AVX512_BF16
+@pytest.mark.parametrize("T", [1, 40])  # (40 rows: an expert's rows may go to AMX tiles where the table says so)
+def test_fused_moe_bf16_clamps_as_the_torch_path(T):
+    """DeepSeek-V4's clamped SwiGLU (silu(min(gate, limit)) * clamp(up, -limit, limit)) in the native
+    block's epilogue: a limit low enough to clamp most values gives the torch path's result (the same
+    roundings), and what the unclamped block gives differs."""
+    from kernels.moe import SwiGLU, fused_moe_packed
+    from models.cpu_inference import PackedExperts
+
+    experts, _, x, ids, weights, _ = moe_case(T, 5, 2, 64, 48)
+    experts.act = SwiGLU(1.0, 0.4, 0.0)
+    packed = PackedExperts(experts)
+    assert packed.native is not None and packed.act.limit == 0.4
+    keep = ids >= 0
+    got = packed(x, ids, weights)
+    ref = fused_moe_packed(x, [CpuWeightBf16(w) for w in experts.w13.detach()],
+                           [CpuWeightBf16(w) for w in experts.w2.detach()], weights * keep, ids.clamp(min=0),
+                           act=experts.act)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    experts.act = SwiGLU()
+    assert (PackedExperts(experts)(x, ids, weights).float() - got.float()).abs().max() > 0.05
+
+
 def moe_case(T: int, E: int, K: int, D: int, I: int):
     """A bf16 MoE block of E experts packed for the CPU, T tokens' rows, top-K ids (every fourth token's
     first id -1, another worker's, when T > 3) and weights, and the block in float64:

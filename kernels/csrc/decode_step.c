@@ -116,7 +116,7 @@ void shuttle_gemm_bf16_panels(const uint16_t *x, int64_t T, int64_t I, const uin
                               uint16_t *y, int nthreads);
 int shuttle_fused_moe_bf16(const uint16_t *x, int64_t T, int64_t D, const int64_t *ids, const float *wk, int64_t K,
                            const int64_t *w13, const int64_t *w2, int64_t E, int64_t I16, uint16_t *scratch,
-                           uint16_t *out, int nthreads);
+                           uint16_t *out, float limit, int nthreads);
 int shuttle_fused_moe_int8(const void *x, int x_bf16, int64_t T, int64_t D, const int64_t *ids, const float *wk,
                            int64_t K, const int64_t *w13, const int64_t *s13, const int64_t *w2, const int64_t *s2,
                            int64_t E, int64_t I, void *y, int nthreads, int kernel, int big_kernel, int64_t big_rows);
@@ -189,7 +189,7 @@ int shuttle_decode_step(const shuttle_step *s, const shuttle_layer *layers, int6
                                                   ly->s13, ly->w2, ly->s2, s->E, s->inter, s->moe, (int)s->threads,
                                                   (int)s->int8_kernel, (int)s->int8_big_kernel, s->int8_big_rows)
                          : shuttle_fused_moe_bf16(s->h, B, D, s->ids + l * BK, s->wk + l * BK, s->top_k, ly->w13,
-                                                  ly->w2, s->E, s->I16, s->scratch, s->moe, (int)s->threads);
+                                                  ly->w2, s->E, s->I16, s->scratch, s->moe, INFINITY, (int)s->threads);
         if (rc)
             return rc;
     }

@@ -125,9 +125,12 @@ static inline const char *tile_prefetch(const uint32_t *next, int64_t pairs, int
     return (const char *)next + 64 * first;
 }
 
-/* h[c0..c0+15] = bf16(bf16(silu(bf16(gate))) * bf16(up)) for one row's float32 gate and up sums. */
-AI512 void up_store(__m512 gate, __m512 up, uint16_t *h) {
-    const __m512 g = bf16_round(gate), u = bf16_round(up);
+/* h[c0..c0+15] = bf16(bf16(silu(g)) * u) for one row's float32 gate and up sums, g = min(bf16(gate), limit),
+ * u = clamp(bf16(up), -limit, limit) (DeepSeek-V4's swiglu_limit; limit INFINITY: plain SiLU-mul). */
+AI512 void up_store(__m512 gate, __m512 up, uint16_t *h, float limit) {
+    const __m512 lim = _mm512_set1_ps(limit);
+    const __m512 g = _mm512_min_ps(bf16_round(gate), lim);
+    const __m512 u = _mm512_max_ps(_mm512_min_ps(bf16_round(up), lim), _mm512_sub_ps(_mm512_setzero_ps(), lim));
     const __m512 s = bf16_round(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
     _mm256_storeu_si256((__m256i *)h, round16(_mm512_mul_ps(s, u)));
 }
@@ -145,10 +148,10 @@ AI512 void down_store(__m512 sum0, __m512 sum1, float w, uint16_t *o, __mmask16 
 
 /* h rows (ldh apart) from R rows' gate/up panel. */
 AI512 void up_tile(const uint32_t *const *xr, const uint32_t *pw, int64_t pairs, uint16_t *h, int64_t ldh,
-                   const char *pf, int64_t pf_lines, const int R) {
+                   const char *pf, int64_t pf_lines, const int R, float limit) {
     __m512 acc[MAX_R][2];
     panel_dot(xr, pw, pairs, R, acc, pf, pf_lines);
-    for (int r = 0; r < R; r++) up_store(acc[r][0], acc[r][1], h + r * ldh);
+    for (int r = 0; r < R; r++) up_store(acc[r][0], acc[r][1], h + r * ldh, limit);
 }
 
 /* out[tok[r]][o0..o0+n) += the weighted down projection of R rows. */
@@ -276,10 +279,11 @@ T512 void shuttle_gemm_bf16_panels(const uint16_t *x, int64_t T, int64_t I, cons
 
 /* x (T, D) bf16, D even; ids (T, K) int64; wk (T, K) float32; w13[e] / w2[e]: the panels of expert e
  * (I16 / 16 panels over D / 2 pairs; ceil(D / 32) panels over I16 / 2 pairs); out (T, D) bf16, zeroed;
- * scratch: (T * K, I16) bf16. Returns 0, or -1 if memory ran out (out is then unchanged). */
+ * scratch: (T * K, I16) bf16; limit: the SwiGLU clamp (up_store; INFINITY for none). Returns 0, or -1 if
+ * memory ran out (out is then unchanged). */
 T512 int shuttle_fused_moe_bf16(const uint16_t *x, int64_t T, int64_t D, const int64_t *ids, const float *wk,
                                 int64_t K, const int64_t *w13, const int64_t *w2, int64_t E, int64_t I16,
-                                uint16_t *scratch, uint16_t *out, int nthreads) {
+                                uint16_t *scratch, uint16_t *out, float limit, int nthreads) {
     const int64_t N = T * K, P13 = I16 / 16, P2 = (D + 31) / 32, xpairs = D / 2, hpairs = I16 / 2;
     int64_t *count = calloc(E + 1, sizeof(int64_t)), *tok = malloc(sizeof(int64_t) * (N + 1));
     float *wgt = malloc(sizeof(float) * (N + 1));
@@ -361,7 +365,7 @@ T512 int shuttle_fused_moe_bf16(const uint16_t *x, int64_t T, int64_t D, const i
                     int64_t pf_lines;
                     const char *pf = tile_prefetch(pnext, xpairs, bi, blocks, &pf_lines, 1);
                     shuttle_amx_panel(xg + r * D, D * 2, pw, xpairs, n > 16, n, c, pf, pf_lines);
-                    for (int i = 0; i < n; i++) up_store(_mm512_load_ps(c + i * 32), _mm512_load_ps(c + i * 32 + 16), scratch + (r + i) * I16 + p * 16);
+                    for (int i = 0; i < n; i++) up_store(_mm512_load_ps(c + i * 32), _mm512_load_ps(c + i * 32 + 16), scratch + (r + i) * I16 + p * 16, limit);
                 }
                 it = next;
                 continue;
@@ -373,7 +377,7 @@ T512 int shuttle_fused_moe_bf16(const uint16_t *x, int64_t T, int64_t D, const i
                 uint16_t *h = scratch + r * I16 + p * 16;
                 int64_t pf_lines;
                 const char *pf = tile_prefetch(pnext, xpairs, ti, tiles, &pf_lines, 0);
-#define UP(R) up_tile(rows, pw, xpairs, h, I16, pf, pf_lines, R)
+#define UP(R) up_tile(rows, pw, xpairs, h, I16, pf, pf_lines, R, limit)
                 BY_ROWS(n, UP)
 #undef UP
             }
