@@ -30,8 +30,8 @@ learned map of the normalised streams gives pre (T, n), post (T, n) and comb (T,
 towards doubly stochastic by Sinkhorn-Knopp); the block's input is the pre-weighted sum of the
 streams, and its output x enters as streams' = post x + comb^T streams. The MLP's input leaves the
 attention worker as for any family (experts see (T, D) rows); its post and comb wait with the streams
-for its output (HyperDecoderLayer's residual is the triple). The model's output is hc_head's
-weighted sum of the streams, then the final norm.
+for its output (the residual models/moe_decoder.DecoderLayer.attention passes on is that triple). The
+model's output is hc_head's weighted sum of the streams, then the final norm.
 """
 import torch
 import torch.nn.functional as F
@@ -262,7 +262,7 @@ class V4Attention(nn.Module):
                 self.compressor.indexer = Indexer(D, v4.q_lora_rank, v4.index_heads, v4.index_head_dim, self.rate,
                                                   cfg.rms_norm_eps)
         self.rope = Rope(v4.compress_rope if self.rate else cfg.rope, v4.rope_dim)
-        self.index_rope = Rope(v4.compress_rope, v4.rope_dim)
+        self.index_rope = Rope(v4.compress_rope, v4.rope_dim) if self.csa else None
 
     def _apply(self, fn, recurse: bool = True):
         out = super()._apply(fn, recurse)
@@ -303,7 +303,7 @@ class V4Attention(nn.Module):
             idx_BK = lens_B.new_empty(B, 0)
         else:
             pages, rate = store.entries[self.layer], self.rate
-            all_BnH, idx_BK = self._entries(x_BD, q_res_BQ, batch, q_lens_B, store, read=False)
+            _, idx_BK = self._entries(x_BD, q_res_BQ, batch, q_lens_B, store, read=False)
             if idx_BK is None:  # HCA: every complete window's entry
                 n = int((lens_B // rate).max())
                 w_n = torch.arange(n, device=lens_B.device)

@@ -446,7 +446,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=_run(_simulate, "simulate"))
     q = sub.add_parser("plan", help="search deployments (MegaScale-Infer Algorithm 1) for throughput per cost")
     q.add_argument("--model", required=True, help="checkpoint directory, config.json, or a shipped shape "
-                                                  "(mixtral-8x22b, dbrx, qwen3-235b-a22b, deepseek-v3)")
+                                                  "(mixtral-8x22b, dbrx, qwen3-235b-a22b, deepseek-v3, deepseek-v4-flash)")
     q.add_argument("--hardware", default=None, help="KIND[=PRICE][,KIND...]: catalogue kinds, or host (this machine)")
     q.add_argument("--attention-hardware", default=None, help="kind(s) for the attention pool")
     q.add_argument("--expert-hardware", default=None, help="kind(s) for the expert pool")

@@ -37,7 +37,8 @@ def test_fit_needs_enough_points():
 
 
 def test_shipped_shapes_match_published_sizes():
-    expected = {"mixtral-8x22b": 141e9, "dbrx": 132e9, "qwen3-235b-a22b": 235e9, "deepseek-v3": 671e9}
+    expected = {"mixtral-8x22b": 141e9, "dbrx": 132e9, "qwen3-235b-a22b": 235e9, "deepseek-v3": 671e9,
+                "deepseek-v4-flash": 284e9}
     for name, params in expected.items():
         c = shape_from(name).config
         assert c.total_params() == pytest.approx(params, rel=0.02), name
