@@ -30,7 +30,7 @@ from kernels.rotary import ROPE_TYPES, RopeConfig
 from kernels.routing import RouterConfig
 from models import families
 from models.errors import ConfigError
-from models.v4_config import V4Config, v4_attention_params, v4_attention_weights, v4_context_flops
+from models.v4_config import V4Config, v4_attention_params, v4_attention_weights, v4_context_flops, v4_wide_params
 
 # architectures entry -> family; each family's semantics follow transformers' definition of it.
 ARCHITECTURES = {
@@ -275,9 +275,9 @@ class ModelConfig:
         latent plus its roped key (576 for DeepSeek-V3's shape instead of 2 x 128 x 128 = 32,768)."""
         if self.mla is not None:
             return self.mla.cache_width + self.mla.index_head_dim * self.mla.runs_indexer(layer)
-        if self.v4 is not None:  # its compressed entries (and index entries), one per `rate` tokens, rounded up
-            r = self.v4.rate(layer)
-            return 0 if not r else -(-(self.head_dim + self.v4.index_head_dim * self.v4.is_csa(layer)) // r)
+        if self.v4 is not None:  # its entries (and index entries) in pages of 16 tokens (V4Config.page_values)
+            r, width = self.v4.rate(layer), self.head_dim + self.v4.index_head_dim * self.v4.is_csa(layer)
+            return 0 if not r else self.v4.entries_per_page(r, 16) * width // 16
         if self.is_linear(layer):
             return 0
         return self.kv_heads(layer) * (self.head_dim + self.v_dim)
@@ -385,9 +385,16 @@ class ModelConfig:
         return self.non_expert_params() + self.num_moe_layers * self.num_experts * self.expert_params()
 
     def non_expert_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of non_expert_params in `dtype`; the correction bias stays float32 (Router._apply)."""
+        """Bytes of non_expert_params in `dtype`; the correction bias stays float32 (Router._apply), and so
+        do DeepSeek-V4's norms, mHC and compressors (v4_wide_params; its token tables are int64)."""
         fp32_bias = self.num_moe_layers * self.num_experts * self.router.correction_bias
-        return self.non_expert_params() * dtype.itemsize + fp32_bias * (4 - dtype.itemsize)
+        wide = 0
+        if self.v4 is not None:
+            fp32, int64 = v4_wide_params(self.v4, self.hidden_size, self.num_heads, self.head_dim, self.vocab_size,
+                                         self.top_k)
+            fp32_bias -= sum(self.v4.hash_layers) * self.num_experts  # (hash layers have none)
+            wide = fp32 * (4 - dtype.itemsize) + int64 * (8 - dtype.itemsize)
+        return self.non_expert_params() * dtype.itemsize + fp32_bias * (4 - dtype.itemsize) + wide
 
     def expert_bytes(self, dtype: torch.dtype, quantization: str | None = None) -> int:
         """Bytes of one routed expert in `dtype` (FP8 and MXFP4 checkpoints are dequantised on load).
@@ -413,7 +420,15 @@ class ModelConfig:
         """FLOPs of one query token against one cached token in one layer: scores and the weighted
         sum over per-head keys and values, or (MLA, absorbed) over the latent and roped key, plus
         DSA's index scores (averaged over the layers that run an indexer; the attention itself is
-        counted over every cached token, an upper bound past index_topk)."""
+        counted over every cached token, an upper bound past index_topk). DeepSeek-V4: what grows with
+        the context past its window and index_topk (HCA's entries, CSA's index scores), per cached token
+        averaged over the layers (v4_context_flops has the whole cost)."""
+        if self.v4 is not None:
+            v4, N, H = self.v4, self.num_heads, self.head_dim
+            per = sum(4 * N * H / v4.rate(i) if v4.layer_types[i] == "hca" else
+                      2 * v4.index_heads * v4.index_head_dim / v4.rate(i) if v4.is_csa(i) else 0
+                      for i in range(self.num_layers))
+            return round(per / self.num_layers)
         if self.mla is None:
             return 2 * self.num_heads * (self.head_dim + self.v_dim)
         m = self.mla

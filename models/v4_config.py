@@ -100,3 +100,21 @@ def v4_context_flops(v4: V4Config, layer: int, context: int, N: int, H: int) -> 
         keys += min(v4.index_topk, entries)
         return 4 * N * H * keys + 2 * v4.index_heads * v4.index_head_dim * entries
     return 4 * N * H * (keys + entries)
+
+
+def v4_wide_params(v4: V4Config, D: int, N: int, H: int, vocab: int, top_k: int) -> tuple[int, int]:
+    """(float32 parameters, int64 ones) a DeepSeek-V4 model keeps whatever its dtype: the kv and q norms,
+    sinks, mHC maps and hc_head, the compressors' and indexers' projections, position biases and norms,
+    the indexers' weights_proj (transformers keeps them float32); the hash layers' tid2eid tables."""
+    n, I = v4.hc_mult, v4.index_head_dim
+    fp32 = n * n * D + n + 1  # hc_head
+    for layer in range(len(v4.layer_types)):
+        fp32 += v4.q_lora_rank + H + N + 2 * ((2 + n) * n * n * D + (2 + n) * n + 3)
+        r = v4.rate(layer)
+        if r:
+            F = H * (1 + v4.is_csa(layer))
+            fp32 += 2 * D * F + r * F + H
+        if v4.is_csa(layer):
+            fp32 += 2 * D * 2 * I + r * 2 * I + I + D * v4.index_heads
+    return fp32, sum(v4.hash_layers) * vocab * top_k
+

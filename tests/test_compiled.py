@@ -51,9 +51,10 @@ def test_compiled_greedy_ids_equal_eager(make_checkpoint):
 
 
 # (Qwen3.5-MoE's stages are Qwen3-Next's: only its linear layers' eager input projections differ;
-# DeepSeek-V3.2's and GLM-5's are DeepSeek-V3's MLA stages, the indexer and sparse attention eager)
+# DeepSeek-V3.2's and GLM-5's are DeepSeek-V3's MLA stages, the indexer and sparse attention eager;
+# DeepSeek-V4's attention and hash routing are eager, its norms and routing the other families' stages)
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in (FAMILY, "qwen3_5_moe", "deepseek_v32",
-                                                                       "glm_moe_dsa")])
+                                                                       "glm_moe_dsa", "deepseek_v4")])
 def test_compiled_greedy_ids_every_family(make_checkpoint, family):
     """Prefill chunks and decode at batch 4 and 1 give the eager engine's greedy ids on every family."""
     from server import LLM

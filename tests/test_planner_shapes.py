@@ -216,7 +216,16 @@ def test_planner_numbers_are_the_built_models(raw):
     # KV bytes per token: what the engine's paged cache allocates
     cache = make_paged_cache(c, 1, 16, c.dtype, "meta", torch_ops())
     tensors = [t for v in vars(cache).values() if isinstance(v, list) for t in v if isinstance(t, torch.Tensor)]
+    if c.v4 is not None:  # (the entries' pages; its windows and compressor rows are per-sequence state)
+        tensors = [*cache.v4.entries.values(), *cache.v4.index_entries.values()]
     assert c.kv_bytes_per_token(c.dtype) * 16 == nbytes(tensors)
+    if c.v4 is not None:
+        # past the window and index_topk the cost grows by context_flops a cached token and layer; the
+        # roofline's per-token part (and its checks below) would need the window's and top-k's constants
+        a, b = (4 * c.v4.index_topk + c.v4.window) * c.v4.hca_rate, (8 * c.v4.index_topk + c.v4.window) * c.v4.hca_rate
+        grown = c.attention_flops_per_token(b) - c.attention_flops_per_token(a)
+        assert grown == pytest.approx((b - a) * len(layers) * c.context_flops(), rel=1e-3)  # (context_flops is rounded)
+        return
 
     # FLOPs per token: 2 x every matrix a token passes through outside the routed experts, and one
     # expert's matrices per (token, expert) pair
