@@ -99,8 +99,9 @@ class _EngineCollector(Collector):
                                  ("kv_cache_free_blocks", "Free KV cache blocks", s["free_blocks"]),
                                  ("kv_cache_tokens", "KV cache capacity in tokens in all attention workers",
                                   s.get("kv_cache_tokens", 0)),
-                                 ("linear_state_slots", "Per-sequence states of linear-attention layers in all "
-                                  "attention workers (Qwen3-Next; 0: none), the most sequences that run at once",
+                                 ("linear_state_slots", "Per-sequence states kept outside the KV blocks in all "
+                                  "attention workers (Qwen3-Next's linear attention, DeepSeek-V4's windows and "
+                                  "compressors; 0: none), the most sequences that run at once",
                                   s.get("state_slots", 0))):
             g = GaugeMetricFamily(f"shuttle_{name}", doc, labels=["model_name"])
             g.add_metric(m, value)
