@@ -13,7 +13,7 @@ from models.config import ModelConfig
 from models.dispatcher import Dispatcher, LocalDispatcher
 from kernels import native
 from models.cpu_inference import (SKINNY_MAX_ROWS, decode_is_native, half_copy_bytes, pack_for_cpu_inference,
-                                  resident_weight_bytes)
+                                  pack_modules, resident_weight_bytes)
 from models.kv_cache import AttentionBatch, cache_bytes_per_block, make_paged_cache
 from models.loader import load_model
 from models.native_decode import NativeDecode, why_not
@@ -78,6 +78,8 @@ class ModelRunner:
         self.weight_bytes = _weight_bytes(self.model)
         cpu_torch = self.device.type == "cpu" and self.model.ops.backend == "torch"
         self.packed = cpu_torch and pack_for_cpu_inference(self.model, cfg.quantization)
+        if self.packed and self.mtp is not None:  # (its layer on the same kernels as the target's)
+            pack_modules(self.mtp.layer, cfg.quantization)
         self.resident_bytes = resident_weight_bytes(self.model)  # after packing / quantising
         # What --quantization saved against the unquantised weights: the CPU's default KV budget gets it
         self.freed_bytes = max(0, sum(self.weight_bytes.values()) - sum(self.resident_bytes.values())) \

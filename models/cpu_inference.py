@@ -148,21 +148,27 @@ def pack_for_cpu_inference(model: MoEForCausalLM, quantization: str | None = Non
                         setattr(parent, name, PackedExperts(child, quantization))
         choose_kernels(model)  # what needs no packing: int8 experts, attention, norms, routing
         return False
-    tied = model.cfg.tie_word_embeddings
-    for attn in [m for m in model.modules() if isinstance(m, Attention)]:
+    pack_modules(model, quantization, keep=model.lm_head if model.cfg.tie_word_embeddings else None)
+    return True
+
+
+def pack_modules(root: nn.Module, quantization: str | None = None, keep: nn.Module | None = None) -> None:
+    """pack_for_cpu_inference's swaps on any module tree whose weights oneDNN can pack (a model, or
+    the MTP layer beside one: models/mtp.py): q/k/v fused, routers' CPU weights, experts and linears
+    (but `keep`, a tied LM head) packed, the kernels chosen and the expert GEMMs compiled."""
+    for attn in [m for m in root.modules() if isinstance(m, Attention)]:
         fuse_qkv(attn, quantization)
-    for router in [m for m in model.modules() if isinstance(m, Router)]:
+    for router in [m for m in root.modules() if isinstance(m, Router)]:
         w = router.weight.detach()
         router.cpu_weight = CpuWeight(w.float() if router.logits_fp32 else w)
-    for parent in list(model.modules()):
+    for parent in list(root.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Experts):
                 setattr(parent, name, PackedExperts(child, quantization))
-            elif isinstance(child, nn.Linear) and not (tied and child is model.lm_head):
+            elif isinstance(child, nn.Linear) and child is not keep:
                 setattr(parent, name, _packed_linear(child, quantization))
-    choose_kernels(model)
-    compile_expert_gemms(model)
-    return True
+    choose_kernels(root)
+    compile_expert_gemms(root)
 
 
 def compile_expert_gemms(module: nn.Module) -> int:
