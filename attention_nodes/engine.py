@@ -369,6 +369,8 @@ class LLMEngine:
         exactly, attention_nodes/speculative.py); `_draft` appends them."""
         spec, self._mtp_drafts = self.spec, {}
         on = len(self.scheduler.running) <= spec.disable_by_batch_size
+        if not on:  # speculation is off: the layer does not run, so a big batch pays nothing for it; the
+            return  # positions computed meanwhile stay out of its cache (later drafts see stale rows there)
         wanted = []
         for seq in batch.seqs:
             decoding = seq.num_computed_tokens == seq.num_tokens - 1 and not seq.spec_skip and on and not (

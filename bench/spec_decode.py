@@ -1,20 +1,24 @@
-"""Speculative decoding with n-gram drafts against plain decoding, side by side in one process.
+"""Speculative decoding (n-gram drafts and the built-in model's MTP head) against plain decoding, side by
+side in one process.
 
-The built-in model (models/builtin, trained on stdlib docstrings) serves B prompts cut from its
-held-out documents, greedy, EOS ignored, --output-len new tokens each, through `LLM.generate`:
+The built-in model (models/builtin, trained on stdlib docstrings, with its MTP head) serves B prompts cut
+from its held-out documents, greedy, EOS ignored, --output-len new tokens each, through `LLM.generate`:
 - "copy": a document's first --doc-tokens tokens, a blank line, then its first 8 tokens again, so
   the continuation can copy the prompt (the case prompt lookup is for: code edits, quoting);
-- "plain": the document's first --doc-tokens tokens alone (drafts come only from repeats).
-Per workload and batch: output tokens/s of the whole generate (prefill included), the median of
---rounds rounds after a warm-up run of each, every engine alternated within a round: "off" (no speculation) and ngram with
-k = --ks drafts (prompt_lookup 1..3) never switched off (disable_by_batch_size above the batch), and
-"auto": the best k at batch 1 with the default disable_by_batch_size (what a user gets). Beside
-each: acceptance (accepted / draft tokens) and mean acceptance length (1 + accepted / drafts: the
-tokens a drafted sequence gains per verify step, vLLM's definition). Greedy outputs are checked to
-equal "off"'s in float32 (in bf16 the verify pass rounds differently, so near-ties may differ:
-reported, not failed).
+- "plain": the document's first --doc-tokens tokens alone (n-gram drafts come only from repeats).
+Per workload and batch: output tokens/s of the whole generate (prefill included) and TPOT (time per
+output token of a sequence: (the generate's time - a 1-token generate's, prefill only) / (output-len -
+1)), the median of --rounds rounds after a warm-up run of each, every engine alternated within a
+round: "off" (no speculation), ngram with k = --ks drafts (prompt_lookup 1..3) and mtp (the
+checkpoint's MTP layer, chained) with k = --mtp-ks, both never switched off (disable_by_batch_size
+above the batch), and "auto": the best k of each method at the first batch (ngram: on copy, mtp: on
+plain) with the default disable_by_batch_size (what a user gets). Beside each: acceptance (accepted /
+draft tokens) and mean acceptance length (1 + accepted / drafts: the tokens a drafted sequence gains
+per verify step, vLLM's definition). Greedy outputs are checked to equal "off"'s in float32 (in bf16
+the verify pass rounds differently, so near-ties may differ: reported, not failed).
 
-    python bench/spec_decode.py [--quick] [--batches 1 16 64] [--ks 1 2 3 4] [--rounds 3]
+    python bench/spec_decode.py [--quick] [--methods ngram mtp] [--batches 1 16 64] [--ks 1 2 3]
+                                [--mtp-ks 1 2 3] [--rounds 3]
 
 Writes bench/results/spec_decode.json (--quick: spec_decode_quick.json), with the host named.
 """
@@ -43,35 +47,54 @@ def prompts(tok, batch: int, doc_tokens: int, copy: bool) -> list[list[int]]:
     return out
 
 
-def ngram(k: int, disable: int) -> dict:
+def spec(method: str, k: int, disable: int) -> dict:
+    if method == "mtp":
+        return {"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": disable}
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
             "disable_by_batch_size": disable}
 
 
-def run(llm: LLM, ps: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
+def run(llm: LLM, ps: list[list[int]], params: SamplingParams) -> tuple[float, float, list[list[int]]]:
+    """(output tokens/s, seconds, greedy ids) of one generate."""
     t0 = time.perf_counter()
     outs = llm.generate(ps, params)
     dt = time.perf_counter() - t0
-    return sum(len(o.outputs[0].token_ids) for o in outs) / dt, [o.outputs[0].token_ids for o in outs]
+    return sum(len(o.outputs[0].token_ids) for o in outs) / dt, dt, [o.outputs[0].token_ids for o in outs]
+
+
+def tpot_ms(full: list[float], first: list[float], output_len: int) -> float:
+    """Time per output token of a sequence (ms): the median over rounds of (a whole generate - its
+    1-token generate) / (output_len - 1)."""
+    return 1e3 * statistics.median((f - p) / max(1, output_len - 1) for f, p in zip(full, first))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="batches 1 and 16, k 1 and 3, 2 rounds, 32 new tokens")
+    p.add_argument("--methods", nargs="+", choices=["ngram", "mtp"], default=["ngram", "mtp"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4])
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3], help="ngram drafts")
+    p.add_argument("--mtp-ks", type=int, nargs="+", default=[1, 2, 3], help="mtp drafts")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--doc-tokens", type=int, default=96)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--kv-blocks", type=int, default=1024, help="KV cache blocks of each engine (16 tokens each)")
     args = p.parse_args()
     if args.quick:
-        args.batches, args.ks, args.rounds, args.output_len = [1, 16], [1, 3], 2, 32
+        args.batches, args.ks, args.mtp_ks, args.rounds, args.output_len = [1, 16], [1, 3], [1, 3], 2, 32
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    first_only = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     never = 10 ** 6
-    engines = {"off": LLM(None, dtype=args.dtype)}
-    for k in args.ks:
-        engines[f"k={k}"] = LLM(None, dtype=args.dtype, speculative_config=ngram(k, never))
+    ks = {"ngram": args.ks, "mtp": args.mtp_ks}
+
+    def llm(speculative: dict | None = None) -> LLM:
+        return LLM(None, dtype=args.dtype, num_kv_blocks=args.kv_blocks, speculative_config=speculative)
+
+    engines = {"off": llm()}
+    for method in args.methods:
+        for k in ks[method]:
+            engines[f"{method} k={k}"] = llm(spec(method, k, never))
     tok = engines["off"].tokenizer
     rows, per_round = [], {}
     try:
@@ -80,54 +103,69 @@ def main() -> None:
             for b in args.batches:
                 ps = prompts(tok, b, args.doc_tokens, copy)
                 names = list(engines)
-                rates = {n: [] for n in names}
+                rates, secs, firsts = ({n: [] for n in names} for _ in range(3))
                 before = {n: dict(e.engine.stats().get("spec_decode") or {}) for n, e in engines.items()}
                 want, same = None, {}
                 for n in names:  # warm-up: first calls, buffers and caches at this batch
                     run(engines[n], ps, params)
                 for r in range(args.rounds):
                     for n in (names if r % 2 == 0 else names[::-1]):
-                        rate, ids = run(engines[n], ps, params)
+                        rate, dt, ids = run(engines[n], ps, params)
+                        firsts[n].append(run(engines[n], ps, first_only)[1])
                         rates[n].append(rate)
+                        secs[n].append(dt)
                         if n == "off":
                             want = ids
                         else:
                             same.setdefault(n, []).append(ids)
                 base = statistics.median(rates["off"])
                 for n in names:
-                    spec = engines[n].engine.stats().get("spec_decode") or {}
-                    drafted = spec.get("num_draft_tokens", 0) - before[n].get("num_draft_tokens", 0)
-                    accepted = spec.get("num_accepted_tokens", 0) - before[n].get("num_accepted_tokens", 0)
-                    drafts = spec.get("num_drafts", 0) - before[n].get("num_drafts", 0)
+                    spec_stats = engines[n].engine.stats().get("spec_decode") or {}
+                    drafted = spec_stats.get("num_draft_tokens", 0) - before[n].get("num_draft_tokens", 0)
+                    accepted = spec_stats.get("num_accepted_tokens", 0) - before[n].get("num_accepted_tokens", 0)
+                    drafts = spec_stats.get("num_drafts", 0) - before[n].get("num_drafts", 0)
                     tput = statistics.median(rates[n])
                     rows.append({"workload": workload, "batch": b, "engine": n, "tok_s": tput,
-                                 "vs_off": tput / base, "acceptance": accepted / drafted if drafted else None,
+                                 "vs_off": tput / base, "tpot_ms": tpot_ms(secs[n], firsts[n], args.output_len),
+                                 "acceptance": accepted / drafted if drafted else None,
                                  "mean_accept_len": 1 + accepted / drafts if drafts else None,
                                  "greedy_equal": None if n == "off" else all(ids == want for ids in same[n])})
                     per_round[f"{workload}/{b}/{n}"] = rates[n]
-        # "auto": the best k of the copy workload at the first batch, switched off above the default size
-        first = [r for r in rows if r["workload"] == "copy" and r["batch"] == args.batches[0] and r["engine"] != "off"]
-        best = max(first, key=lambda r: r["tok_s"])["engine"]
-        auto = LLM(None, dtype=args.dtype, speculative_config=ngram(int(best[2:]), DEFAULT_DISABLE_BY_BATCH_SIZE))
-        for copy in (True, False):
-            workload = "copy" if copy else "plain"
-            for b in args.batches:
-                ps = prompts(tok, b, args.doc_tokens, copy)
-                both = {"off": [], "auto": []}
-                run(auto, ps, params)
-                for r in range(args.rounds):
-                    for n in (("off", "auto") if r % 2 == 0 else ("auto", "off")):
-                        both[n].append(run(engines["off"] if n == "off" else auto, ps, params)[0])
-                rows.append({"workload": workload, "batch": b, "engine": f"auto ({best})",
-                             "tok_s": statistics.median(both["auto"]),
-                             "vs_off": statistics.median(a / o for a, o in zip(both["auto"], both["off"])),
-                             "acceptance": None, "mean_accept_len": None, "greedy_equal": None})
-                per_round[f"{workload}/{b}/auto"] = both["auto"]
-        auto.shutdown()
+        # "auto": each method's best k at the first batch (ngram: copy workload; mtp: plain), switched
+        # off above the default size
+        for method in args.methods:
+            workload0 = "copy" if method == "ngram" else "plain"
+            first = [r for r in rows if r["workload"] == workload0 and r["batch"] == args.batches[0]
+                     and r["engine"].startswith(method)]
+            best = int(max(first, key=lambda r: r["tok_s"])["engine"].rpartition("=")[2])
+            auto = llm(spec(method, best, DEFAULT_DISABLE_BY_BATCH_SIZE))
+            name = f"auto {method} (k={best})"
+            try:
+                for copy in (True, False):
+                    workload = "copy" if copy else "plain"
+                    for b in args.batches:
+                        ps = prompts(tok, b, args.doc_tokens, copy)
+                        rates, secs, firsts = ({"off": [], "auto": []} for _ in range(3))
+                        run(auto, ps, params)
+                        for r in range(args.rounds):
+                            for n in (("off", "auto") if r % 2 == 0 else ("auto", "off")):
+                                e = engines["off"] if n == "off" else auto
+                                rate, dt, _ = run(e, ps, params)
+                                rates[n].append(rate)
+                                secs[n].append(dt)
+                                firsts[n].append(run(e, ps, first_only)[1])
+                        rows.append({"workload": workload, "batch": b, "engine": name,
+                                     "tok_s": statistics.median(rates["auto"]),
+                                     "vs_off": statistics.median(a / o for a, o in zip(rates["auto"], rates["off"])),
+                                     "tpot_ms": tpot_ms(secs["auto"], firsts["auto"], args.output_len),
+                                     "acceptance": None, "mean_accept_len": None, "greedy_equal": None})
+                        per_round[f"{workload}/{b}/{name}"] = rates["auto"]
+            finally:
+                auto.shutdown()
     finally:
         for e in engines.values():
             e.shutdown()
-    print_table(rows, ["workload", "batch", "engine", "tok_s", "vs_off", "acceptance", "mean_accept_len",
+    print_table(rows, ["workload", "batch", "engine", "tok_s", "vs_off", "tpot_ms", "acceptance", "mean_accept_len",
                        "greedy_equal"])
     path = save("spec_decode_quick" if args.quick else "spec_decode",
                 {"host": describe_host(), "config": vars(args), "default_disable_by_batch_size":

@@ -188,7 +188,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     mla: MLAConfig | None = None
-    num_mtp_layers: int = 0  # multi-token-prediction layers stored after the last layer (not served)
+    num_mtp_layers: int = 0  # multi-token-prediction layers stored after the last layer (speculative method mtp)
     fp8_block: tuple[int, int] | None = None  # FP8 block-quantised weights: (rows, cols) per weight_scale_inv
     # quantization_config's scale_fmt: "float" (float32 scales) or "ue8m0" (one byte per scale, 2 ** (e - 127));
     # expert_dtype "fp4" (DeepSeek-V4): routed experts stored as packed FP4 with a scale per 32 inputs
@@ -621,8 +621,8 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),),
         bos_token_id=get("bos_token_id"),
         mla=_with_scale(mla, rope) if mla else None,
-        num_mtp_layers=(int(get("num_nextn_predict_layers", 0, "num_mtp_layers"))
-                        if family in ("deepseek_v3", *DSA_FAMILIES, "glm4_moe", "deepseek_v4") else 0),
+        # any family: `shuttle train --mtp-layers 1` gives a Mixtral, Qwen3, ... checkpoint one
+        num_mtp_layers=int(get("num_nextn_predict_layers", 0, "num_mtp_layers")),
         fp8_block=_fp8_block(raw.get("quantization_config"), src),
         **_fp8_formats(raw, family, src),
         rotary_dim=rotary_dim,

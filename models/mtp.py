@@ -1,5 +1,6 @@
-"""Multi-token prediction (DeepSeek-V3, GLM-4.5: config.json's num_nextn_predict_layers) as a draft
-model for speculative decoding (--speculative-config '{"method": "mtp", "num_speculative_tokens": k}').
+"""Multi-token prediction (DeepSeek-V3, GLM-4.5, the built-in model, any model trained with `shuttle
+train --mtp-layers 1`: config.json's num_nextn_predict_layers) as a draft model for speculative
+decoding (--speculative-config '{"method": "mtp", "num_speculative_tokens": k}').
 
 The checkpoint stores the MTP module as the layer past the last one, model.layers.{L}. (L =
 num_hidden_layers): a decoder layer of the usual names (self_attn, mlp, input_layernorm,
@@ -52,7 +53,8 @@ def check_mtp_checkpoint(model_dir, cfg: ModelConfig, names=None) -> None:
     if cfg.num_mtp_layers < 1:
         raise ValueError(f"speculative method mtp needs multi-token-prediction layers, but {model_dir} has none "
                          f"(config.json: num_nextn_predict_layers is 0 or absent for {cfg.architecture}); use "
-                         f"method ngram, or a checkpoint that ships MTP layers (DeepSeek-V3, GLM-4.5)")
+                         f"method ngram, a checkpoint that ships MTP layers (DeepSeek-V3, GLM-4.5, the built-in "
+                         f"model), or train one for it: shuttle train --init-from DIR --mtp-layers 1 --train-only mtp")
     if cfg.linear_layers is not None:
         raise ValueError(f"speculative method mtp is not supported for {cfg.architecture} (linear-attention layers)")
     if names is None:

@@ -10,6 +10,12 @@ and site-packages are left out. About 2% of the documents, chosen by a hash of t
 out for the evaluation loss. Model: 6 layers, hidden 384, 6 heads (2 kv heads), 8 experts of 320,
 top-2, a 4096-token byte-level BPE trained on the training split; about 23M parameters, 46 MB in
 bfloat16. Any flag given on the command line overrides the recipe's value.
+
+Its MTP head (speculative method mtp's drafter) is trained on the frozen model by the same recipe:
+
+    shuttle train --recipe builtin --init-from models/builtin --mtp-layers 1 --train-only mtp \
+                  --out /tmp/builtin-mtp --max-steps 300
+    python -c "from training.builtin import install_mtp_layer; install_mtp_layer('/tmp/builtin-mtp', 'models/builtin')"
 """
 import ast
 import json
@@ -180,16 +186,156 @@ def _fmt(v: float | None, spec: str) -> str:
     return "" if v is None else format(v, spec)
 
 
-def _count_params(model_dir: Path) -> int:
+def _count_params(model_dir: Path, prefix: str = "") -> int:
+    """Parameters in the checkpoint's files (of the tensors whose names start with prefix)."""
     from safetensors import safe_open
 
     n = 0
     for f in model_dir.glob("*.safetensors"):
         with safe_open(f, framework="pt") as h:
             for k in h.keys():
+                if not k.startswith(prefix):
+                    continue
                 shape = h.get_slice(k).get_shape()
                 p = 1
                 for s in shape:
                     p *= s
                 n += p
     return n
+
+
+MTP_SECTION = "## Multi-token prediction (MTP) head"
+# flags of an MTP run named in its card's command line where they differ from the recipe's
+MTP_RUN = {k: TRAINING[k] for k in ("lr", "min_lr", "warmup_steps", "seq_len", "micro_batch_size")}
+MTP_FILE = "model-mtp.safetensors"
+
+
+def write_mtp_card(cfg: TrainConfig, summary: dict[str, Any]) -> Path:
+    """OUT/README.md of a --train-only mtp run: the starting model's card with a section on the MTP
+    head (replacing an older one), and OUT/recipe_mtp.json (the run's TrainConfig; the model's own
+    recipe.json is copied from --init-from)."""
+    from models.config import ModelConfig
+    from training.metrics import read_log
+
+    out, src = Path(cfg.out), Path(cfg.init_from)
+    mcfg = ModelConfig.from_pretrained(out)
+    steps = read_log(out / "train_log.jsonl")
+    evals = read_log(out / "train_log.jsonl", "eval")
+    prefix = f"model.layers.{mcfg.num_layers}."
+    n_params = _count_params(out, prefix)
+    from models.loader import CheckpointReader
+
+    moe = any(n.startswith(prefix) and ".experts." in n for n in CheckpointReader(out).files)
+    mlp = (f"{mcfg.num_experts} experts, top-{mcfg.top_k}" if moe
+           else f"a dense MLP of intermediate size {mcfg.intermediate_size}")
+    card = (src / "README.md").read_text() if (src / "README.md").is_file() else "# Shuttle built-in model\n"
+    head, _, rest = card.partition("\n" + MTP_SECTION + "\n")
+    if rest:  # drop the old section: up to the next "## " heading
+        nxt = rest.find("\n## ")
+        card = head + ("" if nxt < 0 else rest[nxt:])
+    eval_at = {e["step"]: e.get("eval_mtp_loss") for e in evals}
+    every = max(1, len(steps) // 8)
+    curve = [s for s in steps if s["step"] % every == 0 or s["step"] in eval_at or s is steps[-1]]
+    last = steps[-20:]
+    lines = [
+        MTP_SECTION, "",
+        f"- one MTP layer as DeepSeek-V3 stores it, `{prefix}*` (config.json: `num_nextn_predict_layers: 1`): "
+        f"enorm, hnorm, eh_proj and one more decoder layer of the model's shape ({mlp}), shared_head.norm; "
+        f"the model's embedding and LM head are shared; "
+        f"{n_params / 1e6:.1f}M parameters, in `{MTP_FILE}`",
+        "- it predicts the token after next from the model's last hidden state and the next token: the drafter of "
+        "speculative decoding, `--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 1}'`",
+        f"- trained alone on the frozen model (`--train-only mtp`: every other tensor is bitwise the model's) on the "
+        f"training split above: {summary['step']} steps of {summary['tokens_per_step']} tokens, AdamW lr {cfg.lr} "
+        f"({cfg.warmup_steps} warmup steps, cosine to {cfg.final_lr}), {cfg.dtype} autocast, "
+        f"{summary['train_seconds_total'] / 60:.1f} minutes on {summary['world_size']} rank(s)",
+        f"- MTP loss (cross entropy of the token after next, nats per token): training {steps[0]['mtp_loss']:.3f} at "
+        f"step {steps[0]['step']}, {sum(s['mtp_loss'] for s in last) / len(last):.3f} over the last {len(last)} steps"
+        if steps else "",
+        f"- held-out MTP loss {summary['eval_mtp_loss']:.3f} (the model's own next-token loss there: "
+        f"{summary['eval_loss']:.3f})" if summary.get("eval_mtp_loss") is not None else "", "",
+        "| step | MTP training loss | MTP held-out loss |", "|---:|---:|---:|",
+        *[f"| {s['step']} | {s['mtp_loss']:.3f} | {_fmt(eval_at.get(s['step']), '.3f')} |" for s in curve], "",
+        "Reproduce (then `install_mtp_layer` adds its tensors to a model directory, leaving the others as they are):",
+        "", "```", f"shuttle train --recipe builtin --init-from {cfg.init_from} --mtp-layers 1 --train-only mtp"
+        + (" --mtp-dense" if cfg.mtp_dense else "") + f" --out {cfg.out} --max-steps {summary['step']}"
+        + "".join(f" --{k.replace('_', '-')} {getattr(cfg, k)}" for k, v in MTP_RUN.items() if getattr(cfg, k) != v)
+        + (f" --nproc-per-node {summary['world_size']}" if summary["world_size"] > 1 else ""),
+        f"python -c \"from training.builtin import install_mtp_layer; install_mtp_layer('{cfg.out}', "
+        f"'{cfg.init_from}')\"", "```", ""]
+    at = card.find("\n## Reproduce")  # the section goes before the model's own Reproduce section
+    section = "\n".join(lines)
+    card = (card.rstrip("\n") + "\n\n" + section if at < 0 else
+            card[:at].rstrip("\n") + "\n\n" + section + card[at:])
+    path = out / "README.md"
+    path.write_text(card)
+    (out / "recipe_mtp.json").write_text(json.dumps(asdict(cfg), indent=2, default=str) + "\n")
+    if (src / "recipe.json").is_file():
+        (out / "recipe.json").write_text((src / "recipe.json").read_text())
+    return path
+
+
+def install_mtp_layer(run_dir: str | Path, model_dir: str | Path) -> Path:
+    """Add the MTP layer a `--train-only mtp` run exported (run_dir) to the model it started from
+    (model_dir), leaving that model's files as they are: its tensors model.layers.{L}.* go to
+    model_dir/model-mtp.safetensors (listed in the index), config.json gets num_nextn_predict_layers
+    and README.md, recipe_mtp.json come from the run. ValueError unless every other tensor of the
+    run equals the model's bitwise. Returns the new file."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from models.loader import CheckpointReader
+
+    run_dir, model_dir = Path(run_dir), Path(model_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
+    prefix = f"model.layers.{raw['num_hidden_layers']}."
+    theirs = {n: f for n, f in CheckpointReader(run_dir).files.items()}
+    mine = CheckpointReader(model_dir).files
+    mtp = {}
+    for name, f in theirs.items():
+        with safe_open(f, framework="pt") as h:
+            t = h.get_tensor(name)
+        if name.startswith(prefix):
+            mtp[name] = t
+            continue
+        if name not in mine:
+            raise ValueError(f"{run_dir}: tensor {name} is not in {model_dir}")
+        with safe_open(mine[name], framework="pt") as h:
+            want = h.get_tensor(name)
+        if want.dtype != t.dtype or want.shape != t.shape or not _same_bits(want, t):
+            raise ValueError(f"{run_dir}: tensor {name} differs from {model_dir}'s (not a --train-only mtp run of it)")
+    missing = [n for n in mine if not n.startswith(prefix) and n not in theirs]
+    if not mtp or missing:
+        raise ValueError(f"{run_dir}: " + (f"no tensor {missing[0]} of {model_dir}" if missing else
+                                           f"no MTP layer ({prefix}*)"))
+    path = model_dir / MTP_FILE
+    save_file(dict(sorted(mtp.items())), str(path), {"format": "pt"})
+    path.chmod(0o644)  # (as the model's other files)
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+        weight_map = {n: f for n, f in index["weight_map"].items() if not n.startswith(prefix)}
+        weight_map.update({n: MTP_FILE for n in mtp})
+        files = sorted(set(weight_map.values()))
+        total = 0
+        for f in files:
+            with safe_open(model_dir / f, framework="pt") as h:
+                for n in h.keys():
+                    t = h.get_tensor(n)
+                    total += t.numel() * t.element_size()
+        index = {**index, "metadata": {**index.get("metadata", {}), "total_size": total},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        index_path.write_text(json.dumps(index, indent=2) + "\n")
+    raw["num_nextn_predict_layers"] = 1
+    (model_dir / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    for name in ("README.md", "recipe_mtp.json"):
+        if (run_dir / name).is_file():
+            (model_dir / name).write_text((run_dir / name).read_text())
+    return path
+
+
+def _same_bits(a, b) -> bool:
+    """Whether two tensors hold the same bytes."""
+    import torch
+
+    return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
+from torch import nn
 
 from models.config import DTYPES
 from models.loader import FUSED_TRANSPOSED, RENAMES, STACKED_EXPERTS, expert_checkpoint_names, v4_checkpoint_name
@@ -38,17 +39,30 @@ from training.parallel import ParallelContext
 
 
 def hf_tensors(model: MoEForCausalLM, expert_ids: tuple[int, ...], dtype: torch.dtype, replicated: bool = True,
-               experts: bool = True) -> dict[str, torch.Tensor]:
+               experts: bool = True, mtp: nn.Module | None = None) -> dict[str, torch.Tensor]:
     """The model's parameters under their checkpoint names, in `dtype`: stacked experts split into
     per-expert matrices (global ids expert_ids), tied lm_head left out. replicated / experts: which
-    part to include."""
+    part to include. mtp: an MTP layer (models/mtp.MTPLayer, holding every expert), saved with the
+    replicated part as model.layers.{num_layers}.*."""
     cfg = model.cfg
+    out = _hf_tensors(cfg, model.named_parameters(), model.modules(), expert_ids, dtype, replicated, experts)
+    if mtp is not None and replicated:
+        prefix = f"model.layers.{cfg.num_layers}."
+        out.update(_hf_tensors(cfg, [(prefix + n, p) for n, p in mtp.named_parameters()], mtp.modules(),
+                               tuple(range(cfg.num_experts)), dtype, True, True))
+    if cfg.family == "deepseek_v4":
+        out = {v4_checkpoint_name(name): t for name, t in out.items()}
+    return out
+
+
+def _hf_tensors(cfg, named, modules, expert_ids: tuple[int, ...], dtype: torch.dtype, replicated: bool,
+                experts: bool) -> dict[str, torch.Tensor]:
     I = cfg.moe_intermediate_size
     module, names = expert_checkpoint_names(cfg.family)
     out = {}
     renames = [(ours, theirs) for theirs, ours in RENAMES.get(cfg.family, ())]
-    offset = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)} if cfg.norm_offset else set()
-    for name, p in model.named_parameters():  # a tied lm_head is listed once, as embed_tokens
+    offset = {id(m.weight) for m in modules if isinstance(m, RMSNorm)} if cfg.norm_offset else set()
+    for name, p in named:  # a tied lm_head is listed once, as embed_tokens
         # DeepSeek-V3's correction bias stays float32 (transformers keeps it so: it orders close scores)
         t = p.detach().to(torch.float32 if name.endswith("e_score_correction_bias") else dtype)
         if not p.is_floating_point():  # (DeepSeek-V4's token-to-experts tables)
@@ -78,8 +92,6 @@ def hf_tensors(model: MoEForCausalLM, expert_ids: tuple[int, ...], dtype: torch.
                     out[f"{prefix}.{e}.{names[2]}.weight"] = t[i].clone()
         elif replicated:
             out[name.replace(".mlp.gate.", f".{module}.gate.")] = t.contiguous().clone()  # Mixtral: block_sparse_moe
-    if cfg.family == "deepseek_v4":
-        out = {v4_checkpoint_name(name): t for name, t in out.items()}
     return out
 
 
@@ -100,22 +112,24 @@ def _gpt_oss_layout(t: torch.Tensor, param: str) -> torch.Tensor:
     return t.contiguous().clone()
 
 
-def write_model(directory: Path, model: MoEForCausalLM, ctx: ParallelContext, dtype: torch.dtype) -> None:
+def write_model(directory: Path, model: MoEForCausalLM, ctx: ParallelContext, dtype: torch.dtype,
+                mtp: nn.Module | None = None) -> None:
     """Every rank calls this: safetensors files of the whole model into `directory` (which exists).
     One rank: model.safetensors. Expert parallel: ranks 0..ep-1 each write their experts' shard (rank
-    0 also the rest) and rank 0 the index."""
+    0 also the rest, and the MTP layer `mtp`, see hf_tensors) and rank 0 the index."""
     expert_ids = ctx.expert_ids(model.cfg.num_experts)
     if ctx.ep_size > 1 and model.cfg.family in FUSED_TRANSPOSED:
         raise ValueError(f"{model.cfg.family} checkpoints store each layer's experts as one fused tensor: save them "
                          f"from one expert-parallel rank (--expert-parallel 1)")
     if ctx.ep_size == 1:
         if ctx.is_main:
-            save_file(hf_tensors(model, expert_ids, dtype), str(directory / "model.safetensors"), {"format": "pt"})
+            save_file(hf_tensors(model, expert_ids, dtype, mtp=mtp), str(directory / "model.safetensors"),
+                      {"format": "pt"})
         return
     entries: list[tuple[str, str, int]] = []
     if ctx.rank < ctx.ep_size:  # the first expert-parallel group holds every expert once
         fname = f"model-{ctx.rank + 1:05d}-of-{ctx.ep_size:05d}.safetensors"
-        tensors = hf_tensors(model, expert_ids, dtype, replicated=ctx.is_main)
+        tensors = hf_tensors(model, expert_ids, dtype, replicated=ctx.is_main, mtp=mtp)
         save_file(tensors, str(directory / fname), {"format": "pt"})
         entries = [(n, fname, t.numel() * t.element_size()) for n, t in tensors.items()]
     gathered: list[Any] = [None] * ctx.world_size
@@ -176,9 +190,10 @@ def _fsync_tree(root: Path) -> None:
 
 def save_checkpoint(out: Path, step: int, model: MoEForCausalLM, ctx: ParallelContext, raw_config: dict[str, Any],
                     tokenizer_dir: Path | None, save_dtype: str, trainer_state: dict[str, Any],
-                    meta: dict[str, Any], keep: int) -> Path:
+                    meta: dict[str, Any], keep: int, mtp: nn.Module | None = None) -> Path:
     """Every rank calls this (collectively). Writes OUT/checkpoints/step-N atomically, then points
-    `latest` at it and deletes all but the `keep` newest. Returns the checkpoint directory."""
+    `latest` at it and deletes all but the `keep` newest (mtp: an MTP layer saved with the model).
+    Returns the checkpoint directory."""
     root = out / "checkpoints"
     name = f"step-{step:08d}"
     tmp, final = root / f".tmp-{name}", root / name
@@ -186,12 +201,12 @@ def save_checkpoint(out: Path, step: int, model: MoEForCausalLM, ctx: ParallelCo
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "trainer").mkdir(parents=True)
     ctx.barrier()
-    write_model(tmp, model, ctx, DTYPES[save_dtype])
+    write_model(tmp, model, ctx, DTYPES[save_dtype], mtp)
     if save_dtype != "float32":  # resumption needs the float32 master weights
         if ctx.is_main:
             (tmp / "trainer" / "master").mkdir()
         ctx.barrier()
-        write_model(tmp / "trainer" / "master", model, ctx, torch.float32)
+        write_model(tmp / "trainer" / "master", model, ctx, torch.float32, mtp)
     torch.save(trainer_state, tmp / "trainer" / f"rank-{ctx.rank:05d}.pt")
     ctx.barrier()
     if ctx.is_main:
@@ -248,15 +263,16 @@ def load_trainer_state(checkpoint: Path, ctx: ParallelContext) -> dict[str, Any]
 
 
 def export_model(directory: Path, model: MoEForCausalLM, ctx: ParallelContext, raw_config: dict[str, Any],
-                 tokenizer_dir: Path | None, save_dtype: str) -> None:
-    """The final model as a servable checkpoint in `directory` itself (collective). Files are written
-    into a temporary directory and then moved in one by one; old model files are removed first."""
+                 tokenizer_dir: Path | None, save_dtype: str, mtp: nn.Module | None = None) -> None:
+    """The final model (and its MTP layer `mtp`) as a servable checkpoint in `directory` itself
+    (collective). Files are written into a temporary directory and then moved in one by one; old
+    model files are removed first."""
     tmp = directory / ".tmp-export"
     if ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     ctx.barrier()
-    write_model(tmp, model, ctx, DTYPES[save_dtype])
+    write_model(tmp, model, ctx, DTYPES[save_dtype], mtp)
     ctx.barrier()
     if ctx.is_main:
         write_config_files(tmp, raw_config, save_dtype, tokenizer_dir)

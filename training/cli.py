@@ -6,6 +6,8 @@
     torchrun --nproc-per-node 2 --max-restarts 1 -m training --init-from CKPT --data d.jsonl --out runs/c ...
     shuttle train --nproc-per-node 2 --max-restarts 1 ...    (starts the ranks itself, as torchrun does)
     shuttle train --recipe builtin --out models/builtin --max-minutes 60
+    shuttle train --recipe builtin --init-from models/builtin --mtp-layers 1 --train-only mtp --out runs/mtp \
+                  --max-steps 300      (an MTP head for a frozen model: speculative method mtp's drafter)
 
 Each process of a torchrun job runs this command with the same arguments. A run writes OUT/checkpoints/
 (HF checkpoints with trainer state; `latest` names the newest), OUT/train_log.jsonl, OUT/heartbeat/ and
@@ -19,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from training.config import AUTOCAST_DTYPES, FAMILIES, SAVE_DTYPES, SHAPE_FLAGS, TrainConfig
+from training.config import AUTOCAST_DTYPES, FAMILIES, SAVE_DTYPES, SHAPE_FLAGS, TRAIN_ONLY, TrainConfig
 
 log = logging.getLogger("shuttle.train")
 _LAUNCH = ("nproc_per_node", "max_restarts", "recipe", "set", "debug_delay", "no_resume", "no_progress", "command",
@@ -63,6 +65,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         o.add_argument(f"--{flag}", type=typ, default=S, help=help_)
     o.add_argument("--dtype", choices=AUTOCAST_DTYPES, default=S,
                    help="autocast dtype; weights stay float32 (default float32)")
+    t = p.add_argument_group("multi-token prediction (speculative method mtp's drafter, models/mtp.py)")
+    t.add_argument("--mtp-layers", type=int, default=S, choices=[0, 1],
+                   help="1: train an MTP layer (one more decoder layer of the model's shape) beside the model, "
+                        "saved as model.layers.{L}.* with num_nextn_predict_layers in config.json (default 0)")
+    t.add_argument("--mtp-loss-weight", type=float, default=S,
+                   help="the MTP layer's cross entropy (of the token after next) enters the loss times this "
+                        "(DeepSeek-V3's lambda; default 0.3)")
+    t.add_argument("--mtp-dense", action="store_true", default=S,
+                   help="a new MTP layer gets a dense MLP (the config's intermediate_size) instead of experts like "
+                        "the model's last layer: smaller, and cheaper to draft with")
+    t.add_argument("--train-only", choices=TRAIN_ONLY, default=S,
+                   help="mtp: train only the MTP layer on a frozen --init-from checkpoint, whose own tensors "
+                        "are saved bitwise unchanged")
     r = p.add_argument_group("parallelism")
     r.add_argument("--expert-parallel", type=int, default=S, help="ranks sharing one copy of the experts "
                    "(default: all ranks when they divide the experts)")
@@ -174,8 +189,8 @@ def run(cfg: TrainConfig) -> dict:
 
     summary = train(cfg)
     if cfg.recipe == "builtin" and summary["rank"] == 0:
-        from training.builtin import write_model_card
-        write_model_card(cfg, summary)
+        from training.builtin import write_mtp_card, write_model_card
+        (write_mtp_card if cfg.train_only == "mtp" else write_model_card)(cfg, summary)
     return summary
 
 

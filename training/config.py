@@ -12,6 +12,7 @@ from models.config import ARCHITECTURES, DTYPES
 FAMILIES = {family: arch for arch, family in reversed(ARCHITECTURES.items())}  # (Llama 4: Llama4ForCausalLM)
 _MODEL_TYPES = {"llama4": "llama4_text"}  # a new model's transformers config, where it is not the family's name
 SAVE_DTYPES = tuple(DTYPES)  # model files: any dtype the loader reads (models.config.DTYPES)
+TRAIN_ONLY = ("mtp",)  # --train-only: the parts that train while the rest stays frozen
 AUTOCAST_DTYPES = ("float32", "bfloat16")  # float16 autocast would need loss scaling, which we do not do
 # Shape flags of a new model: TrainConfig.model_flags key -> (command-line flag, type).
 SHAPE_FLAGS: dict[str, tuple[str, type]] = {
@@ -88,6 +89,11 @@ class TrainConfig:
     recipe: str | None = None
     debug_delay: tuple[int, float] | None = None  # (rank, seconds): that rank sleeps every step (tests)
     collective_timeout_s: float = 600.0  # a collective waiting longer for the other ranks fails the job
+    # multi-token prediction (DeepSeek-V3's MTP; models/mtp.py serves it as speculative method mtp)
+    mtp_layers: int = 0  # 1: train an MTP layer beside the model, saved as model.layers.{L}.*
+    mtp_loss_weight: float = 0.3  # DeepSeek's lambda: the loss adds weight * the MTP layer's cross entropy
+    mtp_dense: bool = False  # a new MTP layer's MLP: dense (intermediate_size) instead of the last layer's kind
+    train_only: str | None = None  # "mtp": only the MTP layer trains; the model's own weights stay as loaded
 
     def __post_init__(self) -> None:
         sources = [f for f, v in (("--init-from", self.init_from), ("--config", self.model_config),
@@ -128,6 +134,18 @@ class TrainConfig:
             raise ValueError(f"--beta1/--beta2 must be in [0, 1) (got {self.beta1}, {self.beta2})")
         if self.straggler_factor <= 1:
             raise ValueError(f"--straggler-factor must be > 1, got {self.straggler_factor}")
+        if self.mtp_layers not in (0, 1):
+            raise ValueError(f"--mtp-layers must be 0 or 1 (serving drafts with the first MTP layer), "
+                             f"got {self.mtp_layers}")
+        if self.mtp_loss_weight <= 0:
+            raise ValueError(f"--mtp-loss-weight must be > 0, got {self.mtp_loss_weight}")
+        if self.train_only is not None:
+            if self.train_only not in TRAIN_ONLY:
+                raise ValueError(f"--train-only {self.train_only!r}: expected one of {', '.join(TRAIN_ONLY)}")
+            if not self.mtp_layers:
+                raise ValueError("--train-only mtp needs --mtp-layers 1 (the layer to train)")
+            if not self.init_from:
+                raise ValueError("--train-only mtp trains an MTP layer for an existing model: give --init-from DIR")
 
     @property
     def final_lr(self) -> float:

@@ -21,6 +21,7 @@ class Losses:
     lm: torch.Tensor
     aux: torch.Tensor | None = None
     z: torch.Tensor | None = None
+    mtp: torch.Tensor | None = None  # the MTP layer's cross entropy (unweighted)
 
 
 def lm_loss(logits_TV: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:

@@ -127,13 +127,21 @@ def init_weights(model: MoEForCausalLM, shard: Shard, seed: int, std: float, pad
     of uniform(0.01, 16). Each tensor (each expert) draws from its own
     generator seeded by (seed, name, expert id), so the weights do not depend on how experts are
     sharded over ranks."""
+    init_parameters(model.named_parameters(), shard.expert_ids, seed, std)
+    with torch.no_grad():
+        if pad_token_id is not None and 0 <= pad_token_id < model.cfg.vocab_size:
+            model.model.embed_tokens.weight[pad_token_id].zero_()
+
+
+def init_parameters(named, expert_ids: tuple[int, ...], seed: int, std: float) -> None:
+    """init_weights' rules over (name, parameter) pairs; stacked experts hold global ids expert_ids."""
 
     def normal(shape: tuple[int, ...], *key: object) -> torch.Tensor:
         gen = torch.Generator().manual_seed(zlib.crc32(":".join(map(str, (seed, *key))).encode()))
         return torch.randn(shape, generator=gen) * std
 
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in named:
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith((".bias", "e_score_correction_bias", ".experts.b13", ".experts.b2")):
@@ -144,12 +152,46 @@ def init_weights(model: MoEForCausalLM, shard: Shard, seed: int, std: float, pad
                 gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
                 p.copy_(torch.empty(p.shape).uniform_(0.01, 16, generator=gen).log_())
             elif is_expert_param(name):  # (E_local, ...): one draw per global expert
-                for i, e in enumerate(shard.expert_ids):
+                for i, e in enumerate(expert_ids):
                     p[i].copy_(normal(tuple(p.shape[1:]), name, e))
             else:
                 p.copy_(normal(tuple(p.shape), name))
-        if pad_token_id is not None and 0 <= pad_token_id < model.cfg.vocab_size:
-            model.model.embed_tokens.weight[pad_token_id].zero_()
+
+
+MTP_NAME = "mtp."  # the MTP layer's parameters in the trainer's named lists (and its init seeds)
+
+
+def check_mtp_family(cfg: ModelConfig) -> None:
+    """ValueError unless --mtp-layers can train an MTP layer for this model (stored as
+    model.layers.{L}.*, served by models/mtp.py)."""
+    if cfg.linear_layers is not None or cfg.family == "deepseek_v4":
+        raise ValueError(f"--mtp-layers: {cfg.architecture} is not supported (speculative method mtp serves "
+                         f"MTP layers of full-attention models stored as model.layers.{{num_hidden_layers}}.*)")
+
+
+def build_mtp(cfg: ModelConfig, model: MoEForCausalLM, device: torch.device, weights: Path | None = None,
+              seed: int = 0, initializer_range: float = 0.02, dense: bool = False):
+    """A float32 MTP layer for training beside `model` (models/mtp.MTPDrafter): the checkpoint's own
+    (model.layers.{L}.* in `weights`, when it holds them), else a new one initialised as
+    init_weights does, of the model's last layer's kind (MoE or dense; `dense`: a dense MLP of
+    cfg.intermediate_size) and shape, with no embedding or head of its own (the model's are shared,
+    as DeepSeek-V3 shares them). Every rank holds all of its experts. cfg: the model's config,
+    num_mtp_layers >= 1."""
+    from models.loader import CheckpointReader
+    from models.mtp import MTPDrafter, MTPLayer, load_mtp, mtp_model_config, mtp_prefix
+
+    check_mtp_family(cfg)
+    if weights is not None and mtp_prefix(cfg) + "eh_proj.weight" in CheckpointReader.of(weights, cfg).files:
+        drafter = load_mtp(weights, cfg, model, dtype=torch.float32, device=device, kernels=training_ops().backend)
+        drafter.layer.train()
+        return drafter
+    mtp_cfg = mtp_model_config(cfg, cfg.moe_layers[-1] and not dense, has_indexer=True)
+    with torch.device("meta"):
+        layer = MTPLayer(mtp_cfg, training_ops(), own_embed=False, own_head=False)
+    layer.to_empty(device=device)
+    init_parameters([(MTP_NAME + n, p) for n, p in layer.named_parameters()], tuple(range(cfg.num_experts)),
+                    seed, initializer_range)
+    return MTPDrafter(layer.train(), model, mtp_cfg)
 
 
 def is_expert_param(name: str) -> bool:
@@ -161,10 +203,11 @@ class RouterLogits:
     """Collects every MoE layer's router logits (T, E) during a forward through forward hooks on the
     routers, so the losses can use them without the model returning them."""
 
-    def __init__(self, model: MoEForCausalLM):
+    def __init__(self, model: MoEForCausalLM, layers=None):
+        """layers: the decoder layers to watch (default: the model's; the trainer adds its MTP layer)."""
         self._logits: list[torch.Tensor] = []
         self._handles = [layer.mlp.gate.register_forward_hook(self._hook)
-                         for layer in model.model.layers if layer.is_moe]
+                         for layer in (model.model.layers if layers is None else layers) if layer.is_moe]
 
     def _hook(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
         self._logits.append(output)

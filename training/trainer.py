@@ -25,9 +25,10 @@ from models.config import ModelConfig
 from training.checkpoint import export_model, load_trainer_state, save_checkpoint
 from training.config import TrainConfig
 from training.data import BatchLayout, PackedSamples, ShuffledLoader, eval_batches, tokenize_files
-from training.losses import Losses, lm_loss, load_balancing_loss, router_z_loss
+from training.losses import Losses, lm_loss, load_balancing_loss, mtp_loss, router_z_loss
 from training.metrics import Heartbeat, JsonlLog, find_stragglers, measure_peak_flops, train_flops_per_token
-from training.model import RouterLogits, Shard, build_model, forward_logits, is_expert_param
+from training.model import (MTP_NAME, RouterLogits, Shard, build_model, build_mtp, check_mtp_family, forward_logits,
+                            forward_mtp, is_expert_param)
 from training.optim import CosineSchedule, build_optimizer, set_lr
 from training.parallel import (AllToAllDispatcher, CommClock, ParallelContext, all_gather_floats, all_reduce_sum,
                                broadcast_object, clip_grad_norm_, init_distributed, reduce_gradients)
@@ -46,7 +47,10 @@ class Trainer:
         cfg.out.mkdir(parents=True, exist_ok=True)
         source = source or model_source(cfg)
         self.tokenizer_dir, self.raw_config = resolve_tokenizer(cfg, source, ctx)
+        self._mtp_config(source)
         self.model_cfg = ModelConfig.from_dict(self.raw_config, source="config.json")
+        if cfg.mtp_layers:
+            check_mtp_family(self.model_cfg)
         self.save_dtype = cfg.save_dtype or str(self.model_cfg.dtype).replace("torch.", "")
         self.layout = BatchLayout(cfg.micro_batch_size, cfg.grad_accum, ctx.rank, ctx.world_size)
         self.loader, self.eval_set = self._data()
@@ -56,14 +60,29 @@ class Trainer:
                                  self.raw_config.get("pad_token_id"))
         if ctx.ep_size > 1:
             self.model.dispatcher = AllToAllDispatcher(ctx, self.model_cfg.num_experts, self.clock)
-        self.router = RouterLogits(self.model) if cfg.aux_loss_coef or cfg.z_loss_coef else None
+        # --mtp-layers: an MTP layer beside the model (all its experts on every rank: replicated)
+        self.mtp = (build_mtp(self.model_cfg, self.model, ctx.device, source.weights, cfg.seed,
+                              float(self.raw_config.get("initializer_range", 0.02)), cfg.mtp_dense)
+                    if cfg.mtp_layers else None)
+        self.frozen = cfg.train_only == "mtp"  # only the MTP layer trains
+        self.eval_mtp_loss: float | None = None
+        if self.frozen:
+            self.model.requires_grad_(False)
+        watched = (([] if self.frozen else list(self.model.model.layers))
+                   + ([self.mtp.layer] if self.mtp is not None else []))
+        self.router = (RouterLogits(self.model, watched) if (cfg.aux_loss_coef or cfg.z_loss_coef)
+                       and any(layer.is_moe for layer in watched) else None)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]  # not V3's correction bias
         self.sharded = [p for n, p in named if ctx.ep_size > 1 and is_expert_param(n)]
         self.replicated = [p for n, p in named if not (ctx.ep_size > 1 and is_expert_param(n))]
+        if self.mtp is not None:
+            mine = [(MTP_NAME + n, p) for n, p in self.mtp.layer.named_parameters() if p.requires_grad]
+            named += mine
+            self.replicated += [p for _, p in mine]
         self.optimizer = build_optimizer(named, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
         self.step, self.max_steps, self.elapsed, self.skipped_steps = 0, cfg.max_steps, 0.0, 0
         self.tokens_per_step = self.layout.global_batch * cfg.seq_len
-        self.flops_per_token = train_flops_per_token(self.model_cfg, cfg.seq_len)
+        self.flops_per_token = self._flops_per_token()
         self.peak_flops = self._peak_flops()  # before the RNG state is restored, though it uses its own
         if source.resume_from is not None:
             self._restore(source.resume_from)
@@ -73,6 +92,23 @@ class Trainer:
         self.resumed_from = source.resume_from
 
     # ---- setup -----------------------------------------------------------------------------------
+    def _mtp_config(self, source: ModelSource) -> None:
+        """config.json's num_nextn_predict_layers as the run saves it: --mtp-layers; without it, 0
+        where the starting checkpoint has an MTP layer (which this run does not train, so it is not
+        saved), else as it was."""
+        raw, n = self.raw_config, self.cfg.mtp_layers
+        if n:
+            raw["num_nextn_predict_layers"] = n
+        elif int(raw.get("num_nextn_predict_layers") or 0) and source.weights is not None:
+            from models.loader import CheckpointReader
+            from models.mtp import mtp_prefix
+
+            cfg = ModelConfig.from_dict(raw, source="config.json")
+            if mtp_prefix(cfg) + "eh_proj.weight" in CheckpointReader.of(source.weights, cfg).files:
+                log.warning("%s has an MTP layer, which this run does not train (no --mtp-layers 1): the model it "
+                            "saves has none (num_nextn_predict_layers 0)", source.weights)
+                raw["num_nextn_predict_layers"] = 0
+
     def _data(self) -> tuple[ShuffledLoader, list]:
         cfg, ctx, cache = self.cfg, self.ctx, self.cfg.out / "cache"
         if not self.model_cfg.eos_token_ids:
@@ -94,6 +130,16 @@ class Trainer:
                 raise ValueError(f"--eval-data holds {len(held_out)} samples, fewer than one global batch "
                                  f"({self.layout.global_batch})")
         return loader, evals
+
+    def _flops_per_token(self) -> float:
+        """Training FLOPs per token: the model's forward and backward (forward only when frozen) plus
+        the MTP layer's, its eh_proj and the second use of the LM head."""
+        f = train_flops_per_token(self.model_cfg, self.cfg.seq_len)
+        if self.mtp is None:
+            return f
+        D, V = self.model_cfg.hidden_size, self.model_cfg.vocab_size
+        extra = train_flops_per_token(self.mtp.cfg, self.cfg.seq_len) - f + 6.0 * (V * D + 2 * D * D)
+        return (f / 3 if self.frozen else f) + extra
 
     def _restore(self, checkpoint: Path) -> None:
         state = load_trainer_state(checkpoint, self.ctx)
@@ -124,10 +170,18 @@ class Trainer:
         return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.cfg.dtype == "bfloat16")
 
     def losses(self, ids_BL: torch.Tensor, labels_BL: torch.Tensor) -> Losses:
-        """Forward one micro-batch; the load-balancing loss uses the whole global batch's routing."""
+        """Forward one micro-batch; the load-balancing loss uses the whole global batch's routing.
+        With an MTP layer the total adds mtp_loss_weight times its cross entropy (of x_{t+2}); with
+        --train-only mtp that is the whole total (the next-token loss is reported, not trained)."""
         cfg, mcfg = self.cfg, self.model_cfg
-        lm = lm_loss(forward_logits(self.model, ids_BL), labels_BL.reshape(-1))
-        out = Losses(total=lm, lm=lm)
+        if self.mtp is None:
+            lm = lm_loss(forward_logits(self.model, ids_BL), labels_BL.reshape(-1))
+            out = Losses(total=lm, lm=lm)
+        else:
+            logits, mtp_logits, mtp_labels = forward_mtp(self.model, self.mtp, ids_BL, labels_BL)
+            lm, mtp = lm_loss(logits, labels_BL.reshape(-1)), mtp_loss(mtp_logits, mtp_labels, 1.0)
+            weighted = cfg.mtp_loss_weight * mtp
+            out = Losses(total=weighted if self.frozen else lm + weighted, lm=lm, mtp=mtp)
         if self.router is not None:
             router_logits = self.router.take()
             if cfg.aux_loss_coef:
@@ -150,7 +204,7 @@ class Trainer:
         t0, comm0 = time.perf_counter(), self.clock.seconds
         lr = self.schedule(self.step)
         set_lr(self.optimizer, lr)
-        sums = torch.zeros(4, dtype=torch.float64, device=self.ctx.device)
+        sums = torch.zeros(5, dtype=torch.float64, device=self.ctx.device)
         for ids_BL, labels_BL in micro_batches:
             ids_BL, labels_BL = ids_BL.to(self.ctx.device), labels_BL.to(self.ctx.device)
             with self.autocast():
@@ -158,7 +212,7 @@ class Trainer:
             (losses.total / len(micro_batches)).backward()
             zero = torch.zeros((), device=self.ctx.device)
             sums += torch.stack([(zero if v is None else v.detach()).double()
-                                 for v in (losses.total, losses.lm, losses.aux, losses.z)])
+                                 for v in (losses.total, losses.lm, losses.aux, losses.z, losses.mtp)])
         self._debug_delay()
         with self.clock():
             reduce_gradients(self.replicated, self.sharded, self.ctx)
@@ -174,9 +228,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         seconds = time.perf_counter() - t0
-        total, lm, aux, z = sums.tolist()
-        return {"loss": total, "lm_loss": lm, "aux_loss": aux if self.cfg.aux_loss_coef else None,
-                "z_loss": z if self.cfg.z_loss_coef else None, "grad_norm": norm, "lr": lr, "seconds": seconds,
+        total, lm, aux, z, mtp = sums.tolist()
+        return {"loss": total, "lm_loss": lm, "aux_loss": aux if self.cfg.aux_loss_coef and self.router else None,
+                "z_loss": z if self.cfg.z_loss_coef and self.router else None,
+                "mtp_loss": mtp if self.mtp is not None else None, "grad_norm": norm, "lr": lr, "seconds": seconds,
                 "work_seconds": seconds - (self.clock.seconds - comm0), "skipped": skipped}
 
     def _debug_delay(self) -> None:
@@ -185,15 +240,23 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean next-token loss over the held-out batches (the same on every rank)."""
-        total = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
+        """Mean next-token loss over the held-out batches (the same on every rank); with an MTP layer
+        its mean held-out loss (of x_{t+2}) goes to self.eval_mtp_loss."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         for ids_BL, labels_BL in self.eval_set:
+            ids_BL, labels_BL = ids_BL.to(self.ctx.device), labels_BL.to(self.ctx.device)
             with self.autocast():
-                total += float(lm_loss(forward_logits(self.model, ids_BL.to(self.ctx.device)),
-                                       labels_BL.to(self.ctx.device).reshape(-1)))
+                if self.mtp is None:
+                    total[0] += float(lm_loss(forward_logits(self.model, ids_BL), labels_BL.reshape(-1)))
+                else:
+                    logits, mtp_logits, mtp_labels = forward_mtp(self.model, self.mtp, ids_BL, labels_BL)
+                    total[0] += float(lm_loss(logits, labels_BL.reshape(-1)))
+                    total[1] += float(mtp_loss(mtp_logits, mtp_labels, 1.0))
             if self.router is not None:
                 self.router.take()
-        return float(all_reduce_sum(total)) / (len(self.eval_set) * self.ctx.world_size)
+        total = all_reduce_sum(total) / (len(self.eval_set) * self.ctx.world_size)
+        self.eval_mtp_loss = float(total[1]) if self.mtp is not None else None
+        return float(total[0])
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -240,7 +303,7 @@ class Trainer:
             self.save(start)
         if self.eval_set and (eval_loss is None or not cfg.eval_every or self.step % cfg.eval_every):
             eval_loss = self._evaluate_and_log()
-        export_model(cfg.out, self.model, ctx, self.raw_config, self.tokenizer_dir, self.save_dtype)
+        export_model(cfg.out, self.model, ctx, self.raw_config, self.tokenizer_dir, self.save_dtype, self._mtp_layer())
         summary = self._summary(start, start_step, eval_loss)
         self.log.write(event="done", **summary)
         return summary
@@ -265,8 +328,9 @@ class Trainer:
         if not self.ctx.is_main:
             return
         mean = {k: sum(w[k] for w in window) / n for k in ("loss", "lm_loss", "tokens_per_s", "mfu", "grad_norm")}
-        log.info("step %d/%s loss %.4f (lm %.4f) lr %.2e grad_norm %.3f | %.0f tokens/s, MFU %.2f%%", self.step,
-                 self.max_steps or "?", mean["loss"], mean["lm_loss"], window[-1]["lr"], mean["grad_norm"],
+        mtp = "" if self.mtp is None else f", mtp {sum(w['mtp_loss'] for w in window) / n:.4f}"
+        log.info("step %d/%s loss %.4f (lm %.4f%s) lr %.2e grad_norm %.3f | %.0f tokens/s, MFU %.2f%%", self.step,
+                 self.max_steps or "?", mean["loss"], mean["lm_loss"], mtp, window[-1]["lr"], mean["grad_norm"],
                  mean["tokens_per_s"], 100 * mean["mfu"])
         median = statistics.median(per_rank)
         for r in find_stragglers(per_rank, self.cfg.straggler_factor):
@@ -290,10 +354,15 @@ class Trainer:
 
     def _evaluate_and_log(self) -> float:
         loss = self.evaluate()
-        self.log.write(event="eval", step=self.step, eval_loss=loss)
+        mtp = {} if self.mtp is None else {"eval_mtp_loss": self.eval_mtp_loss}
+        self.log.write(event="eval", step=self.step, eval_loss=loss, **mtp)
         if self.ctx.is_main:
-            log.info("step %d: held-out loss %.4f", self.step, loss)
+            log.info("step %d: held-out loss %.4f%s", self.step, loss,
+                     f" (MTP layer {self.eval_mtp_loss:.4f})" if mtp else "")
         return loss
+
+    def _mtp_layer(self):
+        return None if self.mtp is None else self.mtp.layer
 
     def save(self, start: float) -> None:
         """Checkpoint (collective): the model files plus this rank's optimiser, schedule, RNG and data
@@ -308,7 +377,7 @@ class Trainer:
                 "samples_seen": self.loader.position, "tokens_seen": self.loader.position * self.cfg.seq_len,
                 "time": time.time(), "train_config": asdict(self.cfg)}
         path = save_checkpoint(self.cfg.out, self.step, self.model, self.ctx, self.raw_config, self.tokenizer_dir,
-                               self.save_dtype, state, meta, self.cfg.keep_checkpoints)
+                               self.save_dtype, state, meta, self.cfg.keep_checkpoints, self._mtp_layer())
         self.log.write(event="checkpoint", step=self.step, path=str(path))
 
     def _summary(self, start: float, start_step: int, eval_loss: float | None) -> dict[str, Any]:
@@ -318,7 +387,8 @@ class Trainer:
                    "step": self.step, "steps_this_run": steps, "seconds_this_run": seconds,
                    "train_seconds_total": self.elapsed + seconds, "tokens_seen": self.loader.position * self.cfg.seq_len,
                    "tokens_per_s": steps * self.tokens_per_step / seconds if steps else None,
-                   "eval_loss": eval_loss, "peak_tflops": self.peak_flops / 1e12,
+                   "eval_loss": eval_loss, "eval_mtp_loss": self.eval_mtp_loss,
+                   "peak_tflops": self.peak_flops / 1e12,
                    "skipped_steps": self.skipped_steps}
         if summary["tokens_per_s"]:
             summary["mfu"] = summary["tokens_per_s"] * self.flops_per_token / self.peak_flops
