@@ -142,7 +142,8 @@ class LLMEngine:
         self.spec = cfg.speculative  # speculative decoding (attention_nodes/speculative.py), or None
         self.spec_stats = SpecStats(self.spec.num_speculative_tokens) if self.spec else None
         self._spec_on = True  # whether the last step drafted (disable_by_batch_size)
-        self._mtp_drafts: dict[tuple[str, int], tuple[int, list[int]]] = {}  # (mtp) drafts proposed after the last step
+        # (mtp) drafts proposed after the last step: (num_tokens then, drafts, their q rows or None)
+        self._mtp_drafts: dict[tuple[str, int], tuple[int, list[int], torch.Tensor | None]] = {}
         self.last_batch: ScheduledBatch | None = None  # what the last step scheduled (step_summary)
 
     # -- requests -----------------------------------------------------------------------------
@@ -354,8 +355,10 @@ class LLMEngine:
                 continue
             room = min(spec.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1)
             if spec.method == "mtp":  # proposed after the last step (_mtp_propose), for this very state
-                num_tokens, drafts = self._mtp_drafts.get((seq.request_id, seq.index), (-1, []))
+                num_tokens, drafts, q = self._mtp_drafts.get((seq.request_id, seq.index), (-1, [], None))
                 drafts = drafts[:room] if num_tokens == seq.num_tokens else []
+                if drafts and q is not None:  # (drawn from q: verified by rejection sampling)
+                    seq.draft_probs = q[:len(drafts)]
             else:
                 drafts = propose_ngram(seq.token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
             if drafts:
@@ -365,8 +368,10 @@ class LLMEngine:
     def _mtp_propose(self, batch: ScheduledBatch, starts: list[int]) -> None:
         """Speculative method mtp, after a step: the MTP layer takes in the positions the step computed
         and kept (every sequence still running, so its drafts see the whole context later) and
-        proposes greedy drafts for the sequences the next step may draft for (point masses: verified
-        exactly, attention_nodes/speculative.py); `_draft` appends them."""
+        proposes drafts for the sequences the next step may draft for; `_draft` appends them. Greedy
+        and seeded requests get the layer's argmax (point masses: a seed then draws the tokens of
+        plain decoding); unseeded sampled ones draws from q = softmax(logits / temperature), whose rows
+        go with them for rejection sampling (attention_nodes/speculative.py)."""
         spec, self._mtp_drafts = self.spec, {}
         on = len(self.scheduler.running) <= spec.disable_by_batch_size
         if not on:  # speculation is off: the layer does not run, so a big batch pays nothing for it; the
@@ -377,9 +382,12 @@ class LLMEngine:
                 seq.grammar is not None and seq.grammar.is_terminated())
             wanted.append(-1 if seq.is_finished else 0 if not decoding else
                           max(0, min(spec.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1)))
-        for seq, drafts in zip(batch.seqs, self.runner.mtp_draft(batch, starts, wanted)):
-            if drafts:
-                self._mtp_drafts[(seq.request_id, seq.index)] = (seq.num_tokens, drafts)
+        temperatures = [s.params.temperature if s.params.temperature > 0 and s.params.seed is None else None
+                        for s in batch.seqs]
+        drafts, probs = self.runner.mtp_draft(batch, starts, wanted, temperatures)
+        for seq, d, q in zip(batch.seqs, drafts, probs):
+            if d:
+                self._mtp_drafts[(seq.request_id, seq.index)] = (seq.num_tokens, d, q)
 
     def step_summary(self) -> dict:
         """What the last step ran, for a trace's step span: its sequences, those with one new token

@@ -203,7 +203,8 @@ class ModelRunner:
         return head
 
     @torch.inference_mode()
-    def mtp_draft(self, batch: ScheduledBatch, starts: list[int], num_drafts: list[int]) -> list[list[int]]:
+    def mtp_draft(self, batch: ScheduledBatch, starts: list[int], num_drafts: list[int],
+                  temperatures: list[float | None] | None = None) -> tuple[list[list[int]], list]:
         """After a step (sampled and verified): run the MTP layer over the positions each sequence of
         `batch` computed and kept, so its keys and values of those positions are cached, and propose
         greedy drafts. starts[b]: batch.seqs[b].num_computed_tokens before the step; num_drafts[b]:
@@ -213,7 +214,10 @@ class ModelRunner:
         draft, and draft j + 1 comes from the layer run again at the next position on its own output
         and draft j (only where the sequence's blocks already hold that position: a chain stops at
         the end of its last block). Drafted positions' entries are overwritten when those positions
-        are kept: every kept position is run here once, in order, after every position before it."""
+        are kept: every kept position is run here once, in order, after every position before it.
+        temperatures[b]: draw sequence b's drafts from q = softmax(logits / T) instead of the argmax (None:
+        greedy). Returns (drafts, probs): probs[b] the q rows (d, V) of b's drafts, or None for greedy ones
+        (point masses; speculative.rejection_sample verifies both exactly)."""
         mtp, bs = self.mtp, self.block_size
         rows, ids, q_lens, ctx, tables, who = [], [], [], [], [], []
         offset = 0
@@ -229,8 +233,9 @@ class ModelRunner:
                 who.append(b)
             offset += n
         drafts: list[list[int]] = [[] for _ in batch.seqs]
+        probs: list = [None if temperatures is None or temperatures[b] is None else [] for b in range(len(batch.seqs))]
         if not who:
-            return drafts
+            return drafts, [None] * len(drafts)
         h_TD = self.last_hidden_TD[torch.cat(rows).to(self.device)]
         attn = AttentionBatch.build_paged(q_lens, ctx, tables, bs, self.device)
         y_TD = mtp.forward(torch.tensor(ids, dtype=torch.long, device=self.device), h_TD, attn, self.cache)
@@ -249,12 +254,18 @@ class ModelRunner:
                                                   [tables[i] for i in active], bs, self.device)
                 toks = torch.tensor([drafts[who[i]][-1] for i in active], dtype=torch.long, device=self.device)
                 y_AD = mtp.forward(toks, y_AD, attn, self.cache)
-            for i, t in zip(active, mtp.logits(y_AD)[:, :self.model_cfg.vocab_size].argmax(-1).tolist()):
-                drafts[who[i]].append(t)
+            logits_AV = mtp.logits(y_AD)[:, :self.model_cfg.vocab_size]
+            picks = logits_AV.argmax(-1).tolist()
+            for r, i in enumerate(active):
+                if probs[who[i]] is not None:  # (a sampled request's draft: drawn from q, q kept for verification)
+                    q_V = torch.softmax(logits_AV[r].float() / temperatures[who[i]], dim=-1)
+                    picks[r] = int(torch.multinomial(q_V, 1))
+                    probs[who[i]].append(q_V)
+                drafts[who[i]].append(picks[r])
             j += 1
             more = [r for r, i in enumerate(active) if len(drafts[who[i]]) < num_drafts[who[i]]]
             active, y_AD = [active[r] for r in more], y_AD[torch.tensor(more, dtype=torch.long, device=self.device)]
-        return drafts
+        return drafts, [None if p is None or not p else torch.stack(p) for p in probs]
 
     @torch.inference_mode()
     def idle_step(self) -> None:

@@ -187,6 +187,29 @@ def test_greedy_ids_equal_without_speculation(mtp_ckpt, copy_ckpt, plain_ids, wh
         assert spec["num_accepted_tokens"] <= 1
 
 
+def test_unseeded_samples_draft_from_q_and_are_verified_by_rejection(copy_ckpt, plain_ids):
+    """An unseeded sampled request's drafts are drawn from q = softmax(MTP logits / T) and carry q
+    (rejection sampling verifies them); at a temperature near 0, p and q are one-hot at their argmax
+    and the output is the greedy one, with drafts accepted."""
+    llm = LLM(copy_ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    seen, real = [], llm.engine.runner.mtp_draft
+
+    def spy(*args):
+        drafts, probs = real(*args)
+        seen.extend(q for q in probs if q is not None)
+        return drafts, probs
+
+    llm.engine.runner.mtp_draft = spy
+    try:
+        cold = SamplingParams(max_tokens=GREEDY.max_tokens, temperature=1e-4, ignore_eos=True)
+        got = _ids(llm, cold)
+        accepted = llm.engine.stats()["spec_decode"]["num_accepted_tokens"]
+    finally:
+        llm.shutdown()
+    assert got == plain_ids["copy"][0] and accepted > 0
+    assert seen and all(q.dim() == 2 and torch.allclose(q.sum(-1), torch.ones(q.shape[0])) for q in seen)
+
+
 def test_acceptance_counters_reach_the_metrics(copy_ckpt):
     from server.metrics import _EngineCollector
 
