@@ -64,8 +64,25 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-class Float32Norm(nn.Module):
+class KeepsFloat32(nn.Module):
+    """A module whose parameters named in float32_params stay float32 whatever dtype the model is cast
+    to (transformers keeps them so: _keep_in_fp32_modules)."""
+
+    float32_params: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super()._apply(fn, recurse)
+        for name in self.float32_params:
+            p = getattr(self, name)
+            if p.is_floating_point() and p.dtype != torch.float32:
+                p.data = p.data.float()
+        return out
+
+
+class Float32Norm(KeepsFloat32):
     """An RMSNorm whose weight stays float32 (transformers keeps V4's kv norms so); y in x's dtype."""
+
+    float32_params = ("weight",)
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -74,12 +91,6 @@ class Float32Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         return (self.weight.float() * (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps))).to(x.dtype)
-
-    def _apply(self, fn, recurse: bool = True):
-        out = super()._apply(fn, recurse)
-        if self.weight.is_floating_point() and self.weight.dtype != torch.float32:
-            self.weight.data = self.weight.data.float()
-        return out
 
 
 class Rope:
@@ -109,9 +120,11 @@ class GroupedLinear(nn.Module):
         return torch.bmm(x_TGX.transpose(0, 1), w_GYX.transpose(1, 2)).transpose(0, 1)
 
 
-class Compression(nn.Module):
+class Compression(KeepsFloat32):
     """A compressor (or the indexer's): kv_proj and gate_proj (float32, F = 2 X with overlap, else X),
     the gates' position_bias (r, F), kv_norm over the X values of an entry."""
+
+    float32_params = ("position_bias",)
 
     def __init__(self, hidden: int, width: int, rate: int, overlap: bool, eps: float):
         super().__init__()
@@ -122,11 +135,6 @@ class Compression(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(rate, F_))
         self.kv_norm = Float32Norm(width, eps)
 
-    def _apply(self, fn, recurse: bool = True):
-        out = super()._apply(fn, recurse)
-        if self.position_bias.is_floating_point() and self.position_bias.dtype != torch.float32:
-            self.position_bias.data = self.position_bias.data.float()
-        return out
 
     def entries(self, x_TD: torch.Tensor, batch: AttentionBatch, q_lens_B: torch.Tensor, rope: Rope,
                 state: "tuple[torch.Tensor, torch.Tensor] | None") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -235,9 +243,11 @@ class Indexer(Compression):
         self.scorer.weights_proj = Float32Linear(hidden, heads)
 
 
-class V4Attention(nn.Module):
+class V4Attention(KeepsFloat32):
     """One DeepSeek-V4 attention layer (see the module docstring); parameter names follow
     transformers' (self_attn.q_a_proj, ..., compressor.indexer.scorer.weights_proj)."""
+
+    float32_params = ("sinks",)
 
     def __init__(self, cfg, layer: int, ops: KernelOps):
         super().__init__()
@@ -264,11 +274,6 @@ class V4Attention(nn.Module):
         self.rope = Rope(v4.compress_rope if self.rate else cfg.rope, v4.rope_dim)
         self.index_rope = Rope(v4.compress_rope, v4.rope_dim) if self.csa else None
 
-    def _apply(self, fn, recurse: bool = True):
-        out = super()._apply(fn, recurse)
-        if self.sinks.is_floating_point() and self.sinks.dtype != torch.float32:
-            self.sinks.data = self.sinks.data.float()
-        return out
 
     def forward(self, x_TD: torch.Tensor, cos_sin, cache, batch: AttentionBatch) -> torch.Tensor:
         T, N, H = x_TD.shape[0], self.num_heads, self.head_dim
@@ -431,8 +436,10 @@ class V4Attention(nn.Module):
         return torch.cat(out) if out else q_TNH.new_empty(0, N, H)
 
 
-class HyperConnection(nn.Module):
+class HyperConnection(KeepsFloat32):
     """One mHC map (attn_hc or ffn_hc): fn ((2 + n) n, n D), base ((2 + n) n), scale (3), float32."""
+
+    float32_params = ("fn", "base", "scale")
 
     def __init__(self, hidden: int, n: int, iters: int, eps: float, norm_eps: float):
         super().__init__()
@@ -441,12 +448,6 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + n) * n))
         self.scale = nn.Parameter(torch.ones(3))
 
-    def _apply(self, fn, recurse: bool = True):
-        out = super()._apply(fn, recurse)
-        for p in (self.fn, self.base, self.scale):
-            if p.is_floating_point() and p.dtype != torch.float32:
-                p.data = p.data.float()
-        return out
 
     def forward(self, streams_TnD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(post_Tn, comb_Tnn, the block's input (T, D))."""
@@ -477,8 +478,10 @@ def expand(streams_TnD: torch.Tensor, post_Tn: torch.Tensor, comb_Tnn: torch.Ten
                                                                                 streams_TnD)
 
 
-class HyperHead(nn.Module):
+class HyperHead(KeepsFloat32):
     """hc_head: the final weighted sum of the streams (hc_fn (n, n D), hc_base (n), hc_scale (1), float32)."""
+
+    float32_params = ("hc_fn", "hc_base", "hc_scale")
 
     def __init__(self, hidden: int, n: int, eps: float, norm_eps: float):
         super().__init__()
@@ -487,12 +490,6 @@ class HyperHead(nn.Module):
         self.hc_base = nn.Parameter(torch.zeros(n))
         self.hc_scale = nn.Parameter(torch.ones(1))
 
-    def _apply(self, fn, recurse: bool = True):
-        out = super()._apply(fn, recurse)
-        for p in (self.hc_fn, self.hc_base, self.hc_scale):
-            if p.is_floating_point() and p.dtype != torch.float32:
-                p.data = p.data.float()
-        return out
 
     def forward(self, streams_TnD: torch.Tensor) -> torch.Tensor:
         T = streams_TnD.shape[0]

@@ -498,6 +498,17 @@ def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: tor
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     params = dict(model.named_parameters())
+    fill_params(params, wanted, tensors)
+    if kept:
+        keep_fp8_on(model.get_submodule, wanted, kept, cfg.fp8_block)
+    offset_norms(model, cfg.norm_offset)
+    return model.eval()
+
+
+def fill_params(params: dict[str, torch.Tensor], wanted: dict[str, list[Target]],
+                tensors: dict[str, torch.Tensor]) -> None:
+    """Copy each read checkpoint tensor into its targets: a parameter, one expert's slice of it, or a
+    range of its rows, rearranged by the target's layout."""
     with torch.no_grad():
         for name, targets in wanted.items():
             for t in targets:
@@ -507,10 +518,6 @@ def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: tor
                 if t.rows is not None:
                     dst = dst[t.rows[0]:t.rows[1]]
                 dst.copy_(apply_layout(tensors[name], t.layout))
-    if kept:
-        keep_fp8_on(model.get_submodule, wanted, kept, cfg.fp8_block)
-    offset_norms(model, cfg.norm_offset)
-    return model.eval()
 
 
 def offset_norms(model: torch.nn.Module, offset: float) -> None:

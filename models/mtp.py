@@ -156,8 +156,8 @@ def load_mtp(model_dir, cfg: ModelConfig, target: MoEForCausalLM, dtype: torch.d
     loaded `target` (whose embedding and LM head it uses where the checkpoint has none of its own).
     Its tensors are read with the loader's checks (FP8 ones dequantised); ValueError where the
     checkpoint has none (check_mtp_checkpoint)."""
-    from models.loader import (CheckpointError, CheckpointReader, _numel, _target_shape, apply_layout,
-                               checkpoint_targets, offset_norms)
+    from models.loader import (CheckpointError, CheckpointReader, _numel, _target_shape, checkpoint_targets,
+                               fill_params, offset_norms)
 
     dtype = dtype or cfg.dtype
     reader = CheckpointReader.of(model_dir, cfg)
@@ -193,14 +193,6 @@ def load_mtp(model_dir, cfg: ModelConfig, target: MoEForCausalLM, dtype: torch.d
     tensors = reader.read(wanted, model_shape)
     layer.to_empty(device=device)
     params = {prefix + n: p for n, p in layer.named_parameters()}
-    with torch.no_grad():
-        for name, targets in wanted.items():
-            for t in targets:
-                dst = params[t.param]
-                if t.expert is not None:
-                    dst = dst[t.expert]
-                if t.rows is not None:
-                    dst = dst[t.rows[0]:t.rows[1]]
-                dst.copy_(apply_layout(tensors[name], t.layout))
+    fill_params(params, wanted, tensors)
     offset_norms(layer, cfg.norm_offset)
     return MTPDrafter(layer.eval(), target, mtp_cfg)
