@@ -172,16 +172,7 @@ def test_sampler_rejection_samples_from_the_processed_distribution():
 NUM_SPEC = 3
 
 
-@pytest.fixture(scope="module")
-def ckpt(make_checkpoint):
-    return make_checkpoint("mixtral")
-
-
-@pytest.fixture(scope="module")
-def plain(ckpt):
-    llm = LLM(ckpt)
-    yield llm
-    llm.shutdown()
+from tests.test_speculative import ckpt, plain  # noqa: E402,F401 (fixtures: the tiny Mixtral, its plain engine)
 
 
 def fixed_q(vocab: int) -> torch.Tensor:
