@@ -123,6 +123,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free[b] = None
         seq.block_table, seq.num_computed_tokens = [], 0
+        seq.draft_pos = 0  # (a draft model's keys and values go with the blocks)
         seq.num_hashed_blocks, seq.last_block_hash = 0, None
         if seq.state_slot is not None:
             self.free_state_slots.append(seq.state_slot)

@@ -1,5 +1,6 @@
 """Engine configuration: small frozen dataclasses, checked when built, composed in EngineConfig."""
 import json
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -8,7 +9,7 @@ from m2n_comm.transport import BACKENDS
 
 M2N_DTYPES = ("auto", "fp8")  # ParallelConfig.m2n_dtype
 QUANTIZATIONS = ("int8", "fp8")  # EngineConfig.quantization ("none" too: served in dtype)
-SPEC_METHODS = ("ngram", "mtp")  # SpeculativeConfig.method
+SPEC_METHODS = ("ngram", "mtp", "draft_model")  # SpeculativeConfig.method
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32  # SpeculativeConfig.disable_by_batch_size when not given
 
 
@@ -36,7 +37,9 @@ class SpeculativeConfig:
     prompt_lookup_min..prompt_lookup_max tokens (prompt lookup; both default to 5, one given sets
     the other, as vLLM; method mtp ignores them); method "mtp": the greedy drafts of the checkpoint's
     multi-token-prediction layer (DeepSeek-V3, GLM-4.5: num_nextn_predict_layers; models/mtp.py),
-    chained for k > 1; num_speculative_tokens: drafts per sequence and step. Each step verifies
+    chained for k > 1; method "draft_model": the greedy drafts of the checkpoint at `model`, a smaller
+    model sharing the target's tokenizer (attention_nodes/draft_model.py); num_speculative_tokens:
+    drafts per sequence and step. Each step verifies
     every draft of the batch in one forward pass (attention_nodes/speculative.py). Above
     disable_by_batch_size running sequences a step drafts nothing (None: DEFAULT_DISABLE_BY_BATCH_SIZE)."""
 
@@ -45,12 +48,20 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config method {self.method!r} is not supported; choose from "
-                             f"{', '.join(SPEC_METHODS)}" + (" (draft_model is not built yet)"
-                                                             if self.method == "draft_model" else ""))
+                             f"{', '.join(SPEC_METHODS)}")
+        if (self.model is None) == (self.method == "draft_model"):
+            raise ValueError("speculative_config method draft_model needs 'model' (the draft checkpoint's directory)"
+                             if self.model is None else
+                             f"speculative_config 'model' is for method draft_model, not {self.method!r}")
+        if self.model is not None:
+            if not isinstance(self.model, (str, os.PathLike)):
+                raise ValueError(f"speculative_config model must be a directory's path, got {self.model!r}")
+            object.__setattr__(self, "model", str(self.model))
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -88,7 +99,8 @@ class SpeculativeConfig:
         return cls(**value)
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        """vLLM's keys as set (`model` only for method draft_model)."""
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "model" or self.model is not None}
 
 
 @dataclass(frozen=True)

@@ -347,14 +347,20 @@ class LLMEngine:
                      "on again" if on else "off", len(running), spec.disable_by_batch_size)
         if not on:
             return
+        todo = []
         for seq in running:
             if seq.num_computed_tokens != seq.num_tokens - 1 or seq.grammar is not None and seq.grammar.is_terminated():
                 continue
             if seq.spec_skip:  # its last drafts were rejected whole (speculative.backoff)
                 seq.spec_skip -= 1
                 continue
-            room = min(spec.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1)
-            if spec.method == "mtp":  # proposed after the last step (_mtp_propose), for this very state
+            todo.append((seq, min(spec.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1)))
+        if spec.method == "draft_model":  # one batched pass of the draft model per draft position
+            proposed = self.runner.drafter.propose([seq for seq, _ in todo], [room for _, room in todo])
+        for i, (seq, room) in enumerate(todo):
+            if spec.method == "draft_model":
+                drafts = proposed[i]
+            elif spec.method == "mtp":  # proposed after the last step (_mtp_propose), for this very state
                 num_tokens, drafts, q = self._mtp_drafts.get((seq.request_id, seq.index), (-1, [], None))
                 drafts = drafts[:room] if num_tokens == seq.num_tokens else []
                 if drafts and q is not None:  # (drawn from q: verified by rejection sampling)

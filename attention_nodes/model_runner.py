@@ -55,6 +55,10 @@ class ModelRunner:
         if cfg.speculative is not None and cfg.speculative.method == "mtp":  # (before loading anything)
             from models.mtp import check_mtp_checkpoint
             check_mtp_checkpoint(cfg.model, self.model_cfg)
+        self.draft_cfg = None  # (method draft_model) the draft checkpoint's config: its cache shares the blocks
+        if cfg.speculative is not None and cfg.speculative.method == "draft_model":
+            from attention_nodes.draft_model import draft_model_config
+            self.draft_cfg = draft_model_config(cfg, self.model_cfg)
         self.model = load_model(cfg.model, self.model_cfg, dtype=cfg.dtype, device=self.device, kernels=cfg.kernels,
                                 with_experts=dispatcher is None, keep_fp8=keep_fp8)
         self.model.dispatcher = dispatcher or LocalDispatcher(self.model_cfg.num_experts, self.device)  # counts load
@@ -100,6 +104,10 @@ class ModelRunner:
         self.num_blocks = self._num_blocks(cfg)
         self.cache = make_paged_cache(self.cache_cfg, self.num_blocks, self.block_size, self.dtype, self.device,
                                       self.model.ops, self.state_slots)
+        self.drafter = None  # (method draft_model) attention_nodes/draft_model.py, over the same block tables
+        if self.draft_cfg is not None:
+            from attention_nodes.draft_model import DraftModel
+            self.drafter = DraftModel(cfg, self.draft_cfg, self.num_blocks)
         # A bf16 decode step's layers as native calls, where the model takes it: colocated the whole
         # step in one, on an attention worker each layer's attention side (models/native_decode.py)
         if self.packed and cfg.native_decode:
@@ -128,7 +136,9 @@ class ModelRunner:
                  _size(r["embedding"]), _size(r["other"]))
 
     def _block_bytes(self) -> int:
-        return cache_bytes_per_block(self.cache_cfg, self.block_size, self.dtype)
+        """A block's bytes in this cache and, with a draft model, in its cache too."""
+        draft = 0 if self.draft_cfg is None else cache_bytes_per_block(self.draft_cfg, self.block_size, self.dtype)
+        return cache_bytes_per_block(self.cache_cfg, self.block_size, self.dtype) + draft
 
     def _num_blocks(self, cfg: EngineConfig) -> int:
         """cache.num_blocks, else cache.kv_cache_gib, else (CPU) enough for every sequence at full
@@ -194,6 +204,17 @@ class ModelRunner:
         vocabulary logits is worth both threads."""
         with native.torch_parallel():
             return self.model.logits(h_TD)
+
+    @torch.inference_mode()
+    def last_logits(self, ids: list[int], q_lens: list[int], ctx_lens: list[int], tables: list) -> torch.Tensor:
+        """Logits (B, V) of each sequence's last row after computing q_lens[b] tokens (ids, in order)
+        at positions ctx_lens[b].. over block table tables[b] (a draft model's pass: attention_nodes/
+        draft_model.py). Each one-token sequence is a decode row, so decode passes take the native step."""
+        attn = AttentionBatch.build_paged(q_lens, ctx_lens, tables, self.block_size, self.device)
+        rows = (torch.tensor(q_lens).cumsum(0) - 1).to(self.device)
+        inputs = [(torch.tensor(ids, dtype=torch.long, device=self.device), attn, rows, [])]
+        with self.decode_threads(q_lens):
+            return self._forward(inputs, self._head(inputs))[0]
 
     def _head(self, inputs: list, hidden: list | None = None):
         def head(i: int, h_TD: torch.Tensor) -> torch.Tensor:

@@ -82,6 +82,7 @@ class Sequence:
     state_slot: int | None = None  # linear-attention models: its state's slot while running (BlockManager)
     spec_misses: int = 0  # speculative drafts rejected whole in a row (speculative.backoff)
     spec_skip: int = 0  # decode steps left before it is drafted for again
+    draft_pos: int = 0  # (draft_model) positions the draft model's cache holds of its own tokens
 
     def drop_drafts(self, count: int | None = None) -> list[int]:
         """Remove the last `count` drafts (None: all) from token_ids; returns them."""

@@ -266,7 +266,7 @@ def test_a_checkpoint_without_mtp_layers_is_refused(base, make_checkpoint):
                                          f"num_nextn_predict_layers"):
         LLM(mixtral, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     assert SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 2}).method == "mtp"
-    with pytest.raises(ValueError, match="draft_model is not built"):
+    with pytest.raises(ValueError, match="draft_model needs 'model'"):
         SpeculativeConfig.parse({"method": "draft_model", "num_speculative_tokens": 2})
 
 

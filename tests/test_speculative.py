@@ -32,7 +32,9 @@ def test_propose_ngram_takes_the_longest_suffix_at_its_latest_occurrence():
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"method": "draft_model", "num_speculative_tokens": 1}, "not supported.*draft_model is not built"),
+    ({"method": "eagle", "num_speculative_tokens": 1}, "not supported; choose from ngram, mtp, draft_model"),
+    ({"method": "draft_model", "num_speculative_tokens": 1}, "draft_model needs 'model'"),
+    ({"method": "ngram", "num_speculative_tokens": 1, "model": "/x"}, "'model' is for method draft_model"),
     ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "<="),
