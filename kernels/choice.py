@@ -17,9 +17,11 @@ Ops (each candidate reads the same weights, so the choice can change with the ro
   skinny  a float32 linear whose weights are exactly bf16 (a bf16 checkpoint served in float32):
           native  our bf16 GEMM on the bf16 copy, half the bytes (kernels/csrc/skinny_gemm.c)
           onednn  oneDNN's packed float32 GEMM
-  int8_moe  one int8 expert's bf16 rows in the fused int8 block (kernels/int8.fused_moe_int8): fma
-          (codes widened in registers; AVX-512, else AVX2) or amx (each panel dequantised to bf16);
-          the kernel takes one threshold, so AMX runs from the first bucket after which it always won
+  int8_moe  one int8 expert's bf16 rows in the fused int8 block (kernels/int8.fused_moe_int8; the FP8
+          block takes the same choice): fma (codes widened in registers; AVX-512, else AVX2), or each
+          panel dequantised to bf16 once per block of rows for bf16dot (AVX-512 BF16 dot products) or
+          amx; the kernel takes one big kernel and threshold: the one that won the largest bucket, from
+          the first bucket after which it always won
   attention  paged decode attention (kernels/attention.paged_decode_attention) per bucket of the
           batch's sequences, each attending over ATTENTION_CONTEXT (256) tokens in pages of
           ATTENTION_PAGE (16) slots scattered over the cache; shape (N, K, H, bytes per element):
@@ -75,9 +77,9 @@ TIMED_BYTES = 16 << 20  # the cheap ops' largest timed input (attention: the key
 ATTENTION_CONTEXT = 256  # tokens per sequence where attention is timed
 ATTENTION_PAGE = 16  # token slots per page there (CacheConfig.block_size's default)
 CANDIDATES = {"gemm": ("avx512", "amx", "onednn"), "moe": ("avx512", "amx"), "skinny": ("native", "onednn"),
-              "int8_moe": ("fma", "amx"), **{op: ("native", "torch") for op in native.NATIVE_OR_TORCH}}
+              "int8_moe": ("fma", "bf16dot", "amx"), **{op: ("native", "torch") for op in native.NATIVE_OR_TORCH}}
 CHOOSABLE = {"gemm": ("avx512", "amx"), "moe": ("avx512", "amx"), "skinny": ("native", "onednn"),
-             "int8_moe": ("fma", "amx"), **{op: ("native", "torch") for op in native.NATIVE_OR_TORCH}}
+             "int8_moe": ("fma", "bf16dot", "amx"), **{op: ("native", "torch") for op in native.NATIVE_OR_TORCH}}
 _DTYPES = {2: torch.bfloat16, 4: torch.float32}  # the cheap ops' shapes name their dtype by its size
 _C_OPS = {"gemm": native.GEMM, "moe": native.MOE}
 _C_CANDIDATES = {"avx512": native.AVX512, "amx": native.AMX}
@@ -236,8 +238,7 @@ def _int8_moe_runners(shape: tuple[int, int]) -> dict:
                                         torch.randn(1, D, inter) / inter ** 0.5)
     here = int8.kernels()
     kernels = {"fma": int8.AVX512 if int8.AVX512 in here else int8.AVX2}
-    if int8.AMX in here:
-        kernels["amx"] = int8.AMX
+    kernels.update({name: k for name, k in (("bf16dot", int8.BF16DOT), ("amx", int8.AMX)) if k in here})
 
     def run(kernel):
         return lambda x: (lambda: int8.fused_moe_int8(x, torch.zeros(x.shape[0], 1, dtype=torch.int64),
@@ -378,8 +379,10 @@ def _apply(choice: Choice) -> None:
         return
     if choice.op == "int8_moe":
         from kernels import int8
-        first = next((b for b in range(len(choice.picks)) if set(choice.picks[b:]) == {"amx"}), None)
-        int8.set_moe_amx_rows(1 << 62 if first is None else 1 if first == 0 else BUCKET_ROWS[first - 1] + 1)
+        big = choice.picks[-1] if choice.picks[-1] != "fma" else None
+        first = next(b for b in range(len(choice.picks)) if set(choice.picks[b:]) == {choice.picks[-1]})
+        int8.set_moe_big({"bf16dot": int8.BF16DOT, "amx": int8.AMX}.get(big),
+                         1 if first == 0 else BUCKET_ROWS[first - 1] + 1)
         return
     if choice.op == "skinny":
         from kernels.cpu_linear import set_skinny_native
@@ -400,7 +403,7 @@ def configure(op: str, shapes: list[tuple[int, ...]]) -> Choice | None:
         return None
     if op == "int8_moe":
         from kernels import int8
-        if int8.AMX not in int8.kernels():  # one candidate: nothing to choose
+        if not {int8.BF16DOT, int8.AMX} & int8.kernels():  # one candidate: nothing to choose
             return None
     shapes = sorted({tuple(int(d) for d in s) for s in shapes})
     if not shapes:

@@ -328,23 +328,15 @@ def fused_moe_fp8_reference(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_
     return int8.fused_moe_int8_reference(x_TD, topk_ids_TK, topk_weights_TK, experts)
 
 
-# Rows of one expert from which bf16 x takes AMX in fused_moe_fp8 where measured; None: AMX_MIN_ROWS.
-_moe_amx_rows: list[int | None] = [None]
-
-
-def set_moe_amx_rows(rows: int | None) -> None:
-    """A measured threshold; a huge value keeps AMX off, None restores AMX_MIN_ROWS."""
-    _moe_amx_rows[0] = rows
-
-
 def moe_kernels(experts: "Fp8Experts", x_dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int] | None:
     """(kernel, big_kernel, big_rows) that fused_moe_fp8 takes by default for x_dtype rows of these
     experts (also the native decode step's, models/native_decode.py); None where no kernel runs them
-    here (no library, or AVX2 without F16C): then the torch reference does."""
+    here (no library, or AVX2 without F16C): then the torch reference does. The big kernel and its
+    row count are the int8 block's (int8.set_moe_big: measured on int8 experts, whose kernels these are)."""
     if not available():
         return None
     here = _here_for(experts.block13, experts.block2)
-    small, big, big_rows = int8._default_moe_kernels(x_dtype, here, _moe_amx_rows)
+    small, big, big_rows = int8._default_moe_kernels(x_dtype, here)
     return None if small not in here else (small, big, big_rows)
 
 

@@ -354,26 +354,29 @@ def fused_moe_int8_reference(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk
     return unpermute(y_ND, perm, topk_weights_TK)
 
 
-# Rows of one expert from which bf16 x takes AMX in fused_moe_int8, where kernels/choice.py measured
-# it ("int8_moe"); None: AMX_MIN_ROWS.
-_moe_amx_rows: list[int | None] = [None]
+# The kernel an expert's bf16 rows take in the fused int8 and FP8 blocks from a row count on, where
+# kernels/choice.py measured it ("int8_moe"): [(kernel, rows)], kernel BF16DOT or AMX, or None (the FMA
+# kernel at every count); [None]: not measured, AMX from AMX_MIN_ROWS where it runs.
+_moe_big: list[tuple[int | None, int] | None] = [None]
 
 
-def set_moe_amx_rows(rows: int | None) -> None:
-    """The measured threshold (kernels/choice.py); a huge value keeps AMX off, None restores AMX_MIN_ROWS."""
-    _moe_amx_rows[0] = rows
+def set_moe_big(kernel: int | None, rows: int = 1) -> None:
+    """The measured choice (kernels/choice.py): bf16 rows of an expert take `kernel` (BF16DOT or AMX) from
+    `rows` rows on; None: the FMA kernel at every count."""
+    _moe_big[0] = (kernel, rows)
 
 
-def _default_moe_kernels(x_dtype: torch.dtype, here: frozenset[int],
-                         measured: list[int | None] | None = None) -> tuple[int, int, int]:
+def _default_moe_kernels(x_dtype: torch.dtype, here: frozenset[int]) -> tuple[int, int, int]:
     """(kernel, big_kernel, big_rows): an expert's rows take int8_linear's default kernel for as many
-    rows, bf16 x AMX from the measured threshold where kernels/choice.py set one (`measured`: None
-    for the int8 block's; fp8_weights passes its own)."""
+    rows, and bf16 rows the measured big kernel from its row count on (unmeasured: AMX from AMX_MIN_ROWS
+    where it runs)."""
     small = _default_kernel(x_dtype, 1, here)
-    measured = _moe_amx_rows if measured is None else measured
-    big_rows = AMX_MIN_ROWS if measured[0] is None else measured[0]
-    big = AMX if x_dtype == torch.bfloat16 and AMX in here else small
-    return small, big, big_rows
+    if x_dtype != torch.bfloat16:
+        return small, small, 0
+    if _moe_big[0] is None:
+        return (small, AMX, AMX_MIN_ROWS) if AMX in here else (small, small, 0)
+    kernel, rows = _moe_big[0]
+    return (small, kernel, rows) if kernel in here else (small, small, 0)
 
 
 def fused_moe_int8(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,

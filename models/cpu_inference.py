@@ -198,11 +198,10 @@ def choose_kernels(module: nn.Module) -> None:
     once per machine and shapes)."""
     gemm, moe, skinny, int8_moe = set(), set(), set(), set()
     for m in module.modules():
-        if isinstance(m, PackedExperts) and m.int8 is not None:
-            int8_moe.add((m.int8.hidden, m.int8.inter))
+        if isinstance(m, PackedExperts) and (m.int8 is not None or m.fp8 is not None):
+            block = m.int8 or m.fp8  # (fused_moe_fp8 takes the int8 block's choice: kernels/fp8_weights.py)
+            int8_moe.add((block.hidden, block.inter))
             continue
-        if isinstance(m, PackedExperts) and m.fp8 is not None:
-            continue  # fused_moe_fp8 takes int8's default kernels (kernels/fp8_weights.py)
         if isinstance(m, PackedExperts) and m.native is not None:
             moe.add((m.w2_packed[0].out_features, m.w2_packed[0].in_features))
             continue

@@ -116,13 +116,21 @@ def test_the_default_kernel():
 
 
 def test_the_default_moe_kernels(monkeypatch):
-    """Each expert of the fused block takes int8_linear's default kernel for its row count (AMX from
-    AMX_MIN_ROWS where nothing was measured)."""
-    monkeypatch.setattr(int8, "_moe_amx_rows", [None])  # whatever an earlier test's model measured
+    """Each expert of the fused block takes int8_linear's default kernel for few rows, and bf16 rows the
+    measured big kernel from its threshold (unmeasured: AMX from AMX_MIN_ROWS where it runs); float32
+    rows and kernels that do not run here fall back to the small one."""
+    monkeypatch.setattr(int8, "_moe_big", [None])  # whatever an earlier test's model measured
     every = frozenset((int8.AVX2, int8.AVX512, int8.BF16DOT, int8.AMX))
     assert int8._default_moe_kernels(torch.bfloat16, every) == (int8.AVX512, int8.AMX, int8.AMX_MIN_ROWS)
+    assert int8._default_moe_kernels(torch.bfloat16, every - {int8.AMX})[:2] == (int8.AVX512, int8.AVX512)
     assert int8._default_moe_kernels(torch.float32, every)[:2] == (int8.AVX512, int8.AVX512)
     assert int8._default_moe_kernels(torch.bfloat16, frozenset((int8.AVX2,)))[:2] == (int8.AVX2, int8.AVX2)
+    int8.set_moe_big(int8.BF16DOT, 33)
+    assert int8._default_moe_kernels(torch.bfloat16, every) == (int8.AVX512, int8.BF16DOT, 33)
+    assert int8._default_moe_kernels(torch.float32, every)[:2] == (int8.AVX512, int8.AVX512)
+    assert int8._default_moe_kernels(torch.bfloat16, every - {int8.BF16DOT})[:2] == (int8.AVX512, int8.AVX512)
+    int8.set_moe_big(None)
+    assert int8._default_moe_kernels(torch.bfloat16, every)[:2] == (int8.AVX512, int8.AVX512)
 
 
 def test_without_the_library_int8_linear_is_the_torch_reference(monkeypatch, caplog):

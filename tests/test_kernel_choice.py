@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kernels.choice as choice
+import kernels.int8 as int8
 import kernels.native as native
 
 NEEDS_NATIVE = pytest.mark.skipif(not native.available(), reason="native kernels unavailable here (no AVX2 or no cc)")
@@ -227,24 +228,27 @@ def test_picks_prune_and_ties_on_given_times(monkeypatch):
         assert choice.measure("gemm", [(1, 1)]).picks == want
 
 
-@pytest.mark.skipif(not native.amx(), reason="int8_moe has one candidate without AMX")
+@pytest.mark.skipif(not {int8.BF16DOT, int8.AMX} & int8.kernels(),
+                    reason="int8_moe has one candidate without AVX-512 BF16 or AMX")
 def test_int8_moe_threshold_follows_its_table(cache, monkeypatch):
-    """The int8 block takes one row threshold: AMX from the first bucket after which it always won;
-    measured on the model's shapes (here forced and given), and the native decode step takes the same."""
-    from kernels import int8
+    """The int8 (and FP8) block takes one big kernel and threshold: the kernel that won the largest bucket,
+    from the first bucket after which it always won; measured on the model's shapes (here forced and
+    given), and the native decode step takes the same."""
     from models.native_decode import int8_moe_kernels
 
-    monkeypatch.setattr(int8, "_moe_amx_rows", [None])
-    for picks, rows in ((["fma"] * 4 + ["amx"] * 8, 9), (["amx"] * 12, 1), (["fma"] * 12, 1 << 62),
-                        (["fma", "amx", "fma"] + ["amx"] * 9, 5)):
+    monkeypatch.setattr(int8, "_moe_big", [None])
+    big = int8.AMX if int8.AMX in int8.kernels() else int8.BF16DOT
+    name = "amx" if big == int8.AMX else "bf16dot"
+    for picks, want in ((["fma"] * 4 + [name] * 8, (big, 9)), ([name] * 12, (big, 1)),
+                        (["fma"] * 12, (int8.AVX512, 0)), (["fma", name, "fma"] + [name] * 9, (big, 5))):
         choice._apply(choice.Choice("int8_moe", [(64, 32)], picks))
-        assert int8._default_moe_kernels(torch.bfloat16, int8.kernels()) == (int8.AVX512, int8.AMX, rows)
-        assert int8_moe_kernels() == (int8.AVX512, int8.AMX, rows)
+        assert int8._default_moe_kernels(torch.bfloat16, int8.kernels()) == (int8.AVX512, *want)
+        assert int8_moe_kernels() == (int8.AVX512, *want)
     monkeypatch.setenv(choice.ENV_VAR, "int8_moe=fma")
-    assert choice.configure("int8_moe", [(64, 32)]).source == "forced" and int8._moe_amx_rows[0] == 1 << 62
+    assert choice.configure("int8_moe", [(64, 32)]).source == "forced" and int8._moe_big[0] == (None, 1)
     monkeypatch.setenv(choice.ENV_VAR, "measure")
     c = choice.configure("int8_moe", [(64, 32)])
-    assert c.source == "measured" and set(c.picks) <= {"fma", "amx"}
+    assert c.source == "measured" and set(c.picks) <= {"fma", "bf16dot", "amx"}
 
 
 # -- the ops with a native kernel and a torch path (native.NATIVE_OR_TORCH) ------------------------
