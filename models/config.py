@@ -3,7 +3,7 @@
 Both writers are understood: transformers 4 (`torch_dtype`, top-level `rope_theta`, `rope_scaling`)
 and transformers 5 (`dtype`, `rope_parameters`, `layer_types`). Errors name the file and the field.
 DeepSeek-V2/V3 (and Kimi K2, which declares the V3 architecture) add Multi-head Latent Attention
-(MLAConfig), grouped routing (kernels.routing.RouterConfig), ungated shared experts and dense
+(models/attention_config.MLAConfig), grouped routing (kernels.routing.RouterConfig), ungated shared experts and dense
 layers before first_k_dense_replace; DeepSeek-V3.2 and GLM-5 (glm_moe_dsa) add DeepSeek Sparse
 Attention (MLAConfig.index_*; GLM-5: only its indexer_types "full" layers run an indexer).
 GLM-4.5/4.6/4.7 is DeepSeek-V3's MoE block behind grouped-query attention with q/k/v biases,
@@ -11,14 +11,13 @@ optional per-head q/k norm and partial rotary; MiniMax-M2 routes like V3 without
 has attention sinks, alternating sliding-window layers, biased router and experts, a clamped
 SwiGLU and yarn rope, and is published with MXFP4 experts (quantization_config mxfp4). Llama 4
 and MiMo-V2-Flash lay their layers out their own way, and Qwen3-Next and Qwen3.5-MoE interleave gated
-DeltaNet (linear attention, LinearAttentionConfig) with gated full-attention layers: models/families.py
+DeltaNet (linear attention, attention_config.LinearAttentionConfig) with gated full-attention layers: models/families.py
 reads them (and holds every family's defaults).
 `planning=True` also reads families that are planned for but not served (PLANNED_ARCHITECTURES:
 DBRX, whose config.json names its fields its own way); ModelConfig's sizes and per-token costs are
 what `shuttle plan` and `shuttle simulate` compute with.
 """
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,8 @@ from kernels.moe import SILU, SwiGLU
 from kernels.rotary import ROPE_TYPES, RopeConfig
 from kernels.routing import RouterConfig
 from models import families
+from models.attention_config import (DSA_FAMILIES, MLA_FAMILIES, LinearAttentionConfig, MLAConfig, read_mla,
+                                     with_mla_scale)
 from models.errors import ConfigError
 from models.v4_config import V4Config, v4_attention_params, v4_attention_weights, v4_context_flops, v4_wide_params
 
@@ -65,94 +66,10 @@ MODEL_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV
 # families `shuttle plan` sizes (ModelConfig.from_dict(..., planning=True)) that the engine does not build
 PLANNED_ARCHITECTURES = {"DbrxForCausalLM": "dbrx"}
 PLANNED_MODEL_TYPES = {"dbrx": "DbrxForCausalLM"}
-MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
-DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")  # MLA with DeepSeek Sparse Attention's indexer
 V3_ROUTER_FAMILIES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe", "mimo_v2_flash")  # sigmoid + correction bias + groups of top-2 sums
 # family -> default partial_rotary_factor
 PARTIAL_ROTARY_FAMILIES = {"glm4_moe": 0.5, "minimax_m2": 1.0, "qwen3_next": 0.25, "qwen3_5_moe": 0.25}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class MLAConfig:
-    """Multi-head Latent Attention (DeepSeek-V2/V3). Queries: q_proj, or q_a_proj -> q_a_layernorm ->
-    q_b_proj when q_lora_rank is set; keys and values come from one kv_lora_rank latent per token
-    (plus one qk_rope_head_dim roped key shared by all heads), which is what the KV cache stores.
-    softmax_scale: (qk_nope_head_dim + qk_rope_head_dim) ** -0.5, times yarn's mscale(mscale_all_dim)**2."""
-
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    rope_interleave: bool  # the rope dims pair up as (0, 1), (2, 3), ... instead of the two halves
-    softmax_scale: float
-    # DeepSeek Sparse Attention (V3.2, GLM-5; models/mla.py Indexer): each query attends to the index_topk
-    # cached tokens its index_heads heads of index_head_dim score highest (0: dense MLA); the cache
-    # keeps each token's index key (index_head_dim values) beside its latent
-    index_heads: int = 0
-    index_head_dim: int = 0
-    index_topk: int = 0
-    # with index_topk, one per layer: True where the layer runs its own indexer, False where it reuses
-    # the choice of the last layer before it that did (GLM-5's indexer_types "shared": such a layer has
-    # no indexer weights and caches no index keys); V3.2: all True
-    index_layers: tuple[bool, ...] = ()
-    index_rope_interleave: bool = False  # the indexer's rope dims pair up as (0, 1), ... (GLM-5), not halves (V3.2)
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def cache_width(self) -> int:
-        """Values cached per token and layer: the latent and the roped key."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    def runs_indexer(self, layer: int) -> bool:
-        """Whether `layer` scores tokens with its own indexer (and caches index keys)."""
-        return self.index_topk > 0 and self.index_layers[layer]
-
-    def index_source(self, layer: int) -> int | None:
-        """The layer whose choice of tokens `layer` reuses (the last one up to it that runs its
-        indexer: itself if it does), or None without sparse attention."""
-        if not self.index_topk:
-            return None
-        return max(i for i in range(layer + 1) if self.index_layers[i])
-
-
-@dataclass(frozen=True)
-class LinearAttentionConfig:
-    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5-MoE; models/linear_attention.py): key_heads query/key
-    heads of key_dim, value_heads (a multiple of key_heads) value heads of value_dim, a depthwise causal
-    convolution of conv_kernel taps over q, k and v. Each sequence carries, per linear layer, the
-    convolution's last conv_kernel - 1 inputs and a (value_heads, key_dim, value_dim) float32 state.
-    split_projections: the checkpoint's input projections are Qwen3.5's in_proj_qkv (q of every key
-    head, then k, then v), in_proj_z, in_proj_b and in_proj_a, not Qwen3-Next's in_proj_qkvz and
-    in_proj_ba grouped per key head (the same weights, laid out differently)."""
-
-    key_heads: int
-    value_heads: int
-    key_dim: int
-    value_dim: int
-    conv_kernel: int
-    split_projections: bool = False
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels convolved: q and k of every key head, v of every value head."""
-        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
-
-    def state_bytes(self, dtype: torch.dtype) -> int:
-        """One sequence's state in one layer: the convolution's inputs in `dtype`, the recurrent
-        state in float32."""
-        return self.conv_dim * (self.conv_kernel - 1) * dtype.itemsize + self.value_heads * self.key_dim * self.value_dim * 4
-
-    def params(self, hidden: int) -> int:
-        """One layer's parameters: the input projections (q, k, v, z, b, a), conv1d, dt_bias, A_log, the
-        gated norm, out_proj."""
-        v = self.value_heads * self.value_dim
-        return (hidden * (self.conv_dim + v + 2 * self.value_heads) + self.conv_dim * self.conv_kernel
-                + 2 * self.value_heads + self.value_dim + v * hidden)
 
 
 @dataclass(frozen=True)
@@ -539,7 +456,7 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
 
     hidden, layers, heads = int(need("hidden_size")), int(need("num_hidden_layers")), int(need("num_attention_heads"))
     kv_heads = int(get("num_key_value_heads", heads))
-    mla = _mla(raw, family, layers, src) if family in MLA_FAMILIES else None
+    mla = read_mla(raw, family, layers, src) if family in MLA_FAMILIES else None
     head_dim = mla.qk_rope_head_dim if mla else int(get("head_dim", hidden // heads))  # MLA: the rotary dim
     if heads % kv_heads:
         raise ConfigError(f"{src}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
@@ -620,7 +537,7 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
         dtype=DTYPES[dtype_name],
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),),
         bos_token_id=get("bos_token_id"),
-        mla=_with_scale(mla, rope) if mla else None,
+        mla=with_mla_scale(mla, rope) if mla else None,
         # any family: `shuttle train --mtp-layers 1` gives a Mixtral, Qwen3, ... checkpoint one
         num_mtp_layers=int(get("num_nextn_predict_layers", 0, "num_mtp_layers")),
         fp8_block=_fp8_block(raw.get("quantization_config"), src),
@@ -749,51 +666,6 @@ def _router(raw: dict[str, Any], family: str, num_experts: int, top_k: int, src:
                         topk_groups=topk_groups, group_score="top2_sum" if v3 else "max",
                         scaling=float(raw.get("routed_scaling_factor") or (2.5 if family in ("deepseek_v3", *DSA_FAMILIES) else 1.0)),
                         correction_bias=v3, logits_fp32=True, weights_fp32=True)
-
-
-def _mla(raw: dict[str, Any], family: str, layers: int, src: str) -> MLAConfig:
-    """MLA shapes (the softmax scale is filled in by _with_scale once the rope is known)."""
-    def need(key: str) -> int:
-        if raw.get(key) is None:
-            raise ConfigError(f"{src}: required field '{key}' is missing")
-        value = int(raw[key])
-        if value <= 0:
-            raise ConfigError(f"{src}: {key} must be positive, got {value}")
-        return value
-
-    rope_dim = need("qk_rope_head_dim")
-    if rope_dim % 2:
-        raise ConfigError(f"{src}: qk_rope_head_dim ({rope_dim}) must be even for rotary embeddings")
-    q_lora = raw.get("q_lora_rank")
-    if q_lora is not None and int(q_lora) <= 0:
-        raise ConfigError(f"{src}: q_lora_rank must be positive or null, got {q_lora}")
-    # V2 always pairs rope dims interleaved (and V3.2, GLM-5); V3 configs say so (rope_interleave, default true)
-    interleave = family in ("deepseek_v2", *DSA_FAMILIES)
-    index = {}
-    if family in DSA_FAMILIES:  # (transformers' attention has no q_proj path there: the indexer reads q_a)
-        if q_lora is None:
-            raise ConfigError(f"{src}: q_lora_rank must be set for {family} (its indexer reads the query latent)")
-        families.check_no_dropout(raw, src)  # (transformers drops attention weights out in training)
-        index = dict(index_heads=need("index_n_heads"), index_head_dim=need("index_head_dim"),
-                     index_topk=need("index_topk"), index_rope_interleave=family == "glm_moe_dsa",
-                     index_layers=(families.indexer_layers(raw, layers, src) if family == "glm_moe_dsa"
-                                   else (True,) * layers))
-        if index["index_head_dim"] < rope_dim:
-            raise ConfigError(f"{src}: index_head_dim ({index['index_head_dim']}) must be at least qk_rope_head_dim "
-                              f"({rope_dim}): the indexer ropes the first qk_rope_head_dim of its heads")
-    return MLAConfig(q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=need("kv_lora_rank"),
-                     qk_nope_head_dim=need("qk_nope_head_dim"), qk_rope_head_dim=rope_dim, v_head_dim=need("v_head_dim"),
-                     rope_interleave=interleave or bool(raw.get("rope_interleave", True)), softmax_scale=0.0, **index)
-
-
-def _with_scale(mla: MLAConfig, rope: RopeConfig) -> MLAConfig:
-    """transformers' yarn_apply_mscale: with a scaled rope and mscale_all_dim, the softmax scale is
-    multiplied by mscale(factor, mscale_all_dim) squared."""
-    scale = mla.qk_head_dim ** -0.5
-    if rope.rope_type != "default" and rope.mscale_all_dim and rope.factor and rope.factor > 1:
-        m = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
-        scale *= m * m
-    return MLAConfig(**{**mla.__dict__, "softmax_scale": scale})
 
 
 def _sliding_windows(raw: dict[str, Any], family: str, layers: int, src: str) -> tuple[int | None, ...]:

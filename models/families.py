@@ -278,7 +278,7 @@ def mimo_fields(raw: dict[str, Any], layers: int, src: str, rope_of: RopeOf) -> 
 
 def qwen3_next_fields(raw: dict[str, Any], layers: int, src: str, rope_of: RopeOf) -> dict[str, Any]:
     """ModelConfig fields of Qwen3-Next (transformers' Qwen3NextConfig and Qwen3NextDecoderLayer);
-    linear_attention: LinearAttentionConfig's fields (models/config.py builds it)."""
+    linear_attention: LinearAttentionConfig's fields (models/attention_config.py; models/config.py builds it)."""
     check_no_dropout(raw, src)
     interval = int(raw.get("full_attention_interval") or 4)
     if interval < 1:

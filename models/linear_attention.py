@@ -20,7 +20,8 @@ from torch import nn
 
 from kernels.delta_rule import gated_delta_rule_decode_
 from kernels.ops import KernelOps
-from models.config import LinearAttentionConfig, ModelConfig
+from models.attention_config import LinearAttentionConfig
+from models.config import ModelConfig
 from models.kv_cache import AttentionBatch, LinearStates
 
 
