@@ -45,17 +45,19 @@ def draft_model_config(cfg: EngineConfig, target: ModelConfig) -> ModelConfig:
     return draft
 
 
+def draft_engine_config(cfg: EngineConfig, num_blocks: int) -> EngineConfig:
+    """The draft model's runner's config: the target's, on the draft checkpoint, without speculation,
+    with the target cache's block count (which its cache mirrors)."""
+    return replace(cfg, model=cfg.speculative.model, speculative=None,
+                   cache=replace(cfg.cache, num_blocks=num_blocks, kv_cache_gib=None))
+
+
 class DraftModel:
-    """The draft model of one engine. num_blocks: the target cache's, which this cache mirrors."""
+    """The draft model of one engine: `runner` (a ModelRunner on draft_engine_config) and its config."""
 
-    def __init__(self, cfg: EngineConfig, draft_cfg: ModelConfig, num_blocks: int):
-        from attention_nodes.model_runner import ModelRunner
-
-        spec = cfg.speculative
-        self.block_size = cfg.cache.block_size
-        self.vocab_size = draft_cfg.vocab_size
-        self.runner = ModelRunner(replace(cfg, model=spec.model, speculative=None,
-                                          cache=replace(cfg.cache, num_blocks=num_blocks, kv_cache_gib=None)), draft_cfg)
+    def __init__(self, runner, cfg: EngineConfig):
+        spec, draft_cfg = cfg.speculative, runner.model_cfg
+        self.runner, self.block_size, self.vocab_size = runner, cfg.cache.block_size, draft_cfg.vocab_size
         log.info("speculative decoding: up to %d drafts a step from the draft model %s (%s, %d layers)",
                  spec.num_speculative_tokens, spec.model, draft_cfg.architecture, draft_cfg.num_layers)
 

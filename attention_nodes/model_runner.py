@@ -106,8 +106,8 @@ class ModelRunner:
                                       self.model.ops, self.state_slots)
         self.drafter = None  # (method draft_model) attention_nodes/draft_model.py, over the same block tables
         if self.draft_cfg is not None:
-            from attention_nodes.draft_model import DraftModel
-            self.drafter = DraftModel(cfg, self.draft_cfg, self.num_blocks)
+            from attention_nodes.draft_model import DraftModel, draft_engine_config
+            self.drafter = DraftModel(ModelRunner(draft_engine_config(cfg, self.num_blocks), self.draft_cfg), cfg)
         # A bf16 decode step's layers as native calls, where the model takes it: colocated the whole
         # step in one, on an attention worker each layer's attention side (models/native_decode.py)
         if self.packed and cfg.native_decode:
