@@ -133,3 +133,32 @@ def test_the_builtin_models_mtp_head_keeps_greedy_ids():
         llm.shutdown()
     assert spec == plain
     assert stats["num_accepted_tokens"] > 0.2 * stats["num_draft_tokens"], stats
+
+
+@pytest.mark.slow
+def test_expert_parallel_training_with_an_mtp_layer_equals_one_rank(make_checkpoint, corpus, tmp_path):
+    """--expert-parallel 2 with an MTP layer (MoE, its experts sharded like the model's): the same
+    losses, the MTP loss included, as one rank at the same global batch, and the same checkpoint."""
+    from models.loader import load_model
+    from tests.test_training import _torchrun
+    from training.checkpoint import latest_checkpoint
+
+    ckpt, flags = make_checkpoint("mixtral"), ["--mtp-layers", "1", "--mtp-loss-weight", "0.3"]
+    proc = _torchrun(ckpt, corpus, tmp_path / "ep2", "--expert-parallel", "2", *flags)
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, output[-3000:]
+    one = tmp_path / "one"
+    Trainer(TrainConfig(out=one, data=(str(corpus),), init_from=str(ckpt), seq_len=32, micro_batch_size=4,
+                        max_steps=12, lr=3e-3, warmup_steps=2, log_every=2, save_every=4, aux_loss_coef=0.01,
+                        progress=False, mtp_layers=1, mtp_loss_weight=0.3), ParallelContext()).run()
+    a, b = read_log(one / "train_log.jsonl"), read_log(tmp_path / "ep2" / "train_log.jsonl")
+    assert len(a) == len(b) == 12
+    for x, y in zip(a, b):
+        for key in ("lm_loss", "mtp_loss", "loss"):
+            assert abs(x[key] - y[key]) < 1e-4 * x[key], (key, x, y)
+    assert _mtp_losses(one)[-1] < _mtp_losses(one)[0]
+    ours, theirs = _tensors(one), _tensors(tmp_path / "ep2")
+    assert ours.keys() == theirs.keys() and any(".layers.2." in n and "experts" in n for n in ours)
+    for n, t in ours.items():
+        assert (t.float() - theirs[n].float()).abs().max() < 1e-3, n
+    load_model(latest_checkpoint(tmp_path / "ep2"))
