@@ -8,7 +8,7 @@ import torch
 from m2n_comm.transport import BACKENDS
 
 M2N_DTYPES = ("auto", "fp8")  # ParallelConfig.m2n_dtype
-QUANTIZATIONS = ("int8", "fp8")  # EngineConfig.quantization ("none" too: served in dtype)
+QUANTIZATIONS = ("int8", "fp8", "mxfp4")  # EngineConfig.quantization ("none" too: served in dtype)
 SPEC_METHODS = ("ngram", "mtp", "draft_model")  # SpeculativeConfig.method
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32  # SpeculativeConfig.disable_by_batch_size when not given
 
@@ -253,7 +253,10 @@ class EngineConfig:
     them in `dtype`. vLLM's name "experts_int8" means the same. "fp8" (same placement): FP8 E4M3 codes
     in 128 x 128 blocks (kernels/fp8_weights.py); an FP8 block checkpoint's experts and FP8 linears
     keep their codes and scales as shipped, a float checkpoint's experts are quantised at load;
-    server.llm.engine_config picks "fp8" for FP8 checkpoints where this placement allows.
+    server.llm.engine_config picks "fp8" for FP8 checkpoints where this placement allows. "mxfp4"
+    (same placement): the experts as MXFP4 E2M1 codes with an E8M0 scale per row and 32 inputs
+    (kernels/mxfp4_weights.py); an MXFP4 checkpoint's (gpt-oss) kept as shipped, a float checkpoint's
+    quantised at load (its experts' input counts multiples of 32).
     speculative: SpeculativeConfig (or its dict or JSON text), None without speculative decoding."""
 
     model: str
@@ -281,7 +284,8 @@ class EngineConfig:
                 raise ValueError(f"quantization {self.quantization!r} is not supported; choose from none, "
                                  f"{', '.join(QUANTIZATIONS)} (or experts_int8, int8's vLLM name)")
             if not self.experts_on_cpu_torch:
-                kernels = "kernels/int8.py" if self.quantization == "int8" else "kernels/fp8_weights.py"
+                kernels = {"int8": "kernels/int8.py", "fp8": "kernels/fp8_weights.py",
+                           "mxfp4": "kernels/mxfp4_weights.py"}[self.quantization]
                 raise ValueError(f"quantization {self.quantization!r} runs the experts on CPU workers with torch "
                                  f"kernels ({kernels}); got experts on {self.experts_device!r}, kernels "
                                  f"{self.kernels!r}")

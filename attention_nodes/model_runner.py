@@ -52,6 +52,9 @@ class ModelRunner:
         # shipped go to the packed modules (a GPU attention pool serves its linears dequantised)
         keep_fp8 = (cfg.quantization == "fp8" and self.model_cfg.fp8_block is not None
                     and self.device.type == "cpu" and cfg.kernels != "triton")
+        # quantization mxfp4 of an MXFP4 checkpoint on the CPU: its experts' blocks and scales as shipped
+        keep_mxfp4 = (cfg.quantization == "mxfp4" and self.model_cfg.mxfp4 and self.device.type == "cpu"
+                      and cfg.kernels != "triton")
         if cfg.speculative is not None and cfg.speculative.method == "mtp":  # (before loading anything)
             from models.mtp import check_mtp_checkpoint
             check_mtp_checkpoint(cfg.model, self.model_cfg)
@@ -60,7 +63,7 @@ class ModelRunner:
             from attention_nodes.draft_model import draft_model_config
             self.draft_cfg = draft_model_config(cfg, self.model_cfg)
         self.model = load_model(cfg.model, self.model_cfg, dtype=cfg.dtype, device=self.device, kernels=cfg.kernels,
-                                with_experts=dispatcher is None, keep_fp8=keep_fp8)
+                                with_experts=dispatcher is None, keep_fp8=keep_fp8, keep_mxfp4=keep_mxfp4)
         self.model.dispatcher = dispatcher or LocalDispatcher(self.model_cfg.num_experts, self.device)  # counts load
         # speculative method mtp: the checkpoint's MTP layer (models/mtp.py), its experts with it, and the
         # paged cache one layer deeper for its keys and values (cache_cfg: the model config with that layer)

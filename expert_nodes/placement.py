@@ -171,9 +171,10 @@ def watch_placements(held: HeldExperts, store_addr: tuple[str, int], session: st
 
 
 def loader_for(model: str, cfg: ModelConfig, dtype: torch.dtype | None, device: torch.device, kernels: str | None,
-               pack, keep_fp8: bool = False) -> callable:
+               pack, keep_fp8: bool = False, keep_mxfp4: bool = False) -> callable:
     """load_fn for HeldExperts: the experts of {layer: ids} from the checkpoint, packed like the rest
-    (keep_fp8: with an FP8 checkpoint's codes as shipped, for pack; load_experts)."""
+    (keep_fp8: with an FP8 checkpoint's codes as shipped, for pack; keep_mxfp4: an MXFP4 checkpoint's
+    blocks as shipped, not dequantised; load_experts)."""
     def load(ids_by_layer: dict[int, list[int]]) -> dict[int, nn.Module]:
-        return pack(load_experts(model, ids_by_layer, cfg, dtype, device, kernels, keep_fp8))
+        return pack(load_experts(model, ids_by_layer, cfg, dtype, device, kernels, keep_fp8, keep_mxfp4))
     return load

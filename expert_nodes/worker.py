@@ -101,7 +101,8 @@ def _serve(spec: ExpertWorkerSpec, store: SignedStore) -> None:
     device = torch.device(spec.device)
     pack = functools.partial(pack_for_cpu, quantization=spec.quantization) if device.type == "cpu" else (lambda m: m)
     keep_fp8 = spec.quantization == "fp8" and cfg.fp8_block is not None  # the checkpoint's codes as shipped
-    load_fn = loader_for(spec.model, cfg, spec.dtype, device, spec.kernels, pack, keep_fp8)
+    keep_mxfp4 = spec.quantization == "mxfp4" and cfg.mxfp4 and device.type == "cpu"  # (pack runs them)
+    load_fn = loader_for(spec.model, cfg, spec.dtype, device, spec.kernels, pack, keep_fp8, keep_mxfp4)
     held = HeldExperts(spec.placement, load_fn(spec.placement.experts_on(spec.rank)), spec.rank, load_fn, device)
     freeze_loaded_heap()
     weight_bytes = _expert_bytes(held)
@@ -263,8 +264,9 @@ def narrows(blocks) -> bool:
 def pack_for_cpu(experts: dict, quantization: str | None = None) -> dict:
     """MoE layer -> its experts, packed for the CPU kernels where this CPU has them (the kernels
     chosen by measurement first), or quantised ("int8": kernels/int8.py, any CPU; "fp8":
-    kernels/fp8_weights.py, the checkpoint's codes where load_experts kept them), as an expert
-    worker serves them; the planner's profile times the same modules."""
+    kernels/fp8_weights.py, the checkpoint's codes where load_experts kept them; "mxfp4":
+    kernels/mxfp4_weights.py, likewise), as an expert worker serves them; the planner's profile times
+    the same modules."""
     from kernels.cpu_linear import packing_available
 
     from models.cpu_inference import PackedExperts, choose_kernels, compile_expert_gemms

@@ -22,6 +22,9 @@ Ops (each candidate reads the same weights, so the choice can change with the ro
           panel dequantised to bf16 once per block of rows for bf16dot (AVX-512 BF16 dot products) or
           amx; the kernel takes one big kernel and threshold: the one that won the largest bucket, from
           the first bucket after which it always won
+  mxfp4   an MXFP4 linear's bf16 rows (kernels/mxfp4_weights.mxfp4_linear), shape (O, I): fma (FP4 codes
+          decoded in registers, AVX-512, else AVX2) or bf16dot (each panel decoded to bf16 once per
+          block of rows, AVX-512 BF16 dot products); only where bf16dot runs
   attention  paged decode attention (kernels/attention.paged_decode_attention) per bucket of the
           batch's sequences, each attending over ATTENTION_CONTEXT (256) tokens in pages of
           ATTENTION_PAGE (16) slots scattered over the cache; shape (N, K, H, bytes per element):
@@ -77,9 +80,11 @@ TIMED_BYTES = 16 << 20  # the cheap ops' largest timed input (attention: the key
 ATTENTION_CONTEXT = 256  # tokens per sequence where attention is timed
 ATTENTION_PAGE = 16  # token slots per page there (CacheConfig.block_size's default)
 CANDIDATES = {"gemm": ("avx512", "amx", "onednn"), "moe": ("avx512", "amx"), "skinny": ("native", "onednn"),
-              "int8_moe": ("fma", "bf16dot", "amx"), **{op: ("native", "torch") for op in native.NATIVE_OR_TORCH}}
+              "int8_moe": ("fma", "bf16dot", "amx"), "mxfp4": ("fma", "bf16dot"),
+              **{op: ("native", "torch") for op in native.NATIVE_OR_TORCH}}
 CHOOSABLE = {"gemm": ("avx512", "amx"), "moe": ("avx512", "amx"), "skinny": ("native", "onednn"),
-             "int8_moe": ("fma", "bf16dot", "amx"), **{op: ("native", "torch") for op in native.NATIVE_OR_TORCH}}
+             "int8_moe": ("fma", "bf16dot", "amx"), "mxfp4": ("fma", "bf16dot"),
+             **{op: ("native", "torch") for op in native.NATIVE_OR_TORCH}}
 _DTYPES = {2: torch.bfloat16, 4: torch.float32}  # the cheap ops' shapes name their dtype by its size
 _C_OPS = {"gemm": native.GEMM, "moe": native.MOE}
 _C_CANDIDATES = {"avx512": native.AVX512, "amx": native.AMX}
@@ -248,6 +253,20 @@ def _int8_moe_runners(shape: tuple[int, int]) -> dict:
             "runners": {name: run(k) for name, k in kernels.items()}, "keep": experts}
 
 
+def _mxfp4_runners(shape: tuple[int, int]) -> dict:
+    from kernels import mxfp4_weights as mx
+
+    w = mx.Mxfp4Weight.quantize(torch.randn(*shape) / shape[1] ** 0.5)
+    here = mx.kernels()
+    kernels = {"fma": mx.AVX512 if mx.AVX512 in here else mx.AVX2, "bf16dot": mx.BF16DOT}
+
+    def run(kernel):
+        return lambda x: (lambda: mx.mxfp4_linear(x, w, kernel=kernel))
+
+    return {"make_x": lambda T: torch.randn(T, shape[1]).to(torch.bfloat16),
+            "runners": {name: run(k) for name, k in kernels.items()}, "keep": w}
+
+
 def _timed_rows(row_bytes: int) -> int:
     """The largest bucket row count whose input of row_bytes a row stays within TIMED_BYTES (1 at least)."""
     return max([1] + [r for r in BUCKET_ROWS if r * row_bytes <= TIMED_BYTES])
@@ -303,6 +322,7 @@ def _routing_runners(shape: tuple[int, int, int]) -> dict:
 
 
 _RUNNERS = {"gemm": _gemm_runners, "moe": _moe_runners, "skinny": _skinny_runners, "int8_moe": _int8_moe_runners,
+            "mxfp4": _mxfp4_runners,
             "attention": _attention_runners, "rmsnorm": _rmsnorm_runners, "routing": _routing_runners}
 
 
@@ -384,6 +404,10 @@ def _apply(choice: Choice) -> None:
         int8.set_moe_big({"bf16dot": int8.BF16DOT, "amx": int8.AMX}.get(big),
                          1 if first == 0 else BUCKET_ROWS[first - 1] + 1)
         return
+    if choice.op == "mxfp4":
+        from kernels.mxfp4_weights import set_bf16dot_rows
+        set_bf16dot_rows([p == "bf16dot" for p in choice.picks])
+        return
     if choice.op == "skinny":
         from kernels.cpu_linear import set_skinny_native
         set_skinny_native([p == "native" for p in choice.picks])
@@ -404,6 +428,10 @@ def configure(op: str, shapes: list[tuple[int, ...]]) -> Choice | None:
     if op == "int8_moe":
         from kernels import int8
         if not {int8.BF16DOT, int8.AMX} & int8.kernels():  # one candidate: nothing to choose
+            return None
+    if op == "mxfp4":
+        from kernels import mxfp4_weights
+        if mxfp4_weights.BF16DOT not in mxfp4_weights.kernels():  # one candidate: nothing to choose
             return None
     shapes = sorted({tuple(int(d) for d in s) for s in shapes})
     if not shapes:

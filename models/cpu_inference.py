@@ -13,6 +13,7 @@ from kernels.cpu_linear import (SKINNY_MAX_ROWS, CpuWeight, ExpertPanels, Packed
                                 packing_available)
 from kernels.fp8_weights import Fp8ExpertPanels, Fp8Experts, Fp8Weight, fused_moe_fp8
 from kernels.int8 import Int8Experts, Int8ExpertPanels, fused_moe_int8, quantize_int8
+from kernels.mxfp4_weights import Mxfp4Weight
 from kernels.moe import SILU, SwiGLU, fused_moe_packed
 from models.moe_decoder import Attention, DecoderLayer, Experts, MoEForCausalLM, Router, SparseMoE
 from models.norm import RMSNorm
@@ -42,13 +43,19 @@ class PackedExperts(nn.Module):
     CpuWeight.quantized for fused_moe_packed (biases, other activations). quantization="fp8": FP8
     codes with 128 x 128 block scales (kernels/fp8_weights.py), the checkpoint's own where the loader
     kept them (keep_fp8), else quantised from the float weights; Fp8ExpertPanels run by
-    fused_moe_fp8 for SiLU experts without biases, else CpuWeight.quantized(Fp8Weight)."""
+    fused_moe_fp8 for SiLU experts without biases, else CpuWeight.quantized(Fp8Weight).
+    quantization="mxfp4": MXFP4 codes and E8M0 scales (kernels/mxfp4_weights.py), the checkpoint's
+    blocks as shipped where the loader kept them (keep_mxfp4), else quantised from the float weights;
+    CpuWeight.quantized(Mxfp4Weight) for fused_moe_packed's per-expert linears, whatever the
+    activation and biases (there is no fused MXFP4 block)."""
 
     def __init__(self, experts: Experts | None = None, quantization: str | None = None):
         super().__init__()
         self.w13_packed, self.w2_packed = [], []
         if experts is not None and quantization == "fp8":
             self.w13_packed, self.w2_packed = _fp8_experts(experts)
+        elif experts is not None and quantization == "mxfp4":
+            self.w13_packed, self.w2_packed = _mxfp4_experts(experts)
         elif experts is not None and quantization == "int8" and fused_int8_experts(experts):
             inter = experts.w2.shape[2]
             self.w13_packed = [Int8ExpertPanels(w, True, inter) for w in experts.w13.detach()]
@@ -122,6 +129,24 @@ def _fp8_experts(experts: Experts) -> tuple[list, list]:
             [Fp8ExpertPanels.quantize(w, False, inter, FP8_BLOCK) for w in experts.w2.detach()])
 
 
+def _mxfp4_experts(experts: Experts) -> tuple[list, list]:
+    """(w13, w2) per expert as CpuWeight.quantized(Mxfp4Weight) (PackedExperts' quantization "mxfp4"):
+    the blocks and scales the loader kept as shipped (Experts.mxfp4_checkpoint: {"w13": (blocks
+    (E, 2I, G, 16), scales (E, 2I, G)) with w13's rows, "w2": likewise (E, D, G', 16), (E, D, G')}),
+    else quantised from the float weights (ValueError naming the shape where an input count is not a
+    multiple of 32)."""
+    kept = getattr(experts, "mxfp4_checkpoint", None)
+    out = []
+    for key in ("w13", "w2"):
+        if kept is not None and key in kept:
+            blocks, scales = kept[key]
+            ws = [Mxfp4Weight.from_checkpoint(b, s) for b, s in zip(blocks, scales)]
+        else:
+            ws = [Mxfp4Weight.quantize(w) for w in getattr(experts, key).detach()]
+        out.append([CpuWeight.quantized(w) for w in ws])
+    return out[0], out[1]
+
+
 def _packed_linear(linear: nn.Linear, quantization: str | None) -> PackedLinear:
     """PackedLinear of `linear`; with quantization "fp8", an FP8 weight the loader kept as shipped
     (fp8_checkpoint) stays FP8 (kernels/fp8_weights.Fp8Weight)."""
@@ -134,9 +159,9 @@ def _packed_linear(linear: nn.Linear, quantization: str | None) -> PackedLinear:
 def pack_for_cpu_inference(model: MoEForCausalLM, quantization: str | None = None) -> bool:
     """Swap linears and experts for packed ones in place; quantization="int8": the experts' weights
     as int8 (PackedExperts); "fp8": the experts as FP8, and the linears the loader kept FP8 as
-    shipped (keep_fp8) too. Returns False where the weights are not on the CPU or oneDNN cannot pack
-    their dtype here (see packing_available): then only the experts are swapped, and only if
-    quantised."""
+    shipped (keep_fp8) too; "mxfp4": the experts as MXFP4. Returns False where the weights are not
+    on the CPU or oneDNN cannot pack their dtype here (see packing_available): then only the experts
+    are swapped, and only if quantised."""
     w = model.lm_head.weight
     if w.device.type != "cpu":
         return False
@@ -196,7 +221,7 @@ def choose_kernels(module: nn.Module) -> None:
     worker's blocks), and on a model's attention, norm and routing shapes, and install the fastest per
     op and row count for the process (kernels/choice.py; cached on disk, so a process pays the timing
     once per machine and shapes)."""
-    gemm, moe, skinny, int8_moe = set(), set(), set(), set()
+    gemm, moe, skinny, int8_moe, mxfp4 = set(), set(), set(), set(), set()
     for m in module.modules():
         if isinstance(m, PackedExperts) and (m.int8 is not None or m.fp8 is not None):
             block = m.int8 or m.fp8  # (fused_moe_fp8 takes the int8 block's choice: kernels/fp8_weights.py)
@@ -206,11 +231,13 @@ def choose_kernels(module: nn.Module) -> None:
             moe.add((m.w2_packed[0].out_features, m.w2_packed[0].in_features))
             continue
         for w in cpu_weights(m):
-            if w.panels is not None:
+            if isinstance(w.int8, Mxfp4Weight):
+                mxfp4.add((w.out_features, w.int8.in_features))
+            elif w.panels is not None:
                 gemm.add((w.out_features, w.panels.shape[1] * 2))
             elif w.half is not None:
                 skinny.add(tuple(w.half.shape))
-    for op, shapes in (("gemm", gemm), ("moe", moe), ("skinny", skinny), ("int8_moe", int8_moe),
+    for op, shapes in (("gemm", gemm), ("moe", moe), ("skinny", skinny), ("int8_moe", int8_moe), ("mxfp4", mxfp4),
                        *step_op_shapes(module).items()):
         if shapes:
             choice.configure(op, sorted(shapes))
@@ -310,7 +337,7 @@ def resident_weight_bytes(module: nn.Module) -> dict[str, int]:
         for w in cpu_weights(m):
             for t in (getattr(w, "packed", None), w.half, w.panels):
                 add(kind, t)
-            for q in (w.int8, getattr(w, "fp8", None)):  # int8 or FP8 codes and their scales
+            for q in (w.int8, getattr(w, "fp8", None)):  # int8, FP8 or MXFP4 codes and their scales
                 if q is not None:
                     add(kind, q.panels)
                     add(kind, q.scales)

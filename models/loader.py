@@ -15,8 +15,9 @@ gpt-oss stores its experts fused and
 transposed (`experts.gate_up_proj` (E, D, 2I) with gate and up interleaved, `down_proj` (E, I, D),
 biases `gate_up_proj_bias` / `down_proj_bias`) and its router as `mlp.router`; MXFP4 checkpoints hold
 each expert matrix as `X_blocks` + `X_scales` (out-major (E, O, D/32, 16) uint8 nibbles and E8M0
-scales), dequantised on read into the same (E, D, 2I) / (E, I, D) tensors. A Target's layout says how
-a tensor is rearranged into the model's stacked form. Multi-token-prediction layers (DeepSeek's
+scales), dequantised on read into the same (E, D, 2I) / (E, I, D) tensors, or with keep_mxfp4 kept as
+shipped instead (`mxfp4_checkpoint`, for kernels/mxfp4_weights.py; never dequantised). A Target's
+layout says how a tensor is rearranged into the model's stacked form. Multi-token-prediction layers (DeepSeek's
 num_nextn_predict_layers, stored as the layers past num_hidden_layers) are skipped with one log line
 (speculative method mtp reads the first of them apart: models/mtp.load_mtp).
 Llama 4 names its MLP `feed_forward` (router `router`, ungated `shared_expert`) and fuses its experts
@@ -172,9 +173,12 @@ class CheckpointReader:
             return 0 in self.shape(h, name)
 
     def read(self, wanted: dict[str, list[Target]], model_shape: dict[Target, tuple[int, ...]],
-             kept: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+             kept: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+             mxfp4_kept: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
         """Check then read the `wanted` tensors, one file at a time. kept: filled with the FP8 ones'
-        (codes, scale_inv) as shipped (read_fp8), beside their dequantised values."""
+        (codes, scale_inv) as shipped (read_fp8), beside their dequantised values. mxfp4_kept: filled
+        with the MXFP4 ones' (blocks (E, O, G, 16), scales (E, O, G)) as shipped, instead of their
+        dequantised values (they are then absent from the result)."""
         by_file: dict[Path, list[str]] = defaultdict(list)
         for name in wanted:
             by_file[self.files[name]].append(name)
@@ -194,7 +198,11 @@ class CheckpointReader:
                                                   f"{list(model_shape[t])} for {t.param}")
                 for name in names:
                     if name in self.mxfp4:
-                        out[name] = self._dequantize_mxfp4(f, name, h.get_tensor(name + "_blocks"))
+                        blocks, scales = self._checked_mxfp4(f, name, h.get_tensor(name + "_blocks"))
+                        if mxfp4_kept is not None:
+                            mxfp4_kept[name] = blocks, scales
+                        else:
+                            out[name] = dequantize_mxfp4(blocks, scales).transpose(1, 2)
                         continue
                     out[name] = h.get_tensor(name)
                     if out[name].dtype == torch.int8 and (name in self.scales or _ROUTED_EXPERT_WEIGHT.search(name)):
@@ -229,8 +237,9 @@ class CheckpointReader:
                 raise CheckpointError(f"{f}: FP8 tensor '{name}' holds NaN codes (0x7F / 0xFF)")
         return w, decode_scales(scale)
 
-    def _dequantize_mxfp4(self, f: Path, name: str, blocks: torch.Tensor) -> torch.Tensor:
-        """`name`_blocks (E, O, G, 16) uint8 with `name`_scales (E, O, G) -> float32 (E, G * 32, O)."""
+    def _checked_mxfp4(self, f: Path, name: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`name`_blocks (E, O, G, 16) uint8, `name`_scales (E, O, G) uint8), their shapes and dtypes
+        checked (dequantised: float32 (E, G * 32, O))."""
         scale_file = self.mxfp4[name][1]
         if blocks.dtype != torch.uint8 or blocks.dim() != 4 or blocks.shape[-1] != 16:
             raise CheckpointError(f"{f}: MXFP4 tensor '{name}_blocks' must be uint8 (E, O, G, 16), got "
@@ -240,7 +249,7 @@ class CheckpointReader:
         if tuple(scales.shape) != tuple(blocks.shape[:-1]) or scales.dtype != torch.uint8:
             raise CheckpointError(f"{scale_file}: tensor '{name}_scales' has shape {list(scales.shape)} "
                                   f"{scales.dtype}, expected uint8 {list(blocks.shape[:-1])} for '{name}_blocks'")
-        return dequantize_mxfp4(blocks, scales).transpose(1, 2)
+        return blocks, scales
 
     def _dequantize(self, f: Path, name: str, w: torch.Tensor) -> torch.Tensor:
         """An FP8 weight times its per-block weight_scale_inv, as float32."""
@@ -439,11 +448,13 @@ def freeze_loaded_heap() -> None:
 
 def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: torch.dtype | None = None,
                device: torch.device | str = "cpu", with_experts: bool = True,
-               kernels: str | None = None, keep_fp8: bool = False) -> MoEForCausalLM:
+               kernels: str | None = None, keep_fp8: bool = False, keep_mxfp4: bool = False) -> MoEForCausalLM:
     """Build MoEForCausalLM from a checkpoint directory, in `dtype` (default: the checkpoint's).
 
     kernels: "torch" or "triton" to override the device's default ops (see kernels.ops).
     keep_fp8: each FP8 weight's codes and scales as shipped also go to its module (keep_fp8_on).
+    keep_mxfp4: the MXFP4 experts' blocks and scales go to their Experts as shipped instead of being
+    dequantised (keep_mxfp4_on): for kernels/mxfp4_weights.py, which alone can then run them.
     """
     cfg = cfg or ModelConfig.from_pretrained(model_dir)
     dtype = dtype or cfg.dtype
@@ -492,15 +503,17 @@ def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: tor
         log.info("%s: skipped %d tensors of %d multi-token-prediction layer(s) (num_nextn_predict_layers; used "
                  "only as speculative method mtp's drafter, models/mtp.py)", reader.dir, len(mtp), cfg.num_mtp_layers)
     model_shape = {t: _target_shape(t, params[t.param].shape) for ts in wanted.values() for t in ts}
-    kept = {} if keep_fp8 else None
-    tensors = reader.read(wanted, model_shape, kept)
+    kept, mx = {} if keep_fp8 else None, {} if keep_mxfp4 else None
+    tensors = reader.read(wanted, model_shape, kept, mx)
     model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     params = dict(model.named_parameters())
-    fill_params(params, wanted, tensors)
+    fill_params(params, {n: ts for n, ts in wanted.items() if n in tensors}, tensors)
     if kept:
         keep_fp8_on(model.get_submodule, wanted, kept, cfg.fp8_block)
+    if mx:
+        keep_mxfp4_on(model.get_submodule, wanted, mx)
     offset_norms(model, cfg.norm_offset)
     return model.eval()
 
@@ -550,14 +563,38 @@ def keep_fp8_on(module_of, wanted: dict[str, list[Target]], kept: dict[str, tupl
                 module_of(owner).fp8_checkpoint = (codes, scale, block)
 
 
+def keep_mxfp4_on(module_of, wanted: dict[str, list[Target]], kept: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                  experts_of=None) -> None:
+    """Hand MXFP4 blocks and scales as shipped (CheckpointReader.read with mxfp4_kept) to the Experts that
+    hold their weights (module_of: a module's name -> the module): its `mxfp4_checkpoint` {"w13" | "w2":
+    (blocks (E, O, G, 16), scales (E, O, G))}, rows in the parameter's order (gpt-oss's interleaved
+    gate/up rows split into gate then up, as the layout "i" splits them), the experts experts_of(owner)
+    lists (an expert worker's share; None: all). The parameter, never filled, becomes zeros of its shape
+    that hold no memory: only the kept bytes are served (kernels/mxfp4_weights.py)."""
+    for name, (blocks, scales) in kept.items():
+        for t in wanted[name]:
+            owner, _, leaf = t.param.rpartition(".")
+            module = module_of(owner)
+            ids = None if experts_of is None else torch.tensor(experts_of(owner))
+            b, s = (blocks, scales) if ids is None else (blocks.index_select(0, ids), scales.index_select(0, ids))
+            if "i" in t.layout:
+                order = torch.cat((torch.arange(0, b.shape[1], 2), torch.arange(1, b.shape[1], 2)))
+                b, s = b.index_select(1, order), s.index_select(1, order)
+            module.__dict__.setdefault("mxfp4_checkpoint", {})[leaf] = (b, s)
+            p = getattr(module, leaf)
+            setattr(module, leaf, torch.nn.Parameter(torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape),
+                                                     requires_grad=False))
+
+
 def load_experts(model_dir: str | Path, expert_ids: list[int] | dict[int, list[int]], cfg: ModelConfig | None = None,
                  dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-                 kernels: str | None = None, keep_fp8: bool = False) -> dict[int, Experts]:
+                 kernels: str | None = None, keep_fp8: bool = False, keep_mxfp4: bool = False) -> dict[int, Experts]:
     """An expert worker's share: for every MoE layer, an Experts module holding the global experts
     `expert_ids` in that order (local index i is expert expert_ids[i]); a dict {layer: ids} gives
     each listed MoE layer its own experts (other layers are not loaded). Reads only their tensors
     (a fused checkpoint tensor is read whole, then sliced). Returns {layer: Experts}. keep_fp8: their
-    FP8 codes and scales as shipped also go to each Experts (keep_fp8_on)."""
+    FP8 codes and scales as shipped also go to each Experts (keep_fp8_on); keep_mxfp4: their MXFP4
+    blocks and scales as shipped instead of dequantised ones (keep_mxfp4_on)."""
     cfg = cfg or ModelConfig.from_pretrained(model_dir)
     dtype, ops = dtype or cfg.dtype, select_ops(device, kernels)
     moe = [i for i, is_moe in enumerate(cfg.moe_layers) if is_moe]
@@ -592,14 +629,14 @@ def load_experts(model_dir: str | Path, expert_ids: list[int] | dict[int, list[i
             missing = [n for n in _expected_names(pname, cfg) if n not in reader.files]
             raise CheckpointError(f"{reader.dir}: missing tensor '{missing[0] if missing else pname}' for "
                                   f"parameter {pname} (experts {by_layer[int(_LAYER.match(pname).group(1))]})")
-    kept = {} if keep_fp8 else None
-    tensors = reader.read(wanted, model_shape, kept)
+    kept, mx = {} if keep_fp8 else None, {} if keep_mxfp4 else None
+    tensors = reader.read(wanted, model_shape, kept, mx)
     for m in experts.values():
         m.to_empty(device=device)
     params = _expert_params(experts)
     with torch.no_grad():
         for name, targets in wanted.items():
-            for t in targets:
+            for t in targets if name in tensors else ():
                 dst = params[t.param]
                 src = apply_layout(tensors[name], t.layout)
                 if t.expert is not None:
@@ -611,6 +648,9 @@ def load_experts(model_dir: str | Path, expert_ids: list[int] | dict[int, list[i
                 dst.copy_(src)
     if kept:
         keep_fp8_on(lambda owner: experts[int(_LAYER.match(owner + ".").group(1))], wanted, kept, cfg.fp8_block)
+    if mx:
+        layer_of = lambda owner: int(_LAYER.match(owner + ".").group(1))  # noqa: E731
+        keep_mxfp4_on(lambda owner: experts[layer_of(owner)], wanted, mx, lambda owner: by_layer[layer_of(owner)])
     return {i: m.eval() for i, m in experts.items()}
 
 

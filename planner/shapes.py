@@ -54,9 +54,9 @@ def config_hash(raw: dict[str, Any]) -> str:
 
 def quantization_of(name: str | None, cfg: ModelConfig | None = None, model: str = "the model") -> str | None:
     """EngineConfig.quantization as profiles and plans record it: None (also "none"), "int8" (also
-    vLLM's "experts_int8") or "fp8". ValueError for another name, or for a quantization of a
-    checkpoint that is already quantised (FP8 block but for fp8, MXFP4), which engine_config refuses
-    to serve."""
+    vLLM's "experts_int8"), "fp8" or "mxfp4". ValueError for another name, or for a quantization of
+    a checkpoint that is already quantised (FP8 block but for fp8, MXFP4 but for mxfp4), which
+    engine_config refuses to serve."""
     from attention_nodes.config import QUANTIZATIONS
 
     if name is None or name == "none":
@@ -66,7 +66,7 @@ def quantization_of(name: str | None, cfg: ModelConfig | None = None, model: str
         raise ValueError(f"quantization {name!r} is not supported; choose from none, {', '.join(QUANTIZATIONS)} "
                          "(or experts_int8, vLLM's name for int8)")
     shipped = None if cfg is None else "FP8 block" if cfg.fp8_block else "MXFP4" if cfg.mxfp4 else None
-    if shipped and not (shipped == "FP8 block" and q == "fp8"):
+    if shipped and (shipped, q) not in (("FP8 block", "fp8"), ("MXFP4", "mxfp4")):
         raise ValueError(f"{model}: the checkpoint is already {shipped}-quantised; quantization {q} quantises "
                          "float checkpoints (plan this one without it)")
     return q

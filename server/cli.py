@@ -112,7 +112,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "float checkpoint (weight-only; half of bf16's bytes; CPU workers; experts_int8 is vLLM's "
                         "name for it). fp8: as FP8 E4M3 in 128x128 blocks (the same bytes). An FP8 block "
                         "checkpoint is served in FP8 as shipped (experts and FP8 linears) where its experts run "
-                        "on CPU workers with torch kernels; none: dequantise it at load instead")
+                        "on CPU workers with torch kernels; none: dequantise it at load instead. mxfp4: the "
+                        "experts as MXFP4 (4-bit E2M1 codes, a scale byte per 32 inputs: 0.27x bf16's bytes), an "
+                        "MXFP4 checkpoint's (gpt-oss) as shipped, a float checkpoint's quantised at load")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: {"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4} (also prompt_lookup_min, disable_by_batch_size)')

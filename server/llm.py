@@ -121,13 +121,25 @@ def _checkpoint_quantization(cfg: EngineConfig, asked: str | None) -> EngineConf
     """cfg with the quantization the checkpoint takes. An FP8 block checkpoint is served in FP8 as
     shipped (quantization "fp8", as vLLM serves FP8 checkpoints) where its experts run on CPU
     workers with torch kernels, unless asked otherwise ("none": dequantised at load, as elsewhere);
-    quantising an already quantised checkpoint again (int8 of FP8, any of MXFP4) is refused."""
+    quantising an already quantised checkpoint again (int8 of FP8, int8 or FP8 of MXFP4) is refused.
+    "mxfp4" keeps an MXFP4 checkpoint's experts as shipped and quantises a float one's, whose experts'
+    input counts (hidden_size for w13, moe_intermediate_size for w2) must be multiples of 32."""
     model_cfg = ModelConfig.from_pretrained(cfg.model)
     shipped = "FP8 block" if model_cfg.fp8_block else "MXFP4" if model_cfg.mxfp4 else None
-    if shipped and cfg.quantization is not None and not (shipped == "FP8 block" and cfg.quantization == "fp8"):
+    if shipped and cfg.quantization is not None and (shipped, cfg.quantization) not in (("FP8 block", "fp8"),
+                                                                                        ("MXFP4", "mxfp4")):
+        keep = {"FP8 block": ", or with --quantization fp8 to keep its FP8 weights",
+                "MXFP4": ", or with --quantization mxfp4 to keep its MXFP4 experts"}[shipped]
         raise ValueError(f"{cfg.model}: the checkpoint is already {shipped}-quantised; --quantization "
-                         f"{cfg.quantization} quantises float checkpoints (serve this one without it"
-                         f"{', or with --quantization fp8 to keep its FP8 weights' if shipped == 'FP8 block' else ''})")
+                         f"{cfg.quantization} quantises float checkpoints (serve this one without it{keep})")
+    if cfg.quantization == "mxfp4" and not shipped:
+        for tensor, size, field_name in (("w13 (E, 2I, D)", model_cfg.hidden_size, "hidden_size"),
+                                         ("w2 (E, D, I)", model_cfg.moe_intermediate_size, "moe_intermediate_size")):
+            if size % 32:
+                raise ValueError(f"{cfg.model}: --quantization mxfp4 needs the experts' inputs in blocks of 32; "
+                                 f"model.layers.*.mlp.experts.{tensor} has {size} inputs ({field_name})")
+    if cfg.quantization == "mxfp4" and shipped:
+        log.info("weights: the experts MXFP4 as shipped (E2M1 codes and E8M0 scales per 32 inputs)")
     if shipped != "FP8 block":
         return cfg
     if asked is None and cfg.experts_on_cpu_torch:

@@ -1,0 +1,330 @@
+/* Weight-only MXFP4 linear: y[t][o] = sum_i fp4[o][i] 2^(e[o][i / 32] - 127) x[t][i] (+ bias[o]) for
+ * E2M1 codes (4 bits) with one E8M0 scale byte per output row and block of 32 inputs (OCP
+ * microscaling, gpt-oss's experts), x and y in float32 or bfloat16 (kernels/mxfp4_weights.py).
+ *
+ * Panels (Mxfp4Weight): 16 output rows x I inputs (I a multiple of 32), (ceil(O / 16), G = I / 32, 16
+ * pairs, 16 rows) bytes: byte o of pair j of block g = code[o][32g + 2j] | code[o][32g + 2j + 1] << 4,
+ * the checkpoint's own bytes (`X_blocks` (O, G, 16): element 2j in the low nibble of byte j) moved,
+ * never recoded; 256 bytes a panel and block. Scales (ceil(O / 16), G, 16) bytes: the 16 rows' E8M0
+ * exponents of each block. Rows past O: code 0 (scale byte 127).
+ *
+ * Decoding in registers: 16 bytes (one pair of a panel, every lane one row) zero-extended to 32-bit
+ * lanes index a 16-entry table of the FP4 values with vpermps (it reads each index's low 4 bits: the
+ * low nibble, input 2j) and again after a shift by 4 (the high nibble, input 2j + 1). The 16 scale
+ * bytes of a block become the float32 vector 2^(e - 127) by a shift into the exponent field (e = 0:
+ * 2^-127, a subnormal, set apart). FP4 values times powers of two are exact in float32 and bf16, but
+ * for values under 2^-126 (subnormals, which the BF16 dot products read as zero) and the overflow of
+ * the largest codes at e >= 253.
+ *
+ * Kernels (`kernel`, kernels/int8.py's numbers; AVX-512 ones compiled with target attributes where the
+ * compiler has them, run where the CPU lists their ISA):
+ *  AVX2     as AVX512 below with 8 lanes (a pair is two halves of 8 rows) and tiles of up to 3 rows;
+ *           vpermps there indexes 8 entries, so the table holds the 8 magnitudes and each nibble's
+ *           sign bit is moved into the float's.
+ *  AVX512   float32 x (bf16 x widened once into a copy): tiles of up to 8 rows; per block of 32
+ *           inputs, each pair's two decoded vectors FMA against the rows' broadcast x values into
+ *           float32 partial sums (lane = output row), then the partial sums times the block's 16
+ *           row scales are added into the row's sums. Every product is one FMA: the result equals
+ *           x.float() @ W^T up to float32 summation order.
+ *  BF16DOT  bf16 x only: each panel is decoded once per block of rows into a bf16 copy with its
+ *           scales folded in (int8_panels.h's layout: 64 bytes a pair, lane o = (w[o][2j],
+ *           w[o][2j + 1]); exact, see above), then every row tile multiplies it by x's bf16 pairs
+ *           with int8_panels.h's dotbf (AVX-512 BF16 dot products, float32 accumulation).
+ * OpenMP and blocking as int8_gemm.c: threads own ranges of panels (rows split too where panels are
+ * fewer than threads), rows in blocks whose x stays in L2 while every panel streams past it once. */
+#include "int8_panels.h"
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MX_BLOCK 32           /* inputs per E8M0 scale */
+#define MX_PANEL_BLOCK 256    /* bytes of one panel's block: 16 pairs x 16 rows */
+#define MX_X_BLOCK_BYTES (1 << 20)
+
+/* 8 E8M0 bytes as float32 2^(e - 127) (e = 0: 2^-127, the subnormal 0x400000) */
+static inline __attribute__((always_inline)) __m256 e8m0x8(const uint8_t *p) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i zero = _mm256_cmpeq_epi32(e, _mm256_setzero_si256());
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(_mm256_slli_epi32(e, 23), _mm256_set1_epi32(0x400000), zero));
+}
+
+/* Half h of a panel's pair (8 bytes, lane = row 8h + lane) as FP4 values: w0 input 2j, w1 input 2j + 1;
+ * table: the magnitudes of codes 0-7 */
+static inline __attribute__((always_inline)) void fp4_half8(const uint8_t *p, __m256 table, __m256 *w0, __m256 *w1) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), sign = _mm256_set1_epi32(INT32_MIN);
+    *w0 = _mm256_xor_ps(_mm256_permutevar8x32_ps(table, b),
+                        _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 28), sign)));
+    *w1 = _mm256_xor_ps(_mm256_permutevar8x32_ps(table, _mm256_srli_epi32(b, 4)),
+                        _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 24), sign)));
+}
+
+/* sum[r][h]: rows 8h..8h+7 of the panel times x row r, each block's partial sums times its scales.
+ * acc[k][r][h]: input 2j's products and, up to 2 rows (k = 1), input 2j + 1's apart (more chains of
+ * FMAs in flight where few rows give few; 3 rows of them would not fit the 16 registers). */
+static inline __attribute__((always_inline)) void mx_dot256(const float *x, int64_t ldx, const int R, const uint8_t *pw,
+                                                            const uint8_t *ps, int64_t G, __m256 sum[][2]) {
+    const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+    const int S = R <= 2 ? 2 : 1;
+    for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *pb = pw + g * MX_PANEL_BLOCK;
+        const float *xb = x + g * MX_BLOCK;
+        __m256 acc[2][MAX_R2][2];
+        for (int k = 0; k < S; k++)
+            for (int r = 0; r < R; r++) acc[k][r][0] = acc[k][r][1] = _mm256_setzero_ps();
+        for (int j = 0; j < 16; j++) {
+            if (!(j & 3)) _mm_prefetch((const char *)(pb + 16 * j + 64 * PF_LINES), _MM_HINT_T0);
+            for (int h = 0; h < 2; h++) {
+                __m256 w0, w1;
+                fp4_half8(pb + 16 * j + 8 * h, table, &w0, &w1);
+                for (int r = 0; r < R; r++) {
+                    acc[0][r][h] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * ldx + 2 * j]), w0, acc[0][r][h]);
+                    acc[S - 1][r][h] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * ldx + 2 * j + 1]), w1, acc[S - 1][r][h]);
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 s = e8m0x8(ps + 16 * g + 8 * h);
+            for (int r = 0; r < R; r++) {
+                const __m256 part = S == 2 ? _mm256_add_ps(acc[0][r][h], acc[1][r][h]) : acc[0][r][h];
+                sum[r][h] = _mm256_fmadd_ps(part, s, sum[r][h]);
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void mx_tile256(const float *x, int64_t ldx, const int R,
+                                                             const uint8_t *pw, const uint8_t *ps, int64_t G,
+                                                             const float *bias, int nv, void *y, int64_t ldy,
+                                                             int y_bf16) {
+    __m256 sum[MAX_R2][2];
+    mx_dot256(x, ldx, R, pw, ps, G, sum);
+    float b[PANEL] = {0};
+    if (bias) memcpy(b, bias, sizeof(float) * (size_t)nv);
+    for (int r = 0; r < R; r++) {
+        float v[PANEL];
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(v + 8 * h, _mm256_add_ps(sum[r][h], _mm256_loadu_ps(b + 8 * h)));
+        if (y_bf16) {
+            uint16_t *yr = (uint16_t *)y + r * ldy;
+            if (nv == PANEL) store_bf8(yr, _mm256_loadu_ps(v)), store_bf8(yr + 8, _mm256_loadu_ps(v + 8));
+            else for (int o = 0; o < nv; o++) yr[o] = to_bf(v[o]);
+        } else {
+            memcpy((float *)y + r * ldy, v, sizeof(float) * (size_t)nv);
+        }
+    }
+}
+
+static void tile_mx256(const void *x, int64_t ldx, int R, const uint8_t *pw, const uint8_t *ps, int64_t G,
+                       const float *bias, int nv, void *y, int64_t ldy, int y_bf16) {
+#define CALL(n) mx_tile256((const float *)x, ldx, n, pw, ps, G, bias, nv, y, ldy, y_bf16)
+    BY_ROWS3(R, CALL)
+#undef CALL
+}
+
+#ifdef HAVE_AVX512
+/* The FP4 (E2M1) value of each code 0-15 (kernels/quant.py: FP4_VALUES) */
+AI512 __m512 fp4_table(void) {
+    return _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f,
+                          -4.0f, -6.0f);
+}
+
+/* 16 E8M0 bytes as float32 2^(e - 127) (e = 0: 2^-127, the subnormal 0x400000) */
+AI512 __m512 e8m0x16(const uint8_t *p) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __mmask16 zero = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(zero, _mm512_slli_epi32(e, 23), _mm512_set1_epi32(0x400000)));
+}
+
+/* One pair of a panel (16 bytes, lane = row) as FP4 values: w0 input 2j, w1 input 2j + 1 */
+AI512 void fp4_pair(const uint8_t *p, __m512 table, __m512 *w0, __m512 *w1) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *w0 = _mm512_permutexvar_ps(b, table);
+    *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+}
+
+/* One pair of a panel for R rows of x (x[r * ldx], x[r * ldx + 1]: the pair's inputs): acc[r][0] (input
+ * 2j) and acc[r][1] (input 2j + 1) += w x */
+AI512 void mx_pair512(const uint8_t *p, __m512 table, const float *x, int64_t ldx, const int R, __m512 acc[][2]) {
+    __m512 w0, w1;
+    fp4_pair(p, table, &w0, &w1);
+    for (int r = 0; r < R; r++) {
+        acc[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx]), w0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + 1]), w1, acc[r][1]);
+    }
+}
+
+/* sum[r] (lane = row of the panel) = x row r (float32, rows ldx apart) . the panel's G blocks, each
+ * block's partial sums times its 16 row scales. acc[k][r]: the even pairs' (k = 0) and, up to SPLIT_R
+ * rows, the odd pairs' (k = 1) products, two per pair (inputs 2j and 2j + 1): more chains of FMAs in
+ * flight where few rows give few. */
+AI512 void mx_dot512(const float *x, int64_t ldx, const int R, const uint8_t *pw, const uint8_t *ps, int64_t G,
+                     __m512 sum[]) {
+    const __m512 table = fp4_table();
+    const int S = R <= SPLIT_R ? 2 : 1;
+    for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *pb = pw + g * MX_PANEL_BLOCK;
+        const float *xb = x + g * MX_BLOCK;
+        __m512 acc[2][MAX_R512][2];
+        for (int k = 0; k < S; k++)
+            for (int r = 0; r < R; r++) acc[k][r][0] = acc[k][r][1] = _mm512_setzero_ps();
+        for (int j = 0; j < 16; j += 2) { /* (k a constant: the accumulators stay in registers) */
+            if (!(j & 3)) _mm_prefetch((const char *)(pb + 16 * j + 64 * PF_LINES), _MM_HINT_T0);
+            mx_pair512(pb + 16 * j, table, xb + 2 * j, ldx, R, acc[0]);
+            mx_pair512(pb + 16 * j + 16, table, xb + 2 * j + 2, ldx, R, acc[S - 1]);
+        }
+        const __m512 s = e8m0x16(ps + 16 * g);
+        for (int r = 0; r < R; r++) {
+            __m512 part = _mm512_add_ps(acc[0][r][0], acc[0][r][1]);
+            if (S == 2) part = _mm512_add_ps(part, _mm512_add_ps(acc[1][r][0], acc[1][r][1]));
+            sum[r] = _mm512_fmadd_ps(part, s, sum[r]);
+        }
+    }
+}
+
+AI512 void mx_tile512(const float *x, int64_t ldx, const int R, const uint8_t *pw, const uint8_t *ps, int64_t G,
+                      const float *bias, int nv, void *y, int64_t ldy, int y_bf16) {
+    __m512 sum[MAX_R512];
+    mx_dot512(x, ldx, R, pw, ps, G, sum);
+    for (int r = 0; r < R; r++) store16(sum[r], ONES, bias, nv, (char *)y + r * ldy * (y_bf16 ? 2 : 4), y_bf16);
+}
+
+T512 static void tile_mx512(const void *x, int64_t ldx, int R, const uint8_t *pw, const uint8_t *ps, int64_t G,
+                            const float *bias, int nv, void *y, int64_t ldy, int y_bf16) {
+#define CALL(n) mx_tile512((const float *)x, ldx, n, pw, ps, G, bias, nv, y, ldy, y_bf16)
+    BY_ROWS(R, CALL)
+#undef CALL
+}
+#endif
+
+#ifdef HAVE_BF16DOT
+/* A panel decoded into d (G * 16 pairs of 64 bytes, 64-byte aligned) as bf16 pairs with the scales
+ * folded in: lane o of pair j = (w[o][2j], w[o][2j + 1]). The products are exact in float32 and
+ * have at most 2 significant bits, so their top halves are the bf16 values. */
+TBF static void mx_dequant_bf16(const uint8_t *pw, const uint8_t *ps, int64_t G, uint16_t *d) {
+    const __m512 table = fp4_table();
+    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t g = 0; g < G; g++) {
+        const __m512 s = e8m0x16(ps + 16 * g);
+        for (int j = 0; j < 16; j++) {
+            const uint8_t *p = pw + g * MX_PANEL_BLOCK + 16 * j;
+            if (!(j & 3)) _mm_prefetch((const char *)(p + 64 * PF_LINES), _MM_HINT_T0);
+            __m512 w0, w1;
+            fp4_pair(p, table, &w0, &w1);
+            const __m512i a = _mm512_castps_si512(_mm512_mul_ps(w0, s)), b = _mm512_castps_si512(_mm512_mul_ps(w1, s));
+            const __m512i pair = _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, top));
+            _mm512_store_si512(d + 32 * (g * 16 + j), pair);
+        }
+    }
+}
+
+TBF static inline __attribute__((always_inline)) void mx_tilebf(const uint32_t *x, int64_t ldx, const int R,
+                                                                const uint16_t *d, int64_t pairs, const float *bias,
+                                                                int nv, void *y, int64_t ldy, int y_bf16) {
+    __m512 sum[MAX_R512];
+    dotbf(x, ldx, R, d, pairs, sum);
+    for (int r = 0; r < R; r++) store16(sum[r], ONES, bias, nv, (char *)y + r * ldy * (y_bf16 ? 2 : 4), y_bf16);
+}
+
+TBF static void tile_mxbf(const void *x, int64_t ldx, int R, const uint16_t *d, int64_t pairs, const float *bias,
+                          int nv, void *y, int64_t ldy, int y_bf16) {
+    /* x: bf16 values, ldx of them a row; as pairs, ldx / 2 */
+#define CALL(n) mx_tilebf((const uint32_t *)x, ldx / 2, n, d, pairs, bias, nv, y, ldy, y_bf16)
+    BY_ROWS(R, CALL)
+#undef CALL
+}
+#endif
+
+/* x (T, I) float32 or bf16 (x_bf16), contiguous, I a multiple of 32; panels and scales as above (P =
+ * ceil(O / 16)); bias: O float32 values or NULL; y (T, O) float32 or bf16 (y_bf16), contiguous.
+ * kernel: AVX2, AVX512 or BF16DOT (bf16 x only). Returns 0; -1 if a buffer (the float32 copy of bf16 x, the
+ * panels' bf16 copies) cannot be allocated; -2 for a kernel this build lacks, or I not a multiple of 32. */
+int shuttle_mxfp4_linear(const void *x, int x_bf16, int64_t T, int64_t I, const uint8_t *panels,
+                         const uint8_t *scales, const float *bias, int64_t O, void *y, int y_bf16, int nthreads,
+                         int kernel) {
+    const int dequant = kernel == KERNEL_BF16DOT;
+    if (I % MX_BLOCK) return -2;
+#ifndef HAVE_AVX512
+    if (kernel == KERNEL_AVX512) return -2;
+#endif
+#ifdef HAVE_BF16DOT
+    if (dequant && !x_bf16) return -2;
+#else
+    if (dequant) return -2;
+#endif
+    if (kernel != KERNEL_AVX2 && kernel != KERNEL_AVX512 && !dequant) return -2;
+    const int64_t P = (O + PANEL - 1) / PANEL, G = I / MX_BLOCK, pairs = I / 2;
+    const int64_t max_r = kernel == KERNEL_AVX2 ? MAX_R2 : MAX_R512;
+    if (T <= 0 || P == 0) return 0;
+    const int64_t tiles = (T + max_r - 1) / max_r;
+    if (nthreads > P * tiles) nthreads = (int)(P * tiles);
+    if (passive_waits() && T * O * I < (1 << 23)) nthreads = 1; /* (as int8_gemm.c) */
+    if (nthreads < 1) nthreads = 1;
+    const size_t xsize = dequant ? 2 : 4;
+    const int copy = !dequant && x_bf16; /* the FMA kernel reads float32 rows */
+    void *xs = copy ? aligned_alloc(64, ((size_t)(T * I) * 4 + 63) / 64 * 64) : (void *)x;
+    const size_t dq_bytes = (size_t)pairs * 64;
+    uint16_t *dq = dequant ? aligned_alloc(64, dq_bytes * (size_t)nthreads) : NULL;
+    if (!xs || (dequant && !dq)) {
+        if (copy) free(xs);
+        free(dq);
+        return -1;
+    }
+    int64_t block = MX_X_BLOCK_BYTES / (I * (int64_t)xsize) / max_r * max_r;
+    if (block < max_r) block = max_r;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        if (copy) {
+            #pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) {
+                const uint16_t *s = (const uint16_t *)x + t * I;
+                float *d = (float *)xs + t * I;
+                for (int64_t i = 0; i < I; i++) d[i] = bf16_to_f32(s[i]);
+            }
+        }
+        const int th = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t pg = P < nt ? P : nt, rg_all = nt / pg, rg = rg_all < tiles ? rg_all : tiles;
+        uint16_t *my_dq = dq ? (uint16_t *)((char *)dq + dq_bytes * (size_t)th) : NULL;
+        if (th < pg * rg) {
+            const int64_t gp = th % pg, gr = th / pg;
+            const int64_t p_lo = P * gp / pg, p_hi = P * (gp + 1) / pg;
+            const int64_t t_lo = tiles * gr / rg * max_r, t_end = tiles * (gr + 1) / rg * max_r;
+            const int64_t t_hi = t_end < T ? t_end : T;
+            for (int64_t t0 = t_lo; t0 < t_hi; t0 += block) {
+                const int64_t t1 = t_hi - t0 < block ? t_hi : t0 + block, ntiles = (t1 - t0 + max_r - 1) / max_r;
+                for (int64_t p = p_lo; p < p_hi; p++) {
+                    const int64_t o0 = p * PANEL;
+                    const int nv = O - o0 < PANEL ? (int)(O - o0) : PANEL;
+                    const uint8_t *pw = panels + p * G * MX_PANEL_BLOCK, *ps = scales + p * G * PANEL;
+#ifdef HAVE_BF16DOT
+                    if (dequant) mx_dequant_bf16(pw, ps, G, my_dq);
+#endif
+                    for (int64_t t = t0, ti = 0, n; t < t1; t += n, ti++) {
+                        n = (t1 - t + (ntiles - ti) - 1) / (ntiles - ti); /* even tiles: 17 rows -> 6, 6, 5 */
+                        void *yt = (char *)y + (t * O + o0) * (y_bf16 ? 2 : 4);
+                        const void *xt = (const char *)xs + t * I * (int64_t)xsize;
+                        const float *bt = bias ? bias + o0 : NULL;
+#ifdef HAVE_BF16DOT
+                        if (dequant) {
+                            tile_mxbf(xt, I, (int)n, my_dq, pairs, bt, nv, yt, O, y_bf16);
+                            continue;
+                        }
+#endif
+#ifdef HAVE_AVX512
+                        if (kernel == KERNEL_AVX512) {
+                            tile_mx512(xt, I, (int)n, pw, ps, G, bt, nv, yt, O, y_bf16);
+                            continue;
+                        }
+#endif
+                        tile_mx256(xt, I, (int)n, pw, ps, G, bt, nv, yt, O, y_bf16);
+                    }
+                }
+            }
+        }
+    }
+    if (copy) free(xs);
+    free(dq);
+    return 0;
+}
