@@ -1,9 +1,10 @@
-"""--quantization int8 and fp8 against the same checkpoint served unquantised: decode speed, memory, quality.
+"""--quantization int8, fp8 and mxfp4 against the same checkpoint served unquantised: decode speed, memory, quality.
 
 Speed: a Mixtral-shaped checkpoint with random weights (hidden 1024, 8 layers, 16 query / 4 KV heads,
 8 experts of 2048, top-2; ~428M parameters, the shape of the CPU throughput issue), served colocated
-by `LLM` in --dtype unquantised ("base"), with `quantization="int8"` and with "fp8" (FP8 128 x 128
-blocks quantised at load: the layout and kernels an FP8 checkpoint is served with), all loaded in
+by `LLM` in --dtype unquantised ("base"), with `quantization="int8"`, with "fp8" (FP8 128 x 128
+blocks quantised at load: the layout and kernels an FP8 checkpoint is served with) and with "mxfp4"
+(E2M1 codes, an E8M0 scale per 32 inputs: gpt-oss's format, quantised at load), all loaded in
 this process. Per batch B:
 B prompts of 32 tokens, --output-len new tokens, greedy, EOS ignored; output tokens/s of the whole
 generate (prefill included), the median of --rounds rounds, the configurations alternated within
@@ -40,7 +41,7 @@ from bench.engine import mixtral, read_bandwidth  # noqa: E402
 from bench.soak import process_title, rss_bytes  # noqa: E402
 from server import LLM, SamplingParams  # noqa: E402
 
-CONFIGS = {"base": None, "int8": "int8", "fp8": "fp8"}
+CONFIGS = {"base": None, "int8": "int8", "fp8": "fp8", "mxfp4": "mxfp4"}
 QUANTIZED = [name for name in CONFIGS if name != "base"]
 
 
