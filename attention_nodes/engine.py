@@ -22,12 +22,12 @@ import torch
 
 from attention_nodes.block_manager import BlockManager
 from attention_nodes.config import EngineConfig
-from attention_nodes.model_runner import ModelRunner, PromptLogits
+from attention_nodes.model_runner import ModelRunner, PromptLogits, row_spans
 from attention_nodes.sampler import Sampler, SamplingRow
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import ScheduledBatch, Scheduler
 from attention_nodes.sequence import Sequence, SequenceStatus
-from attention_nodes.speculative import SpecStats, backoff, propose_ngram
+from attention_nodes.speculative import TOLERATED_MISSES, SpecStats, backoff, propose_ngram
 from attention_nodes.structured import GrammarCache
 from kernels.sampling import compute_logprobs
 from models.config import ModelConfig
@@ -291,50 +291,73 @@ class LLMEngine:
 
     def _sample(self, logits_RV: torch.Tensor, sampled: list[Sequence]) -> list[tuple]:
         """The tokens of the sampled sequences, as (token ids, logprobs or None, finish reason, stop
-        reason) each. Position j of every sequence still verifying drafts is sampled in turn (one
-        sampler call per position over those sequences; without drafts, one call), appended, and
-        checked for a stop; a sequence goes on to j + 1 while its token equals its draft j
-        (attention_nodes/speculative.py: drafts with a distribution are rejection-sampled by the
-        sampler). logits_RV: each sequence's d + 1 rows, in order."""
+        reason) each. logits_RV: each sequence's d + 1 rows, in order. Each sequence takes its
+        tokens in order, checks each for a stop, and goes on to position j + 1 while its token equals
+        its draft j (attention_nodes/speculative.py: drafts with a distribution are rejection-sampled
+        by the sampler). Rows whose pick does not depend on the tokens emitted before them in this
+        step are sampled in one sampler call: every row of a sequence without drafts, and of a greedy
+        one without a grammar (its row j, used only where drafts 0..j-1 were accepted, sees those as
+        outputs: an argmax draws nothing). The others (sampled sequences with drafts: a seeded one
+        draws only for the tokens it emits; greedy ones whose grammar takes each token) sample
+        position j of every sequence still verifying in turn, one call per position."""
         qs = [seq.draft_probs for seq in sampled]
         drafts = [seq.drop_drafts() for seq in sampled]
-        offsets, acc = [], 0
-        for d in drafts:
-            offsets.append(acc)
-            acc += len(d) + 1
-        done = [([], None if seq.params.logprobs is None else [], None, None) for seq in sampled]
-        active, j = list(range(len(sampled))), 0
+        starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
+        toks: list[list[int]] = [[] for _ in sampled]
+        lps = [None if seq.params.logprobs is None else [] for seq in sampled]
+        stops: list[tuple[str | None, int | None]] = [(None, None)] * len(sampled)
+
+        def emit(i: int, j: int, out, r: int) -> bool:
+            """Row r of `out` as sequence i's token at position j; whether position j + 1 follows."""
+            seq, tok = sampled[i], out.token_ids[r]
+            seq.token_ids.append(tok)
+            toks[i].append(tok)
+            if lps[i] is not None and out.logprobs is not None:
+                lps[i].append(TokenLogprobs(tok, out.logprobs[r], out.ranks[r], out.top_logprobs[r]))
+            stops[i] = self._stop_reason(seq, tok)
+            return stops[i][0] is None and j < len(drafts[i]) and tok == drafts[i][j]
+
+        at_once = [i for i, (s, d) in enumerate(zip(sampled, drafts))
+                   if not d or s.params.temperature == 0 and s.grammar is None]
+        if at_once:
+            rows = logits_RV if len(at_once) == len(sampled) else logits_RV[row_spans(
+                [starts[i] for i in at_once], [len(drafts[i]) + 1 for i in at_once]).to(logits_RV.device)]
+            out = self.sampler(rows, [row for i in at_once for row in self._rows_at_once(sampled[i], drafts[i])])
+            r = 0
+            for i in at_once:
+                j = 0
+                while emit(i, j, out, r + j):
+                    j += 1
+                r += len(drafts[i]) + 1
+        active, j = sorted(set(range(len(sampled))).difference(at_once)), 0
         while active:
-            rows = logits_RV if acc == len(active) else logits_RV[torch.tensor([offsets[i] + j for i in active])]
-            seqs = [sampled[i] for i in active]
-            out = self.sampler(rows, [SamplingRow(s.params, self._prompt_if_needed(s), s.output_token_ids, s.generator,
-                                                  s.grammar, *((drafts[i][j], qs[i][j]) if qs[i] is not None and
-                                                               j < len(drafts[i]) else ()))
-                                      for i, s in zip(active, seqs)])
-            still = []
-            for r, (i, seq) in enumerate(zip(active, seqs)):
-                tok = out.token_ids[r]
-                seq.token_ids.append(tok)
-                toks, lps, _, _ = done[i]
-                toks.append(tok)
-                if lps is not None and out.logprobs is not None:
-                    lps.append(TokenLogprobs(tok, out.logprobs[r], out.ranks[r], out.top_logprobs[r]))
-                reason, stop_reason = self._stop_reason(seq, tok)
-                if reason:
-                    done[i] = (toks, lps, reason, stop_reason)
-                elif j < len(drafts[i]) and tok == drafts[i][j]:
-                    still.append(i)
-            active, j = still, j + 1
-        for seq, d, (toks, _, reason, stop_reason) in zip(sampled, drafts, done):
+            rows = [SamplingRow(sampled[i].params, self._prompt_if_needed(sampled[i]), sampled[i].output_token_ids,
+                                sampled[i].generator, sampled[i].grammar,
+                                *((drafts[i][j], qs[i][j]) if qs[i] is not None and j < len(drafts[i]) else ()))
+                    for i in active]
+            out = self.sampler(logits_RV[torch.tensor([starts[i] + j for i in active], device=logits_RV.device)], rows)
+            active, j = [i for r, i in enumerate(active) if emit(i, j, out, r)], j + 1
+        for seq, d, got, (reason, stop_reason) in zip(sampled, drafts, toks, stops):
             if d:
-                accepted = next((a for a, (t, x) in enumerate(zip(toks, d)) if t != x), min(len(toks), len(d)))
+                accepted = next((a for a, (t, x) in enumerate(zip(got, d)) if t != x), min(len(got), len(d)))
                 self.spec_stats.count(len(d), accepted)
                 seq.spec_misses = 0 if accepted else min(seq.spec_misses + 1, 8)
-                seq.spec_skip = backoff(seq.spec_misses)
+                seq.spec_skip = backoff(seq.spec_misses, TOLERATED_MISSES[self.spec.method])
                 self.scheduler.computed(seq, 1 + accepted)  # the token before the drafts, and those accepted
             if reason:
                 self.scheduler.finish(seq, reason, stop_reason)
-        return [(toks, lps or None, reason, stop_reason) for toks, lps, reason, stop_reason in done]
+        return [(got, lp or None, *stop) for got, lp, stop in zip(toks, lps, stops)]
+
+    def _rows_at_once(self, seq: Sequence, drafts: list[int]) -> list[SamplingRow]:
+        """The sampler rows of seq's positions 0..len(drafts) in one call: at position j its outputs
+        so far and drafts 0..j-1 (copied only where penalties or min_tokens read them)."""
+        p, prompt, outputs = seq.params, self._prompt_if_needed(seq), seq.output_token_ids
+        if drafts and (p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+                       or len(outputs) < p.min_tokens):
+            so_far = list(outputs)
+            return [SamplingRow(p, prompt, so_far + drafts[:j], seq.generator, seq.grammar)
+                    for j in range(len(drafts) + 1)]
+        return [SamplingRow(p, prompt, outputs, seq.generator, seq.grammar)] * (len(drafts) + 1)
 
     def _draft(self) -> None:
         """Propose drafts for the running sequences that decode (speculative decoding), unless more

@@ -5,6 +5,7 @@ An attention worker's compute core. It sees token ids only (never text).
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from attention_nodes.config import EngineConfig
@@ -76,6 +77,9 @@ class ModelRunner:
                      "and values in one more KV cache layer)", cfg.speculative.num_speculative_tokens,
                      self.model_cfg.num_layers, "MoE" if self.mtp.layer.is_moe else "dense MLP")
         self.cache_cfg = self.model_cfg if self.mtp is None else self.mtp.cfg
+        # (mtp) a sequence keeping at most this many positions in a step (a decode, or a verify step of
+        # 1 + k) runs them through the MTP layer as one-token rows (mtp_draft)
+        self.mtp_decode_rows = 0 if self.mtp is None else 1 + cfg.speculative.num_speculative_tokens
         self.last_hidden_TD: torch.Tensor | None = None  # (mtp) the last step's final hidden states, batch order
         if not 1 <= micro_batches <= 4:
             raise ValueError(f"micro_batches must be 1 to 4, got {micro_batches}")
@@ -181,7 +185,8 @@ class ModelRunner:
             hidden = [None] * len(inputs)
             logits = self._forward(inputs, self._head(inputs, hidden))
         if self.mtp is not None:  # every computed row's hidden state, for the MTP layer (mtp_draft)
-            self.last_hidden_TD = torch.cat([h for h in hidden if h is not None])
+            hidden = [h for h in hidden if h is not None]
+            self.last_hidden_TD = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
         sampled, prompt = [], []
         for lg, inp in zip(logits, inputs):
             if inp is None:
@@ -237,46 +242,64 @@ class ModelRunner:
         now: the prompt's, or the one just sampled); the last kept position's output gives the first
         draft, and draft j + 1 comes from the layer run again at the next position on its own output
         and draft j (only where the sequence's blocks already hold that position: a chain stops at
-        the end of its last block). Drafted positions' entries are overwritten when those positions
-        are kept: every kept position is run here once, in order, after every position before it.
+        the end of its last block). A sequence that kept at most mtp_decode_rows positions (a decode
+        or a verify step) runs them as one-token rows over its blocks, as verification does
+        (`_prepare`), so the pass is a decode batch; a prompt chunk runs as one chunk. A chained
+        position in the page of the one before reuses that batch, each token one slot further.
+        Drafted positions' entries are overwritten when those positions are kept: every kept
+        position is run here once, in order, after every position before it.
         temperatures[b]: draw sequence b's drafts from q = softmax(logits / T) instead of the argmax (None:
         greedy). Returns (drafts, probs): probs[b] the q rows (d, V) of b's drafts, or None for greedy ones
         (point masses; speculative.rejection_sample verifies both exactly)."""
-        mtp, bs = self.mtp, self.block_size
-        rows, ids, q_lens, ctx, tables, who = [], [], [], [], [], []
+        mtp, bs, device = self.mtp, self.block_size, self.device
+        spans, ids, q_lens, ctx, rows_table = ([] for _ in range(5))  # the pass's rows
+        who, last, pos, tables = [], [], [], []  # per sequence run: its batch index, last row, position, blocks
         offset = 0
         for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             c = starts[b]
             kept = min(seq.num_computed_tokens - c, len(seq.token_ids) - 1 - c, n)
             if num_drafts[b] >= 0 and kept > 0:
-                rows.append(torch.arange(offset, offset + kept))
+                spans.append((offset, kept))
                 ids += seq.token_ids[c + 1:c + 1 + kept]
-                q_lens.append(kept)
-                ctx.append(c)
-                tables.append(seq.block_table)
+                if kept <= self.mtp_decode_rows:
+                    q_lens += [1] * kept
+                    ctx += range(c, c + kept)
+                    rows_table += [seq.block_table] * kept
+                else:
+                    q_lens.append(kept)
+                    ctx.append(c)
+                    rows_table.append(seq.block_table)
                 who.append(b)
+                last.append(len(ids) - 1)
+                pos.append(c + kept - 1)
+                tables.append(seq.block_table)
             offset += n
         drafts: list[list[int]] = [[] for _ in batch.seqs]
         probs: list = [None if temperatures is None or temperatures[b] is None else [] for b in range(len(batch.seqs))]
         if not who:
             return drafts, [None] * len(drafts)
-        h_TD = self.last_hidden_TD[torch.cat(rows).to(self.device)]
-        attn = AttentionBatch.build_paged(q_lens, ctx, tables, bs, self.device)
-        y_TD = mtp.forward(torch.tensor(ids, dtype=torch.long, device=self.device), h_TD, attn, self.cache)
-        last = torch.tensor(q_lens).cumsum(0) - 1
-        y_BD = y_TD[last.to(self.device)]
-        pos = [c + q - 1 for c, q in zip(ctx, q_lens)]
+        h_TD = self.last_hidden_TD
+        if len(ids) < h_TD.shape[0]:
+            h_TD = h_TD[row_spans(*zip(*spans)).to(device)]
+        y_TD = mtp.forward(torch.tensor(ids, dtype=torch.long, device=device), h_TD,
+                           AttentionBatch.build_paged(q_lens, ctx, rows_table, bs, device), self.cache)
         active = [i for i, b in enumerate(who) if num_drafts[b] > 0]
-        y_AD, j = y_BD[torch.tensor(active, dtype=torch.long, device=self.device)], 0
+        if len(active) < y_TD.shape[0]:
+            y_TD = y_TD[torch.tensor([last[i] for i in active], dtype=torch.long, device=device)]
+        y_AD, attn, j = y_TD, None, 0  # attn: the last chained batch
         while active:
             if j:  # chained: at position pos + j, on the layer's previous output and the previous draft
                 fits = [r for r, i in enumerate(active) if pos[i] + j < len(tables[i]) * bs]
                 if not fits:
                     break
-                active, y_AD = [active[r] for r in fits], y_AD[torch.tensor(fits, device=self.device)]
-                attn = AttentionBatch.build_paged([1] * len(active), [pos[i] + j for i in active],
-                                                  [tables[i] for i in active], bs, self.device)
-                toks = torch.tensor([drafts[who[i]][-1] for i in active], dtype=torch.long, device=self.device)
+                if len(fits) < len(active):
+                    active, y_AD, attn = [active[r] for r in fits], y_AD[torch.tensor(fits, device=device)], None
+                if attn is not None and all((pos[i] + j) % bs for i in active):
+                    attn = attn.next_slots()
+                else:
+                    attn = AttentionBatch.build_paged([1] * len(active), [pos[i] + j for i in active],
+                                                      [tables[i] for i in active], bs, device)
+                toks = torch.tensor([drafts[who[i]][-1] for i in active], dtype=torch.long, device=device)
                 y_AD = mtp.forward(toks, y_AD, attn, self.cache)
             logits_AV = mtp.logits(y_AD)[:, :self.model_cfg.vocab_size]
             picks = logits_AV.argmax(-1).tolist()
@@ -288,7 +311,9 @@ class ModelRunner:
                 drafts[who[i]].append(picks[r])
             j += 1
             more = [r for r, i in enumerate(active) if len(drafts[who[i]]) < num_drafts[who[i]]]
-            active, y_AD = [active[r] for r in more], y_AD[torch.tensor(more, dtype=torch.long, device=self.device)]
+            if len(more) < len(active):
+                active, y_AD, attn = [active[r] for r in more], y_AD[torch.tensor(more, dtype=torch.long,
+                                                                                  device=device)], None
         return drafts, [None if p is None or not p else torch.stack(p) for p in probs]
 
     @torch.inference_mode()
@@ -311,10 +336,12 @@ class ModelRunner:
         drafts, the last d + 1), then the prompt positions of each PromptLogits span (sequences that
         need their prompt's logprobs)."""
         seqs, q_lens = batch.seqs[group.start:group.stop], batch.num_new_tokens[group.start:group.stop]
-        ids, spans, prompt_rows, offset = [], [], [], 0
+        ids, spans, offset = [], [], 0
+        firsts, counts = [], []  # the logits rows: spans of the sampled sequences' last 1 + d positions
+        prompt_firsts, prompt_counts = [], []  # then those of the prompt spans
         rows_q, rows_ctx, rows_table = [], [], []  # the attention batch's sequences
         state_slots = [] if self.state_slots else None  # (linear-attention layers; no drafts there)
-        for i, (seq, n) in enumerate(zip(seqs, q_lens)):
+        for i, (seq, n, sampled) in enumerate(zip(seqs, q_lens, batch.sample[group.start:group.stop])):
             c = seq.num_computed_tokens
             if seq.num_draft_tokens:  # verifying drafts: each token a decode row of its own (below)
                 rows_q += [1] * n
@@ -325,6 +352,9 @@ class ModelRunner:
                 rows_ctx.append(c)
                 rows_table.append(seq.block_table)
             ids.extend(seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n])
+            if sampled:  # its last token's logits (with d drafts, its last d + 1 positions', in order)
+                firsts.append(offset + n - 1 - seq.num_draft_tokens)
+                counts.append(1 + seq.num_draft_tokens)
             if self.state_slots:
                 state_slots.append(seq.state_slot)
             if seq.needs_prompt_logprobs:  # positions whose next token is a prompt token
@@ -332,22 +362,23 @@ class ModelRunner:
                 count = min(seq.num_computed_tokens + n, seq.num_prompt_tokens - 1) - start
                 if count > 0:
                     spans.append(PromptLogits(group.start + i, start, count=count))
-                    prompt_rows.append(torch.arange(count) + offset + start - seq.num_computed_tokens)
+                    prompt_firsts.append(offset + start - seq.num_computed_tokens)
+                    prompt_counts.append(count)
             offset += n
         # A sequence's 1 + d tokens of a speculative step are d + 1 one-token rows over its blocks with
         # contexts c .. c + d: every token's key and value is cached before any row attends, so each
         # sees the ones before it, as causal attention over the d + 1 would, and the step is a decode
         # step (the native decode kernels and step take it) rather than a prefill chunk.
         attn = AttentionBatch.build_paged(rows_q, rows_ctx, rows_table, self.block_size, self.device, state_slots)
-        ends = torch.tensor(q_lens).cumsum(0) - 1
-        ends = ends[torch.tensor(batch.sample[group.start:group.stop], dtype=torch.bool)]
-        drafts = [s.num_draft_tokens for s, sampled in zip(seqs, batch.sample[group.start:group.stop]) if sampled]
-        if any(drafts):  # a sequence with d drafts: its last d + 1 positions, in order
-            counts = torch.tensor(drafts) + 1
-            ends = (ends + 1 - counts).repeat_interleave(counts) + torch.arange(int(counts.sum())) \
-                - (counts.cumsum(0) - counts).repeat_interleave(counts)
-        rows = torch.cat([ends, *prompt_rows])
+        rows = row_spans(firsts + prompt_firsts, counts + prompt_counts)
         return torch.tensor(ids, dtype=torch.long, device=self.device), attn, rows.to(self.device), spans
+
+
+def row_spans(firsts: list[int], counts: list[int]) -> torch.Tensor:
+    """int64 indices firsts[i] .. firsts[i] + counts[i] - 1 of each span in turn (numpy: no op per span)."""
+    counts_S = np.asarray(counts, dtype=np.int64)
+    starts_S = np.asarray(firsts, dtype=np.int64) - np.cumsum(counts_S) + counts_S
+    return torch.from_numpy(np.repeat(starts_S, counts_S) + np.arange(counts_S.sum()))
 
 
 def split_micro_batches(num_tokens: list[int], m: int) -> list[range]:

@@ -86,6 +86,14 @@ class AttentionBatch:
                    table.to(device=device, dtype=torch.int32), slots.to(device), parts,
                    None if state_slots is None else torch.tensor(state_slots, dtype=torch.long, device=device))
 
+    def next_slots(self) -> "AttentionBatch":
+        """This decode batch (one token per sequence, build_paged's) one position further, each token
+        in the cache slot after its own: for a caller that knows none of them starts a new page (the
+        MTP layer's chained drafts: three ops instead of a build)."""
+        return AttentionBatch(self.seq_idx_T, self.tok_idx_T, self.positions_T + 1, self.slots_B, self.kv_lens_B + 1,
+                              1, self.max_kv_len + 1, self.first_slot, self.block_table_BM, self.slot_mapping_T + 1,
+                              state_slots_B=self.state_slots_B)
+
 
 def _padded_table(block_tables: list[list[int]]) -> torch.Tensor:
     """(B, longest) int64 page ids, -1 past each table's end. One flat read of all the ids and a masked

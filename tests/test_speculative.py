@@ -92,6 +92,43 @@ def test_greedy_and_seeded_ids_equal_without_speculation(ckpt, plain, kwargs):
     assert sum(spec["accepted_per_pos"]) == spec["num_accepted_tokens"]
 
 
+def test_a_mixed_batch_verifies_as_plain_decoding(ckpt, plain):
+    """One batch of greedy requests (plain, with penalties and min_tokens, with logprobs: all their
+    draft positions sampled in one sampler call, drafts accepted in Python) and seeded sampled ones
+    (verified position by position): every request's tokens and logprobs are the plain engine's for
+    the same batch; drafts are accepted and rejected, and a call samples several positions of one
+    sequence."""
+    params = [GREEDY,
+              SamplingParams(max_tokens=24, temperature=0, repetition_penalty=1.2, frequency_penalty=0.1, min_tokens=6,
+                             stop_token_ids=[SPEC_PROMPTS[-1][1]]),
+              SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0, min_tokens=20, logprobs=1),
+              SamplingParams(max_tokens=16, temperature=0.7, seed=3, ignore_eos=True, logprobs=1)]
+    calls = []  # per sampler call, its rows beyond one per request (each request has its own params)
+    llm = LLM(ckpt, speculative_config=NGRAM)
+    sampler = llm.engine.sampler
+
+    def spy(logits, rows):
+        calls.append(len(rows) - len({id(r.params) for r in rows}))
+        return sampler(logits, rows)
+
+    llm.engine.sampler = spy
+    try:
+        want = plain.generate(SPEC_PROMPTS, params)
+        got = llm.generate(SPEC_PROMPTS, params)
+        spec = _spec(llm)
+    finally:
+        llm.shutdown()
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert (g.outputs[0].logprobs is None) == (w.outputs[0].logprobs is None)
+        for a, b in zip(g.outputs[0].logprobs or [], w.outputs[0].logprobs or []):
+            assert {t: round(v.logprob, 4) for t, v in a.items()} == {t: round(v.logprob, 4) for t, v in b.items()}
+    assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"]
+    assert max(calls) > 0
+
+
 def test_stops_logprobs_and_batch_size_switch(ckpt, plain, caplog):
     """max_tokens, stop token ids and stop strings cut a multi-token step where they hit; logprobs
     come per emitted token; above disable_by_batch_size nothing is drafted (logged)."""
@@ -204,6 +241,7 @@ def test_rejected_drafts_back_off(ckpt, plain, monkeypatch):
     from attention_nodes.speculative import backoff
 
     assert [backoff(r) for r in range(6)] == [0, 1, 3, 7, 15, 15]
+    assert [backoff(r, 1) for r in range(6)] == [0, 0, 1, 3, 7, 15]  # (MTP drafts: speculative.TOLERATED_MISSES)
     prompt = SPEC_PROMPTS[0]
     want = _ids(plain, [prompt], GREEDY)
     never = next(t for t in range(plain.engine.model_cfg.vocab_size) if t not in want[0][0])
