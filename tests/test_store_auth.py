@@ -94,6 +94,7 @@ def test_forged_shutdown_epoch_and_reports_are_ignored(master, caplog, monkeypat
     def forge(key: str, value: str) -> None:
         for forged in forgeries(key, value, genuine):
             stranger.set(key, forged)
+        stranger.get(key)  # (a reply on the same connection: the sets have landed before the reads below)
 
     with caplog.at_level("WARNING", logger="shuttle"):
         # the expert worker's side
