@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from attention_nodes.config import SpeculativeConfig
+from attention_nodes.config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
 from attention_nodes.speculative import propose_ngram
 from clients.bench_metrics import spec_counters, spec_decode_stats
 from server import LLM, SamplingParams
@@ -195,7 +195,7 @@ def test_served_with_speculation_streams_the_same_tokens(ckpt, plain):
                                            extra_body={"ignore_eos": True})
         assert "".join(c.choices[0].text for c in stream if c.choices) == want
         [model] = client.models.list().data
-        assert model.model_extra["speculative_config"] == {**NGRAM, "disable_by_batch_size": 32}
+        assert model.model_extra["speculative_config"] == {**NGRAM, "disable_by_batch_size": DEFAULT_DISABLE_BY_BATCH_SIZE}
         metrics = httpx.get(f"{srv.url}/metrics").text
         # `shuttle bench serve` reports the run's acceptance as vLLM's does, from /metrics before and after
         result = run_bench(["--base-url", srv.url, "--num-prompts", "4", "--input-len", "12", "--output-len", "16",
