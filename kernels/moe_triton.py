@@ -117,6 +117,36 @@ def _row_block(sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, pid_m, num_p
 
 
 @triton.jit
+def _store_swiglu(acc_gate, acc_up, b_ptr, h_ptr, expert, pair_M, row_ok, offs_n, col_ok, I, stride_be, stride_bi,
+                  stride_hn, stride_hi, alpha, limit, up_offset, HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr):
+    """The gate/up GEMM's epilogue (also kernels/quant_triton.py's): float32 accumulators plus the expert's
+    biases, clamped, act(gate, up) stored as h rows of the block's pairs."""
+    if HAS_BIAS:
+        b_ptrs = b_ptr + expert * stride_be + offs_n * stride_bi
+        acc_gate += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(b_ptrs + I * stride_bi, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if CLAMP:
+        acc_gate = tl.minimum(acc_gate, limit)
+        acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+    h = acc_gate * tl.sigmoid(acc_gate * alpha) * (acc_up + up_offset)
+    h_ptrs = h_ptr + pair_M[:, None] * stride_hn + offs_n[None, :] * stride_hi
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _store_down(acc, b_ptr, weights_ptr, y_ptr, expert, pair_M, row_ok, offs_n, col_ok, stride_be, stride_bd,
+                stride_yn, stride_yd, HAS_BIAS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr):
+    """The down GEMM's epilogue (also kernels/quant_triton.py's): plus the expert's bias, times each pair's
+    router weight (float32), stored as y rows of the block's pairs."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert * stride_be + offs_n * stride_bd, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if MUL_ROUTED_WEIGHT:
+        acc = acc * tl.load(weights_ptr + pair_M, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + pair_M[:, None] * stride_yn + offs_n[None, :] * stride_yd
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, b_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
                     num_pairs, num_rows, D, I, stride_xt, stride_xd, stride_we, stride_wi, stride_wd,
                     stride_be, stride_bi, stride_hn, stride_hi, alpha, limit, up_offset, TOP_K: tl.constexpr,
@@ -147,16 +177,8 @@ def _gate_up_kernel(x_ptr, w_ptr, b_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, 
         x_ptrs += BLOCK_K * stride_xd
         gate_ptrs += BLOCK_K * stride_wd
         up_ptrs += BLOCK_K * stride_wd
-    if HAS_BIAS:
-        b_ptrs = b_ptr + expert * stride_be + offs_n * stride_bi
-        acc_gate += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        acc_up += tl.load(b_ptrs + I * stride_bi, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if CLAMP:
-        acc_gate = tl.minimum(acc_gate, limit)
-        acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-    h = acc_gate * tl.sigmoid(acc_gate * alpha) * (acc_up + up_offset)
-    h_ptrs = h_ptr + pair_M[:, None] * stride_hn + offs_n[None, :] * stride_hi
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_swiglu(acc_gate, acc_up, b_ptr, h_ptr, expert, pair_M, row_ok, offs_n, col_ok, I, stride_be, stride_bi,
+                  stride_hn, stride_hi, alpha, limit, up_offset, HAS_BIAS, CLAMP)
 
 
 @triton.jit
@@ -185,12 +207,8 @@ def _down_kernel(h_ptr, w_ptr, b_ptr, y_ptr, weights_ptr, sorted_ids_ptr, expert
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         h_ptrs += BLOCK_K * stride_hi
         w_ptrs += BLOCK_K * stride_wi
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + expert * stride_be + offs_n * stride_bd, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if MUL_ROUTED_WEIGHT:
-        acc = acc * tl.load(weights_ptr + pair_M, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    y_ptrs = y_ptr + pair_M[:, None] * stride_yn + offs_n[None, :] * stride_yd
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_down(acc, b_ptr, weights_ptr, y_ptr, expert, pair_M, row_ok, offs_n, col_ok, stride_be, stride_bd,
+                stride_yn, stride_yd, HAS_BIAS, MUL_ROUTED_WEIGHT)
 
 
 def _check_args(x_TD: torch.Tensor, w13_EID2: torch.Tensor, w2_EDI: torch.Tensor,

@@ -41,7 +41,8 @@ import triton
 import triton.language as tl
 
 from kernels.moe import SILU, SwiGLU
-from kernels.moe_triton import MoEConfig, _block_of, _row_block, default_config, moe_align_block_size
+from kernels.moe_triton import (MoEConfig, _block_of, _row_block, _store_down, _store_swiglu, default_config,
+                                moe_align_block_size)
 from kernels.quant import FP8_DTYPES, MXFP4_BLOCK, fp8_block_scale_shape
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -154,16 +155,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, h_ptr, sorted_ids_ptr, expert_id
                                SCALE_K, BLOCK_K, DOT_DTYPE, DOT_PRECISION)
         acc_up = _scaled_dot(acc_up, a0, a1, up_cols, col_ok, up_scales, k0, D, stride_wk, stride_sk, MXFP4, SCALE_K,
                              BLOCK_K, DOT_DTYPE, DOT_PRECISION)
-    if HAS_BIAS:
-        b_ptrs = b_ptr + expert * stride_be + offs_n * stride_bi
-        acc_gate += tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        acc_up += tl.load(b_ptrs + I * stride_bi, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if CLAMP:
-        acc_gate = tl.minimum(acc_gate, limit)
-        acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-    h = acc_gate * tl.sigmoid(acc_gate * alpha) * (acc_up + up_offset)
-    h_ptrs = h_ptr + pair_M[:, None] * stride_hn + offs_n[None, :] * stride_hi
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_swiglu(acc_gate, acc_up, b_ptr, h_ptr, expert, pair_M, row_ok, offs_n, col_ok, I, stride_be, stride_bi,
+                  stride_hn, stride_hi, alpha, limit, up_offset, HAS_BIAS, CLAMP)
 
 
 @triton.jit
@@ -189,11 +182,8 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, weights_ptr, sorted_ids_ptr,
         a0, a1 = _x_tiles(h_rows, row_ok, k0, I, stride_hi, MXFP4, BLOCK_K, DOT_DTYPE)
         acc = _scaled_dot(acc, a0, a1, w_cols, col_ok, s_cols, k0, I, stride_wk, stride_sk, MXFP4, SCALE_K, BLOCK_K,
                           DOT_DTYPE, DOT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + expert * stride_be + offs_n * stride_bd, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    acc = acc * tl.load(weights_ptr + pair_M, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    y_ptrs = y_ptr + pair_M[:, None] * stride_yn + offs_n[None, :] * stride_yd
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_down(acc, b_ptr, weights_ptr, y_ptr, expert, pair_M, row_ok, offs_n, col_ok, stride_be, stride_bd,
+                stride_yn, stride_yd, HAS_BIAS, True)
 
 
 @dataclass(frozen=True)
