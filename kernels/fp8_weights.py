@@ -196,9 +196,7 @@ def _here_for(*block_ins: int) -> frozenset[int]:
 def _kernel(x_dtype: torch.dtype, rows: int, kernel: int | None, here: frozenset[int], name: str) -> int:
     if kernel is None:
         return int8._default_kernel(x_dtype, rows, here)
-    if kernel not in here or kernel in (BF16DOT, AMX) and x_dtype != torch.bfloat16:
-        raise ValueError(f"{name}: kernel {kernel} does not run here for {x_dtype} x (here: {sorted(here)})")
-    return kernel
+    return int8.check_kernel(kernel, here, x_dtype, name)
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,

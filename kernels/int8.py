@@ -192,6 +192,13 @@ def avx512() -> bool:
     return AVX512 in kernels()
 
 
+def check_kernel(kernel: int, here: frozenset[int], x_dtype: torch.dtype, name: str) -> int:
+    """`kernel` where it runs here for x_dtype rows (BF16DOT and AMX: bf16 only), else ValueError naming `name`."""
+    if kernel not in here or kernel in (BF16DOT, AMX) and x_dtype != torch.bfloat16:
+        raise ValueError(f"{name}: kernel {kernel} does not run here for {x_dtype} x (here: {sorted(here)})")
+    return kernel
+
+
 def _default_kernel(x_dtype: torch.dtype, rows: int, here: frozenset[int]) -> int:
     if x_dtype == torch.bfloat16 and rows >= AMX_MIN_ROWS and AMX in here:
         return AMX
@@ -213,10 +220,7 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None
     x_TI = x.reshape(-1, I).contiguous()
     T = x_TI.shape[0]
     here = _kernels_here(_library())
-    if kernel is None:
-        kernel = _default_kernel(x.dtype, T, here)
-    elif kernel not in here or kernel in (BF16DOT, AMX) and x.dtype != torch.bfloat16:
-        raise ValueError(f"int8_linear: kernel {kernel} does not run here for {x.dtype} x (here: {sorted(here)})")
+    kernel = _default_kernel(x.dtype, T, here) if kernel is None else check_kernel(kernel, here, x.dtype, "int8_linear")
     y_TO = torch.empty(T, O, dtype=x.dtype)
     b = None if bias is None else bias.detach().to(torch.float32).contiguous()
     bf16 = int(x.dtype == torch.bfloat16)
@@ -397,10 +401,9 @@ def fused_moe_int8(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
     here = _kernels_here(_library())
     if kernel is None:
         small, big, big_rows = _default_moe_kernels(x_TD.dtype, here)
-    elif kernel not in here or kernel in (BF16DOT, AMX) and x_TD.dtype != torch.bfloat16:
-        raise ValueError(f"fused_moe_int8: kernel {kernel} does not run here for {x_TD.dtype} x (here: {sorted(here)})")
     else:
-        small, big, big_rows = kernel, kernel, 0
+        small = big = check_kernel(kernel, here, x_TD.dtype, "fused_moe_int8")
+        big_rows = 0
     x_TD = x_TD.contiguous()
     ids_TK = topk_ids_TK.to(torch.int64).contiguous()
     wk_TK = topk_weights_TK.to(torch.float32).contiguous()

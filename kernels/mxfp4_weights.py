@@ -164,8 +164,8 @@ def mxfp4_linear(x: torch.Tensor, w: Mxfp4Weight, bias: torch.Tensor | None = No
     if kernel is None:
         bf16dot = x.dtype == torch.bfloat16 and BF16DOT in here and _BF16DOT_ROWS[native.bucket(T)]
         kernel = BF16DOT if bf16dot else AVX512 if AVX512 in here else AVX2
-    elif kernel not in here or kernel == BF16DOT and x.dtype != torch.bfloat16:
-        raise ValueError(f"mxfp4_linear: kernel {kernel} does not run here for {x.dtype} x (here: {sorted(here)})")
+    else:
+        int8.check_kernel(kernel, here, x.dtype, "mxfp4_linear")
     y_TO = torch.empty(T, O, dtype=x.dtype)
     b = None if bias is None else bias.detach().to(torch.float32).contiguous()
     bf16 = int(x.dtype == torch.bfloat16)
