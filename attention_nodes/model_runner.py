@@ -261,14 +261,7 @@ class ModelRunner:
             if num_drafts[b] >= 0 and kept > 0:
                 spans.append((offset, kept))
                 ids += seq.token_ids[c + 1:c + 1 + kept]
-                if kept <= self.mtp_decode_rows:
-                    q_lens += [1] * kept
-                    ctx += range(c, c + kept)
-                    rows_table += [seq.block_table] * kept
-                else:
-                    q_lens.append(kept)
-                    ctx.append(c)
-                    rows_table.append(seq.block_table)
+                add_rows(q_lens, ctx, rows_table, c, kept, seq.block_table, kept <= self.mtp_decode_rows)
                 who.append(b)
                 last.append(len(ids) - 1)
                 pos.append(c + kept - 1)
@@ -343,14 +336,8 @@ class ModelRunner:
         state_slots = [] if self.state_slots else None  # (linear-attention layers; no drafts there)
         for i, (seq, n, sampled) in enumerate(zip(seqs, q_lens, batch.sample[group.start:group.stop])):
             c = seq.num_computed_tokens
-            if seq.num_draft_tokens:  # verifying drafts: each token a decode row of its own (below)
-                rows_q += [1] * n
-                rows_ctx += range(c, c + n)
-                rows_table += [seq.block_table] * n
-            else:
-                rows_q.append(n)
-                rows_ctx.append(c)
-                rows_table.append(seq.block_table)
+            # (verifying drafts: each token a decode row of its own, below)
+            add_rows(rows_q, rows_ctx, rows_table, c, n, seq.block_table, bool(seq.num_draft_tokens))
             ids.extend(seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n])
             if sampled:  # its last token's logits (with d drafts, its last d + 1 positions', in order)
                 firsts.append(offset + n - 1 - seq.num_draft_tokens)
@@ -372,6 +359,19 @@ class ModelRunner:
         attn = AttentionBatch.build_paged(rows_q, rows_ctx, rows_table, self.block_size, self.device, state_slots)
         rows = row_spans(firsts + prompt_firsts, counts + prompt_counts)
         return torch.tensor(ids, dtype=torch.long, device=self.device), attn, rows.to(self.device), spans
+
+
+def add_rows(q_lens: list[int], ctx: list[int], tables: list, c: int, n: int, table: list[int], one_each: bool) -> None:
+    """Append a sequence's n tokens from position c to an attention batch's rows: one row of n, or
+    (one_each) n one-token decode rows with contexts c .. c + n - 1 over the same blocks."""
+    if one_each:
+        q_lens += [1] * n
+        ctx += range(c, c + n)
+        tables += [table] * n
+    else:
+        q_lens.append(n)
+        ctx.append(c)
+        tables.append(table)
 
 
 def row_spans(firsts: list[int], counts: list[int]) -> torch.Tensor:
