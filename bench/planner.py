@@ -67,6 +67,7 @@ from clients.live_server import LiveServer  # noqa: E402
 DEPLOYMENTS = {
     "colocated 1 thread": (["--colocated", "--torch-threads", "1"], 64),
     "colocated 2 threads": (["--colocated", "--torch-threads", "2"], 64),
+    "colocated 2 threads batch 256": (["--colocated", "--torch-threads", "2"], 256),
     "1+1 m=1": (["--micro-batches", "1"], 64),
     "1+1 m=2": (["--micro-batches", "2"], 64),
     "1+1 m=3": (["--micro-batches", "3"], 64),
@@ -82,8 +83,8 @@ DEPLOYMENTS = {
 MIN_MEASURED_PROMPTS = 256
 COMPARED = ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")  # measured as the median over the repeats
 # What a fresh profile keeps of the first (unless --fresh-front): the front and the calibration on its
-# served runs (planner.profile.served_factor and served_factors)
-CALIBRATION = ("front", "served_factor", "served_factors")
+# served runs (planner.profile.served_factor, served_factors and front_scales)
+CALIBRATION = ("front", "served_factor", "served_factors", "front_scales")
 SECOND_SHAPE = ("colocated 2 threads", "1+1 m=1", "1+1 m=2")
 SHAPES = {  # name -> (hidden, layers, experts, expert intermediate, top-k)
     "mixtral": (1024, 8, 8, 2048, 2), "fine": (1024, 8, 32, 512, 4),
@@ -488,14 +489,15 @@ def replay(path: Path, only_rows: set[int] | None = None, only_rounds: int | Non
     stored errors as was_*); writes nothing. only_rows: replay just these rows (by index);
     only_rounds: just the first profile and this many more of --rounds (the rounds' medians then
     differ from the stored ones; each round's prediction, pred_round_tok_s, does not)."""
-    from planner.profile import served_factor, served_factors
+    from planner.profile import front_scales, served_factor, served_factors
 
     result = json.loads(path.read_text())
     output_len, rows = result["config"]["output_len"], []
     # The served factors are the simulator's calibration on the profile's served runs: solved again
     # with the simulator as it is now.
     def solved(q: dict) -> dict:
-        return {**q, "served_factor": served_factor(q), "served_factors": served_factors(q)}
+        q = {**q, "served_factor": served_factor(q), "served_factors": served_factors(q)}
+        return {**q, "front_scales": front_scales(q)}
     profiles = {}
     for name, shape in result["shapes"].items():
         prof = shape["profile"]

@@ -124,6 +124,10 @@ def format_profile(p: dict) -> str:
         lines.append("  served at m=2 by tokens per call: " + ", ".join(
             f"{t:g} -> {f:.2f}x" for t, f in p["served_factors"]) + " (where both pools compute at once the "
             "simulator scales each call by its tokens, between these)")
+    if p.get("front_scales"):
+        lines.append("  the front's CPU beside steps that take every core, solved on served runs: " + ", ".join(
+            f"{'colocated' if h['kind'] == 'colocated' else '1 + 1 m=1'} at {h['threads']} threads {h['scale']:.2f}x"
+            for h in p["front_scales"]))
     if p.get("front"):
         fr = p["front"]
         lines.append(f"  front {fr['front_s_per_token'] * 1e6:.0f} us + load generator "
@@ -415,7 +419,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="a smaller grid and fewer repeats (about a third)")
     p.add_argument("--front", action=argparse.BooleanOptionalAction, default=True,
                    help="measure the front's and the load generator's CPU per output token, request and engine "
-                        "step on served 1 + 1 runs (about 15-30 s; --no-front: taken as zero)")
+                        "step on served 1 + 1 runs, and on served colocated and m=1 runs how much of it their steps "
+                        "pay (about 1-2 minutes; --no-front: taken as zero)")
     p.add_argument("--out", required=True, help="the profile JSON to write")
     p.set_defaults(func=_run(_profile, "profile"))
     s = sub.add_parser("simulate", help="simulate a deployment serving a workload, from a profile")

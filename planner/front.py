@@ -18,7 +18,8 @@ waking the engine thread and the event loop); charged per token at one batch siz
 
 The batch-64 and batch-16 runs are also kept as served (`run`, `run_small`: requests, lengths,
 concurrency, the load's wall time): planner.profile.served_factor and served_factors calibrate the
-simulator against them.
+simulator against them. `measure_scale_runs` serves the deployments whose steps take every core (a
+colocated engine, 1 + 1 at m = 1) the same way, for planner.profile.front_scales.
 
 `tree_cpu` (per process of a process tree) is also what bench/planner.py records beside each
 measured deployment, so the model's shares can be checked against served runs.
@@ -106,62 +107,36 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
     CPU times come from /proc in 10 ms ticks, and with 64 the 1-token run was a few ticks, so the
     per-request cost came out 0 on the AVX-512 EPYC where 256 measure it at ~0.7 ms (the front) and
     ~0.19 ms (the load generator)."""
-    from clients.bench_serve import run_bench
-
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     runs = []
-    with tempfile.NamedTemporaryFile("w+", prefix="shuttle-profile-front-", suffix=".log") as log:
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--port", str(port),
-               "--torch-threads", "1", "--micro-batches", str(MICRO_BATCHES), "--max-num-seqs",
-               str(LARGE * batch),
-               *(["--dtype", dtype] if dtype else []), *(["--quantization", quantization] if quantization else [])]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            _wait_ready(proc, url, Path(log.name))
-
-            def load(concurrency: int, n: int, seed: int, length: int) -> dict:
-                with contextlib.redirect_stdout(io.StringIO()):  # bench serve prints its table
-                    # prompts of exactly input_len tokens of the model's tokenizer, as bench/planner.py's rows
-                    return run_bench(["--base-url", url, "--input-len", str(input_len), "--tokenizer", str(model),
-                                      "--max-concurrency", str(concurrency), "--ignore-eos", "--disable-tqdm",
-                                      "--num-prompts", str(n), "--seed", str(seed), "--output-len", str(length)])
-            load(batch, batch, 1000, output_len)  # warm-up: first calls, allocations
-            # other prompts each run (its seed): none from the prefix cache
-            plan = ([("run", batch, output_len)] * SERVED_REPEATS + [("short", batch, short_len)]
-                    + [("run_small", max(1, batch // 4), output_len)] * SERVED_REPEATS
-                    + [("run_large", LARGE * batch, output_len)] * LARGE_REPEATS)
-            for seed, (role, concurrency, length) in enumerate(plan):
-                steps0 = engine_steps(url)
-                t0, w0 = tree_cpu(proc.pid), time.perf_counter()
-                m = load(concurrency, prompts, seed, length)
-                t1, w1 = tree_cpu(proc.pid), time.perf_counter()
-                workers = sum(cpu - t0[p][1] for p, (title, cpu) in t1.items() if p in t0 and title.startswith("shuttle-"))
-                steps = engine_steps(url) - steps0
-                if steps <= 0:  # a counter that did not move (or restarted) would misplace the per-step cost
-                    raise RuntimeError(f"the served run at concurrency {concurrency} counted {steps} engine steps "
-                                       f"(/metrics shuttle_engine_steps_total); the front's profile needs them")
-                runs.append({"role": role, "tokens": max(int(m["total_output_tokens"]), 1),
-                             "requests": max(int(m["completed"]), 1),
-                             "steps": steps, "concurrency": concurrency,
-                             "front": t1[proc.pid][1] - t0[proc.pid][1], "client": m["client_cpu_s"], "workers": workers,
-                             "wall": w1 - w0, "load_s": m["duration"], "input_tokens": int(m["total_input_tokens"]),
-                             "ttft_s": float(m["mean_ttft_ms"]) / 1e3})
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    flags = ["--torch-threads", "1", "--micro-batches", str(MICRO_BATCHES), "--max-num-seqs", str(LARGE * batch)]
+    with _serving(model, flags, dtype, quantization, input_len) as (proc, url, load):
+        load(batch, batch, 1000, output_len)  # warm-up: first calls, allocations
+        # other prompts each run (its seed): none from the prefix cache
+        plan = ([("run", batch, output_len)] * SERVED_REPEATS + [("short", batch, short_len)]
+                + [("run_small", max(1, batch // 4), output_len)] * SERVED_REPEATS
+                + [("run_large", LARGE * batch, output_len)] * LARGE_REPEATS)
+        for seed, (role, concurrency, length) in enumerate(plan):
+            steps0 = engine_steps(url)
+            t0, w0 = tree_cpu(proc.pid), time.perf_counter()
+            m = load(concurrency, prompts, seed, length)
+            t1, w1 = tree_cpu(proc.pid), time.perf_counter()
+            workers = sum(cpu - t0[p][1] for p, (title, cpu) in t1.items() if p in t0 and title.startswith("shuttle-"))
+            steps = engine_steps(url) - steps0
+            if steps <= 0:  # a counter that did not move (or restarted) would misplace the per-step cost
+                raise RuntimeError(f"the served run at concurrency {concurrency} counted {steps} engine steps "
+                                   f"(/metrics shuttle_engine_steps_total); the front's profile needs them")
+            runs.append({"role": role, "tokens": max(int(m["total_output_tokens"]), 1),
+                         "requests": max(int(m["completed"]), 1),
+                         "steps": steps, "concurrency": concurrency,
+                         "front": t1[proc.pid][1] - t0[proc.pid][1], "client": m["client_cpu_s"], "workers": workers,
+                         "wall": w1 - w0, "load_s": m["duration"], "input_tokens": int(m["total_input_tokens"]),
+                         "ttft_s": float(m["mean_ttft_ms"]) / 1e3})
 
     long, small = (lower_median((r for r in runs if r["role"] == role), key=lambda r: r["load_s"])
                    for role in ("run", "run_small"))
 
     def served(r: dict) -> dict:
-        return {"requests": r["requests"], "prompt_len": round(r["input_tokens"] / r["requests"]),
-                "output_len": output_len, "concurrency": r["concurrency"], "micro_batches": MICRO_BATCHES,
-                "load_s": r["load_s"], "ttft_s": r["ttft_s"]}
+        return _served(r, output_len, MICRO_BATCHES)
     out = {"workers_s_per_token": long["workers"] / long["tokens"], "tokens": long["tokens"], "wall_s": long["wall"],
            # the runs at both batch sizes as served, for the simulator's calibration
            # (planner.profile.served_factor and served_factors)
@@ -170,6 +145,72 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
                     for r in runs]}
     for who in ("front", "client"):
         out[f"{who}_s_per_token"], out[f"{who}_s_per_request"], out[f"{who}_s_per_step"] = split_front_cpu(runs, who)
+    return out
+
+
+def _served(r: dict, output_len: int, micro_batches: int) -> dict:
+    """A served run as the simulator's calibration takes it: its workload and the load's wall time."""
+    return {"requests": r["requests"], "prompt_len": round(r["input_tokens"] / r["requests"]),
+            "output_len": output_len, "concurrency": r["concurrency"], "micro_batches": micro_batches,
+            "load_s": r["load_s"], "ttft_s": r["ttft_s"]}
+
+
+@contextlib.contextmanager
+def _serving(model: str, flags: list[str], dtype: str | None, quantization: str | None, input_len: int = 64):
+    """A live `shuttle serve` of `model` with `flags`: yields (its process, its URL, load), where
+    load(concurrency, prompts, seed, output_len) runs `shuttle bench serve`'s client against it with
+    prompts of exactly input_len tokens of the model's tokenizer (as bench/planner.py's rows) and
+    returns its metrics. The server is stopped on exit; a server that does not come up raises with
+    its log's tail."""
+    from clients.bench_serve import run_bench
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.NamedTemporaryFile("w+", prefix="shuttle-profile-front-", suffix=".log") as log:
+        cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--port", str(port), *flags,
+               *(["--dtype", dtype] if dtype else []), *(["--quantization", quantization] if quantization else [])]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait_ready(proc, url, Path(log.name))
+
+            def load(concurrency: int, n: int, seed: int, length: int) -> dict:
+                with contextlib.redirect_stdout(io.StringIO()):  # bench serve prints its table
+                    return run_bench(["--base-url", url, "--input-len", str(input_len), "--tokenizer", str(model),
+                                      "--max-concurrency", str(concurrency), "--ignore-eos", "--disable-tqdm",
+                                      "--num-prompts", str(n), "--seed", str(seed), "--output-len", str(length)])
+            yield proc, url, load
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def measure_scale_runs(model: str, threads: tuple[int, ...], dtype: str | None = None, batch: int = 64,
+                       prompts: int = 256, input_len: int = 64, output_len: int = 16,
+                       quantization: str | None = None) -> list[dict]:
+    """Served runs of the deployments whose steps take every core the front and the load generator
+    share: `shuttle serve --colocated --torch-threads t` for each t in `threads`, and a 1 + 1 pool
+    at m = 1 (serve's threads), each at concurrency `batch`, SERVED_REPEATS runs of `prompts`
+    requests after a warm-up, the run of median duration kept as served. planner.profile.front_scales
+    solves each for the factor on the front's CPU beside such steps. Returns [{"kind": "colocated"
+    or "m1", "threads", **served run}] (threads None: serve's own)."""
+    plan = [("colocated", t, ["--colocated", "--torch-threads", str(t)]) for t in threads]
+    plan.append(("m1", None, ["--micro-batches", "1"]))
+    out = []
+    for kind, t, flags in plan:
+        with _serving(model, [*flags, "--max-num-seqs", str(batch)], dtype, quantization, input_len) as (_, _, load):
+            load(batch, batch, 1000, output_len)  # warm-up
+            runs = []
+            for seed in range(SERVED_REPEATS):
+                m = load(batch, prompts, seed, output_len)
+                runs.append({"requests": max(int(m["completed"]), 1), "concurrency": batch,
+                             "input_tokens": int(m["total_input_tokens"]), "load_s": m["duration"],
+                             "ttft_s": float(m["mean_ttft_ms"]) / 1e3})
+        run = lower_median(runs, key=lambda r: r["load_s"])
+        out.append({"kind": kind, "threads": t, **_served(run, output_len, 1)})
     return out
 
 

@@ -41,6 +41,8 @@ class ProfilePerf:
         self.sends = {b: Fit.from_dict(f["send"]) for b, f in profile["transfer"].items() if "send" in f}
         self.served_factor = float(profile.get("served_factor", 1.0))  # see planner.profile.served_factor
         self.served_factors = [tuple(map(float, p)) for p in profile.get("served_factors") or []]  # ... and _factors
+        # the front's CPU as served beside deployments that take every core (planner.profile.front_scales)
+        self.front_scales = list(profile.get("front_scales") or [])
         fr = profile.get("front") or {}  # profiles without it (older, or --no-front): no front work
         self.front_s_per_token = fr.get("front_s_per_token", 0.0) + fr.get("client_s_per_token", 0.0)
         # Per request (older profiles: none, all of it per token): parsing, tokenizing and admitting
@@ -58,6 +60,14 @@ class ProfilePerf:
             return self
         view = copy.copy(self)
         view.fits = {**self.fits, **{int(t): {k: Fit.from_dict(f) for k, f in fits.items()} for t, fits in passive.items()}}
+        return view
+
+    def with_front_scale(self, scale: float) -> "ProfilePerf":
+        """This profile with the front's and the load generator's CPU times `scale` (front_scales)."""
+        view = copy.copy(self)
+        view.front_s_per_token = scale * self.front_s_per_token
+        view.front_s_per_request = scale * self.front_s_per_request
+        view.front_s_per_step = scale * self.front_s_per_step
         return view
 
     def _fit(self, name: str, threads: int) -> tuple[Fit | None, float]:

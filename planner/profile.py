@@ -507,10 +507,11 @@ def run_profile(opts: ProfileOptions) -> dict:
     dtype = opts.dtype or cfg.dtype
     front = None
     if opts.front:
-        from planner.front import measure_front
+        from planner.front import measure_front, measure_scale_runs
 
-        front = measure_front(opts.model, str(dtype).replace("torch.", "") if opts.dtype else None,
-                              quantization=opts.quantization)
+        served_dtype = str(dtype).replace("torch.", "") if opts.dtype else None
+        front = measure_front(opts.model, served_dtype, quantization=opts.quantization)
+        front["scale_runs"] = measure_scale_runs(opts.model, opts.threads, served_dtype, quantization=opts.quantization)
     transfer = {}
     for backend in opts.transports:
         tsamples, wake = measure_transfer(opts.model, backend, dtype, quick=opts.quick)
@@ -535,6 +536,7 @@ def run_profile(opts: ProfileOptions) -> dict:
             "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)]}
     profile["served_factor"] = served_factor(profile)
     profile["served_factors"] = served_factors(profile)
+    profile["front_scales"] = front_scales(profile)
     return profile
 
 
@@ -609,3 +611,34 @@ def _served_over_simulated(profile: dict, run: dict, factors=None, start: float 
             break
         f0, d0, f1 = f1, d1, max(1.0, f1 + (target - d1) * (f1 - f0) / (d1 - d0))
     return round(f1, 3)
+
+
+def front_scales(profile: dict) -> list[dict]:
+    """[{"kind", "threads", "scale"}, ...]: for each served run of planner.front.measure_scale_runs (a
+    colocated engine per thread count, 1 + 1 pools at m = 1), the factor on the front's and the load
+    generator's CPU (planner.simulate.front_scale) with which the simulator gives the run's wall
+    time, in [0, 2] (bisection: the simulated duration grows with it). [] without served runs."""
+    from planner.perf import ProfilePerf
+    from planner.simulate import Deployment, SimModel, Simulator, Workload
+
+    bare = {k: v for k, v in profile.items() if k != "front_scales"}
+    model, cores = SimModel.from_profile(bare), profile["host"]["cores"]
+    out = []
+    for run in (profile.get("front") or {}).get("scale_runs") or []:
+        dep = Deployment(run["kind"] == "colocated", 1, 1, 1, run["threads"], cores, "shm",
+                         max_num_seqs=run["concurrency"])
+        entry = {"kind": run["kind"], "threads": run["threads"] or max(dep.pool_threads)}
+        work = Workload(run["requests"], run["prompt_len"], run["output_len"], run["concurrency"])
+
+        def duration(scale: float) -> float:
+            perf = ProfilePerf({**bare, "front_scales": [{**entry, "scale": scale}]})
+            return Simulator(perf, model, dep).run(work)["duration"]
+        lo, hi = 0.0, 2.0
+        if duration(hi) <= run["load_s"]:
+            lo = hi
+        elif duration(lo) < run["load_s"]:
+            for _ in range(12):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if duration(mid) < run["load_s"] else (lo, mid)
+        out.append({**entry, "scale": round(lo, 3)})
+    return out

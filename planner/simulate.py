@@ -187,11 +187,38 @@ def call_slowdown(perf, dep: "Deployment"):
     return lambda tokens: _factor_at(points, tokens)
 
 
+def front_scale(perf, dep: "Deployment") -> float | None:
+    """The factor on the front's and the load generator's CPU beside a deployment whose steps take
+    every core of a shared host, solved on a served run of its kind (planner.profile.front_scales): a
+    colocated engine (the nearest profiled thread count), or pools at m = 1 whose computing pool takes
+    every core. None elsewhere, and for profiles without such runs (then the front's CPU as measured
+    beside 1 + 1 pools at m = 2, planner.front, applies as it is).
+    There the rule (_held: the whole of the front's work on the step, and its CPU in the cores'
+    bound) put the colocated and m = 1 rows of the AVX-512 EPYC's planner run 6-25% slow, and
+    without the front's CPU they came out 25-55% fast: part of it runs in cycles the step leaves
+    (a spinning OpenMP thread's, a pool's wait), and the colocated engine's front is one process
+    with it (no delta messages to read)."""
+    scales = getattr(perf, "front_scales", [])
+    if not dep.cores:
+        return None
+    if dep.colocated:
+        runs = sorted((r for r in scales if r["kind"] == "colocated"),
+                      key=lambda r: (abs(r["threads"] - dep.threads), -r["threads"]))
+    elif dep.micro_batches == 1 and not dep.oversubscribed and max(dep.pool_threads) >= dep.cores:
+        runs = [r for r in scales if r["kind"] == "m1"]
+    else:
+        return None
+    return float(runs[0]["scale"]) if runs else None
+
+
 class Simulator:
     def __init__(self, perf, model: SimModel, dep: Deployment, trace_steps: int = 0):
         # Worker pools wait passively between OpenMP regions (ProfilePerf.for_pools); colocated spins.
         if not dep.colocated and hasattr(perf, "for_pools"):
             perf = perf.for_pools()
+        scale = front_scale(perf, dep)
+        if scale is not None:
+            perf = perf.with_front_scale(scale)
         self.perf, self.model, self.dep = perf, model, dep
         # On a shared host the workers compute slower than their parts measured alone: the profile's
         # calibration against served runs (served_slowdown; `run` sets it for its workload's batch).

@@ -249,6 +249,11 @@ def test_profile_quantization_reaches_every_measurement(tmp_path, make_checkpoin
             front.measure_front(str(ckpt), quantization="int8")
         cmd = got.pop()
         assert cmd[cmd.index("--quantization") + 1] == "int8"
+        with pytest.raises(PlannerError):  # ... and the served colocated and m = 1 runs
+            front.measure_scale_runs(str(ckpt), (2,), quantization="int8")
+        cmd = got.pop()
+        assert cmd[cmd.index("--quantization") + 1] == "int8" and cmd[cmd.index("--torch-threads") + 1] == "2"
+        assert "--colocated" in cmd
 
     # the profile's model block records it; plan and simulate refuse it for unquantised experts
     monkeypatch.setattr(prof, "measure_workers", lambda o, c: {})

@@ -126,6 +126,44 @@ def test_front_work_delays_workers_by_the_share_of_cores_they_hold():
     assert sim(p, colocated=True, torch_threads=1, cores=2).step_time(0.0, two) == pytest.approx((4 + 2) * MS)
 
 
+def test_a_served_front_scale_applies_to_its_kind_only():
+    """A profile's factor solved on a served run (planner.profile.front_scales) scales the front's CPU
+    beside a colocated step (the nearest thread count's) or an m = 1 step that takes every core;
+    other deployments keep the front as measured."""
+    p = profile(a=1.0, e=1.0, layers=2)
+    p["front"] = {"front_s_per_token": 0.75 * MS, "client_s_per_token": 0.25 * MS}
+    p["fits"]["2"] = p["fits"]["1"]
+    p["front_scales"] = [{"kind": "colocated", "threads": 1, "scale": 0.0},
+                         {"kind": "colocated", "threads": 2, "scale": 0.5}, {"kind": "m1", "threads": 2, "scale": 0.25}]
+    two = [batch([1, 1])]  # 2 ms of front work on a 4 ms step, all of it on the step
+    assert sim(p, colocated=True, torch_threads=2, cores=2).step_time(0.0, two) == pytest.approx((4 + 1) * MS)
+    assert sim(p, colocated=True, torch_threads=1, cores=2).step_time(0.0, two) == pytest.approx(4 * MS)
+    assert sim(p, colocated=True, torch_threads=4, cores=2).perf.front_s_per_token == pytest.approx(0.5 * MS)
+    assert sim(p, cores=2).perf.front_s_per_token == pytest.approx(0.25 * MS)  # m = 1, 2 threads each
+    for dep in ({"cores": 2, "torch_threads": 1}, {"cores": 2, "micro_batches": 2}, {"colocated": True}):
+        assert sim(p, **dep).perf.front_s_per_token == pytest.approx(1.0 * MS)  # no scale: the front as measured
+
+
+def test_front_scales_give_the_served_runs_their_wall_time():
+    from planner.profile import front_scales
+
+    p = profile(a=1.0, e=1.0, layers=2)
+    p["fits"]["2"] = p["fits"]["1"]
+    p["front"] = {"front_s_per_token": 1.0 * MS, "front_s_per_step": 0.5 * MS}
+    work = {"requests": 8, "prompt_len": 3, "output_len": 3, "concurrency": 4, "micro_batches": 1}
+    dep = Deployment(True, 1, 1, 1, 2, 2, "shm", max_num_seqs=4)
+
+    def duration(scale: float) -> float:
+        q = {**p, "front_scales": [{"kind": "colocated", "threads": 2, "scale": scale}]}
+        return Simulator(ProfilePerf(q), SimModel.from_profile(q), dep).run(Workload(8, 3, 3, 4))["duration"]
+    p["front"]["scale_runs"] = [{"kind": "colocated", "threads": 2, **work, "load_s": duration(0.6)},
+                                {"kind": "colocated", "threads": 1, **work, "load_s": 1e-6},  # faster than any
+                                {"kind": "m1", "threads": None, **work, "load_s": 1e3}]  # slower than twice the front
+    scales = front_scales(p)
+    assert scales[0]["scale"] == pytest.approx(0.6, abs=2e-3)
+    assert [(s["kind"], s["threads"], s["scale"]) for s in scales[1:]] == [("colocated", 1, 0.0), ("m1", 2, 2.0)]
+
+
 def test_front_work_per_delta_message():
     """Per step the front also pays for each delta message (one per attention worker that sampled,
     whatever it carries): profile front_s_per_step + client_s_per_step."""
