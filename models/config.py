@@ -319,16 +319,21 @@ class ModelConfig:
         output channel of gate and up (2 x moe_intermediate_size) and down (hidden_size), biases in
         `dtype`; kernels/int8.py pads each matrix to panels of 16 channels and an even input on top.
         "fp8": one byte per weight plus a float32 scale per 16 output rows (a panel) per block of
-        inputs (kernels/fp8_weights.py; the checkpoint's blocks, or 128 x 128 quantised at load)."""
+        inputs (kernels/fp8_weights.py; the checkpoint's blocks, or 128 x 128 quantised at load).
+        "mxfp4": half a byte per weight plus an E8M0 byte per row and 32 inputs (kernels/
+        mxfp4_weights.py; its panels pad rows to multiples of 16 on top)."""
         if quantization is None:
             return self.expert_params() * dtype.itemsize
-        if quantization not in ("int8", "fp8"):
-            raise ValueError(f"expert_bytes: quantization {quantization!r} is not supported (int8, fp8 or None)")
+        if quantization not in ("int8", "fp8", "mxfp4"):
+            raise ValueError(f"expert_bytes: quantization {quantization!r} is not supported "
+                             "(int8, fp8, mxfp4 or None)")
         D, I = self.hidden_size, self.moe_intermediate_size
         channels = 2 * I + D
         biases = channels * self.expert_bias * dtype.itemsize
         if quantization == "int8":
             return 3 * D * I + 4 * channels + biases
+        if quantization == "mxfp4":
+            return 3 * D * I // 2 + 3 * D * I // 32 + biases
         bi = (self.fp8_block or (128, 128))[1]
         panel_blocks = 2 * -(-I // 16) * -(-D // bi) + -(-D // 16) * -(-I // bi)
         return 3 * D * I + 4 * panel_blocks + biases

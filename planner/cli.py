@@ -1,12 +1,12 @@
 """The planner's subcommands of `shuttle`: profile, simulate, plan.
 
-    shuttle profile [--model DIR] [--dtype D] [--quantization int8] [--torch-threads 1,2] [--transport shm,tcp]
+    shuttle profile [--model DIR] [--dtype D] [--quantization Q] [--torch-threads 1,2] [--transport shm,tcp]
                     [--quick] --out PROFILE.json
     shuttle simulate --profile PROFILE.json (--colocated | --attention-workers A --expert-workers E --micro-batches M) ...
     shuttle plan --model DIR|NAME --hardware KIND[=PRICE][,KIND...] --tbt-slo-ms X --max-devices N ... --out PLAN.json
 
---quantization int8 (-q; vLLM's experts_int8 too) profiles, simulates and plans the experts as
-int8, as `shuttle serve --quantization int8` serves them; plan and simulate take a profile's or
+--quantization int8, fp8 or mxfp4 (-q; vLLM's experts_int8 too) profiles, simulates and plans the
+experts so, as `shuttle serve --quantization Q` serves them; plan and simulate take a profile's or
 plan's own quantization unless asked for one (none: unquantised), and refuse one made for another.
 
 Every user error ends with a one-line message naming what is wrong and exit code 2.

@@ -337,6 +337,22 @@ def test_int8_expert_bytes_are_what_a_quantised_worker_holds(make_checkpoint, fa
         assert fp8["experts"] == count * c.expert_bytes(c.dtype, "fp8")
 
 
+def test_mxfp4_expert_bytes_are_what_a_quantised_worker_holds(make_checkpoint):
+    """ModelConfig.expert_bytes(dtype, "mxfp4") is the resident bytes of experts quantised as serving
+    quantises them (PackedExperts(experts, "mxfp4")), where each matrix's rows fill whole panels of 16:
+    half a byte a weight plus an E8M0 byte per row and 32 inputs, about 0.27x of bf16's bytes."""
+    from models.cpu_inference import PackedExperts, resident_weight_bytes
+    from models.loader import load_experts
+
+    ckpt = make_checkpoint("mixtral", "bfloat16", hidden_size=64, intermediate_size=96)
+    c = ModelConfig.from_pretrained(ckpt)
+    experts = load_experts(ckpt, list(range(c.num_experts)), c)
+    held = torch.nn.ModuleList(PackedExperts(m, "mxfp4") for m in experts.values())
+    count = c.num_experts * c.num_moe_layers
+    assert resident_weight_bytes(held)["experts"] == count * c.expert_bytes(c.dtype, "mxfp4")
+    assert 0.26 < c.expert_bytes(c.dtype, "mxfp4") / c.expert_bytes(c.dtype) < 0.29
+
+
 def test_quantization_names_and_checkpoints_already_quantised():
     import dataclasses
 
