@@ -23,17 +23,21 @@
  * Kernels (`kernel` argument):
  *  AVX2     AVX2 + FMA (the flags the library is built with): tiles of up to 3 rows.
  *  AVX512   AVX-512 F/BW/VL (target attribute): tiles of up to 8 rows sharing each widened pair.
- *  BF16DOT  AVX-512 BF16, bf16 x only: each panel is first dequantised once into a bf16 copy in L1/L2
- *           (codes -127..127 are exact in bf16: 64 bytes per pair, lane o = (q[o][2j], q[o][2j+1]),
- *           pack_panels32's pair layout for 16 outputs), then every row tile multiplies it by x's
- *           bf16 pairs with dpbf16 (two products per lane and instruction, float32 accumulation):
- *           the widening is paid once per panel and row block instead of once per row tile.
+ *  BF16DOT  AVX-512 BF16, bf16 x only: panels go two at a time (linear_rows_bf: a thread's panels
+ *           in pairs, an odd last one alone), dequantised once per row block side by side into a
+ *           bf16 copy in L2 by the block's first row tile as it dots them (codes -127..127 are exact
+ *           in bf16: 128 bytes per pair, pack_panels32's pair layout for 32 outputs); every other
+ *           row tile multiplies the copy by x's bf16 pairs with dpbf16, each broadcast x pair
+ *           feeding both panels (two products per lane and instruction, float32 accumulation;
+ *           int8_panels.h's panels_bf): the widening is paid once per panel and row block instead
+ *           of once per row tile. The dots prefetch the next pair's codes into L2 as they go.
  *  AMX      AMX-BF16, bf16 x only: the same bf16 copies, two panels at a time (32 outputs), are B
  *           tiles (16 pairs x 16 outputs x 2 values, 64-byte rows); blocks of 32 rows of x (copied,
  *           padded to 32 rows and to a multiple of 32 inputs) are the A tiles; 4 accumulator tiles.
  * OpenMP: threads own ranges of panels; where there are fewer panels than threads, the rows are
  * split too. Rows go in blocks whose x (about 1 MiB) stays in L2 while every panel streams past it
- * once; a panel (16 Ip bytes, 32 Ip dequantised) stays in L1/L2 while the block's row tiles read it.
+ * once (BF16DOT: blocks of at most BF_ROWS rows); a panel (16 Ip bytes, 32 Ip dequantised) stays in
+ * L1/L2 while the block's row tiles read it.
  * The inner loops (each kernel's dot over a panel) are int8_panels.h's, shared with moe_int8.c. */
 #include "int8_panels.h"
 #include <immintrin.h>
@@ -44,10 +48,9 @@
 
 #define X_BLOCK_BYTES (1 << 20)
 
-/* One tile: R rows of x (float32, or bf16 for BF16DOT; rows ldx values apart, 2 * pairs values each)
- * times one panel (its codes, or for BF16DOT its bf16 copy; bs: its FP8 block scales, bpairs pairs
- * each); writes y rows (ldy values apart) at the panel's first output, the sums times `scale` (+ bias):
- * nv valid outputs, float32 or bf16. */
+/* One tile of an FMA kernel: R rows of float32 x (rows ldx values apart, 2 * pairs values each) times
+ * one panel's codes (bs: its FP8 block scales, bpairs pairs each); writes y rows (ldy values apart) at
+ * the panel's first output, the sums times `scale` (+ bias): nv valid outputs, float32 or bf16. */
 typedef void (*tile_fn)(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *bs,
                         int64_t bpairs, const float *scale, const float *bias, int nv, void *y, int64_t ldy,
                         int y_bf16);
@@ -80,23 +83,29 @@ T512 static void tile_avx512_fp8(const void *x, int64_t ldx, int R, const void *
 #undef CALL
 
 #ifdef HAVE_BF16DOT
-TBF static inline __attribute__((always_inline)) void tilebf(const uint32_t *x, int64_t ldx, const int R,
-                                                             const uint16_t *d, int64_t pairs, const float *bs,
-                                                             int64_t bpairs, const float *scale, const float *bias,
-                                                             int nv, void *y, int64_t ldy, int y_bf16) {
-    __m512 sum[MAX_R512];
-    dotbf_s(x, ldx, R, d, pairs, sum, bs, bpairs);
-    for (int r = 0; r < R; r++) store16(sum[r], scale, bias, nv, (char *)y + r * ldy * (y_bf16 ? 2 : 4), y_bf16);
-}
-
-TBF static void tile_bf16dot(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *bs,
-                             int64_t bpairs, const float *scale, const float *bias, int nv, void *y, int64_t ldy,
-                             int y_bf16) {
-    /* x: bf16 values, ldx of them a row; as pairs, ldx / 2; bs: FP8 block scales, NULL for int8 */
-#define CALL(n) \
-    tilebf((const uint32_t *)x, ldx / 2, n, (const uint16_t *)pw, pairs, bs, bpairs, scale, bias, nv, y, ldy, y_bf16)
-    BY_ROWS(R, CALL)
-#undef CALL
+/* BF16DOT, rows [t0, t1) (at most BF_ROWS) of bf16 x (rows Ip values apart) over output panels [lo, hi):
+ * panels p and p + 1 side by side through panels_bf (an odd last one alone) into cb, then scaled (+ bias)
+ * into y; each pair's dots prefetch the next pair's codes, the last pair's those of `after` (the
+ * thread's next block's first pair; NULL: none). */
+TBF static void linear_rows_bf(const uint16_t *xs, int64_t Ip, int64_t t0, int64_t t1, const int8_t *panels,
+                               const float *scales, const codes_fmt *f, const float *bias, int64_t O, int64_t lo,
+                               int64_t hi, void *y, int y_bf16, const int8_t *after, uint16_t *d, float *cb) {
+    const int64_t pairs = Ip / 2;
+    const size_t ysize = y_bf16 ? 2 : 4;
+    for (int64_t p = lo; p < hi; p += 2) {
+        const int two = p + 1 < hi;
+        const int8_t *pw = panels + p * pairs * 32, *next = p + 2 < hi ? pw + 2 * pairs * 32 : after;
+        const int64_t next_panels = p + 2 < hi ? (hi - p - 2 < 2 ? hi - p - 2 : 2) : hi - lo < 2 ? hi - lo : 2;
+        panels_bf((const uint32_t *)(xs + t0 * Ip), pairs, t1 - t0, pw, two ? pw + pairs * 32 : NULL, pairs, f,
+                  panel_scales(f, scales, p), two ? panel_scales(f, scales, p + 1) : NULL, (const char *)next,
+                  next ? next_panels * pairs / 2 : 0, d, cb, 32);
+        for (int64_t q = p; q < p + 1 + two; q++) {
+            const int nv = O - q * PANEL < PANEL ? (int)(O - q * PANEL) : PANEL;
+            for (int64_t t = t0; t < t1; t++)
+                store16(_mm512_load_ps(cb + (t - t0) * 32 + (q - p) * 16), out_scales(f, scales, q),
+                        bias ? bias + q * PANEL : NULL, nv, (char *)y + (t * O + q * PANEL) * ysize, y_bf16);
+        }
+    }
 }
 #endif
 
@@ -252,7 +261,7 @@ static int linear_panels(const void *x, int x_bf16, int64_t T, int64_t I, const 
                          const codes_fmt *f, const float *bias, int64_t O, void *y, int y_bf16, int nthreads,
                          int kernel) {
     tile_fn tile = f->fp8 ? tile_avx2_fp8 : tile_avx2;
-    int dequant = 0; /* BF16DOT: the tiles read each panel's bf16 copy */
+    int dequant = 0; /* BF16DOT: linear_rows_bf, on the panels' bf16 copies */
     int max_r = MAX_R2;
     if (kernel == KERNEL_AVX512) {
 #ifdef HAVE_AVX512
@@ -263,7 +272,7 @@ static int linear_panels(const void *x, int x_bf16, int64_t T, int64_t I, const 
     } else if (kernel == KERNEL_BF16DOT) {
 #ifdef HAVE_BF16DOT
         if (!x_bf16) return -2;
-        tile = tile_bf16dot, dequant = 1, max_r = MAX_R512;
+        dequant = 1, max_r = MAX_R512;
 #else
         return -2;
 #endif
@@ -290,7 +299,12 @@ static int linear_panels(const void *x, int x_bf16, int64_t T, int64_t I, const 
     const size_t xsize = wide ? 4 : 2;
     const int copy = (wide && x_bf16) || Ip != I;
     void *xs = copy ? aligned_alloc(64, ((size_t)(T * Ip) * xsize + 63) / 64 * 64) : (void *)x;
-    const size_t dq_bytes = (size_t)(PANEL * Ip * 2 + 63) / 64 * 64;
+#ifdef HAVE_BF16DOT
+    /* BF16DOT: per thread a chunk of two panels' bf16 copies (panels_bf), then BF_ROWS x 32 sums */
+    const size_t dq_bytes = dequant ? (size_t)(pairs < bf_chunk(f) ? pairs : bf_chunk(f)) * 128 + 4 * BF_ROWS * 32 : 0;
+#else
+    const size_t dq_bytes = 0;
+#endif
     uint16_t *dq = dequant ? aligned_alloc(64, dq_bytes * (size_t)nthreads) : NULL;
     if (!xs || (dequant && !dq)) {
         if (copy) free(xs);
@@ -299,6 +313,11 @@ static int linear_panels(const void *x, int x_bf16, int64_t T, int64_t I, const 
     }
     int64_t block = X_BLOCK_BYTES / (Ip * (int64_t)xsize) / max_r * max_r;
     if (block < max_r) block = max_r;
+#ifdef HAVE_BF16DOT
+    if (dequant && block > BF_ROWS) block = BF_ROWS;
+#endif
+    /* BF16DOT's threads own pairs of panels (two at a time side by side), the others single ones */
+    const int64_t unit = dequant ? 2 : 1, PU = (P + unit - 1) / unit;
     #pragma omp parallel num_threads(nthreads)
     {
         if (copy) {
@@ -323,23 +342,29 @@ static int linear_panels(const void *x, int x_bf16, int64_t T, int64_t I, const 
         /* thread grid: panel groups x row groups (rows are split only where panels are fewer than
          * threads); a thread past the grid has nothing to do */
         const int th = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t pg = P < nt ? P : nt, rg_all = nt / pg, rg = rg_all < tiles ? rg_all : tiles;
+        const int64_t pg = PU < nt ? PU : nt, rg_all = nt / pg, rg = rg_all < tiles ? rg_all : tiles;
         uint16_t *my_dq = dq ? (uint16_t *)((char *)dq + dq_bytes * (size_t)th) : NULL;
         if (th < pg * rg) {
             const int64_t gp = th % pg, gr = th / pg;
-            const int64_t p_lo = P * gp / pg, p_hi = P * (gp + 1) / pg;
+            const int64_t p_lo = PU * gp / pg * unit, p_end = PU * (gp + 1) / pg * unit, p_hi = p_end < P ? p_end : P;
             const int64_t t_lo = tiles * gr / rg * max_r, t_end = tiles * (gr + 1) / rg * max_r;
             const int64_t t_hi = t_end < T ? t_end : T;
             for (int64_t t0 = t_lo; t0 < t_hi; t0 += block) {
                 const int64_t t1 = t_hi - t0 < block ? t_hi : t0 + block, ntiles = (t1 - t0 + max_r - 1) / max_r;
+#ifdef HAVE_BF16DOT
+                if (dequant) {
+                    const int8_t *after = t1 < t_hi ? panels + p_lo * pairs * 32 : NULL;
+                    float *cb = (float *)((char *)my_dq + dq_bytes - 4 * BF_ROWS * 32);
+                    linear_rows_bf((const uint16_t *)xs, Ip, t0, t1, panels, scales, f, bias, O, p_lo, p_hi, y, y_bf16,
+                                   after, my_dq, cb);
+                    continue;
+                }
+#endif
                 for (int64_t p = p_lo; p < p_hi; p++) {
                     const int64_t o0 = p * PANEL;
                     const int nv = O - o0 < PANEL ? (int)(O - o0) : PANEL;
                     const void *pw = panels + p * pairs * 32;
                     const float *ps = panel_scales(f, scales, p), *os = out_scales(f, scales, p);
-#ifdef HAVE_BF16DOT
-                    if (dequant) dequant_bf16(panels + p * pairs * 32, pairs, my_dq, f->fp8), pw = my_dq;
-#endif
                     for (int64_t t = t0, ti = 0, n; t < t1; t += n, ti++) {
                         n = (t1 - t + (ntiles - ti) - 1) / (ntiles - ti); /* even tiles: 17 rows -> 6, 6, 5 */
                         void *yt = (char *)y + (t * O + o0) * (y_bf16 ? 2 : 4);

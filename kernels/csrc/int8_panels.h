@@ -8,13 +8,21 @@
  *        weight_scale_inv of the panel's 128-row block: a panel lies inside one), `nb` per panel,
  *        applied inside the dots (each block's partial sums times its scale); the epilogues scale by 1.
  *
- * Each kernel's dot computes R rows of x (rows ldx values apart) times one panel into 16 float32 sums
- * per row, in registers.
+ * Each kernel's dot computes R rows of x (rows ldx values apart) times one panel (BF16DOT: two) into
+ * 16 float32 sums per row and panel, in registers.
  *  AVX2     dot256: codes decoded to float32, FMA against float32 x, up to MAX_R2 rows.
  *  AVX512   dot512: the same with AVX-512 F/BW/VL, up to MAX_R512 rows sharing each decoded pair.
- *  BF16DOT  dotbf: a panel dequantised once to bf16 (dequant_bf16: 64 bytes per pair, lane o =
- *           (q[o][2j], q[o][2j+1]); int8 codes and E4M3 values are exact in bf16) times bf16 x pairs,
- *           AVX-512 BF16 dot products, float32 accumulation (FP8: dotbf_s, per block, scaled).
+ *  BF16DOT  panels_bf: two panels (a caller's neighbours, or gate and up) at once, BF_CHUNK pairs at
+ *           a time, in tiles of up to MAX_R512 bf16 rows: the first tile dequantises the chunk to
+ *           bf16 side by side into the caller's buffer as it dots it (bf_pair: 128 bytes per pair,
+ *           lane o of each half = (q[o][2j], q[o][2j+1]); int8 codes and E4M3 values are exact in
+ *           bf16; the conversions overlap its dot products), the other tiles read that copy; each
+ *           broadcast x pair feeds both panels' AVX-512 BF16 dot products, float32 accumulation, the
+ *           sums kept in the caller's buffer between chunks (FP8: per block, scaled). A lone panel
+ *           (an odd last one) goes the same way by itself. While they compute, the dots prefetch
+ *           into L2 the codes the thread dequantises next, so memory streams during the dots rather
+ *           than only while the dequantisation waits on it. (mxfp4_gemm.c decodes its own panels
+ *           into the same layout and runs the same tiles on the copy.)
  *  AMX      amx_block: blocks of 16 or 32 bf16 rows times two dequantised panels (B tiles of 16
  *           pairs x 16 outputs x 2 values), 4 accumulator tiles; dequant_tiles pads a panel with
  *           zero pairs to a multiple of 16. FP8: amx_block_fp8 stores the tiles once per input block
@@ -235,53 +243,206 @@ AI512 void dot512(const float *x, int64_t ldx, const int R, const int8_t *pw, in
 #define HAVE_BF16DOT 1
 #define TBF __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
+#define AIBF TBF static inline __attribute__((always_inline))
+/* Pairs of two panels dequantised at a time: 128 KiB of bf16, in L2, however long the panels. Chunks
+ * that stay in L1 measured slower than whole panels (D = 1024, 1 thread: 128 pairs 3-7% in the int8
+ * MoE at 16-256 tokens and 8% in int8_linear at 256 rows, 256 pairs 2-4%): each tile's loop is set up
+ * again per chunk and its sums stored and reloaded, while L2 feeds the dots fast enough. */
+#define BF_CHUNK 1024
+#define BF_ROWS 512 /* the most rows of one call of panels_bf (its buffer of sums: 64 KiB) */
+#define BF_SPLIT 4  /* rows up to which dotbf_u keeps the even and odd pairs' sums apart */
+
+/* One pair of a panel (32 codes of either format) as 16 bf16 pairs, lane o = (q[o][2j], q[o][2j+1]) (FP8
+ * times 2^-8): the codes' float32 values are exact in bf16, so their top halves are the bf16 values,
+ * gathered by one word permute (up to 3% faster than vcvtne2ps2bf16 in the int8 MoE at 16-64 tokens). */
+AIBF __m512i pair_bf16(const int8_t *p, const int fp8) {
+    __m512 w0, w1;
+    pair_codes(p, fp8, &w0, &w1);
+    const __m512i tops = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25,
+                                          23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1); /* word 2i + 1 of (w0, w1) */
+    return _mm512_permutex2var_epi16(_mm512_castps_si512(w0), tops, _mm512_castps_si512(w1));
+}
+
 /* A panel's codes (`pairs` pairs) as bf16 pairs in d, 64-byte aligned: int8 codes; FP8 codes times 2^-8
  * (E4M3 values, 2^-9..448, times 2^-8 are exact in bf16); the scales stay out, for the dots. */
 TBF static inline void dequant_bf16(const int8_t *pw, int64_t pairs, uint16_t *d, const int fp8) {
-    for (int64_t j = 0; j < pairs; j++) { /* [codes 0-15, codes 16-31]: cvtne2ps puts its second operand low */
+    for (int64_t j = 0; j < pairs; j++) {
         if (!(j & 1)) _mm_prefetch((const char *)(pw + (j + 2 * PF_LINES) * 32), _MM_HINT_T0);
-        __m512 w0, w1;
-        pair_codes(pw + 32 * j, fp8, &w0, &w1);
-        _mm512_store_si512(d + 32 * j, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+        _mm512_store_si512(d + 32 * j, pair_bf16(pw + 32 * j, fp8));
     }
 }
 
-/* sum[r] = x pairs of row r (one 32-bit broadcast each, rows ldx pairs apart) . the bf16 panel d, lane =
- * output; acc[r][j % 2] */
-TBF static inline __attribute__((always_inline)) void dotbf(const uint32_t *x, int64_t ldx, const int R,
-                                                            const uint16_t *d, int64_t pairs, __m512 sum[]) {
-    __m512 acc[MAX_R512][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 2 <= pairs; j += 2) {
-        const __m512bh w0 = (__m512bh)_mm512_load_si512(d + 32 * j), w1 = (__m512bh)_mm512_load_si512(d + 32 * j + 32);
-        for (int r = 0; r < R; r++) {
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32((int)x[r * ldx + j]), w0);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_set1_epi32((int)x[r * ldx + j + 1]), w1);
+/* Pair j of NP (1 or 2) panels side by side in d (pair j of panel k at d + 32 (NP j + k): 32 outputs a
+ * pair, moe_avx512bf16.c's panel layout, so the dots read one stream) for R rows: acc[r][k] += x pair
+ * of row r . panel k; one broadcast of x feeds both panels' dot products. DQ (a constant): the pair is
+ * dequantised here from the codes q0 (q1) of format fp8 and stored into d on the way (the first tile
+ * of rows: the conversions overlap its dot products), else read from d. */
+AIBF void bf_pair(const uint32_t *x, int64_t ldx, const int R, const int NP, uint16_t *d, int64_t j, __m512 acc[][2],
+                  const int8_t *q0, const int8_t *q1, const int fp8, const int DQ) {
+    __m512bh w0, w1;
+    if (DQ) {
+        const __m512i a = pair_bf16(q0 + 32 * j, fp8), b = NP == 2 ? pair_bf16(q1 + 32 * j, fp8) : a;
+        _mm512_store_si512(d + 32 * NP * j, a);
+        if (NP == 2) _mm512_store_si512(d + 64 * j + 32, b);
+        w0 = (__m512bh)a, w1 = (__m512bh)b;
+    } else {
+        w0 = (__m512bh)_mm512_load_si512(d + 32 * NP * j);
+        w1 = NP == 2 ? (__m512bh)_mm512_load_si512(d + 64 * j + 32) : w0;
+    }
+    for (int r = 0; r < R; r++) {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[r * ldx + j]);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
+        if (NP == 2) acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
+    }
+}
+
+/* The codes a dequantising tile reads: q0 and q1, their format; NO_CODES: d holds the panels already. */
+typedef struct {
+    const int8_t *q0, *q1;
+    int fp8;
+} bf_codes;
+static const bf_codes NO_CODES = {NULL, NULL, 0};
+
+/* Pairs [j0, j1) (j1 - j0 even) for R rows, the even pairs into acc[0] and the odd ones into acc[S - 1],
+ * prefetching `per` (0, 1 or 2: a constant) lines from *pf into L2 each two pairs; DQ: see bf_pair
+ * (the codes prefetched into L1 PF_LINES lines ahead). */
+AIBF void bf_span(const uint32_t *x, int64_t ldx, const int R, const int NP, uint16_t *d, int64_t j0, int64_t j1,
+                  const int S, __m512 acc[][MAX_R512][2], const char **pf, const int per, const bf_codes *q,
+                  const int DQ) {
+    for (int64_t j = j0; j < j1; j += 2) {
+        if (per) _mm_prefetch(*pf, _MM_HINT_T1);
+        if (per == 2) _mm_prefetch(*pf + 64, _MM_HINT_T1);
+        *pf += 64 * per;
+        if (DQ) {
+            _mm_prefetch((const char *)(q->q0 + (j + 2 * PF_LINES) * 32), _MM_HINT_T0);
+            if (NP == 2) _mm_prefetch((const char *)(q->q1 + (j + 2 * PF_LINES) * 32), _MM_HINT_T0);
         }
+        bf_pair(x, ldx, R, NP, d, j, acc[0], q->q0, q->q1, q->fp8, DQ);
+        bf_pair(x, ldx, R, NP, d, j + 1, acc[S - 1], q->q0, q->q1, q->fp8, DQ);
     }
-    if (j < pairs) {
-        const __m512bh w0 = (__m512bh)_mm512_load_si512(d + 32 * j);
-        for (int r = 0; r < R; r++) acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32((int)x[r * ldx + j]), w0);
-    }
-    for (int r = 0; r < R; r++) sum[r] = _mm512_add_ps(acc[r][0], acc[r][1]);
 }
 
-/* dotbf over a panel of either format: int8 unscaled; FP8 (bs set) each block of bpairs pairs' sums
- * times its scale bs[b] */
-TBF static inline __attribute__((always_inline)) void dotbf_s(const uint32_t *x, int64_t ldx, const int R,
-                                                              const uint16_t *d, int64_t pairs, __m512 sum[],
-                                                              const float *bs, int64_t bpairs) {
-    if (!bs) {
-        dotbf(x, ldx, R, d, pairs, sum);
+/* s[r][k] += x pairs of row r (one 32-bit broadcast each, rows ldx pairs apart) . panel k of d (lane =
+ * output), unscaled. On the way it asks for pf_lines cache lines from pf into L2 (two every two pairs,
+ * then one, then none: three loops with no check in them): codes the thread dequantises next, so that
+ * memory streams while the dots compute (as moe_avx512bf16.c's panel_dot does) rather than only while
+ * the dequantisation waits on it. acc[s]: the even pairs (s = 0) and, up to BF_SPLIT rows, the odd
+ * ones (s = 1): more chains of dot products in flight where few rows give few, in 16 registers at
+ * most. The order of a panel's sums depends on R only, not on whether another panel is dotted
+ * alongside (threads may pair the panels differently). DQ: see bf_pair. */
+AIBF void dotbf_u(const uint32_t *x, int64_t ldx, const int R, const int NP, uint16_t *d, int64_t pairs, __m512 s[][2],
+                  const char *pf, int64_t pf_lines, const bf_codes *q, const int DQ) {
+    const int S = R <= BF_SPLIT ? 2 : 1;
+    __m512 acc[2][MAX_R512][2];
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < NP; k++) acc[0][r][k] = s[r][k], acc[1][r][k] = _mm512_setzero_ps();
+    const int64_t steps = pairs / 2, lines = pf_lines < 2 * steps ? pf_lines : 2 * steps;
+    const int64_t two = lines > steps ? lines - steps : 0, one = lines - 2 * two; /* steps of 2 and 1 lines */
+    bf_span(x, ldx, R, NP, d, 0, 2 * two, S, acc, &pf, 2, q, DQ);
+    bf_span(x, ldx, R, NP, d, 2 * two, 2 * (two + one), S, acc, &pf, 1, q, DQ);
+    bf_span(x, ldx, R, NP, d, 2 * (two + one), 2 * steps, S, acc, &pf, 0, q, DQ);
+    if (pairs & 1) bf_pair(x, ldx, R, NP, d, pairs - 1, acc[0], q->q0, q->q1, q->fp8, DQ);
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < NP; k++) s[r][k] = S == 2 ? _mm512_add_ps(acc[0][r][k], acc[1][r][k]) : acc[0][r][k];
+}
+
+/* dotbf_u over panels of either format: int8 unscaled (bs0 NULL); FP8 each block of bpairs pairs' sums
+ * times its scale (bs0[b] panel 0's, bs1[b] panel 1's) added into s. */
+AIBF void dotbf(const uint32_t *x, int64_t ldx, const int R, const int NP, uint16_t *d, int64_t pairs, __m512 s[][2],
+                const float *bs0, const float *bs1, int64_t bpairs, const char *pf, int64_t pf_lines,
+                const bf_codes *q, const int DQ) {
+    if (!bs0) {
+        dotbf_u(x, ldx, R, NP, d, pairs, s, pf, pf_lines, q, DQ);
         return;
     }
-    for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_ps();
     for (int64_t j0 = 0, b = 0; j0 < pairs; j0 += bpairs, b++) {
-        __m512 part[MAX_R512];
-        dotbf(x + j0, ldx, R, d + 32 * j0, pairs - j0 < bpairs ? pairs - j0 : bpairs, part);
-        const __m512 s = _mm512_set1_ps(bs[b] * FP8_UNIT);
-        for (int r = 0; r < R; r++) sum[r] = _mm512_fmadd_ps(part[r], s, sum[r]);
+        const int64_t n = pairs - j0 < bpairs ? pairs - j0 : bpairs;
+        const int64_t l0 = pf_lines * j0 / pairs, l1 = pf_lines * (j0 + n) / pairs; /* this block's lines */
+        const bf_codes qb = {DQ ? q->q0 + 32 * j0 : NULL, DQ && NP == 2 ? q->q1 + 32 * j0 : NULL, q->fp8};
+        __m512 part[MAX_R512][2];
+        for (int r = 0; r < R; r++) part[r][0] = part[r][1] = _mm512_setzero_ps();
+        dotbf_u(x + j0, ldx, R, NP, d + 32 * NP * j0, n, part, pf + 64 * l0, l1 - l0, &qb, DQ);
+        const __m512 c0 = _mm512_set1_ps(bs0[b] * FP8_UNIT), c1 = _mm512_set1_ps(NP == 2 ? bs1[b] * FP8_UNIT : 0.0f);
+        for (int r = 0; r < R; r++) {
+            s[r][0] = _mm512_fmadd_ps(part[r][0], c0, s[r][0]);
+            if (NP == 2) s[r][1] = _mm512_fmadd_ps(part[r][1], c1, s[r][1]);
+        }
+    }
+}
+
+/* c rows (ldc floats apart; [panel 0's 16 sums, panel 1's 16]) of R rows: set (first) or added to by
+ * dotbf over NP panels. */
+AIBF void tile_bf(const uint32_t *x, int64_t ldx, const int R, const int NP, uint16_t *d, int64_t pairs,
+                  const float *bs0, const float *bs1, int64_t bpairs, int first, const char *pf, int64_t pf_lines,
+                  float *c, int64_t ldc, const bf_codes *q, const int DQ) {
+    __m512 s[MAX_R512][2];
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < NP; k++) s[r][k] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16 * k);
+    dotbf(x, ldx, R, NP, d, pairs, s, bs0, bs1, bpairs, pf, pf_lines, q, DQ);
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < NP; k++) _mm512_storeu_ps(c + r * ldc + 16 * k, s[r][k]);
+}
+
+/* tile_bf for 1..MAX_R512 rows (R a constant in each case), NP panels, dequantising (DQ) or not */
+#define TILE_BF_ARGS                                                                                        \
+    const uint32_t *x, int64_t ldx, int R, uint16_t *d, int64_t pairs, const float *bs0, const float *bs1, \
+        int64_t bpairs, int first, const char *pf, int64_t pf_lines, float *c, int64_t ldc, const bf_codes *q
+#define TILE_BF(np, dq) \
+    TBF static void tile_bf##np##_##dq(TILE_BF_ARGS) { BY_ROWS(R, TILE_BF_##np##_##dq) }
+#define TILE_BF_CALL(n, np, dq) tile_bf(x, ldx, n, np, d, pairs, bs0, bs1, bpairs, first, pf, pf_lines, c, ldc, q, dq)
+#define TILE_BF_1_0(n) TILE_BF_CALL(n, 1, 0)
+#define TILE_BF_2_0(n) TILE_BF_CALL(n, 2, 0)
+#define TILE_BF_1_1(n) TILE_BF_CALL(n, 1, 1)
+#define TILE_BF_2_1(n) TILE_BF_CALL(n, 2, 1)
+TILE_BF(1, 0)
+TILE_BF(2, 0)
+TILE_BF(1, 1)
+TILE_BF(2, 1)
+#undef TILE_BF_1_0
+#undef TILE_BF_2_0
+#undef TILE_BF_1_1
+#undef TILE_BF_2_1
+#undef TILE_BF_CALL
+#undef TILE_BF
+#undef TILE_BF_ARGS
+
+/* tile_bf over `rows` rows in tiles of up to MAX_R512 rows, as even as they go (17 rows: 6, 6, 5),
+ * each prefetching its share of the pf_lines lines; with codes (q->q0 set) the first tile dequantises
+ * them into d and the others read d. */
+TBF static void rows_bf(const uint32_t *x, int64_t ldx, int64_t rows, int NP, uint16_t *d, int64_t pairs,
+                        const float *bs0, const float *bs1, int64_t bpairs, int first, const char *pf,
+                        int64_t pf_lines, float *c, int64_t ldc, const bf_codes *q) {
+    const int64_t tiles = (rows + MAX_R512 - 1) / MAX_R512;
+    for (int64_t r = 0, ti = 0, n; r < rows; r += n, ti++) {
+        n = (rows - r + (tiles - ti) - 1) / (tiles - ti);
+        const int64_t l0 = pf_lines * ti / tiles, l1 = pf_lines * (ti + 1) / tiles;
+        const int dq = ti == 0 && q->q0;
+        (NP == 2 ? (dq ? tile_bf2_1 : tile_bf2_0) : (dq ? tile_bf1_1 : tile_bf1_0))(
+            x + r * ldx, ldx, (int)n, d, pairs, bs0, bs1, bpairs, first, pf + 64 * l0, l1 - l0, c + r * ldc, ldc, q);
+    }
+}
+
+/* Pairs dequantised at a time for format f: BF_CHUNK, whole FP8 blocks. */
+static inline int64_t bf_chunk(const codes_fmt *f) {
+    return !f->fp8 ? BF_CHUNK : BF_CHUNK > f->bpairs ? BF_CHUNK / f->bpairs * f->bpairs : f->bpairs;
+}
+
+/* c rows (ldc floats apart; [panel 0's 16 sums, panel 1's 16], unscaled for int8) = `rows` rows (at
+ * most BF_ROWS) of bf16 x (ldx pairs apart) times panels pw0 and pw1 (NULL: pw0 alone) of format f (bs0,
+ * bs1: their FP8 block scales). A chunk of pairs at a time, the first tile of rows dequantises the
+ * panels into d (64-byte aligned, bf_chunk pairs of 128 bytes) and every other tile reads d, before
+ * the next chunk; the sums kept in c between chunks; pf_lines lines from pf are prefetched into L2 on
+ * the way. */
+TBF static inline void panels_bf(const uint32_t *x, int64_t ldx, int64_t rows, const int8_t *pw0, const int8_t *pw1,
+                                 int64_t pairs, const codes_fmt *f, const float *bs0, const float *bs1, const char *pf,
+                                 int64_t pf_lines, uint16_t *d, float *c, int64_t ldc) {
+    const int64_t ch = bf_chunk(f);
+    for (int64_t j0 = 0; j0 < pairs; j0 += ch) {
+        const int64_t n = pairs - j0 < ch ? pairs - j0 : ch, l0 = pf_lines * j0 / pairs;
+        const bf_codes q = {pw0 + 32 * j0, pw1 ? pw1 + 32 * j0 : NULL, f->fp8};
+        rows_bf(x + j0, ldx, rows, pw1 ? 2 : 1, d, n, f->fp8 ? bs0 + j0 / f->bpairs : NULL,
+                f->fp8 && pw1 ? bs1 + j0 / f->bpairs : NULL, f->bpairs, j0 == 0, pf + 64 * l0,
+                pf_lines * (j0 + n) / pairs - l0, c, ldc, &q);
     }
 }
 #endif

@@ -16,15 +16,20 @@
  *  3. the gate/up GEMM with SiLU(gate) * up in its epilogue: W13's rows are reordered so that panels
  *     2u and 2u + 1 hold 16 gate rows and the same 16 up rows (Int8ExpertPanels, each half padded
  *     with zero rows to I16, a multiple of 16: h = silu(0) * 0 = 0 there); threads claim (expert,
- *     block of rows, panel pair) items in chunks as they go;
- *  4. the down GEMM, each thread owning a range of 16-column output panels and walking every expert
- *     in ascending id for its columns, adding the weighted rows into y: no two threads write one
- *     value, and each value's sum has one order whatever the thread count.
+ *     block of rows, panel pair) items in chunks as they go, each its next chunk as it starts one
+ *     (so that BF16DOT's dots know the item after the current one, to prefetch its codes);
+ *  4. the down GEMM, each thread owning a range of whole pairs of 16-column output panels and
+ *     walking every expert in ascending id for its columns, adding the weighted rows into y: no two
+ *     threads write one value, and each value's sum has one order whatever the thread count.
  * Kernels per expert (`kernel` below big_rows rows, `big_kernel` from there; int8_panels.h): AVX2 or
- * AVX512 (codes widened to float32 in registers, FMA), or for bf16 x BF16DOT or AMX (each panel
- * dequantised to bf16 once per block of rows, then AVX-512 BF16 dot products or AMX tiles). Blocks
- * of rows: their x or h (about X_BLOCK_BYTES) stays in L2 while each panel streams past once. The
- * epilogues are AVX2 for every kernel: they run once per 16 outputs of a row, the dots once per pair. */
+ * AVX512 (codes widened to float32 in registers, FMA), or for bf16 x BF16DOT or AMX (panels
+ * dequantised to bf16 once per block of rows, then AVX-512 BF16 dot products or AMX tiles; both take
+ * two panels at once: an item's gate and up panels, or neighbouring output panels of the down GEMM).
+ * BF16DOT's dots prefetch the codes the thread takes next (the next item's panels, the next pair of
+ * output panels, or the next expert's first pair) into L2 while they compute. Blocks of rows: their
+ * x or h (about X_BLOCK_BYTES, BF16DOT at most BF_ROWS rows) stays in L2 while each panel streams past
+ * once. The epilogues are AVX2 for every kernel: they run once per 16 outputs of a row, the dots once
+ * per pair. */
 #include "int8_panels.h"
 #include <immintrin.h>
 #include <omp.h>
@@ -40,9 +45,9 @@
 int shuttle_int8_kernels(void);   /* int8_gemm.c: the kernels this build has */
 int shuttle_int8_amx_ready(void); /* int8_gemm.c: whether this process may use the tiles */
 
-/* c rows (ldc floats apart) = the 16 sums of R rows of x (ldx values apart) times one panel: its codes
- * (AVX2, AVX512; FP8: its block scales bs, bpairs pairs each, applied), or its bf16 copy (BF16DOT, x
- * bf16). Unscaled for int8 (the epilogues scale). */
+/* c rows (ldc floats apart) = the 16 sums of R rows of float32 x (ldx values apart) times one panel's
+ * codes (AVX2, AVX512; FP8: its block scales bs, bpairs pairs each, applied). Unscaled for int8 (the
+ * epilogues scale). */
 typedef void (*dot_fn)(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *bs,
                        int64_t bpairs, float *c, int64_t ldc); /* bs: FP8 block scales, NULL for int8 */
 
@@ -91,24 +96,6 @@ T512 static void dot_avx512_fp8(const void *x, int64_t ldx, int R, const void *p
 }
 #undef FP8
 #undef CALL
-#endif
-
-#ifdef HAVE_BF16DOT
-TBF static inline __attribute__((always_inline)) void dotbf_c(const uint32_t *x, int64_t ldx, const int R,
-                                                              const uint16_t *d, int64_t pairs, const float *bs,
-                                                              int64_t bpairs, float *c, int64_t ldc) {
-    __m512 sum[MAX_R512];
-    dotbf_s(x, ldx, R, d, pairs, sum, bs, bpairs);
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(c + r * ldc, sum[r]);
-}
-
-TBF static void dot_bf16dot(const void *x, int64_t ldx, int R, const void *pw, int64_t pairs, const float *bs,
-                            int64_t bpairs, float *c, int64_t ldc) {
-    /* x: bf16 values, ldx of them a row; as pairs, ldx / 2 */
-#define CALL(n) dotbf_c((const uint32_t *)x, ldx / 2, n, (const uint16_t *)pw, pairs, bs, bpairs, c, ldc)
-    BY_ROWS(R, CALL)
-#undef CALL
-}
 #endif
 
 /* One row's h[0..16): silu(gate) * up from its 16 gate sums c[0..16) and 16 up sums c[16..32), scaled
@@ -182,15 +169,15 @@ static int64_t h_bytes(const layout *L, int k) {
 /* Rows of one block of kernel k reading rows of `bytes`: about X_BLOCK_BYTES, whole tiles. */
 static int64_t block_rows(int k, int64_t bytes) {
     const int64_t m = tile_rows_max(k), b = X_BLOCK_BYTES / bytes / m * m;
+#ifdef HAVE_BF16DOT
+    if (k == KERNEL_BF16DOT && b > BF_ROWS) return BF_ROWS; /* panels_bf's buffer of sums */
+#endif
     return b < m ? m : b;
 }
 
 static dot_fn dot_of(int k, int fp8) {
 #ifdef HAVE_AVX512
     if (k == KERNEL_AVX512) return fp8 ? dot_avx512_fp8 : dot_avx512;
-#endif
-#ifdef HAVE_BF16DOT
-    if (k == KERNEL_BF16DOT) return dot_bf16dot;
 #endif
     return fp8 ? dot_avx2_fp8 : dot_avx2;
 }
@@ -218,46 +205,33 @@ static void gather_row(const layout *L, const void *x, int x_bf16, int64_t t, in
     if (k == KERNEL_AMX) memset(hr + 2 * L->I16, 0, 2 * (size_t)(L->Hk - L->I16));
 }
 
-/* Up, one item with an FMA or BF16DOT kernel: rows [r0, r1) of the gathered x times gate panel pg and up
- * panel pu (gs, us: their scales, panel_scales), h at column col (d0, d1: this thread's bf16 copies of
- * the panels for BF16DOT). */
+/* Up, one item with an FMA kernel: rows [r0, r1) of the gathered x times gate panel pg and up panel pu
+ * (gs, us: their scales, panel_scales), h at column col. */
 static void up_item(const layout *L, int k, const char *xs, int64_t r0, int64_t r1, const int8_t *pg, const int8_t *pu,
-                    const float *gs, const float *us, char *hs, int64_t col, uint16_t *d0, uint16_t *d1, float *c) {
+                    const float *gs, const float *us, char *hs, int64_t col, float *c) {
     const codes_fmt *f = &L->f13;
-    const void *wg = pg, *wu = pu;
-    const int bf = k == KERNEL_BF16DOT, max_r = tile_rows_max(k);
+    const int max_r = tile_rows_max(k);
     const dot_fn dot = dot_of(k, f->fp8);
-#ifdef HAVE_BF16DOT
-    if (bf) dequant_bf16(pg, L->xpairs, d0, f->fp8), dequant_bf16(pu, L->xpairs, d1, f->fp8), wg = d0, wu = d1;
-#else
-    (void)d0, (void)d1;
-#endif
     const float *gso = f->fp8 ? ONES : gs, *uso = f->fp8 ? ONES : us;
-    const int64_t ldx = L->xb / (bf ? 2 : 4), tiles = (r1 - r0 + max_r - 1) / max_r;
+    const int64_t ldx = L->xb / 4, tiles = (r1 - r0 + max_r - 1) / max_r;
     for (int64_t r = r0, ti = 0, n; r < r1; r += n, ti++) {
         n = (r1 - r + (tiles - ti) - 1) / (tiles - ti); /* even tiles: 17 rows -> 6, 6, 5 */
-        dot(xs + r * L->xb, ldx, (int)n, wg, L->xpairs, f->fp8 ? gs : NULL, f->bpairs, c, 32);
-        dot(xs + r * L->xb, ldx, (int)n, wu, L->xpairs, f->fp8 ? us : NULL, f->bpairs, c + 16, 32);
-        for (int i = 0; i < n; i++)
-            up_store(c + i * 32, gso, uso, L->round, hs + (r + i) * L->hb + col * (bf ? 2 : 4), bf);
+        dot(xs + r * L->xb, ldx, (int)n, pg, L->xpairs, f->fp8 ? gs : NULL, f->bpairs, c, 32);
+        dot(xs + r * L->xb, ldx, (int)n, pu, L->xpairs, f->fp8 ? us : NULL, f->bpairs, c + 16, 32);
+        for (int i = 0; i < n; i++) up_store(c + i * 32, gso, uso, L->round, hs + (r + i) * L->hb + col * 4, 0);
     }
 }
 
-/* Down, rows [r0, r1) of one expert over output panels [lo, hi) with an FMA or BF16DOT kernel. */
+/* Down, rows [r0, r1) of one expert over output panels [lo, hi) with an FMA kernel. */
 static void down_rows(const layout *L, int k, const char *hs, int64_t r0, int64_t r1, const int8_t *w2, const float *s2,
-                      int64_t lo, int64_t hi, const int64_t *tok, const float *wgt, char *y, uint16_t *d0, float *c) {
+                      int64_t lo, int64_t hi, const int64_t *tok, const float *wgt, char *y, float *c) {
     const codes_fmt *f = &L->f2;
-    const int bf = k == KERNEL_BF16DOT, max_r = tile_rows_max(k), ysize = L->round ? 2 : 4;
+    const int max_r = tile_rows_max(k), ysize = L->round ? 2 : 4;
     const dot_fn dot = dot_of(k, f->fp8);
-    const int64_t ldh = L->hb / (bf ? 2 : 4), tiles = (r1 - r0 + max_r - 1) / max_r;
+    const int64_t ldh = L->hb / 4, tiles = (r1 - r0 + max_r - 1) / max_r;
     for (int64_t p = lo; p < hi; p++) {
-        const void *pw = w2 + p * L->hpairs * 32;
+        const int8_t *pw = w2 + p * L->hpairs * 32;
         const float *ps = panel_scales(f, s2, p), *os = out_scales(f, s2, p);
-#ifdef HAVE_BF16DOT
-        if (bf) dequant_bf16(w2 + p * L->hpairs * 32, L->hpairs, d0, f->fp8), pw = d0;
-#else
-        (void)d0;
-#endif
         const int nv = L->D - p * PANEL < PANEL ? (int)(L->D - p * PANEL) : PANEL;
         for (int64_t r = r0, ti = 0, n; r < r1; r += n, ti++) {
             n = (r1 - r + (tiles - ti) - 1) / (tiles - ti);
@@ -267,6 +241,45 @@ static void down_rows(const layout *L, int k, const char *hs, int64_t r0, int64_
         }
     }
 }
+
+#ifdef HAVE_BF16DOT
+/* Up, one item with BF16DOT: the gate and up panels side by side through panels_bf into cb (a row's 16
+ * gate sums, then its 16 up sums), prefetching `next` (the codes of the thread's next item; NULL: none). */
+TBF static void up_item_bf(const layout *L, const char *xs, int64_t r0, int64_t r1, const int8_t *pg, const int8_t *pu,
+                           const float *gs, const float *us, char *hs, int64_t col, const int8_t *next, uint16_t *d,
+                           float *cb) {
+    const codes_fmt *f = &L->f13;
+    panels_bf((const uint32_t *)(xs + r0 * L->xb), L->xb / 4, r1 - r0, pg, pu, L->xpairs, f, gs, us,
+              (const char *)next, next ? L->xpairs : 0, d, cb, 32);
+    const float *gso = f->fp8 ? ONES : gs, *uso = f->fp8 ? ONES : us;
+    for (int64_t r = r0; r < r1; r++) up_store(cb + (r - r0) * 32, gso, uso, L->round, hs + r * L->hb + col * 2, 1);
+}
+
+/* Down with BF16DOT, rows [r0, r1) of one expert over output panels [lo, hi): panels p and p + 1 side by
+ * side through panels_bf (an odd last panel alone) into cb, prefetching the next pair's codes, or after
+ * the last pair `after` (the thread's next call's first pair; NULL: none). */
+TBF static void down_rows_bf(const layout *L, const char *hs, int64_t r0, int64_t r1, const int8_t *w2,
+                             const float *s2, int64_t lo, int64_t hi, const int64_t *tok, const float *wgt, char *y,
+                             const int8_t *after, uint16_t *d, float *cb) {
+    const codes_fmt *f = &L->f2;
+    const int ysize = L->round ? 2 : 4;
+    const int64_t hp = L->hpairs;
+    for (int64_t p = lo; p < hi; p += 2) {
+        const int two = p + 1 < hi;
+        const int8_t *pw = w2 + p * hp * 32, *next = p + 2 < hi ? pw + 2 * hp * 32 : after;
+        const int64_t next_panels = p + 2 < hi ? (hi - p - 2 < 2 ? hi - p - 2 : 2) : hi - lo < 2 ? hi - lo : 2;
+        panels_bf((const uint32_t *)(hs + r0 * L->hb), L->hb / 4, r1 - r0, pw, two ? pw + hp * 32 : NULL, hp, f,
+                  panel_scales(f, s2, p), two ? panel_scales(f, s2, p + 1) : NULL, (const char *)next,
+                  next ? next_panels * hp / 2 : 0, d, cb, 32);
+        for (int64_t q = p; q < p + 1 + two; q++) {
+            const int nv = L->D - q * PANEL < PANEL ? (int)(L->D - q * PANEL) : PANEL;
+            for (int64_t r = r0; r < r1; r++)
+                down_store(cb + (r - r0) * 32 + (q - p) * 16, out_scales(f, s2, q), wgt[r],
+                           y + (tok[r] * L->D + q * PANEL) * ysize, nv, L->round);
+        }
+    }
+}
+#endif
 
 #ifdef HAVE_AMX
 /* Up, one item on AMX: both panels dequantised, then blocks of 32 rows (the gathered x has 32 spare
@@ -314,6 +327,22 @@ TAMX static void down_rows_amx(const layout *L, const char *hs, int64_t r0, int6
 }
 #endif
 
+/* The codes of up item `it` (its gate panel, the up panel after it). */
+static inline const int8_t *up_codes(const layout *L, const int64_t *w13, const int64_t *items, int64_t it) {
+    return (const int8_t *)(uintptr_t)w13[items[3 * it]] + 2 * items[3 * it + 2] * L->xpairs * 32;
+}
+
+/* The codes the down phase reads after expert e's rows up to r1 (count: the experts' first rows) over
+ * output panels from lo: the same expert's next block of rows, else the next expert with rows; NULL
+ * at the end. */
+static const int8_t *down_after(const layout *L, const int64_t *w2, const int64_t *count, int64_t E, int64_t e,
+                                int64_t r1, int64_t lo) {
+    if (r1 < count[e + 1]) return (const int8_t *)(uintptr_t)w2[e] + lo * L->hpairs * 32;
+    for (e++; e < E; e++)
+        if (count[e + 1] > count[e]) return (const int8_t *)(uintptr_t)w2[e] + lo * L->hpairs * 32;
+    return NULL;
+}
+
 /* Whether kernel k can run this call (built, bf16 x for BF16DOT / AMX, AMX's tiles granted). */
 static int kernel_runs(int k, int x_bf16) {
     if (k < KERNEL_AVX2 || k > KERNEL_AMX || !(shuttle_int8_kernels() >> k & 1)) return 0;
@@ -339,6 +368,7 @@ static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int
     int8_t *kern = malloc(E + 1);
     char *xs = NULL, *hs = NULL;
     uint16_t *dq = NULL;
+    float *sums = NULL; /* BF16DOT: each thread's BF_ROWS x 32 sums (panels_bf) */
     if (!count || !tok || !wgt || !kern) goto fail;
     for (int64_t n = 0; n < N; n++)
         if (ids[n] >= 0 && ids[n] < E) count[ids[n] + 1]++;
@@ -389,6 +419,9 @@ static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int
     xs = aligned_alloc(64, (size_t)((rows + 32) * L.xb)), hs = aligned_alloc(64, (size_t)((rows + 32) * L.hb));
     const size_t panel_bytes = (size_t)(L.kbx > L.kbh ? L.kbx : L.kbh) * 1024; /* one panel in bf16, padded */
     if (uses[KERNEL_BF16DOT] || uses[KERNEL_AMX]) dq = aligned_alloc(64, 2 * panel_bytes * (size_t)nthreads);
+#ifdef HAVE_BF16DOT
+    if (uses[KERNEL_BF16DOT] && !(sums = aligned_alloc(64, sizeof(float) * BF_ROWS * 32 * (size_t)nthreads))) goto fail;
+#endif
     if (!xs || !hs || ((uses[KERNEL_BF16DOT] || uses[KERNEL_AMX]) && !dq)) goto fail;
     memset(xs + rows * L.xb, 0, (size_t)(32 * L.xb));
     memset(hs + rows * L.hb, 0, (size_t)(32 * L.hb));
@@ -396,6 +429,7 @@ static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int
     #pragma omp parallel num_threads(nthreads)
     {
         float c[C_ROWS * 32] __attribute__((aligned(64)));
+        float *cb = sums ? sums + BF_ROWS * 32 * (size_t)omp_get_thread_num() : NULL;
         const int th = omp_get_thread_num(), nt = omp_get_num_threads();
         uint16_t *d0 = dq ? (uint16_t *)((char *)dq + 2 * panel_bytes * (size_t)th) : NULL;
         uint16_t *d1 = dq ? (uint16_t *)((char *)d0 + panel_bytes) : NULL;
@@ -410,14 +444,15 @@ static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int
             }
         }
         if (nt > 1) spin_barrier(&gathered, nt);
-        /* up: chunks of UP_CHUNK items, claimed as threads get to them */
-        for (int64_t it0 = UP_CHUNK * __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED); it0 < nitems;
-             it0 = UP_CHUNK * __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED)) {
+        /* up: chunks of UP_CHUNK items, claimed as threads get to them; a thread claims its next chunk
+         * as it starts one, so that the dots of each item know the item after it (to prefetch) */
+        for (int64_t it0 = UP_CHUNK * __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED), nx0; it0 < nitems; it0 = nx0) {
+            nx0 = UP_CHUNK * __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
             for (int64_t it = it0; it < it0 + UP_CHUNK && it < nitems; it++) {
                 const int64_t e = items[3 * it], r0 = items[3 * it + 1], u = items[3 * it + 2];
                 const int k = kern[e];
                 const int64_t r1 = count[e + 1] - r0 < L.up_rows[k] ? count[e + 1] : r0 + L.up_rows[k];
-                const int8_t *pg = (const int8_t *)(uintptr_t)w13[e] + 2 * u * L.xpairs * 32, *pu = pg + L.xpairs * 32;
+                const int8_t *pg = up_codes(&L, w13, items, it), *pu = pg + L.xpairs * 32;
                 const float *gs = panel_scales(&L.f13, (const float *)(uintptr_t)s13[e], 2 * u);
                 const float *us = panel_scales(&L.f13, (const float *)(uintptr_t)s13[e], 2 * u + 1);
 #ifdef HAVE_AMX
@@ -427,12 +462,21 @@ static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int
                     continue;
                 }
 #endif
-                up_item(&L, k, xs, r0, r1, pg, pu, gs, us, hs, 16 * u, d0, d1, c);
+#ifdef HAVE_BF16DOT
+                if (k == KERNEL_BF16DOT) {
+                    const int64_t nx = it + 1 < it0 + UP_CHUNK && it + 1 < nitems ? it + 1 : nx0;
+                    const int8_t *next = nx < nitems ? up_codes(&L, w13, items, nx) : NULL;
+                    up_item_bf(&L, xs, r0, r1, pg, pu, gs, us, hs, 16 * u, next, d0, cb);
+                    continue;
+                }
+#endif
+                up_item(&L, k, xs, r0, r1, pg, pu, gs, us, hs, 16 * u, c);
             }
         }
         if (nt > 1) spin_barrier(&arrived, nt);
         /* down: output panels [lo, hi), every expert in ascending id, blocks of its rows */
-        const int64_t lo = L.P2 * th / nt, hi = L.P2 * (th + 1) / nt;
+        const int64_t pairs2 = (L.P2 + 1) / 2, lo = 2 * (pairs2 * th / nt), hi_2 = 2 * (pairs2 * (th + 1) / nt);
+        const int64_t hi = hi_2 < L.P2 ? hi_2 : L.P2; /* whole pairs of panels (BF16DOT dots two at once) */
         for (int64_t e = 0; e < E && lo < hi; e++) {
             const int k = kern[e];
             const int64_t block = L.down_rows[k];
@@ -447,17 +491,24 @@ static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int
                     continue;
                 }
 #endif
-                down_rows(&L, k, hs, r0, r1, pw, ps, lo, hi, tok, wgt, (char *)y, d0, c);
+#ifdef HAVE_BF16DOT
+                if (k == KERNEL_BF16DOT) {
+                    const int8_t *after = down_after(&L, w2, count, E, e, r1, lo);
+                    down_rows_bf(&L, hs, r0, r1, pw, ps, lo, hi, tok, wgt, (char *)y, after, d0, cb);
+                    continue;
+                }
+#endif
+                down_rows(&L, k, hs, r0, r1, pw, ps, lo, hi, tok, wgt, (char *)y, c);
             }
         }
 #ifdef HAVE_AMX
         if (amx_on) amx_end();
 #endif
     }
-    free(items), free(count), free(tok), free(wgt), free(kern), free(xs), free(hs), free(dq);
+    free(items), free(count), free(tok), free(wgt), free(kern), free(xs), free(hs), free(dq), free(sums);
     return 0;
 fail:
-    free(items), free(count), free(tok), free(wgt), free(kern), free(xs), free(hs), free(dq);
+    free(items), free(count), free(tok), free(wgt), free(kern), free(xs), free(hs), free(dq), free(sums);
     return -1;
 }
 

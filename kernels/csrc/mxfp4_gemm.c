@@ -26,10 +26,13 @@
  *           float32 partial sums (lane = output row), then the partial sums times the block's 16
  *           row scales are added into the row's sums. Every product is one FMA: the result equals
  *           x.float() @ W^T up to float32 summation order.
- *  BF16DOT  bf16 x only: each panel is decoded once per block of rows into a bf16 copy with its
- *           scales folded in (int8_panels.h's layout: 64 bytes a pair, lane o = (w[o][2j],
- *           w[o][2j + 1]); exact, see above), then every row tile multiplies it by x's bf16 pairs
- *           with int8_panels.h's dotbf (AVX-512 BF16 dot products, float32 accumulation).
+ *  BF16DOT  bf16 x only: panels go two at a time (mx_rows_bf: a thread's panels in pairs, an odd
+ *           last one alone), decoded once per block of rows side by side into a bf16 copy with the
+ *           scales folded in (int8_panels.h's layout: 128 bytes a pair, lane o of each half =
+ *           (w[o][2j], w[o][2j + 1]); exact, see above), BF_CHUNK pairs at a time, then every row
+ *           tile multiplies it by x's bf16 pairs with int8_panels.h's rows_bf (each broadcast x
+ *           pair feeds both panels' AVX-512 BF16 dot products, float32 accumulation), prefetching
+ *           the next pair's codes into L2 as it goes.
  * OpenMP and blocking as int8_gemm.c: threads own ranges of panels (rows split too where panels are
  * fewer than threads), rows in blocks whose x stays in L2 while every panel streams past it once. */
 #include "int8_panels.h"
@@ -200,13 +203,14 @@ T512 static void tile_mx512(const void *x, int64_t ldx, int R, const uint8_t *pw
 #endif
 
 #ifdef HAVE_BF16DOT
-/* A panel decoded into d (G * 16 pairs of 64 bytes, 64-byte aligned) as bf16 pairs with the scales
- * folded in: lane o of pair j = (w[o][2j], w[o][2j + 1]). The products are exact in float32 and
- * have at most 2 significant bits, so their top halves are the bf16 values. */
-TBF static void mx_dequant_bf16(const uint8_t *pw, const uint8_t *ps, int64_t G, uint16_t *d) {
+/* Blocks [g0, g1) of a panel decoded into d as bf16 pairs with the scales folded in, pair j of the
+ * blocks at d + step * j (64-byte aligned; step 32: the panel alone, 64: one of two side by side, see
+ * int8_panels.h's bf_pair): lane o = (w[o][2j], w[o][2j + 1]). The products are exact in float32 and have at most
+ * 2 significant bits, so their top halves are the bf16 values. */
+TBF static void mx_dequant_bf16(const uint8_t *pw, const uint8_t *ps, int64_t g0, int64_t g1, uint16_t *d, int64_t step) {
     const __m512 table = fp4_table();
     const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
-    for (int64_t g = 0; g < G; g++) {
+    for (int64_t g = g0; g < g1; g++) {
         const __m512 s = e8m0x16(ps + 16 * g);
         for (int j = 0; j < 16; j++) {
             const uint8_t *p = pw + g * MX_PANEL_BLOCK + 16 * j;
@@ -215,25 +219,48 @@ TBF static void mx_dequant_bf16(const uint8_t *pw, const uint8_t *ps, int64_t G,
             fp4_pair(p, table, &w0, &w1);
             const __m512i a = _mm512_castps_si512(_mm512_mul_ps(w0, s)), b = _mm512_castps_si512(_mm512_mul_ps(w1, s));
             const __m512i pair = _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, top));
-            _mm512_store_si512(d + 32 * (g * 16 + j), pair);
+            _mm512_store_si512(d + step * ((g - g0) * 16 + j), pair);
         }
     }
 }
 
-TBF static inline __attribute__((always_inline)) void mx_tilebf(const uint32_t *x, int64_t ldx, const int R,
-                                                                const uint16_t *d, int64_t pairs, const float *bias,
-                                                                int nv, void *y, int64_t ldy, int y_bf16) {
-    __m512 sum[MAX_R512];
-    dotbf(x, ldx, R, d, pairs, sum);
-    for (int r = 0; r < R; r++) store16(sum[r], ONES, bias, nv, (char *)y + r * ldy * (y_bf16 ? 2 : 4), y_bf16);
+/* Blocks of a panel (16 pairs each) decoded at a time: BF_CHUNK pairs, at most the panel's G. */
+static inline int64_t mx_chunk_blocks(int64_t G) {
+    const int64_t b = BF_CHUNK / 16 > 1 ? BF_CHUNK / 16 : 1;
+    return G < b ? G : b;
 }
 
-TBF static void tile_mxbf(const void *x, int64_t ldx, int R, const uint16_t *d, int64_t pairs, const float *bias,
-                          int nv, void *y, int64_t ldy, int y_bf16) {
-    /* x: bf16 values, ldx of them a row; as pairs, ldx / 2 */
-#define CALL(n) mx_tilebf((const uint32_t *)x, ldx / 2, n, d, pairs, bias, nv, y, ldy, y_bf16)
-    BY_ROWS(R, CALL)
-#undef CALL
+/* BF16DOT, rows [t0, t1) (at most BF_ROWS) of bf16 x (rows I values apart) over output panels [lo, hi):
+ * panels p and p + 1 decoded side by side into d a chunk of blocks at a time (BF_CHUNK pairs), an odd
+ * last panel alone, every tile of rows reading the chunk (int8_panels.h's rows_bf) before the next one,
+ * the sums kept in cb between chunks, then (+ bias) into y; the dots prefetch the next pair's codes, the last
+ * pair's those of `after` (the thread's next block's first pair; NULL: none). */
+TBF static void mx_rows_bf(const uint16_t *x, int64_t I, int64_t t0, int64_t t1, const uint8_t *panels,
+                           const uint8_t *scales, const float *bias, int64_t O, int64_t lo, int64_t hi, void *y,
+                           int y_bf16, const uint8_t *after, uint16_t *d, float *cb) {
+    const int64_t G = I / MX_BLOCK, pairs = I / 2, gch = mx_chunk_blocks(G);
+    const int64_t panel_bytes = G * MX_PANEL_BLOCK;
+    const size_t ysize = y_bf16 ? 2 : 4;
+    for (int64_t p = lo; p < hi; p += 2) {
+        const int two = p + 1 < hi;
+        const uint8_t *pw = panels + p * panel_bytes, *ps = scales + p * G * PANEL;
+        const uint8_t *next = p + 2 < hi ? pw + 2 * panel_bytes : after;
+        const int64_t next_panels = p + 2 < hi ? (hi - p - 2 < 2 ? hi - p - 2 : 2) : hi - lo < 2 ? hi - lo : 2;
+        const int64_t lines = next ? next_panels * panel_bytes / 64 : 0;
+        for (int64_t g0 = 0; g0 < G; g0 += gch) {
+            const int64_t g1 = G - g0 < gch ? G : g0 + gch, l0 = lines * g0 / G;
+            mx_dequant_bf16(pw, ps, g0, g1, d, two ? 64 : 32);
+            if (two) mx_dequant_bf16(pw + panel_bytes, ps + G * PANEL, g0, g1, d + 32, 64);
+            rows_bf((const uint32_t *)(x + t0 * I) + g0 * 16, pairs, t1 - t0, two ? 2 : 1, d, (g1 - g0) * 16, NULL,
+                    NULL, 0, g0 == 0, (const char *)next + 64 * l0, lines * g1 / G - l0, cb, 32, &NO_CODES);
+        }
+        for (int64_t q = p; q < p + 1 + two; q++) {
+            const int nv = O - q * PANEL < PANEL ? (int)(O - q * PANEL) : PANEL;
+            for (int64_t t = t0; t < t1; t++)
+                store16(_mm512_load_ps(cb + (t - t0) * 32 + (q - p) * 16), ONES, bias ? bias + q * PANEL : NULL, nv,
+                        (char *)y + (t * O + q * PANEL) * ysize, y_bf16);
+        }
+    }
 }
 #endif
 
@@ -255,7 +282,7 @@ int shuttle_mxfp4_linear(const void *x, int x_bf16, int64_t T, int64_t I, const 
     if (dequant) return -2;
 #endif
     if (kernel != KERNEL_AVX2 && kernel != KERNEL_AVX512 && !dequant) return -2;
-    const int64_t P = (O + PANEL - 1) / PANEL, G = I / MX_BLOCK, pairs = I / 2;
+    const int64_t P = (O + PANEL - 1) / PANEL, G = I / MX_BLOCK;
     const int64_t max_r = kernel == KERNEL_AVX2 ? MAX_R2 : MAX_R512;
     if (T <= 0 || P == 0) return 0;
     const int64_t tiles = (T + max_r - 1) / max_r;
@@ -265,7 +292,13 @@ int shuttle_mxfp4_linear(const void *x, int x_bf16, int64_t T, int64_t I, const 
     const size_t xsize = dequant ? 2 : 4;
     const int copy = !dequant && x_bf16; /* the FMA kernel reads float32 rows */
     void *xs = copy ? aligned_alloc(64, ((size_t)(T * I) * 4 + 63) / 64 * 64) : (void *)x;
-    const size_t dq_bytes = (size_t)pairs * 64;
+#ifdef HAVE_BF16DOT
+    /* BF16DOT: per thread a chunk of two panels' bf16 copies (mx_rows_bf), then BF_ROWS x 32 sums */
+    const int64_t gch = mx_chunk_blocks(G);
+    const size_t dq_bytes = dequant ? (size_t)gch * 16 * 128 + 4 * BF_ROWS * 32 : 0;
+#else
+    const size_t dq_bytes = 0;
+#endif
     uint16_t *dq = dequant ? aligned_alloc(64, dq_bytes * (size_t)nthreads) : NULL;
     if (!xs || (dequant && !dq)) {
         if (copy) free(xs);
@@ -274,6 +307,11 @@ int shuttle_mxfp4_linear(const void *x, int x_bf16, int64_t T, int64_t I, const 
     }
     int64_t block = MX_X_BLOCK_BYTES / (I * (int64_t)xsize) / max_r * max_r;
     if (block < max_r) block = max_r;
+#ifdef HAVE_BF16DOT
+    if (dequant && block > BF_ROWS) block = BF_ROWS;
+#endif
+    /* BF16DOT's threads own pairs of panels (two at a time side by side), the others single ones */
+    const int64_t unit = dequant ? 2 : 1, PU = (P + unit - 1) / unit;
     #pragma omp parallel num_threads(nthreads)
     {
         if (copy) {
@@ -285,33 +323,33 @@ int shuttle_mxfp4_linear(const void *x, int x_bf16, int64_t T, int64_t I, const 
             }
         }
         const int th = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t pg = P < nt ? P : nt, rg_all = nt / pg, rg = rg_all < tiles ? rg_all : tiles;
+        const int64_t pg = PU < nt ? PU : nt, rg_all = nt / pg, rg = rg_all < tiles ? rg_all : tiles;
         uint16_t *my_dq = dq ? (uint16_t *)((char *)dq + dq_bytes * (size_t)th) : NULL;
         if (th < pg * rg) {
             const int64_t gp = th % pg, gr = th / pg;
-            const int64_t p_lo = P * gp / pg, p_hi = P * (gp + 1) / pg;
+            const int64_t p_lo = PU * gp / pg * unit, p_end = PU * (gp + 1) / pg * unit, p_hi = p_end < P ? p_end : P;
             const int64_t t_lo = tiles * gr / rg * max_r, t_end = tiles * (gr + 1) / rg * max_r;
             const int64_t t_hi = t_end < T ? t_end : T;
             for (int64_t t0 = t_lo; t0 < t_hi; t0 += block) {
                 const int64_t t1 = t_hi - t0 < block ? t_hi : t0 + block, ntiles = (t1 - t0 + max_r - 1) / max_r;
+#ifdef HAVE_BF16DOT
+                if (dequant) {
+                    const uint8_t *after = t1 < t_hi ? panels + p_lo * G * MX_PANEL_BLOCK : NULL;
+                    float *cb = (float *)((char *)my_dq + dq_bytes - 4 * BF_ROWS * 32);
+                    mx_rows_bf((const uint16_t *)xs, I, t0, t1, panels, scales, bias, O, p_lo, p_hi, y, y_bf16, after,
+                               my_dq, cb);
+                    continue;
+                }
+#endif
                 for (int64_t p = p_lo; p < p_hi; p++) {
                     const int64_t o0 = p * PANEL;
                     const int nv = O - o0 < PANEL ? (int)(O - o0) : PANEL;
                     const uint8_t *pw = panels + p * G * MX_PANEL_BLOCK, *ps = scales + p * G * PANEL;
-#ifdef HAVE_BF16DOT
-                    if (dequant) mx_dequant_bf16(pw, ps, G, my_dq);
-#endif
                     for (int64_t t = t0, ti = 0, n; t < t1; t += n, ti++) {
                         n = (t1 - t + (ntiles - ti) - 1) / (ntiles - ti); /* even tiles: 17 rows -> 6, 6, 5 */
                         void *yt = (char *)y + (t * O + o0) * (y_bf16 ? 2 : 4);
                         const void *xt = (const char *)xs + t * I * (int64_t)xsize;
                         const float *bt = bias ? bias + o0 : NULL;
-#ifdef HAVE_BF16DOT
-                        if (dequant) {
-                            tile_mxbf(xt, I, (int)n, my_dq, pairs, bt, nv, yt, O, y_bf16);
-                            continue;
-                        }
-#endif
 #ifdef HAVE_AVX512
                         if (kernel == KERNEL_AVX512) {
                             tile_mx512(xt, I, (int)n, pw, ps, G, bt, nv, yt, O, y_bf16);
