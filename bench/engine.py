@@ -60,13 +60,16 @@ from models.loader import auto_dtype  # noqa: E402
 from server import LLM, SamplingParams  # noqa: E402
 
 
-def mixtral(out: Path, dtype: str, hidden: int, inter: int, layers: int, heads: int, kv: int) -> Path:
+def mixtral(out: Path, dtype: str, hidden: int, inter: int, layers: int, heads: int, kv: int,
+            experts: int = 8) -> Path:
+    """A Mixtral checkpoint with random weights (top-2 of `experts`); more than 8 experts are built
+    in `dtype` directly (build_in_dtype: billions of parameters in half the memory)."""
     from transformers import MixtralConfig
 
     cfg = MixtralConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                        num_attention_heads=heads, num_key_value_heads=kv, num_local_experts=8,
+                        num_attention_heads=heads, num_key_value_heads=kv, num_local_experts=experts,
                         num_experts_per_tok=2, max_position_embeddings=1024, bos_token_id=0, eos_token_id=0)
-    return make_random_checkpoint(out, cfg, seed=0, dtype=dtype, tokenizer_dir=None)
+    return make_random_checkpoint(out, cfg, seed=0, dtype=dtype, tokenizer_dir=None, build_in_dtype=experts > 8)
 
 
 def copy_bandwidth() -> float:

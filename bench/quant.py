@@ -12,21 +12,24 @@ a round. Beside it each configuration's memory floor at that batch: its resident
 decode step reads (everything but the embedding table, and of the experts the expected share B
 tokens touch, 1 - (1 - K/E)^B) over this machine's read bandwidth, as tokens/s.
 
-Memory: the same checkpoint served by 1 + 1 pools in each configuration, the expert worker's
-resident set (VmRSS, by its process title shuttle-expert-e0) after a short generate, beside the
-expert bytes its start-up log reports.
+Memory: a checkpoint whose experts dominate its size, as those of real MoE releases do (the same
+shape with --memory-experts experts, 48 unless --quick: 4.5 GiB of bf16 experts, against which the
+~0.3 GiB that torch and the worker keep resident whatever the weights are small), served by 1 + 1
+pools in each configuration: the expert worker's resident set (VmRSS, by its process title
+shuttle-expert-e0) after a short generate, beside the expert bytes its start-up log reports.
 
 Quality: the built-in model (bf16 weights) in --dtype in each configuration: perplexity on
 its held-out documents (the first --ppl-tokens tokens of each, from prompt log-probabilities) and
 greedy agreement over --agree-prompts prompts cut from the same documents (share of sequences whose
 --agree-tokens generated tokens are identical, and share of tokens before the first difference).
 
-    python bench/quant.py [--quick] [--batch-sizes 1 16 64 256] [--dtype bfloat16]
+    python bench/quant.py [--quick] [--batch-sizes 1 16 64 256] [--dtype bfloat16] [--memory-experts 48]
 
 --quick: batches 1 and 16, 16 new tokens, 2 rounds, fewer quality prompts. Writes
 bench/results/quant.json (quant_quick.json).
 """
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -111,6 +114,7 @@ def pools_memory(args: argparse.Namespace, ckpt: Path) -> dict:
     if all(v["expert_rss_mib"] for v in out.values()):
         for name in QUANTIZED:
             out[f"{name}_rss_vs_base"] = out[name]["expert_rss_mib"] / out["base"]["expert_rss_mib"]
+            out[f"{name}_weights_vs_base"] = out[name]["expert_weights_mib"] / out["base"]["expert_weights_mib"]
     return out
 
 
@@ -161,14 +165,24 @@ def main() -> None:
     ap.add_argument("--agree-tokens", type=int, default=32)
     ap.add_argument("--no-pools-memory", dest="pools_memory", action="store_false",
                     help="skip the 1 + 1 pools' expert worker RSS")
+    ap.add_argument("--memory-experts", type=int, default=None,
+                    help="experts of the checkpoint whose expert worker's RSS is measured (default 48, --quick 8: "
+                         "the speed checkpoint)")
     args = ap.parse_args()
     args.batch_sizes = args.batch_sizes or ([1, 16] if args.quick else [1, 16, 64, 256])
     args.output_len = args.output_len or (16 if args.quick else 64)
     args.rounds = args.rounds or (2 if args.quick else 3)
     args.agree_prompts = args.agree_prompts or (20 if args.quick else 100)
+    args.memory_experts = args.memory_experts or (8 if args.quick else 48)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = mixtral(Path(tmp) / "mixtral", "bfloat16", 1024, 2048, 8, 16, 4)
-        pools = pools_memory(args, ckpt) if args.pools_memory else None
+        pools = None
+        if args.pools_memory:
+            big = ckpt if args.memory_experts == 8 else mixtral(Path(tmp) / "mixtral_memory", "bfloat16", 1024, 2048,
+                                                                8, 16, 4, experts=args.memory_experts)
+            pools = pools_memory(args, big)
+            if big != ckpt:
+                shutil.rmtree(big)
         rows, memory, bandwidth = speed(args, ckpt)
     if pools:
         print({k: v for k, v in pools.items()})

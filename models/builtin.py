@@ -50,15 +50,20 @@ def train_tokenizer(out_dir: str | Path, vocab_size: int = 1024, texts: Iterable
 
 
 def make_random_checkpoint(out_dir: str | Path, config, seed: int = 0, dtype: str = "float32",
-                           tokenizer_dir: str | Path | None = None) -> Path:
+                           tokenizer_dir: str | Path | None = None, build_in_dtype: bool = False) -> Path:
     """Save a transformers model with random weights built from `config` (a transformers config
-    object), plus a tokenizer (copied from tokenizer_dir, or trained). Returns out_dir."""
+    object), plus a tokenizer (copied from tokenizer_dir, or trained). Returns out_dir.
+    build_in_dtype: initialise the weights in `dtype` itself rather than in float32 and cast them
+    (other random values; a bf16 checkpoint of billions of parameters then needs half the memory)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+    if build_in_dtype:
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=getattr(torch, dtype))
+    else:
+        model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
     model.save_pretrained(str(out))
     if tokenizer_dir is None:
         train_tokenizer(out, vocab_size=config.vocab_size)
