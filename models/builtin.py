@@ -61,7 +61,7 @@ def make_random_checkpoint(out_dir: str | Path, config, seed: int = 0, dtype: st
     out = Path(out_dir)
     torch.manual_seed(seed)
     if build_in_dtype:
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     else:
         model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
     model.save_pretrained(str(out))
