@@ -70,11 +70,17 @@ def quantize_mxfp4(w_XI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = w_XI.float().unflatten(-1, (-1, MXFP4_BLOCK))  # (..., G, 32)
     amax = x.abs().amax(-1).clamp(min=2.0 ** -126)
     exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
     scaled = x / torch.exp2(exp)[..., None]
-    idx = (scaled[..., None] - lut).abs().argmin(-1).to(torch.uint8)  # nearest FP4 value's code
+    # the nearest magnitude's code, a tie to the smaller one (bucketize: boundaries[i - 1] < m <= boundaries[i]);
+    # negative values get the sign bit, but those that round to zero are +0 (code 0)
+    idx = torch.bucketize(scaled.abs(), _FP4_MIDPOINTS).to(torch.uint8)
+    idx |= ((scaled < 0) & (idx > 0)).to(torch.uint8) << 3
     blocks = idx[..., 0::2] | (idx[..., 1::2] << 4)
     return blocks, (exp + 127).to(torch.uint8)
+
+
+# midpoints between FP4's neighbouring magnitudes (FP4_VALUES[:8]): where rounding to nearest changes code
+_FP4_MIDPOINTS = torch.tensor([(a + b) / 2 for a, b in zip(FP4_VALUES[:7], FP4_VALUES[1:8])])
 
 
 # --- DeepSeek-V4's released formats (quantization_config scale_fmt / expert_dtype) ---

@@ -64,6 +64,25 @@ def test_a_checkpoints_blocks_and_scales_round_trip_bit_for_bit():
     assert torch.equal(q.checkpoint()[0], b) and torch.equal(q.checkpoint()[1], s)
 
 
+
+def test_quantize_mxfp4_rounds_to_the_nearest_value():
+    """Each value takes its block's nearest FP4 value (the first of FP4_VALUES on a tie: the smaller
+    magnitude, +0 for what rounds to zero), as a brute-force search over the 16 codes finds it,
+    on random blocks of every scale and on exact ties, zeros, subnormals and the largest floats."""
+    from kernels.quant import FP4_VALUES
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 256, generator=g) * 10 ** torch.randn(64, 1, generator=g)
+    w[0, :16] = torch.tensor([0.25, -0.25, 0.75, -0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0, 0.0, -0.0, 6, -6, 0.1, -0.1])
+    w[0, 16:32] = 6.0  # scale 2^0: the first 16 are exact ties
+    w[1, :32], w[2, :32] = 0.0, 1e-40
+    w[3, :32] = torch.tensor([3e38, -3e38] * 16)
+    for x in (w, w.bfloat16()):
+        blocks, scales = quantize_mxfp4(x)
+        scaled = x.float().unflatten(-1, (-1, 32)) / torch.exp2(scales.float() - 127)[..., None]
+        want = (scaled[..., None] - torch.tensor(FP4_VALUES)).abs().argmin(-1).to(torch.uint8)
+        assert torch.equal(blocks, want[..., 0::2] | (want[..., 1::2] << 4))
+
 def test_the_weight_refuses_what_the_kernels_cannot_take():
     with pytest.raises(ValueError, match=r"I a multiple of 32; got torch.float32 \[5, 40\]"):
         mx.Mxfp4Weight.quantize(torch.randn(5, 40))
