@@ -44,6 +44,9 @@ log = logging.getLogger("shuttle.attention")
 PARK_POLL_S = 0.002  # while parked: how often to look for a WAKE between waits on the server
 STATS_EVERY_S = 0.25  # while busy: how often to report Stats to the server
 CONTROL_HELLO_S = 60.0  # how long the server may take to answer the control connection's HELLO
+# How long a starting attention worker waits for the expert workers to load their experts (quantising a
+# float checkpoint's at load included); the front gives up on a deployment sooner (pools/engine.py).
+EXPERTS_LOAD_S = 900.0
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ def run_attention_worker(spec: AttentionWorkerSpec) -> None:
     link = _DataPlane(spec, tracer)
     try:
         model_cfg = ModelConfig.from_pretrained(spec.engine.model)
+        link.await_loaded(spec.placement.down)
         link.open(spec.epoch, spec.placement.down)
         sender = M2NSender(link.endpoint, spec.placement, link.experts, model_cfg.hidden_size, model_cfg.top_k,
                            tracer=tracer, wire_dtype=FP8 if par.m2n_dtype == "fp8" else None)
@@ -125,6 +129,18 @@ class _DataPlane:
         live = [e for w, e in enumerate(self.experts) if w not in down]
         self.endpoint = open_endpoint(self.spec.transport, self.store, data_session(self.spec.session, epoch),
                                       f"a{self.spec.rank}", live, self.spec.engine.parallel.micro_batches)
+
+    def await_loaded(self, down: tuple[int, ...] = ()) -> None:
+        """Wait until every expert worker but the `down` ones has loaded its experts (its SESSION/up key,
+        set once they are held): each opens its endpoint only then, and a big checkpoint (4.5 GiB of
+        bf16 experts quantised to MXFP4 at load: about a minute on 2 cores) takes longer to load than
+        a connect may wait (connect_timeout_s). The front notices an expert worker that dies meanwhile."""
+        keys = [f"{self.spec.session}/up/{e}" for w, e in enumerate(self.experts) if w not in down]
+        deadline = time.monotonic() + EXPERTS_LOAD_S
+        while keys and not self.store.check(keys):
+            if time.monotonic() > deadline:
+                raise TransportTimeout(f"expert workers did not load their experts in {EXPERTS_LOAD_S:.0f} s")
+            time.sleep(0.05)
 
     def close(self) -> None:
         if self.endpoint is not None:
