@@ -81,6 +81,7 @@ class ModelRunner:
         # 1 + k) runs them through the MTP layer as one-token rows (mtp_draft)
         self.mtp_decode_rows = 0 if self.mtp is None else 1 + cfg.speculative.num_speculative_tokens
         self.last_hidden_TD: torch.Tensor | None = None  # (mtp) the last step's final hidden states, batch order
+        self.last_decode_attn: AttentionBatch | None = None  # (mtp) the last step's, where all its rows were one-token
         if not 1 <= micro_batches <= 4:
             raise ValueError(f"micro_batches must be 1 to 4, got {micro_batches}")
         self.micro_batches = micro_batches
@@ -187,6 +188,10 @@ class ModelRunner:
         if self.mtp is not None:  # every computed row's hidden state, for the MTP layer (mtp_draft)
             hidden = [h for h in hidden if h is not None]
             self.last_hidden_TD = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
+            # and, for a step of one-token rows in one micro-batch, their attention batch: the MTP
+            # layer's first pass runs over some of those very rows
+            attn = inputs[0][1] if len(inputs) == 1 and inputs[0] is not None else None
+            self.last_decode_attn = attn if attn is not None and attn.max_q_len == 1 and attn.parts is None else None
         sampled, prompt = [], []
         for lg, inp in zip(logits, inputs):
             if inp is None:
@@ -271,11 +276,15 @@ class ModelRunner:
         probs: list = [None if temperatures is None or temperatures[b] is None else [] for b in range(len(batch.seqs))]
         if not who:
             return drafts, [None] * len(drafts)
-        h_TD = self.last_hidden_TD
-        if len(ids) < h_TD.shape[0]:
-            h_TD = h_TD[row_spans(*zip(*spans)).to(device)]
-        y_TD = mtp.forward(torch.tensor(ids, dtype=torch.long, device=device), h_TD,
-                           AttentionBatch.build_paged(q_lens, ctx, rows_table, bs, device), self.cache)
+        h_TD, step_attn = self.last_hidden_TD, self.last_decode_attn
+        kept_rows = None if len(ids) == h_TD.shape[0] else row_spans(*zip(*spans)).to(device)
+        if kept_rows is not None:
+            h_TD = h_TD[kept_rows]
+        if step_attn is not None and all(q == 1 for q in q_lens):  # (the step's rows, or some of them)
+            attn = step_attn if kept_rows is None else step_attn.decode_rows(kept_rows, max(ctx) + 1)
+        else:
+            attn = AttentionBatch.build_paged(q_lens, ctx, rows_table, bs, device)
+        y_TD = mtp.forward(torch.tensor(ids, dtype=torch.long, device=device), h_TD, attn, self.cache)
         active = [i for i, b in enumerate(who) if num_drafts[b] > 0]
         if len(active) < y_TD.shape[0]:
             y_TD = y_TD[torch.tensor([last[i] for i in active], dtype=torch.long, device=device)]

@@ -257,6 +257,40 @@ def test_mtp_cache_of_kept_positions_equals_a_fresh_pass(mtp_ckpt, copy_ckpt, wh
         assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item(), f"request {seq.request_id}"
 
 
+def _fields(batch: AttentionBatch) -> dict:
+    """An AttentionBatch's fields as plain values, to compare two builds."""
+    out = {}
+    for name in ("seq_idx_T", "tok_idx_T", "positions_T", "slots_B", "kv_lens_B", "block_table_BM", "slot_mapping_T"):
+        t = getattr(batch, name)
+        out[name] = (t.dtype, t.tolist())
+    return {**out, "max_q_len": batch.max_q_len, "max_kv_len": batch.max_kv_len, "first_slot": batch.first_slot,
+            "parts": batch.parts, "state_slots_B": batch.state_slots_B}
+
+
+def test_a_decode_build_lays_out_one_token_per_sequence():
+    """build_paged of one-token sequences (its numpy path): each token at its context length, in the
+    slot its table gives that position, tables padded with -1, as the general layout has them."""
+    tables, ctx, bs = [[7, 2, 9], [4], [5, 1]], [33, 2, 16], 16
+    got = AttentionBatch.build_paged([1, 1, 1], ctx, tables, bs)
+    assert _fields(got) == {
+        "seq_idx_T": (torch.int64, [0, 1, 2]), "tok_idx_T": (torch.int64, [0, 0, 0]),
+        "positions_T": (torch.int64, ctx), "slots_B": (torch.int64, [0, 1, 2]), "kv_lens_B": (torch.int64, [34, 3, 17]),
+        "block_table_BM": (torch.int32, [[7, 2, 9], [4, -1, -1], [5, 1, -1]]),
+        "slot_mapping_T": (torch.int64, [9 * bs + 1, 4 * bs + 2, 1 * bs + 0]),
+        "max_q_len": 1, "max_kv_len": 34, "first_slot": 0, "parts": None, "state_slots_B": None}
+
+
+def test_decode_rows_equal_a_build_of_those_rows():
+    """The MTP layer's first pass takes the verify step's rows it keeps (AttentionBatch.decode_rows)
+    instead of building them: the same batch as a build of just those rows."""
+    tables, ctx, bs = [[3, 8]] * 4 + [[6]] * 2, [14, 15, 16, 17, 5, 6], 16
+    step = AttentionBatch.build_paged([1] * 6, ctx, tables, bs)
+    rows = [0, 1, 4]
+    got = step.decode_rows(torch.tensor(rows), max(ctx[r] for r in rows) + 1)
+    want = AttentionBatch.build_paged([1] * 3, [ctx[r] for r in rows], [[3, 8]] * 2 + [[6]], bs)
+    assert _fields(got) == _fields(want)
+
+
 def test_a_checkpoint_without_mtp_layers_is_refused(base, make_checkpoint):
     # transformers writes num_nextn_predict_layers = 1 but saves no MTP tensors
     with pytest.raises(ValueError, match=f"{base}.*num_nextn_predict_layers = 1.*model.layers.3.eh_proj.weight"):
