@@ -24,6 +24,7 @@ greedy agreement over --agree-prompts prompts cut from the same documents (share
 --agree-tokens generated tokens are identical, and share of tokens before the first difference).
 
     python bench/quant.py [--quick] [--batch-sizes 1 16 64 256] [--dtype bfloat16] [--memory-experts 48]
+                          [--no-pools-memory] [--no-quality]
 
 --quick: batches 1 and 16, 16 new tokens, 2 rounds, fewer quality prompts. Writes
 bench/results/quant.json (quant_quick.json).
@@ -165,6 +166,8 @@ def main() -> None:
     ap.add_argument("--agree-tokens", type=int, default=32)
     ap.add_argument("--no-pools-memory", dest="pools_memory", action="store_false",
                     help="skip the 1 + 1 pools' expert worker RSS")
+    ap.add_argument("--no-quality", dest="quality", action="store_false",
+                    help="skip the built-in model's perplexity and greedy agreement")
     ap.add_argument("--memory-experts", type=int, default=None,
                     help="experts of the checkpoint whose expert worker's RSS is measured (default 48, --quick 8: "
                          "the speed checkpoint)")
@@ -186,9 +189,10 @@ def main() -> None:
         rows, memory, bandwidth = speed(args, ckpt)
     if pools:
         print({k: v for k, v in pools.items()})
-    q = quality(args)
-    print_table([q], ["base_ppl", *(f"{n}_ppl" for n in QUANTIZED), *(f"{n}_ppl_vs_base" for n in QUANTIZED),
-                      *(f"{n}_greedy_identical_share" for n in QUANTIZED)])
+    q = quality(args) if args.quality else None
+    if q:
+        print_table([q], ["base_ppl", *(f"{n}_ppl" for n in QUANTIZED), *(f"{n}_ppl_vs_base" for n in QUANTIZED),
+                          *(f"{n}_greedy_identical_share" for n in QUANTIZED)])
     print({name: {k: f"{v / 2 ** 20:.1f} MiB" for k, v in m.items()} for name, m in memory.items()})
     path = save("quant_quick" if args.quick else "quant",
                 {"config": {k: v for k, v in vars(args).items()}, "read_bandwidth_GBps": bandwidth / 1e9,
