@@ -47,6 +47,8 @@ timed in turn, three rounds, the median kept; a candidate that lost by more than
 buckets in a row is not timed at larger counts (it loses there too) if its ratio to the best grew
 between the two. A bucket keeps the previous bucket's kernel unless another is faster by more than
 TIE (5%), so that timing noise between kernels that stream the same bytes does not interleave them.
+A table where a candidate's time falls by more than a third from a bucket to a larger one was
+disturbed by other work and is measured again, once (`disturbed`).
 
 SHUTTLE_KERNEL_CHOICE (this module is the only place that reads it): unset or "auto": the cached
 table, else measure; "measure": measure again; "CANDIDATE" or "op=CANDIDATE,...": that candidate at
@@ -419,6 +421,25 @@ def _apply(choice: Choice) -> None:
 _chosen: dict[str, Choice] = {}  # this process's tables by op
 
 
+# A candidate's time at a larger row bucket under this share of its time at a smaller one: the
+# smaller was disturbed (more rows never take much less work; one thread below a size, two above, made
+# 0.7). A table measured while other jobs ran on a 2-core EPYC timed the int8 MoE block's bf16dot at
+# 426, 4079, 2199, 2096 us for 1, 2, 3-4, 5-8 rows (quiet: 430, 624, 639, 950), and sent 9-16 rows
+# to the slower kernel in every later process. Such a table is measured again, once. Only times from
+# DISTURBED_MIN_US count: below it (the tests' toy shapes) either kernel is as good.
+DISTURBED_DROP, DISTURBED_MIN_US = 0.6, 200.0
+
+
+def disturbed(choice: Choice) -> bool:
+    """Whether any candidate's times in `choice` fall by more than DISTURBED_DROP from a bucket to a
+    larger one (see DISTURBED_DROP)."""
+    for times in choice.times_us.values():
+        seen = [t for t in times if t is not None and t >= DISTURBED_MIN_US]
+        if any(later < DISTURBED_DROP * max(seen[:i]) for i, later in enumerate(seen) if i):
+            return True
+    return False
+
+
 def configure(op: str, shapes: list[tuple[int, ...]]) -> Choice | None:
     """Choose op's kernels for these weight shapes (cached, measured or forced) and install the table
     for the whole process. None where op has no kernels to choose between here."""
@@ -449,6 +470,10 @@ def configure(op: str, shapes: list[tuple[int, ...]]) -> Choice | None:
         else:
             start = time.perf_counter()
             choice = measure(op, shapes)
+            if disturbed(choice):  # once: a host that stays busy keeps the second table
+                log.warning("kernel choice for %s measured again: a candidate's time fell by more than a third "
+                            "from one row bucket to a larger one (other work on the cores?)", op)
+                choice = measure(op, shapes)
             _store(key, choice)
             log.info("kernel choice for %s measured in %.1f s", op, time.perf_counter() - start)
     _apply(choice)

@@ -126,6 +126,27 @@ def test_measured_once_then_cached_and_logged(cache, table, caplog):
     assert choice.chosen()["moe"]["runs"] == first.runs()
 
 
+
+@NEEDS_AVX512_BF16
+def test_a_disturbed_table_is_measured_again_once(cache, table, monkeypatch, caplog):
+    """A table whose times fall by more than a third from a row bucket to a larger one (at DISTURBED_MIN_US
+    and over) was measured while something else ran: it is measured again, once, and the second
+    table is the one cached (a host that stays busy keeps it, so a process measures at most twice)."""
+    n = len(choice.BUCKET_ROWS)
+    rising = [300.0 + 100 * b for b in range(n)]
+    noisy = choice.Choice("moe", [(64, 48)], ["avx512"] * n, {"avx512": [300.0, 4000.0, *rising[2:]]})
+    quiet = choice.Choice("moe", [(64, 48)], ["avx512"] * n, {"avx512": rising})
+    assert choice.disturbed(noisy) and not choice.disturbed(quiet)
+    small = choice.Choice("moe", [(64, 48)], ["avx512"] * n, {"avx512": [20.0, 150.0, *([30.0] * (n - 2))]})
+    assert not choice.disturbed(small)  # toy shapes' times: under DISTURBED_MIN_US
+    tables = [noisy, quiet, noisy]
+    monkeypatch.setattr(choice, "measure", lambda op, shapes: tables.pop(0))
+    caplog.set_level(logging.WARNING, logger="shuttle")
+    got = choice.configure("moe", [(64, 48)])
+    assert got.times_us == quiet.times_us and len(tables) == 1
+    (entry,) = json.loads(cache.read_text()).values()
+    assert entry["times_us"] == quiet.times_us and "measured again" in caplog.text
+
 @NEEDS_AVX512_BF16
 def test_forcing_and_bad_values(cache, table, monkeypatch):
     monkeypatch.setenv(choice.ENV_VAR, "avx512")
