@@ -317,7 +317,7 @@ static int linear_panels(const void *x, int x_bf16, int64_t T, int64_t I, const 
     if (dequant && block > BF_ROWS) block = BF_ROWS;
 #endif
     /* BF16DOT's threads own pairs of panels (two at a time side by side), the others single ones */
-    const int64_t unit = dequant ? 2 : 1, PU = (P + unit - 1) / unit;
+    const int64_t unit = dequant ? 2 : 1;
     #pragma omp parallel num_threads(nthreads)
     {
         if (copy) {
@@ -339,16 +339,12 @@ static int linear_panels(const void *x, int x_bf16, int64_t T, int64_t I, const 
                 }
             }
         }
-        /* thread grid: panel groups x row groups (rows are split only where panels are fewer than
-         * threads); a thread past the grid has nothing to do */
-        const int th = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t pg = PU < nt ? PU : nt, rg_all = nt / pg, rg = rg_all < tiles ? rg_all : tiles;
+        /* this thread's share of the grid (grid_share_of); a thread past it has nothing to do */
+        const int th = omp_get_thread_num();
         uint16_t *my_dq = dq ? (uint16_t *)((char *)dq + dq_bytes * (size_t)th) : NULL;
-        if (th < pg * rg) {
-            const int64_t gp = th % pg, gr = th / pg;
-            const int64_t p_lo = PU * gp / pg * unit, p_end = PU * (gp + 1) / pg * unit, p_hi = p_end < P ? p_end : P;
-            const int64_t t_lo = tiles * gr / rg * max_r, t_end = tiles * (gr + 1) / rg * max_r;
-            const int64_t t_hi = t_end < T ? t_end : T;
+        grid_share g;
+        if (grid_share_of(th, omp_get_num_threads(), P, unit, T, max_r, &g)) {
+            const int64_t p_lo = g.p_lo, p_hi = g.p_hi, t_lo = g.t_lo, t_hi = g.t_hi;
             for (int64_t t0 = t_lo; t0 < t_hi; t0 += block) {
                 const int64_t t1 = t_hi - t0 < block ? t_hi : t0 + block, ntiles = (t1 - t0 + max_r - 1) / max_r;
 #ifdef HAVE_BF16DOT

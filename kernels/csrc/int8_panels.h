@@ -72,6 +72,24 @@ static inline const float *out_scales(const codes_fmt *f, const float *scales, i
     return f->fp8 ? ONES : scales + p * PANEL;
 }
 
+/* A linear's thread grid (int8_gemm.c, mxfp4_gemm.c): groups of output panels (in units of `unit`
+ * panels) x groups of rows in tiles of max_r, rows split only where the panel units are fewer than
+ * the nt threads. Thread th's panels [p_lo, p_hi) and rows [t_lo, t_hi); 0 for a thread past the
+ * grid (nothing to do). */
+typedef struct {
+    int64_t p_lo, p_hi, t_lo, t_hi;
+} grid_share;
+static inline int grid_share_of(int th, int nt, int64_t P, int64_t unit, int64_t T, int64_t max_r, grid_share *s) {
+    const int64_t PU = (P + unit - 1) / unit, tiles = (T + max_r - 1) / max_r;
+    const int64_t pg = PU < nt ? PU : nt, rg_all = nt / pg, rg = rg_all < tiles ? rg_all : tiles;
+    if (th >= pg * rg) return 0;
+    const int64_t gp = th % pg, gr = th / pg;
+    const int64_t p_end = PU * (gp + 1) / pg * unit, t_end = tiles * (gr + 1) / rg * max_r;
+    s->p_lo = PU * gp / pg * unit, s->p_hi = p_end < P ? p_end : P;
+    s->t_lo = tiles * gr / rg * max_r, s->t_hi = t_end < T ? t_end : T;
+    return 1;
+}
+
 /* 8 E4M3 codes as float32, times 2^-8 (F16C) */
 static inline __attribute__((always_inline)) __m256 fp8x8(const int8_t *p) {
     const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)); /* sign-extended: bit 8 = sign */
