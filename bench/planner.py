@@ -83,7 +83,7 @@ DEPLOYMENTS = {
 MIN_MEASURED_PROMPTS = 256
 COMPARED = ("output_throughput", "mean_tpot_ms", "mean_ttft_ms")  # measured as the median over the repeats
 # What a fresh profile keeps of the first (unless --fresh-front): the front and the calibration on its
-# served runs (planner.profile.served_factor, served_factors and front_scales)
+# served runs (planner.calibrate.served_factor, served_factors and front_scales)
 CALIBRATION = ("front", "served_factor", "served_factors", "front_scales")
 SECOND_SHAPE = ("colocated 2 threads", "1+1 m=1", "1+1 m=2")
 SHAPES = {  # name -> (hidden, layers, experts, expert intermediate, top-k)
@@ -489,7 +489,7 @@ def replay(path: Path, only_rows: set[int] | None = None, only_rounds: int | Non
     stored errors as was_*); writes nothing. only_rows: replay just these rows (by index);
     only_rounds: just the first profile and this many more of --rounds (the rounds' medians then
     differ from the stored ones; each round's prediction, pred_round_tok_s, does not)."""
-    from planner.profile import front_scales, served_factor, served_factors
+    from planner.calibrate import front_scales, served_factor, served_factors
 
     result = json.loads(path.read_text())
     output_len, rows = result["config"]["output_len"], []

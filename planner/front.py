@@ -17,9 +17,9 @@ waking the engine thread and the event loop); charged per token at one batch siz
 (load generator) a step.
 
 The batch-64 and batch-16 runs are also kept as served (`run`, `run_small`: requests, lengths,
-concurrency, the load's wall time): planner.profile.served_factor and served_factors calibrate the
+concurrency, the load's wall time): planner.calibrate.served_factor and served_factors calibrate the
 simulator against them. `measure_scale_runs` serves the deployments whose steps take every core (a
-colocated engine, 1 + 1 at m = 1) the same way, for planner.profile.front_scales.
+colocated engine, 1 + 1 at m = 1) the same way, for planner.calibrate.front_scales.
 
 `tree_cpu` (per process of a process tree) is also what bench/planner.py records beside each
 measured deployment, so the model's shares can be checked against served runs.
@@ -139,7 +139,7 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
         return _served(r, output_len, MICRO_BATCHES)
     out = {"workers_s_per_token": long["workers"] / long["tokens"], "tokens": long["tokens"], "wall_s": long["wall"],
            # the runs at both batch sizes as served, for the simulator's calibration
-           # (planner.profile.served_factor and served_factors)
+           # (planner.calibrate.served_factor and served_factors)
            "run": served(long), "run_small": served(small),
            "runs": [{k: r[k] for k in ("role", "concurrency", "requests", "tokens", "steps", "front", "client")}
                     for r in runs]}
@@ -194,7 +194,7 @@ def measure_scale_runs(model: str, threads: tuple[int, ...], dtype: str | None =
     """Served runs of the deployments whose steps take every core the front and the load generator
     share: `shuttle serve --colocated --torch-threads t` for each t in `threads`, and a 1 + 1 pool
     at m = 1 (serve's threads), each at concurrency `batch`, SERVED_REPEATS runs of `prompts`
-    requests after a warm-up, the run of median duration kept as served. planner.profile.front_scales
+    requests after a warm-up, the run of median duration kept as served. planner.calibrate.front_scales
     solves each for the factor on the front's CPU beside such steps. Returns [{"kind": "colocated"
     or "m1", "threads", **served run}] (threads None: serve's own)."""
     plan = [("colocated", t, ["--colocated", "--torch-threads", str(t)]) for t in threads]

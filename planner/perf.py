@@ -39,9 +39,9 @@ class ProfilePerf:
         self.wakes = {b: (float(f.get("wake_s", 0.0)), float(f.get("spin_s", 0.0)))
                       for b, f in profile["transfer"].items()}
         self.sends = {b: Fit.from_dict(f["send"]) for b, f in profile["transfer"].items() if "send" in f}
-        self.served_factor = float(profile.get("served_factor", 1.0))  # see planner.profile.served_factor
+        self.served_factor = float(profile.get("served_factor", 1.0))  # see planner.calibrate.served_factor
         self.served_factors = [tuple(map(float, p)) for p in profile.get("served_factors") or []]  # ... and _factors
-        # the front's CPU as served beside deployments that take every core (planner.profile.front_scales)
+        # the front's CPU as served beside deployments that take every core (planner.calibrate.front_scales)
         self.front_scales = list(profile.get("front_scales") or [])
         fr = profile.get("front") or {}  # profiles without it (older, or --no-front): no front work
         self.front_s_per_token = fr.get("front_s_per_token", 0.0) + fr.get("client_s_per_token", 0.0)

@@ -151,7 +151,7 @@ class _Worker:
 def served_slowdown(perf, dep: "Deployment", batch: float | None = None) -> float:
     """How much slower the workers compute on a shared host than the profile's fits, where both
     pools compute at once (m >= 2): the profile's served factor, or, where it has served runs at two
-    batch sizes (planner.profile.served_factors), the factor interpolated in 1 / (batch per
+    batch sizes (planner.calibrate.served_factors), the factor interpolated in 1 / (batch per
     micro-batch) between them (the nearest one's outside). 1.0 elsewhere: where each process has its
     own device; pools at m = 1, which compute one at a time (with the factor their TPOT came out
     9-30% long in 6 of 8 planner rows, without it 2-17%; their throughput error moved from -4% to +5%
@@ -177,7 +177,7 @@ def call_slowdown(perf, dep: "Deployment"):
     """Where both pools compute at once on a shared host (m >= 2, cores set) and the profile has
     served runs at two batch sizes: the factor on one call's compute as a function of its tokens (an
     attention worker's micro-batch, or the tokens an expert call gathers), interpolated in 1 / tokens
-    between the runs' points (planner.profile.served_factors) and held at the nearer point outside
+    between the runs' points (planner.calibrate.served_factors) and held at the nearer point outside
     them. So a decode micro-batch of 8 sequences gets the batch-16 run's factor and a prefill chunk of
     hundreds of tokens the batch-64 one: sharing the memory bandwidth slows the small calls most.
     None elsewhere (served_slowdown's one factor applies)."""
@@ -189,7 +189,7 @@ def call_slowdown(perf, dep: "Deployment"):
 
 def front_scale(perf, dep: "Deployment") -> float | None:
     """The factor on the front's and the load generator's CPU beside a deployment whose steps take
-    every core of a shared host, solved on a served run of its kind (planner.profile.front_scales): a
+    every core of a shared host, solved on a served run of its kind (planner.calibrate.front_scales): a
     colocated engine (the nearest profiled thread count), or pools at m = 1 whose computing pool takes
     every core. None elsewhere, and for profiles without such runs (then the front's CPU as measured
     beside 1 + 1 pools at m = 2, planner.front, applies as it is).

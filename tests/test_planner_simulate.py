@@ -127,7 +127,7 @@ def test_front_work_delays_workers_by_the_share_of_cores_they_hold():
 
 
 def test_a_served_front_scale_applies_to_its_kind_only():
-    """A profile's factor solved on a served run (planner.profile.front_scales) scales the front's CPU
+    """A profile's factor solved on a served run (planner.calibrate.front_scales) scales the front's CPU
     beside a colocated step (the nearest thread count's) or an m = 1 step that takes every core;
     other deployments keep the front as measured."""
     p = profile(a=1.0, e=1.0, layers=2)
@@ -145,7 +145,7 @@ def test_a_served_front_scale_applies_to_its_kind_only():
 
 
 def test_front_scales_give_the_served_runs_their_wall_time():
-    from planner.profile import front_scales
+    from planner.calibrate import front_scales
 
     p = profile(a=1.0, e=1.0, layers=2)
     p["fits"]["2"] = p["fits"]["1"]
@@ -387,7 +387,7 @@ def test_the_front_admits_requests_one_at_a_time():
 
 
 def test_served_factor_slows_the_workers_on_a_shared_host_only():
-    from planner.profile import served_factor
+    from planner.calibrate import served_factor
 
     p = profile(a=1.0, e=1.0, layers=2)
     one = [batch([1])]
@@ -415,7 +415,7 @@ def test_served_factor_is_solved_so_the_simulator_gives_the_served_run():
     """Only the workers' compute scales with the factor, not the front's CPU or the transfers: the
     factor is the one with which the simulated run lasts what the served one did (the plain ratio of
     served to unscaled simulated time under-corrects by the front's share)."""
-    from planner.profile import served_factor
+    from planner.calibrate import served_factor
 
     p = profile(a=1.0, e=1.0, c=0.5, layers=2)
     p["front"] = {"front_s_per_token": 1.0 * MS, "front_s_per_step": 0.5 * MS,
@@ -448,12 +448,12 @@ def test_prefilling_sequences_pay_the_prefill_terms_and_decodes_do_not():
 
 
 def test_served_factors_slow_small_batches_where_both_pools_compute_at_once():
-    """A profile's served runs at two batch sizes (planner.profile.served_factors): for pools at
+    """A profile's served runs at two batch sizes (planner.calibrate.served_factors): for pools at
     m >= 2 on a shared host each call's compute scales by the factor at its tokens, interpolated in
     1 / tokens between the two points and held at the nearer one outside them; the points are solved
     together from the runs (the small run's prefill calls take the large run's point); the step's
     own work takes the factor at the batch per micro-batch; one factor elsewhere."""
-    from planner.profile import served_factors
+    from planner.calibrate import served_factors
     from planner.simulate import call_slowdown, served_slowdown
 
     p = profile(a=1.0, a_tok=0.2, e=1.0, e_pair=0.1, layers=2)
