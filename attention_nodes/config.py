@@ -8,7 +8,7 @@ import torch
 from m2n_comm.transport import BACKENDS
 
 M2N_DTYPES = ("auto", "fp8")  # ParallelConfig.m2n_dtype
-QUANTIZATIONS = ("int8", "fp8", "mxfp4")  # EngineConfig.quantization ("none" too: served in dtype)
+QUANTIZATIONS = ("int8", "w8a8_int8", "fp8", "mxfp4")  # EngineConfig.quantization ("none" too: served in dtype)
 SPEC_METHODS = ("ngram", "mtp", "draft_model")  # SpeculativeConfig.method
 # SpeculativeConfig.disable_by_batch_size when not given: bench/spec_decode.py on the built-in model lost
 # 4-28% with drafts at batch 16 on both CPUs measured (AMX Xeon, AVX-512 BF16 EPYC), and won only at 1
@@ -252,7 +252,9 @@ class EngineConfig:
     quantization: "int8" keeps the expert weights as int8 codes with per-output-channel scales,
     quantised at load from a float checkpoint (weight-only; kernels/int8.py), where the experts run
     on CPU workers with torch kernels (the attention pool may be on a GPU); None (or "none") serves
-    them in `dtype`. vLLM's name "experts_int8" means the same. "fp8" (same placement): FP8 E4M3 codes
+    them in `dtype`. vLLM's name "experts_int8" means the same. "w8a8_int8" (SGLang's name; same
+    placement): the same int8 experts, and their activations quantised per token to int8 as well,
+    multiplied int8 by int8 (AVX-512 VNNI; SiLU experts without biases only). "fp8" (same placement): FP8 E4M3 codes
     in 128 x 128 blocks (kernels/fp8_weights.py); an FP8 block checkpoint's experts and FP8 linears
     keep their codes and scales as shipped, a float checkpoint's experts are quantised at load;
     server.llm.engine_config picks "fp8" for FP8 checkpoints where this placement allows. "mxfp4"
@@ -286,7 +288,7 @@ class EngineConfig:
                 raise ValueError(f"quantization {self.quantization!r} is not supported; choose from none, "
                                  f"{', '.join(QUANTIZATIONS)} (or experts_int8, int8's vLLM name)")
             if not self.experts_on_cpu_torch:
-                kernels = {"int8": "kernels/int8.py", "fp8": "kernels/fp8_weights.py",
+                kernels = {"int8": "kernels/int8.py", "w8a8_int8": "kernels/int8.py", "fp8": "kernels/fp8_weights.py",
                            "mxfp4": "kernels/mxfp4_weights.py"}[self.quantization]
                 raise ValueError(f"quantization {self.quantization!r} runs the experts on CPU workers with torch "
                                  f"kernels ({kernels}); got experts on {self.experts_device!r}, kernels "

@@ -6,6 +6,8 @@ top-2, uniform random routing) and 1-256 tokens:
                 where AMX runs, else the AVX-512 FMA kernel, else AVX2)
   int8_fused_*  the same with one kernel forced for every expert, each that runs here: fma (AVX-512,
                 else AVX2), bf16dot, amx
+  w8a8_fused    fused_moe_int8 on the same codes as w8a8 experts (activations quantised per token, int8 x
+                int8 with AVX-512 VNNI), where VNNI runs here: another format (other numbers), timed beside
   int8_packed   kernels.moe.fused_moe_packed on CpuWeight.quantized(quantize_int8(w)) (int8_linear twice per
                 expert, torch's permute / SiLU * up / unpermute)
   bf16_*        native.fused_moe_bf16 on ExpertPanels of the same bf16 weights, timed with each entry
@@ -15,7 +17,7 @@ top-2, uniform random routing) and 1-256 tokens:
 Each cell takes the median of --rounds rounds; in a round every candidate runs in turn (the order
 reversed every other round), each for at least --min-ms of back-to-back calls. best_fused: the
 fastest int8_fused* column; fused_vs_packed / fused_vs_bf16 > 1: int8_fused (the default) is faster
-than int8_packed / the fastest bf16 entry; int8_GBps: the int8 weight bytes of the experts with rows
+than int8_packed / the fastest bf16 entry; w8a8_vs_bf16 likewise for w8a8_fused; int8_GBps: the int8 weight bytes of the experts with rows
 over int8_fused's time.
 
     python bench/moe_int8.py [--quick] [--rounds 3] [--min-ms 50] [--threads 2]
@@ -83,6 +85,7 @@ def shape_rows(D: int, I: int, tokens: list[int], threads: list[int], rounds: in
     w13 = [(torch.randn(2 * I, D, generator=g) / D ** 0.5).bfloat16() for _ in range(E)]
     w2 = [(torch.randn(D, I, generator=g) / I ** 0.5).bfloat16() for _ in range(E)]
     experts = int8.Int8Experts.quantize(w13, w2)
+    w8a8 = int8.Int8Experts(experts.w13_E, experts.w2_E, act_int8=True) if int8.VNNI in int8.kernels() else None
     c13 = [CpuWeight.quantized(int8.quantize_int8(w)) for w in w13]
     c2 = [CpuWeight.quantized(int8.quantize_int8(w)) for w in w2]
     bf16 = bf16_candidates(w13, w2, I)
@@ -98,7 +101,14 @@ def shape_rows(D: int, I: int, tokens: list[int], threads: list[int], rounds: in
         for name, k in fused.items():
             err = (int8.fused_moe_int8(x, ids, wk, experts, kernel=k).float() - want).abs().max().item()
             assert err <= 3e-2 * max(1.0, want.abs().max().item()), f"{name} T={T}: max error {err}"
+        extra = {}
+        if w8a8 is not None:
+            ref = int8.fused_moe_int8_reference(x, ids, wk, w8a8).float()
+            err = (int8.fused_moe_int8(x, ids, wk, w8a8).float() - ref).abs().max().item()
+            assert err <= 3e-2 * max(1.0, ref.abs().max().item()), f"w8a8 T={T}: max error {err}"
+            extra["w8a8_fused"] = lambda: int8.fused_moe_int8(x, ids, wk, w8a8)
         fns = {**{name: (lambda k=k: int8.fused_moe_int8(x, ids, wk, experts, kernel=k)) for name, k in fused.items()},
+               **extra,
                "int8_packed": lambda: fused_moe_packed(x, c13, c2, wk, ids),
                **{name: (lambda f=f: f(x, ids, wk)) for name, f in bf16.items()}}
         for n in threads:
@@ -109,6 +119,7 @@ def shape_rows(D: int, I: int, tokens: list[int], threads: list[int], rounds: in
                    "best_fused": best_fused, "best_bf16": best_bf16,
                    "fused_vs_packed": t["int8_packed"] / t["int8_fused"],
                    "fused_vs_bf16": t[best_bf16] / t["int8_fused"],
+                   **({"w8a8_vs_bf16": t[best_bf16] / t["w8a8_fused"]} if "w8a8_fused" in t else {}),
                    "int8_GBps": expert_bytes * ids.unique().numel() / t["int8_fused"] / 1e9}
             out.append(row)
             print(row, flush=True)
@@ -131,7 +142,7 @@ def main() -> None:
     torch.set_num_threads(old)
     timed = [c for c in rows[0] if c.endswith("_us")]
     print_table(rows, ["D", "I", "T", "threads", *timed, "best_fused", "best_bf16", "fused_vs_packed", "fused_vs_bf16",
-                       "int8_GBps"])
+                       *(["w8a8_vs_bf16"] if "w8a8_vs_bf16" in rows[0] else []), "int8_GBps"])
     path = save("moe_int8_quick" if args.quick else "moe_int8",
                 {"E": E, "K": K, "x_dtype": "bfloat16", "rounds": args.rounds, "min_ms": args.min_ms, "rows": rows})
     print(f"wrote {path}")

@@ -1,8 +1,10 @@
-"""--quantization int8, fp8 and mxfp4 against the same checkpoint served unquantised: decode speed, memory, quality.
+"""--quantization int8, w8a8_int8, fp8 and mxfp4 against the same checkpoint served unquantised: decode speed,
+memory, quality.
 
 Speed: a Mixtral-shaped checkpoint with random weights (hidden 1024, 8 layers, 16 query / 4 KV heads,
 8 experts of 2048, top-2; ~428M parameters, the shape of the CPU throughput issue), served colocated
-by `LLM` in --dtype unquantised ("base"), with `quantization="int8"`, with "fp8" (FP8 128 x 128
+by `LLM` in --dtype unquantised ("base"), with `quantization="int8"`, with "w8a8_int8" ("w8a8": int8
+weights and per-token int8 activations), with "fp8" (FP8 128 x 128
 blocks quantised at load: the layout and kernels an FP8 checkpoint is served with) and with "mxfp4"
 (E2M1 codes, an E8M0 scale per 32 inputs: gpt-oss's format, quantised at load), all loaded in
 this process. Per batch B:
@@ -24,7 +26,7 @@ greedy agreement over --agree-prompts prompts cut from the same documents (share
 --agree-tokens generated tokens are identical, and share of tokens before the first difference).
 
     python bench/quant.py [--quick] [--batch-sizes 1 16 64 256] [--dtype bfloat16] [--memory-experts 48]
-                          [--no-pools-memory] [--no-quality]
+                          [--no-pools-memory] [--no-quality] [--configs int8 w8a8 fp8 mxfp4]
 
 --quick: batches 1 and 16, 16 new tokens, 2 rounds, fewer quality prompts. Writes
 bench/results/quant.json (quant_quick.json).
@@ -45,8 +47,12 @@ from bench.engine import mixtral, read_bandwidth  # noqa: E402
 from bench.soak import process_title, rss_bytes  # noqa: E402
 from server import LLM, SamplingParams  # noqa: E402
 
-CONFIGS = {"base": None, "int8": "int8", "fp8": "fp8", "mxfp4": "mxfp4"}
-QUANTIZED = [name for name in CONFIGS if name != "base"]
+CONFIGS = {"base": None, "int8": "int8", "w8a8": "w8a8_int8", "fp8": "fp8", "mxfp4": "mxfp4"}
+
+
+def quantized(args: argparse.Namespace) -> list[str]:
+    """The configurations run besides "base"."""
+    return [name for name in args.configs if name != "base"]
 
 
 def step_bytes(llm: LLM, batch: int) -> float:
@@ -60,7 +66,7 @@ def step_bytes(llm: LLM, batch: int) -> float:
 def speed(args: argparse.Namespace, ckpt: Path) -> tuple[list[dict], dict, float]:
     llms = {name: LLM(ckpt, dtype=args.dtype, quantization=q, max_num_seqs=max(args.batch_sizes),
                       max_num_batched_tokens=max(2048, 32 * max(args.batch_sizes)))
-            for name, q in CONFIGS.items()}
+            for name, q in args.configs.items()}
     bandwidth = read_bandwidth()
     rows = []
     try:
@@ -80,11 +86,11 @@ def speed(args: argparse.Namespace, ckpt: Path) -> tuple[list[dict], dict, float
                 row[f"{name}_tok_s"] = statistics.median(rates[name])
                 row[f"{name}_rounds"] = [round(r, 1) for r in rates[name]]
                 row[f"{name}_floor_tok_s"] = B * bandwidth / step_bytes(llm, B)
-            for name in QUANTIZED:
+            for name in quantized(args):
                 row[f"{name}_vs_base"] = row[f"{name}_tok_s"] / row["base_tok_s"]
             rows.append(row)
-            print_table([row], ["batch", *(f"{n}_tok_s" for n in CONFIGS), *(f"{n}_vs_base" for n in QUANTIZED),
-                                *(f"{n}_floor_tok_s" for n in CONFIGS)])
+            print_table([row], ["batch", *(f"{n}_tok_s" for n in args.configs),
+                                *(f"{n}_vs_base" for n in quantized(args)), *(f"{n}_floor_tok_s" for n in args.configs)])
         memory = {name: dict(llm.engine.runner.resident_bytes) for name, llm in llms.items()}
     finally:
         for llm in llms.values():
@@ -103,7 +109,7 @@ def _rss_mib(title: str) -> float | None:
 def pools_memory(args: argparse.Namespace, ckpt: Path) -> dict:
     """The expert worker's RSS and reported expert bytes of every configuration (1 + 1 pools)."""
     out = {}
-    for name, q in CONFIGS.items():
+    for name, q in args.configs.items():
         llm = LLM(ckpt, dtype=args.dtype, quantization=q, colocated=False, attention_workers=1, expert_workers=1)
         try:
             llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
@@ -113,7 +119,7 @@ def pools_memory(args: argparse.Namespace, ckpt: Path) -> dict:
         finally:
             llm.shutdown()
     if all(v["expert_rss_mib"] for v in out.values()):
-        for name in QUANTIZED:
+        for name in quantized(args):
             out[f"{name}_rss_vs_base"] = out[name]["expert_rss_mib"] / out["base"]["expert_rss_mib"]
             out[f"{name}_weights_vs_base"] = out[name]["expert_weights_mib"] / out["base"]["expert_weights_mib"]
     return out
@@ -123,7 +129,7 @@ def quality(args: argparse.Namespace) -> dict:
     from models.builtin import builtin_model_dir
     from training.builtin import documents, is_held_out
 
-    llms = {name: LLM(builtin_model_dir(), dtype=args.dtype, quantization=q) for name, q in CONFIGS.items()}
+    llms = {name: LLM(builtin_model_dir(), dtype=args.dtype, quantization=q) for name, q in args.configs.items()}
     try:
         tok = llms["base"].tokenizer
         docs = [tok.encode(text)[:args.ppl_tokens] for name, text in documents() if is_held_out(name)]
@@ -134,7 +140,7 @@ def quality(args: argparse.Namespace) -> dict:
             nll = [-o.prompt_logprobs[i][d[i]].logprob for o, d in zip(outs, docs) for i in range(1, len(d))]
             out[f"{name}_ppl"] = float(torch.tensor(nll).mean().exp())
         out["held_out_tokens"] = sum(len(d) - 1 for d in docs)
-        for name in QUANTIZED:
+        for name in quantized(args):
             out[f"{name}_ppl_vs_base"] = out[f"{name}_ppl"] / out["base_ppl"]
         step = max(1, sum(map(len, docs)) // args.agree_prompts)
         flat = [t for d in docs for t in d]
@@ -142,7 +148,7 @@ def quality(args: argparse.Namespace) -> dict:
         sp = SamplingParams(max_tokens=args.agree_tokens, temperature=0, ignore_eos=True)
         ids = {name: [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] for name, llm in llms.items()}
         out["agree_prompts"] = len(prompts)
-        for name in QUANTIZED:
+        for name in quantized(args):
             same_prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
                            for x, y in zip(ids["base"], ids[name])]
             out[f"{name}_greedy_identical_share"] = sum(n == args.agree_tokens for n in same_prefix) / len(prompts)
@@ -171,7 +177,10 @@ def main() -> None:
     ap.add_argument("--memory-experts", type=int, default=None,
                     help="experts of the checkpoint whose expert worker's RSS is measured (default 48, --quick 8: "
                          "the speed checkpoint)")
+    ap.add_argument("--configs", nargs="+", choices=[n for n in CONFIGS if n != "base"], default=None,
+                    help="the quantisations to run beside base (default all)")
     args = ap.parse_args()
+    args.configs = {n: q for n, q in CONFIGS.items() if n == "base" or args.configs is None or n in args.configs}
     args.batch_sizes = args.batch_sizes or ([1, 16] if args.quick else [1, 16, 64, 256])
     args.output_len = args.output_len or (16 if args.quick else 64)
     args.rounds = args.rounds or (2 if args.quick else 3)
@@ -191,11 +200,12 @@ def main() -> None:
         print({k: v for k, v in pools.items()})
     q = quality(args) if args.quality else None
     if q:
-        print_table([q], ["base_ppl", *(f"{n}_ppl" for n in QUANTIZED), *(f"{n}_ppl_vs_base" for n in QUANTIZED),
-                          *(f"{n}_greedy_identical_share" for n in QUANTIZED)])
+        print_table([q], ["base_ppl", *(f"{n}_ppl" for n in quantized(args)),
+                          *(f"{n}_ppl_vs_base" for n in quantized(args)),
+                          *(f"{n}_greedy_identical_share" for n in quantized(args))])
     print({name: {k: f"{v / 2 ** 20:.1f} MiB" for k, v in m.items()} for name, m in memory.items()})
     path = save("quant_quick" if args.quick else "quant",
-                {"config": {k: v for k, v in vars(args).items()}, "read_bandwidth_GBps": bandwidth / 1e9,
+                {"config": {k: list(v) if k == "configs" else v for k, v in vars(args).items()}, "read_bandwidth_GBps": bandwidth / 1e9,
                  "resident_bytes": memory, "pools_memory": pools, "speed": rows, "quality": q})
     print(f"wrote {path}")
 

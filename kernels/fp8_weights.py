@@ -176,14 +176,15 @@ def available() -> bool:
 
 
 def kernels() -> frozenset[int]:
-    """The kernels that run here: int8's (kernels/int8.kernels), AVX2 only where the CPU lists F16C."""
+    """The kernels that run here: int8's weight-only ones (kernels/int8.kernels but VNNI, w8a8's), AVX2
+    only where the CPU lists F16C."""
     lib = _library()
     return frozenset() if lib is None else _kernels_here(lib)
 
 
 @functools.cache
 def _kernels_here(lib: ctypes.CDLL) -> frozenset[int]:
-    here = int8._kernels_here(lib)
+    here = int8._kernels_here(lib) - {int8.VNNI}
     return here if "f16c" in native.cpu_flags() else here - {AVX2}
 
 

@@ -15,7 +15,9 @@ Kernels (`kernels()` lists those that run here):
                 that stays in cache (exact: |q| <= 127), multiplied by x's bf16 values with AVX-512
                 BF16 dot products or AMX-BF16 tiles, float32 accumulation. AMX runs from
                 AMX_MIN_ROWS rows; BF16DOT only when asked for.
-The AVX-512 and AMX kernels are compiled with target attributes and run where /proc/cpuinfo lists
+  VNNI          w8a8 only (below): int8 activations times int8 codes with AVX-512 VNNI dot products
+                (vpdpbusd, 4 products per int32 lane), exact int32 sums, no dequantisation.
+The AVX-512, VNNI and AMX kernels are compiled with target attributes and run where /proc/cpuinfo lists
 their ISA (AMX also needs the kernel's permission for the tile state, asked once). Where the native
 library cannot run (no AVX2, no compiler, a failed build, SHUTTLE_NATIVE_KERNELS=0) int8_linear is
 the torch reference.
@@ -31,6 +33,14 @@ The fused MoE block (kernels/csrc/moe_int8.c, the same kernels):
   silu(gate) * up in its epilogue, the down GEMM adding each token's weighted rows in ascending expert
   id; bf16 rounded where fused_moe_packed's ops round. The torch path (`fused_moe_int8_reference`,
   fused_moe_packed's ops on int8_linear) where the kernels are unavailable.
+
+w8a8 (`--quantization w8a8_int8`, SGLang's name): the same experts with `Int8Experts(act_int8=True)`.
+The block quantises each row of its inputs to int8 as well, dynamically per token (`quantize_rows`:
+scale max |x| / 127), both x and the intermediate h, and sums int8 x int8 exactly in int32 (the VNNI
+kernel; sum * row scale * channel scale in float32 after). That changes the numbers (8-bit activations;
+`w8a8_linear_reference` is its torch reference, and the torch path where VNNI does not run here), so
+it is a quantisation of its own, never a kernel swapped in for weight-only int8; in exchange it does
+no dequantisation and twice BF16's products per instruction.
 
 kernels/fp8_weights.py runs FP8 block-scaled checkpoint weights on the same panels, kernels and fused
 block (`PanelExperts`, `to_panels`, `interleave_gate_up` are shared; int8_panels.h's codes_fmt).
@@ -49,10 +59,11 @@ from kernels import native
 
 log = logging.getLogger("shuttle")
 PANEL = 16  # output channels per weight panel
-AVX2, AVX512, BF16DOT, AMX = 0, 1, 2, 3  # the C kernel's `kernel` argument
+AVX2, AVX512, BF16DOT, AMX, VNNI = 0, 1, 2, 3, 4  # the C kernel's `kernel` argument
 _KERNEL_FLAGS = {AVX2: {"avx2", "fma"}, AVX512: {"avx512f", "avx512bw", "avx512vl"},
                  BF16DOT: {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
-                 AMX: {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"}}
+                 AMX: {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"},
+                 VNNI: {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}}
 # Rows from which bf16 x takes AMX where it runs (its per-panel dequantisation is paid once per block
 # of rows, the FMA kernel's widening once per tile of 8 rows). On the 2-core AMX Xeon
 # (bench/results/int8_cpu.json) AVX512 was faster at 1-6 rows, AMX at 12 and more; at 8 it depended
@@ -60,6 +71,7 @@ _KERNEL_FLAGS = {AVX2: {"avx2", "fma"}, AVX512: {"avx512f", "avx512bw", "avx512v
 # AVX512 at every row count there, so it runs only when asked (a candidate for AVX-512 BF16 CPUs
 # without AMX).
 AMX_MIN_ROWS = 8
+VNNI_MAX_K = 66000  # the most inputs VNNI's int32 sums hold (moe_int8.c refuses more)
 
 
 class Int8Weight:
@@ -144,6 +156,25 @@ def int8_linear_reference(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | N
     return y.to(x.dtype)
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row (per-token) int8 codes of x (..., I), as the VNNI kernel quantises its rows, bit
+    for bit: (codes int8 (..., I), scales float32 (..., 1)) with scale = max |x| / 127 and codes =
+    round(x * (127 / max |x|)) to nearest even in [-127, 127]; a row of zeros: codes 0, scale 0."""
+    x32 = x.float()
+    amax = x32.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return torch.round(x32 * inv).clamp_(-127, 127).to(torch.int8), amax / 127
+
+
+def w8a8_linear_reference(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    """y = x (q scale)^T with x quantised per row (quantize_rows) first, as w8a8 experts compute: the
+    integer sums exact (float64), then (sum * row scale) * channel scale in float32, returned in x's
+    dtype."""
+    q, s = quantize_rows(x)
+    acc = q.double() @ w.codes().double().t()
+    return (acc.float() * s * w.scale).to(x.dtype)
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The native library (kernels/native.py) with the int8 kernels' signatures set, or None where
@@ -193,8 +224,9 @@ def avx512() -> bool:
 
 
 def check_kernel(kernel: int, here: frozenset[int], x_dtype: torch.dtype, name: str) -> int:
-    """`kernel` where it runs here for x_dtype rows (BF16DOT and AMX: bf16 only), else ValueError naming `name`."""
-    if kernel not in here or kernel in (BF16DOT, AMX) and x_dtype != torch.bfloat16:
+    """`kernel` where it runs here for x_dtype rows (BF16DOT and AMX: bf16 only; VNNI only for int8
+    activations, fused_moe_int8's), else ValueError naming `name`."""
+    if kernel not in here or kernel in (BF16DOT, AMX) and x_dtype != torch.bfloat16 or kernel == VNNI:
         raise ValueError(f"{name}: kernel {kernel} does not run here for {x_dtype} x (here: {sorted(here)})")
     return kernel
 
@@ -292,6 +324,11 @@ class Int8ExpertPanels:
         y = int8_linear(x, self.int8)
         return y if self.order is None else y.index_select(-1, self.order)
 
+    def linear_w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        """linear with x quantised per row first (w8a8_linear_reference)."""
+        y = w8a8_linear_reference(x, self.int8)
+        return y if self.order is None else y.index_select(-1, self.order)
+
 
 class PanelExperts:
     """One layer's E experts for a fused block on panels (fused_moe_int8; kernels/fp8_weights.py's
@@ -322,28 +359,38 @@ class PanelExperts:
 
 
 class Int8Experts(PanelExperts):
-    """One layer's E experts for fused_moe_int8 (PanelExperts of Int8ExpertPanels)."""
+    """One layer's E experts for fused_moe_int8 (PanelExperts of Int8ExpertPanels). act_int8 (w8a8):
+    the block quantises its activations per row too, x and h (quantize_rows), and multiplies int8 by
+    int8 (the VNNI kernel; w8a8_linear_reference where it does not run)."""
 
-    __slots__ = ()
+    __slots__ = ("act_int8",)
+
+    def __init__(self, w13_E: list, w2_E: list, act_int8: bool = False):
+        super().__init__(w13_E, w2_E)
+        self.act_int8 = act_int8
 
     @classmethod
-    def quantize(cls, w13_EID2: torch.Tensor | list[torch.Tensor],
-                 w2_EDI: torch.Tensor | list[torch.Tensor]) -> "Int8Experts":
+    def quantize(cls, w13_EID2: torch.Tensor | list[torch.Tensor], w2_EDI: torch.Tensor | list[torch.Tensor],
+                 act_int8: bool = False) -> "Int8Experts":
         """The experts of float weights w13 (E, 2I, D) and w2 (E, D, I) (or per-expert lists), quantised."""
         inter = w2_EDI[0].shape[1]
         return cls([Int8ExpertPanels(w, True, inter) for w in w13_EID2],
-                   [Int8ExpertPanels(w, False, inter) for w in w2_EDI])
+                   [Int8ExpertPanels(w, False, inter) for w in w2_EDI], act_int8)
 
 
 def fused_moe_int8_reference(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                              experts: PanelExperts) -> torch.Tensor:
     """The torch path: kernels/moe.fused_moe_packed's ops (the one-token path for T = 1; else permute,
     grouped_swiglu, unpermute) with each expert panels' linear (int8_linear; fp8_linear for FP8
-    experts); pairs whose id is outside [0, E) are left out, as the kernel skips them."""
+    experts; linear_w8a8 for w8a8 experts); pairs whose id is outside [0, E) are left out, as the
+    kernel skips them."""
     from kernels.moe import SILU, Permutation, _one_token_moe, grouped_swiglu, unpermute
 
     E, (T, K) = experts.num_experts, topk_ids_TK.shape
-    linear = lambda x, w, bias=None: w.linear(x)  # noqa: E731 (no biases: SiLU experts)
+    if getattr(experts, "act_int8", False):
+        linear = lambda x, w, bias=None: w.linear_w8a8(x)  # noqa: E731
+    else:
+        linear = lambda x, w, bias=None: w.linear(x)  # noqa: E731 (no biases: SiLU experts)
     keep_TK = (topk_ids_TK >= 0) & (topk_ids_TK < E)
     if T == 1:
         keep = keep_TK[0]
@@ -383,6 +430,18 @@ def _default_moe_kernels(x_dtype: torch.dtype, here: frozenset[int]) -> tuple[in
     return (small, kernel, rows) if kernel in here else (small, small, 0)
 
 
+def moe_kernels(experts: Int8Experts, x_dtype: torch.dtype) -> tuple[int, int, int] | None:
+    """(kernel, big_kernel, big_rows) that fused_moe_int8 runs `experts` with by default for x_dtype
+    rows here; None where the library cannot (unavailable; w8a8 experts without VNNI here, or wider
+    than VNNI_MAX_K): then the torch path runs them."""
+    if not available():
+        return None
+    here = _kernels_here(_library())
+    if experts.act_int8:
+        return (VNNI, VNNI, 0) if VNNI in here and max(experts.hidden, experts.inter) <= VNNI_MAX_K else None
+    return _default_moe_kernels(x_dtype, here)
+
+
 def fused_moe_int8(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                    experts: Int8Experts, kernel: int | None = None) -> torch.Tensor:
     """y_TD (x's dtype) = sum over each token's top-k experts of weight * SiLU-MLP(x) on int8 experts, in
@@ -390,8 +449,9 @@ def fused_moe_int8(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
     outside [0, E) are skipped); weights (T, K) float32 or bf16. kernel: AVX2, AVX512, BF16DOT or AMX
     (these two bf16 x only), one of kernels(), for every expert; by default each expert as
     int8_linear's default takes its rows (AMX for bf16 x from AMX_MIN_ROWS rows where it runs, else
-    AVX512 where it runs, else AVX2). fused_moe_int8_reference where the kernels are unavailable, for
-    other dtypes, and where autograd or torch.compile needs it."""
+    AVX512 where it runs, else AVX2). w8a8 experts (experts.act_int8) take VNNI, the one kernel that
+    quantises activations. fused_moe_int8_reference where the kernels are unavailable (for w8a8: VNNI
+    does not run here), for other dtypes, and where autograd or torch.compile needs it."""
     T, D = x_TD.shape
     if D != experts.hidden or topk_ids_TK.shape[0] != T or topk_weights_TK.shape != topk_ids_TK.shape:
         raise ValueError(f"fused_moe_int8 takes x (T, {experts.hidden}) and (T, K) ids and weights; got x "
@@ -399,8 +459,13 @@ def fused_moe_int8(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
     if x_TD.dtype not in (torch.bfloat16, torch.float32) or not _eager_cpu(x_TD, topk_weights_TK):
         return fused_moe_int8_reference(x_TD, topk_ids_TK, topk_weights_TK, experts)
     here = _kernels_here(_library())
-    if kernel is None:
-        small, big, big_rows = _default_moe_kernels(x_TD.dtype, here)
+    if experts.act_int8 and kernel not in (None, VNNI):
+        raise ValueError(f"fused_moe_int8: w8a8 experts run kernel {VNNI} (VNNI) only, got {kernel}")
+    if kernel is None or experts.act_int8:
+        chosen = moe_kernels(experts, x_TD.dtype)
+        if chosen is None:
+            return fused_moe_int8_reference(x_TD, topk_ids_TK, topk_weights_TK, experts)
+        small, big, big_rows = chosen
     else:
         small = big = check_kernel(kernel, here, x_TD.dtype, "fused_moe_int8")
         big_rows = 0

@@ -315,7 +315,7 @@ class ModelConfig:
 
     def expert_bytes(self, dtype: torch.dtype, quantization: str | None = None) -> int:
         """Bytes of one routed expert in `dtype` (FP8 and MXFP4 checkpoints are dequantised on load).
-        quantization="int8" (EngineConfig.quantization): one byte per weight plus a float32 scale per
+        quantization="int8" or "w8a8_int8" (EngineConfig.quantization): one byte per weight plus a float32 scale per
         output channel of gate and up (2 x moe_intermediate_size) and down (hidden_size), biases in
         `dtype`; kernels/int8.py pads each matrix to panels of 16 channels and an even input on top.
         "fp8": one byte per weight plus a float32 scale per 16 output rows (a panel) per block of
@@ -324,13 +324,13 @@ class ModelConfig:
         mxfp4_weights.py; its panels pad rows to multiples of 16 on top)."""
         if quantization is None:
             return self.expert_params() * dtype.itemsize
-        if quantization not in ("int8", "fp8", "mxfp4"):
+        if quantization not in ("int8", "w8a8_int8", "fp8", "mxfp4"):
             raise ValueError(f"expert_bytes: quantization {quantization!r} is not supported "
-                             "(int8, fp8, mxfp4 or None)")
+                             "(int8, w8a8_int8, fp8, mxfp4 or None)")
         D, I = self.hidden_size, self.moe_intermediate_size
         channels = 2 * I + D
         biases = channels * self.expert_bias * dtype.itemsize
-        if quantization == "int8":
+        if quantization in ("int8", "w8a8_int8"):
             return 3 * D * I + 4 * channels + biases
         if quantization == "mxfp4":
             return 3 * D * I // 2 + 3 * D * I // 32 + biases

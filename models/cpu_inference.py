@@ -47,16 +47,23 @@ class PackedExperts(nn.Module):
     quantization="mxfp4": MXFP4 codes and E8M0 scales (kernels/mxfp4_weights.py), the checkpoint's
     blocks as shipped where the loader kept them (keep_mxfp4), else quantised from the float weights;
     CpuWeight.quantized(Mxfp4Weight) for fused_moe_packed's per-expert linears, whatever the
-    activation and biases (there is no fused MXFP4 block)."""
+    activation and biases (there is no fused MXFP4 block). quantization="w8a8_int8": int8's
+    Int8ExpertPanels, run with their activations quantised per token (Int8Experts.act_int8); SiLU
+    experts without biases only (the fused block), else ValueError."""
 
     def __init__(self, experts: Experts | None = None, quantization: str | None = None):
         super().__init__()
         self.w13_packed, self.w2_packed = [], []
+        self.act_int8 = quantization == "w8a8_int8"
+        if self.act_int8 and experts is not None and not fused_int8_experts(experts):
+            raise ValueError("quantization w8a8_int8 runs SiLU experts without biases (the fused int8 block); "
+                             f"these experts have {'biases' if experts.b13 is not None else 'another activation'}:"
+                             " use int8 (weight-only) for them")
         if experts is not None and quantization == "fp8":
             self.w13_packed, self.w2_packed = _fp8_experts(experts)
         elif experts is not None and quantization == "mxfp4":
             self.w13_packed, self.w2_packed = _mxfp4_experts(experts)
-        elif experts is not None and quantization == "int8" and fused_int8_experts(experts):
+        elif experts is not None and quantization in ("int8", "w8a8_int8") and fused_int8_experts(experts):
             inter = experts.w2.shape[2]
             self.w13_packed = [Int8ExpertPanels(w, True, inter) for w in experts.w13.detach()]
             self.w2_packed = [Int8ExpertPanels(w, False, inter) for w in experts.w2.detach()]
@@ -82,7 +89,7 @@ class PackedExperts(nn.Module):
         if self.w13_packed and isinstance(self.w13_packed[0], Fp8ExpertPanels):
             self.fp8 = Fp8Experts(self.w13_packed, self.w2_packed)
         elif self.w13_packed and isinstance(self.w13_packed[0], Int8ExpertPanels):
-            self.int8 = Int8Experts(self.w13_packed, self.w2_packed)
+            self.int8 = Int8Experts(self.w13_packed, self.w2_packed, self.act_int8)
         elif self.w13_packed and isinstance(self.w13_packed[0], ExpertPanels):
             self.native = (torch.tensor([w.panels.data_ptr() for w in self.w13_packed], dtype=torch.int64),
                            torch.tensor([w.panels.data_ptr() for w in self.w2_packed], dtype=torch.int64),
@@ -90,11 +97,11 @@ class PackedExperts(nn.Module):
 
     @classmethod
     def from_packed(cls, w13_packed: list, w2_packed: list, b13_EI2: torch.Tensor | None = None,
-                    b2_ED: torch.Tensor | None = None, act: SwiGLU = SILU) -> "PackedExperts":
+                    b2_ED: torch.Tensor | None = None, act: SwiGLU = SILU, act_int8: bool = False) -> "PackedExperts":
         """Experts made of already packed per-expert weights (shared, not copied), with their biases
-        (rows in the same order) and activation."""
+        (rows in the same order) and activation; act_int8: w8a8 int8 panels."""
         out = cls()
-        out.w13_packed, out.w2_packed = list(w13_packed), list(w2_packed)
+        out.w13_packed, out.w2_packed, out.act_int8 = list(w13_packed), list(w2_packed), act_int8
         out.b13, out.b2, out.act = b13_EI2, b2_ED, act
         out._index_native()
         return out
@@ -158,7 +165,7 @@ def _packed_linear(linear: nn.Linear, quantization: str | None) -> PackedLinear:
 
 def pack_for_cpu_inference(model: MoEForCausalLM, quantization: str | None = None) -> bool:
     """Swap linears and experts for packed ones in place; quantization="int8": the experts' weights
-    as int8 (PackedExperts); "fp8": the experts as FP8, and the linears the loader kept FP8 as
+    as int8 (PackedExperts; "w8a8_int8" their activations too); "fp8": the experts as FP8, and the linears the loader kept FP8 as
     shipped (keep_fp8) too; "mxfp4": the experts as MXFP4. Returns False where the weights are not
     on the CPU or oneDNN cannot pack their dtype here (see packing_available): then only the experts
     are swapped, and only if quantised."""

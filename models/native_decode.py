@@ -56,9 +56,6 @@ class _Step(ctypes.Structure):
 _BUFFERS = ("start", "h", "r", "qkv", "q", "o", "a", "logits", "moe", "scratch")
 
 
-def int8_moe_kernels() -> tuple[int, int, int]:
-    """(kernel, big_kernel, big_rows) for fused_moe_int8 on bf16 rows, as its eager calls take them."""
-    return int8._default_moe_kernels(torch.bfloat16, int8.kernels())
 
 
 def why_not(model, cache, local: bool = True) -> str | None:
@@ -95,7 +92,8 @@ def why_not(model, cache, local: bool = True) -> str | None:
             return f"layer {i}: Llama 4's chunks, no-rope layers, L2 q/k norm or interleaved rope"
         gate, experts, r = mlp.gate, mlp.experts, cfg.router
         if mlp.shared_name is not None or (local and not (isinstance(experts, PackedExperts) and (
-                experts.native is not None or (experts.int8 is not None and int8.available())
+                experts.native is not None or (experts.int8 is not None
+                                               and int8.moe_kernels(experts.int8, torch.bfloat16) is not None)
                 or (experts.fp8 is not None and fp8_weights.moe_kernels(experts.fp8) is not None)))):
             return f"layer {i}: shared experts or experts outside the fused native (bf16, int8 or FP8) blocks"
         if (gate.cpu_weight is None or gate.cpu_weight.panels is None or gate.bias is not None
@@ -127,7 +125,7 @@ class NativeDecode:
                 table = mlp.experts.int8.table
                 w13, s13, w2, s2 = table
                 self.inter = mlp.experts.int8.inter
-                self.int8_kernels = int8_moe_kernels()
+                self.int8_kernels = int8.moe_kernels(mlp.experts.int8, torch.bfloat16)
                 self._keep.append(table)
             elif local and mlp.experts.fp8 is not None:  # FP8 experts: codes and block scales (kernels/fp8_weights.py)
                 f = mlp.experts.fp8

@@ -81,8 +81,8 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
     m2n_dtype="fp8" sends tokens to the expert workers as float8 with per-token scales.
     enforce_eager: None takes $SHUTTLE_ENFORCE_EAGER ("1" or "0") if set, else DEFAULT_ENFORCE_EAGER.
     native_decode: False keeps colocated bf16 decode steps eager (models/native_decode.py).
-    quantization: "int8" keeps the expert weights as int8, "fp8" as FP8 128 x 128 blocks (see
-    EngineConfig); both refused for a checkpoint that is already quantised (MXFP4; FP8 block but for
+    quantization: "int8" keeps the expert weights as int8 ("w8a8_int8": their activations quantised
+    per token too), "fp8" as FP8 128 x 128 blocks, "mxfp4" as MXFP4 (see EngineConfig); refused for a checkpoint that is already quantised (MXFP4; FP8 block but for
     "fp8"). None: an FP8 block checkpoint is served in FP8 as shipped where its experts run on CPU
     workers with torch kernels (a log line says so), else in `dtype`; "none": in `dtype` always
     (an FP8 checkpoint dequantised at load).

@@ -316,3 +316,114 @@ def test_without_the_library_fused_moe_int8_is_the_torch_path(monkeypatch):
     torch.testing.assert_close(y16.float(), want.float(), rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match="fused_moe_int8 takes"):
         int8.fused_moe_int8(x[:, :99], ids, weights, experts)
+
+
+# w8a8: int8 activations too (quantize_rows; the VNNI kernel)
+
+NEEDS_VNNI = pytest.mark.skipif(int8.VNNI not in int8.kernels(), reason="no AVX-512 VNNI here (the w8a8 kernel)")
+
+
+def test_quantize_rows_codes_and_scales():
+    """Per row: scale max |x| / 127, codes round(x * 127 / max |x|) to nearest even, |codes| <= 127, the
+    row's largest value 127 exactly; a row of zeros: codes 0, scale 0; leading dims kept."""
+    x = torch.randn(2, 3, 37, generator=torch.Generator().manual_seed(0)) * torch.tensor([1e-3, 1.0, 50.0])[:, None]
+    x[1, 2] = 0
+    q, s = int8.quantize_rows(x)
+    assert q.dtype == torch.int8 and q.shape == x.shape and s.shape == (2, 3, 1)
+    amax = x.abs().amax(-1, keepdim=True)
+    assert torch.equal(s, amax / 127) and s[1, 2].item() == 0 and not q[1, 2].any()
+    assert torch.equal(q.abs().amax(-1)[s[..., 0] > 0], torch.full((5,), 127, dtype=torch.int8))
+    assert (q.float() * s - x).abs().le(s / 2 * (1 + 1e-6)).all()
+    half = torch.tensor([[1.0, 0.5 / 127 * 3, 2.5 / 127]])  # codes 1.5 and 2.5 round to even: 2, 2
+    assert int8.quantize_rows(half)[0].tolist() == [[127, 2, 2]]
+
+
+def test_w8a8_linear_reference_is_the_integer_product():
+    """(codes x . codes w) exactly, times the row's and the channel's scales: an odd shape whose sums pass
+    2^24 (float32 would round them)."""
+    I = 3001
+    w = int8.quantize_int8(_weight(19, I, 1))
+    x = torch.randn(5, I, generator=torch.Generator().manual_seed(2))
+    q, s = int8.quantize_rows(x)
+    want = (q.long() @ w.codes().long().t()).float() * s * w.scale
+    assert torch.equal(int8.w8a8_linear_reference(x, w), want)
+    assert int8.w8a8_linear_reference(x.bfloat16(), w).dtype == torch.bfloat16
+
+
+def _w8a8_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal integer sums on both sides; exp's last bits may move a value of h across a rounding of bf16
+    or of its int8 code, which moves outputs by a few of their ulps (bf16) or ~1e-3 (float32)."""
+    scale = max(1.0, want.abs().max().item())
+    if got.dtype == torch.bfloat16:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * scale)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=2e-3 * scale)
+
+
+@functools.cache
+def _w8a8_case(E: int, D: int, I: int, T: int, K: int, dtype: torch.dtype):
+    """_moe_case's experts as w8a8 and its pairs, with the torch path's result: (experts, x, ids, weights, want)."""
+    experts, x, ids, weights, _ = _moe_case(E, D, I, T, K, dtype)
+    w8a8 = int8.Int8Experts(experts.w13_E, experts.w2_E, act_int8=True)
+    return w8a8, x, ids, weights, int8.fused_moe_int8_reference(x, ids, weights, w8a8)
+
+
+@NEEDS_VNNI
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,K", [(1, 1), (1, 4), (3, 2), (17, 4), (64, 2), (300, 4)])
+@pytest.mark.parametrize("E,D,I", [(6, 100, 72), (7, 57, 41), (5, 1030, 7)])
+def test_fused_moe_w8a8_equals_the_torch_path(E, D, I, T, K, dtype):
+    """The VNNI kernel against fused_moe_packed's ops on w8a8_linear_reference: every integer sum is
+    exact on both sides, so they differ in exp's last bits and in the codes those may move; odd D and I
+    (half quads, a partial last panel), a row past one chunk of quads (1030: 258 quads), one token to
+    300, ids -1 skipped, an expert with no pairs."""
+    experts, x, ids, weights, want = _w8a8_case(E, D, I, T, K, dtype)
+    got = int8.fused_moe_int8(x, ids, weights, experts)
+    assert got.dtype == dtype and got.shape == (T, D)
+    _w8a8_close(got, want)
+    assert torch.equal(got, int8.fused_moe_int8(x, ids, weights, experts, kernel=int8.VNNI))
+    # w8a8 is not weight-only int8: the activations' codes move the result by more than summation order
+    weight_only = int8.fused_moe_int8(x, ids, weights, int8.Int8Experts(experts.w13_E, experts.w2_E))
+    assert not torch.equal(got, weight_only)
+    torch.testing.assert_close(got.float(), weight_only.float(), rtol=0.1, atol=0.1 * weight_only.abs().max().item())
+
+
+@NEEDS_VNNI
+@pytest.mark.parametrize("D,I", [(64, 4000), (4000, 48)])
+def test_fused_moe_w8a8_is_the_same_on_any_thread_count(D, I):
+    """1, 2 and 3 threads give the same bits (each row's integer sums are exact; each output value one
+    thread's); several blocks of rows in either GEMM."""
+    E, T, K = 3, 140, 2
+    w13, w2 = _moe_weights(E, D, I, D + I)
+    experts = int8.Int8Experts.quantize(w13, w2, act_int8=True)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(T, D, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(T)])
+    weights = torch.rand(T, K, generator=g)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(int8.fused_moe_int8(x, ids, weights, experts))
+    finally:
+        torch.set_num_threads(before)
+    assert outs[0].abs().sum() > 0 and torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    _w8a8_close(outs[0], int8.fused_moe_int8_reference(x, ids, weights, experts))
+
+
+def test_w8a8_kernel_choice_and_fallback(monkeypatch):
+    """w8a8 experts take VNNI alone (another kernel asked for is refused, and VNNI is refused for
+    weight-only experts); where VNNI does not run here they take the torch path, the same numbers."""
+    experts, x, ids, weights, want = _w8a8_case(6, 100, 72, 17, 4, torch.bfloat16)
+    weight_only = int8.Int8Experts(experts.w13_E, experts.w2_E)
+    with pytest.raises(ValueError, match="VNNI"):
+        int8.fused_moe_int8(x, ids, weights, experts, kernel=int8.AVX512)
+    if int8.available():
+        with pytest.raises(ValueError, match="does not run"):
+            int8.fused_moe_int8(x, ids, weights, weight_only, kernel=int8.VNNI)
+        assert int8.moe_kernels(experts, torch.bfloat16) == ((int8.VNNI,) * 2 + (0,) if int8.VNNI in int8.kernels()
+                                                             else None)
+        monkeypatch.setattr(int8, "_kernels_here", lambda lib: frozenset({int8.AVX2}))
+    assert int8.moe_kernels(experts, torch.bfloat16) is None
+    assert torch.equal(int8.fused_moe_int8(x, ids, weights, experts), want)

@@ -255,8 +255,7 @@ def test_int8_moe_threshold_follows_its_table(cache, monkeypatch):
     """The int8 (and FP8) block takes one big kernel and threshold: the kernel that won the largest bucket,
     from the first bucket after which it always won; measured on the model's shapes (here forced and
     given), and the native decode step takes the same."""
-    from models.native_decode import int8_moe_kernels
-
+    experts = int8.Int8Experts.quantize(torch.randn(1, 32, 64), torch.randn(1, 64, 16))
     monkeypatch.setattr(int8, "_moe_big", [None])
     big = int8.AMX if int8.AMX in int8.kernels() else int8.BF16DOT
     name = "amx" if big == int8.AMX else "bf16dot"
@@ -264,7 +263,7 @@ def test_int8_moe_threshold_follows_its_table(cache, monkeypatch):
                         (["fma"] * 12, (int8.AVX512, 0)), (["fma", name, "fma"] + [name] * 9, (big, 5))):
         choice._apply(choice.Choice("int8_moe", [(64, 32)], picks))
         assert int8._default_moe_kernels(torch.bfloat16, int8.kernels()) == (int8.AVX512, *want)
-        assert int8_moe_kernels() == (int8.AVX512, *want)
+        assert int8.moe_kernels(experts, torch.bfloat16) == (int8.AVX512, *want)  # (the native decode step's)
     monkeypatch.setenv(choice.ENV_VAR, "int8_moe=fma")
     assert choice.configure("int8_moe", [(64, 32)]).source == "forced" and int8._moe_big[0] == (None, 1)
     monkeypatch.setenv(choice.ENV_VAR, "measure")

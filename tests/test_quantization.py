@@ -1,5 +1,5 @@
 """--quantization int8: expert weights kept as int8 codes with per-channel scales (kernels/int8.py),
-quantised at load. The oracle is transformers on a checkpoint whose expert weights were replaced by
+quantised at load (w8a8_int8: their activations quantised per token too). The oracle is transformers on a checkpoint whose expert weights were replaced by
 their dequantised codes (q * scale): the same numbers, so the int8 model must equal it up to
 summation order, colocated and in pools; the experts' resident bytes shrink to what int8 holds, and
 the start-up log, engine stats and /metrics say so."""
@@ -94,22 +94,46 @@ def test_int8_in_bf16_within_bf16s_tolerance(ckpts):
     torch.testing.assert_close(got, reference_prompt_logprobs(ckpts[1], PROMPTS[0]), atol=0.1, rtol=0.05)
 
 
-def test_pools_serve_int8_experts(ckpts, llm_int8):
-    want = [o.outputs[0].token_ids for o in llm_int8.generate(PROMPTS, GREEDY)]
-    llm = LLM(ckpts[0], quantization="int8", colocated=False, attention_workers=1, expert_workers=1)
+@pytest.fixture(scope="module")
+def llm_w8a8(ckpts):
+    llm = LLM(ckpts[0], quantization="w8a8_int8")
+    yield llm
+    llm.shutdown()
+
+
+def test_w8a8_int8_quantises_the_activations_too(llm_int8, llm_w8a8):
+    """w8a8_int8 keeps int8's codes and bytes and quantises the experts' inputs per token as well
+    (kernels/int8.py: the VNNI kernel, or its torch path): its log-probabilities move off int8's by
+    about what 8-bit activations cost, not by summation order only."""
+    from kernels.int8 import fused_moe_int8_reference
+
+    blocks = [m for m in llm_w8a8.engine.runner.model.modules() if getattr(m, "int8", None) is not None]
+    assert blocks and all(m.int8.act_int8 and m.act_int8 for m in blocks)
+    assert llm_w8a8.engine.runner.resident_bytes == llm_int8.engine.runner.resident_bytes
+    got, base = _prompt_logprobs(llm_w8a8, PROMPTS[0]), _prompt_logprobs(llm_int8, PROMPTS[0])
+    assert 1e-4 < (got - base).abs().max() < 0.1
+    x = torch.randn(5, blocks[0].int8.hidden)
+    ids, w = torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2], [3, 1]]), torch.rand(5, 2)
+    torch.testing.assert_close(blocks[0](x, ids, w), fused_moe_int8_reference(x, ids, w, blocks[0].int8))
+
+
+def test_pools_serve_int8_experts(ckpts, llm_int8, llm_w8a8):
+    """w8a8_int8 in pools: the expert worker quantises its batches' activations per token, so its
+    greedy ids are the colocated engine's; it holds the int8 experts, the attention worker none."""
+    want = [o.outputs[0].token_ids for o in llm_w8a8.generate(PROMPTS, GREEDY)]
+    llm = LLM(ckpts[0], quantization="w8a8_int8", colocated=False, attention_workers=1, expert_workers=1)
     try:
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
         rows = {(r["pool"], r["kind"]): r["bytes"] for r in llm.engine.stats()["weights"]}
     finally:
         llm.shutdown()
-    # the expert worker holds the int8 experts; the attention worker none
     assert rows[("expert", "experts")] == llm_int8.engine.runner.resident_bytes["experts"]
     assert rows[("attention", "experts")] == 0
 
 
 def test_unsupported_quantizations_are_refused(ckpts, tmp_path):
     ckpt = ckpts[0]
-    with pytest.raises(ValueError, match="'int4' is not supported; choose from none, int8, fp8"):
+    with pytest.raises(ValueError, match="'int4' is not supported; choose from none, int8, w8a8_int8, fp8"):
         LLM(ckpt, quantization="int4")
     with pytest.raises(ValueError, match="CPU workers with torch kernels"):
         LLM(ckpt, quantization="int8", kernels="triton")
@@ -152,6 +176,11 @@ def test_packed_int8_experts_equal_fused_moe_on_dequantised_weights(variant, T):
     deq2 = torch.stack([quantize_int8(w).dequantize() for w in experts.w2.detach()])
     packed = PackedExperts(experts, "int8")
     assert (packed.int8 is not None) == (variant == "silu")
+    if variant != "silu":
+        with pytest.raises(ValueError, match="w8a8_int8 runs SiLU experts without biases"):
+            PackedExperts(experts, "w8a8_int8")
+    else:  # w8a8: the same codes, regrouped with their activations still quantised
+        assert regroup([(PackedExperts(experts, "w8a8_int8"), e) for e in (4, 1)]).int8.act_int8
     x = torch.randn(T, D, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     w = torch.rand(T, K, generator=g)

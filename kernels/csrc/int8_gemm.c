@@ -253,6 +253,9 @@ int shuttle_int8_kernels(void) {
 #ifdef HAVE_AMX
     k |= 1 << KERNEL_AMX;
 #endif
+#ifdef HAVE_VNNI
+    k |= 1 << KERNEL_VNNI;
+#endif
     return k;
 }
 

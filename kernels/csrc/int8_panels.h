@@ -52,6 +52,7 @@
 #define KERNEL_AVX512 1
 #define KERNEL_BF16DOT 2
 #define KERNEL_AMX 3
+#define KERNEL_VNNI 4
 #define MAX_R2 3
 #define FP8_UNIT 256.0f /* the fp8 decodes give code * 2^-8: their blocks' scales are multiplied by 2^8 */
 
@@ -462,6 +463,191 @@ TBF static inline void panels_bf(const uint32_t *x, int64_t ldx, int64_t rows, c
                 f->fp8 && pw1 ? bs1 + j0 / f->bpairs : NULL, f->bpairs, j0 == 0, pf + 64 * l0,
                 pf_lines * (j0 + n) / pairs - l0, c, ldc, &q);
     }
+}
+#endif
+
+#if defined(HAVE_BF16DOT) /* (BF_ROWS, and a compiler new enough for both) */
+#define HAVE_VNNI 1
+#define TVN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define AIVN TVN static inline __attribute__((always_inline))
+#define VN_CHUNK 1024 /* quads of two panels repacked at a time: 128 KiB, in L2 */
+#define VN_SPLIT 4    /* rows up to which dotvn keeps the even and odd quads' sums apart */
+#define VN_MAX_K 66000 /* inputs a sum may span: (127 + 128) * 127 * VN_MAX_K stays inside int32 */
+
+/* VNNI (w8a8: int8 weights times int8 activations). A row of activations is quantised per row
+ * (quant_row): scale = max |x| / 127, codes q = round(x * (127 / max |x|)) in [-127, 127], zero past
+ * the row up to a whole quad of 4; after its codes, at byte `meta` of the row, the float32 scale and
+ * the int32 sum of the codes. vpdpbusd multiplies unsigned by signed bytes, 4 at a time into each
+ * int32 lane: the weights are the unsigned side, as q + 128 (their sign bit flipped), the row's codes
+ * the signed side, so a lane sums (w + 128) x = w x + 128 x and 128 times the row's sum of codes comes
+ * off at the end. Every product and sum is exact in int32 (inputs up to VN_MAX_K); the float32 result
+ * is (sum - 128 rowsum) * row scale, rounded once, then the callers' epilogues apply the weights'
+ * per-channel scales. Quad i of a panel (its pairs 2i and 2i + 1) as dpbusd reads it: lane o = the
+ * 4 codes q[o][4i..4i+3] + 128, one word permute of the panel's 64 bytes. */
+
+/* quad i of panel pw in dpbusd's layout; half: pair 2i + 1 lies past the panel (read as zero codes,
+ * which meet zero activations) */
+AIVN __m512i quad_u8(const int8_t *pw, int64_t i, const int half) {
+    const __m512i idx = _mm512_set_epi16(31,15,30,14,29,13,28,12,27,11,26,10,25,9,24,8,23,7,22,6,21,5,20,4,19,3,18,2,17,1,16,0);
+    const __m512i z = half ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, pw + 64 * i) : _mm512_loadu_si512(pw + 64 * i);
+    return _mm512_xor_si512(_mm512_permutexvar_epi16(idx, z), _mm512_set1_epi8((char)0x80));
+}
+
+/* Quad i of NP (1 or 2) panels for R rows of codes (ldx bytes apart): acc[r][k] += row r . panel k,
+ * one broadcast of the row's 4 codes feeding both. DQ: the quad is repacked here from the codes q0
+ * (q1) and stored into d (quad i of panel k at d + 64 (NP i + k)) on the way, else read from d. */
+AIVN void vn_quad(const int8_t *x, int64_t ldx, const int R, const int NP, uint8_t *d, int64_t i, __m512i acc[][2],
+                  const int8_t *q0, const int8_t *q1, const int half, const int DQ) {
+    __m512i w0, w1;
+    if (DQ) {
+        w0 = quad_u8(q0, i, half), w1 = NP == 2 ? quad_u8(q1, i, half) : w0;
+        _mm512_store_si512(d + 64 * NP * i, w0);
+        if (NP == 2) _mm512_store_si512(d + 128 * i + 64, w1);
+    } else {
+        w0 = _mm512_load_si512(d + 64 * NP * i);
+        w1 = NP == 2 ? _mm512_load_si512(d + 128 * i + 64) : w0;
+    }
+    for (int r = 0; r < R; r++) {
+        int32_t four;
+        memcpy(&four, x + r * ldx + 4 * i, 4);
+        const __m512i xb = _mm512_set1_epi32(four);
+        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, xb);
+        if (NP == 2) acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, xb);
+    }
+}
+
+/* s[r][k] (int32) += quads [0, nq) of R rows . panel k; the last quad half a quad where `half`. acc[s]:
+ * the even quads (s = 0) and, up to VN_SPLIT rows, the odd ones: more chains in flight for few rows.
+ * DQ: see vn_quad (the codes prefetched PF_LINES lines ahead). On the way it asks for pf_lines cache
+ * lines from pf into L2, a few every two quads: codes the thread reads next (as dotbf_u does). */
+AIVN void dotvn(const int8_t *x, int64_t ldx, const int R, const int NP, uint8_t *d, int64_t nq, const int half,
+                __m512i s[][2], const int8_t *q0, const int8_t *q1, const char *pf, int64_t pf_lines, const int DQ) {
+    const int S = R <= VN_SPLIT ? 2 : 1;
+    __m512i acc[2][MAX_R512][2];
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < NP; k++) acc[0][r][k] = s[r][k], acc[1][r][k] = _mm512_setzero_si512();
+    const int64_t full = nq - half, steps = full / 2 > 0 ? full / 2 : 1;
+    const int64_t per = (pf_lines + steps - 1) / steps; /* lines a step */
+    const char *pf_end = pf + 64 * pf_lines;
+    int64_t i = 0;
+    for (; i + 2 <= full; i += 2) {
+        for (int64_t l = 0; l < per && pf < pf_end; l++, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+        if (DQ) {
+            _mm_prefetch((const char *)(q0 + (i + PF_LINES) * 64), _MM_HINT_T0);
+            if (NP == 2) _mm_prefetch((const char *)(q1 + (i + PF_LINES) * 64), _MM_HINT_T0);
+        }
+        vn_quad(x, ldx, R, NP, d, i, acc[0], q0, q1, 0, DQ);
+        vn_quad(x, ldx, R, NP, d, i + 1, acc[S - 1], q0, q1, 0, DQ);
+    }
+    if (i < full) vn_quad(x, ldx, R, NP, d, i++, acc[0], q0, q1, 0, DQ);
+    if (half) vn_quad(x, ldx, R, NP, d, i, acc[0], q0, q1, 1, DQ);
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < NP; k++) s[r][k] = S == 2 ? _mm512_add_epi32(acc[0][r][k], acc[1][r][k]) : acc[0][r][k];
+}
+
+/* c rows (ldc int32 apart; [panel 0's 16 sums, panel 1's 16]) of R rows: set (first) or added to. */
+AIVN void tile_vn(const int8_t *x, int64_t ldx, const int R, const int NP, uint8_t *d, int64_t nq, int half,
+                  int first, int32_t *c, int64_t ldc, const int8_t *q0, const int8_t *q1, const char *pf,
+                  int64_t pf_lines, const int DQ) {
+    __m512i s[MAX_R512][2];
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < NP; k++)
+            s[r][k] = first ? _mm512_setzero_si512() : _mm512_loadu_si512(c + r * ldc + 16 * k);
+    dotvn(x, ldx, R, NP, d, nq, half, s, q0, q1, pf, pf_lines, DQ);
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < NP; k++) _mm512_storeu_si512(c + r * ldc + 16 * k, s[r][k]);
+}
+
+#define TILE_VN_ARGS \
+    const int8_t *x, int64_t ldx, int R, uint8_t *d, int64_t nq, int half, int first, int32_t *c, int64_t ldc, \
+        const int8_t *q0, const int8_t *q1, const char *pf, int64_t pf_lines
+#define TILE_VN(np, dq) \
+    TVN static void tile_vn##np##_##dq(TILE_VN_ARGS) { BY_ROWS(R, TILE_VN_##np##_##dq) }
+#define TILE_VN_CALL(n, np, dq) tile_vn(x, ldx, n, np, d, nq, half, first, c, ldc, q0, q1, pf, pf_lines, dq)
+#define TILE_VN_1_0(n) TILE_VN_CALL(n, 1, 0)
+#define TILE_VN_2_0(n) TILE_VN_CALL(n, 2, 0)
+#define TILE_VN_1_1(n) TILE_VN_CALL(n, 1, 1)
+#define TILE_VN_2_1(n) TILE_VN_CALL(n, 2, 1)
+TILE_VN(1, 0)
+TILE_VN(2, 0)
+TILE_VN(1, 1)
+TILE_VN(2, 1)
+#undef TILE_VN_1_0
+#undef TILE_VN_2_0
+#undef TILE_VN_1_1
+#undef TILE_VN_2_1
+#undef TILE_VN_CALL
+#undef TILE_VN
+#undef TILE_VN_ARGS
+
+/* c rows (ldc floats apart; [panel 0's 16 sums, panel 1's 16]) = `rows` rows of quantised codes (ldx
+ * bytes apart, each with its scale and sum at byte `meta`) times int8 panels pw0 and pw1 (NULL: pw0
+ * alone) of `pairs` pairs, as float32 (sum - 128 rowsum) * row scale: the weights' scales left to the
+ * epilogue. A chunk of quads at a time, the first tile of rows (up to MAX_R512, as even as they go)
+ * repacks the chunk into d (64-byte aligned, 2 VN_CHUNK quads of 64 bytes) as it dots it and every
+ * other tile reads d; int32 sums kept in c between chunks. The tiles ask for pf_lines lines from pf
+ * into L2 on the way, each its share. */
+TVN static inline void panels_vn(const int8_t *x, int64_t ldx, int64_t rows, const int8_t *pw0, const int8_t *pw1,
+                                 int64_t pairs, int64_t meta, const char *pf, int64_t pf_lines, uint8_t *d, float *c,
+                                 int64_t ldc) {
+    const int NP = pw1 ? 2 : 1;
+    const int64_t quads = (pairs + 1) / 2, tiles = (rows + MAX_R512 - 1) / MAX_R512;
+    int32_t *ci = (int32_t *)c;
+    const int64_t shares = tiles * ((quads + VN_CHUNK - 1) / VN_CHUNK); /* tiles run, each a share of pf */
+    int64_t run = 0;
+    for (int64_t i0 = 0; i0 < quads; i0 += VN_CHUNK) {
+        const int64_t nq = quads - i0 < VN_CHUNK ? quads - i0 : VN_CHUNK;
+        const int half = i0 + nq == quads && (pairs & 1);
+        const int8_t *q0 = pw0 + 64 * i0, *q1 = pw1 ? pw1 + 64 * i0 : NULL;
+        for (int64_t r = 0, ti = 0, n; r < rows; r += n, ti++) {
+            n = (rows - r + (tiles - ti) - 1) / (tiles - ti);
+            const int64_t l0 = pf_lines * run / shares, l1 = pf_lines * (run + 1) / shares;
+            run++;
+            (NP == 2 ? (ti ? tile_vn2_0 : tile_vn2_1) : (ti ? tile_vn1_0 : tile_vn1_1))(
+                x + r * ldx + 4 * i0, ldx, (int)n, d, nq, half, i0 == 0, ci + r * ldc, ldc, q0, q1, pf + 64 * l0,
+                l1 - l0);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float scale;
+        int32_t sum;
+        memcpy(&scale, x + r * ldx + meta, 4);
+        memcpy(&sum, x + r * ldx + meta + 4, 4);
+        const __m512i off = _mm512_set1_epi32(128 * sum);
+        for (int k = 0; k < NP; k++) {
+            const __m512i s = _mm512_sub_epi32(_mm512_loadu_si512(ci + r * ldc + 16 * k), off);
+            _mm512_storeu_ps(c + r * ldc + 16 * k, _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(scale)));
+        }
+    }
+}
+
+/* A row of n values (float32, or bf16 where bf16) quantised for panels_vn into q: its codes, zeros up to
+ * `width` (a multiple of 4, at least n), and at q + width its scale and the sum of its codes. q may be
+ * the row itself (the codes land at or before the values they replace, after those are read). */
+TVN static inline void quant_row(const void *v, int bf16, int64_t n, int64_t width, int8_t *q) {
+    __m512 amax = _mm512_setzero_ps();
+    int64_t i = 0;
+#define VN_LOAD(i, m) (bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)v + (i))), 16)) \
+                            : _mm512_maskz_loadu_ps(m, (const float *)v + (i)))
+    for (; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(VN_LOAD(i, m)));
+    }
+    const float a = _mm512_reduce_max_ps(amax), scale = a / 127.0f, inv = a > 0.0f ? 127.0f / a : 0.0f;
+    __m512i sum = _mm512_setzero_si512();
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(VN_LOAD(i, m), iv)); /* to nearest even */
+        c = _mm512_max_epi32(_mm512_min_epi32(c, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+        sum = _mm512_add_epi32(sum, c);
+        _mm_mask_storeu_epi8(q + i, m, _mm512_cvtepi32_epi8(c));
+    }
+#undef VN_LOAD
+    const int32_t total = _mm512_reduce_add_epi32(sum);
+    memset(q + n, 0, (size_t)(width - n));
+    memcpy(q + width, &scale, 4);
+    memcpy(q + width + 4, &total, 4);
 }
 #endif
 

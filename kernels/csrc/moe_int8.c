@@ -21,6 +21,9 @@
  *  4. the down GEMM, each thread owning a range of whole pairs of 16-column output panels and
  *     walking every expert in ascending id for its columns, adding the weighted rows into y: no two
  *     threads write one value, and each value's sum has one order whatever the thread count.
+ * w8a8 (kernel VNNI, int8 codes only): gather quantises each x row per row (int8_panels.h's quant_row),
+ * the up epilogue writes h in x's dtype, and after the up phase each thread quantises its share of h's
+ * rows in place (one more barrier) before the down GEMM reads them; both GEMMs are panels_vn.
  * Kernels per expert (`kernel` below big_rows rows, `big_kernel` from there; int8_panels.h): AVX2 or
  * AVX512 (codes widened to float32 in registers, FMA), or for bf16 x BF16DOT or AMX (panels
  * dequantised to bf16 once per block of rows, then AVX-512 BF16 dot products or AMX tiles; both take
@@ -151,19 +154,24 @@ typedef struct {
     int64_t D, Dp, xpairs, kbx, Ik;   /* hidden size, even, in pairs, in AMX blocks of 16 pairs, AMX width */
     int64_t I16, hpairs, kbh, Hk, P2; /* h width, W2's input pairs, its AMX blocks and width; output panels */
     int64_t xb, hb;                   /* bytes of a gathered x row / an h row (the widest format in use) */
-    int64_t up_rows[4], down_rows[4]; /* rows of an up / down block, per kernel */
+    int64_t xquads, hquads;           /* VNNI: quads of x's and h's codes (their scale and sum after) */
+    int64_t up_rows[5], down_rows[5]; /* rows of an up / down block, per kernel */
     int round;                        /* bf16 x and y */
     codes_fmt f13, f2;                /* the code format of W13 (over D's pairs) and of W2 (over I's) */
 } layout;
 
 static int tile_rows_max(int k) { return k == KERNEL_AVX2 ? MAX_R2 : k == KERNEL_AMX ? 32 : 8; }
 
+/* VNNI's h rows: bf16 (bf16 x) or float32 values, quantised in place after the up GEMM */
+static int64_t h_value_bytes(const layout *L) { return L->round ? 2 : 4; }
+
 /* bytes of an x row / an h row in kernel k's format */
 static int64_t x_bytes(const layout *L, int k) {
-    return k == KERNEL_AMX ? L->Ik * 2 : k == KERNEL_BF16DOT ? L->Dp * 2 : L->Dp * 4;
+    return k == KERNEL_VNNI ? 4 * L->xquads + 8 : k == KERNEL_AMX ? L->Ik * 2 : k == KERNEL_BF16DOT ? L->Dp * 2 : L->Dp * 4;
 }
 static int64_t h_bytes(const layout *L, int k) {
-    return k == KERNEL_AMX ? L->Hk * 2 : k == KERNEL_BF16DOT ? L->I16 * 2 : L->I16 * 4;
+    return k == KERNEL_VNNI ? L->I16 * h_value_bytes(L)
+           : k == KERNEL_AMX ? L->Hk * 2 : k == KERNEL_BF16DOT ? L->I16 * 2 : L->I16 * 4;
 }
 
 /* Rows of one block of kernel k reading rows of `bytes`: about X_BLOCK_BYTES, whole tiles. */
@@ -171,6 +179,9 @@ static int64_t block_rows(int k, int64_t bytes) {
     const int64_t m = tile_rows_max(k), b = X_BLOCK_BYTES / bytes / m * m;
 #ifdef HAVE_BF16DOT
     if (k == KERNEL_BF16DOT && b > BF_ROWS) return BF_ROWS; /* panels_bf's buffer of sums */
+#endif
+#ifdef HAVE_VNNI
+    if (k == KERNEL_VNNI && b > BF_ROWS) return BF_ROWS; /* panels_vn's, the same */
 #endif
     return b < m ? m : b;
 }
@@ -186,6 +197,13 @@ static dot_fn dot_of(int k, int fp8) {
  * values), zero-padded; for AMX also the zero columns [I16, Hk) of its h row. */
 static void gather_row(const layout *L, const void *x, int x_bf16, int64_t t, int k, char *xr, char *hr) {
     const int64_t D = L->D;
+#ifdef HAVE_VNNI
+    if (k == KERNEL_VNNI) {
+        quant_row(x_bf16 ? (const void *)((const uint16_t *)x + t * D) : (const void *)((const float *)x + t * D), x_bf16,
+                  D, 4 * L->xquads, (int8_t *)xr);
+        return;
+    }
+#endif
     if (k == KERNEL_AVX2 || k == KERNEL_AVX512) {
         float *d = (float *)xr;
         if (x_bf16) {
@@ -281,6 +299,41 @@ TBF static void down_rows_bf(const layout *L, const char *hs, int64_t r0, int64_
 }
 #endif
 
+#ifdef HAVE_VNNI
+/* Up, one item with VNNI: the gate and up panels side by side through panels_vn into cb, then the
+ * epilogue into h's values (bf16 for bf16 x, else float32), quantised once the up phase is done. */
+TVN static void up_item_vn(const layout *L, const char *xs, int64_t r0, int64_t r1, const int8_t *pg, const int8_t *pu,
+                           const float *gs, const float *us, char *hs, int64_t col, const int8_t *next, uint8_t *d,
+                           float *cb) {
+    panels_vn((const int8_t *)(xs + r0 * L->xb), L->xb, r1 - r0, pg, pu, L->xpairs, 4 * L->xquads, (const char *)next,
+              next ? L->xpairs : 0, d, cb, 32);
+    for (int64_t r = r0; r < r1; r++)
+        up_store(cb + (r - r0) * 32, gs, us, L->round, hs + r * L->hb + col * h_value_bytes(L), L->round);
+}
+
+/* Down with VNNI, rows [r0, r1) of one expert (h quantised) over output panels [lo, hi), two at a time,
+ * prefetching as down_rows_bf does. */
+TVN static void down_rows_vn(const layout *L, const char *hs, int64_t r0, int64_t r1, const int8_t *w2, const float *s2,
+                             int64_t lo, int64_t hi, const int64_t *tok, const float *wgt, char *y,
+                             const int8_t *after, uint8_t *d, float *cb) {
+    const int ysize = L->round ? 2 : 4;
+    const int64_t hp = L->hpairs;
+    for (int64_t p = lo; p < hi; p += 2) {
+        const int two = p + 1 < hi;
+        const int8_t *pw = w2 + p * hp * 32, *next = p + 2 < hi ? pw + 2 * hp * 32 : after;
+        const int64_t next_panels = p + 2 < hi ? (hi - p - 2 < 2 ? hi - p - 2 : 2) : hi - lo < 2 ? hi - lo : 2;
+        panels_vn((const int8_t *)(hs + r0 * L->hb), L->hb, r1 - r0, pw, two ? pw + hp * 32 : NULL, hp, 4 * L->hquads,
+                  (const char *)next, next ? next_panels * hp / 2 : 0, d, cb, 32);
+        for (int64_t q = p; q < p + 1 + two; q++) {
+            const int nv = L->D - q * PANEL < PANEL ? (int)(L->D - q * PANEL) : PANEL;
+            for (int64_t r = r0; r < r1; r++)
+                down_store(cb + (r - r0) * 32 + (q - p) * 16, s2 + q * PANEL, wgt[r],
+                           y + (tok[r] * L->D + q * PANEL) * ysize, nv, L->round);
+        }
+    }
+}
+#endif
+
 #ifdef HAVE_AMX
 /* Up, one item on AMX: both panels dequantised, then blocks of 32 rows (the gathered x has 32 spare
  * rows, so a partial block reads inside it; its extra rows are never stored). */
@@ -345,8 +398,8 @@ static const int8_t *down_after(const layout *L, const int64_t *w2, const int64_
 
 /* Whether kernel k can run this call (built, bf16 x for BF16DOT / AMX, AMX's tiles granted). */
 static int kernel_runs(int k, int x_bf16) {
-    if (k < KERNEL_AVX2 || k > KERNEL_AMX || !(shuttle_int8_kernels() >> k & 1)) return 0;
-    if (k >= KERNEL_BF16DOT && !x_bf16) return 0;
+    if (k < KERNEL_AVX2 || k > KERNEL_VNNI || !(shuttle_int8_kernels() >> k & 1)) return 0;
+    if ((k == KERNEL_BF16DOT || k == KERNEL_AMX) && !x_bf16) return 0;
     return k != KERNEL_AMX || shuttle_int8_amx_ready();
 }
 
@@ -356,12 +409,15 @@ static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int
                       const codes_fmt *f13, const codes_fmt *f2, void *y, int nthreads, int kernel, int big_kernel,
                       int64_t big_rows) {
     if (!kernel_runs(kernel, x_bf16) || !kernel_runs(big_kernel, x_bf16)) return -2;
+    if ((kernel == KERNEL_VNNI || big_kernel == KERNEL_VNNI) && (f13->fp8 || f2->fp8 || D > VN_MAX_K || I > VN_MAX_K))
+        return -2; /* VNNI: int8 codes, sums inside int32 */
     const int64_t N = T * K;
     if (N <= 0 || D <= 0 || I <= 0 || E <= 0) return 0;
     layout L = {.D = D, .Dp = D + (D & 1), .I16 = (I + 15) / 16 * 16, .hpairs = (I + 1) / 2,
                 .P2 = (D + PANEL - 1) / PANEL, .round = x_bf16, .f13 = *f13, .f2 = *f2};
     L.xpairs = L.Dp / 2, L.kbx = (L.xpairs + 15) / 16, L.Ik = L.kbx * 32;
     L.kbh = (L.hpairs + 15) / 16, L.Hk = L.kbh * 32;
+    L.xquads = (L.xpairs + 1) / 2, L.hquads = (L.hpairs + 1) / 2;
     const int64_t U = L.I16 / 16; /* panel pairs of W13 */
     int64_t *count = calloc(E + 1, sizeof(int64_t)), *tok = malloc(sizeof(int64_t) * (N + 1)), *items = NULL;
     float *wgt = malloc(sizeof(float) * (N + 1));
@@ -372,20 +428,20 @@ static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int
     if (!count || !tok || !wgt || !kern) goto fail;
     for (int64_t n = 0; n < N; n++)
         if (ids[n] >= 0 && ids[n] < E) count[ids[n] + 1]++;
-    int uses[4] = {0};
+    int uses[5] = {0};
     for (int64_t e = 0; e < E; e++) {
         kern[e] = (int8_t)(count[e + 1] >= big_rows ? big_kernel : kernel);
         if (count[e + 1]) uses[kern[e]] = 1;
     }
     L.xb = L.hb = 64;
-    for (int k = 0; k < 4; k++)
+    for (int k = 0; k < 5; k++)
         if (uses[k]) {
             if (x_bytes(&L, k) > L.xb) L.xb = x_bytes(&L, k);
             if (h_bytes(&L, k) > L.hb) L.hb = h_bytes(&L, k);
         }
     L.xb = (L.xb + 63) / 64 * 64, L.hb = (L.hb + 63) / 64 * 64;
-    for (int k = 0; k < 4; k++) L.up_rows[k] = block_rows(k, x_bytes(&L, k));
-    for (int k = 0; k < 4; k++) L.down_rows[k] = block_rows(k, h_bytes(&L, k));
+    for (int k = 0; k < 5; k++) L.up_rows[k] = block_rows(k, x_bytes(&L, k));
+    for (int k = 0; k < 5; k++) L.down_rows[k] = block_rows(k, h_bytes(&L, k));
     int64_t nitems = 0;
     for (int64_t e = 0; e < E; e++) {
         nitems += (count[e + 1] + L.up_rows[kern[e]] - 1) / L.up_rows[kern[e]] * U;
@@ -418,14 +474,17 @@ static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int
     /* 32 spare rows (zeros) after the last, where an AMX block may read */
     xs = aligned_alloc(64, (size_t)((rows + 32) * L.xb)), hs = aligned_alloc(64, (size_t)((rows + 32) * L.hb));
     const size_t panel_bytes = (size_t)(L.kbx > L.kbh ? L.kbx : L.kbh) * 1024; /* one panel in bf16, padded */
-    if (uses[KERNEL_BF16DOT] || uses[KERNEL_AMX]) dq = aligned_alloc(64, 2 * panel_bytes * (size_t)nthreads);
+    const int copies = uses[KERNEL_BF16DOT] || uses[KERNEL_AMX] || uses[KERNEL_VNNI]; /* (VNNI: fits) */
+    if (copies) dq = aligned_alloc(64, 2 * panel_bytes * (size_t)nthreads);
 #ifdef HAVE_BF16DOT
-    if (uses[KERNEL_BF16DOT] && !(sums = aligned_alloc(64, sizeof(float) * BF_ROWS * 32 * (size_t)nthreads))) goto fail;
+    if ((uses[KERNEL_BF16DOT] || uses[KERNEL_VNNI]) &&
+        !(sums = aligned_alloc(64, sizeof(float) * BF_ROWS * 32 * (size_t)nthreads)))
+        goto fail;
 #endif
-    if (!xs || !hs || ((uses[KERNEL_BF16DOT] || uses[KERNEL_AMX]) && !dq)) goto fail;
+    if (!xs || !hs || (copies && !dq)) goto fail;
     memset(xs + rows * L.xb, 0, (size_t)(32 * L.xb));
     memset(hs + rows * L.hb, 0, (size_t)(32 * L.hb));
-    int64_t taken = 0, gathered = 0, arrived = 0; /* the up items' chunks handed out; the two barriers */
+    int64_t taken = 0, gathered = 0, arrived = 0, quantised = 0; /* the up items' chunks handed out; barriers */
     #pragma omp parallel num_threads(nthreads)
     {
         float c[C_ROWS * 32] __attribute__((aligned(64)));
@@ -455,6 +514,14 @@ static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int
                 const int8_t *pg = up_codes(&L, w13, items, it), *pu = pg + L.xpairs * 32;
                 const float *gs = panel_scales(&L.f13, (const float *)(uintptr_t)s13[e], 2 * u);
                 const float *us = panel_scales(&L.f13, (const float *)(uintptr_t)s13[e], 2 * u + 1);
+#ifdef HAVE_VNNI
+                if (k == KERNEL_VNNI) {
+                    const int64_t nx = it + 1 < it0 + UP_CHUNK && it + 1 < nitems ? it + 1 : nx0;
+                    const int8_t *next = nx < nitems ? up_codes(&L, w13, items, nx) : NULL;
+                    up_item_vn(&L, xs, r0, r1, pg, pu, gs, us, hs, 16 * u, next, (uint8_t *)d0, cb);
+                    continue;
+                }
+#endif
 #ifdef HAVE_AMX
                 if (k == KERNEL_AMX) {
                     if (!amx_on) amx_begin(), amx_on = 1;
@@ -474,6 +541,17 @@ static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int
             }
         }
         if (nt > 1) spin_barrier(&arrived, nt);
+#ifdef HAVE_VNNI
+        if (uses[KERNEL_VNNI]) { /* VNNI's h rows quantised in place: this thread's share of the rows */
+            int64_t r = rows * th / nt, e = 0;
+            const int64_t r_hi = rows * (th + 1) / nt;
+            for (; r < r_hi; r++) {
+                while (count[e + 1] <= r) e++;
+                if (kern[e] == KERNEL_VNNI) quant_row(hs + r * L.hb, L.round, 4 * L.hquads, 4 * L.hquads, (int8_t *)(hs + r * L.hb));
+            }
+            if (nt > 1) spin_barrier(&quantised, nt);
+        }
+#endif
         /* down: output panels [lo, hi), every expert in ascending id, blocks of its rows */
         const int64_t pairs2 = (L.P2 + 1) / 2, lo = 2 * (pairs2 * th / nt), hi_2 = 2 * (pairs2 * (th + 1) / nt);
         const int64_t hi = hi_2 < L.P2 ? hi_2 : L.P2; /* whole pairs of panels (BF16DOT dots two at once) */
@@ -484,6 +562,13 @@ static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int
             const float *ps = (const float *)(uintptr_t)s2[e];
             for (int64_t r0 = count[e]; r0 < count[e + 1]; r0 += block) {
                 const int64_t r1 = count[e + 1] - r0 < block ? count[e + 1] : r0 + block;
+#ifdef HAVE_VNNI
+                if (k == KERNEL_VNNI) {
+                    const int8_t *after = down_after(&L, w2, count, E, e, r1, lo);
+                    down_rows_vn(&L, hs, r0, r1, pw, ps, lo, hi, tok, wgt, (char *)y, after, (uint8_t *)d0, cb);
+                    continue;
+                }
+#endif
 #ifdef HAVE_AMX
                 if (k == KERNEL_AMX) {
                     if (!amx_on) amx_begin(), amx_on = 1;
