@@ -14,7 +14,8 @@
  *  AVX512   dot512: the same with AVX-512 F/BW/VL, up to MAX_R512 rows sharing each decoded pair.
  *  BF16DOT  panels_bf: two panels (a caller's neighbours, or gate and up) at once, BF_CHUNK pairs at
  *           a time, in tiles of up to MAX_R512 bf16 rows: the first tile dequantises the chunk to
- *           bf16 side by side into the caller's buffer as it dots it (bf_pair: 128 bytes per pair,
+ *           bf16 side by side into the caller's buffer as it dots it, where another tile follows
+ *           (bf_pair: 128 bytes per pair,
  *           lane o of each half = (q[o][2j], q[o][2j+1]); int8 codes and E4M3 values are exact in
  *           bf16; the conversions overlap its dot products), the other tiles read that copy; each
  *           broadcast x pair feeds both panels' AVX-512 BF16 dot products, float32 accumulation, the
@@ -293,16 +294,17 @@ TBF static inline void dequant_bf16(const int8_t *pw, int64_t pairs, uint16_t *d
 
 /* Pair j of NP (1 or 2) panels side by side in d (pair j of panel k at d + 32 (NP j + k): 32 outputs a
  * pair, moe_avx512bf16.c's panel layout, so the dots read one stream) for R rows: acc[r][k] += x pair
- * of row r . panel k; one broadcast of x feeds both panels' dot products. DQ (a constant): the pair is
- * dequantised here from the codes q0 (q1) of format fp8 and stored into d on the way (the first tile
- * of rows: the conversions overlap its dot products), else read from d. */
+ * of row r . panel k; one broadcast of x feeds both panels' dot products. DQ (a constant) 1: the pair
+ * is dequantised here from the codes q0 (q1) of format fp8 and stored into d on the way (the first
+ * tile of rows: the conversions overlap its dot products); 2: dequantised, not stored (the only tile:
+ * stores nobody reads cost streaming codes 10-15% at one row); 0: read from d. */
 AIBF void bf_pair(const uint32_t *x, int64_t ldx, const int R, const int NP, uint16_t *d, int64_t j, __m512 acc[][2],
                   const int8_t *q0, const int8_t *q1, const int fp8, const int DQ) {
     __m512bh w0, w1;
     if (DQ) {
         const __m512i a = pair_bf16(q0 + 32 * j, fp8), b = NP == 2 ? pair_bf16(q1 + 32 * j, fp8) : a;
-        _mm512_store_si512(d + 32 * NP * j, a);
-        if (NP == 2) _mm512_store_si512(d + 64 * j + 32, b);
+        if (DQ == 1) _mm512_store_si512(d + 32 * NP * j, a);
+        if (DQ == 1 && NP == 2) _mm512_store_si512(d + 64 * j + 32, b);
         w0 = (__m512bh)a, w1 = (__m512bh)b;
     } else {
         w0 = (__m512bh)_mm512_load_si512(d + 32 * NP * j);
@@ -413,14 +415,20 @@ AIBF void tile_bf(const uint32_t *x, int64_t ldx, const int R, const int NP, uin
 #define TILE_BF_2_0(n) TILE_BF_CALL(n, 2, 0)
 #define TILE_BF_1_1(n) TILE_BF_CALL(n, 1, 1)
 #define TILE_BF_2_1(n) TILE_BF_CALL(n, 2, 1)
+#define TILE_BF_1_2(n) TILE_BF_CALL(n, 1, 2)
+#define TILE_BF_2_2(n) TILE_BF_CALL(n, 2, 2)
 TILE_BF(1, 0)
 TILE_BF(2, 0)
 TILE_BF(1, 1)
 TILE_BF(2, 1)
+TILE_BF(1, 2)
+TILE_BF(2, 2)
 #undef TILE_BF_1_0
 #undef TILE_BF_2_0
 #undef TILE_BF_1_1
 #undef TILE_BF_2_1
+#undef TILE_BF_1_2
+#undef TILE_BF_2_2
 #undef TILE_BF_CALL
 #undef TILE_BF
 #undef TILE_BF_ARGS
@@ -435,8 +443,9 @@ TBF static void rows_bf(const uint32_t *x, int64_t ldx, int64_t rows, int NP, ui
     for (int64_t r = 0, ti = 0, n; r < rows; r += n, ti++) {
         n = (rows - r + (tiles - ti) - 1) / (tiles - ti);
         const int64_t l0 = pf_lines * ti / tiles, l1 = pf_lines * (ti + 1) / tiles;
-        const int dq = ti == 0 && q->q0;
-        (NP == 2 ? (dq ? tile_bf2_1 : tile_bf2_0) : (dq ? tile_bf1_1 : tile_bf1_0))(
+        const int dq = ti == 0 && q->q0 ? (tiles > 1 ? 1 : 2) : 0; /* (2: the only tile, no copy kept) */
+        (NP == 2 ? (dq == 1 ? tile_bf2_1 : dq ? tile_bf2_2 : tile_bf2_0)
+                 : (dq == 1 ? tile_bf1_1 : dq ? tile_bf1_2 : tile_bf1_0))(
             x + r * ldx, ldx, (int)n, d, pairs, bs0, bs1, bpairs, first, pf + 64 * l0, l1 - l0, c + r * ldc, ldc, q);
     }
 }
@@ -494,15 +503,16 @@ AIVN __m512i quad_u8(const int8_t *pw, int64_t i, const int half) {
 }
 
 /* Quad i of NP (1 or 2) panels for R rows of codes (ldx bytes apart): acc[r][k] += row r . panel k,
- * one broadcast of the row's 4 codes feeding both. DQ: the quad is repacked here from the codes q0
- * (q1) and stored into d (quad i of panel k at d + 64 (NP i + k)) on the way, else read from d. */
+ * one broadcast of the row's 4 codes feeding both. DQ 1: the quad is repacked here from the codes q0
+ * (q1) and stored into d (quad i of panel k at d + 64 (NP i + k)) on the way; 2: repacked, not stored
+ * (no other tile follows); 0: read from d. */
 AIVN void vn_quad(const int8_t *x, int64_t ldx, const int R, const int NP, uint8_t *d, int64_t i, __m512i acc[][2],
                   const int8_t *q0, const int8_t *q1, const int half, const int DQ) {
     __m512i w0, w1;
     if (DQ) {
         w0 = quad_u8(q0, i, half), w1 = NP == 2 ? quad_u8(q1, i, half) : w0;
-        _mm512_store_si512(d + 64 * NP * i, w0);
-        if (NP == 2) _mm512_store_si512(d + 128 * i + 64, w1);
+        if (DQ == 1) _mm512_store_si512(d + 64 * NP * i, w0);
+        if (DQ == 1 && NP == 2) _mm512_store_si512(d + 128 * i + 64, w1);
     } else {
         w0 = _mm512_load_si512(d + 64 * NP * i);
         w1 = NP == 2 ? _mm512_load_si512(d + 128 * i + 64) : w0;
@@ -532,9 +542,11 @@ AIVN void dotvn(const int8_t *x, int64_t ldx, const int R, const int NP, uint8_t
     int64_t i = 0;
     for (; i + 2 <= full; i += 2) {
         for (int64_t l = 0; l < per && pf < pf_end; l++, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
-        if (DQ) {
+        if (DQ) { /* a quad is a line of each panel */
             _mm_prefetch((const char *)(q0 + (i + PF_LINES) * 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(q0 + (i + 1 + PF_LINES) * 64), _MM_HINT_T0);
             if (NP == 2) _mm_prefetch((const char *)(q1 + (i + PF_LINES) * 64), _MM_HINT_T0);
+            if (NP == 2) _mm_prefetch((const char *)(q1 + (i + 1 + PF_LINES) * 64), _MM_HINT_T0);
         }
         vn_quad(x, ldx, R, NP, d, i, acc[0], q0, q1, 0, DQ);
         vn_quad(x, ldx, R, NP, d, i + 1, acc[S - 1], q0, q1, 0, DQ);
@@ -568,14 +580,20 @@ AIVN void tile_vn(const int8_t *x, int64_t ldx, const int R, const int NP, uint8
 #define TILE_VN_2_0(n) TILE_VN_CALL(n, 2, 0)
 #define TILE_VN_1_1(n) TILE_VN_CALL(n, 1, 1)
 #define TILE_VN_2_1(n) TILE_VN_CALL(n, 2, 1)
+#define TILE_VN_1_2(n) TILE_VN_CALL(n, 1, 2)
+#define TILE_VN_2_2(n) TILE_VN_CALL(n, 2, 2)
 TILE_VN(1, 0)
 TILE_VN(2, 0)
 TILE_VN(1, 1)
 TILE_VN(2, 1)
+TILE_VN(1, 2)
+TILE_VN(2, 2)
 #undef TILE_VN_1_0
 #undef TILE_VN_2_0
 #undef TILE_VN_1_1
 #undef TILE_VN_2_1
+#undef TILE_VN_1_2
+#undef TILE_VN_2_2
 #undef TILE_VN_CALL
 #undef TILE_VN
 #undef TILE_VN_ARGS
@@ -603,7 +621,8 @@ TVN static inline void panels_vn(const int8_t *x, int64_t ldx, int64_t rows, con
             n = (rows - r + (tiles - ti) - 1) / (tiles - ti);
             const int64_t l0 = pf_lines * run / shares, l1 = pf_lines * (run + 1) / shares;
             run++;
-            (NP == 2 ? (ti ? tile_vn2_0 : tile_vn2_1) : (ti ? tile_vn1_0 : tile_vn1_1))(
+            (NP == 2 ? (ti ? tile_vn2_0 : tiles > 1 ? tile_vn2_1 : tile_vn2_2)
+                     : (ti ? tile_vn1_0 : tiles > 1 ? tile_vn1_1 : tile_vn1_2))(
                 x + r * ldx + 4 * i0, ldx, (int)n, d, nq, half, i0 == 0, ci + r * ldc, ldc, q0, q1, pf + 64 * l0,
                 l1 - l0);
         }
