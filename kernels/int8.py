@@ -13,7 +13,8 @@ Kernels (`kernels()` lists those that run here):
                 once): AVX2 + FMA, or AVX-512 F/BW/VL;
   BF16DOT, AMX  bf16 x only: each panel is dequantised once per block of rows into a bf16 copy
                 that stays in cache (exact: |q| <= 127), multiplied by x's bf16 values with AVX-512
-                BF16 dot products or AMX-BF16 tiles, float32 accumulation. AMX runs from
+                BF16 dot products or AMX-BF16 tiles, float32 accumulation. BF16DOT decodes by byte
+                table lookups (AVX-512 VBMI, which it needs besides BF16). AMX runs from
                 AMX_MIN_ROWS rows; BF16DOT only when asked for.
   VNNI          w8a8 only (below): int8 activations times int8 codes with AVX-512 VNNI dot products
                 (vpdpbusd, 4 products per int32 lane), exact int32 sums, no dequantisation.
@@ -61,7 +62,7 @@ log = logging.getLogger("shuttle")
 PANEL = 16  # output channels per weight panel
 AVX2, AVX512, BF16DOT, AMX, VNNI = 0, 1, 2, 3, 4  # the C kernel's `kernel` argument
 _KERNEL_FLAGS = {AVX2: {"avx2", "fma"}, AVX512: {"avx512f", "avx512bw", "avx512vl"},
-                 BF16DOT: {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
+                 BF16DOT: {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi"},
                  AMX: {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"},
                  VNNI: {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}}
 # Rows from which bf16 x takes AMX where it runs (its per-panel dequantisation is paid once per block

@@ -547,7 +547,8 @@ static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int
             const int64_t r_hi = rows * (th + 1) / nt;
             for (; r < r_hi; r++) {
                 while (count[e + 1] <= r) e++;
-                if (kern[e] == KERNEL_VNNI) quant_row(hs + r * L.hb, L.round, 4 * L.hquads, 4 * L.hquads, (int8_t *)(hs + r * L.hb));
+                if (kern[e] == KERNEL_VNNI)
+                    quant_row(hs + r * L.hb, L.round, 4 * L.hquads, 4 * L.hquads, (int8_t *)(hs + r * L.hb));
             }
             if (nt > 1) spin_barrier(&quantised, nt);
         }
