@@ -9,8 +9,10 @@ blocks quantised at load: the layout and kernels an FP8 checkpoint is served wit
 (E2M1 codes, an E8M0 scale per 32 inputs: gpt-oss's format, quantised at load), all loaded in
 this process. Per batch B:
 B prompts of 32 tokens, --output-len new tokens, greedy, EOS ignored; output tokens/s of the whole
-generate (prefill included), the median of --rounds rounds, the configurations alternated within
-a round. Beside it each configuration's memory floor at that batch: its resident weight bytes that a
+generate (prefill included), and decode tokens/s: the tokens after the first over the generate's time
+less that of a 1-token generate of the same prompts timed just before it (prefill and first token),
+as vLLM's TPOT leaves out the first token; each the median of --rounds rounds, the configurations
+alternated within a round. Beside it each configuration's memory floor at that batch: its resident weight bytes that a
 decode step reads (everything but the embedding table, and of the experts the expected share B
 tokens touch, 1 - (1 - K/E)^B) over this machine's read bandwidth, as tokens/s.
 
@@ -75,22 +77,31 @@ def speed(args: argparse.Namespace, ckpt: Path) -> tuple[list[dict], dict, float
             sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
             for llm in llms.values():  # warm-up: this batch's shapes once
                 llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-            rates = {name: [] for name in llms}
+            first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+            rates, decode = {name: [] for name in llms}, {name: [] for name in llms}
             for rnd in range(args.rounds):
                 for name in (list(llms) if rnd % 2 == 0 else list(llms)[::-1]):
                     t0 = time.perf_counter()
+                    llms[name].generate(prompts, first)
+                    t1 = time.perf_counter()
                     llms[name].generate(prompts, sp)
-                    rates[name].append(B * args.output_len / (time.perf_counter() - t0))
+                    t2 = time.perf_counter()
+                    rates[name].append(B * args.output_len / (t2 - t1))
+                    decode[name].append(B * (args.output_len - 1) / max(1e-9, (t2 - t1) - (t1 - t0)))
             row = {"batch": B}
             for name, llm in llms.items():
                 row[f"{name}_tok_s"] = statistics.median(rates[name])
                 row[f"{name}_rounds"] = [round(r, 1) for r in rates[name]]
+                row[f"{name}_decode_tok_s"] = statistics.median(decode[name])
+                row[f"{name}_decode_rounds"] = [round(r, 1) for r in decode[name]]
                 row[f"{name}_floor_tok_s"] = B * bandwidth / step_bytes(llm, B)
             for name in quantized(args):
                 row[f"{name}_vs_base"] = row[f"{name}_tok_s"] / row["base_tok_s"]
+                row[f"{name}_decode_vs_base"] = row[f"{name}_decode_tok_s"] / row["base_decode_tok_s"]
             rows.append(row)
             print_table([row], ["batch", *(f"{n}_tok_s" for n in args.configs),
-                                *(f"{n}_vs_base" for n in quantized(args)), *(f"{n}_floor_tok_s" for n in args.configs)])
+                                *(f"{n}_vs_base" for n in quantized(args)), *(f"{n}_decode_vs_base" for n in quantized(args)),
+                                *(f"{n}_floor_tok_s" for n in args.configs)])
         memory = {name: dict(llm.engine.runner.resident_bytes) for name, llm in llms.items()}
     finally:
         for llm in llms.values():
