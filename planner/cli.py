@@ -5,7 +5,7 @@
     shuttle simulate --profile PROFILE.json (--colocated | --attention-workers A --expert-workers E --micro-batches M) ...
     shuttle plan --model DIR|NAME --hardware KIND[=PRICE][,KIND...] --tbt-slo-ms X --max-devices N ... --out PLAN.json
 
---quantization int8, fp8 or mxfp4 (-q; vLLM's experts_int8 too) profiles, simulates and plans the
+--quantization int8, w8a8_int8, fp8 or mxfp4 (-q; vLLM's experts_int8 too) profiles, simulates and plans the
 experts so, as `shuttle serve --quantization Q` serves them; plan and simulate take a profile's or
 plan's own quantization unless asked for one (none: unquantised), and refuse one made for another.
 
