@@ -81,6 +81,7 @@ MIN_S = 0.002  # each timing runs the call for at least this long
 STEP_MIN_S = 0.0005  # the same for the cheap ops (native.NATIVE_OR_TORCH)
 TIMED_BYTES = 16 << 20  # the cheap ops' largest timed input (attention: the keys and values it reads)
 STREAM_BYTES = 256 << 20  # int8_moe's experts in copies that far exceed any last-level cache (see its runners)
+STREAM_COPIES = 64  # at most
 ATTENTION_CONTEXT = 256  # tokens per sequence where attention is timed
 ATTENTION_PAGE = 16  # token slots per page there (CacheConfig.block_size's default)
 CANDIDATES = {"gemm": ("avx512", "amx", "onednn"), "moe": ("avx512", "amx"), "skinny": ("native", "onednn"),
@@ -240,9 +241,10 @@ def _skinny_runners(shape: tuple[int, int]) -> dict:
 
 
 def _int8_moe_runners(shape: tuple[int, int]) -> dict:
-    """One expert of the shape, in as many copies as fill STREAM_BYTES, each call's rows on the next
-    copy: a decode step reads its experts from memory, not from a cache they fit in (one copy of
-    1024 x 2048 in a 32 MiB L3 put 1-2 rows on the FMA kernel, which is 13% slower from memory)."""
+    """One expert of the shape, in as many copies as fill STREAM_BYTES (at most STREAM_COPIES), each
+    call's rows on the next copy: a decode step reads its experts from memory, not from a cache they
+    fit in (one copy of 1024 x 2048 in a 32 MiB L3 put 1-2 rows on the FMA kernel, which is 13% slower
+    from memory)."""
     import copy
 
     D, inter = shape
@@ -256,7 +258,7 @@ def _int8_moe_runners(shape: tuple[int, int]) -> dict:
         return c
 
     per_expert = one.w13_E[0].int8.nbytes + one.w2_E[0].int8.nbytes
-    copies = max(1, -(-STREAM_BYTES // per_expert))
+    copies = max(1, min(STREAM_COPIES, -(-STREAM_BYTES // per_expert)))  # (a tiny expert: cached, as served)
     experts = int8.Int8Experts([one.w13_E[0]] + [moved(one.w13_E[0]) for _ in range(copies - 1)],
                                [one.w2_E[0]] + [moved(one.w2_E[0]) for _ in range(copies - 1)])
     here = int8.kernels()
