@@ -13,8 +13,8 @@ Kernels (`kernels()` lists those that run here):
                 once): AVX2 + FMA, or AVX-512 F/BW/VL;
   BF16DOT, AMX  bf16 x only: each panel is dequantised once per block of rows into a bf16 copy
                 that stays in cache (exact: |q| <= 127), multiplied by x's bf16 values with AVX-512
-                BF16 dot products or AMX-BF16 tiles, float32 accumulation. BF16DOT decodes by byte
-                table lookups (AVX-512 VBMI, which it needs besides BF16). AMX runs from
+                BF16 dot products or AMX-BF16 tiles, float32 accumulation. BF16DOT decodes FP8 codes
+                by byte table lookups (AVX-512 VBMI, which it needs besides BF16). AMX runs from
                 AMX_MIN_ROWS rows; BF16DOT only when asked for.
   VNNI          w8a8 only (below): int8 activations times int8 codes with AVX-512 VNNI dot products
                 (vpdpbusd, 4 products per int32 lane), exact int32 sums, no dequantisation.
