@@ -100,7 +100,8 @@ def speed(args: argparse.Namespace, ckpt: Path) -> tuple[list[dict], dict, float
                 row[f"{name}_decode_vs_base"] = row[f"{name}_decode_tok_s"] / row["base_decode_tok_s"]
             rows.append(row)
             print_table([row], ["batch", *(f"{n}_tok_s" for n in args.configs),
-                                *(f"{n}_vs_base" for n in quantized(args)), *(f"{n}_decode_vs_base" for n in quantized(args)),
+                                *(f"{n}_vs_base" for n in quantized(args)),
+                                *(f"{n}_decode_vs_base" for n in quantized(args)),
                                 *(f"{n}_floor_tok_s" for n in args.configs)])
         memory = {name: dict(llm.engine.runner.resident_bytes) for name, llm in llms.items()}
     finally:
@@ -218,7 +219,8 @@ def main() -> None:
                           *(f"{n}_greedy_identical_share" for n in quantized(args))])
     print({name: {k: f"{v / 2 ** 20:.1f} MiB" for k, v in m.items()} for name, m in memory.items()})
     path = save("quant_quick" if args.quick else "quant",
-                {"config": {k: list(v) if k == "configs" else v for k, v in vars(args).items()}, "read_bandwidth_GBps": bandwidth / 1e9,
+                {"config": {k: list(v) if k == "configs" else v for k, v in vars(args).items()},
+                 "read_bandwidth_GBps": bandwidth / 1e9,
                  "resident_bytes": memory, "pools_memory": pools, "speed": rows, "quality": q})
     print(f"wrote {path}")
 

@@ -13,6 +13,7 @@ import torch
 import kernels.fp8_weights as fp8
 from kernels import int8
 from kernels.quant import dequantize_fp8_blocks, quantize_fp8_blocks
+from tests.test_int8 import same_on_threads, threads_case
 
 E4M3 = torch.float8_e4m3fn
 NEEDS_FP8 = pytest.mark.skipif(not fp8.available(), reason="FP8 kernels unavailable here (no AVX2 or no cc)")
@@ -326,21 +327,9 @@ def test_fused_moe_fp8_is_the_same_on_any_thread_count(D, I, kernel):
     several blocks of rows per expert in the up or the down GEMM."""
     E, T, K = 3, 140, 2
     experts = fp8.Fp8Experts.quantize(*_moe_weights(E, D, I, D + I))
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(T, D, generator=g).to(torch.float32 if kernel in (fp8.AVX2, fp8.AVX512) else torch.bfloat16)
-    ids = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(T)])
-    weights = torch.rand(T, K, generator=g)
-    before = torch.get_num_threads()
-    outs = []
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            outs.append(fp8.fused_moe_fp8(x, ids, weights, experts, kernel=kernel))
-    finally:
-        torch.set_num_threads(before)
-    assert outs[0].abs().sum() > 0
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    _moe_close(outs[0], fp8.fused_moe_fp8_reference(x, ids, weights, experts))
+    x, ids, weights = threads_case(E, D, T, K, torch.float32 if kernel in (fp8.AVX2, fp8.AVX512) else torch.bfloat16)
+    got = same_on_threads(lambda: fp8.fused_moe_fp8(x, ids, weights, experts, kernel=kernel))
+    _moe_close(got, fp8.fused_moe_fp8_reference(x, ids, weights, experts))
 
 
 def test_without_the_library_fused_moe_fp8_is_the_torch_path(monkeypatch):

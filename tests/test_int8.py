@@ -210,6 +210,29 @@ def _moe_case(E: int, D: int, I: int, T: int, K: int, dtype: torch.dtype):
     return experts, x, ids, weights, fused_moe_packed(x, c13, c2, weights * keep, ids.clamp(min=0))
 
 
+def threads_case(E: int, D: int, T: int, K: int, dtype: torch.dtype) -> tuple:
+    """The thread-count tests' x (T, D) in dtype, top-K ids among the first E - 1 experts, weights."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(T, D, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(T)])
+    return x, ids, torch.rand(T, K, generator=g)
+
+
+def same_on_threads(run) -> torch.Tensor:
+    """run() on 1, 2 and 3 torch threads: the three results are one, bit for bit, and not all zero."""
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(run())
+    finally:
+        torch.set_num_threads(before)
+    assert outs[0].abs().sum() > 0
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    return outs[0]
+
+
 def _moe_close(got: torch.Tensor, want: torch.Tensor) -> None:
     """float32: summation order (and exp's last bits); bf16: roundings of the block's intermediates too."""
     if got.dtype == torch.bfloat16:
@@ -274,21 +297,9 @@ def test_fused_moe_int8_is_the_same_on_any_thread_count(D, I, kernel):
     E, T, K = 3, 140, 2
     w13, w2 = _moe_weights(E, D, I, D + I)
     experts = int8.Int8Experts.quantize(w13, w2)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(T, D, generator=g).to(torch.float32 if kernel in (int8.AVX2, int8.AVX512) else torch.bfloat16)
-    ids = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(T)])
-    weights = torch.rand(T, K, generator=g)
-    before = torch.get_num_threads()
-    outs = []
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            outs.append(int8.fused_moe_int8(x, ids, weights, experts, kernel=kernel))
-    finally:
-        torch.set_num_threads(before)
-    assert outs[0].abs().sum() > 0
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    _moe_close(outs[0], int8.fused_moe_int8_reference(x, ids, weights, experts))
+    x, ids, weights = threads_case(E, D, T, K, torch.float32 if kernel in (int8.AVX2, int8.AVX512) else torch.bfloat16)
+    got = same_on_threads(lambda: int8.fused_moe_int8(x, ids, weights, experts, kernel=kernel))
+    _moe_close(got, int8.fused_moe_int8_reference(x, ids, weights, experts))
 
 
 def test_without_the_library_fused_moe_int8_is_the_torch_path(monkeypatch):
@@ -396,20 +407,9 @@ def test_fused_moe_w8a8_is_the_same_on_any_thread_count(D, I):
     E, T, K = 3, 140, 2
     w13, w2 = _moe_weights(E, D, I, D + I)
     experts = int8.Int8Experts.quantize(w13, w2, act_int8=True)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(T, D, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(T)])
-    weights = torch.rand(T, K, generator=g)
-    before = torch.get_num_threads()
-    outs = []
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            outs.append(int8.fused_moe_int8(x, ids, weights, experts))
-    finally:
-        torch.set_num_threads(before)
-    assert outs[0].abs().sum() > 0 and torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    _w8a8_close(outs[0], int8.fused_moe_int8_reference(x, ids, weights, experts))
+    x, ids, weights = threads_case(E, D, T, K, torch.bfloat16)
+    got = same_on_threads(lambda: int8.fused_moe_int8(x, ids, weights, experts))
+    _w8a8_close(got, int8.fused_moe_int8_reference(x, ids, weights, experts))
 
 
 def test_w8a8_kernel_choice_and_fallback(monkeypatch):

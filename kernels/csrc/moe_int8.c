@@ -167,7 +167,8 @@ static int64_t h_value_bytes(const layout *L) { return L->round ? 2 : 4; }
 
 /* bytes of an x row / an h row in kernel k's format */
 static int64_t x_bytes(const layout *L, int k) {
-    return k == KERNEL_VNNI ? 4 * L->xquads + 8 : k == KERNEL_AMX ? L->Ik * 2 : k == KERNEL_BF16DOT ? L->Dp * 2 : L->Dp * 4;
+    if (k == KERNEL_VNNI) return 4 * L->xquads + 8; /* codes, then the row's scale and code sum */
+    return k == KERNEL_AMX ? L->Ik * 2 : k == KERNEL_BF16DOT ? L->Dp * 2 : L->Dp * 4;
 }
 static int64_t h_bytes(const layout *L, int k) {
     return k == KERNEL_VNNI ? L->I16 * h_value_bytes(L)
@@ -199,8 +200,8 @@ static void gather_row(const layout *L, const void *x, int x_bf16, int64_t t, in
     const int64_t D = L->D;
 #ifdef HAVE_VNNI
     if (k == KERNEL_VNNI) {
-        quant_row(x_bf16 ? (const void *)((const uint16_t *)x + t * D) : (const void *)((const float *)x + t * D), x_bf16,
-                  D, 4 * L->xquads, (int8_t *)xr);
+        const void *row = x_bf16 ? (const void *)((const uint16_t *)x + t * D) : (const void *)((const float *)x + t * D);
+        quant_row(row, x_bf16, D, 4 * L->xquads, (int8_t *)xr);
         return;
     }
 #endif
@@ -260,6 +261,31 @@ static void down_rows(const layout *L, int k, const char *hs, int64_t r0, int64_
     }
 }
 
+/* The down phase's panel pairs (BF16DOT, VNNI): the codes to prefetch while panels p, p + 1 of [lo, hi)
+ * run (the next pair, or after the last pair `after`, the thread's next call's first pair) and their
+ * lines (pf_lines: 0 without). */
+static inline const int8_t *down_next(const layout *L, const int8_t *w2, int64_t p, int64_t lo, int64_t hi,
+                                      const int8_t *after, int64_t *pf_lines) {
+    const int64_t hp = L->hpairs;
+    const int8_t *next = p + 2 < hi ? w2 + (p + 2) * hp * 32 : after;
+    const int64_t panels = p + 2 < hi ? (hi - p - 2 < 2 ? hi - p - 2 : 2) : hi - lo < 2 ? hi - lo : 2;
+    *pf_lines = next ? panels * hp / 2 : 0;
+    return next;
+}
+
+/* The down epilogue of panels p (and p + 1 where two) for rows [r0, r1): each row's sums in cb (32 a
+ * row, panel p's first) scaled, weighted and added into y (down_store). */
+static inline void down_pair_store(const layout *L, const float *cb, int64_t p, int two, int64_t r0, int64_t r1,
+                                   const float *s2, const int64_t *tok, const float *wgt, char *y) {
+    const int ysize = L->round ? 2 : 4;
+    for (int64_t q = p; q < p + 1 + two; q++) {
+        const int nv = L->D - q * PANEL < PANEL ? (int)(L->D - q * PANEL) : PANEL;
+        for (int64_t r = r0; r < r1; r++)
+            down_store(cb + (r - r0) * 32 + (q - p) * 16, out_scales(&L->f2, s2, q), wgt[r],
+                       y + (tok[r] * L->D + q * PANEL) * ysize, nv, L->round);
+    }
+}
+
 #ifdef HAVE_BF16DOT
 /* Up, one item with BF16DOT: the gate and up panels side by side through panels_bf into cb (a row's 16
  * gate sums, then its 16 up sums), prefetching `next` (the codes of the thread's next item; NULL: none). */
@@ -280,21 +306,16 @@ TBF static void down_rows_bf(const layout *L, const char *hs, int64_t r0, int64_
                              const float *s2, int64_t lo, int64_t hi, const int64_t *tok, const float *wgt, char *y,
                              const int8_t *after, uint16_t *d, float *cb) {
     const codes_fmt *f = &L->f2;
-    const int ysize = L->round ? 2 : 4;
     const int64_t hp = L->hpairs;
     for (int64_t p = lo; p < hi; p += 2) {
         const int two = p + 1 < hi;
-        const int8_t *pw = w2 + p * hp * 32, *next = p + 2 < hi ? pw + 2 * hp * 32 : after;
-        const int64_t next_panels = p + 2 < hi ? (hi - p - 2 < 2 ? hi - p - 2 : 2) : hi - lo < 2 ? hi - lo : 2;
+        const int8_t *pw = w2 + p * hp * 32;
+        int64_t pf_lines;
+        const int8_t *next = down_next(L, w2, p, lo, hi, after, &pf_lines);
         panels_bf((const uint32_t *)(hs + r0 * L->hb), L->hb / 4, r1 - r0, pw, two ? pw + hp * 32 : NULL, hp, f,
-                  panel_scales(f, s2, p), two ? panel_scales(f, s2, p + 1) : NULL, (const char *)next,
-                  next ? next_panels * hp / 2 : 0, d, cb, 32);
-        for (int64_t q = p; q < p + 1 + two; q++) {
-            const int nv = L->D - q * PANEL < PANEL ? (int)(L->D - q * PANEL) : PANEL;
-            for (int64_t r = r0; r < r1; r++)
-                down_store(cb + (r - r0) * 32 + (q - p) * 16, out_scales(f, s2, q), wgt[r],
-                           y + (tok[r] * L->D + q * PANEL) * ysize, nv, L->round);
-        }
+                  panel_scales(f, s2, p), two ? panel_scales(f, s2, p + 1) : NULL, (const char *)next, pf_lines, d,
+                  cb, 32);
+        down_pair_store(L, cb, p, two, r0, r1, s2, tok, wgt, y);
     }
 }
 #endif
@@ -316,20 +337,15 @@ TVN static void up_item_vn(const layout *L, const char *xs, int64_t r0, int64_t 
 TVN static void down_rows_vn(const layout *L, const char *hs, int64_t r0, int64_t r1, const int8_t *w2, const float *s2,
                              int64_t lo, int64_t hi, const int64_t *tok, const float *wgt, char *y,
                              const int8_t *after, uint8_t *d, float *cb) {
-    const int ysize = L->round ? 2 : 4;
     const int64_t hp = L->hpairs;
     for (int64_t p = lo; p < hi; p += 2) {
         const int two = p + 1 < hi;
-        const int8_t *pw = w2 + p * hp * 32, *next = p + 2 < hi ? pw + 2 * hp * 32 : after;
-        const int64_t next_panels = p + 2 < hi ? (hi - p - 2 < 2 ? hi - p - 2 : 2) : hi - lo < 2 ? hi - lo : 2;
+        const int8_t *pw = w2 + p * hp * 32;
+        int64_t pf_lines;
+        const int8_t *next = down_next(L, w2, p, lo, hi, after, &pf_lines);
         panels_vn((const int8_t *)(hs + r0 * L->hb), L->hb, r1 - r0, pw, two ? pw + hp * 32 : NULL, hp, 4 * L->hquads,
-                  (const char *)next, next ? next_panels * hp / 2 : 0, d, cb, 32);
-        for (int64_t q = p; q < p + 1 + two; q++) {
-            const int nv = L->D - q * PANEL < PANEL ? (int)(L->D - q * PANEL) : PANEL;
-            for (int64_t r = r0; r < r1; r++)
-                down_store(cb + (r - r0) * 32 + (q - p) * 16, s2 + q * PANEL, wgt[r],
-                           y + (tok[r] * L->D + q * PANEL) * ysize, nv, L->round);
-        }
+                  (const char *)next, pf_lines, d, cb, 32);
+        down_pair_store(L, cb, p, two, r0, r1, s2, tok, wgt, y);
     }
 }
 #endif
@@ -357,7 +373,6 @@ TAMX static void up_item_amx(const layout *L, const char *xs, int64_t r0, int64_
 TAMX static void down_rows_amx(const layout *L, const char *hs, int64_t r0, int64_t r1, const int8_t *w2,
                                const float *s2, int64_t lo, int64_t hi, const int64_t *tok, const float *wgt, char *y,
                                uint16_t *d0, uint16_t *d1, float *c) {
-    const int ysize = L->round ? 2 : 4;
     for (int64_t p = lo; p < hi; p += 2) {
         const int two_panels = p + 1 < hi;
         dequant_tiles(w2 + p * L->hpairs * 32, L->hpairs, L->kbh, d0, L->f2.fp8);
@@ -369,12 +384,7 @@ TAMX static void down_rows_amx(const layout *L, const char *hs, int64_t r0, int6
                 amx_block_fp8((const uint16_t *)(hs + r * L->hb), L->hb, d0, two_panels ? d1 : d0, L->kbh, n > 16, c,
                               L->f2.bpairs / 16, bs0, bs1);
             else amx_block((const uint16_t *)(hs + r * L->hb), L->hb, d0, two_panels ? d1 : d0, L->kbh, n > 16, c);
-            for (int64_t q = p; q < p + 1 + two_panels; q++) {
-                const int nv = L->D - q * PANEL < PANEL ? (int)(L->D - q * PANEL) : PANEL;
-                for (int i = 0; i < n; i++)
-                    down_store(c + i * 32 + (q - p) * 16, out_scales(&L->f2, s2, q), wgt[r + i],
-                               y + (tok[r + i] * L->D + q * PANEL) * ysize, nv, L->round);
-            }
+            down_pair_store(L, c, p, two_panels, r, r + n, s2, tok, wgt, y);
         }
     }
 }
