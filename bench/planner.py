@@ -1,6 +1,6 @@
 """The planner's predictions against measured runs on this host, side by side.
 
-    python bench/planner.py [--quick] [--dtype bfloat16] [--serve-dtype auto] [--quantization int8] [--rounds R]
+    python bench/planner.py [--quick] [--dtype bfloat16] [--serve-dtype auto] [--quantization Q] [--rounds R]
                             [--repeats N] [--shapes mixtral,fine] [--only NAME,...] [--fresh-profile] [--fresh-front]
 
 For each model shape (built locally with random weights: "mixtral" about 400M parameters, 8
@@ -17,7 +17,8 @@ experts of 2048, top-2; "fine" the same size in 32 experts of 512, top-4; --quic
 The table gives output throughput and mean TPOT, predicted and measured, and their errors; the
 summary: median absolute throughput error and how many are within 10% (throughput) and 15% (TPOT)
 over the deployments that do not oversubscribe the cores. Writes bench/results/planner.json
-(planner_int8.json with --quantization int8: every profile, plan and server with int8 experts).
+(planner_int8.json with --quantization int8: every profile, plan and server with int8 experts; likewise
+w8a8_int8, fp8 and mxfp4).
 Each measurement follows a warm-up run of one batch on the same server; with --repeats N each
 compared metric (throughput, mean TPOT, mean TTFT) is the median of N runs, and every row keeps
 their spread, the host's load average, and the CPU seconds per output token of the front, each
@@ -58,6 +59,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from attention_nodes.config import QUANTIZATIONS  # noqa: E402
 from bench.common import median_noise, print_table, save, within_by_noise  # noqa: E402
 from clients.bench_serve import run_bench  # noqa: E402
 from planner.plan import HOST_WAVES  # noqa: E402
@@ -429,9 +431,9 @@ def main() -> None:
     p.add_argument("--fresh-front", action="store_true",
                    help="with --fresh-profile, profile the front and its served runs again too (about 12 s more "
                         "a deployment), so the served factors are as fresh as the workers' fits")
-    p.add_argument("--quantization", default=None, choices=["int8"],
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                    help="profile, plan and serve with these weights (shuttle serve --quantization); the result "
-                        "goes to planner_int8.json")
+                        "goes to planner_<quantization>.json")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--min-prompts", type=int, default=32,
