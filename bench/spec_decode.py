@@ -19,8 +19,17 @@ the verify pass rounds differently, so near-ties may differ: reported, not faile
 
     python bench/spec_decode.py [--quick] [--methods ngram mtp] [--batches 1 16 64] [--ks 1 2 3]
                                 [--mtp-ks 1 2 3] [--rounds 3]
+    python bench/spec_decode.py --breakdown [--mtp-ks 1 2 3] [--dtype float32] [--rounds 5]
 
 Writes bench/results/spec_decode.json (--quick: spec_decode_quick.json), with the host named.
+
+--breakdown: where a step's time goes at batch 1 (plain workload, one prompt): for "off" and mtp with each
+k, the fastest of --rounds (at least 5) generates, its steps, and per step the target's forward (a plain decode
+step's one row, or the verify step's 1 + k rows: ModelRunner.execute), the MTP drafting
+(ModelRunner.mtp_draft: the layer over the kept rows, chained k - 1 times, and its head) and the rest
+of the engine step (scheduling, sampling, verification); then each mtp k's tokens/s against off's as
+measured and with drafting free (the forward and the rest only: what a faster drafter could reach).
+Writes spec_decode_breakdown.json (spec_decode_breakdown_<dtype>.json for another --dtype).
 """
 import argparse
 import statistics
@@ -68,6 +77,62 @@ def tpot_ms(full: list[float], first: list[float], output_len: int) -> float:
     return 1e3 * statistics.median((f - p) / max(1, output_len - 1) for f, p in zip(full, first))
 
 
+def breakdown(args: argparse.Namespace, params: SamplingParams) -> None:
+    """--breakdown (module docstring)."""
+    from attention_nodes.model_runner import ModelRunner
+
+    spent: dict[str, float] = {}
+    originals = {name: getattr(ModelRunner, name) for name in ("execute", "mtp_draft")}
+
+    def timed(name: str):
+        def call(self, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return originals[name](self, *a, **k)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+                spent[name + "_calls"] = spent.get(name + "_calls", 0) + 1
+        return call
+
+    rows = []
+    try:
+        for name in originals:
+            setattr(ModelRunner, name, timed(name))
+        for label, cfg in [("off", None), *((f"mtp k={k}", spec("mtp", k, 10 ** 6)) for k in args.mtp_ks)]:
+            llm = LLM(None, dtype=args.dtype, num_kv_blocks=args.kv_blocks, speculative_config=cfg)
+            try:
+                ps = prompts(llm.tokenizer, 1, args.doc_tokens, False)
+                llm.generate(ps, params)  # warm-up
+                best = None
+                for _ in range(args.rounds):
+                    spent.clear()
+                    t0 = time.perf_counter()
+                    llm.generate(ps, params)
+                    took = (time.perf_counter() - t0, dict(spent))
+                    best = took if best is None or took[0] < best[0] else best
+            finally:
+                llm.shutdown()
+            dt, s = best
+            steps = int(s["execute_calls"])
+            fwd, draft = s["execute"], s.get("mtp_draft", 0.0)
+            rows.append({"engine": label, "generate_ms": 1e3 * dt, "steps": steps, "step_ms": 1e3 * dt / steps,
+                         "forward_ms": 1e3 * fwd / steps, "draft_ms": 1e3 * draft / steps,
+                         "rest_ms": 1e3 * (dt - fwd - draft) / steps, "tok_s": args.output_len / dt,
+                         "tok_s_draft_free": args.output_len / (dt - draft)})
+    finally:
+        for name, f in originals.items():
+            setattr(ModelRunner, name, f)
+    off = rows[0]
+    for r in rows:
+        r["forward_vs_off_step"] = r["forward_ms"] / off["forward_ms"]
+        r["vs_off"], r["vs_off_draft_free"] = r["tok_s"] / off["tok_s"], r["tok_s_draft_free"] / off["tok_s"]
+    print_table(rows, ["engine", "steps", "step_ms", "forward_ms", "forward_vs_off_step", "draft_ms", "rest_ms",
+                       "tok_s", "vs_off", "vs_off_draft_free"])
+    name = "spec_decode_breakdown" + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    path = save(name, {"host": describe_host(), "config": vars(args), "rows": rows})
+    print(f"wrote {path}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="batches 1 and 16, k 1 and 3, 2 rounds, 32 new tokens")
@@ -80,7 +145,11 @@ def main() -> None:
     p.add_argument("--doc-tokens", type=int, default=96)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-blocks", type=int, default=1024, help="KV cache blocks of each engine (16 tokens each)")
+    p.add_argument("--breakdown", action="store_true", help="per-step costs at batch 1 instead (module docstring)")
     args = p.parse_args()
+    if args.breakdown:
+        args.rounds = max(args.rounds, 5)
+        return breakdown(args, SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True))
     if args.quick:
         args.batches, args.ks, args.mtp_ks, args.rounds, args.output_len = [1, 16], [1, 3], [1, 3], 2, 32
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
