@@ -123,6 +123,10 @@ class ModelRunner:
             log.info("native decode: %s", ("each step's layers in one call" if dispatcher is None else
                                            "each layer's attention side in one call")
                      if self.model.native_decode else f"off ({why_not(self.model, self.cache, dispatcher is None)})")
+            if self.mtp is not None:
+                why = self.mtp.use_native(self.cache)
+                log.info("native decode of the MTP layer: %s",
+                         f"off ({why})" if why else "its one-token passes in one call")
         log.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB%s, %d bytes per token%s), kernels: %s%s",
                  self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                  self.num_blocks * self._block_bytes() / 2 ** 30,

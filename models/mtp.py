@@ -30,12 +30,15 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from kernels.cpu_linear import PackedLinear
 from kernels.ops import KernelOps, select_ops
 from kernels.rotary import RotaryEmbedding
+from kernels.routing import RouterConfig
 from models.config import ModelConfig
+from models.cpu_inference import pack_modules
 from models.dispatcher import LocalDispatcher
 from models.kv_cache import AttentionBatch
-from models.moe_decoder import DecoderLayer, MoEForCausalLM, SparseMoE
+from models.moe_decoder import MLP, DecoderLayer, MoEForCausalLM, SparseMoE
 from models.norm import RMSNorm
 
 OWN_OPTIONAL = ("embed_tokens.weight", "shared_head.head.weight")  # the target's are used where these are absent
@@ -112,14 +115,77 @@ class MTPLayer(DecoderLayer):
         self.embed_tokens = nn.Embedding(mtp_cfg.vocab_size, D) if own_embed else None
 
 
+def _panel_weight(p: PackedLinear) -> torch.Tensor:
+    """A PackedLinear's weight (O, I) back from its bf16 panels (native.pack_panels32's layout)."""
+    panels = p.weight.panels
+    return panels.permute(0, 2, 1, 3).reshape(panels.shape[0] * 32, -1)[:p.out_features, :p.in_features]
+
+
+def _one_expert(layer: MTPLayer, cfg: ModelConfig) -> tuple[ModelConfig, SparseMoE] | None:
+    """A dense SwiGLU MLP (bias-free, on bf16 panels) as a MoE layer of one expert that every token takes
+    with weight 1 (a router of zeros: softmax over one logit), packed for the fused native block, with its
+    config; None for any other MLP. The block rounds where the dense path rounds (gate and up, SiLU, the
+    product, the output; weight 1 and one partial sum change nothing), so it differs only in how exp rounds."""
+    mlp = layer.mlp
+    lins = (getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None), getattr(mlp, "down_proj", None))
+    if (not isinstance(mlp, MLP) or not mlp.act.is_silu or not all(
+            isinstance(p, PackedLinear) and p.bias is None and p.weight.panels is not None for p in lins)):
+        return None
+    gate, up, down = (_panel_weight(p) for p in lins)
+    one = replace(cfg, num_experts=1, moe_intermediate_size=gate.shape[0], shared_expert_intermediate_size=0,
+                  moe_layers=(True,) * cfg.num_layers, router=RouterConfig(1, weights_fp32=cfg.router.weights_fp32))
+    moe = SparseMoE(one, cfg.num_layers - 1, True, select_ops("cpu"))
+    moe.gate.weight = nn.Parameter(torch.zeros(1, cfg.hidden_size, dtype=gate.dtype), requires_grad=False)
+    moe.experts.w13 = nn.Parameter(torch.cat((gate, up))[None], requires_grad=False)
+    moe.experts.w2 = nn.Parameter(down[None], requires_grad=False)
+    holder = nn.Module()
+    holder.mlp = moe
+    pack_modules(holder)
+    return one, holder.mlp
+
+
+class _OneLayer:
+    """What models/native_decode.py reads of a model, for the MTP layer alone: a config, the layer (its
+    MLP as `mlp`) as the only layer and shared_head's norm as the final norm."""
+
+    def __init__(self, layer: MTPLayer, cfg: ModelConfig, mlp: nn.Module):
+        self.cfg = cfg
+        view = nn.Module()
+        view.self_attn, view.mlp = layer.self_attn, mlp
+        view.input_layernorm, view.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
+        self.model = nn.Module()
+        self.model.layers, self.model.norm = [view], layer.shared_head.norm
+
+
 class MTPDrafter:
     """An MTP layer beside its target model: `forward` runs it over a flat batch (the paged cache's
-    last layer holds its keys and values), `logits` maps its outputs to vocabulary scores."""
+    last layer holds its keys and values), `logits` maps its outputs to vocabulary scores. After
+    `use_native`, batches of one-token rows run the decoder layer as a native decode step of that layer
+    alone (models/native_decode.py), as the target's decode steps run."""
 
     def __init__(self, layer: MTPLayer, target: MoEForCausalLM, mtp_cfg: ModelConfig):
         self.layer, self.target, self.cfg = layer, target, mtp_cfg
         self.dispatcher = LocalDispatcher()
         self._rotary: RotaryEmbedding | None = None
+        self.native = None  # models/native_decode.NativeDecode of the layer alone (use_native)
+        self._native_view = None
+
+    def use_native(self, cache) -> str | None:
+        """Run one-token batches over `cache` natively where the layer (packed for the CPU) takes it:
+        a MoE layer as it is, a dense MLP as one expert (_one_expert). Returns why not, None where it does."""
+        from models.native_decode import NativeDecode, why_not
+
+        cfg, mlp = self.cfg, self.layer.mlp
+        if not self.layer.is_moe:
+            one = _one_expert(self.layer, cfg)
+            if one is None:
+                return "a dense MLP other than a bias-free SiLU one on bf16 panels"
+            cfg, mlp = one
+        view, last = _OneLayer(self.layer, cfg, mlp), self.cfg.num_layers - 1
+        reason = why_not(view, cache, True, last)
+        self.native = None if reason else NativeDecode(view, cache, True, last)
+        self._native_view = view  # (owns the one expert's panels, which the native tables point at)
+        return reason
 
     def embed(self, ids_T: torch.Tensor) -> torch.Tensor:
         if self.layer.embed_tokens is not None:
@@ -136,6 +202,8 @@ class MTPDrafter:
         if self._rotary is None:
             self._rotary = RotaryEmbedding(self.cfg.rope, self.cfg.rope_dim, x_TD.device)
         cos_sin = self._rotary(batch.positions_T, x_TD.dtype, batch.kv_lens_B[batch.seq_idx_T])
+        if self.native is not None and self.native.mode([(x_TD, batch)], self.dispatcher, cache) == "step":
+            return self.native(x_TD, cos_sin, batch, self.dispatcher, before_norm=True)
         h_TD, residual_TD = layer.attention(x_TD, None, cos_sin, cache, batch)
         self.dispatcher.begin_step()
         y_TD = SparseMoE.finish(layer.start_mlp(h_TD, self.dispatcher, 0))

@@ -10,6 +10,9 @@ captured graph replays a GPU's step:
 - an attention worker (experts remote, any micro-batches): each layer's attention side in one call
   (`shuttle_decode_attention`: norms, q/k/v, rotary, cache write, attention, o, router, routing),
   then the model's dispatcher sends the layer's rows through M2N as before.
+- a speculative MTP layer (models/mtp.py) over one-token rows: that layer alone as the step's only
+  layer (its keys and values in the cache's last layer; a dense MLP as one expert every token takes),
+  its output before shared_head's norm returned.
 The model keeps every other path: prefill and mixed steps, compiled stages, and every model this
 does not take.
 
@@ -58,9 +61,10 @@ _BUFFERS = ("start", "h", "r", "qkv", "q", "o", "a", "logits", "moe", "scratch")
 
 
 
-def why_not(model, cache, local: bool = True) -> str | None:
+def why_not(model, cache, local: bool = True, cache_layer: int = 0) -> str | None:
     """Why `model` with `cache` cannot take the native decode step, or None where it can. local: the
-    experts are in this process (colocated), else remote (an attention worker: no experts here)."""
+    experts are in this process (colocated), else remote (an attention worker: no experts here).
+    cache_layer: the cache layer of the model's first layer (an MTP layer's: the last)."""
     from models.cpu_inference import PackedLinear
     from models.moe_decoder import Attention, SparseMoE
 
@@ -71,7 +75,8 @@ def why_not(model, cache, local: bool = True) -> str | None:
         return "not a bf16 model with per-head attention"
     if cfg.linear_layers is not None or cfg.attn_output_gate:
         return "linear-attention layers or gated attention heads (Qwen3-Next)"
-    if not isinstance(cache, PagedKVCache) or cache.k[0].dtype != torch.bfloat16 or not cache.k[0].is_contiguous():
+    k = cache.k[cache_layer] if isinstance(cache, PagedKVCache) else None
+    if k is None or k.dtype != torch.bfloat16 or not k.is_contiguous():
         return "not a contiguous bf16 paged cache"
     if cfg.hidden_size % 2 or cfg.rope_dim % 2:
         return "odd hidden size or rotary dims"
@@ -109,9 +114,9 @@ class NativeDecode:
     attention side does, the experts through the model's dispatcher. layer_by_layer forces the
     latter on a colocated engine too (the planner's profile and the tests compare the two)."""
 
-    def __init__(self, model, cache: PagedKVCache, local: bool = True):
+    def __init__(self, model, cache: PagedKVCache, local: bool = True, cache_layer: int = 0):
         cfg, spec = model.cfg, model.model.layers[0].self_attn.head_spec
-        self.cfg, self.num_layers, self.local, self.layer_by_layer = cfg, cfg.num_layers, local, False
+        self.cfg, self.num_layers, self.local, self.layer_by_layer = cfg, len(model.model.layers), local, False
         self._keep = []  # tensors whose pointers the tables hold
         self.inter_padded = self.inter = 0
         self.int8_kernels = (0, 0, 0)  # fused_moe_int8's (kernel, big_kernel, big_rows) for int8 / FP8 experts
@@ -140,11 +145,12 @@ class NativeDecode:
             layers[i] = _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                                attn.qkv_proj.weight.panels.data_ptr(), attn.o_proj.weight.panels.data_ptr(),
                                mlp.gate.cpu_weight.panels.data_ptr(), ptr(qn), ptr(kn), ptr(w13), ptr(w2),
-                               cache.k[i].data_ptr(), cache.v[i].data_ptr(), attn.window or 0, ptr(s13), ptr(s2))
+                               cache.k[cache_layer + i].data_ptr(), cache.v[cache_layer + i].data_ptr(),
+                               attn.window or 0, ptr(s13), ptr(s2))
         self.layers = layers
         self.cache = cache  # the pages the tables point at (a step for another cache runs eagerly)
         self.final_norm = model.model.norm.weight
-        self.cache_slots = cache.k[0].shape[1]
+        self.cache_slots = cache.k[cache_layer].shape[1]
         self.route = model.model.layers[0].mlp.route_spec(torch.bfloat16)
         self.spec = spec
         self._buffers: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -209,12 +215,13 @@ class NativeDecode:
         return step, t
 
     def __call__(self, x_BD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
-                 dispatcher: LocalDispatcher) -> torch.Tensor:
-        """The whole step ("step" mode): the final norm's output (B, D) for the embeddings x_BD."""
+                 dispatcher: LocalDispatcher, before_norm: bool = False) -> torch.Tensor:
+        """The whole step ("step" mode): the final norm's output (B, D) for the embeddings x_BD, or with
+        before_norm its input, the last layer's output (a copy: the buffer is the next step's)."""
         step, t = self._step(x_BD, cos_sin, batch)
         native.decode_step(ctypes.byref(step), self.layers, self.num_layers)
         dispatcher.record(t["ids"])
-        return t["y"]
+        return t["r"].clone() if before_norm else t["y"]
 
     def layers_of(self, model, xs: list[torch.Tensor], cos_sins: list, inputs: list, head=None) -> list[torch.Tensor]:
         """"layers" mode: each layer's attention side natively for every micro-batch in turn, its rows

@@ -5,6 +5,7 @@ greedy ids with k = 1 and k = 3 equal the engine's without speculation (also chu
 preempting); drafts are accepted (counters); the MTP layer's cached keys of every kept position
 equal a fresh pass over the final sequence, whatever drafts were rejected on the way; a checkpoint
 without MTP layers is refused by name."""
+import json
 import shutil
 
 import pytest
@@ -13,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from attention_nodes.config import SpeculativeConfig
 from attention_nodes.engine import LLMEngine
+from kernels import native
 from models.config import ModelConfig
 from models.kv_cache import AttentionBatch, make_paged_cache
 from models.loader import load_model
@@ -289,6 +291,55 @@ def test_decode_rows_equal_a_build_of_those_rows():
     got = step.decode_rows(torch.tensor(rows), max(ctx[r] for r in rows) + 1)
     want = AttentionBatch.build_paged([1] * 3, [ctx[r] for r in rows], [[3, 8]] * 2 + [[6]], bs)
     assert _fields(got) == _fields(want)
+
+
+@pytest.mark.skipif(not native.avx512_bf16(), reason="no AVX-512 BF16 here: bf16 decode steps run eagerly")
+@pytest.mark.parametrize("which", ["builtin-dense", "mixtral-moe"])
+def test_native_mtp_passes_draft_as_the_eager_layer(make_checkpoint, tmp_path_factory, which):
+    """In bf16 the MTP layer's one-token passes run as a native decode step of that layer alone (a dense
+    MLP, the built-in model's, as one expert every token takes; a MoE layer as it is): they run, and
+    every pass drafts what the eager layer drafts, so the outputs and acceptance counts are the same."""
+    if which == "builtin-dense":
+        d = None
+    else:
+        d = add_mtp_layer(make_checkpoint("mixtral"), tmp_path_factory.mktemp("mtp_mixtral") / "ckpt", seed=2)
+        cfg_file = d / "config.json"
+        cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "num_nextn_predict_layers": 1}))
+    runs = []
+    for native_on in (True, False):
+        llm = LLM(d, dtype="bfloat16", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+        runner, seen = llm.engine.runner, []
+        assert runner.mtp.native is not None
+        runner.mtp.native = _Counting(runner.mtp.native) if native_on else None
+        real = runner.mtp_draft
+
+        def spy(*args, real=real, seen=seen):
+            drafts, probs = real(*args)
+            seen.append(drafts)
+            return drafts, probs
+
+        runner.mtp_draft = spy
+        try:
+            runs.append((_ids(llm, GREEDY), seen, llm.engine.stats()["spec_decode"], runner.mtp.native))
+        finally:
+            llm.shutdown()
+    (ids, seen, stats, counted), (ids0, seen0, stats0, _) = runs
+    assert counted.calls > 0 and any(any(d) for d in seen)
+    assert ids == ids0 and seen == seen0 and stats == stats0
+
+
+class _Counting:
+    """A NativeDecode that counts its steps."""
+
+    def __init__(self, native_decode):
+        self.native_decode, self.calls = native_decode, 0
+
+    def mode(self, *args):
+        return self.native_decode.mode(*args)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.native_decode(*args, **kwargs)
 
 
 def test_a_checkpoint_without_mtp_layers_is_refused(base, make_checkpoint):

@@ -15,7 +15,8 @@
  *   logits = h W_router^T                    (bf16, as the eager router's panels give them)
  *   ids, w = softmax, top-k, renormalise, scale, (round to bf16)   (route() below)
  *   x      = fused_moe_bf16(h, ids, w)        (int8 / FP8 experts: fused_moe_int8 / fused_moe_fp8)
- * and at the end y = add_rms_norm(x, r) with the final norm. An attention worker, whose experts are
+ * and at the end y, r = add_rms_norm(x, r) with the final norm (r: its input, the last layer's output, which an
+ * MTP layer's chained drafts take). An attention worker, whose experts are
  * remote, calls the attention side of one layer at a time (shuttle_decode_attention) and sends h,
  * the ids and the weights through M2N in between.
  *
@@ -193,7 +194,7 @@ int shuttle_decode_step(const shuttle_step *s, const shuttle_layer *layers, int6
         if (rc)
             return rc;
     }
-    shuttle_add_rms_norm(s->moe, s->r, s->final_norm, s->y, NULL, B, D, (float)s->eps, 1, (int)s->threads);
+    shuttle_add_rms_norm(s->moe, s->r, s->final_norm, s->y, s->r, B, D, (float)s->eps, 1, (int)s->threads);
     return 0;
 }
 #else
