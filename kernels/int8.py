@@ -121,9 +121,10 @@ def to_panels(codes_OI: torch.Tensor) -> torch.Tensor:
 
 
 def from_panels(panels: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    """The codes (O, I) that to_panels packed (a copy)."""
-    P, pairs = panels.shape[:2]
-    return panels.permute(0, 2, 1, 3).reshape(P * PANEL, pairs * 2)[:out_features, :in_features]
+    """The codes (O, I) that to_panels packed (a copy); any panel width, so also the bf16 weight that
+    native.pack_panels32 packed."""
+    P, pairs, width = panels.shape[:3]
+    return panels.permute(0, 2, 1, 3).reshape(P * width, pairs * 2)[:out_features, :in_features]
 
 
 def quantize_int8(w_OI: torch.Tensor, rows_per_chunk: int = 4096) -> Int8Weight:

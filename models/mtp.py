@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from kernels.cpu_linear import PackedLinear
+from kernels.int8 import from_panels
 from kernels.ops import KernelOps, select_ops
 from kernels.rotary import RotaryEmbedding
 from kernels.routing import RouterConfig
@@ -115,12 +116,6 @@ class MTPLayer(DecoderLayer):
         self.embed_tokens = nn.Embedding(mtp_cfg.vocab_size, D) if own_embed else None
 
 
-def _panel_weight(p: PackedLinear) -> torch.Tensor:
-    """A PackedLinear's weight (O, I) back from its bf16 panels (native.pack_panels32's layout)."""
-    panels = p.weight.panels
-    return panels.permute(0, 2, 1, 3).reshape(panels.shape[0] * 32, -1)[:p.out_features, :p.in_features]
-
-
 def _one_expert(layer: MTPLayer, cfg: ModelConfig) -> tuple[ModelConfig, SparseMoE] | None:
     """A dense SwiGLU MLP (bias-free, on bf16 panels) as a MoE layer of one expert that every token takes
     with weight 1 (a router of zeros: softmax over one logit), packed for the fused native block, with its
@@ -131,7 +126,7 @@ def _one_expert(layer: MTPLayer, cfg: ModelConfig) -> tuple[ModelConfig, SparseM
     if (not isinstance(mlp, MLP) or not mlp.act.is_silu or not all(
             isinstance(p, PackedLinear) and p.bias is None and p.weight.panels is not None for p in lins)):
         return None
-    gate, up, down = (_panel_weight(p) for p in lins)
+    gate, up, down = (from_panels(p.weight.panels, p.out_features, p.in_features) for p in lins)
     one = replace(cfg, num_experts=1, moe_intermediate_size=gate.shape[0], shared_expert_intermediate_size=0,
                   moe_layers=(True,) * cfg.num_layers, router=RouterConfig(1, weights_fp32=cfg.router.weights_fp32))
     moe = SparseMoE(one, cfg.num_layers - 1, True, select_ops("cpu"))
