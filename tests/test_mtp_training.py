@@ -82,7 +82,7 @@ def test_train_only_mtp_leaves_the_model_bitwise_unchanged(make_checkpoint, corp
 
     ckpt, out = make_checkpoint("mixtral", dtype="bfloat16"), tmp_path / "mtp"
     code = main(["--init-from", str(ckpt), "--data", str(corpus), "--out", str(out), "--mtp-layers", "1",
-                 "--train-only", "mtp", "--mtp-dense", "--max-steps", "20", "--seq-len", "32",
+                 "--train-only", "mtp", "--mtp-dense", "--mtp-distill", "--max-steps", "20", "--seq-len", "32",
                  "--micro-batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--aux-loss-coef", "0.01",
                  "--no-progress"])
     assert code == 0
@@ -95,11 +95,40 @@ def test_train_only_mtp_leaves_the_model_bitwise_unchanged(make_checkpoint, corp
     mtp = {n[len(prefix):] for n in after if n.startswith(prefix)}
     assert {"eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight",
             "mlp.gate_proj.weight", "self_attn.q_proj.weight"} <= mtp and not any("experts" in n for n in mtp)
-    losses = _mtp_losses(out)
-    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.2, losses
     steps = read_log(out / "train_log.jsonl")
+    losses = [s["mtp_distill_loss"] for s in steps]  # (--mtp-distill: against the model's own distribution)
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.2, losses
     assert len({round(s["lm_loss"], 3) for s in steps}) > 1  # (different batches) ...
-    assert all(abs(s["loss"] - 0.3 * s["mtp_loss"]) < 1e-4 for s in steps)  # ... but only the MTP loss trains
+    assert all(abs(s["loss"] - 0.3 * s["mtp_distill_loss"]) < 1e-4 for s in steps)  # ... only the MTP loss trains
+
+
+def test_mtp_distillation_loss_and_agreement():
+    """--mtp-distill's loss is the cross entropy against the model's distribution one position on
+    (a one-hot teacher gives plain cross entropy, IGNORE positions left out) and its gradient is
+    softmax(student) - teacher; agreement counts top tokens equal to the teacher's."""
+    from training.losses import IGNORE, mtp_agreement, mtp_distill_loss
+    from training.model import next_position
+
+    g = torch.Generator().manual_seed(0)
+    B, L, V = 2, 5, 11
+    target_TV = torch.randn(B * L, V, generator=g)
+    next_TV = next_position(target_TV, B, L)
+    assert torch.equal(next_TV[L - 1], target_TV[L + 1])  # row 1's first MTP position: the target's position 1
+    labels_T = torch.randint(0, V, (B * (L - 1),), generator=g)
+    labels_T[3] = IGNORE
+    student_TV = torch.randn(B * (L - 1), V, generator=g, requires_grad=True)
+    one_hot_TV = 60.0 * torch.nn.functional.one_hot(next_TV.argmax(-1), V).float()
+    ce = torch.nn.functional.cross_entropy(student_TV, torch.where(labels_T == IGNORE, IGNORE, next_TV.argmax(-1)),
+                                           ignore_index=IGNORE)
+    assert torch.allclose(mtp_distill_loss(student_TV, one_hot_TV, labels_T), ce, atol=1e-5)
+    loss = mtp_distill_loss(student_TV, next_TV, labels_T)
+    loss.backward()
+    keep = labels_T != IGNORE
+    want = (torch.softmax(student_TV.detach(), -1) - torch.softmax(next_TV, -1)) / int(keep.sum())
+    assert torch.allclose(student_TV.grad, torch.where(keep[:, None], want, 0.0), atol=1e-6)
+    same = (student_TV.argmax(-1) == next_TV.argmax(-1))[keep].float().mean()
+    assert mtp_agreement(student_TV, next_TV, labels_T) == same
+    assert mtp_agreement(next_TV, next_TV, labels_T) == 1.0
 
 
 def test_mtp_flags_are_checked(tmp_path):
@@ -110,6 +139,8 @@ def test_mtp_flags_are_checked(tmp_path):
         TrainConfig(init_from="a", train_only="mtp", **base)
     with pytest.raises(ValueError, match="--train-only mtp trains an MTP layer for an existing model"):
         TrainConfig(family="mixtral", mtp_layers=1, train_only="mtp", **base)
+    with pytest.raises(ValueError, match="--mtp-distill needs --mtp-layers 1"):
+        TrainConfig(family="mixtral", mtp_distill=True, **base)
 
 
 def test_the_builtin_models_mtp_head_keeps_greedy_ids():

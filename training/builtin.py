@@ -248,17 +248,21 @@ def write_mtp_card(cfg: TrainConfig, summary: dict[str, Any]) -> Path:
         f"- trained alone on the frozen model (`--train-only mtp`: every other tensor is bitwise the model's) on the "
         f"training split above: {summary['step']} steps of {summary['tokens_per_step']} tokens, AdamW lr {cfg.lr} "
         f"({cfg.warmup_steps} warmup steps, cosine to {cfg.final_lr}), {cfg.dtype} autocast, "
-        f"{summary['train_seconds_total'] / 60:.1f} minutes on {summary['world_size']} rank(s)",
+        f"{summary['train_seconds_total'] / 60:.1f} minutes on {summary['world_size']} rank(s)"
+        + ("; its loss is the cross entropy against the model's own distribution of the token after next "
+           "(`--mtp-distill`: self-distillation), not the data's" if cfg.mtp_distill else ""),
         f"- MTP loss (cross entropy of the token after next, nats per token): training {steps[0]['mtp_loss']:.3f} at "
         f"step {steps[0]['step']}, {sum(s['mtp_loss'] for s in last) / len(last):.3f} over the last {len(last)} steps"
         if steps else "",
         f"- held-out MTP loss {summary['eval_mtp_loss']:.3f} (the model's own next-token loss there: "
-        f"{summary['eval_loss']:.3f})" if summary.get("eval_mtp_loss") is not None else "", "",
+        f"{summary['eval_loss']:.3f})" if summary.get("eval_mtp_loss") is not None else "",
+        f"- its top token is the model's own top token at {summary['eval_mtp_agreement']:.1%} of held-out positions "
+        f"(teacher forced: a greedy draft's acceptance)" if summary.get("eval_mtp_agreement") is not None else "", "",
         "| step | MTP training loss | MTP held-out loss |", "|---:|---:|---:|",
         *[f"| {s['step']} | {s['mtp_loss']:.3f} | {_fmt(eval_at.get(s['step']), '.3f')} |" for s in curve], "",
         "Reproduce (then `install_mtp_layer` adds its tensors to a model directory, leaving the others as they are):",
         "", "```", f"shuttle train --recipe builtin --init-from {cfg.init_from} --mtp-layers 1 --train-only mtp"
-        + (" --mtp-dense" if cfg.mtp_dense else "") + f" --out {cfg.out} --max-steps {summary['step']}"
+        + (" --mtp-dense" if cfg.mtp_dense else "") + (" --mtp-distill" if cfg.mtp_distill else "") + f" --out {cfg.out} --max-steps {summary['step']}"
         + "".join(f" --{k.replace('_', '-')} {getattr(cfg, k)}" for k, v in MTP_RUN.items() if getattr(cfg, k) != v)
         + (f" --nproc-per-node {summary['world_size']}" if summary["world_size"] > 1 else ""),
         f"python -c \"from training.builtin import install_mtp_layer; install_mtp_layer('{cfg.out}', "

@@ -75,6 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--mtp-dense", action="store_true", default=S,
                    help="a new MTP layer gets a dense MLP (the config's intermediate_size) instead of experts like "
                         "the model's last layer: smaller, and cheaper to draft with")
+    t.add_argument("--mtp-distill", action="store_true", default=S,
+                   help="the MTP loss is cross entropy against the model's own distribution of the token after "
+                        "next (its logits one position on), not the data's: the drafter learns what speculative "
+                        "decoding accepts (self-distillation)")
     t.add_argument("--train-only", choices=TRAIN_ONLY, default=S,
                    help="mtp: train only the MTP layer on a frozen --init-from checkpoint, whose own tensors "
                         "are saved bitwise unchanged")

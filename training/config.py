@@ -93,6 +93,7 @@ class TrainConfig:
     mtp_layers: int = 0  # 1: train an MTP layer beside the model, saved as model.layers.{L}.*
     mtp_loss_weight: float = 0.3  # DeepSeek's lambda: the loss adds weight * the MTP layer's cross entropy
     mtp_dense: bool = False  # a new MTP layer's MLP: dense (intermediate_size) instead of the last layer's kind
+    mtp_distill: bool = False  # the MTP loss against the model's own distribution of x_{t+2}, not the data's
     train_only: str | None = None  # "mtp": only the MTP layer trains; the model's own weights stay as loaded
 
     def __post_init__(self) -> None:
@@ -146,6 +147,8 @@ class TrainConfig:
                 raise ValueError("--train-only mtp needs --mtp-layers 1 (the layer to train)")
             if not self.init_from:
                 raise ValueError("--train-only mtp trains an MTP layer for an existing model: give --init-from DIR")
+        if self.mtp_distill and not self.mtp_layers:
+            raise ValueError("--mtp-distill needs --mtp-layers 1 (the layer to train)")
 
     @property
     def final_lr(self) -> float:

@@ -22,6 +22,7 @@ class Losses:
     aux: torch.Tensor | None = None
     z: torch.Tensor | None = None
     mtp: torch.Tensor | None = None  # the MTP layer's cross entropy (unweighted)
+    mtp_distill: torch.Tensor | None = None  # its cross entropy against the model's own prediction (--mtp-distill)
 
 
 def lm_loss(logits_TV: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
@@ -45,6 +46,23 @@ def mtp_loss(mtp_logits_TV: torch.Tensor, targets_T: torch.Tensor, coef: float) 
     """coef (DeepSeek's lambda: 0.3, then 0.1 late in V3's training) times the mean cross entropy of
     the MTP module's predictions of x_{t+2} (targets from mtp_targets, flattened)."""
     return coef * F.cross_entropy(mtp_logits_TV.float(), targets_T, ignore_index=IGNORE)
+
+
+def mtp_distill_loss(mtp_logits_TV: torch.Tensor, next_logits_TV: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy of the MTP module's predictions of x_{t+2} against the target model's own
+    distribution for that token (its logits at position t+1, detached), over the positions targets_T
+    scores: self-distillation. Speculative decoding accepts a draft when the model itself would have
+    produced it, so a drafter that learns the model's distribution, not the data's, is accepted more."""
+    keep_T = targets_T != IGNORE
+    teacher_TV = torch.softmax(next_logits_TV[keep_T].detach().float(), dim=-1)
+    return -(teacher_TV * torch.log_softmax(mtp_logits_TV[keep_T].float(), dim=-1)).sum(-1).mean()
+
+
+def mtp_agreement(mtp_logits_TV: torch.Tensor, next_logits_TV: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
+    """The share of scored positions where the MTP module's top token is the target model's own top
+    token for x_{t+2}: a greedy draft's acceptance with the model's prefix (teacher forced)."""
+    keep_T = targets_T != IGNORE
+    return (mtp_logits_TV[keep_T].argmax(-1) == next_logits_TV[keep_T].argmax(-1)).float().mean()
 
 
 def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_k: int,

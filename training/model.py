@@ -229,6 +229,12 @@ def forward_logits(model: MoEForCausalLM, ids_BL: torch.Tensor) -> torch.Tensor:
     return model.logits(hidden_TD)
 
 
+def next_position(logits_TV: torch.Tensor, B: int, L: int) -> torch.Tensor:
+    """The target's logits (B*L, V) at positions 1..L-1 of each row, (B*(L-1), V): aligned with
+    forward_mtp's MTP rows, the target's own prediction of the token the MTP layer predicts."""
+    return logits_TV.view(B, L, -1)[:, 1:].reshape(B * (L - 1), -1)
+
+
 def forward_mtp(model: MoEForCausalLM, mtp, ids_BL: torch.Tensor,
                 labels_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One forward of the target and its MTP layer (models/mtp.MTPDrafter, depth 1), no KV cache:

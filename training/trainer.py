@@ -25,10 +25,11 @@ from models.config import ModelConfig
 from training.checkpoint import export_model, load_trainer_state, save_checkpoint
 from training.config import TrainConfig
 from training.data import BatchLayout, PackedSamples, ShuffledLoader, eval_batches, tokenize_files
-from training.losses import Losses, lm_loss, load_balancing_loss, mtp_loss, router_z_loss
+from training.losses import (Losses, lm_loss, load_balancing_loss, mtp_agreement, mtp_distill_loss, mtp_loss,
+                             router_z_loss)
 from training.metrics import Heartbeat, JsonlLog, find_stragglers, measure_peak_flops, train_flops_per_token
 from training.model import (MTP_NAME, RouterLogits, Shard, build_model, build_mtp, check_mtp_family, forward_logits,
-                            forward_mtp, is_expert_param)
+                            forward_mtp, is_expert_param, next_position)
 from training.optim import CosineSchedule, build_optimizer, set_lr
 from training.parallel import (AllToAllDispatcher, CommClock, ParallelContext, all_gather_floats, all_reduce_sum,
                                broadcast_object, clip_grad_norm_, init_distributed, reduce_gradients)
@@ -66,6 +67,7 @@ class Trainer:
                     if cfg.mtp_layers else None)
         self.frozen = cfg.train_only == "mtp"  # only the MTP layer trains
         self.eval_mtp_loss: float | None = None
+        self.eval_mtp_agreement: float | None = None
         if self.frozen:
             self.model.requires_grad_(False)
         watched = (([] if self.frozen else list(self.model.model.layers))
@@ -171,8 +173,9 @@ class Trainer:
 
     def losses(self, ids_BL: torch.Tensor, labels_BL: torch.Tensor) -> Losses:
         """Forward one micro-batch; the load-balancing loss uses the whole global batch's routing.
-        With an MTP layer the total adds mtp_loss_weight times its cross entropy (of x_{t+2}); with
-        --train-only mtp that is the whole total (the next-token loss is reported, not trained)."""
+        With an MTP layer the total adds mtp_loss_weight times its cross entropy (of x_{t+2}; with
+        --mtp-distill against the model's own distribution for it); with --train-only mtp that is the
+        whole total (the next-token loss is reported, not trained)."""
         cfg, mcfg = self.cfg, self.model_cfg
         if self.mtp is None:
             lm = lm_loss(forward_logits(self.model, ids_BL), labels_BL.reshape(-1))
@@ -180,8 +183,10 @@ class Trainer:
         else:
             logits, mtp_logits, mtp_labels = forward_mtp(self.model, self.mtp, ids_BL, labels_BL)
             lm, mtp = lm_loss(logits, labels_BL.reshape(-1)), mtp_loss(mtp_logits, mtp_labels, 1.0)
-            weighted = cfg.mtp_loss_weight * mtp
-            out = Losses(total=weighted if self.frozen else lm + weighted, lm=lm, mtp=mtp)
+            distill = (mtp_distill_loss(mtp_logits, next_position(logits, *ids_BL.shape), mtp_labels)
+                       if cfg.mtp_distill else None)
+            weighted = cfg.mtp_loss_weight * (mtp if distill is None else distill)
+            out = Losses(total=weighted if self.frozen else lm + weighted, lm=lm, mtp=mtp, mtp_distill=distill)
         if self.router is not None:
             router_logits = self.router.take()
             if cfg.aux_loss_coef:
@@ -204,7 +209,7 @@ class Trainer:
         t0, comm0 = time.perf_counter(), self.clock.seconds
         lr = self.schedule(self.step)
         set_lr(self.optimizer, lr)
-        sums = torch.zeros(5, dtype=torch.float64, device=self.ctx.device)
+        sums = torch.zeros(6, dtype=torch.float64, device=self.ctx.device)
         for ids_BL, labels_BL in micro_batches:
             ids_BL, labels_BL = ids_BL.to(self.ctx.device), labels_BL.to(self.ctx.device)
             with self.autocast():
@@ -212,7 +217,7 @@ class Trainer:
             (losses.total / len(micro_batches)).backward()
             zero = torch.zeros((), device=self.ctx.device)
             sums += torch.stack([(zero if v is None else v.detach()).double()
-                                 for v in (losses.total, losses.lm, losses.aux, losses.z, losses.mtp)])
+                                 for v in (losses.total, losses.lm, losses.aux, losses.z, losses.mtp, losses.mtp_distill)])
         self._debug_delay()
         with self.clock():
             reduce_gradients(self.replicated, self.sharded, self.ctx)
@@ -228,10 +233,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         seconds = time.perf_counter() - t0
-        total, lm, aux, z, mtp = sums.tolist()
+        total, lm, aux, z, mtp, distill = sums.tolist()
         return {"loss": total, "lm_loss": lm, "aux_loss": aux if self.cfg.aux_loss_coef and self.router else None,
                 "z_loss": z if self.cfg.z_loss_coef and self.router else None,
-                "mtp_loss": mtp if self.mtp is not None else None, "grad_norm": norm, "lr": lr, "seconds": seconds,
+                "mtp_loss": mtp if self.mtp is not None else None,
+                "mtp_distill_loss": distill if self.cfg.mtp_distill else None, "grad_norm": norm, "lr": lr, "seconds": seconds,
                 "work_seconds": seconds - (self.clock.seconds - comm0), "skipped": skipped}
 
     def _debug_delay(self) -> None:
@@ -241,8 +247,9 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean next-token loss over the held-out batches (the same on every rank); with an MTP layer
-        its mean held-out loss (of x_{t+2}) goes to self.eval_mtp_loss."""
-        total = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        its mean held-out loss (of x_{t+2}) goes to self.eval_mtp_loss and how often its top token is
+        the model's own (losses.mtp_agreement) to self.eval_mtp_agreement."""
+        total = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
         for ids_BL, labels_BL in self.eval_set:
             ids_BL, labels_BL = ids_BL.to(self.ctx.device), labels_BL.to(self.ctx.device)
             with self.autocast():
@@ -252,10 +259,12 @@ class Trainer:
                     logits, mtp_logits, mtp_labels = forward_mtp(self.model, self.mtp, ids_BL, labels_BL)
                     total[0] += float(lm_loss(logits, labels_BL.reshape(-1)))
                     total[1] += float(mtp_loss(mtp_logits, mtp_labels, 1.0))
+                    total[2] += float(mtp_agreement(mtp_logits, next_position(logits, *ids_BL.shape), mtp_labels))
             if self.router is not None:
                 self.router.take()
         total = all_reduce_sum(total) / (len(self.eval_set) * self.ctx.world_size)
         self.eval_mtp_loss = float(total[1]) if self.mtp is not None else None
+        self.eval_mtp_agreement = float(total[2]) if self.mtp is not None else None
         return float(total[0])
 
     # ---- the loop --------------------------------------------------------------------------------
@@ -329,6 +338,8 @@ class Trainer:
             return
         mean = {k: sum(w[k] for w in window) / n for k in ("loss", "lm_loss", "tokens_per_s", "mfu", "grad_norm")}
         mtp = "" if self.mtp is None else f", mtp {sum(w['mtp_loss'] for w in window) / n:.4f}"
+        if self.cfg.mtp_distill:
+            mtp += f", mtp distill {sum(w['mtp_distill_loss'] for w in window) / n:.4f}"
         log.info("step %d/%s loss %.4f (lm %.4f%s) lr %.2e grad_norm %.3f | %.0f tokens/s, MFU %.2f%%", self.step,
                  self.max_steps or "?", mean["loss"], mean["lm_loss"], mtp, window[-1]["lr"], mean["grad_norm"],
                  mean["tokens_per_s"], 100 * mean["mfu"])
@@ -354,11 +365,13 @@ class Trainer:
 
     def _evaluate_and_log(self) -> float:
         loss = self.evaluate()
-        mtp = {} if self.mtp is None else {"eval_mtp_loss": self.eval_mtp_loss}
+        mtp = ({} if self.mtp is None else
+               {"eval_mtp_loss": self.eval_mtp_loss, "eval_mtp_agreement": self.eval_mtp_agreement})
         self.log.write(event="eval", step=self.step, eval_loss=loss, **mtp)
         if self.ctx.is_main:
             log.info("step %d: held-out loss %.4f%s", self.step, loss,
-                     f" (MTP layer {self.eval_mtp_loss:.4f})" if mtp else "")
+                     f" (MTP layer {self.eval_mtp_loss:.4f}, top token the model's {self.eval_mtp_agreement:.1%})"
+                     if mtp else "")
         return loss
 
     def _mtp_layer(self):
@@ -388,6 +401,7 @@ class Trainer:
                    "train_seconds_total": self.elapsed + seconds, "tokens_seen": self.loader.position * self.cfg.seq_len,
                    "tokens_per_s": steps * self.tokens_per_step / seconds if steps else None,
                    "eval_loss": eval_loss, "eval_mtp_loss": self.eval_mtp_loss,
+                   "eval_mtp_agreement": self.eval_mtp_agreement,
                    "peak_tflops": self.peak_flops / 1e12,
                    "skipped_steps": self.skipped_steps}
         if summary["tokens_per_s"]:
