@@ -2,6 +2,7 @@
 
     python bench/planner.py [--quick] [--dtype bfloat16] [--serve-dtype auto] [--quantization Q] [--rounds R]
                             [--repeats N] [--shapes mixtral,fine] [--only NAME,...] [--fresh-profile] [--fresh-front]
+    python bench/planner.py --speculative [--quick] [--rounds R] [--only NAME,...]
 
 For each model shape (built locally with random weights: "mixtral" about 400M parameters, 8
 experts of 2048, top-2; "fine" the same size in 32 experts of 512, top-4; --quick: about 25M):
@@ -14,6 +15,9 @@ experts of 2048, top-2; "fine" the same size in 32 experts of 512, top-4; --quic
    --rounds 2 or more also in paired runs: the two measured alternately, under a minute apart
    (`picked_vs_best_paired`), since the host drifts by more than the 5% the pick is judged by
    between rows minutes apart.
+With --speculative the model is the built-in one with its MTP head, served plain and with MTP drafts
+(SPEC_DEPLOYMENTS: batch 8, colocated and 1 + 1, and batch 1), predicted at the acceptance the profile
+measured on random prompts (the served runs' own acceptance is in each row); writes planner_mtp.json.
 The table gives output throughput and mean TPOT, predicted and measured, and their errors; the
 summary: median absolute throughput error and how many are within 10% (throughput) and 15% (TPOT)
 over the deployments that do not oversubscribe the cores. Writes bench/results/planner.json
@@ -92,6 +96,18 @@ SHAPES = {  # name -> (hidden, layers, experts, expert intermediate, top-k)
     "mixtral": (1024, 8, 8, 2048, 2), "fine": (1024, 8, 32, 512, 4),
 }
 QUICK_SHAPES = {"mixtral": (384, 4, 8, 512, 2), "fine": (384, 4, 32, 128, 4)}
+# --speculative: the built-in model with its trained MTP head, plain and with MTP drafts (k = SPEC_K) at
+# disable_by_batch_size's default batch (8: the largest where speculation runs unless asked) and at 1
+SPEC_K = 2
+_MTP = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": SPEC_K})]
+SPEC_DEPLOYMENTS = {
+    "colocated 2 threads batch 8": (["--colocated", "--torch-threads", "2"], 8),
+    f"colocated 2 threads batch 8 mtp k={SPEC_K}": (["--colocated", "--torch-threads", "2", *_MTP], 8),
+    "1+1 m=1 batch 8": (["--micro-batches", "1"], 8),
+    f"1+1 m=1 batch 8 mtp k={SPEC_K}": (["--micro-batches", "1", *_MTP], 8),
+    "colocated 2 threads batch 1": (["--colocated", "--torch-threads", "2"], 1),
+    f"colocated 2 threads batch 1 mtp k={SPEC_K}": (["--colocated", "--torch-threads", "2", *_MTP], 1),
+}
 
 
 def checkpoint(out: Path, shape: tuple, dtype: str) -> Path:
@@ -236,12 +252,27 @@ def workload(measured: dict) -> dict:
             "prompt_len": round(measured["total_input_tokens"] / max(measured["completed"], 1))}
 
 
-def predict(profile: dict, dep, wl: dict, output_len: int) -> dict:
+def speculation(flags: list[str], profile: dict):
+    """The simulator's Speculation of a deployment served with --speculative-config (method mtp), at
+    the acceptance the profile measured on random prompts; None without it."""
+    from attention_nodes.config import SpeculativeConfig
+    from planner.simulate import Speculation
+
+    if "--speculative-config" not in flags:
+        return None
+    cfg = SpeculativeConfig.parse(flags[flags.index("--speculative-config") + 1])
+    a = profile["mtp_acceptance"]
+    return Speculation(cfg.num_speculative_tokens, tuple(a) + (a[-1],) * (cfg.num_speculative_tokens - len(a)),
+                       cfg.disable_by_batch_size)
+
+
+def predict(profile: dict, dep, wl: dict, output_len: int, flags: list[str] = ()) -> dict:
     from planner.perf import ProfilePerf
     from planner.simulate import SimModel, Simulator, Workload
 
     w = Workload(wl["completed"], wl["prompt_len"], output_len, dep.max_num_seqs)
-    return Simulator(ProfilePerf(profile), SimModel.from_profile(profile), dep).run(w)
+    return Simulator(ProfilePerf(profile), SimModel.from_profile(profile), dep,
+                     spec=speculation(flags, profile)).run(w)
 
 
 def stored(profile: dict) -> dict:
@@ -253,7 +284,11 @@ def setup_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> 
     """A shape's checkpoint, its first profile (`shuttle profile`, the front and its served runs
     included), the plan `shuttle plan` picks from it (before anything is measured) and the
     deployments to measure: name -> (serve flags, batch), with the pick's `serve --plan`."""
-    ckpt = checkpoint(tmp / name, shape, args.dtype)
+    if shape is None:  # --speculative: the built-in model as committed (its MTP head included)
+        from models.builtin import builtin_model_dir
+        ckpt = builtin_model_dir()
+    else:
+        ckpt = checkpoint(tmp / name, shape, args.dtype)
     prof_path = tmp / f"{name}.profile.json"
     cmd = [sys.executable, "-m", "server.cli", "profile", "--model", str(ckpt), "--out", str(prof_path),
            "--torch-threads", "1,2", "--transport", "shm,tcp", "--dtype", args.serve_dtype,
@@ -263,6 +298,9 @@ def setup_shape(name: str, shape: tuple, deployments: dict, tmp: Path, args) -> 
     fresh_path = tmp / f"{name}.fresh.json"
     fresh_cmd = [*cmd[:cmd.index("--out") + 1], str(fresh_path), *cmd[cmd.index("--out") + 2:],
                  *([] if args.fresh_front else ["--no-front"])]
+    if shape is None:  # (shuttle plan does not search speculative deployments)
+        return {"ckpt": ckpt, "profile": profile, "plan": None, "deployments": deployments, "fresh_cmd": fresh_cmd,
+                "fresh_path": fresh_path, "round_profiles": []}
     plan, plan_path = plan_pick(ckpt, prof_path, args)
     if not args.only or "plan" in args.only:
         deployments = {**deployments, "the plan's pick (serve --plan)": (["--plan", str(plan_path)],
@@ -292,11 +330,11 @@ def make_row(name: str, dname: str, runs: list[dict], st: dict, args) -> dict:
     on one server): each compared metric the median over the rounds; predicted from the first
     profile and, with --rounds 2 or more, from each round's profile (the median of those
     predictions against the median of the measurements: `*_rounds`)."""
-    dep = deployment_of(st, dname)
+    dep, flags = deployment_of(st, dname), st["deployments"][dname][0]
     m = {**runs[0], **{key: statistics.median(r[key] for r in runs) for key in COMPARED}}
     tput = [t for r in runs for t in r["repeat_tok_s"]]
     wl = workload(m)
-    p = predict(st["profile"], dep, wl, args.output_len)
+    p = predict(st["profile"], dep, wl, args.output_len, flags)
     row = {"model": name, "deployment": dname, "oversubscribed": dep.oversubscribed or "oversubscribed" in dname,
            "pred_tok_s": p["output_throughput"], "meas_tok_s": m["output_throughput"],
            "tok_s_err": p["output_throughput"] / m["output_throughput"] - 1,
@@ -311,18 +349,22 @@ def make_row(name: str, dname: str, runs: list[dict], st: dict, args) -> dict:
                k: round(statistics.median(r["cpu_s_per_token"][k] for r in runs) * 1e6)
                for k in runs[0]["cpu_s_per_token"]},
            "pred_attn_busy": p["attention_busy"], "pred_expert_busy": p["expert_busy"], "workload": wl}
+    spec = speculation(flags, st["profile"])
+    if spec is not None:
+        row.update(pred_acceptance=list(spec.acceptance[:spec.num_speculative_tokens]),
+                   meas_acceptance=m.get("spec_decode_per_position_acceptance_rates"))
     if len(st["round_profiles"]) > 1:
-        row.update(rounds_errors(st["round_profiles"], dep, wl, args.output_len, row))
+        row.update(rounds_errors(st["round_profiles"], dep, wl, args.output_len, row, flags))
     return row
 
 
-def rounds_errors(profiles: list[dict], dep, wl: dict, output_len: int, row: dict) -> dict:
+def rounds_errors(profiles: list[dict], dep, wl: dict, output_len: int, row: dict, flags: list[str] = ()) -> dict:
     """The median of the predictions from each round's profile against the row's measurement (the
     median over the same rounds): the host's drift over the run is in both sides alike. With the
     noise of both medians (bench.common.median_noise over the rounds' measurements and over their
     predictions, combined as independent): `noise_sd_rounds`, and `p_within_10pct_rounds`, the
     chance that a prediction without any bias lands within 10% of this measurement on this host."""
-    preds = [predict(prof, dep, wl, output_len) for prof in profiles]
+    preds = [predict(prof, dep, wl, output_len, flags) for prof in profiles]
     tok = statistics.median(q["output_throughput"] for q in preds)
     tpot = statistics.median(q["mean_tpot_ms"] for q in preds)
     noise = math.hypot(median_noise(row["meas_round_tok_s"]), median_noise([q["output_throughput"] for q in preds]))
@@ -354,7 +396,7 @@ def measure_shapes(states: dict, args) -> list[dict]:
                 rows[name, dname] = row = make_row(name, dname, runs[name, dname], st, args)
                 if args.fresh_profile:  # the workers and M2N (and the front) profiled again right after the measurement
                     fresh = profile_again(st, args)
-                    f = predict(fresh, deployment_of(st, dname), row["workload"], args.output_len)
+                    f = predict(fresh, deployment_of(st, dname), row["workload"], args.output_len, flags)
                     row.update(fresh_profile=stored(fresh), pred_fresh_tok_s=f["output_throughput"],
                                tok_s_err_fresh=f["output_throughput"] / row["meas_tok_s"] - 1,
                                tpot_err_fresh=f["mean_tpot_ms"] / row["meas_tpot_ms"] - 1)
@@ -441,6 +483,9 @@ def main() -> None:
                         f"{HOST_WAVES} batches)")
     p.add_argument("--only", default=None, help="comma-separated deployment names (of the first shape)")
     p.add_argument("--shapes", default=None, help="comma-separated model shapes to run (default: both)")
+    p.add_argument("--speculative", action="store_true",
+                   help="instead: the built-in model with its MTP head, plain and with MTP drafts at small batches "
+                        "(SPEC_DEPLOYMENTS; writes planner_mtp.json)")
     p.add_argument("--replay", default=None, metavar="RESULT.json",
                    help="measure nothing: predict every row of a result file this script wrote again, with the "
                         "simulator as it is now and the profiles the file stored, and print both errors")
@@ -453,6 +498,9 @@ def main() -> None:
         args.output_len, args.min_prompts = 16, 16
     shapes = QUICK_SHAPES if args.quick else SHAPES
     first = {k: v for k, v in DEPLOYMENTS.items() if not args.only or k in args.only.split(",")}
+    if args.speculative:
+        shapes = {"builtin-mtp": None}
+        first = {k: v for k, v in SPEC_DEPLOYMENTS.items() if not args.only or k in args.only.split(",")}
     if args.rounds < 1 or args.repeats < 1:
         p.error("--rounds and --repeats must be at least 1")
     if args.rounds > 1 and args.fresh_profile:
@@ -479,7 +527,7 @@ def main() -> None:
                          if args.rounds > 1 else [])])
     print(json.dumps(summary, indent=1))
     result = {"config": vars(args), "rows": rows, "summary": summary, "shapes": extra}
-    path = save("planner_partial" if args.only or args.shapes else
+    path = save("planner_partial" if args.only or args.shapes else "planner_mtp" if args.speculative else
                 f"planner_{args.quantization}" if args.quantization else "planner", result)
     print(f"wrote {path}")
 
@@ -521,12 +569,13 @@ def replay(path: Path, only_rows: set[int] | None = None, only_rounds: int | Non
         profile = profiles[r["model"]]
         plan = result["shapes"][r["model"]]["plan"]
         cores = profile["host"]["cores"]
+        flags = []
         if r["deployment"].startswith("the plan's pick"):
             dep = plan_deployment(plan, cores)
         else:
-            flags, batch = DEPLOYMENTS[r["deployment"]]
+            flags, batch = {**DEPLOYMENTS, **SPEC_DEPLOYMENTS}[r["deployment"]]
             dep = parse(flags, batch, cores)
-        p = predict(profile, dep, r["workload"], output_len)
+        p = predict(profile, dep, r["workload"], output_len, flags)
         new = {**r, "was_tok_s_err": r["tok_s_err"], "was_tpot_err": r["tpot_err"],
                "pred_tok_s": p["output_throughput"], "tok_s_err": p["output_throughput"] / r["meas_tok_s"] - 1,
                "pred_tpot_ms": p["mean_tpot_ms"], "tpot_err": p["mean_tpot_ms"] / r["meas_tpot_ms"] - 1,
@@ -534,12 +583,12 @@ def replay(path: Path, only_rows: set[int] | None = None, only_rounds: int | Non
         if "fresh_profile" in r:
             fresh = {**r["fresh_profile"], **{k: profile.get(k) for k in CALIBRATION
                                                 if not result["config"].get("fresh_front")}}
-            f = predict(fresh, dep, r["workload"], output_len)
+            f = predict(fresh, dep, r["workload"], output_len, flags)
             new.update(tok_s_err_fresh=f["output_throughput"] / r["meas_tok_s"] - 1,
                        tpot_err_fresh=f["mean_tpot_ms"] / r["meas_tpot_ms"] - 1)
         if "round_profiles" in result["shapes"][r["model"]]:  # --rounds: every round's profile (the first is the first)
             rounds = [profile, *round_profiles[r["model"]]]
-            new.update(rounds_errors(rounds, dep, r["workload"], output_len, new))
+            new.update(rounds_errors(rounds, dep, r["workload"], output_len, new, flags))
         rows.append(new)
     print_table(rows, ["model", "deployment", "pred_tok_s", "meas_tok_s", "was_tok_s_err", "tok_s_err", "pred_tpot_ms",
                        "meas_tpot_ms", "was_tpot_err", "tpot_err", "pred_ttft_ms", "meas_ttft_ms",

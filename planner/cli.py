@@ -3,6 +3,7 @@
     shuttle profile [--model DIR] [--dtype D] [--quantization Q] [--torch-threads 1,2] [--transport shm,tcp]
                     [--quick] --out PROFILE.json
     shuttle simulate --profile PROFILE.json (--colocated | --attention-workers A --expert-workers E --micro-batches M) ...
+                     [--speculative-config '{"method": "mtp", "num_speculative_tokens": K}' [--spec-acceptance A1,A2]]
     shuttle plan --model DIR|NAME --hardware KIND[=PRICE][,KIND...] --tbt-slo-ms X --max-devices N ... --out PLAN.json
 
 --quantization int8, w8a8_int8, fp8 or mxfp4 (-q; vLLM's experts_int8 too) profiles, simulates and plans the
@@ -222,8 +223,14 @@ def _simulate(args: argparse.Namespace) -> int:
             raise ValueError("--num-prompts, --input-len and --output-len must be positive")
     except ValueError as e:
         raise PlannerError(str(e)) from None
-    sim = Simulator(ProfilePerf(profile), mod, dep, trace_steps=args.trace_steps if args.trace else 0)
+    spec = _speculation(args, profile)
+    sim = Simulator(ProfilePerf(profile), mod, dep, trace_steps=args.trace_steps if args.trace else 0, spec=spec)
     result = sim.run(wl)
+    if spec is not None:
+        result["speculative"] = {"num_speculative_tokens": spec.num_speculative_tokens,
+                                 "acceptance": list(spec.acceptance[:spec.num_speculative_tokens]),
+                                 "disable_by_batch_size": spec.disable_by_batch_size,
+                                 "mean_accept_len": spec.mean_accept_len()}
     result["deployment"] = {"colocated": dep.colocated, "attention_workers": dep.attention_workers,
                             "expert_workers": dep.expert_workers, "micro_batches": dep.micro_batches,
                             "torch_threads": dep.threads, "expert_threads": dep.pool_threads[1], "cores": dep.cores,
@@ -237,6 +244,39 @@ def _simulate(args: argparse.Namespace) -> int:
         Path(args.trace).write_text(json.dumps({"traceEvents": sim.chrome_trace(), "displayTimeUnit": "ms"}))
         print(f"wrote {args.trace} (the first {args.trace_steps} steps)")
     return 0
+
+
+def _speculation(args: argparse.Namespace, profile: dict):
+    """--speculative-config (method mtp) and --spec-acceptance as a simulate.Speculation; the
+    acceptance defaults to the profile's, measured on random prompts (measure_mtp)."""
+    from attention_nodes.config import SpeculativeConfig
+    from planner.simulate import Speculation
+
+    if args.speculative_config is None:
+        if args.spec_acceptance is not None:
+            raise PlannerError("--spec-acceptance needs --speculative-config")
+        return None
+    try:
+        cfg = SpeculativeConfig.parse(args.speculative_config)
+    except ValueError as e:
+        raise PlannerError(str(e)) from None
+    if cfg.method != "mtp":
+        raise PlannerError(f"the planner models speculative method mtp (the checkpoint's MTP layer, profiled by "
+                           f"shuttle profile), not {cfg.method!r}")
+    if "mtp" not in next(iter(profile["fits"].values()), {}):
+        raise PlannerError("the profile has no MTP drafting samples: run shuttle profile on a checkpoint with MTP "
+                           "layers (num_nextn_predict_layers)")
+    acceptance = args.spec_acceptance or profile.get("mtp_acceptance")
+    if not acceptance:
+        raise PlannerError("--spec-acceptance RATE[,RATE...] is required: the profile measured no acceptance")
+    acceptance = tuple(acceptance) + (acceptance[-1],) * max(0, cfg.num_speculative_tokens - len(acceptance))
+    if args.spec_acceptance is None and len(profile["mtp_acceptance"]) < cfg.num_speculative_tokens:
+        print(f"note: the profile measured acceptance at {len(profile['mtp_acceptance'])} draft positions; later ones "
+              "take the last one's rate (an over-estimate)", file=sys.stderr)
+    try:
+        return Speculation(cfg.num_speculative_tokens, acceptance, cfg.disable_by_batch_size)
+    except ValueError as e:
+        raise PlannerError(str(e)) from None
 
 
 def _simulate_plan(args: argparse.Namespace) -> int:
@@ -445,6 +485,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-concurrency", type=int, default=None)
     s.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (default: all at once)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding as shuttle serve takes it; the planner models method mtp: '
+                        '\'{"method": "mtp", "num_speculative_tokens": 2}\'')
+    s.add_argument("--spec-acceptance", type=_csv(float), default=None, metavar="RATE[,RATE...]",
+                   help="per draft position, the share of drafted steps whose draft was accepted (vLLM's "
+                        "per-position acceptance; default: the profile's, measured on random prompts)")
     s.add_argument("--json", default=None, metavar="FILE", help="write the metrics (bench serve's keys) as JSON")
     s.add_argument("--trace", default=None, metavar="FILE", help="a Chrome trace of the first steps")
     s.add_argument("--trace-steps", type=int, default=20)

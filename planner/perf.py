@@ -7,7 +7,8 @@ query tokens; the last two: the same over its prefilling sequences), `experts(pa
 active)` on an expert worker (pairs: gathered (token, expert) pairs; active: its experts receiving
 at least one); per colocated step, `colocated(tokens, kv_reads, ..., active)` where whole steps were
 measured (None otherwise). Per micro-batch and step: `head(rows, tokens)` (embedding, final norm, LM head on
-the sampled rows). Per step: `step(seqs, prefill_tokens)` (scheduling, sampling, control messages). Per message:
+the sampled rows). Per step: `step(seqs, prefill_tokens)` (scheduling, sampling, control messages) and, with
+speculative method mtp, `mtp(rows, passes, prefill_tokens)` (the MTP layer's passes after it). Per message:
 `transfer(nbytes, backend)`, `send(nbytes, backend)` (the sender's own CPU per message) and
 `wake(backend)` (what a message adds when its receiver's wait has blocked, how long a wait polls
 before it blocks). Per step, on a shared host: `front(tokens, messages)`, the CPU seconds that the
@@ -59,7 +60,9 @@ class ProfilePerf:
         if not passive:
             return self
         view = copy.copy(self)
-        view.fits = {**self.fits, **{int(t): {k: Fit.from_dict(f) for k, f in fits.items()} for t, fits in passive.items()}}
+        view.fits = dict(self.fits)  # (the passive fits replace their kinds; colocated-only kinds stay)
+        for t, fits in passive.items():
+            view.fits[int(t)] = {**self.fits.get(int(t), {}), **{k: Fit.from_dict(f) for k, f in fits.items()}}
         return view
 
     def with_front_scale(self, scale: float) -> "ProfilePerf":
@@ -110,6 +113,15 @@ class ProfilePerf:
         not take it, or an older profile)."""
         f, s = self._fit("native_decode", threads)
         return 0.0 * np.asarray(tokens, dtype=float) if f is None else f(tokens=np.asarray(tokens, dtype=float)) * s
+
+    def mtp(self, rows, passes, prefill_tokens=0, threads: int = 1):
+        """The MTP layer's passes after a step (planner.profile.measure_mtp): `passes` of them over
+        `rows` one-token rows in all, plus `prefill_tokens` rows of prompt chunks."""
+        f, s = self._fit("mtp", threads)
+        if f is None:
+            raise ValueError("the profile has no MTP drafting samples: run shuttle profile on a checkpoint with MTP "
+                             "layers (num_nextn_predict_layers) to plan speculative method mtp")
+        return f(rows=rows, passes=passes, prefill_tokens=prefill_tokens) * s
 
     def front(self, tokens, messages=1):
         """The front's and the load generator's CPU seconds for a step's output tokens, which came
@@ -188,6 +200,13 @@ class RooflinePerf:
     def native_decode_saving(self, tokens, threads: int = 1):
         """(A CPU engine's measurement; none for a catalogue device.)"""
         return 0.0 * np.asarray(tokens, dtype=float)
+
+    def mtp(self, rows, passes, prefill_tokens=0, threads: int = 1):
+        """Each pass as one more layer's attention side and the LM head over its rows (the MTP layer's
+        MLP counted as the average layer's dense part)."""
+        rows = np.asarray(rows, dtype=float) + np.asarray(prefill_tokens, dtype=float)
+        per_pass = rows / np.maximum(np.asarray(passes, dtype=float), 1.0)
+        return np.asarray(passes, dtype=float) * (self.attention(per_pass, 0.0) + self.head(per_pass, per_pass))
 
     def experts(self, pairs, active, threads: int = 1):
         c = self.shape.config

@@ -23,6 +23,10 @@ median of three does not reject):
   recv and reply) through every MoE layer's experts in turn, packed as the worker packs them, for
   R gathered tokens routed uniformly at random over a chosen number of experts.
   Fit: T_e = k3 pairs + k4 + k5 active_experts (pairs: (token, expert) pairs).
+- speculative method mtp (checkpoints with MTP layers): ModelRunner.mtp_draft, timed call by call in
+  a real colocated LLMEngine drafting k = 1 and 3 for b random prompts. Fit: T = d1 rows + d2 passes
+  + dp prefill_tokens (rows: one-token rows over all passes, passes: the layer's runs, prefill_tokens:
+  prompt-chunk rows). The per-position acceptance of those runs is kept as the default for planning.
 - cold weights: where the model's weights are more than the last-level cache, every timed step
   begins with the caches evicted (CacheEvictor, untimed), as a served step finds them.
 - M2N, per backend: planner.profile_m2n (a real M2NSender / M2NReceiver pair in two processes).
@@ -74,6 +78,9 @@ STEP_TERMS = ("seqs", "const", "prefill_tokens")
 EXPERT_TERMS = ("pairs", "const", "active")
 NATIVE_DECODE_TERMS = ("tokens", "const")
 COLOCATED_TERMS = ("tokens", "const", "kv_reads", "prefill_tokens", "kv_prefill", "active")
+MTP_TERMS = ("rows", "passes", "prefill_tokens")
+MTP_DRAFTS = (1, 3)  # the k measure_mtp runs: one pass a step, and chained ones
+MTP_MAX_BATCH = 64  # speculation pays at small batches (disable_by_batch_size defaults to 8)
 
 
 @dataclass(frozen=True)
@@ -352,7 +359,8 @@ def measure_experts(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
 
 
 def fit_samples(samples: dict[str, list[dict]], threads: int) -> dict[str, Fit]:
-    """The per-thread-count fits of the attention, head, step and expert samples."""
+    """The per-thread-count fits of the attention, head, step and expert samples (and of the
+    native decode, colocated and MTP ones where measured)."""
     def pick(kind: str) -> list[dict]:
         return [s for s in samples[kind] if s["threads"] == threads]
 
@@ -367,6 +375,9 @@ def fit_samples(samples: dict[str, list[dict]], threads: int) -> dict[str, Fit]:
     if samples.get("colocated"):
         c = pick("colocated")
         fits["colocated"] = fit_linear(c, [r["step_s"] for r in c], COLOCATED_TERMS)
+    d = pick("mtp") if samples.get("mtp") else []
+    if len(d) >= len(MTP_TERMS):
+        fits["mtp"] = fit_linear(d, [r["mtp_s"] for r in d], MTP_TERMS)
     return fits
 
 
@@ -443,12 +454,76 @@ def measure_native_decode(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     return samples
 
 
+def measure_mtp(opts: ProfileOptions, cfg: ModelConfig) -> tuple[list[dict], dict | None]:
+    """Speculative method mtp's drafting as a colocated engine runs it: a real LLMEngine with the
+    checkpoint's MTP layer drafting k (MTP_DRAFTS) for b random 32-token prompts (opts.batches up to
+    MTP_MAX_BATCH), greedy, 24 new tokens each; every ModelRunner.mtp_draft call timed with its
+    features: rows (the first pass's one-token rows, a verification's kept 1 + accepted or a decode's
+    one, plus the chained passes' rows), passes (the layer's runs) and prefill_tokens (prompt-chunk
+    rows). Returns (samples, acceptance): acceptance[j] is the share of drafted steps at the largest k
+    whose draft j was accepted (vLLM's per-position rate), on these random prompts. ([], None) for a
+    checkpoint without MTP layers."""
+    if not cfg.num_mtp_layers:
+        return [], None
+    from attention_nodes.config import SpeculativeConfig
+
+    batches = sorted({b for b in opts.batches if b <= MTP_MAX_BATCH} or {1})
+    prompt, new = 32, 24
+    rng, samples, acceptance = torch.Generator().manual_seed(0), [], None
+    for k in MTP_DRAFTS:
+        B = max(batches)
+        engine = LLMEngine(EngineConfig(
+            opts.model, dtype=opts.dtype, quantization=opts.quantization,
+            scheduler=SchedulerConfig(max_num_seqs=B, max_num_batched_tokens=max(2048, 8 * B)),
+            cache=CacheConfig(16, B * blocks_for(prompt + new + k + 2, 16) + 4, enable_prefix_caching=False),
+            speculative=SpeculativeConfig("mtp", k, disable_by_batch_size=10 ** 6)))
+        runner, draft = engine.runner, engine.runner.mtp_draft
+        threads_now = [1]
+
+        def timed(batch, starts, num_drafts, temperatures=None):
+            t0 = time.perf_counter()
+            out = draft(batch, starts, num_drafts, temperatures)
+            dt = time.perf_counter() - t0
+            rows = prefill = 0
+            for seq, c, n, want in zip(batch.seqs, starts, batch.num_new_tokens, num_drafts):
+                kept = min(seq.num_computed_tokens - c, len(seq.token_ids) - 1 - c, n)
+                if want < 0 or kept <= 0:
+                    continue
+                if kept <= runner.mtp_decode_rows:
+                    rows += kept
+                else:
+                    prefill += kept
+            chained = [max(0, len(d) - 1) for d in out[0]]
+            if rows or prefill:
+                samples.append({"threads": threads_now[0], "k": k, "seqs": len(batch.seqs), "rows": rows + sum(chained),
+                                "passes": 1 + max(chained, default=0), "prefill_tokens": prefill, "mtp_s": dt})
+            return out
+
+        runner.mtp_draft = timed
+        params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+        for threads in opts.threads:
+            torch.set_num_threads(threads)
+            threads_now[0] = threads
+            for b in batches:
+                for i in range(b):
+                    engine.add_request(f"{k}-{threads}-{b}-{i}",
+                                       torch.randint(2, cfg.vocab_size, (prompt,), generator=rng).tolist(), params)
+                while engine.has_unfinished_requests():
+                    engine.step()
+        stats = engine.spec_stats
+        if k == max(MTP_DRAFTS) and stats.num_drafts:
+            acceptance = [a / stats.num_drafts for a in stats.accepted_per_pos]
+    return samples, acceptance
+
+
 def measure_workers(opts: ProfileOptions, cfg: ModelConfig) -> dict[str, list[dict]]:
-    """The attention, step and expert samples at every thread count of opts, in this process."""
+    """The attention, step, expert and (with an MTP layer) MTP drafting samples at every thread count of
+    opts, in this process; "mtp_acceptance" is measure_mtp's acceptance (None without an MTP layer)."""
     old_threads = torch.get_num_threads()
     try:
+        mtp, acceptance = measure_mtp(opts, cfg)
         return {"attention": measure_attention(opts, cfg), "step": measure_step(opts, cfg),
-                "experts": measure_experts(opts, cfg)}
+                "experts": measure_experts(opts, cfg), "mtp": mtp, "mtp_acceptance": acceptance}
     finally:
         torch.set_num_threads(old_threads)
 
@@ -493,6 +568,7 @@ def run_profile(opts: ProfileOptions) -> dict:
     shape = shape_from(opts.model)
     t0, load0 = time.monotonic(), os.getloadavg()[0]
     samples = measure_workers(opts, cfg)
+    mtp_acceptance = samples.pop("mtp_acceptance", None)
     old_threads = torch.get_num_threads()
     try:  # colocated engines only (spinning threads): not in the passive samples
         samples["native_decode"] = measure_native_decode(opts, cfg)
@@ -504,6 +580,7 @@ def run_profile(opts: ProfileOptions) -> dict:
     fits_passive = {} if passive is None else {
         str(t): {k: f.to_dict() for k, f in fit_samples(passive, t).items()} for t in opts.threads if t >= 2}
     if passive is not None:
+        passive.pop("mtp_acceptance", None)
         samples["passive"] = passive
     dtype = opts.dtype or cfg.dtype
     front = None
@@ -528,6 +605,9 @@ def run_profile(opts: ProfileOptions) -> dict:
                 "hidden_size": cfg.hidden_size},
             "host": describe_host(), "threads": list(opts.threads), "fits": fits, "fits_passive": fits_passive,
             "transfer": transfer, "front": front,
+            # speculative method mtp's per-position acceptance on measure_mtp's random prompts (None:
+            # no MTP layer): the simulator's default, for a workload of that kind
+            "mtp_acceptance": mtp_acceptance,
             # the CPU kernels the measured runners took, per op and row count (kernels/choice.py): the
             # fits above hold for these
             "kernels": {op: {k: t[k] for k in ("runs", "picks", "source")} for op, t in choice.chosen().items()},

@@ -25,6 +25,7 @@ from attention_nodes.model_runner import split_micro_batches
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import ScheduledBatch, Scheduler
 from attention_nodes.sequence import Sequence
+from attention_nodes.speculative import TOLERATED_MISSES, backoff
 from planner.perf import expected_active
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -141,6 +142,33 @@ class Workload:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding with the checkpoint's MTP layer, as the engine runs it: while at most
+    disable_by_batch_size sequences run on a worker, each decoding sequence gets k drafts (fewer
+    near max_tokens), verified as 1 + k decode rows of the next step; after each step the MTP layer
+    runs over the positions every sequence kept and chains k - 1 more one-row passes (perf.mtp).
+    acceptance[j]: the share of drafted steps whose draft j was accepted (vLLM's per-position
+    acceptance: accepted_per_pos[j] / num_drafts, non-increasing), drawn per step with the
+    workload's seed; a draft rejected whole backs off as the engine does (speculative.backoff)."""
+
+    num_speculative_tokens: int
+    acceptance: tuple[float, ...]
+    disable_by_batch_size: int
+
+    def __post_init__(self) -> None:
+        a = self.acceptance
+        if len(a) < self.num_speculative_tokens:
+            raise ValueError(f"speculative acceptance needs a rate for each of the {self.num_speculative_tokens} draft "
+                             f"positions, got {len(a)}")
+        if any(not 0.0 <= x <= 1.0 for x in a) or any(y > x for x, y in zip(a, a[1:])):
+            raise ValueError(f"speculative acceptance per position must be in [0, 1] and non-increasing, got {list(a)}")
+
+    def mean_accept_len(self) -> float:
+        """Tokens a drafted sequence gains per verify step: 1 + the expected accepted drafts."""
+        return 1.0 + sum(self.acceptance[:self.num_speculative_tokens])
+
+
 class _Worker:
     def __init__(self, dep: Deployment, num_blocks: int):
         self.blocks = BlockManager(num_blocks, dep.block_size, True)
@@ -212,14 +240,15 @@ def front_scale(perf, dep: "Deployment") -> float | None:
 
 
 class Simulator:
-    def __init__(self, perf, model: SimModel, dep: Deployment, trace_steps: int = 0):
+    def __init__(self, perf, model: SimModel, dep: Deployment, trace_steps: int = 0, spec: Speculation | None = None):
         # Worker pools wait passively between OpenMP regions (ProfilePerf.for_pools); colocated spins.
         if not dep.colocated and hasattr(perf, "for_pools"):
             perf = perf.for_pools()
         scale = front_scale(perf, dep)
         if scale is not None:
             perf = perf.with_front_scale(scale)
-        self.perf, self.model, self.dep = perf, model, dep
+        self.perf, self.model, self.dep, self.spec = perf, model, dep, spec
+        self._accept: dict[int, int] = {}  # id(seq) -> drafts its verify step accepts (drawn when drafted)
         # On a shared host the workers compute slower than their parts measured alone: the profile's
         # calibration against served runs (served_slowdown; `run` sets it for its workload's batch).
         self.slow = served_slowdown(perf, dep)
@@ -239,28 +268,35 @@ class Simulator:
 
     # -- one step -------------------------------------------------------------------------------
     def _shape(self, batches: list[ScheduledBatch]) -> tuple[np.ndarray, ...]:
-        """Per worker and micro-batch: tokens, context tokens read, sampled rows, and the tokens and
-        reads of its prefilling sequences (more than one new token); per worker: seqs."""
+        """Per worker and micro-batch: tokens, context tokens read, sampled rows, the tokens it emits
+        (a verified sequence: 1 + its accepted drafts), and the tokens and reads of its prefilling
+        sequences (more than one new token, not a verification's decode rows); per worker: seqs."""
         W, m = len(batches), self.dep.micro_batches
-        tok, kv, rows, ptok, pkv = (np.zeros((W, m)) for _ in range(5))
+        tok, kv, rows, out, ptok, pkv = (np.zeros((W, m)) for _ in range(6))
         seqs = np.zeros(W)
         for w, b in enumerate(batches):
             seqs[w] = len(b.seqs)
             for i, g in enumerate(split_micro_batches(b.num_new_tokens, m)):
                 for j in g:
-                    q, c = b.num_new_tokens[j], b.seqs[j].num_computed_tokens
+                    seq = b.seqs[j]
+                    q, c = b.num_new_tokens[j], seq.num_computed_tokens
                     reads = q * c + q * (q + 1) / 2  # the i-th new token reads c + i + 1 positions
                     tok[w, i] += q
                     kv[w, i] += reads
+                    if seq.num_draft_tokens:  # verified: every row sampled
+                        rows[w, i] += q
+                        out[w, i] += 1 + self._accepted(seq)
+                        continue
                     rows[w, i] += b.sample[j]
+                    out[w, i] += b.sample[j]
                     if q > 1:
                         ptok[w, i] += q
                         pkv[w, i] += reads
-        return tok, kv, rows, seqs, ptok, pkv
+        return tok, kv, rows, out, seqs, ptok, pkv
 
     def step_time(self, t0: float, batches: list[ScheduledBatch], step: int = 0) -> float:
         """Simulated end time of a step that starts at t0 with these batches (one per attention worker)."""
-        tok, kv, rows, seqs, ptok, pkv = self._shape(batches)
+        tok, kv, rows, out, seqs, ptok, pkv = self._shape(batches)
         (th, th_e), mod, dep = self.dep.pool_threads, self.model, self.dep
         slow = self._slow_at(tok)
         A = self.perf.attention(tok, kv, th, prefill_tokens=ptok, kv_prefill=pkv) * slow
@@ -282,11 +318,66 @@ class Simulator:
             self.busy["attention"] += float(work.sum())
             if trace:
                 self.events.append(("step", "attention", "a0", t0, t0 + float(work[0])))
-            return t0 + self._share_cores(float(work.max()), float(work.sum()) * th, rows)
+            return t0 + self._share_cores(float(work.max()), float(work.sum()) * th, out)
         end, busy_a, busy_e = self._pipeline(t0, tok, A, H, S, trace)
         self.busy["attention"] += busy_a
         self.busy["experts"] += busy_e
-        return t0 + self._share_cores(end - t0, busy_a * th + busy_e * th_e, rows)
+        return t0 + self._share_cores(end - t0, busy_a * th + busy_e * th_e, out)
+
+    # -- speculative decoding (Speculation) --------------------------------------------------------
+    def _draft(self, wk: _Worker, draws: np.random.Generator) -> None:
+        """Before a step, as the engine's _draft: drafts for wk's decoding sequences while speculation
+        is on there, each with the number its verification will accept, drawn now."""
+        spec = self.spec
+        if len(wk.sched.running) > spec.disable_by_batch_size:
+            return
+        for seq in wk.sched.running:
+            if seq.num_draft_tokens or seq.num_computed_tokens != seq.num_tokens - 1:
+                continue
+            if seq.spec_skip:
+                seq.spec_skip -= 1
+                continue
+            room = min(spec.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1)
+            if room > 0:
+                u = draws.random()
+                self._accept[id(seq)] = sum(u < a for a in spec.acceptance[:room])
+                seq.token_ids.extend([1] * room)
+                seq.num_draft_tokens = room
+
+    def _accepted(self, seq: Sequence) -> int:
+        """The drafts seq's verification accepts (of those the scheduler kept)."""
+        return min(self._accept.get(id(seq), 0), seq.num_draft_tokens)
+
+    def _drafting(self, workers: list[_Worker], batches: list[ScheduledBatch]) -> float:
+        """The MTP layer's passes after a step, as the engine's _mtp_propose runs them on each worker
+        where speculation stays on: one over every position a sequence still running kept (a
+        verification's 1 + accepted rows, a decode's one, a prompt chunk's whole), then k - 1 chained
+        one-row passes over the sequences that draft next. Returns the slowest worker's time (they
+        step together)."""
+        spec, th = self.spec, self.dep.pool_threads[0]
+        worst = 0.0
+        for wk, b in zip(workers, batches):
+            rows = prefill = chained = longest = finished = 0
+            for seq, n, sampled in zip(b.seqs, b.num_new_tokens, b.sample):
+                emit = (1 + self._accepted(seq)) if seq.num_draft_tokens else int(sampled)
+                outputs = seq.num_output_tokens - seq.num_draft_tokens + emit
+                if outputs >= seq.max_tokens:
+                    finished += 1
+                    continue
+                kept = emit if seq.num_draft_tokens else n
+                if kept > 1 + spec.num_speculative_tokens:
+                    prefill += kept
+                else:
+                    rows += kept
+                if sampled:  # it decodes next: its drafts after the first come from chained passes
+                    more = max(0, min(spec.num_speculative_tokens, seq.max_tokens - outputs - 1) - 1)
+                    chained, longest = chained + more, max(longest, more)
+            if not (rows or prefill) or len(wk.sched.running) - finished > spec.disable_by_batch_size:
+                continue
+            passes = 1 + longest
+            worst = max(worst, float(self.perf.mtp(rows + chained, passes, prefill, th)) * self.slow)
+        self.busy["attention"] += worst
+        return worst
 
     def _slow_at(self, tokens):
         """The factor on calls of `tokens` tokens: by their size where both pools compute at once
@@ -492,6 +583,7 @@ class Simulator:
         from planner.metrics import summarize
 
         dep, rng = self.dep, np.random.default_rng(wl.seed)
+        draws = np.random.default_rng([wl.seed, 1])  # speculation's acceptance
         if np.isfinite(wl.request_rate):
             arrivals = np.cumsum(rng.exponential(1.0 / wl.request_rate, wl.num_prompts))
         else:
@@ -512,7 +604,7 @@ class Simulator:
         t, step, done = 0.0, 0, 0
         per_request, front_free = self.perf.front_request(), 0.0
         # one simulator may run more than one workload
-        self._front_backlog, self._delivering, self.events = 0.0, 0.0, []
+        self._front_backlog, self._delivering, self.events, self._accept = 0.0, 0.0, [], {}
         self.busy = {"attention": 0.0, "experts": 0.0}
         while done < wl.num_prompts:
             while pending and free_slots:  # a free slot goes to the next request, from its arrival
@@ -535,8 +627,13 @@ class Simulator:
             if not any(wk.sched.has_work() for wk in workers):
                 t = max(t, inbox[0][0])
                 continue
+            if self.spec is not None:
+                for wk in workers:
+                    self._draft(wk, draws)
             batches = [wk.sched.schedule() for wk in workers]
             t = self.step_time(t, batches, step)
+            if self.spec is not None:
+                t += self._drafting(workers, batches)
             step += 1
             seen = self._delivered(t)
             front_free = self._hold_in_front(t, front_free, inbox, send, per_request / self._front_share)
@@ -546,8 +643,16 @@ class Simulator:
                     if not sampled:
                         continue
                     r, w = owner[id(seq)]
-                    seq.token_ids.append(1)
-                    times[r].append(seen)
+                    emit = 1
+                    if seq.num_draft_tokens:  # verified: the token before the drafts and those accepted
+                        emit += self._accepted(seq)
+                        del self._accept[id(seq)]
+                        seq.drop_drafts()
+                        wk.sched.computed(seq, emit)
+                        seq.spec_misses = 0 if emit > 1 else min(seq.spec_misses + 1, 8)
+                        seq.spec_skip = backoff(seq.spec_misses, TOLERATED_MISSES["mtp"])
+                    seq.token_ids.extend([1] * emit)
+                    times[r].extend([seen] * emit)
                     if seq.num_output_tokens >= seq.max_tokens:
                         wk.sched.finish(seq, "length")
                         wk.queued_tokens -= wl.input_len + wl.output_len

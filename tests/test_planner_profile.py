@@ -267,3 +267,29 @@ def test_profile_quantization_reaches_every_measurement(tmp_path, make_checkpoin
     assert load_profile(str(path), str(ckpt), "int8")["model"]["quantization"] == "int8"
     with pytest.raises(PlannerError, match="was measured with quantization int8, not none"):
         load_profile(str(path), str(ckpt), None)
+
+
+def test_profile_times_mtp_drafting_and_measures_its_acceptance(make_checkpoint, tmp_path):
+    """A checkpoint with an MTP layer: every mtp_draft call of real drafting engines (k = 1 and 3) is a
+    sample with its rows, passes and prompt rows, the fit has them, and the acceptance per position is
+    a non-increasing share; a checkpoint without one has neither."""
+    import torch
+
+    from models.config import ModelConfig
+    from planner.profile import MTP_DRAFTS, MTP_TERMS, ProfileOptions, measure_mtp
+    from tests.test_mtp import add_mtp_layer
+
+    ckpt = add_mtp_layer(make_checkpoint("mixtral"), tmp_path / "mtp", seed=2)
+    raw = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 1}))
+    opts = ProfileOptions(str(ckpt), torch.float32, threads=(1,), repeats=1, batches=(1, 4, 128))
+    samples, acceptance = measure_mtp(opts, ModelConfig.from_pretrained(str(ckpt)))
+    assert {s["k"] for s in samples} == set(MTP_DRAFTS) and {s["seqs"] for s in samples} >= {1, 4}
+    assert max(s["seqs"] for s in samples) <= 4  # (batches above MTP_MAX_BATCH are not drafted for)
+    assert any(s["prefill_tokens"] for s in samples) and any(s["passes"] == max(MTP_DRAFTS) for s in samples)
+    assert all(s["passes"] == 1 for s in samples if s["k"] == 1) and all(s["mtp_s"] > 0 for s in samples)
+    assert len(acceptance) == max(MTP_DRAFTS) and all(1 >= a >= b >= 0 for a, b in zip(acceptance, acceptance[1:]))
+    fit = fit_linear(samples, [s["mtp_s"] for s in samples], MTP_TERMS)
+    assert fit(rows=4, passes=3, prefill_tokens=0) > 0
+    plain = make_checkpoint("mixtral")
+    assert measure_mtp(opts.__class__(str(plain), torch.float32), ModelConfig.from_pretrained(str(plain))) == ([], None)

@@ -577,6 +577,24 @@ def test_committed_planner_results_replay_to_their_predictions(capsys):
             assert new["pred_round_tok_s"] == pytest.approx(old["pred_round_tok_s"][:2], rel=1e-6), name
 
 
+def test_committed_speculative_planner_results_replay_to_their_predictions(capsys):
+    """bench/results/planner_mtp_epyc_quick.json (`bench/planner.py --speculative --quick`): its plain and
+    MTP rows, replayed from the stored profile with the speculation model as it is, come out as stored,
+    and the speculative rows were predicted at the profile's acceptance."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "results" / "planner_mtp_epyc_quick.json"
+    stored = json.loads(path.read_text())["rows"]
+    rows = _bench_planner().replay(path)
+    capsys.readouterr()
+    assert len(rows) == len(stored) and sum("mtp" in r["deployment"] for r in rows) >= 2
+    for new, old in zip(rows, stored):
+        assert new["pred_tok_s"] == pytest.approx(old["pred_tok_s"], rel=1e-6), new["deployment"]
+        assert new["pred_tpot_ms"] == pytest.approx(old["pred_tpot_ms"], rel=1e-6), new["deployment"]
+        if "mtp" in old["deployment"]:
+            assert len(old["pred_acceptance"]) == 2 and len(old["meas_acceptance"]) == 2
+
+
 def test_the_plans_pick_is_paired_against_the_best_row_in_alternating_runs(monkeypatch):
     """bench/planner.py judges the pick in alternating runs, A B, B A, ..., each on a server of its own
     started for it (only one deployment on the host at a time): the median of the rounds' ratios,
@@ -647,7 +665,7 @@ def test_rounds_measure_every_deployment_in_alternating_order_each_after_a_profi
         log.append(("profile",))
         return {"speed": 1 + 0.1 * (len([e for e in log if e[0] == "run"]))}  # profiled as fast as the host is
 
-    def predict(profile, dep, wl, output_len):
+    def predict(profile, dep, wl, output_len, flags=()):
         tok = {"A": 100.0, "B": 200.0, "C": 300.0}[dep] * profile["speed"]
         return {"output_throughput": tok, "mean_tpot_ms": 1000 / tok, "mean_ttft_ms": 1.0, "attention_busy": 0.5,
                 "expert_busy": None}
@@ -708,3 +726,91 @@ def test_rounds_refuse_fresh_profiles_and_nonpositive_counts(monkeypatch, capsys
         bp.main()
     assert e.value.code == 2
     assert "--rounds" in capsys.readouterr().err
+
+
+def spec_profile(pass_ms=1.0, row_ms=0.0) -> dict:
+    p = profile(a=1.0, e=2.0, layers=4)  # every colocated step: 4 x (1 + 2) = 12 ms
+    p["fits"]["1"]["mtp"] = fit(("rows", "passes", "prefill_tokens"), (row_ms * MS, pass_ms * MS, 0.0))
+    p["mtp_acceptance"] = [0.5, 0.25]
+    return p
+
+
+def test_speculation_emits_accepted_drafts_and_pays_the_mtp_passes():
+    """One request, k = 2, every draft accepted: the prompt's step emits 1 token, then each verify step
+    3 (7 tokens in 3 steps, against 7 plain ones); after the first two steps the MTP layer runs a pass
+    over the kept rows and a chained one (2 passes x 1 ms); after the last, the sequence is done: none."""
+    from planner.simulate import Speculation
+
+    p, wl = spec_profile(), Workload(num_prompts=1, input_len=8, output_len=7)
+    plain = sim(p, colocated=True).run(wl)
+    s = Simulator(ProfilePerf(p), SimModel.from_profile(p), Deployment(colocated=True),
+                  spec=Speculation(2, (1.0, 1.0), disable_by_batch_size=8))
+    r = s.run(wl)
+    assert plain["steps"] == 7 and plain["duration"] == pytest.approx(84 * MS)
+    assert r["steps"] == 3 and r["total_output_tokens"] == 7
+    assert r["duration"] == pytest.approx((3 * 12 + 2 * 2) * MS)
+    # none accepted: every step emits one token and still pays for drafting
+    r0 = Simulator(ProfilePerf(p), SimModel.from_profile(p), Deployment(colocated=True),
+                   spec=Speculation(2, (0.0, 0.0), disable_by_batch_size=8)).run(wl)
+    assert r0["steps"] == 7 and r0["duration"] > plain["duration"]
+
+
+def test_speculation_draws_acceptance_per_position_and_switches_off_above_its_batch_size():
+    from planner.simulate import Speculation
+
+    p = spec_profile(pass_ms=0.0)
+    wl = Workload(num_prompts=1, input_len=8, output_len=241)
+    spec = Speculation(2, (0.9, 0.5), disable_by_batch_size=8)
+    r = Simulator(ProfilePerf(p), SimModel.from_profile(p), Deployment(colocated=True), spec=spec).run(wl)
+    # 240 tokens after the prompt's at 2.4 a verify step (whole rejections, which back off, are rare)
+    assert spec.mean_accept_len() == pytest.approx(2.4)
+    assert 240 / 2.4 * 0.9 < r["steps"] - 1 < 240 / 2.4 * 1.1
+    # 16 running > disable_by_batch_size 8: no drafts, the plain run's steps
+    wl16 = Workload(num_prompts=16, input_len=8, output_len=20)
+    on = Simulator(ProfilePerf(p), SimModel.from_profile(p), Deployment(colocated=True),
+                   spec=Speculation(2, (1.0, 1.0), disable_by_batch_size=8)).run(wl16)
+    assert on["steps"] == sim(p, colocated=True).run(wl16)["steps"] == 20
+    with pytest.raises(ValueError, match="non-increasing"):
+        Speculation(2, (0.3, 0.6), 8)
+    with pytest.raises(ValueError, match="each of the 3 draft positions"):
+        Speculation(3, (0.3, 0.2), 8)
+
+
+def test_verification_rows_are_decode_rows_and_every_one_is_sampled():
+    from planner.simulate import Speculation
+
+    p = spec_profile()
+    s = Simulator(ProfilePerf(p), SimModel.from_profile(p), Deployment(colocated=True),
+                  spec=Speculation(2, (1.0, 0.5), disable_by_batch_size=8))
+    seq = Sequence("0", 0, [1] * 9, 8, SamplingParams(), 16, 0)
+    seq.num_computed_tokens = 8
+    seq.token_ids += [1, 1]
+    seq.num_draft_tokens = 2
+    s._accept[id(seq)] = 1
+    tok, kv, rows, out, seqs, ptok, pkv = s._shape([ScheduledBatch([seq], [3], [True])])
+    assert tok[0, 0] == 3 and rows[0, 0] == 3 and out[0, 0] == 2 and ptok[0, 0] == 0 and pkv[0, 0] == 0
+
+
+def test_simulate_command_models_speculative_mtp(tmp_path, capsys):
+    from server.cli import main
+
+    prof, out = tmp_path / "p.json", tmp_path / "r.json"
+    prof.write_text(json.dumps(spec_profile()))
+    base = ["simulate", "--profile", str(prof), "--colocated", "--num-prompts", "2", "--input-len", "8",
+            "--output-len", "16", "--json", str(out)]
+    assert main(base + ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']) == 0
+    r = json.loads(out.read_text())
+    assert r["speculative"]["acceptance"] == [0.5, 0.25] and r["speculative"]["mean_accept_len"] == 1.75
+    assert main(base + ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}',
+                        "--spec-acceptance", "0.9"]) == 0
+    assert json.loads(out.read_text())["speculative"]["acceptance"] == [0.9]
+    capsys.readouterr()
+    assert main(base + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']) == 2
+    assert "models speculative method mtp" in capsys.readouterr().err
+    assert main(base + ["--spec-acceptance", "0.5"]) == 2
+    assert "--spec-acceptance needs --speculative-config" in capsys.readouterr().err
+    no_mtp = tmp_path / "q.json"
+    no_mtp.write_text(json.dumps(profile()))
+    assert main(["simulate", "--profile", str(no_mtp), "--colocated", "--speculative-config",
+                 '{"method": "mtp", "num_speculative_tokens": 1}']) == 2
+    assert "no MTP drafting samples" in capsys.readouterr().err
