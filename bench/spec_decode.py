@@ -6,9 +6,9 @@ from its held-out documents, greedy, EOS ignored, --output-len new tokens each, 
 - "copy": a document's first --doc-tokens tokens, a blank line, then its first 8 tokens again, so
   the continuation can copy the prompt (the case prompt lookup is for: code edits, quoting);
 - "plain": the document's first --doc-tokens tokens alone (n-gram drafts come only from repeats).
-Per workload and batch: output tokens/s of the whole generate (prefill included) and TPOT (time per
-output token of a sequence: (the generate's time - a 1-token generate's, prefill only) / (output-len -
-1)), the median of --rounds rounds after a warm-up run of each, every engine alternated within a
+Batch 1 is --solo-prompts prompts (4), each generated alone, one after another. Per workload and batch:
+output tokens/s of the whole generate (prefill included) and TPOT (time per output token of a sequence:
+(the generate's time - a 1-token generate's, prefill only) / (output-len - 1)), the median of --rounds rounds after a warm-up run of each, every engine alternated within a
 round: "off" (no speculation), ngram with k = --ks drafts (prompt_lookup 1..3) and mtp (the
 checkpoint's MTP layer, chained) with k = --mtp-ks, both never switched off (disable_by_batch_size
 above the batch), and "auto": the best k of each method at the first batch (ngram: on copy, mtp: on
@@ -18,12 +18,12 @@ per verify step, vLLM's definition). Greedy outputs are checked to equal "off"'s
 the verify pass rounds differently, so near-ties may differ: reported, not failed).
 
     python bench/spec_decode.py [--quick] [--methods ngram mtp] [--batches 1 16 64] [--ks 1 2 3]
-                                [--mtp-ks 1 2 3] [--rounds 3]
+                                [--mtp-ks 1 2 3] [--rounds 3] [--solo-prompts 4]
     python bench/spec_decode.py --breakdown [--mtp-ks 1 2 3] [--dtype float32] [--rounds 5]
 
 Writes bench/results/spec_decode.json (--quick: spec_decode_quick.json), with the host named.
 
---breakdown: where a step's time goes at batch 1 (plain workload, one prompt): for "off" and mtp with each
+--breakdown: where a step's time goes at batch 1 (plain workload, the solo prompts): for "off" and mtp with each
 k, the fastest of --rounds (at least 5) generates, its steps, and per step the target's forward (a plain decode
 step's one row, or the verify step's 1 + k rows: ModelRunner.execute), the MTP drafting
 (ModelRunner.mtp_draft: the layer over the kept rows, chained k - 1 times, and its head) and the rest
@@ -63,18 +63,26 @@ def spec(method: str, k: int, disable: int) -> dict:
             "disable_by_batch_size": disable}
 
 
-def run(llm: LLM, ps: list[list[int]], params: SamplingParams) -> tuple[float, float, list[list[int]]]:
-    """(output tokens/s, seconds, greedy ids) of one generate."""
+def batches_of(tok, batch: int, doc_tokens: int, copy: bool, solo: int) -> list[list[list[int]]]:
+    """The generates of one measurement: `batch` prompts in one generate, or at batch 1 `solo`
+    prompts one generate after another (one prompt's acceptance is that document's luck)."""
+    if batch == 1:
+        return [[p] for p in prompts(tok, solo, doc_tokens, copy)]
+    return [prompts(tok, batch, doc_tokens, copy)]
+
+
+def run(llm: LLM, groups: list[list[list[int]]], params: SamplingParams) -> tuple[float, float, list[list[int]]]:
+    """(output tokens/s, seconds, greedy ids) of the groups' generates, one after another."""
     t0 = time.perf_counter()
-    outs = llm.generate(ps, params)
+    outs = [o for ps in groups for o in llm.generate(ps, params)]
     dt = time.perf_counter() - t0
     return sum(len(o.outputs[0].token_ids) for o in outs) / dt, dt, [o.outputs[0].token_ids for o in outs]
 
 
-def tpot_ms(full: list[float], first: list[float], output_len: int) -> float:
-    """Time per output token of a sequence (ms): the median over rounds of (a whole generate - its
-    1-token generate) / (output_len - 1)."""
-    return 1e3 * statistics.median((f - p) / max(1, output_len - 1) for f, p in zip(full, first))
+def tpot_ms(full: list[float], first: list[float], output_len: int, generates: int = 1) -> float:
+    """Time per output token of a sequence (ms): the median over rounds of (the whole generates - their
+    1-token generates) / (output_len - 1) / the number of generates."""
+    return 1e3 * statistics.median((f - p) / max(1, output_len - 1) / generates for f, p in zip(full, first))
 
 
 def breakdown(args: argparse.Namespace, params: SamplingParams) -> None:
@@ -101,13 +109,13 @@ def breakdown(args: argparse.Namespace, params: SamplingParams) -> None:
         for label, cfg in [("off", None), *((f"mtp k={k}", spec("mtp", k, 10 ** 6)) for k in args.mtp_ks)]:
             llm = LLM(None, dtype=args.dtype, num_kv_blocks=args.kv_blocks, speculative_config=cfg)
             try:
-                ps = prompts(llm.tokenizer, 1, args.doc_tokens, False)
-                llm.generate(ps, params)  # warm-up
+                groups = batches_of(llm.tokenizer, 1, args.doc_tokens, False, args.solo_prompts)
+                run(llm, groups, params)  # warm-up
                 best = None
                 for _ in range(args.rounds):
                     spent.clear()
                     t0 = time.perf_counter()
-                    llm.generate(ps, params)
+                    run(llm, groups, params)
                     took = (time.perf_counter() - t0, dict(spent))
                     best = took if best is None or took[0] < best[0] else best
             finally:
@@ -117,8 +125,8 @@ def breakdown(args: argparse.Namespace, params: SamplingParams) -> None:
             fwd, draft = s["execute"], s.get("mtp_draft", 0.0)
             rows.append({"engine": label, "generate_ms": 1e3 * dt, "steps": steps, "step_ms": 1e3 * dt / steps,
                          "forward_ms": 1e3 * fwd / steps, "draft_ms": 1e3 * draft / steps,
-                         "rest_ms": 1e3 * (dt - fwd - draft) / steps, "tok_s": args.output_len / dt,
-                         "tok_s_draft_free": args.output_len / (dt - draft)})
+                         "rest_ms": 1e3 * (dt - fwd - draft) / steps, "tok_s": len(groups) * args.output_len / dt,
+                         "tok_s_draft_free": len(groups) * args.output_len / (dt - draft)})
     finally:
         for name, f in originals.items():
             setattr(ModelRunner, name, f)
@@ -141,6 +149,7 @@ def main() -> None:
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3], help="ngram drafts")
     p.add_argument("--mtp-ks", type=int, nargs="+", default=[1, 2, 3], help="mtp drafts")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--solo-prompts", type=int, default=4, help="batch 1: this many prompts, one generate each")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--doc-tokens", type=int, default=96)
     p.add_argument("--dtype", default="float32")
@@ -170,7 +179,7 @@ def main() -> None:
         for copy in (True, False):
             workload = "copy" if copy else "plain"
             for b in args.batches:
-                ps = prompts(tok, b, args.doc_tokens, copy)
+                ps = batches_of(tok, b, args.doc_tokens, copy, args.solo_prompts)
                 names = list(engines)
                 rates, secs, firsts = ({n: [] for n in names} for _ in range(3))
                 before = {n: dict(e.engine.stats().get("spec_decode") or {}) for n, e in engines.items()}
@@ -195,7 +204,7 @@ def main() -> None:
                     drafts = spec_stats.get("num_drafts", 0) - before[n].get("num_drafts", 0)
                     tput = statistics.median(rates[n])
                     rows.append({"workload": workload, "batch": b, "engine": n, "tok_s": tput,
-                                 "vs_off": tput / base, "tpot_ms": tpot_ms(secs[n], firsts[n], args.output_len),
+                                 "vs_off": tput / base, "tpot_ms": tpot_ms(secs[n], firsts[n], args.output_len, len(ps)),
                                  "acceptance": accepted / drafted if drafted else None,
                                  "mean_accept_len": 1 + accepted / drafts if drafts else None,
                                  "greedy_equal": None if n == "off" else all(ids == want for ids in same[n])})
@@ -213,7 +222,7 @@ def main() -> None:
                 for copy in (True, False):
                     workload = "copy" if copy else "plain"
                     for b in args.batches:
-                        ps = prompts(tok, b, args.doc_tokens, copy)
+                        ps = batches_of(tok, b, args.doc_tokens, copy, args.solo_prompts)
                         rates, secs, firsts = ({"off": [], "auto": []} for _ in range(3))
                         run(auto, ps, params)
                         for r in range(args.rounds):
@@ -226,7 +235,7 @@ def main() -> None:
                         rows.append({"workload": workload, "batch": b, "engine": name,
                                      "tok_s": statistics.median(rates["auto"]),
                                      "vs_off": statistics.median(a / o for a, o in zip(rates["auto"], rates["off"])),
-                                     "tpot_ms": tpot_ms(secs["auto"], firsts["auto"], args.output_len),
+                                     "tpot_ms": tpot_ms(secs["auto"], firsts["auto"], args.output_len, len(ps)),
                                      "acceptance": None, "mean_accept_len": None, "greedy_equal": None})
                         per_round[f"{workload}/{b}/{name}"] = rates["auto"]
             finally:
