@@ -201,13 +201,6 @@ class RooflinePerf:
         """(A CPU engine's measurement; none for a catalogue device.)"""
         return 0.0 * np.asarray(tokens, dtype=float)
 
-    def mtp(self, rows, passes, prefill_tokens=0, threads: int = 1):
-        """Each pass as one more layer's attention side and the LM head over its rows (the MTP layer's
-        MLP counted as the average layer's dense part)."""
-        rows = np.asarray(rows, dtype=float) + np.asarray(prefill_tokens, dtype=float)
-        per_pass = rows / np.maximum(np.asarray(passes, dtype=float), 1.0)
-        return np.asarray(passes, dtype=float) * (self.attention(per_pass, 0.0) + self.head(per_pass, per_pass))
-
     def experts(self, pairs, active, threads: int = 1):
         c = self.shape.config
         pairs, active = np.asarray(pairs, dtype=float), np.asarray(active, dtype=float)

@@ -814,3 +814,6 @@ def test_simulate_command_models_speculative_mtp(tmp_path, capsys):
     assert main(["simulate", "--profile", str(no_mtp), "--colocated", "--speculative-config",
                  '{"method": "mtp", "num_speculative_tokens": 1}']) == 2
     assert "no MTP drafting samples" in capsys.readouterr().err
+    assert main(["simulate", "--plan", str(no_mtp), "--speculative-config",
+                 '{"method": "mtp", "num_speculative_tokens": 1}']) == 2
+    assert "--speculative-config needs --profile" in capsys.readouterr().err
