@@ -239,6 +239,11 @@ def _simulate(args: argparse.Namespace) -> int:
                             "transport": dep.transport, "quantization": profile["model"].get("quantization")}
     print(format_metrics(result, f"simulated: {_describe(dep)}{_experts(result['deployment']['quantization'])} on "
                                  f"{profile['host']['cpu']}"))
+    if spec is not None:
+        where = "--spec-acceptance" if args.spec_acceptance else "the profile's, on random prompts"
+        print(f"speculative mtp, k = {spec.num_speculative_tokens} while at most {spec.disable_by_batch_size} run: "
+              f"acceptance per position {' / '.join(f'{a:.2f}' for a in spec.acceptance[:spec.num_speculative_tokens])}"
+              f" ({where}), {spec.mean_accept_len():.2f} tokens per verify step")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}")
