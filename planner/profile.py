@@ -454,7 +454,7 @@ def measure_native_decode(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     return samples
 
 
-def measure_mtp(opts: ProfileOptions, cfg: ModelConfig) -> tuple[list[dict], dict | None]:
+def measure_mtp(opts: ProfileOptions, cfg: ModelConfig) -> tuple[list[dict], list[float] | None]:
     """Speculative method mtp's drafting as a colocated engine runs it: a real LLMEngine with the
     checkpoint's MTP layer drafting k (MTP_DRAFTS) for b random 32-token prompts (opts.batches up to
     MTP_MAX_BATCH), greedy, 24 new tokens each; every ModelRunner.mtp_draft call timed with its
@@ -462,7 +462,7 @@ def measure_mtp(opts: ProfileOptions, cfg: ModelConfig) -> tuple[list[dict], dic
     one, plus the chained passes' rows), passes (the layer's runs) and prefill_tokens (prompt-chunk
     rows). Returns (samples, acceptance): acceptance[j] is the share of drafted steps at the largest k
     whose draft j was accepted (vLLM's per-position rate), on these random prompts. ([], None) for a
-    checkpoint without MTP layers."""
+    checkpoint without MTP layers, or one the engine does not speculate on (its reason logged)."""
     if not cfg.num_mtp_layers:
         return [], None
     from attention_nodes.config import SpeculativeConfig
@@ -472,11 +472,15 @@ def measure_mtp(opts: ProfileOptions, cfg: ModelConfig) -> tuple[list[dict], dic
     rng, samples, acceptance = torch.Generator().manual_seed(0), [], None
     for k in MTP_DRAFTS:
         B = max(batches)
-        engine = LLMEngine(EngineConfig(
-            opts.model, dtype=opts.dtype, quantization=opts.quantization,
-            scheduler=SchedulerConfig(max_num_seqs=B, max_num_batched_tokens=max(2048, 8 * B)),
-            cache=CacheConfig(16, B * blocks_for(prompt + new + k + 2, 16) + 4, enable_prefix_caching=False),
-            speculative=SpeculativeConfig("mtp", k, disable_by_batch_size=10 ** 6)))
+        try:
+            engine = LLMEngine(EngineConfig(
+                opts.model, dtype=opts.dtype, quantization=opts.quantization,
+                scheduler=SchedulerConfig(max_num_seqs=B, max_num_batched_tokens=max(2048, 8 * B)),
+                cache=CacheConfig(16, B * blocks_for(prompt + new + k + 2, 16) + 4, enable_prefix_caching=False),
+                speculative=SpeculativeConfig("mtp", k, disable_by_batch_size=10 ** 6)))
+        except ValueError as e:  # (e.g. a model whose per-sequence state cannot take back rejected drafts)
+            log.info("no MTP drafting samples: %s", e)
+            return [], None
         runner, draft = engine.runner, engine.runner.mtp_draft
         threads_now = [1]
 

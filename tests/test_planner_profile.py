@@ -293,3 +293,9 @@ def test_profile_times_mtp_drafting_and_measures_its_acceptance(make_checkpoint,
     assert fit(rows=4, passes=3, prefill_tokens=0) > 0
     plain = make_checkpoint("mixtral")
     assert measure_mtp(opts.__class__(str(plain), torch.float32), ModelConfig.from_pretrained(str(plain))) == ([], None)
+    # a model the engine does not speculate on (its linear-attention state cannot take back drafts)
+    hybrid = make_checkpoint("qwen3_next")
+    raw = json.loads((hybrid / "config.json").read_text())
+    (hybrid / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 1}))
+    cfg = ModelConfig.from_pretrained(str(hybrid))
+    assert cfg.num_mtp_layers == 1 and measure_mtp(opts.__class__(str(hybrid), torch.float32), cfg) == ([], None)
