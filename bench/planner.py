@@ -261,7 +261,10 @@ def speculation(flags: list[str], profile: dict):
     if "--speculative-config" not in flags:
         return None
     cfg = SpeculativeConfig.parse(flags[flags.index("--speculative-config") + 1])
-    a = profile["mtp_acceptance"]
+    a = profile.get("mtp_acceptance")
+    if not a:
+        raise SystemExit(f"the profile of {profile['model']['path']} measured no MTP acceptance: a checkpoint with "
+                         "MTP layers that the engine drafts with is needed for speculative rows")
     return Speculation(cfg.num_speculative_tokens, tuple(a) + (a[-1],) * (cfg.num_speculative_tokens - len(a)),
                        cfg.disable_by_batch_size)
 
@@ -351,7 +354,8 @@ def make_row(name: str, dname: str, runs: list[dict], st: dict, args) -> dict:
            "pred_attn_busy": p["attention_busy"], "pred_expert_busy": p["expert_busy"], "workload": wl}
     spec = speculation(flags, st["profile"])
     if spec is not None:
-        row.update(pred_acceptance=list(spec.acceptance[:spec.num_speculative_tokens]),
+        row.update(profile_acceptance=list(spec.acceptance[:spec.num_speculative_tokens]),
+                   pred_acceptance=p["spec_decode_per_position_acceptance_rates"],
                    meas_acceptance=m.get("spec_decode_per_position_acceptance_rates"))
     if len(st["round_profiles"]) > 1:
         row.update(rounds_errors(st["round_profiles"], dep, wl, args.output_len, row, flags))

@@ -156,6 +156,8 @@ def main() -> None:
     p.add_argument("--kv-blocks", type=int, default=1024, help="KV cache blocks of each engine (16 tokens each)")
     p.add_argument("--breakdown", action="store_true", help="per-step costs at batch 1 instead (module docstring)")
     args = p.parse_args()
+    if args.solo_prompts < 1:
+        p.error("--solo-prompts must be at least 1")
     if args.breakdown:
         args.rounds = max(args.rounds, 5)
         return breakdown(args, SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True))

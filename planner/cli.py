@@ -198,7 +198,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from planner.simulate import Deployment, SimModel, Simulator, Workload
 
     if args.plan is not None:
-        if args.speculative_config is not None:
+        if args.speculative_config is not None or args.spec_acceptance is not None:
             raise PlannerError("--speculative-config needs --profile (a host's measured MTP drafting), not --plan")
         return _simulate_plan(args)
     if args.profile is None:

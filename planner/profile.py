@@ -37,6 +37,7 @@ every runner, engine, expert sample and served run holds its experts as serving 
 (EngineConfig.quantization, expert_nodes.worker.pack_for_cpu), and the profile records it: a
 profile is used only for the quantization it was measured with (planner.cli.load_profile).
 """
+import itertools
 import json
 import logging
 import os
@@ -460,8 +461,10 @@ def measure_mtp(opts: ProfileOptions, cfg: ModelConfig) -> tuple[list[dict], lis
     MTP_MAX_BATCH), greedy, 24 new tokens each; every ModelRunner.mtp_draft call timed with its
     features: rows (the first pass's one-token rows, a verification's kept 1 + accepted or a decode's
     one, plus the chained passes' rows), passes (the layer's runs) and prefill_tokens (prompt-chunk
-    rows). Returns (samples, acceptance): acceptance[j] is the share of drafted steps at the largest k
-    whose draft j was accepted (vLLM's per-position rate), on these random prompts. ([], None) for a
+    rows). Returns (samples, acceptance): acceptance[j] is, of the draft sets at the largest k that had a
+    draft j, the share whose draft j was accepted (simulate.Speculation's meaning: a set cut short at a
+    block's end or near max_tokens counts only at the positions it has), on these random prompts;
+    the first call of each engine is a warm-up, not a sample. ([], None) for a
     checkpoint without MTP layers, or one the engine does not speculate on (its reason logged)."""
     if not cfg.num_mtp_layers:
         return [], None
@@ -481,13 +484,21 @@ def measure_mtp(opts: ProfileOptions, cfg: ModelConfig) -> tuple[list[dict], lis
         except ValueError as e:  # (e.g. a model whose per-sequence state cannot take back rejected drafts)
             log.info("no MTP drafting samples: %s", e)
             return [], None
-        runner, draft = engine.runner, engine.runner.mtp_draft
-        threads_now = [1]
+        runner, draft, count = engine.runner, engine.runner.mtp_draft, engine.spec_stats.count
+        threads_now, calls, reached = [1], [0], [0] * k
+
+        def counted(drafted: int, accepted: int) -> None:
+            for j in range(drafted):
+                reached[j] += 1
+            count(drafted, accepted)
 
         def timed(batch, starts, num_drafts, temperatures=None):
             t0 = time.perf_counter()
             out = draft(batch, starts, num_drafts, temperatures)
             dt = time.perf_counter() - t0
+            calls[0] += 1
+            if calls[0] == 1:  # (first calls: buffers, kernel choices)
+                return out
             rows = prefill = 0
             for seq, c, n, want in zip(batch.seqs, starts, batch.num_new_tokens, num_drafts):
                 kept = min(seq.num_computed_tokens - c, len(seq.token_ids) - 1 - c, n)
@@ -503,7 +514,7 @@ def measure_mtp(opts: ProfileOptions, cfg: ModelConfig) -> tuple[list[dict], lis
                                 "passes": 1 + max(chained, default=0), "prefill_tokens": prefill, "mtp_s": dt})
             return out
 
-        runner.mtp_draft = timed
+        runner.mtp_draft, engine.spec_stats.count = timed, counted
         params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
         for threads in opts.threads:
             torch.set_num_threads(threads)
@@ -516,7 +527,8 @@ def measure_mtp(opts: ProfileOptions, cfg: ModelConfig) -> tuple[list[dict], lis
                     engine.step()
         stats = engine.spec_stats
         if k == max(MTP_DRAFTS) and stats.num_drafts:
-            acceptance = [a / stats.num_drafts for a in stats.accepted_per_pos]
+            rates = [a / n if n else 0.0 for a, n in zip(stats.accepted_per_pos, reached)]
+            acceptance = list(itertools.accumulate(rates, min))  # (non-increasing, as Speculation draws them)
     return samples, acceptance
 
 

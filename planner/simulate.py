@@ -148,8 +148,9 @@ class Speculation:
     disable_by_batch_size sequences run on a worker, each decoding sequence gets k drafts (fewer
     near max_tokens), verified as 1 + k decode rows of the next step; after each step the MTP layer
     runs over the positions every sequence kept and chains k - 1 more one-row passes (perf.mtp).
-    acceptance[j]: the share of drafted steps whose draft j was accepted (vLLM's per-position
-    acceptance: accepted_per_pos[j] / num_drafts, non-increasing), drawn per step with the
+    acceptance[j]: of the drafted steps that had a draft j, the share whose draft j was accepted
+    (vLLM's per-position rate, accepted_per_pos[j] / num_drafts, where every draft set is whole; a
+    set is cut short near max_tokens and at a block's end), non-increasing, drawn per step with the
     workload's seed; a draft rejected whole backs off as the engine does (speculative.backoff)."""
 
     num_speculative_tokens: int
@@ -337,12 +338,19 @@ class Simulator:
             if seq.spec_skip:
                 seq.spec_skip -= 1
                 continue
-            room = min(spec.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1)
+            room = self._room(seq, seq.num_output_tokens, seq.num_computed_tokens)
             if room > 0:
                 u = draws.random()
                 self._accept[id(seq)] = sum(u < a for a in spec.acceptance[:room])
                 seq.token_ids.extend([1] * room)
                 seq.num_draft_tokens = room
+
+    def _room(self, seq: Sequence, outputs: int, computed: int) -> int:
+        """The drafts a sequence with `outputs` output tokens and `computed` positions cached gets, as
+        the engine's: k, fewer near max_tokens, and a chain stops at the end of its last block
+        (ModelRunner.mtp_draft: draft j >= 1 runs at position computed - 1 + j, inside the blocks)."""
+        blocks_end = len(seq.block_table) * self.dep.block_size
+        return min(self.spec.num_speculative_tokens, seq.max_tokens - outputs - 1, blocks_end - computed + 1)
 
     def _accepted(self, seq: Sequence) -> int:
         """The drafts seq's verification accepts (of those the scheduler kept)."""
@@ -352,8 +360,8 @@ class Simulator:
         """The MTP layer's passes after a step, as the engine's _mtp_propose runs them on each worker
         where speculation stays on: one over every position a sequence still running kept (a
         verification's 1 + accepted rows, a decode's one, a prompt chunk's whole), then k - 1 chained
-        one-row passes over the sequences that draft next. Returns the slowest worker's time (they
-        step together)."""
+        one-row passes over the sequences that draft next (not those backing off). Returns the slowest
+        worker's time (they step together); every worker's counts as busy."""
         spec, th = self.spec, self.dep.pool_threads[0]
         worst = 0.0
         for wk, b in zip(workers, batches):
@@ -369,14 +377,17 @@ class Simulator:
                     prefill += kept
                 else:
                     rows += kept
-                if sampled:  # it decodes next: its drafts after the first come from chained passes
-                    more = max(0, min(spec.num_speculative_tokens, seq.max_tokens - outputs - 1) - 1)
+                skip = seq.spec_skip  # (a verification's outcome sets it first, as the engine's _sample)
+                if seq.num_draft_tokens:
+                    skip = backoff(0 if emit > 1 else min(seq.spec_misses + 1, 8), TOLERATED_MISSES["mtp"])
+                if sampled and not skip:  # it drafts next: its drafts after the first come from chained passes
+                    more = max(0, self._room(seq, outputs, seq.num_computed_tokens + kept) - 1)
                     chained, longest = chained + more, max(longest, more)
             if not (rows or prefill) or len(wk.sched.running) - finished > spec.disable_by_batch_size:
                 continue
-            passes = 1 + longest
-            worst = max(worst, float(self.perf.mtp(rows + chained, passes, prefill, th)) * self.slow)
-        self.busy["attention"] += worst
+            t = float(self.perf.mtp(rows + chained, 1 + longest, prefill, th)) * self.slow
+            self.busy["attention"] += t
+            worst = max(worst, t)
         return worst
 
     def _slow_at(self, tokens):
@@ -605,6 +616,8 @@ class Simulator:
         per_request, front_free = self.perf.front_request(), 0.0
         # one simulator may run more than one workload
         self._front_backlog, self._delivering, self.events, self._accept = 0.0, 0.0, [], {}
+        # speculation's counters as the engine's SpecStats: draft sets, then accepted drafts per position
+        drafted = [0] * (1 + (self.spec.num_speculative_tokens if self.spec else 0))
         self.busy = {"attention": 0.0, "experts": 0.0}
         while done < wl.num_prompts:
             while pending and free_slots:  # a free slot goes to the next request, from its arrival
@@ -643,15 +656,20 @@ class Simulator:
                     if not sampled:
                         continue
                     r, w = owner[id(seq)]
-                    emit = 1
                     if seq.num_draft_tokens:  # verified: the token before the drafts and those accepted
-                        emit += self._accepted(seq)
+                        emit = 1 + self._accepted(seq)
+                        drafted[0] += 1
+                        for j in range(emit - 1):
+                            drafted[1 + j] += 1
                         del self._accept[id(seq)]
                         seq.drop_drafts()
+                        seq.token_ids.extend([1] * emit)  # (then cached, as the engine's _sample)
                         wk.sched.computed(seq, emit)
                         seq.spec_misses = 0 if emit > 1 else min(seq.spec_misses + 1, 8)
                         seq.spec_skip = backoff(seq.spec_misses, TOLERATED_MISSES["mtp"])
-                    seq.token_ids.extend([1] * emit)
+                    else:
+                        emit = 1
+                        seq.token_ids.append(1)
                     times[r].extend([seen] * emit)
                     if seq.num_output_tokens >= seq.max_tokens:
                         wk.sched.finish(seq, "length")
@@ -663,4 +681,6 @@ class Simulator:
                    expert_busy=(self.busy["experts"] / max(out["duration"], 1e-12) / dep.expert_workers
                                 if not dep.colocated else None),
                    steps=step, estimated=bool(getattr(self.perf, "estimated", False)))
+        if self.spec is not None:  # vLLM's per-position acceptance (accepted_per_pos[j] / num_drafts)
+            out["spec_decode_per_position_acceptance_rates"] = [a / max(drafted[0], 1) for a in drafted[1:]]
         return out

@@ -592,7 +592,7 @@ def test_committed_speculative_planner_results_replay_to_their_predictions(capsy
         assert new["pred_tok_s"] == pytest.approx(old["pred_tok_s"], rel=1e-6), new["deployment"]
         assert new["pred_tpot_ms"] == pytest.approx(old["pred_tpot_ms"], rel=1e-6), new["deployment"]
         if "mtp" in old["deployment"]:
-            assert len(old["pred_acceptance"]) == 2 and len(old["meas_acceptance"]) == 2
+            assert len(old["pred_acceptance"]) == len(old["meas_acceptance"]) == len(old["profile_acceptance"]) == 2
 
 
 def test_the_plans_pick_is_paired_against_the_best_row_in_alternating_runs(monkeypatch):
@@ -748,6 +748,7 @@ def test_speculation_emits_accepted_drafts_and_pays_the_mtp_passes():
     r = s.run(wl)
     assert plain["steps"] == 7 and plain["duration"] == pytest.approx(84 * MS)
     assert r["steps"] == 3 and r["total_output_tokens"] == 7
+    assert r["spec_decode_per_position_acceptance_rates"] == [1.0, 1.0]  # (vLLM's: accepted / draft sets)
     assert r["duration"] == pytest.approx((3 * 12 + 2 * 2) * MS)
     # none accepted: every step emits one token and still pays for drafting
     r0 = Simulator(ProfilePerf(p), SimModel.from_profile(p), Deployment(colocated=True),
@@ -789,6 +790,21 @@ def test_verification_rows_are_decode_rows_and_every_one_is_sampled():
     s._accept[id(seq)] = 1
     tok, kv, rows, out, seqs, ptok, pkv = s._shape([ScheduledBatch([seq], [3], [True])])
     assert tok[0, 0] == 3 and rows[0, 0] == 3 and out[0, 0] == 2 and ptok[0, 0] == 0 and pkv[0, 0] == 0
+
+
+def test_drafts_stop_at_the_end_of_a_sequences_blocks_and_near_max_tokens():
+    """As ModelRunner.mtp_draft: a chain stops at the end of the sequence's last block (a sequence whose
+    cached positions fill its blocks gets one draft); max_tokens cuts it too."""
+    from planner.simulate import Speculation
+
+    p = spec_profile()
+    s = Simulator(ProfilePerf(p), SimModel.from_profile(p), Deployment(colocated=True),
+                  spec=Speculation(3, (1.0, 1.0, 1.0), disable_by_batch_size=8))
+    seq = Sequence("0", 0, [1] * 17, 16, SamplingParams(), 64, 0)
+    seq.block_table = [0]
+    assert s._room(seq, 1, 16) == 1 and s._room(seq, 1, 14) == 3 and s._room(seq, 62, 10) == 1
+    seq.block_table = [0, 1]
+    assert s._room(seq, 1, 16) == 3
 
 
 def test_simulate_command_models_speculative_mtp(tmp_path, capsys):
