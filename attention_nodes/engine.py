@@ -27,7 +27,7 @@ from attention_nodes.sampler import Sampler, SamplingRow
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import ScheduledBatch, Scheduler
 from attention_nodes.sequence import Sequence, SequenceStatus
-from attention_nodes.speculative import TOLERATED_MISSES, SpecStats, backoff, propose_ngram
+from attention_nodes.speculative import SpecStats, after_verify, propose_ngram
 from attention_nodes.structured import GrammarCache
 from kernels.sampling import compute_logprobs
 from models.config import ModelConfig
@@ -341,8 +341,7 @@ class LLMEngine:
             if d:
                 accepted = next((a for a, (t, x) in enumerate(zip(got, d)) if t != x), min(len(got), len(d)))
                 self.spec_stats.count(len(d), accepted)
-                seq.spec_misses = 0 if accepted else min(seq.spec_misses + 1, 8)
-                seq.spec_skip = backoff(seq.spec_misses, TOLERATED_MISSES[self.spec.method])
+                seq.spec_misses, seq.spec_skip = after_verify(seq.spec_misses, accepted, self.spec.method)
                 self.scheduler.computed(seq, 1 + accepted)  # the token before the drafts, and those accepted
             if reason:
                 self.scheduler.finish(seq, reason, stop_reason)

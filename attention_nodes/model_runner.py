@@ -266,7 +266,7 @@ class ModelRunner:
         offset = 0
         for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             c = starts[b]
-            kept = min(seq.num_computed_tokens - c, len(seq.token_ids) - 1 - c, n)
+            kept = kept_positions(seq, c, n)
             if num_drafts[b] >= 0 and kept > 0:
                 spans.append((offset, kept))
                 ids += seq.token_ids[c + 1:c + 1 + kept]
@@ -372,6 +372,12 @@ class ModelRunner:
         attn = AttentionBatch.build_paged(rows_q, rows_ctx, rows_table, self.block_size, self.device, state_slots)
         rows = row_spans(firsts + prompt_firsts, counts + prompt_counts)
         return torch.tensor(ids, dtype=torch.long, device=self.device), attn, rows.to(self.device), spans
+
+
+def kept_positions(seq, start: int, n: int) -> int:
+    """Of the n positions a step computed from `start`, those the step kept and whose next token is
+    known (the MTP layer's rows after the step: ModelRunner.mtp_draft)."""
+    return min(seq.num_computed_tokens - start, len(seq.token_ids) - 1 - start, n)
 
 
 def add_rows(q_lens: list[int], ctx: list[int], tables: list, c: int, n: int, table: list[int], one_each: bool) -> None:

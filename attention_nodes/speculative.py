@@ -158,6 +158,13 @@ MAX_BACKOFF = 15  # the most decode steps a sequence goes without drafts after r
 TOLERATED_MISSES = {"ngram": 0, "mtp": 1, "draft_model": 0}  # whole rejections in a row drafting goes on after
 
 
+def after_verify(misses: int, accepted: int, method: str) -> tuple[int, int]:
+    """A sequence's (drafts rejected whole in a row, decode steps to skip drafting) after a verification
+    that accepted `accepted` drafts, given `misses` before it (Sequence.spec_misses / spec_skip)."""
+    misses = 0 if accepted else min(misses + 1, 8)
+    return misses, backoff(misses, TOLERATED_MISSES[method])
+
+
 def backoff(misses: int, tolerated: int = 0) -> int:
     """Steps without drafts after `misses` drafts in a row were rejected whole, the first `tolerated`
     of them free: 2^(misses - tolerated) - 1, at most MAX_BACKOFF."""

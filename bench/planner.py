@@ -255,18 +255,14 @@ def workload(measured: dict) -> dict:
 def speculation(flags: list[str], profile: dict):
     """The simulator's Speculation of a deployment served with --speculative-config (method mtp), at
     the acceptance the profile measured on random prompts; None without it."""
-    from attention_nodes.config import SpeculativeConfig
     from planner.simulate import Speculation
 
     if "--speculative-config" not in flags:
         return None
-    cfg = SpeculativeConfig.parse(flags[flags.index("--speculative-config") + 1])
-    a = profile.get("mtp_acceptance")
-    if not a:
-        raise SystemExit(f"the profile of {profile['model']['path']} measured no MTP acceptance: a checkpoint with "
-                         "MTP layers that the engine drafts with is needed for speculative rows")
-    return Speculation(cfg.num_speculative_tokens, tuple(a) + (a[-1],) * (cfg.num_speculative_tokens - len(a)),
-                       cfg.disable_by_batch_size)
+    try:
+        return Speculation.of(flags[flags.index("--speculative-config") + 1], profile.get("mtp_acceptance"))
+    except ValueError as e:
+        raise SystemExit(f"{profile['model']['path']}: {e}") from None
 
 
 def predict(profile: dict, dep, wl: dict, output_len: int, flags: list[str] = ()) -> dict:

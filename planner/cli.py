@@ -256,34 +256,27 @@ def _simulate(args: argparse.Namespace) -> int:
 def _speculation(args: argparse.Namespace, profile: dict):
     """--speculative-config (method mtp) and --spec-acceptance as a simulate.Speculation; the
     acceptance defaults to the profile's, measured on random prompts (measure_mtp)."""
-    from attention_nodes.config import SpeculativeConfig
+    from planner.perf import NO_MTP_SAMPLES
     from planner.simulate import Speculation
 
     if args.speculative_config is None:
         if args.spec_acceptance is not None:
             raise PlannerError("--spec-acceptance needs --speculative-config")
         return None
-    try:
-        cfg = SpeculativeConfig.parse(args.speculative_config)
-    except ValueError as e:
-        raise PlannerError(str(e)) from None
-    if cfg.method != "mtp":
-        raise PlannerError(f"the planner models speculative method mtp (the checkpoint's MTP layer, profiled by "
-                           f"shuttle profile), not {cfg.method!r}")
-    if "mtp" not in next(iter(profile["fits"].values()), {}):
-        raise PlannerError("the profile has no MTP drafting samples: run shuttle profile on a checkpoint with MTP "
-                           "layers (num_nextn_predict_layers)")
     acceptance = args.spec_acceptance or profile.get("mtp_acceptance")
-    if not acceptance:
-        raise PlannerError("--spec-acceptance RATE[,RATE...] is required: the profile measured no acceptance")
-    acceptance = tuple(acceptance) + (acceptance[-1],) * max(0, cfg.num_speculative_tokens - len(acceptance))
-    if args.spec_acceptance is None and len(profile["mtp_acceptance"]) < cfg.num_speculative_tokens:
-        print(f"note: the profile measured acceptance at {len(profile['mtp_acceptance'])} draft positions; later ones "
-              "take the last one's rate (an over-estimate)", file=sys.stderr)
     try:
-        return Speculation(cfg.num_speculative_tokens, acceptance, cfg.disable_by_batch_size)
+        cfg = Speculation.mtp_config(args.speculative_config)
+        if "mtp" not in next(iter(profile["fits"].values()), {}):
+            raise ValueError(NO_MTP_SAMPLES)
+        if not acceptance:
+            raise ValueError("--spec-acceptance RATE[,RATE...] is required: the profile measured no acceptance")
+        spec = Speculation.of(cfg, acceptance)
     except ValueError as e:
         raise PlannerError(str(e)) from None
+    if args.spec_acceptance is None and len(acceptance) < spec.num_speculative_tokens:
+        print(f"note: the profile measured acceptance at {len(acceptance)} draft positions; later ones take the last "
+              "one's rate (an over-estimate)", file=sys.stderr)
+    return spec
 
 
 def _simulate_plan(args: argparse.Namespace) -> int:

@@ -26,6 +26,10 @@ from planner.hardware import Efficiency, HardwareKind
 from planner.shapes import ModelShape
 
 
+NO_MTP_SAMPLES = ("the profile has no MTP drafting samples: run shuttle profile on a checkpoint with MTP layers "
+                  "(num_nextn_predict_layers) to plan speculative method mtp")
+
+
 class ProfilePerf:
     """Times from `shuttle profile` fits. Thread counts that were not profiled use the nearest
     profiled one, scaled by (profiled / wanted) threads (ideal scaling: an assumption, stated)."""
@@ -119,8 +123,7 @@ class ProfilePerf:
         `rows` one-token rows in all, plus `prefill_tokens` rows of prompt chunks."""
         f, s = self._fit("mtp", threads)
         if f is None:
-            raise ValueError("the profile has no MTP drafting samples: run shuttle profile on a checkpoint with MTP "
-                             "layers (num_nextn_predict_layers) to plan speculative method mtp")
+            raise ValueError(NO_MTP_SAMPLES)
         return f(rows=rows, passes=passes, prefill_tokens=prefill_tokens) * s
 
     def front(self, tokens, messages=1):

@@ -54,7 +54,7 @@ from attention_nodes.block_manager import blocks_for
 from attention_nodes.config import CacheConfig, EngineConfig, SchedulerConfig
 from attention_nodes.engine import LLMEngine
 from attention_nodes.messages import Deltas, encode, encode_delta
-from attention_nodes.model_runner import ModelRunner
+from attention_nodes.model_runner import ModelRunner, kept_positions
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import ScheduledBatch
 from attention_nodes.sequence import Sequence
@@ -501,7 +501,7 @@ def measure_mtp(opts: ProfileOptions, cfg: ModelConfig) -> tuple[list[dict], lis
                 return out
             rows = prefill = 0
             for seq, c, n, want in zip(batch.seqs, starts, batch.num_new_tokens, num_drafts):
-                kept = min(seq.num_computed_tokens - c, len(seq.token_ids) - 1 - c, n)
+                kept = kept_positions(seq, c, n)
                 if want < 0 or kept <= 0:
                     continue
                 if kept <= runner.mtp_decode_rows:

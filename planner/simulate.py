@@ -25,7 +25,7 @@ from attention_nodes.model_runner import split_micro_batches
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import ScheduledBatch, Scheduler
 from attention_nodes.sequence import Sequence
-from attention_nodes.speculative import TOLERATED_MISSES, backoff
+from attention_nodes.speculative import after_verify
 from planner.perf import expected_active
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -164,6 +164,28 @@ class Speculation:
                              f"positions, got {len(a)}")
         if any(not 0.0 <= x <= 1.0 for x in a) or any(y > x for x, y in zip(a, a[1:])):
             raise ValueError(f"speculative acceptance per position must be in [0, 1] and non-increasing, got {list(a)}")
+
+    @staticmethod
+    def mtp_config(config):
+        """A --speculative-config (a SpeculativeConfig, dict or JSON text) as a SpeculativeConfig of
+        method mtp, the one the planner models; ValueError otherwise."""
+        from attention_nodes.config import SpeculativeConfig
+
+        cfg = SpeculativeConfig.parse(config)
+        if cfg.method != "mtp":
+            raise ValueError(f"the planner models speculative method mtp (the checkpoint's MTP layer, profiled by "
+                             f"shuttle profile), not {cfg.method!r}")
+        return cfg
+
+    @classmethod
+    def of(cls, config, acceptance) -> "Speculation":
+        """From a --speculative-config (mtp_config) and the per-position acceptance (positions past
+        those given take the last one's rate). ValueError for another method or no acceptance."""
+        cfg = cls.mtp_config(config)
+        if not acceptance:
+            raise ValueError("speculative method mtp needs its acceptance per draft position (none measured or given)")
+        k, a = cfg.num_speculative_tokens, tuple(acceptance)
+        return cls(k, a + (a[-1],) * max(0, k - len(a)), cfg.disable_by_batch_size)
 
     def mean_accept_len(self) -> float:
         """Tokens a drafted sequence gains per verify step: 1 + the expected accepted drafts."""
@@ -379,7 +401,7 @@ class Simulator:
                     rows += kept
                 skip = seq.spec_skip  # (a verification's outcome sets it first, as the engine's _sample)
                 if seq.num_draft_tokens:
-                    skip = backoff(0 if emit > 1 else min(seq.spec_misses + 1, 8), TOLERATED_MISSES["mtp"])
+                    skip = after_verify(seq.spec_misses, emit - 1, "mtp")[1]
                 if sampled and not skip:  # it drafts next: its drafts after the first come from chained passes
                     more = max(0, self._room(seq, outputs, seq.num_computed_tokens + kept) - 1)
                     chained, longest = chained + more, max(longest, more)
@@ -665,8 +687,7 @@ class Simulator:
                         seq.drop_drafts()
                         seq.token_ids.extend([1] * emit)  # (then cached, as the engine's _sample)
                         wk.sched.computed(seq, emit)
-                        seq.spec_misses = 0 if emit > 1 else min(seq.spec_misses + 1, 8)
-                        seq.spec_skip = backoff(seq.spec_misses, TOLERATED_MISSES["mtp"])
+                        seq.spec_misses, seq.spec_skip = after_verify(seq.spec_misses, emit - 1, "mtp")
                     else:
                         emit = 1
                         seq.token_ids.append(1)
