@@ -9,6 +9,7 @@ from m2n_comm.transport import BACKENDS
 
 M2N_DTYPES = ("auto", "fp8")  # ParallelConfig.m2n_dtype
 QUANTIZATIONS = ("int8", "w8a8_int8", "fp8", "mxfp4")  # EngineConfig.quantization ("none" too: served in dtype)
+LINEAR_QUANTIZATIONS = ("int8", "fp8")  # those that EngineConfig.quantize_linears applies to the linears too
 SPEC_METHODS = ("ngram", "mtp", "draft_model")  # SpeculativeConfig.method
 # SpeculativeConfig.disable_by_batch_size when not given: bench/spec_decode.py on the built-in model lost
 # 4-28% with drafts at batch 16 on both CPUs measured (AMX Xeon, AVX-512 BF16 EPYC), and won only at 1
@@ -261,6 +262,10 @@ class EngineConfig:
     (same placement): the experts as MXFP4 E2M1 codes with an E8M0 scale per row and 32 inputs
     (kernels/mxfp4_weights.py); an MXFP4 checkpoint's (gpt-oss) kept as shipped, a float checkpoint's
     quantised at load (its experts' input counts multiples of 32).
+    quantize_linears: with quantization "int8" or "fp8", every other linear layer too in that format,
+    quantised at load (weight-only: attention projections, dense and shared-expert MLPs; not the LM
+    head, the routers or the embeddings), where the attention side runs on the CPU with torch kernels:
+    the bytes a small-batch decode step reads beside the experts' halve as well.
     speculative: SpeculativeConfig (or its dict or JSON text), None without speculative decoding."""
 
     model: str
@@ -275,10 +280,11 @@ class EngineConfig:
     native_decode: bool = True
     quantization: str | None = None
     speculative: SpeculativeConfig | None = None
+    quantize_linears: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
-        for name in ("enforce_eager", "native_decode"):
+        for name in ("enforce_eager", "native_decode", "quantize_linears"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.quantization in ("experts_int8", "none"):
@@ -293,6 +299,14 @@ class EngineConfig:
                 raise ValueError(f"quantization {self.quantization!r} runs the experts on CPU workers with torch "
                                  f"kernels ({kernels}); got experts on {self.experts_device!r}, kernels "
                                  f"{self.kernels!r}")
+        if self.quantize_linears:
+            if self.quantization not in LINEAR_QUANTIZATIONS:
+                raise ValueError(f"quantize_linears quantises the linear layers as --quantization "
+                                 f"{' or '.join(LINEAR_QUANTIZATIONS)} does the experts; got quantization "
+                                 f"{self.quantization!r}")
+            if self.device != "cpu" or self.kernels == "triton":
+                raise ValueError(f"quantize_linears runs the quantised linears on the CPU with torch kernels; got the "
+                                 f"attention side on {self.device!r}, kernels {self.kernels!r}")
 
     @property
     def experts_device(self) -> str:

@@ -89,7 +89,7 @@ class ModelRunner:
         self.dtype = self.model.lm_head.weight.dtype
         self.weight_bytes = _weight_bytes(self.model)
         cpu_torch = self.device.type == "cpu" and self.model.ops.backend == "torch"
-        self.packed = cpu_torch and pack_for_cpu_inference(self.model, cfg.quantization)
+        self.packed = cpu_torch and pack_for_cpu_inference(self.model, cfg.quantization, cfg.quantize_linears)
         if self.packed and self.mtp is not None:  # (its layer on the same kernels as the target's)
             pack_modules(self.mtp.layer, cfg.quantization)
         self.resident_bytes = resident_weight_bytes(self.model)  # after packing / quantising
@@ -145,7 +145,7 @@ class ModelRunner:
         r = self.resident_bytes
         log.info("weights: %s resident (experts %s%s, embedding %s, other %s)", _size(sum(r.values())),
                  _size(r["experts"]), f" {cfg.quantization}" if cfg.quantization and r["experts"] else "",
-                 _size(r["embedding"]), _size(r["other"]))
+                 _size(r["embedding"]), _size(r["other"]) + (f" {cfg.quantization}" if cfg.quantize_linears else ""))
 
     def _block_bytes(self) -> int:
         """A block's bytes in this cache and, with a draft model, in its cache too."""

@@ -6,8 +6,9 @@ Speed: a Mixtral-shaped checkpoint with random weights (hidden 1024, 8 layers, 1
 by `LLM` in --dtype unquantised ("base"), with `quantization="int8"`, with "w8a8_int8" ("w8a8": int8
 weights and per-token int8 activations), with "fp8" (FP8 128 x 128
 blocks quantised at load: the layout and kernels an FP8 checkpoint is served with) and with "mxfp4"
-(E2M1 codes, an E8M0 scale per 32 inputs: gpt-oss's format, quantised at load), all loaded in
-this process. Per batch B:
+(E2M1 codes, an E8M0 scale per 32 inputs: gpt-oss's format, quantised at load), and int8 and fp8
+with quantize_linears ("int8_linears", "fp8_linears": the attention projections in that format too),
+all loaded in this process. Per batch B:
 B prompts of 32 tokens, --output-len new tokens, greedy, EOS ignored; output tokens/s of the whole
 generate (prefill included), and decode tokens/s: the tokens after the first over the generate's time
 less that of a 1-token generate of the same prompts timed just before it (prefill and first token),
@@ -28,7 +29,7 @@ greedy agreement over --agree-prompts prompts cut from the same documents (share
 --agree-tokens generated tokens are identical, and share of tokens before the first difference).
 
     python bench/quant.py [--quick] [--batch-sizes 1 16 64 256] [--dtype bfloat16] [--memory-experts 48]
-                          [--no-pools-memory] [--no-quality] [--configs int8 w8a8 fp8 mxfp4]
+                          [--no-pools-memory] [--no-quality] [--configs int8 w8a8 fp8 mxfp4 int8_linears ...]
 
 --quick: batches 1 and 16, 16 new tokens, 2 rounds, fewer quality prompts. Writes
 bench/results/quant.json (quant_quick.json).
@@ -49,7 +50,10 @@ from bench.engine import mixtral, read_bandwidth  # noqa: E402
 from bench.soak import process_title, rss_bytes  # noqa: E402
 from server import LLM, SamplingParams  # noqa: E402
 
-CONFIGS = {"base": None, "int8": "int8", "w8a8": "w8a8_int8", "fp8": "fp8", "mxfp4": "mxfp4"}
+CONFIGS = {"base": {}, "int8": {"quantization": "int8"}, "w8a8": {"quantization": "w8a8_int8"},
+           "fp8": {"quantization": "fp8"}, "mxfp4": {"quantization": "mxfp4"},
+           "int8_linears": {"quantization": "int8", "quantize_linears": True},
+           "fp8_linears": {"quantization": "fp8", "quantize_linears": True}}
 
 
 def quantized(args: argparse.Namespace) -> list[str]:
@@ -66,7 +70,7 @@ def step_bytes(llm: LLM, batch: int) -> float:
 
 
 def speed(args: argparse.Namespace, ckpt: Path) -> tuple[list[dict], dict, float]:
-    llms = {name: LLM(ckpt, dtype=args.dtype, quantization=q, max_num_seqs=max(args.batch_sizes),
+    llms = {name: LLM(ckpt, dtype=args.dtype, **q, max_num_seqs=max(args.batch_sizes),
                       max_num_batched_tokens=max(2048, 32 * max(args.batch_sizes)))
             for name, q in args.configs.items()}
     bandwidth = read_bandwidth()
@@ -122,7 +126,7 @@ def pools_memory(args: argparse.Namespace, ckpt: Path) -> dict:
     """The expert worker's RSS and reported expert bytes of every configuration (1 + 1 pools)."""
     out = {}
     for name, q in args.configs.items():
-        llm = LLM(ckpt, dtype=args.dtype, quantization=q, colocated=False, attention_workers=1, expert_workers=1)
+        llm = LLM(ckpt, dtype=args.dtype, **q, colocated=False, attention_workers=1, expert_workers=1)
         try:
             llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
             weights = {(r["pool"], r["kind"]): r["bytes"] for r in llm.engine.stats()["weights"]}
@@ -141,7 +145,7 @@ def quality(args: argparse.Namespace) -> dict:
     from models.builtin import builtin_model_dir
     from training.builtin import documents, is_held_out
 
-    llms = {name: LLM(builtin_model_dir(), dtype=args.dtype, quantization=q) for name, q in args.configs.items()}
+    llms = {name: LLM(builtin_model_dir(), dtype=args.dtype, **q) for name, q in args.configs.items()}
     try:
         tok = llms["base"].tokenizer
         docs = [tok.encode(text)[:args.ppl_tokens] for name, text in documents() if is_held_out(name)]

@@ -14,8 +14,10 @@ Kernels (`kernels()` lists those that run here):
   BF16DOT, AMX  bf16 x only: each panel is dequantised once per block of rows into a bf16 copy
                 that stays in cache (exact: |q| <= 127), multiplied by x's bf16 values with AVX-512
                 BF16 dot products or AMX-BF16 tiles, float32 accumulation. BF16DOT decodes FP8 codes
-                by byte table lookups (AVX-512 VBMI, which it needs besides BF16). AMX runs from
-                AMX_MIN_ROWS rows; BF16DOT only when asked for.
+                by byte table lookups (AVX-512 VBMI, which it needs besides BF16). By default bf16 x
+                takes the one kernels/choice.py measured fastest for the fused block from its row
+                count on ("int8_moe": set_moe_big), the FMA kernel below it; unmeasured, AMX from
+                AMX_MIN_ROWS rows where it runs.
   VNNI          w8a8 only (below): int8 activations times int8 codes with AVX-512 VNNI dot products
                 (vpdpbusd, 4 products per int32 lane), exact int32 sums, no dequantisation.
 The AVX-512, VNNI and AMX kernels are compiled with target attributes and run where /proc/cpuinfo lists
@@ -234,9 +236,14 @@ def check_kernel(kernel: int, here: frozenset[int], x_dtype: torch.dtype, name: 
 
 
 def _default_kernel(x_dtype: torch.dtype, rows: int, here: frozenset[int]) -> int:
-    if x_dtype == torch.bfloat16 and rows >= AMX_MIN_ROWS and AMX in here:
-        return AMX
-    return AVX512 if AVX512 in here else AVX2
+    """The kernel int8_linear and fp8_linear take for `rows` rows of x_dtype by default: for bf16 rows
+    the fused block's measured big kernel from its row count on (the same panels and kernels; see
+    set_moe_big; unmeasured: AMX from AMX_MIN_ROWS where it runs), else the FMA kernel."""
+    small = AVX512 if AVX512 in here else AVX2
+    if x_dtype != torch.bfloat16:
+        return small
+    _, big, big_rows = _default_moe_kernels(x_dtype, here)
+    return big if rows >= big_rows else small
 
 
 def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None,
@@ -420,10 +427,10 @@ def set_moe_big(kernel: int | None, rows: int = 1) -> None:
 
 
 def _default_moe_kernels(x_dtype: torch.dtype, here: frozenset[int]) -> tuple[int, int, int]:
-    """(kernel, big_kernel, big_rows): an expert's rows take int8_linear's default kernel for as many
-    rows, and bf16 rows the measured big kernel from its row count on (unmeasured: AMX from AMX_MIN_ROWS
-    where it runs)."""
-    small = _default_kernel(x_dtype, 1, here)
+    """(kernel, big_kernel, big_rows): an expert's rows take the FMA kernel (AVX-512, else AVX2), and
+    bf16 rows the measured big kernel from its row count on (unmeasured: AMX from AMX_MIN_ROWS where
+    it runs)."""
+    small = AVX512 if AVX512 in here else AVX2
     if x_dtype != torch.bfloat16:
         return small, small, 0
     if _moe_big[0] is None:

@@ -148,7 +148,7 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     fn = lib.shuttle_decode_attention
-    fn.restype = None
+    fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     fn = lib.shuttle_paged_decode_attention
     fn.restype = None
@@ -546,18 +546,21 @@ def decode_attention(step, layer, index: int, x_ptr: int) -> None:
     """Layer `index`'s attention side of kernels/csrc/decode_step.c (an attention worker's layers,
     whose experts are remote): step and layer built by models/native_decode.py, passed by reference;
     x_ptr the layer's input rows. Call only where avx512_bf16() is True."""
-    _library().shuttle_decode_attention(step, layer, index, x_ptr)
+    _step_error("decode_attention", _library().shuttle_decode_attention(step, layer, index, x_ptr))
 
 
 def decode_step(step, layers, num_layers: int) -> None:
     """Run kernels/csrc/decode_step.c on a step and layer tables built by models/native_decode.py
     (ctypes structures, passed by reference). Call only where avx512_bf16() is True."""
-    rc = _library().shuttle_decode_step(step, layers, num_layers)
+    _step_error("decode_step", _library().shuttle_decode_step(step, layers, num_layers))
+
+
+def _step_error(name: str, rc: int) -> None:
     if rc == -2:
-        raise RuntimeError("decode_step: a kernel of the step cannot run here (built without AVX-512 BF16, or "
-                           "the int8 MoE block's kernel)")
+        raise RuntimeError(f"{name}: a kernel of the step cannot run here (built without AVX-512 BF16, or the "
+                           "kernel of an int8 / FP8 linear or MoE block)")
     if rc != 0:
-        raise MemoryError("decode_step: out of memory in the MoE block")
+        raise MemoryError(f"{name}: out of memory in an int8 / FP8 linear or the MoE block")
 
 
 def route_softmax_topk(logits_TE: torch.Tensor, top_k: int, renormalize: bool,

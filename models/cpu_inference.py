@@ -154,21 +154,37 @@ def _mxfp4_experts(experts: Experts) -> tuple[list, list]:
     return out[0], out[1]
 
 
-def _packed_linear(linear: nn.Linear, quantization: str | None) -> PackedLinear:
+def quantized_linear_weight(w_OI: torch.Tensor, quantization: str) -> CpuWeight:
+    """A float linear weight quantised at load (quantize_linears): "int8" per-output-channel codes
+    (kernels/int8.quantize_int8), "fp8" FP8 E4M3 in FP8_BLOCK blocks (kernels/fp8_weights.Fp8Weight)."""
+    if quantization == "int8":
+        return CpuWeight.quantized(quantize_int8(w_OI.detach()))
+    if quantization == "fp8":
+        return CpuWeight.quantized(Fp8Weight.quantize(w_OI.detach(), FP8_BLOCK))
+    raise ValueError(f"quantize_linears takes quantization int8 or fp8 (attention_nodes.config.LINEAR_QUANTIZATIONS), "
+                     f"got {quantization!r}")
+
+
+def _packed_linear(linear: nn.Linear, quantization: str | None, quantize: bool = False) -> PackedLinear:
     """PackedLinear of `linear`; with quantization "fp8", an FP8 weight the loader kept as shipped
-    (fp8_checkpoint) stays FP8 (kernels/fp8_weights.Fp8Weight)."""
+    (fp8_checkpoint) stays FP8 (kernels/fp8_weights.Fp8Weight); quantize: a float weight is quantised
+    in `quantization` (quantized_linear_weight)."""
     kept = getattr(linear, "fp8_checkpoint", None)
-    if quantization != "fp8" or kept is None:
-        return PackedLinear(linear)
-    return PackedLinear(linear, CpuWeight.quantized(Fp8Weight.from_checkpoint(*kept)))
+    if quantization == "fp8" and kept is not None:
+        return PackedLinear(linear, CpuWeight.quantized(Fp8Weight.from_checkpoint(*kept)))
+    return PackedLinear(linear, quantized_linear_weight(linear.weight, quantization) if quantize else None)
 
 
-def pack_for_cpu_inference(model: MoEForCausalLM, quantization: str | None = None) -> bool:
+def pack_for_cpu_inference(model: MoEForCausalLM, quantization: str | None = None,
+                           quantize_linears: bool = False) -> bool:
     """Swap linears and experts for packed ones in place; quantization="int8": the experts' weights
-    as int8 (PackedExperts; "w8a8_int8" their activations too); "fp8": the experts as FP8, and the linears the loader kept FP8 as
-    shipped (keep_fp8) too; "mxfp4": the experts as MXFP4. Returns False where the weights are not
-    on the CPU or oneDNN cannot pack their dtype here (see packing_available): then only the experts
-    are swapped, and only if quantised."""
+    as int8 (PackedExperts; "w8a8_int8" their activations too); "fp8": the experts as FP8, and the
+    linears the loader kept FP8 as shipped (keep_fp8) too; "mxfp4": the experts as MXFP4.
+    quantize_linears (quantization int8 or fp8): every other linear layer quantised in the same format
+    too (attention projections, dense and shared-expert MLPs), but the LM head and the routers.
+    Returns False where the weights are not on the CPU or oneDNN cannot pack their dtype here (see
+    packing_available): then only the experts are swapped, and only if quantised, and the linears if
+    quantize_linears."""
     w = model.lm_head.weight
     if w.device.type != "cpu":
         return False
@@ -178,18 +194,24 @@ def pack_for_cpu_inference(model: MoEForCausalLM, quantization: str | None = Non
                 for name, child in list(parent.named_children()):
                     if isinstance(child, Experts):
                         setattr(parent, name, PackedExperts(child, quantization))
+                    elif quantize_linears and isinstance(child, nn.Linear) and child is not model.lm_head:
+                        setattr(parent, name, _packed_linear(child, quantization, quantize=True))
         choose_kernels(model)  # what needs no packing: int8 experts, attention, norms, routing
         return False
-    pack_modules(model, quantization, keep=model.lm_head if model.cfg.tie_word_embeddings else None)
+    pack_modules(model, quantization, keep=model.lm_head if model.cfg.tie_word_embeddings else None,
+                 quantize_linears=quantize_linears)
     return True
 
 
-def pack_modules(root: nn.Module, quantization: str | None = None, keep: nn.Module | None = None) -> None:
+def pack_modules(root: nn.Module, quantization: str | None = None, keep: nn.Module | None = None,
+                 quantize_linears: bool = False) -> None:
     """pack_for_cpu_inference's swaps on any module tree whose weights oneDNN can pack (a model, or
     the MTP layer beside one: models/mtp.py): q/k/v fused, routers' CPU weights, experts and linears
-    (but `keep`, a tied LM head) packed, the kernels chosen and the expert GEMMs compiled."""
+    (but `keep`, a tied LM head) packed, the kernels chosen and the expert GEMMs compiled;
+    quantize_linears: the linears quantised in `quantization` (all but the root's lm_head)."""
+    head = getattr(root, "lm_head", None)
     for attn in [m for m in root.modules() if isinstance(m, Attention)]:
-        fuse_qkv(attn, quantization)
+        fuse_qkv(attn, quantization, quantize_linears)
     for router in [m for m in root.modules() if isinstance(m, Router)]:
         w = router.weight.detach()
         router.cpu_weight = CpuWeight(w.float() if router.logits_fp32 else w)
@@ -198,7 +220,7 @@ def pack_modules(root: nn.Module, quantization: str | None = None, keep: nn.Modu
             if isinstance(child, Experts):
                 setattr(parent, name, PackedExperts(child, quantization))
             elif isinstance(child, nn.Linear) and child is not keep:
-                setattr(parent, name, _packed_linear(child, quantization))
+                setattr(parent, name, _packed_linear(child, quantization, quantize_linears and child is not head))
     choose_kernels(root)
     compile_expert_gemms(root)
 
@@ -285,26 +307,28 @@ def decode_is_native(model: MoEForCausalLM) -> bool:
     return True
 
 
-def fuse_qkv(attn: Attention, quantization: str | None = None) -> None:
+def fuse_qkv(attn: Attention, quantization: str | None = None, quantize_linears: bool = False) -> None:
     """Replace q_proj, k_proj and v_proj by one packed GEMM of their stacked weights (Q + 2C, D):
     one oneDNN call instead of three, and a larger one, which streams its weights closer to the
     memory's rate at decode sizes (the k/v matrices alone are 256 KB-1 MB). quantization "fp8" with
     all three kept FP8 as shipped: their codes stacked (each a whole number of 16-row panels), else
-    the float weights."""
+    the float weights, quantised in `quantization` with quantize_linears."""
     projs = [attn.q_proj, attn.k_proj, attn.v_proj]
     kept = [getattr(p, "fp8_checkpoint", None) for p in projs]
-    fp8 = None
+    weight = None  # the fused weight's, where not the float weights packed
     if quantization == "fp8" and all(k is not None for k in kept):
         try:
-            fp8 = CpuWeight.quantized(Fp8Weight.stack([Fp8Weight.from_checkpoint(*k) for k in kept]))
+            weight = CpuWeight.quantized(Fp8Weight.stack([Fp8Weight.from_checkpoint(*k) for k in kept]))
         except ValueError:  # a projection's rows are not whole panels: its scales would straddle one
-            fp8 = None
+            weight = None
     fused = nn.Linear(projs[0].in_features, sum(p.out_features for p in projs), bias=projs[0].bias is not None,
                       device="meta")
     fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in projs]), requires_grad=False)
     if fused.bias is not None:
         fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in projs]), requires_grad=False)
-    attn.qkv_proj = PackedLinear(fused, fp8)
+    if weight is None and quantize_linears:
+        weight = quantized_linear_weight(fused.weight, quantization)
+    attn.qkv_proj = PackedLinear(fused, weight)
     del attn.q_proj, attn.k_proj, attn.v_proj
 
 

@@ -17,9 +17,10 @@ The model keeps every other path: prefill and mixed steps, compiled stages, and 
 does not take.
 
 It takes a model (`why_not` says what a model lacks) where every layer is: MoE without shared
-experts, colocated with fused native experts (bf16 SiLU experts on panels, or int8 ones); a softmax router
-on panels without groups, bias or correction bias; attention with fused q/k/v and o on panels, no
-biases, no sinks, no clamp, q/k norm none / per head / full; a bf16 paged cache. That is Mixtral,
+experts, colocated with fused native experts (bf16 SiLU experts on panels, or int8 / FP8 ones); a softmax
+router on panels without groups, bias or correction bias; attention with fused q/k/v and o without
+biases, both on bf16 panels or both int8 / FP8 (quantize_linears; every layer's of one kind, FP8 of one
+input block), no sinks, no clamp, q/k norm none / per head / full; a bf16 paged cache. That is Mixtral,
 Qwen3-MoE and OLMoE served in bf16 on a CPU with AVX-512 BF16; the rest keep the eager path.
 `native_decode=False` (EngineConfig, --no-native-decode) turns it off; the eager path stays the
 oracle: the kernels and their arguments are the same, so are the bits (tests/test_native_decode.py).
@@ -45,7 +46,8 @@ MAX_BUFFER_SETS = 8  # (batch size, micro-batch) pairs whose buffers are kept (s
 
 class _Layer(ctypes.Structure):
     _fields_ = ([(n, _P) for n in ("in_norm", "post_norm", "qkv", "o", "router", "q_norm", "k_norm", "w13", "w2",
-                                   "k_cache", "v_cache")] + [("window", _I)] + [(n, _P) for n in ("s13", "s2")])
+                                   "k_cache", "v_cache")] + [("window", _I)]
+                + [(n, _P) for n in ("s13", "s2", "qkv_s", "o_s")])
 
 
 class _Step(ctypes.Structure):
@@ -55,10 +57,22 @@ class _Step(ctypes.Structure):
                 + [(n, _P) for n in ("final_norm", "x", "cos", "sin", "slots", "table", "len", "start", "h", "r",
                                      "qkv", "q", "o", "a", "logits", "moe", "scratch", "y", "lse", "wk", "ids")]
                 + [(n, _I) for n in ("inter", "int8_kernel", "int8_big_kernel", "int8_big_rows", "fp8_bpairs13",
-                                     "fp8_bpairs2")])
+                                     "fp8_bpairs2", "linear_kernel", "linear_bpairs")])
 _BUFFERS = ("start", "h", "r", "qkv", "q", "o", "a", "logits", "moe", "scratch")
 
 
+
+
+def linear_kind(w) -> str | tuple[str, int] | None:
+    """What a packed linear's weight (kernels/cpu_linear.CpuWeight) is for the step: "bf16" (panels),
+    "int8", ("fp8", input block), or None where the native kernels do not run it."""
+    if w.panels is not None:
+        return "bf16"
+    if isinstance(w.int8, int8.Int8Weight):
+        return "int8"
+    if isinstance(w.int8, fp8_weights.Fp8Weight) and fp8_weights.available():
+        return "fp8", w.int8.block_in
+    return None
 
 
 def why_not(model, cache, local: bool = True, cache_layer: int = 0) -> str | None:
@@ -86,9 +100,13 @@ def why_not(model, cache, local: bool = True, cache_layer: int = 0) -> str | Non
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(attn, Attention) or not isinstance(mlp, SparseMoE):
             return f"layer {i} is not attention + MoE"
-        if not all(isinstance(p, PackedLinear) and p.weight.panels is not None and p.bias is None
-                   for p in (attn.qkv_proj, attn.o_proj)):
-            return f"layer {i}: q/k/v or o not on bias-free bf16 panels"
+        if not all(isinstance(p, PackedLinear) and p.bias is None for p in (attn.qkv_proj, attn.o_proj)):
+            return f"layer {i}: q/k/v or o not bias-free packed linears"
+        kinds = {linear_kind(p.weight) for p in (attn.qkv_proj, attn.o_proj)}
+        if None in kinds:
+            return f"layer {i}: q/k/v or o neither on bf16 panels nor int8 / FP8 that the native kernels run"
+        if kinds != {linear_kind(model.model.layers[0].self_attn.o_proj.weight)}:
+            return f"layer {i}: q/k/v and o not of one kind as layer 0's (bf16 panels, int8, or FP8 of one input block)"
         spec = attn.head_spec
         if attn.sinks is not None or spec.clip_qkv is not None or attn.stages is not EAGER:
             return f"layer {i}: attention sinks, a qkv clamp or compiled stages"
@@ -121,6 +139,7 @@ class NativeDecode:
         self.inter_padded = self.inter = 0
         self.int8_kernels = (0, 0, 0)  # fused_moe_int8's (kernel, big_kernel, big_rows) for int8 / FP8 experts
         self.fp8_bpairs = (0, 0)  # FP8 experts: input pairs per scale block of w13, w2 (0: not FP8)
+        self.linears = linear_kind(model.model.layers[0].self_attn.o_proj.weight)  # q/k/v and o: bf16, int8, FP8
         layers = (_Layer * self.num_layers)()
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -142,11 +161,11 @@ class NativeDecode:
                 w13, w2, self.inter_padded = mlp.experts.native
                 self._keep += [w13, w2]
             ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+            (qkv, qkv_s), (o, o_s) = (_codes_and_scales(p.weight) for p in (attn.qkv_proj, attn.o_proj))
             layers[i] = _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                               attn.qkv_proj.weight.panels.data_ptr(), attn.o_proj.weight.panels.data_ptr(),
-                               mlp.gate.cpu_weight.panels.data_ptr(), ptr(qn), ptr(kn), ptr(w13), ptr(w2),
-                               cache.k[cache_layer + i].data_ptr(), cache.v[cache_layer + i].data_ptr(),
-                               attn.window or 0, ptr(s13), ptr(s2))
+                               qkv.data_ptr(), o.data_ptr(), mlp.gate.cpu_weight.panels.data_ptr(), ptr(qn), ptr(kn),
+                               ptr(w13), ptr(w2), cache.k[cache_layer + i].data_ptr(), cache.v[cache_layer + i].data_ptr(),
+                               attn.window or 0, ptr(s13), ptr(s2), ptr(qkv_s), ptr(o_s))
         self.layers = layers
         self.cache = cache  # the pages the tables point at (a step for another cache runs eagerly)
         self.final_norm = model.model.norm.weight
@@ -171,13 +190,24 @@ class NativeDecode:
         whole = self.local and len(inputs) == 1 and type(dispatcher) is LocalDispatcher and not self.layer_by_layer
         return "step" if whole else "layers"
 
+    def linear_kernel(self, B: int) -> int | None:
+        """The kernel int8_linear / fp8_linear run int8 / FP8 q/k/v and o with at B bf16 rows (0 for bf16
+        panels), or None where the eager path would take the torch reference instead."""
+        if self.linears == "bf16":
+            return 0
+        if self.linears == "int8":
+            return int8._default_kernel(torch.bfloat16, B, int8.kernels())
+        here = fp8_weights._here_for(self.linears[1])
+        kernel = int8._default_kernel(torch.bfloat16, B, here)
+        return kernel if kernel in here else None
+
     def chosen_native(self, B: int) -> bool:
         """Whether kernels/choice.py picked the native kernel at a batch of B for each op of the step
         that has a torch path (attention; the norms, at B rows and, per head, B N and B K; routing):
         the step runs those kernels, so it runs only where the eager layers would run them too."""
         rows = (B, B * self.cfg.num_heads, B * self.cfg.num_kv_heads) if self.spec.qk_norm == "per_head" else (B,)
         return (native.runs_native("attention", B) and native.runs_native("routing", B)
-                and all(native.runs_native("rmsnorm", r) for r in rows))
+                and all(native.runs_native("rmsnorm", r) for r in rows) and self.linear_kernel(B) is not None)
 
     def _buffers_for(self, B: int, mb: int) -> dict[str, torch.Tensor]:
         bufs = self._buffers.get((B, mb))
@@ -211,7 +241,8 @@ class NativeDecode:
                      int(route.renormalize), int(route.weights_dtype is not None), native.threads(),
                      cfg.rms_norm_eps, spec.eps, spec.head_dim ** -0.5, route.scaling, self.final_norm.data_ptr(),
                      *(t[n].data_ptr() for n in ("x", "cos", "sin", "slots", "table", "len", *_BUFFERS, "y", "lse",
-                                                 "wk", "ids")), self.inter, *self.int8_kernels, *self.fp8_bpairs)
+                                                 "wk", "ids")), self.inter, *self.int8_kernels, *self.fp8_bpairs,
+                     self.linear_kernel(B), self.linears[1] // 2 if isinstance(self.linears, tuple) else 0)
         return step, t
 
     def __call__(self, x_BD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
@@ -254,6 +285,12 @@ class NativeDecode:
                 x = x if head is None else head(i, x)
             outs.append(x)
         return outs
+
+
+def _codes_and_scales(w) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A packed linear's weight as the step's layer table takes it: its bf16 panels and no scales, or
+    its int8 / FP8 panels and their scales."""
+    return (w.panels, None) if w.panels is not None else (w.int8.panels, w.int8.scales)
 
 
 def _bf16_rows(x: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,7 @@ def engine_config_from_json(d: dict) -> EngineConfig:
                         d["seed"], SchedulerConfig(**d["scheduler"]), CacheConfig(**d["cache"]),
                         ParallelConfig(**d["parallel"]), d.get("enforce_eager", EngineConfig.enforce_eager),
                         d.get("native_decode", EngineConfig.native_decode), d.get("quantization"),
-                        d.get("speculative"))
+                        d.get("speculative"), d.get("quantize_linears", False))
 
 
 def run_role(role: str, rendezvous: str, host: str | None = None, torch_threads: int | None = None,

@@ -98,7 +98,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
                 max_worker_restarts=args.max_worker_restarts, restart_window_s=args.restart_window_s,
                 enforce_eager=args.enforce_eager, native_decode=args.native_decode, trace_dir=args.trace_dir,
-                quantization=args.quantization, speculative_config=args.speculative_config)
+                quantization=args.quantization, speculative_config=args.speculative_config,
+                quantize_linears=args.quantize_linears)
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -117,6 +118,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "on CPU workers with torch kernels; none: dequantise it at load instead. mxfp4: the "
                         "experts as MXFP4 (4-bit E2M1 codes, a scale byte per 32 inputs: 0.27x bf16's bytes), an "
                         "MXFP4 checkpoint's (gpt-oss) as shipped, a float checkpoint's quantised at load")
+    p.add_argument("--quantize-linears", action="store_true",
+                   help="with --quantization int8 or fp8: the other linear layers in that format too (attention "
+                        "projections, dense and shared-expert MLPs; not the LM head or routers), quantised at load; "
+                        "the attention side on the CPU")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: {"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4} (also prompt_lookup_min, disable_by_batch_size)')

@@ -72,7 +72,7 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                   attention_resources: object = (), expert_resources: object = (), m2n_dtype: str = "auto",
                   enforce_eager: bool | None = None, native_decode: bool = True,
                   trace_dir: str | None = None, quantization: str | None = None,
-                  speculative_config: object = None) -> EngineConfig:
+                  speculative_config: object = None, quantize_linears: bool = False) -> EngineConfig:
     """EngineConfig from the keyword arguments of LLM and the command line (None model: built-in).
     colocated=False runs attention_workers and expert_workers as separate processes (see
     attention_nodes.config.ParallelConfig); `device` is then the attention pool's, expert_device
@@ -85,7 +85,8 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
     per token too), "fp8" as FP8 128 x 128 blocks, "mxfp4" as MXFP4 (see EngineConfig); refused for a checkpoint that is already quantised (MXFP4; FP8 block but for
     "fp8"). None: an FP8 block checkpoint is served in FP8 as shipped where its experts run on CPU
     workers with torch kernels (a log line says so), else in `dtype`; "none": in `dtype` always
-    (an FP8 checkpoint dequantised at load).
+    (an FP8 checkpoint dequantised at load). quantize_linears: with "int8" or "fp8", the other linear
+    layers in that format too (attention projections, dense MLPs; not the LM head or routers).
     speculative_config: speculative decoding as vLLM's (a dict or JSON text such as {"method": "ngram",
     "num_speculative_tokens": 3}; attention_nodes.config.SpeculativeConfig).
     trace_dir: each pool worker writes DIR/<worker>.trace.json (a Chrome trace) when it stops, and
@@ -113,7 +114,7 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                                        launcher=launcher, ray_address=ray_address,
                                        attention_resources=attention_resources, expert_resources=expert_resources,
                                        trace_dir=None if trace_dir is None else str(trace_dir), m2n_dtype=m2n_dtype),
-                        enforce_eager, native_decode, quantization, speculative_config)
+                        enforce_eager, native_decode, quantization, speculative_config, quantize_linears)
     return _checkpoint_quantization(cfg, quantization)
 
 

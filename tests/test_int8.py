@@ -106,13 +106,21 @@ def test_int8_linear_bf16_output_is_the_rounded_float32_result(kernel):
     assert torch.equal(y16, y32.bfloat16())
 
 
-def test_the_default_kernel():
+def test_the_default_kernel(monkeypatch):
+    """Unmeasured, bf16 rows take AMX from AMX_MIN_ROWS where it runs; measured, the fused block's big
+    kernel from its row count (the same panels); float32 rows the FMA kernel."""
+    monkeypatch.setattr(int8, "_moe_big", [None])  # whatever an earlier test's model measured
     every = frozenset((int8.AVX2, int8.AVX512, int8.BF16DOT, int8.AMX))
     assert int8._default_kernel(torch.bfloat16, int8.AMX_MIN_ROWS, every) == int8.AMX
     assert int8._default_kernel(torch.bfloat16, int8.AMX_MIN_ROWS, every - {int8.AMX}) == int8.AVX512
     assert int8._default_kernel(torch.bfloat16, int8.AMX_MIN_ROWS - 1, every) == int8.AVX512
     assert int8._default_kernel(torch.float32, 256, every) == int8.AVX512
     assert int8._default_kernel(torch.bfloat16, 256, frozenset((int8.AVX2,))) == int8.AVX2
+    int8.set_moe_big(int8.BF16DOT, 5)
+    assert int8._default_kernel(torch.bfloat16, 5, every) == int8.BF16DOT
+    assert int8._default_kernel(torch.bfloat16, 4, every) == int8.AVX512
+    assert int8._default_kernel(torch.float32, 5, every) == int8.AVX512
+    assert int8._default_kernel(torch.bfloat16, 5, every - {int8.BF16DOT}) == int8.AVX512
 
 
 def test_the_default_moe_kernels(monkeypatch):

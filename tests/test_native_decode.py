@@ -60,20 +60,25 @@ def _checkpoint(make_checkpoint, family):
 @NEEDS_AVX512_BF16
 @pytest.mark.parametrize("layer_by_layer", [False, True], ids=["whole-step", "layer-by-layer"])
 @pytest.mark.parametrize("family,quantization", [("mixtral", None), ("qwen3_moe", None), ("olmoe", None),
-                                                 ("mixtral", "int8"), ("mixtral", "fp8")])
+                                                 ("mixtral", "int8"), ("mixtral", "fp8"), ("mixtral", "int8 linears"),
+                                                 ("qwen3_moe", "fp8 linears")])
 def test_native_decode_step_gives_the_eager_steps_bits(family, quantization, layer_by_layer, make_checkpoint,
                                                         monkeypatch):
     """Every decode step of a generation (batches that shrink as requests end, contexts across page
     boundaries, Mixtral with a sliding window of 7, Qwen3-MoE's per-head and OLMoE's whole-projection
-    q/k norm, int8 and FP8 experts) computes the same hidden states natively as the eager layers, and the
-    experts' load counts are the same: the whole step in one call, and each layer's attention side in
-    one call with the experts dispatched (as an attention worker runs it)."""
+    q/k norm, int8 and FP8 experts, and q/k/v and o int8 or FP8 too: quantize_linears) computes the same
+    hidden states natively as the eager layers, and the experts' load counts are the same: the whole
+    step in one call, and each layer's attention side in one call with the experts dispatched (as an
+    attention worker runs it)."""
     ckpt = _checkpoint(make_checkpoint, family)
-    llm = LLM(ckpt, device="cpu", num_kv_blocks=32, block_size=4, quantization=quantization)
+    quantization, _, linears = (quantization or "").partition(" ")
+    llm = LLM(ckpt, device="cpu", num_kv_blocks=32, block_size=4, quantization=quantization or None,
+              quantize_linears=bool(linears))
     try:
         model = llm.engine.runner.model
         nd = model.native_decode
         assert nd is not None, why_not(model, llm.engine.runner.cache)
+        assert nd.linears == ("bf16" if not linears else "int8" if quantization == "int8" else ("fp8", 128))
         nd.layer_by_layer = layer_by_layer
         calls = []
         for name in ("decode_step", "decode_attention"):

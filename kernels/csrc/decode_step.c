@@ -6,11 +6,11 @@
  *
  * Per layer (models/native_decode.py builds the tables and decides which models qualify):
  *   h, r   = add_rms_norm(x, r)              (layer 0: h = rms_norm(x), r = x; r in place)
- *   qkv    = h W_qkv^T                       (panels)
+ *   qkv    = h W_qkv^T                       (bf16 panels, or int8 / FP8 ones: the layer's qkv_s set)
  *   q, k   = q/k norm (per head or over the whole projection, where the model has it), then rotary
  *   cache  <- k, v at each token's slot      (index_copy_ of the eager path)
  *   o      = paged decode attention (q copied to (B, N, H) rows first, as .contiguous() does)
- *   a      = o W_o^T
+ *   a      = o W_o^T                         (as W_qkv)
  *   h, r   = add_rms_norm(a, r)
  *   logits = h W_router^T                    (bf16, as the eager router's panels give them)
  *   ids, w = softmax, top-k, renormalise, scale, (round to bf16)   (route() below)
@@ -48,6 +48,8 @@ typedef struct {
     int64_t window;                   /* sliding window, 0: none */
     const int64_t *s13, *s2;          /* int8 or FP8 experts: their scales' pointers, (E) (w13, w2: their codes'); */
                                       /* NULL: bf16 experts on panels */
+    const float *qkv_s, *o_s;         /* int8 or FP8 q/k/v and o: their scales (qkv, o: their codes' panels); */
+                                      /* NULL: bf16 panels */
 } shuttle_layer;
 
 /* The step: shapes, constants, this step's inputs and the buffers the layers pass along. */
@@ -66,6 +68,8 @@ typedef struct {
     int64_t *ids;                                 /* (L, B, top_k): every layer's choice (load counts, M2N) */
     int64_t inter, int8_kernel, int8_big_kernel, int8_big_rows; /* int8 / FP8 experts: the fused block's arguments */
     int64_t fp8_bpairs13, fp8_bpairs2; /* FP8 experts: input pairs per scale block of w13 and w2; 0: int8 experts */
+    int64_t linear_kernel, linear_bpairs; /* int8 / FP8 q/k/v and o: the kernel at B rows (int8_linear's default); */
+                                          /* FP8: input pairs per scale block, 0: int8 */
 } shuttle_step;
 
 /* Softmax over the E logits in float32 (bf16 or float32 logits), the K largest probabilities (ties:
@@ -125,13 +129,32 @@ int shuttle_fused_moe_fp8(const void *x, int x_bf16, int64_t T, int64_t D, const
                           int64_t K, const int64_t *w13, const int64_t *s13, const int64_t *w2, const int64_t *s2,
                           int64_t E, int64_t I, int64_t bpairs13, int64_t bpairs2, void *y, int nthreads, int kernel,
                           int big_kernel, int64_t big_rows);
+int shuttle_int8_linear(const void *x, int x_bf16, int64_t T, int64_t I, const int8_t *panels, const float *scales,
+                        const float *bias, int64_t O, void *y, int y_bf16, int nthreads, int kernel);
+int shuttle_fp8_linear(const void *x, int x_bf16, int64_t T, int64_t I, const uint8_t *panels, const float *scales,
+                       int64_t bpairs, const float *bias, int64_t O, void *y, int y_bf16, int nthreads, int kernel);
+
+/* y (B, O) = x (B, I) W^T, all bf16: W on bf16 panels (scales NULL), else int8 or FP8 panels with
+ * their scales, as kernels/cpu_linear.cpu_linear runs each. Returns the int8 / FP8 kernel's error. */
+static int linear(const shuttle_step *s, const void *w, const float *scales, const void *x, int64_t I, int64_t O,
+                  void *y) {
+    const int nt = (int)s->threads, kernel = (int)s->linear_kernel;
+    if (!scales) {
+        shuttle_gemm_bf16_panels(x, s->B, I, w, O, y, nt);
+        return 0;
+    }
+    return s->linear_bpairs
+               ? shuttle_fp8_linear(x, 1, s->B, I, w, scales, s->linear_bpairs, NULL, O, y, 1, nt, kernel)
+               : shuttle_int8_linear(x, 1, s->B, I, w, scales, NULL, O, y, 1, nt, kernel);
+}
 
 /* Layer l's attention side for the step's B tokens: from x (the embeddings at layer 0, else the
  * previous layer's combined MoE output) to the MoE's input s->h and the router's choice (layer l's
  * rows of s->ids and s->wk). The residual stream s->r is updated in place (add_rms_norm reads a
  * row whole before it writes it). Called alone by an attention worker, whose experts are elsewhere,
- * between its M2N dispatches; shuttle_decode_step calls it before each layer's MoE block. */
-void shuttle_decode_attention(const shuttle_step *s, const shuttle_layer *ly, int64_t l, const void *x) {
+ * between its M2N dispatches; shuttle_decode_step calls it before each layer's MoE block. Returns 0, or
+ * an int8 / FP8 linear's error (-1: out of memory, -2: its kernel cannot run; the layer is unfinished). */
+int shuttle_decode_attention(const shuttle_step *s, const shuttle_layer *ly, int64_t l, const void *x) {
     const int64_t B = s->B, D = s->D, N = s->N, K = s->K, H = s->H, Q = N * H, C = K * H, W = Q + 2 * C;
     const int nt = (int)s->threads;
     const float eps = (float)s->eps, qk_eps = (float)s->qk_eps;
@@ -142,7 +165,9 @@ void shuttle_decode_attention(const shuttle_step *s, const shuttle_layer *ly, in
     } else {
         shuttle_add_rms_norm(x, s->r, ly->in_norm, s->h, s->r, B, D, eps, 1, nt);
     }
-    shuttle_gemm_bf16_panels(s->h, B, D, ly->qkv, W, qkv, nt);
+    int rc = linear(s, ly->qkv, ly->qkv_s, s->h, D, W, qkv);
+    if (rc)
+        return rc;
     if (s->qk_norm == 1) /* each head's H values, in place */
         for (int64_t b = 0; b < B; b++) {
             shuttle_add_rms_norm(qkv + b * W, NULL, ly->q_norm, qkv + b * W, NULL, N, H, qk_eps, 1, 1);
@@ -162,7 +187,8 @@ void shuttle_decode_attention(const shuttle_step *s, const shuttle_layer *ly, in
     }
     shuttle_paged_decode_attention(q, ly->k_cache, ly->v_cache, 1, s->table, s->M, s->start, s->len, s->o, s->lse, B,
                                    K, N / K, H, H, s->S, s->S * C, C, H, s->S * C, C, H, (float)s->scale, nt, 1, 1, 1);
-    shuttle_gemm_bf16_panels(s->o, B, Q, ly->o, D, s->a, nt);
+    if ((rc = linear(s, ly->o, ly->o_s, s->o, Q, D, s->a)))
+        return rc;
     shuttle_add_rms_norm(s->a, s->r, ly->post_norm, s->h, s->r, B, D, eps, 1, nt);
     shuttle_gemm_bf16_panels(s->h, B, D, ly->router, s->E, s->logits, nt);
     int64_t *ids = s->ids + l * B * s->top_k;
@@ -170,18 +196,22 @@ void shuttle_decode_attention(const shuttle_step *s, const shuttle_layer *ly, in
     for (int64_t b = 0; b < B; b++)
         route((const uint16_t *)s->logits + b * s->E, 1, s->E, s->top_k, (int)s->renormalize, (float)s->scaling,
               (int)s->weights_bf16, ids + b * s->top_k, wk + b * s->top_k);
+    return 0;
 }
 
 /* The whole step, experts in this process (bf16 on panels, or int8 / FP8: the layer's s13 set, FP8 where
  * s->fp8_bpairs13 is). Returns 0,
- * or the MoE block's error (-1: out of memory, -2: its kernel cannot run; nothing after it ran). */
+ * or the error of a layer's int8 / FP8 linears or MoE block (-1: out of memory, -2: its kernel cannot run;
+ * nothing after it ran). */
 int shuttle_decode_step(const shuttle_step *s, const shuttle_layer *layers, int64_t L) {
     const int64_t B = s->B, D = s->D, BK = s->B * s->top_k;
     for (int64_t l = 0; l < L; l++) {
         const shuttle_layer *ly = &layers[l];
-        shuttle_decode_attention(s, ly, l, l ? s->moe : s->x);
+        int rc = shuttle_decode_attention(s, ly, l, l ? s->moe : s->x);
+        if (rc)
+            return rc;
         memset(s->moe, 0, (size_t)(B * D) * 2);
-        int rc = ly->s13 && s->fp8_bpairs13
+        rc = ly->s13 && s->fp8_bpairs13
                      ? shuttle_fused_moe_fp8(s->h, 1, B, D, s->ids + l * BK, s->wk + l * BK, s->top_k, ly->w13, ly->s13,
                                              ly->w2, ly->s2, s->E, s->inter, s->fp8_bpairs13, s->fp8_bpairs2, s->moe,
                                              (int)s->threads, (int)s->int8_kernel, (int)s->int8_big_kernel,
@@ -199,5 +229,5 @@ int shuttle_decode_step(const shuttle_step *s, const shuttle_layer *layers, int6
 }
 #else
 int shuttle_decode_step(void) { return -2; }
-void shuttle_decode_attention(void) {}
+int shuttle_decode_attention(void) { return -2; }
 #endif
