@@ -1,7 +1,7 @@
 """The planner's subcommands of `shuttle`: profile, simulate, plan.
 
-    shuttle profile [--model DIR] [--dtype D] [--quantization Q] [--torch-threads 1,2] [--transport shm,tcp]
-                    [--quick] --out PROFILE.json
+    shuttle profile [--model DIR] [--dtype D] [--quantization Q [--quantize-linears]] [--torch-threads 1,2]
+                    [--transport shm,tcp] [--quick] --out PROFILE.json
     shuttle simulate --profile PROFILE.json (--colocated | --attention-workers A --expert-workers E --micro-batches M) ...
                      [--speculative-config '{"method": "mtp", "num_speculative_tokens": K}' [--spec-acceptance A1,A2]]
     shuttle plan --model DIR|NAME --hardware KIND[=PRICE][,KIND...] --tbt-slo-ms X --max-devices N ... --out PLAN.json
@@ -9,6 +9,8 @@
 --quantization int8, w8a8_int8, fp8 or mxfp4 (-q; vLLM's experts_int8 too) profiles, simulates and plans the
 experts so, as `shuttle serve --quantization Q` serves them; plan and simulate take a profile's or
 plan's own quantization unless asked for one (none: unquantised), and refuse one made for another.
+`profile --quantize-linears` measures the other linears in Q too; simulate and a plan of this host take
+it from the profile, and the plan file records it for `shuttle serve --plan`.
 
 Every user error ends with a one-line message naming what is wrong and exit code 2.
 """
@@ -16,6 +18,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from attention_nodes.config import LINEAR_QUANTIZATIONS
 
 
 class PlannerError(ValueError):
@@ -46,8 +50,12 @@ def _profile(args: argparse.Namespace) -> int:
     if args.device not in (None, "cpu"):
         raise PlannerError(f"--device {args.device}: this build profiles the CPU path only")
     quantization = _asked_quantization(args, model)
+    quantization = None if quantization is ANY else quantization
+    if args.quantize_linears and quantization not in LINEAR_QUANTIZATIONS:
+        raise PlannerError(f"--quantize-linears quantises the linears as --quantization "
+                           f"{' or '.join(LINEAR_QUANTIZATIONS)} does the experts; got {_quantization_name(quantization)}")
     kw = dict(model=model, dtype=_dtype(args.dtype, model), threads=args.torch_threads, transports=args.transport,
-              front=args.front, quantization=None if quantization is ANY else quantization)
+              front=args.front, quantization=quantization, quantize_linears=args.quantize_linears)
     opts = ProfileOptions.quick_options(**kw) if args.quick else ProfileOptions(**kw)
     torch.manual_seed(0)
     profile = run_profile(opts)
@@ -94,7 +102,7 @@ def format_profile(p: dict) -> str:
     """The fits as a short table: coefficients in microseconds, residuals in percent."""
     h = p["host"]
     ident = f" ({h['cpu_id']})" if h.get("cpu_id") else ""
-    quant = f", experts {q}" if (q := p["model"].get("quantization")) else ""
+    quant = _experts(p["model"].get("quantization"), p["model"].get("quantize_linears", False))
     lines = [f"model {p['model']['name']} ({p['model']['dtype']}{quant}, config {p['model']['config_hash']}) on "
              f"{h['cpu']}{ident}, "
              f"{h['cores']} cores, {h['memory_gib']} GiB, {h['device']}, ISA {'+'.join(h['isa']) or '?'}, "
@@ -236,9 +244,11 @@ def _simulate(args: argparse.Namespace) -> int:
     result["deployment"] = {"colocated": dep.colocated, "attention_workers": dep.attention_workers,
                             "expert_workers": dep.expert_workers, "micro_batches": dep.micro_batches,
                             "torch_threads": dep.threads, "expert_threads": dep.pool_threads[1], "cores": dep.cores,
-                            "transport": dep.transport, "quantization": profile["model"].get("quantization")}
-    print(format_metrics(result, f"simulated: {_describe(dep)}{_experts(result['deployment']['quantization'])} on "
-                                 f"{profile['host']['cpu']}"))
+                            "transport": dep.transport, "quantization": profile["model"].get("quantization"),
+                            "quantize_linears": profile["model"].get("quantize_linears", False)}
+    print(format_metrics(result, f"simulated: {_describe(dep)}"
+                                 f"{_experts(*(result['deployment'][k] for k in ('quantization', 'quantize_linears')))}"
+                                 f" on {profile['host']['cpu']}"))
     if spec is not None:
         where = "--spec-acceptance" if args.spec_acceptance else "the profile's, on random prompts"
         print(f"speculative mtp, k = {spec.num_speculative_tokens} while at most {spec.disable_by_batch_size} run: "
@@ -322,8 +332,8 @@ def _simulate_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _experts(quantization: str | None) -> str:
-    return f", {quantization} experts" if quantization else ""
+def _experts(quantization: str | None, linears: bool = False) -> str:
+    return f", {quantization} experts{' and linears' if linears else ''}" if quantization else ""
 
 
 def _describe(dep) -> str:
@@ -383,6 +393,7 @@ def _plan(args: argparse.Namespace) -> int:
             raise PlannerError("planning for this host needs --profile PROFILE.json (from shuttle profile)")
         profile = load_profile(args.profile, args.model, quantization)
         quantization = profile["model"].get("quantization")
+        linears = profile["model"].get("quantize_linears", False)
         here = describe_host()
         if other := _other_host(profile["host"], here):
             print(f"warning: --profile {args.profile} was measured on another host ({other}): its times may not hold "
@@ -399,7 +410,7 @@ def _plan(args: argparse.Namespace) -> int:
         cands, why = search_host(ProfilePerf(profile), SimModel.from_profile(profile), hs,
                                  pairs[0][0].price_per_hour, args.tbt_slo_ms / 1e3, args.top)
     else:
-        quantization = None if quantization is ANY else quantization
+        quantization, linears = None if quantization is ANY else quantization, False
         pairs, skipped = serving_pairs(pairs, quantization)
         if skipped and not pairs:
             raise PlannerError(f"--quantization {quantization} runs the experts on CPU workers only "
@@ -417,9 +428,10 @@ def _plan(args: argparse.Namespace) -> int:
         raise PlannerError(_infeasible(why, args, quantization))
     print(format_plans(cands))
     if quantization:
-        print(f"experts as {quantization}: their memory and weight reads are {quantization}'s bytes")
+        print(f"experts{' and linears' if linears else ''} as {quantization}: their weight reads are "
+              f"{quantization}'s bytes{' as the profile measured them' if linears else ''}")
     hw = {k.name: k for pair in pairs for k in pair}
-    plan = plan_file(cands[0], hw, shape, str(args.model), args.tbt_slo_ms, workload, quantization)
+    plan = plan_file(cands[0], hw, shape, str(args.model), args.tbt_slo_ms, workload, quantization, linears)
     if args.out:
         Path(args.out).write_text(json.dumps(plan, indent=1))
         print(f"wrote the best plan to {args.out}")
@@ -454,6 +466,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="cpu (the only device profiled by this build)")
     _add_quantization(p, "int8 / fp8: measure with the expert weights as int8 / FP8, as shuttle serve "
                          "--quantization int8 / fp8 serves them (the profile records it; default none)")
+    p.add_argument("--quantize-linears", action="store_true",
+                   help="with --quantization int8 / fp8: the other linears in it too, as shuttle serve "
+                        "--quantize-linears serves them (the profile records it)")
     p.add_argument("--torch-threads", type=_csv(int), default=(1, 2), help="thread counts to profile (default 1,2)")
     p.add_argument("--transport", type=_csv(str), default=("shm", "tcp"), help="M2N backends (default shm,tcp)")
     p.add_argument("--quick", action="store_true", help="a smaller grid and fewer repeats (about a third)")

@@ -89,7 +89,8 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 
 
 
 def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts: int = 256, input_len: int = 64,
-                  output_len: int = 16, short_len: int = 1, quantization: str | None = None) -> dict:
+                  output_len: int = 16, short_len: int = 1, quantization: str | None = None,
+                  quantize_linears: bool = False) -> dict:
     """Serve `model` as a 1 + 1 pool (m=2, one torch thread per worker) and measure the CPU seconds of
     the front process and of the load generator per output token, per request and per engine step:
     runs of `prompts` requests, (`batch`, `output_len`) and (`batch` // 4, `output_len`)
@@ -102,14 +103,14 @@ def measure_front(model: str, dtype: str | None = None, batch: int = 64, prompts
     "client_s_per_request", "client_s_per_step", "workers_s_per_token", "tokens", "wall_s", "run",
     "run_small", "runs"} (the workers' and the wall time of `run`; `run` and `run_small` the
     batch-64 and batch-16 runs as served, with their mean TTFT (kept for comparison, not used by
-    the simulator); `runs` what the split was solved from). quantization: served with
-    --quantization (the experts as the profile's other measurements hold them). 256 requests: the
+    the simulator); `runs` what the split was solved from). quantization, quantize_linears: served
+    with --quantization (and --quantize-linears), as the profile's other measurements hold the weights. 256 requests: the
     CPU times come from /proc in 10 ms ticks, and with 64 the 1-token run was a few ticks, so the
     per-request cost came out 0 on the AVX-512 EPYC where 256 measure it at ~0.7 ms (the front) and
     ~0.19 ms (the load generator)."""
     runs = []
     flags = ["--torch-threads", "1", "--micro-batches", str(MICRO_BATCHES), "--max-num-seqs", str(LARGE * batch)]
-    with _serving(model, flags, dtype, quantization, input_len) as (proc, url, load):
+    with _serving(model, flags, dtype, quantization, input_len, quantize_linears) as (proc, url, load):
         load(batch, batch, 1000, output_len)  # warm-up: first calls, allocations
         # other prompts each run (its seed): none from the prefix cache
         plan = ([("run", batch, output_len)] * SERVED_REPEATS + [("short", batch, short_len)]
@@ -156,7 +157,8 @@ def _served(r: dict, output_len: int, micro_batches: int) -> dict:
 
 
 @contextlib.contextmanager
-def _serving(model: str, flags: list[str], dtype: str | None, quantization: str | None, input_len: int = 64):
+def _serving(model: str, flags: list[str], dtype: str | None, quantization: str | None, input_len: int = 64,
+             quantize_linears: bool = False):
     """A live `shuttle serve` of `model` with `flags`: yields (its process, its URL, load), where
     load(concurrency, prompts, seed, output_len) runs `shuttle bench serve`'s client against it with
     prompts of exactly input_len tokens of the model's tokenizer (as bench/planner.py's rows) and
@@ -168,7 +170,8 @@ def _serving(model: str, flags: list[str], dtype: str | None, quantization: str 
     url = f"http://127.0.0.1:{port}"
     with tempfile.NamedTemporaryFile("w+", prefix="shuttle-profile-front-", suffix=".log") as log:
         cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--port", str(port), *flags,
-               *(["--dtype", dtype] if dtype else []), *(["--quantization", quantization] if quantization else [])]
+               *(["--dtype", dtype] if dtype else []), *(["--quantization", quantization] if quantization else []),
+               *(["--quantize-linears"] if quantize_linears else [])]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             _wait_ready(proc, url, Path(log.name))
@@ -190,7 +193,7 @@ def _serving(model: str, flags: list[str], dtype: str | None, quantization: str 
 
 def measure_scale_runs(model: str, threads: tuple[int, ...], dtype: str | None = None, batch: int = 64,
                        prompts: int = 256, input_len: int = 64, output_len: int = 16,
-                       quantization: str | None = None) -> list[dict]:
+                       quantization: str | None = None, quantize_linears: bool = False) -> list[dict]:
     """Served runs of the deployments whose steps take every core the front and the load generator
     share: `shuttle serve --colocated --torch-threads t` for each t in `threads`, and a 1 + 1 pool
     at m = 1 (serve's threads), each at concurrency `batch`, SERVED_REPEATS runs of `prompts`
@@ -201,7 +204,8 @@ def measure_scale_runs(model: str, threads: tuple[int, ...], dtype: str | None =
     plan.append(("m1", None, ["--micro-batches", "1"]))
     out = []
     for kind, t, flags in plan:
-        with _serving(model, [*flags, "--max-num-seqs", str(batch)], dtype, quantization, input_len) as (_, _, load):
+        with _serving(model, [*flags, "--max-num-seqs", str(batch)], dtype, quantization, input_len,
+                      quantize_linears) as (_, _, load):
             load(batch, batch, 1000, output_len)  # warm-up
             runs = []
             for seed in range(SERVED_REPEATS):

@@ -5,7 +5,8 @@ Plan file (JSON):
     {"version": 1, "model": {"name", "path", "config_hash"},
      "hardware": {"attention": {kind...}, "expert": {kind...}},
      "deployment": {"colocated", "attention_workers", "expert_workers", "micro_batches", "max_num_seqs",
-                    "torch_threads", "transport", "attention_device", "expert_device", "quantization"},
+                    "torch_threads", "transport", "attention_device", "expert_device", "quantization",
+                    "quantize_linears"},
      "predicted": {"throughput", "tbt_ms", "cost_per_hour", ...}, "estimated": bool, "slo": {...}, "workload": {...}}
 """
 from dataclasses import dataclass
@@ -90,9 +91,10 @@ def _with_threads(c: Candidate, dep) -> HostCandidate:
 
 
 def plan_file(c: Candidate, hw: dict[str, HardwareKind], shape, model_path: str, slo_ms: float,
-              workload: dict, quantization: str | None = None) -> dict:
+              workload: dict, quantization: str | None = None, quantize_linears: bool = False) -> dict:
     """The plan file of candidate `c`; quantization: the experts' (EngineConfig.quantization, None
-    or "int8"), which the plan was searched for and is served with."""
+    or "int8"), which the plan was searched for and is served with; quantize_linears: the other
+    linears too (a host profile's, as it measured them)."""
     colocated = c.attention_workers == 0
     return {"version": PLAN_VERSION,
             "model": {"name": shape.name, "path": model_path, "config_hash": shape.config_hash},
@@ -102,7 +104,7 @@ def plan_file(c: Candidate, hw: dict[str, HardwareKind], shape, model_path: str,
                            "max_num_seqs": c.batch, "torch_threads": getattr(c, "torch_threads", None),
                            "transport": "shm" if c.attention_hw == HOST else "tcp",
                            "attention_device": hw[c.attention_hw].device, "expert_device": hw[c.expert_hw].device,
-                           "quantization": quantization},
+                           "quantization": quantization, "quantize_linears": quantize_linears},
             "predicted": c.to_dict(), "estimated": c.estimated, "slo": {"tbt_ms": slo_ms}, "workload": workload}
 
 
@@ -129,13 +131,13 @@ def format_plans(cands: list[Candidate]) -> str:
 ANY = object()  # plan_engine_kwargs: no quantization asked for (the plan's is taken)
 
 
-def plan_engine_kwargs(path: str | Path, model: str | None = None, quantization=ANY) -> dict:
+def plan_engine_kwargs(path: str | Path, model: str | None = None, quantization=ANY, quantize_linears=ANY) -> dict:
     """LLM / engine_config keyword arguments that run the plan file's deployment on this host:
     model (the plan's unless given), device and expert_device, the pool layout, threads, batch and
-    the experts' quantization (None for plans written before it was recorded). ValueError, naming
-    what is wrong, for a file that is not a plan, a plan of another model or, where `quantization`
-    is given (None or "int8"), of another quantization, or a plan this host cannot hold (more
-    worker processes than cores, or CUDA devices it lacks)."""
+    the experts' quantization (None for plans written before it was recorded) and quantize_linears.
+    ValueError, naming what is wrong, for a file that is not a plan, a plan of another model or,
+    where `quantization` is given (None or "int8"), of another quantization (or quantize_linears), or a
+    plan this host cannot hold (more worker processes than cores, or CUDA devices it lacks)."""
     import json
     import os
 
@@ -167,6 +169,11 @@ def plan_engine_kwargs(path: str | Path, model: str | None = None, quantization=
         raise ValueError(f"plan {path} was made for quantization {planned_q or 'none'} (its experts' memory and "
                          f"times), not {asked_q or 'none'}; plan again with shuttle plan --quantization "
                          f"{asked_q or 'none'}")
+    planned_linears = bool(dep.get("quantize_linears", False))
+    if quantize_linears is not ANY and bool(quantize_linears) != planned_linears:
+        raise ValueError(f"plan {path} was made {'with' if planned_linears else 'without'} quantize_linears (its "
+                         f"attention times), not {'with' if quantize_linears else 'without'}; plan again from a "
+                         f"profile measured {'with' if quantize_linears else 'without'} --quantize-linears")
     devices = {dep.get("attention_device", "cpu"), dep.get("expert_device", "cpu")}
     if any(d.startswith("cuda") for d in devices) and not torch.cuda.is_available():
         raise ValueError(f"plan {path} runs on {plan['hardware']['attention']['name']} / "
@@ -183,4 +190,5 @@ def plan_engine_kwargs(path: str | Path, model: str | None = None, quantization=
             "colocated": bool(dep["colocated"]), "attention_workers": int(dep["attention_workers"]),
             "expert_workers": int(dep["expert_workers"]), "micro_batches": int(dep["micro_batches"]),
             "transport": dep["transport"], "torch_threads": dep.get("torch_threads"),
-            "max_num_seqs": int(dep["max_num_seqs"]), "quantization": planned_q}
+            "max_num_seqs": int(dep["max_num_seqs"]), "quantization": planned_q,
+            "quantize_linears": planned_linears}

@@ -34,8 +34,9 @@ median of three does not reject):
   `shuttle serve` driven by `shuttle bench serve`'s client; skipped with front=False).
 Each thread count is measured in this process with torch.set_num_threads. With quantization="int8"
 every runner, engine, expert sample and served run holds its experts as serving does
-(EngineConfig.quantization, expert_nodes.worker.pack_for_cpu), and the profile records it: a
-profile is used only for the quantization it was measured with (planner.cli.load_profile).
+(EngineConfig.quantization, expert_nodes.worker.pack_for_cpu), and with quantize_linears its other
+linears too; the profile records both: a profile is used only for the quantization it was measured
+with (planner.cli.load_profile), and a host plan serves its linears as measured.
 """
 import itertools
 import json
@@ -103,6 +104,7 @@ class ProfileOptions:
     max_kv_reads: int = 32768
     front: bool = True
     quantization: str | None = None  # the experts' (EngineConfig.quantization): None or "int8"
+    quantize_linears: bool = False  # EngineConfig.quantize_linears: the other linears in `quantization` too
 
     @classmethod
     def quick_options(cls, **kw) -> "ProfileOptions":
@@ -232,7 +234,8 @@ def measure_attention(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     evict = CacheEvictor(opts.model)
     disp = _StampingDispatcher(evict)
     runner = ModelRunner(EngineConfig(opts.model, dtype=opts.dtype, cache=CacheConfig(block_size, num_blocks),
-                                      quantization=opts.quantization), cfg, disp, 1)
+                                      quantization=opts.quantization,
+                                      quantize_linears=opts.quantize_linears), cfg, disp, 1)
     L = cfg.num_layers
     # Large batches at long context cost seconds per point (the CPU's paged attention reads every
     # token): bounded by max_kv_reads, which still spans the fit's range.
@@ -290,7 +293,7 @@ def measure_step(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     engine = LLMEngine(EngineConfig(opts.model, dtype=opts.dtype,
                                     scheduler=SchedulerConfig(max_num_seqs=B, max_num_batched_tokens=max(2048, 8 * B)),
                                     cache=CacheConfig(16, num_blocks, enable_prefix_caching=False),
-                                    quantization=opts.quantization),
+                                    quantization=opts.quantization, quantize_linears=opts.quantize_linears),
                        set(), dispatcher=disp)
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     rng, samples = torch.Generator().manual_seed(0), []
@@ -399,7 +402,8 @@ def measure_colocated(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     block_size = 16
     num_blocks = blocks_for(max(max_ctx + 1, *pre, *(n for _, n in chunks), 1), block_size) + 1
     runner = ModelRunner(EngineConfig(opts.model, dtype=opts.dtype, cache=CacheConfig(block_size, num_blocks),
-                                      quantization=opts.quantization), cfg)
+                                      quantization=opts.quantization,
+                                      quantize_linears=opts.quantize_linears), cfg)
     evict = CacheEvictor(opts.model)
     shapes = [([1] * b, [c] * b) for b in opts.batches for c in opts.contexts
               if c < cfg.max_model_len and b * c <= opts.max_kv_reads]
@@ -432,7 +436,8 @@ def measure_native_decode(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     block_size = 16
     num_blocks = blocks_for(ctx + 1, block_size) + 1
     runner = ModelRunner(EngineConfig(opts.model, dtype=opts.dtype, cache=CacheConfig(block_size, num_blocks),
-                                      quantization=opts.quantization), cfg)
+                                      quantization=opts.quantization,
+                                      quantize_linears=opts.quantize_linears), cfg)
     nd = runner.model.native_decode
     if nd is None:
         return []
@@ -477,7 +482,7 @@ def measure_mtp(opts: ProfileOptions, cfg: ModelConfig) -> tuple[list[dict], lis
         B = max(batches)
         try:
             engine = LLMEngine(EngineConfig(
-                opts.model, dtype=opts.dtype, quantization=opts.quantization,
+                opts.model, dtype=opts.dtype, quantization=opts.quantization, quantize_linears=opts.quantize_linears,
                 scheduler=SchedulerConfig(max_num_seqs=B, max_num_batched_tokens=max(2048, 8 * B)),
                 cache=CacheConfig(16, B * blocks_for(prompt + new + k + 2, 16) + 4, enable_prefix_caching=False),
                 speculative=SpeculativeConfig("mtp", k, disable_by_batch_size=10 ** 6)))
@@ -555,7 +560,7 @@ def measure_passive(opts: ProfileOptions) -> dict[str, list[dict]] | None:
         return None
     spec = {**{k: getattr(opts, k) for k in _GRID}, "model": str(opts.model), "threads": threads,
             "dtype": None if opts.dtype is None else str(opts.dtype).removeprefix("torch."),
-            "quantization": opts.quantization}
+            "quantization": opts.quantization, "quantize_linears": opts.quantize_linears}
     out = subprocess.run([sys.executable, "-c", "from planner.profile import _passive_child; _passive_child()"],
                          input=json.dumps(spec), capture_output=True, text=True,
                          env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
@@ -571,7 +576,7 @@ def _passive_child() -> None:
             for k, v in spec.items() if k in _GRID}
     opts = ProfileOptions(spec["model"], getattr(torch, spec["dtype"]) if spec["dtype"] else None,
                           tuple(spec["threads"]), transports=(), front=False, quantization=spec["quantization"],
-                          **grid)
+                          quantize_linears=spec["quantize_linears"], **grid)
     samples = measure_workers(opts, ModelConfig.from_pretrained(opts.model))
     print(json.dumps(samples))
 
@@ -604,8 +609,9 @@ def run_profile(opts: ProfileOptions) -> dict:
         from planner.front import measure_front, measure_scale_runs
 
         served_dtype = str(dtype).replace("torch.", "") if opts.dtype else None
-        front = measure_front(opts.model, served_dtype, quantization=opts.quantization)
-        front["scale_runs"] = measure_scale_runs(opts.model, opts.threads, served_dtype, quantization=opts.quantization)
+        served = dict(quantization=opts.quantization, quantize_linears=opts.quantize_linears)
+        front = measure_front(opts.model, served_dtype, **served)
+        front["scale_runs"] = measure_scale_runs(opts.model, opts.threads, served_dtype, **served)
     transfer = {}
     for backend in opts.transports:
         tsamples, wake = measure_transfer(opts.model, backend, dtype, quick=opts.quick)
@@ -616,6 +622,7 @@ def run_profile(opts: ProfileOptions) -> dict:
     profile = {"version": PROFILE_VERSION, "kind": "measured", "model": {
                 "path": str(opts.model), "name": shape.name, "config_hash": shape.config_hash,
                 "dtype": str(dtype).replace("torch.", ""), "quantization": opts.quantization,
+                "quantize_linears": opts.quantize_linears,
                 "num_layers": cfg.num_layers,
                 "num_moe_layers": cfg.num_moe_layers, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
                 "hidden_size": cfg.hidden_size},

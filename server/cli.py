@@ -70,6 +70,8 @@ def _deployment_kwargs(args: argparse.Namespace, disaggregate_by_default: bool) 
     from planner.plan import plan_engine_kwargs
 
     asked = {} if args.quantization is None else {"quantization": args.quantization}
+    if args.quantize_linears:
+        asked["quantize_linears"] = True
     planned = plan_engine_kwargs(args.plan, args.model, **asked)  # a plan made for another quantization: refused
     logging.getLogger("shuttle").info("--plan %s: %s", args.plan, describe_plan(planned))
     kwargs = {**_engine_kwargs(args), **planned, **_eplb_kwargs(args)}
@@ -88,7 +90,8 @@ def describe_plan(planned: dict) -> str:
                  f"worker(s) on {p['expert_device'] or p['device']}, {p['micro_batches']} micro-batch(es), "
                  f"transport {p['transport']}")
     threads = p["torch_threads"] or "default"
-    quantized = f"; experts {p['quantization']}" if p.get("quantization") else ""
+    linears = " (and linears)" if p.get("quantize_linears") else ""
+    quantized = f"; experts {p['quantization']}{linears}" if p.get("quantization") else ""
     return f"{where}; torch threads per worker: {threads}; batch up to {p['max_num_seqs']} sequences{quantized}"
 
 

@@ -177,7 +177,7 @@ class LLM:
         if plan is not None:
             from planner.plan import plan_engine_kwargs
 
-            asked = {k: engine_kwargs[k] for k in ("quantization",) if k in engine_kwargs}  # another: refused
+            asked = {k: engine_kwargs[k] for k in ("quantization", "quantize_linears") if k in engine_kwargs}
             planned = plan_engine_kwargs(plan, None if model is None else str(model), **asked)
             model = model if model is not None else planned.pop("model")
             planned.pop("model", None)

@@ -124,6 +124,7 @@ def test_host_plan_is_the_best_simulated_deployment(tmp_path, make_checkpoint, c
     p = profile(a=1.0, a_tok=0.01, e=1.0, e_pair=0.005, c=0.05, layers=2)
     p["model"]["config_hash"] = shape_from(model).config_hash
     p["model"]["quantization"] = "int8"  # measured with --quantization int8: the plan is served so
+    p["model"]["quantize_linears"] = True  # and with --quantize-linears
     prof, out, js = tmp_path / "p.json", tmp_path / "plan.json", tmp_path / "all.json"
     prof.write_text(json.dumps(p))
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})  # this process on one core, the profile's 2
@@ -134,10 +135,17 @@ def test_host_plan_is_the_best_simulated_deployment(tmp_path, make_checkpoint, c
     best = json.loads(out.read_text())
     assert best["predicted"]["throughput"] == max(c["throughput"] for c in plans)
     assert not best["estimated"] and best["deployment"]["attention_device"] == "cpu"
-    assert best["deployment"]["quantization"] == "int8"
+    assert best["deployment"]["quantization"] == "int8" and best["deployment"]["quantize_linears"]
     assert {c["micro_batches"] for c in plans if c["attention_workers"]} == {1, 2, 3, 4}
+    out_text, err = capsys.readouterr()
+    assert "experts and linears as int8" in out_text
+    from planner.plan import plan_engine_kwargs
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})  # a host that runs the plan
+    assert plan_engine_kwargs(out)["quantize_linears"]
+    with pytest.raises(ValueError, match="was made with quantize_linears .*, not without; plan again from a profile "
+                                         "measured without --quantize-linears"):
+        plan_engine_kwargs(out, quantize_linears=False)
     # the toy profile's host is not this one, nor its cores this process's: the plan says so
-    err = capsys.readouterr().err
     assert f"--profile {prof} was measured on another host (cpu 'toy', here" in err
     assert "was measured with 2 usable cores, this process has 1 (taskset, a cgroup?); the plan is for 2" in err
 

@@ -185,11 +185,11 @@ def test_prefill_features_count_only_the_prefilling_sequences():
     assert prefill_features([1, 1], [7, 9]) == {"prefill_tokens": 0, "kv_prefill": 0}
 
 
-def test_profile_quantization_reaches_every_measurement(tmp_path, make_checkpoint, monkeypatch):
-    """shuttle profile --quantization int8 (-q, or vLLM's experts_int8): the runners and the engine it
-    builds, the expert samples, the passive-waits child and the served front hold the experts as
-    int8, as serving does, and the profile records it. Stubbed where a step would be timed, except
-    the expert samples (a tiny grid)."""
+def test_profile_quantization_reaches_every_measurement(tmp_path, make_checkpoint, monkeypatch, capsys):
+    """shuttle profile --quantization int8 (-q, or vLLM's experts_int8) [--quantize-linears]: the runners
+    and the engine it builds, the expert samples, the passive-waits child and the served front hold the
+    experts as int8 (and the linears), as serving does, and the profile records it. Stubbed where a
+    step would be timed, except the expert samples (a tiny grid)."""
     import io
     import sys
     from types import SimpleNamespace
@@ -211,12 +211,16 @@ def test_profile_quantization_reaches_every_measurement(tmp_path, make_checkpoin
 
     with monkeypatch.context() as m:
         m.setattr(prof, "run_profile", stop)
-        for flags, q in ((["-q", "experts_int8"], "int8"), (["--quantization", "int8"], "int8"), ([], None)):
+        for flags, q in ((["-q", "experts_int8"], "int8"), (["--quantization", "int8"], "int8"), ([], None),
+                         (["-q", "fp8", "--quantize-linears"], "fp8")):
             assert main(["profile", "--model", str(ckpt), *flags, "--quick", "--out", str(tmp_path / "p.json")]) == 2
-            assert got.pop().quantization == q
+            o = got.pop()
+            assert o.quantization == q and o.quantize_linears == ("--quantize-linears" in flags)
+    assert main(["profile", "--model", str(ckpt), "--quantize-linears", "--out", str(tmp_path / "p.json")]) == 2
+    assert "--quantize-linears quantises the linears as --quantization int8 or fp8 does" in capsys.readouterr().err
 
     opts = ProfileOptions(str(ckpt), threads=(1, 2), repeats=1, batches=(1,), contexts=(16,), prefill=(32,),
-                          prefill_chunks=(), expert_tokens=(1, 4), quantization="int8")
+                          prefill_chunks=(), expert_tokens=(1, 4), quantization="int8", quantize_linears=True)
     with monkeypatch.context() as m:  # the runners and the engine: EngineConfig.quantization
         m.setattr(prof, "ModelRunner", stop)
         m.setattr(prof, "LLMEngine", stop)
@@ -224,7 +228,8 @@ def test_profile_quantization_reaches_every_measurement(tmp_path, make_checkpoin
                         prof.measure_colocated):
             with pytest.raises(PlannerError):
                 measure(opts, cfg)
-            assert got.pop().quantization == "int8"
+            engine_cfg = got.pop()
+            assert engine_cfg.quantization == "int8" and engine_cfg.quantize_linears
 
     held, run = [], prof.run_local_experts
     monkeypatch.setattr(prof, "run_local_experts", lambda experts, batch: held.append(experts) or run(experts, batch))
@@ -237,18 +242,19 @@ def test_profile_quantization_reaches_every_measurement(tmp_path, make_checkpoin
             returncode=0, stdout="{}\n"))
         prof.measure_passive(opts)
         spec = got.pop()
-        assert json.loads(spec)["quantization"] == "int8"
+        assert json.loads(spec)["quantization"] == "int8" and json.loads(spec)["quantize_linears"]
         m.setattr(sys, "stdin", io.StringIO(spec))
         m.setattr(prof, "measure_workers", lambda o, c: got.append(o) or {})
         prof._passive_child()
-        assert got.pop().quantization == "int8"
+        o = got.pop()
+        assert o.quantization == "int8" and o.quantize_linears
 
     with monkeypatch.context() as m:  # the served 1 + 1 run: shuttle serve --quantization int8
         m.setattr(front.subprocess, "Popen", stop)
         with pytest.raises(PlannerError):
-            front.measure_front(str(ckpt), quantization="int8")
+            front.measure_front(str(ckpt), quantization="int8", quantize_linears=True)
         cmd = got.pop()
-        assert cmd[cmd.index("--quantization") + 1] == "int8"
+        assert cmd[cmd.index("--quantization") + 1] == "int8" and "--quantize-linears" in cmd
         with pytest.raises(PlannerError):  # ... and the served colocated and m = 1 runs
             front.measure_scale_runs(str(ckpt), (2,), quantization="int8")
         cmd = got.pop()
@@ -260,8 +266,9 @@ def test_profile_quantization_reaches_every_measurement(tmp_path, make_checkpoin
     monkeypatch.setattr(prof, "measure_native_decode", lambda o, c: [])
     monkeypatch.setattr(prof, "measure_colocated", lambda o, c: [])
     monkeypatch.setattr(prof, "fit_samples", lambda s, t: {})
-    p = prof.run_profile(ProfileOptions(str(ckpt), threads=(1,), transports=(), front=False, quantization="int8"))
-    assert p["model"]["quantization"] == "int8"
+    p = prof.run_profile(ProfileOptions(str(ckpt), threads=(1,), transports=(), front=False, quantization="int8",
+                                        quantize_linears=True))
+    assert p["model"]["quantization"] == "int8" and p["model"]["quantize_linears"]
     path = tmp_path / "p.json"
     path.write_text(json.dumps(p))
     assert load_profile(str(path), str(ckpt), "int8")["model"]["quantization"] == "int8"
