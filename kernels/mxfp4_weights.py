@@ -30,9 +30,10 @@ kernels/choice.py measured it faster ("mxfp4", per weight shape of the packed mo
 There is no MXFP4 AMX kernel. Where none runs (no AVX2, no library, autograd, torch.compile)
 mxfp4_linear is the torch reference.
 
-Experts: models/cpu_inference.PackedExperts (quantization "mxfp4") runs each expert's gate/up and down
-weights as CpuWeight.quantized(Mxfp4Weight), per-expert linears of kernels/moe.fused_moe_packed (biases
-and gpt-oss's clamped activation included); there is no fused MXFP4 MoE block.
+Experts: models/cpu_inference.PackedExperts (quantization "mxfp4") keeps each expert's gate/up and down
+weights as Mxfp4Weights (`Mxfp4Experts`), and `fused_moe_mxfp4` runs a layer's block in one native call
+(kernels/csrc/mxfp4_moe.c): kernels/moe.fused_moe_packed's ops on mxfp4_linear, biases and gpt-oss's
+clamped activation included, without its torch ops and Python per expert.
 
 Legend: T rows, I input features, O output features, P panels of PANEL rows, G blocks of 32 inputs.
 """
@@ -132,6 +133,11 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
                    + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int])
+    fn = lib.shuttle_fused_moe_mxfp4
+    fn.restype = ctypes.c_int
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                    ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_int64]
+                   + [ctypes.c_float] * 3 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p])
     return lib
 
 
@@ -177,3 +183,101 @@ def mxfp4_linear(x: torch.Tensor, w: Mxfp4Weight, bias: torch.Tensor | None = No
     if rc != 0:
         raise RuntimeError(f"mxfp4_linear: the library cannot run kernel {kernel} on I = {I} ({rc})")
     return y_TO.view(*lead, O)
+
+
+class Mxfp4Experts:
+    """One layer's E experts for the fused MXFP4 block (fused_moe_mxfp4): w13_E (2I, D) and w2_E (D, I)
+    Mxfp4Weights, their biases b13_EI2 / b2_ED (any float dtype, or None) and the SwiGLU `act`
+    (kernels/moe.py). `table` (4, E) int64: every expert's gate/up codes and scales and down codes and
+    scales; `biases` (2, E) int64: their float32 biases' addresses (None without biases). The tensors
+    they point at are kept here."""
+
+    __slots__ = ("w13_E", "w2_E", "hidden", "inter", "act", "table", "biases", "_b13", "_b2")
+
+    def __init__(self, w13_E: list, w2_E: list, b13_EI2: torch.Tensor | None = None,
+                 b2_ED: torch.Tensor | None = None, act=None):
+        from kernels.moe import SILU
+
+        if not w13_E or len(w13_E) != len(w2_E):
+            raise ValueError(f"Mxfp4Experts: {len(w13_E)} gate/up and {len(w2_E)} down weights")
+        self.w13_E, self.w2_E, self.act = list(w13_E), list(w2_E), SILU if act is None else act
+        self.hidden, self.inter = w13_E[0].in_features, w2_E[0].in_features
+        D, I = self.hidden, self.inter
+        if any((w.out_features, w.in_features) != (2 * I, D) for w in self.w13_E) or any(
+                (w.out_features, w.in_features) != (D, I) for w in self.w2_E):
+            raise ValueError(f"Mxfp4Experts: every expert needs a gate/up weight (2I, D) and a down weight (D, I) of "
+                             f"one D and I; the first is ({2 * I}, {D}) / ({D}, {I})")
+        self.table = torch.tensor([[w.panels.data_ptr() for w in self.w13_E], [w.scales.data_ptr() for w in self.w13_E],
+                                   [w.panels.data_ptr() for w in self.w2_E], [w.scales.data_ptr() for w in self.w2_E]],
+                                  dtype=torch.int64)
+        self._b13 = None if b13_EI2 is None else b13_EI2.detach().to(torch.float32).contiguous()
+        self._b2 = None if b2_ED is None else b2_ED.detach().to(torch.float32).contiguous()
+        self.biases = None
+        if self._b13 is not None or self._b2 is not None:
+            self.biases = torch.tensor([[0 if b is None else b[e].data_ptr() for e in range(len(self.w13_E))]
+                                        for b in (self._b13, self._b2)], dtype=torch.int64)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.w13_E)
+
+
+_BF16DOT_TABLE: list = []  # _BF16DOT_ROWS as the bytes the fused block reads (rebuilt when it changes)
+
+
+def moe_kernels() -> tuple[int, torch.Tensor]:
+    """(kernel, bf16dot_rows) that fused_moe_mxfp4 runs by default: the FMA kernel (AVX-512, else AVX2),
+    and per row bucket a uint8 1 where bf16 rows take BF16DOT (the measured table, where it runs here)."""
+    here = kernels()
+    flags = torch.tensor(_BF16DOT_ROWS if BF16DOT in here else [False] * len(_BF16DOT_ROWS), dtype=torch.uint8)
+    if not _BF16DOT_TABLE or not torch.equal(_BF16DOT_TABLE[0], flags):
+        _BF16DOT_TABLE[:] = [flags]
+    return (AVX512 if AVX512 in here else AVX2), _BF16DOT_TABLE[0]
+
+
+def fused_moe_mxfp4_reference(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                              experts: Mxfp4Experts) -> torch.Tensor:
+    """kernels/moe.fused_moe_packed on the experts' Mxfp4Weight linears (mxfp4_linear per expert)."""
+    from kernels.cpu_linear import CpuWeight
+    from kernels.moe import fused_moe_packed
+
+    w13 = [CpuWeight.quantized(w) for w in experts.w13_E]
+    w2 = [CpuWeight.quantized(w) for w in experts.w2_E]
+    return fused_moe_packed(x_TD, w13, w2, topk_weights_TK, topk_ids_TK, b13_EI2=experts._b13, b2_ED=experts._b2,
+                            act=experts.act)
+
+
+def fused_moe_mxfp4(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                    experts: Mxfp4Experts, kernel: int | None = None) -> torch.Tensor:
+    """y_TD (x's dtype) = sum over each token's top-k experts of weight * act-MLP(x) (biases included) on
+    MXFP4 experts, in one native call (kernels/csrc/mxfp4_moe.c): fused_moe_mxfp4_reference's ops and
+    roundings. x: bf16 or float32 (T, D); ids (T, K) integers (ids outside [0, E) are skipped); weights
+    (T, K) float32 or bf16. kernel: AVX2, AVX512 or BF16DOT (bf16 x only) for every expert; by default
+    mxfp4_linear's choice per expert's row count. The reference where the kernels are unavailable, for
+    other dtypes, and where autograd or torch.compile needs it."""
+    T, D = x_TD.shape
+    if D != experts.hidden or topk_ids_TK.shape[0] != T or topk_weights_TK.shape != topk_ids_TK.shape:
+        raise ValueError(f"fused_moe_mxfp4 takes x (T, {experts.hidden}) and (T, K) ids and weights; got x "
+                         f"{tuple(x_TD.shape)}, ids {tuple(topk_ids_TK.shape)}, weights {tuple(topk_weights_TK.shape)}")
+    if x_TD.dtype not in (torch.bfloat16, torch.float32) or not (int8._eager_cpu(x_TD, topk_weights_TK)
+                                                                   and available()):
+        return fused_moe_mxfp4_reference(x_TD, topk_ids_TK, topk_weights_TK, experts)
+    small, table = moe_kernels()
+    if kernel is not None:
+        int8.check_kernel(kernel, kernels(), x_TD.dtype, "fused_moe_mxfp4")
+        small, table = (small, torch.ones_like(table)) if kernel == BF16DOT else (kernel, torch.zeros_like(table))
+    x_TD = x_TD.contiguous()
+    ids_TK = topk_ids_TK.to(torch.int64).contiguous()
+    wk_TK = topk_weights_TK.to(torch.float32).contiguous()
+    y_TD = torch.empty(T, D, dtype=x_TD.dtype)
+    act, b = experts.act, experts.biases
+    rc = _library().shuttle_fused_moe_mxfp4(
+        x_TD.data_ptr(), int(x_TD.dtype == torch.bfloat16), T, D, ids_TK.data_ptr(), wk_TK.data_ptr(), ids_TK.shape[1],
+        *(experts.table[i].data_ptr() for i in range(4)), *((None, None) if b is None else (b[0].data_ptr(), b[1].data_ptr())),
+        experts.num_experts, experts.inter, act.alpha, float("inf") if act.limit is None else act.limit, act.up_offset,
+        y_TD.data_ptr(), native.threads(), small, table.data_ptr())
+    if rc == -1:
+        raise MemoryError(f"fused_moe_mxfp4: out of memory for {T} tokens x {ids_TK.shape[1]} experts")
+    if rc != 0:
+        raise RuntimeError(f"fused_moe_mxfp4: the library cannot run the MXFP4 kernels ({rc})")
+    return y_TD

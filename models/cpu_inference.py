@@ -13,7 +13,7 @@ from kernels.cpu_linear import (SKINNY_MAX_ROWS, CpuWeight, ExpertPanels, Packed
                                 packing_available)
 from kernels.fp8_weights import Fp8ExpertPanels, Fp8Experts, Fp8Weight, fused_moe_fp8
 from kernels.int8 import Int8Experts, Int8ExpertPanels, fused_moe_int8, quantize_int8
-from kernels.mxfp4_weights import Mxfp4Weight
+from kernels.mxfp4_weights import Mxfp4Experts, Mxfp4Weight, fused_moe_mxfp4
 from kernels.moe import SILU, SwiGLU, fused_moe_packed
 from models.moe_decoder import Attention, DecoderLayer, Experts, MoEForCausalLM, Router, SparseMoE
 from models.norm import RMSNorm
@@ -46,8 +46,8 @@ class PackedExperts(nn.Module):
     fused_moe_fp8 for SiLU experts without biases, else CpuWeight.quantized(Fp8Weight).
     quantization="mxfp4": MXFP4 codes and E8M0 scales (kernels/mxfp4_weights.py), the checkpoint's
     blocks as shipped where the loader kept them (keep_mxfp4), else quantised from the float weights;
-    CpuWeight.quantized(Mxfp4Weight) for fused_moe_packed's per-expert linears, whatever the
-    activation and biases (there is no fused MXFP4 block). quantization="w8a8_int8": int8's
+    CpuWeight.quantized(Mxfp4Weight) per expert, run as one block by fused_moe_mxfp4 whatever the
+    activation and biases (Mxfp4Experts). quantization="w8a8_int8": int8's
     Int8ExpertPanels, run with their activations quantised per token (Int8Experts.act_int8); SiLU
     experts without biases only (the fused block), else ValueError."""
 
@@ -85,8 +85,11 @@ class PackedExperts(nn.Module):
     def _index_native(self) -> None:
         """The data pointers the native kernel takes (its weights stay owned by the lists); int8: the
         fused int8 block's table (Int8Experts)."""
-        self.native = self.int8 = self.fp8 = None
-        if self.w13_packed and isinstance(self.w13_packed[0], Fp8ExpertPanels):
+        self.native = self.int8 = self.fp8 = self.mxfp4 = None
+        if self.w13_packed and isinstance(getattr(self.w13_packed[0], "int8", None), Mxfp4Weight):
+            self.mxfp4 = Mxfp4Experts([w.int8 for w in self.w13_packed], [w.int8 for w in self.w2_packed], self.b13,
+                                      self.b2, self.act)
+        elif self.w13_packed and isinstance(self.w13_packed[0], Fp8ExpertPanels):
             self.fp8 = Fp8Experts(self.w13_packed, self.w2_packed)
         elif self.w13_packed and isinstance(self.w13_packed[0], Int8ExpertPanels):
             self.int8 = Int8Experts(self.w13_packed, self.w2_packed, self.act_int8)
@@ -113,6 +116,8 @@ class PackedExperts(nn.Module):
             return fused_moe_int8(x_TD, topk_ids_TK, topk_weights_TK, self.int8)
         if self.fp8 is not None:
             return fused_moe_fp8(x_TD, topk_ids_TK, topk_weights_TK, self.fp8)
+        if self.mxfp4 is not None:
+            return fused_moe_mxfp4(x_TD, topk_ids_TK, topk_weights_TK, self.mxfp4)
         return fused_moe_packed(x_TD, self.w13_packed, self.w2_packed, topk_weights_TK, topk_ids_TK,
                                 b13_EI2=self.b13, b2_ED=self.b2, act=self.act)
 

@@ -17,7 +17,8 @@ The model keeps every other path: prefill and mixed steps, compiled stages, and 
 does not take.
 
 It takes a model (`why_not` says what a model lacks) where every layer is: MoE without shared
-experts, colocated with fused native experts (bf16 SiLU experts on panels, or int8 / FP8 ones); a softmax
+experts, colocated with fused native experts (bf16 SiLU experts on panels, int8 / FP8 ones, or MXFP4 ones
+with any SwiGLU and biases); a softmax
 router on panels without groups, bias or correction bias; attention with fused q/k/v and o without
 biases, both on bf16 panels or both int8 / FP8 (quantize_linears; every layer's of one kind, FP8 of one
 input block), no sinks, no clamp, q/k norm none / per head / full; a bf16 paged cache. That is Mixtral,
@@ -32,7 +33,7 @@ import ctypes
 
 import torch
 
-from kernels import fp8_weights, int8, native
+from kernels import fp8_weights, int8, mxfp4_weights, native
 from kernels.attention import _native_layout
 from models.cpu_inference import PackedExperts
 from models.dispatcher import LocalDispatcher
@@ -47,7 +48,7 @@ MAX_BUFFER_SETS = 8  # (batch size, micro-batch) pairs whose buffers are kept (s
 class _Layer(ctypes.Structure):
     _fields_ = ([(n, _P) for n in ("in_norm", "post_norm", "qkv", "o", "router", "q_norm", "k_norm", "w13", "w2",
                                    "k_cache", "v_cache")] + [("window", _I)]
-                + [(n, _P) for n in ("s13", "s2", "qkv_s", "o_s")])
+                + [(n, _P) for n in ("s13", "s2", "qkv_s", "o_s", "b13", "b2")])
 
 
 class _Step(ctypes.Structure):
@@ -57,7 +58,8 @@ class _Step(ctypes.Structure):
                 + [(n, _P) for n in ("final_norm", "x", "cos", "sin", "slots", "table", "len", "start", "h", "r",
                                      "qkv", "q", "o", "a", "logits", "moe", "scratch", "y", "lse", "wk", "ids")]
                 + [(n, _I) for n in ("inter", "int8_kernel", "int8_big_kernel", "int8_big_rows", "fp8_bpairs13",
-                                     "fp8_bpairs2", "linear_kernel", "linear_bpairs")])
+                                     "fp8_bpairs2", "linear_kernel", "linear_bpairs", "mxfp4", "mx_kernel")]
+                + [(n, _F) for n in ("mx_alpha", "mx_limit", "mx_offset")] + [("mx_rows", _P)])
 _BUFFERS = ("start", "h", "r", "qkv", "q", "o", "a", "logits", "moe", "scratch")
 
 
@@ -117,8 +119,9 @@ def why_not(model, cache, local: bool = True, cache_layer: int = 0) -> str | Non
         if mlp.shared_name is not None or (local and not (isinstance(experts, PackedExperts) and (
                 experts.native is not None or (experts.int8 is not None
                                                and int8.moe_kernels(experts.int8, torch.bfloat16) is not None)
-                or (experts.fp8 is not None and fp8_weights.moe_kernels(experts.fp8) is not None)))):
-            return f"layer {i}: shared experts or experts outside the fused native (bf16, int8 or FP8) blocks"
+                or (experts.fp8 is not None and fp8_weights.moe_kernels(experts.fp8) is not None)
+                or (experts.mxfp4 is not None and mxfp4_weights.available())))):
+            return f"layer {i}: shared experts or experts outside the fused native (bf16, int8, FP8 or MXFP4) blocks"
         if (gate.cpu_weight is None or gate.cpu_weight.panels is None or gate.bias is not None
                 or gate.e_score_correction_bias is not None or r.scoring != "softmax" or r.num_groups != 1
                 or cfg.router_scales_input or mlp.stages is not EAGER):
@@ -139,13 +142,20 @@ class NativeDecode:
         self.inter_padded = self.inter = 0
         self.int8_kernels = (0, 0, 0)  # fused_moe_int8's (kernel, big_kernel, big_rows) for int8 / FP8 experts
         self.fp8_bpairs = (0, 0)  # FP8 experts: input pairs per scale block of w13, w2 (0: not FP8)
+        self.mx_act = None  # MXFP4 experts: their activation (kernels/moe.SwiGLU); None: not MXFP4
         self.linears = linear_kind(model.model.layers[0].self_attn.o_proj.weight)  # q/k/v and o: bf16, int8, FP8
         layers = (_Layer * self.num_layers)()
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if spec.qk_norm != "none" else (None, None)
-            w13 = w2 = s13 = s2 = None
-            if local and mlp.experts.int8 is not None:  # int8 experts: codes and scales (kernels/int8.py)
+            w13 = w2 = s13 = s2 = b13 = b2 = None
+            if local and mlp.experts.mxfp4 is not None:  # MXFP4 experts: codes, scales, biases (kernels/mxfp4_weights.py)
+                m = mlp.experts.mxfp4
+                w13, s13, w2, s2 = m.table
+                b13, b2 = (None, None) if m.biases is None else m.biases
+                self.inter, self.mx_act = m.inter, m.act
+                self._keep += [m.table, m.biases]
+            elif local and mlp.experts.int8 is not None:  # int8 experts: codes and scales (kernels/int8.py)
                 table = mlp.experts.int8.table
                 w13, s13, w2, s2 = table
                 self.inter = mlp.experts.int8.inter
@@ -165,7 +175,7 @@ class NativeDecode:
             layers[i] = _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                                qkv.data_ptr(), o.data_ptr(), mlp.gate.cpu_weight.panels.data_ptr(), ptr(qn), ptr(kn),
                                ptr(w13), ptr(w2), cache.k[cache_layer + i].data_ptr(), cache.v[cache_layer + i].data_ptr(),
-                               attn.window or 0, ptr(s13), ptr(s2), ptr(qkv_s), ptr(o_s))
+                               attn.window or 0, ptr(s13), ptr(s2), ptr(qkv_s), ptr(o_s), ptr(b13), ptr(b2))
         self.layers = layers
         self.cache = cache  # the pages the tables point at (a step for another cache runs eagerly)
         self.final_norm = model.model.norm.weight
@@ -242,8 +252,19 @@ class NativeDecode:
                      cfg.rms_norm_eps, spec.eps, spec.head_dim ** -0.5, route.scaling, self.final_norm.data_ptr(),
                      *(t[n].data_ptr() for n in ("x", "cos", "sin", "slots", "table", "len", *_BUFFERS, "y", "lse",
                                                  "wk", "ids")), self.inter, *self.int8_kernels, *self.fp8_bpairs,
-                     self.linear_kernel(B), self.linears[1] // 2 if isinstance(self.linears, tuple) else 0)
+                     self.linear_kernel(B), self.linears[1] // 2 if isinstance(self.linears, tuple) else 0,
+                     *self._mxfp4_args(t))
         return step, t
+
+    def _mxfp4_args(self, t: dict) -> tuple:
+        """The step's MXFP4 fields: (1, kernel, alpha, limit, up_offset, rows table) as fused_moe_mxfp4 runs
+        them by default (the table kept alive in t), or zeros for other experts."""
+        if self.mx_act is None:
+            return 0, 0, 1.0, 0.0, 0.0, None
+        kernel, t["mx_rows"] = mxfp4_weights.moe_kernels()
+        act = self.mx_act
+        return (1, kernel, act.alpha, float("inf") if act.limit is None else act.limit, act.up_offset,
+                t["mx_rows"].data_ptr())
 
     def __call__(self, x_BD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
                  dispatcher: LocalDispatcher, before_norm: bool = False) -> torch.Tensor:

@@ -190,6 +190,72 @@ def test_the_c_entry_point_refuses_what_it_cannot_run():
     assert lib.shuttle_mxfp4_linear(None, 0, 1, 32, None, None, None, 4, None, 0, 1, int8.AMX) == -2  # none
 
 
+# --- the fused MXFP4 MoE block ---
+
+def _experts(E: int, D: int, I: int, act, biases: bool, seed: int = 0) -> mx.Mxfp4Experts:
+    g = torch.Generator().manual_seed(seed)
+    w13 = [mx.Mxfp4Weight.quantize(torch.randn(2 * I, D, generator=g) / D ** 0.5) for _ in range(E)]
+    w2 = [mx.Mxfp4Weight.quantize(torch.randn(D, I, generator=g) / I ** 0.5) for _ in range(E)]
+    b13, b2 = (torch.randn(E, 2 * I, generator=g), torch.randn(E, D, generator=g)) if biases else (None, None)
+    return mx.Mxfp4Experts(w13, w2, b13, b2, act)
+
+
+@NEEDS_MX
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("T", [1, 5, 40])
+@pytest.mark.parametrize("variant", ["silu", "gpt_oss"])
+def test_fused_mxfp4_block_equals_the_per_expert_linears(variant, T, dtype):
+    """fused_moe_mxfp4 (one native call) is fused_moe_packed on the experts' mxfp4_linear: the same ops in
+    the same order, so float32 differs by exp's rounding only and bf16 by the rare rounding that makes;
+    for every kernel it runs, at odd sizes (D 96, I 160), with gpt-oss's biases and clamped SwiGLU, and
+    with ids outside [0, E) skipped."""
+    from kernels.moe import SILU, SwiGLU
+
+    act = SILU if variant == "silu" else SwiGLU(alpha=1.702, limit=7.0, up_offset=1.0)
+    experts = _experts(5, 96, 160, act, biases=variant == "gpt_oss")
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, 96, generator=g).to(dtype)
+    ids = torch.randint(0, 5, (T, 2), generator=g)
+    ids[:, 1] = (ids[:, 0] + 1 + torch.randint(0, 4, (T,), generator=g)) % 5  # two distinct experts a token
+    w = torch.rand(T, 2, generator=g)
+    want = mx.fused_moe_mxfp4_reference(x, ids, w, experts)
+    for kernel in [None, *(k for k in (mx.AVX2, mx.AVX512, mx.BF16DOT) if k in mx.kernels())]:
+        if kernel == mx.BF16DOT and dtype != torch.bfloat16:
+            continue
+        got = mx.fused_moe_mxfp4(x, ids, w, experts, kernel=kernel)
+        assert got.dtype == dtype and got.shape == (T, 96)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:  # a bf16 rounding apart where exp rounds a tie the other way, then carried along
+            torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2e-2 * want.abs().max().item())
+    skipped = ids.clone()
+    skipped[:, 1] = 9  # not an expert of this block: its pairs add nothing
+    torch.testing.assert_close(mx.fused_moe_mxfp4(x, skipped, w, experts),
+                               mx.fused_moe_mxfp4_reference(x, ids[:, :1], w[:, :1], experts).to(dtype),
+                               rtol=2 ** -6 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+
+
+@NEEDS_MX
+def test_packed_mxfp4_experts_run_the_fused_block(monkeypatch):
+    """PackedExperts of MXFP4 weights run one fused_moe_mxfp4 call per layer, biases and gpt-oss's
+    activation included."""
+    from kernels.cpu_linear import CpuWeight
+    from kernels.moe import SwiGLU
+    from models.cpu_inference import PackedExperts
+
+    experts = _experts(4, 64, 96, SwiGLU(alpha=1.702, limit=7.0, up_offset=1.0), biases=True)
+    packed = PackedExperts.from_packed([CpuWeight.quantized(w) for w in experts.w13_E],
+                                       [CpuWeight.quantized(w) for w in experts.w2_E], experts._b13, experts._b2,
+                                       experts.act)
+    assert packed.mxfp4 is not None
+    calls = []
+    monkeypatch.setattr("models.cpu_inference.fused_moe_mxfp4", lambda *a: calls.append(a) or mx.fused_moe_mxfp4(*a))
+    x, ids, w = torch.randn(3, 64), torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.rand(3, 2)
+    torch.testing.assert_close(packed(x, ids, w), mx.fused_moe_mxfp4_reference(x, ids, w, experts), rtol=1e-5,
+                               atol=1e-5)
+    assert len(calls) == 1
+
+
 # --- a gpt-oss checkpoint with MXFP4 experts, served ---
 
 @pytest.fixture(scope="module")

@@ -61,12 +61,12 @@ def _checkpoint(make_checkpoint, family):
 @pytest.mark.parametrize("layer_by_layer", [False, True], ids=["whole-step", "layer-by-layer"])
 @pytest.mark.parametrize("family,quantization", [("mixtral", None), ("qwen3_moe", None), ("olmoe", None),
                                                  ("mixtral", "int8"), ("mixtral", "fp8"), ("mixtral", "int8 linears"),
-                                                 ("qwen3_moe", "fp8 linears")])
+                                                 ("qwen3_moe", "fp8 linears"), ("olmoe", "mxfp4")])
 def test_native_decode_step_gives_the_eager_steps_bits(family, quantization, layer_by_layer, make_checkpoint,
                                                         monkeypatch):
     """Every decode step of a generation (batches that shrink as requests end, contexts across page
     boundaries, Mixtral with a sliding window of 7, Qwen3-MoE's per-head and OLMoE's whole-projection
-    q/k norm, int8 and FP8 experts, and q/k/v and o int8 or FP8 too: quantize_linears) computes the same
+    q/k norm, int8, FP8 and MXFP4 experts, and q/k/v and o int8 or FP8 too: quantize_linears) computes the same
     hidden states natively as the eager layers, and the experts' load counts are the same: the whole
     step in one call, and each layer's attention side in one call with the experts dispatched (as an
     attention worker runs it)."""

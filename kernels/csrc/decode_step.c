@@ -14,7 +14,7 @@
  *   h, r   = add_rms_norm(a, r)
  *   logits = h W_router^T                    (bf16, as the eager router's panels give them)
  *   ids, w = softmax, top-k, renormalise, scale, (round to bf16)   (route() below)
- *   x      = fused_moe_bf16(h, ids, w)        (int8 / FP8 experts: fused_moe_int8 / fused_moe_fp8)
+ *   x      = fused_moe_bf16(h, ids, w)        (int8 / FP8 / MXFP4 experts: fused_moe_int8 / _fp8 / _mxfp4)
  * and at the end y, r = add_rms_norm(x, r) with the final norm (r: its input, the last layer's output, which an
  * MTP layer's chained drafts take). An attention worker, whose experts are
  * remote, calls the attention side of one layer at a time (shuttle_decode_attention) and sends h,
@@ -50,6 +50,7 @@ typedef struct {
                                       /* NULL: bf16 experts on panels */
     const float *qkv_s, *o_s;         /* int8 or FP8 q/k/v and o: their scales (qkv, o: their codes' panels); */
                                       /* NULL: bf16 panels */
+    const int64_t *b13, *b2;          /* MXFP4 experts: their float32 biases' pointers, (E), or NULL */
 } shuttle_layer;
 
 /* The step: shapes, constants, this step's inputs and the buffers the layers pass along. */
@@ -70,6 +71,9 @@ typedef struct {
     int64_t fp8_bpairs13, fp8_bpairs2; /* FP8 experts: input pairs per scale block of w13 and w2; 0: int8 experts */
     int64_t linear_kernel, linear_bpairs; /* int8 / FP8 q/k/v and o: the kernel at B rows (int8_linear's default); */
                                           /* FP8: input pairs per scale block, 0: int8 */
+    int64_t mxfp4, mx_kernel;             /* MXFP4 experts (the layers' s13 set): 1, and fused_moe_mxfp4's kernel */
+    double mx_alpha, mx_limit, mx_offset; /* their activation (kernels/moe.SwiGLU; limit INFINITY: none) */
+    const uint8_t *mx_rows;               /* per row bucket 1 where bf16 rows take BF16DOT */
 } shuttle_step;
 
 /* Softmax over the E logits in float32 (bf16 or float32 logits), the K largest probabilities (ties:
@@ -131,6 +135,10 @@ int shuttle_fused_moe_fp8(const void *x, int x_bf16, int64_t T, int64_t D, const
                           int big_kernel, int64_t big_rows);
 int shuttle_int8_linear(const void *x, int x_bf16, int64_t T, int64_t I, const int8_t *panels, const float *scales,
                         const float *bias, int64_t O, void *y, int y_bf16, int nthreads, int kernel);
+int shuttle_fused_moe_mxfp4(const void *x, int x_bf16, int64_t T, int64_t D, const int64_t *ids, const float *wk,
+                            int64_t K, const int64_t *w13, const int64_t *s13, const int64_t *w2, const int64_t *s2,
+                            const int64_t *b13, const int64_t *b2, int64_t E, int64_t I, float alpha, float limit,
+                            float up_offset, void *y, int nthreads, int kernel, const uint8_t *bf16dot_rows);
 int shuttle_fp8_linear(const void *x, int x_bf16, int64_t T, int64_t I, const uint8_t *panels, const float *scales,
                        int64_t bpairs, const float *bias, int64_t O, void *y, int y_bf16, int nthreads, int kernel);
 
@@ -199,8 +207,8 @@ int shuttle_decode_attention(const shuttle_step *s, const shuttle_layer *ly, int
     return 0;
 }
 
-/* The whole step, experts in this process (bf16 on panels, or int8 / FP8: the layer's s13 set, FP8 where
- * s->fp8_bpairs13 is). Returns 0,
+/* The whole step, experts in this process (bf16 on panels, or int8 / FP8 / MXFP4: the layer's s13 set, FP8
+ * where s->fp8_bpairs13 is, MXFP4 where s->mxfp4 is). Returns 0,
  * or the error of a layer's int8 / FP8 linears or MoE block (-1: out of memory, -2: its kernel cannot run;
  * nothing after it ran). */
 int shuttle_decode_step(const shuttle_step *s, const shuttle_layer *layers, int64_t L) {
@@ -211,7 +219,12 @@ int shuttle_decode_step(const shuttle_step *s, const shuttle_layer *layers, int6
         if (rc)
             return rc;
         memset(s->moe, 0, (size_t)(B * D) * 2);
-        rc = ly->s13 && s->fp8_bpairs13
+        rc = ly->s13 && s->mxfp4
+                 ? shuttle_fused_moe_mxfp4(s->h, 1, B, D, s->ids + l * BK, s->wk + l * BK, s->top_k, ly->w13, ly->s13,
+                                           ly->w2, ly->s2, ly->b13, ly->b2, s->E, s->inter, (float)s->mx_alpha,
+                                           (float)s->mx_limit, (float)s->mx_offset, s->moe, (int)s->threads,
+                                           (int)s->mx_kernel, s->mx_rows)
+             : ly->s13 && s->fp8_bpairs13
                      ? shuttle_fused_moe_fp8(s->h, 1, B, D, s->ids + l * BK, s->wk + l * BK, s->top_k, ly->w13, ly->s13,
                                              ly->w2, ly->s2, s->E, s->inter, s->fp8_bpairs13, s->fp8_bpairs2, s->moe,
                                              (int)s->threads, (int)s->int8_kernel, (int)s->int8_big_kernel,

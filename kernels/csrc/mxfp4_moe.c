@@ -1,0 +1,127 @@
+/* The whole MoE block of one layer in one call on MXFP4 experts (kernels/mxfp4_weights.py: fused_moe_mxfp4),
+ * x and y in float32 or bfloat16:
+ *     y[t] = sum over t's top-k experts e of w[t,k] * (act(x[t] W1_e^T + b1_e, x[t] W3_e^T + b3_e) W2_e^T + b2_e)
+ * with act the SwiGLU of kernels/moe.py (silu(gate) * up; gpt-oss's gate * sigmoid(alpha gate) * (up + 1)
+ * with both clamped at `limit`), the weights' biases optional. It is kernels/moe.py's fused_moe_packed on
+ * per-expert Mxfp4Weight linears, in the same order and rounded where that rounds for bf16 x (each linear's
+ * output, every op of the activation, each weighted output, every partial sum of a token's outputs added
+ * in ascending expert id as unpermute's index_add_ adds), without its ~12 torch ops and two Python
+ * linear calls per active expert:
+ *  1. a counting sort of the T*K (token, expert) pairs by expert (stable); ids outside [0, E) skipped;
+ *  2. per expert with rows: its x rows gathered, shuttle_mxfp4_linear for gate/up (W13 (2I, D): the gate
+ *     rows then the up rows, as the checkpoint stores them), the activation, shuttle_mxfp4_linear for
+ *     down, and the weighted rows added into y. The linears run their own threads; the kernel per expert
+ *     is the measured one for its row count (`bf16dot_rows`: kernels/choice.py's "mxfp4" table per
+ *     row bucket of kernels/native.bucket, for bf16 x; else `kernel`). */
+#include "bf16_avx2.h"
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MX_BUCKETS 12 /* kernels/native.BUCKET_ROWS */
+#define MX_BF16DOT 2  /* kernels/int8.py's BF16DOT */
+
+int shuttle_mxfp4_linear(const void *x, int x_bf16, int64_t T, int64_t I, const uint8_t *panels,
+                         const uint8_t *scales, const float *bias, int64_t O, void *y, int y_bf16, int nthreads,
+                         int kernel);
+
+static int mx_bucket(int64_t rows) { /* kernels/native.bucket: bit_length(rows - 1), the last open-ended */
+    int b = 0;
+    for (int64_t r = rows - 1; r > 0; r >>= 1) b++;
+    return b < MX_BUCKETS - 1 ? b : MX_BUCKETS - 1;
+}
+
+static inline float ld(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void st(void *p, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = to_bf(v);
+    else ((float *)p)[i] = v;
+}
+
+/* x rounded as the dtype's torch op result is: bf16 to nearest even, float32 as is */
+static inline float rd(float v, int bf16) { return bf16 ? rbf(v) : v; }
+
+/* h (n, I) = act(gate, up) of gu (n, 2I), each op rounded as kernels/moe.SwiGLU's torch ops round */
+static void activation(const void *gu, void *h, int64_t n, int64_t I, int bf16, float alpha, float limit,
+                       float up_offset) {
+    const int silu = alpha == 1.0f && up_offset == 0.0f; /* SwiGLU.is_clamped_silu (or plain SiLU) */
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t i = 0; i < I; i++) {
+            float g = ld(gu, r * 2 * I + i, bf16), u = ld(gu, r * 2 * I + I + i, bf16);
+            if (isfinite(limit)) g = fminf(g, limit), u = fminf(fmaxf(u, -limit), limit);
+            float a;
+            if (silu) {
+                a = rd(rd(g / (1.0f + expf(-g)), bf16) * u, bf16);
+            } else {
+                const float sg = rd(1.0f / (1.0f + expf(-rd(g * alpha, bf16))), bf16);
+                a = rd(rd(g * sg, bf16) * rd(u + up_offset, bf16), bf16);
+            }
+            st(h, r * I + i, a, bf16);
+        }
+}
+
+/* x (T, D), ids and wk (T, K) (ids int64, weights float32); w13[e], s13[e], w2[e], s2[e]: expert e's
+ * panels and scales (Mxfp4Weight: w13 (2I, D), w2 (D, I)); b13, b2: NULL or each expert's float32 bias
+ * (2I) / (D) (an entry 0: none); y (T, D) in x's dtype, written whole. kernel: AVX2 or AVX512 (the FMA
+ * kernels), bf16dot_rows: per row bucket, 1 where bf16 x takes BF16DOT instead (NULL: never). Returns
+ * 0; -1 out of memory; the linears' error otherwise (-2: a kernel this build lacks). */
+int shuttle_fused_moe_mxfp4(const void *x, int x_bf16, int64_t T, int64_t D, const int64_t *ids, const float *wk,
+                            int64_t K, const int64_t *w13, const int64_t *s13, const int64_t *w2, const int64_t *s2,
+                            const int64_t *b13, const int64_t *b2, int64_t E, int64_t I, float alpha, float limit,
+                            float up_offset, void *y, int nthreads, int kernel, const uint8_t *bf16dot_rows) {
+    const size_t xs = x_bf16 ? 2 : 4;
+    const int64_t N = T * K;
+    memset(y, 0, (size_t)(T * D) * xs);
+    int64_t *count = calloc((size_t)E + 1, sizeof(int64_t)), *order = malloc(sizeof(int64_t) * (size_t)(N ? N : 1));
+    if (!count || !order) {
+        free(count), free(order);
+        return -1;
+    }
+    for (int64_t p = 0; p < N; p++)
+        if (ids[p] >= 0 && ids[p] < E) count[ids[p] + 1]++;
+    int64_t most = 0;
+    for (int64_t e = 0; e < E; e++) {
+        most = count[e + 1] > most ? count[e + 1] : most;
+        count[e + 1] += count[e];
+    }
+    {
+        int64_t *next = malloc(sizeof(int64_t) * (size_t)(E ? E : 1));
+        if (!next) {
+            free(count), free(order);
+            return -1;
+        }
+        memcpy(next, count, sizeof(int64_t) * (size_t)E);
+        for (int64_t p = 0; p < N; p++)
+            if (ids[p] >= 0 && ids[p] < E) order[next[ids[p]]++] = p;
+        free(next);
+    }
+    char *xe = malloc((size_t)(most * D) * xs + 64), *gu = malloc((size_t)(most * 2 * I) * xs + 64);
+    char *h = malloc((size_t)(most * I) * xs + 64), *ye = malloc((size_t)(most * D) * xs + 64);
+    int rc = xe && gu && h && ye ? 0 : -1;
+    for (int64_t e = 0; e < E && !rc; e++) {
+        const int64_t c0 = count[e], n = count[e + 1] - c0;
+        if (!n) continue;
+        for (int64_t r = 0; r < n; r++)
+            memcpy(xe + r * D * xs, (const char *)x + (order[c0 + r] / K) * D * xs, (size_t)D * xs);
+        const int k = x_bf16 && bf16dot_rows && bf16dot_rows[mx_bucket(n)] ? MX_BF16DOT : kernel;
+        rc = shuttle_mxfp4_linear(xe, x_bf16, n, D, (const uint8_t *)w13[e], (const uint8_t *)s13[e],
+                                  b13 ? (const float *)b13[e] : NULL, 2 * I, gu, x_bf16, nthreads, k);
+        if (rc) break;
+        activation(gu, h, n, I, x_bf16, alpha, limit, up_offset);
+        rc = shuttle_mxfp4_linear(h, x_bf16, n, I, (const uint8_t *)w2[e], (const uint8_t *)s2[e],
+                                  b2 ? (const float *)b2[e] : NULL, D, ye, x_bf16, nthreads, k);
+        if (rc) break;
+        for (int64_t r = 0; r < n; r++) { /* unpermute: (y w) in x's dtype, added in this order */
+            const int64_t p = order[c0 + r], t = p / K;
+            const float w = wk[p];
+            for (int64_t d = 0; d < D; d++)
+                st(y, t * D + d, rd(ld(y, t * D + d, x_bf16) + rd(ld(ye, r * D + d, x_bf16) * w, x_bf16), x_bf16),
+                   x_bf16);
+        }
+    }
+    free(xe), free(gu), free(h), free(ye), free(count), free(order);
+    return rc;
+}
