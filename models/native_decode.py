@@ -17,11 +17,11 @@ The model keeps every other path: prefill and mixed steps, compiled stages, and 
 does not take.
 
 It takes a model (`why_not` says what a model lacks) where every layer is: MoE without shared
-experts, colocated with fused native experts (bf16 SiLU experts on panels, int8 / FP8 ones, or MXFP4 ones
-with any SwiGLU and biases); a softmax
-router on panels without groups, bias or correction bias; attention with fused q/k/v and o without
-biases, both on bf16 panels or both int8 / FP8 (quantize_linears; every layer's of one kind, FP8 of one
-input block), no sinks, no clamp, q/k norm none / per head / full; a bf16 paged cache. That is Mixtral,
+experts, colocated with fused native experts (bf16 SiLU experts on panels, int8 / FP8 ones, or MXFP4
+ones with any SwiGLU and biases); a softmax router on panels without groups, bias or correction bias;
+attention with fused q/k/v and o without biases, both on bf16 panels or both int8 / FP8
+(quantize_linears; every layer's of one kind, FP8 of one input block), no sinks, no clamp, q/k norm
+none / per head / full; a bf16 paged cache. That is Mixtral,
 Qwen3-MoE and OLMoE served in bf16 on a CPU with AVX-512 BF16; the rest keep the eager path.
 `native_decode=False` (EngineConfig, --no-native-decode) turns it off; the eager path stays the
 oracle: the kernels and their arguments are the same, so are the bits (tests/test_native_decode.py).
