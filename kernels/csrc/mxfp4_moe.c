@@ -14,6 +14,7 @@
  *     is the measured one for its row count (`bf16dot_rows`: kernels/choice.py's "mxfp4" table per
  *     row bucket of kernels/native.bucket, for bf16 x; else `kernel`). */
 #include "bf16_avx2.h"
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -32,34 +33,63 @@ static int mx_bucket(int64_t rows) { /* kernels/native.bucket: bit_length(rows -
     return b < MX_BUCKETS - 1 ? b : MX_BUCKETS - 1;
 }
 
-static inline float ld(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+#define PAR_MIN 32768 /* values of an activation or a combine from which its loop takes every thread */
+
+static inline __m256 ld8(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16x8_to_f32((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
 }
 
-static inline void st(void *p, int64_t i, float v, int bf16) {
-    if (bf16) ((uint16_t *)p)[i] = to_bf(v);
-    else ((float *)p)[i] = v;
+static inline void st8(void *p, int64_t i, __m256 v, int bf16) { /* bf16: rounded to nearest even */
+    if (bf16) store_bf8((uint16_t *)p + i, v);
+    else _mm256_storeu_ps((float *)p + i, v);
 }
 
-/* x rounded as the dtype's torch op result is: bf16 to nearest even, float32 as is */
-static inline float rd(float v, int bf16) { return bf16 ? rbf(v) : v; }
+/* v rounded as the dtype's torch op result is: bf16 to nearest even, float32 as is */
+static inline __m256 rd8(__m256 v, int bf16) { return bf16 ? rbf8(v) : v; }
 
-/* h (n, I) = act(gate, up) of gu (n, 2I), each op rounded as kernels/moe.SwiGLU's torch ops round */
+static inline __m256 sigmoid8(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+/* h (n, I) = act(gate, up) of gu (n, 2I), each op rounded as kernels/moe.SwiGLU's torch ops round (I a
+ * multiple of 8: MXFP4 inputs come in blocks of 32) */
 static void activation(const void *gu, void *h, int64_t n, int64_t I, int bf16, float alpha, float limit,
-                       float up_offset) {
+                       float up_offset, int nthreads) {
     const int silu = alpha == 1.0f && up_offset == 0.0f; /* SwiGLU.is_clamped_silu (or plain SiLU) */
+    const int clamp = isfinite(limit);
+    const __m256 lim = _mm256_set1_ps(limit), nlim = _mm256_set1_ps(-limit), al = _mm256_set1_ps(alpha);
+    const __m256 off = _mm256_set1_ps(up_offset);
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (n * I >= PAR_MIN)
     for (int64_t r = 0; r < n; r++)
-        for (int64_t i = 0; i < I; i++) {
-            float g = ld(gu, r * 2 * I + i, bf16), u = ld(gu, r * 2 * I + I + i, bf16);
-            if (isfinite(limit)) g = fminf(g, limit), u = fminf(fmaxf(u, -limit), limit);
-            float a;
+        for (int64_t i = 0; i < I; i += 8) {
+            __m256 g = ld8(gu, r * 2 * I + i, bf16), u = ld8(gu, r * 2 * I + I + i, bf16);
+            if (clamp) g = _mm256_min_ps(g, lim), u = _mm256_max_ps(_mm256_min_ps(u, lim), nlim);
+            __m256 a;
             if (silu) {
-                a = rd(rd(g / (1.0f + expf(-g)), bf16) * u, bf16);
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)); /* silu = g / (1 + e^-g), as torch */
+                a = _mm256_mul_ps(rd8(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), bf16), u);
             } else {
-                const float sg = rd(1.0f / (1.0f + expf(-rd(g * alpha, bf16))), bf16);
-                a = rd(rd(g * sg, bf16) * rd(u + up_offset, bf16), bf16);
+                const __m256 sg = rd8(sigmoid8(rd8(_mm256_mul_ps(g, al), bf16)), bf16);
+                a = _mm256_mul_ps(rd8(_mm256_mul_ps(g, sg), bf16), rd8(_mm256_add_ps(u, off), bf16));
             }
-            st(h, r * I + i, a, bf16);
+            st8(h, r * I + i, a, bf16);
+        }
+}
+
+/* y[tok[r]] += (ye[r] w[r]) for an expert's n rows, each in x's dtype (unpermute: the weighted row rounded,
+ * then each sum), the rows in order; threads split the D columns (D a multiple of 8). */
+static void combine(const void *ye, const int64_t *order, const float *wk, int64_t K, int64_t n, int64_t D, void *y,
+                    int bf16, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (n * D >= PAR_MIN)
+    for (int64_t d0 = 0; d0 < D; d0 += 64)
+        for (int64_t r = 0; r < n; r++) {
+            const int64_t t = order[r] / K;
+            const __m256 w = _mm256_set1_ps(wk[order[r]]);
+            for (int64_t d = d0; d < d0 + 64 && d < D; d += 8) {
+                const __m256 v = rd8(_mm256_mul_ps(ld8(ye, r * D + d, bf16), w), bf16);
+                st8(y, t * D + d, _mm256_add_ps(ld8(y, t * D + d, bf16), v), bf16);
+            }
         }
 }
 
@@ -74,6 +104,7 @@ int shuttle_fused_moe_mxfp4(const void *x, int x_bf16, int64_t T, int64_t D, con
                             float up_offset, void *y, int nthreads, int kernel, const uint8_t *bf16dot_rows) {
     const size_t xs = x_bf16 ? 2 : 4;
     const int64_t N = T * K;
+    if (D % 8 || I % 8) return -2; /* (MXFP4 weights take inputs in blocks of 32) */
     memset(y, 0, (size_t)(T * D) * xs);
     int64_t *count = calloc((size_t)E + 1, sizeof(int64_t)), *order = malloc(sizeof(int64_t) * (size_t)(N ? N : 1));
     if (!count || !order) {
@@ -110,17 +141,11 @@ int shuttle_fused_moe_mxfp4(const void *x, int x_bf16, int64_t T, int64_t D, con
         rc = shuttle_mxfp4_linear(xe, x_bf16, n, D, (const uint8_t *)w13[e], (const uint8_t *)s13[e],
                                   b13 ? (const float *)b13[e] : NULL, 2 * I, gu, x_bf16, nthreads, k);
         if (rc) break;
-        activation(gu, h, n, I, x_bf16, alpha, limit, up_offset);
+        activation(gu, h, n, I, x_bf16, alpha, limit, up_offset, nthreads);
         rc = shuttle_mxfp4_linear(h, x_bf16, n, I, (const uint8_t *)w2[e], (const uint8_t *)s2[e],
                                   b2 ? (const float *)b2[e] : NULL, D, ye, x_bf16, nthreads, k);
         if (rc) break;
-        for (int64_t r = 0; r < n; r++) { /* unpermute: (y w) in x's dtype, added in this order */
-            const int64_t p = order[c0 + r], t = p / K;
-            const float w = wk[p];
-            for (int64_t d = 0; d < D; d++)
-                st(y, t * D + d, rd(ld(y, t * D + d, x_bf16) + rd(ld(ye, r * D + d, x_bf16) * w, x_bf16), x_bf16),
-                   x_bf16);
-        }
+        combine(ye, order + c0, wk, K, n, D, y, x_bf16, nthreads);
     }
     free(xe), free(gu), free(h), free(ye), free(count), free(order);
     return rc;
