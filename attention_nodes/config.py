@@ -264,8 +264,8 @@ class EngineConfig:
     quantised at load (its experts' input counts multiples of 32).
     quantize_linears: with quantization "int8" or "fp8", every other linear layer too in that format,
     quantised at load (weight-only: attention projections, dense and shared-expert MLPs; not the LM
-    head, the routers or the embeddings), where the attention side runs on the CPU with torch kernels:
-    the bytes a small-batch decode step reads beside the experts' halve as well.
+    head, the routers, the embeddings or an MTP drafting layer's), where the attention side runs on the
+    CPU with torch kernels: the bytes a small-batch decode step reads beside the experts' halve as well.
     speculative: SpeculativeConfig (or its dict or JSON text), None without speculative decoding."""
 
     model: str
@@ -303,7 +303,8 @@ class EngineConfig:
             if self.quantization not in LINEAR_QUANTIZATIONS:
                 raise ValueError(f"quantize_linears quantises the linear layers as --quantization "
                                  f"{' or '.join(LINEAR_QUANTIZATIONS)} does the experts; got quantization "
-                                 f"{self.quantization!r}")
+                                 f"{self.quantization!r} (give --quantization int8 or fp8 with it; an FP8 "
+                                 f"checkpoint's is fp8)")
             if self.device != "cpu" or self.kernels == "triton":
                 raise ValueError(f"quantize_linears runs the quantised linears on the CPU with torch kernels; got the "
                                  f"attention side on {self.device!r}, kernels {self.kernels!r}")

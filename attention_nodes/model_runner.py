@@ -90,7 +90,7 @@ class ModelRunner:
         self.weight_bytes = _weight_bytes(self.model)
         cpu_torch = self.device.type == "cpu" and self.model.ops.backend == "torch"
         self.packed = cpu_torch and pack_for_cpu_inference(self.model, cfg.quantization, cfg.quantize_linears)
-        if self.packed and self.mtp is not None:  # (its layer on the same kernels as the target's)
+        if self.packed and self.mtp is not None:  # (its layer on the target's kernels; its linears unquantised)
             pack_modules(self.mtp.layer, cfg.quantization)
         self.resident_bytes = resident_weight_bytes(self.model)  # after packing / quantising
         # What --quantization saved against the unquantised weights: the CPU's default KV budget gets it

@@ -249,15 +249,14 @@ def _shutting_down(store: SignedStore, session: str) -> bool:
 def narrows(blocks) -> bool:
     """Whether an expert worker's steps run under native.native_parallel_only (CPU blocks): under
     passive OpenMP waits, torch's own ops (the slot copies, the load counts) stay on one thread when
-    the blocks are a native kernel's (the fused bf16 or int8 block), which alone uses the cores
-    (kernels/native.py). The planner's profile times the blocks the same way."""
-    from kernels import int8
-
-    from kernels import fp8_weights
+    the blocks are a native kernel's (the fused bf16, int8, FP8 or MXFP4 block), which alone uses the
+    cores (kernels/native.py). The planner's profile times the blocks the same way."""
+    from kernels import fp8_weights, int8, mxfp4_weights
 
     return native.passive_waits() and any(getattr(m, "native", None) is not None
                                           or (getattr(m, "int8", None) is not None and int8.available())
                                           or (getattr(m, "fp8", None) is not None and fp8_weights.available())
+                                          or (getattr(m, "mxfp4", None) is not None and mxfp4_weights.available())
                                           for m in blocks)
 
 

@@ -18,10 +18,12 @@ Ops (each candidate reads the same weights, so the choice can change with the ro
           native  our bf16 GEMM on the bf16 copy, half the bytes (kernels/csrc/skinny_gemm.c)
           onednn  oneDNN's packed float32 GEMM
   int8_moe  one int8 expert's bf16 rows in the fused int8 block (kernels/int8.fused_moe_int8; the FP8
-          block and int8 / FP8 dense linears take the same choice): fma (codes widened in registers;
-          AVX-512, else AVX2), or each panel dequantised to bf16 once per block of rows for bf16dot
-          (AVX-512 BF16 dot products) or amx; the kernel takes one big kernel and threshold: the one that won the largest bucket, from
-          the first bucket after which it always won
+          block and int8 / FP8 dense linears take the same choice; a process with such linears and no
+          such experts, an attention worker, times the block on its largest linear's (I, O / 2)): fma
+          (codes widened in registers; AVX-512, else AVX2), or each panel dequantised to bf16 once per
+          block of rows for bf16dot (AVX-512 BF16 dot products) or amx; the kernel takes one big kernel
+          and threshold: the one that won the largest bucket, from the first bucket after which it
+          always won
   mxfp4   an MXFP4 linear's bf16 rows (kernels/mxfp4_weights.mxfp4_linear), shape (O, I): fma (FP4 codes
           decoded in registers, AVX-512, else AVX2) or bf16dot (each panel decoded to bf16 once per
           block of rows, AVX-512 BF16 dot products); only where bf16dot runs

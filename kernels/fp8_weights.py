@@ -204,8 +204,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
                kernel: int | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) in x's dtype (bfloat16 or float32), W = code * block scale, float32
     accumulation, rounded once: x (..., I) on the CPU, bias (O,) of any float dtype. kernel: AVX2,
-    AVX512, BF16DOT or AMX (these two bf16 x only), one of kernels(); by default as int8_linear's (AMX
-    for bf16 x from AMX_MIN_ROWS rows where it runs, else AVX512 where it runs, else AVX2). The torch
+    AVX512, BF16DOT or AMX (these two bf16 x only), one of kernels(); by default as int8_linear's (bf16
+    x: the measured big kernel from its rows on, else AVX512 where it runs, else AVX2). The torch
     reference where the kernels are unavailable, for other dtypes, and where autograd or torch.compile
     needs it."""
     if x.shape[-1] != w.in_features:

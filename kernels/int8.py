@@ -223,7 +223,7 @@ def kernels() -> frozenset[int]:
 
 
 def avx512() -> bool:
-    """Whether the AVX-512 FMA kernel runs here (float32 x; bf16 x below AMX_MIN_ROWS where AMX runs)."""
+    """Whether the AVX-512 FMA kernel runs here (float32 x; bf16 x below the measured big kernel's rows)."""
     return AVX512 in kernels()
 
 
@@ -250,9 +250,9 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None
                 kernel: int | None = None) -> torch.Tensor:
     """y = x (q scale)^T (+ bias) in x's dtype (bfloat16 or float32), float32 accumulation, rounded
     once: x (..., I) on the CPU, bias (O,) of any float dtype. kernel: AVX2, AVX512, BF16DOT or AMX
-    (these two bf16 x only), one of kernels(); by default AMX for bf16 x from AMX_MIN_ROWS rows where
-    it runs, else AVX512 where it runs, else AVX2. The torch reference where the kernels are
-    unavailable, for other dtypes, and where autograd or torch.compile needs it."""
+    (these two bf16 x only), one of kernels(); by default _default_kernel's (bf16 x: the measured big
+    kernel from its rows on), else AVX512 where it runs, else AVX2. The torch reference where the
+    kernels are unavailable, for other dtypes, and where autograd or torch.compile needs it."""
     if x.shape[-1] != w.in_features:
         raise ValueError(f"int8_linear: x has {x.shape[-1]} input features, the weight {w.in_features}")
     if x.dtype not in (torch.bfloat16, torch.float32) or not _eager_cpu(x, bias):
@@ -457,8 +457,8 @@ def fused_moe_int8(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
     one native call (kernels/csrc/moe_int8.c). x: bf16 or float32 (T, D); ids (T, K) integers (ids
     outside [0, E) are skipped); weights (T, K) float32 or bf16. kernel: AVX2, AVX512, BF16DOT or AMX
     (these two bf16 x only), one of kernels(), for every expert; by default each expert as
-    int8_linear's default takes its rows (AMX for bf16 x from AMX_MIN_ROWS rows where it runs, else
-    AVX512 where it runs, else AVX2). w8a8 experts (experts.act_int8) take VNNI, the one kernel that
+    int8_linear's default takes its rows (moe_kernels: bf16 rows the measured big kernel from its row
+    count, else AVX512 where it runs, else AVX2). w8a8 experts (experts.act_int8) take VNNI, the one kernel that
     quantises activations. fused_moe_int8_reference where the kernels are unavailable (for w8a8: VNNI
     does not run here), for other dtypes, and where autograd or torch.compile needs it."""
     T, D = x_TD.shape

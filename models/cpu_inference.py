@@ -12,7 +12,7 @@ from kernels import choice, native
 from kernels.cpu_linear import (SKINNY_MAX_ROWS, CpuWeight, ExpertPanels, PackedLinear, compile_packed,  # noqa: F401 (re-exported)
                                 packing_available)
 from kernels.fp8_weights import Fp8ExpertPanels, Fp8Experts, Fp8Weight, fused_moe_fp8
-from kernels.int8 import Int8Experts, Int8ExpertPanels, fused_moe_int8, quantize_int8
+from kernels.int8 import Int8Experts, Int8ExpertPanels, Int8Weight, fused_moe_int8, quantize_int8
 from kernels.mxfp4_weights import Mxfp4Experts, Mxfp4Weight, fused_moe_mxfp4
 from kernels.moe import SILU, SwiGLU, fused_moe_packed
 from models.moe_decoder import Attention, DecoderLayer, Experts, MoEForCausalLM, Router, SparseMoE
@@ -255,7 +255,7 @@ def choose_kernels(module: nn.Module) -> None:
     worker's blocks), and on a model's attention, norm and routing shapes, and install the fastest per
     op and row count for the process (kernels/choice.py; cached on disk, so a process pays the timing
     once per machine and shapes)."""
-    gemm, moe, skinny, int8_moe, mxfp4 = set(), set(), set(), set(), set()
+    gemm, moe, skinny, int8_moe, mxfp4, int8_linears = set(), set(), set(), set(), set(), set()
     for m in module.modules():
         if isinstance(m, PackedExperts) and (m.int8 is not None or m.fp8 is not None):
             block = m.int8 or m.fp8  # (fused_moe_fp8 takes the int8 block's choice: kernels/fp8_weights.py)
@@ -267,10 +267,14 @@ def choose_kernels(module: nn.Module) -> None:
         for w in cpu_weights(m):
             if isinstance(w.int8, Mxfp4Weight):
                 mxfp4.add((w.out_features, w.int8.in_features))
+            elif isinstance(w.int8, (Int8Weight, Fp8Weight)):  # (quantize_linears: int8_linear / fp8_linear)
+                int8_linears.add((w.int8.in_features, max(1, w.out_features // 2)))
             elif w.panels is not None:
                 gemm.add((w.out_features, w.panels.shape[1] * 2))
             elif w.half is not None:
                 skinny.add(tuple(w.half.shape))
+    if int8_linears and not int8_moe:  # an attention worker's quantised linears: the block's choice on their shape
+        int8_moe.add(max(int8_linears, key=lambda s: s[0] * s[1]))
     for op, shapes in (("gemm", gemm), ("moe", moe), ("skinny", skinny), ("int8_moe", int8_moe), ("mxfp4", mxfp4),
                        *step_op_shapes(module).items()):
         if shapes:
@@ -297,15 +301,18 @@ def step_op_shapes(module: nn.Module) -> dict[str, set]:
 
 def decode_is_native(model: MoEForCausalLM) -> bool:
     """Whether a packed model's decode step does its heavy work in the native kernels alone: every
-    packed linear and router on our bf16 panels, every expert block a fused native one (bf16, int8
-    or FP8), attention the native paged kernel (MLA's latent attention is torch's). Then torch runs
-    only small ops beside them (kernels.native.native_parallel_only). The LM head is left out: the runner widens it."""
+    packed linear on our bf16 panels or int8 / FP8 codes (quantize_linears), every router on bf16
+    panels, every expert block a fused native one (bf16, int8, FP8 or MXFP4), attention the native
+    paged kernel (MLA's latent attention is torch's). Then torch runs only small ops beside them
+    (kernels.native.native_parallel_only). The LM head is left out: the runner widens it."""
     if not native.available() or model.cfg.mla is not None:
         return False
     for m in model.modules():
-        if isinstance(m, PackedLinear) and m.weight.panels is None and m is not model.lm_head:
+        if (isinstance(m, PackedLinear) and m.weight.panels is None and m is not model.lm_head
+                and not isinstance(m.weight.int8, (Int8Weight, Fp8Weight))):
             return False
-        if isinstance(m, PackedExperts) and m.w13_packed and m.native is None and m.int8 is None and m.fp8 is None:
+        if (isinstance(m, PackedExperts) and m.w13_packed and m.native is None and m.int8 is None and m.fp8 is None
+                and m.mxfp4 is None):
             return False
         if isinstance(m, Router) and getattr(m, "cpu_weight", None) is not None and m.cpu_weight.panels is None:
             return False  # a float32 router (logits_fp32: GLM, DeepSeek) runs oneDNN's GEMM, torch's threads

@@ -106,3 +106,21 @@ def test_quantize_linears_refusals_and_flags(src):
     assert engine_config_from_json(engine_config_to_json(cfg)).quantize_linears
     args = build_parser().parse_args(["serve", "--quantization", "int8", "--quantize-linears"])
     assert args.quantize_linears and not build_parser().parse_args(["serve"]).quantize_linears
+
+
+def test_quantised_linears_alone_measure_the_int8_block_choice(monkeypatch):
+    """A process whose quantised linears have no int8 / FP8 experts beside them (an attention worker)
+    still times the int8 block's kernels, on its largest linear's shape, so its linears take the
+    measured kernel per row count as a colocated engine's do."""
+    from torch import nn
+
+    from kernels import choice
+    from models.cpu_inference import PackedLinear, choose_kernels, quantized_linear_weight
+
+    asked = {}
+    monkeypatch.setattr(choice, "configure", lambda op, shapes: asked.setdefault(op, shapes))
+    tree = nn.ModuleList([PackedLinear(nn.Linear(64, 96, bias=False), quantized_linear_weight(torch.randn(96, 64), q))
+                          for q in ("int8", "fp8")] + [PackedLinear(nn.Linear(64, 32, bias=False),
+                                                                    quantized_linear_weight(torch.randn(32, 64), "int8"))])
+    choose_kernels(tree)
+    assert asked["int8_moe"] == [(64, 48)]

@@ -58,6 +58,7 @@ static void activation(const void *gu, void *h, int64_t n, int64_t I, int bf16, 
                        float up_offset, int nthreads) {
     const int silu = alpha == 1.0f && up_offset == 0.0f; /* SwiGLU.is_clamped_silu (or plain SiLU) */
     const int clamp = isfinite(limit);
+    if (clamp && bf16) limit = rbf(limit); /* (a bf16 tensor's clamp gives bf16 values: the limit's) */
     const __m256 lim = _mm256_set1_ps(limit), nlim = _mm256_set1_ps(-limit), al = _mm256_set1_ps(alpha);
     const __m256 off = _mm256_set1_ps(up_offset);
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (n * I >= PAR_MIN)
