@@ -12,7 +12,7 @@ from kernels.fp8_weights import Fp8Weight
 from kernels.int8 import Int8Weight, quantize_int8
 from kernels.quant import dequantize_fp8_blocks, quantize_fp8_blocks
 from server import LLM, SamplingParams
-from tests.conftest import PROMPTS
+from tests.conftest import FAMILIES, PROMPTS
 from tests.test_fp8_serving import SIZES, _with
 from tests.test_quantization import _prompt_logprobs
 from tests.test_sampling_features import reference_prompt_logprobs
@@ -124,3 +124,24 @@ def test_quantised_linears_alone_measure_the_int8_block_choice(monkeypatch):
                                                                     quantized_linear_weight(torch.randn(32, 64), "int8"))])
     choose_kernels(tree)
     assert asked["int8_moe"] == [(64, 48)]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_every_family_serves_quantized_linears(family, quantization, make_checkpoint):
+    """Every family (MLA, DSA indexers, linear attention, sinks, DeepSeek-V4's compressors ...) serves
+    with its linears quantised too: fewer resident bytes beside the experts, and prompt log-probabilities
+    near those with the experts alone quantised (the median over positions: DSA's top-k choice may flip
+    at a position, 2.3 apart at one of GLM-5's here)."""
+    ckpt = make_checkpoint(family)
+    logprobs, other = {}, {}
+    for linears in (False, True):
+        llm = LLM(ckpt, quantization=quantization, quantize_linears=linears)
+        try:
+            logprobs[linears] = _prompt_logprobs(llm, PROMPTS[0])
+            llm.generate(PROMPTS[:2], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+            other[linears] = llm.engine.runner.resident_bytes["other"]
+        finally:
+            llm.shutdown()
+    assert torch.isfinite(logprobs[True]).all() and other[True] < other[False]
+    assert (logprobs[True] - logprobs[False]).abs().median() < {"int8": 0.05, "fp8": 0.25}[quantization]
