@@ -451,6 +451,16 @@ def moe_kernels(experts: Int8Experts, x_dtype: torch.dtype) -> tuple[int, int, i
     return _default_moe_kernels(x_dtype, here)
 
 
+def check_moe_args(name: str, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                   hidden: int) -> None:
+    """ValueError naming `name` unless x is (T, hidden) and the ids and weights are (T, K) alike (the fused
+    int8, FP8 and MXFP4 blocks' arguments)."""
+    T, D = x_TD.shape
+    if D != hidden or topk_ids_TK.shape[0] != T or topk_weights_TK.shape != topk_ids_TK.shape:
+        raise ValueError(f"{name} takes x (T, {hidden}) and (T, K) ids and weights; got x {tuple(x_TD.shape)}, "
+                         f"ids {tuple(topk_ids_TK.shape)}, weights {tuple(topk_weights_TK.shape)}")
+
+
 def fused_moe_int8(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                    experts: Int8Experts, kernel: int | None = None) -> torch.Tensor:
     """y_TD (x's dtype) = sum over each token's top-k experts of weight * SiLU-MLP(x) on int8 experts, in
@@ -462,9 +472,7 @@ def fused_moe_int8(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
     quantises activations. fused_moe_int8_reference where the kernels are unavailable (for w8a8: VNNI
     does not run here), for other dtypes, and where autograd or torch.compile needs it."""
     T, D = x_TD.shape
-    if D != experts.hidden or topk_ids_TK.shape[0] != T or topk_weights_TK.shape != topk_ids_TK.shape:
-        raise ValueError(f"fused_moe_int8 takes x (T, {experts.hidden}) and (T, K) ids and weights; got x "
-                         f"{tuple(x_TD.shape)}, ids {tuple(topk_ids_TK.shape)}, weights {tuple(topk_weights_TK.shape)}")
+    check_moe_args("fused_moe_int8", x_TD, topk_ids_TK, topk_weights_TK, experts.hidden)
     if x_TD.dtype not in (torch.bfloat16, torch.float32) or not _eager_cpu(x_TD, topk_weights_TK):
         return fused_moe_int8_reference(x_TD, topk_ids_TK, topk_weights_TK, experts)
     here = _kernels_here(_library())

@@ -256,9 +256,7 @@ def fused_moe_mxfp4(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_
     mxfp4_linear's choice per expert's row count. The reference where the kernels are unavailable, for
     other dtypes, and where autograd or torch.compile needs it."""
     T, D = x_TD.shape
-    if D != experts.hidden or topk_ids_TK.shape[0] != T or topk_weights_TK.shape != topk_ids_TK.shape:
-        raise ValueError(f"fused_moe_mxfp4 takes x (T, {experts.hidden}) and (T, K) ids and weights; got x "
-                         f"{tuple(x_TD.shape)}, ids {tuple(topk_ids_TK.shape)}, weights {tuple(topk_weights_TK.shape)}")
+    int8.check_moe_args("fused_moe_mxfp4", x_TD, topk_ids_TK, topk_weights_TK, experts.hidden)
     if x_TD.dtype not in (torch.bfloat16, torch.float32) or not (int8._eager_cpu(x_TD, topk_weights_TK)
                                                                    and available()):
         return fused_moe_mxfp4_reference(x_TD, topk_ids_TK, topk_weights_TK, experts)
