@@ -222,17 +222,13 @@ class Mxfp4Experts:
         return len(self.w13_E)
 
 
-_BF16DOT_TABLE: list = []  # _BF16DOT_ROWS as the bytes the fused block reads (rebuilt when it changes)
-
-
 def moe_kernels() -> tuple[int, torch.Tensor]:
     """(kernel, bf16dot_rows) that fused_moe_mxfp4 runs by default: the FMA kernel (AVX-512, else AVX2),
-    and per row bucket a uint8 1 where bf16 rows take BF16DOT (the measured table, where it runs here)."""
+    and per row bucket a uint8 1 where bf16 rows take BF16DOT (the measured table, where it runs here;
+    the caller keeps the tensor alive while C reads it)."""
     here = kernels()
     flags = torch.tensor(_BF16DOT_ROWS if BF16DOT in here else [False] * len(_BF16DOT_ROWS), dtype=torch.uint8)
-    if not _BF16DOT_TABLE or not torch.equal(_BF16DOT_TABLE[0], flags):
-        _BF16DOT_TABLE[:] = [flags]
-    return (AVX512 if AVX512 in here else AVX2), _BF16DOT_TABLE[0]
+    return (AVX512 if AVX512 in here else AVX2), flags
 
 
 def fused_moe_mxfp4_reference(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
