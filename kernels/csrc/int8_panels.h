@@ -38,7 +38,10 @@
  * 0x7F / 0xFF would decode to +-480: they do not occur in weights (quantize_fp8_blocks saturates at
  * 448). The AVX2 decode is F16C's vcvtph2ps in inline assembly, so that the loops shared with int8
  * need no F16C target; kernels/fp8_weights.py runs it only where the CPU lists f16c.
- * AVX-512, BF16 (with VBMI), VNNI and AMX code carries target attributes (the library is built for AVX2 + FMA). */
+ * AVX-512, BF16 (with VBMI), VNNI and AMX code carries target attributes (the library is built for AVX2 + FMA).
+ * The BF16DOT and VNNI dots read x through an array of row pointers (tile_bf, tile_vn build it): indexed
+ * as x[r * ldx + j], gcc gave each row of each unrolled pair its own base and spilled them (a 1536 x 1024
+ * int8_linear at 256 rows took 1.11x bf16 panels' time, 1.05x with the pointers). */
 #ifndef SHUTTLE_INT8_PANELS_H
 #define SHUTTLE_INT8_PANELS_H
 #include "bf16_avx2.h"
@@ -300,7 +303,7 @@ TBF0 static inline void dequant_bf16(const int8_t *pw, int64_t pairs, uint16_t *
  * is dequantised here from the codes q0 (q1) of format fp8 and stored into d on the way (the first
  * tile of rows: the conversions overlap its dot products); 2: dequantised, not stored (the only tile:
  * stores nobody reads cost streaming codes 10-15% at one row); 0: read from d. */
-AIBF void bf_pair(const uint32_t *x, int64_t ldx, const int R, const int NP, uint16_t *d, int64_t j, __m512 acc[][2],
+AIBF void bf_pair(const uint32_t *const *xr, const int R, const int NP, uint16_t *d, int64_t j, __m512 acc[][2],
                   const int8_t *q0, const int8_t *q1, const int fp8, const int DQ) {
     __m512bh w0, w1;
     if (DQ) {
@@ -313,7 +316,7 @@ AIBF void bf_pair(const uint32_t *x, int64_t ldx, const int R, const int NP, uin
         w1 = NP == 2 ? (__m512bh)_mm512_load_si512(d + 64 * j + 32) : w0;
     }
     for (int r = 0; r < R; r++) {
-        const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[r * ldx + j]);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xr[r][j]);
         acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
         if (NP == 2) acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
     }
@@ -371,12 +374,12 @@ AIBF void pairs2_fp8_bf16(const int8_t *p, __m512i *a, __m512i *b) {
 
 /* Pairs j and j + 1 (bf_pair twice: pair j into acc0, j + 1 into acc1, which may be the same sums: each
  * sum still adds pair j first), the dequantising tiles decoding both at once (FP8: pairs2_fp8_bf16). */
-AIBF void bf_pair2(const uint32_t *x, int64_t ldx, const int R, const int NP, uint16_t *d, int64_t j,
+AIBF void bf_pair2(const uint32_t *const *xr, const int R, const int NP, uint16_t *d, int64_t j,
                    __m512 acc0[][2], __m512 acc1[][2], const int8_t *q0, const int8_t *q1, const int fp8,
                    const int DQ) {
     if (!DQ) {
-        bf_pair(x, ldx, R, NP, d, j, acc0, q0, q1, fp8, 0);
-        bf_pair(x, ldx, R, NP, d, j + 1, acc1, q0, q1, fp8, 0);
+        bf_pair(xr, R, NP, d, j, acc0, q0, q1, fp8, 0);
+        bf_pair(xr, R, NP, d, j + 1, acc1, q0, q1, fp8, 0);
         return;
     }
     __m512i a0, b0, a1, b1;
@@ -394,10 +397,10 @@ AIBF void bf_pair2(const uint32_t *x, int64_t ldx, const int R, const int NP, ui
         if (NP == 2) _mm512_store_si512(d + 64 * j + 32, a1), _mm512_store_si512(d + 64 * (j + 1) + 32, b1);
     }
     for (int r = 0; r < R; r++) {
-        const __m512bh x0 = (__m512bh)_mm512_set1_epi32((int)x[r * ldx + j]);
+        const __m512bh x0 = (__m512bh)_mm512_set1_epi32((int)xr[r][j]);
         acc0[r][0] = _mm512_dpbf16_ps(acc0[r][0], x0, (__m512bh)a0);
         if (NP == 2) acc0[r][1] = _mm512_dpbf16_ps(acc0[r][1], x0, (__m512bh)a1);
-        const __m512bh x1 = (__m512bh)_mm512_set1_epi32((int)x[r * ldx + j + 1]);
+        const __m512bh x1 = (__m512bh)_mm512_set1_epi32((int)xr[r][j + 1]);
         acc1[r][0] = _mm512_dpbf16_ps(acc1[r][0], x1, (__m512bh)b0);
         if (NP == 2) acc1[r][1] = _mm512_dpbf16_ps(acc1[r][1], x1, (__m512bh)b1);
     }
@@ -413,7 +416,7 @@ static const bf_codes NO_CODES = {NULL, NULL, 0};
 /* Pairs [j0, j1) (j1 - j0 even) for R rows, the even pairs into acc[0] and the odd ones into acc[S - 1],
  * prefetching `per` (0, 1 or 2: a constant) lines from *pf into L2 each two pairs; DQ: see bf_pair
  * (the codes prefetched into L1 PF_LINES lines ahead). */
-AIBF void bf_span(const uint32_t *x, int64_t ldx, const int R, const int NP, uint16_t *d, int64_t j0, int64_t j1,
+AIBF void bf_span(const uint32_t *const *xr, const int R, const int NP, uint16_t *d, int64_t j0, int64_t j1,
                   const int S, __m512 acc[][MAX_R512][2], const char **pf, const int per, const bf_codes *q,
                   const int DQ) {
     for (int64_t j = j0; j < j1; j += 2) {
@@ -424,11 +427,11 @@ AIBF void bf_span(const uint32_t *x, int64_t ldx, const int R, const int NP, uin
             _mm_prefetch((const char *)(q->q0 + (j + 2 * PF_LINES) * 32), _MM_HINT_T0);
             if (NP == 2) _mm_prefetch((const char *)(q->q1 + (j + 2 * PF_LINES) * 32), _MM_HINT_T0);
         }
-        bf_pair2(x, ldx, R, NP, d, j, acc[0], acc[S - 1], q->q0, q->q1, q->fp8, DQ);
+        bf_pair2(xr, R, NP, d, j, acc[0], acc[S - 1], q->q0, q->q1, q->fp8, DQ);
     }
 }
 
-/* s[r][k] += x pairs of row r (one 32-bit broadcast each, rows ldx pairs apart) . panel k of d (lane =
+/* s[r][k] += x pairs of row r (one 32-bit broadcast each, from xr[r]) . panel k of d (lane =
  * output), unscaled. On the way it asks for pf_lines cache lines from pf into L2 (two every two pairs,
  * then one, then none: three loops with no check in them): codes the thread dequantises next, so that
  * memory streams while the dots compute (as moe_avx512bf16.c's panel_dot does) rather than only while
@@ -436,7 +439,7 @@ AIBF void bf_span(const uint32_t *x, int64_t ldx, const int R, const int NP, uin
  * ones (s = 1): more chains of dot products in flight where few rows give few, in 16 registers at
  * most. The order of a panel's sums depends on R only, not on whether another panel is dotted
  * alongside (threads may pair the panels differently). DQ: see bf_pair. */
-AIBF void dotbf_u(const uint32_t *x, int64_t ldx, const int R, const int NP, uint16_t *d, int64_t pairs, __m512 s[][2],
+AIBF void dotbf_u(const uint32_t *const *xr, const int R, const int NP, uint16_t *d, int64_t pairs, __m512 s[][2],
                   const char *pf, int64_t pf_lines, const bf_codes *q, const int DQ) {
     const int S = R <= BF_SPLIT ? 2 : 1;
     __m512 acc[2][MAX_R512][2];
@@ -444,49 +447,49 @@ AIBF void dotbf_u(const uint32_t *x, int64_t ldx, const int R, const int NP, uin
         for (int k = 0; k < NP; k++) acc[0][r][k] = s[r][k], acc[1][r][k] = _mm512_setzero_ps();
     const int64_t steps = pairs / 2, lines = pf_lines < 2 * steps ? pf_lines : 2 * steps;
     const int64_t two = lines > steps ? lines - steps : 0, one = lines - 2 * two; /* steps of 2 and 1 lines */
-    bf_span(x, ldx, R, NP, d, 0, 2 * two, S, acc, &pf, 2, q, DQ);
-    bf_span(x, ldx, R, NP, d, 2 * two, 2 * (two + one), S, acc, &pf, 1, q, DQ);
-    bf_span(x, ldx, R, NP, d, 2 * (two + one), 2 * steps, S, acc, &pf, 0, q, DQ);
-    if (pairs & 1) bf_pair(x, ldx, R, NP, d, pairs - 1, acc[0], q->q0, q->q1, q->fp8, DQ);
+    bf_span(xr, R, NP, d, 0, 2 * two, S, acc, &pf, 2, q, DQ);
+    bf_span(xr, R, NP, d, 2 * two, 2 * (two + one), S, acc, &pf, 1, q, DQ);
+    bf_span(xr, R, NP, d, 2 * (two + one), 2 * steps, S, acc, &pf, 0, q, DQ);
+    if (pairs & 1) bf_pair(xr, R, NP, d, pairs - 1, acc[0], q->q0, q->q1, q->fp8, DQ);
     for (int r = 0; r < R; r++)
         for (int k = 0; k < NP; k++) s[r][k] = S == 2 ? _mm512_add_ps(acc[0][r][k], acc[1][r][k]) : acc[0][r][k];
 }
 
-/* dotbf_u over panels of either format: int8 unscaled (bs0 NULL); FP8 each block of bpairs pairs' sums
- * times its scale (bs0[b] panel 0's, bs1[b] panel 1's) added into s. */
-AIBF void dotbf(const uint32_t *x, int64_t ldx, const int R, const int NP, uint16_t *d, int64_t pairs, __m512 s[][2],
-                const float *bs0, const float *bs1, int64_t bpairs, const char *pf, int64_t pf_lines,
-                const bf_codes *q, const int DQ) {
+/* c rows (ldc floats apart; [panel 0's 16 sums, panel 1's 16]) of R rows: set (first) or added to by
+ * dotbf_u over NP panels of either format: int8 unscaled (bs0 NULL); FP8 each block of bpairs pairs'
+ * sums times its scale (bs0[b] panel 0's, bs1[b] panel 1's). FP8's running sums stay in c (in L1)
+ * between blocks: in registers beside each block's own sums they would not fit. */
+AIBF void tile_bf(const uint32_t *x, int64_t ldx, const int R, const int NP, uint16_t *d, int64_t pairs,
+                  const float *bs0, const float *bs1, int64_t bpairs, int first, const char *pf, int64_t pf_lines,
+                  float *c, int64_t ldc, const bf_codes *q, const int DQ) {
+    const uint32_t *xr[MAX_R512]; /* row pointers: one register each in the dots' loops */
+    for (int r = 0; r < R; r++) xr[r] = x + r * ldx;
+    __m512 s[MAX_R512][2];
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < NP; k++) s[r][k] = first || bs0 ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16 * k);
     if (!bs0) {
-        dotbf_u(x, ldx, R, NP, d, pairs, s, pf, pf_lines, q, DQ);
+        dotbf_u(xr, R, NP, d, pairs, s, pf, pf_lines, q, DQ);
+        for (int r = 0; r < R; r++)
+            for (int k = 0; k < NP; k++) _mm512_storeu_ps(c + r * ldc + 16 * k, s[r][k]);
         return;
     }
+    if (first)
+        for (int r = 0; r < R; r++)
+            for (int k = 0; k < NP; k++) _mm512_storeu_ps(c + r * ldc + 16 * k, s[r][k]);
     for (int64_t j0 = 0, b = 0; j0 < pairs; j0 += bpairs, b++) {
         const int64_t n = pairs - j0 < bpairs ? pairs - j0 : bpairs;
         const int64_t l0 = pf_lines * j0 / pairs, l1 = pf_lines * (j0 + n) / pairs; /* this block's lines */
         const bf_codes qb = {DQ ? q->q0 + 32 * j0 : NULL, DQ && NP == 2 ? q->q1 + 32 * j0 : NULL, q->fp8};
-        __m512 part[MAX_R512][2];
-        for (int r = 0; r < R; r++) part[r][0] = part[r][1] = _mm512_setzero_ps();
-        dotbf_u(x + j0, ldx, R, NP, d + 32 * NP * j0, n, part, pf + 64 * l0, l1 - l0, &qb, DQ);
+        const uint32_t *xb[MAX_R512];
+        for (int r = 0; r < R; r++) xb[r] = xr[r] + j0, s[r][0] = s[r][1] = _mm512_setzero_ps();
+        dotbf_u(xb, R, NP, d + 32 * NP * j0, n, s, pf + 64 * l0, l1 - l0, &qb, DQ);
         const __m512 c0 = _mm512_set1_ps(bs0[b] * FP8_UNIT), c1 = _mm512_set1_ps(NP == 2 ? bs1[b] * FP8_UNIT : 0.0f);
         for (int r = 0; r < R; r++) {
-            s[r][0] = _mm512_fmadd_ps(part[r][0], c0, s[r][0]);
-            if (NP == 2) s[r][1] = _mm512_fmadd_ps(part[r][1], c1, s[r][1]);
+            float *cr = c + r * ldc;
+            _mm512_storeu_ps(cr, _mm512_fmadd_ps(s[r][0], c0, _mm512_loadu_ps(cr)));
+            if (NP == 2) _mm512_storeu_ps(cr + 16, _mm512_fmadd_ps(s[r][1], c1, _mm512_loadu_ps(cr + 16)));
         }
     }
-}
-
-/* c rows (ldc floats apart; [panel 0's 16 sums, panel 1's 16]) of R rows: set (first) or added to by
- * dotbf over NP panels. */
-AIBF void tile_bf(const uint32_t *x, int64_t ldx, const int R, const int NP, uint16_t *d, int64_t pairs,
-                  const float *bs0, const float *bs1, int64_t bpairs, int first, const char *pf, int64_t pf_lines,
-                  float *c, int64_t ldc, const bf_codes *q, const int DQ) {
-    __m512 s[MAX_R512][2];
-    for (int r = 0; r < R; r++)
-        for (int k = 0; k < NP; k++) s[r][k] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16 * k);
-    dotbf(x, ldx, R, NP, d, pairs, s, bs0, bs1, bpairs, pf, pf_lines, q, DQ);
-    for (int r = 0; r < R; r++)
-        for (int k = 0; k < NP; k++) _mm512_storeu_ps(c + r * ldc + 16 * k, s[r][k]);
 }
 
 /* tile_bf for 1..MAX_R512 rows (R a constant in each case), NP panels, dequantising (DQ) or not */
@@ -588,11 +591,11 @@ AIVN __m512i quad_u8(const int8_t *pw, int64_t i, const int half) {
     return _mm512_xor_si512(_mm512_permutexvar_epi16(idx, z), _mm512_set1_epi8((char)0x80));
 }
 
-/* Quad i of NP (1 or 2) panels for R rows of codes (ldx bytes apart): acc[r][k] += row r . panel k,
+/* Quad i of NP (1 or 2) panels for R rows of codes (row r at xr[r]): acc[r][k] += row r . panel k,
  * one broadcast of the row's 4 codes feeding both. DQ 1: the quad is repacked here from the codes q0
  * (q1) and stored into d (quad i of panel k at d + 64 (NP i + k)) on the way; 2: repacked, not stored
  * (no other tile follows); 0: read from d. */
-AIVN void vn_quad(const int8_t *x, int64_t ldx, const int R, const int NP, uint8_t *d, int64_t i, __m512i acc[][2],
+AIVN void vn_quad(const int8_t *const *xr, const int R, const int NP, uint8_t *d, int64_t i, __m512i acc[][2],
                   const int8_t *q0, const int8_t *q1, const int half, const int DQ) {
     __m512i w0, w1;
     if (DQ) {
@@ -605,7 +608,7 @@ AIVN void vn_quad(const int8_t *x, int64_t ldx, const int R, const int NP, uint8
     }
     for (int r = 0; r < R; r++) {
         int32_t four;
-        memcpy(&four, x + r * ldx + 4 * i, 4);
+        memcpy(&four, xr[r] + 4 * i, 4);
         const __m512i xb = _mm512_set1_epi32(four);
         acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, xb);
         if (NP == 2) acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, xb);
@@ -616,7 +619,7 @@ AIVN void vn_quad(const int8_t *x, int64_t ldx, const int R, const int NP, uint8
  * the even quads (s = 0) and, up to VN_SPLIT rows, the odd ones: more chains in flight for few rows.
  * DQ: see vn_quad (the codes prefetched PF_LINES lines ahead). On the way it asks for pf_lines cache
  * lines from pf into L2, a few every two quads: codes the thread reads next (as dotbf_u does). */
-AIVN void dotvn(const int8_t *x, int64_t ldx, const int R, const int NP, uint8_t *d, int64_t nq, const int half,
+AIVN void dotvn(const int8_t *const *xr, const int R, const int NP, uint8_t *d, int64_t nq, const int half,
                 __m512i s[][2], const int8_t *q0, const int8_t *q1, const char *pf, int64_t pf_lines, const int DQ) {
     const int S = R <= VN_SPLIT ? 2 : 1;
     __m512i acc[2][MAX_R512][2];
@@ -634,11 +637,11 @@ AIVN void dotvn(const int8_t *x, int64_t ldx, const int R, const int NP, uint8_t
             if (NP == 2) _mm_prefetch((const char *)(q1 + (i + PF_LINES) * 64), _MM_HINT_T0);
             if (NP == 2) _mm_prefetch((const char *)(q1 + (i + 1 + PF_LINES) * 64), _MM_HINT_T0);
         }
-        vn_quad(x, ldx, R, NP, d, i, acc[0], q0, q1, 0, DQ);
-        vn_quad(x, ldx, R, NP, d, i + 1, acc[S - 1], q0, q1, 0, DQ);
+        vn_quad(xr, R, NP, d, i, acc[0], q0, q1, 0, DQ);
+        vn_quad(xr, R, NP, d, i + 1, acc[S - 1], q0, q1, 0, DQ);
     }
-    if (i < full) vn_quad(x, ldx, R, NP, d, i++, acc[0], q0, q1, 0, DQ);
-    if (half) vn_quad(x, ldx, R, NP, d, i, acc[0], q0, q1, 1, DQ);
+    if (i < full) vn_quad(xr, R, NP, d, i++, acc[0], q0, q1, 0, DQ);
+    if (half) vn_quad(xr, R, NP, d, i, acc[0], q0, q1, 1, DQ);
     for (int r = 0; r < R; r++)
         for (int k = 0; k < NP; k++) s[r][k] = S == 2 ? _mm512_add_epi32(acc[0][r][k], acc[1][r][k]) : acc[0][r][k];
 }
@@ -651,7 +654,9 @@ AIVN void tile_vn(const int8_t *x, int64_t ldx, const int R, const int NP, uint8
     for (int r = 0; r < R; r++)
         for (int k = 0; k < NP; k++)
             s[r][k] = first ? _mm512_setzero_si512() : _mm512_loadu_si512(c + r * ldc + 16 * k);
-    dotvn(x, ldx, R, NP, d, nq, half, s, q0, q1, pf, pf_lines, DQ);
+    const int8_t *xr[MAX_R512]; /* row pointers: one register each in the dots' loops */
+    for (int r = 0; r < R; r++) xr[r] = x + r * ldx;
+    dotvn(xr, R, NP, d, nq, half, s, q0, q1, pf, pf_lines, DQ);
     for (int r = 0; r < R; r++)
         for (int k = 0; k < NP; k++) _mm512_storeu_si512(c + r * ldc + 16 * k, s[r][k]);
 }
