@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.ops import choose_backend
+from kernels.quant import TRITON_QUANTIZATIONS
 from m2n_comm.transport import BACKENDS
 
 M2N_DTYPES = ("auto", "fp8")  # ParallelConfig.m2n_dtype
@@ -261,11 +263,12 @@ class EngineConfig:
     server.llm.engine_config picks "fp8" for FP8 checkpoints where this placement allows. "mxfp4"
     (same placement): the experts as MXFP4 E2M1 codes with an E8M0 scale per row and 32 inputs
     (kernels/mxfp4_weights.py); an MXFP4 checkpoint's (gpt-oss) kept as shipped, a float checkpoint's
-    quantised at load (its experts' input counts multiples of 32).
+    quantised at load (its experts' input counts multiples of 32). "fp8" and "mxfp4" also run on the
+    Triton op table, wherever it serves the experts (models/triton_quant.py).
     quantize_linears: with quantization "int8" or "fp8", every other linear layer too in that format,
     quantised at load (weight-only: attention projections, dense and shared-expert MLPs; not the LM
     head, the routers, the embeddings or an MTP drafting layer's), where the attention side runs on the
-    CPU with torch kernels: the bytes a small-batch decode step reads beside the experts' halve as well.
+    CPU with torch kernels (fp8: or on Triton): the bytes a small-batch decode step reads beside the experts' halve as well.
     speculative: SpeculativeConfig (or its dict or JSON text), None without speculative decoding."""
 
     model: str
@@ -293,11 +296,14 @@ class EngineConfig:
             if self.quantization not in QUANTIZATIONS:
                 raise ValueError(f"quantization {self.quantization!r} is not supported; choose from none, "
                                  f"{', '.join(QUANTIZATIONS)} (or experts_int8, int8's vLLM name)")
-            if not self.experts_on_cpu_torch:
+            on_triton = self.experts_kernels == "triton" and self.quantization in TRITON_QUANTIZATIONS
+            if not self.experts_on_cpu_torch and not on_triton:
                 kernels = {"int8": "kernels/int8.py", "w8a8_int8": "kernels/int8.py", "fp8": "kernels/fp8_weights.py",
                            "mxfp4": "kernels/mxfp4_weights.py"}[self.quantization]
+                triton = (f" or with Triton kernels (kernels/quant_triton.py: {' and '.join(TRITON_QUANTIZATIONS)} "
+                          f"only)") if self.quantization not in TRITON_QUANTIZATIONS else " or with Triton kernels"
                 raise ValueError(f"quantization {self.quantization!r} runs the experts on CPU workers with torch "
-                                 f"kernels ({kernels}); got experts on {self.experts_device!r}, kernels "
+                                 f"kernels ({kernels}){triton}; got experts on {self.experts_device!r}, kernels "
                                  f"{self.kernels!r}")
         if self.quantize_linears:
             if self.quantization not in LINEAR_QUANTIZATIONS:
@@ -305,14 +311,21 @@ class EngineConfig:
                                  f"{' or '.join(LINEAR_QUANTIZATIONS)} does the experts; got quantization "
                                  f"{self.quantization!r} (give --quantization int8 or fp8 with it; an FP8 "
                                  f"checkpoint's is fp8)")
-            if self.device != "cpu" or self.kernels == "triton":
-                raise ValueError(f"quantize_linears runs the quantised linears on the CPU with torch kernels; got the "
-                                 f"attention side on {self.device!r}, kernels {self.kernels!r}")
+            triton = choose_backend(self.device, self.kernels) == "triton"
+            if (self.device != "cpu" or triton) and not (triton and self.quantization == "fp8"):
+                raise ValueError(f"quantize_linears runs the quantised linears on the CPU with torch kernels (or fp8 "
+                                 f"with Triton kernels); got the attention side on {self.device!r}, kernels "
+                                 f"{self.kernels!r}, quantization {self.quantization!r}")
 
     @property
     def experts_device(self) -> str:
         """The device that holds the experts: the engine's colocated, else the expert pool's."""
         return self.device if self.parallel.colocated else self.parallel.expert_device or self.device
+
+    @property
+    def experts_kernels(self) -> str:
+        """The op table the experts run on: "triton" or "torch" (kernels.ops.choose_backend)."""
+        return choose_backend(self.experts_device, self.kernels)
 
     @property
     def experts_on_cpu_torch(self) -> bool:

@@ -13,6 +13,8 @@ from attention_nodes.scheduler import ScheduledBatch
 from models.config import ModelConfig
 from models.dispatcher import Dispatcher, LocalDispatcher
 from kernels import native
+from kernels.ops import choose_backend
+from kernels.quant import triton_fp8_supported
 from models.cpu_inference import (SKINNY_MAX_ROWS, decode_is_native, half_copy_bytes, pack_for_cpu_inference,
                                   pack_modules, resident_weight_bytes)
 from models.kv_cache import AttentionBatch, cache_bytes_per_block, make_paged_cache
@@ -49,13 +51,13 @@ class ModelRunner:
                  micro_batches: int = 1):
         self.model_cfg = model_cfg or ModelConfig.from_pretrained(cfg.model)
         self.device = torch.device(cfg.device)
-        # quantization fp8 of an FP8 checkpoint on the CPU with torch kernels: its codes and scales as
-        # shipped go to the packed modules (a GPU attention pool serves its linears dequantised)
-        keep_fp8 = (cfg.quantization == "fp8" and self.model_cfg.fp8_block is not None
-                    and self.device.type == "cpu" and cfg.kernels != "triton")
-        # quantization mxfp4 of an MXFP4 checkpoint on the CPU: its experts' blocks and scales as shipped
-        keep_mxfp4 = (cfg.quantization == "mxfp4" and self.model_cfg.mxfp4 and self.device.type == "cpu"
-                      and cfg.kernels != "triton")
+        # quantization fp8 of an FP8 checkpoint: its codes and scales as shipped go to the packed modules
+        # (CPU with torch kernels: models/cpu_inference.py; Triton: models/triton_quant.py)
+        triton = choose_backend(self.device, cfg.kernels) == "triton"
+        keep_fp8 = cfg.quantization == "fp8" and self.model_cfg.fp8_block is not None and (
+            self.device.type == "cpu" if not triton else triton_fp8_supported(self.device))
+        # quantization mxfp4 of an MXFP4 checkpoint: its experts' blocks and scales as shipped
+        keep_mxfp4 = cfg.quantization == "mxfp4" and self.model_cfg.mxfp4 and (self.device.type == "cpu" or triton)
         if cfg.speculative is not None and cfg.speculative.method == "mtp":  # (before loading anything)
             from models.mtp import check_mtp_checkpoint
             check_mtp_checkpoint(cfg.model, self.model_cfg)
@@ -90,6 +92,9 @@ class ModelRunner:
         self.weight_bytes = _weight_bytes(self.model)
         cpu_torch = self.device.type == "cpu" and self.model.ops.backend == "torch"
         self.packed = cpu_torch and pack_for_cpu_inference(self.model, cfg.quantization, cfg.quantize_linears)
+        if self.model.ops.backend == "triton" and cfg.quantization is not None:
+            from models.triton_quant import pack_for_triton
+            pack_for_triton(self.model, cfg.quantization, cfg.quantize_linears)
         if self.packed and self.mtp is not None:  # (its layer on the target's kernels; its linears unquantised)
             pack_modules(self.mtp.layer, cfg.quantization)
         self.resident_bytes = resident_weight_bytes(self.model)  # after packing / quantising

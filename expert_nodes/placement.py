@@ -117,6 +117,8 @@ def regroup(parts: list[tuple[nn.Module, int]]) -> nn.Module:
     if all(isinstance(m, PackedExperts) for m, _ in parts):
         return PackedExperts.from_packed([m.w13_packed[i] for m, i in parts], [m.w2_packed[i] for m, i in parts],
                                          rows("b13"), rows("b2"), first.act, first.act_int8)
+    if all(type(m) is type(first) and hasattr(m, "regroup") for m, _ in parts):  # (models/triton_quant.py)
+        return type(first).regroup(parts)
     if not all(isinstance(m, Experts) for m, _ in parts):
         raise TypeError(f"cannot regroup experts of types {sorted({type(m).__name__ for m, _ in parts})}")
     with torch.device("meta"):

@@ -34,6 +34,7 @@ from torch.distributed import TCPStore
 
 from expert_nodes.placement import HeldExperts, epoch_placement, loader_for, watch_placements
 from kernels import native
+from kernels.ops import choose_backend
 from m2n_comm._hello import SignedStore
 from m2n_comm.endpoints import open_endpoint
 from m2n_comm.m2n import M2NReceiver, run_local_experts
@@ -99,9 +100,12 @@ def _serve(spec: ExpertWorkerSpec, store: SignedStore) -> None:
     cfg = ModelConfig.from_pretrained(spec.model)
     moe_layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
     device = torch.device(spec.device)
-    pack = functools.partial(pack_for_cpu, quantization=spec.quantization) if device.type == "cpu" else (lambda m: m)
+    triton = choose_backend(device, spec.kernels) == "triton"
+    pack = (functools.partial(pack_for_triton_experts, quantization=spec.quantization) if triton
+            else functools.partial(pack_for_cpu, quantization=spec.quantization) if device.type == "cpu"
+            else (lambda m: m))
     keep_fp8 = spec.quantization == "fp8" and cfg.fp8_block is not None  # the checkpoint's codes as shipped
-    keep_mxfp4 = spec.quantization == "mxfp4" and cfg.mxfp4 and device.type == "cpu"  # (pack runs them)
+    keep_mxfp4 = spec.quantization == "mxfp4" and cfg.mxfp4 and (device.type == "cpu" or triton)  # (pack runs them)
     load_fn = loader_for(spec.model, cfg, spec.dtype, device, spec.kernels, pack, keep_fp8, keep_mxfp4)
     held = HeldExperts(spec.placement, load_fn(spec.placement.experts_on(spec.rank)), spec.rank, load_fn, device)
     freeze_loaded_heap()
@@ -258,6 +262,16 @@ def narrows(blocks) -> bool:
                                           or (getattr(m, "fp8", None) is not None and fp8_weights.available())
                                           or (getattr(m, "mxfp4", None) is not None and mxfp4_weights.available())
                                           for m in blocks)
+
+
+def pack_for_triton_experts(experts: dict, quantization: str | None = None) -> dict:
+    """MoE layer -> its experts as the Triton op table serves them: quantised ("fp8", "mxfp4":
+    models/triton_quant.py, the checkpoint's codes where load_experts kept them), else as loaded."""
+    if quantization is None:
+        return experts
+    from models.triton_quant import quantized_experts
+
+    return {layer: quantized_experts(m, quantization) for layer, m in experts.items()}
 
 
 def pack_for_cpu(experts: dict, quantization: str | None = None) -> dict:

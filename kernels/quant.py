@@ -6,6 +6,17 @@ in those checkpoints; edge blocks are partial when O or I is not a multiple), ea
 """
 import torch
 
+TRITON_QUANTIZATIONS = ("fp8", "mxfp4")  # the formats kernels/quant_triton.py serves (models/triton_quant.py)
+
+
+
+def triton_fp8_supported(device: torch.device | str) -> bool:
+    """Whether the Triton kernels can convert FP8 codes on `device`: compiled, on CUDA of sm_89 or newer;
+    interpreted (TRITON_INTERPRET=1), on the CPU. (MXFP4 decodes by arithmetic on bits: any device.)"""
+    device = torch.device(device)
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 
 

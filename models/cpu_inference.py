@@ -373,7 +373,8 @@ def resident_weight_bytes(module: nn.Module) -> dict[str, int]:
             out[kind] += t.numel() * t.element_size()
 
     for name, m in module.named_modules():
-        kind = ("experts" if isinstance(m, (Experts, PackedExperts)) or ".experts" in f".{name}"
+        kind = ("experts" if isinstance(m, (Experts, PackedExperts)) or getattr(m, "stacked_experts", False)
+                or ".experts" in f".{name}"
                 else "embedding" if "embed_tokens" in name else "other")
         for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
             add(kind, t)

@@ -118,13 +118,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "to int8 too (int8 x int8 with AVX-512 VNNI; SiLU experts without biases). fp8: as FP8 "
                         "E4M3 in 128x128 blocks (the same bytes). An FP8 block "
                         "checkpoint is served in FP8 as shipped (experts and FP8 linears) where its experts run "
-                        "on CPU workers with torch kernels; none: dequantise it at load instead. mxfp4: the "
+                        "on CPU workers with torch kernels or on Triton (sm_89+); none: dequantise it at load "
+                        "instead. fp8 and mxfp4 also run on Triton kernels. mxfp4: the "
                         "experts as MXFP4 (4-bit E2M1 codes, a scale byte per 32 inputs: 0.27x bf16's bytes), an "
                         "MXFP4 checkpoint's (gpt-oss) as shipped, a float checkpoint's quantised at load")
     p.add_argument("--quantize-linears", action="store_true",
                    help="with --quantization int8 or fp8: the other linear layers in that format too (attention "
                         "projections, dense and shared-expert MLPs; not the LM head or routers), quantised at load; "
-                        "the attention side on the CPU")
+                        "the attention side on the CPU (fp8: or on Triton)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: {"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4} (also prompt_lookup_min, disable_by_batch_size)')

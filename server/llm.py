@@ -19,6 +19,7 @@ import torch
 from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from attention_nodes.engine import Engine, LLMEngine, default_eos_ids, validate_request
 from attention_nodes.sampling_params import SamplingParams
+from kernels.quant import triton_fp8_supported
 from models.config import DTYPES, ModelConfig
 from server.outputs import CompletionOutput, RequestOutput, RequestTracker
 from telemetry.trace import Tracer
@@ -84,7 +85,7 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
     quantization: "int8" keeps the expert weights as int8 ("w8a8_int8": their activations quantised
     per token too), "fp8" as FP8 128 x 128 blocks, "mxfp4" as MXFP4 (see EngineConfig); refused for a checkpoint that is already quantised (MXFP4; FP8 block but for
     "fp8"). None: an FP8 block checkpoint is served in FP8 as shipped where its experts run on CPU
-    workers with torch kernels (a log line says so), else in `dtype`; "none": in `dtype` always
+    workers with torch kernels or on Triton kernels that convert FP8 (a log line says so), else in `dtype`; "none": in `dtype` always
     (an FP8 checkpoint dequantised at load). quantize_linears: with "int8" or "fp8", the other linear
     layers in that format too (attention projections, dense MLPs; not the LM head or routers).
     speculative_config: speculative decoding as vLLM's (a dict or JSON text such as {"method": "ngram",
@@ -121,7 +122,7 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
 def _checkpoint_quantization(cfg: EngineConfig, asked: str | None) -> EngineConfig:
     """cfg with the quantization the checkpoint takes. An FP8 block checkpoint is served in FP8 as
     shipped (quantization "fp8", as vLLM serves FP8 checkpoints) where its experts run on CPU
-    workers with torch kernels, unless asked otherwise ("none": dequantised at load, as elsewhere);
+    workers with torch kernels or on Triton kernels that convert FP8, unless asked otherwise ("none": dequantised at load, as elsewhere);
     quantising an already quantised checkpoint again (int8 of FP8, int8 or FP8 of MXFP4) is refused.
     "mxfp4" keeps an MXFP4 checkpoint's experts as shipped and quantises a float one's, whose experts'
     input counts (hidden_size for w13, moe_intermediate_size for w2) must be multiples of 32."""
@@ -143,7 +144,8 @@ def _checkpoint_quantization(cfg: EngineConfig, asked: str | None) -> EngineConf
         log.info("weights: the experts MXFP4 as shipped (E2M1 codes and E8M0 scales per 32 inputs)")
     if shipped != "FP8 block":
         return cfg
-    if asked is None and cfg.experts_on_cpu_torch:
+    if asked is None and (cfg.experts_on_cpu_torch or (cfg.experts_kernels == "triton"
+                                                         and triton_fp8_supported(cfg.experts_device))):
         cfg = replace(cfg, quantization="fp8")
     dtype = str(cfg.dtype or model_cfg.dtype).removeprefix("torch.")
     if cfg.quantization == "fp8":
@@ -152,8 +154,8 @@ def _checkpoint_quantization(cfg: EngineConfig, asked: str | None) -> EngineConf
                  dtype)
     else:
         log.info("weights: the FP8 checkpoint dequantised to %s at load (%s)", dtype,
-                 "--quantization none" if asked == "none" else "FP8 weights are kept only for experts on CPU "
-                 "workers with torch kernels")
+                 "--quantization none" if asked == "none" else "FP8 weights are kept for experts on CPU workers "
+                 "with torch kernels, or on Triton kernels where they convert FP8 (CUDA sm_89+, or the CPU)")
     return cfg
 
 

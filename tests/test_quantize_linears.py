@@ -97,7 +97,8 @@ def test_quantize_linears_refusals_and_flags(src):
         with pytest.raises(ValueError, match="quantize_linears quantises the linear layers as --quantization int8 "
                                              "or fp8 does the experts"):
             EngineConfig(str(src), quantization=quantization, quantize_linears=True)
-    with pytest.raises(ValueError, match="on the CPU with torch kernels; got the attention side on 'cuda'"):
+    with pytest.raises(ValueError, match=r"on the CPU with torch kernels \(or fp8 with Triton kernels\); got the attention "
+                                         r"side on 'cuda', kernels None, quantization 'int8'"):
         EngineConfig(str(src), device="cuda", parallel=ParallelConfig(False, expert_device="cpu"), quantization="int8",
                      quantize_linears=True)
     with pytest.raises(ValueError, match="quantize_linears must be true or false"):
