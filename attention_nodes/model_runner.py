@@ -14,7 +14,7 @@ from models.config import ModelConfig
 from models.dispatcher import Dispatcher, LocalDispatcher
 from kernels import native
 from kernels.ops import choose_backend
-from kernels.quant import triton_fp8_supported
+from kernels.quant import TRITON_QUANTIZATIONS, triton_fp8_supported
 from models.cpu_inference import (SKINNY_MAX_ROWS, decode_is_native, half_copy_bytes, pack_for_cpu_inference,
                                   pack_modules, resident_weight_bytes)
 from models.kv_cache import AttentionBatch, cache_bytes_per_block, make_paged_cache
@@ -92,8 +92,8 @@ class ModelRunner:
         self.weight_bytes = _weight_bytes(self.model)
         cpu_torch = self.device.type == "cpu" and self.model.ops.backend == "torch"
         self.packed = cpu_torch and pack_for_cpu_inference(self.model, cfg.quantization, cfg.quantize_linears)
-        if self.model.ops.backend == "triton" and cfg.quantization is not None:
-            from models.triton_quant import pack_for_triton
+        if self.model.ops.backend == "triton" and cfg.quantization in TRITON_QUANTIZATIONS:
+            from models.triton_quant import pack_for_triton  # (int8 etc.: experts on CPU workers only)
             pack_for_triton(self.model, cfg.quantization, cfg.quantize_linears)
         if self.packed and self.mtp is not None:  # (its layer on the target's kernels; its linears unquantised)
             pack_modules(self.mtp.layer, cfg.quantization)
