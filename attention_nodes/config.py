@@ -300,11 +300,11 @@ class EngineConfig:
             if not self.experts_on_cpu_torch and not on_triton:
                 kernels = {"int8": "kernels/int8.py", "w8a8_int8": "kernels/int8.py", "fp8": "kernels/fp8_weights.py",
                            "mxfp4": "kernels/mxfp4_weights.py"}[self.quantization]
-                triton = (f" or with Triton kernels (kernels/quant_triton.py: {' and '.join(TRITON_QUANTIZATIONS)} "
-                          f"only)") if self.quantization not in TRITON_QUANTIZATIONS else " or with Triton kernels"
-                raise ValueError(f"quantization {self.quantization!r} runs the experts on CPU workers with torch "
-                                 f"kernels ({kernels}){triton}; got experts on {self.experts_device!r}, kernels "
-                                 f"{self.kernels!r}")
+                where = (f"only on CPU workers with torch kernels ({kernels}; Triton serves "
+                         f"{' and '.join(TRITON_QUANTIZATIONS)})" if self.quantization not in TRITON_QUANTIZATIONS
+                         else f"on CPU workers with torch kernels ({kernels}) or with Triton kernels")
+                raise ValueError(f"quantization {self.quantization!r} runs the experts {where}; got experts on "
+                                 f"{self.experts_device!r}, kernels {self.kernels!r}")
         if self.quantize_linears:
             if self.quantization not in LINEAR_QUANTIZATIONS:
                 raise ValueError(f"quantize_linears quantises the linear layers as --quantization "
@@ -329,5 +329,5 @@ class EngineConfig:
 
     @property
     def experts_on_cpu_torch(self) -> bool:
-        """Whether the experts run on CPU workers with torch kernels (where int8 and FP8 weights run)."""
-        return self.experts_device == "cpu" and self.kernels != "triton"
+        """Whether the experts run on CPU workers with torch kernels (where every quantization runs)."""
+        return self.experts_device == "cpu" and self.experts_kernels == "torch"

@@ -54,8 +54,11 @@ class ModelRunner:
         # quantization fp8 of an FP8 checkpoint: its codes and scales as shipped go to the packed modules
         # (CPU with torch kernels: models/cpu_inference.py; Triton: models/triton_quant.py)
         triton = choose_backend(self.device, cfg.kernels) == "triton"
+        if triton and cfg.quantization == "fp8" and not triton_fp8_supported(self.device):
+            from models.triton_quant import check_fp8_runs
+            check_fp8_runs(self.device)  # (before loading anything)
         keep_fp8 = cfg.quantization == "fp8" and self.model_cfg.fp8_block is not None and (
-            self.device.type == "cpu" if not triton else triton_fp8_supported(self.device))
+            self.device.type == "cpu" or triton)
         # quantization mxfp4 of an MXFP4 checkpoint: its experts' blocks and scales as shipped
         keep_mxfp4 = cfg.quantization == "mxfp4" and self.model_cfg.mxfp4 and (self.device.type == "cpu" or triton)
         if cfg.speculative is not None and cfg.speculative.method == "mtp":  # (before loading anything)
@@ -95,6 +98,10 @@ class ModelRunner:
         if self.model.ops.backend == "triton" and cfg.quantization in TRITON_QUANTIZATIONS:
             from models.triton_quant import pack_for_triton  # (int8 etc.: experts on CPU workers only)
             pack_for_triton(self.model, cfg.quantization, cfg.quantize_linears)
+            if self.mtp is not None:  # (its experts as the target's, its linears unquantised)
+                pack_for_triton(self.mtp.layer, cfg.quantization)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the float weights swapped out: free for the KV cache's budget
         if self.packed and self.mtp is not None:  # (its layer on the target's kernels; its linears unquantised)
             pack_modules(self.mtp.layer, cfg.quantization)
         self.resident_bytes = resident_weight_bytes(self.model)  # after packing / quantising

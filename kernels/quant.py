@@ -11,10 +11,13 @@ TRITON_QUANTIZATIONS = ("fp8", "mxfp4")  # the formats kernels/quant_triton.py s
 
 
 def triton_fp8_supported(device: torch.device | str) -> bool:
-    """Whether the Triton kernels can convert FP8 codes on `device`: compiled, on CUDA of sm_89 or newer;
-    interpreted (TRITON_INTERPRET=1), on the CPU. (MXFP4 decodes by arithmetic on bits: any device.)"""
+    """Whether the Triton kernels can convert FP8 codes on `device`: compiled, on CUDA of sm_89 or newer
+    (False where this process sees no CUDA: a front without the GPU); interpreted (TRITON_INTERPRET=1), on
+    the CPU. (MXFP4 decodes by arithmetic on bits: any device.)"""
     device = torch.device(device)
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+    if device.type != "cuda":
+        return True
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)  # (unknown: False)
 
 
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))

@@ -24,8 +24,8 @@ The MoE kernels are kernels/moe_triton.py's (its alignment, block order and row-
 imported): align -> grouped GEMM w13 + SwiGLU (biases and kernels.moe.SwiGLU's clamped variant in the
 float32 epilogue) -> grouped GEMM w2 x router weight -> sum over K, with w13 (E, 2I, D) and w2
 (E, D, I) in either format. FP8 w13's scales are (E, ceil(2I / bo), ceil(D / bi)) for w13 quantised as
-one matrix, or (E, 2 ceil(I / bo), ...) for w1 and w3 quantised apart and concatenated (they differ
-only when bo does not divide I). MXFP4 weights are in w13's row order (gate rows, then up rows), not
+one matrix, or (E, 2 ceil(I / bo), ...) for w1 and w3 quantised apart and concatenated (the same rows
+when bo divides I; the same shape, read differently, when I mod bo > bo / 2: the caller says which). MXFP4 weights are in w13's row order (gate rows, then up rows), not
 gpt-oss's interleaved one. MoEConfig's BLOCK_K is an upper bound (FP8) or ignored (MXFP4, 32).
 
 The dot runs in x's dtype (float32: IEEE, not TF32) except under the Triton interpreter, where bf16
@@ -376,26 +376,34 @@ def _moe(x_TD: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
 def fused_moe_fp8(x_TD: torch.Tensor, w13_EID2: torch.Tensor, w13_scale: torch.Tensor, w2_EDI: torch.Tensor,
                   w2_scale: torch.Tensor, topk_weights_TK: torch.Tensor, topk_ids_TK: torch.Tensor, *,
                   block: tuple[int, int] = (128, 128), b13_EI2: torch.Tensor | None = None,
-                  b2_ED: torch.Tensor | None = None, act: SwiGLU = SILU,
+                  b2_ED: torch.Tensor | None = None, act: SwiGLU = SILU, gate_up_apart: bool | None = None,
                   config: MoEConfig | None = None) -> torch.Tensor:
     """moe_triton.fused_moe with FP8 block-quantised experts: w13_EID2 (E, 2I, D) and w2_EDI (E, D, I)
     codes (float8_e4m3fn, float8_e5m2 or uint8 e4m3fn bits); w13_scale (E, ceil(2I / bo), ceil(D / bi))
-    or (E, 2 ceil(I / bo), ceil(D / bi)) (w1 and w3 quantised apart), w2_scale (E, ceil(D / bo),
-    ceil(I / bi)), float. x, router, biases, act and result as there; config's BLOCK_K is capped by the
-    largest power of two dividing bi."""
+    or, gate_up_apart, (E, 2 ceil(I / bo), ceil(D / bi)) (w1 and w3 quantised apart); w2_scale
+    (E, ceil(D / bo), ceil(I / bi)), float. gate_up_apart None: told by w13_scale's shape, a ValueError
+    where both layouts have it and read it differently (I mod bo > bo / 2). x, router, biases, act and
+    result as there; config's BLOCK_K is capped by the largest power of two dividing bi."""
     w13, w2 = _fp8_codes(w13_EID2, "fused_moe_fp8"), _fp8_codes(w2_EDI, "fused_moe_fp8")
     D, I = _check_moe("fused_moe_fp8", x_TD, w13, w2, 1, topk_weights_TK, topk_ids_TK, b13_EI2, b2_ED)
     E, (bo, bi) = w13.shape[0], block
     joint, apart = (E, *fp8_block_scale_shape((2 * I, D), block)), (E, 2 * -(-I // bo), -(-D // bi))
-    if tuple(w13_scale.shape) not in (joint, apart):
-        raise ValueError(f"fused_moe_fp8: w13_scale must be {joint} or {apart}, got {tuple(w13_scale.shape)}")
+    if gate_up_apart is None:
+        if joint == apart and I % bo:
+            raise ValueError(f"fused_moe_fp8: w13_scale {tuple(w13_scale.shape)} fits both w13 quantised as one "
+                             f"matrix and w1 / w3 quantised apart (I={I}, bo={bo}); say which with gate_up_apart")
+        gate_up_apart = tuple(w13_scale.shape) == apart and apart != joint
+    want = apart if gate_up_apart else joint
+    if tuple(w13_scale.shape) != want:
+        raise ValueError(f"fused_moe_fp8: w13_scale must be {want} ({'w1 and w3 apart' if gate_up_apart else 'w13 as one'}"
+                         f"), got {tuple(w13_scale.shape)}")
     if tuple(w2_scale.shape) != (E, *fp8_block_scale_shape((D, I), block)):
         raise ValueError(f"fused_moe_fp8: w2_scale must be {(E, *fp8_block_scale_shape((D, I), block))}, got "
                          f"{tuple(w2_scale.shape)}")
     _check_same_device("fused_moe_fp8", x_TD, w13_scale, w2_scale)
     cfg = config or default_config(x_TD.shape[0], topk_ids_TK.shape[1], E, D, I, x_TD.dtype)
     fmt = _fp8_format(block, cfg, "fused_moe_fp8")
-    up_scale_off = I if tuple(w13_scale.shape) == joint else -(-I // bo) * bo
+    up_scale_off = -(-I // bo) * bo if gate_up_apart else I
     return _moe(x_TD, w13, w13_scale.float(), w2, w2_scale.float(), I, up_scale_off, topk_weights_TK, topk_ids_TK,
                 b13_EI2, b2_ED, act, fmt, fmt, cfg)
 

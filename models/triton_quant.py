@@ -51,6 +51,9 @@ class _StackedExperts(nn.Module):
     def regroup(cls, parts: list[tuple["_StackedExperts", int]]) -> "_StackedExperts":
         """One module of expert `i` of each (module, i), in order (expert_nodes/placement.regroup)."""
         first, out = parts[0][0], cls.__new__(cls)
+        if any(getattr(m, "block", None) != getattr(first, "block", None) for m, _ in parts):
+            raise ValueError(f"cannot regroup FP8 experts of different blocks: "
+                             f"{sorted({str(getattr(m, 'block', None)) for m, _ in parts})}")
         nn.Module.__init__(out)
         for name, _ in first.named_buffers(recurse=False):
             out.register_buffer(name, torch.stack([getattr(m, name)[i] for m, i in parts]))
@@ -72,7 +75,7 @@ class Fp8TritonExperts(_StackedExperts):
         if kept is not None and all((k, e) in kept for k in ("w1", "w3", "w2") for e in range(E)):
             self.block = tuple(kept["block"])
             w1, w3, w2 = ([kept[k, e] for e in range(E)] for k in ("w1", "w3", "w2"))
-        else:  # a float checkpoint (or fused expert tensors, served dequantised): quantised here
+        else:  # a float checkpoint (or an FP8 one's fused expert tensors, dequantised on read): quantised here
             self.block = FP8_BLOCK
             w = experts.w13.detach()
             w1 = [quantize_fp8_blocks(w[e, :I], self.block) for e in range(E)]
@@ -89,7 +92,7 @@ class Fp8TritonExperts(_StackedExperts):
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
         return fused_moe_fp8(x_TD, self.w13, self.s13, self.w2, self.s2, topk_weights_TK, topk_ids_TK,
-                             block=self.block, b13_EI2=self.b13, b2_ED=self.b2, act=self.act)
+                             block=self.block, b13_EI2=self.b13, b2_ED=self.b2, act=self.act, gate_up_apart=True)
 
 
 class Mxfp4TritonExperts(_StackedExperts):
@@ -125,11 +128,17 @@ def quantized_experts(experts: Experts, quantization: str) -> nn.Module:
     if quantization not in TRITON_QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} has no Triton kernels; choose from "
                          f"{', '.join(TRITON_QUANTIZATIONS)}")
-    if quantization == "fp8" and not triton_fp8_supported(experts.w13.device):
-        raise ValueError(f"quantization fp8 with Triton kernels converts FP8 codes, which needs a GPU of sm_89 or "
-                         f"newer; {experts.w13.device} is sm_{''.join(map(str, torch.cuda.get_device_capability(experts.w13.device)))} "
-                         f"(serve the checkpoint with --quantization none, or the experts on CPU workers)")
+    if quantization == "fp8":
+        check_fp8_runs(experts.w13.device)
     return Fp8TritonExperts(experts) if quantization == "fp8" else Mxfp4TritonExperts(experts)
+
+
+def check_fp8_runs(device: torch.device) -> None:
+    """ValueError unless the Triton kernels convert FP8 codes on `device` (kernels.quant.triton_fp8_supported)."""
+    if not triton_fp8_supported(device):
+        raise ValueError(f"quantization fp8 with Triton kernels converts FP8 codes in the kernels, which needs a GPU "
+                         f"of sm_89 or newer, not {device} (serve with --quantization none to dequantise at load, "
+                         f"or run the experts and linears on CPU workers)")
 
 
 def pack_for_triton(root: nn.Module, quantization: str, quantize_linears: bool = False) -> None:
@@ -138,6 +147,8 @@ def pack_for_triton(root: nn.Module, quantization: str, quantize_linears: bool =
         raise ValueError(f"quantization {quantization!r} has no Triton kernels; choose from "
                          f"{', '.join(TRITON_QUANTIZATIONS)}")
     head = getattr(root, "lm_head", None)
+    if quantization == "fp8":
+        check_fp8_runs(next(root.parameters()).device)
     for parent in list(root.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Experts):

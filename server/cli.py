@@ -125,7 +125,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize-linears", action="store_true",
                    help="with --quantization int8 or fp8: the other linear layers in that format too (attention "
                         "projections, dense and shared-expert MLPs; not the LM head or routers), quantised at load; "
-                        "the attention side on the CPU (fp8: or on Triton)")
+                        "the attention side on the CPU (fp8: or on Triton, sm_89+)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: {"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4} (also prompt_lookup_min, disable_by_batch_size)')

@@ -118,6 +118,8 @@ def check_moe(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.T
     (3, 160, 40, (128, 128), True, True),  # gate and up quantised apart; biases, clamped SwiGLU
     (17, 72, 40, (32, 48), True, False),  # scale blocks inside the tiles: bo=32 does not divide I=40
     (17, 72, 40, (32, 48), False, True),
+    (3, 72, 24, (32, 48), True, False),  # I mod bo > bo / 2: both layouts have 2 scale rows, read apart
+    (3, 72, 24, (32, 48), False, False),
 ])
 def test_fused_moe_fp8(poison, dtype: torch.dtype, T: int, D: int, I: int, block: tuple[int, int], apart: bool,
                        bias_act: bool) -> None:
@@ -132,8 +134,12 @@ def test_fused_moe_fp8(poison, dtype: torch.dtype, T: int, D: int, I: int, block
     x = torch.randn(T, D, device=DEV).to(dtype)
     weights, ids = routing(T, E, K)
     biases, act = (moe_biases(E, D, I, dtype), GPT_OSS) if bias_act else (None, SILU)
+    ambiguous = I % block[0] > block[0] // 2  # (the scales' shape does not tell the layouts apart)
+    if ambiguous:
+        with pytest.raises(ValueError, match="say which with gate_up_apart"):
+            fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, block=block, config=SMALL)
     out = fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, block=block, b13_EI2=biases and biases[0],
-                        b2_ED=biases and biases[1], act=act, config=SMALL)
+                        b2_ED=biases and biases[1], act=act, gate_up_apart=apart if ambiguous else None, config=SMALL)
     if apart:
         w13 = torch.stack([torch.cat((dequantize_fp8_blocks(q13[e, :I], s13[e, :s13.shape[1] // 2], block, dtype),
                                       dequantize_fp8_blocks(q13[e, I:], s13[e, s13.shape[1] // 2:], block, dtype)))

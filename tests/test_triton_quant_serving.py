@@ -146,9 +146,35 @@ def test_mxfp4_experts_of_a_float_model_and_regrouping(make_checkpoint):
     torch.testing.assert_close(two(x, local, wk), mx(x, torch.tensor([3, 0])[local], wk), rtol=1e-5, atol=1e-6)
 
 
+def test_fp8_experts_quantised_apart_when_the_scale_shapes_coincide():
+    """I = 72 with 128 x 128 blocks: w13 quantised as one matrix and gate / up apart both have 2 scale rows;
+    Fp8TritonExperts quantises them apart and says so, and equals the torch reference on its dequantised
+    weights (read as one matrix, the up rows would take the gate's second scale)."""
+    from kernels.moe import fused_moe
+    from kernels.ops import torch_ops
+    from models.moe_decoder import Experts
+
+    E, D, I = 3, 64, 72
+    g = torch.Generator().manual_seed(0)
+    experts = Experts(E, D, I, torch_ops())
+    with torch.no_grad():
+        experts.w13.copy_(torch.randn(E, 2 * I, D, generator=g) * torch.linspace(0.1, 3, 2 * I)[:, None])
+        experts.w2.copy_(torch.randn(E, D, I, generator=g))
+    fp8 = Fp8TritonExperts(experts)
+    assert fp8.s13.shape == (E, 2, 1)
+    deq = lambda q, s: dequantize_fp8_blocks(q, s, (128, 128))  # noqa: E731
+    w13 = torch.stack([torch.cat((deq(fp8.w13[e, :I], fp8.s13[e, :1]), deq(fp8.w13[e, I:], fp8.s13[e, 1:])))
+                       for e in range(E)])
+    w2 = torch.stack([deq(fp8.w2[e], fp8.s2[e]) for e in range(E)])
+    x, wk = torch.randn(5, D, generator=g), torch.rand(5, 2, generator=g)
+    ids = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2], [2, 1]])
+    torch.testing.assert_close(fp8(x, ids, wk), fused_moe(x, w13, w2, wk, ids), rtol=1e-4, atol=1e-4)
+
+
 def test_triton_refuses_what_it_has_no_kernels_for(fp8):
     for q in ("int8", "w8a8_int8"):
-        with pytest.raises(ValueError, match=r"or with Triton kernels \(kernels/quant_triton.py: fp8 and mxfp4 only"):
+        with pytest.raises(ValueError, match=r"runs the experts only on CPU workers with torch kernels \(kernels/"
+                                             r"int8.py; Triton serves fp8 and mxfp4\)"):
             LLM(fp8["src"], quantization=q, kernels="triton")
     from attention_nodes.config import EngineConfig, ParallelConfig
 
