@@ -7,7 +7,9 @@ Checkpoint experts are per-expert matrices (`experts.{e}.gate_proj|up_proj|down_
 are accepted too. In the model they are stacked: w13 (E, 2I, D) and w2 (E, D, I).
 FP8 block-quantised weights (quantization_config quant_method fp8) are dequantised to the model's
 dtype as they are read, each with its `weight_scale_inv`; with keep_fp8 their E4M3 codes and scales
-are also handed to the modules as shipped (`fp8_checkpoint`, for kernels/fp8_weights.py). DeepSeek-V4's released
+are also handed to the modules as shipped (`fp8_checkpoint`, for kernels/fp8_weights.py and
+models/triton_quant.py), and per-expert ones of SiLU experts only that: their stacked parameters are
+never filled nor given memory (served_from_codes, to_empty_but). DeepSeek-V4's released
 files name each scale `X.scale` (beside `X.weight`), store scales as UE8M0 bytes (scale_fmt ue8m0) and, with
 expert_dtype fp4, routed experts as packed FP4 (int8 (O, I/2), a scale per row per 32 inputs): dequantised on
 read too (keep_fp8 keeps no FP4 codes: those experts are served, or requantised, from their dequantised values).
@@ -157,6 +159,18 @@ class CheckpointReader:
             return (*shape[:-1], 2 * shape[-1])
         return shape
 
+    def fp8_names(self, names: list[str]) -> set[str]:
+        """Those of `names` stored as FP8 with a scale (from the files' headers, each file opened once)."""
+        by_file: dict[Path, list[str]] = defaultdict(list)
+        for name in names:
+            if name in self.scales and name in self.files:
+                by_file[self.files[name]].append(name)
+        out = set()
+        for f, group in by_file.items():
+            with safe_open(f, framework="pt") as h:
+                out.update(n for n in group if h.get_slice(n).get_dtype() in ("F8_E4M3", "F8_E5M2"))
+        return out
+
     def _is_fp4(self, h, name: str) -> bool:
         """Whether tensor `name` is a packed FP4 routed-expert weight (int8, expert_dtype fp4); an int8
         expert weight without expert_dtype fp4 in the config is a CheckpointError."""
@@ -174,11 +188,13 @@ class CheckpointReader:
 
     def read(self, wanted: dict[str, list[Target]], model_shape: dict[Target, tuple[int, ...]],
              kept: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
-             mxfp4_kept: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+             mxfp4_kept: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+             codes_only: frozenset[str] | set[str] = frozenset()) -> dict[str, torch.Tensor]:
         """Check then read the `wanted` tensors, one file at a time. kept: filled with the FP8 ones'
-        (codes, scale_inv) as shipped (read_fp8), beside their dequantised values. mxfp4_kept: filled
-        with the MXFP4 ones' (blocks (E, O, G, 16), scales (E, O, G)) as shipped, instead of their
-        dequantised values (they are then absent from the result)."""
+        (codes, scale_inv) as shipped (read_fp8), beside their dequantised values, or instead of them
+        for the names in codes_only (absent from the result then). mxfp4_kept: filled with the MXFP4
+        ones' (blocks (E, O, G, 16), scales (E, O, G)) as shipped, instead of their dequantised values
+        (they are then absent from the result)."""
         by_file: dict[Path, list[str]] = defaultdict(list)
         for name in wanted:
             by_file[self.files[name]].append(name)
@@ -215,6 +231,9 @@ class CheckpointReader:
                     if out[name].dtype in FP8_DTYPES:
                         if kept is not None:
                             kept[name] = self._checked_fp8(f, name, out[name])
+                            if name in codes_only:
+                                del out[name]
+                                continue
                         out[name] = self._dequantize(f, name, out[name])
         return out
 
@@ -504,8 +523,9 @@ def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: tor
                  "only as speculative method mtp's drafter, models/mtp.py)", reader.dir, len(mtp), cfg.num_mtp_layers)
     model_shape = {t: _target_shape(t, params[t.param].shape) for ts in wanted.values() for t in ts}
     kept, mx = {} if keep_fp8 else None, {} if keep_mxfp4 else None
-    tensors = reader.read(wanted, model_shape, kept, mx)
-    model.to_empty(device=device)
+    unfilled, codes_only = served_from_codes(wanted, reader, cfg, keep_fp8, keep_mxfp4)
+    tensors = reader.read(wanted, model_shape, kept, mx, codes_only)
+    to_empty_but(model.get_submodule, [model], unfilled, device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     params = dict(model.named_parameters())
@@ -630,9 +650,9 @@ def load_experts(model_dir: str | Path, expert_ids: list[int] | dict[int, list[i
             raise CheckpointError(f"{reader.dir}: missing tensor '{missing[0] if missing else pname}' for "
                                   f"parameter {pname} (experts {by_layer[int(_LAYER.match(pname).group(1))]})")
     kept, mx = {} if keep_fp8 else None, {} if keep_mxfp4 else None
-    tensors = reader.read(wanted, model_shape, kept, mx)
-    for m in experts.values():
-        m.to_empty(device=device)
+    unfilled, codes_only = served_from_codes(wanted, reader, cfg, keep_fp8, keep_mxfp4)
+    tensors = reader.read(wanted, model_shape, kept, mx, codes_only)
+    to_empty_but(lambda owner: experts[int(_LAYER.match(owner + ".").group(1))], experts.values(), unfilled, device)
     params = _expert_params(experts)
     with torch.no_grad():
         for name, targets in wanted.items():
@@ -662,6 +682,46 @@ def is_mtp_tensor(name: str, cfg: ModelConfig) -> bool:
         return name.startswith(("mtp.", "model.mtp."))
     m = _LAYER.match(name)
     return m is not None and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + cfg.num_mtp_layers
+
+
+def served_from_codes(wanted: dict[str, list[Target]], reader: "CheckpointReader", cfg: ModelConfig, keep_fp8: bool,
+                      keep_mxfp4: bool) -> tuple[set[str], set[str]]:
+    """(params, names): the stacked expert parameters that the quantised kernels serve from the codes
+    kept as shipped alone, so that they are never filled (nor given memory: to_empty_but), and the
+    FP8 tensors read as codes only (CheckpointReader.read's codes_only). keep_fp8: parameters filled
+    only by per-expert FP8 tensors, of SiLU experts without biases (the CPU's fused FP8 block and
+    Triton's take every expert's codes; models/cpu_inference._fp8_experts); keep_mxfp4: those filled
+    by MXFP4 tensors (keep_mxfp4_on)."""
+    fp8_ok = keep_fp8 and cfg.expert_act.is_silu and not cfg.expert_bias
+    by_param: dict[str, list[tuple[str, Target]]] = defaultdict(list)
+    for name, targets in wanted.items():
+        for t in targets:
+            if STACKED_EXPERTS.match(t.param):
+                by_param[t.param].append((name, t))
+    fp8 = reader.fp8_names([n for filled in by_param.values() for n, _ in filled]) if fp8_ok else set()
+    params, names = set(), set()
+    for pname, filled in by_param.items():
+        if keep_mxfp4 and all(n in reader.mxfp4 for n, _ in filled):
+            params.add(pname)
+        elif fp8_ok and all(t.expert is not None and not t.layout and n in fp8 for n, t in filled):
+            params.add(pname)
+            names.update(n for n, _ in filled)
+    return params, names
+
+
+def to_empty_but(module_of, roots, unfilled: set[str], device: torch.device | str) -> None:
+    """to_empty each of roots on `device`, except the parameters named in unfilled (module_of: a module's
+    name -> the module), which become zeros of their shape that hold no memory (a zero-stride view)."""
+    held = []
+    for pname in unfilled:
+        owner, _, leaf = pname.rpartition(".")
+        module = module_of(owner)
+        held.append((module, leaf, module._parameters.pop(leaf)))
+    for root in roots:
+        root.to_empty(device=device)
+    for module, leaf, p in held:
+        module.register_parameter(leaf, torch.nn.Parameter(
+            torch.zeros((), dtype=p.dtype, device=device).expand(p.shape), requires_grad=False))
 
 
 def _expert_params(experts: dict[int, Experts]) -> dict[str, torch.nn.Parameter]:

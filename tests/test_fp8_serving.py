@@ -157,6 +157,25 @@ def test_fp8_refusals(ckpts):
                          parallel=ParallelConfig(colocated, expert_device=expert_device))
 
 
+def test_fp8_experts_served_from_codes_are_never_dequantised(ckpts):
+    """keep_fp8 with per-expert FP8 tensors of SiLU experts: the stacked expert parameters are never
+    filled nor given memory (zero-stride zeros), as the FP8 kernels take every expert's codes; colocated
+    and an expert worker's share. Without keep_fp8 they hold the dequantised values."""
+    from models.loader import load_experts, load_model
+
+    E = 8  # (make_checkpoint's experts)
+    experts = load_model(ckpts["fp8"], keep_fp8=True).model.layers[1].mlp.experts
+    plain = load_model(ckpts["fp8"]).model.layers[1].mlp.experts
+    for got, want in ((experts.w13, plain.w13), (experts.w2, plain.w2)):
+        assert got.shape == want.shape and got.stride() == (0, 0, 0) and not got.any()
+        assert want.stride() != (0, 0, 0) and want.abs().sum() > 0
+    assert all((k, e) in experts.fp8_checkpoint for k in ("w1", "w3", "w2") for e in range(E))
+    share = load_experts(ckpts["fp8"], [3, 1], keep_fp8=True)
+    assert all(m.w13.stride() == (0, 0, 0) and ("w2", 1) in m.fp8_checkpoint for m in share.values())
+    codes, scale = share[1].fp8_checkpoint["w2", 0]  # (local 0: expert 3)
+    torch.testing.assert_close(dequantize_fp8_blocks(codes, scale, (128, 128)), plain.w2[3], rtol=0, atol=0)
+
+
 def test_reader_hands_fp8_codes_as_shipped_and_names_bad_ones(tmp_path):
     from models.loader import CheckpointError, CheckpointReader
 
