@@ -62,7 +62,7 @@ def check_mtp_checkpoint(model_dir, cfg: ModelConfig, names=None) -> None:
     if cfg.linear_layers is not None:
         raise ValueError(f"speculative method mtp is not supported for {cfg.architecture} (linear-attention layers)")
     if names is None:
-        from models.loader import CheckpointReader
+        from models.checkpoint import CheckpointReader
         names = CheckpointReader.of(model_dir, cfg).files
     prefix = mtp_prefix(cfg)
     need = [prefix + n for n in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight")]
@@ -219,8 +219,8 @@ def load_mtp(model_dir, cfg: ModelConfig, target: MoEForCausalLM, dtype: torch.d
     loaded `target` (whose embedding and LM head it uses where the checkpoint has none of its own).
     Its tensors are read with the loader's checks (FP8 ones dequantised); ValueError where the
     checkpoint has none (check_mtp_checkpoint)."""
-    from models.loader import (CheckpointError, CheckpointReader, _numel, _target_shape, checkpoint_targets,
-                               fill_params, offset_norms)
+    from models.checkpoint import CheckpointError, CheckpointReader, checkpoint_targets, numel, target_shape
+    from models.loader import fill_params, offset_norms
 
     dtype = dtype or cfg.dtype
     reader = CheckpointReader.of(model_dir, cfg)
@@ -247,12 +247,12 @@ def load_mtp(model_dir, cfg: ModelConfig, target: MoEForCausalLM, dtype: torch.d
                                   f"layer of {cfg.architecture})")
         wanted[name] = targets
         for t in targets:
-            shape = _target_shape(t, params[t.param].shape)
-            covered[t.param] = covered.get(t.param, 0) + _numel(shape)
+            shape = target_shape(t, params[t.param].shape)
+            covered[t.param] = covered.get(t.param, 0) + numel(shape)
     for pname, p in params.items():
         if covered.get(pname, 0) != p.numel():
             raise CheckpointError(f"{reader.dir}: MTP layer tensor for parameter {pname} is missing or incomplete")
-    model_shape = {t: _target_shape(t, params[t.param].shape) for ts in wanted.values() for t in ts}
+    model_shape = {t: target_shape(t, params[t.param].shape) for ts in wanted.values() for t in ts}
     tensors = reader.read(wanted, model_shape)
     layer.to_empty(device=device)
     params = {prefix + n: p for n, p in layer.named_parameters()}

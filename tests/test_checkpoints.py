@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models.config import ConfigError, ModelConfig
-from models.loader import CheckpointError, CheckpointReader, load_model
+from models.checkpoint import CheckpointError, CheckpointReader
+from models.loader import load_model
 from models.moe_decoder import MoEForCausalLM
 
 

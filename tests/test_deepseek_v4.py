@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from models.config import ConfigError, ModelConfig
-from models.loader import load_model, v4_checkpoint_name, v4_model_name
+from models.checkpoint import v4_checkpoint_name, v4_model_name
+from models.loader import load_model
 from server import LLM, SamplingParams
 from tests.conftest import assert_close_to_transformers, hf_model, our_logits, transformers_greedy
 

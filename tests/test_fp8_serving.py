@@ -177,7 +177,7 @@ def test_fp8_experts_served_from_codes_are_never_dequantised(ckpts):
 
 
 def test_reader_hands_fp8_codes_as_shipped_and_names_bad_ones(tmp_path):
-    from models.loader import CheckpointError, CheckpointReader
+    from models.checkpoint import CheckpointError, CheckpointReader
 
     q, s = quantize_fp8_blocks(torch.randn(40, 70), (32, 32))
     nan = q.clone()

@@ -274,7 +274,7 @@ def test_mxfp4_checkpoint_loads_as_its_dequantised_weights(make_checkpoint, tmp_
 def test_mxfp4_errors_name_the_file_and_tensor(make_checkpoint, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from models.loader import CheckpointError
+    from models.checkpoint import CheckpointError
 
     _write_mxfp4(make_checkpoint("gpt_oss"), tmp_path / "mxfp4")
     f = tmp_path / "mxfp4" / "model.safetensors"

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models.config import ConfigError, ModelConfig
-from models.loader import CheckpointError, load_experts, load_model
+from models.checkpoint import CheckpointError
+from models.loader import load_experts, load_model
 from tests.conftest import hf_config, hf_model, our_logits
 
 PROMPTS = [[(7 * i) % 500 + 2 for i in range(21)], [5, 17, 33, 100, 250, 7, 9, 11, 13, 200], [12]]

@@ -223,7 +223,7 @@ def write_mtp_card(cfg: TrainConfig, summary: dict[str, Any]) -> Path:
     evals = read_log(out / "train_log.jsonl", "eval")
     prefix = f"model.layers.{mcfg.num_layers}."
     n_params = _count_params(out, prefix)
-    from models.loader import CheckpointReader
+    from models.checkpoint import CheckpointReader
 
     moe = any(n.startswith(prefix) and ".experts." in n for n in CheckpointReader(out).files)
     mlp = (f"{mcfg.num_experts} experts, top-{mcfg.top_k}" if moe
@@ -288,7 +288,7 @@ def install_mtp_layer(run_dir: str | Path, model_dir: str | Path) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from models.loader import CheckpointReader
+    from models.checkpoint import CheckpointReader
 
     run_dir, model_dir = Path(run_dir), Path(model_dir)
     raw = json.loads((model_dir / "config.json").read_text())

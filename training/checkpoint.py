@@ -15,7 +15,7 @@ renamed when complete, and only then is `latest` replaced (os.replace of a fsync
 so `latest` always names a complete checkpoint, after a power loss too.
 Tensor names are the checkpoints' own (models/loader.py maps them): per-expert matrices, Mixtral's
 and MiniMax-M2's `block_sparse_moe` module; gpt-oss's fused, transposed, gate/up-interleaved experts
-and its `mlp.router`; Llama 4's `feed_forward` module (models.loader.RENAMES) and fused, transposed experts.
+and its `mlp.router`; Llama 4's `feed_forward` module (models.checkpoint.RENAMES) and fused, transposed experts.
 """
 import json
 import os
@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from models.config import DTYPES
-from models.loader import FUSED_TRANSPOSED, RENAMES, STACKED_EXPERTS, expert_checkpoint_names, v4_checkpoint_name
+from models.checkpoint import FUSED_TRANSPOSED, RENAMES, STACKED_EXPERTS, expert_checkpoint_names, v4_checkpoint_name
 from models.moe_decoder import MoEForCausalLM
 from models.norm import RMSNorm
 from training.data import TOKENIZER_FILES

@@ -177,7 +177,7 @@ def build_mtp(cfg: ModelConfig, model: MoEForCausalLM, device: torch.device, wei
     cfg.intermediate_size) and shape, with no embedding or head of its own (the model's are shared,
     as DeepSeek-V3 shares them). Every rank holds all of its experts. cfg: the model's config,
     num_mtp_layers >= 1."""
-    from models.loader import CheckpointReader
+    from models.checkpoint import CheckpointReader
     from models.mtp import MTPDrafter, MTPLayer, load_mtp, mtp_model_config, mtp_prefix
 
     check_mtp_family(cfg)

@@ -102,7 +102,7 @@ class Trainer:
         if n:
             raw["num_nextn_predict_layers"] = n
         elif int(raw.get("num_nextn_predict_layers") or 0) and source.weights is not None:
-            from models.loader import CheckpointReader
+            from models.checkpoint import CheckpointReader
             from models.mtp import mtp_prefix
 
             cfg = ModelConfig.from_dict(raw, source="config.json")
