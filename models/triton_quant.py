@@ -9,8 +9,9 @@ the GPU's counterpart of the CPU's quantised modules (models/cpu_inference.py).
 - (fp8) every nn.Linear the loader kept FP8 for `Fp8TritonLinear` (fp8_block_linear), and with
   quantize_linears every other one too, but the LM head (the routers are not nn.Linear).
 The kernels convert each K-tile of codes to the dot's dtype inside the tile loop, so no float copy of
-a weight is ever formed; the float tensors the loader filled go with the swapped modules. Codes and
-scales are buffers: resident_weight_bytes counts them."""
+a weight is ever formed; the float tensors the loader filled go with the swapped modules (an FP8
+checkpoint's per-expert weights it never fills: models/loader.served_from_codes). Codes and scales are
+buffers: resident_weight_bytes counts them."""
 import torch
 from torch import nn
 
