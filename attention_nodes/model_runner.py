@@ -14,7 +14,7 @@ from models.config import ModelConfig
 from models.dispatcher import Dispatcher, LocalDispatcher
 from kernels import native
 from kernels.ops import choose_backend
-from kernels.quant import TRITON_QUANTIZATIONS, triton_fp8_supported
+from kernels.quant import TRITON_QUANTIZATIONS
 from models.cpu_inference import (SKINNY_MAX_ROWS, decode_is_native, half_copy_bytes, pack_for_cpu_inference,
                                   pack_modules, resident_weight_bytes)
 from models.kv_cache import AttentionBatch, cache_bytes_per_block, make_paged_cache
@@ -54,7 +54,7 @@ class ModelRunner:
         # quantization fp8 of an FP8 checkpoint: its codes and scales as shipped go to the packed modules
         # (CPU with torch kernels: models/cpu_inference.py; Triton: models/triton_quant.py)
         triton = choose_backend(self.device, cfg.kernels) == "triton"
-        if triton and cfg.quantization == "fp8" and not triton_fp8_supported(self.device):
+        if triton and cfg.quantization == "fp8":
             from models.triton_quant import check_fp8_runs
             check_fp8_runs(self.device)  # (before loading anything)
         keep_fp8 = cfg.quantization == "fp8" and self.model_cfg.fp8_block is not None and (

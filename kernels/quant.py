@@ -7,7 +7,7 @@ in those checkpoints; edge blocks are partial when O or I is not a multiple), ea
 import torch
 
 TRITON_QUANTIZATIONS = ("fp8", "mxfp4")  # the formats kernels/quant_triton.py serves (models/triton_quant.py)
-
+FP8_BLOCK = (128, 128)  # --quantization fp8 of a float checkpoint: DeepSeek-V3's and Qwen3 FP8's blocks
 
 
 def triton_fp8_supported(device: torch.device | str) -> bool:

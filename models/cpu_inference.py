@@ -15,6 +15,7 @@ from kernels.fp8_weights import Fp8ExpertPanels, Fp8Experts, Fp8Weight, fused_mo
 from kernels.int8 import Int8Experts, Int8ExpertPanels, Int8Weight, fused_moe_int8, quantize_int8
 from kernels.mxfp4_weights import Mxfp4Experts, Mxfp4Weight, fused_moe_mxfp4
 from kernels.moe import SILU, SwiGLU, fused_moe_packed
+from kernels.quant import FP8_BLOCK
 from models.moe_decoder import Attention, DecoderLayer, Experts, MoEForCausalLM, Router, SparseMoE
 from models.norm import RMSNorm
 
@@ -120,9 +121,6 @@ class PackedExperts(nn.Module):
             return fused_moe_mxfp4(x_TD, topk_ids_TK, topk_weights_TK, self.mxfp4)
         return fused_moe_packed(x_TD, self.w13_packed, self.w2_packed, topk_weights_TK, topk_ids_TK,
                                 b13_EI2=self.b13, b2_ED=self.b2, act=self.act)
-
-
-FP8_BLOCK = (128, 128)  # --quantization fp8 of a float checkpoint: DeepSeek-V3's and Qwen3 FP8's blocks
 
 
 def _fp8_experts(experts: Experts) -> tuple[list, list]:

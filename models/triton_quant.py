@@ -15,11 +15,9 @@ buffers: resident_weight_bytes counts them."""
 import torch
 from torch import nn
 
-from kernels.quant import TRITON_QUANTIZATIONS, quantize_fp8_blocks, quantize_mxfp4, triton_fp8_supported
+from kernels.quant import FP8_BLOCK, TRITON_QUANTIZATIONS, quantize_fp8_blocks, quantize_mxfp4, triton_fp8_supported
 from kernels.quant_triton import fp8_block_linear, fused_moe_fp8, fused_moe_mxfp4
 from models.moe_decoder import Experts
-
-FP8_BLOCK = (128, 128)  # --quantization fp8 of a float checkpoint (as models/cpu_inference.py)
 
 
 class Fp8TritonLinear(nn.Module):

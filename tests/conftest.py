@@ -182,6 +182,16 @@ def make_checkpoint(tmp_path_factory, tokenizer_dir):
     return make
 
 
+@pytest.fixture(scope="session")
+def gpt_oss_mxfp4(make_checkpoint, tmp_path_factory) -> Path:
+    """A tiny gpt-oss (hidden 128, experts of 64: biases, clamped SwiGLU) saved with MXFP4 experts."""
+    from tests.test_more_families import _write_mxfp4
+
+    d = tmp_path_factory.mktemp("gpt_oss_mxfp4") / "mxfp4"
+    _write_mxfp4(make_checkpoint("gpt_oss", hidden_size=128, intermediate_size=64), d)
+    return d
+
+
 def hf_model(model_dir: Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 

@@ -259,16 +259,6 @@ def test_packed_mxfp4_experts_run_the_fused_block(monkeypatch):
 
 # --- a gpt-oss checkpoint with MXFP4 experts, served ---
 
-@pytest.fixture(scope="module")
-def gpt_oss_mxfp4(make_checkpoint, tmp_path_factory):
-    """A tiny gpt-oss (hidden 128, experts of 64: biases, clamped SwiGLU) saved with MXFP4 experts."""
-    from tests.test_more_families import _write_mxfp4
-
-    d = tmp_path_factory.mktemp("gpt_oss_mxfp4") / "mxfp4"
-    _write_mxfp4(make_checkpoint("gpt_oss", hidden_size=128, intermediate_size=64), d)
-    return d
-
-
 def test_keep_mxfp4_hands_over_the_shipped_bytes_without_dequantising(gpt_oss_mxfp4):
     from safetensors.torch import load_file
 

@@ -95,16 +95,6 @@ def test_quantization_fp8_of_a_float_checkpoint_on_triton(fp8, tmp_path):
         llm.shutdown()
 
 
-@pytest.fixture(scope="module")
-def gpt_oss_mxfp4(make_checkpoint, tmp_path_factory):
-    """A tiny gpt-oss (hidden 128, experts of 64: biases, clamped SwiGLU) saved with MXFP4 experts."""
-    from tests.test_more_families import _write_mxfp4
-
-    d = tmp_path_factory.mktemp("triton_mxfp4") / "mxfp4"
-    _write_mxfp4(make_checkpoint("gpt_oss", hidden_size=128, intermediate_size=64), d)
-    return d
-
-
 def test_gpt_oss_mxfp4_on_triton_as_shipped(gpt_oss_mxfp4):
     """gpt-oss's MXFP4 experts on Triton: the blocks as shipped (gate and up rows apart, never
     dequantised), prompt log-probs equal to the dequantised checkpoint's on the torch references."""
