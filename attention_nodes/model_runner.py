@@ -273,6 +273,14 @@ class ModelRunner:
         greedy). Returns (drafts, probs): probs[b] the q rows (d, V) of b's drafts, or None for greedy ones
         (point masses; speculative.rejection_sample verifies both exactly)."""
         mtp, bs, device = self.mtp, self.block_size, self.device
+        if mtp.native is not None and (temperatures is None or all(t is None for t in temperatures)):
+            rows = self._native_draft_rows(batch, starts, num_drafts)
+            got = None if rows is None else mtp.native_drafts(self.last_hidden_TD, self.cache, rows, bs)
+            if got is not None:
+                drafts = [[] for _ in batch.seqs]
+                for b, d in zip(rows.owner, got):
+                    drafts[b] = d
+                return drafts, [None] * len(drafts)
         spans, ids, q_lens, ctx, rows_table = ([] for _ in range(5))  # the pass's rows
         who, last, pos, tables = [], [], [], []  # per sequence run: its batch index, last row, position, blocks
         offset = 0
@@ -384,6 +392,32 @@ class ModelRunner:
         attn = AttentionBatch.build_paged(rows_q, rows_ctx, rows_table, self.block_size, self.device, state_slots)
         rows = row_spans(firsts + prompt_firsts, counts + prompt_counts)
         return torch.tensor(ids, dtype=torch.long, device=self.device), attn, rows.to(self.device), spans
+
+    def _native_draft_rows(self, batch: ScheduledBatch, starts: list[int], num_drafts: list[int]) -> "DraftRows | None":
+        """mtp_draft's rows as MTPDrafter.native_drafts takes them, where every sequence keeps at most
+        mtp_decode_rows positions (one-token rows) and some draft; None elsewhere (mtp_draft drafts eagerly)."""
+        from models.mtp import DraftRows
+
+        rows, bs, offset = DraftRows([], [], [], [], []), self.block_size, 0
+        for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            c, want = starts[b], num_drafts[b]
+            kept = kept_positions(seq, c, n)
+            if want >= 0 and kept > 0:
+                if kept > self.mtp_decode_rows:
+                    return None
+                rows.ids += seq.token_ids[c + 1:c + 1 + kept]
+                rows.hrow += range(offset, offset + kept)
+                rows.positions += range(c, c + kept)
+                rows.table_of += [len(rows.tables)] * kept
+                if want > 0:  # (draft j at position c + kept - 1 + j: inside the blocks, as mtp_draft's chains)
+                    rows.count.append(min(want, len(seq.block_table) * bs - (c + kept - 1)))
+                    rows.pick.append(len(rows.ids) - 1)
+                    rows.drafting.append(len(rows.tables))
+                    rows.last.append(c + kept - 1)
+                    rows.owner.append(b)
+                rows.tables.append(seq.block_table)
+            offset += n
+        return rows if rows.pick else None
 
 
 def kept_positions(seq, start: int, n: int) -> int:

@@ -150,6 +150,9 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.shuttle_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    fn = lib.shuttle_mtp_draft
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     fn = lib.shuttle_paged_decode_attention
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4
@@ -553,6 +556,13 @@ def decode_step(step, layers, num_layers: int) -> None:
     """Run kernels/csrc/decode_step.c on a step and layer tables built by models/native_decode.py
     (ctypes structures, passed by reference). Call only where avx512_bf16() is True."""
     _step_error("decode_step", _library().shuttle_decode_step(step, layers, num_layers))
+
+
+def mtp_draft(step, layers, mtp, passes: int, drafts_ptr: int) -> None:
+    """Run kernels/csrc/decode_step.c's shuttle_mtp_draft: `passes` passes of an MTP layer and its head
+    (tables built by models/mtp.py, passed by reference), greedy drafts into drafts_ptr. Call only
+    where avx512_bf16() is True."""
+    _step_error("mtp_draft", _library().shuttle_mtp_draft(step, layers, mtp, passes, drafts_ptr))
 
 
 def _step_error(name: str, rc: int) -> None:

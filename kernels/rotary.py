@@ -126,6 +126,15 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1).to(self.device)
         return emb.cos() * scale, emb.sin() * scale
 
+    def tables(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The float32 (positions, head_dim) cos and sin tables, grown to hold positions < max_pos, that
+        __call__ indexes (None for "dynamic" scaling, which has none)."""
+        if self.cfg.rope_type == "dynamic":
+            return None
+        if max_pos > self._cos.shape[0]:
+            self._cos, self._sin = self._table(torch.arange(max(max_pos, 2 * self._cos.shape[0], 256)), None)
+        return self._cos, self._sin
+
     def __call__(self, positions_T: torch.Tensor, dtype: torch.dtype,
                  seq_lens_T: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (cos_TH, sin_TH) in `dtype` for the given int64 positions.
@@ -141,10 +150,8 @@ class RotaryEmbedding:
                 sel = seq_lens_T == n
                 cos[sel], sin[sel] = self._table(positions_T[sel], n)
             return cos.to(dtype), sin.to(dtype)
-        max_pos = int(positions_T.max()) + 1 if positions_T.numel() else 1
-        if max_pos > self._cos.shape[0]:
-            self._cos, self._sin = self._table(torch.arange(max(max_pos, 2 * self._cos.shape[0], 256)), None)
-        return self._cos[positions_T].to(dtype), self._sin[positions_T].to(dtype)
+        cos, sin = self.tables(int(positions_T.max()) + 1 if positions_T.numel() else 1)
+        return cos[positions_T].to(dtype), sin[positions_T].to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

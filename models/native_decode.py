@@ -12,7 +12,8 @@ captured graph replays a GPU's step:
   then the model's dispatcher sends the layer's rows through M2N as before.
 - a speculative MTP layer (models/mtp.py) over one-token rows: that layer alone as the step's only
   layer (its keys and values in the cache's last layer; a dense MLP as one expert every token takes),
-  its output before shared_head's norm returned.
+  its output before shared_head's norm returned; or a greedy step's every pass, chained, with the layer's
+  inputs (enorm, hnorm, eh_proj), the head and the argmax, in one call (`shuttle_mtp_draft`).
 The model keeps every other path: prefill and mixed steps, compiled stages, and every model this
 does not take.
 
@@ -61,6 +62,13 @@ class _Step(ctypes.Structure):
                                      "fp8_bpairs2", "linear_kernel", "linear_bpairs", "mxfp4", "mx_kernel")]
                 + [(n, _F) for n in ("mx_alpha", "mx_limit", "mx_offset")] + [("mx_rows", _P)])
 _BUFFERS = ("start", "h", "r", "qkv", "q", "o", "a", "logits", "moe", "scratch")
+
+
+class _Mtp(ctypes.Structure):
+    """kernels/csrc/decode_step.c's shuttle_mtp: an MTP layer's head and the rows of its drafting passes."""
+    _fields_ = ([(n, _P) for n in ("embed", "enorm", "hnorm", "eh", "head", "cos", "sin")]
+                + [(n, _I) for n in ("V", "Vh", "A", "M", "bs")]
+                + [(n, _P) for n in ("pages", "tok0", "hrow", "pos0", "seq0", "h0", "pick", "drafting", "last", "count")])
 
 
 
@@ -238,13 +246,19 @@ class NativeDecode:
     def _step(self, x_BD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
               mb: int = 0) -> tuple[_Step, dict[str, torch.Tensor]]:
         """The step structure of one micro-batch and the tensors it points to (kept alive with it)."""
+        table_BM, _, len_B = _native_layout(batch.block_table_BM, batch.kv_lens_B, None)
+        return self.step_of(x_BD, *cos_sin, batch.slot_mapping_T.long().contiguous(), table_BM, len_B, mb)
+
+    def step_of(self, x_BD: torch.Tensor, cos_BR: torch.Tensor, sin_BR: torch.Tensor, slots_B: torch.Tensor,
+                table_BM: torch.Tensor, len_B: torch.Tensor, mb: int = 0) -> tuple[_Step, dict[str, torch.Tensor]]:
+        """_step of B one-token rows given as the native kernels take them: each row's cache slot, its pages
+        (B, M) and its length with the row, int64 and contiguous (as _native_layout makes them)."""
         cfg, spec, route = self.cfg, self.spec, self.route
         B, L, K = x_BD.shape[0], self.num_layers, route.top_k
         bufs = self._buffers_for(B, mb)
-        table_BM, _, len_B = _native_layout(batch.block_table_BM, batch.kv_lens_B, None)
-        cos, sin = (t.contiguous() for t in cos_sin)
-        t = {**bufs, "x": x_BD.contiguous(), "slots": batch.slot_mapping_T.long().contiguous(), "table": table_BM,
-             "len": len_B, "cos": cos, "sin": sin, "y": torch.empty(B, cfg.hidden_size, dtype=torch.bfloat16),
+        t = {**bufs, "x": x_BD.contiguous(), "slots": slots_B, "table": table_BM, "len": len_B,
+             "cos": cos_BR.contiguous(), "sin": sin_BR.contiguous(),
+             "y": torch.empty(B, cfg.hidden_size, dtype=torch.bfloat16),
              "ids": torch.empty(L, B, K, dtype=torch.int64), "wk": torch.empty(L, B, K, dtype=torch.float32)}
         step = _Step(B, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, spec.rope_dim, cfg.num_experts,
                      K, self.inter_padded, self.cache_slots, table_BM.shape[1], QK_NORMS[spec.qk_norm],

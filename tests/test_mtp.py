@@ -296,21 +296,35 @@ def test_decode_rows_equal_a_build_of_those_rows():
 @pytest.mark.skipif(not native.avx512_bf16(), reason="no AVX-512 BF16 here: bf16 decode steps run eagerly")
 @pytest.mark.parametrize("which", ["builtin-dense", "mixtral-moe"])
 def test_native_mtp_passes_draft_as_the_eager_layer(make_checkpoint, tmp_path_factory, which):
-    """In bf16 the MTP layer's one-token passes run as a native decode step of that layer alone (a dense
-    MLP, the built-in model's, as one expert every token takes; a MoE layer as it is): they run, and
-    every pass drafts what the eager layer drafts, so the outputs and acceptance counts are the same."""
+    """In bf16 a greedy step's MTP passes run natively: all of them and the head in one call
+    (MTPDrafter.native_drafts), or each one-token pass as a native decode step of the layer alone (a
+    dense MLP, the built-in model's, as one expert every token takes; a MoE layer as it is). Both run,
+    and every pass drafts what the eager layer drafts, chains cut at a block's end included, so the
+    outputs and acceptance counts are the same."""
     if which == "builtin-dense":
         d = None
     else:
         d = add_mtp_layer(make_checkpoint("mixtral"), tmp_path_factory.mktemp("mtp_mixtral") / "ckpt", seed=2)
         cfg_file = d / "config.json"
         cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "num_nextn_predict_layers": 1}))
-    runs = []
-    for native_on in (True, False):
-        llm = LLM(d, dtype="bfloat16", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-        runner, seen = llm.engine.runner, []
-        assert runner.mtp.native is not None
-        runner.mtp.native = _Counting(runner.mtp.native) if native_on else None
+    runs = {}
+    for how in ("one call", "passes", "eager"):
+        llm = LLM(d, dtype="bfloat16", block_size=8, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+        runner, seen, counts = llm.engine.runner, [], []
+        mtp = runner.mtp
+        assert mtp.native is not None
+        real_chain = mtp.native_drafts
+
+        def chain(h_TD, cache, rows, block_size, real=real_chain, counts=counts):
+            got = real(h_TD, cache, rows, block_size)
+            counts += [rows.count] if got is not None else []
+            return got
+
+        mtp.native_drafts = chain if how == "one call" else (lambda *args: None)
+        if how == "passes":
+            mtp.native = _Counting(mtp.native)
+        elif how == "eager":
+            mtp.native = None
         real = runner.mtp_draft
 
         def spy(*args, real=real, seen=seen):
@@ -320,12 +334,14 @@ def test_native_mtp_passes_draft_as_the_eager_layer(make_checkpoint, tmp_path_fa
 
         runner.mtp_draft = spy
         try:
-            runs.append((_ids(llm, GREEDY), seen, llm.engine.stats()["spec_decode"], runner.mtp.native))
+            runs[how] = (_ids(llm, GREEDY), seen, llm.engine.stats()["spec_decode"], counts, mtp.native)
         finally:
             llm.shutdown()
-    (ids, seen, stats, counted), (ids0, seen0, stats0, _) = runs
-    assert counted.calls > 0 and any(any(d) for d in seen)
-    assert ids == ids0 and seen == seen0 and stats == stats0
+    ids, seen, stats, counts, _ = runs["one call"]
+    assert counts and any(len(set(c)) > 1 for c in counts)  # (chains of several lengths in one call)
+    assert runs["passes"][4].calls > 0 and any(any(d) for d in seen)
+    for how in ("passes", "eager"):
+        assert runs[how][:3] == (ids, seen, stats), how
 
 
 class _Counting:

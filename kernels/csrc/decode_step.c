@@ -240,7 +240,108 @@ int shuttle_decode_step(const shuttle_step *s, const shuttle_layer *layers, int6
     shuttle_add_rms_norm(s->moe, s->r, s->final_norm, s->y, s->r, B, D, (float)s->eps, 1, (int)s->threads);
     return 0;
 }
+
+/* An MTP layer's greedy drafts (models/mtp.MTPDrafter.native_drafts): passes of the layer alone (layers[0],
+ * a one-layer step whose buffers fit s->B rows) and its head, in one call. Pass 0 runs s->B one-token rows:
+ * row b the token tok0[b] with the target's hidden state h0[hrow[b]] at position pos0[b] of sequence seq0[b]
+ * (a row of pages); its rows pick[0..A) draft sequence a's first token. Pass j > 0 runs a row for each
+ * drafting sequence a with count[a] > j (pages row drafting[a]): its draft j - 1 with the layer's previous
+ * output (before shared_head's norm), at position last[a] + j. A row at position p: its slot
+ * page[p / bs] * bs + p % bs, its context p + 1, cos and sin row p of the rotary tables rounded to bf16. A
+ * pass: x = eh (enorm(embed[tok]) ++ hnorm(h)), the decoder layer with shared_head's norm as the step's
+ * final norm, logits = y head^T over the first V of Vh outputs, the draft their first largest (torch's
+ * argmax). These are the kernels that models/mtp.py's forward and logits call, in that order. drafts
+ * (A, n), n = max count: sequence a's in its first count[a]. Returns 0, -1 (out of memory) or the step's
+ * error (nothing after it ran). */
+typedef struct {
+    const void *embed, *enorm, *hnorm, *eh, *head; /* (V', D), (D), (D), panels (D, 2D), panels (Vh, D); bf16 */
+    const float *cos, *sin;                        /* rotary tables (positions, R) float32 */
+    int64_t V, Vh, A, M, bs;                       /* vocabulary, head outputs, drafting sequences, pages, block size */
+    const int64_t *pages;                          /* (sequences, M), -1 past each table's end */
+    const int64_t *tok0, *hrow, *pos0, *seq0;      /* pass 0's rows, (s->B) each */
+    const void *h0;                                /* (T, D) bf16: the target's last hidden states */
+    const int64_t *pick, *drafting, *last, *count; /* (A) each */
+} shuttle_mtp;
+
+/* The step's B rows: row b at position pos[i] + add of sequence seq[i], i = idx[b] (idx NULL: b). Their
+ * slots, table rows, lengths, cos and sin. */
+static void mtp_rows(shuttle_step *s, const shuttle_mtp *m, int64_t B, const int64_t *idx, const int64_t *pos,
+                     int64_t add, const int64_t *seq, int64_t *slots, int64_t *table, int64_t *len, uint16_t *cos,
+                     uint16_t *sin) {
+    const int64_t M = m->M, R = s->R, bs = m->bs;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t i = idx ? idx[b] : b, p = pos[i] + add, *pages = m->pages + seq[i] * M;
+        memcpy(table + b * M, pages, (size_t)M * 8);
+        slots[b] = pages[p / bs] * bs + p % bs, len[b] = p + 1;
+        for (int64_t r = 0; r < R; r++) cos[b * R + r] = to_bf(m->cos[p * R + r]), sin[b * R + r] = to_bf(m->sin[p * R + r]);
+    }
+    s->B = B, s->M = M, s->slots = slots, s->table = table, s->len = len, s->cos = cos, s->sin = sin;
+}
+
+int shuttle_mtp_draft(const shuttle_step *s0, const shuttle_layer *layer, const shuttle_mtp *m, int64_t n,
+                      int64_t *drafts) {
+    const int64_t D = s0->D, A = m->A, B0 = s0->B, R = s0->R;
+    const int nt = (int)s0->threads;
+    const float eps = (float)s0->eps;
+    shuttle_step s = *s0;
+    int64_t *ints = malloc((size_t)(B0 * (m->M + 3) + 2 * A) * 8);
+    uint16_t *bf = malloc((size_t)(B0 * (2 * R + 3 * D) + A * (2 * D + m->Vh)) * 2);
+    if (!ints || !bf) {
+        free(ints), free(bf);
+        return -1;
+    }
+    int64_t *slots = ints, *len = slots + B0, *table = len + B0, *tok = table + B0 * m->M, *act = tok + A;
+    uint16_t *cos = bf, *sin = cos + B0 * R, *cat = sin + B0 * R, *x = cat + 2 * B0 * D, *hn = x + B0 * D,
+             *hnext = hn + A * D, *logits = hnext + A * D;
+    const uint16_t *embed = m->embed, *h = m->h0;
+    int64_t na = A; /* the drafting sequences of this pass: act[0..na) */
+    for (int64_t a = 0; a < A; a++) act[a] = a;
+    int rc = 0;
+    for (int64_t j = 0; j < n; j++) {
+        if (j) { /* the sequences drafting on, their draft and output kept in order */
+            int64_t w = 0;
+            for (int64_t i = 0; i < na; i++)
+                if (m->count[act[i]] > j) {
+                    if (w != i) memcpy(hnext + w * D, hnext + i * D, (size_t)D * 2);
+                    tok[w] = tok[i], act[w++] = act[i];
+                }
+            if (!(na = w))
+                break;
+            mtp_rows(&s, m, na, act, m->last, j, m->drafting, slots, table, len, cos, sin);
+        } else {
+            mtp_rows(&s, m, B0, NULL, m->pos0, 0, m->seq0, slots, table, len, cos, sin);
+        }
+        for (int64_t b = 0; b < s.B; b++) {
+            shuttle_add_rms_norm(embed + (j ? tok[b] : m->tok0[b]) * D, NULL, m->enorm, cat + b * 2 * D, NULL, 1, D,
+                                 eps, 1, 1);
+            shuttle_add_rms_norm(h + (j ? b : m->hrow[b]) * D, NULL, m->hnorm, cat + b * 2 * D + D, NULL, 1, D, eps,
+                                 1, 1);
+        }
+        shuttle_gemm_bf16_panels(cat, s.B, 2 * D, m->eh, D, x, nt);
+        s.x = x;
+        if ((rc = shuttle_decode_step(&s, layer, 1)))
+            break;
+        for (int64_t i = 0; i < na; i++) { /* the rows that draft: their normed output, and the next pass's h */
+            const int64_t row = j ? i : m->pick[i];
+            memcpy(hn + i * D, (const uint16_t *)s.y + row * D, (size_t)D * 2);
+            memcpy(hnext + i * D, (const uint16_t *)s.r + row * D, (size_t)D * 2);
+        }
+        shuttle_gemm_bf16_panels(hn, na, D, m->head, m->Vh, logits, nt);
+        for (int64_t i = 0; i < na; i++) {
+            const uint16_t *l = logits + i * m->Vh;
+            int64_t best = 0;
+            float top = bf16_to_f32(l[0]);
+            for (int64_t v = 1; v < m->V; v++)
+                if (bf16_to_f32(l[v]) > top) top = bf16_to_f32(l[v]), best = v;
+            drafts[act[i] * n + j] = tok[i] = best;
+        }
+        h = hnext;
+    }
+    free(ints), free(bf);
+    return rc;
+}
 #else
 int shuttle_decode_step(void) { return -2; }
+int shuttle_mtp_draft(void) { return -2; }
 int shuttle_decode_attention(void) { return -2; }
 #endif
