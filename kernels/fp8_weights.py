@@ -12,7 +12,11 @@ kernels' loops with an FP8 decode in registers (kernels/csrc/int8_panels.h, int8
 
 Kernels (int8.py's constants; `kernels()` lists those that run here). Each sums a panel's products
 over one block of bi inputs in float32, then adds that partial sum times the block's scale; every
-product is exact, so all four equal the reference up to float32 summation order:
+product is exact, so all four equal the reference up to float32 summation order. Except BF16DOT from
+FOLD_ROWS rows (a linear's call, an expert's block of rows in the MoE): it decodes each block's codes
+with the block's scale folded in, code * scale rounded to bf16 once (the checkpoint dequantised to
+bf16, `fp8_linear_reference(..., folded=True)`), so no tile scales its sums per block (kernels/csrc/
+int8_panels.h: rows_bf):
   AVX2, AVX512  decode 8 / 16 codes to float32 in registers (the E4M3 bits moved into an IEEE half,
                 vcvtph2ps: exact) and FMA them against float32 x (bf16 x widened once). AVX2 needs
                 F16C (every AVX2 CPU has it; checked all the same).
@@ -145,9 +149,17 @@ def _checkpoint_rows(w_OI: torch.Tensor, scale_inv: torch.Tensor,
     return codes, scale_inv.detach().float().repeat_interleave(block[0], 0)[:w_OI.shape[0]]
 
 
-def fp8_linear_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch path: x.float() @ (code * scale)^T (+ bias) in float32, returned in x's dtype."""
-    return int8.int8_linear_reference(x, w, bias)
+FOLD_ROWS = 17  # kernels/csrc/int8_panels.h's: BF16DOT's calls of this many rows fold the scales into the weights
+
+
+def fp8_linear_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
+                         folded: bool = False) -> torch.Tensor:
+    """The torch path: x.float() @ (code * scale)^T (+ bias) in float32, returned in x's dtype; folded:
+    code * scale rounded to bf16 first, as BF16DOT computes FOLD_ROWS rows or more."""
+    if not folded:
+        return int8.int8_linear_reference(x, w, bias)
+    y = x.float() @ w.dequantize().bfloat16().float().t()
+    return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
 @functools.cache

@@ -1,8 +1,9 @@
 """FP8 block-quantised weights at rest (kernels/fp8_weights.py on int8_panels.h's loops): the E4M3 decode
 exhaustively, the codes copied bit for bit, fp8_linear's kernels (AVX2, AVX-512, AVX-512 BF16, AMX)
 against the torch reference at odd shapes with partial edge blocks, bf16 and float32, with and without
-bias; the fused MoE block (fused_moe_fp8) with each kernel against its torch path; the torch paths
-where the library is unavailable."""
+bias (AVX-512 BF16 from FOLD_ROWS rows against the weights rounded to bf16, which it computes then);
+the fused MoE block (fused_moe_fp8) with each kernel against its torch path; the torch paths where the
+library is unavailable."""
 import ctypes
 import functools
 import logging
@@ -38,6 +39,14 @@ def _checkpoint(O: int, I: int, seed: int, block: tuple[int, int] = BLOCK) -> tu
 @functools.cache
 def _weight(O: int, I: int, seed: int = 0) -> fp8.Fp8Weight:
     return fp8.Fp8Weight.from_checkpoint(*_checkpoint(O, I, seed), BLOCK)
+
+
+def _reference(x: torch.Tensor, w: fp8.Fp8Weight, bias: torch.Tensor | None = None,
+               kernel: int | None = None) -> torch.Tensor:
+    """fp8_linear_reference as the kernel fp8_linear runs computes it: folded for BF16DOT from FOLD_ROWS rows."""
+    rows = x.numel() // w.in_features
+    k = fp8._kernel(x.dtype, rows, kernel, fp8._here_for(w.block_in), "test")
+    return fp8.fp8_linear_reference(x, w, bias, folded=k == fp8.BF16DOT and rows >= fp8.FOLD_ROWS)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, I: int) -> None:
@@ -119,22 +128,24 @@ def test_fp8_linear_equals_the_reference(I, O, T, dtype, kernel):
     for bias in (None, torch.randn(O, generator=g).to(dtype)):
         got = fp8.fp8_linear(x, w, bias, kernel=kernel)
         assert got.dtype == dtype and got.shape == (T, O)
-        _close(got, fp8.fp8_linear_reference(x, w, bias), I)
+        _close(got, _reference(x, w, bias, kernel), I)
         zero_row_out = torch.zeros(T, dtype=dtype) if bias is None else bias[0].expand(T)
         assert torch.equal(got[:, 0], zero_row_out)  # a zero row gives exactly its bias
 
 
 @NEEDS_FP8
+@pytest.mark.parametrize("T", [16, 17, 40])
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_fp8_linear_kernels_multiply_by_their_weights_exactly(kernel):
+def test_fp8_linear_kernels_multiply_by_their_weights_exactly(kernel, T):
     """Float32 output of bf16-exact x, so only float32 summation order is left, for every kernel: each
-    product is exact (BF16DOT and AMX: codes in bf16, each block's sums scaled in float32), and bf16 y
-    is the float32 result rounded once."""
+    product is exact (BF16DOT and AMX: codes in bf16, each block's sums scaled in float32; BF16DOT from
+    FOLD_ROWS rows: code * scale rounded to bf16, then exact), and bf16 y is the float32 result rounded
+    once."""
     w = _weight(77, 1000)
-    x = torch.randn(17, 1000).bfloat16()
-    want = fp8.fp8_linear_reference(x.float(), w)
-    got = torch.empty(17, 77)  # bf16 x, float32 y: the C entry point itself (fp8_linear returns x's dtype)
-    assert fp8._library().shuttle_fp8_linear(x.data_ptr(), 1, 17, 1000, w.panels.data_ptr(), w.scales.data_ptr(), 64,
+    x = torch.randn(T, 1000).bfloat16()
+    want = fp8.fp8_linear_reference(x.float(), w, folded=kernel == fp8.BF16DOT and T >= fp8.FOLD_ROWS)
+    got = torch.empty(T, 77)  # bf16 x, float32 y: the C entry point itself (fp8_linear returns x's dtype)
+    assert fp8._library().shuttle_fp8_linear(x.data_ptr(), 1, T, 1000, w.panels.data_ptr(), w.scales.data_ptr(), 64,
                                              None, 77, got.data_ptr(), 0, 1, kernel) == 0
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
     assert torch.equal(fp8.fp8_linear(x, w, kernel=kernel), got.bfloat16())
@@ -150,11 +161,10 @@ def test_fp8_linear_on_other_blocks(block):
     w = fp8.Fp8Weight.from_checkpoint(*_checkpoint(100, 203, 4, block), block)
     for T, dtype in ((3, torch.float32), (40, torch.bfloat16)):
         x = torch.randn(T, 203).to(dtype)
-        want = fp8.fp8_linear_reference(x, w)
-        _close(fp8.fp8_linear(x, w), want, 203)
+        _close(fp8.fp8_linear(x, w), _reference(x, w), 203)
         for k in fp8.kernels() - {fp8.AMX}:
             if dtype == torch.bfloat16 or k not in BF16_ONLY:
-                _close(fp8.fp8_linear(x, w, kernel=k), want, 203)
+                _close(fp8.fp8_linear(x, w, kernel=k), _reference(x, w, kernel=k), 203)
     if fp8.AMX in fp8.kernels():
         with pytest.raises(ValueError, match="does not run"):
             fp8.fp8_linear(x, w, kernel=fp8.AMX)
@@ -175,11 +185,11 @@ def test_fp8_linear_threads_leading_dims_and_strided_x(kernel, threads):
             w = _weight(O, 260, O)
             x = torch.randn(T, 263, generator=g).to(dtype)[:, 3:]
             torch.set_num_threads(threads)
-            _close(fp8.fp8_linear(x, w, kernel=kernel), fp8.fp8_linear_reference(x, w), 260)
+            _close(fp8.fp8_linear(x, w, kernel=kernel), _reference(x, w, kernel=kernel), 260)
             x3 = torch.randn(2, T, 260, generator=g).bfloat16()
             got = fp8.fp8_linear(x3, w, kernel=kernel)
             assert got.shape == (2, T, O)
-            _close(got, fp8.fp8_linear_reference(x3, w), 260)
+            _close(got, _reference(x3, w, kernel=kernel), 260)
     finally:
         torch.set_num_threads(old)
 
@@ -253,9 +263,19 @@ def _moe_case(E: int, D: int, I: int, T: int, K: int, dtype: torch.dtype):
     return experts, x, ids, weights, want
 
 
-def _reference_moe(x, ids, weights, experts):
-    """fused_moe_fp8_reference with every fp8_linear the torch reference (the library off)."""
+def _reference_moe(x, ids, weights, experts, kernel=None):
+    """fused_moe_fp8_reference with every fp8_linear the torch reference (the library off), folded for an
+    expert whose rows the kernel (by default: fp8_linear's at those rows) folds (BF16DOT, FOLD_ROWS rows
+    or more: kernels/csrc/moe_int8.c folds an expert's block of rows by its rows)."""
+    here, reference = fp8.kernels(), fp8.fp8_linear_reference
+
+    def by_kernel(x, w, bias=None):
+        rows = x.numel() // w.in_features
+        k = fp8._kernel(x.dtype, rows, kernel, here, "test")
+        return reference(x, w, bias, folded=k == fp8.BF16DOT and rows >= fp8.FOLD_ROWS)
+
     mp = pytest.MonkeyPatch()
+    mp.setattr(fp8, "fp8_linear_reference", by_kernel)
     mp.setattr(fp8, "available", lambda: False)
     try:
         return fp8.fused_moe_fp8_reference(x, ids, weights, experts)
@@ -329,7 +349,7 @@ def test_fused_moe_fp8_is_the_same_on_any_thread_count(D, I, kernel):
     experts = fp8.Fp8Experts.quantize(*_moe_weights(E, D, I, D + I))
     x, ids, weights = threads_case(E, D, T, K, torch.float32 if kernel in (fp8.AVX2, fp8.AVX512) else torch.bfloat16)
     got = same_on_threads(lambda: fp8.fused_moe_fp8(x, ids, weights, experts, kernel=kernel))
-    _moe_close(got, fp8.fused_moe_fp8_reference(x, ids, weights, experts))
+    _moe_close(got, _reference_moe(x, ids, weights, experts, kernel))
 
 
 def test_without_the_library_fused_moe_fp8_is_the_torch_path(monkeypatch):

@@ -397,6 +397,7 @@ int shuttle_fp8_linear(const void *x, int x_bf16, int64_t T, int64_t I, const ui
                        int64_t bpairs, const float *bias, int64_t O, void *y, int y_bf16, int nthreads, int kernel) {
     if (bpairs < 1) return -2;
     const int64_t pairs = (I + 1) / 2;
-    const codes_fmt f = {1, bpairs, (pairs + bpairs - 1) / bpairs};
+    /* BF16DOT folds a call's panels whole or not at all, however its threads share the rows */
+    const codes_fmt f = {1, bpairs, (pairs + bpairs - 1) / bpairs, T >= FOLD_ROWS ? 1 : INT64_MAX};
     return linear_panels(x, x_bf16, T, I, (const int8_t *)panels, scales, &f, bias, O, y, y_bf16, nthreads, kernel);
 }

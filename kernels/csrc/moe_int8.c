@@ -635,8 +635,9 @@ int shuttle_fused_moe_fp8(const void *x, int x_bf16, int64_t T, int64_t D, const
     if ((kernel == KERNEL_AMX || big_kernel == KERNEL_AMX) && (bpairs13 % 16 || bpairs2 % 16))
         return -2; /* AMX: blocks of whole k-steps */
     const int64_t xpairs = (D + 1) / 2, hpairs = (I + 1) / 2;
-    const codes_fmt f13 = {1, bpairs13, (xpairs + bpairs13 - 1) / bpairs13};
-    const codes_fmt f2 = {1, bpairs2, (hpairs + bpairs2 - 1) / bpairs2};
+    /* BF16DOT folds an expert's block of rows by its rows (the blocks do not depend on the threads) */
+    const codes_fmt f13 = {1, bpairs13, (xpairs + bpairs13 - 1) / bpairs13, FOLD_ROWS};
+    const codes_fmt f2 = {1, bpairs2, (hpairs + bpairs2 - 1) / bpairs2, FOLD_ROWS};
     return moe_panels(x, x_bf16, T, D, ids, wk, K, w13, s13, w2, s2, E, I, &f13, &f2, y, nthreads, kernel, big_kernel,
                       big_rows);
 }
