@@ -150,7 +150,9 @@ class RotaryEmbedding:
                 sel = seq_lens_T == n
                 cos[sel], sin[sel] = self._table(positions_T[sel], n)
             return cos.to(dtype), sin.to(dtype)
-        cos, sin = self.tables(int(positions_T.max()) + 1 if positions_T.numel() else 1)
+        if not positions_T.numel():
+            return (torch.empty(0, self.dim, device=self.device, dtype=dtype),) * 2
+        cos, sin = self.tables(int(positions_T.max()) + 1)
         return cos[positions_T].to(dtype), sin[positions_T].to(dtype)
 
 

@@ -238,8 +238,10 @@ class MTPDrafter:
         the layer's input projection or head is not on bf16 panels (the caller drafts eagerly)."""
         head = self._native_head()
         B, A, n = len(rows.ids), len(rows.pick), max(rows.count)
-        sizes = {B, *(sum(c > j for c in rows.count) for j in range(1, n))}  # (each pass's rows)
+        sizes = {B, A, *(sum(c > j for c in rows.count) for j in range(1, n))}  # (each pass's rows, the heads')
+        # (bf16 q/k/v and o: an int8 / FP8 kernel would depend on each pass's rows, the call keeps pass 0's)
         if (head is None or cache is not self.native.cache or not self.native.local or self.native.layer_by_layer
+                or self.native.linears != "bf16"
                 or torch.is_grad_enabled() or h_TD.dtype != torch.bfloat16
                 or not h_TD.is_contiguous() or self.dispatcher.expert_tokens_E is not None
                 or not all(self.native.chosen_native(b) for b in sizes)):
@@ -290,8 +292,9 @@ class MTPDrafter:
             embed = (layer.embed_tokens if layer.embed_tokens is not None else self.target.model.embed_tokens).weight
             on_panels = [isinstance(p, PackedLinear) and p.bias is None and getattr(p.weight, "panels", None) is not None
                          and p.weight.panels.dtype == torch.bfloat16 for p in (layer.eh_proj, head)]
-            ok = (self.native is not None and all(on_panels) and embed.dtype == torch.bfloat16
-                  and embed.is_contiguous() and layer.enorm.weight.dtype == torch.bfloat16)
+            ok = (self.native is not None and all(on_panels) and embed.dtype == torch.bfloat16 and embed.is_contiguous()
+                  and layer.enorm.weight.dtype == layer.hnorm.weight.dtype == torch.bfloat16
+                  and head.out_features >= self.cfg.vocab_size)
             self._head = (embed, layer.eh_proj.weight.panels.data_ptr(), head.weight.panels.data_ptr(),
                           head.out_features) if ok else False
         return self._head or None

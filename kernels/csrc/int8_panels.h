@@ -366,8 +366,9 @@ AIBF __m512i pair_fp8_bf16(const int8_t *p, const uint8_t *lut) {
 }
 
 /* FP8_LUT scaled for one block: lut's 128 magnitudes the bf16 bits of code * scale (f = scale * 2^8 times
- * FP8_LUT's code * 2^-8, exact in float32, rounded to nearest even once), as a checkpoint dequantised to
- * bf16 (kernels/quant.py) has its weights. 64-byte aligned, 256 bytes. */
+ * FP8_LUT's code * 2^-8: the same real number as code * scale, so the same float32, then rounded to
+ * nearest even once; a product below float32's normals, at scales under ~2^-117, flushes to zero), as a
+ * checkpoint dequantised to bf16 (kernels/quant.py) has its weights. 64-byte aligned, 256 bytes. */
 AIBF void scaled_lut(float f, uint8_t *lut) {
     const __m512 fv = _mm512_set1_ps(f);
     for (int i = 0; i < 128; i += 16) {
