@@ -218,9 +218,7 @@ class MTPDrafter:
         layer = self.layer
         e_TD = self.embed(ids_T).to(h_TD.dtype)
         x_TD = layer.eh_proj(torch.cat((layer.enorm(e_TD), layer.hnorm(h_TD)), dim=-1))
-        if self._rotary is None:
-            self._rotary = RotaryEmbedding(self.cfg.rope, self.cfg.rope_dim, x_TD.device)
-        cos_sin = self._rotary(batch.positions_T, x_TD.dtype, batch.kv_lens_B[batch.seq_idx_T])
+        cos_sin = self._rotary_of(x_TD.device)(batch.positions_T, x_TD.dtype, batch.kv_lens_B[batch.seq_idx_T])
         if self.native is not None and self.native.mode([(x_TD, batch)], self.dispatcher, cache) == "step":
             return self.native(x_TD, cos_sin, batch, self.dispatcher, before_norm=True)
         h_TD, residual_TD = layer.attention(x_TD, None, cos_sin, cache, batch)
@@ -264,9 +262,13 @@ class MTPDrafter:
 
     def _rope_tables(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rotary float32 cos and sin tables for positions < max_pos (None: "dynamic" scaling has none)."""
+        return self._rotary_of("cpu").tables(max_pos)
+
+    def _rotary_of(self, device) -> RotaryEmbedding:
+        """The layer's rotary embedding (made on first use, on `device`)."""
         if self._rotary is None:
-            self._rotary = RotaryEmbedding(self.cfg.rope, self.cfg.rope_dim, "cpu")
-        return self._rotary.tables(max_pos)
+            self._rotary = RotaryEmbedding(self.cfg.rope, self.cfg.rope_dim, device)
+        return self._rotary
 
     def _pass_step(self, B: int, A: int, n: int) -> tuple:
         """native_drafts' step structure for B rows (its rows' fields are the native call's to fill) and its
