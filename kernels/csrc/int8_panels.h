@@ -339,12 +339,12 @@ static const uint8_t BF_WORDS[2][64] __attribute__((aligned(64))) = {
         48, 112, 49, 113, 50, 114, 51, 115, 52, 116, 53, 117, 54, 118, 55, 119,
         56, 120, 57, 121, 58, 122, 59, 123, 60, 124, 61, 125, 62, 126, 63, 127}};
 
-/* Two pairs of an FP8 panel (64 codes c; pairs2_fp8_bf16 loads them from p) as pair_bf16 gives each, *a
- * pair j and *b pair j + 1, bit for bit: two vpermi2b lookups of the magnitude in a table of bf16 bits (FP8_LUT's layout: 128 low bytes, then
- * 128 high bytes; index bit 7 is ignored), the sign xor'ed in, two vpermt2b putting the halves together:
- * 5 instructions where pair_bf16 takes 14. (For int8 codes the same lookups on |q| measured 3-6% slower
- * than pair_bf16's widening at 16-64 tokens in the MoE block.) lut: FP8_LUT (code * 2^-8) or a block's
- * scaled_lut (code * scale). */
+/* Two pairs of an FP8 panel (64 codes c; pairs2_fp8_bf16 loads them from p) as pair_bf16 gives each,
+ * *a pair j and *b pair j + 1, bit for bit: two vpermi2b lookups of the magnitude in a table of bf16 bits
+ * (FP8_LUT's layout: 128 low bytes, then 128 high bytes; index bit 7 is ignored), the sign xor'ed in, two
+ * vpermt2b putting the halves together: 5 instructions where pair_bf16 takes 14. (For int8 codes the same
+ * lookups on |q| measured 3-6% slower than pair_bf16's widening at 16-64 tokens in the MoE block.) lut:
+ * FP8_LUT (code * 2^-8) or a block's scaled_lut (code * scale). */
 AIBF void fp8_codes_bf16(const __m512i c, const uint8_t *lut, __m512i *a, __m512i *b) {
     const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(lut), c, _mm512_load_si512(lut + 64));
     const __m512i hi = _mm512_ternarylogic_epi32(
