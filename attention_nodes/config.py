@@ -14,8 +14,9 @@ QUANTIZATIONS = ("int8", "w8a8_int8", "fp8", "mxfp4")  # EngineConfig.quantizati
 LINEAR_QUANTIZATIONS = ("int8", "fp8")  # those that EngineConfig.quantize_linears applies to the linears too
 SPEC_METHODS = ("ngram", "mtp", "draft_model")  # SpeculativeConfig.method
 # SpeculativeConfig.disable_by_batch_size when not given: bench/spec_decode.py on the built-in model lost
-# 4-28% with drafts at batch 16 on both CPUs measured (AMX Xeon, AVX-512 BF16 EPYC), and won only at 1
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# 4-28% with drafts at batch 16 on both CPUs measured (AMX Xeon, AVX-512 BF16 EPYC), won 1.1-1.5x at 1-4
+# and lost up to 20% at 8 (the planner's served batch 8: 0.73x) on the EPYC
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
 @dataclass(frozen=True)

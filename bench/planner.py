@@ -16,7 +16,7 @@ experts of 2048, top-2; "fine" the same size in 32 experts of 512, top-4; --quic
    (`picked_vs_best_paired`), since the host drifts by more than the 5% the pick is judged by
    between rows minutes apart.
 With --speculative the model is the built-in one with its MTP head, served plain and with MTP drafts
-(SPEC_DEPLOYMENTS: batch 8, colocated and 1 + 1, and batch 1), predicted at the acceptance the profile
+(SPEC_DEPLOYMENTS: batch 4, colocated and 1 + 1, and batch 1), predicted at the acceptance the profile
 measured on random prompts (the served runs' own acceptance is in each row); writes planner_mtp.json.
 The table gives output throughput and mean TPOT, predicted and measured, and their errors; the
 summary: median absolute throughput error and how many are within 10% (throughput) and 15% (TPOT)
@@ -97,14 +97,14 @@ SHAPES = {  # name -> (hidden, layers, experts, expert intermediate, top-k)
 }
 QUICK_SHAPES = {"mixtral": (384, 4, 8, 512, 2), "fine": (384, 4, 32, 128, 4)}
 # --speculative: the built-in model with its trained MTP head, plain and with MTP drafts (k = SPEC_K) at
-# disable_by_batch_size's default batch (8: the largest where speculation runs unless asked) and at 1
+# disable_by_batch_size's default batch (4: the largest where speculation runs unless asked) and at 1
 SPEC_K = 2
 _MTP = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": SPEC_K})]
 SPEC_DEPLOYMENTS = {
-    "colocated 2 threads batch 8": (["--colocated", "--torch-threads", "2"], 8),
-    f"colocated 2 threads batch 8 mtp k={SPEC_K}": (["--colocated", "--torch-threads", "2", *_MTP], 8),
-    "1+1 m=1 batch 8": (["--micro-batches", "1"], 8),
-    f"1+1 m=1 batch 8 mtp k={SPEC_K}": (["--micro-batches", "1", *_MTP], 8),
+    "colocated 2 threads batch 4": (["--colocated", "--torch-threads", "2"], 4),
+    f"colocated 2 threads batch 4 mtp k={SPEC_K}": (["--colocated", "--torch-threads", "2", *_MTP], 4),
+    "1+1 m=1 batch 4": (["--micro-batches", "1"], 4),
+    f"1+1 m=1 batch 4 mtp k={SPEC_K}": (["--micro-batches", "1", *_MTP], 4),
     "colocated 2 threads batch 1": (["--colocated", "--torch-threads", "2"], 1),
     f"colocated 2 threads batch 1 mtp k={SPEC_K}": (["--colocated", "--torch-threads", "2", *_MTP], 1),
 }

@@ -82,7 +82,7 @@ NATIVE_DECODE_TERMS = ("tokens", "const")
 COLOCATED_TERMS = ("tokens", "const", "kv_reads", "prefill_tokens", "kv_prefill", "active")
 MTP_TERMS = ("rows", "passes", "prefill_tokens")
 MTP_DRAFTS = (1, 3)  # the k measure_mtp runs: one pass a step, and chained ones
-MTP_MAX_BATCH = 64  # speculation pays at small batches (disable_by_batch_size defaults to 8)
+MTP_MAX_BATCH = 64  # speculation pays at small batches (disable_by_batch_size defaults to 4)
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,13 @@ from models.config import ModelConfig
 from models.errors import ConfigError
 from models.kv_cache import cache_bytes_per_block
 from server import LLM, SamplingParams
-from tests.test_speculative import GREEDY, SPEC_PROMPTS, ckpt, plain  # noqa: F401 (fixtures: the tiny Mixtral, its plain engine)
+from tests.test_speculative import EVERY_BATCH, GREEDY, SPEC_PROMPTS, ckpt, plain  # noqa: F401 (fixtures: the tiny Mixtral, its plain engine)
 
 SEEDED = SamplingParams(max_tokens=16, temperature=1.0, seed=7, n=2, ignore_eos=True)
 
 
 def _config(model, k: int) -> dict:
-    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k}
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k, **EVERY_BATCH}
 
 
 def _ids(llm: LLM, params) -> list[list[list[int]]]:

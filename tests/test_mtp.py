@@ -22,6 +22,7 @@ from models.mtp import load_mtp
 from server import LLM, SamplingParams
 from server.llm import engine_config
 from tests.conftest import PROMPTS, hf_config
+from tests.test_speculative import EVERY_BATCH
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 MTP_PROMPTS = [*PROMPTS, [9, 8, 7, 6, 9, 8, 7, 6, 9, 8, 7], [300, 301, 302, 303, 304, 305, 306, 307, 308, 309,
@@ -168,7 +169,7 @@ def test_mtp_logits_equal_a_float64_reference_of_the_formula(mtp_ckpt):
                          ids=["random-k1", "random-k3", "copy-k3", "copy-k2-chunked-preempting"])
 def test_greedy_ids_equal_without_speculation(mtp_ckpt, copy_ckpt, plain_ids, which, k, kwargs):
     d = mtp_ckpt if which == "random" else copy_ckpt
-    llm = LLM(d, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kwargs)
+    llm = LLM(d, speculative_config={"method": "mtp", "num_speculative_tokens": k, **EVERY_BATCH}, **kwargs)
     try:
         got = _ids(llm, GREEDY)
         stats = llm.engine.stats()
@@ -193,7 +194,7 @@ def test_unseeded_samples_draft_from_q_and_are_verified_by_rejection(copy_ckpt, 
     """An unseeded sampled request's drafts are drawn from q = softmax(MTP logits / T) and carry q
     (rejection sampling verifies them); at a temperature near 0, p and q are one-hot at their argmax
     and the output is the greedy one, with drafts accepted."""
-    llm = LLM(copy_ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    llm = LLM(copy_ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 2, **EVERY_BATCH})
     seen, real = [], llm.engine.runner.mtp_draft
 
     def spy(*args):
@@ -215,7 +216,7 @@ def test_unseeded_samples_draft_from_q_and_are_verified_by_rejection(copy_ckpt, 
 def test_acceptance_counters_reach_the_metrics(copy_ckpt):
     from server.metrics import _EngineCollector
 
-    llm = LLM(copy_ckpt, speculative_config='{"method": "mtp", "num_speculative_tokens": 2}')
+    llm = LLM(copy_ckpt, speculative_config='{"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 64}')
     try:
         llm.generate(MTP_PROMPTS[4:], GREEDY)
         s = llm.engine.stats()["spec_decode"]
@@ -233,7 +234,7 @@ def test_mtp_cache_of_kept_positions_equals_a_fresh_pass(mtp_ckpt, copy_ckpt, wh
     rejected (random) or accepted (copy) drafts, the MTP layer's cached rows of every computed
     position equal one pass of the target then the MTP layer over the final tokens."""
     d = mtp_ckpt if which == "random" else copy_ckpt
-    engine = LLMEngine(engine_config(d, speculative_config={"method": "mtp", "num_speculative_tokens": 3},
+    engine = LLMEngine(engine_config(d, speculative_config={"method": "mtp", "num_speculative_tokens": 3, **EVERY_BATCH},
                                      block_size=4))
     for i, p in enumerate(MTP_PROMPTS[:3]):
         engine.add_request(str(i), p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
@@ -309,7 +310,7 @@ def test_native_mtp_passes_draft_as_the_eager_layer(make_checkpoint, tmp_path_fa
         cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "num_nextn_predict_layers": 1}))
     runs = {}
     for how in ("one call", "passes", "eager"):
-        llm = LLM(d, dtype="bfloat16", block_size=8, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+        llm = LLM(d, dtype="bfloat16", block_size=8, speculative_config={"method": "mtp", "num_speculative_tokens": 3, **EVERY_BATCH})
         runner, seen, counts = llm.engine.runner, [], []
         mtp = runner.mtp
         assert mtp.native is not None
@@ -376,7 +377,7 @@ def test_pools_draft_on_the_attention_worker(copy_ckpt, plain_ids):
     the layer's own experts; the expert worker sees the 1 + d rows of each verification."""
     import time
 
-    llm = LLM(copy_ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, colocated=False,
+    llm = LLM(copy_ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 2, **EVERY_BATCH}, colocated=False,
               attention_workers=1, expert_workers=1)
     try:
         want = plain_ids["copy"][0]
@@ -400,7 +401,7 @@ def test_glm_mtp_layer_over_the_per_head_cache(make_checkpoint, tmp_path):
         want = _ids(llm, GREEDY)
     finally:
         llm.shutdown()
-    llm = LLM(d, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, block_size=4)
+    llm = LLM(d, speculative_config={"method": "mtp", "num_speculative_tokens": 2, **EVERY_BATCH}, block_size=4)
     try:
         assert len(llm.engine.runner.cache.k) == ModelConfig.from_pretrained(d).num_layers + 1
         assert _ids(llm, GREEDY) == want

@@ -13,7 +13,10 @@ from clients.bench_metrics import spec_counters, spec_decode_stats
 from server import LLM, SamplingParams
 from tests.conftest import PROMPTS
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# drafting at every batch these tests run (the default disable_by_batch_size turns it off above 4)
+EVERY_BATCH = {"disable_by_batch_size": 64}
+NGRAM_ARGS = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NGRAM = {**NGRAM_ARGS, **EVERY_BATCH}
 # Prompts that repeat themselves give the lookup something to find; the tiny random model's greedy
 # outputs loop, so drafts from its own output get accepted too.
 SPEC_PROMPTS = [*PROMPTS, [9, 8, 7, 6, 9, 8, 7, 6, 9, 8, 7], [40, 41, 42, 40, 41, 42, 40, 41]]
@@ -189,13 +192,13 @@ def test_served_with_speculation_streams_the_same_tokens(ckpt, plain):
     prompt = SPEC_PROMPTS[-1]
     want = plain.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0].outputs[0].text
     with LiveServer(["--model", str(ckpt), "--served-model-name", "tiny", "--colocated",
-                     "--speculative-config", json.dumps(NGRAM)]) as srv:
+                     "--speculative-config", json.dumps(NGRAM_ARGS)]) as srv:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
         stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
         assert "".join(c.choices[0].text for c in stream if c.choices) == want
         [model] = client.models.list().data
-        assert model.model_extra["speculative_config"] == {**NGRAM, "disable_by_batch_size": DEFAULT_DISABLE_BY_BATCH_SIZE}
+        assert model.model_extra["speculative_config"] == {**NGRAM_ARGS, "disable_by_batch_size": DEFAULT_DISABLE_BY_BATCH_SIZE}
         metrics = httpx.get(f"{srv.url}/metrics").text
         # `shuttle bench serve` reports the run's acceptance as vLLM's does, from /metrics before and after
         result = run_bench(["--base-url", srv.url, "--num-prompts", "4", "--input-len", "12", "--output-len", "16",
