@@ -23,7 +23,7 @@ import torch
 from attention_nodes.block_manager import BlockManager
 from attention_nodes.config import EngineConfig
 from attention_nodes.model_runner import ModelRunner, PromptLogits, row_spans
-from attention_nodes.sampler import Sampler, SamplingRow
+from attention_nodes.sampler import Sampler, SamplerOutput, SamplingRow
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import ScheduledBatch, Scheduler
 from attention_nodes.sequence import Sequence, SequenceStatus
@@ -297,9 +297,11 @@ class LLMEngine:
         by the sampler). Rows whose pick does not depend on the tokens emitted before them in this
         step are sampled in one sampler call: every row of a sequence without drafts, and of a greedy
         one without a grammar (its row j, used only where drafts 0..j-1 were accepted, sees those as
-        outputs: an argmax draws nothing). The others (sampled sequences with drafts: a seeded one
-        draws only for the tokens it emits; greedy ones whose grammar takes each token) sample
-        position j of every sequence still verifying in turn, one call per position."""
+        outputs: an argmax draws nothing). Unseeded sampled sequences whose drafts were drawn from q
+        (MTP, draft models), with no grammar or logprobs, verify all their positions in one call
+        (Sampler.verify_chains). The others (sampled sequences with drafts: a seeded one draws only
+        for the tokens it emits; greedy ones whose grammar takes each token) sample position j of
+        every sequence still verifying in turn, one call per position."""
         qs = [seq.draft_probs for seq in sampled]
         drafts = [seq.drop_drafts() for seq in sampled]
         starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
@@ -319,6 +321,18 @@ class LLMEngine:
 
         at_once = [i for i, (s, d) in enumerate(zip(sampled, drafts))
                    if not d or s.params.temperature == 0 and s.grammar is None]
+        chains = [i for i, (s, d) in enumerate(zip(sampled, drafts)) if d and qs[i] is not None and i not in at_once
+                  and s.grammar is None and s.params.logprobs is None and s.generator is None]
+        if chains:  # (drafts drawn from q: every position of a sequence verified in one go)
+            rows = logits_RV[row_spans([starts[i] for i in chains], [len(drafts[i]) + 1 for i in chains]).to(
+                logits_RV.device)]
+            got = self.sampler.verify_chains(rows, [r for i in chains for r in self._rows_at_once(sampled[i], drafts[i])],
+                                             [drafts[i] for i in chains], [qs[i] for i in chains])
+            for i, chain in zip(chains, got):
+                out = SamplerOutput(chain)
+                for j in range(len(chain)):
+                    if not emit(i, j, out, j):
+                        break
         if at_once:
             rows = logits_RV if len(at_once) == len(sampled) else logits_RV[row_spans(
                 [starts[i] for i in at_once], [len(drafts[i]) + 1 for i in at_once]).to(logits_RV.device)]
@@ -329,7 +343,7 @@ class LLMEngine:
                 while emit(i, j, out, r + j):
                     j += 1
                 r += len(drafts[i]) + 1
-        active, j = sorted(set(range(len(sampled))).difference(at_once)), 0
+        active, j = sorted(set(range(len(sampled))).difference(at_once, chains)), 0
         while active:
             rows = [SamplingRow(sampled[i].params, self._prompt_if_needed(sampled[i]), sampled[i].output_token_ids,
                                 sampled[i].generator, sampled[i].grammar,

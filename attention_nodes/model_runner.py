@@ -273,14 +273,14 @@ class ModelRunner:
         greedy). Returns (drafts, probs): probs[b] the q rows (d, V) of b's drafts, or None for greedy ones
         (point masses; speculative.rejection_sample verifies both exactly)."""
         mtp, bs, device = self.mtp, self.block_size, self.device
-        if mtp.native is not None and (temperatures is None or all(t is None for t in temperatures)):
-            rows = self._native_draft_rows(batch, starts, num_drafts)
+        if mtp.native is not None:
+            rows = self._native_draft_rows(batch, starts, num_drafts, temperatures)
             got = None if rows is None else mtp.native_drafts(self.last_hidden_TD, self.cache, rows, bs)
             if got is not None:
-                drafts = [[] for _ in batch.seqs]
-                for b, d in zip(rows.owner, got):
-                    drafts[b] = d
-                return drafts, [None] * len(drafts)
+                drafts, probs = [[] for _ in batch.seqs], [None] * len(batch.seqs)
+                for b, d, q in zip(rows.owner, *got):
+                    drafts[b], probs[b] = d, q
+                return drafts, probs
         spans, ids, q_lens, ctx, rows_table = ([] for _ in range(5))  # the pass's rows
         who, last, pos, tables = [], [], [], []  # per sequence run: its batch index, last row, position, blocks
         offset = 0
@@ -393,7 +393,8 @@ class ModelRunner:
         rows = row_spans(firsts + prompt_firsts, counts + prompt_counts)
         return torch.tensor(ids, dtype=torch.long, device=self.device), attn, rows.to(self.device), spans
 
-    def _native_draft_rows(self, batch: ScheduledBatch, starts: list[int], num_drafts: list[int]) -> "DraftRows | None":
+    def _native_draft_rows(self, batch: ScheduledBatch, starts: list[int], num_drafts: list[int],
+                           temperatures: list[float | None] | None) -> "DraftRows | None":
         """mtp_draft's rows as MTPDrafter.native_drafts takes them, where every sequence keeps at most
         mtp_decode_rows positions (one-token rows) and some draft; None elsewhere (mtp_draft drafts eagerly)."""
         from models.mtp import DraftRows
@@ -415,6 +416,7 @@ class ModelRunner:
                     rows.drafting.append(len(rows.tables))
                     rows.last.append(c + kept - 1)
                     rows.owner.append(b)
+                    rows.temperature.append((temperatures[b] or 0.0) if temperatures else 0.0)
                 rows.tables.append(seq.block_table)
             offset += n
         return rows if rows.pick else None

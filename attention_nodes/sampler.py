@@ -9,6 +9,7 @@ draw (speculative.rejection_sample), from the same distribution (`probs`).
 
 Legend: B rows (one per sampled sequence), V vocabulary (valid ids only), L top alternatives.
 """
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -91,6 +92,30 @@ class Sampler:
         filtered (top-k, min-p, top-p: kernels.sampling.filtered_probs). A greedy row gets a one-hot
         of its argmax."""
         return self._distributions(self._process(logits_BV[:, :self.vocab_size].float(), rows), rows)
+
+    @torch.inference_mode()
+    def verify_chains(self, logits_RV: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],
+                      draft_probs: list[torch.Tensor]) -> list[list[int]]:
+        """Sequences whose d drafts were drawn from distributions q, each verified over all its positions
+        at once: logits_RV and rows hold sequence i's d + 1 positions in order (at position j its
+        outputs followed by drafts 0..j-1), draft_probs[i] its q rows (d, >= vocab_size). Returns each
+        sequence's accepted drafts then the token after them (drawn from the residual at the first
+        rejected draft, else from p at position d): speculative.rejection_sample with the bonus
+        position, one call per draft count, which gives each token the law of verifying one position
+        at a time (`__call__` with draft_probs). For rows without a grammar (its mask follows the
+        tokens taken), logprobs or a seed (their uniforms are the global generator's)."""
+        p_RV, V = self.probs(logits_RV, rows), self.vocab_size
+        firsts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
+        out: list[list[int]] = [[] for _ in drafts]
+        for K in sorted({len(d) for d in drafts}):
+            group = [i for i, d in enumerate(drafts) if len(d) == K]
+            at = torch.tensor([[firsts[i] + j for j in range(K + 1)] for i in group], device=p_RV.device)
+            q_BKV = torch.stack([draft_probs[i][:K, :V] for i in group]).to(p_RV.device, torch.float32)
+            ids_BK1, accepted_B = rejection_sample(p_RV[at[:, :K]], q_BKV, torch.tensor([drafts[i] for i in group]),
+                                                   p_RV[at[:, K]])
+            for i, row, n in zip(group, ids_BK1.tolist(), accepted_B.tolist()):
+                out[i] = row[:n + 1]
+        return out
 
     def _distributions(self, logits_BV: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """`probs` of logits already processed (_process)."""

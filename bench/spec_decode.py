@@ -15,7 +15,9 @@ above the batch), and "auto": the best k of each method at the first batch (ngra
 plain) with the default disable_by_batch_size (what a user gets). Beside each: acceptance (accepted /
 draft tokens) and mean acceptance length (1 + accepted / drafts: the tokens a drafted sequence gains
 per verify step, vLLM's definition). Greedy outputs are checked to equal "off"'s in float32 (in bf16
-the verify pass rounds differently, so near-ties may differ: reported, not failed).
+the verify pass rounds differently, so near-ties may differ: reported, not failed). --temperature T > 0
+samples instead (unseeded: MTP drafts are drawn from the head's q and verified by rejection sampling) and
+writes spec_decode_t<T>.json.
 
     python bench/spec_decode.py [--quick] [--methods ngram mtp] [--batches 1 16 64] [--ks 1 2 3]
                                 [--mtp-ks 1 2 3] [--rounds 3] [--solo-prompts 4]
@@ -153,6 +155,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--doc-tokens", type=int, default=96)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else unseeded sampling at T")
     p.add_argument("--kv-blocks", type=int, default=1024, help="KV cache blocks of each engine (16 tokens each)")
     p.add_argument("--breakdown", action="store_true", help="per-step costs at batch 1 instead (module docstring)")
     args = p.parse_args()
@@ -163,7 +166,7 @@ def main() -> None:
         return breakdown(args, SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True))
     if args.quick:
         args.batches, args.ks, args.mtp_ks, args.rounds, args.output_len = [1, 16], [1, 3], [1, 3], 2, 32
-    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
     first_only = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     never = 10 ** 6
     ks = {"ngram": args.ks, "mtp": args.mtp_ks}
@@ -209,7 +212,8 @@ def main() -> None:
                                  "vs_off": tput / base, "tpot_ms": tpot_ms(secs[n], firsts[n], args.output_len, len(ps)),
                                  "acceptance": accepted / drafted if drafted else None,
                                  "mean_accept_len": 1 + accepted / drafts if drafts else None,
-                                 "greedy_equal": None if n == "off" else all(ids == want for ids in same[n])})
+                                 "greedy_equal": None if n == "off" or args.temperature > 0
+                                 else all(ids == want for ids in same[n])})
                     per_round[f"{workload}/{b}/{n}"] = rates[n]
         # "auto": each method's best k at the first batch (ngram: copy workload; mtp: plain), switched
         # off above the default size
@@ -247,7 +251,8 @@ def main() -> None:
             e.shutdown()
     print_table(rows, ["workload", "batch", "engine", "tok_s", "vs_off", "tpot_ms", "acceptance", "mean_accept_len",
                        "greedy_equal"])
-    path = save("spec_decode_quick" if args.quick else "spec_decode",
+    name = "spec_decode_quick" if args.quick else "spec_decode"
+    path = save(name + (f"_t{args.temperature:g}" if args.temperature > 0 else ""),
                 {"host": describe_host(), "config": vars(args), "default_disable_by_batch_size":
                  DEFAULT_DISABLE_BY_BATCH_SIZE, "rows": rows, "per_round": per_round})
     print(f"wrote {path}")

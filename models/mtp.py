@@ -170,14 +170,15 @@ class DraftRows:
     last: list[int] = field(default_factory=list)  # ... that row's position
     count: list[int] = field(default_factory=list)  # ... its drafts (a chain stays inside the sequence's blocks)
     owner: list[int] = field(default_factory=list)  # ... the caller's index of it (its place in the batch)
+    temperature: list[float] = field(default_factory=list)  # ... 0: greedy drafts, else drawn from q (native_drafts)
 
 
 class MTPDrafter:
     """An MTP layer beside its target model: `forward` runs it over a flat batch (the paged cache's
     last layer holds its keys and values), `logits` maps its outputs to vocabulary scores. After
     `use_native`, batches of one-token rows run the decoder layer as a native decode step of that layer
-    alone (models/native_decode.py), as the target's decode steps run, and `native_drafts` runs a greedy
-    step's whole chain, heads included, in one native call: at batch 1 in bf16 the eager chain's Python
+    alone (models/native_decode.py), as the target's decode steps run, and `native_drafts` runs a
+    step's whole chain, heads and draws included, in one native call: at batch 1 in bf16 the eager chain's Python
     and small ops cost more than its kernels (built-in model, k = 3: 1.1 of a 2.7 ms step, 0.5 after)."""
 
     def __init__(self, layer: MTPLayer, target: MoEForCausalLM, mtp_cfg: ModelConfig):
@@ -227,12 +228,16 @@ class MTPDrafter:
         self.dispatcher.end_step()
         return y_TD + residual_TD
 
-    def native_drafts(self, h_TD: torch.Tensor, cache, rows: DraftRows, block_size: int) -> list[list[int]] | None:
-        """Greedy drafts, rows.count[a] for drafting sequence a, in one native call (kernels/csrc/decode_step.c:
-        shuttle_mtp_draft): the layer over `rows`' one-token rows (the target's hidden states h_TD, the rows
-        the step kept), each drafting sequence's first draft from its last row, then chained passes of a row
-        for each sequence drafting on, each one position further. The kernels and their order are
-        forward's and logits', so are the drafts. None where the native step would not run these rows or
+    def native_drafts(self, h_TD: torch.Tensor, cache, rows: DraftRows,
+                      block_size: int) -> tuple[list[list[int]], list[torch.Tensor | None]] | None:
+        """(drafts, probs): rows.count[a] drafts for drafting sequence a, in one native call (kernels/csrc/
+        decode_step.c: shuttle_mtp_draft): the layer over `rows`' one-token rows (the target's hidden states
+        h_TD, the rows the step kept), each drafting sequence's first draft from its last row, then chained
+        passes of a row for each sequence drafting on, each one position further. The kernels and their
+        order are forward's and logits', so greedy drafts are the eager passes' argmaxes. A sequence with
+        rows.temperature[a] > 0 draws each draft from q = softmax(logits / temperature) (one uniform of
+        the global generator a draft) and probs[a] holds those q rows (count, vocab_size) float32, for
+        rejection sampling; None for greedy ones. None where the native step would not run these rows or
         the layer's input projection or head is not on bf16 panels (the caller drafts eagerly)."""
         head = self._native_head()
         B, A, n = len(rows.ids), len(rows.pick), max(rows.count)
@@ -252,13 +257,19 @@ class MTPDrafter:
         arrays = [np.asarray(a, dtype=np.int64) for a in (rows.ids, rows.hrow, rows.positions, rows.table_of,
                                                           rows.pick, rows.drafting, rows.last, rows.count)]
         pages = _padded_table_np(rows.tables)
-        layer = self.layer
+        layer, V = self.layer, self.cfg.vocab_size
+        sampled = any(t > 0 for t in rows.temperature)
+        temp = np.asarray(rows.temperature, dtype=np.float32) if sampled else None
+        u_An = torch.rand(A, n) if sampled else None
+        q_AnV = torch.empty(A, n, V) if sampled else None
         m = _Mtp(embed.data_ptr(), layer.enorm.weight.data_ptr(), layer.hnorm.weight.data_ptr(), eh, head_panels,
-                 rope[0].data_ptr(), rope[1].data_ptr(), self.cfg.vocab_size, Vh, A, pages.shape[1], block_size,
+                 rope[0].data_ptr(), rope[1].data_ptr(), V, Vh, A, pages.shape[1], block_size,
                  pages.ctypes.data, *(a.ctypes.data for a in arrays[:4]), h_TD.data_ptr(),
-                 *(a.ctypes.data for a in arrays[4:]))
+                 *(a.ctypes.data for a in arrays[4:]), *((None,) * 3 if not sampled else
+                                                         (temp.ctypes.data, u_An.data_ptr(), q_AnV.data_ptr())))
         native.mtp_draft(ctypes.byref(step), self.native.layers, ctypes.byref(m), n, drafts.data_ptr())
-        return [d[:c] for d, c in zip(drafts.tolist(), rows.count)]
+        probs = [q_AnV[a, :c] if sampled and rows.temperature[a] > 0 else None for a, c in enumerate(rows.count)]
+        return [d[:c] for d, c in zip(drafts.tolist(), rows.count)], probs
 
     def _rope_tables(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rotary float32 cos and sin tables for positions < max_pos (None: "dynamic" scaling has none)."""

@@ -68,7 +68,8 @@ class _Mtp(ctypes.Structure):
     """kernels/csrc/decode_step.c's shuttle_mtp: an MTP layer's head and the rows of its drafting passes."""
     _fields_ = ([(n, _P) for n in ("embed", "enorm", "hnorm", "eh", "head", "cos", "sin")]
                 + [(n, _I) for n in ("V", "Vh", "A", "M", "bs")]
-                + [(n, _P) for n in ("pages", "tok0", "hrow", "pos0", "seq0", "h0", "pick", "drafting", "last", "count")])
+                + [(n, _P) for n in ("pages", "tok0", "hrow", "pos0", "seq0", "h0", "pick", "drafting", "last", "count",
+                                     "temp", "u", "q")])
 
 
 

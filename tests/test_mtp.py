@@ -345,6 +345,53 @@ def test_native_mtp_passes_draft_as_the_eager_layer(make_checkpoint, tmp_path_fa
         assert runs[how][:3] == (ids, seen, stats), how
 
 
+@pytest.mark.skipif(not native.avx512_bf16(), reason="no AVX-512 BF16 here: bf16 decode steps run eagerly")
+def test_native_mtp_draws_sampled_drafts_from_q_with_its_uniforms():
+    """In bf16 an unseeded sampled request's MTP drafts come from the one native call too: draft j of a
+    chain is where the running sum of its q row (returned for rejection sampling: softmax(logits / T),
+    a distribution) first passes the call's uniform j (the global generator's, one a draft), and pass
+    0's q peaks where the greedy call over the same rows drafts."""
+    from dataclasses import replace
+
+    llm = LLM(dtype="bfloat16", block_size=8, speculative_config={"method": "mtp", "num_speculative_tokens": 3,
+                                                                  **EVERY_BATCH})
+    mtp, calls = llm.engine.runner.mtp, []
+    real = mtp.native_drafts
+
+    def spy(h_TD, cache, rows, block_size):
+        if not any(t > 0 for t in rows.temperature):
+            return real(h_TD, cache, rows, block_size)
+        state = torch.get_rng_state()
+        got = real(h_TD, cache, rows, block_size)
+        after = torch.get_rng_state()
+        torch.set_rng_state(state)
+        u_An = torch.rand(len(rows.pick), max(rows.count))
+        torch.set_rng_state(after)
+        greedy = real(h_TD, cache, replace(rows, temperature=[0.0] * len(rows.pick)), block_size)
+        calls.append((rows, u_An, got, greedy))
+        return got
+
+    mtp.native_drafts = spy
+    try:
+        sampled = SamplingParams(max_tokens=24, temperature=0.8, ignore_eos=True)
+        outs = llm.generate(PROMPTS[:2], sampled)
+        stats = llm.engine.stats()["spec_decode"]
+    finally:
+        llm.shutdown()
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outs) and stats["num_accepted_tokens"] > 0
+    assert calls and any(max(rows.count) > 1 for rows, *_ in calls)
+    V = llm.engine.model_cfg.vocab_size
+    for rows, u_An, (drafts, probs), (greedy, _) in calls:
+        for a, (count, t) in enumerate(zip(rows.count, rows.temperature)):
+            assert t == pytest.approx(0.8) and probs[a].shape == (count, V) and len(drafts[a]) == count
+            for j, (x, q_V) in enumerate(zip(drafts[a], probs[a])):
+                cdf_V = q_V.double().cumsum(0)
+                target = u_An[a, j].item() * cdf_V[-1].item()
+                assert q_V.min() >= 0 and abs(cdf_V[-1].item() - 1) < 1e-4 and q_V[x] > 0
+                assert cdf_V[x] > target - 1e-6 and (x == 0 or cdf_V[x - 1] <= target + 1e-6)
+            assert int(probs[a][0].argmax()) == greedy[a][0]
+
+
 class _Counting:
     """A NativeDecode that counts its steps."""
 

@@ -122,6 +122,35 @@ def test_second_token_given_the_first_accepted_has_the_conditional_target_law():
     assert chi2_pvalue(torch.bincount(tokens_n3[both, 2], minlength=V), BONUS)[0] > ALPHA
 
 
+def test_sampler_verifies_a_chain_of_drafts_at_once_with_each_positions_law():
+    """Sampler.verify_chains (unseeded rows whose K = 2 drafts came from q): the first token follows p1,
+    the second, given the first draft accepted, p2 (the target there, here the same whatever the first
+    token), the token after both drafts the bonus law; drafts are accepted at sum min(p, q) and every
+    chain is its accepted drafts then one token."""
+    n = 30_000
+    torch.manual_seed(3)
+    g = torch.Generator().manual_seed(3)
+    logits_3V = torch.randn(3, V, generator=g) * 1.5
+    p_3V = logits_3V.softmax(-1)
+    q1, Q2 = law(2, 2, 2, 2, 1, 1), torch.rand(V, V, generator=g) ** 2
+    Q2 /= Q2.sum(1, keepdim=True)
+    x1 = torch.multinomial(q1, n, replacement=True, generator=g)
+    x2 = torch.multinomial(Q2[x1], 1, generator=g).squeeze(1)
+    drafts = torch.stack([x1, x2], 1).tolist()
+    row = SamplingRow(SamplingParams(temperature=1.0), [], [])
+    chains = Sampler(V, set()).verify_chains(logits_3V.repeat(n, 1), [row] * (3 * n), drafts,
+                                             list(torch.stack([q1.expand(n, V), Q2[x1]], 1)))
+    accepted = torch.tensor([len(c) - 1 for c in chains])
+    assert all(c[:len(c) - 1] == d[:len(c) - 1] for c, d in zip(chains, drafts)) and int(accepted.max()) <= 2
+    first = torch.tensor([c[0] for c in chains])
+    assert chi2_pvalue(torch.bincount(first, minlength=V), p_3V[0])[0] > ALPHA
+    check_rate(accepted >= 1, float(torch.minimum(p_3V[0], q1).sum()))
+    second = torch.tensor([c[1] for c in chains if len(c) > 1])
+    assert chi2_pvalue(torch.bincount(second, minlength=V), p_3V[1])[0] > ALPHA
+    bonus = torch.tensor([c[2] for c in chains if len(c) > 2])
+    assert len(bonus) > 1000 and chi2_pvalue(torch.bincount(bonus, minlength=V), p_3V[2])[0] > ALPHA
+
+
 def test_same_seed_same_tokens_and_rows_independent_of_the_batch():
     p, q = CASES["q-outside-p"]
     x = torch.multinomial(q, 3 * 64, replacement=True, generator=torch.Generator().manual_seed(3)).view(64, 3)

@@ -250,9 +250,11 @@ int shuttle_decode_step(const shuttle_step *s, const shuttle_layer *layers, int6
  * page[p / bs] * bs + p % bs, its context p + 1, cos and sin row p of the rotary tables rounded to bf16. A
  * pass: x = eh (enorm(embed[tok]) ++ hnorm(h)), the decoder layer with shared_head's norm as the step's
  * final norm, logits = y head^T over the first V of Vh outputs, the draft their first largest (torch's
- * argmax). These are the kernels that models/mtp.py's forward and logits call, in that order. drafts
- * (A, n), n = max count: sequence a's in its first count[a]. Returns 0, -1 (out of memory) or the step's
- * error (nothing after it ran). */
+ * argmax). These are the kernels that models/mtp.py's forward and logits call, in that order. A sequence
+ * with temp[a] > 0 (temp NULL: none) draws its draft j instead from q = softmax(logits / temp[a]) in
+ * float32, with the uniform u[a * n + j] (mtp_sample), and q goes to row a * n + j of q (V floats each):
+ * the distribution rejection sampling verifies it against. drafts (A, n), n = max count: sequence a's
+ * in its first count[a]. Returns 0, -1 (out of memory) or the step's error (nothing after it ran). */
 typedef struct {
     const void *embed, *enorm, *hnorm, *eh, *head; /* (V', D), (D), (D), panels (D, 2D), panels (Vh, D); bf16 */
     const float *cos, *sin;                        /* rotary tables (positions, R) float32 */
@@ -261,7 +263,50 @@ typedef struct {
     const int64_t *tok0, *hrow, *pos0, *seq0;      /* pass 0's rows, (s->B) each */
     const void *h0;                                /* (T, D) bf16: the target's last hidden states */
     const int64_t *pick, *drafting, *last, *count; /* (A) each */
+    const float *temp, *u;                         /* (A) temperatures, 0: greedy; (A, n) uniforms; or NULL */
+    float *q;                                      /* (A, n, V): the sampled drafts' distributions */
 } shuttle_mtp;
+
+/* A draw from q = softmax(l / temp) over the V bf16 logits l (each divided in float32, as torch's
+ * logits.float() / temp), written to q: the first token whose running sum of q exceeds u times the
+ * total (kernels/sampling._inverse_cdf: the target kept below the total, so a token of q 0 is never
+ * drawn). */
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static int64_t mtp_sample(const uint16_t *l, int64_t V, float temp, float u, float *q) {
+    const __m256 t8 = _mm256_set1_ps(temp);
+    __m256 top8 = _mm256_set1_ps(-INFINITY);
+    int64_t v = 0;
+    for (; v + 8 <= V; v += 8) {
+        const __m256 x = _mm256_div_ps(bf16x8_to_f32(l + v), t8);
+        _mm256_storeu_ps(q + v, x);
+        top8 = _mm256_max_ps(top8, x);
+    }
+    float top = hmax8(top8);
+    for (; v < V; v++) top = fmaxf(top, q[v] = bf16_to_f32(l[v]) / temp);
+    const __m256 top_8 = _mm256_set1_ps(top);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (v = 0; v + 8 <= V; v += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(q + v), top_8));
+        _mm256_storeu_ps(q + v, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float total = hsum8(sum8);
+    for (; v < V; v++) total += q[v] = expf(q[v] - top);
+    const float inv = 1.0f / total;
+    float run = 0.0f;
+    for (v = 0; v < V; v++) run += q[v] *= inv;
+    const float target = fminf(u * run, nextafterf(run, 0.0f));
+    int64_t pick = -1;
+    run = 0.0f;
+    for (v = 0; v < V && pick < 0; v++)
+        if ((run += q[v]) > target) pick = v;
+    return pick >= 0 ? pick : V - 1;
+}
 
 /* The step's B rows: row b at position pos[i] + add of sequence seq[i], i = idx[b] (idx NULL: b). Their
  * slots, table rows, lengths, cos and sin. */
@@ -329,6 +374,11 @@ int shuttle_mtp_draft(const shuttle_step *s0, const shuttle_layer *layer, const 
         shuttle_gemm_bf16_panels(hn, na, D, m->head, m->Vh, logits, nt);
         for (int64_t i = 0; i < na; i++) {
             const uint16_t *l = logits + i * m->Vh;
+            const int64_t a = act[i];
+            if (m->temp && m->temp[a] > 0) {
+                drafts[a * n + j] = tok[i] = mtp_sample(l, m->V, m->temp[a], m->u[a * n + j], m->q + (a * n + j) * m->V);
+                continue;
+            }
             int64_t best = 0;
             float top = bf16_to_f32(l[0]);
             for (int64_t v = 1; v < m->V; v++)
