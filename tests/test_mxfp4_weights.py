@@ -119,13 +119,35 @@ def test_the_kernels_decode_every_code_and_scale_exactly(kernel):
     """One block of 32 inputs per row, small integer x: every product and sum is exact, so the kernels
     must equal the reference bitwise. Every byte value, i.e. every code in either nibble, and scale
     bytes from 2^-127 (a subnormal; the AVX-512 FMA kernel) to 2^73."""
-    exps = [8, 64, 127, 128, 170, 200] if kernel == mx.BF16DOT else [0, 1, 2, 64, 127, 128, 170, 200]
+    exps = [2, 8, 64, 127, 128, 170, 200] if kernel == mx.BF16DOT else [0, 1, 2, 64, 127, 128, 170, 200]
     blocks = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(16, 1, 16).repeat(len(exps), 1, 1)
     scales = torch.tensor(exps, dtype=torch.uint8).repeat_interleave(16)[:, None]
     w = mx.Mxfp4Weight.from_checkpoint(blocks, scales)
     x = torch.randint(-8, 9, (19, 32), generator=torch.Generator().manual_seed(0)).float()
     x = x.bfloat16() if kernel == mx.BF16DOT else x
     assert torch.equal(mx.mxfp4_linear(x, w, kernel=kernel), mx.mxfp4_linear_reference(x, w))
+
+
+@pytest.mark.skipif(mx.BF16DOT not in mx.kernels(), reason="no AVX-512 BF16 kernel here")
+@pytest.mark.parametrize("odd", [0, 1, 253, 254])
+def test_bf16dot_decodes_a_block_with_a_scale_past_bf16s_normal_range_the_same_way(odd):
+    """BF16DOT decodes a panel's block by its table of bf16 codes and an exponent step where all 16 rows'
+    scale bytes are in [2, 252], else by float32 products: a row with a scale byte outside (values under
+    2^-126, or past bf16's largest) sends its block the other way, and its 15 neighbours still come out
+    bitwise as the reference, every code (x = the identity: each output one weight); so does the panel
+    beside it, whose scales reach both ends of that range."""
+    exps = torch.full((32,), 127, dtype=torch.uint8)
+    exps[5], exps[20], exps[21] = odd, 252, 2
+    blocks = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(16, 1, 16).repeat(2, 1, 1)
+    w = mx.Mxfp4Weight.from_checkpoint(blocks, exps[:, None])
+    x = torch.eye(32).bfloat16()
+    got = mx.mxfp4_linear(x, w, kernel=mx.BF16DOT)
+    # the reference with the values under 2^-126 zero, as the BF16 dot products read subnormal weights
+    # (past the range the odd row is inf or NaN: 0 x inf in every output)
+    w_OI = dequantize_mxfp4(blocks, exps[:, None])
+    w_OI = torch.where(w_OI.abs() < 2.0 ** -126, 0.0, w_OI)
+    want = (x.float() @ w_OI.T).bfloat16()
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
 @NEEDS_MX

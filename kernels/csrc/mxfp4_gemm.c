@@ -205,12 +205,38 @@ T512 static void tile_mx512(const void *x, int64_t ldx, int R, const uint8_t *pw
 #ifdef HAVE_BF16DOT
 /* Blocks [g0, g1) of a panel decoded into d as bf16 pairs with the scales folded in, pair j of the
  * blocks at d + step * j (64-byte aligned; step 32: the panel alone, 64: one of two side by side, see
- * int8_panels.h's bf_pair): lane o = (w[o][2j], w[o][2j + 1]). The products are exact in float32 and have at most
- * 2 significant bits, so their top halves are the bf16 values. */
+ * int8_panels.h's bf_pair): lane o = (w[o][2j], w[o][2j + 1]). Every value is an FP4 value times a power
+ * of two, so bf16 holds it exactly where it is normal: a block whose 16 scale bytes are all in [2, 252]
+ * (every product then normal, or zero) takes each code's bf16 value from a 16-word table (vpermw of the
+ * byte's two nibbles, one word each) and adds e - 127 to the exponent field of the nonzero words; other
+ * blocks (products under 2^-126 or past bf16's range) multiply in float32 and keep the top halves. The
+ * two give the same bits where both apply. */
 TBF static void mx_dequant_bf16(const uint8_t *pw, const uint8_t *ps, int64_t g0, int64_t g1, uint16_t *d, int64_t step) {
     const __m512 table = fp4_table();
-    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u), nibbles = _mm512_set1_epi32(0x000F000F);
+    const __m512i words = _mm512_zextsi256_si512(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(table), 16)));
+    const __m512i magnitude = _mm512_set1_epi16(0x7FFF), low = _mm512_set1_epi32(0xFFFF);
     for (int64_t g = g0; g < g1; g++) {
+        const __m128i e8 = _mm_loadu_si128((const __m128i *)(ps + 16 * g));
+        const int normal = _mm_movemask_epi8(_mm_and_si128(_mm_cmpeq_epi8(_mm_max_epu8(e8, _mm_set1_epi8(2)), e8),
+                                                           _mm_cmpeq_epi8(_mm_min_epu8(e8, _mm_set1_epi8((char)252)), e8))) == 0xFFFF;
+        if (normal) {
+            /* (e - 127) << 7 in both 16-bit halves of each row's lane: the exponent step of its scale */
+            const __m512i shift = _mm512_and_si512(
+                _mm512_slli_epi32(_mm512_sub_epi32(_mm512_cvtepu8_epi32(e8), _mm512_set1_epi32(127)), 7), low);
+            const __m512i add = _mm512_or_si512(shift, _mm512_slli_epi32(shift, 16));
+            for (int j = 0; j < 16; j++) {
+                const uint8_t *p = pw + g * MX_PANEL_BLOCK + 16 * j;
+                if (!(j & 3)) _mm_prefetch((const char *)(p + 64 * PF_LINES), _MM_HINT_T0);
+                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+                /* word 0 of a lane: the low nibble (input 2j), word 1: the high one (input 2j + 1) */
+                const __m512i idx = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), nibbles, 0xA8);
+                const __m512i w = _mm512_permutexvar_epi16(idx, words);
+                const __m512i pair = _mm512_mask_add_epi16(w, _mm512_test_epi16_mask(w, magnitude), w, add);
+                _mm512_store_si512(d + step * ((g - g0) * 16 + j), pair);
+            }
+            continue;
+        }
         const __m512 s = e8m0x16(ps + 16 * g);
         for (int j = 0; j < 16; j++) {
             const uint8_t *p = pw + g * MX_PANEL_BLOCK + 16 * j;
