@@ -297,11 +297,14 @@ class LLMEngine:
         by the sampler). Rows whose pick does not depend on the tokens emitted before them in this
         step are sampled in one sampler call: every row of a sequence without drafts, and of a greedy
         one without a grammar (its row j, used only where drafts 0..j-1 were accepted, sees those as
-        outputs: an argmax draws nothing). Unseeded sampled sequences whose drafts were drawn from q
-        (MTP, draft models), with no grammar or logprobs, verify all their positions in one call
-        (Sampler.verify_chains). The others (sampled sequences with drafts: a seeded one draws only
-        for the tokens it emits; greedy ones whose grammar takes each token) sample position j of
-        every sequence still verifying in turn, one call per position."""
+        outputs: an argmax draws nothing), and of a sampled one whose drafts are point masses (MTP drafts
+        of a seeded request, n-gram drafts) without a grammar: its row j draws from p_j as a decode step
+        would, and a seeded one's generator is then set back and moved past the draws of the tokens it
+        emitted only (its row j took its j-th draw, so it draws what plain decoding draws). Unseeded
+        sampled sequences whose drafts were drawn from q (MTP, draft models), with no grammar or
+        logprobs, verify all their positions in one call (Sampler.verify_chains). The others (drafts
+        from q with a grammar or logprobs; sequences whose grammar takes each token) sample position j
+        of every sequence still verifying in turn, one call per position."""
         qs = [seq.draft_probs for seq in sampled]
         drafts = [seq.drop_drafts() for seq in sampled]
         starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
@@ -319,8 +322,9 @@ class LLMEngine:
             stops[i] = self._stop_reason(seq, tok)
             return stops[i][0] is None and j < len(drafts[i]) and tok == drafts[i][j]
 
+        # (point-mass drafts: a greedy request's, or a sampled one's argmax or n-gram drafts)
         at_once = [i for i, (s, d) in enumerate(zip(sampled, drafts))
-                   if not d or s.params.temperature == 0 and s.grammar is None]
+                   if not d or s.grammar is None and (s.params.temperature == 0 or qs[i] is None)]
         chains = [i for i, (s, d) in enumerate(zip(sampled, drafts)) if d and qs[i] is not None and i not in at_once
                   and s.grammar is None and s.params.logprobs is None and s.generator is None]
         if chains:  # (drafts drawn from q: every position of a sequence verified in one go)
@@ -336,6 +340,10 @@ class LLMEngine:
         if at_once:
             rows = logits_RV if len(at_once) == len(sampled) else logits_RV[row_spans(
                 [starts[i] for i in at_once], [len(drafts[i]) + 1 for i in at_once]).to(logits_RV.device)]
+            # A seeded sampled sequence's rows draw one uniform each from its generator, in position order;
+            # it then keeps the draws of the tokens it emits only, as plain decoding would have taken them.
+            rewind = {i: sampled[i].generator.get_state() for i in at_once if drafts[i]
+                      and sampled[i].generator is not None and sampled[i].params.temperature > 0}
             out = self.sampler(rows, [row for i in at_once for row in self._rows_at_once(sampled[i], drafts[i])])
             r = 0
             for i in at_once:
@@ -343,6 +351,9 @@ class LLMEngine:
                 while emit(i, j, out, r + j):
                     j += 1
                 r += len(drafts[i]) + 1
+                if i in rewind:
+                    sampled[i].generator.set_state(rewind[i])
+                    skip_draws(sampled[i].generator, j + 1)
         active, j = sorted(set(range(len(sampled))).difference(at_once, chains)), 0
         while active:
             rows = [SamplingRow(sampled[i].params, self._prompt_if_needed(sampled[i]), sampled[i].output_token_ids,
@@ -411,9 +422,11 @@ class LLMEngine:
         """Speculative method mtp, after a step: the MTP layer takes in the positions the step computed
         and kept (every sequence still running, so its drafts see the whole context later) and
         proposes drafts for the sequences the next step may draft for; `_draft` appends them. Greedy
-        and seeded requests get the layer's argmax (point masses: a seed then draws the tokens of
-        plain decoding); unseeded sampled ones draws from q = softmax(logits / temperature), whose rows
-        go with them for rejection sampling (attention_nodes/speculative.py)."""
+        requests get the layer's argmax; sampled ones draws from q = softmax(logits / temperature):
+        an unseeded one's q rows go with them for rejection sampling (attention_nodes/speculative.py);
+        a seeded one's drafts are point masses drawn with the uniforms its generator gives its next
+        tokens (read ahead, not taken), so that where q is near p the draft is the very token that
+        position's draw from p gives: verified as point masses, the tokens are plain decoding's."""
         spec, self._mtp_drafts = self.spec, {}
         on = len(self.scheduler.running) <= spec.disable_by_batch_size
         if not on:  # speculation is off: the layer does not run, so a big batch pays nothing for it; the
@@ -424,12 +437,13 @@ class LLMEngine:
                 seq.grammar is not None and seq.grammar.is_terminated())
             wanted.append(-1 if seq.is_finished else 0 if not decoding else
                           max(0, min(spec.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1)))
-        temperatures = [s.params.temperature if s.params.temperature > 0 and s.params.seed is None else None
-                        for s in batch.seqs]
-        drafts, probs = self.runner.mtp_draft(batch, starts, wanted, temperatures)
-        for seq, d, q in zip(batch.seqs, drafts, probs):
+        temperatures = [s.params.temperature if s.params.temperature > 0 else None for s in batch.seqs]
+        ahead = [None if t is None or seq.generator is None or w <= 0 else peek_uniforms(seq.generator, w)
+                 for seq, t, w in zip(batch.seqs, temperatures, wanted)]
+        drafts, probs = self.runner.mtp_draft(batch, starts, wanted, temperatures, ahead)
+        for seq, d, q, u in zip(batch.seqs, drafts, probs, ahead):
             if d:
-                self._mtp_drafts[(seq.request_id, seq.index)] = (seq.num_tokens, d, q)
+                self._mtp_drafts[(seq.request_id, seq.index)] = (seq.num_tokens, d, None if u is not None else q)
 
     def step_summary(self) -> dict:
         """What the last step ran, for a trace's step span: its sequences, those with one new token
@@ -523,6 +537,16 @@ def default_eos_ids(model_dir: str | Path, model_cfg: ModelConfig) -> set[int]:
         if eos is not None:
             return set(eos if isinstance(eos, list) else [eos])
     return set(model_cfg.eos_token_ids)
+
+
+def peek_uniforms(gen: torch.Generator, n: int) -> list[float]:
+    """The uniforms a seeded sample's next n tokens will draw from its generator (one each, as
+    kernels/sampling.uniforms draws them), the generator left where it was."""
+    state = gen.get_state()
+    try:
+        return [float(torch.rand(1, generator=gen, device=gen.device)[0]) for _ in range(n)]
+    finally:
+        gen.set_state(state)
 
 
 def skip_draws(gen: torch.Generator, num_tokens: int) -> None:

@@ -13,6 +13,7 @@ from attention_nodes.scheduler import ScheduledBatch
 from models.config import ModelConfig
 from models.dispatcher import Dispatcher, LocalDispatcher
 from kernels import native
+from kernels.sampling import _inverse_cdf
 from kernels.ops import choose_backend
 from kernels.quant import TRITON_QUANTIZATIONS
 from models.cpu_inference import (SKINNY_MAX_ROWS, decode_is_native, half_copy_bytes, pack_for_cpu_inference,
@@ -254,7 +255,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def mtp_draft(self, batch: ScheduledBatch, starts: list[int], num_drafts: list[int],
-                  temperatures: list[float | None] | None = None) -> tuple[list[list[int]], list]:
+                  temperatures: list[float | None] | None = None,
+                  uniforms: list[list[float] | None] | None = None) -> tuple[list[list[int]], list]:
         """After a step (sampled and verified): run the MTP layer over the positions each sequence of
         `batch` computed and kept, so its keys and values of those positions are cached, and propose
         greedy drafts. starts[b]: batch.seqs[b].num_computed_tokens before the step; num_drafts[b]:
@@ -270,11 +272,12 @@ class ModelRunner:
         Drafted positions' entries are overwritten when those positions are kept: every kept
         position is run here once, in order, after every position before it.
         temperatures[b]: draw sequence b's drafts from q = softmax(logits / T) instead of the argmax (None:
-        greedy). Returns (drafts, probs): probs[b] the q rows (d, V) of b's drafts, or None for greedy ones
-        (point masses; speculative.rejection_sample verifies both exactly)."""
+        greedy): draft j where the running sum of q first passes uniforms[b][j] (None: fresh uniforms
+        of the global generator). Returns (drafts, probs): probs[b] the q rows (d, V) of b's drafts, or
+        None for greedy ones (point masses; speculative.rejection_sample verifies both exactly)."""
         mtp, bs, device = self.mtp, self.block_size, self.device
         if mtp.native is not None:
-            rows = self._native_draft_rows(batch, starts, num_drafts, temperatures)
+            rows = self._native_draft_rows(batch, starts, num_drafts, temperatures, uniforms)
             got = None if rows is None else mtp.native_drafts(self.last_hidden_TD, self.cache, rows, bs)
             if got is not None:
                 drafts, probs = [[] for _ in batch.seqs], [None] * len(batch.seqs)
@@ -330,10 +333,12 @@ class ModelRunner:
             logits_AV = mtp.logits(y_AD)[:, :self.model_cfg.vocab_size]
             picks = logits_AV.argmax(-1).tolist()
             for r, i in enumerate(active):
-                if probs[who[i]] is not None:  # (a sampled request's draft: drawn from q, q kept for verification)
-                    q_V = torch.softmax(logits_AV[r].float() / temperatures[who[i]], dim=-1)
-                    picks[r] = int(torch.multinomial(q_V, 1))
-                    probs[who[i]].append(q_V)
+                b = who[i]
+                if probs[b] is not None:  # (a sampled request's draft: drawn from q, q kept for verification)
+                    q_V = torch.softmax(logits_AV[r].float() / temperatures[b], dim=-1)
+                    u = uniforms[b][j] if uniforms is not None and uniforms[b] is not None else torch.rand(()).item()
+                    picks[r] = int(_inverse_cdf(q_V.cumsum(0)[None], torch.tensor([u]))[0])
+                    probs[b].append(q_V)
                 drafts[who[i]].append(picks[r])
             j += 1
             more = [r for r, i in enumerate(active) if len(drafts[who[i]]) < num_drafts[who[i]]]
@@ -394,7 +399,8 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long, device=self.device), attn, rows.to(self.device), spans
 
     def _native_draft_rows(self, batch: ScheduledBatch, starts: list[int], num_drafts: list[int],
-                           temperatures: list[float | None] | None) -> "DraftRows | None":
+                           temperatures: list[float | None] | None,
+                           uniforms: list[list[float] | None] | None) -> "DraftRows | None":
         """mtp_draft's rows as MTPDrafter.native_drafts takes them, where every sequence keeps at most
         mtp_decode_rows positions (one-token rows) and some draft; None elsewhere (mtp_draft drafts eagerly)."""
         from models.mtp import DraftRows
@@ -417,6 +423,7 @@ class ModelRunner:
                     rows.last.append(c + kept - 1)
                     rows.owner.append(b)
                     rows.temperature.append((temperatures[b] or 0.0) if temperatures else 0.0)
+                    rows.uniforms.append(uniforms[b] if uniforms else None)
                 rows.tables.append(seq.block_table)
             offset += n
         return rows if rows.pick else None

@@ -104,6 +104,8 @@ class Sampler:
         position, one call per draft count, which gives each token the law of verifying one position
         at a time (`__call__` with draft_probs). For rows without a grammar (its mask follows the
         tokens taken), logprobs or a seed (their uniforms are the global generator's)."""
+        if any(r.generator is not None or r.grammar is not None for r in rows):
+            raise ValueError("verify_chains takes unseeded rows without a grammar")
         p_RV, V = self.probs(logits_RV, rows), self.vocab_size
         firsts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
         out: list[list[int]] = [[] for _ in drafts]

@@ -560,7 +560,7 @@ def decode_step(step, layers, num_layers: int) -> None:
 
 def mtp_draft(step, layers, mtp, passes: int, drafts_ptr: int) -> None:
     """Run kernels/csrc/decode_step.c's shuttle_mtp_draft: `passes` passes of an MTP layer and its head
-    (tables built by models/mtp.py, passed by reference), greedy drafts into drafts_ptr. Call only
+    (tables built by models/mtp.py, passed by reference), drafts (argmax, or drawn from q) into drafts_ptr. Call only
     where avx512_bf16() is True."""
     _step_error("mtp_draft", _library().shuttle_mtp_draft(step, layers, mtp, passes, drafts_ptr))
 

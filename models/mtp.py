@@ -171,6 +171,7 @@ class DraftRows:
     count: list[int] = field(default_factory=list)  # ... its drafts (a chain stays inside the sequence's blocks)
     owner: list[int] = field(default_factory=list)  # ... the caller's index of it (its place in the batch)
     temperature: list[float] = field(default_factory=list)  # ... 0: greedy drafts, else drawn from q (native_drafts)
+    uniforms: list[list[float] | None] = field(default_factory=list)  # ... its draws' uniforms (None: fresh ones)
 
 
 class MTPDrafter:
@@ -235,9 +236,9 @@ class MTPDrafter:
         h_TD, the rows the step kept), each drafting sequence's first draft from its last row, then chained
         passes of a row for each sequence drafting on, each one position further. The kernels and their
         order are forward's and logits', so greedy drafts are the eager passes' argmaxes. A sequence with
-        rows.temperature[a] > 0 draws each draft from q = softmax(logits / temperature) (one uniform of
-        the global generator a draft) and probs[a] holds those q rows (count, vocab_size) float32, for
-        rejection sampling; None for greedy ones. None where the native step would not run these rows or
+        rows.temperature[a] > 0 draws each draft from q = softmax(logits / temperature) (one uniform a
+        draft: rows.uniforms[a]'s, else the global generator's) and probs[a] holds those q rows (count,
+        vocab_size) float32, for rejection sampling; None for greedy ones. None where the native step would not run these rows or
         the layer's input projection or head is not on bf16 panels (the caller drafts eagerly)."""
         head = self._native_head()
         B, A, n = len(rows.ids), len(rows.pick), max(rows.count)
@@ -260,8 +261,11 @@ class MTPDrafter:
         layer, V = self.layer, self.cfg.vocab_size
         sampled = any(t > 0 for t in rows.temperature)
         temp = np.asarray(rows.temperature, dtype=np.float32) if sampled else None
-        u_An = torch.rand(A, n) if sampled else None
-        q_AnV = torch.empty(A, n, V) if sampled else None
+        u_An = torch.rand(A, n, dtype=torch.float32) if sampled else None
+        for a, u in enumerate(rows.uniforms if sampled else ()):
+            if u:
+                u_An[a, :min(n, len(u))] = torch.tensor(u[:n], dtype=torch.float32)
+        q_AnV = torch.empty(A, n, V, dtype=torch.float32) if sampled else None
         m = _Mtp(embed.data_ptr(), layer.enorm.weight.data_ptr(), layer.hnorm.weight.data_ptr(), eh, head_panels,
                  rope[0].data_ptr(), rope[1].data_ptr(), V, Vh, A, pages.shape[1], block_size,
                  pages.ctypes.data, *(a.ctypes.data for a in arrays[:4]), h_TD.data_ptr(),

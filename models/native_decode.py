@@ -12,8 +12,8 @@ captured graph replays a GPU's step:
   then the model's dispatcher sends the layer's rows through M2N as before.
 - a speculative MTP layer (models/mtp.py) over one-token rows: that layer alone as the step's only
   layer (its keys and values in the cache's last layer; a dense MLP as one expert every token takes),
-  its output before shared_head's norm returned; or a greedy step's every pass, chained, with the layer's
-  inputs (enorm, hnorm, eh_proj), the head and the argmax, in one call (`shuttle_mtp_draft`).
+  its output before shared_head's norm returned; or a step's every pass, chained, with the layer's
+  inputs (enorm, hnorm, eh_proj), the head and the argmax or the draw from q, in one call (`shuttle_mtp_draft`).
 The model keeps every other path: prefill and mixed steps, compiled stages, and every model this
 does not take.
 

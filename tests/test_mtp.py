@@ -392,6 +392,40 @@ def test_native_mtp_draws_sampled_drafts_from_q_with_its_uniforms():
             assert int(probs[a][0].argmax()) == greedy[a][0]
 
 
+def test_seeded_samples_draft_with_the_uniforms_their_next_tokens_draw():
+    """A seeded sampled request's MTP drafts are drawn from q with the uniforms its generator gives its
+    next tokens (read ahead: the generator is not moved), so a draft is the token that position's draw
+    from p gives wherever q and p agree on it; verified as point masses, the outputs are plain
+    decoding's (float32, the built-in model and its trained head), and drafts are accepted."""
+    seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True)
+    plain = LLM(dtype="float32")
+    try:
+        want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:2], seeded)]
+    finally:
+        plain.shutdown()
+    llm = LLM(dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 2, **EVERY_BATCH})
+    runner, seen = llm.engine.runner, []
+    real = runner.mtp_draft
+
+    def spy(batch, starts, wanted, temperatures, uniforms):
+        for seq, w, t, u in zip(batch.seqs, wanted, temperatures, uniforms):
+            if w > 0:
+                state = seq.generator.get_state()
+                ahead = torch.rand(w, generator=seq.generator).tolist()
+                seq.generator.set_state(state)
+                seen.append((t, u, ahead))
+        return real(batch, starts, wanted, temperatures, uniforms)
+
+    runner.mtp_draft = spy
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], seeded)]
+        stats = llm.engine.stats()["spec_decode"]
+    finally:
+        llm.shutdown()
+    assert got == want and stats["num_accepted_tokens"] > 0
+    assert seen and all(t == pytest.approx(0.8) and u == ahead for t, u, ahead in seen)
+
+
 class _Counting:
     """A NativeDecode that counts its steps."""
 

@@ -135,7 +135,9 @@ def test_bf16dot_decodes_a_block_with_a_scale_past_bf16s_normal_range_the_same_w
     scale bytes are in [2, 252], else by float32 products: a row with a scale byte outside (values under
     2^-126, or past bf16's largest) sends its block the other way, and its 15 neighbours still come out
     bitwise as the reference, every code (x = the identity: each output one weight); so does the panel
-    beside it, whose scales reach both ends of that range."""
+    beside it, whose scales reach both ends of that range. (Of the odd rows only a scale byte 0 shows
+    the way taken: past the range the row is NaN in every output either way, 0 x inf, and at 1 the
+    values the table would get wrong are subnormals, which the dot products read as zero.)"""
     exps = torch.full((32,), 127, dtype=torch.uint8)
     exps[5], exps[20], exps[21] = odd, 252, 2
     blocks = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(16, 1, 16).repeat(2, 1, 1)

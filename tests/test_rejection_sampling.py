@@ -257,3 +257,32 @@ def test_engine_rejection_samples_distribution_drafts(ckpt, plain, drafting_from
     for sample in (ids for o in runs[0] for ids in o):
         assert len(sample) == 16 and all(0 <= t < vocab for t in sample)
     assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"]  # the seeded runs' drafts
+
+
+def test_engine_verifies_unseeded_q_drafts_at_once_with_penalties_and_min_tokens(ckpt, drafting_from_q):
+    """Unseeded sampled sequences with drafts from q take Sampler.verify_chains, here with a repetition
+    penalty and min_tokens (each position's row sees the drafts before it as outputs): no EOS comes
+    before min_tokens, drafted or drawn, and drafts are accepted and rejected."""
+    from attention_nodes.sampler import Sampler
+
+    params = SamplingParams(max_tokens=16, temperature=1.0, repetition_penalty=1.3, min_tokens=12)
+    llm = LLM(ckpt, speculative_config={"method": "ngram", "num_speculative_tokens": NUM_SPEC})
+    calls, real = [], Sampler.verify_chains
+
+    def spy(self, *args):
+        calls.append(len(args[2]))
+        return real(self, *args)
+
+    try:
+        Sampler.verify_chains = spy
+        drafting_from_q()
+        outs = llm.generate(PROMPTS, params)
+        spec = llm.engine.stats()["spec_decode"]
+        eos = llm.engine.eos_token_ids
+    finally:
+        Sampler.verify_chains = real
+        llm.shutdown()
+    assert calls and 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"]
+    for o in outs:
+        ids = o.outputs[0].token_ids
+        assert len(ids) >= 12 and not set(ids[:11]) & set(eos)

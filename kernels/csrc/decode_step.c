@@ -241,7 +241,7 @@ int shuttle_decode_step(const shuttle_step *s, const shuttle_layer *layers, int6
     return 0;
 }
 
-/* An MTP layer's greedy drafts (models/mtp.MTPDrafter.native_drafts): passes of the layer alone (layers[0],
+/* An MTP layer's drafts (models/mtp.MTPDrafter.native_drafts): passes of the layer alone (layers[0],
  * a one-layer step whose buffers fit s->B rows) and its head, in one call. Pass 0 runs s->B one-token rows:
  * row b the token tok0[b] with the target's hidden state h0[hrow[b]] at position pos0[b] of sequence seq0[b]
  * (a row of pages); its rows pick[0..A) draft sequence a's first token. Pass j > 0 runs a row for each
@@ -267,16 +267,17 @@ typedef struct {
     float *q;                                      /* (A, n, V): the sampled drafts' distributions */
 } shuttle_mtp;
 
-/* A draw from q = softmax(l / temp) over the V bf16 logits l (each divided in float32, as torch's
- * logits.float() / temp), written to q: the first token whose running sum of q exceeds u times the
- * total (kernels/sampling._inverse_cdf: the target kept below the total, so a token of q 0 is never
- * drawn). */
 static inline float hmax8(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
+/* A draw from q = softmax(l / temp) over the V bf16 logits l (each divided in float32, as torch's
+ * logits.float() / temp), written to q: the first token whose running sum of q exceeds u times the
+ * total (kernels/sampling._inverse_cdf: the target kept below the total, so a token of q 0 is never
+ * drawn). Logits whose exponentials do not sum to a finite positive total (NaN, +inf) give q one-hot
+ * at their first largest finite value, and that token. */
 static int64_t mtp_sample(const uint16_t *l, int64_t V, float temp, float u, float *q) {
     const __m256 t8 = _mm256_set1_ps(temp);
     __m256 top8 = _mm256_set1_ps(-INFINITY);
@@ -297,6 +298,15 @@ static int64_t mtp_sample(const uint16_t *l, int64_t V, float temp, float u, flo
     }
     float total = hsum8(sum8);
     for (; v < V; v++) total += q[v] = expf(q[v] - top);
+    if (!(total > 0.0f && total < INFINITY)) {
+        int64_t best = 0;
+        float most = -INFINITY;
+        for (v = 0; v < V; v++)
+            if (bf16_to_f32(l[v]) > most && bf16_to_f32(l[v]) < INFINITY) most = bf16_to_f32(l[v]), best = v;
+        memset(q, 0, (size_t)V * sizeof(float));
+        q[best] = 1.0f;
+        return best;
+    }
     const float inv = 1.0f / total;
     float run = 0.0f;
     for (v = 0; v < V; v++) run += q[v] *= inv;
