@@ -17,7 +17,8 @@ draft tokens) and mean acceptance length (1 + accepted / drafts: the tokens a dr
 per verify step, vLLM's definition). Greedy outputs are checked to equal "off"'s in float32 (in bf16
 the verify pass rounds differently, so near-ties may differ: reported, not failed). --temperature T > 0
 samples instead (unseeded: MTP drafts are drawn from the head's q and verified by rejection sampling) and
-writes spec_decode_t<T>.json.
+writes spec_decode_t<T>.json; with --seed S each request samples with seed S (its tokens those of plain
+decoding: MTP drafts are point masses) and the file is spec_decode_t<T>_seed.json.
 
     python bench/spec_decode.py [--quick] [--methods ngram mtp] [--batches 1 16 64] [--ks 1 2 3]
                                 [--mtp-ks 1 2 3] [--rounds 3] [--solo-prompts 4]
@@ -155,7 +156,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--doc-tokens", type=int, default=96)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else unseeded sampling at T")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampling at T")
+    p.add_argument("--seed", type=int, default=None, help="with --temperature: seeded requests")
     p.add_argument("--kv-blocks", type=int, default=1024, help="KV cache blocks of each engine (16 tokens each)")
     p.add_argument("--breakdown", action="store_true", help="per-step costs at batch 1 instead (module docstring)")
     args = p.parse_args()
@@ -166,7 +168,8 @@ def main() -> None:
         return breakdown(args, SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True))
     if args.quick:
         args.batches, args.ks, args.mtp_ks, args.rounds, args.output_len = [1, 16], [1, 3], [1, 3], 2, 32
-    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True,
+                            seed=args.seed if args.temperature > 0 else None)
     first_only = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     never = 10 ** 6
     ks = {"ngram": args.ks, "mtp": args.mtp_ks}
@@ -252,7 +255,8 @@ def main() -> None:
     print_table(rows, ["workload", "batch", "engine", "tok_s", "vs_off", "tpot_ms", "acceptance", "mean_accept_len",
                        "greedy_equal"])
     name = "spec_decode_quick" if args.quick else "spec_decode"
-    path = save(name + (f"_t{args.temperature:g}" if args.temperature > 0 else ""),
+    path = save(name + (f"_t{args.temperature:g}" + ("_seed" if args.seed is not None else "")
+                        if args.temperature > 0 else ""),
                 {"host": describe_host(), "config": vars(args), "default_disable_by_batch_size":
                  DEFAULT_DISABLE_BY_BATCH_SIZE, "rows": rows, "per_round": per_round})
     print(f"wrote {path}")
