@@ -497,9 +497,9 @@ def measure_mtp(opts: ProfileOptions, cfg: ModelConfig) -> tuple[list[dict], lis
                 reached[j] += 1
             count(drafted, accepted)
 
-        def timed(batch, starts, num_drafts, temperatures=None):
+        def timed(batch, starts, num_drafts, *sampling):
             t0 = time.perf_counter()
-            out = draft(batch, starts, num_drafts, temperatures)
+            out = draft(batch, starts, num_drafts, *sampling)
             dt = time.perf_counter() - t0
             calls[0] += 1
             if calls[0] == 1:  # (first calls: buffers, kernel choices)
