@@ -1,7 +1,8 @@
 """The configs of the attention variants that are more than a head count: Multi-head Latent Attention
 (DeepSeek-V2/V3, Kimi K2; with DeepSeek Sparse Attention's indexer in V3.2 and GLM-5) and Gated
-DeltaNet linear attention (Qwen3-Next, Qwen3.5-MoE), with MLA's reader. models/config.py composes them
-into ModelConfig (DeepSeek-V4's attention has models/v4_config.py).
+DeltaNet linear attention (Qwen3-Next, Qwen3.5-MoE), with MLA's reader; and the readers of every
+family's rotary embedding, partial rotary and sliding windows. models/config.py composes them into
+ModelConfig (DeepSeek-V4's attention has models/v4_config.py).
 """
 import math
 from dataclasses import dataclass
@@ -9,12 +10,13 @@ from typing import Any
 
 import torch
 
-from kernels.rotary import RopeConfig
+from kernels.rotary import ROPE_TYPES, RopeConfig
 from models import families
 from models.errors import ConfigError
 
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")  # MLA with DeepSeek Sparse Attention's indexer
+PARTIAL_ROTARY_FAMILIES = {"glm4_moe": 0.5, "minimax_m2": 1.0, "qwen3_next": 0.25, "qwen3_5_moe": 0.25}
 
 
 @dataclass(frozen=True)
@@ -142,3 +144,93 @@ def with_mla_scale(mla: MLAConfig, rope: RopeConfig) -> MLAConfig:
         m = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
         scale *= m * m
     return MLAConfig(**{**mla.__dict__, "softmax_scale": scale})
+
+
+def read_rotary_dim(raw: dict[str, Any], family: str, head_dim: int, src: str) -> int | None:
+    """Partial rotary: partial_rotary_factor in rope_parameters (transformers 5) or at the top level,
+    else MiniMax-M2's rotary_dim, else the family's default (GLM: 0.5, as transformers assumes).
+    None when every dim is rotated."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if family not in PARTIAL_ROTARY_FAMILIES:
+        if factor is not None and float(factor) != 1.0:
+            raise ConfigError(f"{src}: partial_rotary_factor != 1 is not supported by {family}")
+        return None
+    if factor is None and family == "minimax_m2" and raw.get("rotary_dim") is not None:
+        factor = int(raw["rotary_dim"]) / head_dim
+    factor = PARTIAL_ROTARY_FAMILIES[family] if factor is None else float(factor)
+    dim = int(head_dim * factor)  # (transformers' rounding)
+    if not 0 < factor <= 1 or dim % 2 or dim == 0:
+        raise ConfigError(f"{src}: partial_rotary_factor {factor} gives {dim} rotary dims of head_dim {head_dim}; "
+                          f"need an even number in [2, head_dim]")
+    return None if dim == head_dim else dim
+
+
+def read_sliding_windows(raw: dict[str, Any], family: str, layers: int, src: str) -> tuple[int | None, ...]:
+    """Per-layer window, following each family's transformers definition."""
+    window = raw.get("sliding_window") or None
+    if family in ("olmoe", "glm4_moe", "minimax_m2", "dbrx", "llama4", *MLA_FAMILIES):
+        return (None,) * layers
+    if family == "gpt_oss":  # layer_types, by default sliding and full alternating from layer 0
+        types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                           for i in range(layers)]
+        if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+            raise ConfigError(f"{src}: layer_types must list num_hidden_layers={layers} entries of "
+                              f"'sliding_attention' / 'full_attention', got {types}")
+        if "sliding_attention" in types and (window is None or int(window) <= 0):
+            raise ConfigError(f"{src}: sliding_window must be a positive int when layer_types has "
+                              f"'sliding_attention' layers, got {raw.get('sliding_window')!r}")
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if family == "mixtral":
+        return (window,) * layers
+    use = bool(raw.get("use_sliding_window", False))
+    if family == "qwen3_moe":
+        return ((window if use else None),) * layers
+    # qwen2_moe: explicit layer_types (transformers 5), else its default pattern.
+    types = raw.get("layer_types")
+    if types is None:
+        max_window_layers = int(raw.get("max_window_layers", 28))
+        types = [
+            "sliding_attention" if (i + 1) % 2 and i < max_window_layers and use else "full_attention"
+            for i in range(layers)
+        ]
+    if len(types) != layers:
+        raise ConfigError(f"{src}: layer_types has {len(types)} entries, expected num_hidden_layers={layers}")
+    window = window if use else None
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def read_rope(raw: dict[str, Any], family: str, max_pos: int, src: str) -> RopeConfig:
+    """The rotary embedding: rope_parameters (transformers 5) or rope_scaling and rope_theta (4), else the family's defaults."""
+    default = families.GPT_OSS_ROPE if family == "gpt_oss" else {}
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or default)
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ConfigError(f"{src}: per-layer-type rope_parameters are not supported by {family}")
+    theta = params.get("rope_theta", raw.get("rope_theta", families.DEFAULT_THETA.get(family, 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"{src}: rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    needed = {"linear": ["factor"], "dynamic": ["factor"], "llama3": ["factor", "low_freq_factor", "high_freq_factor"]}
+    for key in needed.get(rope_type, []):
+        if params.get(key) is None:
+            raise ConfigError(f"{src}: rope_parameters.{key} is required for rope type {rope_type!r}")
+    orig = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+
+    def opt(key: str) -> float | None:
+        return None if params.get(key) is None else float(params[key])
+
+    return RopeConfig(
+        rope_type=rope_type,
+        theta=float(theta),
+        factor=opt("factor"),
+        max_position_embeddings=max_pos,
+        original_max_position_embeddings=int(orig) if orig is not None else None,
+        attention_factor=opt("attention_factor"),
+        beta_fast=opt("beta_fast"),
+        beta_slow=opt("beta_slow"),
+        mscale=opt("mscale"),
+        mscale_all_dim=opt("mscale_all_dim"),
+        truncate=bool(params.get("truncate", True)),
+        low_freq_factor=opt("low_freq_factor"),
+        high_freq_factor=opt("high_freq_factor"),
+    )

@@ -25,12 +25,13 @@ from typing import Any
 import torch
 
 from kernels.moe import SILU, SwiGLU
-from kernels.rotary import ROPE_TYPES, RopeConfig
+from kernels.rotary import RopeConfig
 from kernels.routing import RouterConfig
 from models import families
 from models.attention_config import (DSA_FAMILIES, MLA_FAMILIES, LinearAttentionConfig, MLAConfig, read_mla,
-                                     with_mla_scale)
+                                     read_rope, read_rotary_dim, read_sliding_windows, with_mla_scale)
 from models.errors import ConfigError
+from models.quant_config import is_mxfp4, read_fp8_block, read_fp8_formats
 from models.v4_config import V4Config, v4_attention_params, v4_attention_weights, v4_context_flops, v4_wide_params
 
 # architectures entry -> family; each family's semantics follow transformers' definition of it.
@@ -68,7 +69,6 @@ PLANNED_ARCHITECTURES = {"DbrxForCausalLM": "dbrx"}
 PLANNED_MODEL_TYPES = {"dbrx": "DbrxForCausalLM"}
 V3_ROUTER_FAMILIES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe", "mimo_v2_flash")  # sigmoid + correction bias + groups of top-2 sums
 # family -> default partial_rotary_factor
-PARTIAL_ROTARY_FAMILIES = {"glm4_moe": 0.5, "minimax_m2": 1.0, "qwen3_next": 0.25, "qwen3_5_moe": 0.25}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -473,7 +473,7 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
         raise ConfigError(f"{src}: num_experts_per_tok ({top_k}) must be in [1, num_experts={num_experts}]")
     router = _router(raw, family, num_experts, top_k, src)
     max_pos = int(get("max_position_embeddings", 4096))
-    rope_of = lambda params: _rope({"rope_parameters": params}, family, max_pos, src)  # noqa: E731
+    rope_of = lambda params: read_rope({"rope_parameters": params}, family, max_pos, src)  # noqa: E731
     extra = families.FIELDS[family](raw, layers, src, rope_of) if family in families.FIELDS else {}
     if "linear_attention" in extra:
         extra["linear_attention"] = LinearAttentionConfig(**extra["linear_attention"])
@@ -504,11 +504,11 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
     if dtype_name not in DTYPES:
         raise ConfigError(f"{src}: dtype {dtype_name!r} is not supported; supported: {', '.join(DTYPES)}")
     eos = get("eos_token_id", [])
-    rope = extra.pop("rope") if "rope" in extra else _rope(raw, family, max_pos, src)
-    rotary_dim = extra.pop("rotary_dim") if "rotary_dim" in extra else _rotary_dim(raw, family, head_dim, src)
+    rope = extra.pop("rope") if "rope" in extra else read_rope(raw, family, max_pos, src)
+    rotary_dim = extra.pop("rotary_dim") if "rotary_dim" in extra else read_rotary_dim(raw, family, head_dim, src)
     oss = family == "gpt_oss"
     bias = bool(get("attention_bias", oss))  # gpt-oss's default is True
-    mxfp4 = _is_mxfp4(raw.get("quantization_config"), family, src)
+    mxfp4 = is_mxfp4(raw.get("quantization_config"), family, src)
     if mxfp4 and (hidden % 32 or moe_inter % 32):  # (each block packs 32 values along the input dim)
         raise ConfigError(f"{src}: MXFP4 experts need hidden_size ({hidden}) and intermediate_size ({moe_inter}) "
                           f"to be multiples of 32")
@@ -528,7 +528,7 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
         num_experts=num_experts,
         router=router,
         moe_layers=moe_layers,
-        sliding_windows=_sliding_windows(raw, family, layers, src),
+        sliding_windows=read_sliding_windows(raw, family, layers, src),
         qkv_bias=bool(get("qkv_bias", True)) if family == "qwen2_moe" else bias,
         o_bias=family in ("qwen3_moe", "olmoe", "gpt_oss", "llama4", *MLA_FAMILIES) and bias,  # GLM: q/k/v only
         mlp_bias=family == "deepseek_v2" and bool(get("mlp_bias", False)),
@@ -545,87 +545,14 @@ def _parse(raw: dict[str, Any], src: str, planning: bool = False) -> ModelConfig
         mla=with_mla_scale(mla, rope) if mla else None,
         # any family: `shuttle train --mtp-layers 1` gives a Mixtral, Qwen3, ... checkpoint one
         num_mtp_layers=int(get("num_nextn_predict_layers", 0, "num_mtp_layers")),
-        fp8_block=_fp8_block(raw.get("quantization_config"), src),
-        **_fp8_formats(raw, family, src),
+        fp8_block=read_fp8_block(raw.get("quantization_config"), src),
+        **read_fp8_formats(raw, family, src),
         rotary_dim=rotary_dim,
         attention_sinks=oss,
         expert_bias=oss,
         expert_act=SwiGLU(float(get("swiglu_alpha", 1.702)), float(get("swiglu_limit", 7.0)), 1.0) if oss else SILU,
         mxfp4=mxfp4,
     ), **extra})
-
-
-def _rotary_dim(raw: dict[str, Any], family: str, head_dim: int, src: str) -> int | None:
-    """Partial rotary: partial_rotary_factor in rope_parameters (transformers 5) or at the top level,
-    else MiniMax-M2's rotary_dim, else the family's default (GLM: 0.5, as transformers assumes).
-    None when every dim is rotated."""
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
-    if family not in PARTIAL_ROTARY_FAMILIES:
-        if factor is not None and float(factor) != 1.0:
-            raise ConfigError(f"{src}: partial_rotary_factor != 1 is not supported by {family}")
-        return None
-    if factor is None and family == "minimax_m2" and raw.get("rotary_dim") is not None:
-        factor = int(raw["rotary_dim"]) / head_dim
-    factor = PARTIAL_ROTARY_FAMILIES[family] if factor is None else float(factor)
-    dim = int(head_dim * factor)  # (transformers' rounding)
-    if not 0 < factor <= 1 or dim % 2 or dim == 0:
-        raise ConfigError(f"{src}: partial_rotary_factor {factor} gives {dim} rotary dims of head_dim {head_dim}; "
-                          f"need an even number in [2, head_dim]")
-    return None if dim == head_dim else dim
-
-
-def _is_mxfp4(quant: Any, family: str, src: str) -> bool:
-    """quantization_config.quant_method mxfp4 (gpt-oss's published format: experts as *_blocks / *_scales)."""
-    if not isinstance(quant, dict) or quant.get("quant_method") != "mxfp4":
-        return False
-    if family != "gpt_oss":
-        raise ConfigError(f"{src}: quantization_config.quant_method='mxfp4' is supported for gpt-oss checkpoints only")
-    return True
-
-
-def _fp8_block(quant: Any, src: str) -> tuple[int, int] | None:
-    """quantization_config of FP8 block-quantised checkpoints (quant_method fp8, weight_block_size)."""
-    if not quant:
-        return None
-    if not isinstance(quant, dict):
-        raise ConfigError(f"{src}: quantization_config must be an object")
-    method = quant.get("quant_method")
-    if method == "mxfp4":
-        return None  # (see _is_mxfp4)
-    if method != "fp8":
-        raise ConfigError(f"{src}: quantization_config.quant_method={method!r} is not supported (only 'fp8' with "
-                          f"weight_block_size, and 'mxfp4' for gpt-oss)")
-    block = quant.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise ConfigError(f"{src}: quantization_config.weight_block_size must be two positive ints, got {block!r} "
-                          f"(per-tensor FP8 scales are not supported)")
-    fmt = quant.get("fmt", "e4m3")
-    if fmt not in ("e4m3", "float8_e4m3fn"):  # (DeepSeek spells it e4m3, MiniMax-M2 float8_e4m3fn)
-        raise ConfigError(f"{src}: quantization_config.fmt={fmt!r} is not supported (only 'e4m3')")
-    return int(block[0]), int(block[1])
-
-
-def _fp8_formats(raw: dict[str, Any], family: str, src: str) -> dict[str, Any]:
-    """An FP8 quantization_config's scale_fmt ("float" or "ue8m0") and expert_dtype ("fp8" or "fp4",
-    DeepSeek-V4 only; V4's released config.json has it at the top level, V4.1's in quantization_config,
-    as transformers reads both) as ModelConfig's fp8_scale_fmt and fp4_experts."""
-    quant = raw.get("quantization_config")
-    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
-        return {}
-    scale_fmt = quant.get("scale_fmt") or "float"
-    if scale_fmt not in ("float", "ue8m0"):
-        raise ConfigError(f"{src}: quantization_config.scale_fmt={scale_fmt!r} is not supported (only 'float' "
-                          f"and 'ue8m0')")
-    field, expert_dtype = "quantization_config.expert_dtype", quant.get("expert_dtype")
-    if expert_dtype is None and family == "deepseek_v4":
-        field, expert_dtype = "expert_dtype", raw.get("expert_dtype")
-    expert_dtype = expert_dtype or "fp8"
-    if expert_dtype not in ("fp8", "fp4"):
-        raise ConfigError(f"{src}: {field}={expert_dtype!r} is not supported (only 'fp8' and 'fp4')")
-    if expert_dtype == "fp4" and family != "deepseek_v4":
-        raise ConfigError(f"{src}: {field}='fp4' (packed FP4 experts) is supported for DeepSeek-V4 checkpoints only")
-    return {"fp8_scale_fmt": scale_fmt, "fp4_experts": expert_dtype == "fp4"}
 
 
 def _router(raw: dict[str, Any], family: str, num_experts: int, top_k: int, src: str) -> RouterConfig:
@@ -671,72 +598,3 @@ def _router(raw: dict[str, Any], family: str, num_experts: int, top_k: int, src:
                         topk_groups=topk_groups, group_score="top2_sum" if v3 else "max",
                         scaling=float(raw.get("routed_scaling_factor") or (2.5 if family in ("deepseek_v3", *DSA_FAMILIES) else 1.0)),
                         correction_bias=v3, logits_fp32=True, weights_fp32=True)
-
-
-def _sliding_windows(raw: dict[str, Any], family: str, layers: int, src: str) -> tuple[int | None, ...]:
-    """Per-layer window, following each family's transformers definition."""
-    window = raw.get("sliding_window") or None
-    if family in ("olmoe", "glm4_moe", "minimax_m2", "dbrx", "llama4", *MLA_FAMILIES):
-        return (None,) * layers
-    if family == "gpt_oss":  # layer_types, by default sliding and full alternating from layer 0
-        types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
-                                           for i in range(layers)]
-        if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
-            raise ConfigError(f"{src}: layer_types must list num_hidden_layers={layers} entries of "
-                              f"'sliding_attention' / 'full_attention', got {types}")
-        if "sliding_attention" in types and (window is None or int(window) <= 0):
-            raise ConfigError(f"{src}: sliding_window must be a positive int when layer_types has "
-                              f"'sliding_attention' layers, got {raw.get('sliding_window')!r}")
-        return tuple(window if t == "sliding_attention" else None for t in types)
-    if family == "mixtral":
-        return (window,) * layers
-    use = bool(raw.get("use_sliding_window", False))
-    if family == "qwen3_moe":
-        return ((window if use else None),) * layers
-    # qwen2_moe: explicit layer_types (transformers 5), else its default pattern.
-    types = raw.get("layer_types")
-    if types is None:
-        max_window_layers = int(raw.get("max_window_layers", 28))
-        types = [
-            "sliding_attention" if (i + 1) % 2 and i < max_window_layers and use else "full_attention"
-            for i in range(layers)
-        ]
-    if len(types) != layers:
-        raise ConfigError(f"{src}: layer_types has {len(types)} entries, expected num_hidden_layers={layers}")
-    window = window if use else None
-    return tuple(window if t == "sliding_attention" else None for t in types)
-
-
-def _rope(raw: dict[str, Any], family: str, max_pos: int, src: str) -> RopeConfig:
-    default = families.GPT_OSS_ROPE if family == "gpt_oss" else {}
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or default)
-    if any(isinstance(v, dict) for v in params.values()):
-        raise ConfigError(f"{src}: per-layer-type rope_parameters are not supported by {family}")
-    theta = params.get("rope_theta", raw.get("rope_theta", families.DEFAULT_THETA.get(family, 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ConfigError(f"{src}: rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
-    needed = {"linear": ["factor"], "dynamic": ["factor"], "llama3": ["factor", "low_freq_factor", "high_freq_factor"]}
-    for key in needed.get(rope_type, []):
-        if params.get(key) is None:
-            raise ConfigError(f"{src}: rope_parameters.{key} is required for rope type {rope_type!r}")
-    orig = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
-
-    def opt(key: str) -> float | None:
-        return None if params.get(key) is None else float(params[key])
-
-    return RopeConfig(
-        rope_type=rope_type,
-        theta=float(theta),
-        factor=opt("factor"),
-        max_position_embeddings=max_pos,
-        original_max_position_embeddings=int(orig) if orig is not None else None,
-        attention_factor=opt("attention_factor"),
-        beta_fast=opt("beta_fast"),
-        beta_slow=opt("beta_slow"),
-        mscale=opt("mscale"),
-        mscale_all_dim=opt("mscale_all_dim"),
-        truncate=bool(params.get("truncate", True)),
-        low_freq_factor=opt("low_freq_factor"),
-        high_freq_factor=opt("high_freq_factor"),
-    )
