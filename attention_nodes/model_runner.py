@@ -2,6 +2,7 @@
 
 An attention worker's compute core. It sees token ids only (never text).
 """
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -259,7 +260,8 @@ class ModelRunner:
                   uniforms: list[list[float] | None] | None = None) -> tuple[list[list[int]], list]:
         """After a step (sampled and verified): run the MTP layer over the positions each sequence of
         `batch` computed and kept, so its keys and values of those positions are cached, and propose
-        greedy drafts. starts[b]: batch.seqs[b].num_computed_tokens before the step; num_drafts[b]:
+        drafts: in one native call where MTPDrafter.native_drafts takes the rows, else as torch modules
+        (_eager_drafts), the same kernels in the same order. starts[b]: batch.seqs[b].num_computed_tokens before the step; num_drafts[b]:
         drafts wanted (0: only cache the MTP layer's keys and values; < 0: skip the sequence, e.g.
         finished). Position p's row combines the target's hidden state at p with token p + 1 (known
         now: the prompt's, or the one just sampled); the last kept position's output gives the first
@@ -275,77 +277,65 @@ class ModelRunner:
         greedy): draft j where the running sum of q first passes uniforms[b][j] (None: fresh uniforms
         of the global generator). Returns (drafts, probs): probs[b] the q rows (d, V) of b's drafts, or
         None for greedy ones (point masses; speculative.rejection_sample verifies both exactly)."""
+        rows, chunked = self._draft_rows(batch, starts, num_drafts, temperatures, uniforms)
+        drafts, probs = [[] for _ in batch.seqs], [None] * len(batch.seqs)
+        got = None if self.mtp.native is None or chunked or not rows.pick else self.mtp.native_drafts(
+            self.last_hidden_TD, self.cache, rows, self.block_size)
+        if got is None and rows.ids:
+            got = self._eager_drafts(rows)
+        for b, d, q in zip(rows.owner, *(got or ((), ()))):
+            drafts[b], probs[b] = d, q
+        return drafts, probs
+
+    def _eager_drafts(self, rows: "DraftRows") -> tuple[list[list[int]], list]:
+        """mtp_draft's passes as torch modules (MTPDrafter.forward and logits): the first over every row
+        (the step's decode rows where those are the rows, one-token rows or a chunk per sequence), then
+        each drafting sequence's chain; (drafts, q rows or None) per drafting sequence, as native_drafts."""
         mtp, bs, device = self.mtp, self.block_size, self.device
-        if mtp.native is not None:
-            rows = self._native_draft_rows(batch, starts, num_drafts, temperatures, uniforms)
-            got = None if rows is None else mtp.native_drafts(self.last_hidden_TD, self.cache, rows, bs)
-            if got is not None:
-                drafts, probs = [[] for _ in batch.seqs], [None] * len(batch.seqs)
-                for b, d, q in zip(rows.owner, *got):
-                    drafts[b], probs[b] = d, q
-                return drafts, probs
-        spans, ids, q_lens, ctx, rows_table = ([] for _ in range(5))  # the pass's rows
-        who, last, pos, tables = [], [], [], []  # per sequence run: its batch index, last row, position, blocks
-        offset = 0
-        for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            c = starts[b]
-            kept = kept_positions(seq, c, n)
-            if num_drafts[b] >= 0 and kept > 0:
-                spans.append((offset, kept))
-                ids += seq.token_ids[c + 1:c + 1 + kept]
-                add_rows(q_lens, ctx, rows_table, c, kept, seq.block_table, kept <= self.mtp_decode_rows)
-                who.append(b)
-                last.append(len(ids) - 1)
-                pos.append(c + kept - 1)
-                tables.append(seq.block_table)
-            offset += n
-        drafts: list[list[int]] = [[] for _ in batch.seqs]
-        probs: list = [None if temperatures is None or temperatures[b] is None else [] for b in range(len(batch.seqs))]
-        if not who:
-            return drafts, [None] * len(drafts)
+        q_lens, ctx, rows_table, first = [], [], [], 0
+        for s, run in itertools.groupby(rows.table_of):  # (a sequence's rows: consecutive, from its first position)
+            n = len(list(run))
+            add_rows(q_lens, ctx, rows_table, rows.positions[first], n, rows.tables[s], n <= self.mtp_decode_rows)
+            first += n
         h_TD, step_attn = self.last_hidden_TD, self.last_decode_attn
-        kept_rows = None if len(ids) == h_TD.shape[0] else row_spans(*zip(*spans)).to(device)
+        kept_rows = None if len(rows.ids) == h_TD.shape[0] else torch.tensor(rows.hrow, device=device)
         if kept_rows is not None:
             h_TD = h_TD[kept_rows]
         if step_attn is not None and all(q == 1 for q in q_lens):  # (the step's rows, or some of them)
             attn = step_attn if kept_rows is None else step_attn.decode_rows(kept_rows, max(ctx) + 1)
         else:
             attn = AttentionBatch.build_paged(q_lens, ctx, rows_table, bs, device)
-        y_TD = mtp.forward(torch.tensor(ids, dtype=torch.long, device=device), h_TD, attn, self.cache)
-        active = [i for i, b in enumerate(who) if num_drafts[b] > 0]
-        if len(active) < y_TD.shape[0]:
-            y_TD = y_TD[torch.tensor([last[i] for i in active], dtype=torch.long, device=device)]
-        y_AD, attn, j = y_TD, None, 0  # attn: the last chained batch
+        y_TD = mtp.forward(torch.tensor(rows.ids, dtype=torch.long, device=device), h_TD, attn, self.cache)
+        A = len(rows.pick)
+        drafts: list[list[int]] = [[] for _ in range(A)]
+        probs: list = [[] if t > 0 else None for t in rows.temperature]
+        active = list(range(A))
+        y_AD = y_TD if A == y_TD.shape[0] else y_TD[torch.tensor(rows.pick, dtype=torch.long, device=device)]
+        attn, j = None, 0  # attn: the last chained batch
         while active:
-            if j:  # chained: at position pos + j, on the layer's previous output and the previous draft
-                fits = [r for r, i in enumerate(active) if pos[i] + j < len(tables[i]) * bs]
-                if not fits:
-                    break
-                if len(fits) < len(active):
-                    active, y_AD, attn = [active[r] for r in fits], y_AD[torch.tensor(fits, device=device)], None
-                if attn is not None and all((pos[i] + j) % bs for i in active):
+            if j:  # chained: at position last + j, on the layer's previous output and the previous draft
+                if attn is not None and all((rows.last[a] + j) % bs for a in active):
                     attn = attn.next_slots()
                 else:
-                    attn = AttentionBatch.build_paged([1] * len(active), [pos[i] + j for i in active],
-                                                      [tables[i] for i in active], bs, device)
-                toks = torch.tensor([drafts[who[i]][-1] for i in active], dtype=torch.long, device=device)
+                    attn = AttentionBatch.build_paged([1] * len(active), [rows.last[a] + j for a in active],
+                                                      [rows.tables[rows.drafting[a]] for a in active], bs, device)
+                toks = torch.tensor([drafts[a][-1] for a in active], dtype=torch.long, device=device)
                 y_AD = mtp.forward(toks, y_AD, attn, self.cache)
             logits_AV = mtp.logits(y_AD)[:, :self.model_cfg.vocab_size]
             picks = logits_AV.argmax(-1).tolist()
-            for r, i in enumerate(active):
-                b = who[i]
-                if probs[b] is not None:  # (a sampled request's draft: drawn from q, q kept for verification)
-                    q_V = torch.softmax(logits_AV[r].float() / temperatures[b], dim=-1)
-                    u = uniforms[b][j] if uniforms is not None and uniforms[b] is not None else torch.rand(()).item()
+            for r, a in enumerate(active):
+                if probs[a] is not None:  # (a sampled request's draft: drawn from q, q kept for verification)
+                    q_V = torch.softmax(logits_AV[r].float() / rows.temperature[a], dim=-1)
+                    u = rows.uniforms[a][j] if rows.uniforms[a] else torch.rand(()).item()
                     picks[r] = int(_inverse_cdf(q_V.cumsum(0)[None], torch.tensor([u]))[0])
-                    probs[b].append(q_V)
-                drafts[who[i]].append(picks[r])
+                    probs[a].append(q_V)
+                drafts[a].append(picks[r])
             j += 1
-            more = [r for r, i in enumerate(active) if len(drafts[who[i]]) < num_drafts[who[i]]]
+            more = [r for r, a in enumerate(active) if rows.count[a] > j]  # (a chain ends at its block's end)
             if len(more) < len(active):
                 active, y_AD, attn = [active[r] for r in more], y_AD[torch.tensor(more, dtype=torch.long,
                                                                                   device=device)], None
-        return drafts, [None if p is None or not p else torch.stack(p) for p in probs]
+        return drafts, [None if p is None else torch.stack(p) for p in probs]
 
     @torch.inference_mode()
     def idle_step(self) -> None:
@@ -398,25 +388,25 @@ class ModelRunner:
         rows = row_spans(firsts + prompt_firsts, counts + prompt_counts)
         return torch.tensor(ids, dtype=torch.long, device=self.device), attn, rows.to(self.device), spans
 
-    def _native_draft_rows(self, batch: ScheduledBatch, starts: list[int], num_drafts: list[int],
-                           temperatures: list[float | None] | None,
-                           uniforms: list[list[float] | None] | None) -> "DraftRows | None":
-        """mtp_draft's rows as MTPDrafter.native_drafts takes them, where every sequence keeps at most
-        mtp_decode_rows positions (one-token rows) and some draft; None elsewhere (mtp_draft drafts eagerly)."""
+    def _draft_rows(self, batch: ScheduledBatch, starts: list[int], num_drafts: list[int],
+                    temperatures: list[float | None] | None,
+                    uniforms: list[list[float] | None] | None) -> tuple["DraftRows", bool]:
+        """mtp_draft's rows (every position a sequence kept, in the order of the step's hidden states)
+        and its drafting sequences, as MTPDrafter.native_drafts takes them; and whether a sequence kept
+        more than mtp_decode_rows positions (a prompt chunk: only the eager passes take it)."""
         from models.mtp import DraftRows
 
-        rows, bs, offset = DraftRows([], [], [], [], []), self.block_size, 0
+        rows, bs, offset, chunked = DraftRows([], [], [], [], []), self.block_size, 0, False
         for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             c, want = starts[b], num_drafts[b]
             kept = kept_positions(seq, c, n)
             if want >= 0 and kept > 0:
-                if kept > self.mtp_decode_rows:
-                    return None
+                chunked |= kept > self.mtp_decode_rows
                 rows.ids += seq.token_ids[c + 1:c + 1 + kept]
                 rows.hrow += range(offset, offset + kept)
                 rows.positions += range(c, c + kept)
                 rows.table_of += [len(rows.tables)] * kept
-                if want > 0:  # (draft j at position c + kept - 1 + j: inside the blocks, as mtp_draft's chains)
+                if want > 0:  # (draft j at position c + kept - 1 + j, inside the sequence's blocks)
                     rows.count.append(min(want, len(seq.block_table) * bs - (c + kept - 1)))
                     rows.pick.append(len(rows.ids) - 1)
                     rows.drafting.append(len(rows.tables))
@@ -426,8 +416,7 @@ class ModelRunner:
                     rows.uniforms.append(uniforms[b] if uniforms else None)
                 rows.tables.append(seq.block_table)
             offset += n
-        return rows if rows.pick else None
-
+        return rows, chunked
 
 def kept_positions(seq, start: int, n: int) -> int:
     """Of the n positions a step computed from `start`, those the step kept and whose next token is
