@@ -119,7 +119,7 @@ class ProfilePerf:
         return 0.0 * np.asarray(tokens, dtype=float) if f is None else f(tokens=np.asarray(tokens, dtype=float)) * s
 
     def mtp(self, rows, passes, prefill_tokens=0, threads: int = 1):
-        """The MTP layer's passes after a step (planner.profile.measure_mtp): `passes` of them over
+        """The MTP layer's passes after a step (planner.profile_mtp.measure_mtp): `passes` of them over
         `rows` one-token rows in all, plus `prefill_tokens` rows of prompt chunks."""
         f, s = self._fit("mtp", threads)
         if f is None:

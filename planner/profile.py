@@ -23,8 +23,8 @@ median of three does not reject):
   recv and reply) through every MoE layer's experts in turn, packed as the worker packs them, for
   R gathered tokens routed uniformly at random over a chosen number of experts.
   Fit: T_e = k3 pairs + k4 + k5 active_experts (pairs: (token, expert) pairs).
-- speculative method mtp (checkpoints with MTP layers): ModelRunner.mtp_draft, timed call by call in
-  a real colocated LLMEngine drafting k = 1 and 3 for b random prompts. Fit: T = d1 rows + d2 passes
+- speculative method mtp (checkpoints with MTP layers; planner.profile_mtp): ModelRunner.mtp_draft,
+  timed call by call in a real colocated LLMEngine drafting k = 1 and 3 for b random prompts. Fit: T = d1 rows + d2 passes
   + dp prefill_tokens (rows: one-token rows over all passes, passes: the layer's runs, prefill_tokens:
   prompt-chunk rows). The per-position acceptance of those runs is kept as the default for planning.
 - cold weights: where the model's weights are more than the last-level cache, every timed step
@@ -38,7 +38,6 @@ every runner, engine, expert sample and served run holds its experts as serving 
 linears too; the profile records both: a profile is used only for the quantization it was measured
 with (planner.cli.load_profile), and a host plan serves its linears as measured.
 """
-import itertools
 import json
 import logging
 import os
@@ -55,7 +54,7 @@ from attention_nodes.block_manager import blocks_for
 from attention_nodes.config import CacheConfig, EngineConfig, SchedulerConfig
 from attention_nodes.engine import LLMEngine
 from attention_nodes.messages import Deltas, encode, encode_delta
-from attention_nodes.model_runner import ModelRunner, kept_positions
+from attention_nodes.model_runner import ModelRunner
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import ScheduledBatch
 from attention_nodes.sequence import Sequence
@@ -67,6 +66,7 @@ from planner.calibrate import front_scales, served_factor, served_factors
 from planner.fit import Fit, fit_linear
 from planner.perf import expected_active
 from planner.hardware import describe_host
+from planner.profile_mtp import MTP_DRAFTS, measure_mtp  # noqa: F401 (MTP_DRAFTS: the profile's API)
 from planner.shapes import shape_from
 
 log = logging.getLogger("shuttle.profile")
@@ -81,8 +81,6 @@ EXPERT_TERMS = ("pairs", "const", "active")
 NATIVE_DECODE_TERMS = ("tokens", "const")
 COLOCATED_TERMS = ("tokens", "const", "kv_reads", "prefill_tokens", "kv_prefill", "active")
 MTP_TERMS = ("rows", "passes", "prefill_tokens")
-MTP_DRAFTS = (1, 3)  # the k measure_mtp runs: one pass a step, and chained ones
-MTP_MAX_BATCH = 64  # speculation pays at small batches (disable_by_batch_size defaults to 4)
 
 
 @dataclass(frozen=True)
@@ -458,83 +456,6 @@ def measure_native_decode(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
                             "saving_s": max(min(times[False]) - min(times[True]), 1e-6)})
     nd.layer_by_layer = False
     return samples
-
-
-def measure_mtp(opts: ProfileOptions, cfg: ModelConfig) -> tuple[list[dict], list[float] | None]:
-    """Speculative method mtp's drafting as a colocated engine runs it: a real LLMEngine with the
-    checkpoint's MTP layer drafting k (MTP_DRAFTS) for b random 32-token prompts (opts.batches up to
-    MTP_MAX_BATCH), greedy, 24 new tokens each; every ModelRunner.mtp_draft call timed with its
-    features: rows (the first pass's one-token rows, a verification's kept 1 + accepted or a decode's
-    one, plus the chained passes' rows), passes (the layer's runs) and prefill_tokens (prompt-chunk
-    rows). Returns (samples, acceptance): acceptance[j] is, of the draft sets at the largest k that had a
-    draft j, the share whose draft j was accepted (simulate.Speculation's meaning: a set cut short at a
-    block's end or near max_tokens counts only at the positions it has), on these random prompts;
-    the first call of each engine is a warm-up, not a sample. ([], None) for a
-    checkpoint without MTP layers, or one the engine does not speculate on (its reason logged)."""
-    if not cfg.num_mtp_layers:
-        return [], None
-    from attention_nodes.config import SpeculativeConfig
-
-    batches = sorted({b for b in opts.batches if b <= MTP_MAX_BATCH} or {1})
-    prompt, new = 32, 24
-    rng, samples, acceptance = torch.Generator().manual_seed(0), [], None
-    for k in MTP_DRAFTS:
-        B = max(batches)
-        try:
-            engine = LLMEngine(EngineConfig(
-                opts.model, dtype=opts.dtype, quantization=opts.quantization, quantize_linears=opts.quantize_linears,
-                scheduler=SchedulerConfig(max_num_seqs=B, max_num_batched_tokens=max(2048, 8 * B)),
-                cache=CacheConfig(16, B * blocks_for(prompt + new + k + 2, 16) + 4, enable_prefix_caching=False),
-                speculative=SpeculativeConfig("mtp", k, disable_by_batch_size=10 ** 6)))
-        except ValueError as e:  # (e.g. a model whose per-sequence state cannot take back rejected drafts)
-            log.info("no MTP drafting samples: %s", e)
-            return [], None
-        runner, draft, count = engine.runner, engine.runner.mtp_draft, engine.spec_stats.count
-        threads_now, calls, reached = [1], [0], [0] * k
-
-        def counted(drafted: int, accepted: int) -> None:
-            for j in range(drafted):
-                reached[j] += 1
-            count(drafted, accepted)
-
-        def timed(batch, starts, num_drafts, *sampling):
-            t0 = time.perf_counter()
-            out = draft(batch, starts, num_drafts, *sampling)
-            dt = time.perf_counter() - t0
-            calls[0] += 1
-            if calls[0] == 1:  # (first calls: buffers, kernel choices)
-                return out
-            rows = prefill = 0
-            for seq, c, n, want in zip(batch.seqs, starts, batch.num_new_tokens, num_drafts):
-                kept = kept_positions(seq, c, n)
-                if want < 0 or kept <= 0:
-                    continue
-                if kept <= runner.mtp_decode_rows:
-                    rows += kept
-                else:
-                    prefill += kept
-            chained = [max(0, len(d) - 1) for d in out[0]]
-            if rows or prefill:
-                samples.append({"threads": threads_now[0], "k": k, "seqs": len(batch.seqs), "rows": rows + sum(chained),
-                                "passes": 1 + max(chained, default=0), "prefill_tokens": prefill, "mtp_s": dt})
-            return out
-
-        runner.mtp_draft, engine.spec_stats.count = timed, counted
-        params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-        for threads in opts.threads:
-            torch.set_num_threads(threads)
-            threads_now[0] = threads
-            for b in batches:
-                for i in range(b):
-                    engine.add_request(f"{k}-{threads}-{b}-{i}",
-                                       torch.randint(2, cfg.vocab_size, (prompt,), generator=rng).tolist(), params)
-                while engine.has_unfinished_requests():
-                    engine.step()
-        stats = engine.spec_stats
-        if k == max(MTP_DRAFTS) and stats.num_drafts:
-            rates = [a / n if n else 0.0 for a, n in zip(stats.accepted_per_pos, reached)]
-            acceptance = list(itertools.accumulate(rates, min))  # (non-increasing, as Speculation draws them)
-    return samples, acceptance
 
 
 def measure_workers(opts: ProfileOptions, cfg: ModelConfig) -> dict[str, list[dict]]:
