@@ -253,24 +253,24 @@ class MTPDrafter:
         rope = self._rope_tables(max(max(rows.positions), max(a + c - 1 for a, c in zip(rows.last, rows.count))) + 1)
         if rope is None:
             return None
-        step, drafts = self._pass_step(B, A, n)
-        embed, eh, head_panels, Vh = head
-        arrays = [np.asarray(a, dtype=np.int64) for a in (rows.ids, rows.hrow, rows.positions, rows.table_of,
-                                                          rows.pick, rows.drafting, rows.last, rows.count)]
+        step, drafts, idx, m = self._pass_step(B, A, n)
+        # (the rows' index arrays into the call's int64 buffer, in _Mtp's order: one store, no arrays made)
+        idx[:] = (rows.ids + rows.hrow + rows.positions + rows.table_of + rows.pick + rows.drafting + rows.last
+                  + rows.count)
         pages = _padded_table_np(rows.tables)
-        layer, V = self.layer, self.cfg.vocab_size
+        V = self.cfg.vocab_size
         sampled = any(t > 0 for t in rows.temperature)
-        temp = np.asarray(rows.temperature, dtype=np.float32) if sampled else None
-        u_An = torch.rand(A, n, dtype=torch.float32) if sampled else None
-        for a, u in enumerate(rows.uniforms if sampled else ()):
-            if u:
-                u_An[a, :min(n, len(u))] = torch.tensor(u[:n], dtype=torch.float32)
-        q_AnV = torch.empty(A, n, V, dtype=torch.float32) if sampled else None
-        m = _Mtp(embed.data_ptr(), layer.enorm.weight.data_ptr(), layer.hnorm.weight.data_ptr(), eh, head_panels,
-                 rope[0].data_ptr(), rope[1].data_ptr(), V, Vh, A, pages.shape[1], block_size,
-                 pages.ctypes.data, *(a.ctypes.data for a in arrays[:4]), h_TD.data_ptr(),
-                 *(a.ctypes.data for a in arrays[4:]), *((None,) * 3 if not sampled else
-                                                         (temp.ctypes.data, u_An.data_ptr(), q_AnV.data_ptr())))
+        m.cos, m.sin, m.h0, m.pages, m.M, m.bs = (rope[0].data_ptr(), rope[1].data_ptr(), h_TD.data_ptr(),
+                                                  pages.ctypes.data, pages.shape[1], block_size)
+        m.temp = m.u = m.q = None
+        if sampled:
+            temp = np.asarray(rows.temperature, dtype=np.float32)
+            u_An = torch.rand(A, n, dtype=torch.float32)
+            for a, u in enumerate(rows.uniforms):
+                if u:
+                    u_An[a, :min(n, len(u))] = torch.tensor(u[:n], dtype=torch.float32)
+            q_AnV = torch.empty(A, n, V, dtype=torch.float32)
+            m.temp, m.u, m.q = temp.ctypes.data, u_An.data_ptr(), q_AnV.data_ptr()
         native.mtp_draft(ctypes.byref(step), self.native.layers, ctypes.byref(m), n, drafts.data_ptr())
         probs = [q_AnV[a, :c] if sampled and rows.temperature[a] > 0 else None for a, c in enumerate(rows.count)]
         return [d[:c] for d, c in zip(drafts.tolist(), rows.count)], probs
@@ -286,8 +286,11 @@ class MTPDrafter:
         return self._rotary
 
     def _pass_step(self, B: int, A: int, n: int) -> tuple:
-        """native_drafts' step structure for B rows (its rows' fields are the native call's to fill) and its
-        drafts buffer (A, n), kept per shape (a verify step keeps 1 to k + 1 rows)."""
+        """native_drafts' structures for B rows and A drafting sequences of up to n drafts, kept per shape (a
+        verify step keeps 1 to k + 1 rows): the step structure (its rows' fields are the native call's to
+        fill), the drafts buffer (A, n), the int64 buffer of the rows' indices (4B + 4A: ids, hrow, positions,
+        table_of, then pick, drafting, last, count) and the _Mtp pointing into it, its per-call fields
+        (rope tables, pages, hidden states, sampling) left for the call."""
         got = self._steps.get((B, A, n))
         if got is None:
             if len(self._steps) >= MAX_BUFFER_SETS:
@@ -297,8 +300,15 @@ class MTPDrafter:
             step, t = self.native.step_of(torch.empty(B, D, dtype=bf), torch.empty(B, R, dtype=bf),
                                           torch.empty(B, R, dtype=bf), torch.empty(B, dtype=i64),
                                           torch.empty(B, 1, dtype=i64), torch.empty(B, dtype=i64))
-            got = self._steps[(B, A, n)] = (step, torch.empty(A, n, dtype=i64), t)
-        return got[0], got[1]
+            idx = np.empty(4 * B + 4 * A, dtype=np.int64)
+            at = [idx.ctypes.data + 8 * o for o in (0, B, 2 * B, 3 * B, 4 * B, 4 * B + A, 4 * B + 2 * A, 4 * B + 3 * A)]
+            embed, eh, head_panels, Vh = self._native_head()
+            layer = self.layer
+            m = _Mtp(embed.data_ptr(), layer.enorm.weight.data_ptr(), layer.hnorm.weight.data_ptr(), eh, head_panels,
+                     None, None, self.cfg.vocab_size, Vh, A, 0, 0, None, *at[:4], None,
+                     *at[4:])
+            got = self._steps[(B, A, n)] = (step, torch.empty(A, n, dtype=i64), idx, m, t)
+        return got[:4]
 
     def _native_head(self) -> tuple | None:
         """(embedding table, eh_proj's panels' address, the head's panels' address, the head's outputs) for

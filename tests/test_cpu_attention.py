@@ -169,3 +169,20 @@ def test_prefill_matches_reference(q_lens, ctx_lens, window, sinks, dtype):
                                      None if sinks_N is None else sinks_N.double())
     assert got.dtype == dtype
     torch.testing.assert_close(got.double(), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("count", [1, 3, 8, 9, 40])
+def test_padded_block_tables_pad_with_minus_one(count):
+    """A step's block tables as one (B, longest) int64 array, -1 past each table's end: a few tables
+    padded as lists, many by a masked store; both give the same array."""
+    import numpy as np
+
+    from models.kv_cache import _padded_table, _padded_table_np
+
+    tables = [list(range(10 * b, 10 * b + (b * 7) % 5 + (b % 3 == 0))) for b in range(count)]
+    got = _padded_table_np(tables)
+    M = max(len(t) for t in tables)
+    assert got.dtype == np.int64 and got.shape == (count, M)
+    assert got.tolist() == [t + [-1] * (M - len(t)) for t in tables]
+    assert _padded_table(tables).tolist() == got.tolist()
+    assert _padded_table_np([[], []]).shape == (2, 0)
