@@ -523,3 +523,36 @@ def test_mtp_loss_scores_x_t_plus_2_and_trains_the_layer_and_the_trunk(mtp_ckpt)
         h = target(ids[0, :7], batch, cache)
         served = drafter.logits(drafter.forward(inputs[0], h, batch, cache))
     assert (served - mtp_logits[:7].detach()).abs().max() < 1e-4 * served.abs().max()
+
+
+def test_mtp_depth_two_trains_the_layer_chained_on_its_own_outputs(mtp_ckpt):
+    """--mtp-depth 2: after depth 1's rows, the layer runs again on depth 1's outputs (before the head's
+    norm) and the tokens they predict, as a chained draft does, and predicts the token after: x_{t+3}
+    at row t, IGNORE where a token the chain read is unknown; the teacher rows line up (position t + 2)."""
+    from training.losses import IGNORE, mtp_targets
+    from training.model import forward_mtp, next_position
+
+    cfg = ModelConfig.from_pretrained(mtp_ckpt)
+    target = load_model(mtp_ckpt, kernels="torch")
+    drafter = load_mtp(mtp_ckpt, cfg, target, kernels="torch")
+    rows = [PROMPTS[0][:8], PROMPTS[2] + [IGNORE]]
+    ids = torch.tensor([[max(t, 0) for t in r] for r in rows])
+    labels = torch.tensor([r[1:] + [IGNORE] for r in rows])
+    with torch.no_grad():
+        logits1, mtp1, labels1 = forward_mtp(target, drafter, ids, labels)
+        logits, mtp2, labels2 = forward_mtp(target, drafter, ids, labels, depth=2)
+        assert mtp2.shape == (2 * 7 + 2 * 6, cfg.vocab_size) and torch.equal(mtp2[:14], mtp1)
+        assert torch.equal(labels2[:14], labels1)
+        assert labels2[14:20].tolist() == PROMPTS[0][3:8] + [IGNORE]
+        assert labels2[20:].tolist() == PROMPTS[2][3:] + [IGNORE] * 2
+        teacher = next_position(logits, 2, 8, 2)
+        assert teacher.shape == mtp2.shape and torch.equal(teacher[14], logits[2]) and torch.equal(teacher[20], logits[10])
+        # sequence 0's depth-2 rows as a chunk over a cache: the layer on its depth-1 outputs and x_{t+2}
+        inputs, _ = mtp_targets(labels)
+        cache = make_paged_cache(drafter.cfg, 2, 4, torch.float32, "cpu", target.ops)
+        batch = AttentionBatch.build_paged([7], [0], [[0, 1]], 4)
+        y1 = drafter.forward(inputs[0], target(ids[0, :7], batch, cache), batch, cache)
+        cache = make_paged_cache(drafter.cfg, 2, 4, torch.float32, "cpu", target.ops)
+        chained = drafter.logits(drafter.forward(ids[0, 2:8], y1[:6], AttentionBatch.build_paged([6], [0], [[0, 1]], 4),
+                                                 cache))
+    assert (chained - mtp2[14:20]).abs().max() < 1e-4 * chained.abs().max()

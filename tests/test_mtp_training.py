@@ -141,6 +141,33 @@ def test_mtp_flags_are_checked(tmp_path):
         TrainConfig(family="mixtral", mtp_layers=1, train_only="mtp", **base)
     with pytest.raises(ValueError, match="--mtp-distill needs --mtp-layers 1"):
         TrainConfig(family="mixtral", mtp_distill=True, **base)
+    with pytest.raises(ValueError, match="--mtp-depth needs --mtp-layers 1"):
+        TrainConfig(family="mixtral", mtp_depth=2, **base)
+    with pytest.raises(ValueError, match="--mtp-depth must be a positive integer"):
+        TrainConfig(family="mixtral", mtp_layers=1, mtp_depth=0, **base)
+
+
+def test_write_generations_continues_training_prompts_greedy_then_sampled(tmp_path):
+    """The MTP head's self-distillation data: the model's continuations of prompts cut from the training
+    split, half greedy and half sampled (seeded), one JSON line each, reproducible from the seed."""
+    import json
+
+    from models.builtin import builtin_model_dir
+    from training.builtin import documents, is_held_out, write_generations
+
+    path = write_generations(builtin_model_dir(), tmp_path / "gen.jsonl", 4, seed=3, prompt_tokens=8, new_tokens=5)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [d["name"] for d in lines] == [f"gen3:{i}" for i in range(4)]
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(builtin_model_dir() / "tokenizer.json"))
+    train = "".join(t for name, t in documents() if not is_held_out(name))
+    for d in lines:
+        ids = tok.encode(d["text"]).ids
+        assert 8 < len(ids) <= 8 + 5 + 2, d  # (re-encoding may merge a token at the seam)
+        assert tok.decode(ids[:6]) in train  # the prompt: a piece of a training document
+    assert write_generations(builtin_model_dir(), tmp_path / "again.jsonl", 4, seed=3, prompt_tokens=8,
+                             new_tokens=5).read_text() == path.read_text()
 
 
 def test_the_builtin_models_mtp_head_keeps_greedy_ids():

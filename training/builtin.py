@@ -87,6 +87,42 @@ def write_corpus(directory: Path) -> None:
         os.replace(tmp, path)
 
 
+def write_generations(model_dir: str | Path, path: str | Path, count: int, seed: int = 0, prompt_tokens: int = 64,
+                      new_tokens: int = 192, temperature: float = 0.8) -> Path:
+    """Self-distillation data for an MTP head: `count` continuations by the model at model_dir (served by
+    Shuttle, bf16) of prompts cut from the recipe's training split (prompt_tokens each, at a random
+    offset of a random document: random.Random(seed)), half greedy and half sampled at `temperature`
+    (seeded per request), new_tokens each unless EOS comes first; written to `path` as {"name", "text"}
+    JSON lines (prompt and continuation decoded together). The head then sees contexts as speculative
+    decoding meets them (the model's own tokens after a prompt), not only the corpus's."""
+    import random
+
+    from server import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype="bfloat16", num_kv_blocks=8192)
+    try:
+        tok, rng = llm.tokenizer, random.Random(seed)
+        docs = [ids for name, text in documents() if not is_held_out(name) for ids in [tok.encode(text)]
+                if len(ids) >= prompt_tokens]
+        prompts = []
+        for _ in range(count):
+            d = docs[rng.randrange(len(docs))]
+            at = rng.randrange(len(d) - prompt_tokens + 1)
+            prompts.append(d[at:at + prompt_tokens])
+        half = count // 2
+        params = ([SamplingParams(max_tokens=new_tokens, temperature=0.0)] * half
+                  + [SamplingParams(max_tokens=new_tokens, temperature=temperature, seed=seed * count + i)
+                     for i in range(count - half)])
+        outs = llm.generate(prompts, params)
+    finally:
+        llm.shutdown()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"name": f"gen{seed}:{i}", "text": tok.decode(p + list(o.outputs[0].token_ids))})
+                            + "\n" for i, (p, o) in enumerate(zip(prompts, outs))))
+    return path
+
+
 def recipe_config(given: dict[str, Any]) -> TrainConfig:
     """The recipe's TrainConfig with the command line's values (`given`, TrainConfig fields) on top."""
     if "out" not in given:
@@ -245,8 +281,11 @@ def write_mtp_card(cfg: TrainConfig, summary: dict[str, Any]) -> Path:
         f"{n_params / 1e6:.1f}M parameters, in `{MTP_FILE}`",
         "- it predicts the token after next from the model's last hidden state and the next token: the drafter of "
         "speculative decoding, `--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 1}'`",
-        f"- trained alone on the frozen model (`--train-only mtp`: every other tensor is bitwise the model's) on the "
-        f"training split above: {summary['step']} steps of {summary['tokens_per_step']} tokens, AdamW lr {cfg.lr} "
+        f"- trained alone on the frozen model (`--train-only mtp`: every other tensor is bitwise the model's) on "
+        + ("the training split above" if _recipe_data(cfg) else "the model's own continuations of prompts from the "
+           "training split (`write_generations`, training/builtin.py)")
+        + (f", also chained {cfg.mtp_depth} deep on its own outputs (`--mtp-depth`)" if cfg.mtp_depth > 1 else "")
+        + f": {summary['step']} steps of {summary['tokens_per_step']} tokens, AdamW lr {cfg.lr} "
         f"({cfg.warmup_steps} warmup steps, cosine to {cfg.final_lr}), {cfg.dtype} autocast, "
         f"{summary['train_seconds_total'] / 60:.1f} minutes on {summary['world_size']} rank(s)"
         + ("; its loss is the cross entropy against the model's own distribution of the token after next "
@@ -262,7 +301,9 @@ def write_mtp_card(cfg: TrainConfig, summary: dict[str, Any]) -> Path:
         *[f"| {s['step']} | {s['mtp_loss']:.3f} | {_fmt(eval_at.get(s['step']), '.3f')} |" for s in curve], "",
         "Reproduce (then `install_mtp_layer` adds its tensors to a model directory, leaving the others as they are):",
         "", "```", f"shuttle train --recipe builtin --init-from {cfg.init_from} --mtp-layers 1 --train-only mtp"
-        + (" --mtp-dense" if cfg.mtp_dense else "") + (" --mtp-distill" if cfg.mtp_distill else "") + f" --out {cfg.out} --max-steps {summary['step']}"
+        + (" --mtp-dense" if cfg.mtp_dense else "") + (" --mtp-distill" if cfg.mtp_distill else "")
+        + (f" --mtp-depth {cfg.mtp_depth}" if cfg.mtp_depth > 1 else "")
+        + (f" --data {' '.join(cfg.data)}" if not _recipe_data(cfg) else "") + f" --out {cfg.out} --max-steps {summary['step']}"
         + "".join(f" --{k.replace('_', '-')} {getattr(cfg, k)}" for k, v in MTP_RUN.items() if getattr(cfg, k) != v)
         + (f" --nproc-per-node {summary['world_size']}" if summary["world_size"] > 1 else ""),
         f"python -c \"from training.builtin import install_mtp_layer; install_mtp_layer('{cfg.out}', "
@@ -277,6 +318,11 @@ def write_mtp_card(cfg: TrainConfig, summary: dict[str, Any]) -> Path:
     if (src / "recipe.json").is_file():
         (out / "recipe.json").write_text((src / "recipe.json").read_text())
     return path
+
+
+def _recipe_data(cfg: TrainConfig) -> bool:
+    """Whether the run trained on the recipe's own corpus (write_corpus) rather than files it was given."""
+    return all(Path(f).parent == Path(cfg.out) / "data" for f in cfg.data)
 
 
 def install_mtp_layer(run_dir: str | Path, model_dir: str | Path) -> Path:

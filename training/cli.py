@@ -79,6 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the MTP loss is cross entropy against the model's own distribution of the token after "
                         "next (its logits one position on), not the data's: the drafter learns what speculative "
                         "decoding accepts (self-distillation)")
+    t.add_argument("--mtp-depth", type=int, default=S,
+                   help="also train the MTP layer chained on its own outputs, as speculative decoding runs it for "
+                        "k >= 2 drafts: depth d takes depth d - 1's output and the token it was to predict, and "
+                        "predicts the next; the loss is the mean over the positions of every depth (default 1)")
     t.add_argument("--train-only", choices=TRAIN_ONLY, default=S,
                    help="mtp: train only the MTP layer on a frozen --init-from checkpoint, whose own tensors "
                         "are saved bitwise unchanged")

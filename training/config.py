@@ -94,6 +94,7 @@ class TrainConfig:
     mtp_loss_weight: float = 0.3  # DeepSeek's lambda: the loss adds weight * the MTP layer's cross entropy
     mtp_dense: bool = False  # a new MTP layer's MLP: dense (intermediate_size) instead of the last layer's kind
     mtp_distill: bool = False  # the MTP loss against the model's own distribution of x_{t+2}, not the data's
+    mtp_depth: int = 1  # the MTP layer also trained chained on its own outputs, up to this depth (k >= 2 drafts)
     train_only: str | None = None  # "mtp": only the MTP layer trains; the model's own weights stay as loaded
 
     def __post_init__(self) -> None:
@@ -149,6 +150,12 @@ class TrainConfig:
                 raise ValueError("--train-only mtp trains an MTP layer for an existing model: give --init-from DIR")
         if self.mtp_distill and not self.mtp_layers:
             raise ValueError("--mtp-distill needs --mtp-layers 1 (the layer to train)")
+        if isinstance(self.mtp_depth, bool) or not isinstance(self.mtp_depth, int) or self.mtp_depth < 1:
+            raise ValueError(f"--mtp-depth must be a positive integer, got {self.mtp_depth!r}")
+        if self.mtp_depth > 1 and not self.mtp_layers:
+            raise ValueError("--mtp-depth needs --mtp-layers 1 (the layer to train)")
+        if self.mtp_depth >= self.seq_len:
+            raise ValueError(f"--mtp-depth {self.mtp_depth} leaves no position of a {self.seq_len}-token sequence")
 
     @property
     def final_lr(self) -> float:

@@ -229,23 +229,39 @@ def forward_logits(model: MoEForCausalLM, ids_BL: torch.Tensor) -> torch.Tensor:
     return model.logits(hidden_TD)
 
 
-def next_position(logits_TV: torch.Tensor, B: int, L: int) -> torch.Tensor:
-    """The target's logits (B*L, V) at positions 1..L-1 of each row, (B*(L-1), V): aligned with
-    forward_mtp's MTP rows, the target's own prediction of the token the MTP layer predicts."""
-    return logits_TV.view(B, L, -1)[:, 1:].reshape(B * (L - 1), -1)
+def next_position(logits_TV: torch.Tensor, B: int, L: int, depth: int = 1) -> torch.Tensor:
+    """The target's logits (B*L, V) aligned with forward_mtp's MTP rows of each depth d = 1..depth (rows
+    at positions d..L-1 of each sequence, (B*(L-d), V) each, in that order): the target's own
+    prediction of the token the MTP layer predicts there."""
+    logits_BLV = logits_TV.view(B, L, -1)
+    return torch.cat([logits_BLV[:, d:].reshape(B * (L - d), -1) for d in range(1, depth + 1)])
 
 
-def forward_mtp(model: MoEForCausalLM, mtp, ids_BL: torch.Tensor,
-                labels_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One forward of the target and its MTP layer (models/mtp.MTPDrafter, depth 1), no KV cache:
-    (the target's logits (B*L, V), the MTP layer's logits (B*(L-1), V) of x_{t+2}, their labels
-    (B*(L-1),): losses.mtp_targets). The MTP layer sees the target's hidden states after its final
-    norm, as serving gives them (attention_nodes/model_runner.py), and its gradient reaches the target."""
-    from training.losses import mtp_targets
+def forward_mtp(model: MoEForCausalLM, mtp, ids_BL: torch.Tensor, labels_BL: torch.Tensor,
+                depth: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One forward of the target and its MTP layer (models/mtp.MTPDrafter), no KV cache: (the target's
+    logits (B*L, V), the MTP layer's logits of each depth's rows, their labels: losses.mtp_targets).
+    Depth 1 (B*(L-1) rows) is DeepSeek-V3's: at position t the layer takes the target's hidden state
+    after its final norm, as serving gives it (attention_nodes/model_runner.py), and the token x_{t+1},
+    and predicts x_{t+2}. Depth d > 1 (B*(L-d) rows, after depth d - 1's) runs the same layer on depth
+    d - 1's output (before shared_head's norm) and the token that output was to predict, as a chained
+    draft does (ModelRunner.mtp_draft), and predicts the token after it; a label is IGNORE where any
+    token its chain read is. The MTP layer's gradient reaches the target."""
+    from training.losses import IGNORE, mtp_targets
 
     B, L = ids_BL.shape
     hidden_TD = model(ids_BL.reshape(-1), rows_batch(B, L, ids_BL.device), CausalAttention())
     inputs_BL1, targets_BL1 = mtp_targets(labels_BL)
     h_TD = hidden_TD.view(B, L, -1)[:, :-1].reshape(B * (L - 1), -1)
     y_TD = mtp.forward(inputs_BL1.reshape(-1), h_TD, rows_batch(B, L - 1, ids_BL.device), CausalAttention())
-    return model.logits(hidden_TD), mtp.logits(y_TD), targets_BL1.reshape(-1)
+    outs, labels, targets_BL = [mtp.logits(y_TD)], [targets_BL1.reshape(-1)], targets_BL1
+    for d in range(2, depth + 1):  # (row t of depth d: depth d - 1's row t, token x_{t+d}; predicts x_{t+d+1})
+        n = L - d
+        unknown_Bn = targets_BL[:, :n] == IGNORE  # (x_{t+d}, or a token before it, unknown)
+        targets_BL = labels_BL[:, d:].masked_fill(unknown_Bn, IGNORE)
+        y_TD = mtp.forward(labels_BL[:, d - 1:d - 1 + n].clamp(min=0).reshape(-1),
+                           y_TD.view(B, L - d + 1, -1)[:, :n].reshape(B * n, -1), rows_batch(B, n, ids_BL.device),
+                           CausalAttention())
+        outs.append(mtp.logits(y_TD))
+        labels.append(targets_BL.reshape(-1))
+    return model.logits(hidden_TD), torch.cat(outs), torch.cat(labels)

@@ -181,9 +181,9 @@ class Trainer:
             lm = lm_loss(forward_logits(self.model, ids_BL), labels_BL.reshape(-1))
             out = Losses(total=lm, lm=lm)
         else:
-            logits, mtp_logits, mtp_labels = forward_mtp(self.model, self.mtp, ids_BL, labels_BL)
+            logits, mtp_logits, mtp_labels = forward_mtp(self.model, self.mtp, ids_BL, labels_BL, cfg.mtp_depth)
             lm, mtp = lm_loss(logits, labels_BL.reshape(-1)), mtp_loss(mtp_logits, mtp_labels, 1.0)
-            distill = (mtp_distill_loss(mtp_logits, next_position(logits, *ids_BL.shape), mtp_labels)
+            distill = (mtp_distill_loss(mtp_logits, next_position(logits, *ids_BL.shape, cfg.mtp_depth), mtp_labels)
                        if cfg.mtp_distill else None)
             weighted = cfg.mtp_loss_weight * (mtp if distill is None else distill)
             out = Losses(total=weighted if self.frozen else lm + weighted, lm=lm, mtp=mtp, mtp_distill=distill)
