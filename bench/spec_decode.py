@@ -110,7 +110,7 @@ def breakdown(args: argparse.Namespace, params: SamplingParams) -> None:
         for name in originals:
             setattr(ModelRunner, name, timed(name))
         for label, cfg in [("off", None), *((f"mtp k={k}", spec("mtp", k, 10 ** 6)) for k in args.mtp_ks)]:
-            llm = LLM(None, dtype=args.dtype, num_kv_blocks=args.kv_blocks, speculative_config=cfg)
+            llm = LLM(args.model, dtype=args.dtype, num_kv_blocks=args.kv_blocks, speculative_config=cfg)
             try:
                 groups = batches_of(llm.tokenizer, 1, args.doc_tokens, False, args.solo_prompts)
                 run(llm, groups, params)  # warm-up
@@ -156,6 +156,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--doc-tokens", type=int, default=96)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--model", default=None, help="a checkpoint with an MTP layer (default: the built-in model); the "
+                                                 "prompts are the built-in corpus's held-out documents in its tokens")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampling at T")
     p.add_argument("--seed", type=int, default=None, help="with --temperature: seeded requests")
     p.add_argument("--kv-blocks", type=int, default=1024, help="KV cache blocks of each engine (16 tokens each)")
@@ -175,7 +177,7 @@ def main() -> None:
     ks = {"ngram": args.ks, "mtp": args.mtp_ks}
 
     def llm(speculative: dict | None = None) -> LLM:
-        return LLM(None, dtype=args.dtype, num_kv_blocks=args.kv_blocks, speculative_config=speculative)
+        return LLM(args.model, dtype=args.dtype, num_kv_blocks=args.kv_blocks, speculative_config=speculative)
 
     engines = {"off": llm()}
     for method in args.methods:
