@@ -92,7 +92,7 @@ def write_generations(model_dir: str | Path, path: str | Path, count: int, seed:
     """Self-distillation data for an MTP head: `count` continuations by the model at model_dir (served by
     Shuttle, bf16) of prompts cut from the recipe's training split (prompt_tokens each, at a random
     offset of a random document: random.Random(seed)), half greedy and half sampled at `temperature`
-    (seeded per request), new_tokens each unless EOS comes first; written to `path` as {"name", "text"}
+    (request i of that half with seed i), new_tokens each unless EOS comes first; written to `path` as {"name", "text"}
     JSON lines (prompt and continuation decoded together). The head then sees contexts as speculative
     decoding meets them (the model's own tokens after a prompt), not only the corpus's."""
     import random
@@ -109,11 +109,10 @@ def write_generations(model_dir: str | Path, path: str | Path, count: int, seed:
             d = docs[rng.randrange(len(docs))]
             at = rng.randrange(len(d) - prompt_tokens + 1)
             prompts.append(d[at:at + prompt_tokens])
-        half = count // 2
-        params = ([SamplingParams(max_tokens=new_tokens, temperature=0.0)] * half
-                  + [SamplingParams(max_tokens=new_tokens, temperature=temperature, seed=seed * count + i)
-                     for i in range(count - half)])
-        outs = llm.generate(prompts, params)
+        half = count // 2  # (two generates: the greedy half, then the sampled one, request i with seed i)
+        outs = llm.generate(prompts[:half], SamplingParams(max_tokens=new_tokens, temperature=0.0))
+        outs += llm.generate(prompts[half:], [SamplingParams(max_tokens=new_tokens, temperature=temperature, seed=i)
+                                              for i in range(count - half)])
     finally:
         llm.shutdown()
     path = Path(path)
