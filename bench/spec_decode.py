@@ -1,5 +1,5 @@
-"""Speculative decoding (n-gram drafts and the built-in model's MTP head) against plain decoding, side by
-side in one process.
+"""Speculative decoding (n-gram drafts and the built-in model's MTP head, or --model's) against plain
+decoding, side by side in one process.
 
 The built-in model (models/builtin, trained on stdlib docstrings, with its MTP head) serves B prompts cut
 from its held-out documents, greedy, EOS ignored, --output-len new tokens each, through `LLM.generate`:

@@ -188,7 +188,7 @@ class MTPDrafter:
         self._rotary: RotaryEmbedding | None = None
         self.native = None  # models/native_decode.NativeDecode of the layer alone (use_native)
         self._head = None  # (native_drafts) its tables, False where it cannot run
-        self._steps = {}  # (native_drafts) (B, A, n): its step structure, drafts buffer, the tensors they point to
+        self._steps = {}  # (native_drafts) (B, A, n): step structure, drafts buffer, index buffer, _Mtp (_pass_step)
         self._native_view = None
 
     def use_native(self, cache) -> str | None:
@@ -290,7 +290,7 @@ class MTPDrafter:
         verify step keeps 1 to k + 1 rows): the step structure (its rows' fields are the native call's to
         fill), the drafts buffer (A, n), the int64 buffer of the rows' indices (4B + 4A: ids, hrow, positions,
         table_of, then pick, drafting, last, count) and the _Mtp pointing into it, its per-call fields
-        (rope tables, pages, hidden states, sampling) left for the call."""
+        (rope tables, pages and their width M, block size, hidden states, sampling) left for the call."""
         got = self._steps.get((B, A, n))
         if got is None:
             if len(self._steps) >= MAX_BUFFER_SETS:

@@ -545,6 +545,10 @@ def test_mtp_depth_two_trains_the_layer_chained_on_its_own_outputs(mtp_ckpt):
         assert torch.equal(labels2[:14], labels1)
         assert labels2[14:20].tolist() == PROMPTS[0][3:8] + [IGNORE]
         assert labels2[20:].tolist() == PROMPTS[2][3:] + [IGNORE] * 2
+        holed = labels.clone()
+        holed[0, 2] = IGNORE  # (a token mid-row unknown: no depth-2 row whose chain read it is scored)
+        _, _, holed2 = forward_mtp(target, drafter, ids, holed, depth=2)
+        assert holed2[14:20].tolist() == [IGNORE, IGNORE, IGNORE] + PROMPTS[0][6:8] + [IGNORE]
         teacher = next_position(logits, 2, 8, 2)
         assert teacher.shape == mtp2.shape and torch.equal(teacher[14], logits[2]) and torch.equal(teacher[20], logits[10])
         # sequence 0's depth-2 rows as a chunk over a cache: the layer on its depth-1 outputs and x_{t+2}

@@ -147,9 +147,10 @@ def test_mtp_flags_are_checked(tmp_path):
         TrainConfig(family="mixtral", mtp_layers=1, mtp_depth=0, **base)
 
 
-def test_write_generations_continues_training_prompts_greedy_then_sampled(tmp_path):
+def test_write_generations_continues_training_prompts(tmp_path):
     """The MTP head's self-distillation data: the model's continuations of prompts cut from the training
-    split, half greedy and half sampled (seeded), one JSON line each, reproducible from the seed."""
+    split (half greedy, half sampled with per-request seeds), one JSON line each without a final EOS's
+    text (the data pipeline ends each document), the same again from the same seed."""
     import json
 
     from models.builtin import builtin_model_dir
@@ -166,6 +167,7 @@ def test_write_generations_continues_training_prompts_greedy_then_sampled(tmp_pa
         ids = tok.encode(d["text"]).ids
         assert 8 < len(ids) <= 8 + 5 + 2, d  # (re-encoding may merge a token at the seam)
         assert tok.decode(ids[:6]) in train  # the prompt: a piece of a training document
+        assert not d["text"].endswith("<|endoftext|>")
     assert write_generations(builtin_model_dir(), tmp_path / "again.jsonl", 4, seed=3, prompt_tokens=8,
                              new_tokens=5).read_text() == path.read_text()
 

@@ -11,14 +11,17 @@ out for the evaluation loss. Model: 6 layers, hidden 384, 6 heads (2 kv heads), 
 top-2, a 4096-token byte-level BPE trained on the training split; about 23M parameters, 46 MB in
 bfloat16. Any flag given on the command line overrides the recipe's value.
 
-Its MTP head (speculative method mtp's drafter) is trained on the frozen model by the same recipe:
+Its MTP head (speculative method mtp's drafter) is trained on the frozen model by the same recipe, on the
+corpus and then on the model's own continuations of training prompts (write_generations); the model
+card (models/builtin/README.md) lists the runs. One of them:
 
-    shuttle train --recipe builtin --init-from models/builtin --mtp-layers 1 --train-only mtp \
-                  --out /tmp/builtin-mtp --max-steps 300
+    shuttle train --recipe builtin --init-from models/builtin --mtp-layers 1 --train-only mtp --mtp-dense \
+                  --mtp-distill --out /tmp/builtin-mtp --max-steps 400
     python -c "from training.builtin import install_mtp_layer; install_mtp_layer('/tmp/builtin-mtp', 'models/builtin')"
 """
 import ast
 import json
+import shlex
 import os
 import sys
 import sysconfig
@@ -113,12 +116,16 @@ def write_generations(model_dir: str | Path, path: str | Path, count: int, seed:
         outs = llm.generate(prompts[:half], SamplingParams(max_tokens=new_tokens, temperature=0.0))
         outs += llm.generate(prompts[half:], [SamplingParams(max_tokens=new_tokens, temperature=temperature, seed=i)
                                               for i in range(count - half)])
+        eos = set(llm.eos_token_ids)
     finally:
         llm.shutdown()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"name": f"gen{seed}:{i}", "text": tok.decode(p + list(o.outputs[0].token_ids))})
-                            + "\n" for i, (p, o) in enumerate(zip(prompts, outs))))
+    texts = []
+    for p, o in zip(prompts, outs):  # (a continuation's final EOS stays out: the data pipeline ends each document)
+        ids = list(o.outputs[0].token_ids)
+        texts.append(tok.decode(p + (ids[:-1] if ids and ids[-1] in eos else ids)))
+    path.write_text("".join(json.dumps({"name": f"gen{seed}:{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
     return path
 
 
@@ -281,15 +288,16 @@ def write_mtp_card(cfg: TrainConfig, summary: dict[str, Any]) -> Path:
         "- it predicts the token after next from the model's last hidden state and the next token: the drafter of "
         "speculative decoding, `--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 1}'`",
         f"- trained alone on the frozen model (`--train-only mtp`: every other tensor is bitwise the model's) on "
-        + ("the training split above" if _recipe_data(cfg) else "the model's own continuations of prompts from the "
-           "training split (`write_generations`, training/builtin.py)")
+        + ("the training split above" if _recipe_data(cfg) else "the given data (`--data`; the built-in head's: the "
+           "model's own continuations of training prompts, `write_generations`)")
         + (f", also chained {cfg.mtp_depth} deep on its own outputs (`--mtp-depth`)" if cfg.mtp_depth > 1 else "")
         + f": {summary['step']} steps of {summary['tokens_per_step']} tokens, AdamW lr {cfg.lr} "
         f"({cfg.warmup_steps} warmup steps, cosine to {cfg.final_lr}), {cfg.dtype} autocast, "
         f"{summary['train_seconds_total'] / 60:.1f} minutes on {summary['world_size']} rank(s)"
         + ("; its loss is the cross entropy against the model's own distribution of the token after next "
            "(`--mtp-distill`: self-distillation), not the data's" if cfg.mtp_distill else ""),
-        f"- MTP loss (cross entropy of the token after next, nats per token): training {steps[0]['mtp_loss']:.3f} at "
+        f"- MTP loss (cross entropy of the token after next{', the mean over the depths' if cfg.mtp_depth > 1 else ''}, "
+        f"nats per token): training {steps[0]['mtp_loss']:.3f} at "
         f"step {steps[0]['step']}, {sum(s['mtp_loss'] for s in last) / len(last):.3f} over the last {len(last)} steps"
         if steps else "",
         f"- held-out MTP loss {summary['eval_mtp_loss']:.3f} (the model's own next-token loss there: "
@@ -302,7 +310,9 @@ def write_mtp_card(cfg: TrainConfig, summary: dict[str, Any]) -> Path:
         "", "```", f"shuttle train --recipe builtin --init-from {cfg.init_from} --mtp-layers 1 --train-only mtp"
         + (" --mtp-dense" if cfg.mtp_dense else "") + (" --mtp-distill" if cfg.mtp_distill else "")
         + (f" --mtp-depth {cfg.mtp_depth}" if cfg.mtp_depth > 1 else "")
-        + (f" --data {' '.join(cfg.data)}" if not _recipe_data(cfg) else "") + f" --out {cfg.out} --max-steps {summary['step']}"
+        + ("" if _recipe_data(cfg) else " --data " + " ".join(map(shlex.quote, map(str, cfg.data)))
+           + (" --eval-data " + " ".join(map(shlex.quote, map(str, cfg.eval_data))) if cfg.eval_data else ""))
+        + f" --out {cfg.out} --max-steps {summary['step']}"
         + "".join(f" --{k.replace('_', '-')} {getattr(cfg, k)}" for k, v in MTP_RUN.items() if getattr(cfg, k) != v)
         + (f" --nproc-per-node {summary['world_size']}" if summary["world_size"] > 1 else ""),
         f"python -c \"from training.builtin import install_mtp_layer; install_mtp_layer('{cfg.out}', "

@@ -234,7 +234,8 @@ def next_position(logits_TV: torch.Tensor, B: int, L: int, depth: int = 1) -> to
     at positions d..L-1 of each sequence, (B*(L-d), V) each, in that order): the target's own
     prediction of the token the MTP layer predicts there."""
     logits_BLV = logits_TV.view(B, L, -1)
-    return torch.cat([logits_BLV[:, d:].reshape(B * (L - d), -1) for d in range(1, depth + 1)])
+    rows = [logits_BLV[:, d:].reshape(B * (L - d), -1) for d in range(1, depth + 1)]
+    return rows[0] if depth == 1 else torch.cat(rows)
 
 
 def forward_mtp(model: MoEForCausalLM, mtp, ids_BL: torch.Tensor, labels_BL: torch.Tensor,
@@ -244,9 +245,11 @@ def forward_mtp(model: MoEForCausalLM, mtp, ids_BL: torch.Tensor, labels_BL: tor
     Depth 1 (B*(L-1) rows) is DeepSeek-V3's: at position t the layer takes the target's hidden state
     after its final norm, as serving gives it (attention_nodes/model_runner.py), and the token x_{t+1},
     and predicts x_{t+2}. Depth d > 1 (B*(L-d) rows, after depth d - 1's) runs the same layer on depth
-    d - 1's output (before shared_head's norm) and the token that output was to predict, as a chained
-    draft does (ModelRunner.mtp_draft), and predicts the token after it; a label is IGNORE where any
-    token its chain read is. The MTP layer's gradient reaches the target."""
+    d - 1's output (before shared_head's norm) and the token that output was to predict, the inputs of
+    a chained draft (ModelRunner.mtp_draft), and predicts the token after it; a label is IGNORE where
+    any token its chain read is. Each depth attends causally over its own rows (a chained draft attends
+    to depth 1's entries of the positions before it, as DeepSeek-V3's later MTP modules to their own
+    depth's). The MTP layer's gradient reaches the target."""
     from training.losses import IGNORE, mtp_targets
 
     B, L = ids_BL.shape
@@ -264,4 +267,6 @@ def forward_mtp(model: MoEForCausalLM, mtp, ids_BL: torch.Tensor, labels_BL: tor
                            CausalAttention())
         outs.append(mtp.logits(y_TD))
         labels.append(targets_BL.reshape(-1))
+    if depth == 1:  # (no copy of the rows x vocabulary logits)
+        return model.logits(hidden_TD), outs[0], labels[0]
     return model.logits(hidden_TD), torch.cat(outs), torch.cat(labels)

@@ -135,13 +135,13 @@ class Trainer:
 
     def _flops_per_token(self) -> float:
         """Training FLOPs per token: the model's forward and backward (forward only when frozen) plus
-        the MTP layer's, its eh_proj and the second use of the LM head."""
+        the MTP layer's, its eh_proj and the LM head's further use, once per --mtp-depth."""
         f = train_flops_per_token(self.model_cfg, self.cfg.seq_len)
         if self.mtp is None:
             return f
         D, V = self.model_cfg.hidden_size, self.model_cfg.vocab_size
         extra = train_flops_per_token(self.mtp.cfg, self.cfg.seq_len) - f + 6.0 * (V * D + 2 * D * D)
-        return (f / 3 if self.frozen else f) + extra
+        return (f / 3 if self.frozen else f) + self.cfg.mtp_depth * extra
 
     def _restore(self, checkpoint: Path) -> None:
         state = load_trainer_state(checkpoint, self.ctx)
@@ -173,7 +173,8 @@ class Trainer:
 
     def losses(self, ids_BL: torch.Tensor, labels_BL: torch.Tensor) -> Losses:
         """Forward one micro-batch; the load-balancing loss uses the whole global batch's routing.
-        With an MTP layer the total adds mtp_loss_weight times its cross entropy (of x_{t+2}; with
+        With an MTP layer the total adds mtp_loss_weight times its cross entropy (of x_{t+2}, and over
+        every --mtp-depth the token after its input's; with
         --mtp-distill against the model's own distribution for it); with --train-only mtp that is the
         whole total (the next-token loss is reported, not trained)."""
         cfg, mcfg = self.cfg, self.model_cfg
