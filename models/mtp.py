@@ -253,7 +253,7 @@ class MTPDrafter:
         rope = self._rope_tables(max(max(rows.positions), max(a + c - 1 for a, c in zip(rows.last, rows.count))) + 1)
         if rope is None:
             return None
-        step, drafts, idx, m = self._pass_step(B, A, n)
+        step, drafts, idx, m = self._pass_step(B, A, n, head)
         # (the rows' index arrays into the call's int64 buffer, in _Mtp's order: one store, no arrays made)
         idx[:] = (rows.ids + rows.hrow + rows.positions + rows.table_of + rows.pick + rows.drafting + rows.last
                   + rows.count)
@@ -285,10 +285,10 @@ class MTPDrafter:
             self._rotary = RotaryEmbedding(self.cfg.rope, self.cfg.rope_dim, device)
         return self._rotary
 
-    def _pass_step(self, B: int, A: int, n: int) -> tuple:
-        """native_drafts' structures for B rows and A drafting sequences of up to n drafts, kept per shape (a
-        verify step keeps 1 to k + 1 rows): the step structure (its rows' fields are the native call's to
-        fill), the drafts buffer (A, n), the int64 buffer of the rows' indices (4B + 4A: ids, hrow, positions,
+    def _pass_step(self, B: int, A: int, n: int, head: tuple) -> tuple:
+        """native_drafts' structures for B rows and A drafting sequences of up to n drafts (head: _native_head's
+        tables), kept per shape (a verify step keeps 1 to k + 1 rows): the step structure (its rows' fields
+        are the native call's to fill), the drafts buffer (A, n), the int64 buffer of the rows' indices (4B + 4A: ids, hrow, positions,
         table_of, then pick, drafting, last, count) and the _Mtp pointing into it, its per-call fields
         (rope tables, pages and their width M, block size, hidden states, sampling) left for the call."""
         got = self._steps.get((B, A, n))
@@ -302,11 +302,10 @@ class MTPDrafter:
                                           torch.empty(B, 1, dtype=i64), torch.empty(B, dtype=i64))
             idx = np.empty(4 * B + 4 * A, dtype=np.int64)
             at = [idx.ctypes.data + 8 * o for o in (0, B, 2 * B, 3 * B, 4 * B, 4 * B + A, 4 * B + 2 * A, 4 * B + 3 * A)]
-            embed, eh, head_panels, Vh = self._native_head()
+            embed, eh, head_panels, Vh = head  # (_native_head's)
             layer = self.layer
             m = _Mtp(embed.data_ptr(), layer.enorm.weight.data_ptr(), layer.hnorm.weight.data_ptr(), eh, head_panels,
-                     None, None, self.cfg.vocab_size, Vh, A, 0, 0, None, *at[:4], None,
-                     *at[4:])
+                     None, None, self.cfg.vocab_size, Vh, A, 0, 0, None, *at[:4], None, *at[4:])
             got = self._steps[(B, A, n)] = (step, torch.empty(A, n, dtype=i64), idx, m, t)
         return got[:4]
 
