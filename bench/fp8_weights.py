@@ -2,17 +2,18 @@
 dequantised to bf16 at load) and int8, bf16 activations, 1-256 rows, 128 x 128 blocks:
 
 linear (I, O):
-  fp8       fp8_linear, its default kernel (AMX from AMX_MIN_ROWS rows where it runs, else the FMA one)
+  fp8       fp8_linear, its default kernel as served (kernels/choice.py's "fp8_moe" table, measured on
+            FP8 experts of the MoE shape below: BF16DOT or AMX from its threshold, else the FMA one)
   fp8_fma   fp8_linear with the FMA kernel forced (AVX-512, else AVX2): what float32 x always runs
   bf16      kernels.cpu_linear.cpu_linear on a CpuWeight of the dequantised bf16 weight (our panels
             on AVX-512 BF16 CPUs, each row count on the kernel kernels/choice.py measured fastest for
             the shape, as served; else oneDNN)
   int8      int8_linear on quantize_int8 of the same dequantised weight, its default kernel
 MoE block (E = 8 experts, top-2, D, I):
-  fp8       fused_moe_fp8 on Fp8Experts, its default kernels
+  fp8       fused_moe_fp8 on Fp8Experts, its default kernels (the same "fp8_moe" table)
   bf16      the fused bf16 block (native.fused_moe_bf16 on ExpertPanels) where AVX-512 BF16 runs, else
             kernels.moe.fused_moe_packed on bf16 CpuWeights
-  int8      fused_moe_int8 on Int8Experts, its default kernels
+  int8      fused_moe_int8 on Int8Experts, its default kernels ("int8_moe")
 
 Each cell is the median of --rounds rounds; in a round every candidate runs in turn (the order reversed
 every other round), each for at least --min-ms of back-to-back calls. *_vs_bf16 > 1: faster than bf16.
@@ -57,6 +58,8 @@ def linear_rows(I: int, O: int, rounds: int, min_s: float) -> list[dict]:
     (q, s), w16 = checkpoint(O, I, g)
     wf, cw, wi = fp8.Fp8Weight.from_checkpoint(q, s, BLOCK), CpuWeight(w16), int8.quantize_int8(w16)
     fma = fp8.AVX512 if fp8.AVX512 in fp8.kernels() else fp8.AVX2
+    choice.configure("fp8_moe", MOE_SHAPES)  # the FP8 and int8 thresholds as served beside such experts
+    choice.configure("int8_moe", MOE_SHAPES)
     if cw.panels is not None:  # bf16 as served: the measured kernel per row count (AMX where it won)
         choice.configure("gemm", [(cw.out_features, cw.panels.shape[1] * 2)])
     del q, w16
@@ -98,7 +101,8 @@ def moe_rows(D: int, I: int, rounds: int, min_s: float) -> list[dict]:
     w13 = [torch.cat((a, b)) for (_, a), (_, b) in zip(gate, up)]
     w2 = [w for _, w in down]
     bf16, i8 = bf16_moe(w13, w2, I), int8.Int8Experts.quantize(w13, w2)
-    choice.configure("int8_moe", [(D, I)])  # int8's AMX threshold as served
+    choice.configure("fp8_moe", [(D, I)])  # each format's measured threshold, as served
+    choice.configure("int8_moe", [(D, I)])
     del gate, up, down, w13, w2
     expert_bytes = experts.w13_E[0].fp8.nbytes + experts.w2_E[0].fp8.nbytes
     out = []

@@ -17,13 +17,15 @@ Ops (each candidate reads the same weights, so the choice can change with the ro
   skinny  a float32 linear whose weights are exactly bf16 (a bf16 checkpoint served in float32):
           native  our bf16 GEMM on the bf16 copy, half the bytes (kernels/csrc/skinny_gemm.c)
           onednn  oneDNN's packed float32 GEMM
-  int8_moe  one int8 expert's bf16 rows in the fused int8 block (kernels/int8.fused_moe_int8; the FP8
-          block and int8 / FP8 dense linears take the same choice; a process with such linears and no
-          such experts, an attention worker, times the block on its largest linear's (I, O / 2)): fma
-          (codes widened in registers; AVX-512, else AVX2), or each panel dequantised to bf16 once per
-          block of rows for bf16dot (AVX-512 BF16 dot products) or amx; the kernel takes one big kernel
-          and threshold: the one that won the largest bucket, from the first bucket after which it
-          always won
+  int8_moe  one int8 expert's bf16 rows in the fused int8 block (kernels/int8.fused_moe_int8; int8 dense
+          linears take the same choice; a process with such linears and no such experts, an attention
+          worker, times the block on its largest linear's (I, O / 2)): fma (codes widened in
+          registers; AVX-512, else AVX2), or each panel dequantised to bf16 once per block of rows for
+          bf16dot (AVX-512 BF16 dot products) or amx; the kernel takes one big kernel and threshold:
+          the one that won the largest bucket, from the first bucket after which it always won
+  fp8_moe  the same on FP8 codes (128 x 128 blocks; the FP8 block and FP8 dense linears): their decode
+          costs differ from int8's (fma widens E4M3 through float16, bf16dot looks bytes up in a
+          table), so the threshold does too
   mxfp4   an MXFP4 linear's bf16 rows (kernels/mxfp4_weights.mxfp4_linear), shape (O, I): fma (FP4 codes
           decoded in registers, AVX-512, else AVX2) or bf16dot (each panel decoded to bf16 once per
           block of rows, AVX-512 BF16 dot products); only where bf16dot runs
@@ -87,10 +89,10 @@ STREAM_COPIES = 64  # at most
 ATTENTION_CONTEXT = 256  # tokens per sequence where attention is timed
 ATTENTION_PAGE = 16  # token slots per page there (CacheConfig.block_size's default)
 CANDIDATES = {"gemm": ("avx512", "amx", "onednn"), "moe": ("avx512", "amx"), "skinny": ("native", "onednn"),
-              "int8_moe": ("fma", "bf16dot", "amx"), "mxfp4": ("fma", "bf16dot"),
+              "int8_moe": ("fma", "bf16dot", "amx"), "fp8_moe": ("fma", "bf16dot", "amx"), "mxfp4": ("fma", "bf16dot"),
               **{op: ("native", "torch") for op in native.NATIVE_OR_TORCH}}
 CHOOSABLE = {"gemm": ("avx512", "amx"), "moe": ("avx512", "amx"), "skinny": ("native", "onednn"),
-             "int8_moe": ("fma", "bf16dot", "amx"), "mxfp4": ("fma", "bf16dot"),
+             "int8_moe": ("fma", "bf16dot", "amx"), "fp8_moe": ("fma", "bf16dot", "amx"), "mxfp4": ("fma", "bf16dot"),
              **{op: ("native", "torch") for op in native.NATIVE_OR_TORCH}}
 _DTYPES = {2: torch.bfloat16, 4: torch.float32}  # the cheap ops' shapes name their dtype by its size
 _C_OPS = {"gemm": native.GEMM, "moe": native.MOE}
@@ -242,28 +244,31 @@ def _skinny_runners(shape: tuple[int, int]) -> dict:
                         "onednn": lambda x: (lambda: packed_linear(x, packed))}}
 
 
-def _int8_moe_runners(shape: tuple[int, int]) -> dict:
-    """One expert of the shape, in as many copies as fill STREAM_BYTES (at most STREAM_COPIES), each
-    call's rows on the next copy: a decode step reads its experts from memory, not from a cache they
-    fit in (one copy of 1024 x 2048 in a 32 MiB L3 put 1-2 rows on the FMA kernel, which is 13% slower
-    from memory)."""
+def _int8_moe_runners(shape: tuple[int, int], codes: str = "int8") -> dict:
+    """One expert of the shape with int8 (or, codes "fp8", FP8 128 x 128 block) codes, in as many copies
+    as fill STREAM_BYTES (at most STREAM_COPIES), each call's rows on the next copy: a decode step reads
+    its experts from memory, not from a cache they fit in (one copy of 1024 x 2048 in a 32 MiB L3 put
+    1-2 rows on the FMA kernel, which is 13% slower from memory)."""
     import copy
 
     D, inter = shape
-    from kernels import int8
+    from kernels import fp8_weights, int8
 
-    one = int8.Int8Experts.quantize(torch.randn(1, 2 * inter, D) / D ** 0.5, torch.randn(1, D, inter) / inter ** 0.5)
+    experts_of, fused = ((int8.Int8Experts, int8.fused_moe_int8) if codes == "int8"
+                         else (fp8_weights.Fp8Experts, fp8_weights.fused_moe_fp8))
+    one = experts_of.quantize(torch.randn(1, 2 * inter, D) / D ** 0.5, torch.randn(1, D, inter) / inter ** 0.5)
 
     def moved(p):  # the expert weight with its codes copied elsewhere in memory
-        c = copy.copy(p)
-        c.int8 = int8.Int8Weight(p.int8.panels.clone(), p.int8.scales, p.int8.out_features, p.int8.in_features)
+        c, w = copy.copy(p), copy.copy(getattr(p, codes))
+        w.panels = w.panels.clone()
+        setattr(c, codes, w)
         return c
 
-    per_expert = one.w13_E[0].int8.nbytes + one.w2_E[0].int8.nbytes
+    per_expert = getattr(one.w13_E[0], codes).nbytes + getattr(one.w2_E[0], codes).nbytes
     copies = max(1, min(STREAM_COPIES, -(-STREAM_BYTES // per_expert)))  # (a tiny expert: cached, as served)
-    experts = int8.Int8Experts([one.w13_E[0]] + [moved(one.w13_E[0]) for _ in range(copies - 1)],
-                               [one.w2_E[0]] + [moved(one.w2_E[0]) for _ in range(copies - 1)])
-    here = int8.kernels()
+    experts = experts_of([one.w13_E[0]] + [moved(one.w13_E[0]) for _ in range(copies - 1)],
+                         [one.w2_E[0]] + [moved(one.w2_E[0]) for _ in range(copies - 1)])
+    here = int8.kernels() if codes == "int8" else fp8_weights._here_for(experts.block13, experts.block2)
     kernels = {"fma": int8.AVX512 if int8.AVX512 in here else int8.AVX2}
     kernels.update({name: k for name, k in (("bf16dot", int8.BF16DOT), ("amx", int8.AMX)) if k in here})
 
@@ -271,7 +276,7 @@ def _int8_moe_runners(shape: tuple[int, int]) -> dict:
         def timed(x):
             ids = [torch.full((x.shape[0], 1), e, dtype=torch.int64) for e in range(copies)]
             ones, calls = torch.ones(x.shape[0], 1), itertools.count()
-            return lambda: int8.fused_moe_int8(x, ids[next(calls) % copies], ones, experts, kernel=kernel)
+            return lambda: fused(x, ids[next(calls) % copies], ones, experts, kernel=kernel)
         return timed
 
     return {"make_x": lambda T: torch.randn(T, D).to(torch.bfloat16),
@@ -347,7 +352,7 @@ def _routing_runners(shape: tuple[int, int, int]) -> dict:
 
 
 _RUNNERS = {"gemm": _gemm_runners, "moe": _moe_runners, "skinny": _skinny_runners, "int8_moe": _int8_moe_runners,
-            "mxfp4": _mxfp4_runners,
+            "fp8_moe": functools.partial(_int8_moe_runners, codes="fp8"), "mxfp4": _mxfp4_runners,
             "attention": _attention_runners, "rmsnorm": _rmsnorm_runners, "routing": _routing_runners}
 
 
@@ -422,12 +427,12 @@ def _apply(choice: Choice) -> None:
     if choice.op in native.NATIVE_OR_TORCH:
         native.set_runs_native(choice.op, [p == "native" for p in choice.picks])
         return
-    if choice.op == "int8_moe":
+    if choice.op in ("int8_moe", "fp8_moe"):
         from kernels import int8
         big = choice.picks[-1] if choice.picks[-1] != "fma" else None
         first = next(b for b in range(len(choice.picks)) if set(choice.picks[b:]) == {choice.picks[-1]})
         int8.set_moe_big({"bf16dot": int8.BF16DOT, "amx": int8.AMX}.get(big),
-                         1 if first == 0 else BUCKET_ROWS[first - 1] + 1)
+                         1 if first == 0 else BUCKET_ROWS[first - 1] + 1, choice.op[:-4])
         return
     if choice.op == "mxfp4":
         from kernels.mxfp4_weights import set_bf16dot_rows
@@ -469,10 +474,10 @@ def configure(op: str, shapes: list[tuple[int, ...]]) -> Choice | None:
     if op in ("gemm", "moe") and not native.avx512_bf16() or op in ("skinny", *native.NATIVE_OR_TORCH) \
             and not native.available():
         return None
-    if op == "int8_moe":
-        from kernels import int8
-        if not {int8.BF16DOT, int8.AMX} & int8.kernels():  # one candidate: nothing to choose
-            return None
+    if op in ("int8_moe", "fp8_moe"):
+        from kernels import fp8_weights, int8
+        if not {int8.BF16DOT, int8.AMX} & (int8.kernels() if op == "int8_moe" else fp8_weights.kernels()):
+            return None  # one candidate: nothing to choose
     if op == "mxfp4":
         from kernels import mxfp4_weights
         if mxfp4_weights.BF16DOT not in mxfp4_weights.kernels():  # one candidate: nothing to choose

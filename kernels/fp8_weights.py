@@ -208,7 +208,7 @@ def _here_for(*block_ins: int) -> frozenset[int]:
 
 def _kernel(x_dtype: torch.dtype, rows: int, kernel: int | None, here: frozenset[int], name: str) -> int:
     if kernel is None:
-        return int8._default_kernel(x_dtype, rows, here)
+        return int8._default_kernel(x_dtype, rows, here, "fp8")
     return int8.check_kernel(kernel, here, x_dtype, name)
 
 
@@ -217,7 +217,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     """y = x W^T (+ bias) in x's dtype (bfloat16 or float32), W = code * block scale, float32
     accumulation, rounded once: x (..., I) on the CPU, bias (O,) of any float dtype. kernel: AVX2,
     AVX512, BF16DOT or AMX (these two bf16 x only), one of kernels(); by default as int8_linear's (bf16
-    x: the measured big kernel from its rows on, else AVX512 where it runs, else AVX2). The torch
+    x: the big kernel measured on FP8 codes from its rows on, else AVX512 where it runs, else AVX2). The torch
     reference where the kernels are unavailable, for other dtypes, and where autograd or torch.compile
     needs it."""
     if x.shape[-1] != w.in_features:
@@ -343,11 +343,13 @@ def moe_kernels(experts: "Fp8Experts", x_dtype: torch.dtype = torch.bfloat16) ->
     """(kernel, big_kernel, big_rows) that fused_moe_fp8 takes by default for x_dtype rows of these
     experts (also the native decode step's, models/native_decode.py); None where no kernel runs them
     here (no library, or AVX2 without F16C): then the torch reference does. The big kernel and its
-    row count are the int8 block's (int8.set_moe_big: measured on int8 experts, whose kernels these are)."""
+    row count are measured on FP8 codes (kernels/choice.py "fp8_moe", int8.set_moe_big(codes="fp8")):
+    the FMA kernel's float16 decode costs more than int8's widening, so BF16DOT's table decode can win
+    from fewer rows than on int8 codes (one row on a Zen 5 EPYC)."""
     if not available():
         return None
     here = _here_for(experts.block13, experts.block2)
-    small, big, big_rows = int8._default_moe_kernels(x_dtype, here)
+    small, big, big_rows = int8._default_moe_kernels(x_dtype, here, "fp8")
     return None if small not in here else (small, big, big_rows)
 
 

@@ -16,8 +16,8 @@ Kernels (`kernels()` lists those that run here):
                 BF16 dot products or AMX-BF16 tiles, float32 accumulation. BF16DOT decodes FP8 codes
                 by byte table lookups (AVX-512 VBMI, which it needs besides BF16). By default bf16 x
                 takes the one kernels/choice.py measured fastest for the fused block from its row
-                count on ("int8_moe": set_moe_big), the FMA kernel below it; unmeasured, AMX from
-                AMX_MIN_ROWS rows where it runs.
+                count on ("int8_moe", FP8 codes "fp8_moe": set_moe_big), the FMA kernel below it;
+                unmeasured, AMX from AMX_MIN_ROWS rows where it runs.
   VNNI          w8a8 only (below): int8 activations times int8 codes with AVX-512 VNNI dot products
                 (vpdpbusd, 4 products per int32 lane), exact int32 sums, no dequantisation.
 The AVX-512, VNNI and AMX kernels are compiled with target attributes and run where /proc/cpuinfo lists
@@ -235,14 +235,15 @@ def check_kernel(kernel: int, here: frozenset[int], x_dtype: torch.dtype, name: 
     return kernel
 
 
-def _default_kernel(x_dtype: torch.dtype, rows: int, here: frozenset[int]) -> int:
-    """The kernel int8_linear and fp8_linear take for `rows` rows of x_dtype by default: for bf16 rows
-    the fused block's measured big kernel from its row count on (the same panels and kernels; see
-    set_moe_big; unmeasured: AMX from AMX_MIN_ROWS where it runs), else the FMA kernel."""
+def _default_kernel(x_dtype: torch.dtype, rows: int, here: frozenset[int], codes: str = "int8") -> int:
+    """The kernel int8_linear (codes "int8") and fp8_linear ("fp8") take for `rows` rows of x_dtype by
+    default: for bf16 rows the fused block's measured big kernel for those codes from its row count on
+    (the same panels and kernels; see set_moe_big; unmeasured: AMX from AMX_MIN_ROWS where it runs),
+    else the FMA kernel."""
     small = AVX512 if AVX512 in here else AVX2
     if x_dtype != torch.bfloat16:
         return small
-    _, big, big_rows = _default_moe_kernels(x_dtype, here)
+    _, big, big_rows = _default_moe_kernels(x_dtype, here, codes)
     return big if rows >= big_rows else small
 
 
@@ -414,28 +415,29 @@ def fused_moe_int8_reference(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk
     return unpermute(y_ND, perm, topk_weights_TK)
 
 
-# The kernel an expert's bf16 rows take in the fused int8 and FP8 blocks from a row count on, where
-# kernels/choice.py measured it ("int8_moe"): [(kernel, rows)], kernel BF16DOT or AMX, or None (the FMA
-# kernel at every count); [None]: not measured, AMX from AMX_MIN_ROWS where it runs.
-_moe_big: list[tuple[int | None, int] | None] = [None]
+# The kernel an expert's bf16 rows take in the fused blocks from a row count on, per code format ("int8",
+# "fp8": their codes decode at different costs, so each is measured on its own codes by kernels/choice.py,
+# ops "int8_moe" and "fp8_moe"): (kernel, rows), kernel BF16DOT or AMX, or None (the FMA kernel at every
+# count); None: not measured, AMX from AMX_MIN_ROWS where it runs. Dense linears of a format take its entry.
+_moe_big: dict[str, tuple[int | None, int] | None] = {"int8": None, "fp8": None}
 
 
-def set_moe_big(kernel: int | None, rows: int = 1) -> None:
-    """The measured choice (kernels/choice.py): bf16 rows of an expert take `kernel` (BF16DOT or AMX) from
-    `rows` rows on; None: the FMA kernel at every count."""
-    _moe_big[0] = (kernel, rows)
+def set_moe_big(kernel: int | None, rows: int = 1, codes: str = "int8") -> None:
+    """The measured choice (kernels/choice.py) for experts and linears of `codes` ("int8" or "fp8"): bf16
+    rows take `kernel` (BF16DOT or AMX) from `rows` rows on; None: the FMA kernel at every count."""
+    _moe_big[codes] = (kernel, rows)
 
 
-def _default_moe_kernels(x_dtype: torch.dtype, here: frozenset[int]) -> tuple[int, int, int]:
-    """(kernel, big_kernel, big_rows): an expert's rows take the FMA kernel (AVX-512, else AVX2), and
-    bf16 rows the measured big kernel from its row count on (unmeasured: AMX from AMX_MIN_ROWS where
-    it runs)."""
+def _default_moe_kernels(x_dtype: torch.dtype, here: frozenset[int], codes: str = "int8") -> tuple[int, int, int]:
+    """(kernel, big_kernel, big_rows) for `codes` ("int8" or "fp8"): an expert's rows take the FMA kernel
+    (AVX-512, else AVX2), and bf16 rows the measured big kernel from its row count on (unmeasured: AMX
+    from AMX_MIN_ROWS where it runs)."""
     small = AVX512 if AVX512 in here else AVX2
     if x_dtype != torch.bfloat16:
         return small, small, 0
-    if _moe_big[0] is None:
+    if _moe_big[codes] is None:
         return (small, AMX, AMX_MIN_ROWS) if AMX in here else (small, small, 0)
-    kernel, rows = _moe_big[0]
+    kernel, rows = _moe_big[codes]
     return (small, kernel, rows) if kernel in here else (small, small, 0)
 
 

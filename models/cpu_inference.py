@@ -253,11 +253,13 @@ def choose_kernels(module: nn.Module) -> None:
     worker's blocks), and on a model's attention, norm and routing shapes, and install the fastest per
     op and row count for the process (kernels/choice.py; cached on disk, so a process pays the timing
     once per machine and shapes)."""
-    gemm, moe, skinny, int8_moe, mxfp4, int8_linears = set(), set(), set(), set(), set(), set()
+    gemm, moe, skinny, mxfp4 = set(), set(), set(), set()
+    blocks = {"int8_moe": set(), "fp8_moe": set()}  # the quantised blocks' shapes, by codes
+    linears = {"int8_moe": set(), "fp8_moe": set()}  # (quantize_linears: int8_linear / fp8_linear)
     for m in module.modules():
         if isinstance(m, PackedExperts) and (m.int8 is not None or m.fp8 is not None):
-            block = m.int8 or m.fp8  # (fused_moe_fp8 takes the int8 block's choice: kernels/fp8_weights.py)
-            int8_moe.add((block.hidden, block.inter))
+            block = m.int8 or m.fp8
+            blocks["int8_moe" if m.int8 is not None else "fp8_moe"].add((block.hidden, block.inter))
             continue
         if isinstance(m, PackedExperts) and m.native is not None:
             moe.add((m.w2_packed[0].out_features, m.w2_packed[0].in_features))
@@ -265,15 +267,17 @@ def choose_kernels(module: nn.Module) -> None:
         for w in cpu_weights(m):
             if isinstance(w.int8, Mxfp4Weight):
                 mxfp4.add((w.out_features, w.int8.in_features))
-            elif isinstance(w.int8, (Int8Weight, Fp8Weight)):  # (quantize_linears: int8_linear / fp8_linear)
-                int8_linears.add((w.int8.in_features, max(1, w.out_features // 2)))
+            elif isinstance(w.int8, (Int8Weight, Fp8Weight)):
+                linears["int8_moe" if isinstance(w.int8, Int8Weight) else "fp8_moe"].add(
+                    (w.int8.in_features, max(1, w.out_features // 2)))
             elif w.panels is not None:
                 gemm.add((w.out_features, w.panels.shape[1] * 2))
             elif w.half is not None:
                 skinny.add(tuple(w.half.shape))
-    if int8_linears and not int8_moe:  # an attention worker's quantised linears: the block's choice on their shape
-        int8_moe.add(max(int8_linears, key=lambda s: s[0] * s[1]))
-    for op, shapes in (("gemm", gemm), ("moe", moe), ("skinny", skinny), ("int8_moe", int8_moe), ("mxfp4", mxfp4),
+    for op, shapes in linears.items():  # an attention worker's quantised linears: the block's choice on their shape
+        if shapes and not blocks[op]:
+            blocks[op].add(max(shapes, key=lambda s: s[0] * s[1]))
+    for op, shapes in (("gemm", gemm), ("moe", moe), ("skinny", skinny), *blocks.items(), ("mxfp4", mxfp4),
                        *step_op_shapes(module).items()):
         if shapes:
             choice.configure(op, sorted(shapes))

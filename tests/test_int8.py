@@ -109,7 +109,7 @@ def test_int8_linear_bf16_output_is_the_rounded_float32_result(kernel):
 def test_the_default_kernel(monkeypatch):
     """Unmeasured, bf16 rows take AMX from AMX_MIN_ROWS where it runs; measured, the fused block's big
     kernel from its row count (the same panels); float32 rows the FMA kernel."""
-    monkeypatch.setattr(int8, "_moe_big", [None])  # whatever an earlier test's model measured
+    monkeypatch.setattr(int8, "_moe_big", {"int8": None, "fp8": None})  # whatever an earlier test's model measured
     every = frozenset((int8.AVX2, int8.AVX512, int8.BF16DOT, int8.AMX))
     assert int8._default_kernel(torch.bfloat16, int8.AMX_MIN_ROWS, every) == int8.AMX
     assert int8._default_kernel(torch.bfloat16, int8.AMX_MIN_ROWS, every - {int8.AMX}) == int8.AVX512
@@ -127,7 +127,7 @@ def test_the_default_moe_kernels(monkeypatch):
     """Each expert of the fused block takes int8_linear's default kernel for few rows, and bf16 rows the
     measured big kernel from its threshold (unmeasured: AMX from AMX_MIN_ROWS where it runs); float32
     rows and kernels that do not run here fall back to the small one."""
-    monkeypatch.setattr(int8, "_moe_big", [None])  # whatever an earlier test's model measured
+    monkeypatch.setattr(int8, "_moe_big", {"int8": None, "fp8": None})  # whatever an earlier test's model measured
     every = frozenset((int8.AVX2, int8.AVX512, int8.BF16DOT, int8.AMX))
     assert int8._default_moe_kernels(torch.bfloat16, every) == (int8.AVX512, int8.AMX, int8.AMX_MIN_ROWS)
     assert int8._default_moe_kernels(torch.bfloat16, every - {int8.AMX})[:2] == (int8.AVX512, int8.AVX512)

@@ -256,7 +256,7 @@ def test_int8_moe_threshold_follows_its_table(cache, monkeypatch):
     from the first bucket after which it always won; measured on the model's shapes (here forced and
     given), and the native decode step takes the same."""
     experts = int8.Int8Experts.quantize(torch.randn(1, 32, 64), torch.randn(1, 64, 16))
-    monkeypatch.setattr(int8, "_moe_big", [None])
+    monkeypatch.setattr(int8, "_moe_big", {"int8": None, "fp8": None})
     big = int8.AMX if int8.AMX in int8.kernels() else int8.BF16DOT
     name = "amx" if big == int8.AMX else "bf16dot"
     for picks, want in ((["fma"] * 4 + [name] * 8, (big, 9)), ([name] * 12, (big, 1)),
@@ -265,10 +265,38 @@ def test_int8_moe_threshold_follows_its_table(cache, monkeypatch):
         assert int8._default_moe_kernels(torch.bfloat16, int8.kernels()) == (int8.AVX512, *want)
         assert int8.moe_kernels(experts, torch.bfloat16) == (int8.AVX512, *want)  # (the native decode step's)
     monkeypatch.setenv(choice.ENV_VAR, "int8_moe=fma")
-    assert choice.configure("int8_moe", [(64, 32)]).source == "forced" and int8._moe_big[0] == (None, 1)
+    assert choice.configure("int8_moe", [(64, 32)]).source == "forced" and int8._moe_big["int8"] == (None, 1)
     monkeypatch.setenv(choice.ENV_VAR, "measure")
     c = choice.configure("int8_moe", [(64, 32)])
     assert c.source == "measured" and set(c.picks) <= {"fma", "bf16dot", "amx"}
+
+
+@pytest.mark.skipif(not {int8.BF16DOT, int8.AMX} & int8.kernels(),
+                    reason="fp8_moe has one candidate without AVX-512 BF16 or AMX")
+def test_fp8_moe_threshold_is_its_own(cache, monkeypatch):
+    """FP8 codes decode at other costs than int8's, so the FP8 block and FP8 linears take the table
+    measured on FP8 codes ("fp8_moe") and int8 ones int8's, each unmoved by the other's; the FP8 block's
+    timing runs its own kernels on FP8 experts."""
+    from kernels import fp8_weights as fp8
+
+    monkeypatch.setattr(int8, "_moe_big", {"int8": None, "fp8": None})
+    fp8_experts = fp8.Fp8Experts.quantize(torch.randn(1, 64, 64), torch.randn(1, 64, 32))
+    int8_experts = int8.Int8Experts.quantize(torch.randn(1, 64, 64), torch.randn(1, 64, 32))
+    big, name = (int8.AMX, "amx") if int8.AMX in int8.kernels() else (int8.BF16DOT, "bf16dot")
+    choice._apply(choice.Choice("fp8_moe", [(64, 32)], [name] * 12))
+    choice._apply(choice.Choice("int8_moe", [(64, 32)], ["fma"] * 12))
+    assert fp8.moe_kernels(fp8_experts)[1:] == (big, 1) and int8.moe_kernels(int8_experts, torch.bfloat16)[1:] == (
+        int8.AVX512, 0)
+    assert int8._default_kernel(torch.bfloat16, 1, int8.kernels(), "fp8") == big
+    assert int8._default_kernel(torch.bfloat16, 1, int8.kernels()) == int8.AVX512
+    ran = []
+    monkeypatch.setattr(fp8, "fused_moe_fp8", lambda *a, kernel=None: ran.append((type(a[3]), kernel)))
+    monkeypatch.setenv(choice.ENV_VAR, "measure")
+    c = choice.configure("fp8_moe", [(64, 32)])
+    assert c.source == "measured" and set(c.picks) <= {"fma", "bf16dot", "amx"}
+    kernels_ran = {k for _, k in ran}
+    assert {t for t, _ in ran} == {fp8.Fp8Experts} and int8.AVX512 in kernels_ran
+    assert kernels_ran & {int8.BF16DOT, int8.AMX}
 
 
 # -- the ops with a native kernel and a torch path (native.NATIVE_OR_TORCH) ------------------------

@@ -109,10 +109,10 @@ def test_quantize_linears_refusals_and_flags(src):
     assert args.quantize_linears and not build_parser().parse_args(["serve"]).quantize_linears
 
 
-def test_quantised_linears_alone_measure_the_int8_block_choice(monkeypatch):
+def test_quantised_linears_alone_measure_their_block_choice(monkeypatch):
     """A process whose quantised linears have no int8 / FP8 experts beside them (an attention worker)
-    still times the int8 block's kernels, on its largest linear's shape, so its linears take the
-    measured kernel per row count as a colocated engine's do."""
+    still times the int8 (FP8) block's kernels, on its largest int8 (FP8) linear's shape, so its
+    linears take the measured kernel per row count as a colocated engine's do."""
     from torch import nn
 
     from kernels import choice
@@ -124,7 +124,7 @@ def test_quantised_linears_alone_measure_the_int8_block_choice(monkeypatch):
                           for q in ("int8", "fp8")] + [PackedLinear(nn.Linear(64, 32, bias=False),
                                                                     quantized_linear_weight(torch.randn(32, 64), "int8"))])
     choose_kernels(tree)
-    assert asked["int8_moe"] == [(64, 48)]
+    assert asked["int8_moe"] == [(64, 48)] and asked["fp8_moe"] == [(64, 48)]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
