@@ -22,7 +22,10 @@ Ops (each candidate reads the same weights, so the choice can change with the ro
           worker, times the block on its largest linear's (I, O / 2)): fma (codes widened in
           registers; AVX-512, else AVX2), or each panel dequantised to bf16 once per block of rows for
           bf16dot (AVX-512 BF16 dot products) or amx; the kernel takes one big kernel and threshold:
-          the one that won the largest bucket, from the first bucket after which it always won
+          the one that won the largest bucket, from the first bucket after which it always won. Also
+          vnni (AVX-512 VNNI on the same codes with per-token int8 activations: w8a8's arithmetic, so
+          a NUMERICS candidate): experts take it from the first bucket after which it always won, the
+          weight-only picks below and for the linears
   fp8_moe  the same on FP8 codes (128 x 128 blocks; the FP8 block and FP8 dense linears): their decode
           costs differ from int8's (fma widens E4M3 through float16, bf16dot looks bytes up in a
           table), so the threshold does too
@@ -80,6 +83,10 @@ log = logging.getLogger("shuttle")
 ENV_VAR = "SHUTTLE_KERNEL_CHOICE"
 LOSING_RATIO = 2.0
 TIE = 0.05  # a bucket keeps the previous bucket's kernel unless another is faster by more than this
+# Candidates whose arithmetic differs from the others' (vnni: per-token int8 activations, w8a8's rounding),
+# taken only where faster than every other by more than NUMERICS_MARGIN: not for timing noise
+NUMERICS = {"int8_moe": ("vnni",)}
+NUMERICS_MARGIN = 0.10
 ROUNDS = 3
 MIN_S = 0.002  # each timing runs the call for at least this long
 STEP_MIN_S = 0.0005  # the same for the cheap ops (native.NATIVE_OR_TORCH)
@@ -89,11 +96,11 @@ STREAM_COPIES = 64  # at most
 ATTENTION_CONTEXT = 256  # tokens per sequence where attention is timed
 ATTENTION_PAGE = 16  # token slots per page there (CacheConfig.block_size's default)
 CANDIDATES = {"gemm": ("avx512", "amx", "onednn"), "moe": ("avx512", "amx"), "skinny": ("native", "onednn"),
-              "int8_moe": ("fma", "bf16dot", "amx"), "fp8_moe": ("fma", "bf16dot", "amx"), "mxfp4": ("fma", "bf16dot"),
-              **{op: ("native", "torch") for op in native.NATIVE_OR_TORCH}}
+              "int8_moe": ("fma", "bf16dot", "amx", "vnni"), "fp8_moe": ("fma", "bf16dot", "amx"),
+              "mxfp4": ("fma", "bf16dot"), **{op: ("native", "torch") for op in native.NATIVE_OR_TORCH}}
 CHOOSABLE = {"gemm": ("avx512", "amx"), "moe": ("avx512", "amx"), "skinny": ("native", "onednn"),
-             "int8_moe": ("fma", "bf16dot", "amx"), "fp8_moe": ("fma", "bf16dot", "amx"), "mxfp4": ("fma", "bf16dot"),
-             **{op: ("native", "torch") for op in native.NATIVE_OR_TORCH}}
+             "int8_moe": ("fma", "bf16dot", "amx", "vnni"), "fp8_moe": ("fma", "bf16dot", "amx"),
+             "mxfp4": ("fma", "bf16dot"), **{op: ("native", "torch") for op in native.NATIVE_OR_TORCH}}
 _DTYPES = {2: torch.bfloat16, 4: torch.float32}  # the cheap ops' shapes name their dtype by its size
 _C_OPS = {"gemm": native.GEMM, "moe": native.MOE}
 _C_CANDIDATES = {"avx512": native.AVX512, "amx": native.AMX}
@@ -271,16 +278,23 @@ def _int8_moe_runners(shape: tuple[int, int], codes: str = "int8") -> dict:
     here = int8.kernels() if codes == "int8" else fp8_weights._here_for(experts.block13, experts.block2)
     kernels = {"fma": int8.AVX512 if int8.AVX512 in here else int8.AVX2}
     kernels.update({name: k for name, k in (("bf16dot", int8.BF16DOT), ("amx", int8.AMX)) if k in here})
+    # vnni: the same codes with per-token int8 activations (w8a8's experts over them; int8 codes only)
+    w8a8 = (int8.Int8Experts(experts.w13_E, experts.w2_E, act_int8=True)
+            if codes == "int8" and int8.VNNI in here and max(D, inter) <= int8.VNNI_MAX_K else None)
 
     def run(kernel):
         def timed(x):
             ids = [torch.full((x.shape[0], 1), e, dtype=torch.int64) for e in range(copies)]
             ones, calls = torch.ones(x.shape[0], 1), itertools.count()
+            if kernel == int8.VNNI:
+                return lambda: fused(x, ids[next(calls) % copies], ones, w8a8)
             return lambda: fused(x, ids[next(calls) % copies], ones, experts, kernel=kernel)
         return timed
 
+    if w8a8 is not None:
+        kernels["vnni"] = int8.VNNI
     return {"make_x": lambda T: torch.randn(T, D).to(torch.bfloat16),
-            "runners": {name: run(k) for name, k in kernels.items()}, "keep": experts}
+            "runners": {name: run(k) for name, k in kernels.items()}, "keep": (experts, w8a8)}
 
 
 def _mxfp4_runners(shape: tuple[int, int]) -> dict:
@@ -408,19 +422,32 @@ def measure(op: str, shapes: list[tuple[int, ...]]) -> Choice:
             ratio = total[c] / best
             losses[c] = losses[c] + 1 if ratio > LOSING_RATIO and ratio >= last_ratio.get(c, ratio) else 0
             last_ratio[c] = ratio
+    times = {c: t for c, t in times.items() if c not in failed}
+    if not any(t is not None for c in CHOOSABLE[op] if c in times for t in times[c]):
+        raise RuntimeError(f"no choosable kernel for {op} ran here (failed: {sorted(failed)})")
+    return Choice(op, [tuple(s) for s in shapes], pick_buckets(op, times), times)
+
+
+def pick_buckets(op: str, times: dict[str, list[float | None]], among: tuple[str, ...] | None = None) -> list[str]:
+    """The candidate of each bucket from op's times: the fastest choosable one (of `among`, default all),
+    unless the previous bucket's is within TIE of it; a candidate that changes the numbers (NUMERICS) only
+    where it beats every other by more than NUMERICS_MARGIN. A bucket not timed takes the previous pick."""
+    among = CHOOSABLE[op] if among is None else among
     picks = []
     for b in range(len(BUCKET_ROWS)):
-        if BUCKET_ROWS[b] > timed_rows:  # not timed (TIMED_BYTES): the largest timed bucket's pick
+        timed = {c: times[c][b] for c in among if c in times and times[c][b] is not None}
+        if not timed:  # not timed (TIMED_BYTES): the largest timed bucket's pick
             picks.append(picks[-1])
             continue
-        timed = {c: times[c][b] for c in CHOOSABLE[op] if c in times and times[c][b] is not None and c not in failed}
-        if not timed:
-            raise RuntimeError(f"no choosable kernel for {op} ran here (timed: {sorted(times)}, failed: {sorted(failed)})")
+        others = {c: t for c, t in timed.items() if c not in NUMERICS.get(op, ())}
+        for c in NUMERICS.get(op, ()):  # (kept only where it wins by the margin)
+            if c in timed and others and timed[c] * (1 + NUMERICS_MARGIN) > min(others.values()):
+                del timed[c]
         best = min(timed, key=timed.get)
         if picks and picks[-1] in timed and timed[picks[-1]] <= (1 + TIE) * timed[best]:
             best = picks[-1]  # within the timing's noise of the best: keep the previous bucket's kernel
         picks.append(best)
-    return Choice(op, [tuple(s) for s in shapes], picks, times)
+    return picks
 
 
 def _apply(choice: Choice) -> None:
@@ -429,10 +456,15 @@ def _apply(choice: Choice) -> None:
         return
     if choice.op in ("int8_moe", "fp8_moe"):
         from kernels import int8
-        big = choice.picks[-1] if choice.picks[-1] != "fma" else None
-        first = next(b for b in range(len(choice.picks)) if set(choice.picks[b:]) == {choice.picks[-1]})
-        int8.set_moe_big({"bf16dot": int8.BF16DOT, "amx": int8.AMX}.get(big),
-                         1 if first == 0 else BUCKET_ROWS[first - 1] + 1, choice.op[:-4])
+        # from the first bucket after which vnni always won, experts take it; the weight-only picks (every
+        # bucket's fastest without vnni: linears and the experts below) give one big kernel and threshold
+        picks = choice.picks
+        int8.set_moe_vnni(_from_rows(picks) if picks[-1] == "vnni" else 0)
+        if "vnni" in picks:
+            picks = (pick_buckets(choice.op, choice.times_us, tuple(c for c in CHOOSABLE[choice.op] if c != "vnni"))
+                     if choice.times_us else ["fma"] * len(picks))
+        int8.set_moe_big({"bf16dot": int8.BF16DOT, "amx": int8.AMX}.get(picks[-1]), _from_rows(picks),
+                         choice.op[:-4])
         return
     if choice.op == "mxfp4":
         from kernels.mxfp4_weights import set_bf16dot_rows
@@ -444,6 +476,12 @@ def _apply(choice: Choice) -> None:
         return
     for b, pick in enumerate(choice.picks):
         native.set_kernel_choice(_C_OPS[choice.op], b, _C_CANDIDATES[pick])
+
+
+def _from_rows(picks: list[str]) -> int:
+    """The first row count of the first bucket after which every pick is the last bucket's."""
+    first = next(b for b in range(len(picks)) if set(picks[b:]) == {picks[-1]})
+    return 1 if first == 0 else BUCKET_ROWS[first - 1] + 1
 
 
 _chosen: dict[str, Choice] = {}  # this process's tables by op

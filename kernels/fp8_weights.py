@@ -339,8 +339,8 @@ def fused_moe_fp8_reference(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_
     return int8.fused_moe_int8_reference(x_TD, topk_ids_TK, topk_weights_TK, experts)
 
 
-def moe_kernels(experts: "Fp8Experts", x_dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int] | None:
-    """(kernel, big_kernel, big_rows) that fused_moe_fp8 takes by default for x_dtype rows of these
+def moe_kernels(experts: "Fp8Experts", x_dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int] | None:
+    """(kernel, big_kernel, big_rows, 0: no VNNI, which FP8 codes cannot take) that fused_moe_fp8 takes by default for x_dtype rows of these
     experts (also the native decode step's, models/native_decode.py); None where no kernel runs them
     here (no library, or AVX2 without F16C): then the torch reference does. The big kernel and its
     row count are measured on FP8 codes (kernels/choice.py "fp8_moe", int8.set_moe_big(codes="fp8")):
@@ -350,7 +350,7 @@ def moe_kernels(experts: "Fp8Experts", x_dtype: torch.dtype = torch.bfloat16) ->
         return None
     here = _here_for(experts.block13, experts.block2)
     small, big, big_rows = int8._default_moe_kernels(x_dtype, here, "fp8")
-    return None if small not in here else (small, big, big_rows)
+    return None if small not in here else (small, big, big_rows, 0)
 
 
 def fused_moe_fp8(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
@@ -371,7 +371,7 @@ def fused_moe_fp8(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK
         chosen = moe_kernels(experts, x_TD.dtype)
         if chosen is None:  # AVX2 without F16C
             return fused_moe_fp8_reference(x_TD, topk_ids_TK, topk_weights_TK, experts)
-        small, big, big_rows = chosen
+        small, big, big_rows, _ = chosen
     else:
         small = big = _kernel(x_TD.dtype, T, kernel, here, "fused_moe_fp8")
         big_rows = 0

@@ -42,8 +42,13 @@ The block quantises each row of its inputs to int8 as well, dynamically per toke
 scale max |x| / 127), both x and the intermediate h, and sums int8 x int8 exactly in int32 (the VNNI
 kernel; sum * row scale * channel scale in float32 after). That changes the numbers (8-bit activations;
 `w8a8_linear_reference` is its torch reference, and the torch path where VNNI does not run here), so
-it is a quantisation of its own, never a kernel swapped in for weight-only int8; in exchange it does
-no dequantisation and twice BF16's products per instruction.
+it is a quantisation of its own; in exchange it does no dequantisation and twice BF16's products per
+instruction. Weight-only int8 experts take the same VNNI arithmetic only for an expert with at least
+`set_moe_vnni`'s rows in a call, where kernels/choice.py measured it faster than every weight-only
+kernel by more than NUMERICS_MARGIN (as the quantisation issue asks: int8 x int8 "chosen only where
+measured faster"; on a Zen 5 EPYC from 16 rows of 1024 x 2048 experts, 1.6x BF16DOT's speed there):
+such an expert's rows then round as w8a8's do. `SHUTTLE_KERNEL_CHOICE=int8_moe=bf16dot` (or fma) keeps
+weight-only arithmetic at every row count.
 
 kernels/fp8_weights.py runs FP8 block-scaled checkpoint weights on the same panels, kernels and fused
 block (`PanelExperts`, `to_panels`, `interleave_gate_up` are shared; int8_panels.h's codes_fmt).
@@ -196,7 +201,7 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                     ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-                   + [ctypes.c_int] * 3 + [ctypes.c_int64])
+                   + [ctypes.c_int] * 3 + [ctypes.c_int64] * 2)
     return lib
 
 
@@ -441,16 +446,30 @@ def _default_moe_kernels(x_dtype: torch.dtype, here: frozenset[int], codes: str 
     return (small, kernel, rows) if kernel in here else (small, small, 0)
 
 
-def moe_kernels(experts: Int8Experts, x_dtype: torch.dtype) -> tuple[int, int, int] | None:
-    """(kernel, big_kernel, big_rows) that fused_moe_int8 runs `experts` with by default for x_dtype
-    rows here; None where the library cannot (unavailable; w8a8 experts without VNNI here, or wider
-    than VNNI_MAX_K): then the torch path runs them."""
+# Rows from which a weight-only int8 expert of the fused block runs VNNI on per-token int8 activations
+# (w8a8's arithmetic), as kernels/choice.py measured for bf16 rows ("int8_moe"'s vnni); 0: never.
+_moe_vnni: list[int] = [0]
+
+
+def set_moe_vnni(rows: int) -> None:
+    """The measured choice (kernels/choice.py): a weight-only int8 expert with at least `rows` bf16 rows in
+    a call of the fused block takes VNNI; 0: none does."""
+    _moe_vnni[0] = rows
+
+
+def moe_kernels(experts: Int8Experts, x_dtype: torch.dtype) -> tuple[int, int, int, int] | None:
+    """(kernel, big_kernel, big_rows, vnni_rows) that fused_moe_int8 runs `experts` with by default for
+    x_dtype rows here (vnni_rows: experts with that many rows take VNNI, set_moe_vnni; 0: none); None
+    where the library cannot (unavailable; w8a8 experts without VNNI here, or wider than VNNI_MAX_K):
+    then the torch path runs them."""
     if not available():
         return None
     here = _kernels_here(_library())
+    fits = VNNI in here and max(experts.hidden, experts.inter) <= VNNI_MAX_K
     if experts.act_int8:
-        return (VNNI, VNNI, 0) if VNNI in here and max(experts.hidden, experts.inter) <= VNNI_MAX_K else None
-    return _default_moe_kernels(x_dtype, here)
+        return (VNNI, VNNI, 0, 0) if fits else None
+    vnni_rows = _moe_vnni[0] if fits and x_dtype == torch.bfloat16 else 0
+    return (*_default_moe_kernels(x_dtype, here), vnni_rows)
 
 
 def check_moe_args(name: str, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
@@ -470,8 +489,8 @@ def fused_moe_int8(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
     outside [0, E) are skipped); weights (T, K) float32 or bf16. kernel: AVX2, AVX512, BF16DOT or AMX
     (these two bf16 x only), one of kernels(), for every expert; by default each expert as
     int8_linear's default takes its rows (moe_kernels: bf16 rows the measured big kernel from its row
-    count, else AVX512 where it runs, else AVX2). w8a8 experts (experts.act_int8) take VNNI, the one kernel that
-    quantises activations. fused_moe_int8_reference where the kernels are unavailable (for w8a8: VNNI
+    count, else AVX512 where it runs, else AVX2; an expert with moe_kernels' vnni_rows rows VNNI).
+    w8a8 experts (experts.act_int8) take VNNI, the kernel that quantises activations, at every count. fused_moe_int8_reference where the kernels are unavailable (for w8a8: VNNI
     does not run here), for other dtypes, and where autograd or torch.compile needs it."""
     T, D = x_TD.shape
     check_moe_args("fused_moe_int8", x_TD, topk_ids_TK, topk_weights_TK, experts.hidden)
@@ -484,10 +503,10 @@ def fused_moe_int8(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
         chosen = moe_kernels(experts, x_TD.dtype)
         if chosen is None:
             return fused_moe_int8_reference(x_TD, topk_ids_TK, topk_weights_TK, experts)
-        small, big, big_rows = chosen
+        small, big, big_rows, vnni_rows = chosen
     else:
         small = big = check_kernel(kernel, here, x_TD.dtype, "fused_moe_int8")
-        big_rows = 0
+        big_rows = vnni_rows = 0
     x_TD = x_TD.contiguous()
     ids_TK = topk_ids_TK.to(torch.int64).contiguous()
     wk_TK = topk_weights_TK.to(torch.float32).contiguous()
@@ -495,7 +514,7 @@ def fused_moe_int8(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
     rc = _library().shuttle_fused_moe_int8(
         x_TD.data_ptr(), int(x_TD.dtype == torch.bfloat16), T, D, ids_TK.data_ptr(), wk_TK.data_ptr(), ids_TK.shape[1],
         *(experts.table[i].data_ptr() for i in range(4)), experts.num_experts, experts.inter, y_TD.data_ptr(),
-        native.threads(), small, big, big_rows)
+        native.threads(), small, big, big_rows, vnni_rows)
     if rc == -1:
         raise MemoryError(f"fused_moe_int8: out of memory for {T} tokens x {ids_TK.shape[1]} experts")
     if rc != 0:

@@ -58,7 +58,7 @@ class _Step(ctypes.Structure):
                 + [(n, _F) for n in ("eps", "qk_eps", "scale", "scaling")]
                 + [(n, _P) for n in ("final_norm", "x", "cos", "sin", "slots", "table", "len", "start", "h", "r",
                                      "qkv", "q", "o", "a", "logits", "moe", "scratch", "y", "lse", "wk", "ids")]
-                + [(n, _I) for n in ("inter", "int8_kernel", "int8_big_kernel", "int8_big_rows", "fp8_bpairs13",
+                + [(n, _I) for n in ("inter", "int8_kernel", "int8_big_kernel", "int8_big_rows", "int8_vnni_rows", "fp8_bpairs13",
                                      "fp8_bpairs2", "linear_kernel", "linear_bpairs", "mxfp4", "mx_kernel")]
                 + [(n, _F) for n in ("mx_alpha", "mx_limit", "mx_offset")] + [("mx_rows", _P)])
 _BUFFERS = ("start", "h", "r", "qkv", "q", "o", "a", "logits", "moe", "scratch")
@@ -149,7 +149,7 @@ class NativeDecode:
         self.cfg, self.num_layers, self.local, self.layer_by_layer = cfg, len(model.model.layers), local, False
         self._keep = []  # tensors whose pointers the tables hold
         self.inter_padded = self.inter = 0
-        self.int8_kernels = (0, 0, 0)  # fused_moe_int8's (kernel, big_kernel, big_rows) for int8 / FP8 experts
+        self.int8_kernels = (0, 0, 0, 0)  # fused_moe_int8's (kernel, big_kernel, big_rows, vnni_rows), int8 / FP8
         self.fp8_bpairs = (0, 0)  # FP8 experts: input pairs per scale block of w13, w2 (0: not FP8)
         self.mx_act = None  # MXFP4 experts: their activation (kernels/moe.SwiGLU); None: not MXFP4
         self.linears = linear_kind(model.model.layers[0].self_attn.o_proj.weight)  # q/k/v and o: bf16, int8, FP8

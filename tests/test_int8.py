@@ -420,6 +420,33 @@ def test_fused_moe_w8a8_is_the_same_on_any_thread_count(D, I):
     _w8a8_close(got, int8.fused_moe_int8_reference(x, ids, weights, experts))
 
 
+@NEEDS_VNNI
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_weight_only_experts_take_vnni_from_the_measured_rows(dtype, monkeypatch):
+    """Weight-only int8 experts with at least set_moe_vnni's rows in a call run VNNI, w8a8's arithmetic on
+    the same codes; the others keep the weight-only kernels: each expert's share of the output equals
+    its own reference. Only for bf16 rows (the rows the choice was timed on); float32 rows and an
+    explicit kernel stay weight-only."""
+    experts, x, ids, weights, _ = _moe_case(6, 100, 72, 17, 2, dtype)
+    w8a8 = int8.Int8Experts(experts.w13_E, experts.w2_E, act_int8=True)
+    monkeypatch.setattr(int8, "_moe_vnni", [0])
+    int8.set_moe_vnni(7)
+    counts = torch.bincount(ids[ids >= 0], minlength=6)
+    big = (counts[ids] >= 7) & (ids >= 0)  # the pairs whose expert has 7 rows or more
+    assert big.any() and (~big).any()
+    mixed = (int8.fused_moe_int8_reference(x, ids, weights * big, w8a8).float()
+             + int8.fused_moe_int8_reference(x, ids, weights * ~big, experts).float())
+    weight_only = int8.fused_moe_int8_reference(x, ids, weights, experts)
+    got = int8.fused_moe_int8(x, ids, weights, experts)
+    assert int8.moe_kernels(experts, dtype)[3] == (7 if dtype == torch.bfloat16 else 0)
+    if dtype == torch.bfloat16:
+        _w8a8_close(got, mixed.to(dtype))
+        assert not torch.equal(got, weight_only)
+    else:
+        _close(got, weight_only, 72)
+    _close(int8.fused_moe_int8(x, ids, weights, experts, kernel=int8.AVX512), weight_only, 72)
+
+
 def test_w8a8_kernel_choice_and_fallback(monkeypatch):
     """w8a8 experts take VNNI alone (another kernel asked for is refused, and VNNI is refused for
     weight-only experts); where VNNI does not run here they take the torch path, the same numbers."""
@@ -430,7 +457,7 @@ def test_w8a8_kernel_choice_and_fallback(monkeypatch):
     if int8.available():
         with pytest.raises(ValueError, match="does not run"):
             int8.fused_moe_int8(x, ids, weights, weight_only, kernel=int8.VNNI)
-        assert int8.moe_kernels(experts, torch.bfloat16) == ((int8.VNNI,) * 2 + (0,) if int8.VNNI in int8.kernels()
+        assert int8.moe_kernels(experts, torch.bfloat16) == ((int8.VNNI,) * 2 + (0, 0) if int8.VNNI in int8.kernels()
                                                              else None)
         monkeypatch.setattr(int8, "_kernels_here", lambda lib: frozenset({int8.AVX2}))
     assert int8.moe_kernels(experts, torch.bfloat16) is None

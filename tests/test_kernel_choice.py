@@ -263,12 +263,47 @@ def test_int8_moe_threshold_follows_its_table(cache, monkeypatch):
                         (["fma"] * 12, (int8.AVX512, 0)), (["fma", name, "fma"] + [name] * 9, (big, 5))):
         choice._apply(choice.Choice("int8_moe", [(64, 32)], picks))
         assert int8._default_moe_kernels(torch.bfloat16, int8.kernels()) == (int8.AVX512, *want)
-        assert int8.moe_kernels(experts, torch.bfloat16) == (int8.AVX512, *want)  # (the native decode step's)
+        assert int8.moe_kernels(experts, torch.bfloat16) == (int8.AVX512, *want, 0)  # (the native decode step's)
     monkeypatch.setenv(choice.ENV_VAR, "int8_moe=fma")
     assert choice.configure("int8_moe", [(64, 32)]).source == "forced" and int8._moe_big["int8"] == (None, 1)
     monkeypatch.setenv(choice.ENV_VAR, "measure")
     c = choice.configure("int8_moe", [(64, 32)])
     assert c.source == "measured" and set(c.picks) <= {"fma", "bf16dot", "amx"}
+
+
+def test_a_candidate_that_changes_the_numbers_must_win_by_the_margin():
+    """vnni (per-token int8 activations) takes a bucket only where it beats every weight-only kernel by
+    more than NUMERICS_MARGIN; otherwise the fastest of the others (with the tie rule) does."""
+    times = {"fma": [100, 100, 120, 200], "bf16dot": [110, 100, 100, 150], "vnni": [95, 95, 80, 100]}
+    times = {c: t + [None] * (len(choice.BUCKET_ROWS) - 4) for c, t in times.items()}
+    picks = choice.pick_buckets("int8_moe", times)
+    assert picks[:4] == ["fma", "fma", "vnni", "vnni"] and set(picks[4:]) == {"vnni"}
+    assert choice.pick_buckets("int8_moe", times, ("fma", "bf16dot"))[:4] == ["fma", "fma", "bf16dot", "bf16dot"]
+
+
+@pytest.mark.skipif(int8.VNNI not in int8.kernels(), reason="no AVX-512 VNNI here")
+def test_int8_experts_take_vnni_from_its_bucket_and_linears_never(cache, monkeypatch):
+    """A table whose last buckets went to vnni: experts with that many rows take VNNI (moe_kernels'
+    fourth entry, as the native decode step reads it), the rows below and every int8 linear the fastest
+    weight-only kernel of each bucket; forced vnni has no weight-only times and keeps fma below."""
+    monkeypatch.setattr(int8, "_moe_big", {"int8": None, "fp8": None})
+    monkeypatch.setattr(int8, "_moe_vnni", [0])
+    experts = int8.Int8Experts.quantize(torch.randn(1, 32, 64), torch.randn(1, 64, 16))
+    n = len(choice.BUCKET_ROWS)
+    times = {"fma": [10.0, 20, 40] + [80.0] * (n - 3), "bf16dot": [12.0, 15, 20] + [40.0] * (n - 3),
+             "vnni": [12.0, 15, 19] + [20.0] * (n - 3)}
+    picks = choice.pick_buckets("int8_moe", times)
+    assert picks == ["fma", "bf16dot", "bf16dot"] + ["vnni"] * (n - 3)
+    choice._apply(choice.Choice("int8_moe", [(64, 32)], picks, times))
+    assert int8.moe_kernels(experts, torch.bfloat16) == (int8.AVX512, int8.BF16DOT, 2, 5)
+    assert int8.moe_kernels(experts, torch.float32)[3] == 0  # (timed on bf16 rows)
+    assert int8._default_kernel(torch.bfloat16, 1000, int8.kernels()) == int8.BF16DOT
+    monkeypatch.setenv(choice.ENV_VAR, "int8_moe=vnni")
+    choice.configure("int8_moe", [(64, 32)])
+    assert int8.moe_kernels(experts, torch.bfloat16) == (int8.AVX512, int8.AVX512, 0, 1)
+    monkeypatch.setenv(choice.ENV_VAR, "int8_moe=bf16dot")
+    choice.configure("int8_moe", [(64, 32)])
+    assert int8.moe_kernels(experts, torch.bfloat16) == (int8.AVX512, int8.BF16DOT, 1, 0)
 
 
 @pytest.mark.skipif(not {int8.BF16DOT, int8.AMX} & int8.kernels(),
@@ -285,8 +320,8 @@ def test_fp8_moe_threshold_is_its_own(cache, monkeypatch):
     big, name = (int8.AMX, "amx") if int8.AMX in int8.kernels() else (int8.BF16DOT, "bf16dot")
     choice._apply(choice.Choice("fp8_moe", [(64, 32)], [name] * 12))
     choice._apply(choice.Choice("int8_moe", [(64, 32)], ["fma"] * 12))
-    assert fp8.moe_kernels(fp8_experts)[1:] == (big, 1) and int8.moe_kernels(int8_experts, torch.bfloat16)[1:] == (
-        int8.AVX512, 0)
+    assert fp8.moe_kernels(fp8_experts)[1:] == (big, 1, 0) and int8.moe_kernels(int8_experts, torch.bfloat16)[1:] == (
+        int8.AVX512, 0, 0)
     assert int8._default_kernel(torch.bfloat16, 1, int8.kernels(), "fp8") == big
     assert int8._default_kernel(torch.bfloat16, 1, int8.kernels()) == int8.AVX512
     ran = []

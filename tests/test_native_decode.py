@@ -61,23 +61,33 @@ def _checkpoint(make_checkpoint, family):
 @pytest.mark.parametrize("layer_by_layer", [False, True], ids=["whole-step", "layer-by-layer"])
 @pytest.mark.parametrize("family,quantization", [("mixtral", None), ("qwen3_moe", None), ("olmoe", None),
                                                  ("mixtral", "int8"), ("mixtral", "fp8"), ("mixtral", "int8 linears"),
+                                                 ("mixtral", "int8 vnni"),
                                                  ("qwen3_moe", "fp8 linears"), ("olmoe", "mxfp4")])
 def test_native_decode_step_gives_the_eager_steps_bits(family, quantization, layer_by_layer, make_checkpoint,
                                                         monkeypatch):
     """Every decode step of a generation (batches that shrink as requests end, contexts across page
     boundaries, Mixtral with a sliding window of 7, Qwen3-MoE's per-head and OLMoE's whole-projection
-    q/k norm, int8, FP8 and MXFP4 experts, and q/k/v and o int8 or FP8 too: quantize_linears) computes the same
+    q/k norm, int8, FP8 and MXFP4 experts, int8 experts of 2 rows or more on VNNI (the measured int8 x int8
+    choice), and q/k/v and o int8 or FP8 too: quantize_linears) computes the same
     hidden states natively as the eager layers, and the experts' load counts are the same: the whole
     step in one call, and each layer's attention side in one call with the experts dispatched (as an
     attention worker runs it)."""
+    from kernels import int8
+
     ckpt = _checkpoint(make_checkpoint, family)
-    quantization, _, linears = (quantization or "").partition(" ")
+    quantization, _, extra = (quantization or "").partition(" ")
+    linears = extra == "linears"
+    if extra == "vnni" and int8.VNNI not in int8.kernels():
+        pytest.skip("no AVX-512 VNNI here")
     llm = LLM(ckpt, device="cpu", num_kv_blocks=32, block_size=4, quantization=quantization or None,
-              quantize_linears=bool(linears))
+              quantize_linears=linears)
     try:
         model = llm.engine.runner.model
         nd = model.native_decode
         assert nd is not None, why_not(model, llm.engine.runner.cache)
+        if extra == "vnni":  # (as if measured: experts with 2 rows or more take VNNI, eagerly and natively)
+            monkeypatch.setattr(int8, "_moe_vnni", [2])
+            nd.int8_kernels = (*nd.int8_kernels[:3], 2)
         assert nd.linears == ("bf16" if not linears else "int8" if quantization == "int8" else ("fp8", 128))
         nd.layer_by_layer = layer_by_layer
         calls = []

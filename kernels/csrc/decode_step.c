@@ -67,7 +67,8 @@ typedef struct {
     void *moe, *scratch, *y;                      /* (B, D), (B top_k, I16), (B, D) bf16 */
     float *lse, *wk;                              /* (B, N), (L, B, top_k) */
     int64_t *ids;                                 /* (L, B, top_k): every layer's choice (load counts, M2N) */
-    int64_t inter, int8_kernel, int8_big_kernel, int8_big_rows; /* int8 / FP8 experts: the fused block's arguments */
+    int64_t inter, int8_kernel, int8_big_kernel, int8_big_rows, int8_vnni_rows; /* int8 / FP8 experts: the fused */
+                                                                                /* block's arguments */
     int64_t fp8_bpairs13, fp8_bpairs2; /* FP8 experts: input pairs per scale block of w13 and w2; 0: int8 experts */
     int64_t linear_kernel, linear_bpairs; /* int8 / FP8 q/k/v and o: the kernel at B rows (int8_linear's default); */
                                           /* FP8: input pairs per scale block, 0: int8 */
@@ -128,7 +129,8 @@ int shuttle_fused_moe_bf16(const uint16_t *x, int64_t T, int64_t D, const int64_
                            uint16_t *out, float limit, int nthreads);
 int shuttle_fused_moe_int8(const void *x, int x_bf16, int64_t T, int64_t D, const int64_t *ids, const float *wk,
                            int64_t K, const int64_t *w13, const int64_t *s13, const int64_t *w2, const int64_t *s2,
-                           int64_t E, int64_t I, void *y, int nthreads, int kernel, int big_kernel, int64_t big_rows);
+                           int64_t E, int64_t I, void *y, int nthreads, int kernel, int big_kernel, int64_t big_rows,
+                           int64_t vnni_rows);
 int shuttle_fused_moe_fp8(const void *x, int x_bf16, int64_t T, int64_t D, const int64_t *ids, const float *wk,
                           int64_t K, const int64_t *w13, const int64_t *s13, const int64_t *w2, const int64_t *s2,
                           int64_t E, int64_t I, int64_t bpairs13, int64_t bpairs2, void *y, int nthreads, int kernel,
@@ -231,7 +233,8 @@ int shuttle_decode_step(const shuttle_step *s, const shuttle_layer *layers, int6
                                              s->int8_big_rows)
                  : ly->s13 ? shuttle_fused_moe_int8(s->h, 1, B, D, s->ids + l * BK, s->wk + l * BK, s->top_k, ly->w13,
                                                   ly->s13, ly->w2, ly->s2, s->E, s->inter, s->moe, (int)s->threads,
-                                                  (int)s->int8_kernel, (int)s->int8_big_kernel, s->int8_big_rows)
+                                                  (int)s->int8_kernel, (int)s->int8_big_kernel, s->int8_big_rows,
+                                                  s->int8_vnni_rows)
                          : shuttle_fused_moe_bf16(s->h, B, D, s->ids + l * BK, s->wk + l * BK, s->top_k, ly->w13,
                                                   ly->w2, s->E, s->I16, s->scratch, s->moe, INFINITY, (int)s->threads);
         if (rc)

@@ -417,9 +417,11 @@ static int kernel_runs(int k, int x_bf16) {
 static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int64_t *ids, const float *wk, int64_t K,
                       const int64_t *w13, const int64_t *s13, const int64_t *w2, const int64_t *s2, int64_t E, int64_t I,
                       const codes_fmt *f13, const codes_fmt *f2, void *y, int nthreads, int kernel, int big_kernel,
-                      int64_t big_rows) {
+                      int64_t big_rows, int64_t vnni_rows) {
     if (!kernel_runs(kernel, x_bf16) || !kernel_runs(big_kernel, x_bf16)) return -2;
-    if ((kernel == KERNEL_VNNI || big_kernel == KERNEL_VNNI) && (f13->fp8 || f2->fp8 || D > VN_MAX_K || I > VN_MAX_K))
+    if (vnni_rows > 0 && !kernel_runs(KERNEL_VNNI, x_bf16)) return -2;
+    if ((kernel == KERNEL_VNNI || big_kernel == KERNEL_VNNI || vnni_rows > 0) &&
+        (f13->fp8 || f2->fp8 || D > VN_MAX_K || I > VN_MAX_K))
         return -2; /* VNNI: int8 codes, sums inside int32 */
     const int64_t N = T * K;
     if (N <= 0 || D <= 0 || I <= 0 || E <= 0) return 0;
@@ -440,7 +442,9 @@ static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int
         if (ids[n] >= 0 && ids[n] < E) count[ids[n] + 1]++;
     int uses[5] = {0};
     for (int64_t e = 0; e < E; e++) {
-        kern[e] = (int8_t)(count[e + 1] >= big_rows ? big_kernel : kernel);
+        kern[e] = (int8_t)(vnni_rows > 0 && count[e + 1] >= vnni_rows ? KERNEL_VNNI
+                           : count[e + 1] >= big_rows                  ? big_kernel
+                                                                       : kernel);
         if (count[e + 1]) uses[kern[e]] = 1;
     }
     L.xb = L.hb = 64;
@@ -612,16 +616,18 @@ fail:
  * w13[e] / s13[e] the codes and scales of its gate/up panels (2 * ceil(I / 16) panels of 16 outputs
  * over ceil(D / 2) pairs: panel 2u the gate rows 16u..16u+15, panel 2u + 1 the same up rows, rows
  * past I zero), w2[e] / s2[e] those of its down projection (ceil(D / 16) panels over ceil(I / 2)
- * pairs), as addresses; y (T, D) in x's dtype, zeroed. An expert with at least big_rows rows runs
- * big_kernel, the others `kernel` (KERNEL_*: AVX2, AVX512, or for bf16 x BF16DOT, AMX after
- * shuttle_int8_amx_init). Returns 0; -1 if memory ran out (y is then unchanged); -2 for a kernel
- * this build or call cannot run. */
+ * pairs), as addresses; y (T, D) in x's dtype, zeroed. An expert with at least vnni_rows rows (> 0;
+ * 0: none) runs VNNI on per-row int8 activations (w8a8's arithmetic on the same codes), else one with
+ * at least big_rows rows big_kernel, the others `kernel` (KERNEL_*: AVX2, AVX512, or for bf16 x
+ * BF16DOT, AMX after shuttle_int8_amx_init, or VNNI). Returns 0; -1 if memory ran out (y is then
+ * unchanged); -2 for a kernel this build or call cannot run. */
 int shuttle_fused_moe_int8(const void *x, int x_bf16, int64_t T, int64_t D, const int64_t *ids, const float *wk,
                            int64_t K, const int64_t *w13, const int64_t *s13, const int64_t *w2, const int64_t *s2,
-                           int64_t E, int64_t I, void *y, int nthreads, int kernel, int big_kernel, int64_t big_rows) {
+                           int64_t E, int64_t I, void *y, int nthreads, int kernel, int big_kernel, int64_t big_rows,
+                           int64_t vnni_rows) {
     const codes_fmt f = {0, 0, 0};
     return moe_panels(x, x_bf16, T, D, ids, wk, K, w13, s13, w2, s2, E, I, &f, &f, y, nthreads, kernel, big_kernel,
-                      big_rows);
+                      big_rows, vnni_rows);
 }
 
 /* shuttle_fused_moe_int8 on FP8 E4M3 experts (kernels/fp8_weights.py: Fp8Experts): s13[e] / s2[e] the
@@ -639,5 +645,5 @@ int shuttle_fused_moe_fp8(const void *x, int x_bf16, int64_t T, int64_t D, const
     const codes_fmt f13 = {1, bpairs13, (xpairs + bpairs13 - 1) / bpairs13, FOLD_ROWS};
     const codes_fmt f2 = {1, bpairs2, (hpairs + bpairs2 - 1) / bpairs2, FOLD_ROWS};
     return moe_panels(x, x_bf16, T, D, ids, wk, K, w13, s13, w2, s2, E, I, &f13, &f2, y, nthreads, kernel, big_kernel,
-                      big_rows);
+                      big_rows, 0);
 }
