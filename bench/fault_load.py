@@ -87,6 +87,11 @@ def fault_under_load(srv, victim: str, sig: int, requests: int, concurrency: int
             f.result()
     if watch.late.get("thread"):
         watch.late["thread"].join(120)
+    # the streams may all end (the restarted worker serving them) a moment before the front reports
+    # itself ready again: the watch runs until it does, for at most 30 s
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and watch.is_alive() and (not watch.codes or watch.codes[-1] != 200):
+        time.sleep(0.05)
     watch.stop.set()
     watch.join(5)
     after = sorted(t for t in stamps if t > killed_at)

@@ -268,7 +268,7 @@ def test_int8_moe_threshold_follows_its_table(cache, monkeypatch):
     assert choice.configure("int8_moe", [(64, 32)]).source == "forced" and int8._moe_big["int8"] == (None, 1)
     monkeypatch.setenv(choice.ENV_VAR, "measure")
     c = choice.configure("int8_moe", [(64, 32)])
-    assert c.source == "measured" and set(c.picks) <= {"fma", "bf16dot", "amx"}
+    assert c.source == "measured" and set(c.picks) <= {"fma", "bf16dot", "amx", "vnni"}
 
 
 def test_a_candidate_that_changes_the_numbers_must_win_by_the_margin():
