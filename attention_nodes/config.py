@@ -254,7 +254,8 @@ class EngineConfig:
     whole step in one call, on an attention worker each layer's attention side
     (models/native_decode.py); False keeps the eager layers.
     quantization: "int8" keeps the expert weights as int8 codes with per-output-channel scales,
-    quantised at load from a float checkpoint (weight-only; kernels/int8.py), where the experts run
+    quantised at load from a float checkpoint (weight-only, except experts with as many rows in a step as
+    kernels/choice.py measured VNNI >10% faster from: w8a8's arithmetic; kernels/int8.py), where the experts run
     on CPU workers with torch kernels (the attention pool may be on a GPU); None (or "none") serves
     them in `dtype`. vLLM's name "experts_int8" means the same. "w8a8_int8" (SGLang's name; same
     placement): the same int8 experts, and their activations quantised per token to int8 as well,
