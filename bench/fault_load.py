@@ -74,12 +74,12 @@ def fault_under_load(srv, victim: str, sig: int, requests: int, concurrency: int
             results[i] = e
 
     watch = HealthWatch(srv)
-    with ThreadPoolExecutor(concurrency) as pool:
+    pid = srv.children()[victim]  # (before the load: finding it takes pgreps, long enough for a fast host's
+    with ThreadPoolExecutor(concurrency) as pool:  # streams to end before the signal)
         futures = [pool.submit(one, i) for i in range(requests)]
         deadline = time.monotonic() + 60
         while len(stamps) < 3 * concurrency and time.monotonic() < deadline:
             time.sleep(0.01)
-        pid = srv.children()[victim]
         killed_at = time.monotonic()
         os.kill(pid, sig)
         watch.start()
