@@ -437,7 +437,7 @@ def pick_buckets(op: str, times: dict[str, list[float | None]], among: tuple[str
     for b in range(len(BUCKET_ROWS)):
         timed = {c: times[c][b] for c in among if c in times and times[c][b] is not None}
         if not timed:  # not timed (TIMED_BYTES): the largest timed bucket's pick
-            picks.append(picks[-1])
+            picks.append(picks[-1] if picks else among[0])
             continue
         others = {c: t for c, t in timed.items() if c not in NUMERICS.get(op, ())}
         for c in NUMERICS.get(op, ()):  # (kept only where it wins by the margin)
@@ -514,7 +514,8 @@ def configure(op: str, shapes: list[tuple[int, ...]]) -> Choice | None:
         return None
     if op in ("int8_moe", "fp8_moe"):
         from kernels import fp8_weights, int8
-        if not {int8.BF16DOT, int8.AMX} & (int8.kernels() if op == "int8_moe" else fp8_weights.kernels()):
+        if not ({int8.BF16DOT, int8.AMX, int8.VNNI} & int8.kernels() if op == "int8_moe"
+                else {int8.BF16DOT, int8.AMX} & fp8_weights.kernels()):
             return None  # one candidate: nothing to choose
     if op == "mxfp4":
         from kernels import mxfp4_weights

@@ -340,8 +340,9 @@ def fused_moe_fp8_reference(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_
 
 
 def moe_kernels(experts: "Fp8Experts", x_dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int] | None:
-    """(kernel, big_kernel, big_rows, 0: no VNNI, which FP8 codes cannot take) that fused_moe_fp8 takes by default for x_dtype rows of these
-    experts (also the native decode step's, models/native_decode.py); None where no kernel runs them
+    """(kernel, big_kernel, big_rows, 0: no VNNI, which FP8 codes cannot take) that fused_moe_fp8 takes
+    by default for x_dtype rows of these experts (also the native decode step's,
+    models/native_decode.py); None where no kernel runs them
     here (no library, or AVX2 without F16C): then the torch reference does. The big kernel and its
     row count are measured on FP8 codes (kernels/choice.py "fp8_moe", int8.set_moe_big(codes="fp8")):
     the FMA kernel's float16 decode costs more than int8's widening, so BF16DOT's table decode can win

@@ -46,7 +46,7 @@ it is a quantisation of its own; in exchange it does no dequantisation and twice
 instruction. Weight-only int8 experts take the same VNNI arithmetic only for an expert with at least
 `set_moe_vnni`'s rows in a call, where kernels/choice.py measured it faster than every weight-only
 kernel by more than NUMERICS_MARGIN (as the quantisation issue asks: int8 x int8 "chosen only where
-measured faster"; on a Zen 5 EPYC from 16 rows of 1024 x 2048 experts, 1.6x BF16DOT's speed there):
+measured faster"; on a Zen 5 EPYC from 5 rows of 1024 x 2048 experts, 1.6x BF16DOT's speed at 16):
 such an expert's rows then round as w8a8's do. `SHUTTLE_KERNEL_CHOICE=int8_moe=bf16dot` (or fma) keeps
 weight-only arithmetic at every row count.
 
@@ -490,8 +490,9 @@ def fused_moe_int8(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
     (these two bf16 x only), one of kernels(), for every expert; by default each expert as
     int8_linear's default takes its rows (moe_kernels: bf16 rows the measured big kernel from its row
     count, else AVX512 where it runs, else AVX2; an expert with moe_kernels' vnni_rows rows VNNI).
-    w8a8 experts (experts.act_int8) take VNNI, the kernel that quantises activations, at every count. fused_moe_int8_reference where the kernels are unavailable (for w8a8: VNNI
-    does not run here), for other dtypes, and where autograd or torch.compile needs it."""
+    w8a8 experts (experts.act_int8) take VNNI, the kernel that quantises activations, at every count.
+    fused_moe_int8_reference where the kernels are unavailable (for w8a8: VNNI does not run here), for
+    other dtypes, and where autograd or torch.compile needs it."""
     T, D = x_TD.shape
     check_moe_args("fused_moe_int8", x_TD, topk_ids_TK, topk_weights_TK, experts.hidden)
     if x_TD.dtype not in (torch.bfloat16, torch.float32) or not _eager_cpu(x_TD, topk_weights_TK):
