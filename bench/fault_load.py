@@ -74,8 +74,10 @@ def fault_under_load(srv, victim: str, sig: int, requests: int, concurrency: int
             results[i] = e
 
     watch = HealthWatch(srv)
-    pid = srv.children()[victim]  # (before the load: finding it takes pgreps, long enough for a fast host's
-    with ThreadPoolExecutor(concurrency) as pool:  # streams to end before the signal)
+    # the victim found before the load: its pgreps took long enough for a fast host's streams to end
+    # between the trigger and the signal
+    pid = srv.children()[victim]
+    with ThreadPoolExecutor(concurrency) as pool:
         futures = [pool.submit(one, i) for i in range(requests)]
         deadline = time.monotonic() + 60
         while len(stamps) < 3 * concurrency and time.monotonic() < deadline:

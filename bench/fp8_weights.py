@@ -58,8 +58,6 @@ def linear_rows(I: int, O: int, rounds: int, min_s: float) -> list[dict]:
     (q, s), w16 = checkpoint(O, I, g)
     wf, cw, wi = fp8.Fp8Weight.from_checkpoint(q, s, BLOCK), CpuWeight(w16), int8.quantize_int8(w16)
     fma = fp8.AVX512 if fp8.AVX512 in fp8.kernels() else fp8.AVX2
-    choice.configure("fp8_moe", MOE_SHAPES)  # the FP8 and int8 thresholds as served beside such experts
-    choice.configure("int8_moe", MOE_SHAPES)
     if cw.panels is not None:  # bf16 as served: the measured kernel per row count (AMX where it won)
         choice.configure("gemm", [(cw.out_features, cw.panels.shape[1] * 2)])
     del q, w16
@@ -101,8 +99,6 @@ def moe_rows(D: int, I: int, rounds: int, min_s: float) -> list[dict]:
     w13 = [torch.cat((a, b)) for (_, a), (_, b) in zip(gate, up)]
     w2 = [w for _, w in down]
     bf16, i8 = bf16_moe(w13, w2, I), int8.Int8Experts.quantize(w13, w2)
-    choice.configure("fp8_moe", [(D, I)])  # each format's measured threshold, as served
-    choice.configure("int8_moe", [(D, I)])
     del gate, up, down, w13, w2
     expert_bytes = experts.w13_E[0].fp8.nbytes + experts.w2_E[0].fp8.nbytes
     out = []
@@ -135,6 +131,8 @@ def main() -> None:
     print(f"host: {native.cpu_model()}, {torch.get_num_threads()} threads; ISA: {' '.join(isa)}; "
           f"fp8 kernels here: {sorted(fp8.kernels())}; load average {load_before:.2f}", flush=True)
     rows = []
+    for op in ("fp8_moe", "int8_moe"):  # each format's measured thresholds, as served beside such experts
+        choice.configure(op, MOE_SHAPES)
     with torch.inference_mode():
         for I, O in LINEAR_SHAPES:
             rows += linear_rows(I, O, args.rounds, args.min_ms / 1e3)

@@ -251,7 +251,7 @@ def _skinny_runners(shape: tuple[int, int]) -> dict:
                         "onednn": lambda x: (lambda: packed_linear(x, packed))}}
 
 
-def _int8_moe_runners(shape: tuple[int, int], codes: str = "int8") -> dict:
+def _quantised_moe_runners(shape: tuple[int, int], codes: str = "int8") -> dict:
     """One expert of the shape with int8 (or, codes "fp8", FP8 128 x 128 block) codes, in as many copies
     as fill STREAM_BYTES (at most STREAM_COPIES), each call's rows on the next copy: a decode step reads
     its experts from memory, not from a cache they fit in (one copy of 1024 x 2048 in a 32 MiB L3 put
@@ -365,8 +365,9 @@ def _routing_runners(shape: tuple[int, int, int]) -> dict:
         "torch": lambda x: (lambda: topk_route_torch(x, top_k, "softmax", True))}}
 
 
-_RUNNERS = {"gemm": _gemm_runners, "moe": _moe_runners, "skinny": _skinny_runners, "int8_moe": _int8_moe_runners,
-            "fp8_moe": functools.partial(_int8_moe_runners, codes="fp8"), "mxfp4": _mxfp4_runners,
+_RUNNERS = {"gemm": _gemm_runners, "moe": _moe_runners, "skinny": _skinny_runners,
+            "int8_moe": _quantised_moe_runners, "fp8_moe": functools.partial(_quantised_moe_runners, codes="fp8"),
+            "mxfp4": _mxfp4_runners,
             "attention": _attention_runners, "rmsnorm": _rmsnorm_runners, "routing": _routing_runners}
 
 
