@@ -84,10 +84,11 @@ def _served_over_simulated(profile: dict, run: dict, factors=None, start: float 
 
 
 def front_scales(profile: dict) -> list[dict]:
-    """[{"kind", "threads", "scale"}, ...]: for each served run of planner.front.measure_scale_runs (a
-    colocated engine per thread count, 1 + 1 pools at m = 1), the factor on the front's and the load
-    generator's CPU (planner.simulate.front_scale) with which the simulator gives the run's wall
-    time, in [0, 2] (bisection: the simulated duration grows with it). [] without served runs."""
+    """[{"kind", "threads", "concurrency", "scale"}, ...]: for each served run of
+    planner.front.measure_scale_runs (a colocated engine per thread count, at two batch sizes at the
+    most threads; 1 + 1 pools at m = 1), the factor on the front's and the load generator's CPU
+    (planner.simulate.front_scale) with which the simulator gives the run's wall time, in [0, 2]
+    (bisection: the simulated duration grows with it). [] without served runs."""
     from planner.perf import ProfilePerf
     from planner.simulate import Deployment, SimModel, Simulator, Workload
 
@@ -97,7 +98,8 @@ def front_scales(profile: dict) -> list[dict]:
     for run in (profile.get("front") or {}).get("scale_runs") or []:
         dep = Deployment(run["kind"] == "colocated", 1, 1, 1, run["threads"], cores, "shm",
                          max_num_seqs=run["concurrency"])
-        entry = {"kind": run["kind"], "threads": run["threads"] or max(dep.pool_threads)}
+        entry = {"kind": run["kind"], "threads": run["threads"] or max(dep.pool_threads),
+                 "concurrency": run["concurrency"]}
         work = Workload(run["requests"], run["prompt_len"], run["output_len"], run["concurrency"])
 
         def duration(scale: float) -> float:

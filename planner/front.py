@@ -19,7 +19,7 @@ waking the engine thread and the event loop); charged per token at one batch siz
 The batch-64 and batch-16 runs are also kept as served (`run`, `run_small`: requests, lengths,
 concurrency, the load's wall time): planner.calibrate.served_factor and served_factors calibrate the
 simulator against them. `measure_scale_runs` serves the deployments whose steps take every core (a
-colocated engine, 1 + 1 at m = 1) the same way, for planner.calibrate.front_scales.
+colocated engine, also at batch 256; 1 + 1 at m = 1) the same way, for planner.calibrate.front_scales.
 
 `tree_cpu` (per process of a process tree) is also what bench/planner.py records beside each
 measured deployment, so the model's shares can be checked against served runs.
@@ -44,6 +44,11 @@ from planner.metrics import lower_median
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 MICRO_BATCHES = 2  # the served run's pools both compute at once, as most deployments' do
 SERVED_REPEATS = 3  # runs at each calibrated batch size (the median one calibrates)
+# The colocated engine's served run at this concurrency too (measure_scale_runs): the factor solved at
+# batch 64 alone put the quick Mixtral shape's colocated batch-256 rows 4-15% fast on a Zen 5 EPYC in
+# three of four planner runs (the fine shape's within 5%): what a step of 256 sequences costs beside
+# the front is not what one of 64 does. planner.simulate.front_scale interpolates between the two.
+LARGE_SCALE_BATCH = 256
 # Runs at LARGE x the batch, for the split of the CPU into per token and per step only: the same
 # tokens in about half the batch-64 run's steps. With the batch-16 and batch-64 runs alone (about
 # 260 and 80 steps for the same 4,096 tokens) the split follows the host's noise: three profiles of
@@ -193,24 +198,32 @@ def _serving(model: str, flags: list[str], dtype: str | None, quantization: str 
 
 def measure_scale_runs(model: str, threads: tuple[int, ...], dtype: str | None = None, batch: int = 64,
                        prompts: int = 256, input_len: int = 64, output_len: int = 16,
-                       quantization: str | None = None, quantize_linears: bool = False) -> list[dict]:
+                       quantization: str | None = None, quantize_linears: bool = False,
+                       large_batch: int | None = LARGE_SCALE_BATCH) -> list[dict]:
     """Served runs of the deployments whose steps take every core the front and the load generator
     share: `shuttle serve --colocated --torch-threads t` for each t in `threads`, and a 1 + 1 pool
-    at m = 1 (serve's threads), each at concurrency `batch`, SERVED_REPEATS runs of `prompts`
-    requests after a warm-up, the run of median duration kept as served. planner.calibrate.front_scales
-    solves each for the factor on the front's CPU beside such steps. Returns [{"kind": "colocated"
-    or "m1", "threads", **served run}] (threads None: serve's own)."""
-    plan = [("colocated", t, ["--colocated", "--torch-threads", str(t)]) for t in threads]
-    plan.append(("m1", None, ["--micro-batches", "1"]))
+    at m = 1 (serve's threads), each at concurrency `batch`; the colocated engine at the most threads
+    also at `large_batch` (None: not), with as many waves of prompts (prompts / batch: requests of one
+    wave start and end a few steps apart, so later waves mix prefill into decode steps, which one wave
+    of 256 does not: its factor came out below batch 64's where the 4-wave rows needed one above).
+    SERVED_REPEATS runs after a warm-up, the run of median duration kept as served.
+    planner.calibrate.front_scales solves each for the factor on the front's CPU beside such steps.
+    Returns [{"kind": "colocated" or "m1", "threads", **served run}] (threads None: serve's own)."""
+    plan = [("colocated", t, ["--colocated", "--torch-threads", str(t)], batch, prompts) for t in threads]
+    if large_batch and large_batch != batch:
+        t = max(threads)
+        plan.append(("colocated", t, ["--colocated", "--torch-threads", str(t)], large_batch,
+                     -(-prompts // batch) * large_batch))
+    plan.append(("m1", None, ["--micro-batches", "1"], batch, prompts))
     out = []
-    for kind, t, flags in plan:
-        with _serving(model, [*flags, "--max-num-seqs", str(batch)], dtype, quantization, input_len,
+    for kind, t, flags, conc, n in plan:
+        with _serving(model, [*flags, "--max-num-seqs", str(conc)], dtype, quantization, input_len,
                       quantize_linears) as (_, _, load):
-            load(batch, batch, 1000, output_len)  # warm-up
+            load(conc, conc, 1000, output_len)  # warm-up
             runs = []
             for seed in range(SERVED_REPEATS):
-                m = load(batch, prompts, seed, output_len)
-                runs.append({"requests": max(int(m["completed"]), 1), "concurrency": batch,
+                m = load(conc, n, seed, output_len)
+                runs.append({"requests": max(int(m["completed"]), 1), "concurrency": conc,
                              "input_tokens": int(m["total_input_tokens"]), "load_s": m["duration"],
                              "ttft_s": float(m["mean_ttft_ms"]) / 1e3})
         run = lower_median(runs, key=lambda r: r["load_s"])

@@ -193,8 +193,10 @@ def front_scale(perf, dep: "Deployment") -> float | None:
     """The factor on the front's and the load generator's CPU beside a deployment whose steps take
     every core of a shared host, solved on a served run of its kind (planner.calibrate.front_scales): a
     colocated engine (the nearest profiled thread count), or pools at m = 1 whose computing pool takes
-    every core. None elsewhere, and for profiles without such runs (then the front's CPU as measured
-    beside 1 + 1 pools at m = 2, planner.front, applies as it is).
+    every core; where the thread count was served at two batch sizes (the colocated engine at 64 and
+    256), interpolated between them by the deployment's max_num_seqs. None elsewhere, and for profiles
+    without such runs (then the front's CPU as measured beside 1 + 1 pools at m = 2, planner.front,
+    applies as it is).
     There the rule (_held: the whole of the front's work on the step, and its CPU in the cores'
     bound) put the colocated and m = 1 rows of the AVX-512 EPYC's planner run 6-25% slow, and
     without the front's CPU they came out 25-55% fast: part of it runs in cycles the step leaves
@@ -210,7 +212,13 @@ def front_scale(perf, dep: "Deployment") -> float | None:
         runs = [r for r in scales if r["kind"] == "m1"]
     else:
         return None
-    return float(runs[0]["scale"]) if runs else None
+    if not runs:
+        return None
+    # that thread count's runs (served at one or two batch sizes: linear in 1 / batch between them, the
+    # nearer one's outside; profiles from before the second batch size name none)
+    points = [[r.get("concurrency") or dep.max_num_seqs, r["scale"]]
+              for r in runs if r["threads"] == runs[0]["threads"]]
+    return float(_factor_at(points, dep.max_num_seqs))
 
 
 class Simulator(SpeculativeSteps):

@@ -144,6 +144,25 @@ def test_a_served_front_scale_applies_to_its_kind_only():
         assert sim(p, **dep).perf.front_s_per_token == pytest.approx(1.0 * MS)  # no scale: the front as measured
 
 
+def test_a_front_scale_served_at_two_batch_sizes_is_interpolated_between_them():
+    """The colocated engine served at batch 64 and 256 (planner.front.measure_scale_runs): the factor
+    is linear in 1 / max_num_seqs between the two runs' and held at the nearer one outside them; a
+    thread count served at one batch size (or an entry from before concurrency was recorded) keeps
+    its one factor at every batch."""
+    p = profile(a=1.0, e=1.0, layers=2)
+    p["front"] = {"front_s_per_token": 1.0 * MS}
+    p["fits"]["2"] = p["fits"]["1"]
+    p["front_scales"] = [{"kind": "colocated", "threads": 2, "concurrency": 64, "scale": 0.5},
+                         {"kind": "colocated", "threads": 2, "concurrency": 256, "scale": 1.0},
+                         {"kind": "colocated", "threads": 1, "scale": 0.25}]
+    for seqs, scale in ((16, 0.5), (64, 0.5), (128, 1.0 - 0.5 / 3), (256, 1.0), (1024, 1.0)):
+        got = sim(p, colocated=True, torch_threads=2, cores=2, max_num_seqs=seqs).perf.front_s_per_token
+        assert got == pytest.approx(scale * MS), seqs
+    for seqs in (16, 256):
+        got = sim(p, colocated=True, torch_threads=1, cores=2, max_num_seqs=seqs).perf.front_s_per_token
+        assert got == pytest.approx(0.25 * MS)
+
+
 def test_front_scales_give_the_served_runs_their_wall_time():
     from planner.calibrate import front_scales
 
@@ -162,6 +181,7 @@ def test_front_scales_give_the_served_runs_their_wall_time():
     scales = front_scales(p)
     assert scales[0]["scale"] == pytest.approx(0.6, abs=2e-3)
     assert [(s["kind"], s["threads"], s["scale"]) for s in scales[1:]] == [("colocated", 1, 0.0), ("m1", 2, 2.0)]
+    assert all(s["concurrency"] == 4 for s in scales)
 
 
 def test_front_work_per_delta_message():
