@@ -57,33 +57,6 @@ AI512 __m512 widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_
 AI512 __m256i round16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 AI512 __m512 bf16_round(__m512 v) { return widen16(round16(v)); }
 
-/* e^x, relative error ~2e-7 (Cephes' expf polynomial); overflows to +inf above 88.72, 0 below -87.3. */
-AI512 __m512 exp16(__m512 x) {
-    const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.7228f), _CMP_GT_OQ);
-    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365f), _CMP_LT_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365f)), _mm512_set1_ps(88.7228f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), x);
-    __m512 y = _mm512_set1_ps(EXP_P0);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P1));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P2));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P3));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P4));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P5));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    /* 2^n in two halves so that n = 128 (x near 88.7) does not overflow the exponent field */
-    const __m512i ni = _mm512_cvtps_epi32(n);
-    const __m512i half = _mm512_srai_epi32(ni, 1);
-    const __m512 p1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(127)), 23));
-    const __m512 p2 = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(ni, half), _mm512_set1_epi32(127)), 23));
-    y = _mm512_mul_ps(_mm512_mul_ps(y, p1), p2);
-    y = _mm512_mask_mov_ps(y, over, _mm512_set1_ps(INFINITY));
-    return _mm512_mask_mov_ps(y, under, _mm512_setzero_ps());
-}
-
 /* acc[r][0..1] = rows xr[r] (bf16 pairs) times one panel of 32 outputs over `pairs` input pairs.
  * While it computes, it also asks for `pf_lines` cache lines from `pf` into L2, spread evenly over
  * its iterations: a slice of the panel the thread takes next (see tile_prefetch). */
