@@ -475,8 +475,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="a smaller grid and fewer repeats (about a third)")
     p.add_argument("--front", action=argparse.BooleanOptionalAction, default=True,
                    help="measure the front's and the load generator's CPU per output token, request and engine "
-                        "step on served 1 + 1 runs, and on served colocated and m=1 runs how much of it their steps "
-                        "pay (about 1-2 minutes; --no-front: taken as zero)")
+                        "step on served 1 + 1 runs, and on served colocated (batch 64, and 256 at the most threads) "
+                        "and m=1 runs how much of it their steps pay (about 1-2 minutes on 25M-parameter models; "
+                        "--no-front: taken as zero)")
     p.add_argument("--out", required=True, help="the profile JSON to write")
     p.set_defaults(func=_run(_profile, "profile"))
     s = sub.add_parser("simulate", help="simulate a deployment serving a workload, from a profile")
