@@ -214,8 +214,7 @@ def front_scale(perf, dep: "Deployment") -> float | None:
         return None
     if not runs:
         return None
-    # that thread count's runs (served at one or two batch sizes: linear in 1 / batch between them, the
-    # nearer one's outside; profiles from before the second batch size name none)
+    # that thread count's runs at one or two batch sizes (older profiles name none)
     points = [[r.get("concurrency") or dep.max_num_seqs, r["scale"]]
               for r in runs if r["threads"] == runs[0]["threads"]]
     return float(_factor_at(points, dep.max_num_seqs))
