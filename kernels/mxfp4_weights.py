@@ -24,7 +24,8 @@ value times a power of two, exact in float32 and, but for exponents past bf16's 
            broadcast x into per-block partial sums, scaled by the block's 16 row scales (a shift of the
            bytes into float32's exponent field). Equal to the reference up to float32 summation order.
   BF16DOT  bf16 x only: each panel decoded once per block of rows into a bf16 copy with the scales
-           folded in, then AVX-512 BF16 dot products (int8_panels.h's dotbf), float32 accumulation.
+           folded in (by the first tile of rows, as it dots them), then AVX-512 BF16 dot products
+           (int8_panels.h's rows_bf), float32 accumulation.
 For float32 x AVX512 where it runs, else AVX2; for bf16 x the same, or BF16DOT at the row counts where
 kernels/choice.py measured it faster ("mxfp4", per weight shape of the packed model: choose_kernels).
 There is no MXFP4 AMX kernel. Where none runs (no AVX2, no library, autograd, torch.compile)
@@ -32,8 +33,9 @@ mxfp4_linear is the torch reference.
 
 Experts: models/cpu_inference.PackedExperts (quantization "mxfp4") keeps each expert's gate/up and down
 weights as Mxfp4Weights (`Mxfp4Experts`), and `fused_moe_mxfp4` runs a layer's block in one native call
-(kernels/csrc/mxfp4_moe.c): kernels/moe.fused_moe_packed's ops on mxfp4_linear, biases and gpt-oss's
-clamped activation included, without its torch ops and Python per expert.
+(kernels/csrc/mxfp4_moe.c; with AVX-512, moe_int8.c's one parallel region): kernels/moe.fused_moe_packed's
+ops on mxfp4_linear, biases and gpt-oss's clamped activation included, without its torch ops and Python
+per expert.
 
 Legend: T rows, I input features, O output features, P panels of PANEL rows, G blocks of 32 inputs.
 """

@@ -344,3 +344,24 @@ def test_gpt_oss_served_with_mxfp4_experts_matches_the_dequantised_path(gpt_oss_
     assert rows[("expert", "experts")] == runner.resident_bytes["experts"]
     with pytest.raises(ValueError, match="already MXFP4-quantised; --quantization int8 .* --quantization mxfp4"):
         LLM(gpt_oss_mxfp4, quantization="int8")
+
+
+@NEEDS_MX
+def test_fused_mxfp4_block_over_several_chunks_and_row_blocks_equals_the_per_expert_linears():
+    """A hidden size of more blocks than one chunk decodes (BF16DOT: 64 blocks of 32 inputs; 66 here, so
+    a short last chunk) and enough tokens for blocks of rows and tiles of every size: fused_moe_mxfp4
+    with each kernel against the per-expert linears, one block of them with scales under bf16's normal
+    range (decoded apart)."""
+    from kernels.moe import SILU
+
+    D, I, T = 66 * 32, 96, 300
+    experts = _experts(3, D, I, SILU, biases=False, seed=3)
+    experts.w13_E[1].scales[0, 0, 5] = 1  # block 0 of expert 1's gate rows 0-15: products under bf16's normals
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(T, D, generator=g) * 0.01).bfloat16()
+    ids = torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(T)])
+    w = torch.rand(T, 2, generator=g)
+    want = mx.fused_moe_mxfp4_reference(x, ids, w, experts)
+    for kernel in [k for k in (mx.AVX512, mx.BF16DOT) if k in mx.kernels()]:
+        got = mx.fused_moe_mxfp4(x, ids, w, experts, kernel=kernel)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2e-2 * want.abs().max().item())

@@ -381,18 +381,56 @@ AIBF void scaled_lut(float f, uint8_t *lut) {
 }
 
 
+/* One pair of an MXFP4 panel (mxfp4_gemm.c's layout: 16 bytes, byte o = row o's codes of inputs 2j (low
+ * nibble) and 2j + 1) as pair_bf16 lays it out, with its block's scales folded in: each nibble's FP4
+ * value as bf16 from a 16-word table (one word permute), then `add` (the block's mx_block_add: each row's
+ * e - 127 in the exponent field of both words) added to the nonzero words. Exact for blocks whose
+ * scales mx_block_add accepts (every product normal or zero). */
+AIBF0 __m512i mx_pair_bf16(const uint8_t *p, const __m512i add) {
+    const __m512i words = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, (short)0xC0C0,
+                                           (short)0xC080, (short)0xC040, (short)0xC000, (short)0xBFC0, (short)0xBF80,
+                                           (short)0xBF00, (short)0x8000, 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0,
+                                           0x3F80, 0x3F00, 0); /* FP4_VALUES (kernels/quant.py) in bf16 */
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    /* word 0 of a lane: the low nibble (input 2j), word 1: the high one (input 2j + 1) */
+    const __m512i idx = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+    const __m512i w = _mm512_permutexvar_epi16(idx, words);
+    return _mm512_mask_add_epi16(w, _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x7FFF)), w, add);
+}
+
+/* The 16 E8M0 scale bytes of an MXFP4 block as mx_pair_bf16's `add` (64 bytes at a); 0 if some scale
+ * would leave bf16's normal range (e < 2 or e > 252: the caller decodes such blocks in float32). */
+AIBF0 int mx_block_add(const uint8_t *e, uint8_t *a) {
+    const __m128i e8 = _mm_loadu_si128((const __m128i *)e);
+    if (_mm_movemask_epi8(_mm_and_si128(_mm_cmpeq_epi8(_mm_max_epu8(e8, _mm_set1_epi8(2)), e8),
+                                        _mm_cmpeq_epi8(_mm_min_epu8(e8, _mm_set1_epi8((char)252)), e8))) != 0xFFFF)
+        return 0;
+    const __m512i shift = _mm512_and_si512(
+        _mm512_slli_epi32(_mm512_sub_epi32(_mm512_cvtepu8_epi32(e8), _mm512_set1_epi32(127)), 7), _mm512_set1_epi32(0xFFFF));
+    _mm512_store_si512(a, _mm512_or_si512(shift, _mm512_slli_epi32(shift, 16)));
+    return 1;
+}
+
 /* Pair j of NP (1 or 2) panels side by side in d (pair j of panel k at d + 32 (NP j + k): 32 outputs a
  * pair, moe_avx512bf16.c's panel layout, so the dots read one stream) for R rows: acc[r][k] += x pair
  * of row r . panel k; one broadcast of x feeds both panels' dot products. DQ (a constant) 1: the pair
  * is dequantised here from the codes q0 (q1) of format fp8 and stored into d on the way (the first
  * tile of rows: the conversions overlap its dot products); 2: dequantised, not stored (the only tile:
  * stores nobody reads cost streaming codes 10-15% at one row); 3 and 4: as 1 and 2, FP8 codes decoded
- * with their block's scaled_lut (l0 panel 0's, l1 panel 1's); 0: read from d. */
+ * with their block's scaled_lut (l0 panel 0's, l1 panel 1's); 5 and 6: as 1 and 2, MXFP4 codes (q0, q1:
+ * 16 bytes a pair) decoded by mx_pair_bf16 with their blocks' adds (l0, l1: 64 bytes per block of 16
+ * pairs, mx_block_add); 0: read from d. */
 AIBF void bf_pair(const uint32_t *const *xr, const int R, const int NP, uint16_t *d, int64_t j, __m512 acc[][2],
                   const int8_t *q0, const int8_t *q1, const int fp8, const int DQ, const uint8_t *l0,
                   const uint8_t *l1) {
     __m512bh w0, w1;
-    if (DQ) {
+    if (DQ >= 5) {
+        const __m512i a = mx_pair_bf16((const uint8_t *)q0 + 16 * j, _mm512_load_si512(l0 + 64 * (j >> 4)));
+        const __m512i b = NP == 1 ? a : mx_pair_bf16((const uint8_t *)q1 + 16 * j, _mm512_load_si512(l1 + 64 * (j >> 4)));
+        if (DQ == 5) _mm512_store_si512(d + 32 * NP * j, a);
+        if (DQ == 5 && NP == 2) _mm512_store_si512(d + 64 * j + 32, b);
+        w0 = (__m512bh)a, w1 = (__m512bh)b;
+    } else if (DQ) {
         const __m512i a = DQ >= 3 ? pair_fp8_bf16(q0 + 32 * j, l0) : pair_bf16(q0 + 32 * j, fp8);
         const __m512i b = NP == 1 ? a : DQ >= 3 ? pair_fp8_bf16(q1 + 32 * j, l1) : pair_bf16(q1 + 32 * j, fp8);
         if (DQ & 1) _mm512_store_si512(d + 32 * NP * j, a);
@@ -414,9 +452,9 @@ AIBF void bf_pair(const uint32_t *const *xr, const int R, const int NP, uint16_t
 AIBF void bf_pair2(const uint32_t *const *xr, const int R, const int NP, uint16_t *d, int64_t j,
                    __m512 acc0[][2], __m512 acc1[][2], const int8_t *q0, const int8_t *q1, const int fp8,
                    const int DQ, const uint8_t *l0, const uint8_t *l1) {
-    if (!DQ) {
-        bf_pair(xr, R, NP, d, j, acc0, q0, q1, fp8, 0, l0, l1);
-        bf_pair(xr, R, NP, d, j + 1, acc1, q0, q1, fp8, 0, l0, l1);
+    if (!DQ || DQ >= 5) { /* (MXFP4 decodes pair by pair) */
+        bf_pair(xr, R, NP, d, j, acc0, q0, q1, fp8, DQ, l0, l1);
+        bf_pair(xr, R, NP, d, j + 1, acc1, q0, q1, fp8, DQ, l0, l1);
         return;
     }
     __m512i a0, b0, a1, b1;
@@ -445,9 +483,10 @@ AIBF void bf_pair2(const uint32_t *const *xr, const int R, const int NP, uint16_
 
 /* The codes a dequantising tile reads: q0 and q1, their format (and DQ 3's scales); NO_CODES: d holds the
  * panels already. */
+#define MX_CODES 2 /* bf_codes.fp8 of MXFP4 codes (mxfp4_panels.h's panels_mx) */
 typedef struct {
     const int8_t *q0, *q1;
-    int fp8;
+    int fp8; /* 0 int8, 1 FP8, MX_CODES MXFP4 */
     const uint8_t *l0, *l1; /* DQ 3, 4: the block's scaled_lut of panel 0 and 1 */
     int64_t fold_rows;      /* (rows_bf) codes_fmt's */
 } bf_codes;
@@ -464,8 +503,11 @@ AIBF void bf_span(const uint32_t *const *xr, const int R, const int NP, uint16_t
         if (per == 2) _mm_prefetch(*pf + 64, _MM_HINT_T1);
         *pf += 64 * per;
         if (DQ) {
-            _mm_prefetch((const char *)(q->q0 + (j + 2 * PF_LINES) * 32), _MM_HINT_T0);
-            if (NP == 2) _mm_prefetch((const char *)(q->q1 + (j + 2 * PF_LINES) * 32), _MM_HINT_T0);
+            const int64_t at = (j + 2 * PF_LINES) * (DQ >= 5 ? 16 : 32); /* (MXFP4: 16 bytes a pair) */
+            if (DQ < 5 || !(j & 3)) {
+                _mm_prefetch((const char *)(q->q0 + at), _MM_HINT_T0);
+                if (NP == 2) _mm_prefetch((const char *)(q->q1 + at), _MM_HINT_T0);
+            }
         }
         bf_pair2(xr, R, NP, d, j, acc[0], acc[S - 1], q->q0, q->q1, q->fp8, DQ, q->l0, q->l1);
     }
@@ -510,7 +552,7 @@ AIBF void tile_bf(const uint32_t *x, int64_t ldx, const int R, const int NP, uin
     __m512 s[MAX_R512][2];
     for (int r = 0; r < R; r++)
         for (int k = 0; k < NP; k++) s[r][k] = first || bs0 ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + 16 * k);
-    if (DQ >= 3) { /* FP8 folded: each block's pairs decoded with its scaled_lut; no sums to scale */
+    if (DQ == 3 || DQ == 4) { /* FP8 folded: each block's pairs decoded with its scaled_lut; no sums to scale */
         for (int64_t j0 = 0, b = 0; j0 < pairs; j0 += bpairs, b++) {
             const int64_t n = pairs - j0 < bpairs ? pairs - j0 : bpairs;
             const int64_t l0 = pf_lines * j0 / pairs, l1 = pf_lines * (j0 + n) / pairs;
@@ -563,6 +605,10 @@ AIBF void tile_bf(const uint32_t *x, int64_t ldx, const int R, const int NP, uin
 #define TILE_BF_2_3(n) TILE_BF_CALL(n, 2, 3)
 #define TILE_BF_1_4(n) TILE_BF_CALL(n, 1, 4)
 #define TILE_BF_2_4(n) TILE_BF_CALL(n, 2, 4)
+#define TILE_BF_1_5(n) TILE_BF_CALL(n, 1, 5)
+#define TILE_BF_2_5(n) TILE_BF_CALL(n, 2, 5)
+#define TILE_BF_1_6(n) TILE_BF_CALL(n, 1, 6)
+#define TILE_BF_2_6(n) TILE_BF_CALL(n, 2, 6)
 TILE_BF(1, 0)
 TILE_BF(2, 0)
 TILE_BF(1, 1)
@@ -573,6 +619,10 @@ TILE_BF(1, 3)
 TILE_BF(2, 3)
 TILE_BF(1, 4)
 TILE_BF(2, 4)
+TILE_BF(1, 5)
+TILE_BF(2, 5)
+TILE_BF(1, 6)
+TILE_BF(2, 6)
 #undef TILE_BF_1_0
 #undef TILE_BF_2_0
 #undef TILE_BF_1_1
@@ -583,6 +633,10 @@ TILE_BF(2, 4)
 #undef TILE_BF_2_3
 #undef TILE_BF_1_4
 #undef TILE_BF_2_4
+#undef TILE_BF_1_5
+#undef TILE_BF_2_5
+#undef TILE_BF_1_6
+#undef TILE_BF_2_6
 #undef TILE_BF_CALL
 #undef TILE_BF
 typedef void tile_bf_fn(TILE_BF_ARGS);
@@ -618,9 +672,10 @@ TBF static void rows_bf(const uint32_t *x, int64_t ldx, int64_t rows, int NP, ui
         n = (rows - r + (tiles - ti) - 1) / (tiles - ti);
         const int64_t l0 = pf_lines * ti / tiles, l1 = pf_lines * (ti + 1) / tiles;
         /* (2, 4: the only tile, no copy kept) */
-        const int dq = ti == 0 && q->q0 ? (tiles == 1 ? 2 : 1) + (fold ? 2 : 0) : 0;
-        static tile_bf_fn *const tiles_of[2][5] = {{tile_bf1_0, tile_bf1_1, tile_bf1_2, tile_bf1_3, tile_bf1_4},
-                                                   {tile_bf2_0, tile_bf2_1, tile_bf2_2, tile_bf2_3, tile_bf2_4}};
+        const int dq = ti == 0 && q->q0 ? (tiles == 1 ? 2 : 1) + (fold ? 2 : q->fp8 == MX_CODES ? 4 : 0) : 0;
+        static tile_bf_fn *const tiles_of[2][7] = {
+            {tile_bf1_0, tile_bf1_1, tile_bf1_2, tile_bf1_3, tile_bf1_4, tile_bf1_5, tile_bf1_6},
+            {tile_bf2_0, tile_bf2_1, tile_bf2_2, tile_bf2_3, tile_bf2_4, tile_bf2_5, tile_bf2_6}};
         tiles_of[NP - 1][dq](
             x + r * ldx, ldx, (int)n, d, pairs, bs0, bs1, bpairs, first, pf + 64 * l0, l1 - l0, c + r * ldc, ldc, &qf);
     }

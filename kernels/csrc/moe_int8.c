@@ -21,6 +21,10 @@
  *  4. the down GEMM, each thread owning a range of whole pairs of 16-column output panels and
  *     walking every expert in ascending id for its columns, adding the weighted rows into y: no two
  *     threads write one value, and each value's sum has one order whatever the thread count.
+ * MXFP4 experts (shuttle_moe_panels_mxfp4, from mxfp4_moe.c) run the same loops on mxfp4_panels.h's
+ * panels: W13's gate panel u and up panel u are I / 16 panels apart (the checkpoint's row order), the
+ * FMA kernel is mx_dot512 and BF16DOT panels_mx, and the epilogues add each expert's biases and take
+ * gpt-oss's clamped SwiGLU (up_store_mx16), rounding as mxfp4_moe.c's per-expert path rounds.
  * w8a8 (kernel VNNI, int8 codes only): gather quantises each x row per row (int8_panels.h's quant_row),
  * the up epilogue writes h in x's dtype, and after the up phase each thread quantises its share of h's
  * rows in place (one more barrier) before the down GEMM reads them; both GEMMs are panels_vn.
@@ -33,8 +37,9 @@
  * x or h (about X_BLOCK_BYTES, BF16DOT at most BF_ROWS rows) stays in L2 while each panel streams past
  * once. The epilogues run once per 16 outputs of a row (the dots once per pair): AVX2 for the FMA
  * kernels, AVX-512 for the others. */
-#include "int8_panels.h"
+#include "mxfp4_panels.h"
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
 #include <sched.h>
 #include <stdint.h>
@@ -174,9 +179,10 @@ AI512 void up_store16(const float *c, const float *gs, const float *us, int roun
     else _mm512_storeu_ps((float *)h, round ? rbf16x(v) : v);
 }
 
-AI512 void down_store16(const float *c, const float *scale, float w, void *y, int nv, int round) {
+AI512 void down_store16(const float *c, const float *scale, const float *bias, float w, void *y, int nv, int round) {
     const __mmask16 m = nv < PANEL ? (__mmask16)((1u << nv) - 1) : (__mmask16)0xFFFF;
     __m512 v = _mm512_mul_ps(_mm512_loadu_ps(c), _mm512_loadu_ps(scale));
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias)); /* (MXFP4: the linear's bias, then rounded) */
     if (round) v = rbf16x(v);
     v = _mm512_mul_ps(v, _mm512_set1_ps(w));
     if (round) v = rbf16x(v);
@@ -190,6 +196,45 @@ AI512 void down_store16(const float *c, const float *scale, float w, void *y, in
 }
 #endif
 
+/* MXFP4 experts (shuttle_fused_moe_mxfp4's, mxfp4_moe.c): W13 (2I, D) with the gate rows then the up
+ * rows and W2 (D, I) in mxfp4_gemm.c's panels, each expert's float32 biases (b13[e], b2[e]: addresses,
+ * 0 none; NULL: no expert has), and kernels/moe.SwiGLU's constants (silu: alpha 1 and no up offset). */
+typedef struct {
+    const int64_t *b13, *b2;
+    float alpha, limit, up_offset;
+    int silu, clamp; /* clamp: a finite limit (bf16 x: the limit rounded to bf16, as a bf16 clamp gives) */
+} mx_args;
+
+#ifdef HAVE_AVX512
+AI512 __m512 rd16(__m512 v, int round) { return round ? rbf16x(v) : v; }
+
+/* up_store16 for MXFP4 experts: one row's 16 h values from its 16 gate and 16 up sums c plus their
+ * biases (bg, bu; NULL: none), through SwiGLU as mxfp4_moe.c's activation() computes it: each linear's
+ * output rounded (round: bf16 x), then every op of the activation rounded as its torch op. */
+AI512 void up_store_mx16(const float *c, const float *bg, const float *bu, const mx_args *a, int round, void *h,
+                         int h_bf16) {
+    __m512 g = _mm512_loadu_ps(c), u = _mm512_loadu_ps(c + 16), v;
+    if (bg) g = _mm512_add_ps(g, _mm512_loadu_ps(bg));
+    if (bu) u = _mm512_add_ps(u, _mm512_loadu_ps(bu));
+    g = rd16(g, round), u = rd16(u, round);
+    if (a->clamp) {
+        const __m512 lim = _mm512_set1_ps(a->limit);
+        g = _mm512_min_ps(g, lim), u = _mm512_max_ps(_mm512_min_ps(u, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim));
+    }
+    const __m512 one = _mm512_set1_ps(1.0f);
+    if (a->silu) {
+        const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        v = _mm512_mul_ps(rd16(s, round), u);
+    } else {
+        const __m512 ga = rd16(_mm512_mul_ps(g, _mm512_set1_ps(a->alpha)), round);
+        const __m512 sg = rd16(_mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), ga)))), round);
+        v = _mm512_mul_ps(rd16(_mm512_mul_ps(g, sg), round), rd16(_mm512_add_ps(u, _mm512_set1_ps(a->up_offset)), round));
+    }
+    if (h_bf16) _mm256_storeu_si256((__m256i *)h, bf16_bits16(v));
+    else _mm512_storeu_ps((float *)h, rd16(v, round));
+}
+#endif
+
 /* The layout of one call: sizes, and per kernel the rows of its blocks. */
 typedef struct {
     int64_t D, Dp, xpairs, kbx, Ik;   /* hidden size, even, in pairs, in AMX blocks of 16 pairs, AMX width */
@@ -199,6 +244,9 @@ typedef struct {
     int64_t up_rows[5], down_rows[5]; /* rows of an up / down block, per kernel */
     int round;                        /* bf16 x and y */
     codes_fmt f13, f2;                /* the code format of W13 (over D's pairs) and of W2 (over I's) */
+    int64_t pb13, pb2;                /* bytes of a W13 / W2 panel's codes */
+    int64_t up_off;                   /* bytes from a gate panel's codes to its up panel's */
+    const mx_args *mx;                /* MXFP4 experts (NULL: int8 or FP8 codes) */
 } layout;
 
 static int tile_rows_max(int k) { return k == KERNEL_AVX2 ? MAX_R2 : k == KERNEL_AMX ? 32 : 8; }
@@ -307,10 +355,9 @@ static void down_rows(const layout *L, int k, const char *hs, int64_t r0, int64_
  * lines (pf_lines: 0 without). */
 static inline const int8_t *down_next(const layout *L, const int8_t *w2, int64_t p, int64_t lo, int64_t hi,
                                       const int8_t *after, int64_t *pf_lines) {
-    const int64_t hp = L->hpairs;
-    const int8_t *next = p + 2 < hi ? w2 + (p + 2) * hp * 32 : after;
+    const int8_t *next = p + 2 < hi ? w2 + (p + 2) * L->pb2 : after;
     const int64_t panels = p + 2 < hi ? (hi - p - 2 < 2 ? hi - p - 2 : 2) : hi - lo < 2 ? hi - lo : 2;
-    *pf_lines = next ? panels * hp / 2 : 0;
+    *pf_lines = next ? panels * L->pb2 / 64 : 0;
     return next;
 }
 
@@ -318,13 +365,14 @@ static inline const int8_t *down_next(const layout *L, const int8_t *w2, int64_t
  * row, panel p's first) scaled, weighted and added into y (down_store16; BF16DOT, VNNI and AMX). */
 #ifdef HAVE_AVX512
 AI512 void down_pair_store(const layout *L, const float *cb, int64_t p, int two, int64_t r0, int64_t r1,
-                           const float *s2, const int64_t *tok, const float *wgt, char *y) {
+                           const float *s2, const float *b2, const int64_t *tok, const float *wgt, char *y) {
     const int ysize = L->round ? 2 : 4;
     for (int64_t q = p; q < p + 1 + two; q++) {
         const int nv = L->D - q * PANEL < PANEL ? (int)(L->D - q * PANEL) : PANEL;
+        const float *scale = L->mx ? ONES : out_scales(&L->f2, s2, q), *bias = b2 ? b2 + q * PANEL : NULL;
         for (int64_t r = r0; r < r1; r++)
-            down_store16(cb + (r - r0) * 32 + (q - p) * 16, out_scales(&L->f2, s2, q), wgt[r],
-                         y + (tok[r] * L->D + q * PANEL) * ysize, nv, L->round);
+            down_store16(cb + (r - r0) * 32 + (q - p) * 16, scale, bias, wgt[r], y + (tok[r] * L->D + q * PANEL) * ysize,
+                         nv, L->round);
     }
 }
 #endif
@@ -358,7 +406,7 @@ TBF static void down_rows_bf(const layout *L, const char *hs, int64_t r0, int64_
         panels_bf((const uint32_t *)(hs + r0 * L->hb), L->hb / 4, r1 - r0, pw, two ? pw + hp * 32 : NULL, hp, f,
                   panel_scales(f, s2, p), two ? panel_scales(f, s2, p + 1) : NULL, (const char *)next, pf_lines, d,
                   cb, 32);
-        down_pair_store(L, cb, p, two, r0, r1, s2, tok, wgt, y);
+        down_pair_store(L, cb, p, two, r0, r1, s2, NULL, tok, wgt, y);
     }
 }
 #endif
@@ -388,7 +436,7 @@ TVN static void down_rows_vn(const layout *L, const char *hs, int64_t r0, int64_
         const int8_t *next = down_next(L, w2, p, lo, hi, after, &pf_lines);
         panels_vn((const int8_t *)(hs + r0 * L->hb), L->hb, r1 - r0, pw, two ? pw + hp * 32 : NULL, hp, 4 * L->hquads,
                   (const char *)next, pf_lines, d, cb, 32);
-        down_pair_store(L, cb, p, two, r0, r1, s2, tok, wgt, y);
+        down_pair_store(L, cb, p, two, r0, r1, s2, NULL, tok, wgt, y);
     }
 }
 #endif
@@ -427,15 +475,98 @@ TAMX static void down_rows_amx(const layout *L, const char *hs, int64_t r0, int6
                 amx_block_fp8((const uint16_t *)(hs + r * L->hb), L->hb, d0, two_panels ? d1 : d0, L->kbh, n > 16, c,
                               L->f2.bpairs / 16, bs0, bs1);
             else amx_block((const uint16_t *)(hs + r * L->hb), L->hb, d0, two_panels ? d1 : d0, L->kbh, n > 16, c);
-            down_pair_store(L, c, p, two_panels, r, r + n, s2, tok, wgt, y);
+            down_pair_store(L, c, p, two_panels, r, r + n, s2, NULL, tok, wgt, y);
         }
     }
 }
 #endif
 
-/* The codes of up item `it` (its gate panel, the up panel after it). */
+#ifdef HAVE_AVX512
+/* MXFP4 experts with the FMA kernel: c rows (ldc floats apart) = R rows of float32 x (ldx apart) times
+ * the G blocks of panel pw (scales ps), as mxfp4_linear's AVX512 kernel sums them (mx_dot512). */
+AI512 void mx_dot512_c(const float *x, int64_t ldx, const int R, const uint8_t *pw, const uint8_t *ps, int64_t G,
+                       float *c, int64_t ldc) {
+    __m512 sum[MAX_R512];
+    mx_dot512(x, ldx, R, pw, ps, G, sum);
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(c + r * ldc, sum[r]);
+}
+T512 static void dot_mx(const float *x, int64_t ldx, int R, const uint8_t *pw, const uint8_t *ps, int64_t G, float *c,
+                        int64_t ldc) {
+#define CALL(n) mx_dot512_c(x, ldx, n, pw, ps, G, c, ldc)
+    BY_ROWS(R, CALL)
+#undef CALL
+}
+
+/* Up, one item of MXFP4 experts with the FMA kernel: rows [r0, r1) of the gathered x times gate panel pg
+ * and up panel pu (scales sg, su; biases bg, bu or NULL), h (float32 values) at column col. */
+T512 static void up_item_mx(const layout *L, const char *xs, int64_t r0, int64_t r1, const uint8_t *pg,
+                            const uint8_t *pu, const uint8_t *sg, const uint8_t *su, const float *bg, const float *bu,
+                            char *hs, int64_t col, float *c) {
+    const int64_t G = L->pb13 / MX_PANEL_BLOCK, tiles = (r1 - r0 + MAX_R512 - 1) / MAX_R512;
+    for (int64_t r = r0, ti = 0, n; r < r1; r += n, ti++) {
+        n = (r1 - r + (tiles - ti) - 1) / (tiles - ti);
+        dot_mx((const float *)(xs + r * L->xb), L->xb / 4, (int)n, pg, sg, G, c, 32);
+        dot_mx((const float *)(xs + r * L->xb), L->xb / 4, (int)n, pu, su, G, c + 16, 32);
+        for (int i = 0; i < n; i++)
+            up_store_mx16(c + i * 32, bg, bu, L->mx, L->round, hs + (r + i) * L->hb + col * 4, 0);
+    }
+}
+
+/* Down, rows [r0, r1) of one MXFP4 expert (W2's codes w2, scales s2, bias b2 or NULL) over output panels
+ * [lo, hi) with the FMA kernel. */
+T512 static void down_rows_mx(const layout *L, const char *hs, int64_t r0, int64_t r1, const uint8_t *w2,
+                              const uint8_t *s2, const float *b2, int64_t lo, int64_t hi, const int64_t *tok,
+                              const float *wgt, char *y, float *c) {
+    const int64_t G = L->pb2 / MX_PANEL_BLOCK, tiles = (r1 - r0 + MAX_R512 - 1) / MAX_R512;
+    const int ysize = L->round ? 2 : 4;
+    for (int64_t p = lo; p < hi; p++)
+        for (int64_t r = r0, ti = 0, n; r < r1; r += n, ti++) {
+            n = (r1 - r + (tiles - ti) - 1) / (tiles - ti);
+            dot_mx((const float *)(hs + r * L->hb), L->hb / 4, (int)n, w2 + p * L->pb2, s2 + p * L->pb2 / 16, G, c, 32);
+            for (int i = 0; i < n; i++)
+                down_store16(c + i * 32, ONES, b2 ? b2 + p * PANEL : NULL, wgt[r + i],
+                             y + (tok[r + i] * L->D + p * PANEL) * ysize, PANEL, L->round);
+        }
+}
+#endif
+
+#ifdef HAVE_BF16DOT
+/* Up, one item of MXFP4 experts with BF16DOT: the gate and up panels decoded side by side and dotted
+ * (panels_mx) into cb, prefetching the next item's gate panel (`next`; NULL: none), then the epilogue. */
+TBF static void up_item_mx_bf(const layout *L, const char *xs, int64_t r0, int64_t r1, const uint8_t *pg,
+                              const uint8_t *pu, const uint8_t *sg, const uint8_t *su, const float *bg, const float *bu,
+                              char *hs, int64_t col, const int8_t *next, uint16_t *d, float *cb) {
+    panels_mx((const uint32_t *)(xs + r0 * L->xb), L->xb / 4, r1 - r0, pg, sg, pu, su, L->pb13 / MX_PANEL_BLOCK, d,
+              (const char *)next, next ? L->pb13 / 64 : 0, cb, 32);
+    for (int64_t r = r0; r < r1; r++)
+        up_store_mx16(cb + (r - r0) * 32, bg, bu, L->mx, L->round, hs + r * L->hb + col * 2, 1);
+}
+
+/* Down with BF16DOT, rows [r0, r1) of one MXFP4 expert over output panels [lo, hi), two at a time,
+ * prefetching as down_rows_bf does. */
+TBF static void down_rows_mx_bf(const layout *L, const char *hs, int64_t r0, int64_t r1, const uint8_t *w2,
+                                const uint8_t *s2, const float *b2, int64_t lo, int64_t hi, const int64_t *tok,
+                                const float *wgt, char *y, const int8_t *after, uint16_t *d, float *cb) {
+    for (int64_t p = lo; p < hi; p += 2) {
+        const int two = p + 1 < hi;
+        const uint8_t *pw = w2 + p * L->pb2, *ps = s2 + p * L->pb2 / 16;
+        int64_t pf_lines;
+        const int8_t *next = down_next(L, (const int8_t *)w2, p, lo, hi, after, &pf_lines);
+        panels_mx((const uint32_t *)(hs + r0 * L->hb), L->hb / 4, r1 - r0, pw, ps, two ? pw + L->pb2 : NULL,
+                  ps + L->pb2 / 16, L->pb2 / MX_PANEL_BLOCK, d, (const char *)next, pf_lines, cb, 32);
+        down_pair_store(L, cb, p, two, r0, r1, NULL, b2, tok, wgt, y);
+    }
+}
+#endif
+
+/* An MXFP4 expert's float32 bias of W13 or W2 (b: every expert's address, 0 none; NULL: none at all) */
+static inline const float *mx_bias(const int64_t *b, int64_t e) {
+    return b && b[e] ? (const float *)(uintptr_t)b[e] : NULL;
+}
+
+/* The codes of up item `it`: its gate panel (its up panel L->up_off bytes on). */
 static inline const int8_t *up_codes(const layout *L, const int64_t *w13, const int64_t *items, int64_t it) {
-    return (const int8_t *)(uintptr_t)w13[items[3 * it]] + 2 * items[3 * it + 2] * L->xpairs * 32;
+    return (const int8_t *)(uintptr_t)w13[items[3 * it]] + (L->mx ? 1 : 2) * items[3 * it + 2] * L->pb13;
 }
 
 /* The codes the down phase reads after expert e's rows up to r1 (count: the experts' first rows) over
@@ -443,9 +574,9 @@ static inline const int8_t *up_codes(const layout *L, const int64_t *w13, const 
  * at the end. */
 static const int8_t *down_after(const layout *L, const int64_t *w2, const int64_t *count, int64_t E, int64_t e,
                                 int64_t r1, int64_t lo) {
-    if (r1 < count[e + 1]) return (const int8_t *)(uintptr_t)w2[e] + lo * L->hpairs * 32;
+    if (r1 < count[e + 1]) return (const int8_t *)(uintptr_t)w2[e] + lo * L->pb2;
     for (e++; e < E; e++)
-        if (count[e + 1] > count[e]) return (const int8_t *)(uintptr_t)w2[e] + lo * L->hpairs * 32;
+        if (count[e + 1] > count[e]) return (const int8_t *)(uintptr_t)w2[e] + lo * L->pb2;
     return NULL;
 }
 
@@ -460,8 +591,11 @@ static int kernel_runs(int k, int x_bf16) {
 static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int64_t *ids, const float *wk, int64_t K,
                       const int64_t *w13, const int64_t *s13, const int64_t *w2, const int64_t *s2, int64_t E, int64_t I,
                       const codes_fmt *f13, const codes_fmt *f2, void *y, int nthreads, int kernel, int big_kernel,
-                      int64_t big_rows, int64_t vnni_rows) {
+                      int64_t big_rows, int64_t vnni_rows, const mx_args *mx) {
     if (!kernel_runs(kernel, x_bf16) || !kernel_runs(big_kernel, x_bf16)) return -2;
+    if (mx && (kernel != KERNEL_AVX512 || (big_kernel != KERNEL_AVX512 && big_kernel != KERNEL_BF16DOT) ||
+               vnni_rows > 0 || D % MX_BLOCK || I % MX_BLOCK))
+        return -2; /* MXFP4: the FMA kernel, BF16DOT from big_rows on */
     if (vnni_rows > 0 && !kernel_runs(KERNEL_VNNI, x_bf16)) return -2;
     if ((kernel == KERNEL_VNNI || big_kernel == KERNEL_VNNI || vnni_rows > 0) &&
         (f13->fp8 || f2->fp8 || D > VN_MAX_K || I > VN_MAX_K))
@@ -474,6 +608,8 @@ static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int
     L.kbh = (L.hpairs + 15) / 16, L.Hk = L.kbh * 32;
     L.xquads = (L.xpairs + 1) / 2, L.hquads = (L.hpairs + 1) / 2;
     const int64_t U = L.I16 / 16; /* panel pairs of W13 */
+    L.pb13 = (mx ? 16 : 32) * L.xpairs, L.pb2 = (mx ? 16 : 32) * L.hpairs, L.mx = mx;
+    L.up_off = mx ? U * L.pb13 : L.pb13; /* (MXFP4: W13's gate rows, then its up rows) */
     int64_t *count = calloc(E + 1, sizeof(int64_t)), *tok = malloc(sizeof(int64_t) * (N + 1)), *items = NULL;
     float *wgt = malloc(sizeof(float) * (N + 1));
     int8_t *kern = malloc(E + 1);
@@ -568,7 +704,24 @@ static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int
                 const int64_t e = items[3 * it], r0 = items[3 * it + 1], u = items[3 * it + 2];
                 const int k = kern[e];
                 const int64_t r1 = count[e + 1] - r0 < L.up_rows[k] ? count[e + 1] : r0 + L.up_rows[k];
-                const int8_t *pg = up_codes(&L, w13, items, it), *pu = pg + L.xpairs * 32;
+                const int8_t *pg = up_codes(&L, w13, items, it), *pu = pg + L.up_off;
+                if (mx) {
+                    const uint8_t *sg = (const uint8_t *)(uintptr_t)s13[e] + u * L.pb13 / 16, *su = sg + L.up_off / 16;
+                    const float *b = mx_bias(mx->b13, e), *bg = b ? b + 16 * u : NULL, *bu = b ? b + I + 16 * u : NULL;
+#ifdef HAVE_BF16DOT
+                    if (k == KERNEL_BF16DOT) {
+                        const int64_t nx = it + 1 < it0 + UP_CHUNK && it + 1 < nitems ? it + 1 : nx0;
+                        const int8_t *next = nx < nitems ? up_codes(&L, w13, items, nx) : NULL;
+                        up_item_mx_bf(&L, xs, r0, r1, (const uint8_t *)pg, (const uint8_t *)pu, sg, su, bg, bu, hs,
+                                      16 * u, next, d0, cb);
+                        continue;
+                    }
+#endif
+#ifdef HAVE_AVX512
+                    up_item_mx(&L, xs, r0, r1, (const uint8_t *)pg, (const uint8_t *)pu, sg, su, bg, bu, hs, 16 * u, c);
+#endif
+                    continue;
+                }
                 const float *gs = panel_scales(&L.f13, (const float *)(uintptr_t)s13[e], 2 * u);
                 const float *us = panel_scales(&L.f13, (const float *)(uintptr_t)s13[e], 2 * u + 1);
 #ifdef HAVE_VNNI
@@ -620,6 +773,22 @@ static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int
             const float *ps = (const float *)(uintptr_t)s2[e];
             for (int64_t r0 = count[e]; r0 < count[e + 1]; r0 += block) {
                 const int64_t r1 = count[e + 1] - r0 < block ? count[e + 1] : r0 + block;
+                if (mx) {
+                    const float *b2e = mx_bias(mx->b2, e);
+#ifdef HAVE_BF16DOT
+                    if (k == KERNEL_BF16DOT) {
+                        const int8_t *after = down_after(&L, w2, count, E, e, r1, lo);
+                        down_rows_mx_bf(&L, hs, r0, r1, (const uint8_t *)pw, (const uint8_t *)ps, b2e, lo, hi, tok, wgt,
+                                        (char *)y, after, d0, cb);
+                        continue;
+                    }
+#endif
+#ifdef HAVE_AVX512
+                    down_rows_mx(&L, hs, r0, r1, (const uint8_t *)pw, (const uint8_t *)ps, b2e, lo, hi, tok, wgt,
+                                 (char *)y, c);
+#endif
+                    continue;
+                }
 #ifdef HAVE_VNNI
                 if (k == KERNEL_VNNI) {
                     const int8_t *after = down_after(&L, w2, count, E, e, r1, lo);
@@ -670,7 +839,7 @@ int shuttle_fused_moe_int8(const void *x, int x_bf16, int64_t T, int64_t D, cons
                            int64_t vnni_rows) {
     const codes_fmt f = {0, 0, 0};
     return moe_panels(x, x_bf16, T, D, ids, wk, K, w13, s13, w2, s2, E, I, &f, &f, y, nthreads, kernel, big_kernel,
-                      big_rows, vnni_rows);
+                      big_rows, vnni_rows, NULL);
 }
 
 /* shuttle_fused_moe_int8 on FP8 E4M3 experts (kernels/fp8_weights.py: Fp8Experts): s13[e] / s2[e] the
@@ -688,5 +857,23 @@ int shuttle_fused_moe_fp8(const void *x, int x_bf16, int64_t T, int64_t D, const
     const codes_fmt f13 = {1, bpairs13, (xpairs + bpairs13 - 1) / bpairs13, FOLD_ROWS};
     const codes_fmt f2 = {1, bpairs2, (hpairs + bpairs2 - 1) / bpairs2, FOLD_ROWS};
     return moe_panels(x, x_bf16, T, D, ids, wk, K, w13, s13, w2, s2, E, I, &f13, &f2, y, nthreads, kernel, big_kernel,
-                      big_rows, 0);
+                      big_rows, 0, NULL);
+}
+
+/* The fused block on MXFP4 experts (mxfp4_moe.c's shuttle_fused_moe_mxfp4 hands its calls here where the
+ * CPU has AVX-512): its arguments (b13, b2: each expert's float32 biases' addresses, or NULL); experts
+ * with at least big_rows rows take big_kernel (BF16DOT, bf16 x only, or AVX512), the others AVX512's
+ * FMA kernel; y zeroed here. Returns 0; -1 if memory ran out; -2 where this cannot run (the caller's
+ * per-expert path then does). */
+int shuttle_moe_panels_mxfp4(const void *x, int x_bf16, int64_t T, int64_t D, const int64_t *ids, const float *wk,
+                             int64_t K, const int64_t *w13, const int64_t *s13, const int64_t *w2, const int64_t *s2,
+                             const int64_t *b13, const int64_t *b2, int64_t E, int64_t I, float alpha, float limit,
+                             float up_offset, void *y, int nthreads, int big_kernel, int64_t big_rows) {
+    const int clamp = isfinite(limit);
+    const mx_args a = {b13, b2, alpha, clamp && x_bf16 ? rbf(limit) : limit, up_offset,
+                       alpha == 1.0f && up_offset == 0.0f, clamp};
+    const codes_fmt f = {0, 0, 0};
+    memset(y, 0, (size_t)(T * D) * (x_bf16 ? 2 : 4));
+    return moe_panels(x, x_bf16, T, D, ids, wk, K, w13, s13, w2, s2, E, I, &f, &f, y, nthreads, KERNEL_AVX512, big_kernel,
+                      big_rows, 0, &a);
 }

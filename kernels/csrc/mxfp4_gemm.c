@@ -27,23 +27,21 @@
  *           row scales are added into the row's sums. Every product is one FMA: the result equals
  *           x.float() @ W^T up to float32 summation order.
  *  BF16DOT  bf16 x only: panels go two at a time (mx_rows_bf: a thread's panels in pairs, an odd
- *           last one alone), decoded once per block of rows side by side into a bf16 copy with the
- *           scales folded in (int8_panels.h's layout: 128 bytes a pair, lane o of each half =
- *           (w[o][2j], w[o][2j + 1]); exact, see above), BF_CHUNK pairs at a time, then every row
- *           tile multiplies it by x's bf16 pairs with int8_panels.h's rows_bf (each broadcast x
- *           pair feeds both panels' AVX-512 BF16 dot products, float32 accumulation), prefetching
- *           the next pair's codes into L2 as it goes.
+ *           last one alone) through mxfp4_panels.h's panels_mx: BF_CHUNK pairs at a time, the first
+ *           tile of rows decodes them side by side into a bf16 copy with the scales folded in as it
+ *           dots them (int8_panels.h's layout: 128 bytes a pair, lane o of each half = (w[o][2j],
+ *           w[o][2j + 1]); exact, see above) and every other tile reads the copy (int8_panels.h's
+ *           rows_bf: each broadcast x pair feeds both panels' AVX-512 BF16 dot products, float32
+ *           accumulation), prefetching the next pair's codes into L2 as it goes.
  * OpenMP and blocking as int8_gemm.c: threads own ranges of panels (rows split too where panels are
  * fewer than threads), rows in blocks whose x stays in L2 while every panel streams past it once. */
-#include "int8_panels.h"
+#include "mxfp4_panels.h"
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define MX_BLOCK 32           /* inputs per E8M0 scale */
-#define MX_PANEL_BLOCK 256    /* bytes of one panel's block: 16 pairs x 16 rows */
 #define MX_X_BLOCK_BYTES (1 << 20)
 
 /* 8 E8M0 bytes as float32 2^(e - 127) (e = 0: 2^-127, the subnormal 0x400000) */
@@ -127,66 +125,6 @@ static void tile_mx256(const void *x, int64_t ldx, int R, const uint8_t *pw, con
 }
 
 #ifdef HAVE_AVX512
-/* The FP4 (E2M1) value of each code 0-15 (kernels/quant.py: FP4_VALUES) */
-AI512 __m512 fp4_table(void) {
-    return _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f,
-                          -4.0f, -6.0f);
-}
-
-/* 16 E8M0 bytes as float32 2^(e - 127) (e = 0: 2^-127, the subnormal 0x400000) */
-AI512 __m512 e8m0x16(const uint8_t *p) {
-    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    const __mmask16 zero = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
-    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(zero, _mm512_slli_epi32(e, 23), _mm512_set1_epi32(0x400000)));
-}
-
-/* One pair of a panel (16 bytes, lane = row) as FP4 values: w0 input 2j, w1 input 2j + 1 */
-AI512 void fp4_pair(const uint8_t *p, __m512 table, __m512 *w0, __m512 *w1) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    *w0 = _mm512_permutexvar_ps(b, table);
-    *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-}
-
-/* One pair of a panel for R rows of x (x[r * ldx], x[r * ldx + 1]: the pair's inputs): acc[r][0] (input
- * 2j) and acc[r][1] (input 2j + 1) += w x */
-AI512 void mx_pair512(const uint8_t *p, __m512 table, const float *x, int64_t ldx, const int R, __m512 acc[][2]) {
-    __m512 w0, w1;
-    fp4_pair(p, table, &w0, &w1);
-    for (int r = 0; r < R; r++) {
-        acc[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx]), w0, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + 1]), w1, acc[r][1]);
-    }
-}
-
-/* sum[r] (lane = row of the panel) = x row r (float32, rows ldx apart) . the panel's G blocks, each
- * block's partial sums times its 16 row scales. acc[k][r]: the even pairs' (k = 0) and, up to SPLIT_R
- * rows, the odd pairs' (k = 1) products, two per pair (inputs 2j and 2j + 1): more chains of FMAs in
- * flight where few rows give few. */
-AI512 void mx_dot512(const float *x, int64_t ldx, const int R, const uint8_t *pw, const uint8_t *ps, int64_t G,
-                     __m512 sum[]) {
-    const __m512 table = fp4_table();
-    const int S = R <= SPLIT_R ? 2 : 1;
-    for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        const uint8_t *pb = pw + g * MX_PANEL_BLOCK;
-        const float *xb = x + g * MX_BLOCK;
-        __m512 acc[2][MAX_R512][2];
-        for (int k = 0; k < S; k++)
-            for (int r = 0; r < R; r++) acc[k][r][0] = acc[k][r][1] = _mm512_setzero_ps();
-        for (int j = 0; j < 16; j += 2) { /* (k a constant: the accumulators stay in registers) */
-            if (!(j & 3)) _mm_prefetch((const char *)(pb + 16 * j + 64 * PF_LINES), _MM_HINT_T0);
-            mx_pair512(pb + 16 * j, table, xb + 2 * j, ldx, R, acc[0]);
-            mx_pair512(pb + 16 * j + 16, table, xb + 2 * j + 2, ldx, R, acc[S - 1]);
-        }
-        const __m512 s = e8m0x16(ps + 16 * g);
-        for (int r = 0; r < R; r++) {
-            __m512 part = _mm512_add_ps(acc[0][r][0], acc[0][r][1]);
-            if (S == 2) part = _mm512_add_ps(part, _mm512_add_ps(acc[1][r][0], acc[1][r][1]));
-            sum[r] = _mm512_fmadd_ps(part, s, sum[r]);
-        }
-    }
-}
-
 AI512 void mx_tile512(const float *x, int64_t ldx, const int R, const uint8_t *pw, const uint8_t *ps, int64_t G,
                       const float *bias, int nv, void *y, int64_t ldy, int y_bf16) {
     __m512 sum[MAX_R512];
@@ -203,59 +141,6 @@ T512 static void tile_mx512(const void *x, int64_t ldx, int R, const uint8_t *pw
 #endif
 
 #ifdef HAVE_BF16DOT
-/* Blocks [g0, g1) of a panel decoded into d as bf16 pairs with the scales folded in, pair j of the
- * blocks at d + step * j (64-byte aligned; step 32: the panel alone, 64: one of two side by side, see
- * int8_panels.h's bf_pair): lane o = (w[o][2j], w[o][2j + 1]). Every value is an FP4 value times a power
- * of two, so bf16 holds it exactly where it is normal: a block whose 16 scale bytes are all in [2, 252]
- * (every product then normal, or zero) takes each code's bf16 value from a 16-word table (vpermw of the
- * byte's two nibbles, one word each) and adds e - 127 to the exponent field of the nonzero words; other
- * blocks (products under 2^-126 or past bf16's range) multiply in float32 and keep the top halves. The
- * two give the same bits where both apply. */
-TBF static void mx_dequant_bf16(const uint8_t *pw, const uint8_t *ps, int64_t g0, int64_t g1, uint16_t *d, int64_t step) {
-    const __m512 table = fp4_table();
-    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u), nibbles = _mm512_set1_epi32(0x000F000F);
-    const __m512i words = _mm512_zextsi256_si512(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(table), 16)));
-    const __m512i magnitude = _mm512_set1_epi16(0x7FFF), low = _mm512_set1_epi32(0xFFFF);
-    for (int64_t g = g0; g < g1; g++) {
-        const __m128i e8 = _mm_loadu_si128((const __m128i *)(ps + 16 * g));
-        const int normal = _mm_movemask_epi8(_mm_and_si128(_mm_cmpeq_epi8(_mm_max_epu8(e8, _mm_set1_epi8(2)), e8),
-                                                           _mm_cmpeq_epi8(_mm_min_epu8(e8, _mm_set1_epi8((char)252)), e8))) == 0xFFFF;
-        if (normal) {
-            /* (e - 127) << 7 in both 16-bit halves of each row's lane: the exponent step of its scale */
-            const __m512i shift = _mm512_and_si512(
-                _mm512_slli_epi32(_mm512_sub_epi32(_mm512_cvtepu8_epi32(e8), _mm512_set1_epi32(127)), 7), low);
-            const __m512i add = _mm512_or_si512(shift, _mm512_slli_epi32(shift, 16));
-            for (int j = 0; j < 16; j++) {
-                const uint8_t *p = pw + g * MX_PANEL_BLOCK + 16 * j;
-                if (!(j & 3)) _mm_prefetch((const char *)(p + 64 * PF_LINES), _MM_HINT_T0);
-                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-                /* word 0 of a lane: the low nibble (input 2j), word 1: the high one (input 2j + 1) */
-                const __m512i idx = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), nibbles, 0xA8);
-                const __m512i w = _mm512_permutexvar_epi16(idx, words);
-                const __m512i pair = _mm512_mask_add_epi16(w, _mm512_test_epi16_mask(w, magnitude), w, add);
-                _mm512_store_si512(d + step * ((g - g0) * 16 + j), pair);
-            }
-            continue;
-        }
-        const __m512 s = e8m0x16(ps + 16 * g);
-        for (int j = 0; j < 16; j++) {
-            const uint8_t *p = pw + g * MX_PANEL_BLOCK + 16 * j;
-            if (!(j & 3)) _mm_prefetch((const char *)(p + 64 * PF_LINES), _MM_HINT_T0);
-            __m512 w0, w1;
-            fp4_pair(p, table, &w0, &w1);
-            const __m512i a = _mm512_castps_si512(_mm512_mul_ps(w0, s)), b = _mm512_castps_si512(_mm512_mul_ps(w1, s));
-            const __m512i pair = _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, top));
-            _mm512_store_si512(d + step * ((g - g0) * 16 + j), pair);
-        }
-    }
-}
-
-/* Blocks of a panel (16 pairs each) decoded at a time: BF_CHUNK pairs, at most the panel's G. */
-static inline int64_t mx_chunk_blocks(int64_t G) {
-    const int64_t b = BF_CHUNK / 16 > 1 ? BF_CHUNK / 16 : 1;
-    return G < b ? G : b;
-}
-
 /* BF16DOT, rows [t0, t1) (at most BF_ROWS) of bf16 x (rows I values apart) over output panels [lo, hi):
  * panels p and p + 1 decoded side by side into d a chunk of blocks at a time (BF_CHUNK pairs), an odd
  * last panel alone, every tile of rows reading the chunk (int8_panels.h's rows_bf) before the next one,
@@ -264,8 +149,7 @@ static inline int64_t mx_chunk_blocks(int64_t G) {
 TBF static void mx_rows_bf(const uint16_t *x, int64_t I, int64_t t0, int64_t t1, const uint8_t *panels,
                            const uint8_t *scales, const float *bias, int64_t O, int64_t lo, int64_t hi, void *y,
                            int y_bf16, const uint8_t *after, uint16_t *d, float *cb) {
-    const int64_t G = I / MX_BLOCK, pairs = I / 2, gch = mx_chunk_blocks(G);
-    const int64_t panel_bytes = G * MX_PANEL_BLOCK;
+    const int64_t G = I / MX_BLOCK, panel_bytes = G * MX_PANEL_BLOCK;
     const size_t ysize = y_bf16 ? 2 : 4;
     for (int64_t p = lo; p < hi; p += 2) {
         const int two = p + 1 < hi;
@@ -273,13 +157,8 @@ TBF static void mx_rows_bf(const uint16_t *x, int64_t I, int64_t t0, int64_t t1,
         const uint8_t *next = p + 2 < hi ? pw + 2 * panel_bytes : after;
         const int64_t next_panels = p + 2 < hi ? (hi - p - 2 < 2 ? hi - p - 2 : 2) : hi - lo < 2 ? hi - lo : 2;
         const int64_t lines = next ? next_panels * panel_bytes / 64 : 0;
-        for (int64_t g0 = 0; g0 < G; g0 += gch) {
-            const int64_t g1 = G - g0 < gch ? G : g0 + gch, l0 = lines * g0 / G;
-            mx_dequant_bf16(pw, ps, g0, g1, d, two ? 64 : 32);
-            if (two) mx_dequant_bf16(pw + panel_bytes, ps + G * PANEL, g0, g1, d + 32, 64);
-            rows_bf((const uint32_t *)(x + t0 * I) + g0 * 16, pairs, t1 - t0, two ? 2 : 1, d, (g1 - g0) * 16, NULL,
-                    NULL, 0, g0 == 0, (const char *)next + 64 * l0, lines * g1 / G - l0, cb, 32, &NO_CODES);
-        }
+        panels_mx((const uint32_t *)(x + t0 * I), I / 2, t1 - t0, pw, ps, two ? pw + panel_bytes : NULL,
+                  ps + G * PANEL, G, d, (const char *)next, lines, cb, 32);
         for (int64_t q = p; q < p + 1 + two; q++) {
             const int nv = O - q * PANEL < PANEL ? (int)(O - q * PANEL) : PANEL;
             for (int64_t t = t0; t < t1; t++)
