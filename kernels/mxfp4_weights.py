@@ -33,7 +33,7 @@ mxfp4_linear is the torch reference.
 
 Experts: models/cpu_inference.PackedExperts (quantization "mxfp4") keeps each expert's gate/up and down
 weights as Mxfp4Weights (`Mxfp4Experts`), and `fused_moe_mxfp4` runs a layer's block in one native call
-(kernels/csrc/mxfp4_moe.c; with AVX-512, moe_int8.c's one parallel region): kernels/moe.fused_moe_packed's
+(kernels/csrc/moe_int8.c: the int8 / FP8 block's one parallel region): kernels/moe.fused_moe_packed's
 ops on mxfp4_linear, biases and gpt-oss's clamped activation included, without its torch ops and Python
 per expert.
 
@@ -248,7 +248,7 @@ def fused_moe_mxfp4_reference(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, top
 def fused_moe_mxfp4(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                     experts: Mxfp4Experts, kernel: int | None = None) -> torch.Tensor:
     """y_TD (x's dtype) = sum over each token's top-k experts of weight * act-MLP(x) (biases included) on
-    MXFP4 experts, in one native call (kernels/csrc/mxfp4_moe.c): fused_moe_mxfp4_reference's ops and
+    MXFP4 experts, in one native call (kernels/csrc/moe_int8.c): fused_moe_mxfp4_reference's ops and
     roundings. x: bf16 or float32 (T, D); ids (T, K) integers (ids outside [0, E) are skipped); weights
     (T, K) float32 or bf16. kernel: AVX2, AVX512 or BF16DOT (bf16 x only) for every expert; by default
     mxfp4_linear's choice per expert's row count. The reference where the kernels are unavailable, for

@@ -21,10 +21,13 @@
  *  4. the down GEMM, each thread owning a range of whole pairs of 16-column output panels and
  *     walking every expert in ascending id for its columns, adding the weighted rows into y: no two
  *     threads write one value, and each value's sum has one order whatever the thread count.
- * MXFP4 experts (shuttle_moe_panels_mxfp4, from mxfp4_moe.c) run the same loops on mxfp4_panels.h's
- * panels: W13's gate panel u and up panel u are I / 16 panels apart (the checkpoint's row order), the
- * FMA kernel is mx_dot512 and BF16DOT panels_mx, and the epilogues add each expert's biases and take
- * gpt-oss's clamped SwiGLU (up_store_mx16), rounding as mxfp4_moe.c's per-expert path rounds.
+ * MXFP4 experts (shuttle_fused_moe_mxfp4, at the end) run the same loops on mxfp4_panels.h's panels:
+ * W13's gate panel u and up panel u are I / 16 panels apart (the checkpoint's row order), the FMA
+ * kernels are mx_dot256 / mx_dot512 and BF16DOT panels_mx, and the epilogues add each expert's biases
+ * and take gpt-oss's clamped SwiGLU (up_store_mx, up_store_mx16). One region rather than two linear
+ * calls per expert and passes for the activation and the weighted sum: 256 tokens of 8 x 1024 x 2048
+ * top-2 experts took 1.24x the bf16 block's time the other way, 1.04-1.09x this way with BF16DOT's
+ * decode in its first tile of rows (Zen 5 EPYC).
  * w8a8 (kernel VNNI, int8 codes only): gather quantises each x row per row (int8_panels.h's quant_row),
  * the up epilogue writes h in x's dtype, and after the up phase each thread quantises its share of h's
  * rows in place (one more barrier) before the down GEMM reads them; both GEMMs are panels_vn.
@@ -49,6 +52,7 @@
 #define X_BLOCK_BYTES (1 << 20)
 #define UP_CHUNK 4 /* up items (panel pairs) a thread claims at once: neighbouring panels, one stream */
 #define C_ROWS 32  /* rows of the epilogue's buffer of sums: one AMX block, or one FMA tile */
+#define BUCKETS 12 /* row buckets of kernels/native.BUCKET_ROWS (1, 2, 3-4, ..., over 1024) */
 
 int shuttle_int8_kernels(void);   /* int8_gemm.c: the kernels this build has */
 int shuttle_int8_amx_ready(void); /* int8_gemm.c: whether this process may use the tiles */
@@ -122,15 +126,18 @@ static inline void up_store(const float *c, const float *gs, const float *us, in
     }
 }
 
-/* y[0..nv) += w * (the 16 sums c scaled); round (bf16 y): the expert's output, its weighted value
- * and the sum each rounded to bf16, as int8_linear, unpermute's product and index_add_ round. */
-static inline void down_store(const float *c, const float *scale, float w, void *y, int nv, int round) {
+/* y[0..nv) += w * (the 16 sums c scaled, plus bias where not NULL); round (bf16 y): the expert's output,
+ * its weighted value and the sum each rounded to bf16, as int8_linear, unpermute's product and
+ * index_add_ round. */
+static inline void down_store(const float *c, const float *scale, const float *bias, float w, void *y, int nv,
+                              int round) {
     float prev[PANEL] = {0}, out[PANEL];
     if (nv < PANEL)
         for (int o = 0; o < nv; o++) prev[o] = round ? bf16_to_f32(((const uint16_t *)y)[o]) : ((const float *)y)[o];
     const __m256 wv = _mm256_set1_ps(w);
     for (int k = 0; k < 2; k++) {
         __m256 v = _mm256_mul_ps(_mm256_loadu_ps(c + 8 * k), _mm256_loadu_ps(scale + 8 * k));
+        if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + 8 * k)); /* (MXFP4: nv is PANEL) */
         if (round) v = rbf8(v);
         v = _mm256_mul_ps(v, wv);
         if (round) v = rbf8(v);
@@ -196,7 +203,7 @@ AI512 void down_store16(const float *c, const float *scale, const float *bias, f
 }
 #endif
 
-/* MXFP4 experts (shuttle_fused_moe_mxfp4's, mxfp4_moe.c): W13 (2I, D) with the gate rows then the up
+/* MXFP4 experts (shuttle_fused_moe_mxfp4's): W13 (2I, D) with the gate rows then the up
  * rows and W2 (D, I) in mxfp4_gemm.c's panels, each expert's float32 biases (b13[e], b2[e]: addresses,
  * 0 none; NULL: no expert has), and kernels/moe.SwiGLU's constants (silu: alpha 1 and no up offset). */
 typedef struct {
@@ -205,12 +212,40 @@ typedef struct {
     int silu, clamp; /* clamp: a finite limit (bf16 x: the limit rounded to bf16, as a bf16 clamp gives) */
 } mx_args;
 
+/* One row's 16 h values of MXFP4 experts from its 16 gate and 16 up sums c plus their biases (bg, bu;
+ * NULL: none), through SwiGLU as kernels/moe.SwiGLU's torch ops compute it: each linear's output
+ * rounded (round: bf16 x), then every op of the activation rounded as its torch op (the AVX2 kernel's
+ * epilogue; up_store_mx16 the AVX-512 one, the same operations). */
+static inline void up_store_mx(const float *c, const float *bg, const float *bu, const mx_args *a, int round, void *h,
+                               int h_bf16) {
+    const __m256 one = _mm256_set1_ps(1.0f), lim = _mm256_set1_ps(a->limit), nlim = _mm256_set1_ps(-a->limit);
+    for (int k = 0; k < 2; k++) {
+        __m256 g = _mm256_loadu_ps(c + 8 * k), u = _mm256_loadu_ps(c + 16 + 8 * k), v;
+        if (bg) g = _mm256_add_ps(g, _mm256_loadu_ps(bg + 8 * k));
+        if (bu) u = _mm256_add_ps(u, _mm256_loadu_ps(bu + 8 * k));
+        if (round) g = rbf8(g), u = rbf8(u);
+        if (a->clamp) g = _mm256_min_ps(g, lim), u = _mm256_max_ps(_mm256_min_ps(u, lim), nlim);
+        if (a->silu) {
+            const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+            v = _mm256_mul_ps(round ? rbf8(s) : s, u);
+        } else {
+            __m256 ga = _mm256_mul_ps(g, _mm256_set1_ps(a->alpha));
+            if (round) ga = rbf8(ga);
+            __m256 sg = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), ga))));
+            if (round) sg = rbf8(sg);
+            __m256 gs = _mm256_mul_ps(g, sg), uo = _mm256_add_ps(u, _mm256_set1_ps(a->up_offset));
+            if (round) gs = rbf8(gs), uo = rbf8(uo);
+            v = _mm256_mul_ps(gs, uo);
+        }
+        if (h_bf16) store_bf8((uint16_t *)h + 8 * k, v);
+        else _mm256_storeu_ps((float *)h + 8 * k, round ? rbf8(v) : v);
+    }
+}
+
 #ifdef HAVE_AVX512
 AI512 __m512 rd16(__m512 v, int round) { return round ? rbf16x(v) : v; }
 
-/* up_store16 for MXFP4 experts: one row's 16 h values from its 16 gate and 16 up sums c plus their
- * biases (bg, bu; NULL: none), through SwiGLU as mxfp4_moe.c's activation() computes it: each linear's
- * output rounded (round: bf16 x), then every op of the activation rounded as its torch op. */
+/* up_store_mx sixteen lanes at a time (the AVX-512 and BF16DOT kernels' epilogue) */
 AI512 void up_store_mx16(const float *c, const float *bg, const float *bu, const mx_args *a, int round, void *h,
                          int h_bf16) {
     __m512 g = _mm512_loadu_ps(c), u = _mm512_loadu_ps(c + 16), v;
@@ -345,7 +380,7 @@ static void down_rows(const layout *L, int k, const char *hs, int64_t r0, int64_
             n = (r1 - r + (tiles - ti) - 1) / (tiles - ti);
             dot(hs + r * L->hb, ldh, (int)n, pw, L->hpairs, f->fp8 ? ps : NULL, f->bpairs, c, 32);
             for (int i = 0; i < n; i++)
-                down_store(c + i * 32, os, wgt[r + i], y + (tok[r + i] * L->D + p * PANEL) * ysize, nv, L->round);
+                down_store(c + i * 32, os, NULL, wgt[r + i], y + (tok[r + i] * L->D + p * PANEL) * ysize, nv, L->round);
         }
     }
 }
@@ -481,54 +516,99 @@ TAMX static void down_rows_amx(const layout *L, const char *hs, int64_t r0, int6
 }
 #endif
 
+/* MXFP4 experts with an FMA kernel: c rows (ldc floats apart) = R rows of float32 x (ldx apart) times the
+ * G blocks of panel pw (scales ps), as mxfp4_linear's kernel of the same ISA sums them (mx_dot256 /
+ * mx_dot512); and the epilogues of that ISA. */
+typedef void (*mx_dot_fn)(const float *x, int64_t ldx, int R, const uint8_t *pw, const uint8_t *ps, int64_t G, float *c,
+                          int64_t ldc);
+typedef void (*mx_up_fn)(const float *c, const float *bg, const float *bu, const mx_args *a, int round, void *h,
+                         int h_bf16);
+typedef void (*mx_down_fn)(const float *c, const float *scale, const float *bias, float w, void *y, int nv, int round);
+
+static inline __attribute__((always_inline)) void mx_dot256_c(const float *x, int64_t ldx, const int R,
+                                                              const uint8_t *pw, const uint8_t *ps, int64_t G, float *c,
+                                                              int64_t ldc) {
+    __m256 sum[MAX_R2][2];
+    mx_dot256(x, ldx, R, pw, ps, G, sum);
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(c + r * ldc, sum[r][0]), _mm256_storeu_ps(c + r * ldc + 8, sum[r][1]);
+}
+static void dot_mx256(const float *x, int64_t ldx, int R, const uint8_t *pw, const uint8_t *ps, int64_t G, float *c,
+                      int64_t ldc) {
+#define CALL(n) mx_dot256_c(x, ldx, n, pw, ps, G, c, ldc)
+    BY_ROWS3(R, CALL)
+#undef CALL
+}
+static void up_mx256(const float *c, const float *bg, const float *bu, const mx_args *a, int round, void *h, int h_bf16) {
+    up_store_mx(c, bg, bu, a, round, h, h_bf16);
+}
+static void down_mx256(const float *c, const float *scale, const float *bias, float w, void *y, int nv, int round) {
+    down_store(c, scale, bias, w, y, nv, round);
+}
+
 #ifdef HAVE_AVX512
-/* MXFP4 experts with the FMA kernel: c rows (ldc floats apart) = R rows of float32 x (ldx apart) times
- * the G blocks of panel pw (scales ps), as mxfp4_linear's AVX512 kernel sums them (mx_dot512). */
 AI512 void mx_dot512_c(const float *x, int64_t ldx, const int R, const uint8_t *pw, const uint8_t *ps, int64_t G,
                        float *c, int64_t ldc) {
     __m512 sum[MAX_R512];
     mx_dot512(x, ldx, R, pw, ps, G, sum);
     for (int r = 0; r < R; r++) _mm512_storeu_ps(c + r * ldc, sum[r]);
 }
-T512 static void dot_mx(const float *x, int64_t ldx, int R, const uint8_t *pw, const uint8_t *ps, int64_t G, float *c,
-                        int64_t ldc) {
+T512 static void dot_mx512(const float *x, int64_t ldx, int R, const uint8_t *pw, const uint8_t *ps, int64_t G,
+                           float *c, int64_t ldc) {
 #define CALL(n) mx_dot512_c(x, ldx, n, pw, ps, G, c, ldc)
     BY_ROWS(R, CALL)
 #undef CALL
 }
+T512 static void up_mx512(const float *c, const float *bg, const float *bu, const mx_args *a, int round, void *h,
+                          int h_bf16) {
+    up_store_mx16(c, bg, bu, a, round, h, h_bf16);
+}
+T512 static void down_mx512(const float *c, const float *scale, const float *bias, float w, void *y, int nv, int round) {
+    down_store16(c, scale, bias, w, y, nv, round);
+}
+#endif
 
-/* Up, one item of MXFP4 experts with the FMA kernel: rows [r0, r1) of the gathered x times gate panel pg
- * and up panel pu (scales sg, su; biases bg, bu or NULL), h (float32 values) at column col. */
-T512 static void up_item_mx(const layout *L, const char *xs, int64_t r0, int64_t r1, const uint8_t *pg,
-                            const uint8_t *pu, const uint8_t *sg, const uint8_t *su, const float *bg, const float *bu,
-                            char *hs, int64_t col, float *c) {
-    const int64_t G = L->pb13 / MX_PANEL_BLOCK, tiles = (r1 - r0 + MAX_R512 - 1) / MAX_R512;
+/* Up, one item of MXFP4 experts with FMA kernel k (AVX2 or AVX512): rows [r0, r1) of the gathered x
+ * times gate panel pg and up panel pu (scales sg, su; biases bg, bu or NULL), h (float32 values) at
+ * column col. */
+static void up_item_mx(const layout *L, int k, const char *xs, int64_t r0, int64_t r1, const uint8_t *pg,
+                       const uint8_t *pu, const uint8_t *sg, const uint8_t *su, const float *bg, const float *bu,
+                       char *hs, int64_t col, float *c) {
+    mx_dot_fn dot = dot_mx256;
+    mx_up_fn up = up_mx256;
+#ifdef HAVE_AVX512
+    if (k == KERNEL_AVX512) dot = dot_mx512, up = up_mx512;
+#endif
+    const int max_r = tile_rows_max(k);
+    const int64_t G = L->pb13 / MX_PANEL_BLOCK, tiles = (r1 - r0 + max_r - 1) / max_r;
     for (int64_t r = r0, ti = 0, n; r < r1; r += n, ti++) {
         n = (r1 - r + (tiles - ti) - 1) / (tiles - ti);
-        dot_mx((const float *)(xs + r * L->xb), L->xb / 4, (int)n, pg, sg, G, c, 32);
-        dot_mx((const float *)(xs + r * L->xb), L->xb / 4, (int)n, pu, su, G, c + 16, 32);
-        for (int i = 0; i < n; i++)
-            up_store_mx16(c + i * 32, bg, bu, L->mx, L->round, hs + (r + i) * L->hb + col * 4, 0);
+        dot((const float *)(xs + r * L->xb), L->xb / 4, (int)n, pg, sg, G, c, 32);
+        dot((const float *)(xs + r * L->xb), L->xb / 4, (int)n, pu, su, G, c + 16, 32);
+        for (int i = 0; i < n; i++) up(c + i * 32, bg, bu, L->mx, L->round, hs + (r + i) * L->hb + col * 4, 0);
     }
 }
 
 /* Down, rows [r0, r1) of one MXFP4 expert (W2's codes w2, scales s2, bias b2 or NULL) over output panels
- * [lo, hi) with the FMA kernel. */
-T512 static void down_rows_mx(const layout *L, const char *hs, int64_t r0, int64_t r1, const uint8_t *w2,
-                              const uint8_t *s2, const float *b2, int64_t lo, int64_t hi, const int64_t *tok,
-                              const float *wgt, char *y, float *c) {
-    const int64_t G = L->pb2 / MX_PANEL_BLOCK, tiles = (r1 - r0 + MAX_R512 - 1) / MAX_R512;
-    const int ysize = L->round ? 2 : 4;
+ * [lo, hi) with FMA kernel k. */
+static void down_rows_mx(const layout *L, int k, const char *hs, int64_t r0, int64_t r1, const uint8_t *w2,
+                         const uint8_t *s2, const float *b2, int64_t lo, int64_t hi, const int64_t *tok,
+                         const float *wgt, char *y, float *c) {
+    mx_dot_fn dot = dot_mx256;
+    mx_down_fn down = down_mx256;
+#ifdef HAVE_AVX512
+    if (k == KERNEL_AVX512) dot = dot_mx512, down = down_mx512;
+#endif
+    const int max_r = tile_rows_max(k), ysize = L->round ? 2 : 4;
+    const int64_t G = L->pb2 / MX_PANEL_BLOCK, tiles = (r1 - r0 + max_r - 1) / max_r;
     for (int64_t p = lo; p < hi; p++)
         for (int64_t r = r0, ti = 0, n; r < r1; r += n, ti++) {
             n = (r1 - r + (tiles - ti) - 1) / (tiles - ti);
-            dot_mx((const float *)(hs + r * L->hb), L->hb / 4, (int)n, w2 + p * L->pb2, s2 + p * L->pb2 / 16, G, c, 32);
+            dot((const float *)(hs + r * L->hb), L->hb / 4, (int)n, w2 + p * L->pb2, s2 + p * L->pb2 / 16, G, c, 32);
             for (int i = 0; i < n; i++)
-                down_store16(c + i * 32, ONES, b2 ? b2 + p * PANEL : NULL, wgt[r + i],
-                             y + (tok[r + i] * L->D + p * PANEL) * ysize, PANEL, L->round);
+                down(c + i * 32, ONES, b2 ? b2 + p * PANEL : NULL, wgt[r + i], y + (tok[r + i] * L->D + p * PANEL) * ysize,
+                     PANEL, L->round);
         }
 }
-#endif
 
 #ifdef HAVE_BF16DOT
 /* Up, one item of MXFP4 experts with BF16DOT: the gate and up panels decoded side by side and dotted
@@ -593,9 +673,8 @@ static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int
                       const codes_fmt *f13, const codes_fmt *f2, void *y, int nthreads, int kernel, int big_kernel,
                       int64_t big_rows, int64_t vnni_rows, const mx_args *mx) {
     if (!kernel_runs(kernel, x_bf16) || !kernel_runs(big_kernel, x_bf16)) return -2;
-    if (mx && (kernel != KERNEL_AVX512 || (big_kernel != KERNEL_AVX512 && big_kernel != KERNEL_BF16DOT) ||
-               vnni_rows > 0 || D % MX_BLOCK || I % MX_BLOCK))
-        return -2; /* MXFP4: the FMA kernel, BF16DOT from big_rows on */
+    if (mx && (kernel > KERNEL_AVX512 || big_kernel > KERNEL_BF16DOT || vnni_rows > 0 || D % MX_BLOCK || I % MX_BLOCK))
+        return -2; /* MXFP4: an FMA kernel, or BF16DOT from big_rows on */
     if (vnni_rows > 0 && !kernel_runs(KERNEL_VNNI, x_bf16)) return -2;
     if ((kernel == KERNEL_VNNI || big_kernel == KERNEL_VNNI || vnni_rows > 0) &&
         (f13->fp8 || f2->fp8 || D > VN_MAX_K || I > VN_MAX_K))
@@ -717,9 +796,7 @@ static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int
                         continue;
                     }
 #endif
-#ifdef HAVE_AVX512
-                    up_item_mx(&L, xs, r0, r1, (const uint8_t *)pg, (const uint8_t *)pu, sg, su, bg, bu, hs, 16 * u, c);
-#endif
+                    up_item_mx(&L, k, xs, r0, r1, (const uint8_t *)pg, (const uint8_t *)pu, sg, su, bg, bu, hs, 16 * u, c);
                     continue;
                 }
                 const float *gs = panel_scales(&L.f13, (const float *)(uintptr_t)s13[e], 2 * u);
@@ -783,10 +860,8 @@ static int moe_panels(const void *x, int x_bf16, int64_t T, int64_t D, const int
                         continue;
                     }
 #endif
-#ifdef HAVE_AVX512
-                    down_rows_mx(&L, hs, r0, r1, (const uint8_t *)pw, (const uint8_t *)ps, b2e, lo, hi, tok, wgt,
+                    down_rows_mx(&L, k, hs, r0, r1, (const uint8_t *)pw, (const uint8_t *)ps, b2e, lo, hi, tok, wgt,
                                  (char *)y, c);
-#endif
                     continue;
                 }
 #ifdef HAVE_VNNI
@@ -860,20 +935,33 @@ int shuttle_fused_moe_fp8(const void *x, int x_bf16, int64_t T, int64_t D, const
                       big_rows, 0, NULL);
 }
 
-/* The fused block on MXFP4 experts (mxfp4_moe.c's shuttle_fused_moe_mxfp4 hands its calls here where the
- * CPU has AVX-512): its arguments (b13, b2: each expert's float32 biases' addresses, or NULL); experts
- * with at least big_rows rows take big_kernel (BF16DOT, bf16 x only, or AVX512), the others AVX512's
- * FMA kernel; y zeroed here. Returns 0; -1 if memory ran out; -2 where this cannot run (the caller's
- * per-expert path then does). */
-int shuttle_moe_panels_mxfp4(const void *x, int x_bf16, int64_t T, int64_t D, const int64_t *ids, const float *wk,
-                             int64_t K, const int64_t *w13, const int64_t *s13, const int64_t *w2, const int64_t *s2,
-                             const int64_t *b13, const int64_t *b2, int64_t E, int64_t I, float alpha, float limit,
-                             float up_offset, void *y, int nthreads, int big_kernel, int64_t big_rows) {
+/* The block on MXFP4 experts (kernels/mxfp4_weights.py: fused_moe_mxfp4, Mxfp4Experts), x and y in float32
+ * or bfloat16:
+ *     y[t] = sum over t's top-k experts e of w[t,k] * (act(x[t] W1_e^T + b1_e, x[t] W3_e^T + b3_e) W2_e^T + b2_e)
+ * with act the SwiGLU of kernels/moe.py (silu(gate) * up; gpt-oss's gate * sigmoid(alpha gate) * (up + 1)
+ * with both clamped at `limit`), the weights' biases optional: kernels/moe.py's fused_moe_packed on
+ * per-expert Mxfp4Weight linears (mxfp4_linear's kernels: the same products, float32 sums in an order
+ * that can differ with the tiling of the rows), rounded where that rounds for bf16 x (each linear's output, every op of the activation, each weighted
+ * output, every partial sum of a token's outputs added in ascending expert id as unpermute's index_add_
+ * adds), in moe_panels' one parallel region. x (T, D), ids and wk (T, K) (ids int64, weights float32);
+ * w13[e], s13[e], w2[e], s2[e]: expert e's panels and scales (Mxfp4Weight: w13 (2I, D), w2 (D, I)); b13,
+ * b2: NULL or each expert's float32 bias (2I) / (D) (an entry 0: none); y (T, D) in x's dtype, written
+ * whole. kernel: AVX2 or AVX512 (the FMA kernels); bf16dot_rows: per row bucket (kernels/native.bucket),
+ * 1 where bf16 x takes BF16DOT instead (kernels/choice.py's "mxfp4" table; NULL: never): an expert takes
+ * it from the first bucket of the table's last run of ones. Returns 0; -1 out of memory; -2 for a kernel
+ * this build lacks, or D or I not a multiple of 32. */
+int shuttle_fused_moe_mxfp4(const void *x, int x_bf16, int64_t T, int64_t D, const int64_t *ids, const float *wk,
+                            int64_t K, const int64_t *w13, const int64_t *s13, const int64_t *w2, const int64_t *s2,
+                            const int64_t *b13, const int64_t *b2, int64_t E, int64_t I, float alpha, float limit,
+                            float up_offset, void *y, int nthreads, int kernel, const uint8_t *bf16dot_rows) {
+    int64_t big_rows = INT64_MAX;
+    for (int b = BUCKETS - 1; b >= 0 && x_bf16 && bf16dot_rows && bf16dot_rows[b]; b--)
+        big_rows = b ? ((int64_t)1 << (b - 1)) + 1 : 1; /* the fewest rows of bucket b */
     const int clamp = isfinite(limit);
     const mx_args a = {b13, b2, alpha, clamp && x_bf16 ? rbf(limit) : limit, up_offset,
                        alpha == 1.0f && up_offset == 0.0f, clamp};
     const codes_fmt f = {0, 0, 0};
     memset(y, 0, (size_t)(T * D) * (x_bf16 ? 2 : 4));
-    return moe_panels(x, x_bf16, T, D, ids, wk, K, w13, s13, w2, s2, E, I, &f, &f, y, nthreads, KERNEL_AVX512, big_kernel,
-                      big_rows, 0, &a);
+    return moe_panels(x, x_bf16, T, D, ids, wk, K, w13, s13, w2, s2, E, I, &f, &f, y, nthreads, kernel,
+                      big_rows < INT64_MAX ? KERNEL_BF16DOT : kernel, big_rows, 0, &a);
 }

@@ -44,58 +44,6 @@
 
 #define MX_X_BLOCK_BYTES (1 << 20)
 
-/* 8 E8M0 bytes as float32 2^(e - 127) (e = 0: 2^-127, the subnormal 0x400000) */
-static inline __attribute__((always_inline)) __m256 e8m0x8(const uint8_t *p) {
-    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    const __m256i zero = _mm256_cmpeq_epi32(e, _mm256_setzero_si256());
-    return _mm256_castsi256_ps(_mm256_blendv_epi8(_mm256_slli_epi32(e, 23), _mm256_set1_epi32(0x400000), zero));
-}
-
-/* Half h of a panel's pair (8 bytes, lane = row 8h + lane) as FP4 values: w0 input 2j, w1 input 2j + 1;
- * table: the magnitudes of codes 0-7 */
-static inline __attribute__((always_inline)) void fp4_half8(const uint8_t *p, __m256 table, __m256 *w0, __m256 *w1) {
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), sign = _mm256_set1_epi32(INT32_MIN);
-    *w0 = _mm256_xor_ps(_mm256_permutevar8x32_ps(table, b),
-                        _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 28), sign)));
-    *w1 = _mm256_xor_ps(_mm256_permutevar8x32_ps(table, _mm256_srli_epi32(b, 4)),
-                        _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 24), sign)));
-}
-
-/* sum[r][h]: rows 8h..8h+7 of the panel times x row r, each block's partial sums times its scales.
- * acc[k][r][h]: input 2j's products and, up to 2 rows (k = 1), input 2j + 1's apart (more chains of
- * FMAs in flight where few rows give few; 3 rows of them would not fit the 16 registers). */
-static inline __attribute__((always_inline)) void mx_dot256(const float *x, int64_t ldx, const int R, const uint8_t *pw,
-                                                            const uint8_t *ps, int64_t G, __m256 sum[][2]) {
-    const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
-    const int S = R <= 2 ? 2 : 1;
-    for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        const uint8_t *pb = pw + g * MX_PANEL_BLOCK;
-        const float *xb = x + g * MX_BLOCK;
-        __m256 acc[2][MAX_R2][2];
-        for (int k = 0; k < S; k++)
-            for (int r = 0; r < R; r++) acc[k][r][0] = acc[k][r][1] = _mm256_setzero_ps();
-        for (int j = 0; j < 16; j++) {
-            if (!(j & 3)) _mm_prefetch((const char *)(pb + 16 * j + 64 * PF_LINES), _MM_HINT_T0);
-            for (int h = 0; h < 2; h++) {
-                __m256 w0, w1;
-                fp4_half8(pb + 16 * j + 8 * h, table, &w0, &w1);
-                for (int r = 0; r < R; r++) {
-                    acc[0][r][h] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * ldx + 2 * j]), w0, acc[0][r][h]);
-                    acc[S - 1][r][h] = _mm256_fmadd_ps(_mm256_set1_ps(xb[r * ldx + 2 * j + 1]), w1, acc[S - 1][r][h]);
-                }
-            }
-        }
-        for (int h = 0; h < 2; h++) {
-            const __m256 s = e8m0x8(ps + 16 * g + 8 * h);
-            for (int r = 0; r < R; r++) {
-                const __m256 part = S == 2 ? _mm256_add_ps(acc[0][r][h], acc[1][r][h]) : acc[0][r][h];
-                sum[r][h] = _mm256_fmadd_ps(part, s, sum[r][h]);
-            }
-        }
-    }
-}
-
 static inline __attribute__((always_inline)) void mx_tile256(const float *x, int64_t ldx, const int R,
                                                              const uint8_t *pw, const uint8_t *ps, int64_t G,
                                                              const float *bias, int nv, void *y, int64_t ldy,
