@@ -1,6 +1,7 @@
-/* The whole MoE block of one layer in one call on weight-only int8 experts, or FP8 E4M3 ones with block
- * scales (shuttle_fused_moe_fp8: kernels/fp8_weights.py, the same loops on int8_panels.h's codes_fmt),
- * x and y in float32 or bfloat16 (kernels/int8.py: fused_moe_int8 on Int8ExpertPanels):
+/* The whole MoE block of one layer in one call on weight-only int8 experts, FP8 E4M3 ones with block
+ * scales (shuttle_fused_moe_fp8: kernels/fp8_weights.py, the same loops on int8_panels.h's codes_fmt)
+ * or MXFP4 ones (shuttle_fused_moe_mxfp4, below), x and y in float32 or bfloat16 (kernels/int8.py:
+ * fused_moe_int8 on Int8ExpertPanels):
  *     y[t] = sum over t's top-k experts e of w[t,k] * (silu(x[t] W1_e^T) * (x[t] W3_e^T)) W2_e^T
  * with W = q * scale (int8 codes, one float32 scale per output channel), float32 accumulation. For
  * bf16 x it rounds to bf16 wherever kernels/moe.py's fused_moe_packed on int8 weights rounds (each
