@@ -23,8 +23,8 @@
  *           sums kept in the caller's buffer between chunks (FP8: per block, scaled). A lone panel
  *           (an odd last one) goes the same way by itself. While they compute, the dots prefetch
  *           into L2 the codes the thread dequantises next, so memory streams during the dots rather
- *           than only while the dequantisation waits on it. (mxfp4_gemm.c decodes its own panels
- *           into the same layout and runs the same tiles on the copy.)
+ *           than only while the dequantisation waits on it. (MXFP4 panels, mxfp4_panels.h, go through
+ *           the same tiles: DQ 5 and 6 below.)
  *  AMX      amx_block: blocks of 16 or 32 bf16 rows times two dequantised panels (B tiles of 16
  *           pairs x 16 outputs x 2 values), 4 accumulator tiles; dequant_tiles pads a panel with
  *           zero pairs to a multiple of 16. FP8: amx_block_fp8 stores the tiles once per input block
@@ -487,7 +487,7 @@ AIBF void bf_pair2(const uint32_t *const *xr, const int R, const int NP, uint16_
 typedef struct {
     const int8_t *q0, *q1;
     int fp8; /* 0 int8, 1 FP8, MX_CODES MXFP4 */
-    const uint8_t *l0, *l1; /* DQ 3, 4: the block's scaled_lut of panel 0 and 1 */
+    const uint8_t *l0, *l1; /* DQ 3, 4: the block's scaled_lut of panel 0 and 1; 5, 6: the blocks' adds */
     int64_t fold_rows;      /* (rows_bf) codes_fmt's */
 } bf_codes;
 static const bf_codes NO_CODES = {NULL, NULL, 0};
