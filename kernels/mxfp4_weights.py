@@ -251,7 +251,8 @@ def fused_moe_mxfp4(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_
     MXFP4 experts, in one native call (kernels/csrc/moe_int8.c): fused_moe_mxfp4_reference's ops and
     roundings. x: bf16 or float32 (T, D); ids (T, K) integers (ids outside [0, E) are skipped); weights
     (T, K) float32 or bf16. kernel: AVX2, AVX512 or BF16DOT (bf16 x only) for every expert; by default
-    mxfp4_linear's choice per expert's row count. The reference where the kernels are unavailable, for
+    the FMA kernel, and BF16DOT for an expert with as many rows as the measured table's last run of
+    BF16DOT buckets starts at (moe_kernels). The reference where the kernels are unavailable, for
     other dtypes, and where autograd or torch.compile needs it."""
     T, D = x_TD.shape
     int8.check_moe_args("fused_moe_mxfp4", x_TD, topk_ids_TK, topk_weights_TK, experts.hidden)
