@@ -47,7 +47,10 @@ class SpeculativeConfig:
     model sharing the target's tokenizer (attention_nodes/draft_model.py); num_speculative_tokens:
     drafts per sequence and step. Each step verifies
     every draft of the batch in one forward pass (attention_nodes/speculative.py). Above
-    disable_by_batch_size running sequences a step drafts nothing (None: DEFAULT_DISABLE_BY_BATCH_SIZE)."""
+    disable_by_batch_size running sequences a step drafts nothing (None: DEFAULT_DISABLE_BY_BATCH_SIZE).
+    token_map (method mtp; SGLang's --speculative-token-map, FR-Spec): a file of the token ids the MTP
+    head drafts from (models/mtp.load_token_map), the head cut to those rows: fewer bytes a draft, the
+    same verified output (a token outside the map is never drafted, so it is never accepted early)."""
 
     method: str
     num_speculative_tokens: int
@@ -55,6 +58,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None
     model: str | None = None
+    token_map: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -68,6 +72,12 @@ class SpeculativeConfig:
             if not isinstance(self.model, (str, os.PathLike)):
                 raise ValueError(f"speculative_config model must be a directory's path, got {self.model!r}")
             object.__setattr__(self, "model", str(self.model))
+        if self.token_map is not None:
+            if self.method != "mtp":
+                raise ValueError(f"speculative_config 'token_map' is for method mtp, not {self.method!r}")
+            if not isinstance(self.token_map, (str, os.PathLike)):
+                raise ValueError(f"speculative_config token_map must be a file's path, got {self.token_map!r}")
+            object.__setattr__(self, "token_map", str(self.token_map))
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -105,8 +115,9 @@ class SpeculativeConfig:
         return cls(**value)
 
     def to_dict(self) -> dict:
-        """vLLM's keys as set (`model` only for method draft_model)."""
-        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "model" or self.model is not None}
+        """vLLM's keys as set (`model` only for method draft_model, `token_map` only where given)."""
+        return {k: getattr(self, k) for k in self.__dataclass_fields__
+                if k not in ("model", "token_map") or getattr(self, k) is not None}
 
 
 @dataclass(frozen=True)

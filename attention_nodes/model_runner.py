@@ -26,6 +26,12 @@ from models.stages import compile_stages
 
 log = logging.getLogger("shuttle")
 CPU_DEFAULT_KV_GIB = 2.0
+# The MTP layer's pass over prompt chunks runs natively, as one-token rows, while its rows read at most this
+# many cached keys in all (a chunk of n rows from context c: n c + n (n + 1) / 2). Each row reads its keys
+# apart, where the eager pass's chunk attention reads them once but costs ~0.4 ms of torch calls; on the
+# Zen 5 EPYC (bf16, built-in model) one-token rows were faster for chunks from context 0 up to ~700 rows
+# (0.18 against 0.52 ms at 16 rows, 4.4 against 5.1 at 512) and slower from 1024 (12.1 against 11.1).
+MTP_NATIVE_KEY_READS = 131072
 CUDA_MEMORY_FRACTION = 0.85  # of the memory left free after the weights
 
 
@@ -79,10 +85,12 @@ class ModelRunner:
         if cfg.speculative is not None and cfg.speculative.method == "mtp":
             from models.mtp import load_mtp
             self.mtp = load_mtp(cfg.model, self.model_cfg, self.model, dtype=self.model.lm_head.weight.dtype,
-                                device=self.device, kernels=cfg.kernels)
+                                device=self.device, kernels=cfg.kernels, token_map=cfg.speculative.token_map)
             log.info("speculative decoding: up to %d drafts a step from the MTP layer (model.layers.%d, %s; its keys "
-                     "and values in one more KV cache layer)", cfg.speculative.num_speculative_tokens,
-                     self.model_cfg.num_layers, "MoE" if self.mtp.layer.is_moe else "dense MLP")
+                     "and values in one more KV cache layer)%s", cfg.speculative.num_speculative_tokens,
+                     self.model_cfg.num_layers, "MoE" if self.mtp.layer.is_moe else "dense MLP",
+                     "" if self.mtp.draft_ids is None else
+                     f"; drafting from the {self.mtp.draft_vocab_size} tokens of {cfg.speculative.token_map}")
         self.cache_cfg = self.model_cfg if self.mtp is None else self.mtp.cfg
         # (mtp) a sequence keeping at most this many positions in a step (a decode, or a verify step of
         # 1 + k) runs them through the MTP layer as one-token rows (mtp_draft)
@@ -269,7 +277,9 @@ class ModelRunner:
         and draft j (only where the sequence's blocks already hold that position: a chain stops at
         the end of its last block). A sequence that kept at most mtp_decode_rows positions (a decode
         or a verify step) runs them as one-token rows over its blocks, as verification does
-        (`_prepare`), so the pass is a decode batch; a prompt chunk runs as one chunk. A chained
+        (`_prepare`), so the pass is a decode batch; a prompt chunk runs as one chunk in the eager
+        pass, as one-token rows in the native call (while they read at most MTP_NATIVE_KEY_READS
+        cached keys in all, else eagerly). A chained
         position in the page of the one before reuses that batch, each token one slot further.
         Drafted positions' entries are overwritten when those positions are kept: every kept
         position is run here once, in order, after every position before it.
@@ -277,9 +287,9 @@ class ModelRunner:
         greedy): draft j where the running sum of q first passes uniforms[b][j] (None: fresh uniforms
         of the global generator). Returns (drafts, probs): probs[b] the q rows (d, V) of b's drafts, or
         None for greedy ones (point masses; speculative.rejection_sample verifies both exactly)."""
-        rows, chunked = self._draft_rows(batch, starts, num_drafts, temperatures, uniforms)
+        rows, eager = self._draft_rows(batch, starts, num_drafts, temperatures, uniforms)
         drafts, probs = [[] for _ in batch.seqs], [None] * len(batch.seqs)
-        got = None if self.mtp.native is None or chunked or not rows.pick else self.mtp.native_drafts(
+        got = None if self.mtp.native is None or eager or not rows.ids else self.mtp.native_drafts(
             self.last_hidden_TD, self.cache, rows, self.block_size)
         if got is None and rows.ids:
             got = self._eager_drafts(rows)
@@ -321,15 +331,15 @@ class ModelRunner:
                                                       [rows.tables[rows.drafting[a]] for a in active], bs, device)
                 toks = torch.tensor([drafts[a][-1] for a in active], dtype=torch.long, device=device)
                 y_AD = mtp.forward(toks, y_AD, attn, self.cache)
-            logits_AV = mtp.logits(y_AD)[:, :self.model_cfg.vocab_size]
+            logits_AV = mtp.draft_logits(y_AD)  # (V: the token map's tokens where there is one)
             picks = logits_AV.argmax(-1).tolist()
             for r, a in enumerate(active):
                 if probs[a] is not None:  # (a sampled request's draft: drawn from q, q kept for verification)
                     q_V = torch.softmax(logits_AV[r].float() / rows.temperature[a], dim=-1)
                     u = rows.uniforms[a][j] if rows.uniforms[a] else torch.rand(()).item()
                     picks[r] = int(_inverse_cdf(q_V.cumsum(0)[None], torch.tensor([u]))[0])
-                    probs[a].append(q_V)
-                drafts[a].append(picks[r])
+                    probs[a].append(mtp.full_q(q_V))
+                drafts[a].append(mtp.draft_tokens([picks[r]])[0])
             j += 1
             more = [r for r, a in enumerate(active) if rows.count[a] > j]  # (a chain ends at its block's end)
             if len(more) < len(active):
@@ -392,16 +402,18 @@ class ModelRunner:
                     temperatures: list[float | None] | None,
                     uniforms: list[list[float] | None] | None) -> tuple["DraftRows", bool]:
         """mtp_draft's rows (every position a sequence kept, in the order of the step's hidden states)
-        and its drafting sequences, as MTPDrafter.native_drafts takes them; and whether a sequence kept
-        more than mtp_decode_rows positions (a prompt chunk: only the eager passes take it)."""
+        and its drafting sequences, as MTPDrafter.native_drafts takes them; and whether only the eager
+        passes should take them: prompt chunks (a sequence keeping more than mtp_decode_rows positions)
+        whose one-token rows would read more than MTP_NATIVE_KEY_READS cached keys in all."""
         from models.mtp import DraftRows
 
-        rows, bs, offset, chunked = DraftRows([], [], [], [], []), self.block_size, 0, False
+        rows, bs, offset, chunked, reads = DraftRows([], [], [], [], []), self.block_size, 0, False, 0
         for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             c, want = starts[b], num_drafts[b]
             kept = kept_positions(seq, c, n)
             if want >= 0 and kept > 0:
                 chunked |= kept > self.mtp_decode_rows
+                reads += kept * c + kept * (kept + 1) // 2
                 rows.ids += seq.token_ids[c + 1:c + 1 + kept]
                 rows.hrow += range(offset, offset + kept)
                 rows.positions += range(c, c + kept)
@@ -416,7 +428,7 @@ class ModelRunner:
                     rows.uniforms.append(uniforms[b] if uniforms else None)
                 rows.tables.append(seq.block_table)
             offset += n
-        return rows, chunked
+        return rows, chunked and reads > MTP_NATIVE_KEY_READS
 
 def kept_positions(seq, start: int, n: int) -> int:
     """Of the n positions a step computed from `start`, those the step kept and whose next token is

@@ -11,8 +11,10 @@ output tokens/s of the whole generate (prefill included) and TPOT (time per outp
 (the generate's time - a 1-token generate's, prefill only) / (output-len - 1)), the median of --rounds rounds after a warm-up run of each, every engine alternated within a
 round: "off" (no speculation), ngram with k = --ks drafts (prompt_lookup 1..3) and mtp (the
 checkpoint's MTP layer, chained) with k = --mtp-ks, both never switched off (disable_by_batch_size
-above the batch), and "auto": the best k of each method at the first batch (ngram: on copy, mtp: on
-plain) with the default disable_by_batch_size (what a user gets). Beside each: acceptance (accepted /
+above the batch); beside each mtp k, "mtp+map": the same drafting from --token-map's tokens only (the
+built-in model's models/builtin/mtp_token_map.json by default: its 1024 most frequent training tokens);
+and "auto": the best k of each method (mtp: with or without the map) at the first batch (ngram: on
+copy, mtp: on plain) with the default disable_by_batch_size (what a user gets). Beside each: acceptance (accepted /
 draft tokens) and mean acceptance length (1 + accepted / drafts: the tokens a drafted sequence gains
 per verify step, vLLM's definition). Greedy outputs are checked to equal "off"'s in float32 (in bf16
 the verify pass rounds differently, so near-ties may differ: reported, not failed). --temperature T > 0
@@ -21,13 +23,13 @@ writes spec_decode_t<T>.json; with --seed S each request samples with seed S (it
 decoding: MTP drafts are point masses) and the file is spec_decode_t<T>_seed.json.
 
     python bench/spec_decode.py [--quick] [--methods ngram mtp] [--batches 1 16 64] [--ks 1 2 3]
-                                [--mtp-ks 1 2 3] [--rounds 3] [--solo-prompts 4]
+                                [--mtp-ks 1 2 3] [--rounds 3] [--solo-prompts 4] [--token-map auto|none|PATH]
     python bench/spec_decode.py --breakdown [--mtp-ks 1 2 3] [--dtype float32] [--rounds 5]
 
 Writes bench/results/spec_decode.json (--quick: spec_decode_quick.json), with the host named.
 
---breakdown: where a step's time goes at batch 1 (plain workload, the solo prompts): for "off" and mtp with each
-k, the fastest of --rounds (at least 5) generates, its steps, and per step the target's forward (a plain decode
+--breakdown: where a step's time goes at batch 1 (plain workload, the solo prompts): for "off" and mtp (and
+mtp+map) with each k, the fastest of --rounds (at least 5) generates, its steps, and per step the target's forward (a plain decode
 step's one row, or the verify step's 1 + k rows: ModelRunner.execute), the MTP drafting
 (ModelRunner.mtp_draft: the layer over the kept rows, chained k - 1 times, and its head) and the rest
 of the engine step (scheduling, sampling, verification); then each mtp k's tokens/s against off's as
@@ -59,9 +61,10 @@ def prompts(tok, batch: int, doc_tokens: int, copy: bool) -> list[list[int]]:
     return out
 
 
-def spec(method: str, k: int, disable: int) -> dict:
+def spec(method: str, k: int, disable: int, token_map: str | None = None) -> dict:
     if method == "mtp":
-        return {"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": disable}
+        return {"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": disable,
+                **({"token_map": token_map} if token_map else {})}
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
             "disable_by_batch_size": disable}
 
@@ -88,6 +91,11 @@ def tpot_ms(full: list[float], first: list[float], output_len: int, generates: i
     return 1e3 * statistics.median((f - p) / max(1, output_len - 1) / generates for f, p in zip(full, first))
 
 
+def mtp_engines(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """(name, token map) of the mtp engines of each k: the whole head, and with --token-map its rows."""
+    return [("mtp", None)] + ([("mtp+map", args.token_map)] if args.token_map else [])
+
+
 def breakdown(args: argparse.Namespace, params: SamplingParams) -> None:
     """--breakdown (module docstring)."""
     from attention_nodes.model_runner import ModelRunner
@@ -109,7 +117,10 @@ def breakdown(args: argparse.Namespace, params: SamplingParams) -> None:
     try:
         for name in originals:
             setattr(ModelRunner, name, timed(name))
-        for label, cfg in [("off", None), *((f"mtp k={k}", spec("mtp", k, 10 ** 6)) for k in args.mtp_ks)]:
+        engines = [("off", None)]
+        for k in args.mtp_ks:
+            engines += [(f"{name} k={k}", spec("mtp", k, 10 ** 6, tm)) for name, tm in mtp_engines(args)]
+        for label, cfg in engines:
             llm = LLM(args.model, dtype=args.dtype, num_kv_blocks=args.kv_blocks, speculative_config=cfg)
             try:
                 groups = batches_of(llm.tokenizer, 1, args.doc_tokens, False, args.solo_prompts)
@@ -162,7 +173,15 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=None, help="with --temperature: seeded requests")
     p.add_argument("--kv-blocks", type=int, default=1024, help="KV cache blocks of each engine (16 tokens each)")
     p.add_argument("--breakdown", action="store_true", help="per-step costs at batch 1 instead (module docstring)")
+    p.add_argument("--token-map", default="auto", help="mtp+map engines beside the mtp ones, drafting from this token "
+                                                      "map's tokens (auto: the built-in model's "
+                                                      "mtp_token_map.json, none with --model; none: no such engines)")
     args = p.parse_args()
+    if args.token_map == "auto":
+        from models.builtin import BUILTIN_DIR
+        args.token_map = str(BUILTIN_DIR / "mtp_token_map.json") if args.model is None else None
+    elif args.token_map == "none":
+        args.token_map = None
     if args.solo_prompts < 1:
         p.error("--solo-prompts must be at least 1")
     if args.breakdown:
@@ -182,7 +201,8 @@ def main() -> None:
     engines = {"off": llm()}
     for method in args.methods:
         for k in ks[method]:
-            engines[f"{method} k={k}"] = llm(spec(method, k, never))
+            for name, tm in (mtp_engines(args) if method == "mtp" else [(method, None)]):
+                engines[f"{name} k={k}"] = llm(spec(method, k, never, tm))
     tok = engines["off"].tokenizer
     rows, per_round = [], {}
     try:
@@ -226,9 +246,10 @@ def main() -> None:
             workload0 = "copy" if method == "ngram" else "plain"
             first = [r for r in rows if r["workload"] == workload0 and r["batch"] == args.batches[0]
                      and r["engine"].startswith(method)]
-            best = int(max(first, key=lambda r: r["tok_s"])["engine"].rpartition("=")[2])
-            auto = llm(spec(method, best, DEFAULT_DISABLE_BY_BATCH_SIZE))
-            name = f"auto {method} (k={best})"
+            top = max(first, key=lambda r: r["tok_s"])["engine"]  # (mtp: with or without the token map)
+            kind, best = top.rpartition(" k=")[0], int(top.rpartition("=")[2])
+            auto = llm(spec(method, best, DEFAULT_DISABLE_BY_BATCH_SIZE, args.token_map if kind == "mtp+map" else None))
+            name = f"auto {kind} (k={best})"
             try:
                 for copy in (True, False):
                     workload = "copy" if copy else "plain"

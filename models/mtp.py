@@ -174,21 +174,70 @@ class DraftRows:
     uniforms: list[list[float] | None] = field(default_factory=list)  # ... its draws' uniforms (None: fresh ones)
 
 
+def load_token_map(path, vocab_size: int) -> torch.Tensor:
+    """The token ids a drafter's head is cut to (SGLang's --speculative-token-map, FR-Spec: the frequent
+    tokens): a JSON list of ints, or a torch file (.pt) of a 1-D integer tensor or a list. Returned int64,
+    ascending (so an argmax over the cut head breaks ties as the full one does: the lowest id). ValueError
+    naming the file for anything else: no ids, an id twice or outside the vocabulary."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"speculative_config token_map: no file {path}")
+    try:
+        if path.suffix == ".pt":
+            ids = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            ids = json.loads(path.read_text())
+        ids = torch.as_tensor(ids)
+    except Exception as e:  # (any unreadable content: the message names the file)
+        raise ValueError(f"speculative_config token_map {path}: not a JSON list or torch file of token ids ({e})") \
+            from None
+    if ids.dim() != 1 or not len(ids) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"speculative_config token_map {path}: expected a non-empty list of integer token ids, "
+                         f"got {ids.dtype} of shape {tuple(ids.shape)}")
+    ids = ids.to(torch.int64)
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if len(bad):
+        raise ValueError(f"speculative_config token_map {path}: token id {int(bad[0])} is outside the model's "
+                         f"vocabulary of {vocab_size}")
+    ids, counts = ids.unique(sorted=True, return_counts=True)
+    if bool((counts > 1).any()):
+        raise ValueError(f"speculative_config token_map {path}: token id {int(ids[counts > 1][0])} appears "
+                         f"{int(counts.max())} times")
+    return ids
+
+
 class MTPDrafter:
     """An MTP layer beside its target model: `forward` runs it over a flat batch (the paged cache's
-    last layer holds its keys and values), `logits` maps its outputs to vocabulary scores. After
+    last layer holds its keys and values), `logits` maps its outputs to vocabulary scores,
+    `draft_logits` to the scores of the tokens it drafts from: the whole vocabulary, or with a token map
+    (draft_ids) a head of those rows only (layer.shared_head.draft_head), whose index j is token
+    draft_ids[j] (draft_tokens, full_q map back). After
     `use_native`, batches of one-token rows run the decoder layer as a native decode step of that layer
     alone (models/native_decode.py), as the target's decode steps run, and `native_drafts` runs a
     step's whole chain, heads and draws included, in one native call: at batch 1 in bf16 the eager chain's Python
     and small ops cost more than its kernels (built-in model, k = 3: 1.1 of a 2.7 ms step, 0.5 after)."""
 
-    def __init__(self, layer: MTPLayer, target: MoEForCausalLM, mtp_cfg: ModelConfig):
+    def __init__(self, layer: MTPLayer, target: MoEForCausalLM, mtp_cfg: ModelConfig,
+                 draft_ids: torch.Tensor | None = None):
+        """draft_ids: a token map's ids (load_token_map), the rows of the head it drafts with (a copy, made
+        here, before the layer is packed: it packs with it); None: the whole head."""
         self.layer, self.target, self.cfg = layer, target, mtp_cfg
+        self.draft_ids, self._draft_list = draft_ids, None if draft_ids is None else draft_ids.tolist()
+        if draft_ids is not None:
+            w = self._full_head().weight.detach()
+            cut = nn.Linear(w.shape[1], len(draft_ids), bias=False, device=w.device, dtype=w.dtype)
+            cut.weight = nn.Parameter(w[draft_ids.to(w.device)].clone(), requires_grad=False)
+            layer.shared_head.draft_head = cut
+        self.draft_vocab_size = mtp_cfg.vocab_size if draft_ids is None else len(draft_ids)
         self.dispatcher = LocalDispatcher()
         self._rotary: RotaryEmbedding | None = None
         self.native = None  # models/native_decode.NativeDecode of the layer alone (use_native)
         self._head = None  # (native_drafts) its tables, False where it cannot run
         self._steps = {}  # (native_drafts) (B, A, n): step structure, drafts buffer, index buffer, _Mtp (_pass_step)
+        self._native_rows = {}  # (native_drafts) (B, drafts per sequence sorted): whether the native step runs it
         self._native_view = None
 
     def use_native(self, cache) -> str | None:
@@ -241,16 +290,16 @@ class MTPDrafter:
         vocab_size) float32, for rejection sampling; None for greedy ones. None where the native step would not run these rows or
         the layer's input projection or head is not on bf16 panels (the caller drafts eagerly)."""
         head = self._native_head()
-        B, A, n = len(rows.ids), len(rows.pick), max(rows.count)
-        sizes = {B, A, *(sum(c > j for c in rows.count) for j in range(1, n))}  # (each pass's rows, the heads')
+        B, A, n = len(rows.ids), len(rows.pick), max(rows.count, default=1)  # (A = 0: pass 0 caches, no head)
         # (bf16 q/k/v and o: an int8 / FP8 kernel would depend on each pass's rows, the call keeps pass 0's)
         if (head is None or cache is not self.native.cache or not self.native.local or self.native.layer_by_layer
                 or self.native.linears != "bf16"
                 or torch.is_grad_enabled() or h_TD.dtype != torch.bfloat16
                 or not h_TD.is_contiguous() or self.dispatcher.expert_tokens_E is not None
-                or not all(self.native.chosen_native(b) for b in sizes)):
+                or not self._rows_native(B, rows.count)):
             return None
-        rope = self._rope_tables(max(max(rows.positions), max(a + c - 1 for a, c in zip(rows.last, rows.count))) + 1)
+        last = max((a + c - 1 for a, c in zip(rows.last, rows.count)), default=0)  # (the chains' last positions)
+        rope = self._rope_tables(max(max(rows.positions), last) + 1)
         if rope is None:
             return None
         step, drafts, idx, m = self._pass_step(B, A, n, head)
@@ -258,7 +307,7 @@ class MTPDrafter:
         idx[:] = (rows.ids + rows.hrow + rows.positions + rows.table_of + rows.pick + rows.drafting + rows.last
                   + rows.count)
         pages = _padded_table_np(rows.tables)
-        V = self.cfg.vocab_size
+        V = self.draft_vocab_size
         sampled = any(t > 0 for t in rows.temperature)
         m.cos, m.sin, m.h0, m.pages, m.M, m.bs = (rope[0].data_ptr(), rope[1].data_ptr(), h_TD.data_ptr(),
                                                   pages.ctypes.data, pages.shape[1], block_size)
@@ -272,8 +321,21 @@ class MTPDrafter:
             q_AnV = torch.empty(A, n, V, dtype=torch.float32)
             m.temp, m.u, m.q = temp.ctypes.data, u_An.data_ptr(), q_AnV.data_ptr()
         native.mtp_draft(ctypes.byref(step), self.native.layers, ctypes.byref(m), n, drafts.data_ptr())
-        probs = [q_AnV[a, :c] if sampled and rows.temperature[a] > 0 else None for a, c in enumerate(rows.count)]
+        probs = [self.full_q(q_AnV[a, :c]) if sampled and rows.temperature[a] > 0 else None
+                 for a, c in enumerate(rows.count)]
         return [d[:c] for d, c in zip(drafts.tolist(), rows.count)], probs
+
+    def _rows_native(self, B: int, count: list[int]) -> bool:
+        """Whether the native step runs every pass of native_drafts' rows: B in the first, then those
+        drafting on (count: each drafting sequence's drafts), and the heads' (kept per row pattern)."""
+        key = (B, *sorted(count))
+        ok = self._native_rows.get(key)
+        if ok is None:
+            sizes = {B, len(count), *(sum(c > j for c in count) for j in range(1, max(count, default=1)))} - {0}
+            if len(self._native_rows) >= 4 * MAX_BUFFER_SETS:
+                self._native_rows.clear()
+            ok = self._native_rows[key] = all(self.native.chosen_native(b) for b in sizes)
+        return ok
 
     def _rope_tables(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rotary float32 cos and sin tables for positions < max_pos (None: "dynamic" scaling has none)."""
@@ -305,22 +367,44 @@ class MTPDrafter:
             embed, eh, head_panels, Vh = head  # (_native_head's)
             layer = self.layer
             m = _Mtp(embed.data_ptr(), layer.enorm.weight.data_ptr(), layer.hnorm.weight.data_ptr(), eh, head_panels,
-                     None, None, self.cfg.vocab_size, Vh, A, 0, 0, None, *at[:4], None, *at[4:])
+                     None, None, self.draft_vocab_size, Vh, A, 0, 0, None, *at[:4], None, *at[4:])
+            if self.draft_ids is not None:  # (the token map's ids: the native call maps head rows to tokens)
+                m.vocab = self.draft_ids.data_ptr()
             got = self._steps[(B, A, n)] = (step, torch.empty(A, n, dtype=i64), idx, m, t)
         return got[:4]
 
+    def _full_head(self) -> nn.Module:
+        """The head over the whole vocabulary: the layer's own, else the target's."""
+        return self.layer.shared_head.head if self.layer.shared_head.head is not None else self.target.lm_head
+
+    def _draft_head(self) -> nn.Module:
+        """The head drafts come from: the token map's rows, else the whole head."""
+        return self._full_head() if self.draft_ids is None else self.layer.shared_head.draft_head
+
+    def draft_tokens(self, picks: list[int]) -> list[int]:
+        """Token ids of draft_logits' column indices."""
+        return picks if self._draft_list is None else [self._draft_list[p] for p in picks]
+
+    def full_q(self, q: torch.Tensor) -> torch.Tensor:
+        """Distributions over draft_logits' columns (..., draft_vocab_size) as distributions over the
+        vocabulary (..., vocab_size): 0 at the tokens outside the token map."""
+        if self.draft_ids is None:
+            return q
+        out = q.new_zeros(*q.shape[:-1], self.cfg.vocab_size)
+        return out.index_copy_(-1, self.draft_ids.to(q.device), q)
+
     def _native_head(self) -> tuple | None:
-        """(embedding table, eh_proj's panels' address, the head's panels' address, the head's outputs) for
-        native_drafts, or None where a part is not bf16 on panels (or the layer has no native step)."""
+        """(embedding table, eh_proj's panels' address, the draft head's panels' address, the head's outputs)
+        for native_drafts, or None where a part is not bf16 on panels (or the layer has no native step)."""
         if self._head is None:
             layer = self.layer
-            head = layer.shared_head.head if layer.shared_head.head is not None else self.target.lm_head
+            head = self._draft_head()
             embed = (layer.embed_tokens if layer.embed_tokens is not None else self.target.model.embed_tokens).weight
             on_panels = [isinstance(p, PackedLinear) and p.bias is None and getattr(p.weight, "panels", None) is not None
                          and p.weight.panels.dtype == torch.bfloat16 for p in (layer.eh_proj, head)]
             ok = (self.native is not None and all(on_panels) and embed.dtype == torch.bfloat16 and embed.is_contiguous()
                   and layer.enorm.weight.dtype == layer.hnorm.weight.dtype == torch.bfloat16
-                  and head.out_features >= self.cfg.vocab_size)
+                  and head.out_features >= self.draft_vocab_size)
             self._head = (embed, layer.eh_proj.weight.panels.data_ptr(), head.weight.panels.data_ptr(),
                           head.out_features) if ok else False
         return self._head or None
@@ -332,11 +416,19 @@ class MTPDrafter:
             return self.layer.shared_head.head(h_TD).float()
         return self.target.logits(h_TD)
 
+    def draft_logits(self, y_TD: torch.Tensor) -> torch.Tensor:
+        """float32 (T, draft_vocab_size) logits of the tokens drafts come from (column j: token
+        draft_tokens([j])): logits' first vocab_size columns, or the token map's head's."""
+        if self.draft_ids is None:
+            return self.logits(y_TD)[:, :self.cfg.vocab_size]
+        return self.layer.shared_head.draft_head(self.layer.shared_head.norm(y_TD)).float()
+
 
 def load_mtp(model_dir, cfg: ModelConfig, target: MoEForCausalLM, dtype: torch.dtype | None = None,
-             device: torch.device | str = "cpu", kernels: str | None = None) -> MTPDrafter:
+             device: torch.device | str = "cpu", kernels: str | None = None, token_map=None) -> MTPDrafter:
     """The checkpoint's first MTP layer (model.layers.{num_hidden_layers}.*), in `dtype`, beside the
-    loaded `target` (whose embedding and LM head it uses where the checkpoint has none of its own).
+    loaded `target` (whose embedding and LM head it uses where the checkpoint has none of its own);
+    token_map: a file of the token ids it drafts from (load_token_map; None: the whole vocabulary).
     Its tensors are read with the loader's checks (FP8 ones dequantised); ValueError where the
     checkpoint has none (check_mtp_checkpoint)."""
     from models.checkpoint import CheckpointError, CheckpointReader, checkpoint_targets, numel, target_shape
@@ -378,4 +470,5 @@ def load_mtp(model_dir, cfg: ModelConfig, target: MoEForCausalLM, dtype: torch.d
     params = {prefix + n: p for n, p in layer.named_parameters()}
     fill_params(params, wanted, tensors)
     offset_norms(layer, cfg.norm_offset)
-    return MTPDrafter(layer.eval(), target, mtp_cfg)
+    draft_ids = None if token_map is None else load_token_map(token_map, cfg.vocab_size)
+    return MTPDrafter(layer.eval(), target, mtp_cfg, draft_ids)

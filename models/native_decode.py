@@ -69,7 +69,7 @@ class _Mtp(ctypes.Structure):
     _fields_ = ([(n, _P) for n in ("embed", "enorm", "hnorm", "eh", "head", "cos", "sin")]
                 + [(n, _I) for n in ("V", "Vh", "A", "M", "bs")]
                 + [(n, _P) for n in ("pages", "tok0", "hrow", "pos0", "seq0", "h0", "pick", "drafting", "last", "count",
-                                     "temp", "u", "q")])
+                                     "temp", "u", "q", "vocab")])
 
 
 

@@ -284,6 +284,9 @@ def _speculation(args: argparse.Namespace, profile: dict):
         spec = Speculation.of(cfg, acceptance)
     except ValueError as e:
         raise PlannerError(str(e)) from None
+    if cfg.token_map is not None:
+        print("note: the profile timed MTP drafting with the whole LM head; drafting from a token_map's rows "
+              "costs less, so the predicted step times are an over-estimate", file=sys.stderr)
     if args.spec_acceptance is None and len(acceptance) < spec.num_speculative_tokens:
         print(f"note: the profile measured acceptance at {len(acceptance)} draft positions; later ones take the last "
               "one's rate (an over-estimate)", file=sys.stderr)

@@ -129,7 +129,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "the attention side on the CPU (fp8: or on Triton, sm_89+)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: {"method": "ngram", "num_speculative_tokens": 3, '
-                        '"prompt_lookup_max": 4} (also prompt_lookup_min, disable_by_batch_size)')
+                        '"prompt_lookup_max": 4} (also prompt_lookup_min, disable_by_batch_size; method mtp, '
+                        'draft_model with model; token_map: a file of the token ids MTP drafts from)')
     p.add_argument("--max-num-seqs", type=int, default=128, help="sequences per step, per attention worker")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")

@@ -7,6 +7,7 @@ equal a fresh pass over the final sequence, whatever drafts were rejected on the
 without MTP layers is refused by name."""
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -295,14 +296,20 @@ def test_decode_rows_equal_a_build_of_those_rows():
 
 
 @pytest.mark.skipif(not native.avx512_bf16(), reason="no AVX-512 BF16 here: bf16 decode steps run eagerly")
-@pytest.mark.parametrize("which", ["builtin-dense", "mixtral-moe"])
+@pytest.mark.parametrize("which", ["builtin-dense", "builtin-token-map", "mixtral-moe"])
 def test_native_mtp_passes_draft_as_the_eager_layer(make_checkpoint, tmp_path_factory, which):
     """In bf16 a greedy step's MTP passes run natively: all of them and the head in one call
-    (MTPDrafter.native_drafts), or each one-token pass as a native decode step of the layer alone (a
+    (MTPDrafter.native_drafts: prompt chunks as one-token rows, and passes that only cache keys and values),
+    or each one-token pass as a native decode step of the layer alone (a
     dense MLP, the built-in model's, as one expert every token takes; a MoE layer as it is). Both run,
     and every pass drafts what the eager layer drafts, chains cut at a block's end included, so the
-    outputs and acceptance counts are the same."""
-    if which == "builtin-dense":
+    outputs and acceptance counts are the same; with the built-in model's token map, from its tokens only."""
+    from models.builtin import BUILTIN_DIR
+
+    spec = {"method": "mtp", "num_speculative_tokens": 3, **EVERY_BATCH}
+    if which == "builtin-token-map":
+        spec["token_map"] = str(BUILTIN_DIR / "mtp_token_map.json")
+    if which.startswith("builtin"):
         d = None
     else:
         d = add_mtp_layer(make_checkpoint("mixtral"), tmp_path_factory.mktemp("mtp_mixtral") / "ckpt", seed=2)
@@ -310,7 +317,7 @@ def test_native_mtp_passes_draft_as_the_eager_layer(make_checkpoint, tmp_path_fa
         cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "num_nextn_predict_layers": 1}))
     runs = {}
     for how in ("one call", "passes", "eager"):
-        llm = LLM(d, dtype="bfloat16", block_size=8, speculative_config={"method": "mtp", "num_speculative_tokens": 3, **EVERY_BATCH})
+        llm = LLM(d, dtype="bfloat16", block_size=8, speculative_config=spec)
         runner, seen, counts = llm.engine.runner, [], []
         mtp = runner.mtp
         assert mtp.native is not None
@@ -318,7 +325,7 @@ def test_native_mtp_passes_draft_as_the_eager_layer(make_checkpoint, tmp_path_fa
 
         def chain(h_TD, cache, rows, block_size, real=real_chain, counts=counts):
             got = real(h_TD, cache, rows, block_size)
-            counts += [rows.count] if got is not None else []
+            counts += [(len(rows.ids), rows.count)] if got is not None else []
             return got
 
         mtp.native_drafts = chain if how == "one call" else (lambda *args: None)
@@ -339,10 +346,15 @@ def test_native_mtp_passes_draft_as_the_eager_layer(make_checkpoint, tmp_path_fa
         finally:
             llm.shutdown()
     ids, seen, stats, counts, _ = runs["one call"]
-    assert counts and any(len(set(c)) > 1 for c in counts)  # (chains of several lengths in one call)
+    assert counts and any(len(set(c)) > 1 for _, c in counts)  # (chains of several lengths in one call)
+    assert any(rows > 4 for rows, _ in counts) and any(not c for _, c in counts)  # (prompt chunks; no drafts)
     assert runs["passes"][4].calls > 0 and any(any(d) for d in seen)
     for how in ("passes", "eager"):
         assert runs[how][:3] == (ids, seen, stats), how
+    if "token_map" in spec:
+        allowed = set(json.loads(Path(spec["token_map"]).read_text()))
+        drafted = {t for drafts in seen for d in drafts for t in d}
+        assert drafted and drafted <= allowed and stats["num_accepted_tokens"] > 0
 
 
 @pytest.mark.skipif(not native.avx512_bf16(), reason="no AVX-512 BF16 here: bf16 decode steps run eagerly")
@@ -424,6 +436,56 @@ def test_seeded_samples_draft_with_the_uniforms_their_next_tokens_draw():
         llm.shutdown()
     assert got == want and stats["num_accepted_tokens"] > 0
     assert seen and all(t == pytest.approx(0.8) and u == ahead for t, u, ahead in seen)
+
+
+def test_token_maps_are_read_from_json_and_torch_files_and_bad_ones_are_named(tmp_path):
+    from models.mtp import load_token_map
+
+    (tmp_path / "m.json").write_text("[7, 3, 5]")
+    assert load_token_map(tmp_path / "m.json", 8).tolist() == [3, 5, 7]  # (ascending: argmax ties as the full head)
+    torch.save(torch.tensor([6, 1], dtype=torch.int32), tmp_path / "m.pt")
+    assert load_token_map(tmp_path / "m.pt", 8).tolist() == [1, 6]
+    for text, match in [("[1, 9]", "token id 9 is outside the model's vocabulary of 8"),
+                        ("[2, 4, 2]", "token id 2 appears 2 times"), ("[]", "non-empty list"),
+                        ("[1.5]", "integer token ids"), ("[[1, 2]]", "shape \\(1, 2\\)"), ("{nope", "not a JSON list")]:
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(ValueError, match=f"token_map {tmp_path / 'bad.json'}: .*{match}"):
+            load_token_map(tmp_path / "bad.json", 8)
+    with pytest.raises(ValueError, match="token_map: no file"):
+        load_token_map(tmp_path / "none.json", 8)
+
+
+def test_a_token_map_keeps_outputs_and_draws_sampled_drafts_inside_it(copy_ckpt, plain_ids, tmp_path):
+    """With a token map (float32, eager passes) drafts come only from its tokens: greedy ids are the
+    plain ones, and tokens the greedy output repeats but the map leaves out are never drafted, while
+    the others still are and get accepted; an unseeded sampled request's q is a distribution over the
+    vocabulary that is 0 outside the map."""
+    V = ModelConfig.from_pretrained(copy_ckpt).vocab_size
+    outs = [t for o in plain_ids["copy"][0] for i in o for t in i]
+    left_out = set(sorted(set(outs))[::2])
+    (tmp_path / "map.json").write_text(json.dumps([t for t in range(V) if t not in left_out]))
+    llm = LLM(copy_ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 2,
+                                             "token_map": str(tmp_path / "map.json"), **EVERY_BATCH})
+    seen, qs, real = [], [], llm.engine.runner.mtp_draft
+
+    def spy(*args):
+        drafts, probs = real(*args)
+        seen.extend(t for d in drafts for t in d)
+        qs.extend(q for q in probs if q is not None)
+        return drafts, probs
+
+    llm.engine.runner.mtp_draft = spy
+    try:
+        got = _ids(llm, GREEDY)
+        accepted = llm.engine.stats()["spec_decode"]["num_accepted_tokens"]
+        cold = _ids(llm, SamplingParams(max_tokens=GREEDY.max_tokens, temperature=1e-4, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    assert got == cold == plain_ids["copy"][0] and accepted > 0
+    assert seen and not set(seen) & left_out
+    out = torch.tensor(sorted(left_out))
+    assert qs and all(q.shape[-1] == V and torch.allclose(q.sum(-1), torch.ones(q.shape[0]))
+                      and not q[:, out].any() for q in qs)
 
 
 class _Counting:

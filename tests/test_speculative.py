@@ -42,6 +42,8 @@ def test_propose_ngram_takes_the_longest_suffix_at_its_latest_occurrence():
     ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "<="),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unknown key"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "token_map": "m.json"}, "'token_map' is for method mtp"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "token_map": 7}, "token_map must be a file's path"),
     ("{not json", "JSON object"),
 ])
 def test_bad_speculative_configs_are_refused(bad, match):

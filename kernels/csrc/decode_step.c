@@ -256,7 +256,8 @@ int shuttle_decode_step(const shuttle_step *s, const shuttle_layer *layers, int6
  * argmax). These are the kernels that models/mtp.py's forward and logits call, in that order. A sequence
  * with temp[a] > 0 (temp NULL: none) draws its draft j instead from q = softmax(logits / temp[a]) in
  * float32, with the uniform u[a * n + j] (mtp_sample), and q goes to row a * n + j of q (V floats each):
- * the distribution rejection sampling verifies it against. drafts (A, n), n = max count: sequence a's
+ * the distribution rejection sampling verifies it against. With a token map (vocab not NULL: the
+ * token ids of the head's V rows) a draft is vocab[its row]. drafts (A, n), n = max count: sequence a's
  * in its first count[a]. Returns 0, -1 (out of memory) or the step's error (nothing after it ran). */
 typedef struct {
     const void *embed, *enorm, *hnorm, *eh, *head; /* (V', D), (D), (D), panels (D, 2D), panels (Vh, D); bf16 */
@@ -268,6 +269,7 @@ typedef struct {
     const int64_t *pick, *drafting, *last, *count; /* (A) each */
     const float *temp, *u;                         /* (A) temperatures, 0: greedy; (A, n) uniforms; or NULL */
     float *q;                                      /* (A, n, V): the sampled drafts' distributions */
+    const int64_t *vocab;                          /* (V) the head rows' token ids, or NULL: row v is token v */
 } shuttle_mtp;
 
 static inline float hmax8(__m256 v) {
@@ -384,19 +386,21 @@ int shuttle_mtp_draft(const shuttle_step *s0, const shuttle_layer *layer, const 
             memcpy(hn + i * D, (const uint16_t *)s.y + row * D, (size_t)D * 2);
             memcpy(hnext + i * D, (const uint16_t *)s.r + row * D, (size_t)D * 2);
         }
+        if (!na) /* (no sequence drafts: the pass only cached the rows' keys and values) */
+            break;
         shuttle_gemm_bf16_panels(hn, na, D, m->head, m->Vh, logits, nt);
         for (int64_t i = 0; i < na; i++) {
             const uint16_t *l = logits + i * m->Vh;
             const int64_t a = act[i];
-            if (m->temp && m->temp[a] > 0) {
-                drafts[a * n + j] = tok[i] = mtp_sample(l, m->V, m->temp[a], m->u[a * n + j], m->q + (a * n + j) * m->V);
-                continue;
-            }
             int64_t best = 0;
-            float top = bf16_to_f32(l[0]);
-            for (int64_t v = 1; v < m->V; v++)
-                if (bf16_to_f32(l[v]) > top) top = bf16_to_f32(l[v]), best = v;
-            drafts[act[i] * n + j] = tok[i] = best;
+            if (m->temp && m->temp[a] > 0) {
+                best = mtp_sample(l, m->V, m->temp[a], m->u[a * n + j], m->q + (a * n + j) * m->V);
+            } else {
+                float top = bf16_to_f32(l[0]);
+                for (int64_t v = 1; v < m->V; v++)
+                    if (bf16_to_f32(l[v]) > top) top = bf16_to_f32(l[v]), best = v;
+            }
+            drafts[a * n + j] = tok[i] = m->vocab ? m->vocab[best] : best;
         }
         h = hnext;
     }
