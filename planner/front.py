@@ -49,6 +49,11 @@ SERVED_REPEATS = 3  # runs at each calibrated batch size (the median one calibra
 # three of four planner runs (the fine shape's within 5%): what a step of 256 sequences costs beside
 # the front is not what one of 64 does. planner.simulate.front_scale interpolates between the two.
 LARGE_SCALE_BATCH = 256
+# ... and the colocated engine at the most threads and the 1 + 1 pool at m = 1 also at this concurrency,
+# SMALL_SCALE_PROMPTS requests: the front's CPU per step, solved on runs of 16 and 64 sequences with the
+# front apart from the workers (0.75 ms with the load generator's on the built-in model), is more than a
+# colocated step of one sequence takes as served (0.69 ms), so the factor at 64 made batch-1 rows 43% slow.
+SMALL_SCALE_BATCH, SMALL_SCALE_PROMPTS = 1, 32
 # Runs at LARGE x the batch, for the split of the CPU into per token and per step only: the same
 # tokens in about half the batch-64 run's steps. With the batch-16 and batch-64 runs alone (about
 # 260 and 80 steps for the same 4,096 tokens) the split follows the host's noise: three profiles of
@@ -199,11 +204,13 @@ def _serving(model: str, flags: list[str], dtype: str | None, quantization: str 
 def measure_scale_runs(model: str, threads: tuple[int, ...], dtype: str | None = None, batch: int = 64,
                        prompts: int = 256, input_len: int = 64, output_len: int = 16,
                        quantization: str | None = None, quantize_linears: bool = False,
-                       large_batch: int | None = LARGE_SCALE_BATCH) -> list[dict]:
+                       large_batch: int | None = LARGE_SCALE_BATCH,
+                       small_batch: int | None = SMALL_SCALE_BATCH) -> list[dict]:
     """Served runs of the deployments whose steps take every core the front and the load generator
     share: `shuttle serve --colocated --torch-threads t` for each t in `threads`, and a 1 + 1 pool
     at m = 1 (serve's threads), each at concurrency `batch`; the colocated engine at the most threads
-    also at `large_batch` (None: not), with as many waves of prompts (prompts / batch: requests of one
+    and the m = 1 pool also at `small_batch` (SMALL_SCALE_PROMPTS requests; None: not); the colocated
+    engine at the most threads also at `large_batch` (None: not), with as many waves of prompts (prompts / batch: requests of one
     wave start and end a few steps apart, so later waves mix prefill into decode steps, which one wave
     of 256 does not: its factor came out below batch 64's where the 4-wave rows needed one above).
     SERVED_REPEATS runs after a warm-up, the run of median duration kept as served.
@@ -215,6 +222,10 @@ def measure_scale_runs(model: str, threads: tuple[int, ...], dtype: str | None =
         plan.append(("colocated", t, ["--colocated", "--torch-threads", str(t)], large_batch,
                      -(-prompts // batch) * large_batch))
     plan.append(("m1", None, ["--micro-batches", "1"], batch, prompts))
+    if small_batch and small_batch != batch:
+        t = max(threads)
+        plan += [("colocated", t, ["--colocated", "--torch-threads", str(t)], small_batch, SMALL_SCALE_PROMPTS),
+                 ("m1", None, ["--micro-batches", "1"], small_batch, SMALL_SCALE_PROMPTS)]
     out = []
     for kind, t, flags, conc, n in plan:
         with _serving(model, [*flags, "--max-num-seqs", str(conc)], dtype, quantization, input_len,
