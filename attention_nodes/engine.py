@@ -144,6 +144,8 @@ class LLMEngine:
         self._spec_on = True  # whether the last step drafted (disable_by_batch_size)
         # (mtp) drafts proposed after the last step: (num_tokens then, drafts, their q rows or None)
         self._mtp_drafts: dict[tuple[str, int], tuple[int, list[int], torch.Tensor | None]] = {}
+        # (mtp) the last step's batch and starts, whose MTP passes run when the next step begins (step)
+        self._mtp_pending: tuple[ScheduledBatch, list[int]] | None = None
         self.last_batch: ScheduledBatch | None = None  # what the last step scheduled (step_summary)
 
     # -- requests -----------------------------------------------------------------------------
@@ -257,9 +259,16 @@ class LLMEngine:
 
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> list[SequenceDelta]:
-        """schedule -> execute -> update. Returns the deltas of the sequences that sampled a token."""
+        """schedule -> execute -> update. Returns the deltas of the sequences that sampled a token.
+        With MTP the layer's passes over a step's positions (_mtp_propose) run when the next step
+        begins, so that the step's tokens go out first: a served stream gets each token before the
+        drafting that follows it (and its first token before the pass over its prompt), and the
+        front works on the deltas while the native passes run."""
         for rid in [rid for rid in self._held if self._prompt_computed(rid)]:
             self._release_held(rid)
+        if self._mtp_pending is not None:
+            pending, self._mtp_pending = self._mtp_pending, None
+            self._mtp_propose(*pending)
         if self.spec is not None:
             self._draft()
         batch = self.last_batch = self.scheduler.schedule()
@@ -279,7 +288,7 @@ class LLMEngine:
                                        not s.num_draft_tokens)
         new = self._sample(logits_RV, sampled)
         if self.runner.mtp is not None:
-            self._mtp_propose(batch, starts)
+            self._mtp_pending = (batch, starts)
         deltas = []
         for seq, (toks, lps, reason, stop_reason) in zip(sampled, new):
             self.num_generated_tokens += len(toks)
@@ -419,7 +428,7 @@ class LLMEngine:
                 seq.num_draft_tokens = len(drafts)
 
     def _mtp_propose(self, batch: ScheduledBatch, starts: list[int]) -> None:
-        """Speculative method mtp, after a step: the MTP layer takes in the positions the step computed
+        """Speculative method mtp, after a step (run when the next begins): the MTP layer takes in the positions the step computed
         and kept (every sequence still running, so its drafts see the whole context later) and
         proposes drafts for the sequences the next step may draft for; `_draft` appends them. Greedy
         requests get the layer's argmax; sampled ones draws from q = softmax(logits / temperature):

@@ -560,8 +560,7 @@ class Simulator(SpeculativeSteps):
                     self._draft(wk, draws)
             batches = [wk.sched.schedule() for wk in workers]
             t = self.step_time(t, batches, step)
-            if self.spec is not None:
-                t += self._drafting(workers, batches)
+            drafting = self._drafting(workers, batches) if self.spec is not None else 0.0  # (after the tokens go out)
             step += 1
             seen = self._delivered(t)
             front_free = self._hold_in_front(t, front_free, inbox, send, per_request / self._front_share)
@@ -590,6 +589,7 @@ class Simulator(SpeculativeSteps):
                         wk.queued_tokens -= wl.input_len + wl.output_len
                         heapq.heappush(free_slots, seen)
                         done += 1
+            t += drafting
         out = summarize(send, times, wl.input_len)
         out.update(attention_busy=self.busy["attention"] / max(out["duration"], 1e-12) / dep.attention_workers,
                    expert_busy=(self.busy["experts"] / max(out["duration"], 1e-12) / dep.expert_workers

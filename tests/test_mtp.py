@@ -241,6 +241,7 @@ def test_mtp_cache_of_kept_positions_equals_a_fresh_pass(mtp_ckpt, copy_ckpt, wh
         engine.add_request(str(i), p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     for _ in range(10):
         engine.step()
+    engine._mtp_propose(*engine._mtp_pending)  # (the last step's MTP passes: the next step would run them first)
     runner = engine.runner
     L, bs = engine.model_cfg.num_layers, runner.block_size
     assert engine.stats()["spec_decode"]["num_draft_tokens"] > 0

@@ -598,12 +598,12 @@ def test_committed_planner_results_replay_to_their_predictions(capsys):
 
 
 def test_committed_speculative_planner_results_replay_to_their_predictions(capsys):
-    """bench/results/planner_mtp_epyc_quick.json (`bench/planner.py --speculative --quick`): its plain and
+    """bench/results/planner_mtp_zen5_quick.json (`bench/planner.py --speculative --quick`): its plain and
     MTP rows, replayed from the stored profile with the speculation model as it is, come out as stored,
     and the speculative rows were predicted at the profile's acceptance."""
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "results" / "planner_mtp_epyc_quick.json"
+    path = Path(__file__).resolve().parents[1] / "bench" / "results" / "planner_mtp_zen5_quick.json"
     stored = json.loads(path.read_text())["rows"]
     rows = _bench_planner().replay(path)
     capsys.readouterr()
