@@ -25,6 +25,7 @@ decoding: MTP drafts are point masses) and the file is spec_decode_t<T>_seed.jso
     python bench/spec_decode.py [--quick] [--methods ngram mtp] [--batches 1 16 64] [--ks 1 2 3]
                                 [--mtp-ks 1 2 3] [--rounds 3] [--solo-prompts 4] [--token-map auto|none|PATH]
     python bench/spec_decode.py --breakdown [--mtp-ks 1 2 3] [--dtype float32] [--rounds 5]
+    python bench/spec_decode.py --served [--batches 1 16] [--mtp-ks 2 3] [--dtype bfloat16] [--rounds 3]
 
 Writes bench/results/spec_decode.json (--quick: spec_decode_quick.json), with the host named.
 
@@ -35,6 +36,14 @@ step's one row, or the verify step's 1 + k rows: ModelRunner.execute), the MTP d
 of the engine step (scheduling, sampling, verification); then each mtp k's tokens/s against off's as
 measured and with drafting free (the forward and the rest only: what a faster drafter could reach).
 Writes spec_decode_breakdown.json (spec_decode_breakdown_<dtype>.json for another --dtype).
+
+--served: the same engines as `shuttle serve --colocated` servers (--torch-threads 2, --dtype, no prefix
+caching), loaded by
+`shuttle bench serve` (greedy, EOS ignored) with the plain workload's prompts as text, at each batch as
+the max concurrency (--solo-prompts x 4 prompts at batch 1, 4 x the batch above): output tokens/s, mean
+TTFT and TPOT and the server's acceptance length, per engine the median over --rounds rounds (one server
+per engine and round, engines alternated, the order reversed every other round), vs_off the median of the
+rounds' ratios to "off". Writes spec_decode_served.json (spec_decode_served_<dtype>.json for another).
 """
 import argparse
 import statistics
@@ -155,6 +164,56 @@ def breakdown(args: argparse.Namespace, params: SamplingParams) -> None:
     print(f"wrote {path}")
 
 
+def served(args: argparse.Namespace) -> None:
+    """--served (module docstring)."""
+    import json
+    import tempfile
+
+    from clients.bench_serve import run_bench
+    from clients.live_server import LiveServer
+
+    model = ["--model", args.model] if args.model else []
+    engines = {"off": []}
+    for k in args.mtp_ks:
+        for name, tm in mtp_engines(args):
+            engines[f"{name} k={k}"] = ["--speculative-config", json.dumps(spec("mtp", k, 10 ** 6, tm))]
+    llm = LLM(args.model, dtype=args.dtype, num_kv_blocks=64)  # (for its tokenizer)
+    tok = llm.tokenizer
+    llm.shutdown()
+    rows, per_round = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for b in args.batches:
+            n = args.solo_prompts * 4 if b == 1 else 4 * b
+            data = Path(tmp) / f"prompts_{b}.jsonl"
+            data.write_text("".join(json.dumps({"prompt": tok.decode(ids)}) + "\n"
+                                    for ids in prompts(tok, n, args.doc_tokens, False)))
+            got = {name: [] for name in engines}
+            for r in range(args.rounds):
+                for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+                    with LiveServer([*model, "--colocated", "--torch-threads", "2", "--dtype", args.dtype,
+                                     "--no-prefix-caching", *engines[name]]) as srv:
+                        common = ["--base-url", srv.url, "--dataset", str(data), "--output-len", str(args.output_len),
+                                  "--max-concurrency", str(b), "--ignore-eos", "--temperature", "0", "--disable-tqdm"]
+                        run_bench([*common, "--num-prompts", str(b)])  # warm-up
+                        got[name].append(run_bench([*common, "--num-prompts", str(n)]))
+            for name, results in got.items():
+                med = {k: statistics.median(x[k] for x in results)
+                       for k in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms")}
+                accept = [x["spec_decode_acceptance_length"] for x in results if "spec_decode_acceptance_length" in x]
+                rows.append({"batch": b, "engine": name, "tok_s": med["output_throughput"],
+                             "vs_off": statistics.median(x["output_throughput"] / o["output_throughput"]
+                                                         for x, o in zip(results, got["off"])),
+                             "ttft_ms": med["mean_ttft_ms"], "tpot_ms": med["mean_tpot_ms"],
+                             "tpot_vs_off": statistics.median(o["mean_tpot_ms"] / x["mean_tpot_ms"]
+                                                              for x, o in zip(results, got["off"])),
+                             "mean_accept_len": statistics.median(accept) if accept else None})
+                per_round[f"{b}/{name}"] = [x["output_throughput"] for x in results]
+    print_table(rows, ["batch", "engine", "tok_s", "vs_off", "ttft_ms", "tpot_ms", "tpot_vs_off", "mean_accept_len"])
+    name = "spec_decode_served" + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    path = save(name, {"host": describe_host(), "config": vars(args), "rows": rows, "per_round": per_round})
+    print(f"wrote {path}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="batches 1 and 16, k 1 and 3, 2 rounds, 32 new tokens")
@@ -173,6 +232,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=None, help="with --temperature: seeded requests")
     p.add_argument("--kv-blocks", type=int, default=1024, help="KV cache blocks of each engine (16 tokens each)")
     p.add_argument("--breakdown", action="store_true", help="per-step costs at batch 1 instead (module docstring)")
+    p.add_argument("--served", action="store_true", help="mtp engines as `shuttle serve` under `shuttle bench serve` "
+                                                       "instead (module docstring)")
     p.add_argument("--token-map", default="auto", help="mtp+map engines beside the mtp ones, drafting from this token "
                                                       "map's tokens (auto: the built-in model's "
                                                       "mtp_token_map.json, none with --model; none: no such engines)")
@@ -187,6 +248,8 @@ def main() -> None:
     if args.breakdown:
         args.rounds = max(args.rounds, 5)
         return breakdown(args, SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True))
+    if args.served:
+        return served(args)
     if args.quick:
         args.batches, args.ks, args.mtp_ks, args.rounds, args.output_len = [1, 16], [1, 3], [1, 3], 2, 32
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True,
