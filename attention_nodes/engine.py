@@ -144,8 +144,7 @@ class LLMEngine:
         self._spec_on = True  # whether the last step drafted (disable_by_batch_size)
         # (mtp) drafts proposed after the last step: (num_tokens then, drafts, their q rows or None)
         self._mtp_drafts: dict[tuple[str, int], tuple[int, list[int], torch.Tensor | None]] = {}
-        # (mtp) the last step's batch and starts, whose MTP passes run when the next step begins (step)
-        self._mtp_pending: tuple[ScheduledBatch, list[int]] | None = None
+        self._mtp_pending: tuple[ScheduledBatch, list[int]] | None = None  # (mtp) the last step's, for _mtp_propose
         self.last_batch: ScheduledBatch | None = None  # what the last step scheduled (step_summary)
 
     # -- requests -----------------------------------------------------------------------------
@@ -259,15 +258,12 @@ class LLMEngine:
 
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> list[SequenceDelta]:
-        """schedule -> execute -> update. Returns the deltas of the sequences that sampled a token.
-        With MTP the layer's passes over a step's positions (_mtp_propose) run when the next step
-        begins, so that the step's tokens go out first: a served stream gets each token before the
-        drafting that follows it (and its first token before the pass over its prompt), and the
-        front works on the deltas while the native passes run."""
+        """schedule -> execute -> update. Returns the deltas of the sequences that sampled a token. With MTP
+        a step's passes (_mtp_propose) run as the next begins: its tokens go out before the drafting."""
         for rid in [rid for rid in self._held if self._prompt_computed(rid)]:
             self._release_held(rid)
-        if self._mtp_pending is not None:
-            pending, self._mtp_pending = self._mtp_pending, None
+        if (pending := self._mtp_pending) is not None:
+            self._mtp_pending = None
             self._mtp_propose(*pending)
         if self.spec is not None:
             self._draft()
@@ -428,8 +424,8 @@ class LLMEngine:
                 seq.num_draft_tokens = len(drafts)
 
     def _mtp_propose(self, batch: ScheduledBatch, starts: list[int]) -> None:
-        """Speculative method mtp, after a step (run when the next begins): the MTP layer takes in the positions the step computed
-        and kept (every sequence still running, so its drafts see the whole context later) and
+        """Speculative method mtp, after a step (as the next begins, step): the MTP layer takes in the positions
+        the step computed and kept (every sequence still running, so its drafts see the whole context later) and
         proposes drafts for the sequences the next step may draft for; `_draft` appends them. Greedy
         requests get the layer's argmax; sampled ones draws from q = softmax(logits / temperature):
         an unseeded one's q rows go with them for rejection sampling (attention_nodes/speculative.py);
