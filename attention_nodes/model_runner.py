@@ -32,6 +32,9 @@ CPU_DEFAULT_KV_GIB = 2.0
 # Zen 5 EPYC (bf16, built-in model) one-token rows were faster for chunks from context 0 up to ~700 rows
 # (0.18 against 0.52 ms at 16 rows, 4.4 against 5.1 at 512) and slower from 1024 (12.1 against 11.1).
 MTP_NATIVE_KEY_READS = 131072
+# A step's prompt chunks run as one-token rows too, the step whole in the native decode step (verification's
+# rows, `_prepare`), where the model takes that step and its prompt rows read at most this many cached keys.
+PROMPT_ROWS_KEY_READS = 131072
 CUDA_MEMORY_FRACTION = 0.85  # of the memory left free after the weights
 
 
@@ -97,6 +100,7 @@ class ModelRunner:
         self.mtp_decode_rows = 0 if self.mtp is None else 1 + cfg.speculative.num_speculative_tokens
         self.last_hidden_TD: torch.Tensor | None = None  # (mtp) the last step's final hidden states, batch order
         self.last_decode_attn: AttentionBatch | None = None  # (mtp) the last step's, where all its rows were one-token
+        self.prompt_rows_key_reads = PROMPT_ROWS_KEY_READS  # (prompts_as_rows; the profile times 0 too)
         if not 1 <= micro_batches <= 4:
             raise ValueError(f"micro_batches must be 1 to 4, got {micro_batches}")
         self.micro_batches = micro_batches
@@ -205,8 +209,9 @@ class ModelRunner:
         each sequence whose batch.sample flag is set (of its last d + 1 with d drafts), in batch order, and the logits of the prompt
         positions of this step for the sequences that need their prompt's logprobs."""
         with self.decode_threads(batch.num_new_tokens):
-            inputs = [None if not group else self._prepare(batch, group)
-                      for group in split_micro_batches(batch.num_new_tokens, self.micro_batches)]
+            groups = split_micro_batches(batch.num_new_tokens, self.micro_batches)
+            rows_each = self.prompts_as_rows(batch, groups)
+            inputs = [None if not group else self._prepare(batch, group, rows_each) for group in groups]
             # Each micro-batch's LM head runs as soon as its last layer is combined (overlapping the
             # experts of the next micro-batch's last layer).
             hidden = [None] * len(inputs)
@@ -361,11 +366,26 @@ class ModelRunner:
             dispatcher.end_step()
             self.num_executed += 1
 
-    def _prepare(self, batch: ScheduledBatch, group: range) -> tuple[torch.Tensor, AttentionBatch, torch.Tensor, list]:
+    def prompts_as_rows(self, batch: ScheduledBatch, groups: list[range] | None = None) -> bool:
+        """Whether the step's prompt chunks run as one-token rows (`_prepare`), so that the native decode
+        step takes the whole step: where the model has that step, the rows of every micro-batch (groups:
+        split_micro_batches') are a size it runs natively (NativeDecode.chosen_native), and the chunks'
+        rows read at most prompt_rows_key_reads cached keys in all (each row reads its context apart,
+        where a chunk's attention reads it once)."""
+        nd = self.model.native_decode
+        if nd is None or self.state_slots or max(batch.num_new_tokens, default=1) == 1:
+            return False
+        reads = prompt_key_reads(batch.seqs, batch.num_new_tokens)
+        groups = split_micro_batches(batch.num_new_tokens, self.micro_batches) if groups is None else groups
+        return 0 < reads <= self.prompt_rows_key_reads and all(
+            nd.chosen_native(sum(batch.num_new_tokens[g.start:g.stop])) for g in groups if g)
+
+    def _prepare(self, batch: ScheduledBatch, group: range,
+                 rows_each: bool = False) -> tuple[torch.Tensor, AttentionBatch, torch.Tensor, list]:
         """(input ids, AttentionBatch, rows to compute logits of, prompt spans) of the sequences
         `group` of the batch: the rows are the sampled sequences' last tokens (with d speculative
         drafts, the last d + 1), then the prompt positions of each PromptLogits span (sequences that
-        need their prompt's logprobs)."""
+        need their prompt's logprobs). rows_each: prompt chunks as one-token rows too (prompts_as_rows)."""
         seqs, q_lens = batch.seqs[group.start:group.stop], batch.num_new_tokens[group.start:group.stop]
         ids, spans, offset = [], [], 0
         firsts, counts = [], []  # the logits rows: spans of the sampled sequences' last 1 + d positions
@@ -374,8 +394,8 @@ class ModelRunner:
         state_slots = [] if self.state_slots else None  # (linear-attention layers; no drafts there)
         for i, (seq, n, sampled) in enumerate(zip(seqs, q_lens, batch.sample[group.start:group.stop])):
             c = seq.num_computed_tokens
-            # (verifying drafts: each token a decode row of its own, below)
-            add_rows(rows_q, rows_ctx, rows_table, c, n, seq.block_table, bool(seq.num_draft_tokens))
+            # (verifying drafts, or rows_each: each token a decode row of its own, below)
+            add_rows(rows_q, rows_ctx, rows_table, c, n, seq.block_table, rows_each or bool(seq.num_draft_tokens))
             ids.extend(seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n])
             if sampled:  # its last token's logits (with d drafts, its last d + 1 positions', in order)
                 firsts.append(offset + n - 1 - seq.num_draft_tokens)
@@ -390,10 +410,10 @@ class ModelRunner:
                     prompt_firsts.append(offset + start - seq.num_computed_tokens)
                     prompt_counts.append(count)
             offset += n
-        # A sequence's 1 + d tokens of a speculative step are d + 1 one-token rows over its blocks with
-        # contexts c .. c + d: every token's key and value is cached before any row attends, so each
-        # sees the ones before it, as causal attention over the d + 1 would, and the step is a decode
-        # step (the native decode kernels and step take it) rather than a prefill chunk.
+        # A sequence's 1 + d tokens of a speculative step (or n of a prompt chunk, rows_each) are one-token
+        # rows over its blocks with contexts c .. c + d: every token's key and value is cached before any
+        # row attends, so each sees the ones before it, as causal attention over them would, and the step
+        # is a decode step (the native decode kernels and step take it) rather than a prefill chunk.
         attn = AttentionBatch.build_paged(rows_q, rows_ctx, rows_table, self.block_size, self.device, state_slots)
         rows = row_spans(firsts + prompt_firsts, counts + prompt_counts)
         return torch.tensor(ids, dtype=torch.long, device=self.device), attn, rows.to(self.device), spans
@@ -429,6 +449,13 @@ class ModelRunner:
                 rows.tables.append(seq.block_table)
             offset += n
         return rows, chunked and reads > MTP_NATIVE_KEY_READS
+
+def prompt_key_reads(seqs, num_new_tokens: list[int]) -> int:
+    """Cached keys the prompt chunks of a step read as one-token rows: n c + n (n + 1) / 2 for a chunk of n
+    tokens after c (verifications' rows not counted: they are rows whatever the choice)."""
+    return sum(n * seq.num_computed_tokens + n * (n + 1) // 2 for seq, n in zip(seqs, num_new_tokens)
+               if n > 1 and not seq.num_draft_tokens)
+
 
 def kept_positions(seq, start: int, n: int) -> int:
     """Of the n positions a step computed from `start`, those the step kept and whose next token is

@@ -168,3 +168,66 @@ def test_native_decode_greedy_ids_and_the_flag(make_checkpoint):
             assert reason in why_not(llm.engine.runner.model, llm.engine.runner.cache)
         finally:
             llm.shutdown()
+
+
+@NEEDS_AVX512_BF16
+def test_prompt_chunks_run_as_one_token_rows_in_the_native_step(make_checkpoint, monkeypatch):
+    """A step's prompt chunks (chunked, from a prefix-cache hit, beside decode rows) run as one-token rows
+    in the native decode step while they read at most prompt_rows_key_reads cached keys, and eagerly as
+    chunks above it: every step of the generation is one native call, the greedy ids and the prompt
+    logprobs are the eager chunks' (other attention kernels: bf16 rounding apart), and the choice
+    follows the key reads, the native step's sizes and the model."""
+    import attention_nodes.model_runner as mr
+    from attention_nodes.scheduler import ScheduledBatch
+
+    ckpt = _checkpoint(make_checkpoint, "mixtral")  # (a sliding window of 7: each row's own window)
+    llm = LLM(ckpt, device="cpu", num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)
+    calls = []
+    monkeypatch.setattr(native, "decode_step", lambda *a, _f=native.decode_step: calls.append(1) or _f(*a))
+    rng = random.Random(1)
+    shared = [rng.randrange(2, 500) for _ in range(12)]
+    prompts = [shared + [rng.randrange(2, 500) for _ in range(n)] for n in (3, 21, 9)] + [shared[:8]]
+    # (prompt logprobs skip the prefix cache: the first and last prompts hit it instead)
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=None if i in (0, 3) else 0)
+              for i in range(4)]
+    try:
+        runner = llm.engine.runner
+        out = {}
+        for limit in (mr.PROMPT_ROWS_KEY_READS, 0):
+            runner.prompt_rows_key_reads = limit
+            llm.generate([shared], SamplingParams(max_tokens=1))  # (the shared blocks cached: later prompts hit)
+            calls.clear()
+            steps = llm.engine.num_steps
+            got = llm.generate(prompts, params)
+            out[limit] = ([o.outputs[0].token_ids for o in got],
+                          [[next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in got[1:3]])
+            if limit:
+                assert len(calls) == llm.engine.num_steps - steps  # every step one native call, prompts too
+                assert got[0].num_cached_tokens > 0 and got[3].num_cached_tokens > 0
+            else:
+                assert len(calls) < llm.engine.num_steps - steps  # the prompt steps ran eagerly
+        (ids, lps), (ids0, lps0) = out[mr.PROMPT_ROWS_KEY_READS], out[0]
+        assert ids == ids0
+        for a, b in zip(lps, lps0):
+            assert max(abs(x - y) for x, y in zip(a, b)) < 0.25  # (bf16 logits: 0.06 apart at 8 to 16)
+        # the choice: by the chunks' key reads (a chunk of n after c reads n c + n (n + 1) / 2), not the
+        # verifications', where the native step runs every micro-batch's rows, on models that have it
+        seqs = [SimpleNamespace(num_computed_tokens=c, num_draft_tokens=d) for c, d in ((10, 0), (5, 0), (7, 3))]
+        batch = ScheduledBatch(seqs, [4, 1, 4], [True] * 3)
+        runner.prompt_rows_key_reads = 4 * 10 + 10
+        assert runner.prompts_as_rows(batch)
+        runner.prompt_rows_key_reads = 4 * 10 + 9
+        assert not runner.prompts_as_rows(batch)
+        runner.prompt_rows_key_reads = 1 << 20
+        assert not runner.prompts_as_rows(ScheduledBatch(seqs[1:], [1, 4], [True] * 2))  # no prompt
+        saved = list(native._NATIVE_ROWS["attention"])
+        native.set_runs_native("attention", [True] * 4 + [False] * (len(saved) - 4))  # (9 rows: bucket 5-8 up)
+        try:
+            assert not runner.prompts_as_rows(batch, [range(3)])
+            assert runner.prompts_as_rows(batch, [range(1), range(1, 3)])  # 4 and 5 rows
+        finally:
+            native.set_runs_native("attention", saved)
+        monkeypatch.setattr(runner.model, "native_decode", None)
+        assert not runner.prompts_as_rows(batch)
+    finally:
+        llm.shutdown()
