@@ -2,8 +2,10 @@
 (ProfilePerf) or from a catalogue device's spec sheet (RooflinePerf, an estimate).
 
 All times are seconds. Per layer and micro-batch: `attention(tokens, kv_reads, prefill_tokens,
-kv_prefill)` on an attention worker (kv_reads: context tokens read, summed over the micro-batch's
-query tokens; the last two: the same over its prefilling sequences), `experts(pairs,
+kv_prefill, eager, mixed)` on an attention worker (kv_reads: context tokens read, summed over the
+micro-batch's query tokens; prefill_tokens and kv_prefill: the same over its prefilling sequences;
+eager: 1 in a step with prompt tokens, which runs layer by layer; mixed: 1 where the micro-batch has
+both kinds of rows: planner.profile.prefill_features), `experts(pairs,
 active)` on an expert worker (pairs: gathered (token, expert) pairs; active: its experts receiving
 at least one); per colocated step, `colocated(tokens, kv_reads, ..., active)` where whole steps were
 measured (None otherwise). Per micro-batch and step: `head(rows, tokens)` (embedding, final norm, LM head on
@@ -82,10 +84,12 @@ class ProfilePerf:
         t = min(self.fits, key=lambda k: (abs(k - threads), -k))
         return self.fits[t].get(name), t / threads if t != threads else 1.0
 
-    def attention(self, tokens, kv_reads, threads: int = 1, prefill_tokens=0, kv_prefill=0):
+    def attention(self, tokens, kv_reads, threads: int = 1, prefill_tokens=0, kv_prefill=0, eager=0, mixed=0):
         f, s = self._fit("attention", threads)
-        # Profiles from before the prefill terms have fits without them (Fit reads only its terms).
-        t = f(tokens=tokens, kv_reads=kv_reads, prefill_tokens=prefill_tokens, kv_prefill=kv_prefill)
+        # Profiles from before the prefill (or eager and mixed) terms have fits without them (Fit reads
+        # only its terms).
+        t = f(tokens=tokens, kv_reads=kv_reads, prefill_tokens=prefill_tokens, kv_prefill=kv_prefill, eager=eager,
+              mixed=mixed)
         return np.where(np.asarray(tokens) > 0, t * s, 0.0)
 
     def head(self, rows, tokens, threads: int = 1):
@@ -100,15 +104,25 @@ class ProfilePerf:
         f, s = self._fit("experts", threads)
         return np.where(np.asarray(pairs) > 0, f(pairs=pairs, active=active) * s, 0.0)
 
-    def colocated(self, tokens, kv_reads, threads: int = 1, prefill_tokens=0, kv_prefill=0, active=0):
+    def colocated(self, tokens, kv_reads, threads: int = 1, prefill_tokens=0, kv_prefill=0, active=0, eager=0,
+                  mixed=0):
         """A colocated step's compute (every layer, its experts and the head) from whole steps
         measured as such (planner.profile.measure_colocated); None for profiles without them (then
         the parts' fits and native_decode_saving apply)."""
         f, s = self._fit("colocated", threads)
         if f is None:
             return None
-        t = f(tokens=tokens, kv_reads=kv_reads, prefill_tokens=prefill_tokens, kv_prefill=kv_prefill, active=active)
+        t = f(tokens=tokens, kv_reads=kv_reads, prefill_tokens=prefill_tokens, kv_prefill=kv_prefill, active=active,
+              eager=eager, mixed=mixed)
         return np.where(np.asarray(tokens) > 0, t * s, 0.0)
+
+    def prompts_as_rows(self) -> bool:
+        """Whether the profiled engine computes short prompt chunks as one-token rows in its native
+        decode step (ModelRunner.prompts_as_rows): the model has that step (native_decode samples), and
+        the profile timed such steps (its fits have the `eager` term: older profiles timed every prompt
+        eagerly)."""
+        return any("native_decode" in fits for fits in self.fits.values()) and any(
+            "eager" in f.terms for fits in self.fits.values() for f in fits.values())
 
     def native_decode_saving(self, tokens, threads: int = 1):
         """What a colocated decode-only step of `tokens` sequences saves by running whole in one
@@ -173,8 +187,9 @@ class RooflinePerf:
         return np.maximum(flops / (hw.bf16_tflops * 1e12 * self.eff.flops),
                           nbytes / (hw.memory_bandwidth_gbs * 1e9 * self.eff.memory_bandwidth))
 
-    def attention(self, tokens, kv_reads, threads: int = 1, prefill_tokens=0, kv_prefill=0):
-        """(prefill_tokens and kv_prefill: a measured profile's; the roofline counts all reads alike.)"""
+    def attention(self, tokens, kv_reads, threads: int = 1, prefill_tokens=0, kv_prefill=0, eager=0, mixed=0):
+        """(prefill_tokens, kv_prefill, eager and mixed: a measured profile's; the roofline counts all
+        reads alike.)"""
         c = self.shape.config
         L, itemsize = c.num_layers, c.dtype.itemsize
         tokens, kv_reads = np.asarray(tokens, dtype=float), np.asarray(kv_reads, dtype=float)
@@ -196,7 +211,12 @@ class RooflinePerf:
     def step(self, seqs, threads: int = 1, prefill_tokens=0):
         return self.eff.step_overhead_us * 1e-6 + 0.0 * np.asarray(seqs, dtype=float)
 
-    def colocated(self, tokens, kv_reads, threads: int = 1, prefill_tokens=0, kv_prefill=0, active=0):
+    def prompts_as_rows(self) -> bool:
+        """(A CPU engine's native step; a catalogue device computes prompts as chunks.)"""
+        return False
+
+    def colocated(self, tokens, kv_reads, threads: int = 1, prefill_tokens=0, kv_prefill=0, active=0, eager=0,
+                  mixed=0):
         """(A CPU engine's measurement; none for a catalogue device: its parts apply.)"""
         return None
 

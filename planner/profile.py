@@ -55,7 +55,7 @@ from attention_nodes.block_manager import blocks_for
 from attention_nodes.config import CacheConfig, EngineConfig, SchedulerConfig
 from attention_nodes.engine import LLMEngine
 from attention_nodes.messages import Deltas, encode, encode_delta
-from attention_nodes.model_runner import ModelRunner
+from attention_nodes.model_runner import PROMPT_ROWS_KEY_READS, ModelRunner
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import ScheduledBatch
 from attention_nodes.sequence import Sequence
@@ -75,12 +75,17 @@ PROFILE_VERSION = 1
 # One line for decode and prefill rows under-predicted every prefill sample (-5% to -22%: the 2,048-
 # token chunk of 16 prompts the most) and over-predicted the decode ones (+5% to +15%), so served
 # TTFT came out 10-25% short and TPOT 10-30% long; prefill's own terms split them.
-ATTN_TERMS = ("tokens", "const", "kv_reads", "prefill_tokens", "kv_prefill")
+# A step with a prompt chunk runs eagerly, layer by layer (a decode step runs in the native call), and
+# one that also has decode rows splits its attention in two: fitted without those steps' own terms, the
+# built-in model's colocated steps of one 64-token prompt beside 3 decode rows came out 1.36x the fit
+# and 16 prompt tokens beside 3 2.16x (Zen 5 EPYC, 2 threads), where the speculative engine's prompts
+# join running verifications one at a time; with `eager` and `mixed` every such step was within 6%.
+ATTN_TERMS = ("tokens", "const", "kv_reads", "prefill_tokens", "kv_prefill", "eager", "mixed")
 HEAD_TERMS = ("rows", "tokens", "const")
 STEP_TERMS = ("seqs", "const", "prefill_tokens")
 EXPERT_TERMS = ("pairs", "const", "active")
 NATIVE_DECODE_TERMS = ("tokens", "const")
-COLOCATED_TERMS = ("tokens", "const", "kv_reads", "prefill_tokens", "kv_prefill", "active")
+COLOCATED_TERMS = ("tokens", "const", "kv_reads", "prefill_tokens", "kv_prefill", "active", "eager", "mixed")
 MTP_TERMS = ("rows", "passes", "prefill_tokens")
 
 
@@ -92,13 +97,19 @@ class ProfileOptions:
     transports: tuple[str, ...] = ("shm",)
     repeats: int = 3
     quick: bool = False
-    batches: tuple[int, ...] = (1, 16, 64, 256)
+    # (4: the experts a few rows reach, apart from the rows themselves; with 1 and 16 alone the
+    # colocated fit's `active` term came out 9 us an expert where verifying 4 rows against 1 measured
+    # ~90: the speculative rows at batch 1 predicted 28% fast)
+    batches: tuple[int, ...] = (1, 4, 16, 64, 256)
     contexts: tuple[int, ...] = (16, 256, 1024)
     prefill: tuple[int, ...] = (32, 128, 512)
     # Multi-sequence prefill chunks (sequences, tokens each) at the scheduler's default token budget
     # (2,048): what a served step of many new prompts is. Without them the fits extrapolated 4-8x past
     # their largest sample and predicted such steps 15-35% too fast (a 1 + 1 pool on the AVX-512 EPYC).
     prefill_chunks: tuple[tuple[int, int], ...] = ((16, 128),)
+    # Mixed steps (prompt tokens, decode rows beside them, at the largest context): a served step that
+    # admits a prompt while others decode (the `mixed` term).
+    mixed: tuple[tuple[int, int], ...] = ((32, 4), (128, 16))
     expert_tokens: tuple[int, ...] = (1, 8, 64, 256, 1024, 2048)
     max_kv_reads: int = 32768
     front: bool = True
@@ -108,11 +119,12 @@ class ProfileOptions:
     @classmethod
     def quick_options(cls, **kw) -> "ProfileOptions":
         """A smaller grid (about a third of the points) and fewer repeats, for a smoke run."""
-        return cls(repeats=3, quick=True, batches=(1, 16, 64, 256), contexts=(16, 512), prefill=(32, 128, 256),
+        return cls(repeats=3, quick=True, batches=(1, 4, 16, 64, 256), contexts=(16, 512), prefill=(32, 128, 256),
                    expert_tokens=(1, 16, 64, 256, 2048), max_kv_reads=16384, **kw)
 
 
-_GRID = ("repeats", "quick", "batches", "contexts", "prefill", "prefill_chunks", "expert_tokens", "max_kv_reads")
+_GRID = ("repeats", "quick", "batches", "contexts", "prefill", "prefill_chunks", "mixed", "expert_tokens",
+         "max_kv_reads")
 
 
 def best_time(fn, repeats: int, before=None) -> float:
@@ -215,49 +227,74 @@ def _kv_reads(q_lens: list[int], ctx_lens: list[int]) -> int:
     return sum(q * c + q * (q + 1) // 2 for q, c in zip(q_lens, ctx_lens))
 
 
-def prefill_features(q_lens: list[int], ctx_lens: list[int]) -> dict[str, int]:
-    """prefill_tokens and kv_prefill (ATTN_TERMS) of a batch: the new tokens of its sequences with
-    more than one, and the context they read."""
-    pre = [(q, c) for q, c in zip(q_lens, ctx_lens) if q > 1]
-    return {"prefill_tokens": sum(q for q, _ in pre), "kv_prefill": _kv_reads(*zip(*pre)) if pre else 0}
+def prefill_features(q_lens: list[int], ctx_lens: list[int], as_rows: bool = False) -> dict[str, int]:
+    """prefill_tokens, kv_prefill, eager and mixed (ATTN_TERMS) of a batch: the new tokens of its
+    sequences with more than one and the context they read; 1 where there are such tokens (the step
+    runs eagerly), and 1 where one-token rows are beside them (its attention runs in two parts). All 0
+    where its prompt chunks run as one-token rows (as_rows: ModelRunner.prompts_as_rows), a decode step."""
+    pre = [] if as_rows else [(q, c) for q, c in zip(q_lens, ctx_lens) if q > 1]
+    return {"prefill_tokens": sum(q for q, _ in pre), "kv_prefill": _kv_reads(*zip(*pre)) if pre else 0,
+            "eager": int(bool(pre)), "mixed": int(bool(pre) and len(pre) < len(q_lens))}
+
+
+def _ways(runner: ModelRunner, batch: ScheduledBatch) -> list[bool]:
+    """How a runner may compute a step's prompt chunks (as_rows, for prefill_features): as one-token
+    rows where it takes them so (ModelRunner.prompts_as_rows), and as chunks, eagerly, in any case
+    (served prompts that read more keys); a decode step: [False]. The runner is left taking rows."""
+    runner.prompt_rows_key_reads = PROMPT_ROWS_KEY_READS
+    return [True, False] if runner.prompts_as_rows(batch) else [False]
+
+
+def _as_rows(runner: ModelRunner, on: bool) -> None:
+    runner.prompt_rows_key_reads = PROMPT_ROWS_KEY_READS if on else 0
+
+
+def step_shapes(opts: "ProfileOptions", cfg: ModelConfig) -> tuple[list[tuple[list[int], list[int]]], int]:
+    """The (q_lens, ctx_lens) batches measure_attention and measure_colocated time: decode batches at
+    each context (at most max_kv_reads context tokens read), single prompts, chunks of prompts and
+    mixed steps (a prompt beside decode rows at the largest context); and the KV blocks (of 16
+    tokens) they need."""
+    contexts = [c for c in opts.contexts if c < cfg.max_model_len]
+    max_ctx = max(contexts) if contexts else 16
+    pre = [n for n in opts.prefill if n < cfg.max_model_len]
+    chunks = [(b, n) for b, n in opts.prefill_chunks if n < cfg.max_model_len]
+    mixed = [(n, b) for n, b in opts.mixed if n < cfg.max_model_len]
+    shapes = [([1] * b, [c] * b) for b in opts.batches for c in contexts if b * c <= opts.max_kv_reads]
+    shapes += [([n], [0]) for n in pre] + [([n] * b, [0] * b) for b, n in chunks]
+    shapes += [([n] + [1] * b, [0] + [max_ctx] * b) for n, b in mixed]
+    return shapes, blocks_for(max(max_ctx + 1, *pre, *(n for _, n in chunks), *(n for n, _ in mixed), 1), 16) + 1
 
 
 def measure_attention(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     """Attention-side samples: per-layer time and head time of decode and prefill
     batches, for every thread count."""
-    max_ctx = max(c for c in opts.contexts if c < cfg.max_model_len) if opts.contexts else 16
-    pre = [n for n in opts.prefill if n < cfg.max_model_len]
-    chunks = [(b, n) for b, n in opts.prefill_chunks if n < cfg.max_model_len]
+    shapes, num_blocks = step_shapes(opts, cfg)
     block_size = 16
-    num_blocks = blocks_for(max(max_ctx + 1, *pre, *(n for _, n in chunks), 1), block_size) + 1
     evict = CacheEvictor(opts.model)
     disp = _StampingDispatcher(evict)
     runner = ModelRunner(EngineConfig(opts.model, dtype=opts.dtype, cache=CacheConfig(block_size, num_blocks),
                                       quantization=opts.quantization,
                                       quantize_linears=opts.quantize_linears), cfg, disp, 1)
-    L = cfg.num_layers
-    # Large batches at long context cost seconds per point (the CPU's paged attention reads every
-    # token): bounded by max_kv_reads, which still spans the fit's range.
-    shapes = [([1] * b, [c] * b) for b in opts.batches for c in opts.contexts
-              if c < cfg.max_model_len and b * c <= opts.max_kv_reads]
-    shapes += [([n], [0]) for n in pre] + [([n] * b, [0] * b) for b, n in chunks]
+    # (Large batches at long context cost seconds per point, the CPU's paged attention reading every
+    # token: bounded by max_kv_reads, which still spans the fit's range.)
     samples = []
     for threads in opts.threads:
         torch.set_num_threads(threads)
         for q_lens, ctx_lens in shapes:
-            layer_times = []
+            for as_rows in _ways(runner, _batch(q_lens, ctx_lens, block_size, num_blocks)):
+                layer_times = []
 
-            def run():
-                runner.execute(_batch(q_lens, ctx_lens, block_size, num_blocks))
-                gaps, s = disp.layer_times(), disp.stamps
-                layer_times.append(statistics.median(gaps) if gaps else (s[-2] - s[0]))
+                def run():
+                    runner.execute(_batch(q_lens, ctx_lens, block_size, num_blocks))
+                    gaps, s = disp.layer_times(), disp.stamps
+                    layer_times.append(statistics.median(gaps) if gaps else (s[-2] - s[0]))
 
-            best_time(run, opts.repeats)
-            head = _head_time(runner, q_lens, opts.repeats, evict)
-            samples.append({"threads": threads, "tokens": sum(q_lens), "seqs": len(q_lens), "rows": len(q_lens),
-                            "kv_reads": _kv_reads(q_lens, ctx_lens), **prefill_features(q_lens, ctx_lens),
-                            "layer_s": min(layer_times[1:]),
-                            "head_s": head})
+                _as_rows(runner, as_rows)
+                best_time(run, opts.repeats)
+                head = _head_time(runner, q_lens, opts.repeats, evict)
+                samples.append({"threads": threads, "tokens": sum(q_lens), "seqs": len(q_lens), "rows": len(q_lens),
+                                "kv_reads": _kv_reads(q_lens, ctx_lens), **prefill_features(q_lens, ctx_lens, as_rows),
+                                "layer_s": min(layer_times[1:]), "head_s": head})
     return samples
 
 
@@ -405,28 +442,22 @@ def served_time(fns: list, repeats: int) -> float:
 def measure_colocated(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     """Whole colocated steps as a colocated engine computes them: ModelRunner.execute with the
     experts in this process (the native decode step where the model takes it), random tokens, over
-    measure_attention's grid of decode batches and prefill chunks, per thread count: the median of
+    measure_attention's grid (step_shapes), per thread count: the median of
     opts.repeats rounds of SERVED_VARIANTS batches of the shape with other tokens (so other experts)
     in turn, without evicting the caches: each step finds them as the one before left it, as served
     steps do. (Evicted first, a step of one sequence of the built-in model took 0.84 ms against 0.43
     served; of 64, 2.27 against 2.09 repeated.) Fit: T = k1 tokens + k0 + kc kv_reads + kp
-    prefill_tokens + kq kv_prefill + ke active (COLOCATED_TERMS; active: the experts the tokens are
-    expected to reach), which the simulator takes for a colocated step's compute. The parts measured
+    prefill_tokens + kq kv_prefill + ke active + kg eager + km mixed (COLOCATED_TERMS; active: the
+    experts the tokens are expected to reach), which the simulator takes for a colocated step's compute. The parts measured
     one at a time (attention with the experts stubbed, the experts through an expert worker's call,
     the head) added up to less than such a step: on the 2-core AMX Xeon a 1-thread step of 2,048
     prompt tokens took 1.55x their sum and decode steps 1.25-1.3x, so served colocated runs came
     out 22-39% slower than predicted from them."""
-    max_ctx = max(c for c in opts.contexts if c < cfg.max_model_len) if opts.contexts else 16
-    pre = [n for n in opts.prefill if n < cfg.max_model_len]
-    chunks = [(b, n) for b, n in opts.prefill_chunks if n < cfg.max_model_len]
+    shapes, num_blocks = step_shapes(opts, cfg)
     block_size = 16
-    num_blocks = blocks_for(max(max_ctx + 1, *pre, *(n for _, n in chunks), 1), block_size) + 1
     runner = ModelRunner(EngineConfig(opts.model, dtype=opts.dtype, cache=CacheConfig(block_size, num_blocks),
                                       quantization=opts.quantization,
                                       quantize_linears=opts.quantize_linears), cfg)
-    shapes = [([1] * b, [c] * b) for b in opts.batches for c in opts.contexts
-              if c < cfg.max_model_len and b * c <= opts.max_kv_reads]
-    shapes += [([n], [0]) for n in pre] + [([n] * b, [0] * b) for b, n in chunks]
     E, K = cfg.num_experts, cfg.top_k
     samples = []
     for threads in opts.threads:
@@ -434,11 +465,13 @@ def measure_colocated(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
         for q_lens, ctx_lens in shapes:
             batches = [_batch(q_lens, ctx_lens, block_size, num_blocks, cfg.vocab_size, v)
                        for v in range(SERVED_VARIANTS)]
-            t = served_time([lambda b=b: runner.execute(b) for b in batches], opts.repeats)
-            tokens = sum(q_lens)
-            samples.append({"threads": threads, "tokens": tokens, "seqs": len(q_lens),
-                            "kv_reads": _kv_reads(q_lens, ctx_lens), **prefill_features(q_lens, ctx_lens),
-                            "active": float(expected_active(tokens, E, E, K)), "step_s": t})
+            for as_rows in _ways(runner, batches[0]):
+                _as_rows(runner, as_rows)
+                t = served_time([lambda b=b: runner.execute(b) for b in batches], opts.repeats)
+                tokens = sum(q_lens)
+                samples.append({"threads": threads, "tokens": tokens, "seqs": len(q_lens),
+                                "kv_reads": _kv_reads(q_lens, ctx_lens), **prefill_features(q_lens, ctx_lens, as_rows),
+                                "active": float(expected_active(tokens, E, E, K)), "step_s": t})
     return samples
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from attention_nodes.block_manager import BlockManager, blocks_for
 from attention_nodes.config import ParallelConfig, SchedulerConfig, worker_threads
-from attention_nodes.model_runner import split_micro_batches
+from attention_nodes.model_runner import PROMPT_ROWS_KEY_READS, prompt_key_reads, split_micro_batches
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import ScheduledBatch, Scheduler
 from attention_nodes.sequence import Sequence
@@ -251,12 +251,16 @@ class Simulator(SpeculativeSteps):
     def _shape(self, batches: list[ScheduledBatch]) -> tuple[np.ndarray, ...]:
         """Per worker and micro-batch: tokens, context tokens read, sampled rows, the tokens it emits
         (a verified sequence: 1 + its accepted drafts), and the tokens and reads of its prefilling
-        sequences (more than one new token, not a verification's decode rows); per worker: seqs."""
+        sequences (more than one new token, not a verification's decode rows; none where the worker
+        computes them as one-token rows: ModelRunner.prompts_as_rows); per worker: seqs and prompt tokens."""
         W, m = len(batches), self.dep.micro_batches
         tok, kv, rows, out, ptok, pkv = (np.zeros((W, m)) for _ in range(6))
-        seqs = np.zeros(W)
+        seqs, prompt = np.zeros(W), np.zeros(W)
+        as_rows = self.perf.prompts_as_rows()
         for w, b in enumerate(batches):
             seqs[w] = len(b.seqs)
+            prompt[w] = sum(n for n, s in zip(b.num_new_tokens, b.seqs) if n > 1 and not s.num_draft_tokens)
+            chunks = not (as_rows and prompt_key_reads(b.seqs, b.num_new_tokens) <= PROMPT_ROWS_KEY_READS)
             for i, g in enumerate(split_micro_batches(b.num_new_tokens, m)):
                 for j in g:
                     seq = b.seqs[j]
@@ -270,26 +274,31 @@ class Simulator(SpeculativeSteps):
                         continue
                     rows[w, i] += b.sample[j]
                     out[w, i] += b.sample[j]
-                    if q > 1:
+                    if q > 1 and chunks:
                         ptok[w, i] += q
                         pkv[w, i] += reads
-        return tok, kv, rows, out, seqs, ptok, pkv
+        return tok, kv, rows, out, seqs, ptok, pkv, prompt
 
     def step_time(self, t0: float, batches: list[ScheduledBatch], step: int = 0) -> float:
         """Simulated end time of a step that starts at t0 with these batches (one per attention worker)."""
-        tok, kv, rows, out, seqs, ptok, pkv = self._shape(batches)
+        tok, kv, rows, out, seqs, ptok, pkv, prompt = self._shape(batches)
         (th, th_e), mod, dep = self.dep.pool_threads, self.model, self.dep
         slow = self._slow_at(tok)
-        A = self.perf.attention(tok, kv, th, prefill_tokens=ptok, kv_prefill=pkv) * slow
+        # A worker's step with prompt tokens runs every micro-batch eagerly (NativeDecode.mode), and a
+        # micro-batch with decode rows beside them splits its attention (planner.profile.prefill_features)
+        eager = ((ptok.sum(1, keepdims=True) > 0) & (tok > 0)).astype(float)
+        mixed = ((ptok > 0) & (tok > ptok)).astype(float)
+        A = self.perf.attention(tok, kv, th, prefill_tokens=ptok, kv_prefill=pkv, eager=eager, mixed=mixed) * slow
         H = self.perf.head(rows, tok, th) * slow
-        S = self.perf.step(seqs, th, prefill_tokens=ptok.sum(1)) * self.slow
+        S = self.perf.step(seqs, th, prefill_tokens=prompt) * self.slow
         trace = step < self.trace_steps
         if dep.colocated:
             X = self.perf.experts(tok * mod.top_k, expected_active(tok, mod.num_experts, mod.num_experts, mod.top_k),
                                   th) * self.slow
             n = tok.sum(1)
             whole = self.perf.colocated(n, kv.sum(1), th, prefill_tokens=ptok.sum(1), kv_prefill=pkv.sum(1),
-                                        active=expected_active(n, mod.num_experts, mod.num_experts, mod.top_k))
+                                        active=expected_active(n, mod.num_experts, mod.num_experts, mod.top_k),
+                                        eager=eager.max(1), mixed=mixed.max(1))
             if whole is not None and dep.micro_batches == 1:  # whole steps as measured
                 work = S + whole * self.slow
             else:  # the parts (and the native decode step's saving, measured on its own)

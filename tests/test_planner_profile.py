@@ -178,11 +178,28 @@ def test_cache_evictor_reads_the_llc_size_and_runs_only_for_models_larger_than_i
 def test_prefill_features_count_only_the_prefilling_sequences():
     from planner.profile import ATTN_TERMS, prefill_features
 
-    assert {"prefill_tokens", "kv_prefill"} <= set(ATTN_TERMS)
+    assert {"prefill_tokens", "kv_prefill", "eager", "mixed"} <= set(ATTN_TERMS)
     # decodes (1 new token) are left out; a 5-token chunk after 0 and a 3-token one after 4 tokens
-    # of context read 1 + ... + 5 = 15 and 3 * 4 + 6 = 18 positions
-    assert prefill_features([1, 1, 5, 3], [10, 20, 0, 4]) == {"prefill_tokens": 8, "kv_prefill": 33}
-    assert prefill_features([1, 1], [7, 9]) == {"prefill_tokens": 0, "kv_prefill": 0}
+    # of context read 1 + ... + 5 = 15 and 3 * 4 + 6 = 18 positions; the step runs eagerly and mixes
+    assert prefill_features([1, 1, 5, 3], [10, 20, 0, 4]) == {"prefill_tokens": 8, "kv_prefill": 33, "eager": 1,
+                                                               "mixed": 1}
+    assert prefill_features([1, 1], [7, 9]) == {"prefill_tokens": 0, "kv_prefill": 0, "eager": 0, "mixed": 0}
+    assert prefill_features([4, 2], [0, 3]) == {"prefill_tokens": 6, "kv_prefill": 10 + 9, "eager": 1, "mixed": 0}
+
+
+def test_step_shapes_time_mixed_steps():
+    """The attention and colocated samples include a prompt beside decode rows (the `mixed` term's
+    only samples) at the grid's largest context, and the cache holds every shape."""
+    from planner.profile import ProfileOptions, step_shapes
+    from types import SimpleNamespace
+
+    opts = ProfileOptions("m", batches=(1, 8), contexts=(16, 300), prefill=(40,), prefill_chunks=((2, 24),),
+                          mixed=((32, 4), (5000, 2)), max_kv_reads=4096)
+    shapes, blocks = step_shapes(opts, SimpleNamespace(max_model_len=2048))
+    assert ([32, 1, 1, 1, 1], [0, 300, 300, 300, 300]) in shapes
+    assert not any(q[0] == 5000 for q, _ in shapes)  # past max_model_len
+    assert ([1] * 8, [300] * 8) in shapes and ([40], [0]) in shapes and ([24, 24], [0, 0]) in shapes
+    assert blocks * 16 > 300
 
 
 def test_profile_quantization_reaches_every_measurement(tmp_path, make_checkpoint, monkeypatch, capsys):

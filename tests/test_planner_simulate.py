@@ -808,8 +808,33 @@ def test_verification_rows_are_decode_rows_and_every_one_is_sampled():
     seq.token_ids += [1, 1]
     seq.num_draft_tokens = 2
     s._accept[id(seq)] = 1
-    tok, kv, rows, out, seqs, ptok, pkv = s._shape([ScheduledBatch([seq], [3], [True])])
+    tok, kv, rows, out, seqs, ptok, pkv, prompt = s._shape([ScheduledBatch([seq], [3], [True])])
     assert tok[0, 0] == 3 and rows[0, 0] == 3 and out[0, 0] == 2 and ptok[0, 0] == 0 and pkv[0, 0] == 0
+    assert prompt[0] == 0
+
+
+def test_short_prompts_are_decode_rows_where_the_profile_timed_them_so():
+    """As ModelRunner.prompts_as_rows: where the profiled model has the native decode step and the profile
+    timed prompt chunks both ways (its fits have `eager`), a step whose chunks read at most
+    PROMPT_ROWS_KEY_READS keys computes them as decode rows (no prefill features, not eager), a longer one
+    as chunks; the step's own prompt tokens (admitting them) count either way. Older profiles: chunks."""
+    from attention_nodes.model_runner import PROMPT_ROWS_KEY_READS
+
+    p = profile(a=1.0, layers=2)
+    p["fits"]["1"]["attention"] = fit(("tokens", "const", "prefill_tokens", "eager", "mixed"), (0.0, MS, MS, MS, MS))
+    old = sim(profile(a=1.0, layers=2))
+    p["fits"]["1"]["native_decode"] = fit(("tokens", "const"), (0.0, 0.0))
+    new = sim(p)
+    n = 1
+    while n * (n + 1) // 2 <= PROMPT_ROWS_KEY_READS:
+        n += 1
+    short, long = batch([n - 1, 1]), batch([n, 1])
+    for s, b, chunks in ((new, short, False), (new, long, True), (old, short, True)):
+        tok, kv, rows, out, seqs, ptok, pkv, prompt = s._shape([b])
+        assert prompt[0] == b.num_new_tokens[0] and tok[0, 0] == b.num_new_tokens[0] + 1
+        assert ptok[0, 0] == (b.num_new_tokens[0] if chunks else 0)
+    # a step of chunks pays eager and mixed (1 ms each) and its prefill tokens (1 ms each) on every layer
+    assert new.step_time(0.0, [long]) - new.step_time(0.0, [short]) == pytest.approx(2 * (2 + n) * MS)
 
 
 def test_drafts_stop_at_the_end_of_a_sequences_blocks_and_near_max_tokens():
