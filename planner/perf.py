@@ -96,9 +96,15 @@ class ProfilePerf:
         f, s = self._fit("head", threads)
         return np.where(np.asarray(tokens) > 0, f(rows=rows, tokens=tokens) * s, 0.0)
 
-    def step(self, seqs, threads: int = 1, prefill_tokens=0):
+    def step(self, seqs, threads: int = 1, prefill_tokens=0, verify_rows=0):
+        """The step's own work; a step that verifies drafts (verify_rows > 0: the verified sequences'
+        rows) from the speculative steps' fit where the profile has one (measure_mtp)."""
         f, s = self._fit("step", threads)
-        return f(seqs=seqs, prefill_tokens=prefill_tokens) * s
+        t = f(seqs=seqs, prefill_tokens=prefill_tokens)
+        spec, _ = self._fit("spec_step", threads)
+        if spec is not None:
+            t = np.where(np.asarray(verify_rows) > 0, spec(seqs=seqs, verify_rows=verify_rows), t)
+        return t * s
 
     def experts(self, pairs, active, threads: int = 1):
         f, s = self._fit("experts", threads)
@@ -208,7 +214,7 @@ class RooflinePerf:
                        c.hidden_size * c.vocab_size * c.dtype.itemsize) + self.eff.layer_overhead_us * 1e-6
         return np.where(np.asarray(tokens) > 0, t, 0.0)
 
-    def step(self, seqs, threads: int = 1, prefill_tokens=0):
+    def step(self, seqs, threads: int = 1, prefill_tokens=0, verify_rows=0):
         return self.eff.step_overhead_us * 1e-6 + 0.0 * np.asarray(seqs, dtype=float)
 
     def prompts_as_rows(self) -> bool:

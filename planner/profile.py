@@ -87,6 +87,7 @@ EXPERT_TERMS = ("pairs", "const", "active")
 NATIVE_DECODE_TERMS = ("tokens", "const")
 COLOCATED_TERMS = ("tokens", "const", "kv_reads", "prefill_tokens", "kv_prefill", "active", "eager", "mixed")
 MTP_TERMS = ("rows", "passes", "prefill_tokens")
+SPEC_STEP_TERMS = ("seqs", "const", "verify_rows")  # a step that verifies drafts, outside its forward and drafting
 
 
 @dataclass(frozen=True)
@@ -418,6 +419,9 @@ def fit_samples(samples: dict[str, list[dict]], threads: int) -> dict[str, Fit]:
     d = pick("mtp") if samples.get("mtp") else []
     if len(d) >= len(MTP_TERMS):
         fits["mtp"] = fit_linear(d, [r["mtp_s"] for r in d], MTP_TERMS)
+    v = pick("mtp_step") if samples.get("mtp_step") else []
+    if len(v) >= len(SPEC_STEP_TERMS):
+        fits["spec_step"] = fit_linear(v, [r["step_s"] for r in v], SPEC_STEP_TERMS)
     return fits
 
 
@@ -518,9 +522,10 @@ def measure_workers(opts: ProfileOptions, cfg: ModelConfig) -> dict[str, list[di
     opts, in this process; "mtp_acceptance" is measure_mtp's acceptance (None without an MTP layer)."""
     old_threads = torch.get_num_threads()
     try:
-        mtp, acceptance = measure_mtp(opts, cfg)
+        mtp, mtp_steps, acceptance = measure_mtp(opts, cfg)
         return {"attention": measure_attention(opts, cfg), "step": measure_step(opts, cfg),
-                "experts": measure_experts(opts, cfg), "mtp": mtp, "mtp_acceptance": acceptance}
+                "experts": measure_experts(opts, cfg), "mtp": mtp, "mtp_step": mtp_steps,
+                "mtp_acceptance": acceptance}
     finally:
         torch.set_num_threads(old_threads)
 

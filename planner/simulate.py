@@ -252,10 +252,11 @@ class Simulator(SpeculativeSteps):
         """Per worker and micro-batch: tokens, context tokens read, sampled rows, the tokens it emits
         (a verified sequence: 1 + its accepted drafts), and the tokens and reads of its prefilling
         sequences (more than one new token, not a verification's decode rows; none where the worker
-        computes them as one-token rows: ModelRunner.prompts_as_rows); per worker: seqs and prompt tokens."""
+        computes them as one-token rows: ModelRunner.prompts_as_rows); per worker: seqs, prompt tokens and
+        verified rows."""
         W, m = len(batches), self.dep.micro_batches
         tok, kv, rows, out, ptok, pkv = (np.zeros((W, m)) for _ in range(6))
-        seqs, prompt = np.zeros(W), np.zeros(W)
+        seqs, prompt, verify = np.zeros(W), np.zeros(W), np.zeros(W)
         as_rows = self.perf.prompts_as_rows()
         for w, b in enumerate(batches):
             seqs[w] = len(b.seqs)
@@ -270,6 +271,7 @@ class Simulator(SpeculativeSteps):
                     kv[w, i] += reads
                     if seq.num_draft_tokens:  # verified: every row sampled
                         rows[w, i] += q
+                        verify[w] += q
                         out[w, i] += 1 + self._accepted(seq)
                         continue
                     rows[w, i] += b.sample[j]
@@ -277,11 +279,11 @@ class Simulator(SpeculativeSteps):
                     if q > 1 and chunks:
                         ptok[w, i] += q
                         pkv[w, i] += reads
-        return tok, kv, rows, out, seqs, ptok, pkv, prompt
+        return tok, kv, rows, out, seqs, ptok, pkv, prompt, verify
 
     def step_time(self, t0: float, batches: list[ScheduledBatch], step: int = 0) -> float:
         """Simulated end time of a step that starts at t0 with these batches (one per attention worker)."""
-        tok, kv, rows, out, seqs, ptok, pkv, prompt = self._shape(batches)
+        tok, kv, rows, out, seqs, ptok, pkv, prompt, verify = self._shape(batches)
         (th, th_e), mod, dep = self.dep.pool_threads, self.model, self.dep
         slow = self._slow_at(tok)
         # A worker's step with prompt tokens runs every micro-batch eagerly (NativeDecode.mode), and a
@@ -290,7 +292,7 @@ class Simulator(SpeculativeSteps):
         mixed = ((ptok > 0) & (tok > ptok)).astype(float)
         A = self.perf.attention(tok, kv, th, prefill_tokens=ptok, kv_prefill=pkv, eager=eager, mixed=mixed) * slow
         H = self.perf.head(rows, tok, th) * slow
-        S = self.perf.step(seqs, th, prefill_tokens=prompt) * self.slow
+        S = self.perf.step(seqs, th, prefill_tokens=prompt, verify_rows=verify) * self.slow
         trace = step < self.trace_steps
         if dep.colocated:
             X = self.perf.experts(tok * mod.top_k, expected_active(tok, mod.num_experts, mod.num_experts, mod.top_k),

@@ -295,19 +295,24 @@ def test_profile_quantization_reaches_every_measurement(tmp_path, make_checkpoin
 
 def test_profile_times_mtp_drafting_and_measures_its_acceptance(make_checkpoint, tmp_path):
     """A checkpoint with an MTP layer: every mtp_draft call of real drafting engines (k = 1 and 3) is a
-    sample with its rows, passes and prompt rows, the fit has them, and the acceptance per position is
-    a non-increasing share; a checkpoint without one has neither."""
+    sample with its rows, passes and prompt rows, the fit has them, each verifying step's own work is a
+    sample with its sequences and verified rows, and the acceptance per position is a non-increasing
+    share; a checkpoint without one has none of them."""
     import torch
 
     from models.config import ModelConfig
-    from planner.profile import MTP_DRAFTS, MTP_TERMS, ProfileOptions, measure_mtp
+    from planner.profile import MTP_DRAFTS, MTP_TERMS, SPEC_STEP_TERMS, ProfileOptions, measure_mtp
     from tests.test_mtp import add_mtp_layer
 
     ckpt = add_mtp_layer(make_checkpoint("mixtral"), tmp_path / "mtp", seed=2)
     raw = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 1}))
     opts = ProfileOptions(str(ckpt), torch.float32, threads=(1,), repeats=1, batches=(1, 4, 128))
-    samples, acceptance = measure_mtp(opts, ModelConfig.from_pretrained(str(ckpt)))
+    samples, steps, acceptance = measure_mtp(opts, ModelConfig.from_pretrained(str(ckpt)))
+    assert {s["k"] for s in steps} == set(MTP_DRAFTS) and {s["seqs"] for s in steps} >= {1, 4}
+    assert all(s["seqs"] <= s["verify_rows"] <= s["seqs"] * (1 + s["k"]) and s["step_s"] > 0 for s in steps)
+    assert any(s["verify_rows"] > s["seqs"] for s in steps)
+    assert fit_linear(steps, [s["step_s"] for s in steps], SPEC_STEP_TERMS)(seqs=4, verify_rows=12) > 0
     assert {s["k"] for s in samples} == set(MTP_DRAFTS) and {s["seqs"] for s in samples} >= {1, 4}
     assert max(s["seqs"] for s in samples) <= 4  # (batches above MTP_MAX_BATCH are not drafted for)
     assert any(s["prefill_tokens"] for s in samples) and any(s["passes"] == max(MTP_DRAFTS) for s in samples)
@@ -316,10 +321,10 @@ def test_profile_times_mtp_drafting_and_measures_its_acceptance(make_checkpoint,
     fit = fit_linear(samples, [s["mtp_s"] for s in samples], MTP_TERMS)
     assert fit(rows=4, passes=3, prefill_tokens=0) > 0
     plain = make_checkpoint("mixtral")
-    assert measure_mtp(opts.__class__(str(plain), torch.float32), ModelConfig.from_pretrained(str(plain))) == ([], None)
+    assert measure_mtp(opts.__class__(str(plain), torch.float32), ModelConfig.from_pretrained(str(plain))) == ([], [], None)
     # a model the engine does not speculate on (its linear-attention state cannot take back drafts)
     hybrid = make_checkpoint("qwen3_next")
     raw = json.loads((hybrid / "config.json").read_text())
     (hybrid / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 1}))
     cfg = ModelConfig.from_pretrained(str(hybrid))
-    assert cfg.num_mtp_layers == 1 and measure_mtp(opts.__class__(str(hybrid), torch.float32), cfg) == ([], None)
+    assert cfg.num_mtp_layers == 1 and measure_mtp(opts.__class__(str(hybrid), torch.float32), cfg) == ([], [], None)

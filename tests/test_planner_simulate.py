@@ -808,9 +808,21 @@ def test_verification_rows_are_decode_rows_and_every_one_is_sampled():
     seq.token_ids += [1, 1]
     seq.num_draft_tokens = 2
     s._accept[id(seq)] = 1
-    tok, kv, rows, out, seqs, ptok, pkv, prompt = s._shape([ScheduledBatch([seq], [3], [True])])
+    tok, kv, rows, out, seqs, ptok, pkv, prompt, verify = s._shape([ScheduledBatch([seq], [3], [True])])
     assert tok[0, 0] == 3 and rows[0, 0] == 3 and out[0, 0] == 2 and ptok[0, 0] == 0 and pkv[0, 0] == 0
-    assert prompt[0] == 0
+    assert prompt[0] == 0 and verify[0] == 3
+
+
+def test_verifying_steps_take_the_speculative_steps_fit():
+    """A step that verifies drafts costs the profile's spec_step fit (sampling every verified row), one
+    without drafts the plain step fit; profiles without spec_step keep the plain fit for both."""
+    p = profile(s=0.25)
+    plain = ProfilePerf(p)
+    p["fits"]["1"]["spec_step"] = fit(("seqs", "const", "verify_rows"), (0.0, 0.25 * MS, 0.1 * MS))
+    perf = ProfilePerf(p)
+    got = perf.step(np.array([4.0, 4.0]), 1, verify_rows=np.array([0.0, 12.0]))
+    assert got == pytest.approx([0.25 * MS, (0.25 + 1.2) * MS])
+    assert plain.step(np.array([4.0]), 1, verify_rows=np.array([12.0])) == pytest.approx([0.25 * MS])
 
 
 def test_short_prompts_are_decode_rows_where_the_profile_timed_them_so():
@@ -830,7 +842,7 @@ def test_short_prompts_are_decode_rows_where_the_profile_timed_them_so():
         n += 1
     short, long = batch([n - 1, 1]), batch([n, 1])
     for s, b, chunks in ((new, short, False), (new, long, True), (old, short, True)):
-        tok, kv, rows, out, seqs, ptok, pkv, prompt = s._shape([b])
+        tok, kv, rows, out, seqs, ptok, pkv, prompt, _ = s._shape([b])
         assert prompt[0] == b.num_new_tokens[0] and tok[0, 0] == b.num_new_tokens[0] + 1
         assert ptok[0, 0] == (b.num_new_tokens[0] if chunks else 0)
     # a step of chunks pays eager and mixed (1 ms each) and its prefill tokens (1 ms each) on every layer
