@@ -450,6 +450,7 @@ class ModelRunner:
             offset += n
         return rows, chunked and reads > MTP_NATIVE_KEY_READS
 
+
 def prompt_key_reads(seqs, num_new_tokens: list[int]) -> int:
     """Cached keys the prompt chunks of a step read as one-token rows: n c + n (n + 1) / 2 for a chunk of n
     tokens after c (verifications' rows not counted: they are rows whatever the choice)."""

@@ -98,9 +98,7 @@ class ProfileOptions:
     transports: tuple[str, ...] = ("shm",)
     repeats: int = 3
     quick: bool = False
-    # (4: the experts a few rows reach, apart from the rows themselves; with 1 and 16 alone the
-    # colocated fit's `active` term came out 9 us an expert where verifying 4 rows against 1 measured
-    # ~90: the speculative rows at batch 1 predicted 28% fast)
+    # (4: a step of a few rows, as a speculative step verifies at batch 1, between 1 and 16)
     batches: tuple[int, ...] = (1, 4, 16, 64, 256)
     contexts: tuple[int, ...] = (16, 256, 1024)
     prefill: tuple[int, ...] = (32, 128, 512)
@@ -452,11 +450,11 @@ def measure_colocated(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     steps do. (Evicted first, a step of one sequence of the built-in model took 0.84 ms against 0.43
     served; of 64, 2.27 against 2.09 repeated.) Fit: T = k1 tokens + k0 + kc kv_reads + kp
     prefill_tokens + kq kv_prefill + ke active + kg eager + km mixed (COLOCATED_TERMS; active: the
-    experts the tokens are expected to reach), which the simulator takes for a colocated step's compute. The parts measured
-    one at a time (attention with the experts stubbed, the experts through an expert worker's call,
-    the head) added up to less than such a step: on the 2-core AMX Xeon a 1-thread step of 2,048
-    prompt tokens took 1.55x their sum and decode steps 1.25-1.3x, so served colocated runs came
-    out 22-39% slower than predicted from them."""
+    experts the tokens are expected to reach), which the simulator takes for a colocated step's compute.
+    The parts measured one at a time (attention with the experts stubbed, the experts through an expert
+    worker's call, the head) added up to less than such a step: on the 2-core AMX Xeon a 1-thread step
+    of 2,048 prompt tokens took 1.55x their sum and decode steps 1.25-1.3x, so served colocated runs
+    came out 22-39% slower than predicted from them."""
     shapes, num_blocks = step_shapes(opts, cfg)
     block_size = 16
     runner = ModelRunner(EngineConfig(opts.model, dtype=opts.dtype, cache=CacheConfig(block_size, num_blocks),

@@ -66,7 +66,8 @@ def measure_mtp(opts: "ProfileOptions", cfg: ModelConfig) -> tuple[list[dict], l
 
         def composed(batch):  # (the drafts are dropped once verified: counted here)
             spent["verify"] = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_draft_tokens)
-            spent["prompt"] = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1 and not s.num_draft_tokens)
+            spent["prompt"] = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens)
+                                  if n > 1 and not s.num_draft_tokens)
             return execute(batch)
 
         def counted(drafted: int, accepted: int) -> None:

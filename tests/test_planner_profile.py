@@ -321,7 +321,8 @@ def test_profile_times_mtp_drafting_and_measures_its_acceptance(make_checkpoint,
     fit = fit_linear(samples, [s["mtp_s"] for s in samples], MTP_TERMS)
     assert fit(rows=4, passes=3, prefill_tokens=0) > 0
     plain = make_checkpoint("mixtral")
-    assert measure_mtp(opts.__class__(str(plain), torch.float32), ModelConfig.from_pretrained(str(plain))) == ([], [], None)
+    assert measure_mtp(opts.__class__(str(plain), torch.float32),
+                       ModelConfig.from_pretrained(str(plain))) == ([], [], None)
     # a model the engine does not speculate on (its linear-attention state cannot take back drafts)
     hybrid = make_checkpoint("qwen3_next")
     raw = json.loads((hybrid / "config.json").read_text())
