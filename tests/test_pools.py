@@ -19,6 +19,7 @@ from attention_nodes import messages as wire
 from attention_nodes.config import CacheConfig, EngineConfig, ParallelConfig, worker_threads
 from attention_nodes.engine import LLMEngine
 from attention_nodes.sampling_params import SamplingParams
+from kernels import native
 from m2n_comm.m2n import Placement
 import pools.engine as pools_module
 from pools.engine import PoolEngine, WorkerFailedError
@@ -146,6 +147,23 @@ def test_replicated_hot_expert_and_llm_api(make_checkpoint, tmp_path):
         assert max(s["seqs"] for s in steps) <= len(prompts)
     front = [e["args"]["deltas"] for e in json.loads((tmp_path / "trace" / "front.trace.json").read_text())]
     assert sum(front) == sum(len(g) for g in got)  # every token came through the front's steps
+
+
+@pytest.mark.skipif(not native.avx512_bf16(), reason="needs AVX-512 BF16 and the native kernels")
+def test_bf16_native_layers_in_pools_equal_colocated(make_checkpoint):
+    """bf16 on AVX-512 BF16: the attention worker runs each layer's attention side natively
+    (models/native_decode.py, "layers"), its prompts as one-token rows too (ModelRunner.prompts_as_rows),
+    at m = 2; greedy ids equal the colocated engine's, whose steps run whole in the native call."""
+    ckpt = make_checkpoint("mixtral", dtype="bfloat16")
+    colocated = LLM(ckpt, num_kv_blocks=64)
+    want = [o.outputs[0].token_ids for o in colocated.generate(PROMPTS, PARAMS)]
+    colocated.shutdown()
+    llm = LLM(ckpt, num_kv_blocks=64, colocated=False, micro_batches=2, torch_threads=1)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    finally:
+        llm.shutdown()
+    assert got == want
 
 
 def test_request_bigger_than_the_cache_is_refused_as_colocated(make_checkpoint):
