@@ -88,9 +88,10 @@ def front_scales(profile: dict) -> list[dict]:
     planner.front.measure_scale_runs (a colocated engine per thread count, at two batch sizes at the
     most threads; 1 + 1 pools at m = 1), the factor on the front's and the load generator's CPU
     (planner.simulate.front_scale) with which the simulator gives the run's wall time, in [0, 2]
-    (bisection: the simulated duration grows with it). [] without served runs."""
+    (bisection: the simulated duration grows with it); a run that speculated is simulated so, at the
+    profile's acceptance. [] without served runs."""
     from planner.perf import ProfilePerf
-    from planner.simulate import Deployment, SimModel, Simulator, Workload
+    from planner.simulate import Deployment, SimModel, Simulator, Speculation, Workload
 
     bare = {k: v for k, v in profile.items() if k != "front_scales"}
     model, cores = SimModel.from_profile(bare), profile["host"]["cores"]
@@ -99,12 +100,14 @@ def front_scales(profile: dict) -> list[dict]:
         dep = Deployment(run["kind"] == "colocated", 1, 1, 1, run["threads"], cores, "shm",
                          max_num_seqs=run["concurrency"])
         entry = {"kind": run["kind"], "threads": run["threads"] or max(dep.pool_threads),
-                 "concurrency": run["concurrency"]}
+                 "concurrency": run["concurrency"], **({"speculative": run["speculative"]} if run.get("speculative")
+                                                       else {})}
+        spec = Speculation.of(run["speculative"], profile.get("mtp_acceptance")) if run.get("speculative") else None
         work = Workload(run["requests"], run["prompt_len"], run["output_len"], run["concurrency"])
 
         def duration(scale: float) -> float:
             perf = ProfilePerf({**bare, "front_scales": [{**entry, "scale": scale}]})
-            return Simulator(perf, model, dep).run(work)["duration"]
+            return Simulator(perf, model, dep, spec=spec).run(work)["duration"]
         lo, hi = 0.0, 2.0
         if duration(hi) <= run["load_s"]:
             lo = hi

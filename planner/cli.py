@@ -136,7 +136,8 @@ def format_profile(p: dict) -> str:
     if p.get("front_scales"):
         lines.append("  the front's CPU beside steps that take every core, solved on served runs: " + ", ".join(
             f"{'colocated' if h['kind'] == 'colocated' else '1 + 1 m=1'} at {h['threads']} threads"
-            + (f" batch {h['concurrency']}" if h.get("concurrency") else "") + f" {h['scale']:.2f}x"
+            + (f" batch {h['concurrency']}" if h.get("concurrency") else "")
+            + (" speculating" if h.get("speculative") else "") + f" {h['scale']:.2f}x"
             for h in p["front_scales"]))
     if p.get("front"):
         fr = p["front"]

@@ -27,6 +27,7 @@ measured deployment, so the model's shares can be checked against served runs.
 import contextlib
 import io
 import itertools
+import json
 import os
 import socket
 import subprocess
@@ -54,6 +55,11 @@ LARGE_SCALE_BATCH = 256
 # front apart from the workers (0.75 ms with the load generator's on the built-in model), is more than a
 # colocated step of one sequence takes as served (0.69 ms), so the factor at 64 made batch-1 rows 43% slow.
 SMALL_SCALE_BATCH, SMALL_SCALE_PROMPTS = 1, 32
+# ... and, for a model with MTP layers, both deployments speculating (method mtp, SPEC_SCALE_K drafts) at
+# SPEC_SCALE_BATCH, a concurrency where disable_by_batch_size's default (4) keeps speculation on: the front
+# beside speculative steps is not the front beside plain ones (the simulator charged it per step, so MTP's
+# fewer steps cost it less; served 1 + 1, it spent as much CPU per token or more: 181 against 168 us).
+SPEC_SCALE_BATCH, SPEC_SCALE_K = 2, 2
 # Runs at LARGE x the batch, for the split of the CPU into per token and per step only: the same
 # tokens in about half the batch-64 run's steps. With the batch-16 and batch-64 runs alone (about
 # 260 and 80 steps for the same 4,096 tokens) the split follows the host's noise: three profiles of
@@ -205,7 +211,7 @@ def measure_scale_runs(model: str, threads: tuple[int, ...], dtype: str | None =
                        prompts: int = 256, input_len: int = 64, output_len: int = 16,
                        quantization: str | None = None, quantize_linears: bool = False,
                        large_batch: int | None = LARGE_SCALE_BATCH,
-                       small_batch: int | None = SMALL_SCALE_BATCH) -> list[dict]:
+                       small_batch: int | None = SMALL_SCALE_BATCH, speculative: bool = False) -> list[dict]:
     """Served runs of the deployments whose steps take every core the front and the load generator
     share: `shuttle serve --colocated --torch-threads t` for each t in `threads`, and a 1 + 1 pool
     at m = 1 (serve's threads), each at concurrency `batch`; the colocated engine at the most threads
@@ -213,9 +219,11 @@ def measure_scale_runs(model: str, threads: tuple[int, ...], dtype: str | None =
     engine at the most threads also at `large_batch` (None: not), with as many waves of prompts (prompts / batch: requests of one
     wave start and end a few steps apart, so later waves mix prefill into decode steps, which one wave
     of 256 does not: its factor came out below batch 64's where the 4-wave rows needed one above).
-    SERVED_REPEATS runs after a warm-up, the run of median duration kept as served.
-    planner.calibrate.front_scales solves each for the factor on the front's CPU beside such steps.
-    Returns [{"kind": "colocated" or "m1", "threads", **served run}] (threads None: serve's own)."""
+    With speculative (a model with MTP layers), the colocated engine at the most threads and the m = 1
+    pool also drafting (SPEC_SCALE_K, method mtp) at SPEC_SCALE_BATCH. SERVED_REPEATS runs after a
+    warm-up, the run of median duration kept as served. planner.calibrate.front_scales solves each for
+    the factor on the front's CPU beside such steps. Returns [{"kind": "colocated" or "m1", "threads",
+    "speculative": its --speculative-config or None, **served run}] (threads None: serve's own)."""
     plan = [("colocated", t, ["--colocated", "--torch-threads", str(t)], batch, prompts) for t in threads]
     if large_batch and large_batch != batch:
         t = max(threads)
@@ -226,6 +234,13 @@ def measure_scale_runs(model: str, threads: tuple[int, ...], dtype: str | None =
         t = max(threads)
         plan += [("colocated", t, ["--colocated", "--torch-threads", str(t)], small_batch, SMALL_SCALE_PROMPTS),
                  ("m1", None, ["--micro-batches", "1"], small_batch, SMALL_SCALE_PROMPTS)]
+    if speculative:
+        spec = json.dumps({"method": "mtp", "num_speculative_tokens": SPEC_SCALE_K})
+        t = max(threads)
+        plan += [("colocated", t, ["--colocated", "--torch-threads", str(t), "--speculative-config", spec],
+                  SPEC_SCALE_BATCH, SMALL_SCALE_PROMPTS),
+                 ("m1", None, ["--micro-batches", "1", "--speculative-config", spec], SPEC_SCALE_BATCH,
+                  SMALL_SCALE_PROMPTS)]
     out = []
     for kind, t, flags, conc, n in plan:
         with _serving(model, [*flags, "--max-num-seqs", str(conc)], dtype, quantization, input_len,
@@ -238,7 +253,8 @@ def measure_scale_runs(model: str, threads: tuple[int, ...], dtype: str | None =
                              "input_tokens": int(m["total_input_tokens"]), "load_s": m["duration"],
                              "ttft_s": float(m["mean_ttft_ms"]) / 1e3})
         run = lower_median(runs, key=lambda r: r["load_s"])
-        out.append({"kind": kind, "threads": t, **_served(run, output_len, 1)})
+        spec = flags[flags.index("--speculative-config") + 1] if "--speculative-config" in flags else None
+        out.append({"kind": kind, "threads": t, "speculative": spec, **_served(run, output_len, 1)})
     return out
 
 

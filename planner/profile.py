@@ -590,7 +590,8 @@ def run_profile(opts: ProfileOptions) -> dict:
         served_dtype = str(dtype).replace("torch.", "") if opts.dtype else None
         served = dict(quantization=opts.quantization, quantize_linears=opts.quantize_linears)
         front = measure_front(opts.model, served_dtype, **served)
-        front["scale_runs"] = measure_scale_runs(opts.model, opts.threads, served_dtype, **served)
+        front["scale_runs"] = measure_scale_runs(opts.model, opts.threads, served_dtype, **served,
+                                                 speculative=bool(samples.get("mtp")))
     transfer = {}
     for backend in opts.transports:
         tsamples, wake = measure_transfer(opts.model, backend, dtype, quick=opts.quick)

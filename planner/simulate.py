@@ -189,7 +189,7 @@ def call_slowdown(perf, dep: "Deployment"):
     return lambda tokens: _factor_at(points, tokens)
 
 
-def front_scale(perf, dep: "Deployment") -> float | None:
+def front_scale(perf, dep: "Deployment", spec: "Speculation | None" = None) -> float | None:
     """The factor on the front's and the load generator's CPU beside a deployment whose steps take
     every core of a shared host, solved on a served run of its kind (planner.calibrate.front_scales): a
     colocated engine (the nearest profiled thread count), or pools at m = 1 whose computing pool takes
@@ -201,10 +201,16 @@ def front_scale(perf, dep: "Deployment") -> float | None:
     bound) put the colocated and m = 1 rows of the AVX-512 EPYC's planner run 6-25% slow, and
     without the front's CPU they came out 25-55% fast: part of it runs in cycles the step leaves
     (a spinning OpenMP thread's, a pool's wait), and the colocated engine's front is one process
-    with it (no delta messages to read)."""
+    with it (no delta messages to read).
+    A deployment that speculates at every step (spec, at most disable_by_batch_size sequences) takes
+    the runs of its kind that speculated where the profile has them (planner.front.SPEC_SCALE_BATCH),
+    the plain ones otherwise."""
     scales = getattr(perf, "front_scales", [])
     if not dep.cores:
         return None
+    speculating = spec is not None and dep.max_num_seqs <= spec.disable_by_batch_size
+    same = [r for r in scales if bool(r.get("speculative")) == speculating]
+    scales = same if same or not speculating else [r for r in scales if not r.get("speculative")]
     if dep.colocated:
         runs = sorted((r for r in scales if r["kind"] == "colocated"),
                       key=lambda r: (abs(r["threads"] - dep.threads), -r["threads"]))
@@ -225,7 +231,7 @@ class Simulator(SpeculativeSteps):
         # Worker pools wait passively between OpenMP regions (ProfilePerf.for_pools); colocated spins.
         if not dep.colocated and hasattr(perf, "for_pools"):
             perf = perf.for_pools()
-        scale = front_scale(perf, dep)
+        scale = front_scale(perf, dep, spec)
         if scale is not None:
             perf = perf.with_front_scale(scale)
         self.perf, self.model, self.dep, self.spec = perf, model, dep, spec

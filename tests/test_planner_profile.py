@@ -329,3 +329,28 @@ def test_profile_times_mtp_drafting_and_measures_its_acceptance(make_checkpoint,
     (hybrid / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 1}))
     cfg = ModelConfig.from_pretrained(str(hybrid))
     assert cfg.num_mtp_layers == 1 and measure_mtp(opts.__class__(str(hybrid), torch.float32), cfg) == ([], [], None)
+
+
+def test_scale_runs_of_a_speculative_model_also_speculate(monkeypatch):
+    """measure_scale_runs(speculative=True) (a model with MTP layers): the colocated engine at the most
+    threads and the m = 1 pool are also served drafting (method mtp) at SPEC_SCALE_BATCH, each entry
+    naming its --speculative-config; the plain runs name none."""
+    import contextlib
+
+    from planner import front
+
+    served = []
+
+    @contextlib.contextmanager
+    def serving(model, flags, *a):
+        served.append(flags)
+        yield None, "url", lambda conc, n, seed, length: {"completed": n, "total_input_tokens": 64 * n,
+                                                        "duration": 1.0, "mean_ttft_ms": 5.0}
+    monkeypatch.setattr(front, "_serving", serving)
+    runs = front.measure_scale_runs("m", (1, 2), speculative=True)
+    spec = [r for r in runs if r["speculative"]]
+    assert [(r["kind"], r["threads"], r["concurrency"]) for r in spec] == [
+        ("colocated", 2, front.SPEC_SCALE_BATCH), ("m1", None, front.SPEC_SCALE_BATCH)]
+    assert json.loads(spec[0]["speculative"]) == {"method": "mtp", "num_speculative_tokens": front.SPEC_SCALE_K}
+    assert sum("--speculative-config" in f for f in served) == 2 and len(runs) == len(served)
+    assert len([r for r in front.measure_scale_runs("m", (1, 2)) if r["speculative"]]) == 0

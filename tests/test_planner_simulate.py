@@ -3,6 +3,7 @@ m overlapping micro-batches, lock-step across attention workers, and a whole wor
 import heapq
 import json
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -811,6 +812,25 @@ def test_verification_rows_are_decode_rows_and_every_one_is_sampled():
     tok, kv, rows, out, seqs, ptok, pkv, prompt, verify = s._shape([ScheduledBatch([seq], [3], [True])])
     assert tok[0, 0] == 3 and rows[0, 0] == 3 and out[0, 0] == 2 and ptok[0, 0] == 0 and pkv[0, 0] == 0
     assert prompt[0] == 0 and verify[0] == 3
+
+
+def test_speculating_deployments_take_the_speculative_front_scale():
+    """front_scale: a deployment that speculates at every step (at most disable_by_batch_size sequences)
+    takes the front scale solved on its kind's speculative served run; a bigger batch, a plain
+    deployment, or a profile without such runs takes the plain ones."""
+    from planner.simulate import Speculation, front_scale
+
+    spec = Speculation(2, (0.5, 0.25), disable_by_batch_size=4)
+    runs = [{"kind": "colocated", "threads": 2, "concurrency": 1, "scale": 0.4},
+            {"kind": "colocated", "threads": 2, "concurrency": 64, "scale": 0.8},
+            {"kind": "colocated", "threads": 2, "concurrency": 2, "scale": 1.5, "speculative": '{"method": "mtp"}'}]
+    perf = SimpleNamespace(front_scales=runs)
+    dep = Deployment(colocated=True, torch_threads=2, cores=2, max_num_seqs=4)
+    assert front_scale(perf, dep, spec) == pytest.approx(1.5)
+    plain = front_scale(perf, dep)
+    assert plain == front_scale(SimpleNamespace(front_scales=runs[:2]), dep, spec) and 0.4 < plain < 0.8
+    big = Deployment(colocated=True, torch_threads=2, cores=2, max_num_seqs=16)
+    assert front_scale(perf, big, spec) == front_scale(perf, big)
 
 
 def test_verifying_steps_take_the_speculative_steps_fit():
