@@ -202,28 +202,43 @@ def front_scale(perf, dep: "Deployment", spec: "Speculation | None" = None) -> f
     without the front's CPU they came out 25-55% fast: part of it runs in cycles the step leaves
     (a spinning OpenMP thread's, a pool's wait), and the colocated engine's front is one process
     with it (no delta messages to read).
-    A deployment that speculates at every step (spec, at most disable_by_batch_size sequences) takes
-    the runs of its kind that speculated where the profile has them (planner.front.SPEC_SCALE_BATCH),
-    the plain ones otherwise."""
+    A deployment that speculates at every step (spec, at most disable_by_batch_size sequences), where
+    the profile served its kind speculating (planner.front.SPEC_SCALE_BATCH): its plain factor times
+    the speculating run's over the plain factor at that run's batch (the plain factor moves 2.6x from
+    batch 1 to 64; one speculating run's factor held at every batch put batch 1 28% slow)."""
     scales = getattr(perf, "front_scales", [])
     if not dep.cores:
         return None
-    speculating = spec is not None and dep.max_num_seqs <= spec.disable_by_batch_size
-    same = [r for r in scales if bool(r.get("speculative")) == speculating]
-    scales = same if same or not speculating else [r for r in scales if not r.get("speculative")]
+    plain = _scale_at([r for r in scales if not r.get("speculative")], dep, dep.max_num_seqs)
+    if spec is None or dep.max_num_seqs > spec.disable_by_batch_size:
+        return plain
+    runs = _runs_of([r for r in scales if r.get("speculative")], dep)
+    if not runs:
+        return plain
+    at = runs[0].get("concurrency") or dep.max_num_seqs
+    speculating = _scale_at(runs, dep, at)
+    base = _scale_at([r for r in scales if not r.get("speculative")], dep, at)
+    return speculating if plain is None or not base else plain * speculating / base
+
+
+def _runs_of(scales: list[dict], dep: "Deployment") -> list[dict] | None:
+    """front_scale's runs of the deployment's kind, the nearest thread count's first (None: no kind)."""
     if dep.colocated:
-        runs = sorted((r for r in scales if r["kind"] == "colocated"),
+        return sorted((r for r in scales if r["kind"] == "colocated"),
                       key=lambda r: (abs(r["threads"] - dep.threads), -r["threads"]))
-    elif dep.micro_batches == 1 and not dep.oversubscribed and max(dep.pool_threads) >= dep.cores:
-        runs = [r for r in scales if r["kind"] == "m1"]
-    else:
-        return None
+    if dep.micro_batches == 1 and not dep.oversubscribed and max(dep.pool_threads) >= dep.cores:
+        return [r for r in scales if r["kind"] == "m1"]
+    return None
+
+
+def _scale_at(scales: list[dict], dep: "Deployment", batch: int) -> float | None:
+    """The factor of the deployment's kind among `scales` at `batch` sequences: that thread count's runs
+    at one or two batch sizes (older profiles name none), linear in 1 / batch between them."""
+    runs = _runs_of(scales, dep)
     if not runs:
         return None
-    # that thread count's runs at one or two batch sizes (older profiles name none)
-    points = [[r.get("concurrency") or dep.max_num_seqs, r["scale"]]
-              for r in runs if r["threads"] == runs[0]["threads"]]
-    return float(_factor_at(points, dep.max_num_seqs))
+    points = [[r.get("concurrency") or batch, r["scale"]] for r in runs if r["threads"] == runs[0]["threads"]]
+    return float(_factor_at(points, batch))
 
 
 class Simulator(SpeculativeSteps):

@@ -816,8 +816,9 @@ def test_verification_rows_are_decode_rows_and_every_one_is_sampled():
 
 def test_speculating_deployments_take_the_speculative_front_scale():
     """front_scale: a deployment that speculates at every step (at most disable_by_batch_size sequences)
-    takes the front scale solved on its kind's speculative served run; a bigger batch, a plain
-    deployment, or a profile without such runs takes the plain ones."""
+    takes its plain factor times its kind's speculating run's over the plain factor at that run's batch
+    (alone: the speculating run's); a bigger batch, a plain deployment, or a profile without such runs
+    takes the plain one."""
     from planner.simulate import Speculation, front_scale
 
     spec = Speculation(2, (0.5, 0.25), disable_by_batch_size=4)
@@ -826,7 +827,9 @@ def test_speculating_deployments_take_the_speculative_front_scale():
             {"kind": "colocated", "threads": 2, "concurrency": 2, "scale": 1.5, "speculative": '{"method": "mtp"}'}]
     perf = SimpleNamespace(front_scales=runs)
     dep = Deployment(colocated=True, torch_threads=2, cores=2, max_num_seqs=4)
-    assert front_scale(perf, dep, spec) == pytest.approx(1.5)
+    at = {b: front_scale(perf, Deployment(colocated=True, torch_threads=2, cores=2, max_num_seqs=b)) for b in (2, 4)}
+    assert front_scale(perf, dep, spec) == pytest.approx(at[4] * 1.5 / at[2])
+    assert front_scale(SimpleNamespace(front_scales=runs[2:]), dep, spec) == pytest.approx(1.5)
     plain = front_scale(perf, dep)
     assert plain == front_scale(SimpleNamespace(front_scales=runs[:2]), dep, spec) and 0.4 < plain < 0.8
     big = Deployment(colocated=True, torch_threads=2, cores=2, max_num_seqs=16)
