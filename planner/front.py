@@ -57,8 +57,9 @@ LARGE_SCALE_BATCH = 256
 SMALL_SCALE_BATCH, SMALL_SCALE_PROMPTS = 1, 32
 # ... and, for a model with MTP layers, both deployments speculating (method mtp, SPEC_SCALE_K drafts) at
 # SPEC_SCALE_BATCH, a concurrency where disable_by_batch_size's default (4) keeps speculation on: the front
-# beside speculative steps is not the front beside plain ones (the simulator charged it per step, so MTP's
-# fewer steps cost it less; served 1 + 1, it spent as much CPU per token or more: 181 against 168 us).
+# beside speculative steps is not the front beside plain ones (without these runs the simulator put the
+# built-in model's MTP rows 13-48% fast: it charges the front per step, so MTP's fewer steps cost it less,
+# where the served 1 + 1 front's CPU per token with MTP was 159, 181 and 134 us against plain's 156, 168, 164).
 SPEC_SCALE_BATCH, SPEC_SCALE_K = 2, 2
 # Runs at LARGE x the batch, for the split of the CPU into per token and per step only: the same
 # tokens in about half the batch-64 run's steps. With the batch-16 and batch-64 runs alone (about
