@@ -591,7 +591,7 @@ def run_profile(opts: ProfileOptions) -> dict:
         served = dict(quantization=opts.quantization, quantize_linears=opts.quantize_linears)
         front = measure_front(opts.model, served_dtype, **served)
         front["scale_runs"] = measure_scale_runs(opts.model, opts.threads, served_dtype, **served,
-                                                 speculative=bool(samples.get("mtp")))
+                                                 speculative=bool(samples.get("mtp") and mtp_acceptance))
     transfer = {}
     for backend in opts.transports:
         tsamples, wake = measure_transfer(opts.model, backend, dtype, quick=opts.quick)
