@@ -209,15 +209,15 @@ def front_scale(perf, dep: "Deployment", spec: "Speculation | None" = None) -> f
     scales = getattr(perf, "front_scales", [])
     if not dep.cores:
         return None
-    plain = _scale_at([r for r in scales if not r.get("speculative")], dep, dep.max_num_seqs)
+    plain_runs = [r for r in scales if not r.get("speculative")]
+    plain = _scale_at(plain_runs, dep, dep.max_num_seqs)
     if spec is None or dep.max_num_seqs > spec.disable_by_batch_size:
         return plain
     runs = _runs_of([r for r in scales if r.get("speculative")], dep)
     if not runs:
         return plain
     at = runs[0].get("concurrency") or dep.max_num_seqs
-    speculating = _scale_at(runs, dep, at)
-    base = _scale_at([r for r in scales if not r.get("speculative")], dep, at)
+    speculating, base = _scale_at(runs, dep, at), _scale_at(plain_runs, dep, at)
     return speculating if plain is None or not base else plain * speculating / base
 
 
