@@ -217,7 +217,7 @@ class NativeDecode:
         if self.linears == "int8":
             return int8._default_kernel(torch.bfloat16, B, int8.kernels())
         here = fp8_weights._here_for(self.linears[1])
-        kernel = int8._default_kernel(torch.bfloat16, B, here)
+        kernel = int8._default_kernel(torch.bfloat16, B, here, "fp8")  # (fp8_linear's: the table measured on FP8)
         return kernel if kernel in here else None
 
     def chosen_native(self, B: int) -> bool:
