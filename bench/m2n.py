@@ -24,7 +24,10 @@ policies can be measured side by side under the same load. "tcp:eager-release" i
 credit (RELEASE) in its own sendmsg, as before credits rode with the next frame (an A/B of that cut).
 A kind with ":fp8" (shm:fp8, tcp:fp8) dispatches the same tokens as float8 e4m3 with a bf16 scale per
 token (--m2n-dtype fp8): 2 + 2/HIDDEN bytes go out for every 4 of bf16 (the answers stay bf16); the
-payload column and GB/s count the bf16 bytes, `dispatch_bytes` in the JSON what fp8 sends.
+payload column and GB/s count the bf16 bytes, `dispatch_bytes` in the JSON what fp8 sends. With an fp8
+kind the bench also times the conversions alone in its own process (kernels/fp8.py's native loops on each
+payload's rows: quantize, and dequantize into bf16; AVX2 and, where the CPU has it, AVX-512; one thread,
+as each bench worker runs, and two): the share of an fp8 round that is not the transport.
 Latency: sender 0's round time (median, p99). Throughput: bytes moved per second in both
 directions by all pairs, from the median round. Payloads 4 KiB to 4 MiB per pair.
 Writes bench/results/m2n.json (--quick: m2n_quick.json; --name NAME: NAME.json).
@@ -349,10 +352,47 @@ def main() -> None:
     if prow:
         print("\ntcp endpoint of sender 0, per round (mean over rounds; the median round for reference):")
         print_table(prow, list(prow[0]))
+    conversions = fp8_conversions() if any(k.endswith(":fp8") for k in kinds) else []
+    if conversions:
+        print("\nfp8 conversions alone, per payload (quantize the rows, dequantize them into bf16; median us):")
+        print_table(conversions, list(conversions[0]))
     payload = {"args": vars(args), "load_average": os.getloadavg(), "rows": rows, "tcp_phases_per_round": prow,
+               "fp8_conversions": conversions,
                "raw": [{"kind": k[0], "M": k[1], "size": k[2], **v} for k, v in table.items()]}
     name = args.name or ("m2n_quick" if args.quick else "m2n")
     print(f"wrote {save(name, payload)} (load average {os.getloadavg()})")
+
+
+def fp8_conversions(calls: int = 20) -> list[dict]:
+    """kernels/fp8.py's native quantize and dequantize on each payload's (T, HIDDEN) bf16 rows: median us of
+    `calls` calls per width (AVX2, AVX-512 where it runs) and thread count (1, 2)."""
+    from kernels import native
+
+    if not native.available():
+        return []
+    widths = [False] + [True] * native.fp8_avx512()
+    threads, rows = torch.get_num_threads(), []
+    try:
+        for size in SIZES:
+            x = torch.randn(size // (2 * HIDDEN), HIDDEN, dtype=torch.bfloat16)
+            row = {"payload": f"{size >> 10} KiB"}
+            for avx512 in widths:
+                for n in (1, 2):
+                    torch.set_num_threads(n)
+                    q, s = native.fp8_quantize(x, avx512)
+                    name = f"{'avx512' if avx512 else 'avx2'} x{n}"
+                    for op, fn in (("quantize", lambda: native.fp8_quantize(x, avx512)),
+                                   ("dequantize", lambda: native.fp8_dequantize(q, s, avx512))):
+                        ts = []
+                        for _ in range(calls):
+                            t0 = time.perf_counter()
+                            fn()
+                            ts.append(time.perf_counter() - t0)
+                        row[f"{name} {op}"] = statistics.median(ts) * 1e6
+            rows.append(row)
+    finally:
+        torch.set_num_threads(threads)
+    return rows
 
 
 def summary_row(table: dict, M: int, size: int, kinds: list[str]) -> dict:

@@ -7,9 +7,10 @@ A row's scale is its largest magnitude / 448 (e4m3's largest value), at least fl
 normal (so that 1 / scale is finite), rounded to x's dtype; q = e4m3(x * (1 / scale)), rounded to
 nearest even.
 Two implementations with the same bits: torch's ops (`*_torch`, the reference) and the native
-library's AVX2 loops (kernels/csrc/fp8.c); torch converts from float8 one value at a time on the
-CPU. Which one runs is measured once per process on a row block of the model's width (the faster
-of the two; torch where the library or its dtype is missing).
+library's loops (kernels/csrc/fp8.c: AVX-512 where the CPU has it, else AVX2; the rows over torch's
+threads once a call is large enough); torch converts from float8 one value at a time on the CPU.
+Which one runs is measured once per process on a row block of the model's width (the faster of the
+two; torch where the library or its dtype is missing).
 """
 import functools
 import logging

@@ -160,7 +160,8 @@ def _library() -> ctypes.CDLL | None:
     for name in ("shuttle_fp8_quantize", "shuttle_fp8_dequantize"):
         fn = getattr(lib, name)
         fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 3
+    lib.shuttle_fp8_avx512_built.restype = ctypes.c_int
     fn = lib.shuttle_delta_rule_decode
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 4 + [ctypes.c_int]
@@ -518,22 +519,31 @@ def hyper_weights(mixed_TW: torch.Tensor, base_W: torch.Tensor, scale_3: torch.T
     return pre, post, comb
 
 
-def fp8_quantize(x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@functools.cache
+def fp8_avx512() -> bool:
+    """Whether fp8_quantize / fp8_dequantize take their AVX-512 loops here: compiled in, and the CPU lists
+    AVX-512 F, BW and VL."""
+    return available() and bool(_library().shuttle_fp8_avx512_built()) and {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags()
+
+
+def fp8_quantize(x_TD: torch.Tensor, avx512: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels/fp8.quantize_fp8 by kernels/csrc/fp8.c: x (T, D) bf16 or float32 on the CPU (made
-    contiguous). Call only where available() is True."""
+    contiguous), over threads() threads once large enough. avx512: the AVX-512 loops (same bits; None: where
+    fp8_avx512()). Call only where available() is True."""
     if x_TD.dtype not in (torch.bfloat16, torch.float32) or x_TD.dim() != 2:
         raise ValueError(f"fp8_quantize takes (T, D) bf16 or float32 rows, got {x_TD.dtype} {tuple(x_TD.shape)}")
     x = x_TD.contiguous()
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
     scale = torch.empty((x.shape[0], 1), dtype=x.dtype)
     _library().shuttle_fp8_quantize(x.data_ptr(), q.data_ptr(), scale.data_ptr(), x.shape[0], x.shape[1],
-                                    int(x.dtype == torch.bfloat16))
+                                    int(x.dtype == torch.bfloat16), int(fp8_avx512() if avx512 is None else avx512),
+                                    threads())
     return q, scale
 
 
-def fp8_dequantize(q_TD: torch.Tensor, scale_T1: torch.Tensor) -> torch.Tensor:
+def fp8_dequantize(q_TD: torch.Tensor, scale_T1: torch.Tensor, avx512: bool | None = None) -> torch.Tensor:
     """kernels/fp8.dequantize_fp8 by kernels/csrc/fp8.c: q (T, D) float8_e4m3fn, scale (T, 1) bf16 or
-    float32 on the CPU. Call only where available() is True."""
+    float32 on the CPU; avx512 as fp8_quantize's. Call only where available() is True."""
     if q_TD.dtype != torch.float8_e4m3fn or q_TD.dim() != 2 or scale_T1.shape != (q_TD.shape[0], 1) \
             or scale_T1.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"fp8_dequantize takes (T, D) float8_e4m3fn and (T, 1) bf16 or float32 scales, got "
@@ -541,7 +551,8 @@ def fp8_dequantize(q_TD: torch.Tensor, scale_T1: torch.Tensor) -> torch.Tensor:
     q, scale = q_TD.contiguous(), scale_T1.contiguous()
     x = torch.empty(q.shape, dtype=scale.dtype)
     _library().shuttle_fp8_dequantize(q.data_ptr(), scale.data_ptr(), x.data_ptr(), q.shape[0], q.shape[1],
-                                      int(scale.dtype == torch.bfloat16))
+                                      int(scale.dtype == torch.bfloat16),
+                                      int(fp8_avx512() if avx512 is None else avx512), threads())
     return x
 
 

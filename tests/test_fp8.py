@@ -1,6 +1,6 @@
-"""FP8 rows (kernels/fp8.py): the native loops (kernels/csrc/fp8.c) give torch's bits exactly,
-quantize and dequantize, on odd shapes and on the values where e4m3 rounds, saturates or goes
-subnormal; and the rows come back within e4m3's step."""
+"""FP8 rows (kernels/fp8.py): the native loops (kernels/csrc/fp8.c), AVX2 and AVX-512, one thread and
+rows split over threads, give torch's bits exactly, quantize and dequantize, on odd shapes and on the
+values where e4m3 rounds, saturates or goes subnormal; and the rows come back within e4m3's step."""
 import pytest
 import torch
 
@@ -22,20 +22,29 @@ def _rows(T: int, D: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 
 @needs_native
+@pytest.mark.parametrize("avx512", [False, True], ids=["avx2", "avx512"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("T,D", [(1, 8), (3, 5), (17, 33), (64, 2048), (0, 16)])
-def test_native_bits_are_torchs(dtype, T, D):
+@pytest.mark.parametrize("T,D", [(1, 8), (3, 5), (17, 33), (64, 2048), (0, 16), (700, 37)])
+def test_native_bits_are_torchs(dtype, T, D, avx512):
+    if avx512 and not native.fp8_avx512():
+        pytest.skip("no AVX-512 F/BW/VL here")
     x = _rows(T, D, dtype, T * 1000 + D)
-    q, scale = native.fp8_quantize(x)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # (64, 2048) and (700, 37) split their rows over both threads
+        q, scale = native.fp8_quantize(x, avx512)
+        back = native.fp8_dequantize(q, scale, avx512)
+    finally:
+        torch.set_num_threads(threads)
     q_ref, scale_ref = quantize_fp8_torch(x)
     assert q.dtype == FP8 and scale.dtype == dtype and scale.shape == (T, 1)
     assert torch.equal(scale, scale_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-    assert torch.equal(native.fp8_dequantize(q, scale), dequantize_fp8_torch(q, scale))
+    assert torch.equal(back, dequantize_fp8_torch(q, scale))
     every = torch.arange(256, dtype=torch.uint8).view(FP8)[None].repeat(2, 1)  # every code but the NaNs
     every = every[:, (torch.arange(256) & 0x7F) != 0x7F]
     s = torch.tensor([[1.0], [0.3]], dtype=dtype)
-    assert torch.equal(native.fp8_dequantize(every, s), dequantize_fp8_torch(every, s))
+    assert torch.equal(native.fp8_dequantize(every, s, avx512), dequantize_fp8_torch(every, s))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
