@@ -48,7 +48,7 @@ SERVED_REPEATS = 3  # runs at each calibrated batch size (the median one calibra
 # The colocated engine's served run at this concurrency too (measure_scale_runs): the factor solved at
 # batch 64 alone put the quick Mixtral shape's colocated batch-256 rows 4-15% fast on a Zen 5 EPYC in
 # three of four planner runs (the fine shape's within 5%): what a step of 256 sequences costs beside
-# the front is not what one of 64 does. planner.calibrate.front_scale interpolates between the two.
+# the front is not what one of 64 does. planner.factors.front_scale interpolates between the two.
 LARGE_SCALE_BATCH = 256
 # ... and the colocated engine at the most threads and the 1 + 1 pool at m = 1 also at this concurrency,
 # SMALL_SCALE_PROMPTS requests: the front's CPU per step, solved on runs of 16 and 64 sequences with the

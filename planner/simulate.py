@@ -11,7 +11,7 @@ workers that gather every attention worker's micro-batch, each cost from a perfo
 (planner.perf: a measured profile or a roofline); colocated, attention and experts run in turn.
 On one host (`cores` set) the front's and the load generator's CPU share the cores with the
 workers (`_share_cores`, `_delivered`, `_hold_in_front`), and sharing the host slows the workers'
-compute by the profile's served factors (planner.calibrate's `call_slowdown`). docs/architecture.md has
+compute by the profile's served factors (planner.factors' `call_slowdown`). docs/architecture.md has
 the details.
 """
 import heapq
@@ -27,7 +27,7 @@ from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import ScheduledBatch, Scheduler
 from attention_nodes.sequence import Sequence
 from attention_nodes.speculative import after_verify
-from planner.calibrate import call_slowdown, front_scale, served_slowdown
+from planner.factors import call_slowdown, front_scale, served_slowdown
 from planner.perf import expected_active
 from planner.speculation import Speculation, SpeculativeSteps  # noqa: F401 (Speculation: simulate's API)
 

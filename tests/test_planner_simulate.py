@@ -475,7 +475,7 @@ def test_served_factors_slow_small_batches_where_both_pools_compute_at_once():
     together from the runs (the small run's prefill calls take the large run's point); the step's
     own work takes the factor at the batch per micro-batch; one factor elsewhere."""
     from planner.calibrate import served_factors
-    from planner.calibrate import call_slowdown, served_slowdown
+    from planner.factors import call_slowdown, served_slowdown
 
     p = profile(a=1.0, a_tok=0.2, e=1.0, e_pair=0.1, layers=2)
     p["fits"]["2"] = p["fits"]["1"]
@@ -819,7 +819,7 @@ def test_speculating_deployments_take_the_speculative_front_scale():
     takes its plain factor times its kind's speculating run's over the plain factor at that run's batch
     (alone: the speculating run's); a bigger batch, a plain deployment, or a profile without such runs
     takes the plain one."""
-    from planner.calibrate import front_scale
+    from planner.factors import front_scale
     from planner.simulate import Speculation
 
     spec = Speculation(2, (0.5, 0.25), disable_by_batch_size=4)
