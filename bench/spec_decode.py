@@ -24,6 +24,7 @@ decoding: MTP drafts are point masses) and the file is spec_decode_t<T>_seed.jso
 
     python bench/spec_decode.py [--quick] [--methods ngram mtp] [--batches 1 16 64] [--ks 1 2 3]
                                 [--mtp-ks 1 2 3] [--rounds 3] [--solo-prompts 4] [--token-map auto|none|PATH]
+                                [--dtype float32] [--quantization int8]
     python bench/spec_decode.py --breakdown [--mtp-ks 1 2 3] [--dtype float32] [--rounds 5]
     python bench/spec_decode.py --served [--batches 1 16] [--mtp-ks 2 3] [--dtype bfloat16] [--rounds 3]
 
@@ -100,6 +101,11 @@ def tpot_ms(full: list[float], first: list[float], output_len: int, generates: i
     return 1e3 * statistics.median((f - p) / max(1, output_len - 1) / generates for f, p in zip(full, first))
 
 
+def quant_suffix(args: argparse.Namespace) -> str:
+    """The results file's name ending for --quantization ("" without one)."""
+    return f"_{args.quantization}" if args.quantization else ""
+
+
 def mtp_engines(args: argparse.Namespace) -> list[tuple[str, str | None]]:
     """(name, token map) of the mtp engines of each k: the whole head, and with --token-map its rows."""
     return [("mtp", None)] + ([("mtp+map", args.token_map)] if args.token_map else [])
@@ -130,7 +136,8 @@ def breakdown(args: argparse.Namespace, params: SamplingParams) -> None:
         for k in args.mtp_ks:
             engines += [(f"{name} k={k}", spec("mtp", k, 10 ** 6, tm)) for name, tm in mtp_engines(args)]
         for label, cfg in engines:
-            llm = LLM(args.model, dtype=args.dtype, num_kv_blocks=args.kv_blocks, speculative_config=cfg)
+            llm = LLM(args.model, dtype=args.dtype, num_kv_blocks=args.kv_blocks, speculative_config=cfg,
+                      quantization=args.quantization)
             try:
                 groups = batches_of(llm.tokenizer, 1, args.doc_tokens, False, args.solo_prompts)
                 run(llm, groups, params)  # warm-up
@@ -159,7 +166,7 @@ def breakdown(args: argparse.Namespace, params: SamplingParams) -> None:
         r["vs_off"], r["vs_off_draft_free"] = r["tok_s"] / off["tok_s"], r["tok_s_draft_free"] / off["tok_s"]
     print_table(rows, ["engine", "steps", "step_ms", "forward_ms", "forward_vs_off_step", "draft_ms", "rest_ms",
                        "tok_s", "vs_off", "vs_off_draft_free"])
-    name = "spec_decode_breakdown" + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    name = "spec_decode_breakdown" + ("" if args.dtype == "float32" else f"_{args.dtype}") + quant_suffix(args)
     path = save(name, {"host": describe_host(), "config": vars(args), "rows": rows})
     print(f"wrote {path}")
 
@@ -172,7 +179,8 @@ def served(args: argparse.Namespace) -> None:
     from clients.bench_serve import run_bench
     from clients.live_server import LiveServer
 
-    model = ["--model", args.model] if args.model else []
+    model = (["--model", args.model] if args.model else []) + (["--quantization", args.quantization]
+                                                               if args.quantization else [])
     engines = {"off": []}
     for k in args.mtp_ks:
         for name, tm in mtp_engines(args):
@@ -209,7 +217,7 @@ def served(args: argparse.Namespace) -> None:
                              "mean_accept_len": statistics.median(accept) if accept else None})
                 per_round[f"{b}/{name}"] = [x["output_throughput"] for x in results]
     print_table(rows, ["batch", "engine", "tok_s", "vs_off", "ttft_ms", "tpot_ms", "tpot_vs_off", "mean_accept_len"])
-    name = "spec_decode_served" + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    name = "spec_decode_served" + ("" if args.dtype == "float32" else f"_{args.dtype}") + quant_suffix(args)
     path = save(name, {"host": describe_host(), "config": vars(args), "rows": rows, "per_round": per_round})
     print(f"wrote {path}")
 
@@ -226,6 +234,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--doc-tokens", type=int, default=96)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantization", default=None, help="every engine's --quantization (int8, fp8, ...; default none): "
+                                                        "the results file gets _<quantization> added to its name")
     p.add_argument("--model", default=None, help="a checkpoint with an MTP layer (default: the built-in model); the "
                                                  "prompts are the built-in corpus's held-out documents in its tokens")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampling at T")
@@ -259,7 +269,8 @@ def main() -> None:
     ks = {"ngram": args.ks, "mtp": args.mtp_ks}
 
     def llm(speculative: dict | None = None) -> LLM:
-        return LLM(args.model, dtype=args.dtype, num_kv_blocks=args.kv_blocks, speculative_config=speculative)
+        return LLM(args.model, dtype=args.dtype, num_kv_blocks=args.kv_blocks, speculative_config=speculative,
+                   quantization=args.quantization)
 
     engines = {"off": llm()}
     for method in args.methods:
@@ -340,7 +351,7 @@ def main() -> None:
             e.shutdown()
     print_table(rows, ["workload", "batch", "engine", "tok_s", "vs_off", "tpot_ms", "acceptance", "mean_accept_len",
                        "greedy_equal"])
-    name = "spec_decode_quick" if args.quick else "spec_decode"
+    name = ("spec_decode_quick" if args.quick else "spec_decode") + quant_suffix(args)
     path = save(name + (f"_t{args.temperature:g}" + ("_seed" if args.seed is not None else "")
                         if args.temperature > 0 else ""),
                 {"host": describe_host(), "config": vars(args), "default_disable_by_batch_size":
