@@ -27,7 +27,7 @@ from models.stages import compile_stages
 log = logging.getLogger("shuttle")
 CPU_DEFAULT_KV_GIB = 2.0
 # The MTP layer's pass over prompt chunks runs natively, as one-token rows, while its rows read at most this
-# many cached keys in all (a chunk of n rows from context c: n c + n (n + 1) / 2). Each row reads its keys
+# many cached keys in all (key_reads: n c + n (n + 1) / 2 for a chunk of n rows from context c). Each row reads its keys
 # apart, where the eager pass's chunk attention reads them once but costs ~0.4 ms of torch calls; on the
 # Zen 5 EPYC (bf16, built-in model) one-token rows were faster for chunks from context 0 up to ~700 rows
 # (0.18 against 0.52 ms at 16 rows, 4.4 against 5.1 at 512) and slower from 1024 (12.1 against 11.1).
@@ -433,7 +433,7 @@ class ModelRunner:
             kept = kept_positions(seq, c, n)
             if want >= 0 and kept > 0:
                 chunked |= kept > self.mtp_decode_rows
-                reads += kept * c + kept * (kept + 1) // 2
+                reads += key_reads(kept, c)
                 rows.ids += seq.token_ids[c + 1:c + 1 + kept]
                 rows.hrow += range(offset, offset + kept)
                 rows.positions += range(c, c + kept)
@@ -451,11 +451,22 @@ class ModelRunner:
         return rows, chunked and reads > MTP_NATIVE_KEY_READS
 
 
+def key_reads(n: int, context: int) -> int:
+    """Cached keys n new tokens after `context` positions read in all, causally (the i-th reads context
+    + i + 1): n context + n (n + 1) / 2."""
+    return n * context + n * (n + 1) // 2
+
+
+def is_prompt_chunk(seq, n: int) -> bool:
+    """Whether a sequence's n new tokens of a step are a prompt chunk: more than one, none of them drafts
+    to verify."""
+    return n > 1 and not seq.num_draft_tokens
+
+
 def prompt_key_reads(seqs, num_new_tokens: list[int]) -> int:
-    """Cached keys the prompt chunks of a step read as one-token rows: n c + n (n + 1) / 2 for a chunk of n
-    tokens after c (verifications' rows not counted: they are rows whatever the choice)."""
-    return sum(n * seq.num_computed_tokens + n * (n + 1) // 2 for seq, n in zip(seqs, num_new_tokens)
-               if n > 1 and not seq.num_draft_tokens)
+    """Cached keys the prompt chunks of a step read as one-token rows (key_reads; verifications' rows not
+    counted: they are rows whatever the choice)."""
+    return sum(key_reads(n, seq.num_computed_tokens) for seq, n in zip(seqs, num_new_tokens) if is_prompt_chunk(seq, n))
 
 
 def kept_positions(seq, start: int, n: int) -> int:

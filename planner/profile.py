@@ -55,7 +55,7 @@ from attention_nodes.block_manager import blocks_for
 from attention_nodes.config import CacheConfig, EngineConfig, SchedulerConfig
 from attention_nodes.engine import LLMEngine
 from attention_nodes.messages import Deltas, encode, encode_delta
-from attention_nodes.model_runner import PROMPT_ROWS_KEY_READS, ModelRunner
+from attention_nodes.model_runner import PROMPT_ROWS_KEY_READS, ModelRunner, key_reads
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import ScheduledBatch
 from attention_nodes.sequence import Sequence
@@ -222,8 +222,8 @@ def _batch(q_lens: list[int], ctx_lens: list[int], block_size: int, num_blocks: 
 
 
 def _kv_reads(q_lens: list[int], ctx_lens: list[int]) -> int:
-    """Context tokens read by all query tokens (causal: the i-th new token reads c + i + 1)."""
-    return sum(q * c + q * (q + 1) // 2 for q, c in zip(q_lens, ctx_lens))
+    """Context tokens read by all query tokens (model_runner.key_reads)."""
+    return sum(key_reads(q, c) for q, c in zip(q_lens, ctx_lens))
 
 
 def prefill_features(q_lens: list[int], ctx_lens: list[int], as_rows: bool = False) -> dict[str, int]:

@@ -9,7 +9,7 @@ import torch
 from attention_nodes.block_manager import blocks_for
 from attention_nodes.config import CacheConfig, EngineConfig, SchedulerConfig
 from attention_nodes.engine import LLMEngine
-from attention_nodes.model_runner import kept_positions
+from attention_nodes.model_runner import is_prompt_chunk, kept_positions
 from attention_nodes.sampling_params import SamplingParams
 from models.config import ModelConfig
 
@@ -66,8 +66,7 @@ def measure_mtp(opts: "ProfileOptions", cfg: ModelConfig) -> tuple[list[dict], l
 
         def composed(batch):  # (the drafts are dropped once verified: counted here)
             spent["verify"] = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_draft_tokens)
-            spent["prompt"] = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens)
-                                  if n > 1 and not s.num_draft_tokens)
+            spent["prompt"] = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens) if is_prompt_chunk(s, n))
             return execute(batch)
 
         def counted(drafted: int, accepted: int) -> None:

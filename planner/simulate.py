@@ -22,7 +22,8 @@ import numpy as np
 
 from attention_nodes.block_manager import BlockManager, blocks_for
 from attention_nodes.config import ParallelConfig, SchedulerConfig, worker_threads
-from attention_nodes.model_runner import PROMPT_ROWS_KEY_READS, prompt_key_reads, split_micro_batches
+from attention_nodes.model_runner import (PROMPT_ROWS_KEY_READS, is_prompt_chunk, key_reads, prompt_key_reads,
+                                          split_micro_batches)
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import ScheduledBatch, Scheduler
 from attention_nodes.sequence import Sequence
@@ -192,13 +193,13 @@ class Simulator(SpeculativeSteps):
         as_rows = self.perf.prompts_as_rows()
         for w, b in enumerate(batches):
             seqs[w] = len(b.seqs)
-            prompt[w] = sum(n for n, s in zip(b.num_new_tokens, b.seqs) if n > 1 and not s.num_draft_tokens)
+            prompt[w] = sum(n for n, s in zip(b.num_new_tokens, b.seqs) if is_prompt_chunk(s, n))
             chunks = not (as_rows and prompt_key_reads(b.seqs, b.num_new_tokens) <= PROMPT_ROWS_KEY_READS)
             for i, g in enumerate(split_micro_batches(b.num_new_tokens, m)):
                 for j in g:
                     seq = b.seqs[j]
                     q, c = b.num_new_tokens[j], seq.num_computed_tokens
-                    reads = q * c + q * (q + 1) / 2  # the i-th new token reads c + i + 1 positions
+                    reads = key_reads(q, c)
                     tok[w, i] += q
                     kv[w, i] += reads
                     if seq.num_draft_tokens:  # verified: every row sampled
