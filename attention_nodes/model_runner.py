@@ -27,7 +27,7 @@ from models.stages import compile_stages
 log = logging.getLogger("shuttle")
 CPU_DEFAULT_KV_GIB = 2.0
 # The MTP layer's pass over prompt chunks runs natively, as one-token rows, while its rows read at most this
-# many cached keys in all (key_reads: n c + n (n + 1) / 2 for a chunk of n rows from context c). Each row reads its keys
+# many cached keys in all (key_reads: n c + n (n + 1) / 2 for n rows from context c). Each row reads its keys
 # apart, where the eager pass's chunk attention reads them once but costs ~0.4 ms of torch calls; on the
 # Zen 5 EPYC (bf16, built-in model) one-token rows were faster for chunks from context 0 up to ~700 rows
 # (0.18 against 0.52 ms at 16 rows, 4.4 against 5.1 at 512) and slower from 1024 (12.1 against 11.1).
