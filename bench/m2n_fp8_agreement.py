@@ -11,8 +11,9 @@ its held-out documents; the random ones: random ids), greedy, EOS ignored, --tok
   the same top token. Every position is compared on the same prefix, so one change does not hide the rest;
 - free running: the share of sequences identical, and of tokens before each one's first difference;
 - at each first difference, the bf16 deployment's log-probability margin between its token and the fp8
-  deployment's there (a near-tie below --near-tie nats: e4m3's 3 mantissa bits move each activation by up to
-  1/16 of its token's largest one).
+  deployment's there, both read from its scoring of the common prefix (a near-tie below --near-tie nats:
+  e4m3's 3 mantissa bits move each activation by up to 1/16 of its token's largest one); "unscored": its
+  token was not among that scoring's top 20 (prefill and decode rounding apart).
 
     python bench/m2n_fp8_agreement.py [--quick] [--prompts 100] [--tokens 32] [--expert-workers 1]
 
@@ -31,6 +32,7 @@ from bench.common import print_table, save  # noqa: E402
 from server import LLM, SamplingParams  # noqa: E402
 
 VOCAB = 1000
+MARGIN_TOP = 20  # top log-probabilities returned at a first difference's position
 
 
 def odd_checkpoints(tmp: Path) -> dict[str, Path]:
@@ -84,11 +86,15 @@ def compare(ckpt: Path | None, prompts: list[list[int]], args: argparse.Namespac
         firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(ids["auto"], ids["fp8"])]
         differ = [(p, i) for p, i in enumerate(firsts) if i is not None]
         probes = [prompts[p] + list(ids["auto"][p][:i]) + [ids["fp8"][p][i]] for p, i in differ]
-        margins = []
-        for o, (p, i) in zip(llms["auto"].generate(probes, scored) if probes else [], differ):
-            last = o.prompt_logprobs[-1]
-            best = max(lp.logprob for lp in last.values())
-            margins.append(best - last[ids["fp8"][p][i]].logprob)
+        margins, unscored = [], 0
+        ranked = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=MARGIN_TOP)
+        for o, (p, i) in zip(llms["auto"].generate(probes, ranked) if probes else [], differ):
+            last = o.prompt_logprobs[-1]  # the probe's last position: its own (fp8's) token and the top ones
+            mine = last.get(ids["auto"][p][i])
+            if mine is None:  # (the bf16 deployment's decode-time token outside its prefill's top MARGIN_TOP)
+                unscored += 1
+                continue
+            margins.append(mine.logprob - last[ids["fp8"][p][i]].logprob)
     finally:
         for llm in llms.values():
             llm.shutdown()
@@ -98,7 +104,7 @@ def compare(ckpt: Path | None, prompts: list[list[int]], args: argparse.Namespac
     return {"prompts": len(prompts), "top_token_agreement": same / positions, "positions": positions,
             "identical_share": firsts.count(None) / len(prompts),
             "tokens_before_first_difference_share": sum(before) / (len(prompts) * args.tokens),
-            "first_differences": len(margins), "margins_nats": margins,
+            "first_differences": len(differ), "unscored": unscored, "margins_nats": margins,
             "near_ties": sum(m < args.near_tie for m in margins),
             "median_margin_nats": statistics.median(margins) if margins else None,
             "max_margin_nats": max(margins) if margins else None}
@@ -122,7 +128,8 @@ def main() -> None:
             rows.append({"checkpoint": name, **got})
             print(rows[-1]["checkpoint"], {k: v for k, v in got.items() if k != "margins_nats"}, flush=True)
     print_table(rows, ["checkpoint", "prompts", "top_token_agreement", "identical_share",
-                       "tokens_before_first_difference_share", "first_differences", "near_ties", "median_margin_nats",
+                       "tokens_before_first_difference_share", "first_differences", "unscored", "near_ties",
+                       "median_margin_nats",
                        "max_margin_nats"])
     path = save("m2n_fp8_agreement_quick" if args.quick else "m2n_fp8_agreement",
                 {"config": vars(args), "rows": rows})

@@ -9,8 +9,8 @@ nearest even.
 Two implementations with the same bits: torch's ops (`*_torch`, the reference) and the native
 library's loops (kernels/csrc/fp8.c: AVX-512 where the CPU has it, else AVX2; the rows over torch's
 threads once a call is large enough); torch converts from float8 one value at a time on the CPU.
-Which one runs is measured once per process on a row block of the model's width (the faster of the
-two; torch where the library or its dtype is missing).
+Which one runs is measured once per process and dtype on a 64 x 2048 row block (the faster of the two;
+torch where the library or its dtype is missing).
 """
 import functools
 import logging

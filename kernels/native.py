@@ -528,16 +528,15 @@ def fp8_avx512() -> bool:
 
 def fp8_quantize(x_TD: torch.Tensor, avx512: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels/fp8.quantize_fp8 by kernels/csrc/fp8.c: x (T, D) bf16 or float32 on the CPU (made
-    contiguous), over threads() threads once large enough. avx512: the AVX-512 loops (same bits; None: where
-    fp8_avx512()). Call only where available() is True."""
+    contiguous), over threads() threads once large enough. avx512: the AVX-512 loops (same bits) where they run
+    here (fp8_avx512()); None: wherever they run. Call only where available() is True."""
     if x_TD.dtype not in (torch.bfloat16, torch.float32) or x_TD.dim() != 2:
         raise ValueError(f"fp8_quantize takes (T, D) bf16 or float32 rows, got {x_TD.dtype} {tuple(x_TD.shape)}")
     x = x_TD.contiguous()
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
     scale = torch.empty((x.shape[0], 1), dtype=x.dtype)
     _library().shuttle_fp8_quantize(x.data_ptr(), q.data_ptr(), scale.data_ptr(), x.shape[0], x.shape[1],
-                                    int(x.dtype == torch.bfloat16), int(fp8_avx512() if avx512 is None else avx512),
-                                    threads())
+                                    int(x.dtype == torch.bfloat16), int(fp8_avx512() and avx512 is not False), threads())
     return q, scale
 
 
@@ -551,8 +550,8 @@ def fp8_dequantize(q_TD: torch.Tensor, scale_T1: torch.Tensor, avx512: bool | No
     q, scale = q_TD.contiguous(), scale_T1.contiguous()
     x = torch.empty(q.shape, dtype=scale.dtype)
     _library().shuttle_fp8_dequantize(q.data_ptr(), scale.data_ptr(), x.data_ptr(), q.shape[0], q.shape[1],
-                                      int(scale.dtype == torch.bfloat16),
-                                      int(fp8_avx512() if avx512 is None else avx512), threads())
+                                      int(scale.dtype == torch.bfloat16), int(fp8_avx512() and avx512 is not False),
+                                      threads())
     return x
 
 

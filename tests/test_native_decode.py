@@ -89,8 +89,9 @@ def test_native_decode_step_gives_the_eager_steps_bits(family, quantization, lay
             monkeypatch.setattr(int8, "_moe_vnni", [2])
             nd.int8_kernels = (*nd.int8_kernels[:3], 2)
         assert nd.linears == ("bf16" if not linears else "int8" if quantization == "int8" else ("fp8", 128))
-        if linears and quantization == "fp8":  # FP8 linears take the table measured on FP8, whatever int8's holds
-            monkeypatch.setitem(int8._moe_big, "int8", None)
+        if linears and quantization == "fp8":  # FP8 linears take the table measured on FP8, whatever int8's holds:
+            fp8_big = int8._moe_big["fp8"]  # int8's made to differ (the FMA kernel, or BF16DOT from one row)
+            monkeypatch.setitem(int8._moe_big, "int8", None if fp8_big and fp8_big[0] == int8.BF16DOT else (int8.BF16DOT, 1))
         nd.layer_by_layer = layer_by_layer
         calls = []
         for name in ("decode_step", "decode_attention"):
