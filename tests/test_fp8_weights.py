@@ -153,6 +153,29 @@ def test_fp8_linear_kernels_multiply_by_their_weights_exactly(kernel, T):
         assert torch.equal(fp8.fp8_linear(x.float(), w, kernel=kernel), got)
 
 
+@pytest.mark.skipif(fp8.BF16DOT not in fp8.kernels(), reason="no BF16DOT here")
+def test_folded_tables_are_each_code_times_its_scale_rounded_to_bf16():
+    """The table BF16DOT decodes a folded block with (scaled_lut: from a few mantissas' products and exponent
+    offsets where every product is normal, else one product per code) holds bf16(float32(code * scale)) of
+    each of the 128 E4M3 magnitudes, as torch rounds them, bit for bit: scales at both ends of that range,
+    negative ones, powers of two and random ones."""
+    lib = fp8._library()
+    lib.shuttle_fp8_scaled_lut.argtypes = [ctypes.c_float, ctypes.c_void_p]
+    codes = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # (127: a NaN code)
+    g = torch.Generator().manual_seed(0)
+    scales = [2.0 ** -117, 2.0 ** -116 * 1.37, 2.0 ** 117, 2.0 ** 116 * 1.9, 1.0, 0.5, -2.0 ** -3, 3e-4, -7.1e-3,
+              *(torch.rand(200, generator=g) * 2 - 1).mul(torch.logspace(-6, 3, 200)).tolist()]
+    for s in scales:
+        s = torch.tensor(s, dtype=torch.float32)
+        lut = torch.zeros(256 + 64, dtype=torch.uint8)
+        at = (-lut.data_ptr()) % 64  # 64-byte aligned, as the kernel keeps its tables
+        assert lib.shuttle_fp8_scaled_lut(float(s * 256), lut.data_ptr() + at) == 0
+        got = lut[at:at + 256]
+        want = (codes * s).bfloat16().view(torch.int16).to(torch.int32) & 0xFFFF
+        assert torch.equal(got[:127].to(torch.int32), want & 0xFF), float(s)
+        assert torch.equal(got[128:255].to(torch.int32), want >> 8), float(s)
+
+
 @NEEDS_FP8
 @pytest.mark.parametrize("block", [(48, 16), (16, 48), (128, 2)])
 def test_fp8_linear_on_other_blocks(block):

@@ -259,6 +259,20 @@ int shuttle_int8_kernels(void) {
     return k;
 }
 
+/* The table BF16DOT folds an FP8 block of scale f / 2^8 with (int8_panels.h's scaled_lut: 256 bytes, 64-byte
+ * aligned, at lut), for tests. Returns 0; -2 where this build has no BF16DOT (call only where the CPU runs it). */
+#ifdef HAVE_BF16DOT
+TBF int shuttle_fp8_scaled_lut(float f, uint8_t *lut) {
+    scaled_lut(f, lut);
+    return 0;
+}
+#else
+int shuttle_fp8_scaled_lut(float f, uint8_t *lut) {
+    (void)f, (void)lut;
+    return -2;
+}
+#endif
+
 /* int8_linear / fp8_linear: panels and scales of format f; the arguments as shuttle_int8_linear's. */
 static int linear_panels(const void *x, int x_bf16, int64_t T, int64_t I, const int8_t *panels, const float *scales,
                          const codes_fmt *f, const float *bias, int64_t O, void *y, int y_bf16, int nthreads,

@@ -364,11 +364,53 @@ AIBF __m512i pair_fp8_bf16(const int8_t *p, const uint8_t *lut) {
     return a;
 }
 
+/* Each E4M3 magnitude i (8 e + m) as (1 + SL_MANT[i] / 8) 2^k, SL_EXP[i] = 128 k (k in bf16's exponent
+ * field): e >= 1 mantissa m, k = e - 7; the subnormals m 2^-9 as 1, 1.25, 1.5 or 1.75 times a power of two;
+ * i = 0 (zero) is set apart; 127 (a NaN code, never in weights) is SL_MANT 7, k = 8 (480), as FP8_LUT has it. */
+static const int16_t SL_MANT[128] __attribute__((aligned(64))) = {
+    0, 0, 0, 4, 0, 2, 4, 6, 0, 1, 2, 3, 4, 5, 6, 7,
+    0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7,
+    0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7,
+    0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7,
+    0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7,
+    0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7,
+    0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7,
+    0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7};
+static const int16_t SL_EXP[128] __attribute__((aligned(64))) = {
+    0, -1152, -1024, -1024, -896, -896, -896, -896, -768, -768, -768, -768, -768, -768, -768, -768,
+    -640, -640, -640, -640, -640, -640, -640, -640, -512, -512, -512, -512, -512, -512, -512, -512,
+    -384, -384, -384, -384, -384, -384, -384, -384, -256, -256, -256, -256, -256, -256, -256, -256,
+    -128, -128, -128, -128, -128, -128, -128, -128, 0, 0, 0, 0, 0, 0, 0, 0,
+    128, 128, 128, 128, 128, 128, 128, 128, 256, 256, 256, 256, 256, 256, 256, 256,
+    384, 384, 384, 384, 384, 384, 384, 384, 512, 512, 512, 512, 512, 512, 512, 512,
+    640, 640, 640, 640, 640, 640, 640, 640, 768, 768, 768, 768, 768, 768, 768, 768,
+    896, 896, 896, 896, 896, 896, 896, 896, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024};
+
 /* FP8_LUT scaled for one block: lut's 128 magnitudes the bf16 bits of code * scale (f = scale * 2^8 times
  * FP8_LUT's code * 2^-8: the same real number as code * scale, so the same float32, then rounded to
  * nearest even once; a product below float32's normals, at scales under ~2^-117, flushes to zero), as a
- * checkpoint dequantised to bf16 (kernels/quant.py) has its weights. 64-byte aligned, 256 bytes. */
+ * checkpoint dequantised to bf16 (kernels/quant.py) has its weights. 64-byte aligned, 256 bytes.
+ * Where every product is a normal float32 and bf16 (|scale| in [2^-117, 2^117]) the 8 mantissas' products
+ * (1 + m / 8) scale are rounded once and each magnitude's bits are its mantissa's plus its power of two in
+ * the exponent field (scaling by 2^k moves neither rounding): the same bits, 4 word permutes instead of 128
+ * products (the tables are built per block and panel of every folded call: 2.7% of the fused FP8 MoE at 256
+ * tokens, 8 x 1024 x 2048 on the Zen 5 EPYC). */
 AIBF void scaled_lut(float f, uint8_t *lut) {
+    const float a = f < 0.0f ? -f : f;
+    if (a >= 0x1p-109f && a <= 0x1p125f) {
+        const __m256 prod = _mm256_mul_ps(_mm256_setr_ps(1.0f, 1.125f, 1.25f, 1.375f, 1.5f, 1.625f, 1.75f, 1.875f),
+                                          _mm256_set1_ps(f * 0x1p-8f));
+        const __m512i base = _mm512_castsi128_si512((__m128i)_mm256_cvtneps_pbh(prod));
+        const __m512i zero = _mm512_set1_epi16(f < 0.0f ? (short)0x8000 : 0); /* 0 * f: -0 for a negative f */
+        for (int g = 0; g < 4; g++) {
+            __m512i w = _mm512_add_epi16(_mm512_permutexvar_epi16(_mm512_load_si512(SL_MANT + 32 * g), base),
+                                         _mm512_load_si512(SL_EXP + 32 * g));
+            if (g == 0) w = _mm512_mask_mov_epi16(w, 1, zero);
+            _mm256_store_si256((__m256i *)(lut + 32 * g), _mm512_cvtepi16_epi8(w));
+            _mm256_store_si256((__m256i *)(lut + 128 + 32 * g), _mm512_cvtepi16_epi8(_mm512_srli_epi16(w, 8)));
+        }
+        return;
+    }
     const __m512 fv = _mm512_set1_ps(f);
     for (int i = 0; i < 128; i += 16) {
         const __m512i lo = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(FP8_LUT[0] + i)));
