@@ -8,7 +8,8 @@ weights and per-token int8 activations), with "fp8" (FP8 128 x 128
 blocks quantised at load: the layout and kernels an FP8 checkpoint is served with) and with "mxfp4"
 (E2M1 codes, an E8M0 scale per 32 inputs: gpt-oss's format, quantised at load), and int8 and fp8
 with quantize_linears ("int8_linears", "fp8_linears": the attention projections in that format too),
-all loaded in this process. Per batch B:
+and "base_again", a second unquantised engine of the same checkpoint (its ratio to base is the run's
+noise: how far two identical engines differ), all loaded in this process. Per batch B:
 B prompts of 32 tokens, --output-len new tokens, greedy, EOS ignored; output tokens/s of the whole
 generate (prefill included), and decode tokens/s: the tokens after the first over the generate's time
 less that of a 1-token generate of the same prompts timed just before it (prefill and first token),
@@ -50,15 +51,21 @@ from bench.engine import mixtral, read_bandwidth  # noqa: E402
 from bench.soak import process_title, rss_bytes  # noqa: E402
 from server import LLM, SamplingParams  # noqa: E402
 
-CONFIGS = {"base": {}, "int8": {"quantization": "int8"}, "w8a8": {"quantization": "w8a8_int8"},
+CONFIGS = {"base": {}, "base_again": {}, "int8": {"quantization": "int8"}, "w8a8": {"quantization": "w8a8_int8"},
            "fp8": {"quantization": "fp8"}, "mxfp4": {"quantization": "mxfp4"},
            "int8_linears": {"quantization": "int8", "quantize_linears": True},
            "fp8_linears": {"quantization": "fp8", "quantize_linears": True}}
 
 
-def quantized(args: argparse.Namespace) -> list[str]:
-    """The configurations run besides "base"."""
-    return [name for name in args.configs if name != "base"]
+def quantized(args: argparse.Namespace, again: bool = True) -> list[str]:
+    """The configurations run besides "base" (again=False: less "base_again", which only speed runs: its
+    weights and quality are base's)."""
+    return [name for name in args.configs if name != "base" and (again or name != "base_again")]
+
+
+def weights_configs(args: argparse.Namespace) -> dict:
+    """args.configs less "base_again" (for memory and quality)."""
+    return {name: q for name, q in args.configs.items() if name != "base_again"}
 
 
 def step_bytes(llm: LLM, batch: int) -> float:
@@ -125,7 +132,7 @@ def _rss_mib(title: str) -> float | None:
 def pools_memory(args: argparse.Namespace, ckpt: Path) -> dict:
     """The expert worker's RSS and reported expert bytes of every configuration (1 + 1 pools)."""
     out = {}
-    for name, q in args.configs.items():
+    for name, q in weights_configs(args).items():
         llm = LLM(ckpt, dtype=args.dtype, **q, colocated=False, attention_workers=1, expert_workers=1)
         try:
             llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
@@ -135,7 +142,7 @@ def pools_memory(args: argparse.Namespace, ckpt: Path) -> dict:
         finally:
             llm.shutdown()
     if all(v["expert_rss_mib"] for v in out.values()):
-        for name in quantized(args):
+        for name in quantized(args, again=False):
             out[f"{name}_rss_vs_base"] = out[name]["expert_rss_mib"] / out["base"]["expert_rss_mib"]
             out[f"{name}_weights_vs_base"] = out[name]["expert_weights_mib"] / out["base"]["expert_weights_mib"]
     return out
@@ -145,7 +152,7 @@ def quality(args: argparse.Namespace) -> dict:
     from models.builtin import builtin_model_dir
     from training.builtin import documents, is_held_out
 
-    llms = {name: LLM(builtin_model_dir(), dtype=args.dtype, **q) for name, q in args.configs.items()}
+    llms = {name: LLM(builtin_model_dir(), dtype=args.dtype, **q) for name, q in weights_configs(args).items()}
     try:
         tok = llms["base"].tokenizer
         docs = [tok.encode(text)[:args.ppl_tokens] for name, text in documents() if is_held_out(name)]
@@ -156,7 +163,7 @@ def quality(args: argparse.Namespace) -> dict:
             nll = [-o.prompt_logprobs[i][d[i]].logprob for o, d in zip(outs, docs) for i in range(1, len(d))]
             out[f"{name}_ppl"] = float(torch.tensor(nll).mean().exp())
         out["held_out_tokens"] = sum(len(d) - 1 for d in docs)
-        for name in quantized(args):
+        for name in quantized(args, again=False):
             out[f"{name}_ppl_vs_base"] = out[f"{name}_ppl"] / out["base_ppl"]
         step = max(1, sum(map(len, docs)) // args.agree_prompts)
         flat = [t for d in docs for t in d]
@@ -164,7 +171,7 @@ def quality(args: argparse.Namespace) -> dict:
         sp = SamplingParams(max_tokens=args.agree_tokens, temperature=0, ignore_eos=True)
         ids = {name: [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] for name, llm in llms.items()}
         out["agree_prompts"] = len(prompts)
-        for name in quantized(args):
+        for name in quantized(args, again=False):
             same_prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
                            for x, y in zip(ids["base"], ids[name])]
             out[f"{name}_greedy_identical_share"] = sum(n == args.agree_tokens for n in same_prefix) / len(prompts)
@@ -194,7 +201,7 @@ def main() -> None:
                     help="experts of the checkpoint whose expert worker's RSS is measured (default 48, --quick 8: "
                          "the speed checkpoint)")
     ap.add_argument("--configs", nargs="+", choices=[n for n in CONFIGS if n != "base"], default=None,
-                    help="the quantisations to run beside base (default all)")
+                    help="the configurations to run beside base (default all)")
     args = ap.parse_args()
     args.configs = {n: q for n, q in CONFIGS.items() if n == "base" or args.configs is None or n in args.configs}
     args.batch_sizes = args.batch_sizes or ([1, 16] if args.quick else [1, 16, 64, 256])
@@ -218,9 +225,9 @@ def main() -> None:
         print({k: v for k, v in pools.items()})
     q = quality(args) if args.quality else None
     if q:
-        print_table([q], ["base_ppl", *(f"{n}_ppl" for n in quantized(args)),
-                          *(f"{n}_ppl_vs_base" for n in quantized(args)),
-                          *(f"{n}_greedy_identical_share" for n in quantized(args))])
+        names = quantized(args, again=False)
+        print_table([q], ["base_ppl", *(f"{n}_ppl" for n in names), *(f"{n}_ppl_vs_base" for n in names),
+                          *(f"{n}_greedy_identical_share" for n in names)])
     print({name: {k: f"{v / 2 ** 20:.1f} MiB" for k, v in m.items()} for name, m in memory.items()})
     path = save("quant_quick" if args.quick else "quant",
                 {"config": {k: list(v) if k == "configs" else v for k, v in vars(args).items()},
