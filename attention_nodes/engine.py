@@ -23,7 +23,7 @@ import torch
 from attention_nodes.block_manager import BlockManager
 from attention_nodes.config import EngineConfig
 from attention_nodes.model_runner import ModelRunner, PromptLogits, row_spans
-from attention_nodes.sampler import Sampler, SamplerOutput, SamplingRow
+from attention_nodes.sampler import Sampler, SamplerOutput, SamplingRow, peek_uniforms, skip_draws
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import ScheduledBatch, Scheduler
 from attention_nodes.sequence import Sequence, SequenceStatus
@@ -542,28 +542,6 @@ def default_eos_ids(model_dir: str | Path, model_cfg: ModelConfig) -> set[int]:
         if eos is not None:
             return set(eos if isinstance(eos, list) else [eos])
     return set(model_cfg.eos_token_ids)
-
-
-def peek_uniforms(gen: torch.Generator, n: int) -> list[float]:
-    """The uniforms a seeded sample's next n tokens will draw from its generator (one each, as
-    kernels/sampling.uniforms draws them), the generator left where it was."""
-    state = gen.get_state()
-    try:
-        return [float(torch.rand(1, generator=gen, device=gen.device)[0]) for _ in range(n)]
-    finally:
-        gen.set_state(state)
-
-
-def skip_draws(gen: torch.Generator, num_tokens: int) -> None:
-    """Advance a seeded sample's generator past the draws of num_tokens sampled tokens: the sampler
-    takes one uniform per token from it (kernels.sampling.uniforms). On the CPU one draw of n values
-    takes the same stream as n single draws; a CUDA generator's offset advances per call, so there
-    it repeats the per-token calls."""
-    if gen.device.type != "cpu":
-        for _ in range(num_tokens):
-            torch.rand(1, generator=gen, device=gen.device)
-        return
-    torch.rand(num_tokens, generator=gen)
 
 
 def check_params(params: SamplingParams, model_cfg: ModelConfig) -> None:

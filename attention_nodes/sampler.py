@@ -237,3 +237,25 @@ class Sampler:
         tops = [list(zip(ids[:r.params.logprobs], lps[:r.params.logprobs])) if r.params.logprobs is not None else []
                 for r, ids, lps in zip(rows, top_ids, top_lps)]
         return SamplerOutput(token_ids_B.tolist(), chosen_B.tolist(), rank_B.tolist(), tops)
+
+
+def peek_uniforms(gen: torch.Generator, n: int) -> list[float]:
+    """The uniforms a seeded sample's next n tokens will draw from its generator (one each, as
+    kernels/sampling.uniforms draws them), the generator left where it was."""
+    state = gen.get_state()
+    try:
+        return [float(torch.rand(1, generator=gen, device=gen.device)[0]) for _ in range(n)]
+    finally:
+        gen.set_state(state)
+
+
+def skip_draws(gen: torch.Generator, num_tokens: int) -> None:
+    """Advance a seeded sample's generator past the draws of num_tokens sampled tokens: the sampler
+    takes one uniform per token from it (kernels.sampling.uniforms). On the CPU one draw of n values
+    takes the same stream as n single draws; a CUDA generator's offset advances per call, so there
+    it repeats the per-token calls."""
+    if gen.device.type != "cpu":
+        for _ in range(num_tokens):
+            torch.rand(1, generator=gen, device=gen.device)
+        return
+    torch.rand(num_tokens, generator=gen)

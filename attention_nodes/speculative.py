@@ -32,7 +32,7 @@ position at a time. What the sampler emits at a draft position depends on what t
   without a grammar or logprobs verify all their positions in one call (Sampler.verify_chains:
   K + 1 uniforms of the global generator); otherwise a verified position takes two uniforms from the
   request's generator, so a seeded request with the same drafts gives the same tokens (not those it
-  gives without speculation, and not on a resume after a failure: engine.skip_draws counts one
+  gives without speculation, and not on a resume after a failure: sampler.skip_draws counts one
   uniform a token).
 
 After the last accepted draft the next position is sampled from p as usual (the bonus token). The

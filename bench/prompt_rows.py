@@ -1,6 +1,6 @@
 """Prompt chunks as one-token rows in the native decode step against the eager chunks they replace
 (ModelRunner.prompts_as_rows): the step time of ModelRunner.execute on the same batches both ways, in
-alternating rounds in one process, as served steps follow one another (planner.profile.served_time:
+alternating rounds in one process, as served steps follow one another (planner.timing.served_time:
 four batches of other random tokens in turn, no eviction).
 
     python bench/prompt_rows.py [--model DIR | --shape mixtral] [--rounds 2] [--quick]
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attention_nodes.config import CacheConfig, EngineConfig  # noqa: E402
 from attention_nodes.model_runner import PROMPT_ROWS_KEY_READS, ModelRunner, prompt_key_reads  # noqa: E402
 from bench.common import print_table, save  # noqa: E402
-from planner.profile import SERVED_VARIANTS, _batch, served_time  # noqa: E402
+from planner.timing import SERVED_VARIANTS, served_time, synthetic_batch  # noqa: E402
 
 SHAPES = [([16], [0]), ([64], [0]), ([128], [0]), ([256], [0]), ([512], [0]), ([768], [0]), ([1024], [0]),
           ([128], [512]), ([256], [1024]), ([64] * 4, [0] * 4), ([64, 1, 1, 1], [0, 80, 80, 80]),
@@ -55,7 +55,7 @@ def main() -> None:
         print("this model or CPU has no native decode step: both ways are the eager chunks")
     rows = []
     for q, c in shapes:
-        batches = [_batch(q, c, 16, blocks, runner.model_cfg.vocab_size, v) for v in range(SERVED_VARIANTS)]
+        batches = [synthetic_batch(q, c, 16, blocks, runner.model_cfg.vocab_size, v) for v in range(SERVED_VARIANTS)]
         times = {True: [], False: []}
         for r in range(rounds):
             for as_rows in ((True, False) if r % 2 == 0 else (False, True)):

@@ -47,7 +47,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -58,7 +57,6 @@ from attention_nodes.messages import Deltas, encode, encode_delta
 from attention_nodes.model_runner import PROMPT_ROWS_KEY_READS, ModelRunner, key_reads
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import ScheduledBatch
-from attention_nodes.sequence import Sequence
 from kernels import choice
 from m2n_comm.m2n import ExpertBatch, run_local_experts
 from models.config import ModelConfig
@@ -69,6 +67,8 @@ from planner.perf import expected_active
 from planner.hardware import describe_host
 from planner.profile_mtp import MTP_DRAFTS, measure_mtp  # noqa: F401 (MTP_DRAFTS: the profile's API)
 from planner.shapes import shape_from
+from planner.timing import (SERVED_VARIANTS, CacheEvictor, StampingDispatcher, best_time, served_time,
+                             synthetic_batch)
 
 log = logging.getLogger("shuttle.profile")
 PROFILE_VERSION = 1
@@ -126,101 +126,6 @@ _GRID = ("repeats", "quick", "batches", "contexts", "prefill", "prefill_chunks",
          "max_kv_reads")
 
 
-def best_time(fn, repeats: int, before=None) -> float:
-    """Fastest wall time of `repeats` calls after one warm-up call, in seconds; `before` (untimed)
-    runs ahead of each."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def llc_bytes(cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
-    """The size of this host's last-level cache (Linux sysfs), 32 MiB where it cannot be read."""
-    sizes = {}
-    for index in Path(cache_dir).glob("index*"):
-        try:
-            level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
-            sizes[level] = int(size[:-1]) << {"K": 10, "M": 20}[size[-1]] if size[-1] in "KM" else int(size)
-        except (OSError, ValueError, IndexError, KeyError):
-            continue
-    return sizes[max(sizes)] if sizes else 32 << 20
-
-
-class CacheEvictor:
-    """Evicts the caches before each timed step, where the model's weights are more than the host's
-    last-level cache: served, the weights a layer reads were pushed out since the step before (a
-    colocated step streams the whole model through the cache, and in the pools the other worker's
-    weights stream through it too), while a profile repeating one step finds them cached. Once per
-    step, not per layer: what a step touches at every layer (the interpreter's own objects) stays
-    cached when served. Reading twice the cache's size of another buffer evicts it (not timed).
-    Measured (bench/planner.py --quick, 25M models, 32 MB L3): a 1 + 1 m=2 at batch 16 was predicted
-    19% fast without it (its 8-token expert calls ran from the cache), and the served run computed
-    1.13x what the fits said; with it +2% to +23% over nine runs and 1.02-1.14x."""
-
-    def __init__(self, model_dir: str | os.PathLike):
-        weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
-        llc = llc_bytes()
-        self.on = weights > llc
-        self.buffer = torch.ones(2 * llc // 4) if self.on else None
-
-    def __call__(self) -> None:
-        if self.on:
-            self.buffer.sum()
-
-
-class _StampingDispatcher:
-    """Stands in for the experts: returns zeros, and records when each layer's dispatch came. With
-    `evict`, each step begins by evicting the caches (before its first stamp), so that every layer
-    reads its weights from memory as in a served step."""
-
-    def __init__(self, evict=None):
-        self.stamps: list[float] = []
-        self.evict = evict
-
-    def dispatch(self, layer, experts, x_TD, topk_ids_TK, topk_weights_TK, mb=0):
-        self.stamps.append(time.perf_counter())
-        return torch.zeros_like(x_TD)
-
-    def layer_times(self) -> list[float]:
-        """The layers after the first (which adds the embedding): the gaps between dispatches."""
-        s = self.stamps
-        return [b - a for a, b in zip(s[1:-2], s[2:-1])]
-
-    def combine(self, handle):
-        return handle
-
-    def begin_step(self) -> None:
-        if self.evict is not None:
-            self.evict()
-        self.stamps = [time.perf_counter()]
-
-    def end_step(self) -> None:
-        self.stamps.append(time.perf_counter())
-
-
-def _batch(q_lens: list[int], ctx_lens: list[int], block_size: int, num_blocks: int,
-           vocab: int | None = None, seed: int = 0) -> ScheduledBatch:
-    """Sequences computing q_lens[b] tokens after ctx_lens[b] cached ones. Every sequence reads the
-    same blocks (the values do not matter for timing), so a large batch needs no large cache. The
-    tokens are all 1, or with `vocab` drawn at random below it (seeded by the batch size and `seed`):
-    where the experts run, one token everywhere would route every row to the same top-k experts."""
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    seqs, g = [], torch.Generator().manual_seed(len(q_lens) + 7919 * seed)
-    for i, (q, c) in enumerate(zip(q_lens, ctx_lens)):
-        ids = [1] * (q + c) if vocab is None else torch.randint(2, vocab, (q + c,), generator=g).tolist()
-        seq = Sequence(str(i), 0, ids, q + c, params, 1, i)
-        seq.num_computed_tokens = c
-        seq.block_table = [b % num_blocks for b in range(blocks_for(q + c, block_size))]
-        seqs.append(seq)
-    return ScheduledBatch(seqs, list(q_lens), [True] * len(seqs))
-
-
 def _kv_reads(q_lens: list[int], ctx_lens: list[int]) -> int:
     """Context tokens read by all query tokens (model_runner.key_reads)."""
     return sum(key_reads(q, c) for q, c in zip(q_lens, ctx_lens))
@@ -270,7 +175,7 @@ def measure_attention(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     shapes, num_blocks = step_shapes(opts, cfg)
     block_size = 16
     evict = CacheEvictor(opts.model)
-    disp = _StampingDispatcher(evict)
+    disp = StampingDispatcher(evict)
     runner = ModelRunner(EngineConfig(opts.model, dtype=opts.dtype, cache=CacheConfig(block_size, num_blocks),
                                       quantization=opts.quantization,
                                       quantize_linears=opts.quantize_linears), cfg, disp, 1)
@@ -280,11 +185,11 @@ def measure_attention(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     for threads in opts.threads:
         torch.set_num_threads(threads)
         for q_lens, ctx_lens in shapes:
-            for as_rows in _ways(runner, _batch(q_lens, ctx_lens, block_size, num_blocks)):
+            for as_rows in _ways(runner, synthetic_batch(q_lens, ctx_lens, block_size, num_blocks)):
                 layer_times = []
 
                 def run():
-                    runner.execute(_batch(q_lens, ctx_lens, block_size, num_blocks))
+                    runner.execute(synthetic_batch(q_lens, ctx_lens, block_size, num_blocks))
                     gaps, s = disp.layer_times(), disp.stamps
                     layer_times.append(statistics.median(gaps) if gaps else (s[-2] - s[0]))
 
@@ -323,7 +228,7 @@ def measure_step(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     prefill_tokens: admitting and hashing prompts costs per token (a colocated 1-thread step of
     2,048 prompt tokens spent ~10 ms outside its forward, the decode steps' fit said 0.9)."""
     B, steps, prompt = max(opts.batches), 12, 32
-    disp = _StampingDispatcher()
+    disp = StampingDispatcher()
     num_blocks = B * blocks_for(prompt + steps + 2, 16) + 4
     engine = LLMEngine(EngineConfig(opts.model, dtype=opts.dtype,
                                     scheduler=SchedulerConfig(max_num_seqs=B, max_num_batched_tokens=max(2048, 8 * B)),
@@ -423,24 +328,6 @@ def fit_samples(samples: dict[str, list[dict]], threads: int) -> dict[str, Fit]:
     return fits
 
 
-SERVED_VARIANTS = 4  # (measure_colocated) batches of other random tokens a shape's steps take in turn
-
-
-def served_time(fns: list, repeats: int) -> float:
-    """The median wall time of `repeats` rounds of calling each of fns in turn (one warm-up round
-    first, untimed), in seconds: steps that follow one another as served ones do, each finding the
-    caches as the step before left them."""
-    for fn in fns:
-        fn()
-    times = []
-    for _ in range(repeats):
-        for fn in fns:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure_colocated(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     """Whole colocated steps as a colocated engine computes them: ModelRunner.execute with the
     experts in this process (the native decode step where the model takes it), random tokens, over
@@ -465,7 +352,7 @@ def measure_colocated(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     for threads in opts.threads:
         torch.set_num_threads(threads)
         for q_lens, ctx_lens in shapes:
-            batches = [_batch(q_lens, ctx_lens, block_size, num_blocks, cfg.vocab_size, v)
+            batches = [synthetic_batch(q_lens, ctx_lens, block_size, num_blocks, cfg.vocab_size, v)
                        for v in range(SERVED_VARIANTS)]
             for as_rows in _ways(runner, batches[0]):
                 _as_rows(runner, as_rows)
@@ -500,7 +387,7 @@ def measure_native_decode(opts: ProfileOptions, cfg: ModelConfig) -> list[dict]:
     for threads in opts.threads:
         torch.set_num_threads(threads)
         for b in opts.batches:
-            batch = _batch([1] * b, [ctx] * b, block_size, num_blocks)
+            batch = synthetic_batch([1] * b, [ctx] * b, block_size, num_blocks)
             times = {True: [], False: []}
             for r in range(opts.repeats + 1):  # the first round warms both up (buffers, caches)
                 for on in ((True, False) if r % 2 else (False, True)):

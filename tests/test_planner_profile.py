@@ -152,7 +152,7 @@ def test_front_cpu_splits_into_per_token_per_request_and_per_step():
 def test_cache_evictor_reads_the_llc_size_and_runs_only_for_models_larger_than_it(tmp_path):
     """The profile times every step with its weights out of the cache where a served step would find
     them so (weights larger than the last-level cache); a model that fits is timed as it is."""
-    from planner.profile import CacheEvictor, _StampingDispatcher, llc_bytes
+    from planner.timing import CacheEvictor, StampingDispatcher, llc_bytes
 
     cache = tmp_path / "cache"
     for i, (level, size) in enumerate([(1, "48K"), (2, "1024K"), (3, "32768K")]):
@@ -170,7 +170,7 @@ def test_cache_evictor_reads_the_llc_size_and_runs_only_for_models_larger_than_i
     evict = CacheEvictor(big)
     assert evict.buffer.numel() * 4 == 2 * llc_bytes()
     calls = []
-    disp = _StampingDispatcher(lambda: calls.append(1))
+    disp = StampingDispatcher(lambda: calls.append(1))
     disp.begin_step()
     assert calls == [1] and len(disp.stamps) == 1
 

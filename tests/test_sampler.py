@@ -135,7 +135,7 @@ def test_filtered_draws_follow_filter_mask_on_large_vocabularies(V, scale):
 
 
 def test_unfiltered_draws_follow_the_softmax_and_take_one_uniform_each():
-    from attention_nodes.engine import skip_draws
+    from attention_nodes.sampler import skip_draws
 
     logits_V = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5])
     n = 20000
