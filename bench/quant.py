@@ -48,7 +48,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import print_table, save  # noqa: E402
 from bench.engine import mixtral, read_bandwidth  # noqa: E402
-from bench.soak import process_title, rss_bytes  # noqa: E402
+from bench.soak import rss_bytes  # noqa: E402
+from bench.soak_faults import process_title  # noqa: E402
 from server import LLM, SamplingParams  # noqa: E402
 
 CONFIGS = {"base": {}, "base_again": {}, "int8": {"quantization": "int8"}, "w8a8": {"quantization": "w8a8_int8"},

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak import Run, fault_outcomes, fault_server_flags, parse_faults, rss_growth, served_dtype
+from bench.soak import Run, rss_growth, served_dtype
+from bench.soak_faults import fault_outcomes, fault_server_flags, parse_faults
 
 ROOT = Path(__file__).resolve().parents[1]
 
