@@ -14,12 +14,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from clients.live_server import LiveServer
-
-if TYPE_CHECKING:
-    from bench.soak import Run
 
 FAULT_TARGETS = {"kill-expert": "e0", "kill-attention": "a0", "stop": "e0", "straggler": "e1"}  # kind: default
 RECOVERY_S = 30.0  # a fault is scheduled only when it and this much time after it fit in the load
@@ -268,7 +265,16 @@ def _count(x: float) -> int | None:
     return None if x != x else int(x)
 
 
-def fault_outcomes(records: list[dict], run: "Run", end: float, final_metrics: str) -> list[dict]:
+class LoadRecord(Protocol):
+    """What fault_outcomes reads of the load's record (bench/soak.py's Run)."""
+
+    token_times: list[float]  # every token's arrival (monotonic s)
+    unexpected: list[tuple[float, str]]  # (finished, class)
+    greedy_checks: list[tuple[float, float]]  # (sent, finished)
+    greedy_differed: list[dict]  # sent, finished, prompt, text
+
+
+def fault_outcomes(records: list[dict], run: LoadRecord, end: float, final_metrics: str) -> list[dict]:
     """Each fault's record completed from the load's record: per window from the fault to the next
     (or the end of the load), the restarts and recomputed tokens, the token flow (first token after
     it, the longest pause from it on and when tokens came again), the unexpected responses and the
