@@ -43,7 +43,8 @@ class PackedExperts(nn.Module):
     that kernels/int8.fused_moe_int8 runs as one block where fused_int8_experts says so, else
     CpuWeight.quantized for fused_moe_packed (biases, other activations). quantization="fp8": FP8
     codes with 128 x 128 block scales (kernels/fp8_weights.py), the checkpoint's own where the loader
-    kept them (keep_fp8), else quantised from the float weights; Fp8ExpertPanels run by
+    kept them (keep_fp8), else quantised from the float weights, except experts an FP8 checkpoint stores
+    unquantised (Experts.unquantised_in_checkpoint: served as without quantization); Fp8ExpertPanels run by
     fused_moe_fp8 for SiLU experts without biases, else CpuWeight.quantized(Fp8Weight).
     quantization="mxfp4": MXFP4 codes and E8M0 scales (kernels/mxfp4_weights.py), the checkpoint's
     blocks as shipped where the loader kept them (keep_mxfp4), else quantised from the float weights;
@@ -54,6 +55,8 @@ class PackedExperts(nn.Module):
 
     def __init__(self, experts: Experts | None = None, quantization: str | None = None):
         super().__init__()
+        if quantization == "fp8" and getattr(experts, "unquantised_in_checkpoint", False):
+            quantization = None  # an FP8 checkpoint's experts that it stores unquantised: served as shipped
         self.w13_packed, self.w2_packed = [], []
         self.act_int8 = quantization == "w8a8_int8"
         if self.act_int8 and experts is not None and not fused_int8_experts(experts):

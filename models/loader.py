@@ -128,7 +128,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig | None = None, dtype: tor
         model.lm_head.weight = model.model.embed_tokens.weight
     params = dict(model.named_parameters())
     fill_params(params, {n: ts for n, ts in wanted.items() if n in tensors}, tensors)
-    if kept:
+    if kept is not None:
         keep_fp8_on(model.get_submodule, wanted, kept, cfg.fp8_block)
     if mx:
         keep_mxfp4_on(model.get_submodule, wanted, mx)
@@ -169,7 +169,13 @@ def keep_fp8_on(module_of, wanted: dict[str, list[Target]], kept: dict[str, tupl
     their weights (module_of: a module's name -> the module): a Linear's `fp8_checkpoint` =
     (codes (O, I), scale_inv, block); per-expert tensors go to their Experts' `fp8_checkpoint`, a dict
     {("w1" | "w3" | "w2", local expert): (codes, scale_inv)} plus "block". Fused expert tensors are
-    left out (they are served dequantised)."""
+    left out (they are served dequantised). Experts none of whose tensors the checkpoint stores in FP8
+    (its modules_to_not_convert) get `unquantised_in_checkpoint` = True: served as shipped, unquantised
+    (models/cpu_inference.PackedExperts, models/triton_quant.quantized_experts)."""
+    expert_owners = {t.param.rpartition(".")[0] for ts in wanted.values() for t in ts if STACKED_EXPERTS.match(t.param)}
+    fp8_owners = {t.param.rpartition(".")[0] for name in kept for t in wanted[name] if STACKED_EXPERTS.match(t.param)}
+    for owner in expert_owners - fp8_owners:
+        module_of(owner).unquantised_in_checkpoint = True
     for name, (codes, scale) in kept.items():
         for t in wanted[name]:
             owner, _, leaf = t.param.rpartition(".")
@@ -264,7 +270,7 @@ def load_experts(model_dir: str | Path, expert_ids: list[int] | dict[int, list[i
                 if t.rows is not None:
                     dst = dst[t.rows[0]:t.rows[1]]
                 dst.copy_(src)
-    if kept:
+    if kept is not None:
         keep_fp8_on(lambda owner: experts[int(LAYER.match(owner + ".").group(1))], wanted, kept, cfg.fp8_block)
     if mx:
         layer_of = lambda owner: int(LAYER.match(owner + ".").group(1))  # noqa: E731

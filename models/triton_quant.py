@@ -123,10 +123,13 @@ class Mxfp4TritonExperts(_StackedExperts):
 
 
 def quantized_experts(experts: Experts, quantization: str) -> nn.Module:
-    """experts as quantization ("fp8" or "mxfp4") serves them on the Triton op table."""
+    """experts as quantization ("fp8" or "mxfp4") serves them on the Triton op table; experts an FP8
+    checkpoint stores unquantised (Experts.unquantised_in_checkpoint) stay as they are."""
     if quantization not in TRITON_QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} has no Triton kernels; choose from "
                          f"{', '.join(TRITON_QUANTIZATIONS)}")
+    if quantization == "fp8" and getattr(experts, "unquantised_in_checkpoint", False):
+        return experts
     if quantization == "fp8":
         check_fp8_runs(experts.w13.device)
     return Fp8TritonExperts(experts) if quantization == "fp8" else Mxfp4TritonExperts(experts)

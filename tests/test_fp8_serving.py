@@ -125,6 +125,45 @@ def test_pools_serve_fp8_as_shipped(ckpts, llm_fp8):
     assert rows[("attention", "experts")] == 0
 
 
+def test_experts_an_fp8_checkpoint_stores_unquantised_are_served_as_stored(ckpts, tmp_path):
+    """An FP8 checkpoint whose first layer's experts are stored unquantised (modules_to_not_convert, as
+    releases leave some layers): those experts are served as stored, not quantised to FP8, colocated and
+    on an expert worker, while the other layer's keep their FP8 codes; the oracle is transformers on the
+    dequantised weights with those experts as stored."""
+    import json
+
+    from models.cpu_inference import PackedExperts
+
+    first = "model.layers.0.mlp.experts."
+    src = load_file(next(ckpts["src"].glob("*.safetensors")))
+    mixed = tmp_path / "mixed"
+    shutil.copytree(ckpts["fp8"], mixed)
+    f = next(mixed.glob("*.safetensors"))
+    tensors = {n: (src[n] if n.startswith(first) else t) for n, t in load_file(f).items()
+               if not (n.startswith(first) and n.endswith("_scale_inv"))}
+    save_file(tensors, f, metadata={"format": "pt"})
+    raw = json.loads((mixed / "config.json").read_text())
+    raw["quantization_config"]["modules_to_not_convert"] = ["model.layers.0.mlp.experts"]
+    (mixed / "config.json").write_text(json.dumps(raw))
+    ref = _with(ckpts["deq"], tmp_path / "ref", {n: t for n, t in src.items() if n.startswith(first)})
+    llm = LLM(mixed)
+    try:
+        assert llm.engine_cfg.quantization == "fp8"
+        layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedExperts)]
+        assert layers[0].fp8 is None and not any(isinstance(w, Fp8ExpertPanels) for w in layers[0].w13_packed)
+        assert layers[1].fp8 is not None
+        got = _prompt_logprobs(llm, PROMPTS[0])
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        llm.shutdown()
+    torch.testing.assert_close(got, reference_prompt_logprobs(ref, PROMPTS[0]), atol=1e-4, rtol=0)
+    pools = LLM(mixed, colocated=False, attention_workers=1, expert_workers=1)
+    try:
+        assert [o.outputs[0].token_ids for o in pools.generate(PROMPTS, GREEDY)] == want
+    finally:
+        pools.shutdown()
+
+
 def test_quantization_fp8_of_a_float_checkpoint(ckpts, tmp_path):
     """--quantization fp8: the experts quantised at load in 128 x 128 blocks (gate and up apart, as a
     checkpoint stores them); equal to transformers on the float checkpoint with those experts
