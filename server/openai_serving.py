@@ -292,6 +292,7 @@ class OpenAIServing:
         chunk_kind = "chat.completion.chunk" if job.kind == "chat.completion" else "text_completion"
         started, ended = set(), set()  # choices that sent their first chunk, their finish_reason
         streamers: dict[int, ChatOutput | ToolStreamer] = {}  # chat: each choice's text -> message deltas
+        offsets: dict[int, int] = {}  # completions' logprobs: each choice's text_offset so far, as vLLM runs it on
         final: dict[int, RequestOutput] = {}
         try:
             async for i, out in self._outputs(job):
@@ -315,8 +316,11 @@ class OpenAIServing:
                         streamer = streamers.setdefault(index, job.output())
                     elif job.tools is not None:
                         streamer = streamers.setdefault(index, ToolStreamer(job.tools))
-                    choices.append(self._choice(job, out, c, text, c.delta_token_ids, lps, full=False, first=first,
-                                                streamer=streamer))
+                    choice = self._choice(job, out, c, text, c.delta_token_ids, lps, full=False, first=first,
+                                          streamer=streamer, text_offset=offsets.get(index, 0))
+                    if job.kind != "chat.completion" and choice["logprobs"]:
+                        offsets[index] = offsets.get(index, 0) + sum(map(len, choice["logprobs"]["tokens"]))
+                    choices.append(choice)
                 for choice in choices:  # one choice per chunk, as OpenAI and vLLM send them
                     chunk = {"id": job.id, "object": chunk_kind, "created": job.created, "model": job.model,
                              "choices": [choice]}
@@ -332,8 +336,9 @@ class OpenAIServing:
 
     def _choice(self, job: _Job, out: RequestOutput, c: CompletionOutput, text: str, token_ids: list[int],
                 logprobs: list, full: bool, first: bool = False,
-                streamer: ChatOutput | ToolStreamer | None = None) -> dict:
-        """One choice of a response (full) or of a chunk (its deltas; first: the choice's first chunk)."""
+                streamer: ChatOutput | ToolStreamer | None = None, text_offset: int = 0) -> dict:
+        """One choice of a response (full) or of a chunk (its deltas; first: the choice's first chunk;
+        text_offset: a completion chunk's first token's text_offset, the length of the tokens before it)."""
         prompt = int(out.request_id.rsplit("-", 1)[1])
         index = job.index(prompt, c.index)
         lp = None
@@ -343,7 +348,7 @@ class OpenAIServing:
             logprobs = [head] + (out.prompt_logprobs or [None])[1:] + logprobs
         if job.params.logprobs is not None:
             lp = _chat_logprobs(token_ids, logprobs, job.params.logprobs) if job.kind == "chat.completion" else \
-                _completion_logprobs(token_ids, logprobs, job.params.logprobs)
+                _completion_logprobs(token_ids, logprobs, job.params.logprobs, text_offset)
         if job.kind == "chat.completion":
             return self._chat_choice(job, index, c, text, lp, full, first, streamer)
         if full and job.echo is not None:
@@ -445,9 +450,10 @@ def _prompt_logprobs(entries: list[dict | None] | None) -> list[dict | None]:
             for e in entries or []]
 
 
-def _completion_logprobs(token_ids: list[int], logprobs: list[dict], k: int) -> dict:
-    """OpenAI's legacy logprobs; a Logprob of None (the echoed prompt's first token) gives nulls."""
-    tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
+def _completion_logprobs(token_ids: list[int], logprobs: list[dict], k: int, offset: int = 0) -> dict:
+    """OpenAI's legacy logprobs, text_offset counted from `offset`; a Logprob of None (the echoed prompt's
+    first token) gives nulls."""
+    tokens, token_lps, tops, offsets = [], [], [], []
     for tid, entry in zip(token_ids, logprobs):
         chosen = entry[tid]
         text = chosen.decoded_token or ""

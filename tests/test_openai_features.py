@@ -42,6 +42,13 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs(ckpt, client):
                 for t in chunk.choices[0].logprobs.token_logprobs]
     assert streamed[0] is None
     torch.testing.assert_close(torch.tensor(streamed[1:]), torch.tensor(lp.token_logprobs[1:]), atol=1e-5, rtol=0)
+    # text_offset runs on across the chunks (vLLM's), as in the whole response
+    stream = client.completions.create(model="tiny", prompt=IDS, max_tokens=5, temperature=0, echo=True, logprobs=1,
+                                       stream=True)
+    chunks = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    assert len(chunks) > 2
+    whole = client.completions.create(model="tiny", prompt=IDS, max_tokens=5, temperature=0, echo=True, logprobs=1)
+    assert [o for c in chunks for o in c.text_offset] == whole.choices[0].logprobs.text_offset
 
 
 def test_vllm_prompt_logprobs(ckpt, client):
