@@ -116,6 +116,9 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                                        attention_resources=attention_resources, expert_resources=expert_resources,
                                        trace_dir=None if trace_dir is None else str(trace_dir), m2n_dtype=m2n_dtype),
                         enforce_eager, native_decode, quantization, speculative_config, quantize_linears)
+    if cfg.speculative is not None and cfg.speculative.method == "mtp":  # (here too: before any worker starts)
+        from models.mtp import check_mtp_checkpoint
+        check_mtp_checkpoint(cfg.model, ModelConfig.from_pretrained(cfg.model))
     return _checkpoint_quantization(cfg, quantization)
 
 

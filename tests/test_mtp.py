@@ -511,6 +511,10 @@ def test_a_checkpoint_without_mtp_layers_is_refused(base, make_checkpoint):
     with pytest.raises(ValueError, match=f"mtp needs multi-token-prediction layers, but {mixtral} has none.*"
                                          f"num_nextn_predict_layers"):
         LLM(mixtral, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    from server.llm import engine_config
+    with pytest.raises(ValueError, match=f"mtp needs multi-token-prediction layers, but {mixtral} has none"):
+        engine_config(mixtral, speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+                      colocated=False)  # (pools: refused by the front, before any worker starts)
     assert SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 2}).method == "mtp"
     with pytest.raises(ValueError, match="draft_model needs 'model'"):
         SpeculativeConfig.parse({"method": "draft_model", "num_speculative_tokens": 2})
