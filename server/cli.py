@@ -159,10 +159,12 @@ def _eplb_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _pool_kwargs(args: argparse.Namespace, disaggregate_by_default: bool) -> dict:
-    given = any(getattr(args, f) is not None for f in POOL_FLAGS + EPLB_FLAGS)
+    named = ["--" + f.replace("_", "-") for f in POOL_FLAGS + EPLB_FLAGS if getattr(args, f) is not None]
+    given = bool(named)
     colocated = args.colocated or not (disaggregate_by_default or given or args.rendezvous)
     if args.colocated and (given or args.rendezvous):
-        raise ValueError("--colocated runs the experts in-process; it takes no pool flag or --rendezvous")
+        raise ValueError(f"--colocated runs the experts in-process; it takes no pool flag or --rendezvous (given: "
+                         f"{', '.join(named + (['--rendezvous'] if args.rendezvous else []))})")
     return dict(colocated=colocated, attention_workers=args.attention_workers or 1,
                 expert_workers=args.expert_workers or 1, micro_batches=args.micro_batches or 1,
                 transport=args.transport or "shm", placement=args.placement, torch_threads=args.torch_threads,

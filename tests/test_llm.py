@@ -250,3 +250,5 @@ def test_cli_launcher_flags_reach_the_parallel_config():
         par("--launcher", "ray", "--attention-resources", '{"H20": -1}')
     with pytest.raises(ValueError, match=r"need parallel.launcher='ray'"):
         par("--expert-resources", '{"H20": 1}')
+    with pytest.raises(ValueError, match=r"--colocated .* takes no pool flag .* \(given: --m2n-dtype, --eplb\)"):
+        par("--colocated", "--m2n-dtype", "fp8", "--eplb")
