@@ -113,10 +113,11 @@ def _serve(spec: ExpertWorkerSpec, store: SignedStore) -> None:
     log.info("serving %d MoE layers, placement version %d, %d torch thread(s); expert weights %.1f MiB resident%s",
              len(moe_layers), spec.placement.version, torch.get_num_threads(), weight_bytes / 2 ** 20,
              f" ({spec.quantization})" if spec.quantization else "")
-    store.set(f"{spec.session}/up/e{spec.rank}", str(spec.epoch))  # loaded: the front may add it back now
     tracer = Tracer(f"e{spec.rank}", enabled=spec.trace_dir is not None)
     load = _Load(spec, store, tracer, device, cfg.num_experts, moe_layers)
     load.meta["weight_bytes"] = weight_bytes  # the version in use's; re-placements update it
+    load.step_done(idle=True)  # (published from the start: /metrics has the resident weights before a request)
+    store.set(f"{spec.session}/up/e{spec.rank}", str(spec.epoch))  # loaded: the front may add it back now
     stop = threading.Event()
     watcher = threading.Thread(target=watch_placements,
                                args=(held, spec.store_addr, spec.session, stop, spec.transport.token), daemon=True,

@@ -117,10 +117,12 @@ def test_pools_serve_fp8_as_shipped(ckpts, llm_fp8):
     llm = LLM(ckpts["fp8"], colocated=False, attention_workers=1, expert_workers=1)
     try:
         assert llm.engine_cfg.quantization == "fp8"
+        before = {(r["pool"], r["kind"]): r["bytes"] for r in llm.engine.stats()["weights"]}  # (before any step)
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
         rows = {(r["pool"], r["kind"]): r["bytes"] for r in llm.engine.stats()["weights"]}
     finally:
         llm.shutdown()
+    assert rows[("expert", "experts")] == before[("expert", "experts")]
     assert rows[("expert", "experts")] == llm_fp8.engine.runner.resident_bytes["experts"]
     assert rows[("attention", "experts")] == 0
 
