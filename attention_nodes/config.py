@@ -115,9 +115,11 @@ class SpeculativeConfig:
         return cls(**value)
 
     def to_dict(self) -> dict:
-        """vLLM's keys as set (`model` only for method draft_model, `token_map` only where given)."""
+        """vLLM's keys as set (`model` only for method draft_model, `token_map` only where given, the
+        prompt lookup's bounds only for method ngram)."""
         return {k: getattr(self, k) for k in self.__dataclass_fields__
-                if k not in ("model", "token_map") or getattr(self, k) is not None}
+                if (k not in ("model", "token_map") or getattr(self, k) is not None)
+                and (self.method == "ngram" or not k.startswith("prompt_lookup_"))}
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from attention_nodes.config import SpeculativeConfig
+from attention_nodes.config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
 from attention_nodes.engine import LLMEngine
 from kernels import native
 from models.config import ModelConfig
@@ -516,6 +516,9 @@ def test_a_checkpoint_without_mtp_layers_is_refused(base, make_checkpoint):
         engine_config(mixtral, speculative_config={"method": "mtp", "num_speculative_tokens": 1},
                       colocated=False)  # (pools: refused by the front, before any worker starts)
     assert SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 2}).method == "mtp"
+    # (/v1/models' metadata: no prompt lookup bounds for mtp)
+    assert SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 2}).to_dict() == {
+        "method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": DEFAULT_DISABLE_BY_BATCH_SIZE}
     with pytest.raises(ValueError, match="draft_model needs 'model'"):
         SpeculativeConfig.parse({"method": "draft_model", "num_speculative_tokens": 2})
 
