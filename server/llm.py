@@ -116,20 +116,20 @@ def engine_config(model: str | Path | None, dtype: str | torch.dtype | None = "a
                                        attention_resources=attention_resources, expert_resources=expert_resources,
                                        trace_dir=None if trace_dir is None else str(trace_dir), m2n_dtype=m2n_dtype),
                         enforce_eager, native_decode, quantization, speculative_config, quantize_linears)
+    model_cfg = ModelConfig.from_pretrained(cfg.model)
     if cfg.speculative is not None and cfg.speculative.method == "mtp":  # (here too: before any worker starts)
         from models.mtp import check_mtp_checkpoint
-        check_mtp_checkpoint(cfg.model, ModelConfig.from_pretrained(cfg.model))
-    return _checkpoint_quantization(cfg, quantization)
+        check_mtp_checkpoint(cfg.model, model_cfg)
+    return _checkpoint_quantization(cfg, model_cfg, quantization)
 
 
-def _checkpoint_quantization(cfg: EngineConfig, asked: str | None) -> EngineConfig:
+def _checkpoint_quantization(cfg: EngineConfig, model_cfg: ModelConfig, asked: str | None) -> EngineConfig:
     """cfg with the quantization the checkpoint takes. An FP8 block checkpoint is served in FP8 as
     shipped (quantization "fp8", as vLLM serves FP8 checkpoints) where its experts run on CPU
     workers with torch kernels or on Triton kernels that convert FP8, unless asked otherwise ("none": dequantised at load, as elsewhere);
     quantising an already quantised checkpoint again (int8 of FP8, int8 or FP8 of MXFP4) is refused.
     "mxfp4" keeps an MXFP4 checkpoint's experts as shipped and quantises a float one's, whose experts'
     input counts (hidden_size for w13, moe_intermediate_size for w2) must be multiples of 32."""
-    model_cfg = ModelConfig.from_pretrained(cfg.model)
     shipped = "FP8 block" if model_cfg.fp8_block else "MXFP4" if model_cfg.mxfp4 else None
     if shipped and cfg.quantization is not None and (shipped, cfg.quantization) not in (("FP8 block", "fp8"),
                                                                                         ("MXFP4", "mxfp4")):
