@@ -86,6 +86,36 @@ def test_paged_decode_narrow_values_and_first_visible_keys(N, K, H, V, S, chunk,
             torch.testing.assert_close(got, ref, **tol)
 
 
+@pytest.mark.skipif(not native.available(), reason="native kernels unavailable here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("N,K,H,S", [(6, 2, 64, 16), (12, 2, 48, 5), (5, 1, 20, 3), (80, 2, 32, 4)])
+def test_native_decode_rows_of_one_sequence_equal_each_row_alone(N, K, H, S, dtype):
+    """A verify step's rows (one sequence at consecutive lengths, the same pages) are one work item per
+    kv head in the native kernel, reading each key once for all of them: every row's output and
+    log-sum-exp equal, bit for bit, the row's own call at batch 1, beside single rows, a run cut short
+    by a window's start and a run longer than one item holds (G = 40 takes one row per item)."""
+    g = torch.Generator().manual_seed(N + H)
+    runs = [(70, 4), (9, 1), (130, 8), (31, 3)]  # (context before the run, its rows)
+    lens, tables, P = [], [], 200
+    order = torch.randperm(P, generator=g).tolist()
+    for ctx, rows in runs:
+        pages = [order.pop() for _ in range(math.ceil((ctx + rows) / S))]
+        for r in range(rows):
+            lens.append(ctx + r + 1)
+            tables.append(pages)
+    M = max(map(len, tables))
+    table = torch.tensor([t + [-1] * (M - len(t)) for t in tables], dtype=torch.int64)
+    k, v = (torch.randn(P, S, K, H, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(len(lens), K, N // K, H, generator=g).to(dtype)
+    length = torch.tensor(lens, dtype=torch.int64)
+    for start in (torch.zeros(len(lens), dtype=torch.int64), (length - 20).clamp(min=0)):  # (a window: starts differ)
+        o, lse = native.paged_decode_attention(q, k, v, table, start, length, 0.125)
+        for b in range(len(lens)):
+            o1, lse1 = native.paged_decode_attention(q[b:b + 1].contiguous(), k, v, table[b:b + 1].contiguous(),
+                                                     start[b:b + 1].contiguous(), length[b:b + 1].contiguous(), 0.125)
+            assert torch.equal(o[b:b + 1], o1) and torch.equal(lse[b:b + 1], lse1), (b, lens[b])
+
+
 @pytest.mark.parametrize("window", [None, 6])
 def test_paged_decode_sinks_and_chunks(window):
     N, K, H, S, lens = 6, 2, 16, 4, [3, 1, 13, 8, 21]

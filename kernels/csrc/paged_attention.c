@@ -7,8 +7,10 @@
  * pages in place, 64 positions at a time (across page boundaries), with an online softmax (running
  * max m, running sum l, rescaled accumulator): scores s = scale q.k for the G query heads, then
  * p = exp(s - m), then acc += p v. Every key and value is read once, by one thread. OpenMP over the B*K pairs
- * (dynamic: contexts differ). AVX2 + FMA, H any size (vectors of 8, then a scalar tail); or AVX-512
- * (vectors of 16) where H is a multiple of 16 and the CPU has it.
+ * (dynamic: contexts differ), except that consecutive rows of one sequence (a verify step's 1 + k
+ * rows) are one item per kv head, which reads each key and value once for all of them (run_rows).
+ * AVX2 + FMA, H any size (vectors of 8, then a scalar tail); or AVX-512 (vectors of 16) where H is
+ * a multiple of 16 and the CPU has it.
  *
  * Visibility: sequence b sees positions [start[b], len[b]) (start > 0 under a sliding window or in a
  * later chunk of chunked attention); position j lives in page table[b*M + j/S], slot j%S. Keys have
@@ -128,14 +130,30 @@ T512 static inline void value_group16(float *acc, const float *p, int64_t pstrid
 }
 
 #define BY_GROUP(call)                          \
-    for (int64_t g0 = 0; g0 < G; g0 += 4) {     \
-        switch (G - g0 < 4 ? G - g0 : 4) {      \
+    for (int64_t g0 = 0; g0 < GQ; g0 += 4) {    \
+        switch (GQ - g0 < 4 ? GQ - g0 : 4) {    \
             case 4: call(4); break;             \
             case 3: call(3); break;             \
             case 2: call(2); break;             \
             default: call(1); break;            \
         }                                       \
     }
+
+/* Query heads one work item may hold (a run of rows of one sequence times G). */
+#define RUN_HEADS 32
+
+/* Rows b of a run: the rows after its first are the same sequence's next positions (a speculative
+ * verify step, or a prompt chunk as one-token rows): the same pages and start, each one position
+ * longer than the row before. Such a run is one work item per kv head, its keys and values read once
+ * for all its rows. Returns the run's row count starting at b (at most max_rows). */
+static int64_t run_rows(const int64_t *table, int64_t M, const int64_t *start, const int64_t *len, int64_t B,
+                        int64_t b, int64_t max_rows) {
+    int64_t n = 1;
+    while (n < max_rows && b + n < B && start[b + n] == start[b] && len[b + n] == len[b + n - 1] + 1
+           && !memcmp(table + (b + n) * M, table + b * M, (size_t)M * 8))
+        n++;
+    return n;
+}
 
 AI void attend(const int wide, const void *q, const void *k_cache, const void *v_cache, const int bf16, const int64_t *table,
                int64_t M, const int64_t *start, const int64_t *len, void *o, float *lse, int64_t B, int64_t K,
@@ -149,24 +167,38 @@ AI void attend(const int wide, const void *q, const void *k_cache, const void *v
         for (int64_t b = 0; b < B; b++) rows += len[b] - start[b];
         if (rows * K * (H + V) < 640 * 1024) nthreads = 1;
     }
+    /* The work items: runs of rows (run_rows) times kv heads. */
+    const int64_t max_rows = G >= RUN_HEADS ? 1 : RUN_HEADS / G;
+    int64_t first[B + 1], runs = 0, most = 1;
+    for (int64_t b = 0; b < B; runs++) {
+        const int64_t n = run_rows(table, M, start, len, B, b, max_rows);
+        first[runs] = b, b += n, most = n > most ? n : most;
+    }
+    first[runs] = B;
+    const int64_t items = runs * K, chunk = items <= 4 * (int64_t)nthreads ? 1 : 4;
     #pragma omp parallel num_threads(nthreads)
     {
-        float s[G][BLOCK + 8], m[G], l[G], acc[G * V], qf[q_bf16 ? G * H : 1];
+        float s[most * G][BLOCK + 8], m[most * G], l[most * G], acc[most * G * V], qf[most * G * H];
         int64_t krow[BLOCK], vrow[BLOCK];
-        #pragma omp for schedule(dynamic, 4)
-        for (int64_t pair = 0; pair < B * K; pair++) {
-            const int64_t b = pair / K, kh = pair % K;
+        #pragma omp for schedule(dynamic, chunk)
+        for (int64_t item = 0; item < items; item++) {
+            const int64_t run = item / K, kh = item % K, b = first[run], R = first[run + 1] - b, GQ = R * G;
+            const int64_t pair = b * K + kh; /* the run's first row's (sequence, kv head) */
             const float *qb = (const float *)q + pair * G * H;
-            if (q_bf16) { /* the query in bf16 (the model's dtype): widened here, not by a torch cast */
-                const uint16_t *qh = (const uint16_t *)q + pair * G * H;
-                for (int64_t i = 0; i < G * H; i++) qf[i] = bf16_to_f32(qh[i]);
+            if (q_bf16 || R > 1) { /* the queries in float32, the run's rows' heads in order (bf16: widened here) */
+                for (int64_t r = 0; r < R; r++)
+                    for (int64_t i = 0; i < G * H; i++) {
+                        const int64_t at = ((b + r) * K + kh) * G * H + i;
+                        qf[r * G * H + i] = q_bf16 ? bf16_to_f32(((const uint16_t *)q)[at]) : ((const float *)q)[at];
+                    }
                 qb = qf;
             }
-            for (int64_t g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f;
-            memset(acc, 0, sizeof(float) * G * V);
-            for (int64_t j0 = start[b]; j0 < len[b];) {
+            for (int64_t g = 0; g < GQ; g++) m[g] = -INFINITY, l[g] = 0.0f;
+            memset(acc, 0, sizeof(float) * GQ * V);
+            const int64_t end = len[b + R - 1];
+            for (int64_t j0 = start[b]; j0 < end;) {
                 /* a block of up to BLOCK positions, across pages: one softmax rescale per block */
-                const int64_t n = len[b] - j0 < BLOCK ? len[b] - j0 : BLOCK;
+                const int64_t n = end - j0 < BLOCK ? end - j0 : BLOCK;
                 int64_t entry = j0 / S, slot = j0 % S, page = table[b * M + entry];
                 for (int64_t j = 0; j < n; j++, slot++) {
                     if (slot == S) slot = 0, page = table[b * M + ++entry];
@@ -185,7 +217,12 @@ AI void attend(const int wide, const void *q, const void *k_cache, const void *v
                     BY_GROUP(SCORE)
 #undef SCORE
                 }
-                for (int64_t g = 0; g < G; g++) {
+                /* a run's row r sees positions < len[b + r]: the later ones score -inf (weight 0, as
+                 * the padding below), so each row's sums are those of its own walk */
+                for (int64_t r = 0; r + 1 < R; r++)
+                    for (int64_t j = len[b + r] > j0 ? len[b + r] - j0 : 0; j < n; j++)
+                        for (int64_t g = 0; g < G; g++) s[r * G + g][j] = -INFINITY;
+                for (int64_t g = 0; g < GQ; g++) {
                     float mx = m[g];
                     for (int64_t j = 0; j < n; j++) mx = s[g][j] > mx ? s[g][j] : mx;
                     const float corr = m[g] == -INFINITY ? 0.0f : expf(m[g] - mx);
@@ -213,16 +250,17 @@ AI void attend(const int wide, const void *q, const void *k_cache, const void *v
 #undef VALUE
                 j0 += n;
             }
-            for (int64_t g = 0; g < G; g++) {
+            for (int64_t g = 0; g < GQ; g++) {
+                const int64_t out = ((b + g / G) * K + kh) * G + g % G; /* (row, kv head, query head) */
                 const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
                 if (o_bf16) { /* rounded to nearest even, as torch's cast to bf16 */
-                    uint16_t *og = (uint16_t *)o + (pair * G + g) * V;
+                    uint16_t *og = (uint16_t *)o + out * V;
                     for (int64_t i = 0; i < V; i++) og[i] = to_bf(acc[g * V + i] * inv);
                 } else {
-                    float *og = (float *)o + (pair * G + g) * V;
+                    float *og = (float *)o + out * V;
                     for (int64_t i = 0; i < V; i++) og[i] = acc[g * V + i] * inv;
                 }
-                lse[pair * G + g] = l[g] > 0.0f ? m[g] + logf(l[g]) : -INFINITY;
+                lse[out] = l[g] > 0.0f ? m[g] + logf(l[g]) : -INFINITY;
             }
         }
     }
