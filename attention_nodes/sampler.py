@@ -18,7 +18,7 @@ import torch
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.structured import apply_grammar_masks
 from attention_nodes.speculative import rejection_sample
-from kernels.sampling import apply_penalties, compute_logprobs, filtered_probs, sample, token_counts
+from kernels.sampling import apply_penalties, compute_logprobs, filtered_probs, greedy, sample, token_counts
 
 
 @dataclass
@@ -128,7 +128,7 @@ class Sampler:
         probs_BV = filtered_probs(logits_BV / torch.where(greedy_B, 1.0, temperature_B)[:, None],
                                   top_p_B, top_k_B, min_p_B)
         if bool(greedy_B.any()):
-            one_hot_BV = torch.nn.functional.one_hot(logits_BV.argmax(dim=-1), self.vocab_size).float()
+            one_hot_BV = torch.nn.functional.one_hot(greedy(logits_BV), self.vocab_size).float()
             probs_BV = torch.where(greedy_B[:, None], one_hot_BV, probs_BV)
         return probs_BV
 
@@ -208,7 +208,7 @@ class Sampler:
         """Greedy rows take the argmax; the others sample with only the filters some row uses."""
         sampled = [r for r in rows if r.params.temperature > 0]
         if not sampled:
-            return logits_BV.argmax(dim=-1)
+            return greedy(logits_BV)
         top_p_B, top_k_B, min_p_B = self._filters(rows, logits_BV.device)
         temperature_B = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=logits_BV.device)
         generators = [r.generator if r.params.temperature > 0 else None for r in rows]

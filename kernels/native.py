@@ -165,6 +165,9 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.shuttle_delta_rule_decode
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    fn = lib.shuttle_argmax_rows
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
     fn = lib.shuttle_hyper_weights
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_float]
@@ -482,6 +485,19 @@ def add_rms_norm(x_TD: torch.Tensor, residual_TD: torch.Tensor | None, weight_D:
                                     x_TD.numel() // max(D, 1), D, eps, int(x_TD.dtype == torch.bfloat16),
                                     threads())
     return y, r
+
+
+def argmax_rows(x_BV: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x_BV, dim=-1) (int64, B) of float32 rows (B, V), V >= 1, the last dimension contiguous:
+    the first index of each row's largest value, or of its first NaN (csrc/argmax.c). Call only where
+    available() is True."""
+    if x_BV.dtype != torch.float32 or x_BV.dim() != 2 or x_BV.shape[1] < 1 or x_BV.stride(1) != 1:
+        raise ValueError(f"argmax_rows takes float32 rows (B, V) with contiguous rows; got {x_BV.dtype} "
+                         f"{tuple(x_BV.shape)} strides {x_BV.stride()}")
+    B, V = x_BV.shape
+    out = torch.empty(B, dtype=torch.int64)
+    _library().shuttle_argmax_rows(x_BV.data_ptr(), B, V, x_BV.stride(0), out.data_ptr())
+    return out
 
 
 def delta_rule_decode_(q_BHK: torch.Tensor, k_BHK: torch.Tensor, v_BHV: torch.Tensor, g_BH: torch.Tensor,

@@ -1,6 +1,7 @@
 """The native kernels (kernels/native.py): the bf16 GEMM for few rows (kernels/csrc/skinny_gemm.c)
 against torch's float32 matmul, where cpu_linear uses it, and the fallback where it cannot run; the
-paged decode attention (kernels/csrc/paged_attention.c) against the reference and the flash path."""
+paged decode attention (kernels/csrc/paged_attention.c) against the reference and the flash path; the
+argmax of greedy sampling (kernels/csrc/argmax.c) against torch's."""
 import logging
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 import kernels.cpu_linear as cpu_linear
 import kernels.native as native
+import kernels.sampling as S
 from server import LLM, SamplingParams
 from tests.test_cpu_attention import paged
 
@@ -366,6 +368,32 @@ def test_native_rms_norm_rounds_as_the_torch_ops(T, D):
     assert y.grad_fn is not None  # the torch ops, which autograd differentiates
     with pytest.raises(ValueError, match="add_rms_norm"):
         native.add_rms_norm(xg.bfloat16(), None, wg.detach(), 1e-6)
+
+
+@NEEDS_NATIVE
+@pytest.mark.parametrize("B,V", [(1, 4096), (4, 4097), (3, 31), (2, 32), (5, 1), (64, 1000)])
+def test_native_argmax_gives_torchs_index(B, V):
+    """kernels/csrc/argmax.c (kernels.sampling.greedy): torch.argmax's index on ties (the first), on
+    rows all -inf or all zeros of either sign, on a NaN anywhere (the first NaN), in the scalar tail
+    and the first vector, and on rows that are a slice of wider ones."""
+    g = torch.Generator().manual_seed(B * V)
+    wide = torch.randn(B, V + 5, generator=g)
+    cases = [wide[:, :V].contiguous(), wide[:, 5:], torch.randint(0, 3, (B, V), generator=g).float(),
+             torch.full((B, V), float("-inf")), torch.where(torch.rand(B, V, generator=g) < 0.5, -0.0, 0.0)]
+    for at in {0, V // 2, V - 1}:
+        x = torch.randn(B, V, generator=g)
+        x[:, at] = float("nan")
+        x[:, min(V - 1, at + 1)] = float("nan")
+        cases.append(x)
+        top = torch.randn(B, V, generator=g)
+        top[:, at] = top.max() + 1
+        cases.append(top)
+    for x in cases:
+        assert torch.equal(native.argmax_rows(x), x.argmax(dim=-1))
+        assert torch.equal(S.greedy(x), x.argmax(dim=-1))
+    assert torch.equal(S.greedy(wide[:, :V].bfloat16()), wide[:, :V].bfloat16().argmax(dim=-1))  # (torch's)
+    with pytest.raises(ValueError, match="argmax_rows"):
+        native.argmax_rows(wide.t())
 
 
 @NEEDS_AVX512_BF16
