@@ -59,14 +59,22 @@ AI512 __m512 bf16_round(__m512 v) { return widen16(round16(v)); }
 
 /* acc[r][0..1] = rows xr[r] (bf16 pairs) times one panel of 32 outputs over `pairs` input pairs.
  * While it computes, it also asks for `pf_lines` cache lines from `pf` into L2, spread evenly over
- * its iterations: a slice of the panel the thread takes next (see tile_prefetch). */
+ * its iterations: a slice of the panel the thread takes next (see tile_prefetch).
+ * once: no other tile reads this panel (the expert's rows fit one tile), so its lines come in
+ * non-temporal: read once a step, experts bigger than the caches would only evict what stays warm
+ * between steps (attention and head weights, the KV cache, the interpreter's data). */
 AI512 void panel_dot(const uint32_t *const *xr, const uint32_t *pw, int64_t pairs, const int R, __m512 acc[][2],
-                     const char *pf, int64_t pf_lines) {
+                     const char *pf, int64_t pf_lines, const int once) {
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     int64_t owed = 0;
     for (int64_t j = 0; j < pairs; j++) {
-        _mm_prefetch((const char *)(pw + (j + PREFETCH) * 32), _MM_HINT_T0);
-        _mm_prefetch((const char *)(pw + (j + PREFETCH) * 32 + 16), _MM_HINT_T0);
+        if (once) {
+            _mm_prefetch((const char *)(pw + (j + PREFETCH) * 32), _MM_HINT_NTA);
+            _mm_prefetch((const char *)(pw + (j + PREFETCH) * 32 + 16), _MM_HINT_NTA);
+        } else {
+            _mm_prefetch((const char *)(pw + (j + PREFETCH) * 32), _MM_HINT_T0);
+            _mm_prefetch((const char *)(pw + (j + PREFETCH) * 32 + 16), _MM_HINT_T0);
+        }
         for (owed += pf_lines; owed >= pairs; owed -= pairs, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(pw + j * 32);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512(pw + j * 32 + 16);
@@ -121,18 +129,18 @@ AI512 void down_store(__m512 sum0, __m512 sum1, float w, uint16_t *o, __mmask16 
 
 /* h rows (ldh apart) from R rows' gate/up panel. */
 AI512 void up_tile(const uint32_t *const *xr, const uint32_t *pw, int64_t pairs, uint16_t *h, int64_t ldh,
-                   const char *pf, int64_t pf_lines, const int R, float limit) {
+                   const char *pf, int64_t pf_lines, const int R, float limit, int once) {
     __m512 acc[MAX_R][2];
-    panel_dot(xr, pw, pairs, R, acc, pf, pf_lines);
+    panel_dot(xr, pw, pairs, R, acc, pf, pf_lines, once);
     for (int r = 0; r < R; r++) up_store(acc[r][0], acc[r][1], h + r * ldh, limit);
 }
 
 /* out[tok[r]][o0..o0+n) += the weighted down projection of R rows. */
 AI512 void down_tile(const uint32_t *const *hr, const uint32_t *pw, int64_t pairs, const int64_t *tok,
                      const float *wgt, uint16_t *out, int64_t D, int64_t o0, __mmask16 m0, __mmask16 m1,
-                     const char *pf, int64_t pf_lines, const int R) {
+                     const char *pf, int64_t pf_lines, const int R, int once) {
     __m512 acc[MAX_R][2];
-    panel_dot(hr, pw, pairs, R, acc, pf, pf_lines);
+    panel_dot(hr, pw, pairs, R, acc, pf, pf_lines, once);
     for (int r = 0; r < R; r++) down_store(acc[r][0], acc[r][1], wgt[r], out + tok[r] * D + o0, m0, m1);
 }
 
@@ -237,7 +245,7 @@ T512 void shuttle_gemm_bf16_panels(const uint16_t *x, int64_t T, int64_t I, cons
                     int64_t pf_lines;
                     const char *pf = tile_prefetch(pnext, pairs, ti, tiles, &pf_lines, 0);
                     __m512 acc[MAX_R][2];
-#define DOT(R) panel_dot(rows, pw, pairs, R, acc, pf, pf_lines)
+#define DOT(R) panel_dot(rows, pw, pairs, R, acc, pf, pf_lines, 0)
                     BY_ROWS(n, DOT)
 #undef DOT
                     for (int r = 0; r < n; r++) {
@@ -354,7 +362,7 @@ T512 int shuttle_fused_moe_bf16(const uint16_t *x, int64_t T, int64_t D, const i
                 uint16_t *h = scratch + r * I16 + p * 16;
                 int64_t pf_lines;
                 const char *pf = tile_prefetch(pnext, xpairs, ti, tiles, &pf_lines, 0);
-#define UP(R) up_tile(rows, pw, xpairs, h, I16, pf, pf_lines, R, limit)
+#define UP(R) up_tile(rows, pw, xpairs, h, I16, pf, pf_lines, R, limit, tiles == 1)
                 BY_ROWS(n, UP)
 #undef UP
             }
@@ -394,7 +402,7 @@ T512 int shuttle_fused_moe_bf16(const uint16_t *x, int64_t T, int64_t D, const i
                     for (int i = 0; i < n; i++) rows[i] = (const uint32_t *)(scratch + (r + i) * I16);
                     int64_t pf_lines;
                     const char *pf = tile_prefetch(pnext, hpairs, ti, tiles, &pf_lines, 0);
-#define DOWN(R) down_tile(rows, pw, hpairs, tok + r, wgt + r, out, D, o0, m0, m1, pf, pf_lines, R)
+#define DOWN(R) down_tile(rows, pw, hpairs, tok + r, wgt + r, out, D, o0, m0, m1, pf, pf_lines, R, tiles == 1)
                     BY_ROWS(n, DOWN)
 #undef DOWN
                 }
