@@ -25,6 +25,7 @@ from dataclasses import replace
 import torch
 
 from attention_nodes.config import EngineConfig
+from kernels.sampling import greedy
 from models.config import ModelConfig
 from models.errors import ConfigError
 
@@ -79,7 +80,7 @@ class DraftModel:
             who.append(b)
         j = 0
         while who:
-            toks = self.runner.last_logits(ids, q_lens, ctx, tables)[:, :self.vocab_size].argmax(-1).tolist()
+            toks = greedy(self.runner.last_logits(ids, q_lens, ctx, tables)[:, :self.vocab_size]).tolist()
             more = []
             for r, b in enumerate(who):
                 seq = seqs[b]

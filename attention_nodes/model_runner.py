@@ -14,7 +14,7 @@ from attention_nodes.scheduler import ScheduledBatch
 from models.config import ModelConfig
 from models.dispatcher import Dispatcher, LocalDispatcher
 from kernels import native
-from kernels.sampling import _inverse_cdf
+from kernels.sampling import _inverse_cdf, greedy
 from kernels.ops import choose_backend
 from kernels.quant import TRITON_QUANTIZATIONS
 from models.cpu_inference import (SKINNY_MAX_ROWS, decode_is_native, half_copy_bytes, pack_for_cpu_inference,
@@ -337,7 +337,7 @@ class ModelRunner:
                 toks = torch.tensor([drafts[a][-1] for a in active], dtype=torch.long, device=device)
                 y_AD = mtp.forward(toks, y_AD, attn, self.cache)
             logits_AV = mtp.draft_logits(y_AD)  # (V: the token map's tokens where there is one)
-            picks = logits_AV.argmax(-1).tolist()
+            picks = greedy(logits_AV).tolist()
             for r, a in enumerate(active):
                 if probs[a] is not None:  # (a sampled request's draft: drawn from q, q kept for verification)
                     q_V = torch.softmax(logits_AV[r].float() / rows.temperature[a], dim=-1)
